@@ -1,0 +1,78 @@
+"""Shared helpers for benchmark scripts: workload prompts and the transformers reference."""
+
+from __future__ import annotations
+
+import platform
+import random
+import time
+
+import torch
+
+_WORDS = (
+    "time year people way day man thing woman life child world school state family student group "
+    "country problem hand part place case week company system program question work government "
+    "number night point home water room mother area money story fact month lot right study book "
+    "eye job word business issue side kind head house service friend father power hour game line "
+    "end member law car city community name president team minute idea kid body information back "
+    "parent face others level office door health person art war history party result change "
+    "morning reason research girl guy moment air teacher force education"
+).split()
+
+
+def make_prompts(tokenizer, num: int, length: int, seed: int = 0, jitter: int = 8) -> list[list[int]]:
+    """`num` distinct prompts of length±jitter real tokens, made of English words."""
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(num):
+        target = length + rng.randint(-jitter, jitter)
+        text = " ".join(rng.choice(_WORDS) for _ in range(target * 2))
+        prompts.append(tokenizer.encode(text, add_special_tokens=False)[:target])
+    return prompts
+
+
+def machine() -> str:
+    return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+
+
+def load_hf_reference(gguf_path: str):
+    """The default model in transformers (dequantized from the same GGUF), fp32, eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    d, f = gguf_path.rsplit("/", 1)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
+    return model.eval()
+
+
+@torch.inference_mode()
+def hf_generate_one_at_a_time(model, prompts: list[list[int]], max_new_tokens: int) -> tuple[int, float]:
+    """Each request alone through `generate` (greedy, fixed length). Returns (tokens, seconds)."""
+    t0 = time.perf_counter()
+    total = 0
+    for p in prompts:
+        ids = torch.tensor([p])
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
+        )  # fmt: skip
+        total += out.shape[1] - ids.shape[1]
+    return total, time.perf_counter() - t0
+
+
+@torch.inference_mode()
+def hf_generate_static_batches(
+    model, prompts: list[list[int]], max_new_tokens: int, batch_size: int
+) -> tuple[int, float]:
+    """Static padded batches (left padding) through `generate`. Returns (tokens, seconds)."""
+    t0 = time.perf_counter()
+    total = 0
+    for i in range(0, len(prompts), batch_size):
+        batch = prompts[i : i + batch_size]
+        width = max(len(p) for p in batch)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        out = model.generate(
+            ids, attention_mask=mask, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+            do_sample=False, pad_token_id=0,
+        )  # fmt: skip
+        total += (out.shape[1] - width) * len(batch)
+    return total, time.perf_counter() - t0

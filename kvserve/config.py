@@ -1,0 +1,59 @@
+"""Every engine knob in one place, with defaults that work on a laptop CPU."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.core.kv_sizing import parse_memory_size
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+@dataclass
+class EngineConfig:
+    model: str = "smollm2-135m"
+    """Alias 'smollm2-135m', a .gguf file, or a Hugging Face model directory."""
+    dtype: str = "float32"
+    """Weights and activations: float32 or bfloat16."""
+    device: str = "auto"
+    """'cpu', 'cuda' or 'auto' (CUDA when available)."""
+    kv_cache_memory: str | int | None = None
+    """KV pool budget, e.g. "2GiB". Default: 1GiB on CPU; on CUDA derived from
+    gpu_memory_utilization."""
+    gpu_memory_utilization: float = 0.9
+    """On CUDA, the fraction of device memory kvserve may use (weights + KV pool)."""
+    block_size: int = 16
+    """Tokens per KV block."""
+    max_model_len: int | None = None
+    """Longest prompt + output; defaults to the model's context length."""
+    max_num_seqs: int = 128
+    """Most requests running in one step."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step (prefill chunks + decode tokens)."""
+    seed: int = 0
+    """Seed for requests that sample without a seed of their own."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype: {self.dtype!r} is not one of {sorted(set(_DTYPES))}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len: must be >= 1, got {self.max_model_len}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory is not None:
+            parse_memory_size(self.kv_cache_memory)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)

@@ -1,0 +1,56 @@
+"""Incremental detokenization with stop strings.
+
+Text is produced token by token with `tokenizers`' DecodeStream, which holds back bytes of
+an unfinished UTF-8 character and handles BPE merges across token boundaries. Stop strings
+are searched in the text, so one that spans several tokens is still found. For streaming,
+the last (longest stop string - 1) characters are held back until they cannot start a stop
+string any more, so a stop string is never streamed to the client.
+"""
+
+from __future__ import annotations
+
+from tokenizers.decoders import DecodeStream
+
+from kvserve.sampling_params import SamplingParams
+from kvserve.tokenizer import Tokenizer
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Tokenizer, params: SamplingParams) -> None:
+        self.tokenizer = tokenizer
+        self.stream = DecodeStream(skip_special_tokens=params.skip_special_tokens)
+        self.stops = params.stop_list
+        self.include_stop = params.include_stop_str_in_output
+        self.holdback = max((len(s) for s in self.stops), default=1) - 1
+        self.text = ""
+        self.num_released = 0
+        self.num_tokens = 0
+
+    def update(self, token_ids: list[int]) -> str | None:
+        """Add new tokens; returns the stop string that matched, if one did (text is cut there)."""
+        before = len(self.text)
+        for t in token_ids[self.num_tokens :]:
+            piece = self.stream.step(self.tokenizer.backend, t)
+            if piece:
+                self.text += piece
+        self.num_tokens = len(token_ids)
+        if not self.stops or len(self.text) == before:
+            return None
+        search_from = max(0, before - self.holdback)
+        best: tuple[int, str] | None = None
+        for s in self.stops:
+            i = self.text.find(s, search_from)
+            if i != -1 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is None:
+            return None
+        i, s = best
+        self.text = self.text[: i + len(s)] if self.include_stop else self.text[:i]
+        return s
+
+    def release(self, finished: bool) -> str:
+        """New text that is safe to show (all of it once the request is finished)."""
+        end = len(self.text) if finished else max(self.num_released, len(self.text) - self.holdback)
+        delta = self.text[self.num_released : end]
+        self.num_released = end
+        return delta

@@ -1,0 +1,104 @@
+"""The offline API: `LLM(model=...).generate(prompts, params)` and `LLM.chat(messages, params)`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+from tqdm import tqdm
+
+from kvserve.config import EngineConfig
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.outputs import RequestOutput
+from kvserve.sampling_params import SamplingParams
+
+PromptType = str | Sequence[int]
+
+
+class LLM:
+    """Runs an in-process engine over a batch of prompts until all are done."""
+
+    def __init__(self, model: str = "smollm2-135m", **engine_kwargs: Any) -> None:
+        self.llm_engine = LLMEngine(EngineConfig(model=model, **engine_kwargs))
+        self.tokenizer = self.llm_engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in prompt order, n completions each."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
+
+        engine = self.llm_engine
+        groups: list[list[str]] = []
+        added: list[str] = []
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
+                ids = []
+                for j in range(p.n):
+                    # Each of the n samples is its own sequence; seeds stay distinct per sample.
+                    seed = None if p.seed is None else p.seed + j
+                    rid = f"{next(self._ids)}"
+                    try:
+                        engine.add_request(rid, prompt, replace(p, n=1, seed=seed))
+                    except ValueError as e:
+                        raise ValueError(f"prompt {i}: {e}") from None
+                    added.append(rid)
+                    ids.append(rid)
+                groups.append(ids)
+        except ValueError:
+            engine.abort_request(added)
+            while engine.has_unfinished_requests() and added:
+                engine.step()  # drain the aborts so the engine is clean for the next call
+            raise
+
+        final: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(added), desc="generate", disable=not use_tqdm, unit="req")
+        while len(final) < len(added):
+            for out in engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+
+        results = []
+        for ids in groups:
+            first = final[ids[0]]
+            completions = []
+            for j, rid in enumerate(ids):
+                c = final[rid].outputs[0]
+                c.index = j
+                completions.append(c)
+            results.append(replace(first, outputs=completions))
+        return results
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            self.tokenizer.encode(
+                self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt),
+                add_special_tokens=False,
+            )
+            for c in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

@@ -1,0 +1,70 @@
+"""The shape of a Llama-family decoder, independent of where its weights come from.
+
+Both loaders (GGUF and Hugging Face directories) produce one of these, so the model code
+and the KV-cache sizing read a single description.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    """Hyper-parameters of a Llama-architecture model (Llama 2/3, Mistral, Qwen2, SmolLM2)."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    rope_scaling: dict[str, Any] = field(default_factory=dict)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any], eos_extra: tuple[int, ...] = ()) -> ModelArch:
+        """Build from a Hugging Face config.json dictionary."""
+        model_type = cfg.get("model_type", "llama")
+        if model_type not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported model_type {model_type!r}; kvserve supports {SUPPORTED_ARCHITECTURES}"
+            )
+        heads = cfg["num_attention_heads"]
+        # transformers >= 5 keeps rope settings in "rope_parameters"; older files use
+        # "rope_theta" + "rope_scaling".
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        rope["rope_type"] = rope_type
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        return cls(
+            architecture=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            rope_scaling=rope,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=tuple(dict.fromkeys(eos_ids + eos_extra)),
+        )

@@ -1,0 +1,54 @@
+"""Model loading: resolve the source, build the model, fill its weights, get a tokenizer."""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.tokenizer import Tokenizer
+from kvserve.model.arch import ModelArch
+from kvserve.model.layers.rotary import RotaryEmbedding
+from kvserve.model.loader.resolve import ModelSource, resolve_model
+from kvserve.model.models.llama import LlamaForCausalLM
+
+__all__ = ["load_model", "load_arch", "resolve_model", "ModelSource"]
+
+
+def load_arch(source: ModelSource) -> ModelArch:
+    """Only the shape (cheap for HF directories, reads metadata for GGUF)."""
+    if source.kind == "hf":
+        from kvserve.model.loader.hf_loader import hf_arch
+
+        return hf_arch(source.path)
+    import gguf
+
+    from kvserve.model.loader.gguf_loader import gguf_arch
+
+    return gguf_arch(gguf.GGUFReader(source.path))
+
+
+def load_model(
+    source: ModelSource, dtype: torch.dtype, device: torch.device
+) -> tuple[LlamaForCausalLM, Tokenizer]:
+    if source.kind == "hf":
+        from kvserve.model.loader.hf_loader import hf_arch, hf_tokenizer, hf_weights
+
+        arch = hf_arch(source.path)
+        weights = hf_weights(source.path)
+        tokenizer = Tokenizer(hf_tokenizer(source.path))
+    else:
+        import gguf
+
+        from kvserve.model.loader.gguf_loader import gguf_arch, gguf_tokenizer, gguf_weights
+
+        reader = gguf.GGUFReader(source.path)
+        arch = gguf_arch(reader)
+        weights = gguf_weights(reader, arch)
+        tokenizer = Tokenizer(*gguf_tokenizer(reader))
+    with torch.device("meta"):  # no memory until the real weights arrive
+        model = LlamaForCausalLM(arch)
+    model = model.to_empty(device="cpu").to(dtype)
+    model.rotary = RotaryEmbedding(
+        arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling
+    )  # float32 tables, whatever the weights' dtype
+    model.load_weights(weights)
+    return model.to(device).eval(), tokenizer

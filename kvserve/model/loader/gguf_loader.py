@@ -1,0 +1,139 @@
+"""Load a Llama-family GGUF file: architecture, dequantized weights, tokenizer.
+
+Weights are dequantized with the `gguf` package. llama.cpp's converter permutes the rows
+of Q and K for its interleaved rotary layout; we undo that so the model sees Hugging Face
+layout. The tokenizer is rebuilt from the file's vocabulary with transformers' GGUF
+converter, then wrapped with the file's chat template.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from kvserve.model.arch import SUPPORTED_ARCHITECTURES, ModelArch
+
+_TENSOR_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Inverse of llama.cpp's rotary row permutation for Q/K weights (and biases)."""
+    shape = w.shape
+    return w.reshape(n_heads, shape[0] // n_heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+def gguf_arch(reader) -> ModelArch:
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"model: GGUF architecture {arch!r} is not supported ({SUPPORTED_ARCHITECTURES})")
+
+    def get(key: str, default=None):
+        return _field(reader, f"{arch}.{key}", default)
+
+    heads = get("attention.head_count")
+    hidden = get("embedding_length")
+    names = {t.name for t in reader.tensors}
+    vocab = get("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    scaling: dict = {"rope_type": "default"}
+    if get("rope.scaling.type") == "linear":
+        scaling = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    eot = _field(reader, "tokenizer.ggml.eot_token_id")
+    return ModelArch(
+        architecture=arch,
+        vocab_size=int(vocab),
+        hidden_size=int(hidden),
+        intermediate_size=int(get("feed_forward_length")),
+        num_layers=int(get("block_count")),
+        num_heads=int(heads),
+        num_kv_heads=int(get("attention.head_count_kv", heads)),
+        head_dim=int(get("attention.key_length") or get("rope.dimension_count") or hidden // heads),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        max_position_embeddings=int(get("context_length", 2048)),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names,
+        rope_scaling=scaling,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=tuple(dict.fromkeys(int(t) for t in (eos, eot) if t is not None)),
+    )
+
+
+def gguf_weights(reader, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (Hugging Face name, float32 tensor) pairs."""
+    from gguf.quants import dequantize
+
+    for t in reader.tensors:
+        w = dequantize(t.data, t.tensor_type)
+        parts = t.name.split(".")
+        if parts[0] == "blk":
+            kind, suffix = parts[2], parts[3]
+            if kind == "attn_q":
+                w = _unpermute(w, arch.num_heads)
+            elif kind == "attn_k":
+                w = _unpermute(w, arch.num_kv_heads)
+            if kind not in _TENSOR_NAMES:
+                continue  # e.g. precomputed rope_freqs
+            name = f"model.layers.{parts[1]}.{_TENSOR_NAMES[kind]}.{suffix}"
+        elif t.name == "token_embd.weight":
+            name = "model.embed_tokens.weight"
+        elif t.name == "output_norm.weight":
+            name = "model.norm.weight"
+        elif t.name == "output.weight":
+            name = "lm_head.weight"
+        else:
+            continue
+        yield name, torch.from_numpy(np.array(w, dtype=np.float32))  # a writable copy
+
+
+def gguf_tokenizer(reader):
+    """(transformers fast tokenizer, add_bos) rebuilt from the GGUF vocabulary and chat template."""
+    from tokenizers import pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
+
+    arch = _field(reader, "general.architecture")
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    spec = {
+        "tokenizer_type": _field(reader, "tokenizer.ggml.model"),
+        "pre_tokenizer_type": _field(reader, "tokenizer.ggml.pre"),
+        "tokens": tokens,
+        "token_type": _field(reader, "tokenizer.ggml.token_type"),
+        "merges": _field(reader, "tokenizer.ggml.merges"),
+        "scores": _field(reader, "tokenizer.ggml.scores"),
+        "add_prefix_space": _field(reader, "tokenizer.ggml.add_space_prefix"),
+    }
+    special = {}
+    for name, key in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("unk", "unknown_token_id"), ("pad", "padding_token_id")):
+        tid = _field(reader, f"tokenizer.ggml.{key}")
+        spec[f"{name}_token_id"] = tid
+        if tid is not None:
+            special[f"{name}_token"] = tokens[tid]
+    spec = {k: v for k, v in spec.items() if v is not None}
+    backend, _ = convert_gguf_tokenizer(arch, spec)
+    if spec.get("pre_tokenizer_type") in ("smollm", "starcoder"):
+        # These vocabularies were trained with every digit split off on its own.
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+        )
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, **special)
+    tok.chat_template = _field(reader, "tokenizer.chat_template")
+    add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", spec["tokenizer_type"] == "llama"))
+    return tok, add_bos and tok.bos_token_id is not None

@@ -1,0 +1,66 @@
+"""What the engine hands back: per-request outputs with text, tokens and timings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestMetrics:
+    """Monotonic timestamps (time.monotonic) of a request's life."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def queue_time(self) -> float | None:
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def decode_time(self) -> float | None:
+        if self.finished_time is None or self.first_token_time is None:
+            return None
+        return self.finished_time - self.first_token_time
+
+    @property
+    def e2e_latency(self) -> float | None:
+        if self.finished_time is None:
+            return None
+        return self.finished_time - self.arrival_time
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    """'stop', 'length' or 'abort' once finished."""
+    stop_reason: int | str | None = None
+    """The stop string or stop token id that ended the request, if any."""
+    logprobs: list[dict[int, float]] | None = None
+    delta_text: str = ""
+    """Text released since the previous output of this request (for streaming)."""
+    delta_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    prompt_logprobs: list[dict[int, float] | None] | None = None

@@ -1,0 +1,125 @@
+"""`kvserve plan`: argparse wiring only; the arithmetic lives in plan.py.
+
+The main CLI calls `register(subparsers)`; `python -m kvserve.planner.cli` runs
+the same subcommand on its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from kvserve.planner.gpus import DEFAULT_GPU, GPUS
+from kvserve.planner.plan import WEIGHT_BYTES, PlanRequest, make_plan
+from kvserve.planner.presets import PRESETS
+from kvserve.planner.report import render_table, to_dict
+
+DTYPES = sorted(set(WEIGHT_BYTES) | {"float32", "float16", "bfloat16"})
+
+
+def fraction(text: str) -> float:
+    """Accept "30%" or "0.3"."""
+    text = text.strip()
+    return float(text[:-1]) / 100 if text.endswith("%") else float(text)
+
+
+def _add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "model", help=f"preset ({', '.join(PRESETS)}), HF model dir with config.json, or .gguf file"
+    )
+    hw = p.add_argument_group("hardware")
+    hw.add_argument(
+        "--gpu", help=f"one of {', '.join(GPUS)} (default {DEFAULT_GPU}; none with --kv-cache-memory)"
+    )
+    hw.add_argument("--num-gpus", type=int, help="GPUs you have; default: as many as the plan needs")
+    hw.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.9, help="share of GPU memory used (0.9)"
+    )
+    hw.add_argument(
+        "--overhead",
+        type=fraction,
+        default=0.3,
+        help="share of the memory left after weights held back for activations, CUDA graphs and "
+        "fragmentation; the rest is KV cache (default 30%%)",
+    )
+    prec = p.add_argument_group("precision")
+    prec.add_argument(
+        "--dtype", default="bf16", choices=DTYPES, help="compute dtype; fp8/int8/int4 = quantised"
+    )
+    prec.add_argument("--quantization", choices=["fp8", "int8", "int4"], help="weight format")
+    prec.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "fp32", "fp16", "bf16", "fp8", "int8"],
+        help="KV cache element type (auto = the compute dtype)",
+    )
+    kv = p.add_argument_group("KV cache and load")
+    kv.add_argument("--max-model-len", type=int, help="prompt + output limit (default: model context)")
+    kv.add_argument("--concurrency", type=int, default=1, help="sequences of max-model-len to serve at once")
+    kv.add_argument(
+        "--kv-cache-memory", help='fixed KV budget per GPU, e.g. "2GiB": shows the pool the engine allocates'
+    )
+    kv.add_argument("--block-size", type=int, default=16, help="tokens per KV block (16)")
+    kv.add_argument(
+        "--context-len", type=int, help="average context per decoding sequence (min(2048, max-model-len))"
+    )
+    kv.add_argument("--max-num-seqs", type=int, default=256, help="scheduler cap on the decode batch (256)")
+    cost = p.add_argument_group("cost (USD)")
+    cost.add_argument("--price-per-hour", type=float, help="per GPU-hour (default: catalogue price)")
+    cost.add_argument("--api-price-in", type=float, help="API price per 1M input tokens")
+    cost.add_argument("--api-price-out", type=float, help="API price per 1M output tokens")
+    cost.add_argument("--tokens-per-day", type=float, help="expected input+output tokens per day")
+    cost.add_argument(
+        "--input-share",
+        type=fraction,
+        default=0.75,
+        help="input share of all tokens, for blended prices and capacity (default 0.75 = 3 in : 1 out)",
+    )
+    cost.add_argument(
+        "--utilization",
+        type=fraction,
+        default=0.5,
+        help="average busy share of the saturated throughput; capacity = saturated tokens/s x 86400 x this "
+        "(default 0.5)",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Make the plan and print it; exit 1 when the model does not fit, 2 on bad input."""
+    fields = set(PlanRequest.__dataclass_fields__)
+    request = PlanRequest(**{k: v for k, v in vars(args).items() if k in fields})
+    try:
+        plan = make_plan(request)
+    except ValueError as exc:
+        print(f"kvserve plan: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(to_dict(plan), indent=2))
+    else:
+        print(render_table(plan), end="")
+    return 0 if plan.memory.fits and (plan.layout is None or plan.layout.fits) else 1
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add `plan` to a CLI's subparsers."""
+    p = subparsers.add_parser(
+        "plan",
+        help="GPU sizing and self-host cost for a model",
+        description="Size a model for serving: memory, KV pool, parallel layout, roofline decode "
+        "throughput (an estimate) and cost against an API. See docs/PLAN.md.",
+    )
+    _add_arguments(p)
+    p.set_defaults(func=run)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvserve")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["plan", *(sys.argv[1:] if argv is None else argv)])
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""Fixtures: tiny random Llama / Qwen2 models saved as Hugging Face directories, and the
+default model shared across tests (loading it once keeps the suite fast)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+CORPUS = (
+    "The quick brown fox jumps over the lazy dog. A paged KV cache stores keys and values "
+    "in fixed-size blocks. Continuous batching schedules every step. Hello world! 0123456789 "
+    "héllo wörld — naïve café ✓ 日本語 🙂 "
+) * 4
+
+
+def _tiny_tokenizer():
+    """A byte-level BPE tokenizer with a small vocabulary, trained in milliseconds."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator([CORPUS], trainer)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    hf.chat_template = (
+        "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+        "{% if add_generation_prompt %}<s>assistant:{% endif %}"
+    )
+    return hf
+
+
+def _save_tiny(path: str, kind: str) -> str:
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    common = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.2,  # peaked logits: few near-ties in greedy comparisons
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    if kind == "llama":
+        cfg = LlamaConfig(
+            **common,
+            tie_word_embeddings=False,
+            rope_parameters={
+                "rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+            },
+        )  # fmt: skip
+        model = LlamaForCausalLM(cfg)
+    else:
+        cfg = Qwen2Config(**common, tie_word_embeddings=True, rope_theta=10000.0)
+        model = Qwen2ForCausalLM(cfg)
+    model.save_pretrained(path)
+    _tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> str:
+    return _save_tiny(str(tmp_path_factory.mktemp("tiny-llama")), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory) -> str:
+    return _save_tiny(str(tmp_path_factory.mktemp("tiny-qwen2")), "qwen2")
+
+
+def load_reference(path: str):
+    """transformers' own model for a directory or GGUF file, fp32 (the fidelity reference)."""
+    from transformers import AutoModelForCausalLM
+
+    if path.endswith(".gguf"):
+        d, f = os.path.split(path)
+        return AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def default_llm():
+    from kvserve import LLM
+
+    return LLM("smollm2-135m", kv_cache_memory="512MiB")
+
+
+@pytest.fixture(scope="session")
+def default_reference():
+    from kvserve.model.loader.resolve import default_model_file
+
+    return load_reference(default_model_file())

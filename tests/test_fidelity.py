@@ -1,0 +1,138 @@
+"""Greedy output and prompt logprobs equal Hugging Face transformers on the same weights,
+and batching (alone, together, tiny prefill chunks, forced preemption) never changes them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import load_reference
+from helpers import assert_greedy_match, reference_greedy, reference_logits
+
+from kvserve import LLM, SamplingParams
+from kvserve.model.loader.resolve import default_model_file
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24)
+
+
+def _prompts(tokenizer, lengths: list[int]) -> list[list[int]]:
+    text = (
+        "In a quiet village by the sea, the fishermen rose before dawn to mend their nets and "
+        "talk about the weather, the prices at the market and the stories of old sailors. "
+    ) * 20
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    # Different starting offsets so prompts are not prefixes of each other.
+    return [ids[i : i + n] for i, n in enumerate(lengths)]
+
+
+def _check_against_reference(llm: LLM, ref, prompts: list[list[int]], params: SamplingParams) -> None:
+    eos = sorted(llm.llm_engine.eos_token_ids)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    exact = 0
+    for i, (p, out) in enumerate(zip(prompts, outs)):
+        expected = reference_greedy(ref, p, params.max_tokens, eos)
+        exact += assert_greedy_match(ref, p, expected, out.outputs[0].token_ids, f"prompt {i} (len {len(p)})")
+    assert exact >= len(prompts) - 1, "more than one near-tie: suspicious"
+
+
+def _check_prompt_logprobs(llm: LLM, ref, prompt: list[int]) -> None:
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=20), use_tqdm=False)[0]
+    ref_lp = reference_logits(ref, prompt).log_softmax(-1)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    worst = 0.0
+    for j in range(1, len(prompt)):
+        entry = out.prompt_logprobs[j]
+        assert prompt[j] in entry and len(entry) >= 20
+        for tok, lp in entry.items():
+            worst = max(worst, abs(lp - ref_lp[j - 1, tok].item()))
+    assert worst < 1e-3, f"prompt logprobs differ from the reference by {worst:.2e}"
+
+
+def _check_batching_invariance(make_llm, ref, prompts: list[list[int]]) -> None:
+    """Alone, all together, tiny chunks, and a pool so small that preemption must happen."""
+    base = make_llm()
+    alone = [base.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    together = [o.outputs[0].token_ids for o in base.generate(prompts, GREEDY, use_tqdm=False)]
+    for i, p in enumerate(prompts):
+        assert_greedy_match(ref, p, alone[i], together[i], f"together vs alone, prompt {i}")
+    base_engine = base.llm_engine
+    assert base_engine.kv_cache_manager.num_free_blocks == base_engine.kv_cache_manager.num_blocks
+
+    chunked = make_llm(max_num_batched_tokens=7)
+    outs = chunked.generate(prompts, GREEDY, use_tqdm=False)
+    for i, p in enumerate(prompts):
+        assert_greedy_match(ref, p, alone[i], outs[i].outputs[0].token_ids, f"chunk=7 vs alone, prompt {i}")
+
+    longest = max(len(p) for p in prompts) + GREEDY.max_tokens
+    blocks = -(-longest // 16) + 2  # enough for the longest request, far too few for all
+    small = make_llm(num_blocks=blocks)
+    outs = small.generate(prompts, GREEDY, use_tqdm=False)
+    engine = small.llm_engine
+    print(f"preemptions: {engine.scheduler.num_preemptions_total}")
+    assert engine.scheduler.num_preemptions_total > 0
+    for i, p in enumerate(prompts):
+        assert_greedy_match(ref, p, alone[i], outs[i].outputs[0].token_ids, f"preempted vs alone, prompt {i}")
+    for llm in (chunked, small):
+        kv = llm.llm_engine.kv_cache_manager
+        assert kv.num_free_blocks == kv.num_blocks, "KV blocks leaked"
+
+
+def _factory(model: str, dtype: str = "float32"):
+    """Builds engines on `model`; num_blocks sizes the pool in whole blocks."""
+
+    def make(num_blocks: int | None = None, **kw) -> LLM:
+        mem = "64MiB"
+        if num_blocks is not None:
+            probe = LLM(model, dtype=dtype, kv_cache_memory="1MiB")
+            mem = num_blocks * probe.llm_engine.pool_size.block_bytes
+        return LLM(model, dtype=dtype, kv_cache_memory=mem, **kw)
+
+    return make
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_tiny_models_match_transformers(kind, tiny_llama_dir, tiny_qwen2_dir):
+    path = tiny_llama_dir if kind == "llama" else tiny_qwen2_dir
+    ref = load_reference(path)
+    make = _factory(path)
+    llm = make()
+    prompts = _prompts(llm.tokenizer, [1, 3, 9, 16, 17, 33, 70, 150])
+    _check_against_reference(llm, ref, prompts, SamplingParams(temperature=0, max_tokens=40))
+    _check_prompt_logprobs(llm, ref, prompts[-1])
+    _check_batching_invariance(make, ref, prompts)
+
+
+def test_tiny_model_logits_match(tiny_llama_dir):
+    """Raw logits for a whole prompt, through the paged path, equal the reference's."""
+    from kvserve.model.layers.attention import AttentionMetadata, PrefillChunk
+
+    ref = load_reference(tiny_llama_dir)
+    llm = LLM(tiny_llama_dir, kv_cache_memory="1MiB")
+    runner = llm.llm_engine.model_runner
+    prompt = list(range(3, 60))
+    n = len(prompt)
+    meta = AttentionMetadata(slot_mapping=torch.arange(n), prefills=[PrefillChunk(0, n, 0)])
+    hidden = runner.model(torch.tensor(prompt), torch.arange(n), meta, runner.kv_cache)
+    ours = runner.model.compute_logits(hidden)
+    diff = (ours - reference_logits(ref, prompt)).abs().max().item()
+    assert diff < 1e-3, diff
+
+
+@pytest.mark.slow
+def test_default_model_matches_transformers(default_llm, default_reference):
+    prompts = _prompts(default_llm.tokenizer, [1, 4, 11, 17, 32, 64, 130, 257])
+    _check_against_reference(default_llm, default_reference, prompts, GREEDY)
+    _check_prompt_logprobs(default_llm, default_reference, prompts[6])
+
+
+@pytest.mark.slow
+def test_default_model_batching_invariance(default_llm, default_reference):
+    prompts = _prompts(default_llm.tokenizer, [5, 23, 48, 90, 120, 200])
+    made = iter([default_llm])
+
+    def make(num_blocks: int | None = None, **kw) -> LLM:
+        if not kw and num_blocks is None:
+            return next(made)
+        mem = num_blocks * default_llm.llm_engine.pool_size.block_bytes if num_blocks else "64MiB"
+        return LLM("smollm2-135m", kv_cache_memory=mem, **kw)
+
+    _check_batching_invariance(make, default_reference, prompts)

