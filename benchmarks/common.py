@@ -31,7 +31,8 @@ def make_prompts(tokenizer, num: int, length: int, seed: int = 0, jitter: int = 
 
 
 def machine() -> str:
-    return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    cpu = platform.processor() or platform.machine()
+    return f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}"
 
 
 def load_hf_reference(gguf_path: str):

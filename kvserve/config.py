@@ -2,38 +2,52 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from kvserve.core.kv_sizing import parse_memory_size
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
 
 
 @dataclass
 class EngineConfig:
-    model: str = "smollm2-135m"
-    """Alias 'smollm2-135m', a .gguf file, or a Hugging Face model directory."""
-    dtype: str = "float32"
-    """Weights and activations: float32 or bfloat16."""
-    device: str = "auto"
-    """'cpu', 'cuda' or 'auto' (CUDA when available)."""
-    kv_cache_memory: str | int | None = None
-    """KV pool budget, e.g. "2GiB". Default: 1GiB on CPU; on CUDA derived from
-    gpu_memory_utilization."""
-    gpu_memory_utilization: float = 0.9
-    """On CUDA, the fraction of device memory kvserve may use (weights + KV pool)."""
-    block_size: int = 16
-    """Tokens per KV block."""
-    max_model_len: int | None = None
-    """Longest prompt + output; defaults to the model's context length."""
-    max_num_seqs: int = 128
-    """Most requests running in one step."""
-    max_num_batched_tokens: int = 2048
-    """Token budget of one step (prefill chunks + decode tokens)."""
-    seed: int = 0
-    """Seed for requests that sample without a seed of their own."""
+    model: str = field(
+        default="smollm2-135m",
+        metadata={"help": "Alias 'smollm2-135m', a .gguf file, or a Hugging Face model directory."},
+    )
+    dtype: str = field(default="float32", metadata={"help": "Weights and activations: float32 or bfloat16."})
+    device: str = field(default="auto", metadata={"help": "'cpu', 'cuda' or 'auto' (CUDA when available)."})
+    kv_cache_memory: str | int | None = field(
+        default=None,
+        metadata={
+            "help": (
+                'KV pool budget, e.g. "2GiB". Default: 1GiB on CPU; on CUDA derived from '
+                "gpu_memory_utilization."
+            )
+        },
+    )
+    gpu_memory_utilization: float = field(
+        default=0.9,
+        metadata={"help": "On CUDA, the fraction of device memory kvserve may use (weights + KV pool)."},
+    )
+    block_size: int = field(default=16, metadata={"help": "Tokens per KV block."})
+    max_model_len: int | None = field(
+        default=None, metadata={"help": "Longest prompt + output; defaults to the model's context length."}
+    )
+    max_num_seqs: int = field(default=128, metadata={"help": "Most requests running in one step."})
+    max_num_batched_tokens: int = field(
+        default=2048, metadata={"help": "Token budget of one step (prefill chunks + decode tokens)."}
+    )
+    seed: int = field(
+        default=0, metadata={"help": "Seed for requests that sample without a seed of their own."}
+    )
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

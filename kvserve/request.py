@@ -52,7 +52,9 @@ class Request:
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
         self.logprobs: list[dict[int, float]] = []
-        self.prompt_logprobs: list[dict[int, float] | None] = [None] if params.prompt_logprobs is not None else []
+        self.prompt_logprobs: list[dict[int, float] | None] = (
+            [None] if params.prompt_logprobs is not None else []
+        )
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
@@ -90,4 +92,6 @@ class Request:
         return self.status.finished
 
     def __repr__(self) -> str:
-        return f"Request({self.request_id!r}, {self.status.name}, {self.num_computed_tokens}/{self.num_tokens})"
+        return (
+            f"Request({self.request_id!r}, {self.status.name}, {self.num_computed_tokens}/{self.num_tokens})"
+        )

@@ -9,7 +9,6 @@ from conftest import load_reference
 from helpers import assert_greedy_match, reference_greedy, reference_logits
 
 from kvserve import LLM, SamplingParams
-from kvserve.model.loader.resolve import default_model_file
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
 
@@ -35,7 +34,9 @@ def _check_against_reference(llm: LLM, ref, prompts: list[list[int]], params: Sa
 
 
 def _check_prompt_logprobs(llm: LLM, ref, prompt: list[int]) -> None:
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=20), use_tqdm=False)[0]
+    out = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=20), use_tqdm=False
+    )[0]
     ref_lp = reference_logits(ref, prompt).log_softmax(-1)
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
     worst = 0.0
@@ -110,7 +111,8 @@ def test_tiny_model_logits_match(tiny_llama_dir):
     runner = llm.llm_engine.model_runner
     prompt = list(range(3, 60))
     n = len(prompt)
-    meta = AttentionMetadata(slot_mapping=torch.arange(n), prefills=[PrefillChunk(0, n, 0)])
+    bs = runner.block_size
+    meta = AttentionMetadata(torch.arange(n) // bs, torch.arange(n) % bs, prefills=[PrefillChunk(0, n, 0)])
     hidden = runner.model(torch.tensor(prompt), torch.arange(n), meta, runner.kv_cache)
     ours = runner.model.compute_logits(hidden)
     diff = (ours - reference_logits(ref, prompt)).abs().max().item()

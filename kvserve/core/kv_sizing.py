@@ -48,8 +48,7 @@ def parse_memory_size(value: str | int | float) -> int:
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
     if not m or m.group(2).upper() not in _UNITS:
         raise ValueError(
-            f"invalid memory size {value!r}: use a number with an optional unit "
-            "such as 512MiB, 2GiB or 4GB"
+            f"invalid memory size {value!r}: use a number with an optional unit such as 512MiB, 2GiB or 4GB"
         )
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 

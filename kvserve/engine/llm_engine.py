@@ -59,7 +59,9 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
         )
-        self.model_runner = ModelRunner(self.model, self.pool_size.num_blocks, config.block_size, device, config.seed)
+        self.model_runner = ModelRunner(
+            self.model, self.pool_size.num_blocks, config.block_size, device, config.seed
+        )
         self.eos_token_ids = frozenset(arch.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         )
@@ -82,7 +84,9 @@ class LLMEngine:
             free, total = torch.cuda.mem_get_info(device)
             used = total - free
             # Leave room for activations of one full step (logits dominate at large vocab).
-            reserve = 4 * self.config.max_num_batched_tokens * (self.arch.hidden_size * 16 + self.arch.vocab_size)
+            reserve = (
+                4 * self.config.max_num_batched_tokens * (self.arch.hidden_size * 16 + self.arch.vocab_size)
+            )
             return max(0, int(total * self.config.gpu_memory_utilization) - used - reserve)
         return parse_memory_size(DEFAULT_CPU_KV_CACHE_MEMORY)
 
@@ -156,7 +160,9 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if not sched:
             return outputs
-        block_tables = {r.request_id: self.kv_cache_manager.get_block_ids(r.request_id) for r, _ in sched.scheduled}
+        block_tables = {
+            r.request_id: self.kv_cache_manager.get_block_ids(r.request_id) for r, _ in sched.scheduled
+        }
         sampled, prompt_logprobs = self.model_runner.execute(sched, block_tables)
         for req, _ in sched.scheduled:
             entries = prompt_logprobs.get(req.request_id)
@@ -191,7 +197,11 @@ class LLMEngine:
             delta_token_ids=req.output_token_ids[sent:],
         )
         metrics = RequestMetrics(
-            req.arrival_time, req.first_scheduled_time, req.first_token_time, req.finished_time, req.num_preemptions
+            req.arrival_time,
+            req.first_scheduled_time,
+            req.first_token_time,
+            req.finished_time,
+            req.num_preemptions,
         )
         return RequestOutput(
             req.request_id,

@@ -13,6 +13,7 @@ import torch
 
 from kvserve.core.scheduler import SchedulerOutput
 from kvserve.model.layers.attention import AttentionMetadata, PrefillChunk
+from kvserve.model.layers.cpu_kernels import load_cpu_kernels
 from kvserve.model.layers.sampler import Sampler
 from kvserve.model.models.llama import LlamaForCausalLM
 from kvserve.request import Request
@@ -26,6 +27,7 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         seed: int = 0,
+        use_cpu_kernels: bool = True,
     ) -> None:
         arch = model.arch
         self.model = model
@@ -33,10 +35,15 @@ class ModelRunner:
         self.block_size = block_size
         self.dtype = model.embed_tokens.dtype
         self.kv_cache = torch.zeros(
-            arch.num_layers, 2, num_blocks, block_size, arch.num_kv_heads, arch.head_dim,
+            arch.num_layers, 2, num_blocks, arch.num_kv_heads, block_size, arch.head_dim,
             dtype=self.dtype, device=device,
         )  # fmt: skip
         self.sampler = Sampler(seed)
+        if device.type == "cpu" and use_cpu_kernels:
+            model.pack_weights()
+            kernels = load_cpu_kernels()
+            for layer in model.layers:
+                layer.attn.kernels = kernels
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -54,7 +61,7 @@ class ModelRunner:
         sample_rows: list[int] = []
         sample_reqs: list[Request] = []
         prompt_lp: list[tuple[Request, int, int]] = []  # (req, first flat row, count)
-        meta = AttentionMetadata(slot_mapping=torch.empty(0))
+        meta = AttentionMetadata(torch.empty(0), torch.empty(0))
         decode_tables, decode_lens = [], []
         offset = 0
         for req, n in order:
@@ -63,7 +70,7 @@ class ModelRunner:
             pos = np.arange(start, start + n)
             table = block_tables[req.request_id]
             pos_chunks.append(pos)
-            slot_chunks.append(np.asarray(table)[pos // bs] * bs + pos % bs)
+            slot_chunks.append(np.asarray(table)[pos // bs])
             if n == 1:
                 meta.num_decodes += 1
                 decode_tables.append(table)
@@ -85,17 +92,15 @@ class ModelRunner:
             offset += n
 
         positions = np.concatenate(pos_chunks)
-        meta.slot_mapping = torch.from_numpy(np.concatenate(slot_chunks)).to(self.device)
+        meta.slot_blocks = torch.from_numpy(np.concatenate(slot_chunks)).to(self.device)
+        meta.slot_offsets = torch.from_numpy(positions % bs).to(self.device)
         if decode_tables:
             width = max(len(t) for t in decode_tables)
             table_arr = np.zeros((len(decode_tables), width), dtype=np.int64)
             for i, t in enumerate(decode_tables):
                 table_arr[i, : len(t)] = t
-            meta.decode_block_ids = torch.from_numpy(table_arr.reshape(-1)).to(self.device)
-            lens = torch.tensor(decode_lens)
-            meta.decode_mask = (torch.arange(width * bs).unsqueeze(0) < lens.unsqueeze(1)).view(
-                len(decode_tables), 1, 1, -1
-            ).to(self.device)
+            meta.decode_block_tables = torch.from_numpy(table_arr).to(self.device)
+            meta.decode_seq_lens = torch.tensor(decode_lens, dtype=torch.long, device=self.device)
 
         hidden = self.model(
             torch.tensor(ids, device=self.device),

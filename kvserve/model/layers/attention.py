@@ -1,15 +1,16 @@
-"""Paged attention: metadata for one step and a pure-PyTorch backend.
+"""Paged attention: metadata for one step and the attention backend.
 
-The KV cache of one layer is a pair of tensors shaped [num_blocks, block_size, kv_heads,
-head_dim]. New keys/values are written through the step's slot mapping (flat slot =
-block_id * block_size + offset); attention reads them back through block tables. The model
-runner builds one AttentionMetadata per step and every layer reuses it, so index tensors
-and masks are computed once per step, not once per layer.
+The KV cache of one layer is a pair of tensors shaped [num_blocks, kv_heads, block_size,
+head_dim], so one kv head's slice of a block is contiguous. New keys/values are written
+through the step's slot mapping (block id + offset per token); attention reads them back
+through block tables. The model runner builds one AttentionMetadata per step and every
+layer reuses it, so index tensors and masks are computed once per step, not per layer.
 
-The batch is laid out decodes first (one query token each, attended together in one
-batched call), then prefill chunks (attended one request at a time with a causal mask
-offset by the tokens already cached). A CUDA backend (FlashAttention / Triton) would take
-the same metadata.
+The batch is laid out decodes first (one query token each), then prefill chunks. Decodes
+go through the C++ paged kernel on CPU when it is available (it reads K/V in place), or a
+gather + SDPA path otherwise; prefill chunks use SDPA one request at a time, with a causal
+mask offset by the tokens already cached. A CUDA backend (FlashAttention / Triton) would
+take the same metadata.
 """
 
 from __future__ import annotations
@@ -35,34 +36,52 @@ class PrefillChunk:
 class AttentionMetadata:
     """Everything attention needs for one forward pass, shared by all layers."""
 
-    slot_mapping: torch.Tensor  # [num_tokens] flat cache slot of each new token
+    slot_blocks: torch.Tensor  # [num_tokens] block id of each new token's slot
+    slot_offsets: torch.Tensor  # [num_tokens] offset inside that block
     num_decodes: int = 0
-    decode_block_ids: torch.Tensor | None = None  # [num_decodes * max_blocks] flattened
-    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size]
+    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int64
+    decode_seq_lens: torch.Tensor | None = None  # [num_decodes] int64, including the new token
     prefills: list[PrefillChunk] = field(default_factory=list)
+    _gather: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def decode_gather_inputs(self, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flat block ids and a [n, 1, 1, L] validity mask for the gather path (cached)."""
+        if self._gather is None:
+            tables, lens = self.decode_block_tables, self.decode_seq_lens
+            width = tables.shape[1] * block_size
+            mask = torch.arange(width, device=lens.device).unsqueeze(0) < lens.unsqueeze(1)
+            self._gather = (tables.reshape(-1), mask.view(len(lens), 1, 1, width))
+        return self._gather
 
 
-class TorchPagedAttention:
-    """Paged attention with torch ops only; runs on CPU and CUDA alike."""
+def _gather_kv(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """[n_blocks, kv_heads, block_size, hd] blocks -> [kv_heads, n_blocks * block_size, hd]."""
+    blocks = cache.index_select(0, block_ids)
+    n, kvh, bs, hd = blocks.shape
+    return blocks.transpose(0, 1).reshape(kvh, n * bs, hd)
+
+
+class PagedAttention:
+    """Paged attention over torch tensors; the decode kernel is C++ on CPU when built."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
+        self.kernels = None  # set by the model runner when the C++ kernels are loaded
 
     def forward(
         self,
         q: torch.Tensor,  # [tokens, heads, head_dim]
         k: torch.Tensor,  # [tokens, kv_heads, head_dim]
         v: torch.Tensor,
-        k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, kv_heads, block_size, head_dim]
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        kvh, hd = self.num_kv_heads, self.head_dim
-        k_cache.view(-1, kvh, hd).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, kvh, hd).index_copy_(0, meta.slot_mapping, v)
+        k_cache[meta.slot_blocks, :, meta.slot_offsets] = k
+        v_cache[meta.slot_blocks, :, meta.slot_offsets] = v
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
@@ -75,16 +94,16 @@ class TorchPagedAttention:
     def _decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
+        if self.kernels is not None and q.device.type == "cpu":
+            return self.kernels.paged_decode_attention(
+                q.contiguous(), k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale
+            )
         n = q.shape[0]
-        keys = k_cache.index_select(0, meta.decode_block_ids).view(n, -1, self.num_kv_heads, self.head_dim)
-        values = v_cache.index_select(0, meta.decode_block_ids).view(n, -1, self.num_kv_heads, self.head_dim)
+        block_ids, mask = meta.decode_gather_inputs(k_cache.shape[2])
+        keys = _gather_kv(k_cache, block_ids).view(self.num_kv_heads, n, -1, self.head_dim).transpose(0, 1)
+        values = _gather_kv(v_cache, block_ids).view(self.num_kv_heads, n, -1, self.head_dim).transpose(0, 1)
         o = F.scaled_dot_product_attention(
-            q.unsqueeze(2),  # [n, heads, 1, hd]
-            keys.transpose(1, 2),  # [n, kv_heads, L, hd]
-            values.transpose(1, 2),
-            attn_mask=meta.decode_mask,
-            scale=self.scale,
-            enable_gqa=True,
+            q.unsqueeze(2), keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True
         )
         return o.squeeze(2)
 
@@ -99,16 +118,16 @@ class TorchPagedAttention:
     ) -> torch.Tensor:
         if chunk.num_cached == 0:
             # Fresh prompt: its keys are exactly this chunk's, no need to read the cache.
-            keys, values, mask, causal = k, v, None, True
+            keys, values, mask, causal = k.transpose(0, 1), v.transpose(0, 1), None, True
         else:
             total = chunk.num_cached + q.shape[0]
-            keys = k_cache.index_select(0, chunk.block_ids).view(-1, self.num_kv_heads, self.head_dim)[:total]
-            values = v_cache.index_select(0, chunk.block_ids).view(-1, self.num_kv_heads, self.head_dim)[:total]
+            keys = _gather_kv(k_cache, chunk.block_ids)[:, :total]
+            values = _gather_kv(v_cache, chunk.block_ids)[:, :total]
             mask, causal = chunk.mask, False
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),
-            keys.transpose(0, 1).unsqueeze(0),
-            values.transpose(0, 1).unsqueeze(0),
+            keys.unsqueeze(0),
+            values.unsqueeze(0),
             attn_mask=mask,
             is_causal=causal,
             scale=self.scale,

@@ -39,9 +39,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch
 class RotaryEmbedding(torch.nn.Module):
     """Applies RoPE to flat [num_tokens, heads, head_dim] query/key tensors."""
 
-    def __init__(
-        self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any]
-    ) -> None:
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any]) -> None:
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, theta, scaling).float()
         t = torch.arange(max_positions, dtype=torch.float32)

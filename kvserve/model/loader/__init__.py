@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.tokenizer import Tokenizer
 from kvserve.model.arch import ModelArch
 from kvserve.model.layers.rotary import RotaryEmbedding
 from kvserve.model.loader.resolve import ModelSource, resolve_model
 from kvserve.model.models.llama import LlamaForCausalLM
+from kvserve.tokenizer import Tokenizer
 
 __all__ = ["load_model", "load_arch", "resolve_model", "ModelSource"]
 

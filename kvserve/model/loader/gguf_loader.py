@@ -121,7 +121,12 @@ def gguf_tokenizer(reader):
         "add_prefix_space": _field(reader, "tokenizer.ggml.add_space_prefix"),
     }
     special = {}
-    for name, key in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("unk", "unknown_token_id"), ("pad", "padding_token_id")):
+    for name, key in (
+        ("bos", "bos_token_id"),
+        ("eos", "eos_token_id"),
+        ("unk", "unknown_token_id"),
+        ("pad", "padding_token_id"),
+    ):
         tid = _field(reader, f"tokenizer.ggml.{key}")
         spec[f"{name}_token_id"] = tid
         if tid is not None:

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.model.arch import ModelArch
-from kvserve.model.layers.attention import AttentionMetadata, TorchPagedAttention
+from kvserve.model.layers.attention import AttentionMetadata, PagedAttention
+from kvserve.model.layers.linear import linear, onednn_pack
 from kvserve.model.layers.rotary import RotaryEmbedding, apply_rotary
 
 
@@ -43,7 +44,12 @@ class DecoderLayer(nn.Module):
         self.down_weight = nn.Parameter(torch.empty(h, arch.intermediate_size), requires_grad=False)
         self.input_norm = nn.Parameter(torch.empty(h), requires_grad=False)
         self.post_attn_norm = nn.Parameter(torch.empty(h), requires_grad=False)
-        self.attn = TorchPagedAttention(arch.num_heads, arch.num_kv_heads, hd)
+        self.attn = PagedAttention(arch.num_heads, arch.num_kv_heads, hd)
+        self.packed: dict[str, torch.Tensor | None] = {}  # oneDNN-packed weights, see pack_weights
+
+    def pack_weights(self) -> None:
+        for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"):
+            self.packed[name] = onednn_pack(getattr(self, name))
 
     def forward(
         self,
@@ -56,16 +62,17 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         n = x.shape[0]
         h = rms_norm(x, self.input_norm, self.eps)
-        qkv = F.linear(h, self.qkv_weight, self.qkv_bias)
+        p = self.packed
+        qkv = linear(h, self.qkv_weight, self.qkv_bias, p.get("qkv_weight"))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rotary(q.view(n, self.num_heads, self.head_dim), cos, sin)
         k = apply_rotary(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
         attn = self.attn.forward(q, k, v, k_cache, v_cache, meta)
-        x = x + F.linear(attn.reshape(n, self.q_size), self.o_weight)
+        x = x + linear(attn.reshape(n, self.q_size), self.o_weight, None, p.get("o_weight"))
         h = rms_norm(x, self.post_attn_norm, self.eps)
-        gate, up = F.linear(h, self.gate_up_weight).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.down_weight)
+        gate, up = linear(h, self.gate_up_weight, None, p.get("gate_up_weight")).chunk(2, dim=-1)
+        return x + linear(F.silu(gate) * up, self.down_weight, None, p.get("down_weight"))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -83,6 +90,13 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(
             arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling
         )
+        self.lm_head_packed: torch.Tensor | None = None
+
+    def pack_weights(self) -> None:
+        """Prepack every projection for oneDNN (CPU); a no-op elsewhere."""
+        for layer in self.layers:
+            layer.pack_weights()
+        self.lm_head_packed = onednn_pack(self.lm_head)
 
     @torch.inference_mode()
     def forward(
@@ -101,7 +115,7 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        return linear(hidden, self.lm_head, None, self.lm_head_packed).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face-named tensors, fusing q/k/v and gate/up as they arrive."""

@@ -1,0 +1,129 @@
+// Paged attention for decode (one query token per sequence) on the CPU.
+//
+// Reads each sequence's keys and values straight from the block pool through its block
+// table: no gathered copy of the KV cache is ever made, so a decode step touches each
+// cached K/V row exactly once. One work item per (sequence, kv head); the query heads that
+// share that kv head (grouped-query attention) are processed together.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+template <typename T>
+void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                   const torch::Tensor& block_tables, const torch::Tensor& seq_lens, torch::Tensor& out,
+                   double scale) {
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_kv_heads = k_cache.size(1), block_size = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads, max_blocks = block_tables.size(1);
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  T* op = out.data_ptr<T>();
+  const int64_t block_stride = num_kv_heads * block_size * head_dim;
+
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * head_dim), acc(group * head_dim), scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t s = item / num_kv_heads, kh = item % num_kv_heads, len = lens[s];
+      const int64_t* table = tables + s * max_blocks;
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t d = 0; d < head_dim; ++d)
+          qf[g * head_dim + d] = static_cast<float>(qp[(s * num_heads + kh * group + g) * head_dim + d]) * scale;
+      scores.assign(group * len, 0.f);
+      const int64_t num_blocks = (len + block_size - 1) / block_size;
+      for (int64_t b = 0; b < num_blocks; ++b) {
+        const T* kb = kp + table[b] * block_stride + kh * block_size * head_dim;
+        const int64_t n = std::min(block_size, len - b * block_size);
+        float* srow = scores.data() + b * block_size;
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qg = qf.data() + g * head_dim;
+          int64_t o = 0;
+          // Four keys at a time: independent accumulators keep the FMA units busy.
+          for (; o + 4 <= n; o += 4) {
+            const T* k0 = kb + o * head_dim;
+            float d0 = 0.f, d1 = 0.f, d2 = 0.f, d3 = 0.f;
+            for (int64_t d = 0; d < head_dim; ++d) {
+              const float x = qg[d];
+              d0 += x * static_cast<float>(k0[d]);
+              d1 += x * static_cast<float>(k0[head_dim + d]);
+              d2 += x * static_cast<float>(k0[2 * head_dim + d]);
+              d3 += x * static_cast<float>(k0[3 * head_dim + d]);
+            }
+            srow[g * len + o] = d0;
+            srow[g * len + o + 1] = d1;
+            srow[g * len + o + 2] = d2;
+            srow[g * len + o + 3] = d3;
+          }
+          for (; o < n; ++o) {
+            const T* kr = kb + o * head_dim;
+            float dot = 0.f;
+            for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * static_cast<float>(kr[d]);
+            srow[g * len + o] = dot;
+          }
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* sg = scores.data() + g * len;
+        const float mx = *std::max_element(sg, sg + len);
+        float sum = 0.f;
+        for (int64_t t = 0; t < len; ++t) {
+          sg[t] = std::exp(sg[t] - mx);
+          sum += sg[t];
+        }
+        const float inv = 1.f / sum;
+        for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t b = 0; b < num_blocks; ++b) {
+        const T* vb = vp + table[b] * block_stride + kh * block_size * head_dim;
+        const int64_t n = std::min(block_size, len - b * block_size);
+        for (int64_t o = 0; o < n; ++o) {
+          const T* __restrict__ vr = vb + o * head_dim;
+          for (int64_t g = 0; g < group; ++g) {
+            const float p = scores[g * len + b * block_size + o];
+            float* __restrict__ ag = acc.data() + g * head_dim;
+            for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * static_cast<float>(vr[d]);
+          }
+        }
+      }
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t d = 0; d < head_dim; ++d)
+          op[(s * num_heads + kh * group + g) * head_dim + d] = static_cast<T>(acc[g * head_dim + d]);
+    }
+  });
+}
+
+}  // namespace
+
+// q: [seqs, heads, head_dim]; k_cache/v_cache: [blocks, kv_heads, block_size, head_dim];
+// block_tables: [seqs, max_blocks] int64; seq_lens: [seqs] int64. Returns [seqs, heads, head_dim].
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kLong && seq_lens.scalar_type() == torch::kLong,
+              "int64 block tables and lengths");
+  TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "heads must be a multiple of kv heads");
+  auto bt = block_tables.contiguous();
+  auto sl = seq_lens.contiguous();
+  auto out = torch::empty_like(q);
+  if (q.scalar_type() == torch::kFloat) {
+    decode_kernel<float>(q, k_cache, v_cache, bt, sl, out, scale);
+  } else if (q.scalar_type() == torch::kBFloat16) {
+    decode_kernel<at::BFloat16>(q, k_cache, v_cache, bt, sl, out, scale);
+  } else {
+    TORCH_CHECK(false, "paged_decode_attention: float32 or bfloat16 only");
+  }
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)");
+}

@@ -1,0 +1,132 @@
+"""`kvserve` command line: generate (one-shot or interactive chat) and plan."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from dataclasses import fields
+
+from kvserve.config import EngineConfig
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """One flag per EngineConfig field (--kv-cache-memory, --max-num-seqs, ...)."""
+    g = p.add_argument_group("engine")
+    for f in fields(EngineConfig):
+        if f.name == "model":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        typ = {"int": int, "float": float}.get(str(f.type).split(" |")[0], str)
+        g.add_argument(flag, dest=f.name, type=typ, default=None, help=f.metadata.get("help"))
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    kwargs = {
+        f.name: getattr(args, f.name) for f in fields(EngineConfig) if getattr(args, f.name, None) is not None
+    }
+    return EngineConfig(**kwargs)
+
+
+def _sampling(args: argparse.Namespace):
+    from kvserve.sampling_params import SamplingParams
+
+    return SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        stop=args.stop or None,
+    )
+
+
+def _stream(engine, request_id: str, prompt, params) -> str:
+    """Run one request to completion, printing text as it is released."""
+    engine.add_request(request_id, prompt, params)
+    text = ""
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            delta = out.outputs[0].delta_text
+            if delta:
+                print(delta, end="", flush=True)
+            text = out.outputs[0].text
+    print()
+    return text
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from kvserve.engine.llm_engine import LLMEngine
+
+    try:
+        params = _sampling(args)
+        engine = LLMEngine(engine_config(args))
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    tok = engine.tokenizer
+    if not args.chat:
+        if not args.prompt:
+            print("error: prompt: give a prompt, or --chat for a conversation", file=sys.stderr)
+            return 2
+        try:
+            _stream(engine, "0", args.prompt, params)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        return 0
+
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    print("kvserve chat — empty line or Ctrl-D to quit.", file=sys.stderr)
+    turn = 0
+    while True:
+        try:
+            line = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return 0
+        if not line.strip():
+            return 0
+        messages.append({"role": "user", "content": line})
+        prompt = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
+        try:
+            reply = _stream(engine, f"chat-{turn}", prompt, params)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            messages.pop()
+            continue
+        messages.append({"role": "assistant", "content": reply})
+        turn += 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvserve", description="kvserve: LLM inference and serving")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate from a prompt, or chat interactively (--chat)")
+    gen.add_argument("prompt", nargs="?", help="the prompt (omit with --chat)")
+    gen.add_argument("--model", default="smollm2-135m", help="alias, .gguf file or HF directory")
+    gen.add_argument("--chat", action="store_true", help="interactive chat with the model's template")
+    gen.add_argument("--system", default=None, help="system message for --chat")
+    gen.add_argument("--max-tokens", type=int, default=256)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    add_engine_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    from kvserve.planner.cli import register as register_plan
+
+    register_plan(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
