@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml Makefile
 install: $(STAMP)
 
 serve: $(STAMP)
-	$(BIN)/kvserve generate --chat
+	$(BIN)/kvserve serve smollm2-135m --host 127.0.0.1 --port 8000
 
 test: $(STAMP)
 	$(BIN)/ruff check .

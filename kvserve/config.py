@@ -60,7 +60,10 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_memory is not None:
-            parse_memory_size(self.kv_cache_memory)
+            try:
+                parse_memory_size(self.kv_cache_memory)
+            except ValueError as e:
+                raise ValueError(f"kv_cache_memory: {e}") from None
 
     @property
     def torch_dtype(self) -> torch.dtype:

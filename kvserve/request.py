@@ -32,10 +32,8 @@ class Request:
         max_tokens: int,
         eos_token_ids: frozenset[int],
         arrival_time: float | None = None,
-        prompt: str | None = None,
     ) -> None:
         self.request_id = request_id
-        self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.max_tokens = max_tokens
@@ -47,7 +45,6 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
-        self.num_output_sent = 0  # output tokens already reported in a RequestOutput
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)

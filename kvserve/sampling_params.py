@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -31,9 +31,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
-    stop_list: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        # Not a dataclass field, so it is not serialized; rebuilt wherever params are made.
         self.stop_list = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if self.top_k == -1:
             self.top_k = 0

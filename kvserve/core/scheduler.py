@@ -79,7 +79,8 @@ class Scheduler:
                 continue
             break  # req itself was preempted: everything after it is gone too
 
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        # After a preemption the pool is full: admitting now would only preempt again.
+        while not out.num_preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self.kv.allocate_slots(req, num_new):

@@ -26,15 +26,18 @@ class IncrementalDetokenizer:
         self.num_released = 0
         self.num_tokens = 0
 
-    def update(self, token_ids: list[int]) -> str | None:
-        """Add new tokens; returns the stop string that matched, if one did (text is cut there)."""
+    def update(self, token_ids: list[int], check_stops: bool = True) -> str | None:
+        """Add new tokens; returns the stop string that matched, if one did (text is cut there).
+
+        With check_stops False (min_tokens not reached yet) stop strings are not looked for.
+        """
         before = len(self.text)
         for t in token_ids[self.num_tokens :]:
             piece = self.stream.step(self.tokenizer.backend, t)
             if piece:
                 self.text += piece
         self.num_tokens = len(token_ids)
-        if not self.stops or len(self.text) == before:
+        if not self.stops or not check_stops or len(self.text) == before:
             return None
         search_from = max(0, before - self.holdback)
         best: tuple[int, str] | None = None

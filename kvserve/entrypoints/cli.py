@@ -98,6 +98,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
         turn += 1
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kvserve.entrypoints.openai.api_server import serve
+
+    try:
+        config = engine_config(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return serve(config, args.host, args.port, args.served_model_name, args.api_key, args.request_timeout)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve", description="kvserve: LLM inference and serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -114,6 +125,18 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
+
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    srv.add_argument("model", nargs="?", default="smollm2-135m", help="alias, .gguf file or HF directory")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", default=None, help="require this bearer key (or set KVSERVE_API_KEY)")
+    srv.add_argument("--served-model-name", default=None, help="model name clients use (default: MODEL)")
+    srv.add_argument(
+        "--request-timeout", type=float, default=None, help="seconds before a request is aborted"
+    )
+    add_engine_args(srv)
+    srv.set_defaults(func=cmd_serve)
 
     from kvserve.planner.cli import register as register_plan
 

@@ -60,9 +60,7 @@ class LLM:
                     ids.append(rid)
                 groups.append(ids)
         except ValueError:
-            engine.abort_request(added)
-            while engine.has_unfinished_requests() and added:
-                engine.step()  # drain the aborts so the engine is clean for the next call
+            engine.abort_request(added, report=False)  # leaves other callers' requests alone
             raise
 
         final: dict[str, RequestOutput] = {}

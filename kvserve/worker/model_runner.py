@@ -49,6 +49,7 @@ class ModelRunner:
     def kv_cache_bytes(self) -> int:
         return self.kv_cache.numel() * self.kv_cache.element_size()
 
+    @torch.inference_mode()
     def execute(
         self, out: SchedulerOutput, block_tables: dict[str, list[int]]
     ) -> tuple[dict[str, int], dict[str, list[dict[int, float] | None]]]:

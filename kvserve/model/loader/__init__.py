@@ -10,7 +10,20 @@ from kvserve.model.loader.resolve import ModelSource, resolve_model
 from kvserve.model.models.llama import LlamaForCausalLM
 from kvserve.tokenizer import Tokenizer
 
-__all__ = ["load_model", "load_arch", "resolve_model", "ModelSource"]
+__all__ = ["load_model", "load_arch", "load_tokenizer", "resolve_model", "ModelSource"]
+
+
+def load_tokenizer(source: ModelSource) -> Tokenizer:
+    """Only the tokenizer (what the API server process needs)."""
+    if source.kind == "hf":
+        from kvserve.model.loader.hf_loader import hf_tokenizer
+
+        return Tokenizer(hf_tokenizer(source.path))
+    import gguf
+
+    from kvserve.model.loader.gguf_loader import gguf_tokenizer
+
+    return Tokenizer(*gguf_tokenizer(gguf.GGUFReader(source.path)))
 
 
 def load_arch(source: ModelSource) -> ModelArch:

@@ -1,0 +1,146 @@
+"""The engine core: scheduler + model runner, one forward pass per `step()`.
+
+It works on token ids only. Text (tokenizing, detokenizing, stop strings) lives on the
+caller's side, so the same core runs in-process for the offline `LLM` and in its own
+process behind the server.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from kvserve.config import EngineConfig
+from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.kv_sizing import KVPoolSize, kv_bytes_per_token, kv_pool_size, parse_memory_size
+from kvserve.core.scheduler import Scheduler
+from kvserve.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from kvserve.model.arch import ModelArch
+from kvserve.model.loader import load_model, resolve_model
+from kvserve.request import Request, RequestStatus
+from kvserve.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_CACHE_MEMORY = "1GiB"
+
+
+def kv_pool_for(config: EngineConfig, arch: ModelArch, budget_bytes: int) -> KVPoolSize:
+    """The pool a budget buys for this model; `kvserve plan` uses the same arithmetic."""
+    dtype_bytes = config.torch_dtype.itemsize
+    per_token = kv_bytes_per_token(arch.num_layers, arch.num_kv_heads, arch.head_dim, dtype_bytes)
+    return kv_pool_size(budget_bytes, config.block_size, per_token)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        t0 = time.perf_counter()
+        self.config = config
+        self.source = resolve_model(config.model)
+        device = config.torch_device
+        self.model, self.tokenizer = load_model(self.source, config.torch_dtype, device)
+        arch = self.arch = self.model.arch
+        self.max_model_len = config.max_model_len or arch.max_position_embeddings
+        if self.max_model_len > arch.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len: {self.max_model_len} exceeds the model's context length "
+                f"{arch.max_position_embeddings}"
+            )
+        self.pool_size = kv_pool_for(config, arch, self._kv_budget(device))
+        if self.pool_size.num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory: too small for one KV block ({self.pool_size.block_bytes} bytes)"
+            )
+        self.kv_cache_manager = KVCacheManager(self.pool_size.num_blocks, config.block_size)
+        self.scheduler = Scheduler(
+            self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
+        )
+        self.model_runner = ModelRunner(
+            self.model, self.pool_size.num_blocks, config.block_size, device, config.seed
+        )
+        self.eos_token_ids = frozenset(arch.eos_token_ids) | (
+            {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
+        )
+        self.load_time = time.perf_counter() - t0
+        p = self.pool_size
+        logger.info(
+            "model %s loaded in %.1fs (%s, %s); KV pool: %d blocks x %d tokens = %d tokens, %.1f MiB; "
+            "max concurrency at max_model_len=%d: %.2f",
+            self.source.name, self.load_time, config.dtype, device, p.num_blocks, p.block_size,
+            p.num_tokens, p.total_bytes / 2**20, self.max_model_len, p.max_concurrency(self.max_model_len),
+        )  # fmt: skip
+
+    def _kv_budget(self, device) -> int:
+        if self.config.kv_cache_memory is not None:
+            return parse_memory_size(self.config.kv_cache_memory)
+        if device.type == "cuda":
+            import torch
+
+            free, total = torch.cuda.mem_get_info(device)
+            used = total - free
+            # Leave room for activations of one full step (logits dominate at large vocab).
+            reserve = (
+                4 * self.config.max_num_batched_tokens * (self.arch.hidden_size * 16 + self.arch.vocab_size)
+            )
+            return max(0, int(total * self.config.gpu_memory_utilization) - used - reserve)
+        return parse_memory_size(DEFAULT_CPU_KV_CACHE_MEMORY)
+
+    def add_request(self, req: EngineCoreRequest) -> None:
+        if req.request_id in self.scheduler.requests:
+            raise ValueError(f"request_id: {req.request_id!r} is already in use")
+        self.scheduler.add_request(
+            Request(
+                req.request_id, req.prompt_token_ids, req.params, req.max_tokens, self.eos_token_ids,
+                req.arrival_time,
+            )
+        )  # fmt: skip
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Free the requests' blocks now; no output is produced for them."""
+        for rid in request_ids:
+            self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> EngineCoreOutputs:
+        sched = self.scheduler.schedule()
+        outputs: list[EngineCoreOutput] = []
+        if sched:
+            block_tables = {
+                r.request_id: self.kv_cache_manager.get_block_ids(r.request_id) for r, _ in sched.scheduled
+            }
+            sampled, prompt_logprobs = self.model_runner.execute(sched, block_tables)
+            for req, _ in sched.scheduled:
+                entries = prompt_logprobs.get(req.request_id)
+                # After a preemption the prompt is recomputed; keep the first copy only.
+                if entries and len(req.prompt_logprobs) == req.num_computed_tokens + 1:
+                    req.prompt_logprobs.extend(entries)
+            for req in self.scheduler.update(sched, sampled):
+                outputs.append(self._output(req))
+        return EngineCoreOutputs(
+            outputs,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage(),
+            num_preemptions_total=self.scheduler.num_preemptions_total,
+            iteration_tokens=sched.total_tokens,
+        )
+
+    @staticmethod
+    def _output(req: Request) -> EngineCoreOutput:
+        first = len(req.output_token_ids) == 1
+        out = EngineCoreOutput(req.request_id, req.output_token_ids[-1:])
+        if req.params.logprobs is not None:
+            out.new_logprobs = req.logprobs[-1:]
+        if first:
+            out.first_scheduled_time = req.first_scheduled_time
+            out.first_token_time = req.first_token_time
+            if req.params.prompt_logprobs is not None:
+                out.prompt_logprobs = req.prompt_logprobs
+        if req.is_finished:
+            out.finish_reason = req.finish_reason
+            out.stop_reason = req.stop_reason
+            out.finished_time = req.finished_time
+            out.num_preemptions = req.num_preemptions
+        return out

@@ -1,0 +1,101 @@
+"""The engine core in its own process: a busy loop of `step()`, fed over ZeroMQ.
+
+The API process binds two sockets; this process connects: it PULLs add/abort messages and
+PUSHes one EngineCoreOutputs message per step. Between steps it drains every pending
+message without blocking; when idle it blocks on the input socket, so it never waits on
+HTTP and never spins.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import traceback
+
+import msgspec
+import zmq
+
+from kvserve.config import EngineConfig
+from kvserve.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+
+
+class AddRequest(msgspec.Struct, tag=True, array_like=True):
+    request: EngineCoreRequest
+
+
+class AbortRequests(msgspec.Struct, tag=True, array_like=True):
+    request_ids: list[str]
+
+
+class Ready(msgspec.Struct, tag=True, array_like=True):
+    """Sent once after loading, with what the API side needs to validate requests."""
+
+    vocab_size: int
+    max_model_len: int
+    num_blocks: int
+    block_size: int
+    kv_cache_bytes: int
+    pid: int
+
+
+class Failed(msgspec.Struct, tag=True, array_like=True):
+    error: str
+
+
+InputMessage = AddRequest | AbortRequests
+OutputMessage = Ready | Failed | EngineCoreOutputs
+
+
+def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> None:
+    """Process entry point."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process decides when we stop
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s [core]: %(message)s")
+    ctx = zmq.Context()
+    inp = ctx.socket(zmq.PULL)
+    inp.connect(input_addr)
+    out = ctx.socket(zmq.PUSH)
+    out.connect(output_addr)
+    encoder = msgspec.msgpack.Encoder()
+    try:
+        from kvserve.engine.core import EngineCore
+
+        core = EngineCore(config)
+    except Exception as e:
+        out.send(encoder.encode(Failed(f"{type(e).__name__}: {e}")))
+        return
+    out.send(
+        encoder.encode(
+            Ready(
+                core.arch.vocab_size, core.max_model_len, core.pool_size.num_blocks, core.pool_size.block_size,
+                core.pool_size.total_bytes, os.getpid(),
+            )
+        )
+    )  # fmt: skip
+    decoder = msgspec.msgpack.Decoder(InputMessage)
+    poller = zmq.Poller()
+    poller.register(inp, zmq.POLLIN)
+    try:
+        while True:
+            busy = core.has_unfinished_requests()
+            events = dict(poller.poll(0 if busy else 1000))
+            rejected: list[EngineCoreOutput] = []
+            while events.get(inp) == zmq.POLLIN:
+                msg = decoder.decode(inp.recv())
+                if isinstance(msg, AddRequest):
+                    try:
+                        core.add_request(msg.request)
+                    except ValueError:
+                        rejected.append(EngineCoreOutput(msg.request.request_id, [], finish_reason="abort"))
+                else:
+                    core.abort_requests(msg.request_ids)
+                events = dict(poller.poll(0))
+            if core.has_unfinished_requests() or rejected:
+                result = core.step() if core.has_unfinished_requests() else EngineCoreOutputs([])
+                result.outputs.extend(rejected)
+                out.send(encoder.encode(result))
+            elif busy:
+                out.send(encoder.encode(core.step()))  # report the now-idle stats once
+    except Exception:
+        traceback.print_exc()
+        raise

@@ -1,0 +1,43 @@
+"""What crosses between the API side and the engine core: compact msgspec structs.
+
+The same structs are used in-process by the offline engine, so both paths share one
+protocol; across processes they are msgpack-encoded, one message per step's outputs.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from kvserve.sampling_params import SamplingParams
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # resolved against max_model_len by the input processor
+    arrival_time: float
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A request's progress in one step: its new tokens and, once, how it ended."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    new_logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # sent with the first token
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, tag=True):
+    outputs: list[EngineCoreOutput]
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions_total: int = 0
+    iteration_tokens: int = 0

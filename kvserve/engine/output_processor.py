@@ -1,0 +1,96 @@
+"""Output processing: engine-core token outputs -> text, stop strings, RequestOutputs.
+
+Keeps each live request's detokenizer and accumulated tokens. A stop string ends the
+request here (finish_reason "stop"); the caller then aborts it in the engine core so its
+blocks are freed.
+"""
+
+from __future__ import annotations
+
+import time
+
+from kvserve.engine.detokenizer import IncrementalDetokenizer
+from kvserve.engine.messages import EngineCoreOutput, EngineCoreRequest
+from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvserve.tokenizer import Tokenizer
+
+
+class RequestState:
+    def __init__(self, req: EngineCoreRequest, prompt: str | None, tokenizer: Tokenizer) -> None:
+        self.request_id = req.request_id
+        self.prompt = prompt
+        self.prompt_token_ids = req.prompt_token_ids
+        self.params = req.params
+        self.detok = IncrementalDetokenizer(tokenizer, req.params)
+        self.token_ids: list[int] = []
+        self.logprobs: list[dict[int, float]] | None = [] if req.params.logprobs is not None else None
+        self.prompt_logprobs = None
+        self.metrics = RequestMetrics(req.arrival_time)
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+
+    def make_output(self, new_token_ids: list[int]) -> RequestOutput:
+        finished = self.finish_reason is not None
+        completion = CompletionOutput(
+            index=0,
+            text=self.detok.text,
+            token_ids=list(self.token_ids),
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            delta_text=self.detok.release(finished),
+            delta_token_ids=new_token_ids,
+        )
+        return RequestOutput(
+            self.request_id, self.prompt, self.prompt_token_ids, [completion], finished, self.metrics,
+            self.prompt_logprobs,
+        )  # fmt: skip
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, RequestState] = {}
+
+    def add_request(self, req: EngineCoreRequest, prompt: str | None = None) -> None:
+        self.states[req.request_id] = RequestState(req, prompt, self.tokenizer)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.states)
+
+    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """RequestOutputs for these core outputs, and ids the core must abort (stop strings)."""
+        results, to_abort = [], []
+        for out in outputs:
+            st = self.states.get(out.request_id)
+            if st is None:
+                continue  # already finished here (e.g. stop string) while the core stepped on
+            st.token_ids.extend(out.new_token_ids)
+            if st.logprobs is not None and out.new_logprobs:
+                st.logprobs.extend(out.new_logprobs)
+            m = st.metrics
+            if out.first_token_time is not None:
+                m.first_scheduled_time, m.first_token_time = out.first_scheduled_time, out.first_token_time
+                st.prompt_logprobs = out.prompt_logprobs
+            stop = st.detok.update(st.token_ids, len(st.token_ids) >= st.params.min_tokens)
+            if stop is not None:
+                st.finish_reason, st.stop_reason = "stop", stop
+                if out.finish_reason is None:
+                    to_abort.append(out.request_id)
+            elif out.finish_reason is not None:
+                st.finish_reason, st.stop_reason = out.finish_reason, out.stop_reason
+            if st.finish_reason is not None:
+                m.finished_time = out.finished_time or time.monotonic()
+                m.num_preemptions = out.num_preemptions
+                del self.states[out.request_id]
+            results.append(st.make_output(out.new_token_ids))
+        return results, to_abort
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Finish a request as aborted; returns its final output if it was live."""
+        st = self.states.pop(request_id, None)
+        if st is None:
+            return None
+        st.finish_reason = "abort"
+        st.metrics.finished_time = time.monotonic()
+        return st.make_output([])

@@ -1,0 +1,80 @@
+"""Input processing: validate a prompt and its SamplingParams, tokenize, resolve limits.
+
+Runs on the caller's side (offline LLM or API server) so a bad request is refused before
+it reaches the engine core, with a ValueError that names the field.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvserve.engine.messages import EngineCoreRequest
+from kvserve.sampling_params import SamplingParams
+from kvserve.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What a request is checked against; comes from the engine core once it is loaded."""
+
+    vocab_size: int
+    max_model_len: int
+    num_blocks: int
+    block_size: int
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Tokenizer, limits: ModelLimits) -> None:
+        self.tokenizer = tokenizer
+        self.limits = limits
+
+    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt: must not be empty")
+            return self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        vocab = self.limits.vocab_size
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt: token ids must be integers in [0, {vocab})")
+        return ids
+
+    def process(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> EngineCoreRequest:
+        lim = self.limits
+        ids = self.tokenize(prompt)
+        n = len(ids)
+        if n == 0:
+            raise ValueError("prompt: must not be empty")
+        if n >= lim.max_model_len:
+            raise ValueError(
+                f"prompt: {n} tokens leave no room to generate within max_model_len={lim.max_model_len}"
+            )
+        max_tokens = params.max_tokens if params.max_tokens is not None else lim.max_model_len - n
+        if n + max_tokens > lim.max_model_len:
+            raise ValueError(
+                f"max_tokens: prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds "
+                f"max_model_len={lim.max_model_len}"
+            )
+        need = -(-(n + max_tokens) // lim.block_size)
+        if need > lim.num_blocks:
+            raise ValueError(
+                f"max_tokens: prompt + max_tokens need {need} KV blocks but the pool has only "
+                f"{lim.num_blocks}; lower max_tokens or raise kv_cache_memory"
+            )
+        if params.n != 1:
+            raise ValueError("n: the engine takes one sequence per request; callers fan n out")
+        bad = [t for t in (params.logit_bias or {}) if not 0 <= int(t) < lim.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias: token ids out of range: {bad[:5]}")
+        bad = [t for t in (params.stop_token_ids or []) if not 0 <= int(t) < lim.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids: token ids out of range: {bad[:5]}")
+        return EngineCoreRequest(request_id, ids, params, max_tokens, arrival_time or time.monotonic())
