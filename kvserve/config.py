@@ -43,7 +43,7 @@ class EngineConfig:
     )
     max_num_seqs: int = field(default=128, metadata={"help": "Most requests running in one step."})
     max_num_batched_tokens: int = field(
-        default=2048, metadata={"help": "Token budget of one step (prefill chunks + decode tokens)."}
+        default=512, metadata={"help": "Token budget of one step (prefill chunks + decode tokens)."}
     )
     seed: int = field(
         default=0, metadata={"help": "Seed for requests that sample without a seed of their own."}

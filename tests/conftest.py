@@ -103,3 +103,8 @@ def default_reference():
     from kvserve.model.loader.resolve import default_model_file
 
     return load_reference(default_model_file())
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"

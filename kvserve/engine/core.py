@@ -39,6 +39,7 @@ class EngineCore:
         self.source = resolve_model(config.model)
         device = config.torch_device
         self.model, self.tokenizer = load_model(self.source, config.torch_dtype, device)
+        self.load_time = time.perf_counter() - t0  # reading + dequantizing weights, tokenizer
         arch = self.arch = self.model.arch
         self.max_model_len = config.max_model_len or arch.max_position_embeddings
         if self.max_model_len > arch.max_position_embeddings:
@@ -61,7 +62,6 @@ class EngineCore:
         self.eos_token_ids = frozenset(arch.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         )
-        self.load_time = time.perf_counter() - t0
         p = self.pool_size
         logger.info(
             "model %s loaded in %.1fs (%s, %s); KV pool: %d blocks x %d tokens = %d tokens, %.1f MiB; "

@@ -67,8 +67,8 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> 
     out.send(
         encoder.encode(
             Ready(
-                core.arch.vocab_size, core.max_model_len, core.pool_size.num_blocks, core.pool_size.block_size,
-                core.pool_size.total_bytes, os.getpid(),
+                core.arch.vocab_size, core.max_model_len, core.pool_size.num_blocks,
+                core.pool_size.block_size, core.pool_size.total_bytes, os.getpid(),
             )
         )
     )  # fmt: skip

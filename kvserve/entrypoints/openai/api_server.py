@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvserve import __version__
@@ -62,7 +62,7 @@ def build_app(
     async def on_validation_error(request: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
         loc = [str(x) for x in first.get("loc", []) if x != "body"]
-        param = ".".join(loc) or None
+        param = loc[0] if loc else None  # the top-level field; deeper parts name union members
         msg = (
             f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid request")
         )
@@ -95,8 +95,10 @@ def build_app(
 
     @app.get("/v1/models")
     async def models():
-        card = {"id": served_model_name, "object": "model", "created": int(time.time()), "owned_by": "kvserve",
-                "max_model_len": engine.limits.max_model_len}  # fmt: skip
+        card = {
+            "id": served_model_name, "object": "model", "created": int(time.time()),
+            "owned_by": "kvserve", "max_model_len": engine.limits.max_model_len,
+        }  # fmt: skip
         return {"object": "list", "data": [card]}
 
     @app.get("/health")

@@ -73,7 +73,7 @@ class OpenAIServing:
                 except asyncio.TimeoutError:
                     raise TimeoutError(
                         f"request exceeded the server's request timeout ({self.request_timeout}s)"
-                    )
+                    ) from None
                 if item is None:
                     remaining -= 1
                 elif isinstance(item, BaseException):
@@ -188,8 +188,8 @@ class OpenAIServing:
             )
         return JSONResponse(
             {
-                "id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
-                "usage": _usage(len(prompt), completion_tokens),
+                "id": rid, "object": "chat.completion", "created": created, "model": model,
+                "choices": choices, "usage": _usage(len(prompt), completion_tokens),
             }
         )  # fmt: skip
 
@@ -263,8 +263,8 @@ class OpenAIServing:
             )  # fmt: skip
         return JSONResponse(
             {
-                "id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
-                "usage": _usage(prompt_tokens, completion_tokens),
+                "id": rid, "object": "text_completion", "created": created, "model": model,
+                "choices": choices, "usage": _usage(prompt_tokens, completion_tokens),
             }
         )  # fmt: skip
 

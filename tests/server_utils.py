@@ -1,0 +1,85 @@
+"""Start a real `kvserve serve` process on 127.0.0.1 for tests, and read its /metrics."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(
+        self, model: str, *args: str, api_key: str | None = "test-key", timeout: float = 180
+    ) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api_key = api_key
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvserve.entrypoints.cli",
+            "serve",
+            model,
+            "--port",
+            str(self.port),
+            *args,
+        ]
+        if api_key:
+            cmd += ["--api-key", api_key]
+        self.log = open(os.devnull, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise TimeoutError("server did not become healthy")
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def metrics(self) -> dict[str, float]:
+        """Unlabelled view of /metrics: metric name -> value (summed over labels)."""
+        text = httpx.get(f"{self.url}/metrics", timeout=5).text
+        values: dict[str, float] = {}
+        for line in text.splitlines():
+            m = re.match(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})? ([0-9.eE+-]+|NaN)$", line)
+            if m:
+                values[m.group(1)] = values.get(m.group(1), 0.0) + float(m.group(3))
+        return values
+
+    def engine_core_pid(self) -> int:
+        import psutil
+
+        for child in psutil.Process(self.proc.pid).children(recursive=True):
+            cmd = " ".join(child.cmdline())
+            if "spawn_main" in cmd and "resource_tracker" not in cmd:
+                return child.pid
+        raise RuntimeError("engine core process not found")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.log.close()

@@ -1,0 +1,307 @@
+"""A real `kvserve serve` process driven with the official openai client (sync and async)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+from server_utils import ServerProcess
+
+from kvserve import LLM, SamplingParams
+
+pytestmark = pytest.mark.anyio
+
+MODEL_ARGS = ("--kv-cache-memory", "32MiB", "--max-model-len", "256", "--served-model-name", "tiny")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir):
+    s = ServerProcess(tiny_llama_dir, *MODEL_ARGS)
+    yield s
+    s.stop()
+
+
+@pytest.fixture()
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=server.api_key, max_retries=0)
+
+
+@pytest.fixture()
+def aclient(server):
+    return openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=server.api_key, max_retries=0)
+
+
+def test_models_health_version(server, client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert "version" in httpx.get(f"{server.url}/version").json()
+
+
+def test_chat_completion_shape(client):
+    r = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hello world"}], max_tokens=12, temperature=0
+    )
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-") and r.model == "tiny"
+    (c,) = r.choices
+    assert c.index == 0 and c.message.role == "assistant" and c.finish_reason in ("stop", "length")
+    assert (
+        r.usage.completion_tokens >= 1
+        and r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    )
+
+
+def test_chat_stream_with_usage(client):
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=10, temperature=0,
+            stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        )
+    )  # fmt: skip
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    full = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=10, temperature=0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert full.choices[0].message.content == text
+
+
+async def test_async_completions_and_stream(aclient):
+    r = await aclient.completions.create(model="tiny", prompt="The quick brown", max_tokens=8, temperature=0)
+    assert r.object == "text_completion" and len(r.choices) == 1
+    stream = await aclient.completions.create(
+        model="tiny", prompt="The quick brown", max_tokens=8, temperature=0, stream=True
+    )
+    text = "".join([c.choices[0].text async for c in stream])
+    assert text == r.choices[0].text
+
+
+def test_n2_list_prompts_and_token_prompts(client):
+    r = client.completions.create(model="tiny", prompt="Hello", n=2, max_tokens=6, temperature=1.0, seed=3)
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    r = client.completions.create(model="tiny", prompt=["Hello", "World"], max_tokens=4, temperature=0)
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    r = client.completions.create(model="tiny", prompt=[[5, 6, 7], [8, 9]], max_tokens=4, temperature=0)
+    assert sorted(c.index for c in r.choices) == [0, 1] and r.usage.prompt_tokens == 5
+
+
+def test_stop_strings(client):
+    base = client.completions.create(model="tiny", prompt="The quick brown", max_tokens=20, temperature=0)
+    text = base.choices[0].text
+    stop = text.strip()[2:5] if len(text.strip()) > 6 else None
+    if not stop:
+        pytest.skip("greedy text too short for a stop string")
+    r = client.completions.create(
+        model="tiny", prompt="The quick brown", max_tokens=20, temperature=0, stop=[stop]
+    )
+    assert r.choices[0].finish_reason == "stop"
+    assert stop not in r.choices[0].text and text.startswith(r.choices[0].text)
+
+
+def test_seed_reproducible(client):
+    def go(seed):
+        return (
+            client.completions.create(model="tiny", prompt="Once", max_tokens=16, temperature=1.0, seed=seed)
+            .choices[0]
+            .text
+        )
+
+    assert go(7) == go(7)
+    assert len({go(s) for s in (1, 2, 3, 4)}) > 1
+
+
+def test_logprobs_and_echo(client):
+    r = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=5, temperature=0,
+        logprobs=True, top_logprobs=3,
+    )  # fmt: skip
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for item in content:
+        assert item.logprob <= 0 and len(item.top_logprobs) == 3
+        assert item.logprob == pytest.approx(max(t.logprob for t in item.top_logprobs))  # greedy
+    r = client.completions.create(
+        model="tiny", prompt="Hello world", max_tokens=3, temperature=0, logprobs=2, echo=True
+    )
+    c = r.choices[0]
+    assert c.text.startswith("Hello world")
+    lp = c.logprobs
+    assert lp.token_logprobs[0] is None and len(lp.tokens) == r.usage.prompt_tokens + 3
+    assert all(x <= 0 for x in lp.token_logprobs[1:])
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"max_tokens": "many"}, "max_tokens"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"temperature": -1}, "temperature"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"prompt": "word " * 400}, "prompt"),
+        ({"model": "gpt-4"}, "model"),
+        ({"prompt": ""}, "prompt"),
+        ({"suffix": "x"}, "suffix"),
+        ({"tools": []}, "tools"),
+        ({"logit_bias": {"999999": 5}}, "logit_bias"),
+        ({"max_tokens": 255}, "max_tokens"),
+    ],
+)
+def test_bad_requests_are_400(server, body, param):
+    payload = {"model": "tiny", "prompt": "Hello", "max_tokens": 4, **body}
+    r = httpx.post(f"{server.url}/v1/completions", json=payload, headers=server.headers, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and param in err["message"] and err["param"] == param
+
+
+def test_openai_client_errors(server, client):
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="tiny", messages=[], max_tokens=3)
+    bad = openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    r = httpx.get(f"{server.url}/v1/nope", headers=server.headers)
+    assert r.status_code == 404 and "error" in r.json()
+
+
+def test_tokenize_detokenize(server):
+    r = httpx.post(f"{server.url}/tokenize", json={"prompt": "Hello world"}, headers=server.headers).json()
+    assert r["count"] == len(r["tokens"]) > 0
+    d = httpx.post(f"{server.url}/detokenize", json={"tokens": r["tokens"]}, headers=server.headers).json()
+    assert d["prompt"].endswith("Hello world")
+
+
+def test_http_greedy_equals_offline(server, client, tiny_llama_dir):
+    prompts = ["Hello world", "A paged KV cache stores keys", "The quick brown fox jumps"]
+    llm = LLM(tiny_llama_dir, kv_cache_memory="32MiB", max_model_len=256)
+    offline = [
+        o.outputs[0].text
+        for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+    ]
+    online = [
+        client.completions.create(model="tiny", prompt=p, max_tokens=24, temperature=0).choices[0].text
+        for p in prompts
+    ]
+    assert online == offline
+
+
+async def test_64_concurrent_streams(server, aclient):
+    async def one(i):
+        stream = await aclient.completions.create(
+            model="tiny", prompt=f"Request {i}:", max_tokens=24, temperature=0.8, seed=i, stream=True,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        n = 0
+        async for chunk in stream:
+            if chunk.choices:
+                n += 1
+        return n
+
+    counts = await asyncio.gather(*(one(i) for i in range(64)))
+    assert all(c > 0 for c in counts)
+
+
+async def test_disconnects_free_everything(server):
+    body = {"model": "tiny", "prompt": "Go", "max_tokens": 200, "stream": True, "ignore_eos": True}
+    async with httpx.AsyncClient(timeout=30) as http:
+        streams = []
+        for _ in range(20):
+            req = http.build_request(
+                "POST", f"{server.url}/v1/completions", json=body, headers=server.headers
+            )
+            resp = await http.send(req, stream=True)
+            streams.append(resp)
+        for resp in streams:
+            it = resp.aiter_lines()
+            for _ in range(3):
+                await it.__anext__()
+        assert server.metrics()["kvserve:num_requests_running"] > 0
+        for resp in streams:
+            await resp.aclose()
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline:
+        m = server.metrics()
+        if m["kvserve:num_requests_running"] == 0 and m["kvserve:kv_cache_usage_perc"] == 0:
+            break
+        await asyncio.sleep(0.1)
+    m = server.metrics()
+    assert m["kvserve:num_requests_running"] == 0 and m["kvserve:kv_cache_usage_perc"] == 0
+
+
+def test_metrics_exposed(server, client):
+    client.completions.create(model="tiny", prompt="Hello", max_tokens=4, temperature=0)
+    m = server.metrics()
+    for name in (
+        "kvserve:num_requests_running", "kvserve:num_requests_waiting", "kvserve:kv_cache_usage_perc",
+        "kvserve:prompt_tokens_total", "kvserve:generation_tokens_total", "kvserve:request_success_total",
+        "kvserve:time_to_first_token_seconds_count", "kvserve:inter_token_latency_seconds_count",
+        "kvserve:e2e_request_latency_seconds_count", "kvserve:request_queue_time_seconds_count",
+        "kvserve:iteration_tokens_count",
+    ):  # fmt: skip
+        assert name in m, name
+    assert m["kvserve:generation_tokens_total"] >= 4
+
+
+def _post_many(s: ServerProcess, body: dict, n: int, kill_after: float | None = None):
+    """n concurrent completions; optionally SIGKILL the engine core after `kill_after` s."""
+
+    async def one(http):
+        return await http.post(f"{s.url}/v1/completions", json=body, headers=s.headers)
+
+    async def scenario():
+        async with httpx.AsyncClient(timeout=60) as http:
+            tasks = [asyncio.create_task(one(http)) for _ in range(n)]
+            killed = None
+            if kill_after is not None:
+                await asyncio.sleep(kill_after)
+                os.kill(s.engine_core_pid(), signal.SIGKILL)
+                killed = time.monotonic()
+            results = await asyncio.gather(*tasks)
+            return killed, time.monotonic(), results
+
+    return asyncio.run(scenario())
+
+
+LONG = {"model": "tiny", "prompt": "Go", "max_tokens": 240, "ignore_eos": True}
+
+
+def test_request_timeout(tiny_llama_dir):
+    # One seat: requests queue behind each other, and waiting counts toward the timeout.
+    s = ServerProcess(tiny_llama_dir, *MODEL_ARGS, "--request-timeout", "0.3", "--max-num-seqs", "1")
+    try:
+        _, _, results = _post_many(s, LONG, 12)
+        codes = sorted(r.status_code for r in results)
+        assert set(codes) <= {200, 504} and 504 in codes, codes
+        timed_out = next(r for r in results if r.status_code == 504)
+        assert timed_out.json()["error"]["type"] == "timeout"
+        time.sleep(0.5)
+        m = s.metrics()
+        assert m["kvserve:num_requests_running"] == 0 and m["kvserve:kv_cache_usage_perc"] == 0
+    finally:
+        s.stop()
+
+
+def test_engine_death_is_reported(tiny_llama_dir):
+    s = ServerProcess(tiny_llama_dir, *MODEL_ARGS, "--max-num-seqs", "1")
+    try:
+        killed, done, results = _post_many(s, LONG, 20, kill_after=0.3)
+        codes = [r.status_code for r in results]
+        assert any(c >= 500 for c in codes) and set(codes) <= {200, 503}, codes
+        assert done - killed < 2.0
+        t0 = time.monotonic()
+        while httpx.get(f"{s.url}/health").status_code != 503:
+            assert time.monotonic() - t0 < 2.0
+            time.sleep(0.05)
+        r = httpx.post(f"{s.url}/v1/completions", json=LONG, headers=s.headers)
+        assert r.status_code == 503 and json.loads(r.text)["error"]["type"] == "engine_dead"
+    finally:
+        s.stop()
