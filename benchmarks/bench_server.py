@@ -48,10 +48,8 @@ async def stream_all(
                 errors += 1
                 return 0
             async for line in r.aiter_lines():
-                if line.startswith("data: {"):
-                    chunk = json.loads(line[6:])
-                    if chunk.get("usage"):
-                        n = chunk["usage"]["completion_tokens"]
+                if '"usage":{' in line:  # only the final chunk is parsed: keep the client cheap
+                    n = json.loads(line[6:])["usage"]["completion_tokens"]
         return n
 
     limits = httpx.Limits(max_connections=len(prompts) + 4)

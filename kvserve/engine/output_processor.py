@@ -34,10 +34,10 @@ class RequestState:
         completion = CompletionOutput(
             index=0,
             text=self.detok.text,
-            token_ids=list(self.token_ids),
+            token_ids=self.token_ids if not finished else list(self.token_ids),  # grows until finished
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
-            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            logprobs=self.logprobs,
             delta_text=self.detok.release(finished),
             delta_token_ids=new_token_ids,
         )

@@ -159,7 +159,10 @@ def serve(config: EngineConfig, host: str, port: int, served_model_name: str | N
     app = build_app(engine, name, api_key, request_timeout)
     logger.info("serving %s on http://%s:%d (API key %s)", name, host, port, "required" if api_key else "off")
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=2)
+        uvicorn.run(
+            app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=2, loop="uvloop",
+            http="httptools",
+        )  # fmt: skip
     finally:
         engine.shutdown()
     return 0

@@ -8,12 +8,12 @@ SSE `data: {...}` lines ending with `data: [DONE]`.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
+import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -22,6 +22,8 @@ from kvserve.entrypoints.openai.errors import error_response
 from kvserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
+
+_json = msgspec.json.Encoder()
 
 
 class OpenAIServing:
@@ -142,8 +144,8 @@ class OpenAIServing:
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
     @staticmethod
-    def _sse(obj: dict) -> str:
-        return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+    def _sse(obj: dict) -> bytes:
+        return b"data: " + _json.encode(obj) + b"\n\n"
 
     # ---- chat ------------------------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, raw: Request):
@@ -322,7 +324,7 @@ class OpenAIServing:
                 yield self._sse({"error": _err_body(str(e), "timeout", 504)})
             finally:
                 await gen.aclose()
-            yield "data: [DONE]\n\n"
+            yield b"data: [DONE]\n\n"
 
         return StreamingResponse(body(), media_type="text/event-stream")
 
