@@ -20,7 +20,12 @@ def free_port() -> int:
 
 class ServerProcess:
     def __init__(
-        self, model: str, *args: str, api_key: str | None = "test-key", timeout: float = 180
+        self,
+        model: str,
+        *args: str,
+        api_key: str | None = "test-key",
+        timeout: float = 180,
+        log_path: str | None = None,
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -37,7 +42,7 @@ class ServerProcess:
         ]
         if api_key:
             cmd += ["--api-key", api_key]
-        self.log = open(os.devnull, "w")
+        self.log = open(log_path or os.devnull, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -33,8 +33,12 @@ def client(server):
 
 
 @pytest.fixture()
-def aclient(server):
-    return openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=server.api_key, max_retries=0)
+async def aclient(server):
+    # Closed inside the test's event loop: a client left to the garbage collector would try
+    # to close its connections on a loop that no longer exists.
+    c = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=server.api_key, max_retries=0)
+    yield c
+    await c.close()
 
 
 def test_models_health_version(server, client):
@@ -303,5 +307,24 @@ def test_engine_death_is_reported(tiny_llama_dir):
             time.sleep(0.05)
         r = httpx.post(f"{s.url}/v1/completions", json=LONG, headers=s.headers)
         assert r.status_code == 503 and json.loads(r.text)["error"]["type"] == "engine_dead"
+    finally:
+        s.stop()
+
+
+@pytest.mark.slow
+def test_default_model_server(tmp_path):
+    """What `make serve` starts: the default model, with its configuration and KV pool logged."""
+    log = tmp_path / "serve.log"
+    s = ServerProcess("smollm2-135m", "--kv-cache-memory", "256MiB", api_key=None, log_path=str(log))
+    try:
+        c = openai.OpenAI(base_url=f"{s.url}/v1", api_key="none", max_retries=0)
+        r = c.chat.completions.create(
+            model="smollm2-135m", messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=16, temperature=0,
+        )  # fmt: skip
+        assert "Paris" in r.choices[0].message.content
+        text = log.read_text()
+        assert "configuration:" in text and "KV pool:" in text and "max concurrency at max_model_len" in text
+        assert "Traceback" not in text
     finally:
         s.stop()

@@ -17,6 +17,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         if f.name == "model":
             continue
         flag = "--" + f.name.replace("_", "-")
+        if str(f.type) == "bool":  # --enable-x / --no-enable-x
+            g.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
+                           help=f.metadata.get("help"))  # fmt: skip
+            continue
         typ = {"int": int, "float": float}.get(str(f.type).split(" |")[0], str)
         g.add_argument(flag, dest=f.name, type=typ, default=None, help=f.metadata.get("help"))
 
@@ -99,6 +103,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if args.engine == "naive":
+        from kvserve.entrypoints.naive_server import serve_naive
+
+        return serve_naive(args.model, args.host, args.port, args.served_model_name)
     from kvserve.entrypoints.openai.api_server import serve
 
     try:
@@ -135,12 +143,17 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument(
         "--request-timeout", type=float, default=None, help="seconds before a request is aborted"
     )
+    srv.add_argument("--engine", choices=("kvserve", "naive"), default="kvserve",
+                     help="naive: the transformers generate() baseline, one request at a time")  # fmt: skip
     add_engine_args(srv)
     srv.set_defaults(func=cmd_serve)
 
     from kvserve.planner.cli import register as register_plan
 
     register_plan(sub)
+    from kvserve.bench.cli import register as register_bench
+
+    register_bench(sub)
     return parser
 
 

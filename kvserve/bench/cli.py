@@ -1,0 +1,84 @@
+"""`kvserve bench serve | sweep | offline`: argument parsing and printing, nothing else."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from kvserve.bench.args import add_offline_args, add_serve_args
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kvserve.bench.report import format_table, save_json
+    from kvserve.bench.serve import prepare, run_serve
+
+    try:
+        tok, requests = prepare(args)
+        res = run_serve(args, args.base_url, tok, requests, detailed=args.save_detailed)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(format_table(res))
+    if args.save_result:
+        save_json(res, args.save_result)
+    return 0 if res["metrics"]["failed"] == 0 else 1
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from kvserve.bench.report import save_json
+    from kvserve.bench.sweep import plot_sweep, run_sweep
+
+    try:
+        res = run_sweep(args)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    plot_sweep(res, args.plot, args.title)
+    print(f"plot: {args.plot}")
+    if args.save_result:
+        save_json(res, args.save_result)
+    failed = sum(r["metrics"]["failed"] for s in res["series"] for r in s["runs"])
+    return 0 if failed == 0 else 1
+
+
+def cmd_offline(args: argparse.Namespace) -> int:
+    from kvserve.bench.offline import format_offline, run_offline
+
+    try:
+        res = run_offline(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(format_offline(res))
+    if args.save_result:
+        with open(args.save_result, "w", encoding="utf-8") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+def register(subparsers) -> None:
+    bench = subparsers.add_parser("bench", help="benchmark a server (serve, sweep) or the engine (offline)")
+    sub = bench.add_subparsers(dest="bench_command", required=True)
+
+    serve = sub.add_parser("serve", help="load-test one OpenAI-compatible server")
+    add_serve_args(serve)
+    serve.add_argument("--save-result", default=None, help="write the result as JSON (docs/BENCH.md)")
+    serve.add_argument("--save-detailed", action="store_true", help="include per-request timings in JSON")
+    serve.set_defaults(func=cmd_serve)
+
+    sweep = sub.add_parser("sweep", help="bench serve over concurrencies or rates, plot the curve")
+    sweep.add_argument("--base-url", action="append", required=True, help="repeat to compare servers")
+    sweep.add_argument("--label", action="append", help="legend name per --base-url")
+    sweep.add_argument("--concurrencies", default=None, help="e.g. 1,8,32 (all prompts sent at once)")
+    sweep.add_argument("--rates", default=None, help="requests/s, e.g. 1,2,4,inf")
+    sweep.add_argument("--plot", default="bench_sweep.png", help="PNG path")
+    sweep.add_argument("--title", default=None)
+    sweep.add_argument("--save-result", default=None, help="all runs as JSON")
+    add_serve_args(sweep, single_url=False)
+    sweep.set_defaults(func=cmd_sweep)
+
+    off = sub.add_parser("offline", help="engine throughput in-process (no HTTP)")
+    add_offline_args(off)
+    off.add_argument("--save-result", default=None)
+    off.set_defaults(func=cmd_offline)

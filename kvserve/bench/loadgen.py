@@ -1,0 +1,206 @@
+"""The load generator: streams requests at an OpenAI-compatible server and timestamps every chunk.
+
+The client must never be the bottleneck, so the per-chunk path is small: raw bytes are split on
+blank lines, each event is decoded with msgspec, and only a timestamp is kept per chunk that
+carries text. Token counts come from the server's final usage chunk (stream_options), or, for
+servers that do not send one, from the caller's `count_tokens` over the generated text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import msgspec
+
+from kvserve.bench.datasets import BenchRequest
+
+_decode = msgspec.json.Decoder().decode
+
+
+@dataclass
+class LoadConfig:
+    base_url: str
+    model: str
+    endpoint: str = "completions"  # or "chat"
+    request_rate: float = math.inf  # requests/s; inf sends them all at once
+    burstiness: float = 1.0  # gamma shape: 1 is Poisson, < 1 burstier, > 1 steadier
+    max_concurrency: int | None = None
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    prompt_format: str = "text"  # "ids" sends token ids (completions only)
+    api_key: str | None = None
+    timeout: float = 6 * 3600
+    seed: int = 0
+    extra_body: dict[str, Any] = field(default_factory=dict)
+    progress: bool = True
+
+
+@dataclass
+class RequestResult:
+    """What one request saw. Times are seconds; `start` is relative to the benchmark start."""
+
+    success: bool = False
+    error: str = ""
+    prompt_len: int = 0
+    output_tokens: int = 0
+    start: float = 0.0
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)  # gaps between text-carrying chunks
+    text: str = ""
+
+
+def _body(cfg: LoadConfig, req: BenchRequest) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": cfg.model, "max_tokens": req.output_len, "temperature": cfg.temperature, "stream": True,
+        "stream_options": {"include_usage": True},
+    }  # fmt: skip
+    if cfg.endpoint == "chat":
+        body["messages"] = req.messages or [{"role": "user", "content": req.text}]
+    else:
+        body["prompt"] = req.prompt_ids if cfg.prompt_format == "ids" else req.text
+    if cfg.ignore_eos:
+        body["ignore_eos"] = True
+    body.update(cfg.extra_body)
+    return body
+
+
+def _url(cfg: LoadConfig) -> str:
+    base = cfg.base_url.rstrip("/")
+    if not base.endswith("/v1"):
+        base += "/v1"
+    return base + ("/chat/completions" if cfg.endpoint == "chat" else "/completions")
+
+
+async def send_one(
+    http: httpx.AsyncClient,
+    cfg: LoadConfig,
+    req: BenchRequest,
+    t_base: float,
+    count_tokens: Callable[[str], int] | None = None,
+) -> RequestResult:
+    """Stream one request; never raises (failures come back with success=False)."""
+    res = RequestResult(prompt_len=req.prompt_len)
+    chat = cfg.endpoint == "chat"
+    times: list[float] = []
+    pieces: list[str] = []
+    usage = None
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else None
+    t0 = time.perf_counter()
+    res.start = t0 - t_base
+    try:
+        async with http.stream("POST", _url(cfg), json=_body(cfg, req), headers=headers) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200].decode(errors='replace')}"
+                return res
+            buf = b""
+            async for raw in r.aiter_raw():
+                now = time.perf_counter()
+                events = (buf + raw).split(b"\n\n")
+                buf = events.pop()
+                for ev in events:
+                    ev = ev.strip()
+                    if not ev.startswith(b"data:"):
+                        continue  # comments / keep-alives
+                    payload = ev[5:].strip()
+                    if payload == b"[DONE]":
+                        continue
+                    obj = _decode(payload)
+                    if "error" in obj and obj["error"]:
+                        err = obj["error"]
+                        res.error = str(err.get("message", err) if isinstance(err, dict) else err)
+                        return res
+                    choices = obj.get("choices")
+                    if choices:
+                        c = choices[0]
+                        text = (c.get("delta") or {}).get("content") if chat else c.get("text")
+                        if text:
+                            times.append(now)
+                            pieces.append(text)
+                    if obj.get("usage"):
+                        usage = obj["usage"]
+    except (httpx.HTTPError, msgspec.DecodeError, OSError) as e:
+        res.error = f"{type(e).__name__}: {e}"
+        return res
+    end = time.perf_counter()
+    if not times:
+        res.error = "no text was streamed"
+        return res
+    res.text = "".join(pieces)
+    res.ttft = times[0] - t0
+    res.latency = end - t0
+    res.itl = [b - a for a, b in zip(times, times[1:])]
+    if usage and usage.get("completion_tokens") is not None:
+        res.output_tokens = int(usage["completion_tokens"])
+        res.prompt_len = int(usage.get("prompt_tokens") or res.prompt_len)
+    else:
+        res.output_tokens = count_tokens(res.text) if count_tokens else len(times)
+    res.success = True
+    return res
+
+
+def arrival_gaps(n: int, rate: float, burstiness: float, seed: int) -> list[float]:
+    """Seconds to wait before each request: gamma(shape=burstiness, mean=1/rate) gaps, so the
+    long-run rate is `rate` whatever the burstiness (shape 1 is a Poisson process)."""
+    if math.isinf(rate):
+        return [0.0] * n
+    if rate <= 0 or burstiness <= 0:
+        raise ValueError("request-rate and burstiness: must be positive")
+    rng = random.Random(seed)
+    return [0.0] + [rng.gammavariate(burstiness, 1.0 / (rate * burstiness)) for _ in range(n - 1)]
+
+
+def _client(n: int) -> httpx.AsyncClient:
+    limits = httpx.Limits(max_connections=n + 4, max_keepalive_connections=n + 4)
+    return httpx.AsyncClient(timeout=None, limits=limits)
+
+
+async def run_load(
+    cfg: LoadConfig,
+    requests: list[BenchRequest],
+    count_tokens: Callable[[str], int] | None = None,
+    warmup: int = 0,
+) -> tuple[list[RequestResult], float]:
+    """Send `warmup` untimed requests, then all `requests` on the arrival schedule under the
+    concurrency cap. Returns the results in request order and the wall time of the timed part."""
+    from tqdm import tqdm
+
+    cap = cfg.max_concurrency or len(requests)
+    async with _client(max(cap, warmup)) as http:
+        http.timeout = httpx.Timeout(cfg.timeout)
+        if warmup:
+            warm = [requests[i % len(requests)] for i in range(warmup)]
+            results = await asyncio.gather(*(send_one(http, cfg, r, time.perf_counter()) for r in warm))
+            failed = [r.error for r in results if not r.success]
+            if failed:
+                raise RuntimeError(f"warm-up request failed: {failed[0]}")
+
+        sem = asyncio.Semaphore(cap)
+        bar = tqdm(total=len(requests), desc="bench", unit="req", disable=not cfg.progress)
+
+        async def limited(req: BenchRequest) -> RequestResult:
+            async with sem:
+                res = await send_one(http, cfg, req, t_base, count_tokens)
+            bar.update(1)
+            return res
+
+        tasks = []
+        t_base = due = time.perf_counter()
+        for req, gap in zip(
+            requests, arrival_gaps(len(requests), cfg.request_rate, cfg.burstiness, cfg.seed)
+        ):
+            due += gap  # absolute schedule: sleep overheads do not accumulate
+            if due > time.perf_counter():
+                await asyncio.sleep(due - time.perf_counter())
+            tasks.append(asyncio.create_task(limited(req)))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - t_base
+        bar.close()
+    return list(results), duration

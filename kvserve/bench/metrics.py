@@ -1,0 +1,91 @@
+"""Turn per-request timings into the serving metrics users compare stacks by.
+
+TTFT: request sent -> first chunk with text. ITL: gap between consecutive text chunks (a chunk
+may carry several tokens; that is what a user sees). TPOT: (e2e - TTFT) / (output tokens - 1),
+per request. Throughputs divide by the wall time of the whole run, first send to last byte.
+Goodput counts only requests that met every SLO given (milliseconds).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from kvserve.bench.loadgen import RequestResult
+
+PERCENTILES = (50, 90, 99)
+SLO_KEYS = ("ttft", "tpot", "itl", "e2el")
+
+
+def parse_slo(spec: str | None) -> dict[str, float]:
+    """'ttft:500,tpot:50' -> {'ttft': 500.0, 'tpot': 50.0} (milliseconds)."""
+    if not spec:
+        return {}
+    out = {}
+    for part in spec.split(","):
+        key, sep, value = part.partition(":")
+        key = key.strip().lower()
+        if not sep or key not in SLO_KEYS:
+            raise ValueError(f"slo: {part!r} must be KEY:MS with KEY one of {', '.join(SLO_KEYS)}")
+        try:
+            out[key] = float(value)
+        except ValueError:
+            raise ValueError(f"slo: {value!r} is not a number of milliseconds") from None
+        if out[key] <= 0:
+            raise ValueError(f"slo: {key} must be positive")
+    return out
+
+
+def tpot(r: RequestResult) -> float | None:
+    return (r.latency - r.ttft) / (r.output_tokens - 1) if r.output_tokens > 1 else None
+
+
+def summary_ms(values_s: list[float]) -> dict[str, float | None]:
+    """mean / p50 / p90 / p99 in milliseconds (None when there is nothing to summarise)."""
+    if not values_s:
+        return {"mean": None, **{f"p{p}": None for p in PERCENTILES}}
+    a = np.asarray(values_s, dtype=np.float64) * 1000.0
+    return {"mean": float(a.mean()), **{f"p{p}": float(np.percentile(a, p)) for p in PERCENTILES}}
+
+
+def meets_slo(r: RequestResult, slo: dict[str, float]) -> bool:
+    t = tpot(r)
+    checks = {
+        "ttft": r.ttft,
+        "tpot": t if t is not None else 0.0,
+        "itl": max(r.itl, default=0.0),
+        "e2el": r.latency,
+    }
+    return all(checks[k] * 1000.0 <= ms for k, ms in slo.items())
+
+
+def compute_metrics(
+    results: list[RequestResult], duration: float, slo: dict[str, float] | None = None
+) -> dict[str, Any]:
+    ok = [r for r in results if r.success]
+    in_tok = sum(r.prompt_len for r in ok)
+    out_tok = sum(r.output_tokens for r in ok)
+    m: dict[str, Any] = {
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "duration_s": duration,
+        "total_input_tokens": in_tok,
+        "total_output_tokens": out_tok,
+        "request_throughput": len(ok) / duration if duration > 0 else 0.0,
+        "output_throughput": out_tok / duration if duration > 0 else 0.0,
+        "total_token_throughput": (in_tok + out_tok) / duration if duration > 0 else 0.0,
+        "ttft_ms": summary_ms([r.ttft for r in ok]),
+        "tpot_ms": summary_ms([t for r in ok if (t := tpot(r)) is not None]),
+        "itl_ms": summary_ms([x for r in ok for x in r.itl]),
+        "e2el_ms": summary_ms([r.latency for r in ok]),
+    }
+    if slo:
+        good = sum(1 for r in ok if meets_slo(r, slo))
+        m["slo_ms"] = dict(slo)
+        m["good_requests"] = good
+        m["goodput"] = good / duration if duration > 0 else 0.0
+    errors = sorted({r.error for r in results if not r.success})
+    if errors:
+        m["errors"] = errors[:5]
+    return m

@@ -1,0 +1,54 @@
+"""Print a benchmark result as a readable table and save it as JSON (fields: docs/BENCH.md)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+_W = 52
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:,.2f}"
+    return f"{v:,}" if isinstance(v, int) else str(v)
+
+
+def format_table(result: dict[str, Any], title: str = "Serving Benchmark Result") -> str:
+    m = result["metrics"]
+    rows: list[tuple[str, Any]] = [
+        ("Backend URL", result.get("base_url")),
+        ("Endpoint", result.get("endpoint")),
+        ("Successful requests", m["completed"]),
+        ("Failed requests", m["failed"]),
+        ("Benchmark duration (s)", m["duration_s"]),
+        ("Total input tokens", m["total_input_tokens"]),
+        ("Total output tokens", m["total_output_tokens"]),
+        ("Request throughput (req/s)", m["request_throughput"]),
+        ("Output token throughput (tok/s)", m["output_throughput"]),
+        ("Total token throughput (tok/s)", m["total_token_throughput"]),
+    ]
+    if "goodput" in m:
+        slo = ",".join(f"{k}:{v:g}" for k, v in m["slo_ms"].items())
+        rows.append((f"Goodput (req/s, {slo} ms)", m["goodput"]))
+    lines = [f" {title} ".center(_W, "=")]
+    lines += [f"{k + ':':<38}{_fmt(v):>{_W - 38}}" for k, v in rows if v is not None]
+    names = {"ttft_ms": "Time to First Token", "tpot_ms": "Time per Output Token (excl. 1st)",
+             "itl_ms": "Inter-token Latency", "e2el_ms": "End-to-end Latency"}  # fmt: skip
+    for key, name in names.items():
+        lines.append(f" {name} ".center(_W, "-"))
+        for stat, v in m[key].items():
+            label = f"{stat.capitalize() if stat == 'mean' else stat.upper()} {key[:-3].upper()} (ms):"
+            lines.append(f"{label:<38}{_fmt(v):>{_W - 38}}")
+    lines.append("=" * _W)
+    for e in m.get("errors", []):
+        lines.append(f"error: {e}")
+    return "\n".join(lines)
+
+
+def save_json(result: dict[str, Any], path: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=1)
+        f.write("\n")

@@ -1,0 +1,85 @@
+"""`kvserve bench serve`: one load-generator run against one server, from CLI options to result."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import math
+from dataclasses import asdict
+from typing import Any
+
+from kvserve.bench.datasets import BenchRequest, DatasetConfig, build_dataset, load_bench_tokenizer
+from kvserve.bench.loadgen import LoadConfig, run_load
+from kvserve.bench.metrics import compute_metrics, parse_slo
+
+
+def dataset_config(args: argparse.Namespace) -> DatasetConfig:
+    return DatasetConfig(
+        name=args.dataset, num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
+        range_ratio=args.range_ratio, prefix_len=args.prefix_len, num_prefix_groups=args.num_prefix_groups,
+        path=args.dataset_path, seed=args.seed,
+    )  # fmt: skip
+
+
+def load_config(args: argparse.Namespace, base_url: str) -> LoadConfig:
+    extra = json.loads(args.extra_body) if args.extra_body else {}
+    if not isinstance(extra, dict):
+        raise ValueError("extra-body: must be a JSON object")
+    return LoadConfig(
+        base_url=base_url, model=args.model, endpoint=args.endpoint, request_rate=args.request_rate,
+        burstiness=args.burstiness, max_concurrency=args.max_concurrency, ignore_eos=args.ignore_eos,
+        temperature=args.temperature, prompt_format=args.prompt_format, api_key=args.api_key,
+        seed=args.seed, extra_body=extra, progress=not args.disable_tqdm,
+    )  # fmt: skip
+
+
+def prepare(args: argparse.Namespace) -> tuple[Any, list[BenchRequest]]:
+    """The tokenizer and the dataset (built once, reused by every run of a sweep)."""
+    tok = load_bench_tokenizer(args.tokenizer or args.model)
+    return tok, build_dataset(tok, dataset_config(args))
+
+
+def run_serve(
+    args: argparse.Namespace, base_url: str, tok: Any, requests: list[BenchRequest], detailed: bool = False
+) -> dict[str, Any]:
+    cfg = load_config(args, base_url)
+    slo = parse_slo(args.slo)
+    if cfg.prompt_format == "ids" and cfg.endpoint == "chat":
+        raise ValueError("prompt-format: ids only works with the completions endpoint")
+    results, duration = asyncio.run(
+        run_load(cfg, requests, lambda s: len(tok.encode(s, add_special_tokens=False)), args.warmup)
+    )
+    out: dict[str, Any] = {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "base_url": base_url,
+        "model": args.model,
+        "endpoint": args.endpoint,
+        "dataset": {k: v for k, v in asdict(dataset_config(args)).items() if k != "extra"},
+        "load": {
+            "request_rate": None if math.isinf(cfg.request_rate) else cfg.request_rate,
+            "burstiness": cfg.burstiness,
+            "max_concurrency": cfg.max_concurrency,
+            "warmup": args.warmup,
+            "ignore_eos": cfg.ignore_eos,
+            "temperature": cfg.temperature,
+            "prompt_format": cfg.prompt_format,
+        },  # fmt: skip
+        "metrics": compute_metrics(results, duration, slo),
+    }
+    if detailed:
+        out["requests"] = [
+            {
+                "success": r.success,
+                "error": r.error,
+                "prompt_len": r.prompt_len,
+                "output_tokens": r.output_tokens,
+                "start_s": r.start,
+                "ttft_s": r.ttft,
+                "latency_s": r.latency,
+                "itl_s": r.itl,
+            }  # fmt: skip
+            for r in results
+        ]
+    return out
