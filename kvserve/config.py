@@ -48,6 +48,14 @@ class EngineConfig:
     seed: int = field(
         default=0, metadata={"help": "Seed for requests that sample without a seed of their own."}
     )
+    enable_prefix_caching: bool = field(
+        default=True,
+        metadata={"help": "Reuse the KV blocks of prompt prefixes seen before (--no-enable-prefix-caching)."},
+    )
+    scheduling_policy: str = field(
+        default="fcfs",
+        metadata={"help": "fcfs, or priority (a request's lower `priority` runs sooner; ties by arrival)."},
+    )
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -57,6 +65,8 @@ class EngineConfig:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len: must be >= 1, got {self.max_model_len}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy: {self.scheduling_policy!r} is not one of fcfs, priority")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_memory is not None:

@@ -64,3 +64,5 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    num_cached_tokens: int = 0
+    """Prompt tokens whose KV came from the prefix cache."""

@@ -32,6 +32,9 @@ class Request:
         max_tokens: int,
         eos_token_ids: frozenset[int],
         arrival_time: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        group_id: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -45,6 +48,10 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+        self.priority = priority  # lower runs sooner under the "priority" policy
+        self.cache_salt = cache_salt  # separates prefix-cache namespaces
+        self.group_id = group_id  # the n samples of one request share this (and their prompt's blocks)
+        self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at admission
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)

@@ -3,8 +3,6 @@ small pool; preemption, abort and chunked prefill; and a property test of the bl
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -12,7 +10,7 @@ from hypothesis import strategies as st
 from kvserve import LLM, SamplingParams
 from kvserve.core.block_pool import BlockPool
 from kvserve.core.kv_cache_manager import KVCacheManager
-from kvserve.request import RequestStatus
+from kvserve.request import Request, RequestStatus
 
 BLOCK_BYTES = 16 * 512  # one 16-token KV block of the tiny models
 
@@ -314,8 +312,8 @@ def _check_manager(kv: KVCacheManager) -> None:
 @settings(max_examples=200, deadline=None)
 @given(ops)
 def test_kv_cache_manager_property(operations):
-    kv = KVCacheManager(N_BLOCKS, BS)
-    reqs = [SimpleNamespace(request_id=f"r{i}", num_computed_tokens=0) for i in range(N_REQS)]
+    kv = KVCacheManager(N_BLOCKS, BS, enable_prefix_caching=False)  # tests/test_prefix_cache.py has the rest
+    reqs = [Request(f"r{i}", list(range(1, 100)), SamplingParams(), 1, frozenset()) for i in range(N_REQS)]
     for op, i, n, compute in operations:
         req = reqs[i]
         if op == "alloc":
@@ -372,7 +370,7 @@ def test_block_pool_reference_counts(operations):
             owners.append(blocks)
         elif op == "incref" and owners:
             blocks = owners[pick % len(owners)]
-            pool.incref(blocks)
+            pool.touch(blocks)
             for b in blocks:
                 refs[b] += 1
             owners.append(list(blocks))

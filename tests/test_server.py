@@ -328,3 +328,76 @@ def test_default_model_server(tmp_path):
         assert "Traceback" not in text
     finally:
         s.stop()
+
+
+def test_cached_tokens_and_reset_prefix_cache(server, client):
+    system = "You are a careful assistant. " * 3
+    msgs = [{"role": "system", "content": system}, {"role": "user", "content": "Hello"}]
+    first = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, temperature=0)
+    again = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, temperature=0)
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached >= again.usage.prompt_tokens - 16 and cached > 0
+    assert first.choices[0].message.content == again.choices[0].message.content
+    m = server.metrics()
+    assert m["kvserve:prefix_cache_hits_total"] >= cached
+    assert m["kvserve:prefix_cache_queries_total"] >= 2 * again.usage.prompt_tokens
+    assert httpx.post(f"{server.url}/reset_prefix_cache").status_code == 401  # needs the key
+    assert httpx.post(f"{server.url}/reset_prefix_cache", headers=server.headers).status_code == 200
+    time.sleep(0.2)
+    after = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, temperature=0)
+    assert after.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_admission_control_under_overload(tiny_llama_dir):
+    """4x more requests than running seats + waiting room: each completes or gets 503 + Retry-After."""
+    s = ServerProcess(tiny_llama_dir, *MODEL_ARGS, "--max-num-seqs", "8", "--max-waiting-requests", "32")
+    try:
+        body = {"model": "tiny", "prompt": "Go", "max_tokens": 64, "ignore_eos": True}
+
+        async def scenario():
+            async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=200)) as http:
+                return await asyncio.gather(
+                    *(http.post(f"{s.url}/v1/completions", json=body, headers=s.headers) for _ in range(160))
+                )
+
+        results = asyncio.run(scenario())
+        codes = [r.status_code for r in results]
+        assert set(codes) <= {200, 503}, codes
+        rejected = [r for r in results if r.status_code == 503]
+        assert rejected and all(r.headers.get("retry-after") for r in rejected)
+        assert all(
+            r.json()["choices"][0]["finish_reason"] == "length" for r in results if r.status_code == 200
+        )
+        assert codes.count(200) >= 32  # at least the waiting room's worth got in
+        m = s.metrics()
+        assert m["kvserve:num_requests_running"] == 0 and m["kvserve:num_requests_waiting"] == 0
+    finally:
+        s.stop()
+
+
+def test_priority_over_http(tiny_llama_dir):
+    s = ServerProcess(tiny_llama_dir, *MODEL_ARGS, "--max-num-seqs", "2", "--scheduling-policy", "priority")
+    try:
+        body = {"model": "tiny", "prompt": "Go", "max_tokens": 200, "ignore_eos": True, "stream": True}
+
+        async def first_token_time(http, priority: int) -> float:
+            req = {**body, "priority": priority}
+            t = None
+            async with http.stream("POST", f"{s.url}/v1/completions", json=req, headers=s.headers) as r:
+                async for line in r.aiter_lines():
+                    if t is None and '"text":"' in line and '"text":""' not in line:
+                        t = time.monotonic()
+            return t
+
+        async def scenario():
+            async with httpx.AsyncClient(timeout=60) as http:
+                low = [asyncio.create_task(first_token_time(http, 5)) for _ in range(6)]
+                await asyncio.sleep(0.3)  # the server is saturated: two run, four wait
+                high = [asyncio.create_task(first_token_time(http, 0)) for _ in range(2)]
+                return await asyncio.gather(*low), await asyncio.gather(*high)
+
+        low, high = asyncio.run(scenario())
+        waiting_low = sorted(low)[2:]  # the ones that were still queued when the high ones came
+        assert max(high) < min(waiting_low)
+    finally:
+        s.stop()

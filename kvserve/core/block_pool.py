@@ -1,13 +1,33 @@
-"""The pool of physical KV blocks: a free queue and reference counts.
+"""The pool of physical KV blocks: reference counts, an LRU free queue, and the prefix cache.
 
-Blocks are ids into the preallocated KV tensor. A block is in use while its reference
-count is > 0; requests that share content (later: prefix caching, parallel sampling) each
-hold a reference. Freed blocks go to the back of the free queue.
+A block is in use while its reference count is > 0; requests sharing content (a common
+prefix, the n samples of one prompt) each hold a reference. A full block can carry a hash
+of its content (see `hash_block`); the pool maps hashes to blocks so later requests can
+reuse them. Freed blocks keep their content and hash and go to the back of the free queue;
+allocation takes from the front, so cached blocks are evicted least-recently-used, and
+only when the pool needs them. A referenced block is never evicted.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+
+BlockHash = bytes
+
+
+def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra: str | None = None) -> BlockHash:
+    """Chained SHA-256 over (parent block's hash, this block's tokens, extra keys).
+
+    Cryptographic, so two different prefixes never share a hash in practice: a cache hit
+    can never return another prefix's KV.
+    """
+    h = hashlib.sha256(parent or b"")
+    h.update(b",".join(str(t).encode() for t in token_ids))
+    if extra:
+        h.update(b"|" + extra.encode())
+    return h.digest()
 
 
 class BlockPool:
@@ -16,32 +36,65 @@ class BlockPool:
             raise ValueError(f"the KV pool needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self.ref_cnt = [0] * num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self.block_hash: list[BlockHash | None] = [None] * num_blocks
+        self.cached: dict[BlockHash, int] = {}  # hash -> block holding that content
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.num_evictions = 0  # cached blocks whose content was dropped to make room
 
     @property
     def num_free_blocks(self) -> int:
         return len(self._free)
 
     def allocate(self, n: int) -> list[int]:
+        """n blocks from the front of the free queue, evicting their cached content."""
         if n > len(self._free):
             raise RuntimeError(f"asked for {n} blocks, {len(self._free)} free")
-        blocks = [self._free.popleft() for _ in range(n)]
-        for b in blocks:
+        blocks = []
+        for _ in range(n):
+            b, _ = self._free.popitem(last=False)
+            self._evict(b)
             self.ref_cnt[b] = 1
+            blocks.append(b)
         return blocks
 
-    def incref(self, blocks: list[int]) -> None:
+    def _evict(self, b: int) -> None:
+        h = self.block_hash[b]
+        if h is not None:
+            self.block_hash[b] = None
+            self.num_evictions += 1
+            if self.cached.get(h) == b:
+                del self.cached[h]
+
+    def lookup(self, h: BlockHash) -> int | None:
+        return self.cached.get(h)
+
+    def touch(self, blocks: Sequence[int]) -> None:
+        """Take a reference to cached blocks (a cache hit), pulling free ones out of the queue."""
         for b in blocks:
-            assert self.ref_cnt[b] > 0, f"block {b} is free"
+            if self.ref_cnt[b] == 0:
+                del self._free[b]
             self.ref_cnt[b] += 1
 
-    def free(self, blocks: list[int]) -> None:
-        """Drop one reference to each block; blocks reaching zero become free."""
+    def cache(self, b: int, h: BlockHash) -> None:
+        """Record that block b (full, in use) holds the content hashed as h."""
+        if self.block_hash[b] is None and h not in self.cached:
+            self.block_hash[b] = h
+            self.cached[h] = b
+
+    def free(self, blocks: Sequence[int]) -> None:
+        """Drop one reference to each block; blocks reaching zero join the back of the queue."""
         for b in blocks:
             assert self.ref_cnt[b] > 0, f"double free of block {b}"
             self.ref_cnt[b] -= 1
             if self.ref_cnt[b] == 0:
-                self._free.append(b)
+                self._free[b] = None
+
+    def reset_cache(self) -> int:
+        """Forget every cached hash (blocks in use keep their content). Returns how many."""
+        n = len(self.cached)
+        self.cached.clear()
+        self.block_hash = [None] * self.num_blocks
+        return n
 
     def usage(self) -> float:
         return 1.0 - len(self._free) / self.num_blocks

@@ -1,46 +1,120 @@
-"""Maps requests to KV blocks: grows block tables as tokens arrive, frees them on finish."""
+"""Maps requests to KV blocks: reuses cached prefixes, grows block tables as tokens arrive,
+registers full blocks in the prefix cache, and frees everything when a request ends.
+
+Prefix caching: each full block of a request is identified by a hash chained over its
+parent's hash, its token ids and the request's cache scope (an optional `cache_salt`). A new
+request reuses the longest run of cached blocks at its start; at most num_tokens - 1 tokens
+come from the cache, so the last token is always computed (it produces the next token's
+logits). With prefix caching off, only the n samples of one request share blocks with each
+other (their scope is their group id).
+"""
 
 from __future__ import annotations
 
-from kvserve.core.block_pool import BlockPool
+from kvserve.core.block_pool import BlockHash, BlockPool, hash_block
 from kvserve.request import Request
+
+_NO_CACHE = object()
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self.req_to_blocks: dict[str, list[int]] = {}
+        self._hashes: dict[str, list[BlockHash]] = {}  # hashes of a request's full blocks so far
+        self._num_registered: dict[str, int] = {}  # how many of its blocks are in the cache
+        self.prefix_cache_queries = 0  # tokens looked up
+        self.prefix_cache_hits = 0  # tokens found
 
     @property
     def num_blocks(self) -> int:
         return self.pool.num_blocks
 
-    def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
-
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
-        """Make room for `num_new_tokens` more tokens; False (and no change) if the pool is short."""
-        blocks = self.req_to_blocks.setdefault(request.request_id, [])
-        need = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - len(blocks)
-        if need > self.pool.num_free_blocks:
-            return False
-        if need > 0:
-            blocks.extend(self.pool.allocate(need))
-        return True
-
-    def free(self, request: Request) -> None:
-        blocks = self.req_to_blocks.pop(request.request_id, None)
-        if blocks:
-            # Free the tail first so, with prefix caching later, shared heads stay longest.
-            self.pool.free(blocks[::-1])
-
-    def get_block_ids(self, request_id: str) -> list[int]:
-        return self.req_to_blocks.get(request_id, [])
-
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _scope(self, request: Request):
+        if self.enable_prefix_caching:
+            return request.cache_salt
+        return request.group_id if request.group_id is not None else _NO_CACHE
+
+    def _block_hashes(self, request: Request, num_tokens: int) -> list[BlockHash]:
+        """Hashes of the request's full blocks among its first num_tokens tokens (memoized)."""
+        hashes = self._hashes.setdefault(request.request_id, [])
+        bs, scope = self.block_size, self._scope(request)
+        tokens = request.all_token_ids
+        for i in range(len(hashes), num_tokens // bs):
+            hashes.append(hash_block(hashes[-1] if hashes else None, tokens[i * bs : (i + 1) * bs], scope))
+        return hashes[: num_tokens // bs]
+
+    def get_computed_blocks(self, request: Request) -> list[int]:
+        """Cached blocks holding the longest cached prefix of the request (may be empty)."""
+        if self._scope(request) is _NO_CACHE or request.params.prompt_logprobs is not None:
+            return []  # prompt logprobs need every prompt position computed
+        hits = []
+        for h in self._block_hashes(request, request.num_tokens - 1):
+            b = self.pool.lookup(h)
+            if b is None:
+                break
+            hits.append(b)
+        return hits
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
+        """Make room for `num_new_tokens` more tokens after the request's computed ones (and
+        after `computed_blocks`, cache hits for a request that holds no blocks yet).
+        Returns False, changing nothing, if the pool is short."""
+        blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        num_cached = len(computed_blocks) * self.block_size
+        total = request.num_computed_tokens + num_cached + num_new_tokens
+        need = self.blocks_needed(total) - len(blocks) - len(computed_blocks)
+        reclaimed = sum(1 for b in computed_blocks if self.pool.ref_cnt[b] == 0)  # leave the free queue
+        if need > self.pool.num_free_blocks - reclaimed:
+            if not blocks:
+                del self.req_to_blocks[request.request_id]
+            return False
+        if computed_blocks:
+            self.pool.touch(computed_blocks)
+            blocks.extend(computed_blocks)
+        if need > 0:
+            blocks.extend(self.pool.allocate(need))
+        self._register_full_blocks(request, blocks, total)
+        return True
+
+    def _register_full_blocks(self, request: Request, blocks: list[int], num_tokens: int) -> None:
+        """Put blocks that are full once this step's tokens are written into the cache."""
+        if self._scope(request) is _NO_CACHE:
+            return
+        done = self._num_registered.get(request.request_id, 0)
+        full = num_tokens // self.block_size
+        hashes = self._block_hashes(request, num_tokens)  # may hold more (from a lookup)
+        for i in range(done, full):
+            self.pool.cache(blocks[i], hashes[i])
+        self._num_registered[request.request_id] = max(done, full)
+
+    def record_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_cache_queries += num_query_tokens
+        self.prefix_cache_hits += num_hit_tokens
+
+    def free(self, request: Request) -> None:
+        blocks = self.req_to_blocks.pop(request.request_id, None)
+        self._num_registered.pop(request.request_id, None)
+        self._hashes.pop(request.request_id, None)
+        if blocks:
+            # Tail first: a request's last blocks are the least likely to be shared, so they
+            # are evicted first.
+            self.pool.free(blocks[::-1])
+
+    def reset_prefix_cache(self) -> int:
+        return self.pool.reset_cache()
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return self.req_to_blocks.get(request_id, [])
 
     def usage(self) -> float:
         return self.pool.usage()

@@ -1,21 +1,29 @@
 """Continuous batching: decides, every step, which requests run and how many tokens each.
 
-Policy (one function, `schedule`): running requests first, in admission order — each gets
-its next prefill chunk or one decode token; then waiting requests join while the step's
-token budget and the seat limit allow. A prompt larger than the remaining budget is split
-(chunked prefill), so prefill chunks and decode tokens share one forward pass. When the KV
-pool runs out, the most recently admitted running request is preempted by recompute: its
-blocks are freed and it goes back to the head of the waiting queue.
+Policy (one function, `schedule`): running requests first, in order — each gets its next
+prefill chunk or one decode token; then waiting requests join while the step's token budget
+and the seat limit allow, starting after the longest prefix already in the KV cache. A
+prompt larger than the remaining budget is split (chunked prefill), so prefill chunks and
+decode tokens share one forward pass. When the KV pool runs out, the last running request
+is preempted by recompute: its blocks are freed and it goes back to the waiting queue.
+
+Order: "fcfs" keeps admission order (the most recently admitted is preempted first);
+"priority" orders by (priority, arrival) — lower runs sooner — so the lowest-priority request
+is the one preempted, and a waiting request may preempt a running one of lower priority when
+seats or blocks are short.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.request import Request, RequestStatus
+
+POLICIES = ("fcfs", "priority")
 
 
 @dataclass
@@ -33,6 +41,40 @@ class SchedulerOutput:
         return bool(self.scheduled)
 
 
+class WaitingQueue:
+    """Requests waiting for a seat, kept in the order the policy serves them."""
+
+    def __init__(self, policy: str) -> None:
+        self.priority = policy == "priority"
+        self._items: list[tuple[tuple, Request]] = []
+        self._seq = itertools.count()
+
+    def _key(self, req: Request, front: bool) -> tuple:
+        order = -next(self._seq) if front else next(self._seq)
+        return (req.priority, req.arrival_time, order) if self.priority else (order,)
+
+    def add(self, req: Request, front: bool = False) -> None:
+        bisect.insort(self._items, (self._key(req, front), req), key=lambda x: x[0])
+
+    def peek(self) -> Request:
+        return self._items[0][1]
+
+    def pop(self) -> Request:
+        return self._items.pop(0)[1]
+
+    def remove(self, req: Request) -> None:
+        self._items = [x for x in self._items if x[1] is not req]
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self):
+        return (r for _, r in self._items)
+
+    def __contains__(self, req: Request) -> bool:
+        return any(r is req for _, r in self._items)
+
+
 class Scheduler:
     def __init__(
         self,
@@ -40,34 +82,46 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
+        policy: str = "fcfs",
     ) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"scheduling_policy: {policy!r} is not one of {POLICIES}")
         self.kv = kv_cache_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.waiting: deque[Request] = deque()
+        self.policy = policy
+        self.waiting = WaitingQueue(policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions_total = 0
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.waiting.add(request)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
+
+    @staticmethod
+    def _rank(req: Request) -> tuple:
+        return (req.priority, req.arrival_time)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
+        if self.policy == "priority":
+            self.running.sort(key=self._rank)  # the last one is the first to give way
+            self._preempt_for_priority(out)
+        preempted_by_priority = out.num_preempted
 
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self.kv.allocate_slots(req, num_new):
-                victim = self.running.pop()  # most recently admitted; not yet scheduled
+                victim = self.running.pop()  # last in order; not yet scheduled this step
                 self._preempt(victim)
                 out.num_preempted += 1
                 if victim is req:
@@ -79,16 +133,22 @@ class Scheduler:
                 continue
             break  # req itself was preempted: everything after it is gone too
 
-        # After a preemption the pool is full: admitting now would only preempt again.
-        while not out.num_preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.kv.allocate_slots(req, num_new):
+        # After running out of blocks the pool is full: admitting now would only preempt again.
+        admit = out.num_preempted == preempted_by_priority
+        while admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting.peek()
+            hits = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else []
+            num_cached = len(hits) * self.kv.block_size
+            num_new = min(req.num_tokens - req.num_computed_tokens - num_cached, budget)
+            if not self.kv.allocate_slots(req, num_new, hits):
                 break
-            self.waiting.popleft()
-            req.status = RequestStatus.RUNNING
-            if req.first_scheduled_time is None:
+            self.waiting.pop()
+            req.num_computed_tokens += num_cached
+            if req.status == RequestStatus.WAITING:  # first admission, not a resumed preemption
+                req.num_cached_tokens = num_cached
+                self.kv.record_query(req.num_prompt_tokens, num_cached)
                 req.first_scheduled_time = time.monotonic()
+            req.status = RequestStatus.RUNNING
             self.running.append(req)
             scheduled.append((req, num_new))
             budget -= num_new
@@ -96,13 +156,26 @@ class Scheduler:
         out.scheduled = scheduled
         return out
 
+    def _preempt_for_priority(self, out: SchedulerOutput) -> None:
+        """Make room for a better waiting request by preempting worse running ones."""
+        while self.waiting and self.running:
+            cand, worst = self.waiting.peek(), self.running[-1]
+            if self._rank(worst) <= self._rank(cand):
+                return
+            need = self.kv.blocks_needed(min(cand.num_tokens, self.max_num_batched_tokens))
+            if len(self.running) < self.max_num_seqs and self.kv.num_free_blocks >= need:
+                return
+            self.running.pop()
+            self._preempt(worst)
+            out.num_preempted += 1
+
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions_total += 1
-        self.waiting.appendleft(req)
+        self.waiting.add(req, front=True)
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Advance computed counts, append sampled tokens, retire finished requests.

@@ -22,7 +22,15 @@ import zmq
 import zmq.asyncio
 
 from kvserve.config import EngineConfig
-from kvserve.engine.core_proc import AbortRequests, AddRequest, Failed, OutputMessage, Ready, run_engine_core
+from kvserve.engine.core_proc import (
+    AbortRequests,
+    AddRequest,
+    Failed,
+    OutputMessage,
+    Ready,
+    ResetPrefixCache,
+    run_engine_core,
+)
 from kvserve.engine.messages import EngineCoreOutputs
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.processor import InputProcessor, ModelLimits
@@ -44,6 +52,53 @@ class EngineStats:
     num_waiting = 0
     kv_cache_usage = 0.0
     num_preemptions_total = 0
+    prefix_cache_queries = 0
+    prefix_cache_hits = 0
+
+
+_CLOSED = object()
+
+
+class RequestStream:
+    """One request's outputs as an async iterator; closing it early aborts the request."""
+
+    def __init__(self, engine: AsyncLLM, request_id: str) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.started = False  # has produced output
+        self.finished = False
+
+    def put(self, item: RequestOutput | Exception) -> None:
+        self.started = True
+        if isinstance(item, Exception) or item.finished:
+            self.finished = True
+            self.engine._drop(self.request_id)  # delivered even if nobody reads the stream
+        self.queue.put_nowait(item)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished and self.queue.empty():
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if item is _CLOSED:
+            raise StopAsyncIteration
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    async def aclose(self) -> None:
+        """Abort the request if it has not finished (client gone, timeout)."""
+        if self.finished:
+            return
+        self.finished = True
+        self.queue.put_nowait(_CLOSED)  # wakes a reader waiting on this stream
+        self.engine._drop(self.request_id)
+        self.engine.output_processor.abort(self.request_id)
+        if self.engine.is_alive:
+            await self.engine._send(AbortRequests([self.request_id]))
 
 
 class AsyncLLM:
@@ -56,6 +111,7 @@ class AsyncLLM:
         self._ctx = zmq.Context()
         self._in_sync = self._ctx.socket(zmq.PUSH)
         self._in_sync.bind(self._in_addr)
+        self._in_sync.setsockopt(zmq.SNDHWM, 0)  # never drop or block a request on a full queue
         self._out_sync = self._ctx.socket(zmq.PULL)
         self._out_sync.bind(self._out_addr)
         self._encoder = msgspec.msgpack.Encoder()
@@ -72,7 +128,7 @@ class AsyncLLM:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = EngineStats()
         self.dead = False
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._streams: dict[str, RequestStream] = {}
         self._tasks: list[asyncio.Task] = []
         self.on_step = None  # callback(EngineCoreOutputs, list[RequestOutput]) for metrics
 
@@ -109,13 +165,14 @@ class AsyncLLM:
             s = self.stats
             s.num_running, s.num_waiting = msg.num_running, msg.num_waiting
             s.kv_cache_usage, s.num_preemptions_total = msg.kv_cache_usage, msg.num_preemptions_total
+            s.prefix_cache_queries, s.prefix_cache_hits = msg.prefix_cache_queries, msg.prefix_cache_hits
             outs, to_abort = self.output_processor.process(msg.outputs)
             if to_abort:
                 await self._send(AbortRequests(to_abort))
             for out in outs:
-                q = self._queues.get(out.request_id)
-                if q is not None:
-                    q.put_nowait(out)
+                st = self._streams.get(out.request_id)
+                if st is not None:
+                    st.put(out)
             if self.on_step is not None:
                 self.on_step(msg, outs)
 
@@ -126,40 +183,63 @@ class AsyncLLM:
         logger.error(
             "engine core process died (exit code %s); failing in-flight requests", self.proc.exitcode
         )
-        for q in self._queues.values():
-            q.put_nowait(EngineDeadError("the engine core process died"))
+        for st in list(self._streams.values()):
+            st.put(EngineDeadError("the engine core process died"))
 
     async def _send(self, msg) -> None:
         await self._in.send(self._encoder.encode(msg))
 
-    async def generate(
-        self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None
-    ) -> AsyncIterator[RequestOutput]:
-        """Stream outputs for one request. Raises ValueError for bad input (nothing is queued)."""
+    @property
+    def num_waiting(self) -> int:
+        """Requests accepted here that have not produced a token yet (queued or prefilling)."""
+        return sum(1 for st in self._streams.values() if not st.started)
+
+    async def reset_prefix_cache(self) -> None:
+        await self._send(ResetPrefixCache())
+
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        group_id: str | None = None,
+    ) -> RequestStream:
+        """Queue a request now (synchronously) and return its output stream.
+
+        Raises ValueError for bad input (nothing is queued). The request runs even if the
+        stream is never read; it is aborted when the stream is closed before it finishes.
+        """
         if not self.is_alive:
             raise EngineDeadError("the engine core is not running")
         request_id = request_id or uuid.uuid4().hex
-        req = self.processor.process(request_id, prompt, params)
-        q: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = q
+        req = self.processor.process(request_id, prompt, params, None, priority, cache_salt, group_id)
+        stream = RequestStream(self, request_id)
+        self._streams[request_id] = stream
         self.output_processor.add_request(req, prompt if isinstance(prompt, str) else None)
-        finished = False
+        self._in_sync.send(self._encoder.encode(AddRequest(req)), zmq.NOBLOCK)
+        return stream
+
+    async def generate(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        group_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream outputs for one request (add_request + iterate + close)."""
+        stream = self.add_request(prompt, params, request_id, priority, cache_salt, group_id)
         try:
-            await self._send(AddRequest(req))
-            while True:
-                out = await q.get()
-                if isinstance(out, Exception):
-                    raise out
-                finished = out.finished
+            async for out in stream:
                 yield out
-                if finished:
-                    return
         finally:
-            self._queues.pop(request_id, None)
-            if not finished:  # client went away, timed out, or the engine died
-                self.output_processor.abort(request_id)
-                if self.is_alive:
-                    await self._send(AbortRequests([request_id]))
+            await stream.aclose()
+
+    def _drop(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
 
     def shutdown(self) -> None:
         for t in self._tasks:

@@ -52,10 +52,13 @@ class EngineCore:
             raise ValueError(
                 f"kv_cache_memory: too small for one KV block ({self.pool_size.block_bytes} bytes)"
             )
-        self.kv_cache_manager = KVCacheManager(self.pool_size.num_blocks, config.block_size)
-        self.scheduler = Scheduler(
-            self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
+        self.kv_cache_manager = KVCacheManager(
+            self.pool_size.num_blocks, config.block_size, config.enable_prefix_caching
         )
+        self.scheduler = Scheduler(
+            self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
+            config.scheduling_policy,
+        )  # fmt: skip
         self.model_runner = ModelRunner(
             self.model, self.pool_size.num_blocks, config.block_size, device, config.seed
         )
@@ -91,7 +94,7 @@ class EngineCore:
         self.scheduler.add_request(
             Request(
                 req.request_id, req.prompt_token_ids, req.params, req.max_tokens, self.eos_token_ids,
-                req.arrival_time,
+                req.arrival_time, req.priority, req.cache_salt, req.group_id,
             )
         )  # fmt: skip
 
@@ -102,6 +105,10 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def reset_prefix_cache(self) -> int:
+        """Forget all cached prefixes; returns how many blocks were uncached."""
+        return self.kv_cache_manager.reset_prefix_cache()
 
     def step(self) -> EngineCoreOutputs:
         sched = self.scheduler.schedule()
@@ -125,6 +132,8 @@ class EngineCore:
             kv_cache_usage=self.kv_cache_manager.usage(),
             num_preemptions_total=self.scheduler.num_preemptions_total,
             iteration_tokens=sched.total_tokens,
+            prefix_cache_queries=self.kv_cache_manager.prefix_cache_queries,
+            prefix_cache_hits=self.kv_cache_manager.prefix_cache_hits,
         )
 
     @staticmethod
@@ -136,6 +145,7 @@ class EngineCore:
         if first:
             out.first_scheduled_time = req.first_scheduled_time
             out.first_token_time = req.first_token_time
+            out.num_cached_tokens = req.num_cached_tokens
             if req.params.prompt_logprobs is not None:
                 out.prompt_logprobs = req.prompt_logprobs
         if req.is_finished:

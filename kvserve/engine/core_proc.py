@@ -28,6 +28,10 @@ class AbortRequests(msgspec.Struct, tag=True, array_like=True):
     request_ids: list[str]
 
 
+class ResetPrefixCache(msgspec.Struct, tag=True, array_like=True):
+    pass
+
+
 class Ready(msgspec.Struct, tag=True, array_like=True):
     """Sent once after loading, with what the API side needs to validate requests."""
 
@@ -43,7 +47,7 @@ class Failed(msgspec.Struct, tag=True, array_like=True):
     error: str
 
 
-InputMessage = AddRequest | AbortRequests
+InputMessage = AddRequest | AbortRequests | ResetPrefixCache
 OutputMessage = Ready | Failed | EngineCoreOutputs
 
 
@@ -87,8 +91,10 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> 
                         core.add_request(msg.request)
                     except ValueError:
                         rejected.append(EngineCoreOutput(msg.request.request_id, [], finish_reason="abort"))
-                else:
+                elif isinstance(msg, AbortRequests):
                     core.abort_requests(msg.request_ids)
+                else:
+                    core.reset_prefix_cache()
                 events = dict(poller.poll(0))
             if core.has_unfinished_requests() or rejected:
                 result = core.step() if core.has_unfinished_requests() else EngineCoreOutputs([])

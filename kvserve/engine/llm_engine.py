@@ -42,11 +42,16 @@ class LLMEngine:
         prompt: str | Sequence[int],
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        group_id: str | None = None,
     ) -> None:
         """Validate and queue a request; raises ValueError naming the bad field."""
         if request_id in self.output_processor.states:
             raise ValueError(f"request_id: {request_id!r} is already in use")
-        req = self.processor.process(request_id, prompt, params or SamplingParams(), arrival_time)
+        req = self.processor.process(
+            request_id, prompt, params or SamplingParams(), arrival_time, priority, cache_salt, group_id
+        )
         self.core.add_request(req)
         self.output_processor.add_request(req, prompt if isinstance(prompt, str) else None)
 
@@ -62,6 +67,9 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests() or bool(self._pending)
+
+    def reset_prefix_cache(self) -> int:
+        return self.core.reset_prefix_cache()
 
     def step(self) -> list[RequestOutput]:
         results, self._pending = self._pending, []

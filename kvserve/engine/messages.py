@@ -17,6 +17,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     params: SamplingParams
     max_tokens: int  # resolved against max_model_len by the input processor
     arrival_time: float
+    priority: int = 0
+    cache_salt: str | None = None
+    group_id: str | None = None  # shared by the n samples of one API request
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -32,6 +35,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     first_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # sent with the first token
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, tag=True):
@@ -41,3 +45,5 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, tag
     kv_cache_usage: float = 0.0
     num_preemptions_total: int = 0
     iteration_tokens: int = 0
+    prefix_cache_queries: int = 0  # running totals, in tokens
+    prefix_cache_hits: int = 0

@@ -25,6 +25,7 @@ class RequestState:
         self.token_ids: list[int] = []
         self.logprobs: list[dict[int, float]] | None = [] if req.params.logprobs is not None else None
         self.prompt_logprobs = None
+        self.num_cached_tokens = 0
         self.metrics = RequestMetrics(req.arrival_time)
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
@@ -43,7 +44,7 @@ class RequestState:
         )
         return RequestOutput(
             self.request_id, self.prompt, self.prompt_token_ids, [completion], finished, self.metrics,
-            self.prompt_logprobs,
+            self.prompt_logprobs, self.num_cached_tokens,
         )  # fmt: skip
 
 
@@ -72,6 +73,7 @@ class OutputProcessor:
             if out.first_token_time is not None:
                 m.first_scheduled_time, m.first_token_time = out.first_scheduled_time, out.first_token_time
                 st.prompt_logprobs = out.prompt_logprobs
+                st.num_cached_tokens = out.num_cached_tokens
             stop = st.detok.update(st.token_ids, len(st.token_ids) >= st.params.min_tokens)
             if stop is not None:
                 st.finish_reason, st.stop_reason = "stop", stop

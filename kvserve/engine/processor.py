@@ -47,6 +47,9 @@ class InputProcessor:
         prompt: str | Sequence[int],
         params: SamplingParams,
         arrival_time: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        group_id: str | None = None,
     ) -> EngineCoreRequest:
         lim = self.limits
         ids = self.tokenize(prompt)
@@ -77,4 +80,13 @@ class InputProcessor:
         bad = [t for t in (params.stop_token_ids or []) if not 0 <= int(t) < lim.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids: token ids out of range: {bad[:5]}")
-        return EngineCoreRequest(request_id, ids, params, max_tokens, arrival_time or time.monotonic())
+        return EngineCoreRequest(
+            request_id,
+            ids,
+            params,
+            max_tokens,
+            arrival_time or time.monotonic(),
+            priority,
+            cache_salt,
+            group_id,
+        )

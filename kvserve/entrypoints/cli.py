@@ -114,7 +114,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return serve(config, args.host, args.port, args.served_model_name, args.api_key, args.request_timeout)
+    return serve(
+        config, args.host, args.port, args.served_model_name, args.api_key, args.request_timeout,
+        args.max_waiting_requests,
+    )  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -143,6 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument(
         "--request-timeout", type=float, default=None, help="seconds before a request is aborted"
     )
+    srv.add_argument(
+        "--max-waiting-requests", type=int, default=None,
+        help="past this many requests without a first token, answer 503 + Retry-After at once",
+    )  # fmt: skip
     srv.add_argument("--engine", choices=("kvserve", "naive"), default="kvserve",
                      help="naive: the transformers generate() baseline, one request at a time")  # fmt: skip
     add_engine_args(srv)

@@ -30,8 +30,12 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in prompt order, n completions each."""
+        """Generate for every prompt; outputs come back in prompt order, n completions each.
+
+        `priority` (one per prompt, lower runs sooner) matters with scheduling_policy="priority".
+        """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -42,18 +46,25 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
 
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"priority: {len(priorities)} given for {len(prompts)} prompts")
         engine = self.llm_engine
         groups: list[list[str]] = []
         added: list[str] = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 ids = []
+                group = f"group-{next(self._ids)}" if p.n > 1 else None
                 for j in range(p.n):
-                    # Each of the n samples is its own sequence; seeds stay distinct per sample.
+                    # Each of the n samples is its own sequence sharing the prompt's KV blocks;
+                    # seeds stay distinct per sample.
                     seed = None if p.seed is None else p.seed + j
                     rid = f"{next(self._ids)}"
                     try:
-                        engine.add_request(rid, prompt, replace(p, n=1, seed=seed))
+                        engine.add_request(
+                            rid, prompt, replace(p, n=1, seed=seed), priority=priorities[i], group_id=group
+                        )
                     except ValueError as e:
                         raise ValueError(f"prompt {i}: {e}") from None
                     added.append(rid)

@@ -30,6 +30,12 @@ class ServerMetrics:
             "kvserve:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)", registry=r, **lbl
         )
         self.preemptions = Counter("kvserve:num_preemptions", "Preemptions by recompute", registry=r, **lbl)
+        self.prefix_queries = Counter(
+            "kvserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", registry=r, **lbl
+        )
+        self.prefix_hits = Counter(
+            "kvserve:prefix_cache_hits", "Prompt tokens found in the prefix cache", registry=r, **lbl
+        )
         self.prompt_tokens = Counter("kvserve:prompt_tokens", "Prompt tokens processed", registry=r, **lbl)
         self.generation_tokens = Counter("kvserve:generation_tokens", "Tokens generated", registry=r, **lbl)
         self.success = Counter(
@@ -49,6 +55,8 @@ class ServerMetrics:
         )  # fmt: skip
         self.model = model_name
         self._preemptions_seen = 0
+        self._queries_seen = 0
+        self._hits_seen = 0
         self._last_token_time: dict[str, float] = {}
 
     def on_step(self, core: EngineCoreOutputs, outs: list[RequestOutput]) -> None:
@@ -59,6 +67,12 @@ class ServerMetrics:
         if core.num_preemptions_total > self._preemptions_seen:
             self.preemptions.labels(m).inc(core.num_preemptions_total - self._preemptions_seen)
             self._preemptions_seen = core.num_preemptions_total
+        if core.prefix_cache_queries > self._queries_seen:
+            self.prefix_queries.labels(m).inc(core.prefix_cache_queries - self._queries_seen)
+            self._queries_seen = core.prefix_cache_queries
+        if core.prefix_cache_hits > self._hits_seen:
+            self.prefix_hits.labels(m).inc(core.prefix_cache_hits - self._hits_seen)
+            self._hits_seen = core.prefix_cache_hits
         if core.iteration_tokens:
             self.iteration_tokens.labels(m).observe(core.iteration_tokens)
         now = time.monotonic()

@@ -22,20 +22,24 @@ from kvserve.entrypoints.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from kvserve.entrypoints.openai.serving import OpenAIServing
+from kvserve.entrypoints.openai.serving import OpenAIServing, ServerOverloadedError
 from kvserve.metrics.prometheus import ServerMetrics
 
 logger = logging.getLogger("kvserve.server")
 
-PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/reset_prefix_cache")
 
 
 def build_app(
-    engine: AsyncLLM, served_model_name: str, api_key: str | None = None, request_timeout: float | None = None
+    engine: AsyncLLM,
+    served_model_name: str,
+    api_key: str | None = None,
+    request_timeout: float | None = None,
+    max_waiting_requests: int | None = None,
 ) -> FastAPI:
     metrics = ServerMetrics(served_model_name)
     engine.on_step = metrics.on_step
-    serving = OpenAIServing(engine, [served_model_name], request_timeout)
+    serving = OpenAIServing(engine, [served_model_name], request_timeout, max_waiting_requests)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -75,6 +79,12 @@ def build_app(
     @app.exception_handler(EngineDeadError)
     async def on_engine_dead(request: Request, exc: EngineDeadError):
         return error_response(503, str(exc), "engine_dead", code="engine_dead")
+
+    @app.exception_handler(ServerOverloadedError)
+    async def on_overloaded(request: Request, exc: ServerOverloadedError):
+        resp = error_response(503, str(exc), "server_overloaded", code="server_overloaded")
+        resp.headers["Retry-After"] = "1"
+        return resp
 
     @app.exception_handler(TimeoutError)
     async def on_timeout(request: Request, exc: TimeoutError):
@@ -133,6 +143,11 @@ def build_app(
             raise ValueError(f"tokens: ids must be in [0, {engine.limits.vocab_size})")
         return {"prompt": engine.tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        await engine.reset_prefix_cache()
+        return Response(status_code=200)
+
     @app.get("/metrics")
     async def prom():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -143,7 +158,7 @@ def build_app(
 
 
 def serve(config: EngineConfig, host: str, port: int, served_model_name: str | None, api_key: str | None,
-          request_timeout: float | None) -> int:  # fmt: skip
+          request_timeout: float | None, max_waiting_requests: int | None = None) -> int:  # fmt: skip
     import uvicorn
 
     api_key = api_key or os.environ.get("KVSERVE_API_KEY") or None
@@ -156,7 +171,7 @@ def serve(config: EngineConfig, host: str, port: int, served_model_name: str | N
         r.num_blocks / -(-r.max_model_len // r.block_size),
     )  # fmt: skip
     name = served_model_name or engine.source.name
-    app = build_app(engine, name, api_key, request_timeout)
+    app = build_app(engine, name, api_key, request_timeout, max_waiting_requests)
     logger.info("serving %s on http://%s:%d (API key %s)", name, host, port, "required" if api_key else "off")
     try:
         uvicorn.run(

@@ -45,6 +45,8 @@ class _Sampling(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    priority: int = 0  # lower runs sooner under --scheduling-policy priority
+    cache_salt: str | None = None  # requests with different salts never share cached prefixes
 
     def sampling_params(
         self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None

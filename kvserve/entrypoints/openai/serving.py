@@ -16,8 +16,9 @@ from dataclasses import replace
 import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.background import BackgroundTask
 
-from kvserve.engine.async_llm import AsyncLLM, EngineDeadError
+from kvserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
 from kvserve.entrypoints.openai.errors import error_response
 from kvserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from kvserve.outputs import RequestOutput
@@ -26,48 +27,79 @@ from kvserve.sampling_params import SamplingParams
 _json = msgspec.json.Encoder()
 
 
+class ServerOverloadedError(RuntimeError):
+    """Admission control refused the request (HTTP 503 with Retry-After)."""
+
+
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLM, model_names: list[str], request_timeout: float | None) -> None:
+    def __init__(
+        self,
+        engine: AsyncLLM,
+        model_names: list[str],
+        request_timeout: float | None,
+        max_waiting: int | None = None,
+    ) -> None:
+        self.max_waiting = max_waiting
         self.engine = engine
         self.model_names = model_names
         self.request_timeout = request_timeout
         self.tokenizer = engine.tokenizer
 
     # ---- shared ----------------------------------------------------------------------------
-    def validate(self, prompts: list, params: SamplingParams) -> None:
-        """Check every prompt before starting anything: one bad prompt fails the whole request."""
-        for p in prompts:
-            self.engine.processor.process("validate", p, params)
-
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.model_names:
             raise ValueError(
                 f"model: {model!r} is not served here (available: {', '.join(self.model_names)})"
             )
 
+    def _start(
+        self, prompts: list, params: SamplingParams, n: int, rid: str, priority: int, salt: str | None
+    ) -> list[RequestStream]:
+        """Validate every prompt, apply admission control, then queue all engine requests of
+        this API request at once (choice index = prompt index * n + sample index).
+
+        One bad prompt fails the whole request before anything is queued; past
+        max_waiting_requests the request is refused at once (503 + Retry-After).
+        """
+        for p in prompts:
+            self.engine.processor.process("validate", p, params)
+        if self.max_waiting is not None and self.engine.num_waiting + len(prompts) * n > self.max_waiting:
+            raise ServerOverloadedError(
+                f"server busy: {self.engine.num_waiting} requests waiting (max_waiting_requests="
+                f"{self.max_waiting}); retry later"
+            )
+        streams = []
+        for i, prompt in enumerate(prompts):
+            group = f"{rid}-p{i}" if n > 1 else None  # the n samples share the prompt's KV blocks
+            for j in range(n):
+                p = replace(params, seed=None if params.seed is None else params.seed + j)
+                streams.append(
+                    self.engine.add_request(prompt, p, f"{rid}-{i * n + j}", priority, salt, group)
+                )
+        return streams
+
+    def _deadline(self) -> float | None:
+        return None if self.request_timeout is None else time.monotonic() + self.request_timeout
+
     async def _merged(
-        self, prompts: list, params: SamplingParams, n: int, rid: str
+        self, streams: list[RequestStream], deadline: float | None
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(choice index, output) from every engine request of this API request, as they come."""
+        """(choice index, output) from every engine request of this API request, as they come.
+        Closing it (client gone, timeout, error) aborts whatever has not finished."""
         queue: asyncio.Queue = asyncio.Queue()
 
-        async def pump(index: int, prompt, p: SamplingParams) -> None:
+        async def pump(index: int, stream: RequestStream) -> None:
             try:
-                async for out in self.engine.generate(prompt, p, f"{rid}-{index}"):
+                async for out in stream:
                     await queue.put((index, out))
             except BaseException as e:  # noqa: BLE001 - handed to the consumer
                 await queue.put((index, e))
                 return
             await queue.put((index, None))
 
-        tasks = []
-        for i, prompt in enumerate(prompts):
-            for j in range(n):
-                seed = None if params.seed is None else params.seed + j
-                tasks.append(asyncio.create_task(pump(i * n + j, prompt, replace(params, seed=seed))))
+        tasks = [asyncio.create_task(pump(i, st)) for i, st in enumerate(streams)]
         try:
             remaining = len(tasks)
-            deadline = None if self.request_timeout is None else time.monotonic() + self.request_timeout
             while remaining:
                 timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
                 try:
@@ -86,6 +118,8 @@ class OpenAIServing:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            for st in streams:
+                await st.aclose()
 
     async def _collect(self, gen, raw: Request) -> dict[int, RequestOutput]:
         """Drain a merged stream, aborting everything if the client disconnects."""
@@ -171,15 +205,18 @@ class OpenAIServing:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         model = req.model or self.model_names[0]
-        self.validate([prompt], params)
-        gen = self._merged([prompt], params, req.n, rid)
+        deadline = self._deadline()
+        streams = self._start([prompt], params, req.n, rid, req.priority, req.cache_salt)
+        gen = self._merged(streams, deadline)
         if req.stream:
-            return self._stream(gen, self._chat_chunks(gen, rid, created, model, req, len(prompt), top))
+            return self._stream(
+                gen, self._chat_chunks(gen, rid, created, model, req, len(prompt), top), streams
+            )
         finals = await self._collect(gen, raw)
-        choices, completion_tokens = [], 0
+        choices, usage = [], Usage(req.n)
         for i in range(req.n):
             c = finals[i].outputs[0]
-            completion_tokens += len(c.token_ids)
+            usage.add(i, finals[i], len(c.token_ids))
             choices.append(
                 {
                     "index": i,
@@ -191,7 +228,7 @@ class OpenAIServing:
         return JSONResponse(
             {
                 "id": rid, "object": "chat.completion", "created": created, "model": model,
-                "choices": choices, "usage": _usage(len(prompt), completion_tokens),
+                "choices": choices, "usage": usage.as_dict(),
             }
         )  # fmt: skip
 
@@ -210,10 +247,10 @@ class OpenAIServing:
                     **extra,
                 }
             )
-        completion_tokens = 0
+        usage = Usage(req.n)
         async for index, out in gen:
             c = out.outputs[0]
-            completion_tokens += len(c.delta_token_ids)
+            usage.add(index, out, len(c.delta_token_ids))
             if c.delta_text or c.delta_token_ids or out.finished:
                 choice = {"index": index, "delta": {"content": c.delta_text} if c.delta_text else {}}
                 choice["logprobs"] = (
@@ -224,7 +261,7 @@ class OpenAIServing:
                 choice["finish_reason"] = c.finish_reason if out.finished else None
                 yield self._sse({**base, "choices": [choice], **extra})
         if include_usage:
-            yield self._sse({**base, "choices": [], "usage": _usage(prompt_len, completion_tokens)})
+            yield self._sse({**base, "choices": [], "usage": usage.as_dict()})
 
     # ---- completions -----------------------------------------------------------------------
     def _prompts(self, prompt) -> list:
@@ -245,18 +282,17 @@ class OpenAIServing:
         rid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         model = req.model or self.model_names[0]
-        self.validate(prompts, params)
-        gen = self._merged(prompts, params, req.n, rid)
+        deadline = self._deadline()
+        streams = self._start(prompts, params, req.n, rid, req.priority, req.cache_salt)
+        gen = self._merged(streams, deadline)
         if req.stream:
-            return self._stream(gen, self._completion_chunks(gen, rid, created, model, req, prompts))
+            return self._stream(gen, self._completion_chunks(gen, rid, created, model, req, prompts), streams)
         finals = await self._collect(gen, raw)
-        choices, prompt_tokens, completion_tokens = [], 0, 0
+        choices, usage = [], Usage(req.n)
         for index in sorted(finals):
             out = finals[index]
             c = out.outputs[0]
-            if index % req.n == 0:
-                prompt_tokens += len(out.prompt_token_ids)
-            completion_tokens += len(c.token_ids)
+            usage.add(index, out, len(c.token_ids))
             choices.append(
                 {
                     "index": index, "text": self._echo_text(req, out) + c.text,
@@ -266,7 +302,7 @@ class OpenAIServing:
         return JSONResponse(
             {
                 "id": rid, "object": "text_completion", "created": created, "model": model,
-                "choices": choices, "usage": _usage(prompt_tokens, completion_tokens),
+                "choices": choices, "usage": usage.as_dict(),
             }
         )  # fmt: skip
 
@@ -290,17 +326,15 @@ class OpenAIServing:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         base = {"id": rid, "object": "text_completion", "created": created, "model": model}
         extra = {"usage": None} if include_usage else {}
-        prompt_tokens = completion_tokens = 0
+        usage = Usage(req.n)
         started: set[int] = set()
         async for index, out in gen:
             c = out.outputs[0]
             text = c.delta_text
             if index not in started:
                 started.add(index)
-                if index % req.n == 0:
-                    prompt_tokens += len(out.prompt_token_ids)
                 text = self._echo_text(req, out) + text
-            completion_tokens += len(c.delta_token_ids)
+            usage.add(index, out, len(c.delta_token_ids))
             if text or out.finished:
                 logprobs = None
                 if req.logprobs is not None and c.delta_token_ids:
@@ -310,10 +344,10 @@ class OpenAIServing:
                 choice["finish_reason"] = c.finish_reason if out.finished else None
                 yield self._sse({**base, "choices": [choice], **extra})
         if include_usage:
-            yield self._sse({**base, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)})
+            yield self._sse({**base, "choices": [], "usage": usage.as_dict()})
 
     # ---- streaming ------------------------------------------------------------------------------
-    def _stream(self, gen, chunks) -> StreamingResponse:
+    def _stream(self, gen, chunks, streams: list[RequestStream]) -> StreamingResponse:
         async def body():
             try:
                 async for chunk in chunks:
@@ -326,15 +360,40 @@ class OpenAIServing:
                 await gen.aclose()
             yield b"data: [DONE]\n\n"
 
-        return StreamingResponse(body(), media_type="text/event-stream")
+        async def abort_unfinished() -> None:
+            # Runs after the response, also when the client went away mid-stream (Starlette
+            # then stops iterating `body` without closing it, so its finally may never run).
+            for st in streams:
+                await st.aclose()
+
+        return StreamingResponse(
+            body(), media_type="text/event-stream", background=BackgroundTask(abort_unfinished)
+        )
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
+class Usage:
+    """Token counts of one API request: each prompt counted once, every sample's output."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.prompt = self.completion = self.cached = 0
+        self._seen: set[int] = set()
+
+    def add(self, index: int, out: RequestOutput, new_tokens: int) -> None:
+        if index not in self._seen:
+            self._seen.add(index)
+            if index % self.n == 0:
+                self.prompt += len(out.prompt_token_ids)
+                self.cached += out.num_cached_tokens
+        self.completion += new_tokens
+
+    def as_dict(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt,
+            "completion_tokens": self.completion,
+            "total_tokens": self.prompt + self.completion,
+            "prompt_tokens_details": {"cached_tokens": self.cached},
+        }
 
 
 def _err_body(message: str, type_: str, code: int) -> dict:
