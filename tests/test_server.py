@@ -376,9 +376,9 @@ def test_admission_control_under_overload(tiny_llama_dir):
 
 
 def test_priority_over_http(tiny_llama_dir):
-    s = ServerProcess(tiny_llama_dir, *MODEL_ARGS, "--max-num-seqs", "2", "--scheduling-policy", "priority")
+    s = ServerProcess(tiny_llama_dir, *MODEL_ARGS, "--max-num-seqs", "1", "--scheduling-policy", "priority")
     try:
-        body = {"model": "tiny", "prompt": "Go", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        body = {"model": "tiny", "prompt": "Go", "max_tokens": 240, "ignore_eos": True, "stream": True}
 
         async def first_token_time(http, priority: int) -> float:
             req = {**body, "priority": priority}
@@ -392,12 +392,14 @@ def test_priority_over_http(tiny_llama_dir):
         async def scenario():
             async with httpx.AsyncClient(timeout=60) as http:
                 low = [asyncio.create_task(first_token_time(http, 5)) for _ in range(6)]
-                await asyncio.sleep(0.3)  # the server is saturated: two run, four wait
+                await asyncio.sleep(0.1)  # one runs, the others wait
+                sent = time.monotonic()
                 high = [asyncio.create_task(first_token_time(http, 0)) for _ in range(2)]
-                return await asyncio.gather(*low), await asyncio.gather(*high)
+                return await asyncio.gather(*low), await asyncio.gather(*high), sent
 
-        low, high = asyncio.run(scenario())
-        waiting_low = sorted(low)[2:]  # the ones that were still queued when the high ones came
-        assert max(high) < min(waiting_low)
+        low, high, sent = asyncio.run(scenario())
+        still_waiting = [t for t in low if t > sent]  # low requests queued when the high ones came
+        assert len(still_waiting) >= 2
+        assert max(high) < min(still_waiting)
     finally:
         s.stop()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from kvserve.bench.args import add_offline_args, add_serve_args
@@ -44,6 +43,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 def cmd_offline(args: argparse.Namespace) -> int:
     from kvserve.bench.offline import format_offline, run_offline
+    from kvserve.bench.report import save_json
 
     try:
         res = run_offline(args)
@@ -52,8 +52,7 @@ def cmd_offline(args: argparse.Namespace) -> int:
         return 2
     print(format_offline(res))
     if args.save_result:
-        with open(args.save_result, "w", encoding="utf-8") as f:
-            json.dump(res, f, indent=1)
+        save_json(res, args.save_result)
     return 0
 
 

@@ -46,7 +46,8 @@ class DatasetConfig:
 
 def word_pool(tok) -> list[int]:
     """Ids of tokens that decode to ' word' (a space and ASCII letters): text made of them
-    re-encodes to the same ids. Falls back to every non-special id for toy vocabularies."""
+    re-encodes to the same ids. Toy vocabularies fall back to printable ASCII tokens (which may
+    merge when re-encoded, so prompts come out somewhat shorter)."""
     special = tok.all_special_ids if hasattr(tok, "all_special_ids") else frozenset()
     ids = []
     for i in range(tok.vocab_size):
@@ -57,7 +58,8 @@ def word_pool(tok) -> list[int]:
             ids.append(i)
     if len(ids) >= 64:
         return ids
-    return [i for i in range(tok.vocab_size) if i not in special]
+    printable = [i for i in range(tok.vocab_size) if i not in special]
+    return [i for i in printable if (s := tok.decode([i])) and s.isascii() and s.isprintable()]
 
 
 def _span(length: int, ratio: float, rng: random.Random) -> int:

@@ -46,9 +46,11 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
                 a.request_rate = p
             res = run_serve(a, url, tok, requests)
             m = res["metrics"]
+            ttft, itl = m["ttft_ms"], m["itl_ms"]
             print(
-                f"{url} {kind}={p:g}: {m['output_throughput']:.1f} tok/s, TTFT p50 {m['ttft_ms']['p50']} ms, "
-                f"p99 {m['ttft_ms']['p99']} ms, ITL p50 {m['itl_ms']['p50']} ms, failed {m['failed']}"
+                f"{url} {kind}={p:g}: {m['output_throughput']:.1f} tok/s, "
+                f"TTFT p50 {ttft['p50'] or 0:.1f} ms, p99 {ttft['p99'] or 0:.1f} ms, "
+                f"ITL p50 {itl['p50'] or 0:.2f} ms, failed {m['failed']}"
             )
             runs.append({kind: None if math.isinf(p) else p, **res})
         series.append({"label": labels[i] if labels else url, "base_url": url, "runs": runs})

@@ -117,7 +117,10 @@ class AsyncLLM:
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(OutputMessage)
         self.proc = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core, args=(config, self._in_addr, self._out_addr), name="kvserve-engine-core"
+            target=run_engine_core,
+            args=(config, self._in_addr, self._out_addr),
+            name="kvserve-engine-core",
+            daemon=True,  # also terminated by multiprocessing when this process exits normally
         )
         self.proc.start()
         self.ready = self._wait_ready(startup_timeout)

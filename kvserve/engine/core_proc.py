@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
+import time
 import traceback
 
 import msgspec
@@ -51,8 +53,30 @@ InputMessage = AddRequest | AbortRequests | ResetPrefixCache
 OutputMessage = Ready | Failed | EngineCoreOutputs
 
 
+def _die_with_parent() -> None:
+    """Never outlive the API process, however it ends (even SIGKILL): ask the kernel to kill
+    us when it dies (Linux), and also exit if we find ourselves re-parented."""
+    parent = os.getppid()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:
+        os._exit(1)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="parent-watch").start()
+
+
 def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> None:
     """Process entry point."""
+    _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process decides when we stop
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s [core]: %(message)s")
     ctx = zmq.Context()

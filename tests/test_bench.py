@@ -1,0 +1,317 @@
+"""`kvserve bench`: metrics against a stub with known timings, client speed, datasets, and runs
+against real servers (kvserve and the naive transformers baseline) on a tiny random model."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from server_utils import ServerProcess, free_port
+
+from kvserve.bench.datasets import DatasetConfig, build_dataset, load_bench_tokenizer
+from kvserve.bench.loadgen import LoadConfig, RequestResult, arrival_gaps, run_load
+from kvserve.bench.metrics import compute_metrics, parse_slo
+from kvserve.entrypoints.cli import main as kvserve_main
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TTFT_MS, ITL_MS = 200.0, 20.0  # a localhost round trip costs 1-3 ms: well inside 5%
+
+
+class Stub:
+    """tests/bench_stub.py in its own process, so its timing does not share our GIL."""
+
+    def __init__(self, ttft_ms: float, itl_ms: float) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.join(HERE, "bench_stub.py"), "--port", str(self.port),
+             "--ttft-ms", str(ttft_ms), "--itl-ms", str(itl_ms)]
+        )  # fmt: skip
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
+                return
+            except OSError:
+                time.sleep(0.05)
+        self.proc.kill()
+        raise TimeoutError("stub server did not start")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def timed_stub():
+    s = Stub(TTFT_MS, ITL_MS)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def instant_stub():
+    s = Stub(0, 0)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def tiny_tok(tiny_llama_dir):
+    return load_bench_tokenizer(tiny_llama_dir)
+
+
+def _requests(tok, n: int, output_len: int, name: str = "random"):
+    return build_dataset(tok, DatasetConfig(name=name, num_prompts=n, input_len=16, output_len=output_len))
+
+
+def _run(cfg: LoadConfig, requests, warmup: int = 0):
+    import asyncio
+
+    return asyncio.run(run_load(cfg, requests, warmup=warmup))
+
+
+def _close(measured: float, truth: float, tol: float = 0.05) -> bool:
+    return abs(measured - truth) <= tol * truth
+
+
+# ---- metrics against known timings -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_metrics_match_stub_timings(timed_stub, tiny_tok, endpoint):
+    """8 requests of 20 tokens, 4 at a time: two waves, each request 200 + 19 * 20 = 580 ms."""
+    n, out_len, conc = 8, 20, 4
+    cfg = LoadConfig(timed_stub.url, "stub", endpoint=endpoint, max_concurrency=conc, progress=False)
+    # warm-up opens the 4 keep-alive connections (a fresh TCP connection adds ~3 ms here)
+    results, duration = _run(cfg, _requests(tiny_tok, n, out_len), warmup=conc)
+    m = compute_metrics(results, duration, parse_slo("ttft:250,tpot:25"))
+    per_request_s = (TTFT_MS + (out_len - 1) * ITL_MS) / 1000
+    assert m["completed"] == n and m["failed"] == 0
+    assert m["total_output_tokens"] == n * out_len  # from the usage chunk
+    assert _close(m["ttft_ms"]["mean"], TTFT_MS) and _close(m["ttft_ms"]["p50"], TTFT_MS)
+    assert _close(m["itl_ms"]["mean"], ITL_MS) and _close(m["itl_ms"]["p50"], ITL_MS)
+    assert _close(m["tpot_ms"]["mean"], ITL_MS)
+    assert _close(m["e2el_ms"]["mean"], per_request_s * 1000)
+    assert len([x for r in results for x in r.itl]) == n * (out_len - 1)
+    truth_tput = n * out_len / (n / conc * per_request_s)
+    assert _close(m["output_throughput"], truth_tput), (m["output_throughput"], truth_tput)
+    assert _close(m["request_throughput"], n / (n / conc * per_request_s))
+    assert m["good_requests"] == n  # every request meets 250 ms TTFT and 25 ms TPOT
+    assert compute_metrics(results, duration, parse_slo("ttft:150"))["good_requests"] == 0
+
+
+def test_client_sustains_5000_tokens_per_second(instant_stub, tiny_tok):
+    """One client core against a stub that streams as fast as it can: the client is the limit."""
+    n, out_len = 16, 2000
+    cfg = LoadConfig(instant_stub.url, "stub", progress=False)
+    results, duration = _run(cfg, _requests(tiny_tok, n, out_len))
+    m = compute_metrics(results, duration)
+    assert m["completed"] == n
+    assert sum(len(r.itl) + 1 for r in results) == n * out_len  # every event was parsed
+    print(f"client: {m['output_throughput']:,.0f} streamed tokens/s")
+    assert m["output_throughput"] >= 5000
+
+
+def test_request_rate_and_burstiness():
+    """Gamma gaps keep the mean rate; the coefficient of variation is 1/sqrt(burstiness)."""
+    for burst in (1.0, 0.25, 4.0):
+        gaps = arrival_gaps(20001, 50.0, burst, seed=1)[1:]
+        assert _close(statistics.fmean(gaps), 1 / 50, 0.03)
+        assert _close(statistics.pstdev(gaps) / statistics.fmean(gaps), 1 / math.sqrt(burst), 0.05)
+    assert arrival_gaps(3, math.inf, 1.0, 0) == [0.0, 0.0, 0.0]
+
+
+def test_request_rate_spreads_sends(instant_stub, tiny_tok):
+    cfg = LoadConfig(instant_stub.url, "stub", request_rate=20.0, progress=False)
+    results, duration = _run(cfg, _requests(tiny_tok, 10, 4))
+    starts = [r.start for r in results]
+    gaps = arrival_gaps(10, 20.0, 1.0, 0)
+    assert all(abs(s - sum(gaps[: i + 1])) < 0.02 for i, s in enumerate(starts))
+
+
+def test_metrics_summary_and_slo_parsing():
+    rs = [
+        RequestResult(True, "", 10, 11, 0.0, ttft=t, latency=t + 1.0, itl=[0.1] * 10) for t in (0.1, 0.2, 0.3)
+    ]
+    rs.append(RequestResult(False, "HTTP 500: boom"))
+    m = compute_metrics(rs, 2.0, {"ttft": 250.0})
+    assert (m["completed"], m["failed"], m["errors"]) == (3, 1, ["HTTP 500: boom"])
+    assert m["ttft_ms"]["mean"] == pytest.approx(200.0) and m["ttft_ms"]["p50"] == pytest.approx(200.0)
+    assert m["tpot_ms"]["mean"] == pytest.approx(100.0)
+    assert m["output_throughput"] == pytest.approx(33 / 2.0)
+    assert (m["good_requests"], m["goodput"]) == (2, pytest.approx(1.0))
+    assert parse_slo("ttft:500,tpot:50") == {"ttft": 500.0, "tpot": 50.0}
+    for bad in ("ttft", "latency:5", "ttft:x", "tpot:-1"):
+        with pytest.raises(ValueError, match="slo"):
+            parse_slo(bad)
+
+
+# ---- datasets --------------------------------------------------------------------------------
+
+
+def test_datasets(tiny_tok, tmp_path):
+    rnd = build_dataset(tiny_tok, DatasetConfig("random", 20, 40, 30, range_ratio=0.5, seed=3))
+    assert all(15 <= r.output_len <= 45 for r in rnd) and len({r.output_len for r in rnd}) > 1
+    assert all(8 <= r.prompt_len <= 70 for r in rnd) and len({r.text for r in rnd}) == 20
+    assert [r.text for r in rnd] == [
+        r.text for r in build_dataset(tiny_tok, DatasetConfig("random", 20, 40, 30, 0.5, seed=3))
+    ]
+    pre = build_dataset(tiny_tok, DatasetConfig("prefix", 8, 10, 5, prefix_len=50, num_prefix_groups=2))
+    assert pre[0].text[:40] == pre[2].text[:40] != pre[1].text[:40]
+    chat = build_dataset(tiny_tok, DatasetConfig("chat", 30, 20, 20))
+    assert all(r.messages and r.messages[-1]["role"] == "user" for r in chat)
+    assert any(len(r.messages) == 3 for r in chat) and len({r.output_len for r in chat}) > 5
+    path = tmp_path / "p.jsonl"
+    path.write_text(
+        '{"prompt": "hello world", "output_len": 7}\n\n{"messages": [{"role": "user", "content": "hi"}]}\n'
+    )
+    js = build_dataset(tiny_tok, DatasetConfig("jsonl", 3, output_len=9, path=str(path)))
+    assert [r.output_len for r in js] == [7, 9, 7] and js[1].messages and js[0].text == "hello world"
+    with pytest.raises(ValueError, match="dataset-path"):
+        build_dataset(tiny_tok, DatasetConfig("jsonl", 3))
+
+
+# ---- the CLI: sweep + plot, serve JSON -----------------------------------------------------------
+
+
+def test_sweep_plots_one_line_per_server(timed_stub, instant_stub, tiny_llama_dir, tmp_path):
+    png, js = tmp_path / "sweep.png", tmp_path / "sweep.json"
+    rc = kvserve_main([
+        "bench", "sweep", "--base-url", timed_stub.url, "--base-url", instant_stub.url, "--label", "timed",
+        "--label", "instant", "--concurrencies", "1,4", "--model", "stub", "--tokenizer", tiny_llama_dir,
+        "--num-prompts", "4", "--output-len", "10", "--input-len", "8", "--plot", str(png),
+        "--save-result", str(js), "--disable-tqdm",
+    ])  # fmt: skip
+    assert rc == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    res = json.loads(js.read_text())
+    assert [s["label"] for s in res["series"]] == ["timed", "instant"]
+    timed = res["series"][0]["runs"]
+    assert [r["max_concurrency"] for r in timed] == [1, 4]
+    one, four = (r["metrics"]["output_throughput"] for r in timed)
+    assert _close(four / one, 4.0, 0.1)  # 4 streams at once: 4x the tokens in the same time
+
+
+# ---- against real servers ---------------------------------------------------------------------
+
+
+def _stop(server: ServerProcess) -> None:
+    """Stop the server and make sure no child (the engine core) outlives it."""
+    import psutil
+
+    try:
+        children = psutil.Process(server.proc.pid).children(recursive=True)
+    except psutil.Error:
+        children = []
+    server.stop()
+    for child in psutil.wait_procs(children, timeout=10)[1]:
+        child.kill()
+
+
+def _bench_serve(url: str, model: str, tmp_path, *extra: str) -> dict:
+    out = tmp_path / "r.json"
+    rc = kvserve_main([
+        "bench", "serve", "--base-url", url, "--model", model, "--num-prompts", "4", "--input-len", "16",
+        "--output-len", "8", "--ignore-eos", "--max-concurrency", "2", "--disable-tqdm",
+        "--save-result", str(out), *extra,
+    ])  # fmt: skip
+    res = json.loads(out.read_text())
+    assert rc == 0, res["metrics"].get("errors")
+    return res
+
+
+@pytest.mark.parametrize("engine", ["kvserve", "naive"])
+def test_bench_against_real_server(engine, tiny_llama_dir, tiny_tok, tmp_path):
+    server = ServerProcess(
+        tiny_llama_dir,
+        "--engine",
+        engine,
+        "--kv-cache-memory",
+        "64MiB",
+        api_key=None,
+        log_path="/tmp/srvt.log",
+    )
+    try:
+        res = _bench_serve(server.url, tiny_llama_dir, tmp_path, "--warmup", "1")
+        m = res["metrics"]
+        prompts = _requests(tiny_tok, 4, 8)
+        assert (m["completed"], m["failed"], m["total_output_tokens"]) == (4, 0, 32)
+        assert m["total_input_tokens"] == sum(r.prompt_len for r in prompts)  # server agrees on length
+        assert 0 < m["ttft_ms"]["p50"] <= m["e2el_ms"]["p50"] and m["output_throughput"] > 0
+        assert res["load"]["max_concurrency"] == 2 and res["dataset"]["name"] == "random"
+        chat = _bench_serve(server.url, tiny_llama_dir, tmp_path, "--endpoint", "chat", "--dataset", "chat")
+        assert chat["metrics"]["completed"] == 4 and chat["metrics"]["total_output_tokens"] > 0
+        ids = _bench_serve(server.url, tiny_llama_dir, tmp_path, "--prompt-format", "ids")
+        assert ids["metrics"]["total_input_tokens"] == m["total_input_tokens"]
+    finally:
+        _stop(server)
+
+
+def test_naive_server_api(tiny_llama_dir):
+    """The baseline speaks the same API: non-streaming, models, errors, greedy = streamed text."""
+    server = ServerProcess(tiny_llama_dir, "--engine", "naive", "--served-model-name", "tiny", api_key=None)
+    try:
+        body = {
+            "model": "tiny",
+            "prompt": "Hello world",
+            "max_tokens": 6,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30).json()
+        assert r["usage"]["completion_tokens"] == 6 and r["choices"][0]["finish_reason"] == "length"
+        streamed = ""
+        with httpx.stream(
+            "POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=30
+        ) as s:
+            for line in s.iter_lines():
+                if line.startswith("data: {"):
+                    streamed += json.loads(line[6:])["choices"][0]["text"]
+        assert streamed == r["choices"][0]["text"]
+        assert httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"] == "tiny"
+        bad = httpx.post(f"{server.url}/v1/completions", json={**body, "model": "other"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "model"
+        assert httpx.post(f"{server.url}/v1/completions", json={**body, "max_tokens": 0}).status_code == 400
+    finally:
+        _stop(server)
+
+
+def test_bench_offline(tiny_llama_dir, tmp_path):
+    out = tmp_path / "off.json"
+    rc = kvserve_main([
+        "bench", "offline", "--model", tiny_llama_dir, "--kv-cache-memory", "64MiB", "--num-prompts", "4",
+        "--input-len", "16", "--output-len", "8", "--ignore-eos", "--save-result", str(out),
+    ])  # fmt: skip
+    m = json.loads(out.read_text())["metrics"]
+    assert rc == 0 and (m["completed"], m["total_output_tokens"]) == (4, 32)
+    assert m["output_throughput"] > 0 and m["ttft_ms"]["mean"] > 0
+
+
+@pytest.mark.slow
+def test_naive_server_serves_the_default_model(default_llm):
+    """The baseline runs the same model: its greedy text equals kvserve's for the same prompt."""
+    from kvserve import SamplingParams
+
+    server = ServerProcess("smollm2-135m", "--engine", "naive", api_key=None)
+    try:
+        body = {
+            "model": "smollm2-135m",
+            "prompt": "The capital of France is",
+            "max_tokens": 12,
+            "temperature": 0,
+        }
+        r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+    finally:
+        _stop(server)
+    ours = default_llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=12))
+    assert r["choices"][0]["text"] == ours[0].outputs[0].text
+    assert r["usage"]["completion_tokens"] == len(ours[0].outputs[0].token_ids)
