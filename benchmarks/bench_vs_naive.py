@@ -42,19 +42,6 @@ def measure(url: str, model: str, requests, concurrency: int) -> dict:
     return compute_metrics(results, duration)
 
 
-def stop_server(server: ServerProcess) -> None:
-    """Stop the server and make sure no child (the engine core) outlives it to share the CPU."""
-    import psutil
-
-    try:
-        children = psutil.Process(server.proc.pid).children(recursive=True)
-    except psutil.Error:
-        children = []
-    server.stop()
-    for child in psutil.wait_procs(children, timeout=10)[1]:
-        child.kill()
-
-
 def run_server(engine: str, args, requests, points: list[tuple[int, int]]) -> list[dict]:
     extra = ["--kv-cache-memory", args.kv_cache_memory] if engine == "kvserve" else []
     server = ServerProcess(args.model, "--engine", engine, *extra, api_key=None, timeout=600)
@@ -71,7 +58,7 @@ def run_server(engine: str, args, requests, points: list[tuple[int, int]]) -> li
             )
             runs.append({"max_concurrency": conc, "num_prompts": n, "metrics": m})
     finally:
-        stop_server(server)
+        server.stop()
     return runs
 
 

@@ -204,19 +204,6 @@ def test_sweep_plots_one_line_per_server(timed_stub, instant_stub, tiny_llama_di
 # ---- against real servers ---------------------------------------------------------------------
 
 
-def _stop(server: ServerProcess) -> None:
-    """Stop the server and make sure no child (the engine core) outlives it."""
-    import psutil
-
-    try:
-        children = psutil.Process(server.proc.pid).children(recursive=True)
-    except psutil.Error:
-        children = []
-    server.stop()
-    for child in psutil.wait_procs(children, timeout=10)[1]:
-        child.kill()
-
-
 def _bench_serve(url: str, model: str, tmp_path, *extra: str) -> dict:
     out = tmp_path / "r.json"
     rc = kvserve_main([
@@ -253,7 +240,7 @@ def test_bench_against_real_server(engine, tiny_llama_dir, tiny_tok, tmp_path):
         ids = _bench_serve(server.url, tiny_llama_dir, tmp_path, "--prompt-format", "ids")
         assert ids["metrics"]["total_input_tokens"] == m["total_input_tokens"]
     finally:
-        _stop(server)
+        server.stop()
 
 
 def test_naive_server_api(tiny_llama_dir):
@@ -282,7 +269,7 @@ def test_naive_server_api(tiny_llama_dir):
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "model"
         assert httpx.post(f"{server.url}/v1/completions", json={**body, "max_tokens": 0}).status_code == 400
     finally:
-        _stop(server)
+        server.stop()
 
 
 def test_bench_offline(tiny_llama_dir, tmp_path):
@@ -311,7 +298,7 @@ def test_naive_server_serves_the_default_model(default_llm):
         }
         r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
     finally:
-        _stop(server)
+        server.stop()
     ours = default_llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=12))
     assert r["choices"][0]["text"] == ours[0].outputs[0].text
     assert r["usage"]["completion_tokens"] == len(ours[0].outputs[0].token_ids)

@@ -22,7 +22,7 @@ from kvserve.entrypoints.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from kvserve.entrypoints.openai.serving import OpenAIServing, ServerOverloadedError
+from kvserve.entrypoints.openai.serving import ClientDisconnectedError, OpenAIServing, ServerOverloadedError
 from kvserve.metrics.prometheus import ServerMetrics
 
 logger = logging.getLogger("kvserve.server")
@@ -85,6 +85,10 @@ def build_app(
         resp = error_response(503, str(exc), "server_overloaded", code="server_overloaded")
         resp.headers["Retry-After"] = "1"
         return resp
+
+    @app.exception_handler(ClientDisconnectedError)
+    async def on_client_gone(request: Request, exc: ClientDisconnectedError):
+        return Response(status_code=499)  # nobody is listening; nginx's "client closed request"
 
     @app.exception_handler(TimeoutError)
     async def on_timeout(request: Request, exc: TimeoutError):

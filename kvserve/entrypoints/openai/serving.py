@@ -27,6 +27,10 @@ from kvserve.sampling_params import SamplingParams
 _json = msgspec.json.Encoder()
 
 
+class ClientDisconnectedError(Exception):
+    """The client went away before a non-streaming response was ready (its requests are aborted)."""
+
+
 class ServerOverloadedError(RuntimeError):
     """Admission control refused the request (HTTP 503 with Retry-After)."""
 
@@ -135,7 +139,7 @@ class OpenAIServing:
             if not task.done() and await raw.is_disconnected():
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
-                raise asyncio.CancelledError
+                raise ClientDisconnectedError
         task.result()
         return finals
 
