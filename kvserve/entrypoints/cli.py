@@ -111,13 +111,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     try:
         config = engine_config(args)
-    except ValueError as e:
+        return serve(
+            config, args.host, args.port, args.served_model_name, args.api_key, args.request_timeout,
+            args.max_waiting_requests,
+        )  # fmt: skip
+    except (ValueError, FileNotFoundError, RuntimeError, TimeoutError) as e:  # start-up problems
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return serve(
-        config, args.host, args.port, args.served_model_name, args.api_key, args.request_timeout,
-        args.max_waiting_requests,
-    )  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
