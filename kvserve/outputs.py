@@ -53,6 +53,8 @@ class CompletionOutput:
     delta_text: str = ""
     """Text released since the previous output of this request (for streaming)."""
     delta_token_ids: list[int] = field(default_factory=list)
+    delta_logprobs: list[dict[int, float]] | None = None
+    """Logprobs of delta_token_ids only (a snapshot; `logprobs` keeps growing while streaming)."""
 
 
 @dataclass

@@ -49,10 +49,6 @@ BAD_REQUESTS = {
         lambda e: e.add_request("bad", [5] * 10, SamplingParams(max_tokens=50)),
         r"max_tokens.*KV blocks",
     ),
-    "max_tokens=None-over-pool": (
-        lambda e: e.add_request("bad", [5] * 10, SamplingParams(max_tokens=None)),
-        r"max_tokens",
-    ),
     "token-id-too-large": (lambda e: e.add_request("bad", [5, 512], GOOD), r"prompt.*token ids"),
     "token-id-negative": (lambda e: e.add_request("bad", [5, -1], GOOD), r"prompt.*token ids"),
     "token-id-not-int": (lambda e: e.add_request("bad", [5, 3.0], GOOD), r"prompt.*token ids"),
@@ -105,12 +101,15 @@ def test_bad_request_raises_and_engine_keeps_serving(llm, reference, case):
 
 
 def test_boundary_requests_are_accepted_and_rejected(llm):
-    out = llm.generate([[5] * 40], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
-    assert len(out.outputs[0].token_ids) == 8  # 48 tokens: exactly the whole 3-block pool
+    out = llm.generate([[5] * 41], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 8  # 49 tokens, the last never cached: the whole 3-block pool
     out = llm.generate([[511, 0]], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 2  # ids 0 and vocab-1 are valid
     with pytest.raises(ValueError, match="KV blocks"):
-        llm.generate([[5] * 41], SamplingParams(max_tokens=8), use_tqdm=False)  # 49 tokens: 4 blocks
+        llm.generate([[5] * 42], SamplingParams(max_tokens=8), use_tqdm=False)  # 49 cached tokens: 4 blocks
+    # No max_tokens: generate until the pool is full rather than refuse the request.
+    out = llm.generate([[5] * 10], SamplingParams(max_tokens=None, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == min(MAX_MODEL_LEN, 3 * 16 + 1) - 10
     assert_idle(llm)
 
 

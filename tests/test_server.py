@@ -403,3 +403,28 @@ def test_priority_over_http(tiny_llama_dir):
         assert max(high) < min(still_waiting)
     finally:
         s.stop()
+
+
+def test_streamed_logprobs_match_non_streamed(client):
+    """Each streamed chunk carries the logprobs of its own tokens, whatever the timing."""
+    kw = dict(model="tiny", max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    msgs = [{"role": "user", "content": "Hello"}]
+    full = client.chat.completions.create(messages=msgs, logprobs=True, top_logprobs=2, **kw)
+    want = [(t.token, t.logprob) for t in full.choices[0].logprobs.content]
+    got = []
+    for chunk in client.chat.completions.create(
+        messages=msgs, logprobs=True, top_logprobs=2, stream=True, **kw
+    ):
+        if chunk.choices and chunk.choices[0].logprobs:
+            got += [(t.token, t.logprob) for t in chunk.choices[0].logprobs.content]
+    # Same tokens; logprobs equal up to float rounding (the second request hits the prefix cache).
+    assert [t for t, _ in got] == [t for t, _ in want]
+    assert [lp for _, lp in got] == pytest.approx([lp for _, lp in want], abs=1e-4)
+    full = client.completions.create(prompt="Hello world", logprobs=1, echo=True, **kw)
+    got_tokens, offsets = [], []
+    for chunk in client.completions.create(prompt="Hello world", logprobs=1, echo=True, stream=True, **kw):
+        if chunk.choices and chunk.choices[0].logprobs:
+            got_tokens += chunk.choices[0].logprobs.tokens
+            offsets += chunk.choices[0].logprobs.text_offset
+    assert got_tokens == full.choices[0].logprobs.tokens  # the echoed prompt's tokens come first
+    assert offsets == sorted(offsets) and offsets[0] == 0

@@ -120,9 +120,12 @@ class EngineCore:
             sampled, prompt_logprobs = self.model_runner.execute(sched, block_tables)
             for req, _ in sched.scheduled:
                 entries = prompt_logprobs.get(req.request_id)
-                # After a preemption the prompt is recomputed; keep the first copy only.
-                if entries and len(req.prompt_logprobs) == req.num_computed_tokens + 1:
-                    req.prompt_logprobs.extend(entries)
+                if entries:
+                    # After a preemption the prompt is recomputed in chunks that need not line
+                    # up with the first attempt's: keep only positions not recorded yet.
+                    skip = (len(req.prompt_logprobs) - 1) - req.num_computed_tokens
+                    if 0 <= skip < len(entries):
+                        req.prompt_logprobs.extend(entries[skip:])
             for req in self.scheduler.update(sched, sampled):
                 outputs.append(self._output(req))
         return EngineCoreOutputs(

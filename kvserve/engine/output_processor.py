@@ -30,7 +30,9 @@ class RequestState:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
 
-    def make_output(self, new_token_ids: list[int]) -> RequestOutput:
+    def make_output(
+        self, new_token_ids: list[int], new_logprobs: list[dict[int, float]] | None = None
+    ) -> RequestOutput:
         finished = self.finish_reason is not None
         completion = CompletionOutput(
             index=0,
@@ -41,6 +43,7 @@ class RequestState:
             logprobs=self.logprobs,
             delta_text=self.detok.release(finished),
             delta_token_ids=new_token_ids,
+            delta_logprobs=new_logprobs if self.logprobs is not None else None,
         )
         return RequestOutput(
             self.request_id, self.prompt, self.prompt_token_ids, [completion], finished, self.metrics,
@@ -85,7 +88,7 @@ class OutputProcessor:
                 m.finished_time = out.finished_time or time.monotonic()
                 m.num_preemptions = out.num_preemptions
                 del self.states[out.request_id]
-            results.append(st.make_output(out.new_token_ids))
+            results.append(st.make_output(out.new_token_ids, out.new_logprobs))
         return results, to_abort
 
     def abort(self, request_id: str) -> RequestOutput | None:

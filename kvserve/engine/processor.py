@@ -60,13 +60,18 @@ class InputProcessor:
             raise ValueError(
                 f"prompt: {n} tokens leave no room to generate within max_model_len={lim.max_model_len}"
             )
-        max_tokens = params.max_tokens if params.max_tokens is not None else lim.max_model_len - n
+        pool_tokens = lim.num_blocks * lim.block_size
+        # Unset max_tokens: up to max_model_len, but never more than the whole KV pool holds.
+        default = min(lim.max_model_len - n, pool_tokens + 1 - n)
+        max_tokens = params.max_tokens if params.max_tokens is not None else default
+        if max_tokens < 1:
+            raise ValueError(f"prompt: {n} tokens do not fit the KV pool ({pool_tokens} tokens)")
         if n + max_tokens > lim.max_model_len:
             raise ValueError(
                 f"max_tokens: prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds "
                 f"max_model_len={lim.max_model_len}"
             )
-        need = -(-(n + max_tokens) // lim.block_size)
+        need = -(-(n + max_tokens - 1) // lim.block_size)  # the last sampled token is never cached
         if need > lim.num_blocks:
             raise ValueError(
                 f"max_tokens: prompt + max_tokens need {need} KV blocks but the pool has only "

@@ -255,12 +255,11 @@ class OpenAIServing:
         async for index, out in gen:
             c = out.outputs[0]
             usage.add(index, out, len(c.delta_token_ids))
-            if c.delta_text or c.delta_token_ids or out.finished:
+            with_logprobs = req.logprobs and c.delta_token_ids
+            if c.delta_text or out.finished or with_logprobs:  # no empty chunks for held-back text
                 choice = {"index": index, "delta": {"content": c.delta_text} if c.delta_text else {}}
                 choice["logprobs"] = (
-                    self._chat_logprobs(c.delta_token_ids, c.logprobs[-len(c.delta_token_ids) :], top)
-                    if req.logprobs and c.delta_token_ids
-                    else None
+                    self._chat_logprobs(c.delta_token_ids, c.delta_logprobs, top) if with_logprobs else None
                 )
                 choice["finish_reason"] = c.finish_reason if out.finished else None
                 yield self._sse({**base, "choices": [choice], **extra})
@@ -331,19 +330,23 @@ class OpenAIServing:
         base = {"id": rid, "object": "text_completion", "created": created, "model": model}
         extra = {"usage": None} if include_usage else {}
         usage = Usage(req.n)
-        started: set[int] = set()
+        offsets: dict[int, int] = {}  # characters sent so far per choice (for text_offset)
         async for index, out in gen:
             c = out.outputs[0]
-            text = c.delta_text
-            if index not in started:
-                started.add(index)
+            text, ids, lps = c.delta_text, list(c.delta_token_ids), list(c.delta_logprobs or [])
+            if index not in offsets:
+                offsets[index] = 0
                 text = self._echo_text(req, out) + text
+                if req.echo and req.logprobs is not None:  # the echoed prompt's logprobs come first
+                    ids = out.prompt_token_ids + ids
+                    lps = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids)) + lps
             usage.add(index, out, len(c.delta_token_ids))
-            if text or out.finished:
+            with_logprobs = req.logprobs is not None and ids
+            if text or out.finished or with_logprobs:
                 logprobs = None
-                if req.logprobs is not None and c.delta_token_ids:
-                    lps = c.logprobs[-len(c.delta_token_ids) :]
-                    logprobs = self._completion_logprobs(c.delta_token_ids, lps, req.logprobs, 0)
+                if with_logprobs:
+                    logprobs = self._completion_logprobs(ids, lps, req.logprobs, offsets[index])
+                offsets[index] += len(text)
                 choice = {"index": index, "text": text, "logprobs": logprobs}
                 choice["finish_reason"] = c.finish_reason if out.finished else None
                 yield self._sse({**base, "choices": [choice], **extra})
