@@ -308,3 +308,13 @@ def test_explicit_budget_on_a_gpu_reports_leftover_as_overhead():
     assert mem.kv_cache_bytes == 8 * 2**30 and mem.fits
     assert mem.weight_bytes + mem.kv_cache_bytes + mem.overhead_bytes == mem.usable_bytes
     assert math.isclose(plan.kv_pool.num_tokens, 8 * 2**30 / 131072)
+
+
+def test_gpu_budget_is_the_engine_rule():
+    """The plan's KV budget on a GPU is the function the engine calls on CUDA."""
+    from kvserve.core.kv_sizing import gpu_kv_budget
+
+    spec, prec, h100 = PRESETS["Llama-3.1-8B"], resolve_precision("bf16"), get_gpu("h100")
+    one = memory_breakdown(spec, prec, h100, max_model_len=8192)
+    assert one.kv_cache_bytes == gpu_kv_budget(h100.memory_bytes, 0.9, one.weight_bytes, 0.3) > 0
+    assert gpu_kv_budget(80 * 2**30, 0.9, 100 * 2**30) == 0  # weights do not fit: no KV at all

@@ -89,3 +89,15 @@ def kv_pool_size(budget_bytes: int, block_size: int, bytes_per_token: int) -> KV
     if block_size <= 0:
         raise ValueError(f"block_size must be > 0, got {block_size}")
     return KVPoolSize(budget_bytes // (block_size * bytes_per_token), block_size, bytes_per_token)
+
+
+DEFAULT_GPU_OVERHEAD = 0.3
+
+
+def gpu_kv_budget(
+    total_bytes: int, utilization: float, weight_bytes: int, overhead: float = DEFAULT_GPU_OVERHEAD
+) -> int:
+    """KV bytes on a GPU: what `utilization` of its memory leaves after the weights, less an
+    `overhead` share of that remainder for activations, CUDA graphs and fragmentation."""
+    free = int(total_bytes * utilization) - weight_bytes
+    return max(free - int(overhead * max(free, 0)), 0)

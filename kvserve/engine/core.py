@@ -12,7 +12,13 @@ import time
 
 from kvserve.config import EngineConfig
 from kvserve.core.kv_cache_manager import KVCacheManager
-from kvserve.core.kv_sizing import KVPoolSize, kv_bytes_per_token, kv_pool_size, parse_memory_size
+from kvserve.core.kv_sizing import (
+    KVPoolSize,
+    gpu_kv_budget,
+    kv_bytes_per_token,
+    kv_pool_size,
+    parse_memory_size,
+)
 from kvserve.core.scheduler import Scheduler
 from kvserve.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from kvserve.model.arch import ModelArch
@@ -80,12 +86,9 @@ class EngineCore:
             import torch
 
             free, total = torch.cuda.mem_get_info(device)
-            used = total - free
-            # Leave room for activations of one full step (logits dominate at large vocab).
-            reserve = (
-                4 * self.config.max_num_batched_tokens * (self.arch.hidden_size * 16 + self.arch.vocab_size)
-            )
-            return max(0, int(total * self.config.gpu_memory_utilization) - used - reserve)
+            # The same rule as `kvserve plan`: utilization x memory, less what is already used
+            # (the weights), less an overhead share for activations and fragmentation.
+            return gpu_kv_budget(total, self.config.gpu_memory_utilization, total - free)
         return parse_memory_size(DEFAULT_CPU_KV_CACHE_MEMORY)
 
     def add_request(self, req: EngineCoreRequest) -> None:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from kvserve.core.kv_sizing import (
     DTYPE_BYTES,
     KVPoolSize,
+    gpu_kv_budget,
     kv_bytes_per_token,
     kv_pool_size,
     parse_memory_size,
@@ -163,7 +164,7 @@ def memory_breakdown(
         free = usable - weights
         if kv_cache_memory is None:
             reserve = int(overhead * max(free, 0))
-            kv_cache_memory = max(free - reserve, 0)
+            kv_cache_memory = gpu_kv_budget(memory, gpu_memory_utilization, weights, overhead)
         else:
             reserve = free - kv_cache_memory
     if kv_cache_memory is None:
