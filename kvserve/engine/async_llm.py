@@ -1,6 +1,6 @@
 """The API server's engine client: tokenizes and detokenizes here, runs the core elsewhere.
 
-`generate()` returns an async stream of RequestOutputs for one request. One background task
+`add_request()` returns an async stream of RequestOutputs for one request. One background task
 reads the core's per-step outputs, turns them into text (stop strings included) and hands
 them to each request's queue; another watches the core process, so if it dies every
 in-flight request fails at once and `is_alive` turns false.
@@ -15,7 +15,7 @@ import os
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 
 import msgspec
 import zmq
@@ -223,23 +223,6 @@ class AsyncLLM:
         self.output_processor.add_request(req, prompt if isinstance(prompt, str) else None)
         self._in_sync.send(self._encoder.encode(AddRequest(req)), zmq.NOBLOCK)
         return stream
-
-    async def generate(
-        self,
-        prompt: str | Sequence[int],
-        params: SamplingParams,
-        request_id: str | None = None,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        group_id: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Stream outputs for one request (add_request + iterate + close)."""
-        stream = self.add_request(prompt, params, request_id, priority, cache_salt, group_id)
-        try:
-            async for out in stream:
-                yield out
-        finally:
-            await stream.aclose()
 
     def _drop(self, request_id: str) -> None:
         self._streams.pop(request_id, None)

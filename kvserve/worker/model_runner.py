@@ -45,10 +45,6 @@ class ModelRunner:
             for layer in model.layers:
                 layer.attn.kernels = kernels
 
-    @property
-    def kv_cache_bytes(self) -> int:
-        return self.kv_cache.numel() * self.kv_cache.element_size()
-
     @torch.inference_mode()
     def execute(
         self, out: SchedulerOutput, block_tables: dict[str, list[int]]

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.model.arch import ModelArch
 from kvserve.model.layers.rotary import RotaryEmbedding
 from kvserve.model.loader.resolve import ModelSource, resolve_model
 from kvserve.model.models.llama import LlamaForCausalLM
 from kvserve.tokenizer import Tokenizer
 
-__all__ = ["load_model", "load_arch", "load_tokenizer", "resolve_model", "ModelSource"]
+__all__ = ["load_model", "load_tokenizer", "resolve_model", "ModelSource"]
 
 
 def load_tokenizer(source: ModelSource) -> Tokenizer:
@@ -24,19 +23,6 @@ def load_tokenizer(source: ModelSource) -> Tokenizer:
     from kvserve.model.loader.gguf_loader import gguf_tokenizer
 
     return Tokenizer(*gguf_tokenizer(gguf.GGUFReader(source.path)))
-
-
-def load_arch(source: ModelSource) -> ModelArch:
-    """Only the shape (cheap for HF directories, reads metadata for GGUF)."""
-    if source.kind == "hf":
-        from kvserve.model.loader.hf_loader import hf_arch
-
-        return hf_arch(source.path)
-    import gguf
-
-    from kvserve.model.loader.gguf_loader import gguf_arch
-
-    return gguf_arch(gguf.GGUFReader(source.path))
 
 
 def load_model(
