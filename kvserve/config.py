@@ -56,6 +56,28 @@ class EngineConfig:
         default="fcfs",
         metadata={"help": "fcfs, or priority (a request's lower `priority` runs sooner; ties by arrival)."},
     )
+    speculative_method: str | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "Speculative decoding: 'ngram' (propose from the request's own earlier tokens) or "
+                "'draft' (a smaller model, --speculative-model). Off by default."
+            )
+        },
+    )
+    speculative_model: str | None = field(
+        default=None,
+        metadata={"help": "The draft model for --speculative-method draft (same tokenizer as the target)."},
+    )
+    num_speculative_tokens: int = field(
+        default=4, metadata={"help": "Most tokens proposed per request per step."}
+    )
+    speculative_ngram_min: int = field(
+        default=2, metadata={"help": "Shortest n-gram the ngram proposer matches."}
+    )
+    speculative_ngram_max: int = field(
+        default=4, metadata={"help": "Longest n-gram the ngram proposer tries first."}
+    )
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -69,6 +91,20 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy: {self.scheduling_policy!r} is not one of fcfs, priority")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.speculative_method not in (None, "ngram", "draft"):
+            raise ValueError(f"speculative_method: {self.speculative_method!r} is not one of ngram, draft")
+        if self.speculative_method == "draft" and not self.speculative_model:
+            raise ValueError("speculative_model: required with speculative_method 'draft'")
+        if self.speculative_model and self.speculative_method != "draft":
+            raise ValueError("speculative_model: only used with --speculative-method draft")
+        for name in ("num_speculative_tokens", "speculative_ngram_min"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.speculative_ngram_max < self.speculative_ngram_min:
+            raise ValueError(
+                f"speculative_ngram_max: {self.speculative_ngram_max} is below speculative_ngram_min "
+                f"{self.speculative_ngram_min}"
+            )
         if self.kv_cache_memory is not None:
             try:
                 parse_memory_size(self.kv_cache_memory)

@@ -3,6 +3,7 @@ default model shared across tests (loading it once keeps the suite fast)."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -15,8 +16,10 @@ CORPUS = (
 ) * 4
 
 
+@functools.cache
 def _tiny_tokenizer():
-    """A byte-level BPE tokenizer with a small vocabulary, trained in milliseconds."""
+    """A byte-level BPE tokenizer with a small vocabulary, trained in milliseconds (once, so
+    the tiny models share it and can draft for each other)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 

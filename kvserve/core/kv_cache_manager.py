@@ -65,14 +65,22 @@ class KVCacheManager:
             hits.append(b)
         return hits
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        computed_blocks: list[int] = (),
+        num_lookahead_tokens: int = 0,
+    ) -> bool:
         """Make room for `num_new_tokens` more tokens after the request's computed ones (and
-        after `computed_blocks`, cache hits for a request that holds no blocks yet).
-        Returns False, changing nothing, if the pool is short."""
+        after `computed_blocks`, cache hits for a request that holds no blocks yet), plus
+        `num_lookahead_tokens` speculative slots after them. Lookahead slots may hold
+        rejected tokens' KV, so blocks are registered in the prefix cache only up to the
+        known tokens. Returns False, changing nothing, if the pool is short."""
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_cached = len(computed_blocks) * self.block_size
         total = request.num_computed_tokens + num_cached + num_new_tokens
-        need = self.blocks_needed(total) - len(blocks) - len(computed_blocks)
+        need = self.blocks_needed(total + num_lookahead_tokens) - len(blocks) - len(computed_blocks)
         reclaimed = sum(1 for b in computed_blocks if self.pool.ref_cnt[b] == 0)  # leave the free queue
         if need > self.pool.num_free_blocks - reclaimed:
             if not blocks:

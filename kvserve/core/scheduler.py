@@ -11,6 +11,12 @@ Order: "fcfs" keeps admission order (the most recently admitted is preempted fir
 "priority" orders by (priority, arrival) — lower runs sooner — so the lowest-priority request
 is the one preempted, and a waiting request may preempt a running one of lower priority when
 seats or blocks are short.
+
+Speculative decoding: a decoding request that carries proposed tokens is scheduled with them
+(1 + k tokens, within the budget) and its slots for them are allocated as lookahead, never
+registered in the prefix cache. If the pool is short, the proposals are dropped before
+anything is preempted. `update` then advances by the accepted tokens only; the rejected
+positions' KV is simply overwritten later (attention never reads past a request's length).
 """
 
 from __future__ import annotations
@@ -21,9 +27,29 @@ import time
 from dataclasses import dataclass, field
 
 from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.model.layers.sampler import SampleResult
 from kvserve.request import Request, RequestStatus
 
 POLICIES = ("fcfs", "priority")
+
+
+@dataclass
+class SpecDecodeStats:
+    """Running totals of speculative decoding, as the metrics report them."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def record(self, num_draft: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_position) < num_draft:
+            self.accepted_per_position += [0] * (num_draft - len(self.accepted_per_position))
+        for i in range(num_accepted):
+            self.accepted_per_position[i] += 1
 
 
 @dataclass
@@ -95,6 +121,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions_total = 0
+        self.num_lookahead_slots = 0  # draft-model speculation writes this far ahead
+        self.spec_stats = SpecDecodeStats()
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -120,13 +148,15 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(req, num_new):
+            num_spec = min(len(req.spec_token_ids), budget - num_new) if num_new == 1 else 0
+            while not self._allocate(req, num_new, num_spec):
                 victim = self.running.pop()  # last in order; not yet scheduled this step
                 self._preempt(victim)
                 out.num_preempted += 1
                 if victim is req:
                     break
             else:
+                num_new += len(req.spec_token_ids)  # what _allocate kept
                 scheduled.append((req, num_new))
                 budget -= num_new
                 i += 1
@@ -140,7 +170,7 @@ class Scheduler:
             hits = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else []
             num_cached = len(hits) * self.kv.block_size
             num_new = min(req.num_tokens - req.num_computed_tokens - num_cached, budget)
-            if not self.kv.allocate_slots(req, num_new, hits):
+            if not self._allocate(req, num_new, 0, hits):
                 break
             self.waiting.pop()
             req.num_computed_tokens += num_cached
@@ -155,6 +185,18 @@ class Scheduler:
 
         out.scheduled = scheduled
         return out
+
+    def _allocate(self, req: Request, num_new: int, num_spec: int, hits: list[int] = ()) -> bool:
+        """Slots for num_new tokens plus num_spec proposed ones (and the draft's lookahead
+        once the request samples); falls back to dropping the proposals. Leaves
+        req.spec_token_ids as the proposals that will run."""
+        done = req.num_computed_tokens + len(hits) * self.kv.block_size + num_new >= req.num_tokens
+        ahead = num_spec + (self.num_lookahead_slots if done else 0)
+        if ahead and self.kv.allocate_slots(req, num_new, hits, num_lookahead_tokens=ahead):
+            req.spec_token_ids = req.spec_token_ids[:num_spec]
+            return True
+        req.spec_token_ids = []
+        return self.kv.allocate_slots(req, num_new, hits)
 
     def _preempt_for_priority(self, out: SchedulerOutput) -> None:
         """Make room for a better waiting request by preempting worse running ones."""
@@ -171,29 +213,45 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
+        req.spec_token_ids = []
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.add(req, front=True)
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance computed counts, append sampled tokens, retire finished requests.
+    def update(self, out: SchedulerOutput, sampled: dict[str, SampleResult]) -> list[tuple[Request, int]]:
+        """Advance computed counts, append sampled tokens (several when speculative tokens
+        were accepted), retire finished requests.
 
-        Returns the requests that received a new token this step.
+        Returns (request, number of new tokens) for the requests that received tokens.
         """
         progressed = []
         for req, n in out.scheduled:
-            req.num_computed_tokens += n
-            token = sampled.get(req.request_id)
-            if token is None:
+            num_spec = max(0, req.num_computed_tokens + n - req.num_tokens)  # proposals verified
+            req.num_computed_tokens += n - num_spec
+            req.spec_token_ids = []
+            result = sampled.get(req.request_id)
+            if result is None:
                 continue  # a prefill chunk that did not reach the end of the prompt
-            req.append_token(token)
+            if num_spec:
+                num_accepted = len(result.token_ids) - 1
+                req.num_computed_tokens += num_accepted  # their KV was written and is right
+                self.spec_stats.record(num_spec, num_accepted)
+                if req.spec_state is not None:
+                    req.spec_state.record(num_spec, num_accepted)
+            count = 0
+            for token, lp in zip(result.token_ids, result.logprobs):
+                req.append_token(token)
+                if lp is not None:
+                    req.logprobs.append(lp)
+                count += 1
+                if req.check_stop(self.max_model_len):
+                    self._retire(req)
+                    break
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
-            progressed.append(req)
-            if req.check_stop(self.max_model_len):
-                self._retire(req)
+            progressed.append((req, count))
         return progressed
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:

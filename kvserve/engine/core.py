@@ -24,6 +24,9 @@ from kvserve.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineC
 from kvserve.model.arch import ModelArch
 from kvserve.model.loader import load_model, resolve_model
 from kvserve.request import Request, RequestStatus
+from kvserve.spec_decode.adaptive import SpecState
+from kvserve.spec_decode.draft import DraftModelProposer
+from kvserve.spec_decode.ngram import NgramProposer
 from kvserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -31,10 +34,17 @@ logger = logging.getLogger(__name__)
 DEFAULT_CPU_KV_CACHE_MEMORY = "1GiB"
 
 
-def kv_pool_for(config: EngineConfig, arch: ModelArch, budget_bytes: int) -> KVPoolSize:
-    """The pool a budget buys for this model; `kvserve plan` uses the same arithmetic."""
+def kv_pool_for(
+    config: EngineConfig, arch: ModelArch, budget_bytes: int, draft_arch: ModelArch | None = None
+) -> KVPoolSize:
+    """The pool a budget buys for this model (and its draft model, whose KV shares the block
+    tables, so each token costs both); `kvserve plan` uses the same arithmetic."""
     dtype_bytes = config.torch_dtype.itemsize
-    per_token = kv_bytes_per_token(arch.num_layers, arch.num_kv_heads, arch.head_dim, dtype_bytes)
+    per_token = sum(
+        kv_bytes_per_token(a.num_layers, a.num_kv_heads, a.head_dim, dtype_bytes)
+        for a in (arch, draft_arch)
+        if a is not None
+    )
     return kv_pool_size(budget_bytes, config.block_size, per_token)
 
 
@@ -47,13 +57,18 @@ class EngineCore:
         self.model, self.tokenizer = load_model(self.source, config.torch_dtype, device)
         self.load_time = time.perf_counter() - t0  # reading + dequantizing weights, tokenizer
         arch = self.arch = self.model.arch
-        self.max_model_len = config.max_model_len or arch.max_position_embeddings
+        self.draft_model = self._load_draft(device) if config.speculative_method == "draft" else None
+        context = arch.max_position_embeddings
+        if self.draft_model is not None:
+            context = min(context, self.draft_model.arch.max_position_embeddings)
+        self.max_model_len = config.max_model_len or context
         if self.max_model_len > arch.max_position_embeddings:
             raise ValueError(
                 f"max_model_len: {self.max_model_len} exceeds the model's context length "
                 f"{arch.max_position_embeddings}"
             )
-        self.pool_size = kv_pool_for(config, arch, self._kv_budget(device))
+        draft_arch = self.draft_model.arch if self.draft_model is not None else None
+        self.pool_size = kv_pool_for(config, arch, self._kv_budget(device), draft_arch)
         if self.pool_size.num_blocks < 1:
             raise ValueError(
                 f"kv_cache_memory: too small for one KV block ({self.pool_size.block_bytes} bytes)"
@@ -66,8 +81,10 @@ class EngineCore:
             config.scheduling_policy,
         )  # fmt: skip
         self.model_runner = ModelRunner(
-            self.model, self.pool_size.num_blocks, config.block_size, device, config.seed
-        )
+            self.model, self.pool_size.num_blocks, config.block_size, device, config.seed,
+            draft_model=self.draft_model,
+        )  # fmt: skip
+        self.proposer = self._make_proposer()
         self.eos_token_ids = frozenset(arch.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         )
@@ -78,6 +95,47 @@ class EngineCore:
             self.source.name, self.load_time, config.dtype, device, p.num_blocks, p.block_size,
             p.num_tokens, p.total_bytes / 2**20, self.max_model_len, p.max_concurrency(self.max_model_len),
         )  # fmt: skip
+
+    def _load_draft(self, device):
+        """The draft model; it must speak the target's tokenizer (same vocabulary)."""
+        source = resolve_model(self.config.speculative_model)
+        draft, draft_tok = load_model(source, self.config.torch_dtype, device)
+        ours, theirs = self.tokenizer.backend.get_vocab(), draft_tok.backend.get_vocab()
+        # Every token of ours must mean the same id there (the draft may add special tokens).
+        if draft.arch.vocab_size != self.arch.vocab_size or any(theirs.get(t) != i for t, i in ours.items()):
+            raise ValueError(
+                f"speculative_model: {self.config.speculative_model!r} does not share the target's tokenizer"
+            )
+        return draft
+
+    def _make_proposer(self):
+        method = self.config.speculative_method
+        if method == "ngram":
+            return NgramProposer(self.config.speculative_ngram_min, self.config.speculative_ngram_max)
+        if method == "draft":
+            self.scheduler.num_lookahead_slots = self.config.num_speculative_tokens
+            return DraftModelProposer(self.model_runner, self.kv_cache_manager)
+        return None
+
+    def _propose(self, progressed: list[Request]) -> None:
+        """Set next step's proposals for requests that are decoding (and may speculate)."""
+        k_max = self.config.num_speculative_tokens
+        items = []
+        for req in progressed:
+            if req.is_finished:
+                continue
+            if req.spec_state is None:
+                req.spec_state = SpecState(k_max)
+            # The verified run plus the target's token must fit max_tokens and max_model_len.
+            room = min(req.max_tokens - len(req.output_token_ids), self.max_model_len - req.num_tokens) - 1
+            k = min(room, req.spec_state.num_to_propose()) if room > 0 else 0
+            if k > 0:
+                items.append((req, k))
+        if items:
+            for req, _ in items:
+                req.spec_token_ids = []
+            for rid, tokens in self.proposer.propose(items).items():
+                self.scheduler.requests[rid].spec_token_ids = tokens
 
     def _kv_budget(self, device) -> int:
         if self.config.kv_cache_memory is not None:
@@ -129,8 +187,12 @@ class EngineCore:
                     skip = (len(req.prompt_logprobs) - 1) - req.num_computed_tokens
                     if 0 <= skip < len(entries):
                         req.prompt_logprobs.extend(entries[skip:])
-            for req in self.scheduler.update(sched, sampled):
-                outputs.append(self._output(req))
+            progressed = self.scheduler.update(sched, sampled)
+            for req, count in progressed:
+                outputs.append(self._output(req, count))
+            if self.proposer is not None:
+                self._propose([req for req, _ in progressed])
+        spec = self.scheduler.spec_stats
         return EngineCoreOutputs(
             outputs,
             num_running=len(self.scheduler.running),
@@ -140,14 +202,18 @@ class EngineCore:
             iteration_tokens=sched.total_tokens,
             prefix_cache_queries=self.kv_cache_manager.prefix_cache_queries,
             prefix_cache_hits=self.kv_cache_manager.prefix_cache_hits,
+            spec_num_drafts=spec.num_drafts,
+            spec_num_draft_tokens=spec.num_draft_tokens,
+            spec_num_accepted_tokens=spec.num_accepted_tokens,
+            spec_accepted_per_position=list(spec.accepted_per_position),
         )
 
     @staticmethod
-    def _output(req: Request) -> EngineCoreOutput:
-        first = len(req.output_token_ids) == 1
-        out = EngineCoreOutput(req.request_id, req.output_token_ids[-1:])
+    def _output(req: Request, count: int) -> EngineCoreOutput:
+        first = len(req.output_token_ids) == count
+        out = EngineCoreOutput(req.request_id, req.output_token_ids[-count:])
         if req.params.logprobs is not None:
-            out.new_logprobs = req.logprobs[-1:]
+            out.new_logprobs = req.logprobs[-count:]
         if first:
             out.first_scheduled_time = req.first_scheduled_time
             out.first_token_time = req.first_token_time

@@ -47,3 +47,7 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, tag
     iteration_tokens: int = 0
     prefix_cache_queries: int = 0  # running totals, in tokens
     prefix_cache_hits: int = 0
+    spec_num_drafts: int = 0  # speculative decoding running totals
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = []

@@ -69,15 +69,23 @@ class OutputProcessor:
             st = self.states.get(out.request_id)
             if st is None:
                 continue  # already finished here (e.g. stop string) while the core stepped on
-            st.token_ids.extend(out.new_token_ids)
-            if st.logprobs is not None and out.new_logprobs:
-                st.logprobs.extend(out.new_logprobs)
             m = st.metrics
             if out.first_token_time is not None:
                 m.first_scheduled_time, m.first_token_time = out.first_scheduled_time, out.first_token_time
                 st.prompt_logprobs = out.prompt_logprobs
                 st.num_cached_tokens = out.num_cached_tokens
-            stop = st.detok.update(st.token_ids, len(st.token_ids) >= st.params.min_tokens)
+            # Token by token: with speculative decoding a step brings several, and a stop
+            # string completed by one of them ends the output there.
+            new_ids, new_logprobs, stop = out.new_token_ids, out.new_logprobs, None
+            for j, token in enumerate(new_ids):
+                st.token_ids.append(token)
+                stop = st.detok.update(st.token_ids, len(st.token_ids) >= st.params.min_tokens)
+                if stop is not None:
+                    new_ids = new_ids[: j + 1]
+                    new_logprobs = new_logprobs[: j + 1] if new_logprobs else new_logprobs
+                    break
+            if st.logprobs is not None and new_logprobs:
+                st.logprobs.extend(new_logprobs)
             if stop is not None:
                 st.finish_reason, st.stop_reason = "stop", stop
                 if out.finish_reason is None:
@@ -88,7 +96,7 @@ class OutputProcessor:
                 m.finished_time = out.finished_time or time.monotonic()
                 m.num_preemptions = out.num_preemptions
                 del self.states[out.request_id]
-            results.append(st.make_output(out.new_token_ids, out.new_logprobs))
+            results.append(st.make_output(new_ids, new_logprobs))
         return results, to_abort
 
     def abort(self, request_id: str) -> RequestOutput | None:

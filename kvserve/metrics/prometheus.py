@@ -53,26 +53,47 @@ class ServerMetrics:
             "kvserve:iteration_tokens", "Tokens computed per engine step", registry=r,
             buckets=(1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192), **lbl,
         )  # fmt: skip
+        spec = "Speculative decoding: "
+        self.spec_drafts = Counter(
+            "kvserve:spec_decode_num_drafts", spec + "proposals verified", registry=r, **lbl
+        )
+        self.spec_draft_tokens = Counter(
+            "kvserve:spec_decode_num_draft_tokens", spec + "tokens proposed", registry=r, **lbl
+        )
+        self.spec_accepted = Counter(
+            "kvserve:spec_decode_num_accepted_tokens", spec + "proposed tokens accepted", registry=r, **lbl
+        )
+        self.spec_accepted_pos = Counter(
+            "kvserve:spec_decode_num_accepted_tokens_per_pos",
+            spec + "accepted tokens by position in the proposal (0 = first)",
+            labelnames=["model_name", "position"],
+            registry=r,
+        )
         self.model = model_name
-        self._preemptions_seen = 0
-        self._queries_seen = 0
-        self._hits_seen = 0
+        self._seen: dict[tuple, int] = {}  # running totals from the core already counted
         self._last_token_time: dict[str, float] = {}
+
+    def _count_total(self, counter: Counter, total: int, *labels: str) -> None:
+        """Advance a counter to a running total reported by the engine core."""
+        key = (counter, labels)
+        seen = self._seen.get(key, 0)
+        if total > seen:
+            counter.labels(self.model, *labels).inc(total - seen)
+            self._seen[key] = total
 
     def on_step(self, core: EngineCoreOutputs, outs: list[RequestOutput]) -> None:
         m = self.model
         self.running.labels(m).set(core.num_running)
         self.waiting.labels(m).set(core.num_waiting)
         self.kv_usage.labels(m).set(core.kv_cache_usage)
-        if core.num_preemptions_total > self._preemptions_seen:
-            self.preemptions.labels(m).inc(core.num_preemptions_total - self._preemptions_seen)
-            self._preemptions_seen = core.num_preemptions_total
-        if core.prefix_cache_queries > self._queries_seen:
-            self.prefix_queries.labels(m).inc(core.prefix_cache_queries - self._queries_seen)
-            self._queries_seen = core.prefix_cache_queries
-        if core.prefix_cache_hits > self._hits_seen:
-            self.prefix_hits.labels(m).inc(core.prefix_cache_hits - self._hits_seen)
-            self._hits_seen = core.prefix_cache_hits
+        self._count_total(self.preemptions, core.num_preemptions_total)
+        self._count_total(self.prefix_queries, core.prefix_cache_queries)
+        self._count_total(self.prefix_hits, core.prefix_cache_hits)
+        self._count_total(self.spec_drafts, core.spec_num_drafts)
+        self._count_total(self.spec_draft_tokens, core.spec_num_draft_tokens)
+        self._count_total(self.spec_accepted, core.spec_num_accepted_tokens)
+        for pos, total in enumerate(core.spec_accepted_per_position):
+            self._count_total(self.spec_accepted_pos, total, str(pos))
         if core.iteration_tokens:
             self.iteration_tokens.labels(m).observe(core.iteration_tokens)
         now = time.monotonic()

@@ -4,6 +4,12 @@ Owns the KV pool tensor. Per step it builds flat input ids and positions (all re
 new tokens concatenated, decodes first), the slot mapping, block tables for the decodes,
 and per-chunk info for prefills; then computes logits only where a token is sampled (the
 last position of each request whose known tokens are all computed after this step).
+
+A request carrying k speculative tokens is laid out as k + 1 decode rows sharing its block
+table, row j attending to positions up to start + j: all k + 1 positions are scored in the
+same pass and the paged decode kernel serves them like any other decode. With a draft model
+the runner also keeps the draft's KV (same block tables, its own tensor): the draft runs over
+every step's tokens, then proposes the next drafts a token at a time.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import torch
 from kvserve.core.scheduler import SchedulerOutput
 from kvserve.model.layers.attention import AttentionMetadata, PrefillChunk
 from kvserve.model.layers.cpu_kernels import load_cpu_kernels
-from kvserve.model.layers.sampler import Sampler
+from kvserve.model.layers.sampler import Sampler, SampleResult
 from kvserve.model.models.llama import LlamaForCausalLM
 from kvserve.request import Request
 
@@ -28,50 +34,67 @@ class ModelRunner:
         device: torch.device,
         seed: int = 0,
         use_cpu_kernels: bool = True,
+        draft_model: LlamaForCausalLM | None = None,
     ) -> None:
-        arch = model.arch
         self.model = model
+        self.draft_model = draft_model
         self.device = device
         self.block_size = block_size
         self.dtype = model.embed_tokens.dtype
-        self.kv_cache = torch.zeros(
-            arch.num_layers, 2, num_blocks, arch.num_kv_heads, block_size, arch.head_dim,
-            dtype=self.dtype, device=device,
-        )  # fmt: skip
+        self.kv_cache = self._alloc_kv(model, num_blocks)
+        self.draft_kv_cache = self._alloc_kv(draft_model, num_blocks) if draft_model is not None else None
         self.sampler = Sampler(seed)
         if device.type == "cpu" and use_cpu_kernels:
-            model.pack_weights()
             kernels = load_cpu_kernels()
-            for layer in model.layers:
-                layer.attn.kernels = kernels
+            for m in (model, draft_model):
+                if m is not None:
+                    m.pack_weights()
+                    for layer in m.layers:
+                        layer.attn.kernels = kernels
+
+    def _alloc_kv(self, model: LlamaForCausalLM, num_blocks: int) -> torch.Tensor:
+        arch = model.arch
+        return torch.zeros(
+            arch.num_layers, 2, num_blocks, arch.num_kv_heads, self.block_size, arch.head_dim,
+            dtype=model.embed_tokens.dtype, device=self.device,
+        )  # fmt: skip
+
+    @staticmethod
+    def _is_decode(req: Request, n: int) -> bool:
+        """One new token, or the last known token plus speculative ones."""
+        return n == 1 or req.num_computed_tokens + n > req.num_tokens
 
     @torch.inference_mode()
     def execute(
         self, out: SchedulerOutput, block_tables: dict[str, list[int]]
-    ) -> tuple[dict[str, int], dict[str, list[dict[int, float] | None]]]:
-        """Run one step. Returns sampled token per request id, and prompt logprobs computed."""
-        # Decodes (one new token) first, then prefill chunks.
-        order = sorted(out.scheduled, key=lambda x: x[1] != 1)
+    ) -> tuple[dict[str, SampleResult], dict[str, list[dict[int, float] | None]]]:
+        """Run one step. Returns the tokens to emit per request id (one, or an accepted
+        speculative run plus one), and the prompt logprobs computed."""
+        order = sorted(out.scheduled, key=lambda x: not self._is_decode(*x))
         bs = self.block_size
         ids: list[int] = []
         pos_chunks, slot_chunks = [], []
         sample_rows: list[int] = []
         sample_reqs: list[Request] = []
+        verify: list[tuple[Request, int, list[int]]] = []  # (req, first flat row, drafts)
         prompt_lp: list[tuple[Request, int, int]] = []  # (req, first flat row, count)
         meta = AttentionMetadata(torch.empty(0), torch.empty(0))
         decode_tables, decode_lens = [], []
         offset = 0
         for req, n in order:
             start = req.num_computed_tokens
-            ids.extend(req.all_token_ids[start : start + n])
+            known = req.all_token_ids[start : start + n]
+            drafts = req.spec_token_ids[: n - len(known)]
+            ids.extend(known)
+            ids.extend(drafts)
             pos = np.arange(start, start + n)
             table = block_tables[req.request_id]
             pos_chunks.append(pos)
             slot_chunks.append(np.asarray(table)[pos // bs])
-            if n == 1:
-                meta.num_decodes += 1
-                decode_tables.append(table)
-                decode_lens.append(start + 1)
+            if self._is_decode(req, n):
+                meta.num_decodes += n
+                decode_tables.extend([table] * n)
+                decode_lens.extend(range(start + 1, start + n + 1))
             else:
                 chunk = PrefillChunk(offset, offset + n, start)
                 if start > 0:
@@ -83,7 +106,9 @@ class ModelRunner:
             if req.params.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
                 count = min(n, req.num_prompt_tokens - 1 - start)
                 prompt_lp.append((req, offset, count))
-            if start + n == req.num_tokens:
+            if drafts:
+                verify.append((req, offset, drafts))
+            elif start + n == req.num_tokens:
                 sample_rows.append(offset + n - 1)
                 sample_reqs.append(req)
             offset += n
@@ -92,29 +117,69 @@ class ModelRunner:
         meta.slot_blocks = torch.from_numpy(np.concatenate(slot_chunks)).to(self.device)
         meta.slot_offsets = torch.from_numpy(positions % bs).to(self.device)
         if decode_tables:
-            width = max(len(t) for t in decode_tables)
-            table_arr = np.zeros((len(decode_tables), width), dtype=np.int64)
-            for i, t in enumerate(decode_tables):
-                table_arr[i, : len(t)] = t
-            meta.decode_block_tables = torch.from_numpy(table_arr).to(self.device)
+            meta.decode_block_tables = self._table_tensor(decode_tables)
             meta.decode_seq_lens = torch.tensor(decode_lens, dtype=torch.long, device=self.device)
 
-        hidden = self.model(
-            torch.tensor(ids, device=self.device),
-            torch.from_numpy(positions).to(self.device),
-            meta,
-            self.kv_cache,
-        )
-        sampled: dict[str, int] = {}
-        if sample_reqs:
-            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)]).cpu()
-            result = self.sampler(logits, sample_reqs)
-            for req, tok, lp in zip(sample_reqs, result.token_ids, result.logprobs):
-                sampled[req.request_id] = tok
-                if lp is not None:
-                    req.logprobs.append(lp)
+        ids_t = torch.tensor(ids, device=self.device)
+        pos_t = torch.from_numpy(positions).to(self.device)
+        hidden = self.model(ids_t, pos_t, meta, self.kv_cache)
+        if self.draft_model is not None:  # the draft's KV follows every computed position
+            self.draft_model(ids_t, pos_t, meta, self.draft_kv_cache)
+
+        results: dict[str, SampleResult] = {}
+        rows = sample_rows + [o + j for _, o, d in verify for j in range(len(d) + 1)]
+        if rows:
+            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).float().cpu()
+            if sample_reqs:
+                sampled = self.sampler(logits[: len(sample_reqs)], sample_reqs)
+                for i, req in enumerate(sample_reqs):
+                    results[req.request_id] = SampleResult([sampled.token_ids[i]], [sampled.logprobs[i]])
+            row = len(sample_reqs)
+            for req, _, drafts in verify:
+                end = row + len(drafts) + 1
+                results[req.request_id] = self.sampler.verify(logits[row:end], req, drafts)
+                row = end
         prompt_logprobs = {r.request_id: self._prompt_logprobs(r, hidden, o, c) for r, o, c in prompt_lp}
-        return sampled, prompt_logprobs
+        return results, prompt_logprobs
+
+    def _table_tensor(self, tables: list[list[int]]) -> torch.Tensor:
+        width = max(len(t) for t in tables)
+        arr = np.zeros((len(tables), width), dtype=np.int64)
+        for i, t in enumerate(tables):
+            arr[i, : len(t)] = t
+        return torch.from_numpy(arr).to(self.device)
+
+    @torch.inference_mode()
+    def propose_with_draft(
+        self, items: list[tuple[Request, int]], block_tables: dict[str, list[int]]
+    ) -> dict[str, list[int]]:
+        """Greedy drafts of up to k tokens per request, one batched draft decode per token.
+
+        Each request's last token is not in the draft's KV yet: round j feeds the token at
+        position num_tokens - 1 + j (the last token, then the drafts so far) and writes its KV
+        into slots the scheduler reserved ahead."""
+        bs = self.block_size
+        drafts: dict[str, list[int]] = {r.request_id: [] for r, _ in items}
+        for j in range(max((k for _, k in items), default=0)):
+            active = [r for r, k in items if k > j]
+            ids = [drafts[r.request_id][-1] if j else r.all_token_ids[-1] for r in active]
+            positions = np.array([r.num_tokens - 1 + j for r in active])
+            tables = [block_tables[r.request_id] for r in active]
+            meta = AttentionMetadata(
+                torch.tensor([t[p // bs] for t, p in zip(tables, positions)], device=self.device),
+                torch.from_numpy(positions % bs).to(self.device),
+                num_decodes=len(active),
+                decode_block_tables=self._table_tensor(tables),
+                decode_seq_lens=torch.from_numpy(positions + 1).to(self.device),
+            )
+            hidden = self.draft_model(
+                torch.tensor(ids, device=self.device), torch.from_numpy(positions).to(self.device), meta,
+                self.draft_kv_cache,
+            )  # fmt: skip
+            next_ids = self.draft_model.compute_logits(hidden).argmax(-1).tolist()
+            for r, t in zip(active, next_ids):
+                drafts[r.request_id].append(t)
+        return drafts
 
     def _prompt_logprobs(
         self, req: Request, hidden: torch.Tensor, offset: int, count: int

@@ -1,8 +1,14 @@
-"""Batched sampling over one step's logits: penalties, temperature, top-k/p, min-p, seeds.
+"""Batched sampling over one step's logits: penalties, temperature, top-k/p, min-p, seeds,
+and verification of speculative tokens.
 
 All rows are processed with tensor ops; the only per-row Python work is drawing noise for
 requests that carry their own seed (so their samples do not depend on what else is in the
 batch). Sampling uses the exponential-race trick: argmax(p / E) with E ~ Exp(1) draws from p.
+
+A row is anything shaped like a Request (params, prompt/output token ids, eos/stop ids,
+generator). Verification scores a speculative request at each of its k + 1 positions through
+`Lookahead` rows, which see the proposed tokens as already generated, so penalties and
+min_tokens apply to p exactly as they would have without speculation.
 """
 
 from __future__ import annotations
@@ -20,12 +26,25 @@ class SampleResult:
     logprobs: list[dict[int, float] | None]
 
 
+class Lookahead:
+    """A request seen `extra` tokens further on: the row for one speculative position."""
+
+    def __init__(self, req: Request, extra: list[int]) -> None:
+        self.req = req
+        self.params = req.params
+        self.prompt_token_ids = req.prompt_token_ids
+        self.output_token_ids = req.output_token_ids + extra if extra else req.output_token_ids
+        self.eos_token_ids = req.eos_token_ids
+        self.stop_token_ids = req.stop_token_ids
+        self.generator = req.generator
+
+
 def _pad(rows: list[list[int]], fill: int) -> torch.Tensor:
     width = max((len(r) for r in rows), default=0) or 1
     return torch.tensor([r + [fill] * (width - len(r)) for r in rows], dtype=torch.long)
 
 
-def apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> None:
+def apply_penalties(logits: torch.Tensor, reqs: list) -> None:
     """Repetition (prompt + output, HF semantics), presence and frequency (output, OpenAI)."""
     vocab = logits.shape[1]
     rows = [i for i, r in enumerate(reqs) if r.params.has_penalties]
@@ -48,7 +67,7 @@ def apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> None:
     logits[idx] = sub
 
 
-def _mask_top_k_top_p_min_p(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+def _mask_top_k_top_p_min_p(logits: torch.Tensor, reqs: list) -> torch.Tensor:
     top_k = [r.params.top_k for r in reqs]
     top_p = [r.params.top_p for r in reqs]
     min_p = [r.params.min_p for r in reqs]
@@ -70,15 +89,25 @@ def _mask_top_k_top_p_min_p(logits: torch.Tensor, reqs: list[Request]) -> torch.
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
+def _entry(raw_logprobs: torch.Tensor, row: int, token: int, k: int) -> dict[int, float]:
+    """The chosen token's logprob plus the top-k, as the API reports them."""
+    entry = {token: raw_logprobs[row, token].item()}
+    if k > 0:
+        vals, ids = raw_logprobs[row].topk(k)
+        for t, v in zip(ids.tolist(), vals.tolist()):
+            entry.setdefault(t, v)
+    return entry
+
+
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self.generator = torch.Generator().manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SampleResult:
-        """logits: float32 [len(reqs), vocab] on CPU."""
-        want_logprobs = [r.params.logprobs for r in reqs]
-        raw_logprobs = logits.log_softmax(-1) if any(x is not None for x in want_logprobs) else None
-
+    def _prepare(self, logits: torch.Tensor, reqs: list) -> torch.Tensor | None:
+        """Apply logit bias, penalties and min_tokens in place; returns the raw logprobs
+        (before any of that) when a row asks for logprobs."""
+        want = any(r.params.logprobs is not None for r in reqs)
+        raw_logprobs = logits.log_softmax(-1) if want else None
         if any(r.params.logit_bias for r in reqs):
             for i, r in enumerate(reqs):
                 for tok, bias in (r.params.logit_bias or {}).items():
@@ -89,30 +118,70 @@ class Sampler:
                 banned = list(r.eos_token_ids | r.stop_token_ids)
                 if banned:
                     logits[i, banned] = float("-inf")
+        return raw_logprobs
 
+    @staticmethod
+    def _probs(logits: torch.Tensor, reqs: list) -> torch.Tensor:
+        """The distribution each row samples from (temperature, top-k, top-p, min-p applied)."""
+        temps = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in reqs])
+        return _mask_top_k_top_p_min_p(logits / temps.unsqueeze(1), reqs).softmax(-1)
+
+    def _race(self, probs: torch.Tensor, reqs: list) -> torch.Tensor:
+        """One draw per row from probs (exponential race), seeded rows use their own generator."""
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for i, r in enumerate(reqs):
+            if r.generator is not None:
+                noise[i].exponential_(generator=r.generator)
+        return (probs / noise).argmax(-1)
+
+    def __call__(self, logits: torch.Tensor, reqs: list) -> SampleResult:
+        """logits: float32 [len(reqs), vocab] on CPU."""
+        raw_logprobs = self._prepare(logits, reqs)
         greedy = [r.params.greedy for r in reqs]
         tokens = logits.argmax(-1)
         if not all(greedy):
-            temps = torch.tensor([1.0 if g else r.params.temperature for g, r in zip(greedy, reqs)])
-            scaled = _mask_top_k_top_p_min_p(logits / temps.unsqueeze(1), reqs)
-            probs = scaled.softmax(-1)
-            noise = torch.empty_like(probs).exponential_(generator=self.generator)
-            for i, r in enumerate(reqs):
-                if r.generator is not None and not greedy[i]:
-                    noise[i].exponential_(generator=r.generator)
-            sampled = (probs / noise).argmax(-1)
+            sampled = self._race(self._probs(logits, reqs), reqs)
             tokens = torch.where(torch.tensor(greedy), tokens, sampled)
-
         token_list = tokens.tolist()
         logprobs: list[dict[int, float] | None] = [None] * len(reqs)
-        if raw_logprobs is not None:
-            for i, k in enumerate(want_logprobs):
-                if k is None:
-                    continue
-                entry = {token_list[i]: raw_logprobs[i, token_list[i]].item()}
-                if k > 0:
-                    vals, ids = raw_logprobs[i].topk(k)
-                    for t, v in zip(ids.tolist(), vals.tolist()):
-                        entry.setdefault(t, v)
-                logprobs[i] = entry
+        for i, r in enumerate(reqs):
+            if r.params.logprobs is not None:
+                logprobs[i] = _entry(raw_logprobs, i, token_list[i], r.params.logprobs)
         return SampleResult(token_list, logprobs)
+
+    def verify(self, logits: torch.Tensor, req: Request, drafts: list[int]) -> SampleResult:
+        """Score k proposed tokens with the target's k + 1 rows of logits; returns the tokens
+        to emit: the accepted prefix of `drafts` plus one token from the target.
+
+        Greedy: accept while a draft equals the target's argmax. Sampling: accept draft i with
+        probability min(1, p_i(d) / q_i(d)); on rejection draw from max(0, p_i - q_i),
+        renormalised; if all pass, draw a bonus token from p_k. The proposers here are
+        deterministic (q is one-hot on the draft), so acceptance is p_i(d) and the residual is
+        p_i without d. Either way the emitted tokens follow the target's distribution exactly.
+        """
+        k = len(drafts)
+        rows = [Lookahead(req, drafts[:i]) for i in range(k + 1)]
+        raw_logprobs = self._prepare(logits, rows)
+        if req.params.greedy:
+            targets = logits.argmax(-1).tolist()
+            n = 0
+            while n < k and drafts[n] == targets[n]:
+                n += 1
+            tokens = drafts[:n] + [targets[n]]
+        else:
+            probs = self._probs(logits, rows)
+            gen = req.generator or self.generator
+            p_draft = probs[torch.arange(k), torch.tensor(drafts, dtype=torch.long)]
+            uniform = torch.rand(k, generator=gen)
+            accepted = (uniform < p_draft).tolist()
+            n = accepted.index(False) if False in accepted else k
+            last = probs[n : n + 1].clone()
+            if n < k:
+                last[0, drafts[n]] = 0.0  # residual max(0, p - q) for a one-hot q
+                if last.sum() == 0:  # p was one-hot on the draft up to rounding: keep it
+                    last[0, drafts[n]] = 1.0
+            tokens = drafts[:n] + self._race(last, rows[n : n + 1]).tolist()
+        logprobs: list[dict[int, float] | None] = [None] * len(tokens)
+        if req.params.logprobs is not None:
+            logprobs = [_entry(raw_logprobs, i, t, req.params.logprobs) for i, t in enumerate(tokens)]
+        return SampleResult(tokens, logprobs)
