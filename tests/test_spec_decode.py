@@ -10,6 +10,7 @@ from conftest import load_reference
 from helpers import assert_greedy_match, reference_greedy
 
 from kvserve import LLM, SamplingParams
+from kvserve.bench.server_stats import scrape_spec_counters, spec_decode_summary
 from kvserve.model.layers.sampler import Sampler
 from kvserve.request import Request
 from kvserve.spec_decode.adaptive import SpecState
@@ -249,6 +250,8 @@ def test_server_with_ngram_speculation(tiny_llama_dir):
     try:
         client = openai.OpenAI(base_url=f"{s.url}/v1", api_key=s.api_key, max_retries=0)
         body = dict(model="tiny", prompt=prompt, max_tokens=50, temperature=0)
+        before = scrape_spec_counters(s.url)
+        assert before == {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
         full = client.completions.create(**body)
         assert full.choices[0].text == expected.outputs[0].text
         assert full.usage.completion_tokens == len(expected.outputs[0].token_ids)
@@ -260,5 +263,9 @@ def test_server_with_ngram_speculation(tiny_llama_dir):
         assert m["kvserve:spec_decode_num_draft_tokens_total"] >= accepted > 0
         per_pos = m["kvserve:spec_decode_num_accepted_tokens_per_pos_total"]  # summed over positions
         assert per_pos == accepted
+        # What `kvserve bench serve` reports for the run.
+        summary = spec_decode_summary(before, scrape_spec_counters(s.url))
+        assert summary["accepted_tokens"] == accepted
+        assert summary["mean_acceptance_length"] == 1 + accepted / summary["drafts"]
     finally:
         s.stop()

@@ -42,6 +42,15 @@ def format_table(result: dict[str, Any], title: str = "Serving Benchmark Result"
         for stat, v in m[key].items():
             label = f"{stat.capitalize() if stat == 'mean' else stat.upper()} {key[:-3].upper()} (ms):"
             lines.append(f"{label:<38}{_fmt(v):>{_W - 38}}")
+    spec = result.get("spec_decode")
+    if spec:
+        lines.append(" Speculative Decoding ".center(_W, "-"))
+        for label, v in (
+            ("Drafts", spec["drafts"]),
+            ("Draft acceptance rate (%)", 100 * spec["acceptance_rate"]),
+            ("Mean acceptance length (tok/step)", spec["mean_acceptance_length"]),
+        ):
+            lines.append(f"{label + ':':<38}{_fmt(v):>{_W - 38}}")
     lines.append("=" * _W)
     for e in m.get("errors", []):
         lines.append(f"error: {e}")

@@ -13,6 +13,7 @@ from typing import Any
 from kvserve.bench.datasets import BenchRequest, DatasetConfig, build_dataset, load_bench_tokenizer
 from kvserve.bench.loadgen import LoadConfig, run_load
 from kvserve.bench.metrics import compute_metrics, parse_slo
+from kvserve.bench.server_stats import scrape_spec_counters, spec_decode_summary
 
 
 def dataset_config(args: argparse.Namespace) -> DatasetConfig:
@@ -48,9 +49,11 @@ def run_serve(
     slo = parse_slo(args.slo)
     if cfg.prompt_format == "ids" and cfg.endpoint == "chat":
         raise ValueError("prompt-format: ids only works with the completions endpoint")
+    spec_before = scrape_spec_counters(base_url)
     results, duration = asyncio.run(
         run_load(cfg, requests, lambda s: len(tok.encode(s, add_special_tokens=False)), args.warmup)
     )
+    spec = spec_decode_summary(spec_before, scrape_spec_counters(base_url))
     out: dict[str, Any] = {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "base_url": base_url,
@@ -68,6 +71,8 @@ def run_serve(
         },  # fmt: skip
         "metrics": compute_metrics(results, duration, slo),
     }
+    if spec is not None:
+        out["spec_decode"] = spec
     if detailed:
         out["requests"] = [
             {

@@ -1,0 +1,42 @@
+"""Speculative-decoding counters read from a kvserve server's /metrics before and after a run,
+so the benchmark report can give the run's acceptance rate and mean acceptance length.
+Best effort: a server without these metrics (another engine, no speculation) gives None."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+
+
+def scrape_spec_counters(base_url: str) -> dict[str, float] | None:
+    try:
+        text = httpx.get(f"{base_url.rstrip('/')}/metrics", timeout=5).text
+        families = list(text_string_to_metric_families(text))
+    except (httpx.HTTPError, ValueError):
+        return None
+    totals: dict[str, float] = {}
+    for fam in families:
+        for name in _COUNTERS:
+            if fam.name == f"kvserve:spec_decode_{name}":
+                totals[name] = sum(s.value for s in fam.samples if s.name.endswith("_total"))
+    return totals if len(totals) == len(_COUNTERS) else None
+
+
+def spec_decode_summary(before: dict | None, after: dict | None) -> dict[str, Any] | None:
+    """Acceptance over the run (None when nothing was drafted or the server has no counters)."""
+    if before is None or after is None:
+        return None
+    d = {k: after[k] - before[k] for k in _COUNTERS}
+    if d["num_drafts"] <= 0:
+        return None
+    return {
+        "drafts": int(d["num_drafts"]),
+        "draft_tokens": int(d["num_draft_tokens"]),
+        "accepted_tokens": int(d["num_accepted_tokens"]),
+        "acceptance_rate": d["num_accepted_tokens"] / d["num_draft_tokens"],
+        "mean_acceptance_length": 1 + d["num_accepted_tokens"] / d["num_drafts"],
+    }
