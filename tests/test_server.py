@@ -380,6 +380,8 @@ def test_priority_over_http(tiny_llama_dir):
     try:
         body = {"model": "tiny", "prompt": "Go", "max_tokens": 240, "ignore_eos": True, "stream": True}
 
+        started = []  # first-token times seen so far
+
         async def first_token_time(http, priority: int) -> float:
             req = {**body, "priority": priority}
             t = None
@@ -387,12 +389,14 @@ def test_priority_over_http(tiny_llama_dir):
                 async for line in r.aiter_lines():
                     if t is None and '"text":"' in line and '"text":""' not in line:
                         t = time.monotonic()
+                        started.append(t)
             return t
 
         async def scenario():
             async with httpx.AsyncClient(timeout=60) as http:
                 low = [asyncio.create_task(first_token_time(http, 5)) for _ in range(6)]
-                await asyncio.sleep(0.1)  # one runs, the others wait
+                while not started:  # one low request runs (it has streamed), the others wait
+                    await asyncio.sleep(0.01)
                 sent = time.monotonic()
                 high = [asyncio.create_task(first_token_time(http, 0)) for _ in range(2)]
                 return await asyncio.gather(*low), await asyncio.gather(*high), sent
