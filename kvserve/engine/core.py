@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 
 from kvserve.config import EngineConfig
 from kvserve.core.kv_cache_manager import KVCacheManager
@@ -16,6 +17,7 @@ from kvserve.core.kv_sizing import (
     KVPoolSize,
     gpu_kv_budget,
     kv_bytes_per_token,
+    kv_cache_element_bytes,
     kv_pool_size,
     parse_memory_size,
 )
@@ -33,8 +35,8 @@ DEFAULT_CPU_KV_CACHE_MEMORY = "1GiB"
 
 def kv_pool_for(config: EngineConfig, arch: ModelArch, budget_bytes: int) -> KVPoolSize:
     """The pool a budget buys for this model; `kvserve plan` uses the same arithmetic."""
-    dtype_bytes = config.torch_dtype.itemsize
-    per_token = kv_bytes_per_token(arch.num_layers, arch.num_kv_heads, arch.head_dim, dtype_bytes)
+    elem, scale = kv_cache_element_bytes(config.kv_cache_dtype, config.dtype)
+    per_token = kv_bytes_per_token(arch.num_layers, arch.num_kv_heads, arch.head_dim, elem, scale)
     return kv_pool_size(budget_bytes, config.block_size, per_token)
 
 
@@ -44,7 +46,7 @@ class EngineCore:
         self.config = config
         self.source = resolve_model(config.model)
         device = config.torch_device
-        self.model, self.tokenizer = load_model(self.source, config.torch_dtype, device)
+        self.model, self.tokenizer = load_model(self.source, config.torch_dtype, device, config.quantization)
         self.load_time = time.perf_counter() - t0  # reading + dequantizing weights, tokenizer
         arch = self.arch = self.model.arch
         self.max_model_len = config.max_model_len or arch.max_position_embeddings
@@ -53,7 +55,8 @@ class EngineCore:
                 f"max_model_len: {self.max_model_len} exceeds the model's context length "
                 f"{arch.max_position_embeddings}"
             )
-        self.pool_size = kv_pool_for(config, arch, self._kv_budget(device))
+        budget = self._kv_budget(device)
+        self.pool_size = kv_pool_for(config, arch, budget)
         if self.pool_size.num_blocks < 1:
             raise ValueError(
                 f"kv_cache_memory: too small for one KV block ({self.pool_size.block_bytes} bytes)"
@@ -66,8 +69,9 @@ class EngineCore:
             config.scheduling_policy,
         )  # fmt: skip
         self.model_runner = ModelRunner(
-            self.model, self.pool_size.num_blocks, config.block_size, device, config.seed
-        )
+            self.model, self.pool_size.num_blocks, config.block_size, device, config.seed,
+            kv_cache_dtype=config.kv_cache_dtype,
+        )  # fmt: skip
         self.eos_token_ids = frozenset(arch.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         )
@@ -78,6 +82,15 @@ class EngineCore:
             self.source.name, self.load_time, config.dtype, device, p.num_blocks, p.block_size,
             p.num_tokens, p.total_bytes / 2**20, self.max_model_len, p.max_concurrency(self.max_model_len),
         )  # fmt: skip
+        if config.quantization:
+            logger.info("weights: %s, %.1f MiB", config.quantization, self.model.weight_bytes() / 2**20)
+        if config.kv_cache_dtype != "auto":
+            plain = kv_pool_for(replace(config, kv_cache_dtype="auto"), arch, budget)
+            ratio = p.num_tokens / max(plain.num_tokens, 1)
+            logger.info(
+                "KV cache %s (1 byte per element + a bf16 scale per token and head): %.2fx the tokens "
+                "of a %s cache in the same memory", config.kv_cache_dtype, ratio, config.dtype,
+            )  # fmt: skip
 
     def _kv_budget(self, device) -> int:
         if self.config.kv_cache_memory is not None:

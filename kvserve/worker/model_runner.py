@@ -14,6 +14,7 @@ import torch
 from kvserve.core.scheduler import SchedulerOutput
 from kvserve.model.layers.attention import AttentionMetadata, PrefillChunk
 from kvserve.model.layers.cpu_kernels import load_cpu_kernels
+from kvserve.model.layers.kv_quant import KV_SCALE_DTYPE, is_quantized, kv_storage_dtype
 from kvserve.model.layers.sampler import Sampler
 from kvserve.model.models.llama import LlamaForCausalLM
 from kvserve.request import Request
@@ -28,16 +29,26 @@ class ModelRunner:
         device: torch.device,
         seed: int = 0,
         use_cpu_kernels: bool = True,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         arch = model.arch
         self.model = model
         self.device = device
         self.block_size = block_size
         self.dtype = model.embed_tokens.dtype
+        kv_dtype = kv_storage_dtype(kv_cache_dtype, self.dtype)
         self.kv_cache = torch.zeros(
             arch.num_layers, 2, num_blocks, arch.num_kv_heads, block_size, arch.head_dim,
-            dtype=self.dtype, device=device,
+            dtype=kv_dtype, device=device,
         )  # fmt: skip
+        self.kv_scales = None  # a 1-byte cache's bfloat16 scales, one per token and kv head
+        if is_quantized(kv_dtype):
+            self.kv_scales = torch.ones(
+                arch.num_layers, 2, num_blocks, arch.num_kv_heads, block_size,
+                dtype=KV_SCALE_DTYPE, device=device,
+            )  # fmt: skip
+            for i, layer in enumerate(model.layers):
+                layer.attn.kv_scales = (self.kv_scales[i, 0], self.kv_scales[i, 1])
         self.sampler = Sampler(seed)
         if device.type == "cpu" and use_cpu_kernels:
             model.pack_weights()
