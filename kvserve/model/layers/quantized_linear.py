@@ -38,7 +38,8 @@ class QuantizedLinear(nn.Module):
         self.method = qw.method
         self.out_features, self.in_features = qw.shape
         self.group_size = qw.group_size
-        self.kernel = torch.device(device).type == "cpu"  # packed for the CPU kernels
+        # Packed for the CPU kernels (the int4 one needs out_features divisible by 16).
+        self.kernel = torch.device(device).type == "cpu" and (qw.method != "int4" or qw.shape[0] % 16 == 0)
         self.use_scaled_mm = qw.method == "fp8" and _cuda_fp8_ok(torch.device(device))
         if qw.method == "int4":
             if self.kernel:
