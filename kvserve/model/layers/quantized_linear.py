@@ -3,7 +3,7 @@
 CPU (measured on AVX-512, benchmarks/bench_quant_kernels.py):
 - int8 -> `aten._weight_int8pack_mm`, int4 -> `aten._weight_int4pack_mm_for_cpu`. Both run
   with bfloat16 activations: with float32 activations PyTorch takes a scalar path that was
-  10-40x slower than the float32 oneDNN matmul, with bfloat16 they are vectorized.
+  6-40x slower than the float32 oneDNN matmul, with bfloat16 they are vectorized.
   Activations are therefore cast to bfloat16 inside the projection and back afterwards.
 - fp8 -> dequantizing path: the e4m3 codes are widened to bfloat16 (exact) for a bfloat16
   matmul and the per-channel scale is applied to the output. There is no fp8 weight-only
