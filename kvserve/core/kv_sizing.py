@@ -37,6 +37,8 @@ DTYPE_BYTES = {
     "fp8_e4m3": 1,
     "int8": 1,
 }
+# kvserve's 1-byte KV caches keep one bfloat16 scale per token and kv head (kv_quant.py).
+KV_SCALE_BYTES = {"fp8": 2, "fp8_e4m3": 2, "int8": 2}
 
 
 def parse_memory_size(value: str | int | float) -> int:
@@ -53,9 +55,18 @@ def parse_memory_size(value: str | int | float) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
-    """Bytes of K and V one token occupies across all layers."""
-    return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
+def kv_bytes_per_token(
+    num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int, scale_bytes: int = 0
+) -> int:
+    """Bytes of K and V one token occupies across all layers (`scale_bytes` per head vector)."""
+    return 2 * num_layers * num_kv_heads * (head_dim * dtype_bytes + scale_bytes)
+
+
+def kv_cache_element_bytes(kv_cache_dtype: str, compute_dtype: str) -> tuple[int, int]:
+    """(bytes per element, scale bytes per token and head) of a KV cache type; "auto" is the
+    compute dtype."""
+    name = compute_dtype if kv_cache_dtype in (None, "auto") else kv_cache_dtype
+    return DTYPE_BYTES[name], KV_SCALE_BYTES.get(name, 0)
 
 
 @dataclass(frozen=True)

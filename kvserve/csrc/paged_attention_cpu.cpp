@@ -4,26 +4,72 @@
 // table: no gathered copy of the KV cache is ever made, so a decode step touches each
 // cached K/V row exactly once. One work item per (sequence, kv head); the query heads that
 // share that kv head (grouped-query attention) are processed together.
+//
+// A 1-byte cache (fp8 e4m3 or int8 codes) comes with one bfloat16 scale per token and kv
+// head; each block's slice is dequantized into a small float buffer before use, so the
+// arithmetic below is the same for every cache type.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
+#include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
-template <typename T>
+// All 256 e4m3 codes as floats: a table lookup beats decoding the bits per element.
+const std::array<float, 256>& fp8_table() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (int i = 0; i < 256; ++i)
+      t[i] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits()));
+    return t;
+  }();
+  return table;
+}
+
+template <typename C>
+constexpr bool is_quantized() {
+  return std::is_same_v<C, c10::Float8_e4m3fn> || std::is_same_v<C, int8_t>;
+}
+
+// rows x head_dim codes, one scale per row -> floats.
+template <typename C>
+void dequantize_rows(const C* codes, const at::BFloat16* scales, int64_t rows, int64_t head_dim, float* dst) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float s = static_cast<float>(scales[r]);
+    const C* src = codes + r * head_dim;
+    float* d = dst + r * head_dim;
+    if constexpr (std::is_same_v<C, int8_t>) {
+      for (int64_t i = 0; i < head_dim; ++i) d[i] = s * static_cast<float>(src[i]);
+    } else {
+      const float* table = fp8_table().data();
+      const uint8_t* bits = reinterpret_cast<const uint8_t*>(src);
+      for (int64_t i = 0; i < head_dim; ++i) d[i] = s * table[bits[i]];
+    }
+  }
+}
+
+template <typename T, typename C>
 void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                   const torch::Tensor& k_scale, const torch::Tensor& v_scale,
                    const torch::Tensor& block_tables, const torch::Tensor& seq_lens, torch::Tensor& out,
                    double scale) {
+  // KV element type as the loops read it: the cache's own, or float after dequantizing.
+  using K = std::conditional_t<is_quantized<C>(), float, C>;
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = k_cache.size(1), block_size = k_cache.size(2);
   const int64_t group = num_heads / num_kv_heads, max_blocks = block_tables.size(1);
   const T* qp = q.data_ptr<T>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
+  const C* kp = k_cache.data_ptr<C>();
+  const C* vp = v_cache.data_ptr<C>();
+  const at::BFloat16* ksp = is_quantized<C>() ? k_scale.data_ptr<at::BFloat16>() : nullptr;
+  const at::BFloat16* vsp = is_quantized<C>() ? v_scale.data_ptr<at::BFloat16>() : nullptr;
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
@@ -31,6 +77,7 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
 
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * head_dim), acc(group * head_dim), scores;
+    std::vector<float> buf(is_quantized<C>() ? block_size * head_dim : 0);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / num_kv_heads, kh = item % num_kv_heads, len = lens[s];
       const int64_t* table = tables + s * max_blocks;
@@ -40,15 +87,22 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
       scores.assign(group * len, 0.f);
       const int64_t num_blocks = (len + block_size - 1) / block_size;
       for (int64_t b = 0; b < num_blocks; ++b) {
-        const T* kb = kp + table[b] * block_stride + kh * block_size * head_dim;
+        const int64_t slice = table[b] * num_kv_heads * block_size + kh * block_size;  // first row
         const int64_t n = std::min(block_size, len - b * block_size);
+        const K* kb;
+        if constexpr (is_quantized<C>()) {
+          dequantize_rows(kp + slice * head_dim, ksp + slice, n, head_dim, buf.data());
+          kb = buf.data();
+        } else {
+          kb = kp + table[b] * block_stride + kh * block_size * head_dim;
+        }
         float* srow = scores.data() + b * block_size;
         for (int64_t g = 0; g < group; ++g) {
           const float* qg = qf.data() + g * head_dim;
           int64_t o = 0;
           // Four keys at a time: independent accumulators keep the FMA units busy.
           for (; o + 4 <= n; o += 4) {
-            const T* k0 = kb + o * head_dim;
+            const K* k0 = kb + o * head_dim;
             float d0 = 0.f, d1 = 0.f, d2 = 0.f, d3 = 0.f;
             for (int64_t d = 0; d < head_dim; ++d) {
               const float x = qg[d];
@@ -63,7 +117,7 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
             srow[g * len + o + 3] = d3;
           }
           for (; o < n; ++o) {
-            const T* kr = kb + o * head_dim;
+            const K* kr = kb + o * head_dim;
             float dot = 0.f;
             for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * static_cast<float>(kr[d]);
             srow[g * len + o] = dot;
@@ -83,10 +137,17 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t b = 0; b < num_blocks; ++b) {
-        const T* vb = vp + table[b] * block_stride + kh * block_size * head_dim;
+        const int64_t slice = table[b] * num_kv_heads * block_size + kh * block_size;
         const int64_t n = std::min(block_size, len - b * block_size);
+        const K* vb;
+        if constexpr (is_quantized<C>()) {
+          dequantize_rows(vp + slice * head_dim, vsp + slice, n, head_dim, buf.data());
+          vb = buf.data();
+        } else {
+          vb = vp + table[b] * block_stride + kh * block_size * head_dim;
+        }
         for (int64_t o = 0; o < n; ++o) {
-          const T* __restrict__ vr = vb + o * head_dim;
+          const K* __restrict__ vr = vb + o * head_dim;
           for (int64_t g = 0; g < group; ++g) {
             const float p = scores[g * len + b * block_size + o];
             float* __restrict__ ag = acc.data() + g * head_dim;
@@ -101,12 +162,35 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
   });
 }
 
+template <typename T>
+void dispatch_cache(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                    const torch::Tensor& k_scale, const torch::Tensor& v_scale, const torch::Tensor& bt,
+                    const torch::Tensor& sl, torch::Tensor& out, double scale) {
+  const auto kind = k_cache.scalar_type();
+  if (kind == q.scalar_type()) {
+    decode_kernel<T, T>(q, k_cache, v_cache, k_scale, v_scale, bt, sl, out, scale);
+    return;
+  }
+  TORCH_CHECK(kind == torch::kFloat8_e4m3fn || kind == torch::kChar,
+              "paged_decode_attention: the cache must match q's dtype, or be float8_e4m3fn / int8");
+  TORCH_CHECK(k_scale.scalar_type() == torch::kBFloat16 && v_scale.is_contiguous() && k_scale.is_contiguous() &&
+                  k_scale.numel() * k_cache.size(3) == k_cache.numel() && v_scale.numel() == k_scale.numel(),
+              "a 1-byte cache needs contiguous bfloat16 scales [blocks, kv_heads, block_size]");
+  if (kind == torch::kChar)
+    decode_kernel<T, int8_t>(q, k_cache, v_cache, k_scale, v_scale, bt, sl, out, scale);
+  else
+    decode_kernel<T, c10::Float8_e4m3fn>(q, k_cache, v_cache, k_scale, v_scale, bt, sl, out, scale);
+}
+
 }  // namespace
 
-// q: [seqs, heads, head_dim]; k_cache/v_cache: [blocks, kv_heads, block_size, head_dim];
-// block_tables: [seqs, max_blocks] int64; seq_lens: [seqs] int64. Returns [seqs, heads, head_dim].
+// q: [seqs, heads, head_dim]; k_cache/v_cache: [blocks, kv_heads, block_size, head_dim] of q's
+// dtype, or of float8_e4m3fn / int8 with k_scale/v_scale [blocks, kv_heads, block_size] bfloat16
+// (empty tensors otherwise); block_tables: [seqs, max_blocks] int64; seq_lens: [seqs] int64.
+// Returns [seqs, heads, head_dim].
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+                                     torch::Tensor k_scale, torch::Tensor v_scale, torch::Tensor block_tables,
+                                     torch::Tensor seq_lens, double scale) {
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs");
   TORCH_CHECK(block_tables.scalar_type() == torch::kLong && seq_lens.scalar_type() == torch::kLong,
               "int64 block tables and lengths");
@@ -115,9 +199,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   auto sl = seq_lens.contiguous();
   auto out = torch::empty_like(q);
   if (q.scalar_type() == torch::kFloat) {
-    decode_kernel<float>(q, k_cache, v_cache, bt, sl, out, scale);
+    dispatch_cache<float>(q, k_cache, v_cache, k_scale, v_scale, bt, sl, out, scale);
   } else if (q.scalar_type() == torch::kBFloat16) {
-    decode_kernel<at::BFloat16>(q, k_cache, v_cache, bt, sl, out, scale);
+    dispatch_cache<at::BFloat16>(q, k_cache, v_cache, k_scale, v_scale, bt, sl, out, scale);
   } else {
     TORCH_CHECK(false, "paged_decode_attention: float32 or bfloat16 only");
   }

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 
 from kvserve.config import EngineConfig
 from kvserve.core.kv_cache_manager import KVCacheManager
@@ -16,6 +17,7 @@ from kvserve.core.kv_sizing import (
     KVPoolSize,
     gpu_kv_budget,
     kv_bytes_per_token,
+    kv_cache_element_bytes,
     kv_pool_size,
     parse_memory_size,
 )
@@ -39,9 +41,9 @@ def kv_pool_for(
 ) -> KVPoolSize:
     """The pool a budget buys for this model (and its draft model, whose KV shares the block
     tables, so each token costs both); `kvserve plan` uses the same arithmetic."""
-    dtype_bytes = config.torch_dtype.itemsize
+    elem, scale = kv_cache_element_bytes(config.kv_cache_dtype, config.dtype)
     per_token = sum(
-        kv_bytes_per_token(a.num_layers, a.num_kv_heads, a.head_dim, dtype_bytes)
+        kv_bytes_per_token(a.num_layers, a.num_kv_heads, a.head_dim, elem, scale)
         for a in (arch, draft_arch)
         if a is not None
     )
@@ -54,7 +56,7 @@ class EngineCore:
         self.config = config
         self.source = resolve_model(config.model)
         device = config.torch_device
-        self.model, self.tokenizer = load_model(self.source, config.torch_dtype, device)
+        self.model, self.tokenizer = load_model(self.source, config.torch_dtype, device, config.quantization)
         self.load_time = time.perf_counter() - t0  # reading + dequantizing weights, tokenizer
         arch = self.arch = self.model.arch
         self.draft_model = self._load_draft(device) if config.speculative_method == "draft" else None
@@ -68,7 +70,8 @@ class EngineCore:
                 f"{arch.max_position_embeddings}"
             )
         draft_arch = self.draft_model.arch if self.draft_model is not None else None
-        self.pool_size = kv_pool_for(config, arch, self._kv_budget(device), draft_arch)
+        budget = self._kv_budget(device)
+        self.pool_size = kv_pool_for(config, arch, budget, draft_arch)
         if self.pool_size.num_blocks < 1:
             raise ValueError(
                 f"kv_cache_memory: too small for one KV block ({self.pool_size.block_bytes} bytes)"
@@ -82,7 +85,7 @@ class EngineCore:
         )  # fmt: skip
         self.model_runner = ModelRunner(
             self.model, self.pool_size.num_blocks, config.block_size, device, config.seed,
-            draft_model=self.draft_model,
+            kv_cache_dtype=config.kv_cache_dtype, draft_model=self.draft_model,
         )  # fmt: skip
         self.proposer = self._make_proposer()
         self.eos_token_ids = frozenset(arch.eos_token_ids) | (
@@ -95,6 +98,21 @@ class EngineCore:
             self.source.name, self.load_time, config.dtype, device, p.num_blocks, p.block_size,
             p.num_tokens, p.total_bytes / 2**20, self.max_model_len, p.max_concurrency(self.max_model_len),
         )  # fmt: skip
+        if config.speculative_method:
+            draft = f" ({config.speculative_model})" if config.speculative_model else ""
+            logger.info(
+                "speculative decoding: %s%s, up to %d tokens per step",
+                config.speculative_method, draft, config.num_speculative_tokens,
+            )  # fmt: skip
+        if config.quantization:
+            logger.info("weights: %s, %.1f MiB", config.quantization, self.model.weight_bytes() / 2**20)
+        if config.kv_cache_dtype != "auto":
+            plain = kv_pool_for(replace(config, kv_cache_dtype="auto"), arch, budget, draft_arch)
+            ratio = p.num_tokens / max(plain.num_tokens, 1)
+            logger.info(
+                "KV cache %s (1 byte per element + a bf16 scale per token and head): %.2fx the tokens "
+                "of a %s cache in the same memory", config.kv_cache_dtype, ratio, config.dtype,
+            )  # fmt: skip
 
     def _load_draft(self, device):
         """The draft model; it must speak the target's tokenizer (same vocabulary)."""

@@ -1,4 +1,4 @@
-"""`kvserve` command line: generate (one-shot or interactive chat) and plan."""
+"""`kvserve` command line: generate (one-shot or interactive chat), serve, plan, bench, eval."""
 
 from __future__ import annotations
 
@@ -161,6 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
     from kvserve.bench.cli import register as register_bench
 
     register_bench(sub)
+    from kvserve.eval.cli import register as register_eval
+
+    register_eval(sub)
     return parser
 
 

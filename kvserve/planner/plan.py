@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from kvserve.core.kv_sizing import (
     DTYPE_BYTES,
+    KV_SCALE_BYTES,
     KVPoolSize,
     gpu_kv_budget,
     kv_bytes_per_token,
@@ -62,6 +63,11 @@ class Precision:
     def kv_bytes(self) -> int:
         return DTYPE_BYTES[self.kv_cache]
 
+    @property
+    def kv_scale_bytes(self) -> int:
+        """Per token and kv head: kvserve's 1-byte caches keep a bfloat16 scale there."""
+        return KV_SCALE_BYTES.get(self.kv_cache, 0)
+
 
 def resolve_precision(
     dtype: str = "bf16", quantization: str | None = None, kv_cache_dtype: str = "auto"
@@ -96,7 +102,7 @@ def model_kv_bytes_per_token(spec: ModelSpec, prec: Precision, tp: int = 1, pp: 
     TP ranks and are replicated once TP exceeds them (MLA's latent always is)."""
     layers = math.ceil(spec.num_layers / pp)
     heads = math.ceil(spec.cache_kv_heads / tp)
-    return kv_bytes_per_token(layers, heads, spec.cache_head_dim, prec.kv_bytes)
+    return kv_bytes_per_token(layers, heads, spec.cache_head_dim, prec.kv_bytes, prec.kv_scale_bytes)
 
 
 def valid_tp_degrees(spec: ModelSpec, limit: int = GPUS_PER_NODE) -> list[int]:

@@ -20,6 +20,7 @@ import torch
 from kvserve.core.scheduler import SchedulerOutput
 from kvserve.model.layers.attention import AttentionMetadata, PrefillChunk
 from kvserve.model.layers.cpu_kernels import load_cpu_kernels
+from kvserve.model.layers.kv_quant import KV_SCALE_DTYPE, is_quantized, kv_storage_dtype
 from kvserve.model.layers.sampler import Sampler, SampleResult
 from kvserve.model.models.llama import LlamaForCausalLM
 from kvserve.request import Request
@@ -34,6 +35,7 @@ class ModelRunner:
         device: torch.device,
         seed: int = 0,
         use_cpu_kernels: bool = True,
+        kv_cache_dtype: str = "auto",
         draft_model: LlamaForCausalLM | None = None,
     ) -> None:
         self.model = model
@@ -41,8 +43,11 @@ class ModelRunner:
         self.device = device
         self.block_size = block_size
         self.dtype = model.embed_tokens.dtype
-        self.kv_cache = self._alloc_kv(model, num_blocks)
-        self.draft_kv_cache = self._alloc_kv(draft_model, num_blocks) if draft_model is not None else None
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_cache, self.kv_scales = self._alloc_kv(model, num_blocks)
+        self.draft_kv_cache = None
+        if draft_model is not None:
+            self.draft_kv_cache, _ = self._alloc_kv(draft_model, num_blocks)
         self.sampler = Sampler(seed)
         if device.type == "cpu" and use_cpu_kernels:
             kernels = load_cpu_kernels()
@@ -52,12 +57,24 @@ class ModelRunner:
                     for layer in m.layers:
                         layer.attn.kernels = kernels
 
-    def _alloc_kv(self, model: LlamaForCausalLM, num_blocks: int) -> torch.Tensor:
+    def _alloc_kv(self, model: LlamaForCausalLM, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The model's KV pool and, for a 1-byte cache, its bfloat16 scales (one per token and
+        kv head), which the model's attention layers are given."""
         arch = model.arch
-        return torch.zeros(
+        kv_dtype = kv_storage_dtype(self.kv_cache_dtype, model.embed_tokens.dtype)
+        cache = torch.zeros(
             arch.num_layers, 2, num_blocks, arch.num_kv_heads, self.block_size, arch.head_dim,
-            dtype=model.embed_tokens.dtype, device=self.device,
+            dtype=kv_dtype, device=self.device,
         )  # fmt: skip
+        scales = None
+        if is_quantized(kv_dtype):
+            scales = torch.ones(
+                arch.num_layers, 2, num_blocks, arch.num_kv_heads, self.block_size,
+                dtype=KV_SCALE_DTYPE, device=self.device,
+            )  # fmt: skip
+            for i, layer in enumerate(model.layers):
+                layer.attn.kv_scales = (scales[i, 0], scales[i, 1])
+        return cache, scales
 
     @staticmethod
     def _is_decode(req: Request, n: int) -> bool:

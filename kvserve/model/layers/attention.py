@@ -11,6 +11,11 @@ go through the C++ paged kernel on CPU when it is available (it reads K/V in pla
 gather + SDPA path otherwise; prefill chunks use SDPA one request at a time, with a causal
 mask offset by the tokens already cached. A CUDA backend (FlashAttention / Triton) would
 take the same metadata.
+
+With a 1-byte KV cache (kv_quant.py) the model runner binds each layer's scale tensors to
+its attention (`kv_scales`, as vLLM's Attention layer holds its k/v scales): new K/V are
+quantized as they are written, every read dequantizes, and a fresh prompt chunk attends to
+its own K/V after the same round trip, so prefill sees exactly what later decodes read.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from kvserve.model.layers.kv_quant import dequantize_kv, quantize_kv
 
 
 @dataclass
@@ -54,9 +61,14 @@ class AttentionMetadata:
         return self._gather
 
 
-def _gather_kv(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """[n_blocks, kv_heads, block_size, hd] blocks -> [kv_heads, n_blocks * block_size, hd]."""
+def _gather_kv(
+    cache: torch.Tensor, block_ids: torch.Tensor, scales: torch.Tensor | None = None, dtype=None
+) -> torch.Tensor:
+    """[n_blocks, kv_heads, block_size, hd] blocks -> [kv_heads, n_blocks * block_size, hd],
+    dequantized to `dtype` when the cache holds codes with `scales` [blocks, kv_heads, block_size]."""
     blocks = cache.index_select(0, block_ids)
+    if scales is not None:
+        blocks = dequantize_kv(blocks, scales.index_select(0, block_ids), dtype)
     n, kvh, bs, hd = blocks.shape
     return blocks.transpose(0, 1).reshape(kvh, n * bs, hd)
 
@@ -70,6 +82,7 @@ class PagedAttention:
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
         self.kernels = None  # set by the model runner when the C++ kernels are loaded
+        self.kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None  # 1-byte caches only
 
     def forward(
         self,
@@ -80,8 +93,11 @@ class PagedAttention:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        k_cache[meta.slot_blocks, :, meta.slot_offsets] = k
-        v_cache[meta.slot_blocks, :, meta.slot_offsets] = v
+        if self.kv_scales is None:
+            k_cache[meta.slot_blocks, :, meta.slot_offsets] = k
+            v_cache[meta.slot_blocks, :, meta.slot_offsets] = v
+        else:
+            k, v = self._write_quantized(k, v, k_cache, v_cache, meta)
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
@@ -91,17 +107,34 @@ class PagedAttention:
             out[s:e] = self._prefill(q[s:e], k[s:e], v[s:e], k_cache, v_cache, chunk)
         return out
 
+    def _write_quantized(
+        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store codes and scales; return K/V as the cache will give them back."""
+        blocks, offsets = meta.slot_blocks, meta.slot_offsets
+        out = []
+        for x, cache, scales in ((k, k_cache, self.kv_scales[0]), (v, v_cache, self.kv_scales[1])):
+            codes, s = quantize_kv(x, cache.dtype)
+            cache[blocks, :, offsets] = codes
+            scales[blocks, :, offsets] = s
+            out.append(dequantize_kv(codes, s, x.dtype) if meta.prefills else x)
+        return out[0], out[1]
+
     def _decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
+        ks, vs = self.kv_scales or (None, None)
         if self.kernels is not None and q.device.type == "cpu":
+            none = torch.empty(0)
             return self.kernels.paged_decode_attention(
-                q.contiguous(), k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale
-            )
-        n = q.shape[0]
+                q.contiguous(), k_cache, v_cache, none if ks is None else ks, none if vs is None else vs,
+                meta.decode_block_tables, meta.decode_seq_lens, self.scale,
+            )  # fmt: skip
+        n, dt = q.shape[0], q.dtype
         block_ids, mask = meta.decode_gather_inputs(k_cache.shape[2])
-        keys = _gather_kv(k_cache, block_ids).view(self.num_kv_heads, n, -1, self.head_dim).transpose(0, 1)
-        values = _gather_kv(v_cache, block_ids).view(self.num_kv_heads, n, -1, self.head_dim).transpose(0, 1)
+        keys = _gather_kv(k_cache, block_ids, ks, dt).view(self.num_kv_heads, n, -1, self.head_dim)
+        values = _gather_kv(v_cache, block_ids, vs, dt).view(self.num_kv_heads, n, -1, self.head_dim)
+        keys, values = keys.transpose(0, 1), values.transpose(0, 1)
         o = F.scaled_dot_product_attention(
             q.unsqueeze(2), keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True
         )
@@ -121,8 +154,9 @@ class PagedAttention:
             keys, values, mask, causal = k.transpose(0, 1), v.transpose(0, 1), None, True
         else:
             total = chunk.num_cached + q.shape[0]
-            keys = _gather_kv(k_cache, chunk.block_ids)[:, :total]
-            values = _gather_kv(v_cache, chunk.block_ids)[:, :total]
+            ks, vs = self.kv_scales or (None, None)
+            keys = _gather_kv(k_cache, chunk.block_ids, ks, q.dtype)[:, :total]
+            values = _gather_kv(v_cache, chunk.block_ids, vs, q.dtype)[:, :total]
             mask, causal = chunk.mask, False
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),

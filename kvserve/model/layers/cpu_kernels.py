@@ -1,12 +1,14 @@
 """Builds and loads kvserve's small C++ CPU kernels (paged decode attention).
 
 Compiled once per machine with torch's extension builder (needs a C++ compiler; the result
-is cached under TORCH_EXTENSIONS_DIR). If building fails, callers fall back to the pure
-PyTorch path, which computes the same thing more slowly.
+is cached under TORCH_EXTENSIONS_DIR). The module name carries a hash of the source, so
+checkouts with different kernel sources never load each other's build. If building fails,
+callers fall back to the pure PyTorch path, which computes the same thing more slowly.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -35,8 +37,10 @@ def load_cpu_kernels():
 
             flags = ["-O3", "-fopenmp", "-march=native", "-ffast-math",
                      ]  # fmt: skip
+            with open(_SRC, "rb") as f:
+                digest = hashlib.sha256(f.read()).hexdigest()[:10]
             _module = load(
-                name="kvserve_cpu_kernels",
+                name=f"kvserve_cpu_kernels_{digest}",
                 sources=[_SRC],
                 extra_cflags=flags,
                 extra_ldflags=["-fopenmp"],

@@ -26,8 +26,10 @@ def load_tokenizer(source: ModelSource) -> Tokenizer:
 
 
 def load_model(
-    source: ModelSource, dtype: torch.dtype, device: torch.device
+    source: ModelSource, dtype: torch.dtype, device: torch.device, quantization: str | None = None
 ) -> tuple[LlamaForCausalLM, Tokenizer]:
+    """The model on `device` and its tokenizer; `quantization` (int8 | int4 | fp8) quantizes the
+    projections while loading (GGUF tensors with a matching format are taken as they are)."""
     if source.kind == "hf":
         from kvserve.model.loader.hf_loader import hf_arch, hf_tokenizer, hf_weights
 
@@ -41,7 +43,7 @@ def load_model(
 
         reader = gguf.GGUFReader(source.path)
         arch = gguf_arch(reader)
-        weights = gguf_weights(reader, arch)
+        weights = gguf_weights(reader, arch, quantization)
         tokenizer = Tokenizer(*gguf_tokenizer(reader))
     with torch.device("meta"):  # no memory until the real weights arrive
         model = LlamaForCausalLM(arch)
@@ -49,5 +51,6 @@ def load_model(
     model.rotary = RotaryEmbedding(
         arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling
     )  # float32 tables, whatever the weights' dtype
+    model.quantization, model.quant_device = quantization, device
     model.load_weights(weights)
     return model.to(device).eval(), tokenizer

@@ -1,9 +1,11 @@
 """Load a Llama-family GGUF file: architecture, dequantized weights, tokenizer.
 
-Weights are dequantized with the `gguf` package. llama.cpp's converter permutes the rows
-of Q and K for its interleaved rotary layout; we undo that so the model sees Hugging Face
-layout. The tokenizer is rebuilt from the file's vocabulary with transformers' GGUF
-converter, then wrapped with the file's chat template.
+Weights are dequantized with the `gguf` package, except tensors whose GGUF format maps
+directly to the requested `--quantization` (gguf_quants.py), which keep their codes.
+llama.cpp's converter permutes the rows of Q and K for its interleaved rotary layout; we
+undo that (on floats or codes alike) so the model sees Hugging Face layout. The tokenizer
+is rebuilt from the file's vocabulary with transformers' GGUF converter, then wrapped with
+the file's chat template.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import numpy as np
 import torch
 
 from kvserve.model.arch import SUPPORTED_ARCHITECTURES, ModelArch
+from kvserve.model.layers.quantization import QWeight
+from kvserve.model.loader.gguf_quants import gguf_qweight
 
 _TENSOR_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -33,8 +37,8 @@ def _field(reader, key: str, default=None):
     return default if f is None else f.contents()
 
 
-def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Inverse of llama.cpp's rotary row permutation for Q/K weights (and biases)."""
+def _unpermute(w, n_heads: int):
+    """Inverse of llama.cpp's rotary row permutation for Q/K weights (and biases); numpy or torch."""
     shape = w.shape
     return w.reshape(n_heads, shape[0] // n_heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
@@ -76,19 +80,26 @@ def gguf_arch(reader) -> ModelArch:
     )
 
 
-def gguf_weights(reader, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (Hugging Face name, float32 tensor) pairs."""
+def gguf_weights(
+    reader, arch: ModelArch, quantization: str | None = None
+) -> Iterator[tuple[str, torch.Tensor | QWeight]]:
+    """Yield (Hugging Face name, float32 tensor or, for layer projections that map directly
+    to `quantization`, QWeight) pairs."""
     from gguf.quants import dequantize
 
     for t in reader.tensors:
-        w = dequantize(t.data, t.tensor_type)
         parts = t.name.split(".")
+        direct = None
+        if quantization and parts[0] == "blk" and len(t.data.shape) == 2:
+            direct = gguf_qweight(t.data, t.tensor_type, quantization)
+        w = direct if direct is not None else dequantize(t.data, t.tensor_type)
         if parts[0] == "blk":
             kind, suffix = parts[2], parts[3]
-            if kind == "attn_q":
-                w = _unpermute(w, arch.num_heads)
-            elif kind == "attn_k":
-                w = _unpermute(w, arch.num_kv_heads)
+            heads = {"attn_q": arch.num_heads, "attn_k": arch.num_kv_heads}.get(kind)
+            if heads and direct is not None:
+                w = direct.map_rows(lambda a, h=heads: _unpermute(a, h))
+            elif heads:
+                w = _unpermute(w, heads)
             if kind not in _TENSOR_NAMES:
                 continue  # e.g. precomputed rope_freqs
             name = f"model.layers.{parts[1]}.{_TENSOR_NAMES[kind]}.{suffix}"
@@ -100,7 +111,10 @@ def gguf_weights(reader, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor]]:
             name = "lm_head.weight"
         else:
             continue
-        yield name, torch.from_numpy(np.array(w, dtype=np.float32))  # a writable copy
+        if direct is not None:
+            yield name, w
+        else:
+            yield name, torch.from_numpy(np.array(w, dtype=np.float32))  # a writable copy
 
 
 def gguf_tokenizer(reader):

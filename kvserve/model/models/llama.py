@@ -2,6 +2,11 @@
 
 Takes flat token tensors (all requests of a step concatenated) and knows nothing about
 scheduling. q/k/v and gate/up projections are fused into single matmuls at load time.
+
+With `quantization` set, each projection is quantized as its layer completes during loading
+(so the float copy of the whole model never exists) and runs through QuantizedLinear. The
+embedding table and lm_head use int8 (fp8 under `fp8`), also under int4: the output layer is
+the most sensitive to rounding, and a tied table must also serve row lookups.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from torch import nn
 from kvserve.model.arch import ModelArch
 from kvserve.model.layers.attention import AttentionMetadata, PagedAttention
 from kvserve.model.layers.linear import linear, onednn_pack
+from kvserve.model.layers.quantization import QWeight, fuse, quantize_weight
+from kvserve.model.layers.quantized_linear import QuantizedLinear
 from kvserve.model.layers.rotary import RotaryEmbedding, apply_rotary
 
 
@@ -46,10 +53,26 @@ class DecoderLayer(nn.Module):
         self.post_attn_norm = nn.Parameter(torch.empty(h), requires_grad=False)
         self.attn = PagedAttention(arch.num_heads, arch.num_kv_heads, hd)
         self.packed: dict[str, torch.Tensor | None] = {}  # oneDNN-packed weights, see pack_weights
+        self.quant = nn.ModuleDict()  # projection name -> QuantizedLinear (its float weight is empty)
 
     def pack_weights(self) -> None:
         for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"):
-            self.packed[name] = onednn_pack(getattr(self, name))
+            if name not in self.quant:
+                self.packed[name] = onednn_pack(getattr(self, name))
+
+    def set_weight(self, name: str, w: torch.Tensor | QWeight, device: torch.device | str) -> None:
+        """A float weight goes into its Parameter; a quantized one into a QuantizedLinear."""
+        param = getattr(self, name)
+        if isinstance(w, QWeight):
+            self.quant[name] = QuantizedLinear(w, device)
+            param.data = torch.empty(0, dtype=param.dtype)
+        else:
+            param.data = w
+
+    def proj(self, name: str, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if name in self.quant:
+            return self.quant[name](x, bias)
+        return linear(x, getattr(self, name), bias, self.packed.get(name))
 
     def forward(
         self,
@@ -62,17 +85,16 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         n = x.shape[0]
         h = rms_norm(x, self.input_norm, self.eps)
-        p = self.packed
-        qkv = linear(h, self.qkv_weight, self.qkv_bias, p.get("qkv_weight"))
+        qkv = self.proj("qkv_weight", h, self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rotary(q.view(n, self.num_heads, self.head_dim), cos, sin)
         k = apply_rotary(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
         attn = self.attn.forward(q, k, v, k_cache, v_cache, meta)
-        x = x + linear(attn.reshape(n, self.q_size), self.o_weight, None, p.get("o_weight"))
+        x = x + self.proj("o_weight", attn.reshape(n, self.q_size))
         h = rms_norm(x, self.post_attn_norm, self.eps)
-        gate, up = linear(h, self.gate_up_weight, None, p.get("gate_up_weight")).chunk(2, dim=-1)
-        return x + linear(F.silu(gate) * up, self.down_weight, None, p.get("down_weight"))
+        gate, up = self.proj("gate_up_weight", h).chunk(2, dim=-1)
+        return x + self.proj("down_weight", F.silu(gate) * up)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -91,12 +113,23 @@ class LlamaForCausalLM(nn.Module):
             arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling
         )
         self.lm_head_packed: torch.Tensor | None = None
+        self.quantization: str | None = None  # set by the loader before load_weights
+        self.quant_device: torch.device | str = "cpu"  # the device quantized weights are packed for
+        self.embed_q: QuantizedLinear | None = None  # quantized table (lookups) and lm_head
+        self.lm_head_q: QuantizedLinear | None = None
+
+    def weight_bytes(self) -> int:
+        """Bytes of the weights: parameters and persistent buffers, a tied table counted once
+        (rotary tables and oneDNN's packed copies are not included)."""
+        tensors = {id(t): t for t in self.state_dict(keep_vars=True).values()}
+        return sum(t.numel() * t.element_size() for t in tensors.values())
 
     def pack_weights(self) -> None:
-        """Prepack every projection for oneDNN (CPU); a no-op elsewhere."""
+        """Prepack every float projection for oneDNN (CPU); a no-op elsewhere."""
         for layer in self.layers:
             layer.pack_weights()
-        self.lm_head_packed = onednn_pack(self.lm_head)
+        if self.lm_head_q is None:
+            self.lm_head_packed = onednn_pack(self.lm_head)
 
     @torch.inference_mode()
     def forward(
@@ -107,7 +140,10 @@ class LlamaForCausalLM(nn.Module):
         kv_cache: torch.Tensor,  # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
     ) -> torch.Tensor:
         """Final hidden states (after the last norm) for every input token."""
-        x = F.embedding(input_ids, self.embed_tokens)
+        if self.embed_q is not None:
+            x = self.embed_q.embedding(input_ids, self.norm.dtype)
+        else:
+            x = F.embedding(input_ids, self.embed_tokens)
         cos, sin = self.rotary.tables(positions, x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, meta, kv_cache[i, 0], kv_cache[i, 1])
@@ -115,6 +151,8 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lm_head_q is not None:
+            return self.lm_head_q(hidden).float()
         return linear(hidden, self.lm_head, None, self.lm_head_packed).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -123,7 +161,10 @@ class LlamaForCausalLM(nn.Module):
         seen: set[str] = set()
         dtype = self.embed_tokens.dtype
         for name, tensor in weights:
-            tensor = tensor.to(dtype)
+            if isinstance(tensor, QWeight) and not name.startswith("model.layers."):
+                tensor = tensor.dequantize()
+            if isinstance(tensor, torch.Tensor):
+                tensor = tensor.to(dtype)
             m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
             if m:
                 idx, rest = int(m.group(1)), m.group(2)
@@ -152,6 +193,18 @@ class LlamaForCausalLM(nn.Module):
             need.add("lm_head.weight")
         if need - seen:
             raise ValueError(f"missing weights: {sorted(need - seen)}")
+        if self.quantization is not None:
+            self._quantize_embeddings()
+
+    def _quantize_embeddings(self) -> None:
+        method = "fp8" if self.quantization == "fp8" else "int8"
+        self.embed_q = QuantizedLinear(quantize_weight(self.embed_tokens, method), self.quant_device)
+        if self.arch.tie_word_embeddings:
+            self.lm_head_q = self.embed_q
+        else:
+            self.lm_head_q = QuantizedLinear(quantize_weight(self.lm_head, method), self.quant_device)
+            self.lm_head.data = torch.empty(0, dtype=self.lm_head.dtype)
+        self.embed_tokens.data = torch.empty(0, dtype=self.embed_tokens.dtype)
 
     _LAYER_KEYS = (
         "self_attn.q_proj.weight",
@@ -172,16 +225,17 @@ class LlamaForCausalLM(nn.Module):
         if not all(k in p for k in keys):
             return
         layer: DecoderLayer = self.layers[idx]
-        layer.qkv_weight.data = torch.cat(
-            [p["self_attn.q_proj.weight"], p["self_attn.k_proj.weight"], p["self_attn.v_proj.weight"]]
-        )
+        method, dev = self.quantization, self.quant_device
+        qkv = [p["self_attn.q_proj.weight"], p["self_attn.k_proj.weight"], p["self_attn.v_proj.weight"]]
+        layer.set_weight("qkv_weight", fuse(qkv, method), dev)
+        layer.set_weight("o_weight", fuse([p["self_attn.o_proj.weight"]], method), dev)
+        gate_up = [p["mlp.gate_proj.weight"], p["mlp.up_proj.weight"]]
+        layer.set_weight("gate_up_weight", fuse(gate_up, method), dev)
+        layer.set_weight("down_weight", fuse([p["mlp.down_proj.weight"]], method), dev)
         if self.arch.attention_bias:
             layer.qkv_bias.data = torch.cat(
                 [p["self_attn.q_proj.bias"], p["self_attn.k_proj.bias"], p["self_attn.v_proj.bias"]]
             )
-        layer.o_weight.data = p["self_attn.o_proj.weight"]
-        layer.gate_up_weight.data = torch.cat([p["mlp.gate_proj.weight"], p["mlp.up_proj.weight"]])
-        layer.down_weight.data = p["mlp.down_proj.weight"]
         layer.input_norm.data = p["input_layernorm.weight"]
         layer.post_attn_norm.data = p["post_attention_layernorm.weight"]
         del pending[idx]

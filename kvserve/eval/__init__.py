@@ -1,0 +1,1 @@
+"""Quality evaluation through the engine (`kvserve eval perplexity`)."""

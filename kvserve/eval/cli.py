@@ -1,0 +1,56 @@
+"""`kvserve eval perplexity MODEL`: argument parsing and printing, nothing else."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def cmd_perplexity(args: argparse.Namespace) -> int:
+    from kvserve.engine.llm_engine import LLMEngine
+    from kvserve.entrypoints.cli import engine_config
+    from kvserve.eval.perplexity import CORPUS, load_corpus, perplexity
+
+    try:
+        engine = LLMEngine(engine_config(args))
+        ids = load_corpus(engine, args.corpus or CORPUS, args.max_tokens)
+        res = perplexity(engine, ids, args.window, progress=not args.no_progress)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    cfg = engine.config
+    print(
+        f"model {args.model}  dtype {cfg.dtype}  quantization {cfg.quantization or 'none'}  "
+        f"kv-cache {cfg.kv_cache_dtype}"
+    )
+    print(
+        f"perplexity {res.perplexity:.4f}  ({res.num_tokens} tokens scored in {res.num_windows} windows, "
+        f"{res.tokens_per_s:.1f} tokens/s)"
+    )
+    if args.json:
+        row = {"model": args.model, "dtype": cfg.dtype, "quantization": cfg.quantization,
+               "kv_cache_dtype": cfg.kv_cache_dtype, "perplexity": res.perplexity, "nll": res.nll,
+               "tokens": res.num_tokens, "windows": res.num_windows, "seconds": res.seconds}  # fmt: skip
+        with open(args.json, "w") as f:
+            json.dump(row, f, indent=2)
+    return 0
+
+
+def register(sub) -> None:
+    from kvserve.entrypoints.cli import add_engine_args
+
+    ev = sub.add_parser("eval", help="quality evaluation through the engine")
+    evsub = ev.add_subparsers(dest="eval_command", required=True)
+    p = evsub.add_parser(
+        "perplexity",
+        help="perplexity on the shipped English corpus (Persuasion, ch. 1-8) via prompt logprobs",
+    )
+    p.add_argument("model", nargs="?", default="smollm2-135m", help="alias, .gguf file or HF directory")
+    p.add_argument("--corpus", default=None, help="a UTF-8 text file instead of the shipped corpus")
+    p.add_argument("--max-tokens", type=int, default=None, help="score only the first N corpus tokens")
+    p.add_argument("--window", type=int, default=1024, help="tokens per scored window (non-overlapping)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--json", default=None, help="also write the result to this JSON file")
+    add_engine_args(p)
+    p.set_defaults(func=cmd_perplexity)

@@ -1,0 +1,104 @@
+"""One quantized projection: packs a `QWeight` for the fastest kernel on its device.
+
+CPU (measured on AVX-512, benchmarks/bench_quant_kernels.py):
+- int8 -> `aten._weight_int8pack_mm`, int4 -> `aten._weight_int4pack_mm_for_cpu`. Both run
+  with bfloat16 activations: with float32 activations PyTorch takes a scalar path that was
+  6-40x slower than the float32 oneDNN matmul, with bfloat16 they are vectorized.
+  Activations are therefore cast to bfloat16 inside the projection and back afterwards.
+- fp8 -> dequantizing path: the e4m3 codes are widened to bfloat16 (exact) for a bfloat16
+  matmul and the per-channel scale is applied to the output. There is no fp8 weight-only
+  matmul on CPU; `torch._scaled_mm` works there but also quantizes the activations.
+CUDA: fp8 uses `torch._scaled_mm` (row-wise scales) on compute capability >= 8.9 (Ada,
+Hopper); int8/int4 and older GPUs dequantize (correct, not fast; untested on hardware).
+
+The int8 and fp8 formats also serve embedding lookups (one row per token), so a tied
+embedding / lm_head is stored once.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.model.layers.quantization import SCALE_DTYPE, QWeight
+
+COMPUTE_DTYPE = torch.bfloat16  # activations inside quantized projections
+
+
+def _cuda_fp8_ok(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+class QuantizedLinear(nn.Module):
+    """y = x @ W.T (+ bias) for a quantized W; parameters are buffers so they count as weights."""
+
+    def __init__(self, qw: QWeight, device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        self.method = qw.method
+        self.out_features, self.in_features = qw.shape
+        self.group_size = qw.group_size
+        # Packed for the CPU kernels (the int4 one needs out_features divisible by 16).
+        self.kernel = torch.device(device).type == "cpu" and (qw.method != "int4" or qw.shape[0] % 16 == 0)
+        self.use_scaled_mm = qw.method == "fp8" and _cuda_fp8_ok(torch.device(device))
+        if qw.method == "int4":
+            if self.kernel:
+                packed = torch._convert_weight_to_int4pack_for_cpu(qw.codes.to(torch.int32), 1)
+            else:  # two codes per byte, low nibble first; dequantized per call
+                packed = qw.codes[:, 0::2] | (qw.codes[:, 1::2] << 4)
+            self.register_buffer("qweight", packed)
+            # [K / group, N, 2]: the kernels' scales-and-zeros layout.
+            self.register_buffer("scales_zeros", torch.stack([qw.scales.t(), qw.zeros.t()], -1).contiguous())
+        else:
+            self.register_buffer("qweight", qw.codes.contiguous())
+            self.register_buffer("scales", qw.scales.to(SCALE_DTYPE))
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if self.method == "int8" and self.kernel:
+            y = torch.ops.aten._weight_int8pack_mm(x2.to(COMPUTE_DTYPE), self.qweight, self.scales)
+        elif self.method == "int4" and self.kernel:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x2.to(COMPUTE_DTYPE), self.qweight, self.group_size, self.scales_zeros
+            )
+        elif self.use_scaled_mm:
+            y = self._scaled_mm(x2)
+        elif self.method == "fp8":
+            y = F.linear(x2.to(COMPUTE_DTYPE), self.qweight.to(COMPUTE_DTYPE)).float() * self.scales.float()
+        else:
+            y = F.linear(x2.to(COMPUTE_DTYPE), self.dequantize(COMPUTE_DTYPE))
+        y = y.to(x.dtype).reshape(*lead, self.out_features)
+        return y if bias is None else y + bias
+
+    def _scaled_mm(self, x: torch.Tensor) -> torch.Tensor:
+        """fp8 x fp8 with row-wise scales (activations quantized per token, dynamically)."""
+        x_scale = (x.abs().amax(dim=1, keepdim=True).float() / 448.0).clamp(min=1e-12)
+        xq = (x.float() / x_scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+        return torch._scaled_mm(
+            xq, self.qweight.t(), scale_a=x_scale, scale_b=self.scales.float().view(1, -1),
+            out_dtype=torch.bfloat16,
+        )  # fmt: skip
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The float [N, K] weight (for the generic path and for tests)."""
+        if self.method != "int4":
+            return (self.qweight.to(torch.float32) * self.scales.float().unsqueeze(1)).to(dtype)
+        if self.kernel:  # run the kernel on the identity: rows of I @ W.T are W's columns
+            eye = torch.eye(self.in_features, dtype=COMPUTE_DTYPE, device=self.qweight.device)
+            w_t = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                eye, self.qweight, self.group_size, self.scales_zeros
+            )
+            return w_t.t().to(dtype)
+        n, k, g = self.out_features, self.in_features, self.group_size
+        codes = torch.stack([self.qweight & 15, self.qweight >> 4], -1).view(n, k // g, g).float() - 8
+        sz = self.scales_zeros.float()
+        w = codes * sz[..., 0].t().unsqueeze(-1) + sz[..., 1].t().unsqueeze(-1)
+        return w.view(n, k).to(dtype)
+
+    def embedding(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids` of W, dequantized: the embedding lookup of a tied (or int8) table."""
+        if self.method == "int4":
+            raise ValueError("quantization: int4 tables cannot serve embedding lookups")
+        rows = self.qweight.index_select(0, ids).to(torch.float32)
+        return (rows * self.scales.index_select(0, ids).float().unsqueeze(1)).to(dtype)
