@@ -189,6 +189,8 @@ class Scheduler:
             if token is None:
                 continue  # a prefill chunk that did not reach the end of the prompt
             req.append_token(token)
+            if req.grammar is not None:  # [structured outputs] advance the matcher (see check_stop)
+                req.grammar.accept_sampled(token)
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
             progressed.append(req)

@@ -17,6 +17,7 @@ from kvserve.model.layers.cpu_kernels import load_cpu_kernels
 from kvserve.model.layers.sampler import Sampler
 from kvserve.model.models.llama import LlamaForCausalLM
 from kvserve.request import Request
+from kvserve.structured.bitmask import apply_grammar_bitmask
 
 
 class ModelRunner:
@@ -108,6 +109,7 @@ class ModelRunner:
         sampled: dict[str, int] = {}
         if sample_reqs:
             logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)]).cpu()
+            apply_grammar_bitmask(logits, sample_reqs)  # [structured outputs] constrained rows only
             result = self.sampler(logits, sample_reqs)
             for req, tok, lp in zip(sample_reqs, result.token_ids, result.logprobs):
                 sampled[req.request_id] = tok
