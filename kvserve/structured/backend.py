@@ -8,6 +8,7 @@ cache holds futures, so concurrent requests for the same schema wait on the same
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,7 +25,9 @@ class GrammarCompiler:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size  # the model's (logits width), may exceed the tokenizer's
         self.stop_token_ids = sorted(stop_token_ids)
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
+        self._pool = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="grammar-compile", initializer=_lower_thread_priority
+        )
         self._cache: OrderedDict[GrammarKey, Future] = OrderedDict()
         self._compiler = None
         self._lock = threading.Lock()  # the compiler is built lazily in the worker thread
@@ -58,11 +61,20 @@ class GrammarCompiler:
         c = self._xgr_compiler()
         if kind == "json":
             return c.compile_json_schema(text, any_whitespace=False)
-        if kind == "json_object":
-            return c.compile_builtin_json_grammar()
+        if kind == "json_object":  # xgrammar's builtin JSON grammar also allows a top-level array
+            return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
         if kind == "regex":
             return c.compile_regex(text)
         return c.compile_grammar(text)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _lower_thread_priority() -> None:
+    """Let the step loop win the CPU when cores are few: on Linux a thread has its own nice
+    value, so only the compile thread is deprioritised and compiles in the leftover time."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):
+        pass
