@@ -82,6 +82,31 @@ def test_abort_while_compiling(tiny_llm):
     assert not engine.has_unfinished_requests()
 
 
+def test_grammar_state_accept_and_rollback(tiny_llm):
+    """The hooks speculative decoding needs: all-or-nothing accept, rollback, per-row masks."""
+    import xgrammar as xgr
+
+    from kvserve.structured.backend import GrammarCompiler
+    from kvserve.structured.state import GrammarState
+
+    engine = tiny_llm.llm_engine
+    compiler = GrammarCompiler(engine.tokenizer, engine.arch.vocab_size, list(engine.eos_token_ids))
+    state = GrammarState(compiler.submit(("regex", "ab+c")).result(timeout=60))
+    ids = engine.tokenizer.encode("abbb", add_special_tokens=False)
+    (z,) = engine.tokenizer.encode("z", add_special_tokens=False)
+    assert state.accept_tokens(ids) and state.num_accepted == len(ids)
+    assert not state.accept_tokens([*engine.tokenizer.encode("b", add_special_tokens=False), z])
+    assert state.num_accepted == len(ids)  # the refused call left no trace
+    state.rollback(len(ids))
+    assert state.num_accepted == 0 and state.accept_tokens(ids)
+    bitmask = xgr.allocate_token_bitmask(2, engine.arch.vocab_size)
+    state.fill_bitmask(bitmask, 1)
+    allowed = lambda t: bool((bitmask[1, t // 32] >> (t % 32)) & 1)  # noqa: E731
+    (c,) = engine.tokenizer.encode("c", add_special_tokens=False)
+    assert allowed(c) and not allowed(z) and not state.is_terminated()
+    assert bool((bitmask[0] == -1).all())  # row 0 untouched by the fill of row 1
+
+
 def _expensive_schema(n: int, salt: str) -> dict:
     props = {
         f"f{salt}_{i}": [

@@ -12,16 +12,15 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-MAX_ROLLBACK_TOKENS = 64
-"""How many accepted tokens can be undone (covers any speculative lookahead we use)."""
-
 
 class GrammarState:
     def __init__(self, compiled_grammar, request_id: str = "") -> None:
         import xgrammar as xgr
 
         self.request_id = request_id
-        self.matcher = xgr.GrammarMatcher(compiled_grammar, max_rollback_tokens=MAX_ROLLBACK_TOKENS)
+        self.matcher = xgr.GrammarMatcher(
+            compiled_grammar
+        )  # xgrammar 0.2 keeps all history: rollback is unbounded
         self.num_accepted = 0
         self.failed = False  # a token the grammar refuses was sampled (should not happen)
 
@@ -44,7 +43,7 @@ class GrammarState:
             self.failed = True
 
     def rollback(self, num_tokens: int) -> None:
-        """Undo the last num_tokens accepted tokens (at most MAX_ROLLBACK_TOKENS)."""
+        """Undo the last num_tokens accepted tokens."""
         if num_tokens:
             self.matcher.rollback(num_tokens)
             self.num_accepted -= num_tokens
