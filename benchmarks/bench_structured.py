@@ -3,9 +3,10 @@ requests of the same lengths, same engine, same run (issue: structured outputs, 
 
 The constrained requests run first (varied schemas, each compiled on arrival); each one's
 output length is then given to an unconstrained twin (same prompt, ignore_eos, max_tokens =
-that length), so both sides decode exactly the same number of tokens. Reported: output
-tokens/s of each side and their ratio, for the cold run (compiling included) and a second
-constrained run with the compile cache warm.
+that length), so both sides decode exactly the same number of tokens. Then `--rounds`
+rounds alternate unconstrained and constrained (compile cache warm), so a load change on a
+shared machine hits both sides alike. Reported: output tokens/s of each side, the cold
+ratio (compiling included) and the warm ratio over all rounds.
 
     python benchmarks/bench_structured.py [--num-requests 32] [--json out.json]
 """
@@ -37,6 +38,7 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", help="write the results here too")
     args = ap.parse_args()
     llm = LLM("smollm2-135m")
@@ -67,20 +69,25 @@ def main() -> None:
     twins = [
         SamplingParams(temperature=0.7, seed=i, max_tokens=n, ignore_eos=True) for i, n in enumerate(lens)
     ]
-    plain_lens, t_plain = timed(llm, prompts, twins)
-    lens_warm, t_warm = timed(llm, prompts, constrained())
-    assert plain_lens == lens and lens_warm == lens, "outputs of the same seeds differ in length"
+    t_plain, t_warm, rounds = 0.0, 0.0, []
+    for _ in range(args.rounds):
+        plain_lens, tp = timed(llm, prompts, twins)
+        warm_lens, tw = timed(llm, prompts, constrained())
+        assert plain_lens == lens and warm_lens == lens, "outputs of the same seeds differ in length"
+        t_plain, t_warm = t_plain + tp, t_warm + tw
+        rounds.append(round(tp / tw, 3))
     tokens = sum(lens)
     res = {
         "date": datetime.date.today().isoformat(),
         "machine": machine(),
         "num_requests": args.num_requests,
-        "output_tokens": tokens,
-        "unconstrained_tok_s": tokens / t_plain,
+        "output_tokens_per_side": tokens,
+        "unconstrained_tok_s": tokens * args.rounds / t_plain,
         "json_schema_cold_tok_s": tokens / t_cold,
-        "json_schema_warm_tok_s": tokens / t_warm,
-        "ratio_cold": t_plain / t_cold,
+        "json_schema_warm_tok_s": tokens * args.rounds / t_warm,
+        "ratio_cold": (t_plain / args.rounds) / t_cold,
         "ratio_warm": t_plain / t_warm,
+        "ratio_warm_per_round": rounds,
     }
     for k, v in res.items():
         print(f"{k:>24}: {v:.3f}" if isinstance(v, float) else f"{k:>24}: {v}")
