@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvserve.structured.state import GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -57,6 +61,7 @@ class Request:
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
+        self.grammar: GrammarState | None = None  # structured outputs: set once compiled
         self.logprobs: list[dict[int, float]] = []
         self.prompt_logprobs: list[dict[int, float] | None] = (
             [None] if params.prompt_logprobs is not None else []
@@ -87,12 +92,15 @@ class Request:
         self.all_token_ids.append(token_id)
 
     def check_stop(self, max_model_len: int) -> bool:
-        """Set a finished status if the last token ends the request (EOS, stop id, length)."""
+        """Set a finished status if the last token ends the request (EOS, stop id, a finished
+        grammar, length)."""
         n = len(self.output_token_ids)
         last = self.output_token_ids[-1]
         if n >= self.params.min_tokens and (last in self.eos_token_ids or last in self.stop_token_ids):
             self.status = RequestStatus.FINISHED_STOPPED
             self.stop_reason = last if last in self.stop_token_ids else None
+        elif self.grammar is not None and self.grammar.is_terminated():
+            self.status = RequestStatus.FINISHED_STOPPED
         elif n >= self.max_tokens or self.num_tokens >= max_model_len:
             self.status = RequestStatus.FINISHED_LENGTH
         return self.status.finished

@@ -2,7 +2,40 @@
 
 from __future__ import annotations
 
+import json as _json
 from dataclasses import dataclass
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain the output to exactly one of these (compiled with xgrammar in the engine)."""
+
+    json: str | dict | None = None
+    """A JSON schema (a dict is serialized; property order is kept, it is the output order)."""
+    json_object: bool = False
+    """Any JSON object."""
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    """EBNF / GBNF, with a `root` rule."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, dict):
+            self.json = _json.dumps(self.json)
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None] + (
+            ["json_object"] if self.json_object else []
+        )
+        _check(
+            len(given) == 1,
+            "structured_outputs",
+            f"give exactly one of json, json_object, regex, choice, grammar (got {given or 'none'})",
+        )
+        if self.choice is not None:
+            _check(
+                bool(self.choice) and all(isinstance(c, str) and c for c in self.choice),
+                "structured_outputs",
+                "choice must be a non-empty list of non-empty strings",
+            )
 
 
 @dataclass
@@ -31,6 +64,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrained decoding: the output matches this schema / regex / choice / grammar."""
 
     def __post_init__(self) -> None:
         # Not a dataclass field, so it is not serialized; rebuilt wherever params are made.

@@ -243,6 +243,8 @@ class Scheduler:
             count = 0
             for token, lp in zip(result.token_ids, result.logprobs):
                 req.append_token(token)
+                if req.grammar is not None:  # [structured outputs] advance the matcher (see check_stop)
+                    req.grammar.accept_sampled(token)
                 if lp is not None:
                     req.logprobs.append(lp)
                 count += 1

@@ -29,6 +29,7 @@ from kvserve.request import Request, RequestStatus
 from kvserve.spec_decode.adaptive import SpecState
 from kvserve.spec_decode.draft import DraftModelProposer
 from kvserve.spec_decode.ngram import NgramProposer
+from kvserve.structured.compiling import CompilingRequests
 from kvserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -91,6 +92,8 @@ class EngineCore:
         self.eos_token_ids = frozenset(arch.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         )
+        # [structured outputs] requests wait here until their grammar is compiled
+        self.compiling = CompilingRequests(self.tokenizer, arch.vocab_size, self.eos_token_ids)
         p = self.pool_size
         logger.info(
             "model %s loaded in %.1fs (%s, %s); KV pool: %d blocks x %d tokens = %d tokens, %.1f MiB; "
@@ -168,30 +171,44 @@ class EngineCore:
         return parse_memory_size(DEFAULT_CPU_KV_CACHE_MEMORY)
 
     def add_request(self, req: EngineCoreRequest) -> None:
-        if req.request_id in self.scheduler.requests:
+        if req.request_id in self.scheduler.requests or req.request_id in self.compiling:
             raise ValueError(f"request_id: {req.request_id!r} is already in use")
-        self.scheduler.add_request(
-            Request(
-                req.request_id, req.prompt_token_ids, req.params, req.max_tokens, self.eos_token_ids,
-                req.arrival_time, req.priority, req.cache_salt, req.group_id,
-            )
+        request = Request(
+            req.request_id, req.prompt_token_ids, req.params, req.max_tokens, self.eos_token_ids,
+            req.arrival_time, req.priority, req.cache_salt, req.group_id,
         )  # fmt: skip
+        if req.params.structured_outputs is not None:
+            self.compiling.add(request)  # [structured outputs] the scheduler gets it once compiled
+        else:
+            self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Free the requests' blocks now; no output is produced for them."""
         for rid in request_ids:
-            self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
+            if not self.compiling.abort(rid):
+                self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self.compiling)
+
+    def _admit_compiled(self) -> list[EngineCoreOutput]:
+        """[structured outputs] Hand requests whose grammar is ready to the scheduler; end failed ones."""
+        if not self.compiling:
+            return []
+        if not self.scheduler.has_unfinished_requests():
+            self.compiling.wait(0.01)  # nothing else to run: sleep instead of spinning
+        ready, failed = self.compiling.pop_ready()
+        for req in ready:
+            self.scheduler.add_request(req)
+        return [EngineCoreOutput(r.request_id, [], finish_reason="abort") for r in failed]
 
     def reset_prefix_cache(self) -> int:
         """Forget all cached prefixes; returns how many blocks were uncached."""
         return self.kv_cache_manager.reset_prefix_cache()
 
     def step(self) -> EngineCoreOutputs:
+        outputs: list[EngineCoreOutput] = self._admit_compiled()
         sched = self.scheduler.schedule()
-        outputs: list[EngineCoreOutput] = []
         if sched:
             block_tables = {
                 r.request_id: self.kv_cache_manager.get_block_ids(r.request_id) for r, _ in sched.scheduled
@@ -214,7 +231,7 @@ class EngineCore:
         return EngineCoreOutputs(
             outputs,
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=len(self.scheduler.waiting) + len(self.compiling),
             kv_cache_usage=self.kv_cache_manager.usage(),
             num_preemptions_total=self.scheduler.num_preemptions_total,
             iteration_tokens=sched.total_tokens,

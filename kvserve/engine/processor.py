@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from kvserve.engine.messages import EngineCoreRequest
 from kvserve.sampling_params import SamplingParams
+from kvserve.structured.spec import check as check_grammar
 from kvserve.tokenizer import Tokenizer
 
 
@@ -85,6 +86,8 @@ class InputProcessor:
         bad = [t for t in (params.stop_token_ids or []) if not 0 <= int(t) < lim.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids: token ids out of range: {bad[:5]}")
+        if params.structured_outputs is not None:
+            check_grammar(params.structured_outputs)  # an invalid schema never reaches the core
         return EngineCoreRequest(
             request_id,
             ids,

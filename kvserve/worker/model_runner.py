@@ -24,6 +24,7 @@ from kvserve.model.layers.kv_quant import KV_SCALE_DTYPE, is_quantized, kv_stora
 from kvserve.model.layers.sampler import Sampler, SampleResult
 from kvserve.model.models.llama import LlamaForCausalLM
 from kvserve.request import Request
+from kvserve.structured.bitmask import apply_grammar_bitmask, apply_grammar_bitmask_to_drafts
 
 
 class ModelRunner:
@@ -148,12 +149,16 @@ class ModelRunner:
         if rows:
             logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).float().cpu()
             if sample_reqs:
-                sampled = self.sampler(logits[: len(sample_reqs)], sample_reqs)
+                n = len(sample_reqs)
+                apply_grammar_bitmask(logits[:n], sample_reqs)  # [structured outputs] constrained rows only
+                sampled = self.sampler(logits[:n], sample_reqs)
                 for i, req in enumerate(sample_reqs):
                     results[req.request_id] = SampleResult([sampled.token_ids[i]], [sampled.logprobs[i]])
             row = len(sample_reqs)
             for req, _, drafts in verify:
                 end = row + len(drafts) + 1
+                if req.grammar is not None:  # [structured outputs] each row masked after its drafts
+                    apply_grammar_bitmask_to_drafts(logits[row:end], req, drafts)
                 results[req.request_id] = self.sampler.verify(logits[row:end], req, drafts)
                 row = end
         prompt_logprobs = {r.request_id: self._prompt_logprobs(r, hidden, o, c) for r, o, c in prompt_lp}

@@ -10,12 +10,40 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
+from kvserve.structured.spec import check as check_grammar
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # decoding is always constrained, strict or not
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text (no constraint), any JSON object, or a JSON schema."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` extra field: exactly one constraint."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
 
 class _Sampling(BaseModel):
@@ -47,6 +75,29 @@ class _Sampling(BaseModel):
     include_stop_str_in_output: bool = False
     priority: int = 0  # lower runs sooner under --scheduling-policy priority
     cache_salt: str | None = None  # requests with different salts never share cached prefixes
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+
+    def output_constraint(self) -> StructuredOutputsParams | None:
+        """response_format or structured_outputs as engine params; ValueError names the field."""
+        rf, so = self.response_format, self.structured_outputs
+        if rf is not None and rf.type != "text" and so is not None:
+            raise ValueError("response_format: cannot be combined with structured_outputs")
+        if so is not None:
+            return checked(
+                StructuredOutputsParams(
+                    json=so.json_, json_object=bool(so.json_object), regex=so.regex, choice=so.choice,
+                    grammar=so.grammar,
+                ),
+                "structured_outputs",
+            )  # fmt: skip
+        if rf is None or rf.type == "text":
+            return None
+        if rf.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if rf.json_schema is None or rf.json_schema.schema_ is None:
+            raise ValueError("response_format: json_schema.schema is required for type json_schema")
+        return checked(StructuredOutputsParams(json=rf.json_schema.schema_), "response_format")
 
     def sampling_params(
         self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
@@ -77,7 +128,57 @@ class _Sampling(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=bias,
+            structured_outputs=self.output_constraint(),
         )
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"] = "function"
+    function: ToolChoiceFunction
+
+
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(BaseModel):
+    """An assistant message's earlier call, sent back in a follow-up conversation."""
+
+    model_config = ConfigDict(extra="allow")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+def checked(so: StructuredOutputsParams, field: str) -> StructuredOutputsParams:
+    """Parse the grammar now, so an invalid one is a 400 naming `field` and the problem."""
+    try:
+        check_grammar(so)
+    except ValueError as e:
+        raise ValueError(f"{field}:{str(e).partition(':')[2]}") from None
+    return so
 
 
 class ChatMessage(BaseModel):
@@ -85,6 +186,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         """Content as plain text; only text parts are supported."""
@@ -104,6 +207,9 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     add_generation_prompt: bool = True
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 class CompletionRequest(_Sampling):

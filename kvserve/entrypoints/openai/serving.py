@@ -20,7 +20,9 @@ from starlette.background import BackgroundTask
 
 from kvserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
 from kvserve.entrypoints.openai.errors import error_response
-from kvserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from kvserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice
+from kvserve.entrypoints.openai.tool_parser import ToolCallStream, new_call_id, parse_calls
+from kvserve.entrypoints.openai.tools import call_constraint, conversation, tool_mode
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 
@@ -188,13 +190,11 @@ class OpenAIServing:
     # ---- chat ------------------------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, raw: Request):
         self.check_model(req.model)
-        messages = [
-            {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-            for m in req.messages
-        ]
+        mode = tool_mode(req)
+        messages, template_kwargs = conversation(req, self.tokenizer.hf.chat_template or "")
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=req.add_generation_prompt
+                messages, add_generation_prompt=req.add_generation_prompt, **template_kwargs
             )
         except ValueError:
             raise
@@ -206,6 +206,9 @@ class OpenAIServing:
             raise ValueError("top_logprobs: requires logprobs=true")
         max_tokens = req.max_completion_tokens or req.max_tokens
         params = req.sampling_params(max_tokens, top if req.logprobs else None)
+        forced = call_constraint(req, mode)
+        if forced is not None:
+            params = replace(params, structured_outputs=forced)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         model = req.model or self.model_names[0]
@@ -213,20 +216,19 @@ class OpenAIServing:
         streams = self._start([prompt], params, req.n, rid, req.priority, req.cache_salt)
         gen = self._merged(streams, deadline)
         if req.stream:
-            return self._stream(
-                gen, self._chat_chunks(gen, rid, created, model, req, len(prompt), top), streams
-            )
+            return self._stream(gen, self._chat_chunks(gen, rid, created, model, req, mode, top), streams)
         finals = await self._collect(gen, raw)
         choices, usage = [], Usage(req.n)
         for i in range(req.n):
             c = finals[i].outputs[0]
             usage.add(i, finals[i], len(c.token_ids))
+            message, finish = self._chat_message(c.text, c.finish_reason, req, mode)
             choices.append(
                 {
                     "index": i,
-                    "message": {"role": "assistant", "content": c.text},
+                    "message": message,
                     "logprobs": self._chat_logprobs(c.token_ids, c.logprobs, top) if req.logprobs else None,
-                    "finish_reason": c.finish_reason,
+                    "finish_reason": finish,
                 }
             )
         return JSONResponse(
@@ -236,9 +238,23 @@ class OpenAIServing:
             }
         )  # fmt: skip
 
-    async def _chat_chunks(
-        self, gen, rid, created, model, req: ChatCompletionRequest, prompt_len: int, top: int
-    ):
+    @staticmethod
+    def _chat_message(text: str, finish: str | None, req: ChatCompletionRequest, mode: str):
+        """The assistant message (with tool_calls when the output holds calls) and finish_reason."""
+        if mode == "none":
+            return {"role": "assistant", "content": text}, finish
+        content, calls = parse_calls(text, mode, _named(req))
+        calls = calls if req.parallel_tool_calls else calls[:1]
+        if not calls:
+            return {"role": "assistant", "content": content}, finish
+        tool_calls = [
+            {"id": new_call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in calls
+        ]
+        message = {"role": "assistant", "content": content, "tool_calls": tool_calls}
+        return message, "tool_calls" if finish == "stop" else finish
+
+    async def _chat_chunks(self, gen, rid, created, model, req: ChatCompletionRequest, mode: str, top: int):
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
         extra = {"usage": None} if include_usage else {}
@@ -252,16 +268,29 @@ class OpenAIServing:
                 }
             )
         usage = Usage(req.n)
+        tool_streams: dict[int, ToolCallStream] = {}
         async for index, out in gen:
             c = out.outputs[0]
             usage.add(index, out, len(c.delta_token_ids))
             with_logprobs = req.logprobs and c.delta_token_ids
-            if c.delta_text or out.finished or with_logprobs:  # no empty chunks for held-back text
-                choice = {"index": index, "delta": {"content": c.delta_text} if c.delta_text else {}}
+            delta: dict = {"content": c.delta_text} if c.delta_text else {}
+            finish = c.finish_reason if out.finished else None
+            if mode != "none":  # tool calls: content and call deltas come from the parser
+                ts = tool_streams.setdefault(
+                    index, ToolCallStream(mode, _named(req), req.parallel_tool_calls)
+                )
+                content, calls = ts.feed(c.delta_text, out.finished)
+                delta = {"content": content} if content else {}
+                if calls:
+                    delta["tool_calls"] = calls
+                if finish == "stop" and ts.ids:
+                    finish = "tool_calls"
+            if delta or out.finished or with_logprobs:  # no empty chunks for held-back text
+                choice = {"index": index, "delta": delta}
                 choice["logprobs"] = (
                     self._chat_logprobs(c.delta_token_ids, c.delta_logprobs, top) if with_logprobs else None
                 )
-                choice["finish_reason"] = c.finish_reason if out.finished else None
+                choice["finish_reason"] = finish
                 yield self._sse({**base, "choices": [choice], **extra})
         if include_usage:
             yield self._sse({**base, "choices": [], "usage": usage.as_dict()})
@@ -401,6 +430,10 @@ class Usage:
             "total_tokens": self.prompt + self.completion,
             "prompt_tokens_details": {"cached_tokens": self.cached},
         }
+
+
+def _named(req: ChatCompletionRequest) -> str | None:
+    return req.tool_choice.function.name if isinstance(req.tool_choice, NamedToolChoice) else None
 
 
 def _err_body(message: str, type_: str, code: int) -> dict:

@@ -1,0 +1,116 @@
+"""Tool calling, request side: which mode a request is in, the constraint that forces a
+valid call, and rendering tools and earlier calls through the chat template.
+
+Modes: "none" (tools ignored), "auto" (the model may call; its output is parsed afterwards),
+"required" (output constrained to a JSON array of {"name", "arguments"} calls for the declared
+tools) and "named" (output constrained to that function's arguments object).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from kvserve.entrypoints.openai.protocol import ChatCompletionRequest, NamedToolChoice, checked
+from kvserve.sampling_params import StructuredOutputsParams
+
+ANY_OBJECT: dict[str, Any] = {"type": "object"}
+
+# For chat templates that know nothing of tools (SmolLM2-135M's, for one): the Hermes /
+# Qwen2 convention, which SmolLM2 was also trained on.
+TOOLS_SYSTEM_PROMPT = (
+    "You are a function calling AI model. You are provided with function signatures within "
+    "<tools></tools> XML tags. You may call one or more functions to assist with the user query. "
+    "Here are the available tools:\n<tools>\n{tools}\n</tools>\n"
+    "For each function call, return a json object with the function name and arguments within "
+    '<tool_call></tool_call> XML tags:\n<tool_call>\n{{"name": <function-name>, "arguments": '
+    "<args-json-object>}}\n</tool_call>"
+)
+
+
+def tool_mode(req: ChatCompletionRequest) -> str:
+    """ "none" | "auto" | "required" | "named"; validates tool_choice against the tools."""
+    choice = req.tool_choice
+    if not req.tools:
+        if choice not in (None, "none"):
+            raise ValueError("tool_choice: requires tools")
+        return "none"
+    if isinstance(choice, NamedToolChoice):
+        if choice.function.name not in {t.function.name for t in req.tools}:
+            raise ValueError(f"tool_choice: function {choice.function.name!r} is not among the tools")
+        mode = "named"
+    else:
+        mode = choice or "auto"
+    constrained = req.response_format is not None and req.response_format.type != "text"
+    if mode in ("named", "required") and (constrained or req.structured_outputs is not None):
+        raise ValueError("tool_choice: a forced tool call cannot be combined with response_format")
+    return mode
+
+
+def call_constraint(req: ChatCompletionRequest, mode: str) -> StructuredOutputsParams | None:
+    """The JSON schema a forced call must match (None unless mode is required or named)."""
+    tools = {t.function.name: t.function.parameters or ANY_OBJECT for t in req.tools or []}
+    if mode == "named":
+        schema = tools[req.tool_choice.function.name]
+    elif mode == "required":
+        calls = [
+            {
+                "type": "object",
+                "properties": {"name": {"const": name}, "arguments": params},
+                "required": ["name", "arguments"],
+            }
+            for name, params in tools.items()
+        ]
+        schema = {"type": "array", "items": calls[0] if len(calls) == 1 else {"anyOf": calls}, "minItems": 1}
+        if not req.parallel_tool_calls:
+            schema["maxItems"] = 1
+    else:
+        return None
+    return checked(StructuredOutputsParams(json=schema), "tools")
+
+
+def conversation(req: ChatCompletionRequest, template: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """(messages, extra template kwargs). A template that uses `tools` gets them natively;
+    otherwise tools go into the system prompt and earlier calls into the assistant text."""
+    native = "tools" in template or "tool_calls" in template
+    messages = []
+    for m in req.messages:
+        msg: dict[str, Any] = {"role": m.role, "content": m.text()}
+        if m.name:
+            msg["name"] = m.name
+        if m.tool_call_id:
+            msg["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            calls = [
+                {"name": c.function.name, "arguments": _as_object(c.function.arguments)} for c in m.tool_calls
+            ]
+            if native:
+                msg["tool_calls"] = [
+                    {"id": c.id, "type": "function", "function": f} for c, f in zip(m.tool_calls, calls)
+                ]
+            else:
+                text = "\n".join(
+                    f"<tool_call>\n{json.dumps(f, ensure_ascii=False)}\n</tool_call>" for f in calls
+                )
+                msg["content"] = f"{msg['content']}\n{text}" if msg["content"] else text
+        messages.append(msg)
+    if not req.tools or req.tool_choice == "none":
+        return messages, {}
+    specs = [t.model_dump(exclude_none=True) for t in req.tools]
+    if native:
+        return messages, {"tools": specs}
+    prompt = TOOLS_SYSTEM_PROMPT.format(tools="\n".join(json.dumps(s, ensure_ascii=False) for s in specs))
+    if messages and messages[0]["role"] == "system":
+        messages[0] = {**messages[0], "content": f"{messages[0]['content']}\n\n{prompt}"}
+    else:
+        messages.insert(0, {"role": "system", "content": prompt})
+    return messages, {}
+
+
+def _as_object(arguments: str | dict) -> Any:
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        raise ValueError("messages: tool_calls arguments must be a JSON string") from None

@@ -1,0 +1,80 @@
+"""Compiles grammars against the model's vocabulary, off the step loop, with a cache.
+
+xgrammar's compilation (a token mask per grammar state) takes milliseconds for a small
+schema and seconds for a large one; it releases the GIL, so it runs in a worker thread
+while the engine keeps stepping other requests. Equal specs share one compilation (the
+cache holds futures, so concurrent requests for the same schema wait on the same one).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from kvserve.structured.spec import GrammarKey
+from kvserve.tokenizer import Tokenizer
+
+CACHE_SIZE = 256
+"""Compiled grammars kept (least recently used dropped first)."""
+
+
+class GrammarCompiler:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int]) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size  # the model's (logits width), may exceed the tokenizer's
+        self.stop_token_ids = sorted(stop_token_ids)
+        self._pool = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="grammar-compile", initializer=_lower_thread_priority
+        )
+        self._cache: OrderedDict[GrammarKey, Future] = OrderedDict()
+        self._compiler = None
+        self._lock = threading.Lock()  # the compiler is built lazily in the worker thread
+
+    def submit(self, key: GrammarKey) -> Future:
+        """A future of the CompiledGrammar for this key (shared with earlier equal keys)."""
+        fut = self._cache.get(key)
+        if fut is not None and not (fut.done() and fut.exception() is not None):
+            self._cache.move_to_end(key)
+            return fut
+        fut = self._pool.submit(self._compile, key)
+        self._cache[key] = fut
+        while len(self._cache) > CACHE_SIZE:
+            self._cache.popitem(last=False)
+        return fut
+
+    def _xgr_compiler(self):
+        import xgrammar as xgr
+
+        with self._lock:
+            if self._compiler is None:
+                info = xgr.TokenizerInfo.from_huggingface(
+                    self.tokenizer.hf, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
+                )
+                # Our own cache (above) dedupes; xgrammar's would keep a second copy.
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+            return self._compiler
+
+    def _compile(self, key: GrammarKey):
+        kind, text = key
+        c = self._xgr_compiler()
+        if kind == "json":
+            return c.compile_json_schema(text, any_whitespace=False)
+        if kind == "json_object":  # xgrammar's builtin JSON grammar also allows a top-level array
+            return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
+        if kind == "regex":
+            return c.compile_regex(text)
+        return c.compile_grammar(text)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _lower_thread_priority() -> None:
+    """Let the step loop win the CPU when cores are few: on Linux a thread has its own nice
+    value, so only the compile thread is deprioritised and compiles in the leftover time."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):
+        pass

@@ -1,0 +1,60 @@
+"""Masks the logits of a step's constrained rows: one bitmask fill + one in-place apply.
+
+Called once per step by the model runner before sampling. Rows without a grammar are left
+untouched, so unconstrained requests sample exactly as before.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.request import Request
+
+_bitmask: torch.Tensor | None = None  # reused across steps; grows to the largest batch seen
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, reqs: list[Request]) -> None:
+    """logits[i] belongs to reqs[i]; disallowed tokens of constrained rows become -inf."""
+    rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+    if not rows:
+        return
+    import xgrammar as xgr
+
+    global _bitmask
+    vocab = logits.shape[-1]
+    width = xgr.get_bitmask_shape(1, vocab)[1]
+    if _bitmask is None or _bitmask.shape[0] < len(reqs) or _bitmask.shape[1] != width:
+        _bitmask = xgr.allocate_token_bitmask(len(reqs), vocab)
+    for i in rows:
+        reqs[i].grammar.fill_bitmask(_bitmask, i)
+    xgr.apply_token_bitmask_inplace(logits, _bitmask[: len(reqs)], vocab_size=vocab, indices=rows)
+
+
+def apply_grammar_bitmask_to_drafts(logits: torch.Tensor, req: Request, drafts: list[int]) -> None:
+    """Mask the k + 1 verification rows of a constrained speculative request: row j allows
+    what the grammar allows after drafts[:j]. The matcher advances over the drafts to fill
+    each row and is rolled back afterwards (Scheduler.update advances it over the tokens that
+    are actually emitted). A draft the grammar refuses is masked out in its own row, so it is
+    always rejected; the rows after it cannot be reached and repeat that row's mask."""
+    import xgrammar as xgr
+
+    vocab = logits.shape[-1]
+    bitmask = xgr.allocate_token_bitmask(len(drafts) + 1, vocab)
+    grammar = req.grammar
+    advanced = 0
+    for j in range(len(drafts) + 1):
+        grammar.fill_bitmask(bitmask, j)
+        if (
+            j == advanced < len(drafts)
+            and _allowed(bitmask, j, drafts[j])
+            and grammar.accept_tokens([drafts[j]])
+        ):
+            advanced += 1
+    grammar.rollback(advanced)
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab)
+
+
+def _allowed(bitmask: torch.Tensor, row: int, token: int) -> bool:
+    """Whether the filled mask row allows the token (checked before asking the matcher,
+    which logs a warning for every special token it refuses)."""
+    return 0 <= token < bitmask.shape[1] * 32 and bool((int(bitmask[row, token // 32]) >> (token % 32)) & 1)

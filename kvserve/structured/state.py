@@ -1,0 +1,58 @@
+"""One request's grammar matcher: which tokens may come next, and advancing over chosen ones.
+
+Built from a compiled grammar once compilation finishes. `rollback` undoes accepted tokens,
+so speculative decoding can advance over draft tokens and undo the rejected ones.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+class GrammarState:
+    def __init__(self, compiled_grammar, request_id: str = "") -> None:
+        import xgrammar as xgr
+
+        self.request_id = request_id
+        self.matcher = xgr.GrammarMatcher(
+            compiled_grammar
+        )  # xgrammar 0.2 keeps all history: rollback is unbounded
+        self.num_accepted = 0
+        self.failed = False  # a token the grammar refuses was sampled (should not happen)
+
+    def accept_tokens(self, token_ids: list[int]) -> bool:
+        """Advance over all of token_ids, or over none of them (returns False, state unchanged)."""
+        for i, tok in enumerate(token_ids):
+            if self.matcher.is_terminated() or not self.matcher.accept_token(tok):
+                if i:
+                    self.matcher.rollback(i)
+                return False
+        self.num_accepted += len(token_ids)
+        return True
+
+    def accept_sampled(self, token_id: int) -> None:
+        """Advance over a sampled token; a refused one ends the request (logged)."""
+        if not self.accept_tokens([token_id]):
+            logger.warning(
+                "request %s: grammar refused sampled token %d; ending it", self.request_id, token_id
+            )
+            self.failed = True
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last num_tokens accepted tokens."""
+        if num_tokens:
+            self.matcher.rollback(num_tokens)
+            self.num_accepted -= num_tokens
+            self.failed = False
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed-next-token bits into bitmask[row] (int32, 32 tokens per word)."""
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def is_terminated(self) -> bool:
+        """The grammar is complete and its stop token was accepted, or it refused a token."""
+        return self.failed or self.matcher.is_terminated()

@@ -1,0 +1,313 @@
+"""Structured outputs end to end: the offline engine on a tiny random model (constraints
+hold whatever the model wants), and a real `kvserve serve` on the default model driven with
+the openai client (schemas validate with jsonschema, tool calls, 400s, compile off the loop)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import statistics
+import time
+
+import jsonschema
+import openai
+import pytest
+from server_utils import ServerProcess
+
+from kvserve import LLM, SamplingParams, StructuredOutputsParams
+from kvserve.bench.json_schemas import varied_schemas
+
+ARITH = 'root ::= num (op num){0,4}\nnum ::= [1-9] [0-9]{0,2}\nop ::= "+" | "-" | "*"'
+ARITH_RE = re.compile(r"[1-9][0-9]{0,2}([-+*][1-9][0-9]{0,2}){0,4}")
+REGEX = r"[A-Z][a-z]{1,6} [0-9]{2}"
+CHOICES = ["positive", "negative", "neutral"]
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_llama_dir):
+    return LLM(tiny_llama_dir, kv_cache_memory="16MiB", max_model_len=256)
+
+
+def test_constraints_hold_on_a_random_model(tiny_llm):
+    """A random model never follows a format by itself: every completed output matching it
+    shows the mask at work (the tiny tokenizer's vocab is smaller than the model's too)."""
+    cases = [("regex", REGEX, re.compile(REGEX)), ("choice", CHOICES, None), ("grammar", ARITH, ARITH_RE)]
+    params, checks = [], []
+    for kind, spec, rx in cases:
+        for seed in range(6):
+            so = StructuredOutputsParams(**{kind: spec})
+            params.append(SamplingParams(temperature=1.0, seed=seed, max_tokens=40, structured_outputs=so))
+            checks.append((kind, rx))
+    outs = tiny_llm.generate(["Hello"] * len(params), params, use_tqdm=False)
+    for (kind, rx), out in zip(checks, outs):
+        c = out.outputs[0]
+        assert c.finish_reason == "stop", (kind, c.text)
+        assert c.text in CHOICES if kind == "choice" else rx.fullmatch(c.text), (kind, c.text)
+    assert tiny_llm.llm_engine.kv_cache_manager.num_free_blocks == tiny_llm.llm_engine.pool_size.num_blocks
+
+
+def test_length_cut_and_ignore_eos_and_mixed_batch(tiny_llm):
+    so = StructuredOutputsParams(json={"type": "array", "items": {"type": "integer"}, "minItems": 50})
+    plain = SamplingParams(temperature=0, max_tokens=12)
+    alone = tiny_llm.generate(["Hello there"], plain, use_tqdm=False)[0].outputs[0]
+    outs = tiny_llm.generate(
+        ["Hello there", "Hi", "Hi"],
+        [plain, SamplingParams(temperature=0, max_tokens=8, structured_outputs=so),
+         SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                        structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))],
+        use_tqdm=False,
+    )  # fmt: skip
+    assert outs[0].outputs[0].token_ids == alone.token_ids  # unconstrained rows are untouched
+    cut = outs[1].outputs[0]
+    assert cut.finish_reason == "length" and len(cut.token_ids) == 8 and cut.text.startswith("[")
+    assert outs[2].outputs[0].finish_reason == "stop" and outs[2].outputs[0].text in ("yes", "no")
+
+
+def test_offline_invalid_grammar_is_refused(tiny_llm):
+    with pytest.raises(ValueError, match="invalid regex"):
+        tiny_llm.generate(
+            ["Hi"], SamplingParams(structured_outputs=StructuredOutputsParams(regex="a{2,1")), use_tqdm=False
+        )
+
+
+def test_abort_while_compiling(tiny_llm):
+    engine = tiny_llm.llm_engine
+    so = StructuredOutputsParams(json=_expensive_schema(200, "abort"))
+    engine.add_request("compiling", "Hi", SamplingParams(max_tokens=5, structured_outputs=so))
+    assert engine.has_unfinished_requests() and "compiling" in engine.core.compiling
+    engine.abort_request("compiling")
+    outs = engine.step()
+    assert [o.outputs[0].finish_reason for o in outs] == ["abort"]
+    assert not engine.has_unfinished_requests()
+
+
+def test_grammar_state_accept_and_rollback(tiny_llm):
+    """The hooks speculative decoding needs: all-or-nothing accept, rollback, per-row masks."""
+    import xgrammar as xgr
+
+    from kvserve.structured.backend import GrammarCompiler
+    from kvserve.structured.state import GrammarState
+
+    engine = tiny_llm.llm_engine
+    compiler = GrammarCompiler(engine.tokenizer, engine.arch.vocab_size, list(engine.eos_token_ids))
+    state = GrammarState(compiler.submit(("regex", "ab+c")).result(timeout=60))
+    ids = engine.tokenizer.encode("abbb", add_special_tokens=False)
+    (z,) = engine.tokenizer.encode("z", add_special_tokens=False)
+    assert state.accept_tokens(ids) and state.num_accepted == len(ids)
+    assert not state.accept_tokens([*engine.tokenizer.encode("b", add_special_tokens=False), z])
+    assert state.num_accepted == len(ids)  # the refused call left no trace
+    state.rollback(len(ids))
+    assert state.num_accepted == 0 and state.accept_tokens(ids)
+    bitmask = xgr.allocate_token_bitmask(2, engine.arch.vocab_size)
+    state.fill_bitmask(bitmask, 1)
+    allowed = lambda t: bool((bitmask[1, t // 32] >> (t % 32)) & 1)  # noqa: E731
+    (c,) = engine.tokenizer.encode("c", add_special_tokens=False)
+    assert allowed(c) and not allowed(z) and not state.is_terminated()
+    assert bool((bitmask[0] == -1).all())  # row 0 untouched by the fill of row 1
+
+
+def _expensive_schema(n: int, salt: str) -> dict:
+    props = {
+        f"f{salt}_{i}": [
+            {"type": "string", "pattern": "[a-z]{3,8}-[0-9]{2,4}"},
+            {"type": "integer", "minimum": -1000, "maximum": 100000},
+            {"enum": [f"v{j}" for j in range(30)]},
+        ][i % 3]
+        for i in range(n)
+    }
+    return {"type": "object", "properties": props, "required": list(props)[::2]}
+
+
+# ---- server on the default model --------------------------------------------------------------
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                    "unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["city", "unit"]}}},
+    {"type": "function", "function": {"name": "get_time", "description": "Local time",
+     "parameters": {"type": "object", "required": ["timezone"],
+                    "properties": {"timezone": {"type": "string", "pattern": "[A-Z][a-z]{2,9}"}}}}},
+]  # fmt: skip
+WEATHER = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = ServerProcess("smollm2-135m", "--kv-cache-memory", "256MiB", api_key=None)
+    yield s
+    s.stop()
+
+
+@pytest.fixture()
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=600)
+
+
+@pytest.mark.slow
+def test_varied_json_schemas_validate(server):
+    """A representative slice of the 200-schema acceptance run (benchmarks/structured_acceptance.py)."""
+    schemas = varied_schemas(12, seed=7)
+    fmt = [
+        {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": s}} for i, s in enumerate(schemas)
+    ]
+    asks = [
+        [{"role": "user", "content": f"A JSON object with {', '.join(s['properties'])}."}] for s in schemas
+    ]
+
+    async def run():
+        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as c:
+            return await asyncio.gather(
+                *(
+                    c.chat.completions.create(
+                        model="smollm2-135m", max_tokens=128, temperature=0.7, seed=i,
+                        messages=asks[i], response_format=fmt[i],
+                    )
+                    for i in range(len(schemas))
+                )
+            )  # fmt: skip
+
+    completed = 0
+    for s, r in zip(schemas, asyncio.run(run())):
+        c = r.choices[0]
+        if c.finish_reason == "stop":
+            completed += 1
+            jsonschema.validate(json.loads(c.message.content), s)
+        else:
+            assert c.finish_reason == "length"
+    assert completed >= len(schemas) // 2
+
+
+@pytest.mark.slow
+def test_regex_choice_grammar_and_json_object(client):
+    for seed in range(3):
+        kw = dict(model="smollm2-135m", max_tokens=40, temperature=1.0, seed=seed)
+        r = client.completions.create(
+            prompt="Name and age:", extra_body={"structured_outputs": {"regex": REGEX}}, **kw
+        )
+        assert re.fullmatch(REGEX, r.choices[0].text) and r.choices[0].finish_reason == "stop"
+        r = client.chat.completions.create(
+            messages=[{"role": "user", "content": "Is 'I love it' positive?"}],
+            extra_body={"structured_outputs": {"choice": CHOICES}}, **kw,
+        )  # fmt: skip
+        assert r.choices[0].message.content in CHOICES
+        r = client.completions.create(
+            prompt="2+2=", extra_body={"structured_outputs": {"grammar": ARITH}}, **kw
+        )
+        assert ARITH_RE.fullmatch(r.choices[0].text), r.choices[0].text
+    r = client.chat.completions.create(
+        model="smollm2-135m",
+        messages=WEATHER,
+        max_tokens=120,
+        temperature=0,
+        response_format={"type": "json_object"},
+    )
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+def _reassemble(chunks) -> tuple[list[dict], str | None]:
+    calls: dict[int, dict] = {}
+    finish = None
+    for ch in chunks:
+        for choice in ch.choices:
+            finish = choice.finish_reason or finish
+            assert not choice.delta.content
+            for d in choice.delta.tool_calls or []:
+                e = calls.setdefault(d.index, {"id": d.id, "name": "", "arguments": ""})
+                e["name"] += d.function.name or ""
+                e["arguments"] += d.function.arguments or ""
+    return list(calls.values()), finish
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "choice", ["required", {"type": "function", "function": {"name": "get_time"}}], ids=["required", "named"]
+)
+def test_forced_tool_calls_valid_and_streamed_equal(client, choice):
+    kw = dict(
+        model="smollm2-135m", messages=WEATHER, tools=TOOLS, tool_choice=choice, parallel_tool_calls=False,
+        max_tokens=60, temperature=0,
+    )  # fmt: skip
+    r = client.chat.completions.create(**kw)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content is None
+    (call,) = c.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    if choice != "required":
+        assert call.function.name == "get_time"
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}[call.function.name]
+    jsonschema.validate(json.loads(call.function.arguments), params)
+    streamed, finish = _reassemble(client.chat.completions.create(**kw, stream=True))
+    assert finish == "tool_calls"
+    assert [(s["name"], s["arguments"]) for s in streamed] == [(call.function.name, call.function.arguments)]
+    # The call and its result render through the chat template in a follow-up turn.
+    follow = WEATHER + [
+        {"role": "assistant", "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"result": "sunny, 21 C"}'},
+    ]
+    r = client.chat.completions.create(model="smollm2-135m", messages=follow, tools=TOOLS, max_tokens=8)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "body, words",
+    [
+        ({"response_format": {"type": "json_schema",
+                              "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+         ["response_format", "invalid json schema", "nope"]),
+        ({"structured_outputs": {"regex": "[a-"}}, ["structured_outputs", "invalid regex"]),
+        ({"structured_outputs": {"grammar": "root ::= missing_rule"}}, ["invalid grammar", "missing_rule"]),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+         ["tool_choice", "nope"]),
+    ],
+)  # fmt: skip
+def test_invalid_constraints_are_400(client, body, words):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="smollm2-135m", messages=WEATHER, max_tokens=4, extra_body=body)
+    err = e.value.body
+    assert e.value.status_code == 400 and err["type"] == "invalid_request_error"
+    assert all(w in err["message"] for w in words), err["message"]
+
+
+@pytest.mark.slow
+def test_expensive_compile_does_not_stall_other_streams(server):
+    """Streams keep their pace while a schema that takes seconds to compile is compiling."""
+
+    async def run():
+        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as c:
+            times: list[list[float]] = [[] for _ in range(3)]
+
+            async def stream(i):
+                s = await c.completions.create(
+                    model="smollm2-135m", prompt=f"Story {i}:", max_tokens=48, temperature=0, stream=True,
+                    extra_body={"ignore_eos": True},
+                )  # fmt: skip
+                async for _ in s:
+                    times[i].append(time.monotonic())
+
+            async def expensive():
+                while min(len(t) for t in times) < 12:  # the streams are decoding: measure from here
+                    await asyncio.sleep(0.02)
+                t0 = time.monotonic()
+                s = await c.completions.create(
+                    model="smollm2-135m", prompt="{", max_tokens=2, stream=True,
+                    extra_body={"response_format": {"type": "json_schema", "json_schema": {
+                        "name": "big", "schema": _expensive_schema(700, str(time.time_ns()))}}},
+                )  # fmt: skip
+                async for _ in s:
+                    return t0, time.monotonic()
+
+            *_, window = await asyncio.gather(*(stream(i) for i in range(3)), expensive())
+            return times, window
+
+    times, (t0, t1) = asyncio.run(run())
+    before = [b - a for ts in times for a, b in zip(ts, ts[1:]) if b < t0]
+    during = [b - a for ts in times for a, b in zip(ts, ts[1:]) if t0 <= a and b <= t1]
+    summary = {k: sorted(round(x, 3) for x in v) for k, v in (("before", before), ("during", during))}
+    print(f"compile window {t1 - t0:.2f}s; inter-token gaps {summary}")
+    assert t1 - t0 > 1.0, "the schema compiled too fast to test anything"
+    assert len(during) >= 3, "the other streams produced nothing while the schema compiled"
+    assert max(during) < 0.5 * (t1 - t0)
+    assert statistics.median(during) < 3 * statistics.median(before) + 0.05

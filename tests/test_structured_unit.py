@@ -1,0 +1,160 @@
+"""Structured outputs and tool calling without a model: grammar checks, request translation,
+the tool-call parser and its streamed deltas."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvserve.entrypoints.openai.protocol import ChatCompletionRequest
+from kvserve.entrypoints.openai.tool_parser import ToolCallStream, json_value_end, parse_calls
+from kvserve.entrypoints.openai.tools import call_constraint, conversation, tool_mode
+from kvserve.sampling_params import StructuredOutputsParams as S
+from kvserve.structured.spec import check, grammar_key
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+    {"type": "function", "function": {"name": "get_time"}},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "so, words",
+    [
+        (S(json={"type": "foo"}), ["invalid json schema", "foo"]),
+        (S(regex="(["), ["invalid regex", "Unclosed"]),
+        (S(grammar="root ::= foo"), ["invalid grammar", "foo"]),
+    ],
+)
+def test_invalid_grammars_name_the_problem(so, words):
+    with pytest.raises(ValueError) as e:
+        check(so)
+    assert str(e.value).startswith("structured_outputs: ") and all(w in str(e.value) for w in words)
+
+
+def test_params_need_exactly_one_constraint():
+    with pytest.raises(ValueError, match="exactly one"):
+        S()
+    with pytest.raises(ValueError, match="exactly one"):
+        S(regex="a", choice=["b"])
+    with pytest.raises(ValueError, match="choice"):
+        S(choice=[])
+    check(S(choice=['say "hi"', "a\\b", "naïve\n"]))  # escaped into valid EBNF literals
+    assert grammar_key(S(json={"b": 1, "a": 2})) == ("json", '{"b": 1, "a": 2}')  # order kept
+
+
+def test_response_format_translation():
+    base = {"messages": [{"role": "user", "content": "x"}]}
+    req = ChatCompletionRequest(**base, response_format={"type": "json_object"})
+    assert req.output_constraint() == S(json_object=True)
+    req = ChatCompletionRequest(
+        **base,
+        response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object"}}},
+    )
+    assert req.output_constraint().json == '{"type": "object"}'
+    assert ChatCompletionRequest(**base, response_format={"type": "text"}).output_constraint() is None
+    bad = ChatCompletionRequest(
+        **base,
+        response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "foo"}}},
+    )
+    with pytest.raises(ValueError, match=r"^response_format: invalid json schema"):
+        bad.output_constraint()
+    with pytest.raises(ValueError, match="cannot be combined"):
+        ChatCompletionRequest(
+            **base, response_format={"type": "json_object"}, structured_outputs={"regex": "a"}
+        ).output_constraint()
+
+
+def test_tool_modes_and_constraints():
+    base = {"messages": [{"role": "user", "content": "x"}], "tools": TOOLS}
+    assert tool_mode(ChatCompletionRequest(**base)) == "auto"
+    named = ChatCompletionRequest(**base, tool_choice={"type": "function", "function": {"name": "get_time"}})
+    assert tool_mode(named) == "named"
+    assert json.loads(call_constraint(named, "named").json) == {"type": "object"}
+    req = ChatCompletionRequest(**base, tool_choice="required", parallel_tool_calls=False)
+    schema = json.loads(call_constraint(req, "required").json)
+    assert schema["maxItems"] == 1 and len(schema["items"]["anyOf"]) == 2
+    with pytest.raises(ValueError, match="not among the tools"):
+        tool_mode(
+            ChatCompletionRequest(**base, tool_choice={"type": "function", "function": {"name": "nope"}})
+        )
+    with pytest.raises(ValueError, match="requires tools"):
+        tool_mode(ChatCompletionRequest(messages=base["messages"], tool_choice="required"))
+
+
+def test_conversation_without_native_tool_support():
+    req = ChatCompletionRequest(
+        messages=[
+            {"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [{
+                "id": "c1", "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "12C"},
+        ],
+        tools=TOOLS,
+    )  # fmt: skip
+    messages, kwargs = conversation(req, "{{ m['content'] }}")
+    assert kwargs == {} and messages[0]["role"] == "system" and "<tools>" in messages[0]["content"]
+    assert (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+        == messages[2]["content"]
+    )
+    assert messages[3] == {"role": "tool", "content": "12C", "tool_call_id": "c1"}
+    messages, kwargs = conversation(req, "{% for t in tools %}{% endfor %}")
+    assert kwargs["tools"][0]["function"]["name"] == "get_weather"
+    assert messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
+
+
+@pytest.mark.parametrize(
+    "text, content, calls",
+    [
+        ('<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>', None, [("f", '{"a": 1}')]),
+        ('Sure.\n<tool_call>[{"name": "f", "arguments": {}}, '
+         '{"name": "g", "arguments": {"b": "x"}}]</tool_call>', "Sure.", [("f", "{}"), ("g", '{"b": "x"}')]),
+        ('{"name": "f", "parameters": {"a": 2}}', None, [("f", '{"a": 2}')]),  # Llama 3
+        ("just text", "just text", []),
+        ("<tool_call>{broken", "<tool_call>{broken", []),
+    ],
+)  # fmt: skip
+def test_auto_parsing(text, content, calls):
+    got_content, got = parse_calls(text, "auto")
+    assert got_content == content and [(c.name, c.arguments) for c in got] == calls
+
+
+def test_required_array_parsing_and_prefixes():
+    text = '[{"name": "f", "arguments": {"s": "a}\\"b", "n": [1, {"x": 2}]}}, {"name": "g", "arguments": {}}]'
+    _, calls = parse_calls(text, "required")
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("f", {"s": 'a}"b', "n": [1, {"x": 2}]}),
+        ("g", {}),
+    ]
+    assert json_value_end('{"a": "}"} tail', 0) == len('{"a": "}"}')
+    for cut in range(len(text)):  # every prefix parses to prefixes of the final calls
+        for p, full in zip(parse_calls(text[:cut], "required")[1], calls):
+            assert p.name == full.name and full.arguments.startswith(p.arguments)
+
+
+@pytest.mark.parametrize("mode", ["required", "named", "auto"])
+def test_streamed_deltas_reassemble(mode):
+    text = {
+        "required": '[{"name": "f", "arguments": {"a": [1, 2]}}, {"name": "g", "arguments": {"b": "}"}}]',
+        "named": '{"city": "Paris"}',
+        "auto": 'Let me check. <tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>',
+    }[mode]
+    stream = ToolCallStream(mode, "get_weather")
+    content, calls = "", {}
+    for i in range(0, len(text), 3):
+        piece = text[i : i + 3]
+        c, deltas = stream.feed(piece, i + 3 >= len(text))
+        content += c
+        for d in deltas:
+            entry = calls.setdefault(d["index"], {"id": d.get("id"), "name": "", "arguments": ""})
+            assert "id" not in d or entry["id"] == d["id"]
+            entry["name"] += d["function"].get("name") or ""
+            entry["arguments"] += d["function"]["arguments"]
+    want_content, want = parse_calls(text, mode, "get_weather")
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [(c.name, c.arguments) for c in want]
+    assert all(c["id"].startswith("call_") for c in calls.values())
+    assert content.strip() == (want_content or "")
