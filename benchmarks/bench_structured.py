@@ -6,7 +6,8 @@ output length is then given to an unconstrained twin (same prompt, ignore_eos, m
 that length), so both sides decode exactly the same number of tokens. Then `--rounds`
 rounds alternate unconstrained and constrained (compile cache warm), so a load change on a
 shared machine hits both sides alike. Reported: output tokens/s of each side, the cold
-ratio (compiling included) and the warm ratio over all rounds.
+ratio (compiling included) and the warm ratio over all rounds. The prefix cache is reset
+before every pass, so each pass pays for its prompts' prefill alike.
 
     python benchmarks/bench_structured.py [--num-requests 32] [--json out.json]
 """
@@ -28,6 +29,9 @@ from kvserve.bench.json_schemas import varied_schemas  # noqa: E402
 
 
 def timed(llm: LLM, prompts: list, params: list[SamplingParams]) -> tuple[list[int], float]:
+    # Every pass prefills its prompts: without this, passes after the first would find them
+    # in the prefix cache and skip the prefill the first (cold) pass paid for.
+    llm.llm_engine.reset_prefix_cache()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     return [len(o.outputs[0].token_ids) for o in outs], time.perf_counter() - t0

@@ -75,6 +75,6 @@ def _lower_thread_priority() -> None:
     """Let the step loop win the CPU when cores are few: on Linux a thread has its own nice
     value, so only the compile thread is deprioritised and compiles in the leftover time."""
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 5)
     except (AttributeError, OSError):
         pass
