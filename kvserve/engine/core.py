@@ -152,9 +152,7 @@ class EngineCore:
             k = min(room, req.spec_state.num_to_propose()) if room > 0 else 0
             if k > 0:
                 items.append((req, k))
-        if items:
-            for req, _ in items:
-                req.spec_token_ids = []
+        if items:  # (Scheduler.update already cleared the proposals these requests ran with)
             for rid, tokens in self.proposer.propose(items).items():
                 self.scheduler.requests[rid].spec_token_ids = tokens
 

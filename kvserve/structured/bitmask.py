@@ -10,7 +10,23 @@ import torch
 
 from kvserve.request import Request
 
-_bitmask: torch.Tensor | None = None  # reused across steps; grows to the largest batch seen
+_bitmask: torch.Tensor | None = None  # one buffer, reused across steps; grows to the largest batch seen
+
+
+def _reused_bitmask(rows: int, vocab: int) -> torch.Tensor:
+    import xgrammar as xgr
+
+    global _bitmask
+    width = xgr.get_bitmask_shape(1, vocab)[1]
+    if _bitmask is None or _bitmask.shape[0] < rows or _bitmask.shape[1] != width:
+        _bitmask = xgr.allocate_token_bitmask(rows, vocab)
+    return _bitmask[:rows]
+
+
+def _allowed(bitmask: torch.Tensor, row: int, token: int) -> bool:
+    """Whether the filled mask row allows the token (checked before asking the matcher,
+    which logs a warning for every special token it refuses)."""
+    return 0 <= token < bitmask.shape[1] * 32 and bool((int(bitmask[row, token // 32]) >> (token % 32)) & 1)
 
 
 def apply_grammar_bitmask(logits: torch.Tensor, reqs: list[Request]) -> None:
@@ -20,14 +36,11 @@ def apply_grammar_bitmask(logits: torch.Tensor, reqs: list[Request]) -> None:
         return
     import xgrammar as xgr
 
-    global _bitmask
     vocab = logits.shape[-1]
-    width = xgr.get_bitmask_shape(1, vocab)[1]
-    if _bitmask is None or _bitmask.shape[0] < len(reqs) or _bitmask.shape[1] != width:
-        _bitmask = xgr.allocate_token_bitmask(len(reqs), vocab)
+    bitmask = _reused_bitmask(len(reqs), vocab)
     for i in rows:
-        reqs[i].grammar.fill_bitmask(_bitmask, i)
-    xgr.apply_token_bitmask_inplace(logits, _bitmask[: len(reqs)], vocab_size=vocab, indices=rows)
+        reqs[i].grammar.fill_bitmask(bitmask, i)
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=rows)
 
 
 def apply_grammar_bitmask_to_drafts(logits: torch.Tensor, req: Request, drafts: list[int]) -> None:
@@ -39,7 +52,7 @@ def apply_grammar_bitmask_to_drafts(logits: torch.Tensor, req: Request, drafts: 
     import xgrammar as xgr
 
     vocab = logits.shape[-1]
-    bitmask = xgr.allocate_token_bitmask(len(drafts) + 1, vocab)
+    bitmask = _reused_bitmask(len(drafts) + 1, vocab)
     grammar = req.grammar
     advanced = 0
     for j in range(len(drafts) + 1):
@@ -52,9 +65,3 @@ def apply_grammar_bitmask_to_drafts(logits: torch.Tensor, req: Request, drafts: 
             advanced += 1
     grammar.rollback(advanced)
     xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab)
-
-
-def _allowed(bitmask: torch.Tensor, row: int, token: int) -> bool:
-    """Whether the filled mask row allows the token (checked before asking the matcher,
-    which logs a warning for every special token it refuses)."""
-    return 0 <= token < bitmask.shape[1] * 32 and bool((int(bitmask[row, token // 32]) >> (token % 32)) & 1)

@@ -61,6 +61,9 @@ class AttentionMetadata:
         return self._gather
 
 
+_NO_SCALES = torch.empty(0)  # what the C++ kernel is given for an unquantized cache
+
+
 def _gather_kv(
     cache: torch.Tensor, block_ids: torch.Tensor, scales: torch.Tensor | None = None, dtype=None
 ) -> torch.Tensor:
@@ -125,9 +128,9 @@ class PagedAttention:
     ) -> torch.Tensor:
         ks, vs = self.kv_scales or (None, None)
         if self.kernels is not None and q.device.type == "cpu":
-            none = torch.empty(0)
+            ks, vs = (_NO_SCALES, _NO_SCALES) if ks is None else (ks, vs)
             return self.kernels.paged_decode_attention(
-                q.contiguous(), k_cache, v_cache, none if ks is None else ks, none if vs is None else vs,
+                q.contiguous(), k_cache, v_cache, ks, vs,
                 meta.decode_block_tables, meta.decode_seq_lens, self.scale,
             )  # fmt: skip
         n, dt = q.shape[0], q.dtype
