@@ -46,9 +46,10 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
-    """'stop', 'length' or 'abort' once finished."""
+    """'stop', 'length', 'abort' or 'error' once finished."""
     stop_reason: int | str | None = None
-    """The stop string or stop token id that ended the request, if any."""
+    """The stop string or stop token id that ended the request, if any (with 'error': the
+    engine's message)."""
     logprobs: list[dict[int, float]] | None = None
     delta_text: str = ""
     """Text released since the previous output of this request (for streaming)."""

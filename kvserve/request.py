@@ -21,6 +21,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # failed inside the engine (see EngineCore._recover_failed_step)
 
     @property
     def finished(self) -> bool:

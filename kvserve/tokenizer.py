@@ -6,7 +6,10 @@ backend for incremental detokenization.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
+
+_RELEASE_GIL_CHARS = 4096  # longer texts are encoded without holding the GIL (server threads)
 
 
 class Tokenizer:
@@ -22,8 +25,17 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The longest token's text, in characters: a prompt longer than max_model_len times
+        this can never fit, so it is refused before tokenizing."""
+        return max((len(t) for t in self.backend.get_vocab(with_added_tokens=True)), default=1)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if len(text) > _RELEASE_GIL_CHARS:  # encode_batch releases the GIL; encode holds it
+            ids = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        else:
+            ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
         if add_special_tokens and self.add_bos and (not ids or ids[0] != self.bos_token_id):
             ids = [self.bos_token_id, *ids]
         return ids

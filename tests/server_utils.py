@@ -26,6 +26,7 @@ class ServerProcess:
         api_key: str | None = "test-key",
         timeout: float = 180,
         log_path: str | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -43,7 +44,9 @@ class ServerProcess:
         if api_key:
             cmd += ["--api-key", api_key]
         self.log = open(log_path or os.devnull, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -63,7 +66,7 @@ class ServerProcess:
 
     def metrics(self) -> dict[str, float]:
         """Unlabelled view of /metrics: metric name -> value (summed over labels)."""
-        text = httpx.get(f"{self.url}/metrics", timeout=5).text
+        text = httpx.get(f"{self.url}/metrics", headers=self.headers, timeout=5).text
         values: dict[str, float] = {}
         for line in text.splitlines():
             m = re.match(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})? ([0-9.eE+-]+|NaN)$", line)

@@ -393,7 +393,9 @@ def test_priority_over_http(tiny_llama_dir):
             return t
 
         async def scenario():
-            async with httpx.AsyncClient(timeout=60) as http:
+            # The last low request waits for 7 others of 240 tokens: on a loaded 2-core machine
+            # that can take well over a minute, so the read timeout is generous.
+            async with httpx.AsyncClient(timeout=300) as http:
                 low = [asyncio.create_task(first_token_time(http, 5)) for _ in range(6)]
                 while not started:  # one low request runs (it has streamed), the others wait
                     await asyncio.sleep(0.01)

@@ -81,6 +81,14 @@ class BlockPool:
             self.block_hash[b] = h
             self.cached[h] = b
 
+    def uncache(self, b: int) -> None:
+        """Forget block b's hash (its content turned out not to be what the hash says)."""
+        h = self.block_hash[b]
+        if h is not None:
+            self.block_hash[b] = None
+            if self.cached.get(h) == b:
+                del self.cached[h]
+
     def free(self, blocks: Sequence[int]) -> None:
         """Drop one reference to each block; blocks reaching zero join the back of the queue."""
         for b in blocks:

@@ -105,6 +105,19 @@ class KVCacheManager:
             self.pool.cache(blocks[i], hashes[i])
         self._num_registered[request.request_id] = max(done, full)
 
+    def drop_uncomputed(self, request: Request) -> list[int]:
+        """Uncache the blocks registered for tokens a failed step did not compute (they were
+        registered when the step was scheduled); returns them."""
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        keep = request.num_computed_tokens // self.block_size
+        done = self._num_registered.get(request.request_id, 0)
+        dropped = blocks[keep:done]
+        for b in dropped:
+            self.pool.uncache(b)
+        if done > keep:
+            self._num_registered[request.request_id] = keep
+        return dropped
+
     def record_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_cache_queries += num_query_tokens
         self.prefix_cache_hits += num_hit_tokens

@@ -211,6 +211,12 @@ class Scheduler:
             self._preempt(worst)
             out.num_preempted += 1
 
+    def preempt(self, req: Request) -> None:
+        """Send a running request back to wait, to be recomputed (used after a failed step)."""
+        if req in self.running:
+            self.running.remove(req)
+            self._preempt(req)
+
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
         req.spec_token_ids = []

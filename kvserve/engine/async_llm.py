@@ -42,7 +42,16 @@ logger = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
-    """The engine core process is gone; requests cannot be served."""
+    """The engine core is not running; requests cannot be served (503). `retry_after` is set
+    while the supervisor is restarting it."""
+
+    def __init__(self, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed while running this request; the others went on (500)."""
 
 
 class EngineStats:
@@ -102,27 +111,24 @@ class RequestStream:
 
 
 class AsyncLLM:
-    def __init__(self, config: EngineConfig, startup_timeout: float = 300.0) -> None:
+    """The API side of the engine, and the supervisor of its core process: when the core dies
+    (OOM killer, segfault), in-flight requests fail at once and the core is restarted with
+    back-off, up to `restart_limit` times in a row (a core that stays up for
+    `RESTART_RESET_S` earns its count back)."""
+
+    RESTART_RESET_S = 300.0
+
+    def __init__(self, config: EngineConfig, startup_timeout: float = 300.0, restart_limit: int = 3) -> None:
         self.config = config
+        self.startup_timeout = startup_timeout
+        self.restart_limit = restart_limit
         self.source = resolve_model(config.model)
         self.tokenizer = load_tokenizer(self.source)
-        base = os.path.join(tempfile.gettempdir(), f"kvserve-{uuid.uuid4().hex[:12]}")
-        self._in_addr, self._out_addr = f"ipc://{base}-in", f"ipc://{base}-out"
         self._ctx = zmq.Context()
-        self._in_sync = self._ctx.socket(zmq.PUSH)
-        self._in_sync.bind(self._in_addr)
-        self._in_sync.setsockopt(zmq.SNDHWM, 0)  # never drop or block a request on a full queue
-        self._out_sync = self._ctx.socket(zmq.PULL)
-        self._out_sync.bind(self._out_addr)
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(OutputMessage)
-        self.proc = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core,
-            args=(config, self._in_addr, self._out_addr),
-            name="kvserve-engine-core",
-            daemon=True,  # also terminated by multiprocessing when this process exits normally
-        )
-        self.proc.start()
+        self._open_sockets()
+        self._spawn_core()
         self.ready = self._wait_ready(startup_timeout)
         self.limits = ModelLimits(
             self.ready.vocab_size, self.ready.max_model_len, self.ready.num_blocks, self.ready.block_size
@@ -131,22 +137,71 @@ class AsyncLLM:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = EngineStats()
         self.dead = False
+        self.restarting = False
+        self.num_restarts = 0  # in a row; see RESTART_RESET_S
+        self._closed = False
+        self._up_since = time.monotonic()
         self._streams: dict[str, RequestStream] = {}
-        self._tasks: list[asyncio.Task] = []
+        self._output_task: asyncio.Task | None = None
+        self._watch_task: asyncio.Task | None = None
         self.on_step = None  # callback(EngineCoreOutputs, list[RequestOutput]) for metrics
+        self.on_core_lost = None  # callback() when the core dies: clear what it reported
+
+    # ---- the core process and its sockets ---------------------------------------------------
+    def _open_sockets(self) -> None:
+        """Fresh IPC addresses per core: nothing queued for a dead core reaches its successor."""
+        base = os.path.join(tempfile.gettempdir(), f"kvserve-{uuid.uuid4().hex[:12]}")
+        self._in_addr, self._out_addr = f"ipc://{base}-in", f"ipc://{base}-out"
+        self._in_sync = self._ctx.socket(zmq.PUSH)
+        self._in_sync.bind(self._in_addr)
+        self._in_sync.setsockopt(zmq.SNDHWM, 0)  # never drop or block a request on a full queue
+        self._out_sync = self._ctx.socket(zmq.PULL)
+        self._out_sync.bind(self._out_addr)
+        self._in = zmq.asyncio.Socket.shadow(self._in_sync.underlying)
+        self._out = zmq.asyncio.Socket.shadow(self._out_sync.underlying)
+
+    def _close_sockets(self) -> None:
+        self._in_sync.close(linger=0)
+        self._out_sync.close(linger=0)
+        for addr in (self._in_addr, self._out_addr):
+            try:
+                os.unlink(addr[len("ipc://") :])
+            except OSError:
+                pass
+
+    def _spawn_core(self) -> None:
+        self.proc = multiprocessing.get_context("spawn").Process(
+            target=run_engine_core,
+            args=(self.config, self._in_addr, self._out_addr),
+            name="kvserve-engine-core",
+            daemon=True,  # also terminated by multiprocessing when this process exits normally
+        )
+        self.proc.start()
+
+    def _ready_message(self, raw: bytes) -> Ready | None:
+        msg = self._decoder.decode(raw)
+        if isinstance(msg, Failed):
+            self.proc.join(5)
+            raise ValueError(msg.error)
+        return msg if isinstance(msg, Ready) else None
 
     def _wait_ready(self, timeout: float) -> Ready:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if not self.proc.is_alive():
                 raise RuntimeError(f"engine core exited during start-up (code {self.proc.exitcode})")
-            if self._out_sync.poll(500):
-                msg = self._decoder.decode(self._out_sync.recv())
-                if isinstance(msg, Failed):
-                    self.proc.join(5)
-                    raise ValueError(msg.error)
-                if isinstance(msg, Ready):
-                    return msg
+            if self._out_sync.poll(500) and (ready := self._ready_message(self._out_sync.recv())):
+                return ready
+        self.proc.kill()
+        raise TimeoutError("engine core did not start in time")
+
+    async def _wait_ready_async(self, timeout: float) -> Ready:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.proc.is_alive():
+                raise RuntimeError(f"engine core exited during start-up (code {self.proc.exitcode})")
+            if await self._out.poll(200) and (ready := self._ready_message(await self._out.recv())):
+                return ready
         self.proc.kill()
         raise TimeoutError("engine core did not start in time")
 
@@ -156,9 +211,8 @@ class AsyncLLM:
 
     def start(self) -> None:
         """Start the background tasks; call from inside the server's event loop."""
-        self._in = zmq.asyncio.Socket.shadow(self._in_sync.underlying)
-        self._out = zmq.asyncio.Socket.shadow(self._out_sync.underlying)
-        self._tasks = [asyncio.create_task(self._output_loop()), asyncio.create_task(self._watch_core())]
+        self._output_task = asyncio.create_task(self._output_loop())
+        self._watch_task = asyncio.create_task(self._supervise())
 
     async def _output_loop(self) -> None:
         while True:
@@ -174,20 +228,66 @@ class AsyncLLM:
                 await self._send(AbortRequests(to_abort))
             for out in outs:
                 st = self._streams.get(out.request_id)
-                if st is not None:
-                    st.put(out)
+                if st is None:
+                    continue
+                c = out.outputs[0]
+                st.put(RequestFailedError(str(c.stop_reason)) if c.finish_reason == "error" else out)
             if self.on_step is not None:
                 self.on_step(msg, outs)
 
-    async def _watch_core(self) -> None:
-        while self.proc.is_alive():
-            await asyncio.sleep(0.1)
+    async def _supervise(self) -> None:
+        """Watch the core; when it dies, fail what was in flight and start a new one."""
+        while not self._closed:
+            while self.proc.is_alive():
+                await asyncio.sleep(0.1)
+            if self._closed:
+                return
+            self._core_lost()
+            if time.monotonic() - self._up_since > self.RESTART_RESET_S:
+                self.num_restarts = 0
+            if self.num_restarts >= self.restart_limit:
+                logger.error("engine core restart limit (%d) reached; not restarting", self.restart_limit)
+                return
+            self.restarting = True
+            delay = min(0.5 * 2**self.num_restarts, 30.0)
+            self.num_restarts += 1
+            logger.warning("restarting the engine core in %.1fs (restart %d)", delay, self.num_restarts)
+            await asyncio.sleep(delay)
+            try:
+                self._close_sockets()
+                self._open_sockets()
+                self._spawn_core()
+                await self._wait_ready_async(self.startup_timeout)
+            except Exception as e:  # noqa: BLE001 - the next round of the loop retries or gives up
+                logger.error("engine core restart failed: %s", e)
+                if self.proc.is_alive():
+                    self.proc.kill()
+                continue
+            self._output_task = asyncio.create_task(self._output_loop())
+            self._up_since = time.monotonic()
+            self.dead = self.restarting = False
+            logger.info("engine core restarted (pid %d)", self.proc.pid)
+
+    def _core_lost(self) -> None:
         self.dead = True
+        if self._output_task is not None:
+            self._output_task.cancel()
         logger.error(
-            "engine core process died (exit code %s); failing in-flight requests", self.proc.exitcode
-        )
+            "engine core process died (exit code %s); failing %d in-flight request(s)",
+            self.proc.exitcode, len(self._streams),
+        )  # fmt: skip
         for st in list(self._streams.values()):
             st.put(EngineDeadError("the engine core process died"))
+        self._streams.clear()
+        self.output_processor.states.clear()
+        self.stats = EngineStats()
+        if self.on_core_lost is not None:
+            self.on_core_lost()
+
+    def dead_error(self) -> EngineDeadError:
+        if self.restarting:
+            return EngineDeadError("the engine core is restarting; retry shortly", retry_after=5)
+        return EngineDeadError("the engine core is not running")
 
     async def _send(self, msg) -> None:
         await self._in.send(self._encoder.encode(msg))
@@ -197,7 +297,13 @@ class AsyncLLM:
         """Requests accepted here that have not produced a token yet (queued or prefilling)."""
         return sum(1 for st in self._streams.values() if not st.started)
 
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
     async def reset_prefix_cache(self) -> None:
+        if not self.is_alive:
+            raise self.dead_error()
         await self._send(ResetPrefixCache())
 
     def add_request(
@@ -208,38 +314,62 @@ class AsyncLLM:
         priority: int = 0,
         cache_salt: str | None = None,
         group_id: str | None = None,
+        prompt_token_ids: list[int] | None = None,
     ) -> RequestStream:
         """Queue a request now (synchronously) and return its output stream.
 
-        Raises ValueError for bad input (nothing is queued). The request runs even if the
-        stream is never read; it is aborted when the stream is closed before it finishes.
+        `prompt_token_ids`, if given, are the prompt already tokenized (the server tokenizes
+        off the event loop). Raises ValueError for bad input and EngineDeadError when the core
+        is down; either way nothing is registered. The request runs even if the stream is
+        never read; it is aborted when the stream is closed before it finishes.
         """
         if not self.is_alive:
-            raise EngineDeadError("the engine core is not running")
+            raise self.dead_error()
         request_id = request_id or uuid.uuid4().hex
-        req = self.processor.process(request_id, prompt, params, None, priority, cache_salt, group_id)
+        if request_id in self._streams:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        req = self.processor.process(
+            request_id, prompt if prompt_token_ids is None else prompt_token_ids, params, None, priority,
+            cache_salt, group_id,
+        )  # fmt: skip
+        try:
+            payload = self._encoder.encode(AddRequest(req))
+        except (OverflowError, TypeError, ValueError) as e:
+            raise ValueError(f"request: a field is out of range ({e})") from None
+        try:
+            self._in_sync.send(payload, zmq.NOBLOCK)
+        except zmq.ZMQError:
+            raise self.dead_error() from None
         stream = RequestStream(self, request_id)
         self._streams[request_id] = stream
         self.output_processor.add_request(req, prompt if isinstance(prompt, str) else None)
-        self._in_sync.send(self._encoder.encode(AddRequest(req)), zmq.NOBLOCK)
         return stream
+
+    def fail_all(self, error: Exception) -> None:
+        """End every in-flight request with `error` (their streams raise it) and abort them."""
+        ids = list(self._streams)
+        for rid in ids:
+            self._streams[rid].put(error)
+            self.output_processor.abort(rid)
+        if ids and self.is_alive:
+            self._in_sync.send(self._encoder.encode(AbortRequests(ids)), zmq.NOBLOCK)
 
     def _drop(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
 
     def shutdown(self) -> None:
-        for t in self._tasks:
-            t.cancel()
+        """Stop the core and remove its IPC files; safe to call more than once."""
+        if self._closed:
+            return
+        self._closed = True
+        for t in (self._output_task, self._watch_task):
+            if t is not None:
+                t.cancel()
         if self.proc.is_alive():
             self.proc.terminate()
             self.proc.join(5)
             if self.proc.is_alive():
                 self.proc.kill()
-        self._in_sync.close(linger=0)
-        self._out_sync.close(linger=0)
+                self.proc.join(5)
+        self._close_sockets()
         self._ctx.term()
-        for addr in (self._in_addr, self._out_addr):
-            try:
-                os.unlink(addr[len("ipc://") :])
-            except OSError:
-                pass

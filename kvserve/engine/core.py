@@ -23,6 +23,7 @@ from kvserve.core.kv_sizing import (
 )
 from kvserve.core.scheduler import Scheduler
 from kvserve.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from kvserve.engine.step_recovery import recover_failed_step
 from kvserve.model.arch import ModelArch
 from kvserve.model.loader import load_model, resolve_model
 from kvserve.request import Request, RequestStatus
@@ -152,9 +153,15 @@ class EngineCore:
             k = min(room, req.spec_state.num_to_propose()) if room > 0 else 0
             if k > 0:
                 items.append((req, k))
-        if items:  # (Scheduler.update already cleared the proposals these requests ran with)
-            for rid, tokens in self.proposer.propose(items).items():
-                self.scheduler.requests[rid].spec_token_ids = tokens
+        if not items:  # (Scheduler.update already cleared the proposals these requests ran with)
+            return
+        try:
+            proposals = self.proposer.propose(items)
+        except Exception:  # noqa: BLE001 - speculation is an optimisation: go on without it
+            logger.exception("the speculative proposer failed; these requests decode without proposals")
+            return
+        for rid, tokens in proposals.items():
+            self.scheduler.requests[rid].spec_token_ids = tokens
 
     def _kv_budget(self, device) -> int:
         if self.config.kv_cache_memory is not None:
@@ -211,7 +218,11 @@ class EngineCore:
             block_tables = {
                 r.request_id: self.kv_cache_manager.get_block_ids(r.request_id) for r, _ in sched.scheduled
             }
-            sampled, prompt_logprobs = self.model_runner.execute(sched, block_tables)
+            try:
+                sampled, prompt_logprobs = self.model_runner.execute(sched, block_tables)
+            except Exception as e:  # noqa: BLE001 - one bad request must not stop the others
+                outputs += recover_failed_step(self, sched, block_tables, e)
+                return self._outputs(outputs, sched)
             for req, _ in sched.scheduled:
                 entries = prompt_logprobs.get(req.request_id)
                 if entries:
@@ -225,6 +236,10 @@ class EngineCore:
                 outputs.append(self._output(req, count))
             if self.proposer is not None:
                 self._propose([req for req, _ in progressed])
+        return self._outputs(outputs, sched)
+
+    def _outputs(self, outputs: list[EngineCoreOutput], sched) -> EngineCoreOutputs:
+        """This step's outputs with the scheduler's numbers (for metrics)."""
         spec = self.scheduler.spec_stats
         return EngineCoreOutputs(
             outputs,

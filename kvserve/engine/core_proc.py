@@ -113,8 +113,12 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> 
                 if isinstance(msg, AddRequest):
                     try:
                         core.add_request(msg.request)
-                    except ValueError:
-                        rejected.append(EngineCoreOutput(msg.request.request_id, [], finish_reason="abort"))
+                    except ValueError as e:
+                        rejected.append(
+                            EngineCoreOutput(
+                                msg.request.request_id, [], finish_reason="error", stop_reason=str(e)
+                            )
+                        )
                 elif isinstance(msg, AbortRequests):
                     core.abort_requests(msg.request_ids)
                 else:

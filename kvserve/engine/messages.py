@@ -27,8 +27,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
 
     request_id: str
     new_token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
-    stop_reason: int | str | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None  # with "error": what went wrong
     new_logprobs: list[dict[int, float]] | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None  # sent with the first token
     first_scheduled_time: float | None = None

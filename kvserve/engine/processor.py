@@ -80,6 +80,18 @@ class InputProcessor:
             )
         if params.n != 1:
             raise ValueError("n: the engine takes one sequence per request; callers fan n out")
+        if params.top_k > lim.vocab_size:
+            raise ValueError(f"top_k: must be -1, 0 or at most the vocabulary size ({lim.vocab_size})")
+        if params.min_tokens > max_tokens:
+            raise ValueError(f"min_tokens: must be <= max_tokens ({max_tokens}), got {params.min_tokens}")
+        if params.seed is not None and not -(2**63) <= params.seed < 2**64:
+            raise ValueError("seed: must fit a 64-bit integer")
+        if not -(2**63) <= priority < 2**63:
+            raise ValueError("priority: must fit a 64-bit signed integer")
+        if params.logprobs is not None and params.logprobs > lim.vocab_size:
+            raise ValueError(f"logprobs: at most the vocabulary size ({lim.vocab_size})")
+        if params.prompt_logprobs is not None and params.prompt_logprobs > lim.vocab_size:
+            raise ValueError(f"prompt_logprobs: at most the vocabulary size ({lim.vocab_size})")
         bad = [t for t in (params.logit_bias or {}) if not 0 <= int(t) < lim.vocab_size]
         if bad:
             raise ValueError(f"logit_bias: token ids out of range: {bad[:5]}")

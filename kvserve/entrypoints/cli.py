@@ -8,6 +8,7 @@ import sys
 from dataclasses import fields
 
 from kvserve.config import EngineConfig
+from kvserve.entrypoints.openai.server_config import ServerConfig
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -111,10 +112,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     try:
         config = engine_config(args)
-        return serve(
-            config, args.host, args.port, args.served_model_name, args.api_key, args.request_timeout,
-            args.max_waiting_requests,
+        server = ServerConfig(
+            served_model_name=args.served_model_name, api_keys=args.api_key or [],
+            metrics_require_key=args.metrics_require_key, request_timeout=args.request_timeout,
+            max_waiting_requests=args.max_waiting_requests, max_request_bytes=args.max_request_bytes,
+            shutdown_timeout=args.shutdown_timeout,
+            stream_stall_timeout=args.stream_stall_timeout if args.stream_stall_timeout > 0 else None,
+            engine_restart_limit=args.engine_restart_limit,
         )  # fmt: skip
+        return serve(config, args.host, args.port, server)
     except (ValueError, FileNotFoundError, RuntimeError, TimeoutError) as e:  # start-up problems
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -141,7 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("model", nargs="?", default="smollm2-135m", help="alias, .gguf file or HF directory")
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument("--api-key", default=None, help="require this bearer key (or set KVSERVE_API_KEY)")
+    srv.add_argument("--api-key", action="append", default=None,
+                     help="require this bearer key (repeat for several; or set KVSERVE_API_KEY)")  # fmt: skip
+    srv.add_argument("--metrics-require-key", action="store_true", help="/metrics needs an API key too")
     srv.add_argument("--served-model-name", default=None, help="model name clients use (default: MODEL)")
     srv.add_argument(
         "--request-timeout", type=float, default=None, help="seconds before a request is aborted"
@@ -150,6 +158,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-waiting-requests", type=int, default=None,
         help="past this many requests without a first token, answer 503 + Retry-After at once",
     )  # fmt: skip
+    srv.add_argument("--max-request-bytes", type=int, default=ServerConfig.max_request_bytes,
+                     help="bodies larger than this get 413 before parsing (default 16 MiB)")  # fmt: skip
+    srv.add_argument("--shutdown-timeout", type=float, default=ServerConfig.shutdown_timeout,
+                     help="on SIGTERM/SIGINT, seconds in-flight requests may take to finish")  # fmt: skip
+    srv.add_argument("--stream-stall-timeout", type=float, default=ServerConfig.stream_stall_timeout,
+                     help="abort a stream whose client has not read for this long (0: never)")  # fmt: skip
+    srv.add_argument("--engine-restart-limit", type=int, default=ServerConfig.engine_restart_limit,
+                     help="restart a dead engine core up to this many times in a row (0: never)")  # fmt: skip
     srv.add_argument("--engine", choices=("kvserve", "naive"), default="kvserve",
                      help="naive: the transformers generate() baseline, one request at a time")  # fmt: skip
     add_engine_args(srv)

@@ -120,5 +120,13 @@ class ServerMetrics:
             elif new:
                 self._last_token_time[rid] = now
 
+    def on_core_lost(self) -> None:
+        """The engine core died: its gauges no longer hold, and a new core's running totals
+        start from zero again (the counters keep what they counted)."""
+        for gauge in (self.running, self.waiting, self.kv_usage):
+            gauge.labels(self.model).set(0)
+        self._seen.clear()
+        self._last_token_time.clear()
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

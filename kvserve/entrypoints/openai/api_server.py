@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 import logging
 import os
 import time
@@ -14,48 +15,82 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvserve import __version__
 from kvserve.config import EngineConfig
-from kvserve.engine.async_llm import AsyncLLM, EngineDeadError
+from kvserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError
 from kvserve.entrypoints.openai.errors import error_response, param_of
+from kvserve.entrypoints.openai.lifecycle import DrainingServer, Lifecycle, ServerShuttingDownError
+from kvserve.entrypoints.openai.middleware import BodySizeLimit
+from kvserve.entrypoints.openai.openapi import openapi_with_400
 from kvserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
+from kvserve.entrypoints.openai.server_config import ServerConfig
 from kvserve.entrypoints.openai.serving import ClientDisconnectedError, OpenAIServing, ServerOverloadedError
 from kvserve.metrics.prometheus import ServerMetrics
 
 logger = logging.getLogger("kvserve.server")
 
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/reset_prefix_cache")
+DRAINED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 
 
-def build_app(
-    engine: AsyncLLM,
-    served_model_name: str,
-    api_key: str | None = None,
-    request_timeout: float | None = None,
-    max_waiting_requests: int | None = None,
-) -> FastAPI:
-    metrics = ServerMetrics(served_model_name)
+def key_matches(header: str, keys: list[str]) -> bool:
+    """`Authorization: Bearer <key>` (scheme in any case) against every key, in constant time
+    per key, so neither which key nor how much of one matched shows in the timing."""
+    scheme, _, token = header.partition(" ")
+    token_b = token.strip().encode()
+    ok = False
+    for key in keys:
+        ok |= hmac.compare_digest(token_b, key.encode())
+    return ok and scheme.lower() == "bearer"
+
+
+def engine_dead_response(exc: EngineDeadError) -> Response:
+    """503; with Retry-After while the supervisor is restarting the core."""
+    resp = error_response(503, str(exc), "engine_dead", code="engine_dead")
+    if exc.retry_after is not None:
+        resp.headers["Retry-After"] = str(int(exc.retry_after))
+    return resp
+
+
+def build_app(engine: AsyncLLM, cfg: ServerConfig) -> FastAPI:
+    name = cfg.served_model_name or engine.source.name
+    metrics = ServerMetrics(name)
     engine.on_step = metrics.on_step
-    serving = OpenAIServing(engine, [served_model_name], request_timeout, max_waiting_requests)
+    engine.on_core_lost = metrics.on_core_lost
+    serving = OpenAIServing(
+        engine, [name], cfg.request_timeout, cfg.max_waiting_requests, cfg.stream_stall_timeout
+    )
+    lifecycle = Lifecycle(engine, cfg.shutdown_timeout)
+    protected = PROTECTED_PREFIXES + (("/metrics",) if cfg.metrics_require_key else ())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
+        lifecycle.spawn(lifecycle.warm_up())
         yield
+        serving.close()
+        engine.shutdown()
 
     app = FastAPI(title="kvserve", version=__version__, lifespan=lifespan)
+    app.openapi = lambda: openapi_with_400(app)
 
     @app.middleware("http")
     async def auth_and_log(request: Request, call_next):
         path = request.url.path
-        if api_key and path.startswith(PROTECTED_PREFIXES):
-            if request.headers.get("authorization", "") != f"Bearer {api_key}":
+        if cfg.api_keys and path.startswith(protected):
+            if not key_matches(request.headers.get("authorization", ""), cfg.api_keys):
                 return error_response(
                     401, "invalid or missing API key", "authentication_error", code="invalid_api_key"
                 )
+        if lifecycle.draining and path.startswith(DRAINED_PREFIXES):
+            resp = error_response(
+                503, "the server is shutting down", "server_shutting_down", code="shutting_down"
+            )
+            resp.headers["Retry-After"] = "5"
+            return resp
         t0 = time.monotonic()
         response = await call_next(request)
         if path.startswith("/v1/"):
@@ -78,7 +113,17 @@ def build_app(
 
     @app.exception_handler(EngineDeadError)
     async def on_engine_dead(request: Request, exc: EngineDeadError):
-        return error_response(503, str(exc), "engine_dead", code="engine_dead")
+        return engine_dead_response(exc)
+
+    @app.exception_handler(RequestFailedError)
+    async def on_request_failed(request: Request, exc: RequestFailedError):
+        return error_response(500, str(exc), "internal_error", code="engine_error")
+
+    @app.exception_handler(ServerShuttingDownError)
+    async def on_shutting_down(request: Request, exc: ServerShuttingDownError):
+        resp = error_response(503, str(exc), "server_shutting_down", code="shutting_down")
+        resp.headers["Retry-After"] = "5"
+        return resp
 
     @app.exception_handler(ServerOverloadedError)
     async def on_overloaded(request: Request, exc: ServerOverloadedError):
@@ -110,16 +155,27 @@ def build_app(
     @app.get("/v1/models")
     async def models():
         card = {
-            "id": served_model_name, "object": "model", "created": int(time.time()),
+            "id": name, "object": "model", "created": int(time.time()),
             "owned_by": "kvserve", "max_model_len": engine.limits.max_model_len,
         }  # fmt: skip
         return {"object": "list", "data": [card]}
 
     @app.get("/health")
     async def health():
+        """Liveness: the engine core is running."""
         if engine.is_alive:
             return Response(status_code=200)
-        return error_response(503, "the engine core is not running", "engine_dead", code="engine_dead")
+        return engine_dead_response(engine.dead_error())
+
+    @app.get("/health/ready")
+    async def health_ready():
+        """Readiness: warmed up, the core running, and not draining."""
+        if lifecycle.ready:
+            return Response(status_code=200)
+        why = (
+            "draining" if lifecycle.draining else "engine core down" if not engine.is_alive else "warming up"
+        )
+        return error_response(503, f"not ready: {why}", "not_ready", code="not_ready")
 
     @app.get("/version")
     async def version():
@@ -128,16 +184,14 @@ def build_app(
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
         serving.check_model(req.model)
-        tok = engine.tokenizer
         if (req.prompt is None) == (req.messages is None):
             raise ValueError("prompt: give exactly one of prompt or messages")
         if req.messages is not None:
-            msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
-            ids = tok.encode(
-                tok.apply_chat_template(msgs, req.add_generation_prompt), add_special_tokens=False
+            ids = await serving.chat_prompt_ids(
+                [{"role": m.role, "content": m.text()} for m in req.messages], req.add_generation_prompt, {}
             )
         else:
-            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = await serving.tokenize_text(req.prompt, req.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.limits.max_model_len}
 
     @app.post("/detokenize")
@@ -158,30 +212,35 @@ def build_app(
 
     app.state.engine = engine
     app.state.metrics = metrics
+    app.state.lifecycle = lifecycle
     return app
 
 
-def serve(config: EngineConfig, host: str, port: int, served_model_name: str | None, api_key: str | None,
-          request_timeout: float | None, max_waiting_requests: int | None = None) -> int:  # fmt: skip
+def serve(config: EngineConfig, host: str, port: int, cfg: ServerConfig) -> int:
     import uvicorn
 
-    api_key = api_key or os.environ.get("KVSERVE_API_KEY") or None
+    if not cfg.api_keys and os.environ.get("KVSERVE_API_KEY"):
+        cfg.api_keys = [os.environ["KVSERVE_API_KEY"]]
     logger.info("configuration: %s", config)
-    engine = AsyncLLM(config)
+    logger.info("server: %s", {**vars(cfg), "api_keys": f"{len(cfg.api_keys)} key(s)"})
+    engine = AsyncLLM(config, restart_limit=cfg.engine_restart_limit)
     r = engine.ready
     logger.info(
         "KV pool: %d blocks x %d tokens = %d tokens, %.1f MiB; max concurrency at max_model_len=%d: %.2f",
         r.num_blocks, r.block_size, r.num_blocks * r.block_size, r.kv_cache_bytes / 2**20, r.max_model_len,
         r.num_blocks / -(-r.max_model_len // r.block_size),
     )  # fmt: skip
-    name = served_model_name or engine.source.name
-    app = build_app(engine, name, api_key, request_timeout, max_waiting_requests)
-    logger.info("serving %s on http://%s:%d (API key %s)", name, host, port, "required" if api_key else "off")
+    app = build_app(engine, cfg)
+    logger.info(
+        "serving %s on http://%s:%d (API key %s)",
+        cfg.served_model_name or engine.source.name, host, port, "required" if cfg.api_keys else "off",
+    )  # fmt: skip
+    uv = uvicorn.Config(
+        BodySizeLimit(app, cfg.max_request_bytes), host=host, port=port, log_level="warning",
+        timeout_graceful_shutdown=1, loop="uvloop", http="httptools",
+    )  # fmt: skip
     try:
-        uvicorn.run(
-            app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=2, loop="uvloop",
-            http="httptools",
-        )  # fmt: skip
+        DrainingServer(uv, app.state.lifecycle).run()
     finally:
         engine.shutdown()
     return 0

@@ -2,6 +2,7 @@
 
 Unknown fields are refused (extra="forbid"), so a field kvserve cannot honour is a 400 that
 names it rather than being silently ignored; purely informational fields are accepted.
+Numbers are range-checked here (limits.py) and floats must be finite.
 """
 
 from __future__ import annotations
@@ -10,6 +11,15 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvserve.entrypoints.openai.limits import (
+    MAX_STOP_STRINGS,
+    Int64,
+    NonNegInt64,
+    NumChoices,
+    NumLogprobs,
+    PositiveInt64,
+    TopK,
+)
 from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 from kvserve.structured.spec import check as check_grammar
 
@@ -49,15 +59,15 @@ class StructuredOutputs(BaseModel):
 class _Sampling(BaseModel):
     """Fields shared by chat and completions (OpenAI's plus vLLM's extras)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model: str | None = None
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: PositiveInt64 | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    n: Annotated[int, Field(ge=1, le=128)] = 1
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    n: NumChoices = 1
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    seed: Int64 | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
@@ -65,15 +75,15 @@ class _Sampling(BaseModel):
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     user: str | None = None  # informational
     # vLLM extras
-    top_k: int | None = None
+    top_k: TopK | None = None
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
-    repetition_penalty: Annotated[float, Field(gt=0)] | None = None
-    min_tokens: Annotated[int, Field(ge=0)] = 0
+    repetition_penalty: Annotated[float, Field(gt=0, le=100)] | None = None
+    min_tokens: NonNegInt64 = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[NonNegInt64] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    priority: int = 0  # lower runs sooner under --scheduling-policy priority
+    priority: Int64 = 0  # lower runs sooner under --scheduling-policy priority
     cache_salt: str | None = None  # requests with different salts never share cached prefixes
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -203,9 +213,9 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: PositiveInt64 | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    top_logprobs: NumLogprobs | None = None
     add_generation_prompt: bool = True
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -213,8 +223,8 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    prompt: str | list[str] | list[int] | list[list[int]]  # ids are range-checked by the processor
+    logprobs: NumLogprobs | None = None
     echo: bool = False
     suffix: None = None  # not supported: any value is a 400
 

@@ -11,6 +11,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import msgspec
@@ -18,9 +19,12 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
-from kvserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
+from kvserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError, RequestStream
 from kvserve.entrypoints.openai.errors import error_response
+from kvserve.entrypoints.openai.lifecycle import ServerShuttingDownError
+from kvserve.entrypoints.openai.limits import sample_seed
 from kvserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice
+from kvserve.entrypoints.openai.stall import StallWatch
 from kvserve.entrypoints.openai.tool_parser import ToolCallStream, new_call_id, parse_calls
 from kvserve.entrypoints.openai.tools import call_constraint, conversation, tool_mode
 from kvserve.outputs import RequestOutput
@@ -44,12 +48,21 @@ class OpenAIServing:
         model_names: list[str],
         request_timeout: float | None,
         max_waiting: int | None = None,
+        stream_stall_timeout: float | None = None,
     ) -> None:
         self.max_waiting = max_waiting
         self.engine = engine
         self.model_names = model_names
         self.request_timeout = request_timeout
+        self.stream_stall_timeout = stream_stall_timeout
         self.tokenizer = engine.tokenizer
+        # Tokenizing and chat templating run here, off the event loop, so /health and the
+        # streams keep their pace while a long prompt is being read (2 threads: 2 cores).
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvserve-tokenize")
+        self.max_prompt_chars = engine.limits.max_model_len * self.tokenizer.max_token_chars
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- shared ----------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -58,30 +71,87 @@ class OpenAIServing:
                 f"model: {model!r} is not served here (available: {', '.join(self.model_names)})"
             )
 
-    def _start(
+    def _check_chars(self, field: str, num_chars: int) -> None:
+        """Refuse text that cannot fit max_model_len whatever it tokenizes to (before tokenizing)."""
+        if num_chars > self.max_prompt_chars:
+            raise ValueError(
+                f"{field}: {num_chars} characters can never fit max_model_len="
+                f"{self.engine.limits.max_model_len} tokens (at most {self.max_prompt_chars} characters)"
+            )
+
+    async def _off_loop(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def tokenize_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self._check_chars("prompt", len(text))
+        return await self._off_loop(self.tokenizer.encode, text, add_special_tokens)
+
+    async def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool, template_kwargs: dict):
+        """The chat template applied and tokenized, off the event loop."""
+        self._check_chars("messages", sum(len(m.get("content") or "") for m in messages))
+
+        def render() -> list[int]:
+            try:
+                text = self.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=add_generation_prompt, **template_kwargs
+                )
+            except ValueError:
+                raise
+            except Exception as e:  # template errors (e.g. roles it refuses) are the client's
+                raise ValueError(f"messages: the chat template rejected them: {e}") from None
+            return self.tokenizer.encode(text, add_special_tokens=False)
+
+        return await self._off_loop(render)
+
+    async def _start(
         self, prompts: list, params: SamplingParams, n: int, rid: str, priority: int, salt: str | None
     ) -> list[RequestStream]:
         """Validate every prompt, apply admission control, then queue all engine requests of
         this API request at once (choice index = prompt index * n + sample index).
 
-        One bad prompt fails the whole request before anything is queued; past
-        max_waiting_requests the request is refused at once (503 + Retry-After).
+        One bad prompt fails the whole request before anything is queued; a request that could
+        never be admitted is a 400; past max_waiting_requests the request is refused at once
+        (503 + Retry-After). Queuing is all or nothing: if one engine request cannot be added,
+        the ones already added are aborted.
         """
-        for p in prompts:
+        seats = self.engine.config.max_num_seqs
+        if n > seats:
+            raise ValueError(f"n: {n} samples can never run at once here (max_num_seqs={seats})")
+        total = len(prompts) * n
+        if self.max_waiting is not None and total > self.max_waiting:
+            raise ValueError(
+                f"n: {total} sequences ({len(prompts)} prompt(s) x n={n}) exceed the waiting room "
+                f"(max_waiting_requests={self.max_waiting}); this request could never be admitted"
+            )
+        ids = [await self.tokenize_text(p) if isinstance(p, str) else p for p in prompts]
+        for p in ids:
             self.engine.processor.process("validate", p, params)
-        if self.max_waiting is not None and self.engine.num_waiting + len(prompts) * n > self.max_waiting:
+        if self.max_waiting is not None and self.engine.num_waiting + total > self.max_waiting:
             raise ServerOverloadedError(
                 f"server busy: {self.engine.num_waiting} requests waiting (max_waiting_requests="
                 f"{self.max_waiting}); retry later"
             )
-        streams = []
-        for i, prompt in enumerate(prompts):
-            group = f"{rid}-p{i}" if n > 1 else None  # the n samples share the prompt's KV blocks
-            for j in range(n):
-                p = replace(params, seed=None if params.seed is None else params.seed + j)
-                streams.append(
-                    self.engine.add_request(prompt, p, f"{rid}-{i * n + j}", priority, salt, group)
-                )
+        streams: list[RequestStream] = []
+        try:
+            for i, (prompt, prompt_ids) in enumerate(zip(prompts, ids)):
+                group = f"{rid}-p{i}" if n > 1 else None  # the n samples share the prompt's KV blocks
+                for j in range(n):
+                    p = replace(params, seed=None if params.seed is None else sample_seed(params.seed, j))
+                    streams.append(
+                        self.engine.add_request(
+                            prompt,
+                            p,
+                            f"{rid}-{i * n + j}",
+                            priority,
+                            salt,
+                            group,
+                            prompt_token_ids=prompt_ids,
+                        )
+                    )
+        except BaseException:
+            for st in streams:
+                await st.aclose()
+            raise
         return streams
 
     def _deadline(self) -> float | None:
@@ -192,15 +262,7 @@ class OpenAIServing:
         self.check_model(req.model)
         mode = tool_mode(req)
         messages, template_kwargs = conversation(req, self.tokenizer.hf.chat_template or "")
-        try:
-            text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=req.add_generation_prompt, **template_kwargs
-            )
-        except ValueError:
-            raise
-        except Exception as e:  # template errors (e.g. roles it refuses) are the client's
-            raise ValueError(f"messages: the chat template rejected them: {e}") from None
-        prompt = self.tokenizer.encode(text, add_special_tokens=False)
+        prompt = await self.chat_prompt_ids(messages, req.add_generation_prompt, template_kwargs)
         top = req.top_logprobs if req.top_logprobs is not None else 0
         if req.top_logprobs is not None and not req.logprobs:
             raise ValueError("top_logprobs: requires logprobs=true")
@@ -213,7 +275,7 @@ class OpenAIServing:
         created = int(time.time())
         model = req.model or self.model_names[0]
         deadline = self._deadline()
-        streams = self._start([prompt], params, req.n, rid, req.priority, req.cache_salt)
+        streams = await self._start([prompt], params, req.n, rid, req.priority, req.cache_salt)
         gen = self._merged(streams, deadline)
         if req.stream:
             return self._stream(gen, self._chat_chunks(gen, rid, created, model, req, mode, top), streams)
@@ -315,7 +377,7 @@ class OpenAIServing:
         created = int(time.time())
         model = req.model or self.model_names[0]
         deadline = self._deadline()
-        streams = self._start(prompts, params, req.n, rid, req.priority, req.cache_salt)
+        streams = await self._start(prompts, params, req.n, rid, req.priority, req.cache_salt)
         gen = self._merged(streams, deadline)
         if req.stream:
             return self._stream(gen, self._completion_chunks(gen, rid, created, model, req, prompts), streams)
@@ -384,23 +446,31 @@ class OpenAIServing:
 
     # ---- streaming ------------------------------------------------------------------------------
     def _stream(self, gen, chunks, streams: list[RequestStream]) -> StreamingResponse:
-        async def body():
-            try:
-                async for chunk in chunks:
-                    yield chunk
-            except EngineDeadError as e:
-                yield self._sse({"error": _err_body(str(e), "engine_dead", 503)})
-            except TimeoutError as e:
-                yield self._sse({"error": _err_body(str(e), "timeout", 504)})
-            finally:
-                await gen.aclose()
-            yield b"data: [DONE]\n\n"
-
         async def abort_unfinished() -> None:
             # Runs after the response, also when the client went away mid-stream (Starlette
             # then stops iterating `body` without closing it, so its finally may never run).
             for st in streams:
                 await st.aclose()
+
+        async def body():
+            stall = StallWatch(self.stream_stall_timeout, abort_unfinished)
+            try:
+                async for chunk in chunks:
+                    stall.sending()
+                    yield chunk
+                    stall.sent()
+            except EngineDeadError as e:
+                yield self._sse({"error": _err_body(str(e), "engine_dead", 503)})
+            except ServerShuttingDownError as e:
+                yield self._sse({"error": _err_body(str(e), "server_shutting_down", 503)})
+            except RequestFailedError as e:
+                yield self._sse({"error": _err_body(str(e), "internal_error", 500)})
+            except TimeoutError as e:
+                yield self._sse({"error": _err_body(str(e), "timeout", 504)})
+            finally:
+                stall.stop()
+                await gen.aclose()
+            yield b"data: [DONE]\n\n"
 
         return StreamingResponse(
             body(), media_type="text/event-stream", background=BackgroundTask(abort_unfinished)

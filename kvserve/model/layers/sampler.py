@@ -13,6 +13,7 @@ min_tokens apply to p exactly as they would have without speculation.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -99,6 +100,17 @@ def _entry(raw_logprobs: torch.Tensor, row: int, token: int, k: int) -> dict[int
     return entry
 
 
+FAULT_INJECTION_ENV = "KVSERVE_FAULT_INJECT_SAMPLING"
+
+
+def _maybe_inject_fault(reqs: list) -> None:
+    """Test hook: raise when a row's request id contains $KVSERVE_FAULT_INJECT_SAMPLING, so
+    tests can prove one failing request does not take the batch down with it."""
+    mark = os.environ.get(FAULT_INJECTION_ENV)
+    if mark and any(mark in getattr(r, "request_id", "") for r in reqs):
+        raise RuntimeError(f"fault injected into sampling (request id contains {mark!r})")
+
+
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self.generator = torch.Generator().manual_seed(seed)
@@ -136,6 +148,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, reqs: list) -> SampleResult:
         """logits: float32 [len(reqs), vocab] on CPU."""
+        _maybe_inject_fault(reqs)
         raw_logprobs = self._prepare(logits, reqs)
         greedy = [r.params.greedy for r in reqs]
         tokens = logits.argmax(-1)

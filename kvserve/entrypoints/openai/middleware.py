@@ -1,0 +1,61 @@
+"""ASGI middleware that runs before any parsing: the request-size limit.
+
+A body over `max_bytes` is answered 413 without being read into memory or parsed: at once
+when Content-Length says so, or as soon as a chunked body grows past the limit.
+"""
+
+from __future__ import annotations
+
+import json
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+
+def _error_body(message: str, code: str) -> bytes:
+    error = {"message": message, "type": "invalid_request_error", "param": None, "code": code}
+    return json.dumps({"error": error}).encode()
+
+
+async def _send_413(send: Send, max_bytes: int) -> None:
+    body = _error_body(
+        f"request body is larger than the server's limit of {max_bytes} bytes", "request_too_large"
+    )
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": 413, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class BodySizeLimit:
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None:
+            if not length.isdigit() or int(length) > self.max_bytes:
+                return await _send_413(send, self.max_bytes)
+            return await self.app(scope, receive, send)
+        # No declared length (chunked): read up to the limit here, then replay it.
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                return await _send_413(send, self.max_bytes)
+            more = message.get("more_body", False)
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)

@@ -1,0 +1,24 @@
+"""The HTTP server's own settings (the engine's are EngineConfig): one record, so the CLI,
+the app and the lifecycle read the same values."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ServerConfig:
+    served_model_name: str | None = None
+    api_keys: list[str] = field(default_factory=list)
+    """Bearer keys accepted on /v1/* and the admin routes (none: no key needed)."""
+    metrics_require_key: bool = False
+    request_timeout: float | None = None
+    max_waiting_requests: int | None = None
+    max_request_bytes: int = 16 * 2**20
+    """Bodies larger than this are refused with 413 before they are parsed."""
+    shutdown_timeout: float = 30.0
+    """On SIGTERM/SIGINT, how long in-flight requests may take to finish."""
+    stream_stall_timeout: float | None = 60.0
+    """A stream whose client has not read for this long (send buffer full) is aborted."""
+    engine_restart_limit: int = 3
+    """How many times in a row a dead engine core is restarted."""

@@ -1,0 +1,243 @@
+"""Requests that once stopped the server, each against a real `kvserve serve`: the offending
+request gets a 4xx naming the field, the server stays healthy, and the others are unaffected."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import time
+
+import httpx
+import pytest
+from server_utils import ServerProcess
+
+MODEL_ARGS = ("--kv-cache-memory", "32MiB", "--max-model-len", "256", "--served-model-name", "tiny")
+LIMITS = ("--max-num-seqs", "8", "--max-waiting-requests", "16")
+OK = {"model": "tiny", "prompt": "hi", "max_tokens": 4, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir):
+    s = ServerProcess(
+        tiny_llama_dir, *MODEL_ARGS, *LIMITS, "--max-request-bytes", str(8 * 2**20),
+        "--api-key", "second-key", "--metrics-require-key",
+    )  # fmt: skip
+    yield s
+    s.stop()
+
+
+def post(s: ServerProcess, body, path: str = "/v1/completions", **kw) -> httpx.Response:
+    return httpx.post(f"{s.url}{path}", json=body, headers=s.headers, timeout=60, **kw)
+
+
+def assert_still_serving(s: ServerProcess) -> None:
+    assert httpx.get(f"{s.url}/health", timeout=5).status_code == 200
+    r = post(s, OK)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+
+
+def assert_400(r: httpx.Response, param: str) -> None:
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and param in err["message"], err
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"top_k": 9223372036854775808}, "top_k"),  # once overflowed a tensor and killed the core
+        ({"top_k": 10**6}, "top_k"),  # larger than the vocabulary
+        ({"seed": 1180591620717411303424}, "seed"),
+        ({"priority": 2**70}, "priority"),
+        ({"max_tokens": 2**64}, "max_tokens"),
+        ({"min_tokens": 2**63}, "min_tokens"),
+        ({"stop_token_ids": [2**64]}, "stop_token_ids"),
+        ({"logit_bias": {"99999999999999999999": 1}}, "logit_bias"),
+        ({"n": 128}, "n"),  # more samples than the 8 seats: could never run
+        ({"n": 9}, "n"),
+        ({"prompt": ["a", "b", "c", "d", "e"], "n": 4}, "n"),  # 20 sequences > 16 waiting seats
+        ({"logprobs": 21}, "logprobs"),
+    ],
+)
+def test_out_of_range_values_are_400(server, extra, param):
+    assert_400(post(server, {**OK, **extra}), param)
+    assert_still_serving(server)
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "presence_penalty", "repetition_penalty", "min_p"])
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
+def test_non_finite_floats_are_400(server, field, value):
+    body = json.dumps(OK)[:-1] + f', "{field}": {value}}}'
+    r = httpx.post(
+        f"{server.url}/v1/completions", content=body,
+        headers={**server.headers, "content-type": "application/json"},
+    )  # fmt: skip
+    assert_400(r, field)
+    assert "finite" in r.json()["error"]["message"] or "less than" in r.json()["error"]["message"]
+
+
+def test_huge_seeds_never_leak_waiting_seats(server):
+    """16 bad requests used to each hold a waiting seat forever: then every request was 503."""
+
+    async def scenario():
+        async with httpx.AsyncClient(timeout=60) as http:
+            bad = {**OK, "seed": 2**70}
+            return await asyncio.gather(
+                *(
+                    http.post(f"{server.url}/v1/completions", json=bad, headers=server.headers)
+                    for _ in range(32)
+                )
+            )
+
+    assert {r.status_code for r in asyncio.run(scenario())} == {400}
+    assert_still_serving(server)
+    m = server.metrics()
+    assert m["kvserve:num_requests_waiting"] == 0 and m["kvserve:num_requests_running"] == 0
+
+
+def test_oversized_body_is_413_before_parsing(server):
+    big = {"model": "tiny", "prompt": "hello world " * 1_000_000, "max_tokens": 1}  # 12 MB
+    t0 = time.monotonic()
+    r = post(server, big)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    assert time.monotonic() - t0 < 30  # refused without tokenizing (it took 52 s before)
+
+    def chunks():  # no Content-Length: the limit is counted as the body arrives
+        for _ in range(10):
+            yield b" " * 2**20
+
+    r = httpx.post(f"{server.url}/v1/completions", content=chunks(), headers=server.headers, timeout=60)
+    assert r.status_code == 413
+    assert_still_serving(server)
+
+
+def test_long_prompt_refused_before_tokenizing_and_health_stays_fast(server):
+    """A 5 MB prompt is rejected by the character cap (no tokenizing); /health keeps answering."""
+    body = {"model": "tiny", "prompt": "hello world " * 416_666, "max_tokens": 1}
+    latencies: list[float] = []
+
+    async def scenario():
+        async with httpx.AsyncClient(timeout=60) as http:
+            task = asyncio.create_task(
+                http.post(f"{server.url}/v1/completions", json=body, headers=server.headers)
+            )
+            while not task.done():
+                t0 = time.monotonic()
+                assert (await http.get(f"{server.url}/health")).status_code == 200
+                latencies.append(time.monotonic() - t0)
+                await asyncio.sleep(0.01)
+            return task.result()
+
+    r = asyncio.run(scenario())
+    assert_400(r, "prompt")
+    assert "characters" in r.json()["error"]["message"]
+    latencies.sort()
+    assert latencies[int(0.99 * (len(latencies) - 1))] <= 0.1, latencies[-5:]
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi " * 2_000_000}]}
+    assert_400(post(server, chat, "/v1/chat/completions"), "messages")
+    assert_400(post(server, {"prompt": "hi " * 2_000_000}, "/tokenize"), "prompt")
+
+
+def test_auth_schemes_and_keys(server):
+    for header in ("Bearer test-key", "bearer second-key", "BEARER test-key"):
+        r = httpx.post(f"{server.url}/v1/completions", json=OK, headers={"Authorization": header}, timeout=60)
+        assert r.status_code == 200, header
+    for header in ("Bearer wrong", "Basic test-key", "test-key", "Bearer test-key-and-more", ""):
+        r = httpx.post(f"{server.url}/v1/completions", json=OK, headers={"Authorization": header})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", header
+    assert httpx.get(f"{server.url}/metrics").status_code == 401  # --metrics-require-key
+    assert httpx.get(f"{server.url}/metrics", headers=server.headers).status_code == 200
+    assert httpx.get(f"{server.url}/health").status_code == 200  # probes need no key
+
+
+def test_readiness_and_openapi_document(server):
+    deadline = time.monotonic() + 30
+    while httpx.get(f"{server.url}/health/ready").status_code != 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    doc = httpx.get(f"{server.url}/openapi.json").json()
+    responses = doc["paths"]["/v1/chat/completions"]["post"]["responses"]
+    assert "400" in responses and "422" not in responses
+
+
+def test_engine_failure_fails_only_that_request(tiny_llama_dir):
+    """A step that raises (fault injected into every chat request's sampling) fails those
+    requests with a 500 naming the problem; completions running beside them finish."""
+    s = ServerProcess(tiny_llama_dir, *MODEL_ARGS, env={"KVSERVE_FAULT_INJECT_SAMPLING": "chatcmpl-"})
+    try:
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        long = {**OK, "max_tokens": 64, "ignore_eos": True}
+
+        async def scenario():
+            async with httpx.AsyncClient(timeout=60) as http:
+                url, h = s.url, s.headers
+                calls = [http.post(f"{url}/v1/completions", json=long, headers=h) for _ in range(4)]
+                calls += [http.post(f"{url}/v1/chat/completions", json=chat, headers=h) for _ in range(2)]
+                stream = http.post(f"{url}/v1/chat/completions", json={**chat, "stream": True}, headers=h)
+                return await asyncio.gather(*calls, stream)
+
+        *done, streamed = asyncio.run(scenario())
+        assert [r.status_code for r in done] == [200] * 4 + [500] * 2
+        assert all(r.json()["choices"][0]["finish_reason"] == "length" for r in done[:4])
+        assert "fault injected" in done[4].json()["error"]["message"]
+        events = [line[6:] for line in streamed.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and "error" in json.loads(events[-2])
+        assert_still_serving(s)
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def tiny_long_dir(tmp_path_factory) -> str:
+    """The tiny Llama with an 8k context, so one request can stream for a long time."""
+    from conftest import _save_tiny
+
+    path = _save_tiny(str(tmp_path_factory.mktemp("tiny-8k")), "llama")
+    cfg_path = os.path.join(path, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg["max_position_embeddings"] = 8192
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f)
+    return path
+
+
+def test_stalled_reader_is_aborted(tiny_long_dir):
+    """A client that never reads its stream: once its buffers are full the send waits, and
+    after --stream-stall-timeout the request is aborted and its blocks freed. Loopback holds
+    ~3 MB per connection, so the stream is made heavy (8 choices, 20 alternatives per token:
+    ~20 KB a step): it stalls after ~150 of the 8 x 4000 tokens asked for."""
+    s = ServerProcess(
+        tiny_long_dir, "--kv-cache-memory", "256MiB", "--max-model-len", "8192", "--served-model-name",
+        "tiny", "--stream-stall-timeout", "1",
+    )  # fmt: skip
+    try:
+        body = json.dumps(
+            {"model": "tiny", "prompt": "Go", "max_tokens": 4000, "ignore_eos": True, "stream": True,
+             "logprobs": 20, "n": 8}
+        ).encode()  # fmt: skip
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", s.port))
+        head = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {s.api_key}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        )
+        sock.sendall(head.encode() + body)  # ... and never read the answer
+        deadline = time.monotonic() + 120
+        while s.metrics().get("kvserve:num_requests_running", 0) == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        while s.metrics()["kvserve:num_requests_running"] > 0:
+            assert time.monotonic() < deadline, "the stalled stream was never aborted"
+            time.sleep(0.2)
+        m = s.metrics()
+        assert m["kvserve:kv_cache_usage_perc"] == 0
+        assert m["kvserve:generation_tokens_total"] < 8 * 3000  # stopped long before the end
+        sock.close()
+        assert_still_serving(s)
+    finally:
+        s.stop()
