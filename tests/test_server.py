@@ -295,7 +295,7 @@ def test_request_timeout(tiny_llama_dir):
 
 
 def test_engine_death_is_reported(tiny_llama_dir):
-    s = ServerProcess(tiny_llama_dir, *MODEL_ARGS, "--max-num-seqs", "1")
+    s = ServerProcess(tiny_llama_dir, *MODEL_ARGS, "--max-num-seqs", "1", "--engine-restart-limit", "0")
     try:
         killed, done, results = _post_many(s, LONG, 20, kill_after=0.3)
         codes = [r.status_code for r in results]

@@ -161,8 +161,10 @@ class AsyncLLM:
         self._out = zmq.asyncio.Socket.shadow(self._out_sync.underlying)
 
     def _close_sockets(self) -> None:
-        self._in_sync.close(linger=0)
-        self._out_sync.close(linger=0)
+        # The asyncio views first: closing them takes their fds off the event loop, so a new
+        # socket that reuses an fd number is not left behind a stale reader.
+        for sock in (self._in, self._out, self._in_sync, self._out_sync):
+            sock.close(linger=0)
         for addr in (self._in_addr, self._out_addr):
             try:
                 os.unlink(addr[len("ipc://") :])
