@@ -7,7 +7,7 @@ failure tests. The backend model name picks the behaviour:
     die       streams 2 events, then drops the connection       slow     one event every 0.1 s
     hold-N    answers after N seconds
 
-GET /stats gives requests per model and how many streams the client cancelled.
+GET /stats gives requests per model and how many streams and holds the client cancelled.
 
     python tests/fault_backend.py --port 8124
 """
@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 app = FastAPI()
 counts: Counter = Counter()
-cancelled = {"streams": 0}
+cancelled = {"streams": 0, "holds": 0}
 
 
 def words(body: dict) -> int:
@@ -80,8 +80,14 @@ async def _answer(request: Request, chat: bool):
         return JSONResponse({"error": {"message": msg, "code": "context_length_exceeded"}}, 400)
     if mode == "hang":
         await asyncio.sleep(60)
-    if mode.startswith("hold-"):
-        await asyncio.sleep(float(mode[5:]))
+    if mode.startswith("hold-"):  # answer after N seconds unless the client leaves first
+        loop = asyncio.get_running_loop()
+        end = loop.time() + float(mode[5:])
+        while loop.time() < end:
+            if await request.is_disconnected():
+                cancelled["holds"] += 1
+                return JSONResponse({}, 499)
+            await asyncio.sleep(0.05)
     if body.get("stream"):
         return StreamingResponse(_events(body, chat, mode), media_type="text/event-stream")
     n = int(body.get("max_tokens") or 4)
@@ -123,7 +129,11 @@ async def health():
 
 @app.get("/stats")
 async def stats():
-    return {"requests": dict(counts), "cancelled_streams": cancelled["streams"]}
+    return {
+        "requests": dict(counts),
+        "cancelled_streams": cancelled["streams"],
+        "cancelled_holds": cancelled["holds"],
+    }
 
 
 if __name__ == "__main__":

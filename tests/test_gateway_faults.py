@@ -149,6 +149,24 @@ def test_client_disconnect_cancels_the_upstream_stream(gw, fault):
     assert fault.stats()["cancelled_streams"] == before + 1
 
 
+def test_client_disconnect_cancels_a_non_streaming_upstream_request(fault, tmp_path):
+    cfg = {"model_list": [deployment("long", fault.url + "/v1", "hold-20")], "keys": [{"key": KEY}],
+           "general_settings": {"database": str(tmp_path / "gw.db")}}  # fmt: skip
+    g = GatewayProcess(cfg, str(tmp_path))
+    try:
+        before = fault.stats()["cancelled_holds"]
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(g.url + "/v1/chat/completions", json={"model": "long", "messages": MSG},
+                       headers={"Authorization": f"Bearer {KEY}"}, timeout=0.5)  # fmt: skip
+        deadline = time.monotonic() + 15
+        while fault.stats()["cancelled_holds"] == before and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert fault.stats()["cancelled_holds"] == before + 1  # long before its 20 s were up
+        assert "status=499" in g.logs()
+    finally:
+        g.stop()
+
+
 def test_usage_chunk_only_when_the_client_asked(gw):
     c = client(gw)
     chunks = list(c.chat.completions.create(model="okgroup", messages=MSG, max_tokens=3, stream=True))

@@ -47,6 +47,7 @@ class Ctx:
     reserved_money: float = 0.0
     checks: list[Check] = field(default_factory=list)
     headers: dict[str, str] = field(default_factory=dict)
+    request: Request | None = None
     attempts: int = 0
     served_by: Deployment | None = None
     settled: bool = False
@@ -101,6 +102,7 @@ class Gateway:
             stream and isinstance(so, dict) and so.get("include_usage") is True,
             time.monotonic(),
         )
+        ctx.request = request
         work = asyncio.ensure_future(self._run(ctx))
         watcher = asyncio.ensure_future(_disconnected(request))
         try:
@@ -174,6 +176,7 @@ class Gateway:
     # ---- attempts --------------------------------------------------------------------------
     async def _attempts(self, ctx: Ctx) -> Response:
         groups, context_switched = self._chain(ctx.alias), False
+        context_answer: tuple[Deployment, Outcome] | None = None  # a backend's own "too long" 400
         last: GatewayError | None = None
         gi = 0
         while gi < len(groups):
@@ -222,7 +225,7 @@ class Gateway:
                 if out is not None and not isinstance(out, Outcome):
                     return out
                 if out.kind == "context":
-                    too_long = True
+                    too_long, context_answer = True, (dep, out)
                     excluded.add(dep.id)
                     continue
                 self.metrics.attempts.labels(dep.id, f"failed_{out.status}").inc()
@@ -242,10 +245,12 @@ class Gateway:
             if too_long and not context_switched:
                 context_switched, gi = True, 0
                 groups = self.rs.context_window_fallbacks.get(ctx.alias, [])
+                if not groups and context_answer:  # nowhere bigger to go: the backend's answer stands
+                    return await self._pass_through(ctx, *context_answer)
                 last = GatewayError(
                     400,
-                    f"messages: the prompt ({ctx.prompt_tokens} tokens) is longer than the "
-                    f"context of every deployment of {alias!r}",
+                    f"messages: the prompt ({ctx.prompt_tokens} tokens) with max_tokens is longer than "
+                    f"the context of every deployment of {alias!r} and of its context_window_fallbacks",
                     code="context_length_exceeded",
                 )
                 continue
@@ -255,6 +260,12 @@ class Gateway:
         )
         err.headers.update({**ctx.headers, "x-kvserve-attempts": str(ctx.attempts)})
         raise err
+
+    async def _pass_through(self, ctx: Ctx, dep: Deployment, out: Outcome) -> Response:
+        ctx.served_by = dep
+        self.metrics.attempts.labels(dep.id, f"final_{out.status}").inc()
+        await self._finish(ctx, out.status, None)
+        return Response(out.content, out.status, headers=self._headers(ctx, dep), media_type=out.media_type)
 
     async def _one(self, ctx: Ctx, dep: Deployment, arid: str, dchecks: list[Check]) -> Response | Outcome:
         """One attempt; a Response when it is the answer, else the failed Outcome."""
@@ -273,9 +284,11 @@ class Gateway:
         await self._release(arid, dchecks, tokens)
         if out.kind in ("retry", "context"):
             return out
+        if out.kind == "final":
+            return await self._pass_through(ctx, dep, out)
         ctx.served_by = dep
-        self.metrics.attempts.labels(dep.id, "ok" if out.kind == "ok" else f"final_{out.status}").inc()
-        await self._finish(ctx, out.status, out.usage if out.kind == "ok" else None, ok=out.kind == "ok")
+        self.metrics.attempts.labels(dep.id, "ok").inc()
+        await self._finish(ctx, out.status, out.usage, ok=True)
         return Response(out.content, out.status, headers=self._headers(ctx, dep), media_type=out.media_type)
 
     def _headers(self, ctx: Ctx, dep: Deployment) -> dict[str, str]:
@@ -292,21 +305,26 @@ class Gateway:
         deadline = time.monotonic() - (out.first_byte_s or 0) + dep.backend.timeout
 
         async def relay():
-            status, failure = 200, None
+            status, failure = 499, None  # 499 unless the stream ends or fails
+            gone = asyncio.ensure_future(_disconnected(ctx.request))  # the client went away
             try:
                 yield out.first
                 async for chunk in out.chunks:
+                    if gone.done():
+                        return  # closing the upstream response cancels the backend's work
                     data = out.relay.feed(chunk)
                     if data:
                         yield data
                     if time.monotonic() > deadline:
                         raise TimeoutError(f"stream exceeded the total timeout of {dep.backend.timeout:g} s")
+                status = 200
             except Exception as e:  # httpx read errors, idle and total timeouts
                 status, failure = 502, f"{e.__class__.__name__}: {e}".strip(": ")
                 yield error_event(
                     f"deployment {dep.id} failed mid-stream ({failure}); the answer is incomplete"
                 )
             finally:
+                gone.cancel()
                 done = asyncio.ensure_future(self._end_stream(ctx, dep, arid, dchecks, out, status, failure))
                 try:
                     await asyncio.shield(done)
