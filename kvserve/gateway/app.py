@@ -21,7 +21,7 @@ from kvserve.gateway.handler import Gateway
 from kvserve.gateway.keys import KeyRecord, KeyStore, open_database
 from kvserve.gateway.metrics import GatewayMetrics
 from kvserve.gateway.spend import SpendLog
-from kvserve.gateway.state import open_store
+from kvserve.gateway.state import StoreUnavailable, open_store
 
 log = logging.getLogger("kvserve.gateway")
 
@@ -80,6 +80,11 @@ def build_app(cfg: GatewayConfig) -> FastAPI:
     @app.exception_handler(GatewayError)
     async def _gateway_error(_: Request, e: GatewayError):
         return e.response()
+
+    @app.exception_handler(StoreUnavailable)
+    async def _store_down(_: Request, e: StoreUnavailable):
+        log.warning("%s", e)
+        return GatewayError(503, str(e), "server_error", "state_store_unavailable").response()
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, e: RequestValidationError):

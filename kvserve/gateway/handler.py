@@ -26,7 +26,7 @@ from kvserve.gateway.retries import MAX_RETRY_AFTER, backoff
 from kvserve.gateway.router import Router
 from kvserve.gateway.spend import SpendLog, SpendRow
 from kvserve.gateway.sse import error_event
-from kvserve.gateway.state import Check, StateStore
+from kvserve.gateway.state import Check, StateStore, StoreUnavailable
 
 log = logging.getLogger("kvserve.gateway")
 
@@ -355,7 +355,10 @@ class Gateway:
     # ---- settlement ------------------------------------------------------------------------
     async def _release(self, arid: str, dchecks: list[Check], tokens: float) -> None:
         if dchecks:
-            await self.store.settle(arid, dchecks, [tokens if c.kind == "tpm" else 0 for c in dchecks])
+            try:
+                await self.store.settle(arid, dchecks, [tokens if c.kind == "tpm" else 0 for c in dchecks])
+            except StoreUnavailable as e:  # the slot expires on its own (TTL)
+                log.warning("release of %s failed: %s", arid, e)
 
     async def _finish(self, ctx: Ctx, status: int, usage: dict | None, ok: bool = False) -> None:
         """Settle the key's and team's reservations and log the request (once)."""
@@ -370,7 +373,10 @@ class Gateway:
         tokens = (usage or {}).get("total_tokens", ctx.prompt_tokens) if ok else 0
         if ctx.checks:
             actual = [money if c.kind == "budget" else tokens if c.kind == "tpm" else 0 for c in ctx.checks]
-            await self.store.settle(ctx.rid, ctx.checks, actual)
+            try:
+                await self.store.settle(ctx.rid, ctx.checks, actual)
+            except StoreUnavailable as e:  # the reservation expires on its own (TTL)
+                log.warning("settle of %s failed: %s", ctx.rid, e)
         self.metrics.in_flight.dec()
         self.metrics.requests.labels(ctx.alias, str(status)).inc()
         if not ctx.stream:

@@ -3,7 +3,7 @@ in process memory for a single instance, or Redis for N instances that must beha
 
 from __future__ import annotations
 
-from kvserve.gateway.state.base import Admission, Check, StateStore
+from kvserve.gateway.state.base import Admission, Check, StateStore, StoreUnavailable
 
 
 def open_store(url: str) -> StateStore:
@@ -17,4 +17,4 @@ def open_store(url: str) -> StateStore:
     return RedisStore(url)
 
 
-__all__ = ["Admission", "Check", "StateStore", "open_store"]
+__all__ = ["Admission", "Check", "StateStore", "StoreUnavailable", "open_store"]

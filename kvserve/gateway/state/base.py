@@ -11,6 +11,10 @@ FAIL_WINDOW_S = 60  # allowed_fails are counted within this window
 EPS = 1e-9  # float slack when comparing money
 
 
+class StoreUnavailable(RuntimeError):
+    """The shared state store cannot be reached: the gateway refuses (503) rather than guess."""
+
+
 @dataclass(frozen=True)
 class Check:
     """One limit to enforce. amount: 1 for rpm, tokens for tpm, 1 for parallel, money for budget;

@@ -4,12 +4,14 @@ the Redis server's clock, so instances on skewed hosts still agree."""
 
 from __future__ import annotations
 
+import functools
 import uuid
 from pathlib import Path
 
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
-from kvserve.gateway.state.base import Admission, Check, StateStore
+from kvserve.gateway.state.base import Admission, Check, StateStore, StoreUnavailable
 
 _HERE = Path(__file__).parent
 PREFIX = "kvgw:"
@@ -23,14 +25,28 @@ def _keys(c: Check) -> list[str]:
     return [f"{PREFIX}b:{c.scope}", f"{PREFIX}rz:{c.scope}", f"{PREFIX}ra:{c.scope}"]
 
 
+def _guarded(fn):
+    @functools.wraps(fn)
+    async def wrapper(*args, **kwargs):
+        try:
+            return await fn(*args, **kwargs)
+        except (RedisError, OSError) as e:
+            raise StoreUnavailable(f"state store (Redis): {e.__class__.__name__}: {e}") from None
+
+    return wrapper
+
+
 class RedisStore(StateStore):
     def __init__(self, url: str, max_connections: int = 64) -> None:
-        self.redis = aioredis.from_url(
-            url, max_connections=max_connections, socket_timeout=5, socket_connect_timeout=5
+        # A blocking pool: a burst waits for a free connection instead of failing.
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=10, socket_timeout=5, socket_connect_timeout=5
         )
+        self.redis = aioredis.Redis(connection_pool=pool)
         load = lambda name: self.redis.register_script((_HERE / name).read_text())  # noqa: E731
         self._admit, self._settle, self._fail = load("admit.lua"), load("settle.lua"), load("fail.lua")
 
+    @_guarded
     async def admit(self, request_id: str, checks: list[Check], ttl: float) -> Admission:
         if not checks:
             return Admission(True, [])
@@ -43,6 +59,7 @@ class RedisStore(StateStore):
             return Admission(True, [float(x) for x in out[1:]])
         return Admission(False, [], checks[int(out[1]) - 1], int(out[2]) / 1000)
 
+    @_guarded
     async def settle(self, request_id: str, checks: list[Check], actual: list[float]) -> None:
         todo = [(c, a) for c, a in zip(checks, actual) if c.kind != "rpm"]
         if not todo:
@@ -53,11 +70,13 @@ class RedisStore(StateStore):
             args += [c.kind, repr(float(c.amount)), repr(float(a)), int(c.period * 1000)]
         await self._settle(keys=keys, args=args)
 
+    @_guarded
     async def record_failure(self, deployment: str, allowed_fails: int, cooldown_time: float) -> bool:
         keys = [f"{PREFIX}f:{deployment}", f"{PREFIX}c:{deployment}"]
         out = await self._fail(keys=keys, args=[allowed_fails, int(cooldown_time * 1000), uuid.uuid4().hex])
         return int(out) == 1
 
+    @_guarded
     async def cooling(self, deployments: list[str]) -> set[str]:
         if not deployments:
             return set()
