@@ -162,7 +162,7 @@ def test_reservation_of_a_killed_instance_expires(fault, redis_server, tmp_path)
             time.sleep(0.25)
             r = httpx.post(survivor.url + "/v1/chat/completions", json={**body, "model": "priced"}, headers=h)
         assert r.status_code == 200  # the dead instance's reservation expired; the budget came back
-        assert time.monotonic() - admitted >= ttl - 0.5
+        assert time.monotonic() - admitted >= ttl / 2  # it was the TTL: nobody settled it
         t.join(5)
     finally:
         victim.stop()

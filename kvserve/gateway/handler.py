@@ -123,7 +123,12 @@ class Gateway:
             await self._admit(ctx)
             resp = await self._attempts(ctx)
         except BaseException as e:
-            status = e.status if isinstance(e, GatewayError) else 499
+            status = (
+                e.status if isinstance(e, GatewayError)
+                else 503 if isinstance(e, StoreUnavailable)
+                else 499 if isinstance(e, asyncio.CancelledError)
+                else 500
+            )  # fmt: skip
             await asyncio.shield(self._finish(ctx, status, None))
             raise
         return resp
