@@ -198,17 +198,24 @@ def _streams(url: str, headers: dict, n: int, max_tokens: int) -> float:
 
 def bench_stream(args) -> None:
     srv = ServerProcess(
-        "smollm2-135m", "--kv-cache-memory", "512MiB", "--served-model-name", "m", api_key=None
-    )
+        "smollm2-135m", "--kv-cache-memory", "512MiB", "--served-model-name", "m", api_key=None, timeout=600,
+        log_path=os.path.join(tempfile.gettempdir(), "bench_gateway_serve.log"),
+    )  # fmt: skip
     tmp = tempfile.mkdtemp()
     gw = gateway(srv.url, tmp, model="m")
     try:
         _streams(srv.url, {}, 4, 8)  # warm-up
         direct, via = [], []
+        import psutil
+
+        gproc = psutil.Process(gw.proc.pid)
         for _ in range(args.rounds):
             direct.append(_streams(srv.url, {}, 32, args.max_tokens))
+            cpu0 = sum(gproc.cpu_times()[:2])
             via.append(_streams(gw.url, {"Authorization": f"Bearer {KEY}"}, 32, args.max_tokens))
-            print(f"round: direct {direct[-1]:.1f} tok/s, gateway {via[-1]:.1f} tok/s")
+            cpu = sum(gproc.cpu_times()[:2]) - cpu0
+            print(f"round: direct {direct[-1]:.1f} tok/s, gateway {via[-1]:.1f} tok/s "
+                  f"(gateway process CPU {cpu:.2f} s for {32 * args.max_tokens} tokens)")  # fmt: skip
         d, g = statistics.mean(direct), statistics.mean(via)
         print(
             f"32 streams x {args.max_tokens} tokens, {args.rounds} interleaved rounds: direct {d:.1f} tok/s, "
@@ -227,19 +234,29 @@ def bench_memory(args) -> None:
     gw = gateway(stub.url, tmp, limited=True)
     proc = psutil.Process(gw.proc.pid)
 
-    async def send(n: int, concurrency: int = 32):
-        async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=concurrency)) as c:
-            h = {"Authorization": f"Bearer {KEY}"}
-            left = n
+    errors = 0
 
-            async def worker():
-                nonlocal left
-                while left > 0:
-                    left -= 1
+    async def send(n: int, concurrency: int = 32):
+        nonlocal errors
+        clients = [
+            httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=1)) for _ in range(concurrency)
+        ]
+        h = {"Authorization": f"Bearer {KEY}"}
+        left = n
+
+        async def worker(c: httpx.AsyncClient):
+            nonlocal left, errors
+            while left > 0:
+                left -= 1
+                try:
                     r = await c.post(gw.url + "/v1/chat/completions", json=BODY, headers=h)
                     assert r.status_code == 200, r.text
+                except httpx.TransportError:  # a keep-alive connection closed as it was reused
+                    errors += 1
 
-            await asyncio.gather(*(worker() for _ in range(concurrency)))
+        await asyncio.gather(*(worker(c) for c in clients))
+        for c in clients:
+            await c.aclose()
 
     try:
         asyncio.run(send(1000))
@@ -251,7 +268,7 @@ def bench_memory(args) -> None:
         print(
             f"gateway RSS after 1,000 requests {rss_1k / 2**20:.1f} MiB, "
             f"after 20,000 {rss_20k / 2**20:.1f} MiB "
-            f"(growth {(rss_20k - rss_1k) / 2**20:+.1f} MiB)"
+            f"(growth {(rss_20k - rss_1k) / 2**20:+.1f} MiB); client transport errors: {errors}"
         )
     finally:
         gw.stop()

@@ -91,10 +91,14 @@ class BackendPool:
             )
         except httpx.HTTPError:
             return estimate_tokens(body)  # down right now: the attempt itself will find out
-        if r.status_code == 200 and isinstance(r.json().get("count"), int):
+        try:
+            count = r.json().get("count") if r.status_code == 200 else None
+        except (ValueError, AttributeError):
+            count = None
+        if isinstance(count, int):
             self.tokenizer[dep.id] = "kvserve"
-            return r.json()["count"]
-        if mode == "auto" and r.status_code in (401, 403, 404, 405):
+            return count
+        if mode == "auto" and r.status_code < 500:  # no kvserve /tokenize there: stop asking
             self.tokenizer[dep.id] = "estimate"
         return estimate_tokens(body)
 
