@@ -275,17 +275,51 @@ def bench_memory(args) -> None:
         stub.stop()
 
 
+def bench_pools(args) -> None:
+    stub = Stub()
+
+    async def go(n_clients: int, per_client: int, seconds: float = 3.0) -> float:
+        limits = httpx.Limits(max_connections=per_client, max_keepalive_connections=per_client)
+        clients = [httpx.AsyncClient(timeout=30, limits=limits) for _ in range(n_clients)]
+        done, end = 0, time.perf_counter() + seconds
+
+        async def worker(c: httpx.AsyncClient):
+            nonlocal done
+            while time.perf_counter() < end:
+                await c.post(stub.url + "/v1/chat/completions", json=BODY)
+                done += 1
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(clients[i % n_clients]) for i in range(64)))
+        for c in clients:
+            await c.aclose()
+        return done / (time.perf_counter() - t0)
+
+    try:
+        for n, per in ((1, 64), (16, 4), (64, 1)):
+            rate = asyncio.run(go(n, per))
+            print(f"64 concurrent requests, {n} httpx client(s) x {per} connections: {rate:.0f} req/s")
+    finally:
+        stub.stop()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("which", choices=("overhead", "stream", "memory", "all"))
+    ap.add_argument("which", choices=("overhead", "stream", "memory", "pools", "all"))
     ap.add_argument("--requests", type=int, default=2000, help="sequential requests per path (overhead)")
     ap.add_argument("--seconds", type=float, default=5.0, help="seconds per throughput run (overhead)")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds (stream)")
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens per stream (stream)")
     args = ap.parse_args()
     print(machine(), "|", time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
-    for name in ("overhead", "stream", "memory") if args.which == "all" else (args.which,):
-        {"overhead": bench_overhead, "stream": bench_stream, "memory": bench_memory}[name](args)
+    benches = {
+        "overhead": bench_overhead,
+        "stream": bench_stream,
+        "memory": bench_memory,
+        "pools": bench_pools,
+    }
+    for name in benches if args.which == "all" else (args.which,):
+        benches[name](args)
 
 
 if __name__ == "__main__":

@@ -42,15 +42,15 @@ POOL_SHARD = 4  # connections per httpx client: one client's pool slows down sha
 
 
 class BackendPool:
-    """Per deployment, max_connections split over small httpx clients used in turn (measured:
-    64 concurrent requests through one 64-connection client ran ~7x slower than through 16
-    clients of 4; see docs/BENCHMARKS.md)."""
+    """Per deployment, max_connections split over small httpx clients used in turn: 64
+    concurrent requests through one 64-connection client ran at 52 req/s, through 16 clients of
+    4 at 309 (`benchmarks/bench_gateway.py pools`, docs/BENCHMARKS.md)."""
 
     def __init__(self, cfg: GatewayConfig) -> None:
         self.clients: dict[str, list[httpx.AsyncClient]] = {}
         self._next: dict[str, int] = {}
         self.tokenizer: dict[str, str] = {}
-        tls = httpx.create_ssl_context()  # built once: ~80 ms each if every client made its own
+        tls = httpx.create_ssl_context()  # built once: one per client made start-up take minutes
         for d in cfg.model_list:
             b = d.backend
             shards = max(1, -(-b.max_connections // POOL_SHARD))
