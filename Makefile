@@ -6,8 +6,9 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install serve test lint bench clean
+.PHONY: install serve test lint bench clean redis-server
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,7 +23,11 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/kvserve serve smollm2-135m --host 127.0.0.1 --port 8000
 
-test: $(STAMP)
+# The gateway tests start their own real Redis (Debian's redis-server), so install it when missing.
+redis-server:
+	command -v redis-server >/dev/null || ($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq redis-server)
+
+test: $(STAMP) redis-server
 	$(BIN)/ruff check .
 	$(BIN)/pytest -q --timeout 900
 

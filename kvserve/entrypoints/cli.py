@@ -1,4 +1,4 @@
-"""`kvserve` command line: generate (one-shot or interactive chat), serve, plan, bench, eval."""
+"""`kvserve` command line: generate (one-shot or interactive chat), serve, gateway, plan, bench, eval."""
 
 from __future__ import annotations
 
@@ -126,6 +126,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
 
 
+def cmd_gateway(args: argparse.Namespace) -> int:
+    from kvserve.gateway.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from kvserve.gateway.app import serve
+
+    return serve(cfg, args.host, args.port)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve", description="kvserve: LLM inference and serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -170,6 +183,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="naive: the transformers generate() baseline, one request at a time")  # fmt: skip
     add_engine_args(srv)
     srv.set_defaults(func=cmd_serve)
+
+    gw = sub.add_parser("gateway", help="one OpenAI endpoint over many backends (keys, limits, budgets)")
+    gw.add_argument("--config", required=True, help="gateway YAML (see docs/GATEWAY.md)")
+    gw.add_argument("--host", default="127.0.0.1")
+    gw.add_argument("--port", type=int, default=4000)
+    gw.set_defaults(func=cmd_gateway)
 
     from kvserve.planner.cli import register as register_plan
 

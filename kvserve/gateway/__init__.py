@@ -1,0 +1,2 @@
+"""`kvserve gateway`: one OpenAI-compatible endpoint over many backends (HTTP only; never imports
+the engine)."""

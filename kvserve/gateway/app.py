@@ -1,0 +1,155 @@
+"""The gateway's FastAPI app: OpenAI routes, health, readiness, metrics and the admin API."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvserve.gateway.admin import admin_router
+from kvserve.gateway.backends import BackendPool
+from kvserve.gateway.config import GatewayConfig
+from kvserve.gateway.errors import GatewayError, unauthorized
+from kvserve.gateway.handler import Gateway
+from kvserve.gateway.keys import KeyRecord, KeyStore, open_database
+from kvserve.gateway.metrics import GatewayMetrics
+from kvserve.gateway.spend import SpendLog
+from kvserve.gateway.state import StoreUnavailable, open_store
+
+log = logging.getLogger("kvserve.gateway")
+
+
+class GatewayState:
+    """What the routes share: store, keys, spend log, connection pools, metrics."""
+
+    def __init__(self, cfg: GatewayConfig) -> None:
+        self.cfg = cfg
+        self.store = open_store(cfg.general_settings.state)
+        self.keys = KeyStore(cfg, open_database(cfg.general_settings.database))
+        self.spend = SpendLog(open_database(cfg.general_settings.database))
+        self.pool = BackendPool(cfg)
+        self.metrics = GatewayMetrics()
+        self.gateway = Gateway(cfg, self.store, self.pool, self.spend, self.metrics)
+
+    def authenticate(self, request: Request) -> KeyRecord:
+        auth = request.headers.get("authorization", "")
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise unauthorized("Authorization: missing; send 'Authorization: Bearer <virtual key>'")
+        rec = self.keys.lookup(token.strip())
+        if rec is None:
+            raise unauthorized("Authorization: unknown or revoked key")
+        return rec
+
+    def require_master(self, request: Request) -> None:
+        master = self.cfg.general_settings.master_key
+        if not master:
+            raise GatewayError(
+                403, "admin API: disabled (no general_settings.master_key)", "permission_denied"
+            )
+        token = request.headers.get("authorization", "").partition(" ")[2].strip()
+        if not hmac.compare_digest(token.encode(), master.encode()):
+            raise unauthorized("Authorization: the admin API needs the master key")
+
+
+def build_app(cfg: GatewayConfig) -> FastAPI:
+    state = GatewayState(cfg)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.spend.start()
+        yield
+        await state.spend.stop()
+        await state.pool.close()
+        await state.store.close()
+
+    app = FastAPI(title="kvserve gateway", lifespan=lifespan)
+    app.state.gateway = state
+    app.include_router(admin_router(state))
+
+    def st() -> GatewayState:
+        return state
+
+    @app.exception_handler(GatewayError)
+    async def _gateway_error(_: Request, e: GatewayError):
+        return e.response()
+
+    @app.exception_handler(StoreUnavailable)
+    async def _store_down(_: Request, e: StoreUnavailable):
+        log.warning("%s", e)
+        return GatewayError(503, str(e), "server_error", "state_store_unavailable").response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, e: RequestValidationError):
+        err = e.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"][1:]) or "body"
+        return GatewayError(400, f"{loc}: {err['msg']}").response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, e: StarletteHTTPException):
+        return GatewayError(e.status_code, str(e.detail), code=e.status_code).response()
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        s = st()
+        return await s.gateway.handle(request, "/chat/completions", s.authenticate(request))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        s = st()
+        return await s.gateway.handle(request, "/completions", s.authenticate(request))
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        s = st()
+        allowed = s.gateway.allowed_models(s.authenticate(request))
+        data = [{"id": a, "object": "model", "created": 0, "owned_by": "kvserve-gateway"} for a in allowed]
+        return {"object": "list", "data": data}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/health/readiness")
+    async def readiness():
+        s = st()
+        deps = cfg.model_list
+        up, cooling, store_ok = await asyncio.gather(
+            asyncio.gather(*(s.pool.probe(d) for d in deps)),
+            s.store.cooling([d.id for d in deps]),
+            s.store.ping(),
+        )
+        rows = [
+            {"id": d.id, "model_name": d.model_name, "up": u, "cooling_down": d.id in cooling}
+            for d, u in zip(deps, up)
+        ]
+        ready = store_ok and any(r["up"] and not r["cooling_down"] for r in rows)
+        body = {"status": "ready" if ready else "not_ready", "state_store": store_ok, "deployments": rows}
+        return JSONResponse(body, status_code=200 if ready else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(st().metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def serve(cfg: GatewayConfig, host: str, port: int) -> int:
+    import uvicorn
+
+    log.info(
+        "kvserve gateway on http://%s:%d: %d deployments, state %s",
+        host,
+        port,
+        len(cfg.model_list),
+        cfg.general_settings.state.split("@")[-1],
+    )
+    uvicorn.run(build_app(cfg), host=host, port=port, log_level="warning", access_log=False)
+    return 0

@@ -1,0 +1,118 @@
+"""One bounded httpx connection pool per deployment, and prompt-token counting with the
+deployment's own tokenizer when it is a kvserve replica (its /tokenize), else an estimate."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+
+from kvserve.gateway.config import Deployment, GatewayConfig
+
+
+def estimate_tokens(body: dict) -> int:
+    """~4 characters a token plus a few per message: close enough for admission, corrected by
+    the usage the backend reports."""
+    if "messages" in body:
+        msgs = body.get("messages") or []
+        return sum(4 + len(json.dumps(m.get("content") if isinstance(m, dict) else m)) // 4 for m in msgs) + 2
+    prompt = body.get("prompt", "")
+    if isinstance(prompt, list) and prompt and all(isinstance(x, int) for x in prompt):
+        return len(prompt)
+    return len(json.dumps(prompt)) // 4 + 1
+
+
+def _tokenize_payload(dep: Deployment, body: dict) -> dict | None:
+    if "messages" in body:
+        msgs = []
+        for m in body.get("messages") or []:
+            if not isinstance(m, dict):
+                return None
+            content = m.get("content") or ""
+            if isinstance(content, list):
+                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+            msgs.append({"role": m.get("role", "user"), "content": content})
+        return {"model": dep.backend.model, "messages": msgs}
+    if isinstance(body.get("prompt"), str):
+        return {"model": dep.backend.model, "prompt": body["prompt"]}
+    return None
+
+
+POOL_SHARD = 4  # connections per httpx client: one client's pool slows down sharply past a few dozen
+
+
+class BackendPool:
+    """Per deployment, max_connections split over small httpx clients used in turn: 64
+    concurrent requests through one 64-connection client ran at 52 req/s, through 16 clients of
+    4 at 309 (`benchmarks/bench_gateway.py pools`, docs/BENCHMARKS.md)."""
+
+    def __init__(self, cfg: GatewayConfig) -> None:
+        self.clients: dict[str, list[httpx.AsyncClient]] = {}
+        self._next: dict[str, int] = {}
+        self.tokenizer: dict[str, str] = {}
+        tls = httpx.create_ssl_context()  # built once: one per client made start-up take minutes
+        for d in cfg.model_list:
+            b = d.backend
+            shards = max(1, -(-b.max_connections // POOL_SHARD))
+            per = min(POOL_SHARD, b.max_connections)
+            timeout = httpx.Timeout(b.timeout, connect=b.connect_timeout, read=b.idle_timeout, pool=b.timeout)
+            limits = httpx.Limits(max_connections=per, max_keepalive_connections=per)
+            self.clients[d.id] = [
+                httpx.AsyncClient(timeout=timeout, limits=limits, verify=tls) for _ in range(shards)
+            ]
+            self._next[d.id] = 0
+            self.tokenizer[d.id] = b.tokenizer
+
+    def client(self, dep: Deployment) -> httpx.AsyncClient:
+        shards = self.clients[dep.id]
+        i = self._next[dep.id] = (self._next[dep.id] + 1) % len(shards)
+        return shards[i]
+
+    @staticmethod
+    def headers(dep: Deployment) -> dict[str, str]:
+        h = {"content-type": "application/json"}
+        if dep.backend.api_key:
+            h["authorization"] = f"Bearer {dep.backend.api_key}"
+        return h
+
+    async def count_prompt_tokens(self, dep: Deployment, body: dict) -> int:
+        """kvserve's /tokenize when the deployment has one (found out once, in 'auto' mode)."""
+        mode = self.tokenizer[dep.id]
+        payload = _tokenize_payload(dep, body) if mode != "estimate" else None
+        if payload is None:
+            return estimate_tokens(body)
+        root = dep.backend.base_url.removesuffix("/v1")
+        try:
+            r = await self.client(dep).post(
+                root + "/tokenize",
+                json=payload,
+                headers=self.headers(dep),
+                timeout=dep.backend.connect_timeout,
+            )
+        except httpx.HTTPError:
+            return estimate_tokens(body)  # down right now: the attempt itself will find out
+        try:
+            count = r.json().get("count") if r.status_code == 200 else None
+        except (ValueError, AttributeError):
+            count = None
+        if isinstance(count, int):
+            self.tokenizer[dep.id] = "kvserve"
+            return count
+        if mode == "auto" and r.status_code < 500:  # no kvserve /tokenize there: stop asking
+            self.tokenizer[dep.id] = "estimate"
+        return estimate_tokens(body)
+
+    async def probe(self, dep: Deployment) -> bool:
+        """Readiness: does the backend answer GET /models?"""
+        try:
+            r = await self.client(dep).get(
+                dep.backend.base_url + "/models", headers=self.headers(dep), timeout=2.0
+            )
+            return r.status_code < 500
+        except httpx.HTTPError:
+            return False
+
+    async def close(self) -> None:
+        for shards in self.clients.values():
+            for c in shards:
+                await c.aclose()

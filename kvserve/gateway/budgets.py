@@ -1,0 +1,34 @@
+"""Money: what a request may cost at most (reserved before forwarding) and what it did cost
+(settled from the usage the backend reported)."""
+
+from __future__ import annotations
+
+from kvserve.gateway.config import Backend
+
+DEFAULT_MAX_TOKENS = 4096  # reserved when the client gives no max_tokens and the context is unknown
+
+
+def completion_budget(body: dict, prompt_tokens: int, max_context: int | None) -> int:
+    """The most completion tokens this request can produce."""
+    n = body.get("max_completion_tokens") or body.get("max_tokens")
+    if isinstance(n, int) and n > 0:
+        return n
+    if max_context:
+        return max(max_context - prompt_tokens, 1)
+    return DEFAULT_MAX_TOKENS
+
+
+def max_cost(backends: list[Backend], prompt_tokens: int, completion_tokens: int, n: int = 1) -> float:
+    """Reservation: the dearest backend the request could reach, at its full length."""
+    return max(
+        (b.input_cost_per_token * prompt_tokens + b.output_cost_per_token * completion_tokens * n)
+        for b in backends
+    )
+
+
+def cost(backend: Backend, usage: dict | None) -> float | None:
+    """Actual cost from an OpenAI usage object; None when the backend reported none."""
+    if not usage:
+        return None
+    p, c = usage.get("prompt_tokens") or 0, usage.get("completion_tokens") or 0
+    return backend.input_cost_per_token * p + backend.output_cost_per_token * c

@@ -1,0 +1,204 @@
+"""Gateway configuration: one YAML file validated with pydantic.
+
+A mistake stops start-up with one line naming the key path (``model_list.1.backend.timeout:
+...``), so an operator never has to read a traceback to find a typo.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+
+class ConfigError(ValueError):
+    """A configuration problem; str() is one line: 'key.path: problem'."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+def _secret(value: str | None, path: str) -> str | None:
+    """'env:NAME' reads the environment; anything else is the literal value."""
+    if value is None or not value.startswith("env:"):
+        return value
+    name = value[4:]
+    if name not in os.environ:
+        raise ConfigError(f"{path}: environment variable {name} is not set")
+    return os.environ[name]
+
+
+class Limits(_Strict):
+    """Limits shared by keys and teams; None means unlimited."""
+
+    rpm: int | None = Field(None, ge=1)
+    tpm: int | None = Field(None, ge=1)
+    max_parallel_requests: int | None = Field(None, ge=1)
+    max_budget: float | None = Field(None, ge=0)
+    budget_duration: str | None = None
+
+    @field_validator("budget_duration")
+    @classmethod
+    def _duration(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_duration(v)
+        return v
+
+
+class Backend(_Strict):
+    base_url: str
+    api_key: str | None = None
+    model: str
+    timeout: float = Field(600.0, gt=0, description="total seconds for one attempt")
+    connect_timeout: float = Field(5.0, gt=0)
+    first_byte_timeout: float = Field(60.0, gt=0)
+    idle_timeout: float = Field(60.0, gt=0, description="seconds between two chunks of a stream")
+    rpm: int | None = Field(None, ge=1)
+    tpm: int | None = Field(None, ge=1)
+    max_parallel_requests: int | None = Field(None, ge=1)
+    max_connections: int = Field(256, ge=1)
+    weight: float = Field(1.0, gt=0)
+    input_cost_per_token: float = Field(0.0, ge=0)
+    output_cost_per_token: float = Field(0.0, ge=0)
+    max_context: int | None = Field(None, ge=1)
+    tokenizer: Literal["auto", "kvserve", "estimate"] = "auto"
+
+    @field_validator("base_url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if not re.match(r"^https?://", v):
+            raise ValueError("must start with http:// or https://")
+        return v.rstrip("/")
+
+
+class Deployment(_Strict):
+    model_name: str
+    id: str | None = None
+    backend: Backend
+
+
+class RouterSettings(_Strict):
+    routing_strategy: Literal["simple-shuffle", "least-busy", "latency-based"] = "simple-shuffle"
+    num_retries: int = Field(2, ge=0, le=20)
+    retry_backoff_base: float = Field(0.1, ge=0)
+    retry_backoff_cap: float = Field(5.0, ge=0)
+    allowed_fails: int = Field(3, ge=1)
+    cooldown_time: float = Field(30.0, ge=0)
+    fallbacks: dict[str, list[str]] = Field(default_factory=dict)
+    context_window_fallbacks: dict[str, list[str]] = Field(default_factory=dict)
+
+
+class KeySpec(Limits):
+    key: str | None = None
+    key_hash: str | None = None
+    alias: str | None = None
+    models: list[str] | None = None
+    team: str | None = None
+
+
+class TeamSpec(Limits):
+    models: list[str] | None = None
+
+
+class GeneralSettings(_Strict):
+    master_key: str | None = None
+    state: str = "memory"
+    database: str = "kvserve_gateway.db"
+    reservation_ttl: float | None = Field(None, gt=0, description="default: longest timeout + 30 s")
+
+    @field_validator("state")
+    @classmethod
+    def _state(cls, v: str) -> str:
+        if v != "memory" and not v.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("must be 'memory' or a redis:// URL")
+        return v
+
+
+class GatewayConfig(_Strict):
+    model_list: list[Deployment] = Field(min_length=1)
+    router_settings: RouterSettings = Field(default_factory=RouterSettings)
+    keys: list[KeySpec] = Field(default_factory=list)
+    teams: dict[str, TeamSpec] = Field(default_factory=dict)
+    general_settings: GeneralSettings = Field(default_factory=GeneralSettings)
+
+    def aliases(self) -> list[str]:
+        return list(dict.fromkeys(d.model_name for d in self.model_list))
+
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str) -> float:
+    """'30s', '10m', '24h', '30d' -> seconds."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([smhd])", text.strip())
+    if not m or float(m.group(1)) <= 0:
+        raise ValueError(f"{text!r} is not a duration like 30s, 10m, 24h or 30d")
+    return float(m.group(1)) * _UNITS[m.group(2)]
+
+
+def _loc(loc: tuple) -> str:
+    return ".".join(str(p) for p in loc) or "(top level)"
+
+
+def _check_references(cfg: GatewayConfig) -> None:
+    aliases = set(cfg.aliases())
+    rs = cfg.router_settings
+    for field in ("fallbacks", "context_window_fallbacks"):
+        for alias, targets in getattr(rs, field).items():
+            for t in [alias, *targets]:
+                if t not in aliases:
+                    raise ConfigError(f"router_settings.{field}.{alias}: unknown model_name {t!r}")
+    ids: set[str] = set()
+    for i, d in enumerate(cfg.model_list):
+        d.id = d.id or f"{d.model_name}-{i}"
+        if d.id in ids:
+            raise ConfigError(f"model_list.{i}.id: duplicate deployment id {d.id!r}")
+        ids.add(d.id)
+        d.backend.api_key = _secret(d.backend.api_key, f"model_list.{i}.backend.api_key")
+    for name, team in cfg.teams.items():
+        for m in team.models or []:
+            if m not in aliases:
+                raise ConfigError(f"teams.{name}.models: unknown model_name {m!r}")
+    for i, k in enumerate(cfg.keys):
+        if (k.key is None) == (k.key_hash is None):
+            raise ConfigError(f"keys.{i}: give exactly one of key or key_hash")
+        k.key = _secret(k.key, f"keys.{i}.key")
+        if k.team is not None and k.team not in cfg.teams:
+            raise ConfigError(f"keys.{i}.team: unknown team {k.team!r}")
+        for m in k.models or []:
+            if m not in aliases:
+                raise ConfigError(f"keys.{i}.models: unknown model_name {m!r}")
+    gs = cfg.general_settings
+    gs.master_key = _secret(gs.master_key, "general_settings.master_key")
+
+
+def parse_config(data: object) -> GatewayConfig:
+    """Validate an already-loaded YAML document."""
+    if not isinstance(data, dict):
+        raise ConfigError("(top level): expected a mapping with model_list, router_settings, ...")
+    try:
+        cfg = GatewayConfig.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+        raise ConfigError(f"{_loc(err['loc'])}: {msg}") from None
+    _check_references(cfg)
+    return cfg
+
+
+def load_config(path: str) -> GatewayConfig:
+    """Read and validate a gateway YAML file; raises ConfigError with a one-line message."""
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except OSError as e:
+        raise ConfigError(f"{path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}:{where}: not valid YAML ({getattr(e, 'problem', e)})") from None
+    return parse_config(data)

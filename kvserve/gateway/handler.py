@@ -1,0 +1,440 @@
+"""The life of a gateway request: check the key, admit it against its key's and team's limits,
+try deployments (retries, cooldowns, fallbacks, context-window fallbacks), relay the answer,
+then settle: release slots, turn the reservation into spend, log one line."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from kvserve.gateway.backends import BackendPool
+from kvserve.gateway.budgets import completion_budget, cost, max_cost
+from kvserve.gateway.config import Deployment, GatewayConfig
+from kvserve.gateway.errors import GatewayError
+from kvserve.gateway.keys import KeyRecord
+from kvserve.gateway.limits import deployment_checks, needs_tokens, ratelimit_headers, tenant_checks
+from kvserve.gateway.metrics import GatewayMetrics
+from kvserve.gateway.proxy import Outcome, attempt
+from kvserve.gateway.retries import MAX_RETRY_AFTER, backoff
+from kvserve.gateway.router import Router
+from kvserve.gateway.spend import SpendLog, SpendRow
+from kvserve.gateway.sse import error_event
+from kvserve.gateway.state import Check, StateStore, StoreUnavailable
+
+log = logging.getLogger("kvserve.gateway")
+
+
+@dataclass
+class Ctx:
+    """Everything one client request carries through its attempts."""
+
+    rid: str
+    key: KeyRecord
+    alias: str
+    body: dict
+    path: str
+    stream: bool
+    client_usage: bool
+    t0: float
+    prompt_tokens: int = 0
+    reserved_money: float = 0.0
+    checks: list[Check] = field(default_factory=list)
+    headers: dict[str, str] = field(default_factory=dict)
+    request: Request | None = None
+    attempts: int = 0
+    served_by: Deployment | None = None
+    settled: bool = False
+
+
+class Gateway:
+    def __init__(
+        self,
+        cfg: GatewayConfig,
+        store: StateStore,
+        pool: BackendPool,
+        spend: SpendLog,
+        metrics: GatewayMetrics,
+    ) -> None:
+        self.cfg, self.store, self.pool, self.spend, self.metrics = cfg, store, pool, spend, metrics
+        self.router = Router(cfg, store)
+        self.rs = cfg.router_settings
+        gs = cfg.general_settings
+        self.ttl = gs.reservation_ttl or max(d.backend.timeout for d in cfg.model_list) + 30.0
+
+    # ---- entry -----------------------------------------------------------------------------
+    def allowed_models(self, key: KeyRecord) -> list[str]:
+        allowed = self.cfg.aliases()
+        team = self.cfg.teams.get(key.spec.team or "")
+        for restriction in (key.spec.models, team.models if team else None):
+            if restriction is not None:
+                allowed = [a for a in allowed if a in restriction]
+        return allowed
+
+    async def handle(self, request: Request, path: str, key: KeyRecord) -> Response:
+        body = await _json_body(request)
+        alias = body.get("model")
+        if not isinstance(alias, str) or not alias:
+            raise GatewayError(
+                400, "model: required (one of the model names from GET /v1/models)", param="model"
+            )
+        if alias not in self.router.groups:
+            raise GatewayError(404, f"model: {alias!r} does not exist", code="model_not_found", param="model")
+        if alias not in self.allowed_models(key):
+            raise GatewayError(
+                403, f"model: this key may not use {alias!r}", "permission_denied", param="model"
+            )
+        stream = body.get("stream") is True
+        so = body.get("stream_options")
+        ctx = Ctx(
+            uuid.uuid4().hex,
+            key,
+            alias,
+            body,
+            path,
+            stream,
+            stream and isinstance(so, dict) and so.get("include_usage") is True,
+            time.monotonic(),
+        )
+        ctx.request = request
+        work = asyncio.ensure_future(self._run(ctx))
+        watcher = asyncio.ensure_future(_disconnected(request))
+        try:
+            done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            work.cancel()
+            raise
+        finally:
+            watcher.cancel()
+        if work in done:
+            return work.result()
+        work.cancel()  # the client went away: stop the upstream request (frees its KV blocks)
+        return Response(status_code=499)
+
+    async def _run(self, ctx: Ctx) -> Response:
+        self.metrics.in_flight.inc()
+        try:
+            await self._admit(ctx)
+            resp = await self._attempts(ctx)
+        except BaseException as e:
+            status = (
+                e.status if isinstance(e, GatewayError)
+                else 503 if isinstance(e, StoreUnavailable)
+                else 499 if isinstance(e, asyncio.CancelledError)
+                else 500
+            )  # fmt: skip
+            await asyncio.shield(self._finish(ctx, status, None))
+            raise
+        return resp
+
+    # ---- admission -------------------------------------------------------------------------
+    def _chain(self, alias: str) -> list[str]:
+        return [alias, *self.rs.fallbacks.get(alias, [])]
+
+    async def _admit(self, ctx: Ctx) -> None:
+        key, team_name = ctx.key, ctx.key.spec.team
+        team = self.cfg.teams.get(team_name or "")
+        reachable = self._chain(ctx.alias) + self.rs.context_window_fallbacks.get(ctx.alias, [])
+        deps = [d for a in dict.fromkeys(reachable) for d in self.router.deployments(a)]
+        probe = tenant_checks(key.scope, key.spec, team_name, team, 0, 0.0)
+        first = self.router.deployments(ctx.alias)[0]
+        counting = needs_tokens(probe) or any(d.backend.tpm or d.backend.max_context for d in deps)
+        if counting:
+            ctx.prompt_tokens = await self.pool.count_prompt_tokens(first, ctx.body)
+        n = ctx.body.get("n") if isinstance(ctx.body.get("n"), int) else 1
+        completion = completion_budget(ctx.body, ctx.prompt_tokens, first.backend.max_context)
+        ctx.reserved_money = max_cost([d.backend for d in deps], ctx.prompt_tokens, completion, n)
+        ctx.checks = tenant_checks(
+            key.scope, key.spec, team_name, team, ctx.prompt_tokens, ctx.reserved_money
+        )
+        if not ctx.checks:
+            return
+        adm = await self.store.admit(ctx.rid, ctx.checks, self.ttl)
+        ctx.headers.update(ratelimit_headers(ctx.checks, adm))
+        if not adm.ok:
+            ctx.checks = []  # nothing was applied, nothing to settle
+            c = adm.failed
+            who = "key" if c.scope.startswith("key:") else c.scope
+            what = {
+                "rpm": "requests per minute",
+                "tpm": "tokens per minute",
+                "budget": "budget",
+                "parallel": "parallel requests",
+            }[c.kind]
+            self.metrics.rate_limited.labels(c.kind).inc()
+            retry = max(int(adm.retry_after + 0.999), 1)
+            code = "budget_exceeded" if c.kind == "budget" else "rate_limit_exceeded"
+            raise GatewayError(
+                429,
+                f"{who}: {what} limit {c.limit:g} reached; retry after {retry} s",
+                "rate_limit_error",
+                code,
+                headers={**ctx.headers, "retry-after": str(retry)},
+            )
+
+    # ---- attempts --------------------------------------------------------------------------
+    async def _attempts(self, ctx: Ctx) -> Response:
+        groups, context_switched = self._chain(ctx.alias), False
+        context_answer: tuple[Deployment, Outcome] | None = None  # a backend's own "too long" 400
+        last: GatewayError | None = None
+        gi = 0
+        while gi < len(groups):
+            alias, excluded, tried, too_long = groups[gi], set(), set(), False
+            group_attempts, failed_id, retry_after = 0, None, None
+            while group_attempts <= self.rs.num_retries:
+                dep = await self.router.pick(alias, excluded, tried)
+                if dep is None:
+                    break
+                if (
+                    dep.backend.max_context
+                    and ctx.prompt_tokens + _min_new(ctx.body) > dep.backend.max_context
+                ):
+                    excluded.add(dep.id)
+                    too_long = True
+                    continue
+                dchecks = deployment_checks(dep, ctx.prompt_tokens)
+                arid = f"{ctx.rid}:{ctx.attempts}"
+                if dchecks:
+                    adm = await self.store.admit(arid, dchecks, self.ttl)
+                    if not adm.ok:
+                        excluded.add(dep.id)
+                        retry = max(int(adm.retry_after + 0.999), 1)
+                        last = GatewayError(
+                            429,
+                            f"deployments of {alias!r} are at their limits",
+                            "rate_limit_error",
+                            "rate_limit_exceeded",
+                            headers={"retry-after": str(retry)},
+                        )
+                        continue
+                if group_attempts:
+                    same = dep.id == failed_id
+                    await asyncio.sleep(
+                        backoff(
+                            group_attempts,
+                            self.rs.retry_backoff_base,
+                            self.rs.retry_backoff_cap,
+                            retry_after if same else None,
+                        )
+                    )
+                group_attempts += 1
+                ctx.attempts += 1
+                tried.add(dep.id)
+                out = await self._one(ctx, dep, arid, dchecks)
+                if out is not None and not isinstance(out, Outcome):
+                    return out
+                if out.kind == "context":
+                    too_long, context_answer = True, (dep, out)
+                    excluded.add(dep.id)
+                    continue
+                self.metrics.attempts.labels(dep.id, f"failed_{out.status}").inc()
+                if await self.router.failed(dep):
+                    self.metrics.cooldowns.labels(dep.id).inc()
+                failed_id, retry_after = dep.id, out.retry_after
+                if retry_after and retry_after > MAX_RETRY_AFTER:
+                    excluded.add(dep.id)
+                last = GatewayError(
+                    out.status if out.status >= 500 or out.status == 429 else 502,
+                    f"{alias}: {out.reason} (deployment {dep.id})",
+                    "server_error",
+                    "upstream_error",
+                )
+                if out.status == 429 and out.retry_after:
+                    last.headers["retry-after"] = str(int(out.retry_after + 0.999))
+            if too_long and not context_switched:
+                context_switched, gi = True, 0
+                groups = self.rs.context_window_fallbacks.get(ctx.alias, [])
+                if not groups and context_answer:  # nowhere bigger to go: the backend's answer stands
+                    return await self._pass_through(ctx, *context_answer)
+                last = GatewayError(
+                    400,
+                    f"messages: the prompt ({ctx.prompt_tokens} tokens) with max_tokens is longer than "
+                    f"the context of every deployment of {alias!r} and of its context_window_fallbacks",
+                    code="context_length_exceeded",
+                )
+                continue
+            gi += 1
+        err = last or GatewayError(
+            503, f"{ctx.alias}: no deployment available (all cooling down)", "server_error", "no_deployment"
+        )
+        err.headers.update({**ctx.headers, "x-kvserve-attempts": str(ctx.attempts)})
+        raise err
+
+    async def _pass_through(self, ctx: Ctx, dep: Deployment, out: Outcome) -> Response:
+        ctx.served_by = dep
+        self.metrics.attempts.labels(dep.id, f"final_{out.status}").inc()
+        await self._finish(ctx, out.status, None)
+        return Response(out.content, out.status, headers=self._headers(ctx, dep), media_type=out.media_type)
+
+    async def _one(self, ctx: Ctx, dep: Deployment, arid: str, dchecks: list[Check]) -> Response | Outcome:
+        """One attempt; a Response when it is the answer, else the failed Outcome."""
+        strategy = self.router.strategy
+        strategy.started(dep.id)
+        try:
+            out = await attempt(self.pool, dep, ctx.path, ctx.body, ctx.stream, ctx.client_usage)
+        except BaseException:
+            strategy.finished(dep.id, None)
+            await asyncio.shield(self._release(arid, dchecks, 0))
+            raise
+        if out.kind == "ok" and out.response is not None:  # a live stream: finished when it ends
+            return self._stream(ctx, dep, arid, dchecks, out)
+        strategy.finished(dep.id, out.first_byte_s if out.kind == "ok" else None)
+        tokens = (out.usage or {}).get("total_tokens", ctx.prompt_tokens) if out.kind == "ok" else 0
+        await self._release(arid, dchecks, tokens)
+        if out.kind in ("retry", "context"):
+            return out
+        if out.kind == "final":
+            return await self._pass_through(ctx, dep, out)
+        ctx.served_by = dep
+        self.metrics.attempts.labels(dep.id, "ok").inc()
+        await self._finish(ctx, out.status, out.usage, ok=True)
+        return Response(out.content, out.status, headers=self._headers(ctx, dep), media_type=out.media_type)
+
+    def _headers(self, ctx: Ctx, dep: Deployment) -> dict[str, str]:
+        return {
+            **ctx.headers,
+            "x-kvserve-deployment": dep.id,
+            "x-kvserve-attempts": str(ctx.attempts),
+            "x-kvserve-model-group": dep.model_name,
+        }
+
+    def _stream(self, ctx: Ctx, dep: Deployment, arid: str, dchecks: list[Check], out: Outcome) -> Response:
+        ctx.served_by = dep
+        self.metrics.latency.labels(ctx.alias).observe(time.monotonic() - ctx.t0)
+        deadline = time.monotonic() - (out.first_byte_s or 0) + dep.backend.timeout
+
+        async def relay():
+            status, failure = 499, None  # 499 unless the stream ends or fails
+            gone = asyncio.ensure_future(_disconnected(ctx.request))  # the client went away
+            try:
+                yield out.first
+                async for chunk in out.chunks:
+                    if gone.done():
+                        return  # closing the upstream response cancels the backend's work
+                    data = out.relay.feed(chunk)
+                    if data:
+                        yield data
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"stream exceeded the total timeout of {dep.backend.timeout:g} s")
+                status = 200
+            except Exception as e:  # httpx read errors, idle and total timeouts
+                status, failure = 502, f"{e.__class__.__name__}: {e}".strip(": ")
+                yield error_event(
+                    f"deployment {dep.id} failed mid-stream ({failure}); the answer is incomplete"
+                )
+            finally:
+                gone.cancel()
+                done = asyncio.ensure_future(self._end_stream(ctx, dep, arid, dchecks, out, status, failure))
+                try:
+                    await asyncio.shield(done)
+                except BaseException:
+                    pass
+
+        return StreamingResponse(relay(), media_type="text/event-stream", headers=self._headers(ctx, dep))
+
+    async def _end_stream(
+        self,
+        ctx: Ctx,
+        dep: Deployment,
+        arid: str,
+        dchecks: list[Check],
+        out: Outcome,
+        status: int,
+        failure: str | None,
+    ) -> None:
+        await out.response.aclose()
+        self.router.strategy.finished(dep.id, out.first_byte_s if failure is None else None)
+        usage = out.relay.usage
+        await self._release(arid, dchecks, (usage or {}).get("total_tokens", ctx.prompt_tokens))
+        self.metrics.attempts.labels(dep.id, "ok" if failure is None else "failed_mid_stream").inc()
+        if failure is not None and await self.router.failed(dep):
+            self.metrics.cooldowns.labels(dep.id).inc()
+        await self._finish(ctx, status, usage, ok=True)
+
+    # ---- settlement ------------------------------------------------------------------------
+    async def _release(self, arid: str, dchecks: list[Check], tokens: float) -> None:
+        if dchecks:
+            try:
+                await self.store.settle(arid, dchecks, [tokens if c.kind == "tpm" else 0 for c in dchecks])
+            except StoreUnavailable as e:  # the slot expires on its own (TTL)
+                log.warning("release of %s failed: %s", arid, e)
+
+    async def _finish(self, ctx: Ctx, status: int, usage: dict | None, ok: bool = False) -> None:
+        """Settle the key's and team's reservations and log the request (once)."""
+        if ctx.settled:
+            return
+        ctx.settled = True
+        dep = ctx.served_by
+        money = 0.0
+        if ok and dep is not None:
+            c = cost(dep.backend, usage)
+            money = ctx.reserved_money if c is None else c  # no usage reported: charge the reservation
+        tokens = (usage or {}).get("total_tokens", ctx.prompt_tokens) if ok else 0
+        if ctx.checks:
+            actual = [money if c.kind == "budget" else tokens if c.kind == "tpm" else 0 for c in ctx.checks]
+            try:
+                await self.store.settle(ctx.rid, ctx.checks, actual)
+            except StoreUnavailable as e:  # the reservation expires on its own (TTL)
+                log.warning("settle of %s failed: %s", ctx.rid, e)
+        self.metrics.in_flight.dec()
+        self.metrics.requests.labels(ctx.alias, str(status)).inc()
+        if not ctx.stream:
+            self.metrics.latency.labels(ctx.alias).observe(time.monotonic() - ctx.t0)
+        if money:
+            self.metrics.spend.labels(ctx.alias).inc(money)
+        u = usage or {}
+        if dep is not None:  # answered by (or at least sent to) a deployment
+            self.spend.record(
+                SpendRow(
+                    time.time(),
+                    ctx.rid,
+                    ctx.key.key_hash,
+                    ctx.key.spec.alias,
+                    ctx.key.spec.team,
+                    ctx.alias,
+                    dep.id if dep else None,
+                    u.get("prompt_tokens") or 0,
+                    u.get("completion_tokens") or 0,
+                    money,
+                    status,
+                )
+            )
+        log.info(
+            "%s %s key=%s deployment=%s status=%d attempts=%d %.0fms",
+            ctx.path,
+            ctx.alias,
+            ctx.key.name,
+            dep.id if dep else "-",
+            status,
+            ctx.attempts,
+            (time.monotonic() - ctx.t0) * 1000,
+        )
+
+
+def _min_new(body: dict) -> int:
+    n = body.get("max_completion_tokens") or body.get("max_tokens")
+    return n if isinstance(n, int) and n > 0 else 1
+
+
+async def _json_body(request: Request) -> dict:
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        raise GatewayError(400, "body: not valid JSON") from None
+    if not isinstance(body, dict):
+        raise GatewayError(400, "body: expected a JSON object")
+    return body
+
+
+async def _disconnected(request: Request) -> None:
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return

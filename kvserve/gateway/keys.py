@@ -1,0 +1,114 @@
+"""Virtual keys. Only a key's SHA-256 is kept (config keys are hashed at load; keys made through
+the admin API are shown once and stored hashed in SQLite, shared by every instance)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+import sqlite3
+import time
+from dataclasses import dataclass, field
+
+from kvserve.gateway.config import GatewayConfig, KeySpec
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+@dataclass
+class KeyRecord:
+    key_hash: str
+    spec: KeySpec
+    source: str  # "config" | "database" | "master"
+    created: float = field(default_factory=time.time)
+    revoked: float | None = None
+
+    @property
+    def scope(self) -> str:
+        return f"key:{self.key_hash[:24]}"
+
+    @property
+    def name(self) -> str:
+        return self.spec.alias or self.key_hash[:12]
+
+    def public(self) -> dict:
+        limits = self.spec.model_dump(exclude={"key", "key_hash", "alias", "models", "team"})
+        return {
+            "key_hash": self.key_hash,
+            "alias": self.spec.alias,
+            "models": self.spec.models,
+            "team": self.spec.team,
+            "limits": limits,
+            "source": self.source,
+            "created": self.created,
+            "revoked": self.revoked,
+        }
+
+
+class KeyStore:
+    def __init__(self, cfg: GatewayConfig, db: sqlite3.Connection) -> None:
+        self.db = db
+        db.execute(
+            "CREATE TABLE IF NOT EXISTS keys (key_hash TEXT PRIMARY KEY, spec TEXT NOT NULL,"
+            " created REAL NOT NULL, revoked REAL)"
+        )
+        db.commit()
+        self.config_keys: dict[str, KeyRecord] = {}
+        for spec in cfg.keys:
+            h = spec.key_hash or hash_key(spec.key or "")
+            self.config_keys[h] = KeyRecord(h, spec.model_copy(update={"key": None, "key_hash": h}), "config")
+        master = cfg.general_settings.master_key
+        self.master_hash = hash_key(master) if master else None
+
+    def lookup(self, key: str) -> KeyRecord | None:
+        """The live record for a presented key, or None (unknown or revoked)."""
+        h = hash_key(key)
+        if h == self.master_hash:
+            return KeyRecord(h, KeySpec(alias="master"), "master")
+        if h in self.config_keys:
+            return self.config_keys[h]
+        row = self.db.execute("SELECT spec, created, revoked FROM keys WHERE key_hash = ?", (h,)).fetchone()
+        if row is None or row[2] is not None:
+            return None
+        return KeyRecord(h, KeySpec.model_validate_json(row[0]), "database", row[1])
+
+    def create(self, spec: KeySpec) -> tuple[str, KeyRecord]:
+        key = "sk-kvgw-" + secrets.token_urlsafe(24)
+        rec = KeyRecord(hash_key(key), spec.model_copy(update={"key": None, "key_hash": None}), "database")
+        self.db.execute(
+            "INSERT INTO keys (key_hash, spec, created) VALUES (?, ?, ?)",
+            (rec.key_hash, rec.spec.model_dump_json(exclude_none=True), rec.created),
+        )
+        self.db.commit()
+        return key, rec
+
+    def revoke(self, key_hash: str) -> bool:
+        cur = self.db.execute(
+            "UPDATE keys SET revoked = ? WHERE key_hash = ? AND revoked IS NULL", (time.time(), key_hash)
+        )
+        self.db.commit()
+        return cur.rowcount == 1
+
+    def list(self) -> list[KeyRecord]:
+        rows = self.db.execute(
+            "SELECT key_hash, spec, created, revoked FROM keys ORDER BY created"
+        ).fetchall()
+        db_keys = [KeyRecord(h, KeySpec.model_validate_json(s), "database", c, r) for h, s, c, r in rows]
+        return [*self.config_keys.values(), *db_keys]
+
+
+def open_database(path: str) -> sqlite3.Connection:
+    """One SQLite file shared by every instance (WAL: readers never block the writer)."""
+    db = sqlite3.connect(path, check_same_thread=False, timeout=10, isolation_level=None)
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute("PRAGMA busy_timeout=10000")
+    db.isolation_level = ""  # back to implicit transactions, committed explicitly
+    return db
+
+
+def spec_from_json(data: dict) -> KeySpec:
+    """Admin API body -> KeySpec (a client-supplied key or hash is not accepted)."""
+    data = {k: v for k, v in data.items() if k not in ("key", "key_hash")}
+    return KeySpec.model_validate_json(json.dumps(data))

@@ -1,0 +1,56 @@
+"""Which limits a request is held to: its key's and team's (checked once per request) and the
+chosen deployment's (checked per attempt, so a full deployment just sends us to the next)."""
+
+from __future__ import annotations
+
+from kvserve.gateway.config import Deployment, Limits, parse_duration
+from kvserve.gateway.state import Admission, Check
+
+
+def _checks(scope: str, lim: Limits, tokens: int, money: float) -> list[Check]:
+    out = []
+    if lim.rpm:
+        out.append(Check("rpm", scope, lim.rpm))
+    if lim.tpm:
+        out.append(Check("tpm", scope, lim.tpm, tokens))
+    if lim.max_parallel_requests:
+        out.append(Check("parallel", scope, lim.max_parallel_requests))
+    if lim.max_budget is not None:
+        period = parse_duration(lim.budget_duration) if lim.budget_duration else 0.0
+        out.append(Check("budget", scope, lim.max_budget, money, period))
+    return out
+
+
+def tenant_checks(
+    key_scope: str, key: Limits, team_name: str | None, team: Limits | None, tokens: int, money: float
+) -> list[Check]:
+    checks = _checks(key_scope, key, tokens, money)
+    if team_name and team:
+        checks += _checks(f"team:{team_name}", team, tokens, money)
+    return checks
+
+
+def deployment_checks(dep: Deployment, tokens: int) -> list[Check]:
+    b = dep.backend
+    lim = Limits(rpm=b.rpm, tpm=b.tpm, max_parallel_requests=b.max_parallel_requests)
+    return _checks(f"dep:{dep.id}", lim, tokens, 0.0)
+
+
+def needs_tokens(checks: list[Check]) -> bool:
+    return any(c.kind in ("tpm", "budget") for c in checks)
+
+
+def ratelimit_headers(checks: list[Check], adm: Admission) -> dict[str, str]:
+    """x-ratelimit-* for the tightest key/team window (OpenAI's header names)."""
+    h: dict[str, str] = {}
+    for i, c in enumerate(checks):
+        if c.kind not in ("rpm", "tpm"):
+            continue
+        name = "requests" if c.kind == "rpm" else "tokens"
+        remaining = max(int(adm.remaining[i]), 0) if adm.ok else 0
+        if adm.ok and f"x-ratelimit-remaining-{name}" in h:
+            if remaining >= int(h[f"x-ratelimit-remaining-{name}"]):
+                continue
+        h[f"x-ratelimit-limit-{name}"] = str(int(c.limit))
+        h[f"x-ratelimit-remaining-{name}"] = str(remaining)
+    return h

@@ -1,0 +1,115 @@
+"""One upstream attempt. Nothing reaches the client until the backend has answered with a status
+and (for streams) a first event, so every failure before that can still be retried elsewhere;
+after it, the stream is passed through event for event and a failure becomes an SSE error."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import httpx
+
+from kvserve.gateway.backends import BackendPool
+from kvserve.gateway.config import Deployment
+from kvserve.gateway.retries import is_context_error, is_retryable, parse_retry_after
+from kvserve.gateway.sse import SSERelay
+
+
+@dataclass
+class Outcome:
+    """kind: ok | retry (try again, maybe elsewhere) | context (prompt too long there) |
+    final (pass the backend's answer through, no retry)."""
+
+    kind: str
+    status: int
+    content: bytes = b""
+    media_type: str = "application/json"
+    retry_after: float | None = None
+    reason: str = ""
+    usage: dict | None = None
+    first_byte_s: float | None = None
+    # streams only: the open upstream response, its byte iterator, the relay and first bytes
+    response: httpx.Response | None = None
+    chunks: AsyncIterator[bytes] | None = None
+    relay: SSERelay | None = None
+    first: bytes = b""
+    extra: dict = field(default_factory=dict)
+
+
+def upstream_body(body: dict, dep: Deployment, stream: bool) -> bytes:
+    out = dict(body, model=dep.backend.model)
+    if stream:  # ask for usage so the gateway can settle budgets and tpm
+        out["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+    return json.dumps(out).encode()
+
+
+async def attempt(
+    pool: BackendPool, dep: Deployment, path: str, body: dict, stream: bool, client_wants_usage: bool
+) -> Outcome:
+    b = dep.backend
+    client = pool.client(dep)
+    req = client.build_request(
+        "POST", b.base_url + path, content=upstream_body(body, dep, stream), headers=pool.headers(dep)
+    )
+    t0 = time.monotonic()
+    resp: httpx.Response | None = None
+    try:
+        async with asyncio.timeout(b.first_byte_timeout):
+            resp = await client.send(req, stream=True)
+            if resp.status_code >= 300 or not stream:
+                async with asyncio.timeout(max(b.timeout - (time.monotonic() - t0), 0.001)):
+                    content = await resp.aread()
+                await resp.aclose()
+                return _classify(resp, content, t0)
+            relay = SSERelay(client_wants_usage)
+            chunks = resp.aiter_raw()
+            first = b""
+            while not first:
+                first = relay.feed(await chunks.__anext__())
+        return Outcome(
+            "ok",
+            200,
+            media_type="text/event-stream",
+            first_byte_s=time.monotonic() - t0,
+            response=resp,
+            chunks=chunks,
+            relay=relay,
+            first=first,
+        )
+    except TimeoutError:
+        reason, status = f"no first byte within {b.first_byte_timeout:g} s", 504
+    except httpx.ConnectError as e:
+        reason, status = f"connect error ({e.__class__.__name__})", 503
+    except httpx.TimeoutException as e:
+        reason, status = f"timeout ({e.__class__.__name__})", 504
+    except (httpx.HTTPError, StopAsyncIteration) as e:
+        reason, status = f"upstream closed the connection ({e.__class__.__name__})", 502
+    except BaseException:
+        if resp is not None:
+            await asyncio.shield(resp.aclose())
+        raise
+    if resp is not None:
+        await resp.aclose()
+    return Outcome("retry", status, reason=reason)
+
+
+def _classify(resp: httpx.Response, content: bytes, t0: float) -> Outcome:
+    status = resp.status_code
+    media = resp.headers.get("content-type", "application/json")
+    elapsed = time.monotonic() - t0
+    if status < 300:
+        usage = None
+        try:
+            usage = json.loads(content).get("usage")
+        except (ValueError, AttributeError):
+            pass
+        return Outcome("ok", status, content, media, usage=usage, first_byte_s=elapsed)
+    if is_retryable(status):
+        retry_after = parse_retry_after(resp.headers.get("retry-after"))
+        return Outcome("retry", status, content, media, retry_after, f"upstream answered {status}")
+    if is_context_error(status, content):
+        return Outcome("context", status, content, media, reason="prompt longer than the backend's context")
+    return Outcome("final", status, content, media, reason=f"upstream answered {status}")

@@ -1,0 +1,56 @@
+"""Model groups, cooldowns and the choice of a deployment for the next attempt."""
+
+from __future__ import annotations
+
+import logging
+
+from kvserve.gateway.config import Deployment, GatewayConfig
+from kvserve.gateway.state import StateStore
+from kvserve.routing import RoutingStrategy, make_strategy
+
+log = logging.getLogger("kvserve.gateway")
+
+
+class _Target:
+    """A deployment as the routing strategy sees it."""
+
+    __slots__ = ("dep", "id", "weight")
+
+    def __init__(self, dep: Deployment) -> None:
+        self.dep, self.id, self.weight = dep, dep.id, dep.backend.weight
+
+
+class Router:
+    def __init__(
+        self, cfg: GatewayConfig, store: StateStore, strategy: RoutingStrategy | None = None
+    ) -> None:
+        self.cfg, self.store = cfg, store
+        self.rs = cfg.router_settings
+        self.strategy = strategy or make_strategy(self.rs.routing_strategy)
+        self.groups: dict[str, list[_Target]] = {}
+        for d in cfg.model_list:
+            self.groups.setdefault(d.model_name, []).append(_Target(d))
+        self.by_id = {d.id: d for d in cfg.model_list}
+
+    def deployments(self, alias: str) -> list[Deployment]:
+        return [t.dep for t in self.groups.get(alias, [])]
+
+    async def pick(self, alias: str, excluded: set[str], tried: set[str]) -> Deployment | None:
+        """A deployment of the group that is not cooling down and not excluded, preferring one not
+        yet tried for this request; None when the group has nothing left."""
+        targets = [t for t in self.groups[alias] if t.id not in excluded]
+        if not targets:
+            return None
+        cooling = await self.store.cooling([t.id for t in targets])
+        live = [t for t in targets if t.id not in cooling]
+        if not live:
+            return None
+        fresh = [t for t in live if t.id not in tried]
+        return self.strategy.choose(fresh or live).dep
+
+    async def failed(self, dep: Deployment) -> bool:
+        """Count a failure; True when the deployment went into cooldown because of it."""
+        cooled = await self.store.record_failure(dep.id, self.rs.allowed_fails, self.rs.cooldown_time)
+        if cooled:
+            log.warning("deployment %s cooling down for %.0f s", dep.id, self.rs.cooldown_time)
+        return cooled

@@ -1,0 +1,94 @@
+"""Spend log in SQLite: one row per answered request, written in batches off the event loop so
+logging never adds latency; every instance sharing the file sees every row."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import threading
+from dataclasses import astuple, dataclass
+
+GROUPS = {"key": "key_hash", "team": "team", "model": "model", "deployment": "deployment"}
+
+
+@dataclass
+class SpendRow:
+    ts: float
+    request_id: str
+    key_hash: str
+    key_alias: str | None
+    team: str | None
+    model: str
+    deployment: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cost: float
+    status: int
+
+
+class SpendLog:
+    def __init__(self, db: sqlite3.Connection, flush_every: float = 0.5) -> None:
+        self.db = db
+        self.lock = threading.Lock()
+        self.pending: list[SpendRow] = []
+        self.flush_every = flush_every
+        self._task: asyncio.Task | None = None
+        db.execute(
+            "CREATE TABLE IF NOT EXISTS spend (ts REAL, request_id TEXT, key_hash TEXT, key_alias TEXT,"
+            " team TEXT, model TEXT, deployment TEXT, prompt_tokens INTEGER, completion_tokens INTEGER,"
+            " cost REAL, status INTEGER)"
+        )
+        db.execute("CREATE INDEX IF NOT EXISTS spend_ts ON spend (ts)")
+        db.commit()
+
+    def record(self, row: SpendRow) -> None:
+        self.pending.append(row)
+
+    def _write(self, rows: list[SpendRow]) -> None:
+        with self.lock:
+            self.db.executemany(
+                "INSERT INTO spend VALUES (?,?,?,?,?,?,?,?,?,?,?)", [astuple(r) for r in rows]
+            )
+            self.db.commit()
+
+    async def flush(self) -> None:
+        rows, self.pending = self.pending, []
+        if rows:
+            await asyncio.to_thread(self._write, rows)
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.flush_every)
+            await self.flush()
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+        await self.flush()
+
+    async def report(self, group_by: str, start: float | None, end: float | None) -> list[dict]:
+        await self.flush()
+        col = GROUPS[group_by]
+        sql = (
+            f"SELECT {col}, COUNT(*), SUM(prompt_tokens), SUM(completion_tokens), SUM(cost) FROM spend"
+            " WHERE ts >= ? AND ts < ? GROUP BY 1 ORDER BY 5 DESC"
+        )
+
+        def query():
+            with self.lock:
+                return self.db.execute(sql, (start or 0.0, end or 1e18)).fetchall()
+
+        rows = await asyncio.to_thread(query)
+        return [
+            {
+                group_by: g,
+                "requests": n,
+                "prompt_tokens": p or 0,
+                "completion_tokens": c or 0,
+                "spend": s or 0.0,
+            }
+            for g, n, p, c, s in rows
+        ]

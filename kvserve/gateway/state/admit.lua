@@ -1,0 +1,83 @@
+-- Admit a request against every check or none, in one atomic step (Redis runs a script alone).
+-- KEYS, per check: rpm|tpm -> window hash (second -> amount); parallel -> slot zset (request ->
+-- expiry ms); budget -> budget hash {period, spent}, reservation zset, reservation amounts hash.
+-- ARGV: request_id, ttl_ms, n, then per check: kind, limit, amount, period_ms.
+-- Returns {1, remaining...} or {0, failed check index, retry_after_ms}.
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local sec = math.floor(now / 1000)
+local rid, ttl, n = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local eps = 1e-9
+local checks, ki, ai = {}, 1, 4
+for i = 1, n do
+  local c = {kind = ARGV[ai], limit = tonumber(ARGV[ai + 1]), amount = tonumber(ARGV[ai + 2]),
+             period = tonumber(ARGV[ai + 3]), k = ki}
+  ai = ai + 4
+  if c.kind == 'budget' then ki = ki + 3 else ki = ki + 1 end
+  checks[i] = c
+end
+for i, c in ipairs(checks) do
+  local retry = 1000
+  if c.kind == 'rpm' or c.kind == 'tpm' then
+    local h = redis.call('HGETALL', KEYS[c.k])
+    local used, buckets = 0, {}
+    for j = 1, #h, 2 do
+      local s, v = tonumber(h[j]), tonumber(h[j + 1])
+      if s <= sec - 60 then redis.call('HDEL', KEYS[c.k], h[j])
+      else used = used + v; buckets[#buckets + 1] = {s, v} end
+    end
+    c.used = used
+    if used + c.amount > c.limit then
+      table.sort(buckets, function(a, b) return a[1] < b[1] end)
+      local need = used + c.amount - c.limit
+      retry = 60000
+      for _, b in ipairs(buckets) do
+        need = need - b[2]
+        if need <= 0 then retry = (b[1] + 60) * 1000 - now; break end
+      end
+    end
+  elseif c.kind == 'parallel' then
+    redis.call('ZREMRANGEBYSCORE', KEYS[c.k], '-inf', now)
+    c.used = redis.call('ZCARD', KEYS[c.k])
+  else
+    local b, z, a = KEYS[c.k], KEYS[c.k + 1], KEYS[c.k + 2]
+    local idx = 0
+    if c.period > 0 then idx = math.floor(now / c.period) end
+    if tonumber(redis.call('HGET', b, 'period') or '-1') ~= idx then
+      redis.call('HSET', b, 'period', idx, 'spent', 0)
+      if c.period > 0 then redis.call('PEXPIRE', b, 2 * c.period) end
+    end
+    local expired = redis.call('ZRANGEBYSCORE', z, '-inf', now)
+    if #expired > 0 then
+      redis.call('ZREMRANGEBYSCORE', z, '-inf', now)
+      redis.call('HDEL', a, unpack(expired))
+    end
+    local reserved = 0
+    for _, v in ipairs(redis.call('HVALS', a)) do reserved = reserved + tonumber(v) end
+    local spent = tonumber(redis.call('HGET', b, 'spent'))
+    c.used = spent + reserved
+    if spent + c.amount > c.limit * (1 + eps) and c.period > 0 then
+      retry = (idx + 1) * c.period - now
+    end
+  end
+  if c.used + c.amount > c.limit * (1 + eps) then
+    return {0, i, math.max(math.floor(retry), 1)}
+  end
+end
+local out = {1}
+for i, c in ipairs(checks) do
+  if c.kind == 'rpm' or c.kind == 'tpm' then
+    redis.call('HINCRBY', KEYS[c.k], sec, c.amount)
+    redis.call('PEXPIRE', KEYS[c.k], 61000)
+  elseif c.kind == 'parallel' then
+    redis.call('ZADD', KEYS[c.k], now + ttl, rid)
+    redis.call('PEXPIRE', KEYS[c.k], ttl + 1000)
+  else
+    redis.call('ZADD', KEYS[c.k + 1], now + ttl, rid)
+    redis.call('HSET', KEYS[c.k + 2], rid, tostring(c.amount))
+    redis.call('PEXPIRE', KEYS[c.k + 1], ttl + 1000)
+    redis.call('PEXPIRE', KEYS[c.k + 2], ttl + 1000)
+  end
+  out[#out + 1] = tostring(c.limit - c.used - c.amount)
+end
+return out

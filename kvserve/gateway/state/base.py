@@ -1,0 +1,61 @@
+"""The state-store contract. Every method is atomic on its own: admission checks all limits and
+applies all of them, or applies none, so concurrent gateways can never over-admit."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+WINDOW_S = 60  # rpm / tpm are sliding one-minute windows with one-second buckets
+FAIL_WINDOW_S = 60  # allowed_fails are counted within this window
+EPS = 1e-9  # float slack when comparing money
+
+
+class StoreUnavailable(RuntimeError):
+    """The shared state store cannot be reached: the gateway refuses (503) rather than guess."""
+
+
+@dataclass(frozen=True)
+class Check:
+    """One limit to enforce. amount: 1 for rpm, tokens for tpm, 1 for parallel, money for budget;
+    period: the budget's reset period in seconds (0: never resets)."""
+
+    kind: Literal["rpm", "tpm", "parallel", "budget"]
+    scope: str
+    limit: float
+    amount: float = 1
+    period: float = 0
+
+
+@dataclass
+class Admission:
+    ok: bool
+    remaining: list[float]  # per check, after this request (when ok)
+    failed: Check | None = None
+    retry_after: float = 0.0  # seconds (when not ok)
+
+
+class StateStore:
+    async def admit(self, request_id: str, checks: list[Check], ttl: float) -> Admission:
+        """Admit against every check or none; parallel slots and budget reservations expire after
+        ttl seconds so a gateway that dies mid-request leaks nothing for long."""
+        raise NotImplementedError
+
+    async def settle(self, request_id: str, checks: list[Check], actual: list[float]) -> None:
+        """Release parallel slots, turn budget reservations into spend (actual money; 0 on
+        failure) and correct tpm by actual - reserved tokens."""
+        raise NotImplementedError
+
+    async def record_failure(self, deployment: str, allowed_fails: int, cooldown_time: float) -> bool:
+        """Count a failure; True when this one put the deployment into cooldown."""
+        raise NotImplementedError
+
+    async def cooling(self, deployments: list[str]) -> set[str]:
+        """The deployments among these that are cooling down now."""
+        raise NotImplementedError
+
+    async def ping(self) -> bool:
+        return True
+
+    async def close(self) -> None:
+        return None

@@ -1,0 +1,102 @@
+"""Single-process state store. The event loop runs one coroutine at a time and no method awaits
+inside, so each method is atomic without locks."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+
+from kvserve.gateway.state.base import EPS, FAIL_WINDOW_S, WINDOW_S, Admission, Check, StateStore
+
+
+class MemoryStore(StateStore):
+    def __init__(self) -> None:
+        self._windows: dict[str, dict[int, float]] = defaultdict(dict)  # scope:kind -> second -> amount
+        self._slots: dict[str, dict[str, float]] = defaultdict(dict)  # scope -> request -> expiry
+        self._budgets: dict[str, list[float]] = {}  # scope -> [period index, spent]
+        self._reserved: dict[str, dict[str, tuple[float, float]]] = defaultdict(dict)  # -> (expiry, amt)
+        self._fails: dict[str, list[float]] = defaultdict(list)
+        self._cool_until: dict[str, float] = {}
+
+    def _window_used(self, key: str, now: float) -> tuple[float, dict[int, float]]:
+        buckets = self._windows[key]
+        for s in [s for s in buckets if s <= int(now) - WINDOW_S]:
+            del buckets[s]
+        return sum(buckets.values()), buckets
+
+    def _budget(self, scope: str, period: float, now: float) -> list[float]:
+        idx = math.floor(now / period) if period > 0 else 0
+        b = self._budgets.get(scope)
+        if b is None or b[0] != idx:
+            b = self._budgets[scope] = [idx, 0.0]
+        return b
+
+    def _measure(self, c: Check, now: float) -> tuple[float, float]:
+        """(used, retry_after seconds if this check failed)."""
+        if c.kind in ("rpm", "tpm"):
+            used, buckets = self._window_used(f"{c.scope}:{c.kind}", now)
+            need, retry = used + c.amount - c.limit, float(WINDOW_S)
+            for s in sorted(buckets):
+                need -= buckets[s]
+                if need <= 0:
+                    retry = s + WINDOW_S - now
+                    break
+            return used, max(retry, 0.001)
+        if c.kind == "parallel":
+            slots = self._slots[c.scope]
+            for rid in [r for r, exp in slots.items() if exp <= now]:
+                del slots[rid]
+            return len(slots), 1.0
+        b = self._budget(c.scope, c.period, now)
+        res = self._reserved[c.scope]
+        for rid in [r for r, (exp, _) in res.items() if exp <= now]:
+            del res[rid]
+        retry = 1.0
+        if b[1] + c.amount > c.limit * (1 + EPS) and c.period > 0:
+            retry = (b[0] + 1) * c.period - now
+        return b[1] + sum(a for _, a in res.values()), retry
+
+    async def admit(self, request_id: str, checks: list[Check], ttl: float) -> Admission:
+        now = time.time()
+        used = []
+        for c in checks:
+            u, retry = self._measure(c, now)
+            if u + c.amount > c.limit * (1 + EPS):
+                return Admission(False, [], c, retry)
+            used.append(u)
+        for c in checks:
+            if c.kind in ("rpm", "tpm"):
+                buckets = self._windows[f"{c.scope}:{c.kind}"]
+                buckets[int(now)] = buckets.get(int(now), 0) + c.amount
+            elif c.kind == "parallel":
+                self._slots[c.scope][request_id] = now + ttl
+            else:
+                self._reserved[c.scope][request_id] = (now + ttl, c.amount)
+        return Admission(True, [c.limit - u - c.amount for c, u in zip(checks, used)])
+
+    async def settle(self, request_id: str, checks: list[Check], actual: list[float]) -> None:
+        now = time.time()
+        for c, a in zip(checks, actual):
+            if c.kind == "tpm":
+                buckets = self._windows[f"{c.scope}:tpm"]
+                buckets[int(now)] = buckets.get(int(now), 0) + (a - c.amount)
+            elif c.kind == "parallel":
+                self._slots[c.scope].pop(request_id, None)
+            elif c.kind == "budget":
+                self._reserved[c.scope].pop(request_id, None)
+                self._budget(c.scope, c.period, now)[1] += a
+
+    async def record_failure(self, deployment: str, allowed_fails: int, cooldown_time: float) -> bool:
+        now = time.monotonic()
+        fails = [t for t in self._fails[deployment] if t > now - FAIL_WINDOW_S] + [now]
+        if len(fails) >= allowed_fails:
+            self._fails[deployment] = []
+            self._cool_until[deployment] = now + cooldown_time
+            return True
+        self._fails[deployment] = fails
+        return False
+
+    async def cooling(self, deployments: list[str]) -> set[str]:
+        now = time.monotonic()
+        return {d for d in deployments if self._cool_until.get(d, 0) > now}

@@ -1,0 +1,93 @@
+"""Redis state store: every change is one Lua script (EVALSHA, one round trip), so N gateway
+processes sharing one Redis admit, reserve and cool down as if they were one. Time comes from
+the Redis server's clock, so instances on skewed hosts still agree."""
+
+from __future__ import annotations
+
+import functools
+import uuid
+from pathlib import Path
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from kvserve.gateway.state.base import Admission, Check, StateStore, StoreUnavailable
+
+_HERE = Path(__file__).parent
+PREFIX = "kvgw:"
+
+
+def _keys(c: Check) -> list[str]:
+    if c.kind in ("rpm", "tpm"):
+        return [f"{PREFIX}w:{c.scope}:{c.kind}"]
+    if c.kind == "parallel":
+        return [f"{PREFIX}p:{c.scope}"]
+    return [f"{PREFIX}b:{c.scope}", f"{PREFIX}rz:{c.scope}", f"{PREFIX}ra:{c.scope}"]
+
+
+def _guarded(fn):
+    @functools.wraps(fn)
+    async def wrapper(*args, **kwargs):
+        try:
+            return await fn(*args, **kwargs)
+        except (RedisError, OSError) as e:
+            raise StoreUnavailable(f"state store (Redis): {e.__class__.__name__}: {e}") from None
+
+    return wrapper
+
+
+class RedisStore(StateStore):
+    def __init__(self, url: str, max_connections: int = 64) -> None:
+        # A blocking pool: a burst waits for a free connection instead of failing.
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=10, socket_timeout=5, socket_connect_timeout=5
+        )
+        self.redis = aioredis.Redis(connection_pool=pool)
+        load = lambda name: self.redis.register_script((_HERE / name).read_text())  # noqa: E731
+        self._admit, self._settle, self._fail = load("admit.lua"), load("settle.lua"), load("fail.lua")
+
+    @_guarded
+    async def admit(self, request_id: str, checks: list[Check], ttl: float) -> Admission:
+        if not checks:
+            return Admission(True, [])
+        keys = [k for c in checks for k in _keys(c)]
+        args: list = [request_id, int(ttl * 1000), len(checks)]
+        for c in checks:
+            args += [c.kind, repr(float(c.limit)), repr(float(c.amount)), int(c.period * 1000)]
+        out = await self._admit(keys=keys, args=args)
+        if int(out[0]) == 1:
+            return Admission(True, [float(x) for x in out[1:]])
+        return Admission(False, [], checks[int(out[1]) - 1], int(out[2]) / 1000)
+
+    @_guarded
+    async def settle(self, request_id: str, checks: list[Check], actual: list[float]) -> None:
+        todo = [(c, a) for c, a in zip(checks, actual) if c.kind != "rpm"]
+        if not todo:
+            return
+        keys = [k for c, _ in todo for k in _keys(c)]
+        args: list = [request_id, len(todo)]
+        for c, a in todo:
+            args += [c.kind, repr(float(c.amount)), repr(float(a)), int(c.period * 1000)]
+        await self._settle(keys=keys, args=args)
+
+    @_guarded
+    async def record_failure(self, deployment: str, allowed_fails: int, cooldown_time: float) -> bool:
+        keys = [f"{PREFIX}f:{deployment}", f"{PREFIX}c:{deployment}"]
+        out = await self._fail(keys=keys, args=[allowed_fails, int(cooldown_time * 1000), uuid.uuid4().hex])
+        return int(out) == 1
+
+    @_guarded
+    async def cooling(self, deployments: list[str]) -> set[str]:
+        if not deployments:
+            return set()
+        vals = await self.redis.mget([f"{PREFIX}c:{d}" for d in deployments])
+        return {d for d, v in zip(deployments, vals) if v is not None}
+
+    async def ping(self) -> bool:
+        try:
+            return bool(await self.redis.ping())
+        except Exception:
+            return False
+
+    async def close(self) -> None:
+        await self.redis.aclose()

@@ -1,0 +1,34 @@
+-- Settle a finished (or failed) request atomically: release parallel slots, move budget
+-- reservations to spend at the actual cost, correct tpm by (actual - reserved) tokens.
+-- KEYS as in admit.lua. ARGV: request_id, n, then per check: kind, reserved, actual, period_ms.
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local sec = math.floor(now / 1000)
+local rid, n = ARGV[1], tonumber(ARGV[2])
+local ki, ai = 1, 3
+for i = 1, n do
+  local kind, reserved, actual, period = ARGV[ai], tonumber(ARGV[ai + 1]), ARGV[ai + 2], tonumber(ARGV[ai + 3])
+  ai = ai + 4
+  if kind == 'tpm' then
+    local delta = math.floor(tonumber(actual) - reserved)
+    if delta ~= 0 then
+      redis.call('HINCRBY', KEYS[ki], sec, delta)
+      redis.call('PEXPIRE', KEYS[ki], 61000)
+    end
+  elseif kind == 'parallel' then
+    redis.call('ZREM', KEYS[ki], rid)
+  elseif kind == 'budget' then
+    local b = KEYS[ki]
+    redis.call('ZREM', KEYS[ki + 1], rid)
+    redis.call('HDEL', KEYS[ki + 2], rid)
+    local idx = 0
+    if period > 0 then idx = math.floor(now / period) end
+    if tonumber(redis.call('HGET', b, 'period') or '-1') ~= idx then
+      redis.call('HSET', b, 'period', idx, 'spent', 0)
+      if period > 0 then redis.call('PEXPIRE', b, 2 * period) end
+    end
+    redis.call('HINCRBYFLOAT', b, 'spent', actual)
+  end
+  if kind == 'budget' then ki = ki + 3 else ki = ki + 1 end
+end
+return 1

@@ -1,0 +1,143 @@
+"""A small real OpenAI-compatible HTTP backend that misbehaves on request, for the gateway's
+failure tests. The backend model name picks the behaviour:
+
+    ok        answers (usage: prompt = words in the prompt, completion = max_tokens)
+    fail-500  500          fail-429  429 + Retry-After: 1      bad-400  a plain 400
+    ctx-400   400 "maximum context length"                      hang     no first byte (60 s)
+    die       streams 2 events, then drops the connection       slow     one event every 0.1 s
+    hold-N    answers after N seconds
+
+GET /stats gives requests per model and how many streams and holds the client cancelled.
+
+    python tests/fault_backend.py --port 8124
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from collections import Counter
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+app = FastAPI()
+counts: Counter = Counter()
+cancelled = {"streams": 0, "holds": 0}
+
+
+def words(body: dict) -> int:
+    """The backend's 'tokenizer': whitespace-separated words (so /tokenize and usage agree)."""
+    if "messages" in body:
+        return sum(len(str(m.get("content") or "").split()) for m in body["messages"])
+    return len(str(body.get("prompt") or "").split())
+
+
+def _chunk(chat: bool, text: str | None, finish: str | None = None) -> bytes:
+    if chat:
+        delta = {"content": text} if text is not None else {}
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        obj = {"id": "fault", "object": "chat.completion.chunk", "created": 0, "model": "fault"}
+    else:
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        obj = {"id": "fault", "object": "text_completion", "created": 0, "model": "fault"}
+    return b"data: " + json.dumps({**obj, "choices": [choice]}).encode() + b"\n\n"
+
+
+async def _events(body: dict, chat: bool, mode: str):
+    n = int(body.get("max_tokens") or 4)
+    try:
+        for i in range(n):
+            if mode == "slow":
+                await asyncio.sleep(0.1)
+            yield _chunk(chat, " tok")
+            if mode == "die" and i == 1:
+                raise ConnectionError("fault backend: dying mid-stream")
+        yield _chunk(chat, None, "length")
+        if (body.get("stream_options") or {}).get("include_usage"):
+            usage = {"prompt_tokens": words(body), "completion_tokens": n, "total_tokens": words(body) + n}
+            yield b"data: " + json.dumps({"id": "fault", "choices": [], "usage": usage}).encode() + b"\n\n"
+        yield b"data: [DONE]\n\n"
+    except asyncio.CancelledError:
+        cancelled["streams"] += 1
+        raise
+
+
+async def _answer(request: Request, chat: bool):
+    body = await request.json()
+    mode = str(body.get("model"))
+    counts[mode] += 1
+    if mode == "fail-500":
+        return JSONResponse({"error": {"message": "injected failure", "type": "server_error"}}, 500)
+    if mode == "fail-429":
+        return JSONResponse({"error": {"message": "slow down"}}, 429, headers={"retry-after": "1"})
+    if mode == "bad-400":
+        return JSONResponse({"error": {"message": "temperature: must be <= 2", "param": "temperature"}}, 400)
+    if mode == "ctx-400":
+        msg = "This model's maximum context length is 8 tokens; your prompt is longer"
+        return JSONResponse({"error": {"message": msg, "code": "context_length_exceeded"}}, 400)
+    if mode == "hang":
+        await asyncio.sleep(60)
+    if mode.startswith("hold-"):  # answer after N seconds unless the client leaves first
+        loop = asyncio.get_running_loop()
+        end = loop.time() + float(mode[5:])
+        while loop.time() < end:
+            if await request.is_disconnected():
+                cancelled["holds"] += 1
+                return JSONResponse({}, 499)
+            await asyncio.sleep(0.05)
+    if body.get("stream"):
+        return StreamingResponse(_events(body, chat, mode), media_type="text/event-stream")
+    n = int(body.get("max_tokens") or 4)
+    usage = {"prompt_tokens": words(body), "completion_tokens": n, "total_tokens": words(body) + n}
+    text = " tok" * n
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
+    else:
+        choice = {"index": 0, "text": text, "finish_reason": "length"}
+    return {"id": "fault", "object": "chat.completion" if chat else "text_completion", "created": 0,
+            "model": mode, "choices": [choice], "usage": usage}  # fmt: skip
+
+
+@app.post("/v1/chat/completions")
+async def chat(request: Request):
+    return await _answer(request, True)
+
+
+@app.post("/v1/completions")
+async def completions(request: Request):
+    return await _answer(request, False)
+
+
+@app.post("/tokenize")
+async def tokenize(request: Request):
+    n = words(await request.json())
+    return {"tokens": list(range(n)), "count": n, "max_model_len": 100000}
+
+
+@app.get("/v1/models")
+async def models():
+    return {"object": "list", "data": [{"id": "ok", "object": "model"}]}
+
+
+@app.get("/health")
+async def health():
+    return {"status": "ok"}
+
+
+@app.get("/stats")
+async def stats():
+    return {
+        "requests": dict(counts),
+        "cancelled_streams": cancelled["streams"],
+        "cancelled_holds": cancelled["holds"],
+    }
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--port", type=int, required=True)
+    a = ap.parse_args()
+    uvicorn.run(app, host="127.0.0.1", port=a.port, log_level="warning", access_log=False)

@@ -1,0 +1,133 @@
+"""Real processes for gateway tests: a Redis server, the fault-injection backend and
+`kvserve gateway` instances, each on a free 127.0.0.1 port and stopped afterwards."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import yaml
+from server_utils import free_port
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def _wait(url: str, proc: subprocess.Popen, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}")
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    proc.kill()
+    raise TimeoutError(f"{what} did not come up")
+
+
+class RedisServer:
+    """redis-server with persistence off (installed by `make test` when missing)."""
+
+    def __init__(self) -> None:
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise RuntimeError("redis-server not found: apt-get install -y redis-server (make test does)")
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc = subprocess.Popen(
+            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        import redis
+
+        client = redis.Redis(port=self.port)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    self.stop()
+                    raise RuntimeError("redis-server did not start") from None
+                time.sleep(0.05)
+        self.client = client
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+
+
+class FaultBackend:
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.join(HERE, "fault_backend.py"), "--port", str(self.port)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        _wait(self.url + "/health", self.proc, 30, "fault backend")
+
+    def stats(self) -> dict:
+        return httpx.get(self.url + "/stats", timeout=5).json()
+
+    def count(self, mode: str) -> int:
+        return self.stats()["requests"].get(mode, 0)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()  # it may hold deliberately hung requests; nothing to shut down cleanly
+            self.proc.wait(10)
+
+
+class GatewayProcess:
+    """`kvserve gateway --config` in its own process (a real uvicorn server)."""
+
+    def __init__(self, config: dict, workdir: str, name: str = "gw", wait: bool = True) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.config_path = os.path.join(workdir, f"{name}.yaml")
+        with open(self.config_path, "w") as f:
+            yaml.safe_dump(config, f)
+        self.log_path = os.path.join(workdir, f"{name}.log")
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvserve.entrypoints.cli", "gateway", "--config", self.config_path,
+             "--port", str(self.port)],
+            stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT,
+        )  # fmt: skip
+        if wait:
+            self.wait()
+
+    def wait(self) -> None:
+        _wait(self.url + "/health", self.proc, 60, "gateway")
+
+    def kill9(self) -> None:
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+    def logs(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.log.close()
+
+
+def deployment(alias: str, base_url: str, model: str, **backend) -> dict:
+    return {"model_name": alias, "backend": {"base_url": base_url, "model": model, **backend}}

@@ -1,0 +1,171 @@
+"""The official openai client through `kvserve gateway` to two real kvserve replicas behaves as
+when it calls a replica directly: same greedy text, usage, tool calls and JSON mode. The replicas
+run the tiny random model with a longer position range (a tool prompt is ~600 of its tokens)."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import os
+import time
+
+import httpx
+import openai
+import pytest
+from gateway_utils import GatewayProcess
+from server_utils import ServerProcess
+
+MODEL_ARGS = ("--kv-cache-memory", "64MiB", "--max-model-len", "2048", "--served-model-name", "tiny")
+KEY = "sk-gw"
+MSG = [{"role": "user", "content": "The quick brown fox"}]
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "get_time", "description": "time in a city", "parameters": CITY},
+    }
+]
+
+
+@pytest.fixture(scope="module")
+def long_tiny_dir(tmp_path_factory) -> str:
+    from conftest import _save_tiny
+
+    path = _save_tiny(str(tmp_path_factory.mktemp("tiny-long")), "llama")
+    cfg_path = os.path.join(path, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg["max_position_embeddings"] = 4096
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f)
+    return path
+
+
+@pytest.fixture(scope="module")
+def replicas(long_tiny_dir):
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # start both at once
+        rs = list(pool.map(lambda _: ServerProcess(long_tiny_dir, *MODEL_ARGS), range(2)))
+    yield rs
+    for r in rs:
+        r.stop()
+
+
+@pytest.fixture(scope="module")
+def gw(replicas, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("gw")
+    cfg = {
+        "model_list": [{"model_name": "tiny", "id": f"replica-{i}",
+                        "backend": {"base_url": r.url + "/v1", "model": "tiny", "api_key": r.api_key}}
+                       for i, r in enumerate(replicas)],
+        "keys": [{"key": KEY}, {"key": "sk-tpm", "tpm": 100000}],
+        "general_settings": {"database": str(tmp / "gw.db")},
+    }  # fmt: skip
+    g = GatewayProcess(cfg, str(tmp))
+    yield g
+    g.stop()
+    assert "Traceback" not in g.logs(), g.logs()
+
+
+@pytest.fixture(scope="module")
+def via(gw):
+    return openai.OpenAI(base_url=gw.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def direct(replicas):
+    return openai.OpenAI(base_url=replicas[0].url + "/v1", api_key=replicas[0].api_key, max_retries=0)
+
+
+def test_chat_and_completions_identical(via, direct):
+    kw = dict(model="tiny", messages=MSG, max_tokens=12, temperature=0)
+    a, b = via.chat.completions.create(**kw), direct.chat.completions.create(**kw)
+    assert a.choices[0].message.content == b.choices[0].message.content
+    assert a.choices[0].finish_reason == b.choices[0].finish_reason and _tokens(a) == _tokens(b)
+    kw = dict(model="tiny", prompt="Hello world", max_tokens=12, temperature=0)
+    a, b = via.completions.create(**kw), direct.completions.create(**kw)
+    assert a.choices[0].text == b.choices[0].text and _tokens(a) == _tokens(b)
+
+
+def _tokens(r) -> tuple[int, int]:
+    """Token counts (cached-token details differ with which replica's prefix cache was warm)."""
+    return r.usage.prompt_tokens, r.usage.completion_tokens
+
+
+def _streamed(client, usage: bool):
+    extra = {"stream_options": {"include_usage": True}} if usage else {}
+    chunks = list(client.chat.completions.create(model="tiny", messages=MSG, max_tokens=12, temperature=0,
+                                                 stream=True, **extra))  # fmt: skip
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    return text, chunks
+
+
+def test_stream_with_and_without_usage(via, direct):
+    text, chunks = _streamed(via, usage=True)
+    want, want_chunks = _streamed(direct, usage=True)
+    assert text == want and len(chunks) == len(want_chunks)
+    assert _tokens(chunks[-1]) == _tokens(want_chunks[-1]) and chunks[-1].usage.completion_tokens == 12
+    text, chunks = _streamed(via, usage=False)
+    assert text == want
+    assert all(c.usage is None for c in chunks) and all(c.choices for c in chunks)
+    assert len(chunks) == len(_streamed(direct, usage=False)[1])
+
+
+def test_tools_and_response_format_identical(via, direct):
+    kw = dict(model="tiny", messages=MSG, tools=TOOLS, tool_choice="required", max_tokens=40, temperature=0)
+    a, b = via.chat.completions.create(**kw), direct.chat.completions.create(**kw)
+    assert a.choices[0].finish_reason == b.choices[0].finish_reason
+    strip = lambda r: [(c.function.name, c.function.arguments) for c in r.choices[0].message.tool_calls or []]  # noqa: E731
+    assert strip(a) == strip(b)
+    kw = dict(
+        model="tiny", messages=MSG, response_format={"type": "json_object"}, max_tokens=30, temperature=0
+    )
+    a, b = via.chat.completions.create(**kw), direct.chat.completions.create(**kw)
+    assert a.choices[0].message.content == b.choices[0].message.content
+
+
+def test_tpm_counts_with_the_replicas_tokenizer(gw, replicas):
+    body = {"model": "tiny", "messages": MSG, "max_tokens": 2}
+    count = httpx.post(
+        replicas[0].url + "/tokenize", json={"messages": MSG}, headers=replicas[0].headers
+    ).json()
+    r = httpx.post(gw.url + "/v1/chat/completions", json=body, headers={"Authorization": "Bearer sk-tpm"})
+    assert r.status_code == 200
+    assert int(r.headers["x-ratelimit-remaining-tokens"]) == 100000 - count["count"]
+    assert r.headers["x-kvserve-deployment"] in ("replica-0", "replica-1")
+
+
+def _running(replicas) -> float:
+    return sum(r.metrics()["kvserve:num_requests_running"] for r in replicas)
+
+
+def test_client_disconnect_frees_the_replicas(gw, replicas):
+    body = {"model": "tiny", "prompt": "Go", "max_tokens": 2000, "stream": True, "ignore_eos": True}
+    h = {"Authorization": f"Bearer {KEY}"}
+
+    async def scenario():
+        async with httpx.AsyncClient(timeout=60) as http:
+            req = lambda: http.build_request("POST", gw.url + "/v1/completions", json=body, headers=h)  # noqa: E731
+            streams = [await http.send(req(), stream=True) for _ in range(6)]
+            for resp in streams:
+                it = resp.aiter_lines()
+                for _ in range(3):
+                    await it.__anext__()
+            assert _running(replicas) > 0
+            for resp in streams:
+                await resp.aclose()
+
+    asyncio.run(scenario())
+    deadline = time.monotonic() + 30
+    while _running(replicas) > 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _running(replicas) == 0, gw.logs()
+    assert gw.logs().count("status=499") >= 6  # the gateway saw every client leave and let go upstream
+    assert all(r.metrics()["kvserve:kv_cache_usage_perc"] == 0 for r in replicas)
+
+
+def test_models_lists_aliases(via):
+    assert [m.id for m in via.models.list().data] == ["tiny"]
+    with pytest.raises(openai.NotFoundError) as e:
+        via.chat.completions.create(model="gpt-9", messages=MSG)
+    assert json.loads(e.value.response.text)["error"]["code"] == "model_not_found"

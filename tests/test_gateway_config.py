@@ -1,0 +1,110 @@
+"""Gateway configuration: a bad key or value stops start-up with one line naming the key path."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from kvserve.gateway.config import ConfigError, load_config, parse_config
+from kvserve.gateway.keys import hash_key
+
+OK = {"model_list": [{"model_name": "m", "backend": {"base_url": "http://127.0.0.1:1/v1", "model": "x"}}]}
+
+
+def _with(path: str, value) -> dict:
+    """OK with one value replaced or added at a dotted path (list indexes are numbers)."""
+    cfg = yaml.safe_load(yaml.safe_dump(OK))
+    *parents, last = path.split(".")
+    node = cfg
+    for p in parents:
+        node = node[int(p)] if isinstance(node, list) else node.setdefault(p, {})
+    node[int(last) if isinstance(node, list) else last] = value
+    return cfg
+
+
+@pytest.mark.parametrize(
+    "path, value, message",
+    [
+        (
+            "model_list.0.backend.timeout",
+            "soon",
+            "model_list.0.backend.timeout: Input should be a valid number",
+        ),
+        ("model_list.0.backend.tiemout", 5, "model_list.0.backend.tiemout: unknown key"),
+        (
+            "model_list.0.backend.base_url",
+            "localhost:8000",
+            "model_list.0.backend.base_url: Value error, must",
+        ),
+        (
+            "model_list.0.backend.rpm",
+            0,
+            "model_list.0.backend.rpm: Input should be greater than or equal to 1",
+        ),
+        ("router_settings.routing_strategy", "fastest", "router_settings.routing_strategy: Input should be"),
+        (
+            "router_settings.fallbacks",
+            {"m": ["nope"]},
+            "router_settings.fallbacks.m: unknown model_name 'nope'",
+        ),
+        ("keys", [{"key": "a", "team": "t"}], "keys.0.team: unknown team 't'"),
+        ("keys", [{"alias": "x"}], "keys.0: give exactly one of key or key_hash"),
+        (
+            "keys",
+            [{"key": "a", "budget_duration": "monthly"}],
+            "keys.0.budget_duration: Value error, 'monthly'",
+        ),
+        (
+            "keys",
+            [{"key": "env:KVSERVE_NO_SUCH_VAR"}],
+            "keys.0.key: environment variable KVSERVE_NO_SUCH_VAR",
+        ),
+        ("general_settings.state", "memcached://x", "general_settings.state: Value error, must be 'memory'"),
+        ("model_list", [], "model_list: List should have at least 1 item"),
+    ],
+)
+def test_bad_config_names_the_key_path(path, value, message):
+    with pytest.raises(ConfigError) as e:
+        parse_config(_with(path, value))
+    assert str(e.value).startswith(message), str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_good_config_defaults_secrets_and_ids(monkeypatch):
+    monkeypatch.setenv("KVSERVE_TEST_BACKEND_KEY", "secret")
+    cfg = parse_config(_with("model_list.0.backend.api_key", "env:KVSERVE_TEST_BACKEND_KEY"))
+    assert cfg.model_list[0].backend.api_key == "secret"
+    assert cfg.model_list[0].id == "m-0"
+    assert cfg.router_settings.num_retries == 2 and cfg.general_settings.state == "memory"
+
+
+def test_keys_are_kept_hashed(tmp_path):
+    from kvserve.gateway.keys import KeyStore, open_database
+
+    cfg = parse_config({**OK, "keys": [{"key": "sk-plain", "alias": "a"}, {"key_hash": hash_key("sk-h")}]})
+    store = KeyStore(cfg, open_database(str(tmp_path / "k.db")))
+    assert store.lookup("sk-plain").spec.alias == "a" and store.lookup("sk-h") is not None
+    assert store.lookup("sk-other") is None
+    assert "sk-plain" not in repr([k.public() for k in store.list()])
+    key, rec = store.create(cfg.keys[0].model_copy(update={"key": None, "key_hash": None, "alias": "run"}))
+    assert store.lookup(key).spec.alias == "run"
+    raw = b"".join(f.read_bytes() for f in tmp_path.glob("k.db*"))  # the file and its WAL
+    assert key.encode() not in raw and hash_key(key).encode() in raw
+    assert store.revoke(rec.key_hash) and store.lookup(key) is None
+
+
+def test_cli_exits_nonzero_with_one_line(tmp_path):
+    path = tmp_path / "gw.yaml"
+    path.write_text(yaml.safe_dump(_with("model_list.0.backend.weight", -1)))
+    p = subprocess.run([sys.executable, "-m", "kvserve.entrypoints.cli", "gateway", "--config", str(path)],
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines() == [
+        "error: model_list.0.backend.weight: Input should be greater than 0"
+    ]
+    path.write_text("model_list: [\n")
+    with pytest.raises(ConfigError, match=r"gw.yaml: line \d+: not valid YAML"):
+        load_config(str(path))

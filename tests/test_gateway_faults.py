@@ -1,0 +1,303 @@
+"""Gateway failure semantics against the fault-injection backend (a real HTTP server): retries,
+first-byte timeouts, mid-stream deaths, cooldowns, context-window fallbacks, pass-through 4xx,
+client disconnects, and the memory store's limits and budgets on one instance."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+from gateway_utils import FaultBackend, GatewayProcess, deployment
+
+KEY, MASTER = "sk-test", "sk-master"
+MSG = [{"role": "user", "content": "one two three"}]
+
+
+@pytest.fixture(scope="module")
+def fault():
+    fb = FaultBackend()
+    yield fb
+    fb.stop()
+
+
+def _base(fault, tmp, **router) -> dict:
+    u = fault.url + "/v1"
+    return {
+        "model_list": [
+            deployment("retry500", u, "fail-500", weight=1000), deployment("retry500", u, "ok", weight=0.001),
+            deployment("hang", u, "hang", first_byte_timeout=0.5), deployment("okgroup", u, "ok"),
+            deployment("die", u, "die"), deployment("ctx", u, "ctx-400"), deployment("big", u, "ok"),
+            deployment("small", u, "ok", max_context=5), deployment("bad", u, "bad-400"),
+            deployment("r429", u, "fail-429"), deployment("slow", u, "slow"),
+            deployment("hold", u, "hold-1"),
+            {"model_name": "deprpm", "id": "deprpm-a", "backend": {"base_url": u, "model": "ok", "rpm": 1}},
+            {"model_name": "deprpm", "id": "deprpm-b", "backend": {"base_url": u, "model": "ok", "rpm": 1}},
+            {"model_name": "priced", "backend": {"base_url": u, "model": "ok", "input_cost_per_token": 0.5,
+                                                 "output_cost_per_token": 0.25}},
+        ],
+        "router_settings": {"num_retries": 1, "retry_backoff_base": 0.01, "allowed_fails": 100,
+                            "fallbacks": {"hang": ["okgroup"], "die": ["okgroup"], "bad": ["okgroup"]},
+                            "context_window_fallbacks": {"ctx": ["big"], "small": ["big"]}, **router},
+        "keys": [
+            {"key": KEY, "alias": "tester"},
+            {"key": "sk-limited", "models": ["okgroup"]},
+            {"key": "sk-rpm2", "rpm": 2},
+            {"key": "sk-par1", "max_parallel_requests": 1},
+            {"key": "sk-budget", "max_budget": 5.0},  # priced: 3 words * 0.5 + 2 tokens * 0.25 = 2.0
+            {"key": "sk-team-a", "team": "t"}, {"key": "sk-team-b", "team": "t"},
+        ],
+        "teams": {"t": {"rpm": 1}},
+        "general_settings": {"master_key": MASTER, "database": str(tmp / "gw.db")},
+    }  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def gw(fault, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("gw-faults")
+    g = GatewayProcess(_base(fault, tmp), str(tmp))
+    yield g
+    g.stop()
+    assert "Traceback" not in g.logs(), g.logs()
+
+
+def post(gw, model, key=KEY, **body):
+    body = {"model": model, "messages": MSG, "max_tokens": 2, **body}
+    return httpx.post(gw.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"},
+                      timeout=30)  # fmt: skip
+
+
+def client(gw, key=KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0, timeout=30)
+
+
+def test_500_is_retried_on_the_other_deployment(gw, fault):
+    before = fault.count("fail-500")
+    for _ in range(3):
+        r = post(gw, "retry500")
+        assert r.status_code == 200, r.text
+        assert r.headers["x-kvserve-deployment"] == "retry500-1"
+    assert fault.count("fail-500") > before  # the 500 really happened (weights make it the first pick)
+    assert r.headers["x-kvserve-attempts"] in ("1", "2")
+
+
+def test_hang_hits_first_byte_timeout_and_falls_back(gw, fault):
+    before = fault.count("hang")
+    t0 = time.monotonic()
+    r = post(gw, "hang")
+    assert r.status_code == 200, r.text
+    assert r.headers["x-kvserve-deployment"] == "okgroup-3"
+    assert r.headers["x-kvserve-attempts"] == "3"  # two hung attempts (1 retry) then the fallback
+    assert fault.count("hang") == before + 2
+    assert time.monotonic() - t0 < 30  # did not wait for the 60 s hang
+
+
+def test_death_mid_stream_gives_an_sse_error_and_no_retry(gw, fault):
+    before_die, before_ok = fault.count("die"), fault.count("ok")
+    text = ""
+    with pytest.raises(openai.APIError) as e:
+        for chunk in client(gw).chat.completions.create(model="die", messages=MSG, max_tokens=8, stream=True):
+            text += chunk.choices[0].delta.content or "" if chunk.choices else ""
+    assert "mid-stream" in str(e.value)
+    assert text == " tok tok"  # what arrived before the death, then the error — not a silent end
+    assert fault.count("die") == before_die + 1 and fault.count("ok") == before_ok
+
+
+def test_backend_context_400_goes_to_context_window_fallback(gw):
+    r = post(gw, "ctx")
+    assert r.status_code == 200, r.text
+    assert r.headers["x-kvserve-deployment"] == "big-6"
+
+
+def test_prompt_over_max_context_goes_to_context_window_fallback(gw):
+    r = post(gw, "small", messages=[{"role": "user", "content": "a b c d e f g h i j"}])
+    assert r.status_code == 200 and r.headers["x-kvserve-deployment"] == "big-6"
+    r = post(gw, "small", messages=[{"role": "user", "content": "a"}])
+    assert r.status_code == 200 and r.headers["x-kvserve-deployment"] == "small-7"
+
+
+def test_backend_4xx_is_passed_through_and_not_retried(gw, fault):
+    before = fault.count("bad-400")
+    r = post(gw, "bad")
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == "temperature: must be <= 2"  # the backend's own body
+    assert fault.count("bad-400") == before + 1
+
+
+def test_429_retry_after_is_honoured(gw, fault):
+    before = fault.count("fail-429")
+    t0 = time.monotonic()
+    r = post(gw, "r429")
+    assert r.status_code == 429 and r.json()["error"]["code"] == "upstream_error"
+    assert r.headers["retry-after"] == "1" and r.headers["x-kvserve-attempts"] == "2"
+    assert fault.count("fail-429") == before + 2  # retried once, on the same (only) deployment
+    assert time.monotonic() - t0 >= 1.0  # after the backend's Retry-After: 1
+
+
+def test_client_disconnect_cancels_the_upstream_stream(gw, fault):
+    before = fault.stats()["cancelled_streams"]
+    body = {"model": "slow", "messages": MSG, "max_tokens": 200, "stream": True}
+    with httpx.stream("POST", gw.url + "/v1/chat/completions", json=body,
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as r:  # fmt: skip
+        lines = r.iter_lines()
+        assert next(lines).startswith("data:")
+    deadline = time.monotonic() + 20
+    while fault.stats()["cancelled_streams"] == before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert fault.stats()["cancelled_streams"] == before + 1
+
+
+def test_client_disconnect_cancels_a_non_streaming_upstream_request(fault, tmp_path):
+    cfg = {"model_list": [deployment("long", fault.url + "/v1", "hold-20")], "keys": [{"key": KEY}],
+           "general_settings": {"database": str(tmp_path / "gw.db")}}  # fmt: skip
+    g = GatewayProcess(cfg, str(tmp_path))
+    try:
+        before = fault.stats()["cancelled_holds"]
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(g.url + "/v1/chat/completions", json={"model": "long", "messages": MSG},
+                       headers={"Authorization": f"Bearer {KEY}"}, timeout=0.5)  # fmt: skip
+        deadline = time.monotonic() + 15
+        while fault.stats()["cancelled_holds"] == before and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert fault.stats()["cancelled_holds"] == before + 1  # long before its 20 s were up
+        assert "status=499" in g.logs()
+    finally:
+        g.stop()
+
+
+def test_usage_chunk_only_when_the_client_asked(gw):
+    c = client(gw)
+    chunks = list(c.chat.completions.create(model="okgroup", messages=MSG, max_tokens=3, stream=True))
+    assert all(ch.usage is None for ch in chunks) and chunks[-1].choices
+    chunks = list(c.chat.completions.create(model="okgroup", messages=MSG, max_tokens=3, stream=True,
+                                            stream_options={"include_usage": True}))  # fmt: skip
+    assert chunks[-1].usage.completion_tokens == 3 and chunks[-1].usage.prompt_tokens == 3
+
+
+def test_auth_and_model_errors(gw):
+    r = httpx.post(gw.url + "/v1/chat/completions", json={"model": "okgroup", "messages": MSG})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert post(gw, "okgroup", key="sk-nope").status_code == 401
+    r = post(gw, "nosuch")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    r = post(gw, "retry500", key="sk-limited")
+    assert r.status_code == 403 and "retry500" in r.json()["error"]["message"]
+    r = httpx.post(
+        gw.url + "/v1/chat/completions", content=b"{nope", headers={"Authorization": f"Bearer {KEY}"}
+    )
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("body:")
+    r = httpx.post(
+        gw.url + "/v1/chat/completions", json={"messages": MSG}, headers={"Authorization": f"Bearer {KEY}"}
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+    ids = [m.id for m in client(gw, "sk-limited").models.list().data]
+    assert ids == ["okgroup"]
+
+
+def test_key_rpm_limit_gives_429_with_headers(gw):
+    assert [post(gw, "okgroup", key="sk-rpm2").status_code for _ in range(2)] == [200, 200]
+    r = post(gw, "okgroup", key="sk-rpm2")
+    assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded"
+    assert 1 <= int(r.headers["retry-after"]) <= 60
+    assert (
+        r.headers["x-ratelimit-limit-requests"] == "2" and r.headers["x-ratelimit-remaining-requests"] == "0"
+    )
+
+
+def test_team_limit_is_shared_by_its_keys(gw):
+    assert post(gw, "okgroup", key="sk-team-a").status_code == 200
+    r = post(gw, "okgroup", key="sk-team-b")
+    assert r.status_code == 429 and "team:t" in r.json()["error"]["message"]
+
+
+def test_parallel_limit(gw):
+    async def two():
+        async with httpx.AsyncClient(timeout=30) as c:
+            body = {"model": "hold", "messages": MSG, "max_tokens": 1}
+            h = {"Authorization": "Bearer sk-par1"}
+            return await asyncio.gather(*(c.post(gw.url + "/v1/chat/completions", json=body, headers=h)
+                                          for _ in range(2)))  # fmt: skip
+
+    codes = sorted(r.status_code for r in asyncio.run(two()))
+    assert codes == [200, 429]
+    assert post(gw, "okgroup", key="sk-par1").status_code == 200  # the slot came back
+
+
+def test_deployment_rpm_sends_the_next_request_elsewhere(gw):
+    served = {post(gw, "deprpm").headers.get("x-kvserve-deployment") for _ in range(2)}
+    assert served == {"deprpm-a", "deprpm-b"}
+    r = post(gw, "deprpm")
+    assert r.status_code == 429 and "retry-after" in r.headers
+
+
+def test_budget_reserves_then_settles_and_the_admin_api_reports_spend(gw):
+    # each request reserves and costs 3 words * 0.5 + 2 tokens * 0.25 = 2.0; the budget is 5.0
+    codes = [post(gw, "priced", key="sk-budget").status_code for _ in range(3)]
+    assert codes == [200, 200, 429]
+    r = post(gw, "priced", key="sk-budget")
+    assert r.json()["error"]["code"] == "budget_exceeded"
+    m = {"Authorization": f"Bearer {MASTER}"}
+    rows = httpx.get(gw.url + "/admin/spend", params={"group_by": "model"}, headers=m).json()["data"]
+    assert {
+        "model": "priced",
+        "requests": 2,
+        "prompt_tokens": 6,
+        "completion_tokens": 4,
+        "spend": 4.0,
+    } in rows
+
+
+def test_admin_keys_create_use_revoke(gw):
+    m = {"Authorization": f"Bearer {MASTER}"}
+    assert httpx.get(gw.url + "/admin/keys", headers={"Authorization": f"Bearer {KEY}"}).status_code == 401
+    r = httpx.post(gw.url + "/admin/keys", json={"alias": "new", "models": ["okgroup"], "rpm": 5}, headers=m)
+    assert r.status_code == 200, r.text
+    new, key_hash = r.json()["key"], r.json()["key_hash"]
+    assert post(gw, "okgroup", key=new).status_code == 200
+    assert post(gw, "big", key=new).status_code == 403
+    listed = httpx.get(gw.url + "/admin/keys", headers=m).json()["data"]
+    assert new not in json.dumps(listed) and any(k["key_hash"] == key_hash for k in listed)  # hashed only
+    assert httpx.post(gw.url + f"/admin/keys/{key_hash}/revoke", headers=m).status_code == 200
+    assert post(gw, "okgroup", key=new).status_code == 401
+    r = httpx.post(gw.url + "/admin/keys", json={"rpm": "lots"}, headers=m)
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("rpm:")
+    r = httpx.get(gw.url + "/admin/spend", params={"group_by": "key", "last": "1h"}, headers=m)
+    assert r.status_code == 200 and r.json()["data"]
+
+
+def test_health_readiness_and_metrics(gw):
+    assert httpx.get(gw.url + "/health").json() == {"status": "ok"}
+    ready = httpx.get(gw.url + "/health/readiness").json()
+    assert ready["status"] == "ready" and len(ready["deployments"]) == 15
+    text = httpx.get(gw.url + "/metrics").text
+    assert "kvserve_gateway_requests_total" in text and "kvserve_gateway_attempts_total" in text
+
+
+def test_cooldown_after_allowed_fails(fault, tmp_path):
+    u = fault.url + "/v1"
+    cfg = {
+        "model_list": [{"model_name": "cool", "id": "sick", "backend": {"base_url": u, "model": "fail-500"}},
+                       {"model_name": "cool", "id": "well", "backend": {"base_url": u, "model": "ok"}}],
+        "router_settings": {"allowed_fails": 2, "cooldown_time": 120, "retry_backoff_base": 0.01},
+        "keys": [{"key": KEY}], "general_settings": {"database": str(tmp_path / "gw.db")},
+    }  # fmt: skip
+    g = GatewayProcess(cfg, str(tmp_path))
+    try:
+        start = fault.count("fail-500")
+        for _ in range(40):
+            assert post(g, "cool").status_code == 200
+            if fault.count("fail-500") - start >= 2:
+                break
+        cooled_at = fault.count("fail-500")
+        assert cooled_at - start == 2
+        for _ in range(15):
+            r = post(g, "cool")
+            assert r.status_code == 200 and r.headers["x-kvserve-deployment"] == "well"
+        assert fault.count("fail-500") == cooled_at  # zero requests during the cooldown
+        rows = {d["id"]: d for d in httpx.get(g.url + "/health/readiness").json()["deployments"]}
+        assert rows["sick"]["cooling_down"] and not rows["well"]["cooling_down"]
+    finally:
+        g.stop()

@@ -1,0 +1,169 @@
+"""Three `kvserve gateway` processes sharing one real Redis behave as one: exact rpm and budget
+admission under concurrency, shared cooldowns and keys, and reservations of a gateway killed
+mid-request expire."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import httpx
+import pytest
+from gateway_utils import FaultBackend, GatewayProcess, RedisServer, deployment
+
+MSG = [{"role": "user", "content": "one two three"}]  # 3 "tokens" at the fault backend
+PRICE = {"input_cost_per_token": 0.5, "output_cost_per_token": 0.25}  # 3 * 0.5 + 2 * 0.25 = 2.0 each
+K = 10
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    r = RedisServer()
+    yield r
+    r.stop()
+
+
+@pytest.fixture(scope="module")
+def fault():
+    fb = FaultBackend()
+    yield fb
+    fb.stop()
+
+
+def _config(fault, redis_server, db: str, **general) -> dict:
+    u = fault.url + "/v1"
+    return {
+        "model_list": [
+            deployment("ok", u, "ok"), deployment("priced", u, "ok", **PRICE),
+            deployment("held", u, "hold-60", **PRICE),
+            {"model_name": "cool", "id": "sick", "backend": {"base_url": u, "model": "fail-500"}},
+            {"model_name": "cool", "id": "well", "backend": {"base_url": u, "model": "ok"}},
+        ],
+        "router_settings": {"allowed_fails": 2, "cooldown_time": 120, "retry_backoff_base": 0.01},
+        "keys": [{"key": "sk-rpm50", "rpm": 50}, {"key": "sk-budget", "max_budget": 2.0 * K},
+                 {"key": "sk-kill", "max_budget": 2.0}, {"key": "sk-any"}],
+        "general_settings": {"master_key": "sk-master", "state": redis_server.url, "database": db, **general},
+    }  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def gws(fault, redis_server, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("gw-redis")
+    cfg = _config(fault, redis_server, str(tmp / "shared.db"))
+    gs = [GatewayProcess(cfg, str(tmp), f"gw{i}", wait=False) for i in range(3)]
+    for g in gs:
+        g.wait()
+    yield gs
+    for g in gs:
+        g.stop()
+    for g in gs:
+        assert "Traceback" not in g.logs(), g.logs()
+
+
+def _burst(gws, key: str, model: str, n: int) -> list[httpx.Response]:
+    """n concurrent requests spread round-robin over the instances."""
+
+    async def go():
+        limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as c:
+            body = {"model": model, "messages": MSG, "max_tokens": 2}
+            h = {"Authorization": f"Bearer {key}"}
+            return await asyncio.gather(
+                *(
+                    c.post(gws[i % len(gws)].url + "/v1/chat/completions", json=body, headers=h)
+                    for i in range(n)
+                )
+            )
+
+    return asyncio.run(go())
+
+
+def test_rpm_is_exact_across_three_instances(gws):
+    rs = _burst(gws, "sk-rpm50", "ok", 300)
+    codes = [r.status_code for r in rs]
+    assert codes.count(200) == 50 and codes.count(429) == 250
+    assert all(1 <= int(r.headers["retry-after"]) <= 60 for r in rs if r.status_code == 429)
+    assert {r.headers["x-ratelimit-limit-requests"] for r in rs} == {"50"}
+
+
+def test_budget_is_exact_across_three_instances(gws):
+    rs = _burst(gws, "sk-budget", "priced", 10 * K)
+    codes = [r.status_code for r in rs]
+    assert codes.count(200) == K and codes.count(429) == 9 * K
+    assert {r.json()["error"]["code"] for r in rs if r.status_code == 429} == {"budget_exceeded"}
+    m = {"Authorization": "Bearer sk-master"}
+    rows = httpx.get(gws[1].url + "/admin/spend", params={"group_by": "model"}, headers=m).json()["data"]
+    spent = sum(r["spend"] for r in rows if r["model"] == "priced")
+    deadline = time.monotonic() + 10  # other instances flush their spend log every 0.5 s
+    while spent < 2.0 * K and time.monotonic() < deadline:
+        time.sleep(0.2)
+        rows = httpx.get(gws[1].url + "/admin/spend", params={"group_by": "model"}, headers=m).json()["data"]
+        spent = sum(r["spend"] for r in rows if r["model"] == "priced")
+    assert spent == pytest.approx(2.0 * K) and spent <= 2.0 * K + 1e-9
+
+
+def test_cooldown_is_shared(gws, fault):
+    h = {"Authorization": "Bearer sk-any"}
+    body = {"model": "cool", "messages": MSG, "max_tokens": 2}
+    start = fault.count("fail-500")
+    for _ in range(40):
+        assert httpx.post(gws[0].url + "/v1/chat/completions", json=body, headers=h).status_code == 200
+        if fault.count("fail-500") - start >= 2:
+            break
+    cooled = fault.count("fail-500")
+    assert cooled - start == 2
+    for i in range(12):  # the other instances never tried it, yet send it nothing
+        r = httpx.post(gws[1 + i % 2].url + "/v1/chat/completions", json=body, headers=h)
+        assert r.status_code == 200 and r.headers["x-kvserve-deployment"] == "well"
+    assert fault.count("fail-500") == cooled
+
+
+def test_keys_made_on_one_instance_work_and_die_on_the_others(gws):
+    m = {"Authorization": "Bearer sk-master"}
+    made = httpx.post(gws[0].url + "/admin/keys", json={"models": ["ok"]}, headers=m).json()
+    h = {"Authorization": f"Bearer {made['key']}"}
+    body = {"model": "ok", "messages": MSG, "max_tokens": 2}
+    assert httpx.post(gws[1].url + "/v1/chat/completions", json=body, headers=h).status_code == 200
+    assert httpx.post(gws[2].url + f"/admin/keys/{made['key_hash']}/revoke", headers=m).status_code == 200
+    assert httpx.post(gws[1].url + "/v1/chat/completions", json=body, headers=h).status_code == 401
+
+
+def test_reservation_of_a_killed_instance_expires(fault, redis_server, tmp_path):
+    ttl = 4.0
+    cfg = _config(fault, redis_server, str(tmp_path / "kill.db"), reservation_ttl=ttl)
+    victim, survivor = (
+        GatewayProcess(cfg, str(tmp_path), "victim"),
+        GatewayProcess(cfg, str(tmp_path), "survivor"),
+    )
+    try:
+        body = {"model": "held", "messages": MSG, "max_tokens": 2}
+        h = {"Authorization": "Bearer sk-kill"}
+        before = fault.count("hold-60")
+
+        def doomed():
+            try:
+                httpx.post(victim.url + "/v1/chat/completions", json=body, headers=h, timeout=60)
+            except httpx.HTTPError:
+                pass  # its gateway dies under it
+
+        t = threading.Thread(target=doomed, daemon=True)
+        t.start()
+        deadline = time.monotonic() + 30
+        while fault.count("hold-60") == before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        admitted = time.monotonic()  # the whole budget (one request) is reserved from here on
+        victim.kill9()
+        r = httpx.post(survivor.url + "/v1/chat/completions", json={**body, "model": "priced"}, headers=h)
+        if time.monotonic() - admitted < ttl - 0.5:  # still within the reservation's life
+            assert r.status_code == 429 and r.json()["error"]["code"] == "budget_exceeded"
+        deadline = time.monotonic() + 30
+        while r.status_code == 429 and time.monotonic() < deadline:
+            time.sleep(0.25)
+            r = httpx.post(survivor.url + "/v1/chat/completions", json={**body, "model": "priced"}, headers=h)
+        assert r.status_code == 200  # the dead instance's reservation expired; the budget came back
+        assert time.monotonic() - admitted >= ttl / 2  # it was the TTL: nobody settled it
+        t.join(5)
+    finally:
+        victim.stop()
+        survivor.stop()

@@ -1,0 +1,93 @@
+"""The state-store contract, run against both stores (memory, and a real Redis through the Lua
+scripts): all-or-nothing admission, slot release, budget reservation -> spend, tpm correction,
+reservation expiry, cooldowns."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from gateway_utils import RedisServer
+
+from kvserve.gateway.state import Check, open_store
+
+
+@pytest.fixture(scope="module")
+def redis_url():
+    r = RedisServer()
+    yield r.url
+    r.stop()
+
+
+@pytest.fixture(params=["memory", "redis"])
+def run(request, redis_url):
+    """run(scenario): a coroutine function taking a fresh store."""
+
+    def go(scenario):
+        async def main():
+            store = open_store("memory" if request.param == "memory" else redis_url)
+            if request.param == "redis":
+                await store.redis.flushdb()
+            try:
+                return await scenario(store)
+            finally:
+                await store.close()
+
+        return asyncio.run(main())
+
+    return go
+
+
+def test_all_or_nothing(run):
+    async def scenario(s):
+        rpm, par = Check("rpm", "k", 2), Check("parallel", "k", 1)
+        assert (await s.admit("a", [rpm, par], 30)).ok
+        refused = await s.admit("b", [rpm, par], 30)  # rpm has room, parallel does not
+        assert not refused.ok and refused.failed == par
+        assert (await s.admit("c", [rpm], 30)).remaining == [0]  # b took nothing from rpm
+        await s.settle("a", [rpm, par], [0, 0])
+        assert (await s.admit("d", [par], 30)).ok
+        over = await s.admit("e", [rpm], 30)
+        assert not over.ok and 0 < over.retry_after <= 60
+
+    run(scenario)
+
+
+def test_budget_reserve_settle_and_expire(run):
+    async def scenario(s):
+        b = lambda amount: Check("budget", "k", 10.0, amount)  # noqa: E731
+        assert (await s.admit("a", [b(6.0)], 30)).ok
+        assert not (await s.admit("b", [b(6.0)], 30)).ok  # 6 reserved + 6 > 10
+        await s.settle("a", [b(6.0)], [1.5])  # it cost less than reserved
+        assert (await s.admit("c", [b(8.5)], 30)).ok  # 1.5 spent + 8.5 = 10: exactly fits
+        assert not (await s.admit("d", [b(0.01)], 30)).ok
+        await s.settle("c", [b(8.5)], [0.0])  # failed: released, nothing spent
+        assert (await s.admit("e", [b(8.0)], 0.3)).ok  # a short-lived reservation ...
+        await asyncio.sleep(0.6)
+        assert (await s.admit("f", [b(8.5)], 30)).ok  # ... that expired
+
+    run(scenario)
+
+
+def test_tpm_is_corrected_by_usage(run):
+    async def scenario(s):
+        t = lambda n: Check("tpm", "k", 100, n)  # noqa: E731
+        assert (await s.admit("a", [t(90)], 30)).ok
+        assert not (await s.admit("b", [t(20)], 30)).ok
+        await s.settle("a", [t(90)], [30])  # used 30 in the end
+        assert (await s.admit("c", [t(70)], 30)).remaining == [0]
+
+    run(scenario)
+
+
+def test_cooldown_after_allowed_fails(run):
+    async def scenario(s):
+        assert not await s.record_failure("d1", 3, 60)
+        assert not await s.record_failure("d1", 3, 60)
+        assert await s.cooling(["d1", "d2"]) == set()
+        assert await s.record_failure("d1", 3, 0.4)
+        assert await s.cooling(["d1", "d2"]) == {"d1"}
+        await asyncio.sleep(0.7)
+        assert await s.cooling(["d1"]) == set()
+
+    run(scenario)
