@@ -205,39 +205,55 @@ def tiny_long_dir(tmp_path_factory) -> str:
     return path
 
 
-def test_stalled_reader_is_aborted(tiny_long_dir):
-    """A client that never reads its stream: once its buffers are full the send waits, and
-    after --stream-stall-timeout the request is aborted and its blocks freed. Loopback holds
-    ~3 MB per connection, so the stream is made heavy (8 choices, 20 alternatives per token:
-    ~20 KB a step): it stalls after ~150 of the 8 x 4000 tokens asked for."""
+@pytest.fixture(scope="module")
+def long_server(tiny_long_dir):
     s = ServerProcess(
         tiny_long_dir, "--kv-cache-memory", "256MiB", "--max-model-len", "8192", "--served-model-name",
         "tiny", "--stream-stall-timeout", "1",
     )  # fmt: skip
-    try:
-        body = json.dumps(
-            {"model": "tiny", "prompt": "Go", "max_tokens": 4000, "ignore_eos": True, "stream": True,
-             "logprobs": 20, "n": 8}
-        ).encode()  # fmt: skip
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sock.connect(("127.0.0.1", s.port))
-        head = (
-            f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {s.api_key}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
-        )
-        sock.sendall(head.encode() + body)  # ... and never read the answer
-        deadline = time.monotonic() + 120
-        while s.metrics().get("kvserve:num_requests_running", 0) == 0:
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
-        while s.metrics()["kvserve:num_requests_running"] > 0:
-            assert time.monotonic() < deadline, "the stalled stream was never aborted"
-            time.sleep(0.2)
-        m = s.metrics()
-        assert m["kvserve:kv_cache_usage_perc"] == 0
-        assert m["kvserve:generation_tokens_total"] < 8 * 3000  # stopped long before the end
-        sock.close()
-        assert_still_serving(s)
-    finally:
-        s.stop()
+    yield s
+    s.stop()
+
+
+def test_client_leaving_a_non_streaming_request_aborts_it(long_server):
+    s = long_server
+    body = {"model": "tiny", "prompt": "Go", "max_tokens": 8000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up long before 8000 tokens
+        httpx.post(f"{s.url}/v1/completions", json=body, headers=s.headers, timeout=1.0)
+    deadline = time.monotonic() + 10
+    while s.metrics()["kvserve:num_requests_running"] > 0:
+        assert time.monotonic() < deadline, "the abandoned request kept decoding"
+        time.sleep(0.1)
+    assert s.metrics()["kvserve:kv_cache_usage_perc"] == 0
+
+
+def test_stalled_reader_is_aborted(long_server):
+    """A client that never reads its stream: once its buffers are full the send waits, and
+    after --stream-stall-timeout the request is aborted and its blocks freed. Loopback holds
+    ~3 MB per connection, so the stream is made heavy (8 choices, 20 alternatives per token:
+    ~20 KB a step): it stalls after ~150 of the 8 x 4000 tokens asked for."""
+    s = long_server
+    body = json.dumps(
+        {"model": "tiny", "prompt": "Go", "max_tokens": 4000, "ignore_eos": True, "stream": True,
+         "logprobs": 20, "n": 8}
+    ).encode()  # fmt: skip
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", s.port))
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {s.api_key}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    sock.sendall(head.encode() + body)  # ... and never read the answer
+    deadline = time.monotonic() + 120
+    while s.metrics().get("kvserve:num_requests_running", 0) == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    while s.metrics()["kvserve:num_requests_running"] > 0:
+        assert time.monotonic() < deadline, "the stalled stream was never aborted"
+        time.sleep(0.2)
+    m = s.metrics()
+    assert m["kvserve:kv_cache_usage_perc"] == 0
+    assert m["kvserve:generation_tokens_total"] < 8 * 3000  # stopped long before the end
+    sock.close()
+    assert_still_serving(s)

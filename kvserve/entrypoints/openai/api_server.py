@@ -18,7 +18,7 @@ from kvserve.config import EngineConfig
 from kvserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError
 from kvserve.entrypoints.openai.errors import error_response, param_of
 from kvserve.entrypoints.openai.lifecycle import DrainingServer, Lifecycle, ServerShuttingDownError
-from kvserve.entrypoints.openai.middleware import BodySizeLimit
+from kvserve.entrypoints.openai.middleware import BodySizeLimit, RequestGate
 from kvserve.entrypoints.openai.openapi import openapi_with_400
 from kvserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -77,11 +77,9 @@ def build_app(engine: AsyncLLM, cfg: ServerConfig) -> FastAPI:
     app = FastAPI(title="kvserve", version=__version__, lifespan=lifespan)
     app.openapi = lambda: openapi_with_400(app)
 
-    @app.middleware("http")
-    async def auth_and_log(request: Request, call_next):
-        path = request.url.path
+    def gate(path: str, headers) -> Response | None:
         if cfg.api_keys and path.startswith(protected):
-            if not key_matches(request.headers.get("authorization", ""), cfg.api_keys):
+            if not key_matches(headers.get("authorization", ""), cfg.api_keys):
                 return error_response(
                     401, "invalid or missing API key", "authentication_error", code="invalid_api_key"
                 )
@@ -91,11 +89,10 @@ def build_app(engine: AsyncLLM, cfg: ServerConfig) -> FastAPI:
             )
             resp.headers["Retry-After"] = "5"
             return resp
-        t0 = time.monotonic()
-        response = await call_next(request)
-        if path.startswith("/v1/"):
-            logger.info("%s %s %d %.3fs", request.method, path, response.status_code, time.monotonic() - t0)
-        return response
+        return None
+
+    app.add_middleware(RequestGate, gate=gate)
+    app.add_middleware(BodySizeLimit, max_bytes=cfg.max_request_bytes)  # outermost: before any parsing
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError):
@@ -236,7 +233,7 @@ def serve(config: EngineConfig, host: str, port: int, cfg: ServerConfig) -> int:
         cfg.served_model_name or engine.source.name, host, port, "required" if cfg.api_keys else "off",
     )  # fmt: skip
     uv = uvicorn.Config(
-        BodySizeLimit(app, cfg.max_request_bytes), host=host, port=port, log_level="warning",
+        app, host=host, port=port, log_level="warning",
         timeout_graceful_shutdown=1, loop="uvloop", http="httptools",
     )  # fmt: skip
     try:

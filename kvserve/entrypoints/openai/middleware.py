@@ -1,4 +1,4 @@
-"""ASGI middleware that runs before any parsing: the request-size limit.
+"""ASGI middleware that runs before any parsing: the request-size limit and the gate.
 
 A body over `max_bytes` is answered 413 without being read into memory or parsed: at once
 when Content-Length says so, or as soon as a chunked body grows past the limit.
@@ -7,8 +7,15 @@ when Content-Length says so, or as soon as a chunked body grows past the limit.
 from __future__ import annotations
 
 import json
+import logging
+import time
+from collections.abc import Callable
 
+from starlette.datastructures import Headers
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+logger = logging.getLogger("kvserve.server")
 
 
 def _error_body(message: str, code: str) -> bytes:
@@ -59,3 +66,40 @@ class BodySizeLimit:
             return await receive()
 
         await self.app(scope, replay, send)
+
+
+class RequestGate:
+    """Refuses a request before routing when `gate(path, headers)` returns a response (missing
+    key, draining), and logs one line per /v1 request when it ends (streams included).
+
+    Pure ASGI on purpose: Starlette's BaseHTTPMiddleware (`@app.middleware("http")`) hands the
+    endpoint a receive channel that never reports the client leaving, so a non-streaming
+    request whose client gave up would decode on for nobody, and it copies every streamed
+    chunk through an extra queue.
+    """
+
+    def __init__(self, app: ASGIApp, gate: Callable[[str, Headers], Response | None]) -> None:
+        self.app = app
+        self.gate = gate
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        refusal = self.gate(path, Headers(scope=scope))
+        if refusal is not None:
+            return await refusal(scope, receive, send)
+        if not path.startswith("/v1/"):
+            return await self.app(scope, receive, send)
+        t0, status = time.monotonic(), 0
+
+        async def send_and_note(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            logger.info("%s %s %d %.3fs", scope["method"], path, status, time.monotonic() - t0)
