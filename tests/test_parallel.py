@@ -54,13 +54,13 @@ def test_tp2_greedy_equals_tp1_and_reference(fixture, request):
     path = request.getfixturevalue(fixture)
     ref = load_reference(path)
     prompts = _prompts(500, [3, 9, 30, 57, 70], shared=40)
-    kw = dict(kv_cache_memory="96KiB", max_num_batched_tokens=32, max_model_len=256)
+    kw = dict(kv_cache_memory="80KiB", max_num_batched_tokens=32, max_model_len=256)
     tp1 = LLM(path, **kw)
     base = _greedy(tp1, prompts)
     tp2 = LLM(path, tensor_parallel_size=2, **kw)
     try:
-        # The per-rank pool of 96 KiB holds twice the blocks with half the KV heads (except
-        # with one KV head, replicated): 24 blocks of 16 tokens cannot hold all five requests.
+        # 80 KiB per rank: 20 blocks of 16 tokens with half the KV heads (or the one replicated
+        # KV head); the five requests need 24 even with their shared prefix cached.
         first, again = _greedy(tp2, prompts), _greedy(tp2, prompts)
         sched = tp2.llm_engine.scheduler
         assert sched.num_preemptions_total > 0
@@ -79,17 +79,20 @@ def test_tp2_with_int8_weights_int8_kv_and_ngram_speculation(tiny_llama_dir):
     """Quantized shards are the rows / columns of the single-process codes, so TP=2 equals
     TP=1 under the same quantization; n-gram drafts are verified through rank 0's logits."""
     ref = load_reference(tiny_llama_dir)
-    rep = [(i % 7) + 20 for i in range(24)]  # repetitive: the n-gram proposer finds drafts
-    prompts = [rep, _prompts(500, [33])[0], rep[:10] + _prompts(500, [12])[0]]
     kw = dict(
         kv_cache_memory="2MiB", quantization="int8", kv_cache_dtype="int8", speculative_method="ngram",
-        max_model_len=256,
+        speculative_ngram_min=1, max_model_len=256,
     )  # fmt: skip
-    base = _greedy(LLM(tiny_llama_dir, **kw), prompts)
+    tp1 = LLM(tiny_llama_dir, **kw)
+    text = "red green blue red green blue yellow red green blue one two three one two three four " * 4
+    ids = tp1.tokenizer.encode(text, add_special_tokens=False)
+    prompts = [ids[:n] for n in (40, 75, 23)]  # repeats, so n-grams match
+    params = SamplingParams(temperature=0, max_tokens=40)
+    base = _greedy(tp1, prompts, params)
     tp2 = LLM(tiny_llama_dir, tensor_parallel_size=2, **kw)
     try:
-        got = _greedy(tp2, prompts)
-        assert tp2.llm_engine.scheduler.spec_stats.num_drafts > 0
+        got = _greedy(tp2, prompts, params)
+        assert tp2.llm_engine.scheduler.spec_stats.num_drafts > 5
     finally:
         _shutdown(tp2)
     for i, p in enumerate(prompts):
@@ -132,7 +135,8 @@ def test_killed_rank_fails_the_engine_fast_and_leaves_no_process(tiny_llama_dir)
     executor = llm.llm_engine.core.executor
     pids = executor.pids
     engine = llm.llm_engine
-    engine.add_request("a", list(range(3, 40)), SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    engine.add_request("a", list(range(3, 40)), long)
     engine.step()  # in flight
     os.kill(pids[1], signal.SIGKILL)
     t0 = time.monotonic()

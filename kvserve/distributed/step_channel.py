@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 
 import msgspec
 import numpy as np
@@ -84,9 +85,20 @@ class EngineChannel:
             self.step_addrs.append(addr)
             self.to_ranks.append(sock)
 
-    def broadcast(self, kind: bytes, payload: bytes = b"") -> None:
+    def broadcast(self, kind: bytes, payload: bytes = b"", alive=None) -> None:
+        """Send to every rank. A PUSH to a peer that is gone would block forever, so sends do
+        not block: while one cannot go out, `alive()` (raises for a dead rank) is consulted;
+        without `alive` a send that cannot go out at once is dropped (shutdown)."""
         for sock in self.to_ranks:
-            sock.send_multipart([kind, payload], copy=False)
+            while True:
+                try:
+                    sock.send_multipart([kind, payload], flags=zmq.NOBLOCK, copy=False)
+                    break
+                except zmq.Again:
+                    if alive is None:
+                        break
+                    alive()
+                    time.sleep(0.005)
 
     def poll(self, timeout_ms: int) -> tuple[bytes, int, bytes] | None:
         """(kind, rank, payload) of the next answer, or None after timeout_ms."""

@@ -123,7 +123,11 @@ class MultiprocExecutor(Executor):
                 continue
             k, rank, payload = msg
             if k == ERROR:
-                self._fail(f"rank {rank} raised:\n{payload.decode(errors='replace')}")
+                err = payload.decode(errors="replace").strip().splitlines()[-1]
+                time.sleep(0.1)  # a collective error on a survivor often means another rank died
+                dead = [f"rank {r} (pid {p.pid}) exited with code {p.returncode}"
+                        for r, p in enumerate(self.procs) if p.poll() is not None and r != rank]  # fmt: skip
+                self._fail("; ".join(dead + [f"rank {rank} raised: {err}"]))
             if k != kind:
                 self._fail(f"rank {rank} sent {k!r}, expected {kind!r}")
             got[rank] = payload
@@ -131,12 +135,12 @@ class MultiprocExecutor(Executor):
 
     def _run(self, step: StepInput) -> RunnerOutput:
         self._check()
-        self.chan.broadcast(STEP, encode_step(step))
+        self.chan.broadcast(STEP, encode_step(step), self._check)
         return decode_output(self._collect(OUTPUT, count=1)[0])
 
     def collective_rpc(self, method: str) -> list:
         self._check()
-        self.chan.broadcast(RPC, method.encode())
+        self.chan.broadcast(RPC, method.encode(), self._check)
         return [msgspec.msgpack.decode(p) for p in self._collect(RPC_RESULT)]
 
     def check_health(self) -> None:
