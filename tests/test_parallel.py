@@ -15,9 +15,12 @@ from conftest import load_reference
 from helpers import assert_greedy_match, reference_greedy
 
 from kvserve import LLM, SamplingParams
+from kvserve.core.kv_sizing import kv_pool_size, parse_memory_size
 from kvserve.executor.multiproc import RankFailure
 from kvserve.model.layers.tp_sharding import HeadShard, check_tensor_parallel, head_shard
 from kvserve.model.loader import load_arch, resolve_model
+from kvserve.planner.plan import model_kv_bytes_per_token, resolve_precision
+from kvserve.planner.presets import load_model_spec
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20)
 
@@ -101,16 +104,22 @@ def test_tp2_with_int8_weights_int8_kv_and_ngram_speculation(tiny_llama_dir):
 
 @pytest.mark.slow
 def test_default_model_tp2_matches_reference_and_halves_weights(default_llm, default_reference):
-    """SmolLM2-135M over 2 ranks (uneven heads: 6 + 3); per-rank weights <= 0.55x of TP=1."""
+    """SmolLM2-135M over 2 ranks (uneven heads: 6 + 3); per-rank weights <= 0.55x of TP=1;
+    the per-rank KV pool is what `kvserve plan` computes for tp=2."""
     prompts = _prompts(49152, [4, 17, 64, 130])
     tp2 = LLM("smollm2-135m", tensor_parallel_size=2, kv_cache_memory="256MiB")
     try:
         got = _greedy(tp2, prompts)
         per_rank = tp2.llm_engine.core.executor.collective_rpc("weight_bytes")
+        kv_bytes = tp2.llm_engine.core.executor.collective_rpc("kv_cache_bytes")
     finally:
         _shutdown(tp2)
     whole = default_llm.llm_engine.model_runner.model.weight_bytes()
     assert max(per_rank) <= 0.55 * whole, (per_rank, whole)
+    # `kvserve plan`'s per-GPU KV arithmetic (ceil(kv_heads / tp) heads) is the largest rank's pool.
+    per_token = model_kv_bytes_per_token(load_model_spec("smollm2-135m"), resolve_precision("float32"), tp=2)
+    assert tp2.llm_engine.pool_size == kv_pool_size(parse_memory_size("256MiB"), 16, per_token)
+    assert max(kv_bytes) == tp2.llm_engine.pool_size.num_blocks * 16 * per_token
     base = _greedy(default_llm, prompts)
     eos = sorted(default_llm.llm_engine.eos_token_ids)
     exact = 0
