@@ -8,6 +8,10 @@ logits gather, including waiting for the slower rank), and the control plane (en
 IPC to the ranks, rank 0's answer with the logits back, decode) = engine-side time in the
 executor minus rank 0's execute time. No speed-up is expected on 2 shared cores: the overhead
 share is the figure that says whether TP would scale where each rank has its own device.
+Collective time measured inside the step includes waiting for the slower rank (uneven heads,
+shared cores); a separate probe times the all-reduce transport alone (200 calls after a
+barrier) and multiplies by the all-reduces of one step (2 per layer + 1 for the embedding).
+TP=1 runs twice: with the default threads and with one thread (what each TP rank gets).
 
     python benchmarks/bench_parallel.py [--batch 32] [--prompt-len 32] [--output-len 48]
 """
@@ -22,6 +26,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import torch  # noqa: E402
+
 from benchmarks.common import machine  # noqa: E402
 from kvserve import LLM, SamplingParams  # noqa: E402
 
@@ -33,7 +39,9 @@ def cpu_flags() -> str:
     return " ".join(w for w in wanted if w in flags) or "none of " + ",".join(wanted)
 
 
-def run(tp: int, args) -> dict:
+def run(tp: int, args, threads: int | None = None) -> dict:
+    if threads is not None:
+        torch.set_num_threads(threads)
     llm = LLM("smollm2-135m", tensor_parallel_size=tp, kv_cache_memory="512MiB", max_num_seqs=args.batch)
     engine, core = llm.llm_engine, llm.llm_engine.core
     ex = core.executor
@@ -60,11 +68,14 @@ def run(tp: int, args) -> dict:
         tokens += sum(len(o.outputs[0].token_ids) for o in outs if o.finished)
     total_s = time.perf_counter() - t0
     stats = ex.collective_rpc("stats")[0]  # rank 0
+    probe = ex.collective_rpc("probe_all_reduce")[0]
     n = max(ex.num_steps, 1)
     res = {
         "tp": tp, "tok_s": tokens / total_s, "step_ms": 1000 * decode_s / max(decode_steps, 1),
         "rank0_ms": 1000 * stats["execute_s"] / n, "collective_ms": 1000 * stats["collective_s"] / n,
         "control_ms": 1000 * (ex.run_s - stats["execute_s"]) / n if tp > 1 else 0.0, "steps": decode_steps,
+        "threads": torch.get_num_threads() if tp == 1 else 1,
+        "pure_collective_ms": 1000 * probe * (2 * core.arch.num_layers + 1),
     }  # fmt: skip
     core.shutdown()
     return res
@@ -78,16 +89,24 @@ def main() -> None:
     args = ap.parse_args()
     print(f"# {datetime.date.today()} | {machine()} | CPU flags: {cpu_flags()} | cores: {os.cpu_count()}")
     print(f"# batch {args.batch}, prompt {args.prompt_len}, output {args.output_len}, smollm2-135m fp32")
-    results = [run(1, args), run(2, args)]
+    threads = torch.get_num_threads()
+    results = [run(1, args), run(1, args, threads=1), run(2, args)]
+    torch.set_num_threads(threads)
     base = results[0]
-    print("| TP | output tok/s | vs TP=1 | decode step ms | rank 0 forward ms | collectives ms | "
-          "control plane ms | overhead share |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
+    print(
+        "| TP | torch threads per rank | output tok/s | vs TP=1 | decode step ms | rank 0 forward ms | "
+        "collectives ms (incl. waiting) | all-reduce transport ms (probe) | control plane ms | "
+        "overhead share |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         share = (r["collective_ms"] + r["control_ms"]) / r["step_ms"] if r["step_ms"] else 0.0
+        pure = (r["pure_collective_ms"] + r["control_ms"]) / r["step_ms"] if r["step_ms"] else 0.0
         print(
-            f"| {r['tp']} | {r['tok_s']:.1f} | {r['tok_s'] / base['tok_s']:.2f}x | {r['step_ms']:.1f} | "
-            f"{r['rank0_ms']:.1f} | {r['collective_ms']:.1f} | {r['control_ms']:.2f} | {100 * share:.1f}% |"
+            f"| {r['tp']} | {r['threads']} | {r['tok_s']:.1f} | {r['tok_s'] / base['tok_s']:.2f}x | "
+            f"{r['step_ms']:.1f} | {r['rank0_ms']:.1f} | {r['collective_ms']:.1f} | "
+            f"{r['pure_collective_ms']:.1f} | {r['control_ms']:.2f} | {100 * share:.1f}% "
+            f"({100 * pure:.1f}% with probe transport) |"
         )
 
 

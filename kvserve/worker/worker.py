@@ -81,3 +81,19 @@ class Worker:
 
     def ping(self) -> int:
         return self.rank
+
+    def probe_all_reduce(self) -> float:
+        """Mean seconds of one all-reduce of a [32, hidden] float32 tensor (a decode step at
+        batch 32 does two per layer plus one for the embedding), after a barrier: transport
+        cost without the wait for a slower rank that step timings include."""
+        import torch.distributed as dist
+
+        tp = get_tp_group()
+        if tp.size == 1:
+            return 0.0
+        x = torch.zeros(32, self.model.arch.hidden_size)
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(200):
+            dist.all_reduce(x)
+        return (time.perf_counter() - t0) / 200
