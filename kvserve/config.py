@@ -18,6 +18,38 @@ _DTYPES = {
 }
 
 
+EXECUTOR_BACKENDS = ("mp", "ray")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is spread over ranks (vLLM's flags and meanings)."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            raise ValueError(
+                f"distributed_executor_backend: {self.distributed_executor_backend!r} is not one of mp, ray"
+            )
+        if self.distributed_executor_backend == "ray":
+            raise ValueError("distributed_executor_backend: 'ray' is not implemented yet; use mp")
+        if self.pipeline_parallel_size > 1:
+            raise ValueError("pipeline_parallel_size: pipeline parallelism is not implemented yet; use 1")
+        if self.data_parallel_size > 1:
+            raise ValueError("data_parallel_size: data parallelism is not implemented yet; use 1")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
 @dataclass
 class EngineConfig:
     model: str = field(
@@ -99,7 +131,23 @@ class EngineConfig:
         default=4, metadata={"help": "Longest n-gram the ngram proposer tries first."}
     )
 
+    # [parallel] flat here so each is a CLI flag and an LLM(...) keyword; `parallel` is the section.
+    tensor_parallel_size: int = field(
+        default=1,
+        metadata={"help": "Ranks the model is split over (heads, MLP, vocabulary); one process each."},
+    )
+    pipeline_parallel_size: int = field(
+        default=1, metadata={"help": "Pipeline stages (not implemented yet)."}
+    )
+    data_parallel_size: int = field(default=1, metadata={"help": "Engine replicas (not implemented yet)."})
+    distributed_executor_backend: str = field(
+        default="mp", metadata={"help": "How ranks run when tensor_parallel_size > 1: mp (local processes)."}
+    )
+
     def __post_init__(self) -> None:
+        _ = self.parallel  # validates the parallel section
+        if self.tensor_parallel_size > 1 and self.speculative_method == "draft":
+            raise ValueError("speculative_method: 'draft' runs with tensor_parallel_size 1 only")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype: {self.dtype!r} is not one of {sorted(set(_DTYPES))}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -132,6 +180,13 @@ class EngineConfig:
                 parse_memory_size(self.kv_cache_memory)
             except ValueError as e:
                 raise ValueError(f"kv_cache_memory: {e}") from None
+
+    @property
+    def parallel(self) -> ParallelConfig:
+        return ParallelConfig(
+            self.tensor_parallel_size, self.pipeline_parallel_size, self.data_parallel_size,
+            self.distributed_executor_backend,
+        )  # fmt: skip
 
     @property
     def torch_dtype(self) -> torch.dtype:

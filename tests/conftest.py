@@ -40,7 +40,7 @@ def _tiny_tokenizer():
     return hf
 
 
-def _save_tiny(path: str, kind: str) -> str:
+def _save_tiny(path: str, kind: str, num_kv_heads: int = 2) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
@@ -50,7 +50,7 @@ def _save_tiny(path: str, kind: str) -> str:
         intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=4,
-        num_key_value_heads=2,
+        num_key_value_heads=num_kv_heads,
         max_position_embeddings=512,
         initializer_range=0.2,  # peaked logits: few near-ties in greedy comparisons
         bos_token_id=1,
@@ -82,6 +82,12 @@ def tiny_llama_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory) -> str:
     return _save_tiny(str(tmp_path_factory.mktemp("tiny-qwen2")), "qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_kv1_dir(tmp_path_factory) -> str:
+    """One KV head for four query heads: tensor parallelism must replicate it."""
+    return _save_tiny(str(tmp_path_factory.mktemp("tiny-llama-kv1")), "llama", num_kv_heads=1)
 
 
 def load_reference(path: str):

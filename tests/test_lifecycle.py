@@ -84,16 +84,35 @@ def test_killed_core_is_restarted(tiny_llama_dir):
         s.stop()
 
 
+def _post_many_then_kill(s: ServerProcess):
+    async def scenario():
+        async with httpx.AsyncClient(timeout=60) as http:
+            url = f"{s.url}/v1/completions"
+            tasks = [asyncio.create_task(http.post(url, json=LONG, headers=s.headers)) for _ in range(4)]
+            while s.metrics().get("kvserve:num_requests_running", 0) == 0:
+                await asyncio.sleep(0.05)
+            os.kill(s.engine_core_pid(), signal.SIGKILL)
+            return await asyncio.gather(*tasks)
+
+    return asyncio.run(scenario())
+
+
 def test_restart_limit_zero_leaves_the_engine_down(tiny_llama_dir):
     s = ServerProcess(tiny_llama_dir, *MODEL_ARGS, "--engine-restart-limit", "0")
     try:
-        os.kill(s.engine_core_pid(), signal.SIGKILL)
-        time.sleep(1.5)
+        results = _post_many_then_kill(s)
+        assert {r.status_code for r in results} <= {200, 503}
+        time.sleep(0.5)
         r = httpx.post(f"{s.url}/v1/completions", json=LONG, headers=s.headers)
         assert r.status_code == 503 and r.json()["error"]["type"] == "engine_dead"
         assert "retry-after" not in r.headers
         assert httpx.get(f"{s.url}/health").status_code == 503
         assert httpx.get(f"{s.url}/health/ready").status_code == 503
+        t = time.monotonic()
+        assert httpx.post(f"{s.url}/reset_prefix_cache", headers=s.headers).status_code == 503
+        assert time.monotonic() - t < 1.0  # it used to hang past 30 s
+        m = s.metrics()  # no stale gauges from the dead core
+        assert m["kvserve:num_requests_running"] == 0 and m["kvserve:kv_cache_usage_perc"] == 0
     finally:
         s.stop()
 

@@ -11,6 +11,8 @@ import logging
 import time
 from dataclasses import replace
 
+import torch
+
 from kvserve.config import EngineConfig
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.kv_sizing import (
@@ -24,14 +26,16 @@ from kvserve.core.kv_sizing import (
 from kvserve.core.scheduler import Scheduler
 from kvserve.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from kvserve.engine.step_recovery import recover_failed_step
+from kvserve.executor import make_executor
 from kvserve.model.arch import ModelArch
-from kvserve.model.loader import load_model, resolve_model
+from kvserve.model.layers.tp_sharding import check_tensor_parallel, max_local_kv_heads
+from kvserve.model.loader import load_arch, load_tokenizer, resolve_model
 from kvserve.request import Request, RequestStatus
 from kvserve.spec_decode.adaptive import SpecState
 from kvserve.spec_decode.draft import DraftModelProposer
 from kvserve.spec_decode.ngram import NgramProposer
 from kvserve.structured.compiling import CompilingRequests
-from kvserve.worker.model_runner import ModelRunner
+from kvserve.worker.worker import WorkerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -58,22 +62,23 @@ class EngineCore:
         self.config = config
         self.source = resolve_model(config.model)
         device = config.torch_device
-        self.model, self.tokenizer = load_model(self.source, config.torch_dtype, device, config.quantization)
-        self.load_time = time.perf_counter() - t0  # reading + dequantizing weights, tokenizer
-        arch = self.arch = self.model.arch
-        self.draft_model = self._load_draft(device) if config.speculative_method == "draft" else None
+        arch = self.arch = load_arch(self.source)
+        self.tokenizer = load_tokenizer(self.source)
+        tp = config.tensor_parallel_size
+        check_tensor_parallel(arch, tp)
+        draft_arch = self._check_draft() if config.speculative_method == "draft" else None
         context = arch.max_position_embeddings
-        if self.draft_model is not None:
-            context = min(context, self.draft_model.arch.max_position_embeddings)
+        if draft_arch is not None:
+            context = min(context, draft_arch.max_position_embeddings)
         self.max_model_len = config.max_model_len or context
         if self.max_model_len > arch.max_position_embeddings:
             raise ValueError(
                 f"max_model_len: {self.max_model_len} exceeds the model's context length "
                 f"{arch.max_position_embeddings}"
             )
-        draft_arch = self.draft_model.arch if self.draft_model is not None else None
-        budget = self._kv_budget(device)
-        self.pool_size = kv_pool_for(config, arch, budget, draft_arch)
+        budget = self._kv_budget(device)  # per rank; every rank's pool has the same blocks
+        rank_arch = replace(arch, num_kv_heads=max_local_kv_heads(arch, tp))
+        self.pool_size = kv_pool_for(config, rank_arch, budget, draft_arch)
         if self.pool_size.num_blocks < 1:
             raise ValueError(
                 f"kv_cache_memory: too small for one KV block ({self.pool_size.block_bytes} bytes)"
@@ -85,10 +90,8 @@ class EngineCore:
             self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
             config.scheduling_policy,
         )  # fmt: skip
-        self.model_runner = ModelRunner(
-            self.model, self.pool_size.num_blocks, config.block_size, device, config.seed,
-            kv_cache_dtype=config.kv_cache_dtype, draft_model=self.draft_model,
-        )  # fmt: skip
+        self.executor = make_executor(config, self._worker_config())
+        self.load_time = time.perf_counter() - t0  # reading + dequantizing weights, tokenizer
         self.proposer = self._make_proposer()
         self.eos_token_ids = frozenset(arch.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
@@ -97,9 +100,9 @@ class EngineCore:
         self.compiling = CompilingRequests(self.tokenizer, arch.vocab_size, self.eos_token_ids)
         p = self.pool_size
         logger.info(
-            "model %s loaded in %.1fs (%s, %s); KV pool: %d blocks x %d tokens = %d tokens, %.1f MiB; "
-            "max concurrency at max_model_len=%d: %.2f",
-            self.source.name, self.load_time, config.dtype, device, p.num_blocks, p.block_size,
+            "model %s loaded in %.1fs (%s, %s, tensor_parallel_size=%d); KV pool per rank: %d blocks x %d "
+            "tokens = %d tokens, %.1f MiB; max concurrency at max_model_len=%d: %.2f",
+            self.source.name, self.load_time, config.dtype, device, tp, p.num_blocks, p.block_size,
             p.num_tokens, p.total_bytes / 2**20, self.max_model_len, p.max_concurrency(self.max_model_len),
         )  # fmt: skip
         if config.speculative_method:
@@ -109,7 +112,10 @@ class EngineCore:
                 config.speculative_method, draft, config.num_speculative_tokens,
             )  # fmt: skip
         if config.quantization:
-            logger.info("weights: %s, %.1f MiB", config.quantization, self.model.weight_bytes() / 2**20)
+            per_rank = self.executor.collective_rpc("weight_bytes")
+            logger.info(
+                "weights: %s, %s MiB per rank", config.quantization, [round(b / 2**20, 1) for b in per_rank]
+            )
         if config.kv_cache_dtype != "auto":
             plain = kv_pool_for(replace(config, kv_cache_dtype="auto"), arch, budget, draft_arch)
             ratio = p.num_tokens / max(plain.num_tokens, 1)
@@ -118,17 +124,34 @@ class EngineCore:
                 "of a %s cache in the same memory", config.kv_cache_dtype, ratio, config.dtype,
             )  # fmt: skip
 
-    def _load_draft(self, device):
-        """The draft model; it must speak the target's tokenizer (same vocabulary)."""
+    def _check_draft(self) -> ModelArch:
+        """The draft model's shape; it must speak the target's tokenizer (same vocabulary)."""
         source = resolve_model(self.config.speculative_model)
-        draft, draft_tok = load_model(source, self.config.torch_dtype, device)
+        draft_arch, draft_tok = load_arch(source), load_tokenizer(source)
         ours, theirs = self.tokenizer.backend.get_vocab(), draft_tok.backend.get_vocab()
         # Every token of ours must mean the same id there (the draft may add special tokens).
-        if draft.arch.vocab_size != self.arch.vocab_size or any(theirs.get(t) != i for t, i in ours.items()):
+        if draft_arch.vocab_size != self.arch.vocab_size or any(theirs.get(t) != i for t, i in ours.items()):
             raise ValueError(
                 f"speculative_model: {self.config.speculative_model!r} does not share the target's tokenizer"
             )
-        return draft
+        return draft_arch
+
+    def _worker_config(self) -> WorkerConfig:
+        c = self.config
+        dtype = "float32" if c.torch_dtype == torch.float32 else "bfloat16"
+        return WorkerConfig(
+            self.source.path, dtype, str(c.torch_device),
+            self.pool_size.num_blocks, c.block_size, c.kv_cache_dtype, c.quantization,
+            resolve_model(c.speculative_model).path if c.speculative_model else None, c.tensor_parallel_size,
+        )  # fmt: skip
+
+    @property
+    def model_runner(self):
+        """The in-process model runner (tests and benchmarks); None when ranks run elsewhere."""
+        return getattr(self.executor, "model_runner", None)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
 
     def _make_proposer(self):
         method = self.config.speculative_method
@@ -136,7 +159,7 @@ class EngineCore:
             return NgramProposer(self.config.speculative_ngram_min, self.config.speculative_ngram_max)
         if method == "draft":
             self.scheduler.num_lookahead_slots = self.config.num_speculative_tokens
-            return DraftModelProposer(self.model_runner, self.kv_cache_manager)
+            return DraftModelProposer(self.model_runner, self.kv_cache_manager)  # one rank, in-process
         return None
 
     def _propose(self, progressed: list[Request]) -> None:
@@ -219,7 +242,7 @@ class EngineCore:
                 r.request_id: self.kv_cache_manager.get_block_ids(r.request_id) for r, _ in sched.scheduled
             }
             try:
-                sampled, prompt_logprobs = self.model_runner.execute(sched, block_tables)
+                sampled, prompt_logprobs = self.executor.execute_model(sched, block_tables)
             except Exception as e:  # noqa: BLE001 - one bad request must not stop the others
                 outputs += recover_failed_step(self, sched, block_tables, e)
                 return self._outputs(outputs, sched)

@@ -21,8 +21,11 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+import torch
+
 from kvserve.core.scheduler import SchedulerOutput
 from kvserve.engine.messages import EngineCoreOutput
+from kvserve.executor.multiproc import RankFailure
 from kvserve.request import RequestStatus
 
 if TYPE_CHECKING:
@@ -32,15 +35,9 @@ logger = logging.getLogger(__name__)
 
 
 def is_unrecoverable(error: BaseException) -> bool:
-    """Errors after which no step can be trusted: the core must restart."""
-    if isinstance(error, MemoryError):
-        return True
-    try:
-        import torch
-
-        return isinstance(error, torch.OutOfMemoryError)
-    except (ImportError, AttributeError):
-        return False
+    """Errors after which no step can be trusted (out of memory, a dead or hung rank): the
+    core must stop, and its supervisor restarts it."""
+    return isinstance(error, (MemoryError, torch.OutOfMemoryError, RankFailure))
 
 
 def recover_failed_step(
@@ -56,7 +53,7 @@ def recover_failed_step(
     else:
         for req, n in scheduled:
             try:
-                core.model_runner.execute(SchedulerOutput([(req, n)]), block_tables)
+                core.executor.execute_model(SchedulerOutput([(req, n)]), block_tables)
             except Exception as e:  # noqa: BLE001 - this request fails on its own
                 if is_unrecoverable(e):
                     raise

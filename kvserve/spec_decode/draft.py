@@ -21,5 +21,5 @@ class DraftModelProposer:
         for req, k in items:
             room = len(tables[req.request_id]) * self.kv.block_size - (req.num_tokens - 1)
             if min(k, room) > 0:
-                capped.append((req, min(k, room)))
+                capped.append((req.request_id, req.all_token_ids[-1], req.num_tokens, min(k, room)))
         return self.runner.propose_with_draft(capped, tables) if capped else {}

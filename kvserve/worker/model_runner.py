@@ -1,9 +1,12 @@
-"""Turns a scheduler decision into tensors, runs the model once, and samples.
+"""Turns one step's `StepInput` into tensors, runs the model once, and returns the logits to
+sample (the engine samples them: see worker/step_input.py).
 
-Owns the KV pool tensor. Per step it builds flat input ids and positions (all requests'
-new tokens concatenated, decodes first), the slot mapping, block tables for the decodes,
-and per-chunk info for prefills; then computes logits only where a token is sampled (the
-last position of each request whose known tokens are all computed after this step).
+Owns the KV pool tensor (this rank's heads under tensor parallelism) and a mirror of the
+requests it runs, updated from each step's deltas. Per step it builds flat input ids and
+positions (all requests' new tokens concatenated, decodes first), the slot mapping, block
+tables for the decodes, and per-chunk info for prefills; then computes logits only where a
+token is sampled (the last position of each request whose known tokens are all computed
+after this step).
 
 A request carrying k speculative tokens is laid out as k + 1 decode rows sharing its block
 table, row j attending to positions up to start + j: all k + 1 positions are scored in the
@@ -17,14 +20,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvserve.core.scheduler import SchedulerOutput
+from kvserve.distributed.parallel_state import get_tp_group
 from kvserve.model.layers.attention import AttentionMetadata, PrefillChunk
 from kvserve.model.layers.cpu_kernels import load_cpu_kernels
 from kvserve.model.layers.kv_quant import KV_SCALE_DTYPE, is_quantized, kv_storage_dtype
-from kvserve.model.layers.sampler import Sampler, SampleResult
 from kvserve.model.models.llama import LlamaForCausalLM
-from kvserve.request import Request
-from kvserve.structured.bitmask import apply_grammar_bitmask, apply_grammar_bitmask_to_drafts
+from kvserve.worker.request_state import CachedRequestState, RequestStates
+from kvserve.worker.step_input import RunnerOutput, StepInput
 
 
 class ModelRunner:
@@ -34,7 +36,6 @@ class ModelRunner:
         num_blocks: int,
         block_size: int,
         device: torch.device,
-        seed: int = 0,
         use_cpu_kernels: bool = True,
         kv_cache_dtype: str = "auto",
         draft_model: LlamaForCausalLM | None = None,
@@ -43,13 +44,14 @@ class ModelRunner:
         self.draft_model = draft_model
         self.device = device
         self.block_size = block_size
-        self.dtype = model.embed_tokens.dtype
+        self.dtype = model.dtype
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_cache, self.kv_scales = self._alloc_kv(model, num_blocks)
         self.draft_kv_cache = None
         if draft_model is not None:
             self.draft_kv_cache, _ = self._alloc_kv(draft_model, num_blocks)
-        self.sampler = Sampler(seed)
+        self.requests = RequestStates()  # this worker's mirror of the scheduled requests
+        self.tp = get_tp_group()
         if device.type == "cpu" and use_cpu_kernels:
             kernels = load_cpu_kernels()
             for m in (model, draft_model):
@@ -62,15 +64,15 @@ class ModelRunner:
         """The model's KV pool and, for a 1-byte cache, its bfloat16 scales (one per token and
         kv head), which the model's attention layers are given."""
         arch = model.arch
-        kv_dtype = kv_storage_dtype(self.kv_cache_dtype, model.embed_tokens.dtype)
+        kv_dtype = kv_storage_dtype(self.kv_cache_dtype, model.dtype)
         cache = torch.zeros(
-            arch.num_layers, 2, num_blocks, arch.num_kv_heads, self.block_size, arch.head_dim,
+            arch.num_layers, 2, num_blocks, model.num_local_kv_heads, self.block_size, arch.head_dim,
             dtype=kv_dtype, device=self.device,
         )  # fmt: skip
         scales = None
         if is_quantized(kv_dtype):
             scales = torch.ones(
-                arch.num_layers, 2, num_blocks, arch.num_kv_heads, self.block_size,
+                arch.num_layers, 2, num_blocks, model.num_local_kv_heads, self.block_size,
                 dtype=KV_SCALE_DTYPE, device=self.device,
             )  # fmt: skip
             for i, layer in enumerate(model.layers):
@@ -78,24 +80,26 @@ class ModelRunner:
         return cache, scales
 
     @staticmethod
-    def _is_decode(req: Request, n: int) -> bool:
+    def _is_decode(req: CachedRequestState, n: int) -> bool:
         """One new token, or the last known token plus speculative ones."""
         return n == 1 or req.num_computed_tokens + n > req.num_tokens
 
     @torch.inference_mode()
-    def execute(
-        self, out: SchedulerOutput, block_tables: dict[str, list[int]]
-    ) -> tuple[dict[str, SampleResult], dict[str, list[dict[int, float] | None]]]:
-        """Run one step. Returns the tokens to emit per request id (one, or an accepted
-        speculative run plus one), and the prompt logprobs computed."""
-        order = sorted(out.scheduled, key=lambda x: not self._is_decode(*x))
+    def execute(self, step: StepInput) -> RunnerOutput | None:
+        """Run one step. Returns, on rank 0, the logits of the rows that produce a token (the
+        last row of each request whose known tokens are all computed, and the k + 1 rows of
+        each speculative one) and the prompt logprobs computed; None on other ranks."""
+        batch = self.requests.apply(step)
+        if not batch:
+            return RunnerOutput()
+        order = sorted(batch, key=lambda x: not self._is_decode(*x))
         bs = self.block_size
         ids: list[int] = []
         pos_chunks, slot_chunks = [], []
         sample_rows: list[int] = []
-        sample_reqs: list[Request] = []
-        verify: list[tuple[Request, int, list[int]]] = []  # (req, first flat row, drafts)
-        prompt_lp: list[tuple[Request, int, int]] = []  # (req, first flat row, count)
+        sample_ids: list[str] = []
+        verify: list[tuple[str, int, int]] = []  # (req_id, first flat row, number of drafts)
+        prompt_lp: list[tuple[CachedRequestState, int, int]] = []  # (req, first flat row, count)
         meta = AttentionMetadata(torch.empty(0), torch.empty(0))
         decode_tables, decode_lens = [], []
         offset = 0
@@ -106,7 +110,7 @@ class ModelRunner:
             ids.extend(known)
             ids.extend(drafts)
             pos = np.arange(start, start + n)
-            table = block_tables[req.request_id]
+            table = req.block_ids
             pos_chunks.append(pos)
             slot_chunks.append(np.asarray(table)[pos // bs])
             if self._is_decode(req, n):
@@ -121,14 +125,14 @@ class ModelRunner:
                     q_pos = torch.arange(start, start + n).unsqueeze(1)
                     chunk.mask = (torch.arange(start + n).unsqueeze(0) <= q_pos).to(self.device)
                 meta.prefills.append(chunk)
-            if req.params.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
+            if req.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
                 count = min(n, req.num_prompt_tokens - 1 - start)
                 prompt_lp.append((req, offset, count))
             if drafts:
-                verify.append((req, offset, drafts))
+                verify.append((req.req_id, offset, len(drafts)))
             elif start + n == req.num_tokens:
                 sample_rows.append(offset + n - 1)
-                sample_reqs.append(req)
+                sample_ids.append(req.req_id)
             offset += n
 
         positions = np.concatenate(pos_chunks)
@@ -144,25 +148,16 @@ class ModelRunner:
         if self.draft_model is not None:  # the draft's KV follows every computed position
             self.draft_model(ids_t, pos_t, meta, self.draft_kv_cache)
 
-        results: dict[str, SampleResult] = {}
-        rows = sample_rows + [o + j for _, o, d in verify for j in range(len(d) + 1)]
+        out = RunnerOutput(sample_ids, [(rid, k) for rid, _, k in verify])
+        rows = sample_rows + [o + j for _, o, k in verify for j in range(k + 1)]
         if rows:
-            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).float().cpu()
-            if sample_reqs:
-                n = len(sample_reqs)
-                apply_grammar_bitmask(logits[:n], sample_reqs)  # [structured outputs] constrained rows only
-                sampled = self.sampler(logits[:n], sample_reqs)
-                for i, req in enumerate(sample_reqs):
-                    results[req.request_id] = SampleResult([sampled.token_ids[i]], [sampled.logprobs[i]])
-            row = len(sample_reqs)
-            for req, _, drafts in verify:
-                end = row + len(drafts) + 1
-                if req.grammar is not None:  # [structured outputs] each row masked after its drafts
-                    apply_grammar_bitmask_to_drafts(logits[row:end], req, drafts)
-                results[req.request_id] = self.sampler.verify(logits[row:end], req, drafts)
-                row = end
-        prompt_logprobs = {r.request_id: self._prompt_logprobs(r, hidden, o, c) for r, o, c in prompt_lp}
-        return results, prompt_logprobs
+            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+            out.logits = None if logits is None else logits.float().cpu()
+        for r, o, c in prompt_lp:
+            entries = self._prompt_logprobs(r, hidden, o, c)
+            if entries is not None:
+                out.prompt_logprobs[r.req_id] = entries
+        return out if self.tp.is_driver else None
 
     def _table_tensor(self, tables: list[list[int]]) -> torch.Tensor:
         width = max(len(t) for t in tables)
@@ -173,20 +168,21 @@ class ModelRunner:
 
     @torch.inference_mode()
     def propose_with_draft(
-        self, items: list[tuple[Request, int]], block_tables: dict[str, list[int]]
+        self, items: list[tuple[str, int, int, int]], block_tables: dict[str, list[int]]
     ) -> dict[str, list[int]]:
-        """Greedy drafts of up to k tokens per request, one batched draft decode per token.
+        """Greedy drafts of up to k tokens per (req_id, last token, num_tokens, k), one batched
+        draft decode per token.
 
         Each request's last token is not in the draft's KV yet: round j feeds the token at
         position num_tokens - 1 + j (the last token, then the drafts so far) and writes its KV
         into slots the scheduler reserved ahead."""
         bs = self.block_size
-        drafts: dict[str, list[int]] = {r.request_id: [] for r, _ in items}
-        for j in range(max((k for _, k in items), default=0)):
-            active = [r for r, k in items if k > j]
-            ids = [drafts[r.request_id][-1] if j else r.all_token_ids[-1] for r in active]
-            positions = np.array([r.num_tokens - 1 + j for r in active])
-            tables = [block_tables[r.request_id] for r in active]
+        drafts: dict[str, list[int]] = {rid: [] for rid, *_ in items}
+        for j in range(max((k for *_, k in items), default=0)):
+            active = [(rid, last, n) for rid, last, n, k in items if k > j]
+            ids = [drafts[rid][-1] if j else last for rid, last, _ in active]
+            positions = np.array([n - 1 + j for _, _, n in active])
+            tables = [block_tables[rid] for rid, _, _ in active]
             meta = AttentionMetadata(
                 torch.tensor([t[p // bs] for t, p in zip(tables, positions)], device=self.device),
                 torch.from_numpy(positions % bs).to(self.device),
@@ -199,19 +195,23 @@ class ModelRunner:
                 self.draft_kv_cache,
             )  # fmt: skip
             next_ids = self.draft_model.compute_logits(hidden).argmax(-1).tolist()
-            for r, t in zip(active, next_ids):
-                drafts[r.request_id].append(t)
+            for (rid, _, _), t in zip(active, next_ids):
+                drafts[rid].append(t)
         return drafts
 
     def _prompt_logprobs(
-        self, req: Request, hidden: torch.Tensor, offset: int, count: int
-    ) -> list[dict[int, float] | None]:
-        """Logprob of each next prompt token (plus top-k) for `count` positions of this chunk."""
-        logprobs = self.model.compute_logits(hidden[offset : offset + count]).cpu().log_softmax(-1)
+        self, req: CachedRequestState, hidden: torch.Tensor, offset: int, count: int
+    ) -> list[dict[int, float] | None] | None:
+        """Logprob of each next prompt token (plus top-k) for `count` positions of this chunk
+        (None on tensor-parallel ranks other than 0, which only take part in the gather)."""
+        logits = self.model.compute_logits(hidden[offset : offset + count])
+        if logits is None:
+            return None
+        logprobs = logits.cpu().log_softmax(-1)
         start = req.num_computed_tokens
         targets = torch.tensor(req.all_token_ids[start + 1 : start + 1 + count])
         chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
-        k = req.params.prompt_logprobs or 0
+        k = req.prompt_logprobs or 0
         top = logprobs.topk(k, dim=-1) if k else None
         entries = []
         for j in range(count):

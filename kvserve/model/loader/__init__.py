@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import torch
 
+from kvserve.model.arch import ModelArch
 from kvserve.model.layers.rotary import RotaryEmbedding
 from kvserve.model.loader.resolve import ModelSource, resolve_model
 from kvserve.model.models.llama import LlamaForCausalLM
 from kvserve.tokenizer import Tokenizer
 
-__all__ = ["load_model", "load_tokenizer", "resolve_model", "ModelSource"]
+__all__ = ["load_arch", "load_model", "load_tokenizer", "load_weights_only", "resolve_model", "ModelSource"]
 
 
 def load_tokenizer(source: ModelSource) -> Tokenizer:
@@ -25,32 +26,58 @@ def load_tokenizer(source: ModelSource) -> Tokenizer:
     return Tokenizer(*gguf_tokenizer(gguf.GGUFReader(source.path)))
 
 
+def load_arch(source: ModelSource) -> ModelArch:
+    """Only the architecture (what the engine needs to size the KV pool before any rank loads)."""
+    if source.kind == "hf":
+        from kvserve.model.loader.hf_loader import hf_arch
+
+        return hf_arch(source.path)
+    import gguf
+
+    from kvserve.model.loader.gguf_loader import gguf_arch
+
+    return gguf_arch(gguf.GGUFReader(source.path))
+
+
 def load_model(
     source: ModelSource, dtype: torch.dtype, device: torch.device, quantization: str | None = None
 ) -> tuple[LlamaForCausalLM, Tokenizer]:
     """The model on `device` and its tokenizer; `quantization` (int8 | int4 | fp8) quantizes the
     projections while loading (GGUF tensors with a matching format are taken as they are)."""
+    return load_weights_only(source, dtype, device, quantization), load_tokenizer(source)
+
+
+def load_weights_only(
+    source: ModelSource, dtype: torch.dtype, device: torch.device, quantization: str | None = None
+) -> LlamaForCausalLM:
+    """The model alone. Under tensor parallelism (kvserve.distributed.parallel_state set up
+    first) it holds this rank's shard: safetensors are read slice by slice, GGUF tensors are
+    split after reading."""
     if source.kind == "hf":
-        from kvserve.model.loader.hf_loader import hf_arch, hf_tokenizer, hf_weights
+        from kvserve.model.loader.hf_loader import hf_arch, hf_weights
 
         arch = hf_arch(source.path)
-        weights = hf_weights(source.path)
-        tokenizer = Tokenizer(hf_tokenizer(source.path))
+        model = _empty_model(arch, dtype)
+        weights = hf_weights(source.path, model.weight_slice)
     else:
         import gguf
 
-        from kvserve.model.loader.gguf_loader import gguf_arch, gguf_tokenizer, gguf_weights
+        from kvserve.model.loader.gguf_loader import gguf_arch, gguf_weights
 
         reader = gguf.GGUFReader(source.path)
         arch = gguf_arch(reader)
+        model = _empty_model(arch, dtype)
         weights = gguf_weights(reader, arch, quantization)
-        tokenizer = Tokenizer(*gguf_tokenizer(reader))
+    model.quantization, model.quant_device = quantization, device
+    model.load_weights(weights)
+    return model.to(device).eval()
+
+
+def _empty_model(arch: ModelArch, dtype: torch.dtype) -> LlamaForCausalLM:
     with torch.device("meta"):  # no memory until the real weights arrive
         model = LlamaForCausalLM(arch)
     model = model.to_empty(device="cpu").to(dtype)
     model.rotary = RotaryEmbedding(
         arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling
     )  # float32 tables, whatever the weights' dtype
-    model.quantization, model.quant_device = quantization, device
-    model.load_weights(weights)
-    return model.to(device).eval(), tokenizer
+    return model

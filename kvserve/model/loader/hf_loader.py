@@ -5,7 +5,7 @@ from __future__ import annotations
 import glob
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -26,14 +26,28 @@ def hf_arch(path: str) -> ModelArch:
     return ModelArch.from_hf_config(cfg, eos_extra=extra)
 
 
-def hf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+WeightSlice = Callable[[str, tuple[int, ...]], "tuple[int, int, int] | None"]
+
+
+def hf_weights(path: str, weight_slice: WeightSlice | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor by name; with `weight_slice` (a tensor-parallel rank's) only the
+    (dim, start, stop) slice it names is read from the file."""
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"model: no *.safetensors files in {path!r}")
     for file in files:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if weight_slice is None:
+                    yield name, f.get_tensor(name)
+                    continue
+                lazy = f.get_slice(name)
+                cut = weight_slice(name, tuple(lazy.get_shape()))
+                if cut is None:
+                    yield name, lazy[:]
+                else:
+                    dim, a, b = cut
+                    yield name, lazy[a:b] if dim == 0 else lazy[:, a:b]
 
 
 def hf_tokenizer(path: str):

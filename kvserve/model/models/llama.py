@@ -1,7 +1,9 @@
 """Llama-architecture decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) over a paged KV cache.
 
 Takes flat token tensors (all requests of a step concatenated) and knows nothing about
-scheduling. q/k/v and gate/up projections are fused into single matmuls at load time.
+scheduling. q/k/v and gate/up projections are fused into single matmuls at load time. Under
+tensor parallelism each projection and the vocabulary table hold this rank's shard
+(model/layers/parallel_linear.py); with one rank they are the whole matrices.
 
 With `quantization` set, each projection is quantized as its layer completes during loading
 (so the float copy of the whole model never exists) and runs through QuantizedLinear. The
@@ -18,12 +20,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.distributed.parallel_state import get_tp_group
 from kvserve.model.arch import ModelArch
 from kvserve.model.layers.attention import AttentionMetadata, PagedAttention
-from kvserve.model.layers.linear import linear, onednn_pack
-from kvserve.model.layers.quantization import QWeight, fuse, quantize_weight
+from kvserve.model.layers.parallel_linear import (
+    MergedColumnParallelLinear,
+    ParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from kvserve.model.layers.quantization import QWeight
 from kvserve.model.layers.quantized_linear import QuantizedLinear
 from kvserve.model.layers.rotary import RotaryEmbedding, apply_rotary
+from kvserve.model.layers.tp_sharding import even_shard
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -37,42 +48,33 @@ class DecoderLayer(nn.Module):
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()
         h, hd = arch.hidden_size, arch.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, hd
-        self.q_size, self.kv_size = arch.num_heads * hd, arch.num_kv_heads * hd
+        self.head_dim = hd
         self.eps = arch.rms_norm_eps
-        self.qkv_weight = nn.Parameter(torch.empty(self.q_size + 2 * self.kv_size, h), requires_grad=False)
-        self.qkv_bias = (
-            nn.Parameter(torch.empty(self.q_size + 2 * self.kv_size), requires_grad=False)
-            if arch.attention_bias
-            else None
-        )
-        self.o_weight = nn.Parameter(torch.empty(h, self.q_size), requires_grad=False)
-        self.gate_up_weight = nn.Parameter(torch.empty(2 * arch.intermediate_size, h), requires_grad=False)
-        self.down_weight = nn.Parameter(torch.empty(h, arch.intermediate_size), requires_grad=False)
+        self.qkv_proj = QKVParallelLinear(h, arch.num_heads, arch.num_kv_heads, hd, arch.attention_bias)
+        shard = self.qkv_proj.shard  # this rank's heads (all of them without tensor parallelism)
+        self.num_heads, self.num_kv_heads = shard.num_q, shard.num_kv
+        self.q_size, self.kv_size = shard.num_q * hd, shard.num_kv * hd
+        q_cols = (shard.q_start * hd, (shard.q_start + shard.num_q) * hd)
+        self.o_proj = RowParallelLinear(*q_cols, arch.num_heads * hd, h)
+        self.gate_up_proj = MergedColumnParallelLinear(h, arch.intermediate_size)
+        tp = get_tp_group()
+        self.down_proj = RowParallelLinear(*even_shard(arch.intermediate_size, tp.size, tp.rank),
+                                           arch.intermediate_size, h)  # fmt: skip
         self.input_norm = nn.Parameter(torch.empty(h), requires_grad=False)
         self.post_attn_norm = nn.Parameter(torch.empty(h), requires_grad=False)
-        self.attn = PagedAttention(arch.num_heads, arch.num_kv_heads, hd)
-        self.packed: dict[str, torch.Tensor | None] = {}  # oneDNN-packed weights, see pack_weights
-        self.quant = nn.ModuleDict()  # projection name -> QuantizedLinear (its float weight is empty)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, hd)
+
+    def projections(self) -> dict[str, ParallelLinear]:
+        return {"qkv": self.qkv_proj, "o": self.o_proj, "gate_up": self.gate_up_proj, "down": self.down_proj}
+
+    @property
+    def quant(self) -> dict[str, QuantizedLinear]:
+        """The projections that run quantized, by name."""
+        return {n: p.quant for n, p in self.projections().items() if p.quant is not None}
 
     def pack_weights(self) -> None:
-        for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"):
-            if name not in self.quant:
-                self.packed[name] = onednn_pack(getattr(self, name))
-
-    def set_weight(self, name: str, w: torch.Tensor | QWeight, device: torch.device | str) -> None:
-        """A float weight goes into its Parameter; a quantized one into a QuantizedLinear."""
-        param = getattr(self, name)
-        if isinstance(w, QWeight):
-            self.quant[name] = QuantizedLinear(w, device)
-            param.data = torch.empty(0, dtype=param.dtype)
-        else:
-            param.data = w
-
-    def proj(self, name: str, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if name in self.quant:
-            return self.quant[name](x, bias)
-        return linear(x, getattr(self, name), bias, self.packed.get(name))
+        for p in self.projections().values():
+            p.pack()
 
     def forward(
         self,
@@ -85,38 +87,46 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         n = x.shape[0]
         h = rms_norm(x, self.input_norm, self.eps)
-        qkv = self.proj("qkv_weight", h, self.qkv_bias)
+        qkv = self.qkv_proj(h)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rotary(q.view(n, self.num_heads, self.head_dim), cos, sin)
         k = apply_rotary(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
         attn = self.attn.forward(q, k, v, k_cache, v_cache, meta)
-        x = x + self.proj("o_weight", attn.reshape(n, self.q_size))
+        x = x + self.o_proj(attn.reshape(n, self.q_size))
         h = rms_norm(x, self.post_attn_norm, self.eps)
-        gate, up = self.proj("gate_up_weight", h).chunk(2, dim=-1)
-        return x + self.proj("down_weight", F.silu(gate) * up)
+        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up)
 
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()
         self.arch = arch
-        self.embed_tokens = nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size), requires_grad=False)
+        self.embed = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_layers))
         self.norm = nn.Parameter(torch.empty(arch.hidden_size), requires_grad=False)
-        self.lm_head = (
-            self.embed_tokens
-            if arch.tie_word_embeddings
-            else nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size), requires_grad=False)
-        )
+        self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size)
+        if arch.tie_word_embeddings:
+            self.lm_head.tie(self.embed)
         self.rotary = RotaryEmbedding(
             arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling
         )
-        self.lm_head_packed: torch.Tensor | None = None
         self.quantization: str | None = None  # set by the loader before load_weights
         self.quant_device: torch.device | str = "cpu"  # the device quantized weights are packed for
-        self.embed_q: QuantizedLinear | None = None  # quantized table (lookups) and lm_head
-        self.lm_head_q: QuantizedLinear | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.norm.dtype
+
+    @property
+    def num_local_kv_heads(self) -> int:
+        """KV heads this rank stores (all of them without tensor parallelism)."""
+        return self.layers[0].num_kv_heads
+
+    # The quantized table (lookups) and lm_head, None when they are float.
+    embed_q = property(lambda self: self.embed.quant)
+    lm_head_q = property(lambda self: self.lm_head.quant)
 
     def weight_bytes(self) -> int:
         """Bytes of the weights: parameters and persistent buffers, a tied table counted once
@@ -128,8 +138,7 @@ class LlamaForCausalLM(nn.Module):
         """Prepack every float projection for oneDNN (CPU); a no-op elsewhere."""
         for layer in self.layers:
             layer.pack_weights()
-        if self.lm_head_q is None:
-            self.lm_head_packed = onednn_pack(self.lm_head)
+        self.lm_head.pack()
 
     @torch.inference_mode()
     def forward(
@@ -140,26 +149,47 @@ class LlamaForCausalLM(nn.Module):
         kv_cache: torch.Tensor,  # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
     ) -> torch.Tensor:
         """Final hidden states (after the last norm) for every input token."""
-        if self.embed_q is not None:
-            x = self.embed_q.embedding(input_ids, self.norm.dtype)
-        else:
-            x = F.embedding(input_ids, self.embed_tokens)
+        x = self.embed(input_ids, self.norm.dtype)
         cos, sin = self.rotary.tables(positions, x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, meta, kv_cache[i, 0], kv_cache[i, 1])
         return rms_norm(x, self.norm, self.arch.rms_norm_eps)
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head_q is not None:
-            return self.lm_head_q(hidden).float()
-        return linear(hidden, self.lm_head, None, self.lm_head_packed).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Float32 logits over the whole vocabulary; None on tensor-parallel ranks other than 0
+        (every rank must call it: the pieces are gathered)."""
+        return self.lm_head.logits(hidden)
+
+    def weight_slice(self, name: str, shape: tuple[int, ...]) -> tuple[int, int, int] | None:
+        """(dim, start, stop) of checkpoint tensor `name` that this rank needs, so loaders can
+        read only that; None for the whole tensor. Row-parallel weights are read whole when
+        they will be quantized (see parallel_linear)."""
+        if get_tp_group().size == 1:
+            return None
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            return 0, self.embed.start, self.embed.stop
+        m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", name)
+        if m is None:
+            return None
+        layer: DecoderLayer = self.layers[int(m.group(1))]
+        part = {"self_attn.q_proj": (layer.qkv_proj, 0), "self_attn.k_proj": (layer.qkv_proj, 1),
+                "self_attn.v_proj": (layer.qkv_proj, 2), "mlp.gate_proj": (layer.gate_up_proj, 0),
+                "mlp.up_proj": (layer.gate_up_proj, 1)}.get(m.group(2))  # fmt: skip
+        if part is not None:
+            a, b, _ = part[0].row_runs[part[1]]
+            return 0, a, b
+        row = {"self_attn.o_proj": layer.o_proj, "mlp.down_proj": layer.down_proj}.get(m.group(2))
+        if row is not None and self.quantization is None and len(shape) == 2:
+            return 1, row.cols[0], row.cols[1]
+        return None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load Hugging Face-named tensors, fusing q/k/v and gate/up as they arrive."""
+        """Load Hugging Face-named tensors (whole or this rank's slice), fusing q/k/v and
+        gate/up as they arrive."""
         pending: dict[int, dict[str, torch.Tensor]] = {}
         seen: set[str] = set()
-        dtype = self.embed_tokens.dtype
+        dtype = self.norm.dtype
         for name, tensor in weights:
             if isinstance(tensor, QWeight) and not name.startswith("model.layers."):
                 tensor = tensor.dequantize()
@@ -174,14 +204,14 @@ class LlamaForCausalLM(nn.Module):
                 self._maybe_finish_layer(idx, pending)
                 continue
             if name == "model.embed_tokens.weight":
-                self.embed_tokens.data = tensor
+                self.embed.load(tensor)
                 if self.arch.tie_word_embeddings:
-                    self.lm_head = self.embed_tokens
+                    self.lm_head.tie(self.embed)
             elif name == "model.norm.weight":
                 self.norm.data = tensor
             elif name == "lm_head.weight":
                 if not self.arch.tie_word_embeddings:
-                    self.lm_head.data = tensor
+                    self.lm_head.load(tensor)
             else:
                 raise ValueError(f"unexpected weight {name!r}")
             seen.add(name)
@@ -198,13 +228,11 @@ class LlamaForCausalLM(nn.Module):
 
     def _quantize_embeddings(self) -> None:
         method = "fp8" if self.quantization == "fp8" else "int8"
-        self.embed_q = QuantizedLinear(quantize_weight(self.embed_tokens, method), self.quant_device)
+        self.embed.quantize(method, self.quant_device)
         if self.arch.tie_word_embeddings:
-            self.lm_head_q = self.embed_q
+            self.lm_head.tie(self.embed)
         else:
-            self.lm_head_q = QuantizedLinear(quantize_weight(self.lm_head, method), self.quant_device)
-            self.lm_head.data = torch.empty(0, dtype=self.lm_head.dtype)
-        self.embed_tokens.data = torch.empty(0, dtype=self.embed_tokens.dtype)
+            self.lm_head.quantize(method, self.quant_device)
 
     _LAYER_KEYS = (
         "self_attn.q_proj.weight",
@@ -227,15 +255,13 @@ class LlamaForCausalLM(nn.Module):
         layer: DecoderLayer = self.layers[idx]
         method, dev = self.quantization, self.quant_device
         qkv = [p["self_attn.q_proj.weight"], p["self_attn.k_proj.weight"], p["self_attn.v_proj.weight"]]
-        layer.set_weight("qkv_weight", fuse(qkv, method), dev)
-        layer.set_weight("o_weight", fuse([p["self_attn.o_proj.weight"]], method), dev)
-        gate_up = [p["mlp.gate_proj.weight"], p["mlp.up_proj.weight"]]
-        layer.set_weight("gate_up_weight", fuse(gate_up, method), dev)
-        layer.set_weight("down_weight", fuse([p["mlp.down_proj.weight"]], method), dev)
+        biases = None
         if self.arch.attention_bias:
-            layer.qkv_bias.data = torch.cat(
-                [p["self_attn.q_proj.bias"], p["self_attn.k_proj.bias"], p["self_attn.v_proj.bias"]]
-            )
+            biases = [p["self_attn.q_proj.bias"], p["self_attn.k_proj.bias"], p["self_attn.v_proj.bias"]]
+        layer.qkv_proj.load(qkv, method, dev, biases)
+        layer.o_proj.load(p["self_attn.o_proj.weight"], method, dev)
+        layer.gate_up_proj.load([p["mlp.gate_proj.weight"], p["mlp.up_proj.weight"]], method, dev)
+        layer.down_proj.load(p["mlp.down_proj.weight"], method, dev)
         layer.input_norm.data = p["input_layernorm.weight"]
         layer.post_attn_norm.data = p["post_attention_layernorm.weight"]
         del pending[idx]

@@ -1,0 +1,52 @@
+"""What the engine sends every rank each step, and what rank 0 sends back.
+
+`StepInput` is serializable (msgspec) and holds no live scheduler objects: a request travels
+whole once, when the workers first see it (`NewRequestData`), and afterwards as a delta
+(`ScheduledRequest`: tokens appended since, blocks added since, where its computation
+starts). The workers keep their own mirror of each request (worker/request_state.py).
+
+The workers do not sample: sampling needs the grammar matchers, per-request generators and
+penalty history, which live with the scheduler in the engine process, so rank 0 returns the
+logits of the rows that produce a token (`RunnerOutput`) and the engine samples them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import msgspec
+import torch
+
+
+class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
+    req_id: str
+    prompt_token_ids: list[int]
+    prompt_logprobs: int | None = None  # top-k of prompt logprobs, when asked for
+
+
+class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One request's share of this step, as a delta against what the workers already know."""
+
+    req_id: str
+    num_new_tokens: int  # tokens computed this step, proposals included
+    num_computed_tokens: int  # where they start
+    new_token_ids: list[int] = []  # appended since the workers last saw the request
+    new_block_ids: list[int] = []  # blocks added since (the whole table when `resumed`)
+    resumed: bool = False  # back from preemption: new_block_ids replace the table
+    spec_token_ids: list[int] = []  # proposals to verify this step
+
+
+class StepInput(msgspec.Struct, array_like=True, omit_defaults=True):
+    new_requests: list[NewRequestData] = []
+    scheduled: list[ScheduledRequest] = []  # in batch order
+    finished_req_ids: list[str] = []  # forget these before running the step
+
+
+@dataclass
+class RunnerOutput:
+    """Logits rows in order: one per `sample_req_ids`, then len(drafts) + 1 per `verify`."""
+
+    sample_req_ids: list[str] = field(default_factory=list)
+    verify: list[tuple[str, int]] = field(default_factory=list)  # (req_id, number of drafts)
+    logits: torch.Tensor | None = None  # float32 [rows, vocab] on CPU
+    prompt_logprobs: dict[str, list[dict[int, float] | None]] = field(default_factory=dict)
