@@ -80,6 +80,21 @@ def tiny_llama_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_long_dir(tmp_path_factory) -> str:
+    """The tiny Llama with an 8k context, for requests that must stream for a long time."""
+    import json
+
+    path = _save_tiny(str(tmp_path_factory.mktemp("tiny-8k")), "llama")
+    cfg_path = os.path.join(path, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg["max_position_embeddings"] = 8192
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f)
+    return path
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory) -> str:
     return _save_tiny(str(tmp_path_factory.mktemp("tiny-qwen2")), "qwen2")
 

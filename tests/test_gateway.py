@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
-import os
 import time
 
 import httpx
@@ -29,23 +28,9 @@ TOOLS = [
 
 
 @pytest.fixture(scope="module")
-def long_tiny_dir(tmp_path_factory) -> str:
-    from conftest import _save_tiny
-
-    path = _save_tiny(str(tmp_path_factory.mktemp("tiny-long")), "llama")
-    cfg_path = os.path.join(path, "config.json")
-    with open(cfg_path) as f:
-        cfg = json.load(f)
-    cfg["max_position_embeddings"] = 4096
-    with open(cfg_path, "w") as f:
-        json.dump(cfg, f)
-    return path
-
-
-@pytest.fixture(scope="module")
-def replicas(long_tiny_dir):
+def replicas(tiny_long_dir):
     with concurrent.futures.ThreadPoolExecutor(2) as pool:  # start both at once
-        rs = list(pool.map(lambda _: ServerProcess(long_tiny_dir, *MODEL_ARGS), range(2)))
+        rs = list(pool.map(lambda _: ServerProcess(tiny_long_dir, *MODEL_ARGS), range(2)))
     yield rs
     for r in rs:
         r.stop()

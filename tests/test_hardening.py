@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import socket
 import time
 
@@ -188,21 +187,6 @@ def test_engine_failure_fails_only_that_request(tiny_llama_dir):
         assert_still_serving(s)
     finally:
         s.stop()
-
-
-@pytest.fixture(scope="module")
-def tiny_long_dir(tmp_path_factory) -> str:
-    """The tiny Llama with an 8k context, so one request can stream for a long time."""
-    from conftest import _save_tiny
-
-    path = _save_tiny(str(tmp_path_factory.mktemp("tiny-8k")), "llama")
-    cfg_path = os.path.join(path, "config.json")
-    with open(cfg_path) as f:
-        cfg = json.load(f)
-    cfg["max_position_embeddings"] = 8192
-    with open(cfg_path, "w") as f:
-        json.dump(cfg, f)
-    return path
 
 
 @pytest.fixture(scope="module")
