@@ -12,7 +12,7 @@ import time
 
 import httpx
 import yaml
-from server_utils import free_port
+from server_utils import free_port, stop_process
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -120,12 +120,7 @@ class GatewayProcess:
             return f.read()
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        stop_process(self.proc)
         self.log.close()
 
 
