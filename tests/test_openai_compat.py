@@ -1,0 +1,197 @@
+"""What real clients send beyond the core fields (issue: OpenAI compatibility), against a live
+`kvserve serve` on the default model, through the official `openai` SDK where it has the call
+and raw HTTP where the point is a header or a status."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+from server_utils import ServerProcess
+
+ORIGIN = "http://app.example"
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = ServerProcess(
+        "smollm2-135m", "--kv-cache-memory", "64MiB", "--max-num-seqs", "8",
+        "--served-model-name", "smol", "smol-alias", "--allowed-origins", ORIGIN,
+        "--metrics-compat", "vllm",
+    )  # fmt: skip
+    yield s
+    s.stop()
+
+
+@pytest.fixture()
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=server.api_key, max_retries=0)
+
+
+def post(server, path: str, body: dict, **headers) -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", json=body, headers={**server.headers, **headers}, timeout=60)
+
+
+HI = [{"role": "user", "content": "Say hello."}]
+
+
+def test_informational_fields_are_accepted(client):
+    r = client.chat.completions.create(
+        model="smol", messages=HI, max_tokens=3, store=False, metadata={"team": "a"},
+        service_tier="auto", reasoning_effort="low", prompt_cache_key="k1", safety_identifier="u1",
+        verbosity="low", modalities=["text"], prediction={"type": "content", "content": "Hello"},
+        extra_body={"request_id": "abc-1", "chat_template_kwargs": {"enable_thinking": False},
+                    "return_tokens_as_token_ids": False, "stream_options": None},
+    )  # fmt: skip
+    assert r.choices[0].message.content and r.id == "chatcmpl-abc-1"
+
+
+@pytest.mark.parametrize(
+    "extra, field",
+    [
+        ({"modalities": ["text", "audio"]}, "modalities"),
+        ({"web_search_options": {}}, "web_search_options"),
+        ({"use_beam_search": True}, "use_beam_search"),
+        ({"best_of": 3}, "best_of"),
+        ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+        ({"no_such_field": 1}, "no_such_field"),
+    ],
+)
+def test_fields_that_change_behaviour_are_refused_with_a_reason(server, extra, field):
+    r = post(server, "/v1/chat/completions", {"messages": HI, "max_tokens": 2, **extra})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field, r.text
+
+
+def test_unknown_model_is_404_and_models_retrieve(client, server):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-9", messages=HI, max_tokens=2)
+    assert e.value.body["code"] == "model_not_found"
+    assert client.models.retrieve("smol-alias").id == "smol-alias"
+    assert [m.id for m in client.models.list().data] == ["smol", "smol-alias"]
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-9")
+    r = client.completions.create(model="smol-alias", prompt="Once", max_tokens=2)
+    assert r.model == "smol-alias"
+
+
+def test_legacy_functions_map_onto_tools(client):
+    fn = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                 "required": ["city"]}}  # fmt: skip
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    call = {"model": "smol", "messages": messages, "max_tokens": 40, "temperature": 0, "functions": [fn],
+            "function_call": {"name": "get_weather"}}  # fmt: skip
+    r = client.chat.completions.create(**call)
+    c = r.choices[0]
+    assert c.finish_reason == "function_call" and c.message.function_call.name == "get_weather"
+    assert "city" in json.loads(c.message.function_call.arguments)
+    assert not c.message.tool_calls
+    chunks = list(client.chat.completions.create(**call, stream=True))
+    args = "".join(ch.choices[0].delta.function_call.arguments or "" for ch in chunks
+                   if ch.choices and ch.choices[0].delta.function_call)  # fmt: skip
+    assert json.loads(args) == json.loads(c.message.function_call.arguments)
+    assert chunks[-1].choices[0].finish_reason == "function_call"
+
+
+def test_guided_aliases_work_with_a_deprecation_warning(server):
+    r = post(
+        server, "/v1/chat/completions", {"messages": HI, "max_tokens": 5, "guided_choice": ["yes", "no"]}
+    )
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] in ("yes", "no")
+    assert "guided_choice" in r.headers["warning"] and "structured_outputs" in r.headers["warning"]
+    both = {"messages": HI, "guided_regex": "a+", "structured_outputs": {"regex": "b+"}}
+    assert post(server, "/v1/chat/completions", both).status_code == 400
+
+
+def test_developer_role_replaces_the_default_system_prompt(server):
+    msgs = [{"role": "developer", "content": "Answer in French."}, {"role": "user", "content": "Hi"}]
+    dev = post(server, "/tokenize", {"messages": msgs}).json()["tokens"]
+    sys_ = post(server, "/tokenize", {"messages": [{**msgs[0], "role": "system"}, msgs[1]]}).json()["tokens"]
+    assert dev == sys_
+
+
+def test_assistant_prefill_continues_the_last_message(server):
+    msgs = [{"role": "user", "content": "What is your name?"}, {"role": "assistant", "content": "My name is"}]
+    prefilled = post(server, "/tokenize", {"messages": msgs}).json()["tokens"]
+    closed = post(server, "/tokenize", {"messages": msgs, "add_generation_prompt": True}).json()["tokens"]
+    tail = httpx.post(f"{server.url}/detokenize", json={"tokens": prefilled[-4:]}, headers=server.headers)
+    assert tail.json()["prompt"].endswith("My name is")  # no end-of-turn, no new assistant header
+    assert len(closed) > len(prefilled)
+    r = post(
+        server, "/v1/chat/completions", {"messages": msgs, "max_tokens": 4, "temperature": 0, "echo": True}
+    )
+    content = r.json()["choices"][0]["message"]["content"]
+    assert content.startswith("My name is") and len(content) > len("My name is")
+    bad = {"messages": msgs[:1], "continue_final_message": True}
+    assert post(server, "/v1/chat/completions", bad).json()["error"]["param"] == "continue_final_message"
+
+
+def test_tokenize_counts_tools_as_chat_does(server, client):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    msgs = [{"role": "user", "content": "Call f."}]
+    counted = post(server, "/tokenize", {"messages": msgs, "tools": tools}).json()["count"]
+    r = client.chat.completions.create(model="smol", messages=msgs, tools=tools, max_tokens=1)
+    assert counted == r.usage.prompt_tokens
+    assert counted > post(server, "/tokenize", {"messages": msgs}).json()["count"]
+
+
+def test_request_id_header_is_echoed_or_generated(server):
+    r = post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 1}, **{"x-request-id": "trace-42"})
+    assert r.headers["x-request-id"] == "trace-42" and r.json()["id"] == "cmpl-trace-42"
+    r = post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 1})
+    assert r.json()["id"] == f"cmpl-{r.headers['x-request-id']}"
+    # the same id sent twice at once must not collide inside the engine
+    again = post(
+        server, "/v1/completions", {"prompt": "Hi", "max_tokens": 1, "n": 2}, **{"x-request-id": "dup"}
+    )
+    assert again.status_code == 200 and len(again.json()["choices"]) == 2
+
+
+def test_ping_cors_and_vllm_metric_names(server):
+    assert httpx.get(f"{server.url}/ping").status_code == 200
+    assert httpx.post(f"{server.url}/ping").status_code == 200
+    pre = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
+           "Access-Control-Request-Headers": "authorization,content-type"}  # fmt: skip
+    ok = httpx.options(f"{server.url}/v1/chat/completions", headers=pre)
+    assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == ORIGIN
+    other = httpx.options(
+        f"{server.url}/v1/chat/completions", headers={**pre, "Origin": "http://evil.example"}
+    )
+    assert "access-control-allow-origin" not in other.headers
+    m = server.metrics()
+    assert m["vllm:num_requests_waiting"] == m["kvserve:num_requests_waiting"]
+    assert "vllm:generation_tokens_total" in m
+
+
+def test_completion_suffix_and_vllm_logprob_extras(server):
+    r = post(server, "/v1/completions", {"prompt": "def f(", "suffix": "return x", "max_tokens": 2})
+    assert r.status_code == 400 and "fill-in-the-middle" in r.json()["error"]["message"]
+    body = {"prompt": "The capital of France is", "max_tokens": 2, "temperature": 0, "logprobs": 1,
+            "prompt_logprobs": 1, "return_tokens_as_token_ids": True}  # fmt: skip
+    c = post(server, "/v1/completions", body).json()["choices"][0]
+    assert all(t.startswith("token_id:") for t in c["logprobs"]["tokens"])
+    plp = c["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(
+        post(server, "/tokenize", {"prompt": body["prompt"]}).json()["tokens"]
+    )
+    assert all(isinstance(v["logprob"], float) for e in plp[1:] for v in e.values())
+
+
+def test_logprob_bytes_are_the_tokens_own_and_cover_only_the_content(server):
+    body = {"messages": [{"role": "user", "content": "Write the word 日本 once."}], "max_tokens": 24,
+            "temperature": 0, "logprobs": True, "stop": ["\n"]}  # fmt: skip
+    c = post(server, "/v1/chat/completions", body).json()["choices"][0]
+    entries = c["logprobs"]["content"]
+    joined = b"".join(bytes(e["bytes"]) for e in entries).decode()
+    assert joined == c["message"]["content"]  # multi-byte pieces rejoin; no end-of-turn token
+
+
+def test_continuous_usage_stats(server):
+    body = {"prompt": "Count: 1, 2,", "max_tokens": 4, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=server.headers) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    usages = [e["usage"]["completion_tokens"] for e in events if e.get("choices")]
+    assert usages == sorted(usages) and usages[-1] == events[-1]["usage"]["completion_tokens"]
