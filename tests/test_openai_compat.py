@@ -195,3 +195,58 @@ def test_continuous_usage_stats(server):
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     usages = [e["usage"]["completion_tokens"] for e in events if e.get("choices")]
     assert usages == sorted(usages) and usages[-1] == events[-1]["usage"]["completion_tokens"]
+
+
+def test_responses_multi_turn_with_previous_response_id(client):
+    first = client.responses.create(
+        model="smol", input="My name is Ada. Reply with one word.", max_output_tokens=8, temperature=0
+    )
+    assert first.status in ("completed", "incomplete") and first.output_text
+    assert first.usage.input_tokens > 0 and first.usage.output_tokens > 0
+    second = client.responses.create(
+        model="smol",
+        input="What is my name?",
+        previous_response_id=first.id,
+        max_output_tokens=8,
+        temperature=0,
+    )
+    # the second turn's prompt holds the first turn (its input and output) before the new input
+    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    assert client.responses.retrieve(second.id).output_text == second.output_text
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="smol", input="Hi", previous_response_id=first.id)
+    assert e.value.body["param"] == "previous_response_id"
+
+
+def test_responses_function_call_round_trip(client):
+    city = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    tools = [
+        {"type": "function", "name": "get_weather", "description": "Weather for a city", "parameters": city}
+    ]
+    r = client.responses.create(
+        model="smol", input="What is the weather in Paris?", tools=tools, tool_choice="required",
+        max_output_tokens=40, temperature=0,
+    )  # fmt: skip
+    call = next(item for item in r.output if item.type == "function_call")
+    assert call.name == "get_weather" and "city" in json.loads(call.arguments)
+    follow = client.responses.create(
+        model="smol", previous_response_id=r.id, tools=tools, max_output_tokens=12, temperature=0,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}],
+    )  # fmt: skip
+    assert follow.output_text
+
+
+def test_responses_stream_reassembles_to_the_non_streamed_text(client):
+    kw = {"model": "smol", "input": "Name three colors.", "max_output_tokens": 16, "temperature": 0,
+          "instructions": "Be brief."}  # fmt: skip
+    plain = client.responses.create(**kw)
+    events = list(client.responses.create(**kw, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[0] == "response.created" and kinds[-1] in ("response.completed", "response.incomplete")
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == plain.output_text
+    assert events[-1].response.output_text == text
+    assert [e.sequence_number for e in events] == list(range(len(events)))

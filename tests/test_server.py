@@ -151,7 +151,6 @@ def test_logprobs_and_echo(client):
         ({"temperature": -1}, "temperature"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"prompt": "word " * 400}, "prompt"),
-        ({"model": "gpt-4"}, "model"),
         ({"prompt": ""}, "prompt"),
         ({"suffix": "x"}, "suffix"),
         ({"tools": []}, "tools"),

@@ -28,6 +28,8 @@ from kvserve.entrypoints.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from kvserve.entrypoints.openai.responses import ResponseNotFoundError, ResponsesServing, ResponseStore
+from kvserve.entrypoints.openai.responses_protocol import ResponsesRequest
 from kvserve.entrypoints.openai.server_config import ServerConfig
 from kvserve.entrypoints.openai.serving import ClientDisconnectedError, OpenAIServing, ServerOverloadedError
 from kvserve.metrics.prometheus import ServerMetrics
@@ -66,6 +68,7 @@ def build_app(engine: AsyncLLM, cfg: ServerConfig) -> FastAPI:
     serving = OpenAIServing(
         engine, names, cfg.request_timeout, cfg.max_waiting_requests, cfg.stream_stall_timeout
     )
+    responses = ResponsesServing(serving, ResponseStore(cfg.response_store_size))
     lifecycle = Lifecycle(engine, cfg.shutdown_timeout)
     protected = PROTECTED_PREFIXES + (("/metrics",) if cfg.metrics_require_key else ())
 
@@ -121,6 +124,10 @@ def build_app(engine: AsyncLLM, cfg: ServerConfig) -> FastAPI:
     async def on_model_not_found(request: Request, exc: ModelNotFoundError):
         return error_response(404, str(exc), param="model", code="model_not_found")
 
+    @app.exception_handler(ResponseNotFoundError)
+    async def on_response_not_found(request: Request, exc: ResponseNotFoundError):
+        return error_response(404, str(exc), "not_found_error", code="not_found")
+
     @app.exception_handler(EngineDeadError)
     async def on_engine_dead(request: Request, exc: EngineDeadError):
         return engine_dead_response(exc)
@@ -161,6 +168,19 @@ def build_app(engine: AsyncLLM, cfg: ServerConfig) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request):
         return await serving.completion(req, raw)
+
+    @app.post("/v1/responses")
+    async def create_response(req: ResponsesRequest, raw: Request):
+        return await responses.create(req, raw)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str):
+        return responses.store.get(response_id)[0]
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        responses.store.delete(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
 
     created = int(time.time())
 

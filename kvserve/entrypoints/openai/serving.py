@@ -13,7 +13,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import msgspec
 from fastapi import Request
@@ -331,10 +331,20 @@ class OpenAIServing:
 
     @staticmethod
     def _sse(obj: dict) -> bytes:
-        return b"data: " + _json.encode(obj) + b"\n\n"
+        """One server-sent event; objects with a `type` (Responses API events) name their event."""
+        head = b"event: " + obj["type"].encode() + b"\n" if "type" in obj else b""
+        return head + b"data: " + _json.encode(obj) + b"\n\n"
 
     # ---- chat ------------------------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, raw: Request):
+        run = await self.chat_run(req, raw)
+        if req.stream:
+            return _warn(self.sse_response(run.gen, run.chunks, run.streams), run.warnings)
+        return _warn(JSONResponse(run.body), run.warnings)
+
+    async def chat_run(self, req: ChatCompletionRequest, raw: Request) -> ChatRun:
+        """Start a chat request: streaming, its chunks (dicts, for /v1/chat/completions or for
+        another envelope such as the Responses API); otherwise the finished body."""
         self.check_model(req.model)
         warnings = normalize_chat(req)
         mode = tool_mode(req)
@@ -354,9 +364,10 @@ class OpenAIServing:
         deadline = self._deadline()
         streams = await self._start([prompt], params, req.n, engine_rid, req.priority, req.cache_salt)
         gen = self._merged(streams, deadline)
+        run = ChatRun(gen, streams, warnings)
         if req.stream:
-            chunks = self._chat_chunks(gen, rid, created, model, req, mode, top, echo)
-            return _warn(self._stream(gen, chunks, streams), warnings)
+            run.chunks = self._chat_chunks(gen, rid, created, model, req, mode, top, echo)
+            return run
         finals = await self._collect(gen, raw)
         choices, usage = [], Usage(req.n)
         as_ids = req.return_tokens_as_token_ids
@@ -366,7 +377,9 @@ class OpenAIServing:
             message, finish = self._chat_message(echo + c.text, c.finish_reason, req, mode)
             logprobs = None
             if req.logprobs:
-                k = self._content_tokens(c.token_ids, c.text, req.skip_special_tokens)
+                k = len(c.token_ids)
+                if c.finish_reason == "stop":  # an end-of-turn token or a cut stop string ended it
+                    k = self._content_tokens(c.token_ids, c.text, req.skip_special_tokens)
                 logprobs = self._chat_logprobs(c.token_ids[:k], c.logprobs[:k], top, as_ids)
             choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish})
         body = {
@@ -375,7 +388,8 @@ class OpenAIServing:
         }  # fmt: skip
         if req.prompt_logprobs is not None:
             body["prompt_logprobs"] = self._prompt_logprobs(finals[0], req.prompt_logprobs)
-        return _warn(JSONResponse(body), warnings)
+        run.body = body
+        return run
 
     @staticmethod
     def _chat_message(text: str, finish: str | None, req: ChatCompletionRequest, mode: str):
@@ -408,13 +422,11 @@ class OpenAIServing:
         usage = Usage(req.n)
         for i in range(req.n):
             delta = {"role": "assistant", "content": echo}
-            yield self._sse(
-                {
-                    **base,
-                    "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}],
-                    **usage.chunk_field(include_usage, continuous),
-                }
-            )
+            yield {
+                **base,
+                "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}],
+                **usage.chunk_field(include_usage, continuous),
+            }
         legacy = req.functions is not None
         as_ids = req.return_tokens_as_token_ids
         tool_streams: dict[int, ToolCallStream] = {}
@@ -446,9 +458,9 @@ class OpenAIServing:
                     else None
                 )
                 choice["finish_reason"] = finish
-                yield self._sse({**base, "choices": [choice], **usage.chunk_field(include_usage, continuous)})
+                yield {**base, "choices": [choice], **usage.chunk_field(include_usage, continuous)}
         if include_usage:
-            yield self._sse({**base, "choices": [], "usage": usage.as_dict()})
+            yield {**base, "choices": [], "usage": usage.as_dict()}
 
     # ---- completions -----------------------------------------------------------------------
     def _prompts(self, prompt) -> list:
@@ -476,7 +488,7 @@ class OpenAIServing:
         gen = self._merged(streams, deadline)
         if req.stream:
             chunks = self._completion_chunks(gen, rid, created, model, req, prompts)
-            return _warn(self._stream(gen, chunks, streams), warnings)
+            return _warn(self.sse_response(gen, chunks, streams), warnings)
         finals = await self._collect(gen, raw)
         choices, usage = [], Usage(req.n)
         for index in sorted(finals):
@@ -539,12 +551,15 @@ class OpenAIServing:
                 offsets[index] += len(text)
                 choice = {"index": index, "text": text, "logprobs": logprobs}
                 choice["finish_reason"] = c.finish_reason if out.finished else None
-                yield self._sse({**base, "choices": [choice], **usage.chunk_field(include_usage, continuous)})
+                yield {**base, "choices": [choice], **usage.chunk_field(include_usage, continuous)}
         if include_usage:
-            yield self._sse({**base, "choices": [], "usage": usage.as_dict()})
+            yield {**base, "choices": [], "usage": usage.as_dict()}
 
     # ---- streaming ------------------------------------------------------------------------------
-    def _stream(self, gen, chunks, streams: list[RequestStream]) -> StreamingResponse:
+    def sse_response(self, gen, chunks, streams: list[RequestStream]) -> StreamingResponse:
+        """Stream `chunks` (dicts) as server-sent events, ending with [DONE]; errors become an
+        error event, and whatever has not finished is aborted when the response ends."""
+
         async def abort_unfinished() -> None:
             # Runs after the response, also when the client went away mid-stream (Starlette
             # then stops iterating `body` without closing it, so its finally may never run).
@@ -556,7 +571,7 @@ class OpenAIServing:
             try:
                 async for chunk in chunks:
                     stall.sending()
-                    yield chunk
+                    yield self._sse(chunk)
                     stall.sent()
             except EngineDeadError as e:
                 yield self._sse({"error": _err_body(str(e), "engine_dead", 503)})
@@ -574,6 +589,18 @@ class OpenAIServing:
         return StreamingResponse(
             body(), media_type="text/event-stream", background=BackgroundTask(abort_unfinished)
         )
+
+
+@dataclass
+class ChatRun:
+    """A started chat request: its merged engine stream, and either the chunks to stream or
+    the finished body."""
+
+    gen: AsyncIterator
+    streams: list[RequestStream]
+    warnings: list[str]
+    chunks: AsyncIterator[dict] | None = None
+    body: dict | None = None
 
 
 class Usage:
