@@ -15,14 +15,28 @@ ORIGIN = "http://app.example"
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(tmp_path_factory):
+    log = tmp_path_factory.mktemp("compat") / "serve.log"
     s = ServerProcess(
         "smollm2-135m", "--kv-cache-memory", "64MiB", "--max-num-seqs", "8",
         "--served-model-name", "smol", "smol-alias", "--allowed-origins", ORIGIN,
-        "--metrics-compat", "vllm",
+        "--metrics-compat", "vllm", log_path=str(log),
     )  # fmt: skip
+    s.log_file = log
     yield s
     s.stop()
+
+
+def test_default_model_answers_and_logs_its_configuration(server, client):
+    """What `make serve` starts: the default model, with its configuration and KV pool logged."""
+    r = client.chat.completions.create(
+        model="smol", messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=16, temperature=0,
+    )  # fmt: skip
+    assert "Paris" in r.choices[0].message.content
+    text = server.log_file.read_text()
+    assert "configuration:" in text and "KV pool:" in text and "max concurrency at max_model_len" in text
+    assert "Traceback" not in text
 
 
 @pytest.fixture()
