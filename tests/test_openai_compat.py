@@ -4,9 +4,11 @@ and raw HTTP where the point is a header or a status."""
 
 from __future__ import annotations
 
+import base64
 import json
 
 import httpx
+import numpy as np
 import openai
 import pytest
 from server_utils import ServerProcess
@@ -264,3 +266,24 @@ def test_responses_stream_reassembles_to_the_non_streamed_text(client):
     assert text == plain.output_text
     assert events[-1].response.output_text == text
     assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_embeddings_batch_order_and_formats(client, server):
+    texts = [f"document number {i} about {'cats' if i % 2 else 'ships'}" for i in range(64)]
+    batch = client.embeddings.create(model="smol", input=texts)
+    assert [d.index for d in batch.data] == list(range(64)) and len(batch.data[0].embedding) == 576
+    alone = client.embeddings.create(model="smol", input=texts[5]).data[0].embedding
+    in_32 = client.embeddings.create(model="smol", input=texts[:32]).data[5].embedding
+    cos = sum(a * b for a, b in zip(alone, in_32))  # both L2-normalized
+    assert cos >= 0.9999 and abs(sum(a * a for a in alone) - 1) < 1e-4
+    assert abs(sum(a * b for a, b in zip(alone, batch.data[5].embedding)) - 1) < 1e-4
+    counts = [len(post(server, "/tokenize", {"prompt": t}).json()["tokens"]) for t in texts]
+    assert batch.usage.prompt_tokens == batch.usage.total_tokens == sum(counts)
+    ids = post(server, "/tokenize", {"prompt": texts[5]}).json()["tokens"]
+    by_ids = client.embeddings.create(model="smol", input=[ids]).data[0].embedding
+    assert sum(a * b for a, b in zip(alone, by_ids)) >= 0.9999
+    b64 = client.embeddings.create(model="smol", input=texts[5], encoding_format="base64").data[0].embedding
+    decoded = np.frombuffer(base64.b64decode(b64), dtype="<f4")
+    assert np.allclose(decoded, alone, atol=1e-6)
+    r = post(server, "/v1/embeddings", {"input": "x", "dimensions": 64})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "dimensions"

@@ -101,6 +101,7 @@ class ModelRunner:
         sample_ids: list[str] = []
         verify: list[tuple[str, int, int]] = []  # (req_id, first flat row, number of drafts)
         prompt_lp: list[tuple[CachedRequestState, int, int]] = []  # (req, first flat row, count)
+        pooling: list[tuple[CachedRequestState, int, int]] = []  # embedding requests' rows
         meta = AttentionMetadata(torch.empty(0), torch.empty(0))
         decode_tables, decode_lens = [], []
         offset = 0
@@ -129,7 +130,9 @@ class ModelRunner:
             if req.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
                 count = min(n, req.num_prompt_tokens - 1 - start)
                 prompt_lp.append((req, offset, count))
-            if drafts:
+            if req.pooling is not None:
+                pooling.append((req, offset, n))
+            elif drafts:
                 verify.append((req.req_id, offset, len(drafts)))
             elif start + n == req.num_tokens:
                 sample_rows.append(offset + n - 1)
@@ -155,11 +158,29 @@ class ModelRunner:
         if rows:
             logits = self._logits(self.model, hidden, rows)
             out.logits = None if logits is None else logits.float().cpu()
+        for r, o, c in pooling:
+            vector = self._pool(r, hidden, o, c)
+            if vector is not None:
+                out.pooled[r.req_id] = vector
         for r, o, c in prompt_lp:
             entries = self._prompt_logprobs(r, hidden, o, c)
             if entries is not None:
                 out.prompt_logprobs[r.req_id] = entries
         return out if self.tp.is_driver else None
+
+    @staticmethod
+    def _pool(req: CachedRequestState, hidden: torch.Tensor, offset: int, count: int) -> torch.Tensor | None:
+        """An embedding request's chunk: accumulate (mean) and, once the prompt is done, its
+        vector (float32, CPU). A prompt recomputed from 0 (preemption) starts the sum again."""
+        start = req.num_computed_tokens
+        rows = hidden[offset : offset + count].float()
+        if req.pooling == "mean":
+            part = rows.sum(0)
+            req.pool_sum = part if start == 0 or req.pool_sum is None else req.pool_sum + part
+        if start + count < req.num_prompt_tokens:
+            return None
+        vector = req.pool_sum / req.num_prompt_tokens if req.pooling == "mean" else rows[-1]
+        return vector.cpu()
 
     def _logits(self, model: LlamaForCausalLM, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor | None:
         """Logits of these rows of `hidden`, computed over a bucket-sized batch (shape_buckets.py)."""

@@ -26,6 +26,7 @@ from kvserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     TokenizeRequest,
 )
 from kvserve.entrypoints.openai.responses import ResponseNotFoundError, ResponsesServing, ResponseStore
@@ -168,6 +169,10 @@ def build_app(engine: AsyncLLM, cfg: ServerConfig) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request):
         return await serving.completion(req, raw)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(req: EmbeddingRequest, raw: Request):
+        return await serving.embeddings(req, raw)
 
     @app.post("/v1/responses")
     async def create_response(req: ResponsesRequest, raw: Request):

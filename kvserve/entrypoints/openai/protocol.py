@@ -262,6 +262,19 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None  # refused unless empty: no fill-in-the-middle (compat.py)
 
 
+class EmbeddingRequest(BaseModel):
+    """OpenAI's embeddings body; `pooling` is kvserve's (vLLM sets it per model)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: PositiveInt64 | None = None  # only the model's own width (no Matryoshka truncation)
+    user: str | None = None  # informational
+    pooling: Literal["last", "mean"] = "last"
+    priority: Int64 = 0
+
+
 class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None

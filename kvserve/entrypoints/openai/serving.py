@@ -8,6 +8,8 @@ SSE `data: {...}` lines ending with `data: [DONE]`.
 from __future__ import annotations
 
 import asyncio
+import base64
+import functools
 import secrets
 import time
 import uuid
@@ -16,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 import msgspec
+import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
@@ -33,12 +36,14 @@ from kvserve.entrypoints.openai.limits import sample_seed
 from kvserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    EmbeddingRequest,
     NamedToolChoice,
     TokenizeRequest,
 )
 from kvserve.entrypoints.openai.stall import StallWatch
 from kvserve.entrypoints.openai.tool_parser import ToolCallStream, new_call_id, parse_calls
 from kvserve.entrypoints.openai.tools import call_constraint, conversation, tool_mode
+from kvserve.model.loader import load_arch
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 
@@ -77,6 +82,11 @@ class OpenAIServing:
         # streams keep their pace while a long prompt is being read (2 threads: 2 cores).
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvserve-tokenize")
         self.max_prompt_chars = engine.limits.max_model_len * self.tokenizer.max_token_chars
+
+    @functools.cached_property
+    def embedding_width(self) -> int:
+        """The model's hidden size: the length of its embeddings."""
+        return load_arch(self.engine.source).hidden_size
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -461,6 +471,33 @@ class OpenAIServing:
                 yield {**base, "choices": [choice], **usage.chunk_field(include_usage, continuous)}
         if include_usage:
             yield {**base, "choices": [], "usage": usage.as_dict()}
+
+    # ---- embeddings ------------------------------------------------------------------------
+    async def embeddings(self, req: EmbeddingRequest, raw: Request) -> dict:
+        """Each input runs as a prefill-only engine request (SamplingParams.pooling), batched
+        with whatever else is running; vectors come back L2-normalized, in input order."""
+        self.check_model(req.model)
+        width = self.embedding_width
+        if req.dimensions is not None and req.dimensions != width:
+            raise ValueError(f"dimensions: this model's embeddings have {width} dimensions (no truncation)")
+        inputs = self._prompts(req.input)
+        params = SamplingParams(temperature=0, max_tokens=1, pooling=req.pooling)
+        _, engine_rid = self.response_id("embd", None, raw)
+        streams = await self._start(inputs, params, 1, engine_rid, req.priority, None)
+        finals = await self._collect(self._merged(streams, self._deadline()), raw)
+        data, prompt_tokens = [], 0
+        for i in range(len(inputs)):
+            vector = np.asarray(finals[i].embedding, dtype=np.float32)
+            vector /= max(float(np.linalg.norm(vector)), 1e-12)
+            prompt_tokens += len(finals[i].prompt_token_ids)
+            value = (
+                base64.b64encode(vector.astype("<f4").tobytes()).decode()  # as OpenAI: float32 LE
+                if req.encoding_format == "base64"
+                else vector.tolist()
+            )
+            data.append({"object": "embedding", "index": i, "embedding": value})
+        usage = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}
+        return {"object": "list", "data": data, "model": req.model or self.model_names[0], "usage": usage}
 
     # ---- completions -----------------------------------------------------------------------
     def _prompts(self, prompt) -> list:
