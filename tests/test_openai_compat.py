@@ -287,3 +287,15 @@ def test_embeddings_batch_order_and_formats(client, server):
     assert np.allclose(decoded, alone, atol=1e-6)
     r = post(server, "/v1/embeddings", {"input": "x", "dimensions": 64})
     assert r.status_code == 400 and r.json()["error"]["param"] == "dimensions"
+
+
+def test_streamed_logprobs_cover_only_the_content(client):
+    kw = {"model": "smol", "messages": [{"role": "user", "content": "Say OK."}], "max_tokens": 24,
+          "temperature": 0, "logprobs": True}  # fmt: skip
+    plain = client.chat.completions.create(**kw).choices[0]
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    streamed = [e.token for ch in chunks if ch.choices and ch.choices[0].logprobs
+                for e in ch.choices[0].logprobs.content]  # fmt: skip
+    assert streamed == [e.token for e in plain.logprobs.content]
+    if plain.finish_reason == "stop":
+        assert "<|im_end|>" not in streamed

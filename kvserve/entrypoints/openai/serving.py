@@ -443,7 +443,12 @@ class OpenAIServing:
         async for index, out in gen:
             c = out.outputs[0]
             usage.add(index, out, len(c.delta_token_ids))
-            with_logprobs = req.logprobs and c.delta_token_ids
+            lp_ids, lps = c.delta_token_ids, c.delta_logprobs
+            if req.logprobs and out.finished and c.finish_reason == "stop":  # not the end-of-turn token
+                sent = len(c.token_ids) - len(lp_ids)
+                keep = max(0, self._content_tokens(c.token_ids, c.text, req.skip_special_tokens) - sent)
+                lp_ids, lps = lp_ids[:keep], lps[:keep]
+            with_logprobs = req.logprobs and lp_ids
             delta: dict = {"content": c.delta_text} if c.delta_text else {}
             finish = c.finish_reason if out.finished else None
             if mode != "none":  # tool calls: content and call deltas come from the parser
@@ -462,11 +467,7 @@ class OpenAIServing:
                     finish = "function_call" if legacy else "tool_calls"
             if delta or out.finished or with_logprobs:  # no empty chunks for held-back text
                 choice = {"index": index, "delta": delta}
-                choice["logprobs"] = (
-                    self._chat_logprobs(c.delta_token_ids, c.delta_logprobs, top, as_ids)
-                    if with_logprobs
-                    else None
-                )
+                choice["logprobs"] = self._chat_logprobs(lp_ids, lps, top, as_ids) if with_logprobs else None
                 choice["finish_reason"] = finish
                 yield {**base, "choices": [choice], **usage.chunk_field(include_usage, continuous)}
         if include_usage:
