@@ -41,6 +41,11 @@ class ServerOverloadedError(RuntimeError):
     """Admission control refused the request (HTTP 503 with Retry-After)."""
 
 
+def session_key(raw: Request, user: str | None) -> str | None:
+    """The session a request belongs to, for session-affinity routing: `x-session-id`, else `user`."""
+    return raw.headers.get("x-session-id") or user
+
+
 class OpenAIServing:
     def __init__(
         self,
@@ -104,7 +109,14 @@ class OpenAIServing:
         return await self._off_loop(render)
 
     async def _start(
-        self, prompts: list, params: SamplingParams, n: int, rid: str, priority: int, salt: str | None
+        self,
+        prompts: list,
+        params: SamplingParams,
+        n: int,
+        rid: str,
+        priority: int,
+        salt: str | None,
+        session: str | None = None,
     ) -> list[RequestStream]:
         """Validate every prompt, apply admission control, then queue all engine requests of
         this API request at once (choice index = prompt index * n + sample index).
@@ -146,6 +158,7 @@ class OpenAIServing:
                             salt,
                             group,
                             prompt_token_ids=prompt_ids,
+                            session=session,
                         )
                     )
         except BaseException:
@@ -275,7 +288,9 @@ class OpenAIServing:
         created = int(time.time())
         model = req.model or self.model_names[0]
         deadline = self._deadline()
-        streams = await self._start([prompt], params, req.n, rid, req.priority, req.cache_salt)
+        streams = await self._start(
+            [prompt], params, req.n, rid, req.priority, req.cache_salt, session_key(raw, req.user)
+        )
         gen = self._merged(streams, deadline)
         if req.stream:
             return self._stream(gen, self._chat_chunks(gen, rid, created, model, req, mode, top), streams)
@@ -377,7 +392,9 @@ class OpenAIServing:
         created = int(time.time())
         model = req.model or self.model_names[0]
         deadline = self._deadline()
-        streams = await self._start(prompts, params, req.n, rid, req.priority, req.cache_salt)
+        streams = await self._start(
+            prompts, params, req.n, rid, req.priority, req.cache_salt, session_key(raw, req.user)
+        )
         gen = self._merged(streams, deadline)
         if req.stream:
             return self._stream(gen, self._completion_chunks(gen, rid, created, model, req, prompts), streams)

@@ -1,0 +1,48 @@
+"""Cache-aware routing: send a request where its prefix is cached, unless that piles load up.
+
+Score = cached prompt tokens on the target - load_weight x its load (tokens). With weight 1
+this picks the target where the prefill work queued ahead of the request, plus the request's
+own uncached part, is smallest. Balance guards as SGLang's: when loads differ by more than
+`balance_abs_threshold` tokens AND the highest is over `balance_rel_threshold` x the lowest,
+the cache is ignored and the least-loaded target wins, so one hot prefix cannot overload one
+replica. The index is exact (engine block hashes) or approximate (prompt text)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+from kvserve.routing.policies import least_loaded
+from kvserve.routing.prefix_index import BlockHashIndex, TextPrefixIndex
+from kvserve.routing.strategies import RequestInfo, RoutingStrategy, Target
+
+
+class CacheAware(RoutingStrategy):
+    def __init__(
+        self,
+        index: BlockHashIndex | TextPrefixIndex | None = None,
+        balance_abs_threshold: float = 2048,
+        balance_rel_threshold: float = 1.5,
+        load_weight: float = 1.0,
+    ) -> None:
+        super().__init__()
+        self.index = index if index is not None else TextPrefixIndex()
+        self.abs_threshold, self.rel_threshold = balance_abs_threshold, balance_rel_threshold
+        self.load_weight = load_weight
+
+    def choose(self, candidates: Sequence[Target], request: RequestInfo | None = None) -> Target:
+        if request is None:
+            return least_loaded(self, candidates)
+        loads = {c.id: self.load(c) for c in candidates}
+        hi, lo = max(loads.values()), min(loads.values())
+        if hi - lo > self.abs_threshold and hi > self.rel_threshold * lo:
+            choice = least_loaded(self, candidates)
+            hits = self.index.match(request, [choice.id])
+        else:
+            hits = self.index.match(request, [c.id for c in candidates])
+            scores = {c.id: hits[c.id] - self.load_weight * loads[c.id] for c in candidates}
+            best = max(scores.values())
+            choice = random.choice([c for c in candidates if scores[c.id] == best])
+        request.cached_tokens = hits[choice.id]
+        self.index.routed(choice.id, request)
+        return choice
