@@ -146,13 +146,41 @@ def test_router_decision_is_fast_with_many_cached_prefixes():
     assert (time.perf_counter() - t0) / 200 < 2e-3  # generous: a shared 2-core machine
 
 
-def test_gateway_config_accepts_the_new_strategies():
-    from kvserve.gateway.config import RouterSettings
+def _gateway_router(strategy: str):
+    from kvserve.gateway.config import parse_config
+    from kvserve.gateway.router import Router
+    from kvserve.gateway.state.memory import MemoryStore
+
+    deps = [
+        {"model_name": "m", "backend": {"base_url": f"http://127.0.0.1:{port}/v1", "model": "x"}}
+        for port in (1, 2)
+    ]
+    cfg = parse_config({"model_list": deps, "router_settings": {"routing_strategy": strategy}})
+    return Router(cfg, MemoryStore())
+
+
+def test_gateway_router_cache_aware_and_session():
+    import asyncio
+
     from kvserve.gateway.router import request_info
 
-    for name in ("round-robin", "least-loaded", "session", "cache-aware"):
-        assert RouterSettings(routing_strategy=name).routing_strategy == name
-    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "hi"}]
-    info = request_info({"messages": msgs, "user": "u1"}, {})
-    assert info.text == "system:S\nuser:hi\n" and info.session == "u1"
-    assert request_info({"prompt": "p"}, {"x-session-id": "h"}).session == "h"
+    async def picks(router, bodies, headers=None):
+        out = []
+        for b in bodies:
+            info = request_info(b, headers or {})
+            dep = await router.pick("m", set(), set(), info)
+            router.strategy.started(dep.id, info)
+            router.strategy.finished(dep.id, 0.01, info)
+            out.append(dep.id)
+        return out
+
+    system = {"role": "system", "content": "You are a terse assistant for tenant A. " * 30}
+    bodies = [{"messages": [system, {"role": "user", "content": f"question {i}"}]} for i in range(6)]
+    ids = asyncio.run(picks(_gateway_router("cache-aware"), bodies))
+    assert len(set(ids)) == 1  # the same system prompt sticks to the deployment that has it
+    router = _gateway_router("session")
+    ids = asyncio.run(picks(router, [{"prompt": str(i), "user": "u1"} for i in range(5)]))
+    assert len(set(ids)) == 1
+    assert asyncio.run(picks(router, [{"prompt": "x"}], {"x-session-id": "u1"})) == ids[:1]
+    info = request_info({"messages": [system, {"role": "user", "content": "hi"}]}, {})
+    assert info.text.startswith("system:You are") and info.text.endswith("user:hi\n")

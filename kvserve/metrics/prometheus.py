@@ -76,6 +76,7 @@ class ServerMetrics:
         self.num_engines = num_engines
         self._seen: dict[tuple, int] = {}  # running totals from each core already counted
         self._last_token_time: dict[str, float] = {}
+        self._engine_of: dict[str, int] = {}  # request -> replica, for requests with a token
         self._gauges: dict[int, tuple[int, int, float]] = {}  # engine -> running, waiting, kv usage
 
     def _labels(self, engine: int) -> list[tuple[str, ...]]:
@@ -143,19 +144,22 @@ class ServerMetrics:
                 self._observe(self.itl, (now - last) / new, e)
             if out.finished:
                 self._last_token_time.pop(rid, None)
+                self._engine_of.pop(rid, None)
                 self._inc(self.success, 1, e, c.finish_reason)
                 if met.e2e_latency is not None:
                     self._observe(self.e2e, met.e2e_latency, e)
             elif new:
                 self._last_token_time[rid] = now
+                self._engine_of[rid] = e
 
     def on_core_lost(self, engine: int = 0) -> None:
         """An engine core died: its gauges no longer hold, and a new core's running totals
         start from zero again (the counters keep what they counted)."""
         self._set_gauges(engine, 0, 0, 0.0)
         self._seen = {k: v for k, v in self._seen.items() if k[1] != engine}
-        if self.num_engines == 1:
-            self._last_token_time.clear()
+        for rid in [r for r, owner in self._engine_of.items() if owner == engine]:
+            self._last_token_time.pop(rid, None)
+            del self._engine_of[rid]
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
