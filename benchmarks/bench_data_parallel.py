@@ -98,70 +98,143 @@ async def one(http: httpx.AsyncClient, url: str, body: dict, delay: float) -> tu
     return ttft, True
 
 
-def run_policy(policy: str, args, reqs) -> dict:
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
+def wait_ready(url: str, proc: subprocess.Popen, what: str) -> None:
+    deadline = time.monotonic() + 600
+    while True:
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not start")
+        time.sleep(0.5)
+
+
+def start_server(args, port: int, *extra: str, env: dict | None = None) -> subprocess.Popen:
     cmd = [
         sys.executable, "-m", "kvserve.entrypoints.cli", "serve", args.model, "--port", str(port),
-        "--data-parallel-size", "2", "--routing-policy", policy, "--kv-cache-memory", args.kv_cache_memory,
-        "--max-model-len", "2048", "--max-num-seqs", "32", "--served-model-name", "m",
+        "--kv-cache-memory", args.kv_cache_memory, "--max-model-len", "2048", "--max-num-seqs", "32",
+        "--served-model-name", "m", *extra,
     ]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    wait_ready(f"http://127.0.0.1:{port}/health/ready", proc, "kvserve serve")
+    return proc
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            try:
-                if httpx.get(f"{base}/health/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"server for {policy} did not start")
-            time.sleep(0.5)
-        before = httpx.get(f"{base}/metrics").text
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
 
-        async def go():
-            limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
-            async with httpx.AsyncClient(timeout=None, limits=limits) as http:
-                bodies = [
-                    {"model": "m", "prompt": p, "max_tokens": args.output_len, "ignore_eos": True,
-                     "temperature": 0, "stream": True}
-                    for _, _, p in reqs
-                ]  # fmt: skip
-                url = f"{base}/v1/completions"
-                return await asyncio.gather(*(one(http, url, b, t) for b, (t, _, _) in zip(bodies, reqs)))
 
-        t0 = time.perf_counter()
-        results = asyncio.run(go())
-        wall = time.perf_counter() - t0 - 0  # includes the arrival spread
-        after = httpx.get(f"{base}/metrics").text
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+def drive(url: str, args, reqs, headers: dict | None = None) -> tuple[list, float]:
+    """The Poisson stream against url; (ttft, ok) per request and the wall time."""
+
+    async def go():
+        limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
+        async with httpx.AsyncClient(timeout=None, limits=limits, headers=headers) as http:
+            bodies = [
+                {"model": "m", "prompt": p, "max_tokens": args.output_len, "ignore_eos": True,
+                 "temperature": 0, "stream": True}
+                for _, _, p in reqs
+            ]  # fmt: skip
+            return await asyncio.gather(*(one(http, url, b, t) for b, (t, _, _) in zip(bodies, reqs)))
+
+    t0 = time.perf_counter()
+    results = asyncio.run(go())
+    return results, time.perf_counter() - t0
+
+
+def summary(policy: str, args, results, wall: float, before: list[str], after: list[str], per_engine: bool):
+    """Hit rate and tokens computed from the servers' /metrics (several servers: summed, one
+    entry per server; one data-parallel server: one entry per replica)."""
 
     def delta(name: str) -> dict[str, float]:
-        a, b = metric_by_engine(after, name), metric_by_engine(before, name)
-        return {k: v - b.get(k, 0.0) for k, v in a.items()}
+        out: dict[str, float] = {}
+        for i, (b_text, a_text) in enumerate(zip(before, after)):
+            a, b = metric_by_engine(a_text, name), metric_by_engine(b_text, name)
+            for k, v in a.items():
+                key = k if per_engine else (f"server{i}" if k == "total" else None)
+                if key is not None:
+                    out[key] = out.get(key, 0.0) + v - b.get(k, 0.0)
+        return out
 
     hits, queries = delta("kvserve:prefix_cache_hits_total"), delta("kvserve:prefix_cache_queries_total")
     computed = delta("kvserve:iteration_tokens_sum")
+    per = {k: v for k, v in computed.items() if k != "total"}
     ttfts = sorted(t for t, ok in results if ok and t is not None)
     ok = sum(1 for _, good in results if good)
-    per = {k: v for k, v in computed.items() if k != "total"}
+    hit_total = sum(v for k, v in hits.items() if k != "total")
+    query_total = sum(v for k, v in queries.items() if k != "total")
     return {
         "policy": policy,
         "ok": ok,
-        "hit_rate": hits.get("total", 0) / max(queries.get("total", 0), 1),
-        "ttft_p50_s": statistics.median(ttfts) if ttfts else None,
-        "ttft_p99_s": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))] if ttfts else None,
-        "req_per_s": ok / wall,
-        "out_tok_per_s": ok * args.output_len / wall,
+        "hit_rate": round(hit_total / max(query_total, 1), 4),
+        "ttft_p50_s": round(statistics.median(ttfts), 3) if ttfts else None,
+        "ttft_p99_s": round(ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))], 3) if ttfts else None,
+        "req_per_s": round(ok / wall, 4),
+        "out_tok_per_s": round(ok * args.output_len / wall, 2),
         "tokens_computed_per_replica": per,
-        "replica_imbalance": max(per.values()) / max(min(per.values()), 1) if per else None,
+        "replica_imbalance": round(max(per.values()) / max(min(per.values()), 1), 3) if per else None,
     }
+
+
+def run_policy(policy: str, args, reqs) -> dict:
+    """One `kvserve serve --data-parallel-size 2` with this routing policy."""
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    proc = start_server(args, port, "--data-parallel-size", "2", "--routing-policy", policy)
+    try:
+        before = [httpx.get(f"{base}/metrics").text]
+        results, wall = drive(f"{base}/v1/completions", args, reqs)
+        after = [httpx.get(f"{base}/metrics").text]
+    finally:
+        stop(proc)
+    return summary(policy, args, results, wall, before, after, per_engine=True)
+
+
+def run_gateway(policy: str, args, reqs, workdir: str) -> dict:
+    """`kvserve gateway` with this routing strategy over two single-replica `kvserve serve`s
+    (one thread each): the gateway's approximate (text) cache-aware index."""
+    import os
+
+    import yaml
+
+    ports = [free_port(), free_port()]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    servers = [start_server(args, p, env=env) for p in ports]
+    gw_port = free_port()
+    cfg = {
+        "model_list": [
+            {"model_name": "m", "backend": {"base_url": f"http://127.0.0.1:{p}/v1", "model": "m",
+                                            "first_byte_timeout": 600, "idle_timeout": 600}}
+            for p in ports
+        ],
+        "router_settings": {"routing_strategy": policy, "num_retries": 0},
+        "keys": [{"key": "sk-bench"}],
+        "general_settings": {"database": os.path.join(workdir, f"gw-{policy}.db")},
+    }  # fmt: skip
+    path = os.path.join(workdir, f"gw-{policy}.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(cfg, f)
+    gw = subprocess.Popen(
+        [sys.executable, "-m", "kvserve.entrypoints.cli", "gateway", "--config", path,
+         "--port", str(gw_port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        wait_ready(f"http://127.0.0.1:{gw_port}/health", gw, "gateway")
+        before = [httpx.get(f"http://127.0.0.1:{p}/metrics").text for p in ports]
+        auth = {"Authorization": "Bearer sk-bench"}
+        results, wall = drive(f"http://127.0.0.1:{gw_port}/v1/completions", args, reqs, auth)
+        after = [httpx.get(f"http://127.0.0.1:{p}/metrics").text for p in ports]
+    finally:
+        for proc in (gw, *servers):
+            stop(proc)
+    return summary(f"gateway/{policy}", args, results, wall, before, after, per_engine=False)
 
 
 def microbench(args) -> dict:
@@ -218,6 +291,7 @@ def main() -> int:
     p.add_argument("--cached-prefixes", type=int, default=10_000)
     p.add_argument("--decisions", type=int, default=10_000)
     p.add_argument("--skip-serve", action="store_true", help="only the router microbenchmark")
+    p.add_argument("--gateway", action="store_true", help="also through `kvserve gateway` over two servers")
     args = p.parse_args()
     print(f"# cpu flags: {cpu_flags()}", flush=True)
     print(f"# args: {vars(args)}", flush=True)
@@ -225,6 +299,12 @@ def main() -> int:
         reqs = workload(args)
         for policy in args.policies.split(","):
             print(json.dumps(run_policy(policy, args, reqs)), flush=True)
+        if args.gateway:
+            import tempfile
+
+            with tempfile.TemporaryDirectory() as workdir:
+                for policy in args.policies.split(","):
+                    print(json.dumps(run_gateway(policy, args, reqs, workdir)), flush=True)
     print(json.dumps({"router_microbench": microbench(args)}), flush=True)
     return 0
 
