@@ -79,7 +79,8 @@ def test_cache_aware_prefers_the_holder_until_load_outweighs_the_hit():
     req = RequestInfo(token_ids=prompt + [1, 2])
     assert ca.choose([T("0", load=20), T("1", load=0)], req).id == "0"
     assert req.cached_tokens == 40
-    assert ca.choose([T("0", load=50), T("1", load=0)], RequestInfo(token_ids=prompt + [1])).id == "1"
+    assert ca.choose([T("0", load=70), T("1", load=0)], RequestInfo(token_ids=prompt + [1])).id == "0"
+    assert ca.choose([T("0", load=90), T("1", load=0)], RequestInfo(token_ids=prompt + [1])).id == "1"
 
 
 def test_cache_aware_balance_guard():

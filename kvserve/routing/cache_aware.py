@@ -1,8 +1,10 @@
 """Cache-aware routing: send a request where its prefix is cached, unless that piles load up.
 
 Score = cached prompt tokens on the target - load_weight x its load (tokens). With weight 1
-this picks the target where the prefill work queued ahead of the request, plus the request's
-own uncached part, is smallest. Balance guards as SGLang's: when loads differ by more than
+it would pick the target where the prefill queued ahead plus the request's own uncached part
+is smallest, best for this request alone; but a miss elsewhere also costs cache space (the
+prefix is then held twice) and every later request's prefill, so the default weight is 0.5:
+a holder is left only when the work queued there is twice the hit. Balance guards as SGLang's: when loads differ by more than
 `balance_abs_threshold` tokens AND the highest is over `balance_rel_threshold` x the lowest,
 the cache is ignored and the least-loaded target wins, so one hot prefix cannot overload one
 replica. The index is exact (engine block hashes) or approximate (prompt text)."""
@@ -23,7 +25,7 @@ class CacheAware(RoutingStrategy):
         index: BlockHashIndex | TextPrefixIndex | None = None,
         balance_abs_threshold: float = 2048,
         balance_rel_threshold: float = 1.5,
-        load_weight: float = 1.0,
+        load_weight: float = 0.5,
     ) -> None:
         super().__init__()
         self.index = index if index is not None else TextPrefixIndex()
