@@ -43,6 +43,10 @@ class BlockHashIndex:
         """The replica's core died: its successor starts with an empty cache."""
         self.cached.pop(target_id, None)
 
+    def size(self, target_id: str) -> int:
+        """Blocks cached on the target."""
+        return len(self.cached.get(target_id, ()))
+
     def match(self, request: RequestInfo, target_ids: Sequence[str]) -> dict[str, int]:
         """Prompt tokens each target would find cached (the engine computes the last token
         anyway, so at most len - 1 tokens count, as in KVCacheManager)."""
@@ -111,3 +115,7 @@ class TextPrefixIndex:
 
     def forget(self, target_id: str) -> None:
         self.cached.pop(target_id, None)
+
+    def size(self, target_id: str) -> int:
+        """Chunks remembered for the target."""
+        return len(self.cached.get(target_id, ()))
