@@ -87,9 +87,10 @@ def test_cache_aware_spreads_new_prefixes_by_cache_size():
     index = BlockHashIndex(block_size=4)
     index.apply("0", hash_prompt_blocks(list(range(400)), 4), [], False)  # 0 holds a tenant
     ca = CacheAware(index)
-    new = RequestInfo(token_ids=list(range(1000, 1100)))  # nobody holds it
-    assert ca.choose([T("0", load=0), T("1", load=30)], new).id == "1"
+    new = RequestInfo(token_ids=list(range(1000, 1100)))  # nobody holds it: ties by cache size
+    assert ca.choose([T("0", load=0), T("1", load=0)], new).id == "1"
     assert new.cached_tokens == 0
+    assert ca.choose([T("0", load=0), T("1", load=30)], new).id == "0"  # load first
 
 
 def test_cache_aware_balance_guard():
