@@ -69,3 +69,5 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     num_cached_tokens: int = 0
     """Prompt tokens whose KV came from the prefix cache."""
+    embedding: list[float] | None = None
+    """Embedding requests (SamplingParams.pooling): the pooled final hidden state."""

@@ -66,6 +66,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputsParams | None = None
     """Constrained decoding: the output matches this schema / regex / choice / grammar."""
+    pooling: str | None = None
+    """Embedding instead of generation: "last" or "mean" of the prompt's final hidden states;
+    the request ends when its prompt is computed (no token is sampled)."""
 
     def __post_init__(self) -> None:
         # Not a dataclass field, so it is not serialized; rebuilt wherever params are made.
@@ -108,6 +111,9 @@ class SamplingParams:
             f"must be >= 0, got {self.prompt_logprobs}",
         )
         _check(all(isinstance(s, str) and s for s in self.stop_list), "stop", "must be non-empty strings")
+        _check(
+            self.pooling in (None, "last", "mean"), "pooling", f"must be last or mean, got {self.pooling!r}"
+        )
 
     @property
     def greedy(self) -> bool:

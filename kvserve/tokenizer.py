@@ -7,7 +7,11 @@ backend for incremental detokenization.
 from __future__ import annotations
 
 import functools
+import json
+import re
 from typing import Any
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte fallback
 
 _RELEASE_GIL_CHARS = 4096  # longer texts are encoded without holding the GIL (server threads)
 
@@ -42,6 +46,38 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    @functools.cached_property
+    def _byte_level(self) -> dict[str, int] | None:
+        """GPT-2 byte-level BPE's char -> byte table, when this vocabulary is byte-level."""
+        decoder = json.loads(self.backend.to_str()).get("decoder") or {}
+        kinds = {decoder.get("type")} | {d.get("type") for d in decoder.get("decoders", [])}
+        if "ByteLevel" not in kinds:
+            return None
+        printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+        table, extra = {chr(b): b for b in printable}, 0
+        for b in range(256):
+            if b not in printable:
+                table[chr(256 + extra)] = b
+                extra += 1
+        return table
+
+    @functools.lru_cache(maxsize=65536)  # noqa: B019 - one tokenizer per process, lives as long
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's own bytes (logprobs' `bytes`): part of a multi-byte character is its
+        bytes, not the U+FFFD its text alone decodes to."""
+        piece = self.backend.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if token_id in self.all_special_ids:
+            return piece.encode()
+        table = self._byte_level
+        if table is not None and all(c in table for c in piece):
+            return bytes(table[c] for c in piece)
+        m = _BYTE_TOKEN.fullmatch(piece)
+        if m:
+            return bytes([int(m.group(1), 16)])
+        return piece.replace("\u2581", " ").encode()
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any

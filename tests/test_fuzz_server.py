@@ -101,7 +101,7 @@ def assert_idle(server: ServerProcess) -> None:
 
 @pytest.mark.parametrize("path", list(ENDPOINTS))
 def test_random_bodies_never_5xx(server, fields, path):
-    @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck), database=None)
     @given(body=bodies(fields[path]))
     def check(body):
         r = post(server, path, body)

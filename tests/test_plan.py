@@ -213,17 +213,9 @@ def test_explicit_budget_pool_is_the_shared_formula():
 
 
 @pytest.mark.slow
-def test_plan_predicts_the_pool_the_engine_allocates():
-    try:
-        from kvserve.engine.llm_engine import LLMEngine
-    except ImportError:
-        pytest.skip("kvserve.engine.llm_engine is not there yet")
-    from kvserve.config import EngineConfig
-
-    engine = LLMEngine(
-        EngineConfig(model="smollm2-135m", kv_cache_memory="64MiB", block_size=16, dtype="float32")
-    )
-    plan = _plan(_gguf_path(), dtype="float32", kv_cache_memory="64MiB", block_size=16)
+def test_plan_predicts_the_pool_the_engine_allocates(default_llm):
+    engine = default_llm.llm_engine  # smollm2-135m, float32, block size 16, 512MiB of KV
+    plan = _plan(_gguf_path(), dtype="float32", kv_cache_memory="512MiB", block_size=16)
     assert engine.kv_cache_manager.block_size == plan.kv_pool.block_size == 16
     assert engine.kv_cache_manager.num_blocks == plan.kv_pool.num_blocks
 

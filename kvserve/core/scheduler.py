@@ -167,7 +167,9 @@ class Scheduler:
         admit = out.num_preempted == preempted_by_priority
         while admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting.peek()
-            hits = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else []
+            # Mean pooling needs every prompt row computed, so it takes no cached prefix.
+            fresh = req.num_computed_tokens == 0 and req.params.pooling != "mean"
+            hits = self.kv.get_computed_blocks(req) if fresh else []
             num_cached = len(hits) * self.kv.block_size
             num_new = min(req.num_tokens - req.num_computed_tokens - num_cached, budget)
             if not self._allocate(req, num_new, 0, hits):

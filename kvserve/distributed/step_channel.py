@@ -32,6 +32,7 @@ class WireOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     logits: bytes | None = None
     num_rows: int = 0
     prompt_logprobs: dict[str, list[dict[int, float] | None]] = {}
+    pooled: dict[str, list[float]] = {}
 
 
 _step_encoder = msgspec.msgpack.Encoder()
@@ -50,7 +51,10 @@ def decode_step(data: bytes) -> StepInput:
 def encode_output(out: RunnerOutput) -> bytes:
     logits = None if out.logits is None else out.logits.contiguous().numpy().tobytes()
     rows = 0 if out.logits is None else out.logits.shape[0]
-    return _step_encoder.encode(WireOutput(out.sample_req_ids, out.verify, logits, rows, out.prompt_logprobs))
+    pooled = {rid: v.tolist() for rid, v in out.pooled.items()}
+    return _step_encoder.encode(
+        WireOutput(out.sample_req_ids, out.verify, logits, rows, out.prompt_logprobs, pooled)
+    )
 
 
 def decode_output(data: bytes) -> RunnerOutput:
@@ -60,7 +64,8 @@ def decode_output(data: bytes) -> RunnerOutput:
         logits = torch.from_numpy(
             np.frombuffer(bytearray(w.logits), dtype=np.float32).reshape(w.num_rows, -1)
         )
-    return RunnerOutput(w.sample_req_ids, [tuple(v) for v in w.verify], logits, w.prompt_logprobs)
+    pooled = {rid: torch.tensor(v) for rid, v in w.pooled.items()}
+    return RunnerOutput(w.sample_req_ids, [tuple(v) for v in w.verify], logits, w.prompt_logprobs, pooled)
 
 
 def ipc_dir() -> str:

@@ -247,7 +247,7 @@ class EngineCore:
                 r.request_id: self.kv_cache_manager.get_block_ids(r.request_id) for r, _ in sched.scheduled
             }
             try:
-                sampled, prompt_logprobs = self.executor.execute_model(sched, block_tables)
+                sampled, prompt_logprobs, pooled = self.executor.execute_model(sched, block_tables)
             except Exception as e:  # noqa: BLE001 - one bad request must not stop the others
                 outputs += recover_failed_step(self, sched, block_tables, e)
                 return self._outputs(outputs, sched)
@@ -262,6 +262,14 @@ class EngineCore:
             progressed = self.scheduler.update(sched, sampled)
             for req, count in progressed:
                 outputs.append(self._output(req, count))
+            for rid, vector in pooled.items():  # embedding requests end with their prompt
+                req = self.scheduler.requests.get(rid)
+                if req is not None:
+                    req.first_token_time = time.monotonic()
+                    self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
+                    out = self._output(req, 0)
+                    out.embedding = vector
+                    outputs.append(out)
             if self.proposer is not None:
                 self._propose([req for req, _ in progressed])
         return self._outputs(outputs, sched)
@@ -292,7 +300,7 @@ class EngineCore:
     @staticmethod
     def _output(req: Request, count: int) -> EngineCoreOutput:
         first = len(req.output_token_ids) == count
-        out = EngineCoreOutput(req.request_id, req.output_token_ids[-count:])
+        out = EngineCoreOutput(req.request_id, req.output_token_ids[len(req.output_token_ids) - count :])
         if req.params.logprobs is not None:
             out.new_logprobs = req.logprobs[-count:]
         if first:

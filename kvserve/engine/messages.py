@@ -36,6 +36,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     finished_time: float | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # sent with the first token
+    embedding: list[float] | None = None  # pooling requests: the vector, sent as they finish
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, tag=True):

@@ -29,6 +29,7 @@ class RequestState:
         self.metrics = RequestMetrics(req.arrival_time)
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        self.embedding: list[float] | None = None
 
     def make_output(
         self, new_token_ids: list[int], new_logprobs: list[dict[int, float]] | None = None
@@ -47,7 +48,7 @@ class RequestState:
         )
         return RequestOutput(
             self.request_id, self.prompt, self.prompt_token_ids, [completion], finished, self.metrics,
-            self.prompt_logprobs, self.num_cached_tokens,
+            self.prompt_logprobs, self.num_cached_tokens, self.embedding,
         )  # fmt: skip
 
 
@@ -74,6 +75,8 @@ class OutputProcessor:
                 m.first_scheduled_time, m.first_token_time = out.first_scheduled_time, out.first_token_time
                 st.prompt_logprobs = out.prompt_logprobs
                 st.num_cached_tokens = out.num_cached_tokens
+            if out.embedding is not None:
+                st.embedding = out.embedding
             # Token by token: with speculative decoding a step brings several, and a stop
             # string completed by one of them ends the output there.
             new_ids, new_logprobs, stop = out.new_token_ids, out.new_logprobs, None

@@ -108,7 +108,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.engine == "naive":
         from kvserve.entrypoints.naive_server import serve_naive
 
-        return serve_naive(args.model, args.host, args.port, args.served_model_name)
+        return serve_naive(args.model, args.host, args.port, (args.served_model_name or [None])[0])
     from kvserve.entrypoints.openai.api_server import serve
 
     try:
@@ -120,6 +120,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             shutdown_timeout=args.shutdown_timeout,
             stream_stall_timeout=args.stream_stall_timeout if args.stream_stall_timeout > 0 else None,
             engine_restart_limit=args.engine_restart_limit, routing_policy=args.routing_policy,
+            allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
+            allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
+            metrics_compat=args.metrics_compat,
         )  # fmt: skip
         return serve(config, args.host, args.port, server)
     except (ValueError, FileNotFoundError, RuntimeError, TimeoutError) as e:  # start-up problems
@@ -164,7 +167,15 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--api-key", action="append", default=None,
                      help="require this bearer key (repeat for several; or set KVSERVE_API_KEY)")  # fmt: skip
     srv.add_argument("--metrics-require-key", action="store_true", help="/metrics needs an API key too")
-    srv.add_argument("--served-model-name", default=None, help="model name clients use (default: MODEL)")
+    srv.add_argument("--served-model-name", nargs="+", default=None,
+                     help="name(s) clients use; the first is reported, others are aliases")  # fmt: skip
+    srv.add_argument("--allowed-origins", nargs="*", default=[],
+                     help="CORS: browser origins allowed to call the API ('*': any)")  # fmt: skip
+    srv.add_argument("--allowed-methods", nargs="*", default=["*"], help="CORS: allowed methods")
+    srv.add_argument("--allowed-headers", nargs="*", default=["*"], help="CORS: allowed request headers")
+    srv.add_argument("--allow-credentials", action="store_true", help="CORS: allow cookies / auth headers")
+    srv.add_argument("--metrics-compat", choices=("vllm",), default=None,
+                     help="also expose each kvserve:* series as vLLM's vllm:* (dashboards)")  # fmt: skip
     srv.add_argument(
         "--request-timeout", type=float, default=None, help="seconds before a request is aborted"
     )

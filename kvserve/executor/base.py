@@ -10,7 +10,7 @@ from kvserve.executor.step_builder import StepBuilder
 from kvserve.model.layers.sampler import SampleResult
 from kvserve.worker.step_input import RunnerOutput, StepInput
 
-StepResult = tuple[dict[str, SampleResult], dict[str, list[dict[int, float] | None]]]
+StepResult = tuple[dict[str, SampleResult], dict[str, list[dict[int, float] | None]], dict[str, list[float]]]
 
 
 class Executor:
@@ -26,15 +26,15 @@ class Executor:
         self.num_steps = 0
 
     def execute_model(self, sched: SchedulerOutput, block_tables: dict[str, list[int]]) -> StepResult:
-        """Run one step on the ranks and sample; returns the tokens per request id and the
-        prompt logprobs computed this step."""
+        """Run one step on the ranks and sample; returns the tokens per request id, the prompt
+        logprobs computed this step, and the vectors of embedding requests that finished."""
         step = self.builder.build(sched, block_tables)
         t0 = time.perf_counter()
         out = self._run(step)
         self.run_s += time.perf_counter() - t0
         self.num_steps += 1
         sampled = self.driver_sampler.sample(out, {r.request_id: r for r, _ in sched.scheduled})
-        return sampled, out.prompt_logprobs
+        return sampled, out.prompt_logprobs, {rid: v.tolist() for rid, v in out.pooled.items()}
 
     def _run(self, step: StepInput) -> RunnerOutput:
         raise NotImplementedError

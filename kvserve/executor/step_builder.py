@@ -37,7 +37,7 @@ class StepBuilder:
                 if sent is not None:  # the id was reused by a new request: drop the old one first
                     step.finished_req_ids.append(rid)
                 step.new_requests.append(
-                    NewRequestData(rid, req.prompt_token_ids, req.params.prompt_logprobs)
+                    NewRequestData(rid, req.prompt_token_ids, req.params.prompt_logprobs, req.params.pooling)
                 )
                 sent = self._sent[rid] = _Sent(req, req.num_prompt_tokens, 0, req.num_preemptions)
             resumed = sent.num_preemptions != req.num_preemptions

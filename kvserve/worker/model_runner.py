@@ -26,6 +26,7 @@ from kvserve.model.layers.cpu_kernels import load_cpu_kernels
 from kvserve.model.layers.kv_quant import KV_SCALE_DTYPE, is_quantized, kv_storage_dtype
 from kvserve.model.models.llama import LlamaForCausalLM
 from kvserve.worker.request_state import CachedRequestState, RequestStates
+from kvserve.worker.shape_buckets import padded_rows
 from kvserve.worker.step_input import RunnerOutput, StepInput
 
 
@@ -100,6 +101,7 @@ class ModelRunner:
         sample_ids: list[str] = []
         verify: list[tuple[str, int, int]] = []  # (req_id, first flat row, number of drafts)
         prompt_lp: list[tuple[CachedRequestState, int, int]] = []  # (req, first flat row, count)
+        pooling: list[tuple[CachedRequestState, int, int]] = []  # embedding requests' rows
         meta = AttentionMetadata(torch.empty(0), torch.empty(0))
         decode_tables, decode_lens = [], []
         offset = 0
@@ -128,7 +130,9 @@ class ModelRunner:
             if req.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
                 count = min(n, req.num_prompt_tokens - 1 - start)
                 prompt_lp.append((req, offset, count))
-            if drafts:
+            if req.pooling is not None:
+                pooling.append((req, offset, n))
+            elif drafts:
                 verify.append((req.req_id, offset, len(drafts)))
             elif start + n == req.num_tokens:
                 sample_rows.append(offset + n - 1)
@@ -142,8 +146,9 @@ class ModelRunner:
             meta.decode_block_tables = self._table_tensor(decode_tables)
             meta.decode_seq_lens = torch.tensor(decode_lens, dtype=torch.long, device=self.device)
 
-        ids_t = torch.tensor(ids, device=self.device)
-        pos_t = torch.from_numpy(positions).to(self.device)
+        pad = padded_rows(len(ids)) - len(ids)  # rows past the slot mapping: computed, never stored
+        ids_t = torch.tensor(ids + [0] * pad, device=self.device)
+        pos_t = torch.from_numpy(np.pad(positions, (0, pad))).to(self.device)
         hidden = self.model(ids_t, pos_t, meta, self.kv_cache)
         if self.draft_model is not None:  # the draft's KV follows every computed position
             self.draft_model(ids_t, pos_t, meta, self.draft_kv_cache)
@@ -151,13 +156,37 @@ class ModelRunner:
         out = RunnerOutput(sample_ids, [(rid, k) for rid, _, k in verify])
         rows = sample_rows + [o + j for _, o, k in verify for j in range(k + 1)]
         if rows:
-            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+            logits = self._logits(self.model, hidden, rows)
             out.logits = None if logits is None else logits.float().cpu()
+        for r, o, c in pooling:
+            vector = self._pool(r, hidden, o, c)
+            if vector is not None:
+                out.pooled[r.req_id] = vector
         for r, o, c in prompt_lp:
             entries = self._prompt_logprobs(r, hidden, o, c)
             if entries is not None:
                 out.prompt_logprobs[r.req_id] = entries
         return out if self.tp.is_driver else None
+
+    @staticmethod
+    def _pool(req: CachedRequestState, hidden: torch.Tensor, offset: int, count: int) -> torch.Tensor | None:
+        """An embedding request's chunk: accumulate (mean) and, once the prompt is done, its
+        vector (float32, CPU). A prompt recomputed from 0 (preemption) starts the sum again."""
+        start = req.num_computed_tokens
+        rows = hidden[offset : offset + count].float()
+        if req.pooling == "mean":
+            part = rows.sum(0)
+            req.pool_sum = part if start == 0 or req.pool_sum is None else req.pool_sum + part
+        if start + count < req.num_prompt_tokens:
+            return None
+        vector = req.pool_sum / req.num_prompt_tokens if req.pooling == "mean" else rows[-1]
+        return vector.cpu()
+
+    def _logits(self, model: LlamaForCausalLM, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor | None:
+        """Logits of these rows of `hidden`, computed over a bucket-sized batch (shape_buckets.py)."""
+        index = rows + rows[:1] * (padded_rows(len(rows)) - len(rows))
+        logits = model.compute_logits(hidden[torch.tensor(index, device=self.device)])
+        return None if logits is None else logits[: len(rows)]
 
     def _table_tensor(self, tables: list[list[int]]) -> torch.Tensor:
         width = max(len(t) for t in tables)
@@ -190,11 +219,12 @@ class ModelRunner:
                 decode_block_tables=self._table_tensor(tables),
                 decode_seq_lens=torch.from_numpy(positions + 1).to(self.device),
             )
+            pad = padded_rows(len(ids)) - len(ids)
             hidden = self.draft_model(
-                torch.tensor(ids, device=self.device), torch.from_numpy(positions).to(self.device), meta,
-                self.draft_kv_cache,
+                torch.tensor(ids + [0] * pad, device=self.device),
+                torch.from_numpy(np.pad(positions, (0, pad))).to(self.device), meta, self.draft_kv_cache,
             )  # fmt: skip
-            next_ids = self.draft_model.compute_logits(hidden).argmax(-1).tolist()
+            next_ids = self._logits(self.draft_model, hidden, list(range(len(ids)))).argmax(-1).tolist()
             for (rid, _, _), t in zip(active, next_ids):
                 drafts[rid].append(t)
         return drafts
@@ -204,7 +234,7 @@ class ModelRunner:
     ) -> list[dict[int, float] | None] | None:
         """Logprob of each next prompt token (plus top-k) for `count` positions of this chunk
         (None on tensor-parallel ranks other than 0, which only take part in the gather)."""
-        logits = self.model.compute_logits(hidden[offset : offset + count])
+        logits = self._logits(self.model, hidden, list(range(offset, offset + count)))
         if logits is None:
             return None
         logprobs = logits.cpu().log_softmax(-1)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from kvserve.worker.step_input import StepInput
 
 
@@ -16,6 +18,8 @@ class CachedRequestState:
     block_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     spec_token_ids: list[int] = field(default_factory=list)
+    pooling: str | None = None
+    pool_sum: torch.Tensor | None = None  # mean pooling: the prompt rows' sum so far
 
     @property
     def num_tokens(self) -> int:
@@ -33,8 +37,9 @@ class RequestStates(dict[str, CachedRequestState]):
             self.pop(rid, None)
         for new in step.new_requests:
             self[new.req_id] = CachedRequestState(
-                new.req_id, new.prompt_token_ids, new.prompt_logprobs, list(new.prompt_token_ids)
-            )
+                new.req_id, new.prompt_token_ids, new.prompt_logprobs, list(new.prompt_token_ids),
+                pooling=new.pooling,
+            )  # fmt: skip
         batch = []
         for s in step.scheduled:
             st = self[s.req_id]

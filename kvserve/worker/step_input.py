@@ -22,6 +22,7 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
     req_id: str
     prompt_token_ids: list[int]
     prompt_logprobs: int | None = None  # top-k of prompt logprobs, when asked for
+    pooling: str | None = None  # "last" | "mean": an embedding request (no token is sampled)
 
 
 class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -50,3 +51,4 @@ class RunnerOutput:
     verify: list[tuple[str, int]] = field(default_factory=list)  # (req_id, number of drafts)
     logits: torch.Tensor | None = None  # float32 [rows, vocab] on CPU
     prompt_logprobs: dict[str, list[dict[int, float] | None]] = field(default_factory=dict)
+    pooled: dict[str, torch.Tensor] = field(default_factory=dict)  # embedding requests whose prompt is done

@@ -10,6 +10,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -17,6 +18,7 @@ from kvserve import __version__
 from kvserve.config import EngineConfig
 from kvserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError
 from kvserve.engine.dp_client import DPClient
+from kvserve.entrypoints.openai.compat import ModelNotFoundError
 from kvserve.entrypoints.openai.errors import error_response, param_of
 from kvserve.entrypoints.openai.lifecycle import DrainingServer, Lifecycle, ServerShuttingDownError
 from kvserve.entrypoints.openai.middleware import BodySizeLimit, RequestGate
@@ -25,8 +27,11 @@ from kvserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     TokenizeRequest,
 )
+from kvserve.entrypoints.openai.responses import ResponseNotFoundError, ResponsesServing, ResponseStore
+from kvserve.entrypoints.openai.responses_protocol import ResponsesRequest
 from kvserve.entrypoints.openai.server_config import ServerConfig
 from kvserve.entrypoints.openai.serving import ClientDisconnectedError, OpenAIServing, ServerOverloadedError
 from kvserve.metrics.prometheus import ServerMetrics
@@ -57,13 +62,15 @@ def engine_dead_response(exc: EngineDeadError) -> Response:
 
 
 def build_app(engine: AsyncLLM | DPClient, cfg: ServerConfig) -> FastAPI:
-    name = cfg.served_model_name or engine.source.name
+    names = cfg.served_model_name or [engine.source.name]
+    name = names[0]
     metrics = ServerMetrics(name, getattr(engine, "size", 1))
     engine.on_step = metrics.on_step
     engine.on_core_lost = metrics.on_core_lost
     serving = OpenAIServing(
-        engine, [name], cfg.request_timeout, cfg.max_waiting_requests, cfg.stream_stall_timeout
+        engine, names, cfg.request_timeout, cfg.max_waiting_requests, cfg.stream_stall_timeout
     )
+    responses = ResponsesServing(serving, ResponseStore(cfg.response_store_size))
     lifecycle = Lifecycle(engine, cfg.shutdown_timeout)
     protected = PROTECTED_PREFIXES + (("/metrics",) if cfg.metrics_require_key else ())
 
@@ -93,7 +100,13 @@ def build_app(engine: AsyncLLM | DPClient, cfg: ServerConfig) -> FastAPI:
         return None
 
     app.add_middleware(RequestGate, gate=gate)
-    app.add_middleware(BodySizeLimit, max_bytes=cfg.max_request_bytes)  # outermost: before any parsing
+    app.add_middleware(BodySizeLimit, max_bytes=cfg.max_request_bytes)  # before any parsing
+    if cfg.allowed_origins:  # outermost: a preflight carries no API key and must not reach the gate
+        app.add_middleware(
+            CORSMiddleware, allow_origins=cfg.allowed_origins, allow_methods=cfg.allowed_methods,
+            allow_headers=cfg.allowed_headers, allow_credentials=cfg.allow_credentials,
+            expose_headers=["x-request-id"],
+        )  # fmt: skip
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError):
@@ -108,6 +121,14 @@ def build_app(engine: AsyncLLM | DPClient, cfg: ServerConfig) -> FastAPI:
     @app.exception_handler(ValueError)
     async def on_value_error(request: Request, exc: ValueError):
         return error_response(400, str(exc), param=param_of(str(exc)), code="invalid_value")
+
+    @app.exception_handler(ModelNotFoundError)
+    async def on_model_not_found(request: Request, exc: ModelNotFoundError):
+        return error_response(404, str(exc), param="model", code="model_not_found")
+
+    @app.exception_handler(ResponseNotFoundError)
+    async def on_response_not_found(request: Request, exc: ResponseNotFoundError):
+        return error_response(404, str(exc), "not_found_error", code="not_found")
 
     @app.exception_handler(EngineDeadError)
     async def on_engine_dead(request: Request, exc: EngineDeadError):
@@ -150,15 +171,42 @@ def build_app(engine: AsyncLLM | DPClient, cfg: ServerConfig) -> FastAPI:
     async def completions(req: CompletionRequest, raw: Request):
         return await serving.completion(req, raw)
 
+    @app.post("/v1/embeddings")
+    async def embeddings(req: EmbeddingRequest, raw: Request):
+        return await serving.embeddings(req, raw)
+
+    @app.post("/v1/responses")
+    async def create_response(req: ResponsesRequest, raw: Request):
+        return await responses.create(req, raw)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str):
+        return responses.store.get(response_id)[0]
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        responses.store.delete(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    created = int(time.time())
+
+    def card(model_id: str) -> dict:
+        return {
+            "id": model_id, "object": "model", "created": created, "owned_by": "kvserve",
+            "root": engine.source.name, "max_model_len": engine.limits.max_model_len,
+        }  # fmt: skip
+
     @app.get("/v1/models")
     async def models():
-        card = {
-            "id": name, "object": "model", "created": int(time.time()),
-            "owned_by": "kvserve", "max_model_len": engine.limits.max_model_len,
-        }  # fmt: skip
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [card(n) for n in names]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        serving.check_model(model_id)
+        return card(model_id)
 
     @app.get("/health")
+    @app.api_route("/ping", methods=["GET", "POST"])  # vLLM's (and SageMaker's) name for it
     async def health():
         """Liveness: the engine core is running (with replicas: one is; the body lists each)."""
         if isinstance(engine, DPClient):
@@ -188,9 +236,9 @@ def build_app(engine: AsyncLLM | DPClient, cfg: ServerConfig) -> FastAPI:
         if (req.prompt is None) == (req.messages is None):
             raise ValueError("prompt: give exactly one of prompt or messages")
         if req.messages is not None:
-            ids = await serving.chat_prompt_ids(
-                [{"role": m.role, "content": m.text()} for m in req.messages], req.add_generation_prompt, {}
-            )
+            ids = await serving.render_chat(req)  # exactly what the chat request would count
+        elif req.tools is not None:
+            raise ValueError("tools: only counted with messages")
         else:
             ids = await serving.tokenize_text(req.prompt, req.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.limits.max_model_len}
@@ -209,7 +257,10 @@ def build_app(engine: AsyncLLM | DPClient, cfg: ServerConfig) -> FastAPI:
 
     @app.get("/metrics")
     async def prom():
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        body = metrics.render()
+        if cfg.metrics_compat == "vllm":  # our series are named as vLLM's, under another prefix
+            body += body.replace(b"kvserve:", b"vllm:")
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     app.state.engine = engine
     app.state.metrics = metrics
@@ -243,7 +294,8 @@ def serve(config: EngineConfig, host: str, port: int, cfg: ServerConfig) -> int:
     app = build_app(engine, cfg)
     logger.info(
         "serving %s on http://%s:%d (API key %s)",
-        cfg.served_model_name or engine.source.name, host, port, "required" if cfg.api_keys else "off",
+        ", ".join(cfg.served_model_name or [engine.source.name]), host, port,
+        "required" if cfg.api_keys else "off",
     )  # fmt: skip
     uv = uvicorn.Config(
         app, host=host, port=port, log_level="warning",

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
+import uuid
 from collections.abc import Callable
 
 from starlette.datastructures import Headers
@@ -16,6 +18,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 logger = logging.getLogger("kvserve.server")
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
 def _error_body(message: str, code: str) -> bytes:
@@ -72,6 +75,10 @@ class RequestGate:
     """Refuses a request before routing when `gate(path, headers)` returns a response (missing
     key, draining), and logs one line per /v1 request when it ends (streams included).
 
+    Every /v1 response carries X-Request-Id: the client's own when it sent a usable one, else a
+    fresh id; handlers read it (and may replace it with the body's request_id) from
+    `request.state.request_id`, so the header always equals the response id's suffix.
+
     Pure ASGI on purpose: Starlette's BaseHTTPMiddleware (`@app.middleware("http")`) hands the
     endpoint a receive channel that never reports the client leaving, so a non-streaming
     request whose client gave up would decode on for nobody, and it copies every streamed
@@ -92,11 +99,17 @@ class RequestGate:
         if not path.startswith("/v1/"):
             return await self.app(scope, receive, send)
         t0, status = time.monotonic(), 0
+        incoming = Headers(scope=scope).get("x-request-id", "")
+        state = scope.setdefault("state", {})
+        state["request_id"] = incoming if _REQUEST_ID.fullmatch(incoming) else uuid.uuid4().hex
 
         async def send_and_note(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
+                headers.append((b"x-request-id", state["request_id"].encode()))
+                message = {**message, "headers": headers}
             await send(message)
 
         try:

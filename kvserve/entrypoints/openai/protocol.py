@@ -1,8 +1,11 @@
 """OpenAI request bodies (pydantic) and their translation to SamplingParams.
 
-Unknown fields are refused (extra="forbid"), so a field kvserve cannot honour is a 400 that
-names it rather than being silently ignored; purely informational fields are accepted.
-Numbers are range-checked here (limits.py) and floats must be finite.
+Field policy: every field of OpenAI's chat / completions reference and vLLM's extras is
+declared, so SDKs that send them by default work. Informational ones (store, metadata,
+service_tier, ...) are accepted and ignored; ones that change behaviour are honoured or refused
+with a 400 saying why (compat.py). Fields in neither reference are refused (extra="forbid"),
+so a typo is a 400 naming it rather than being silently ignored. Numbers are range-checked
+here (limits.py) and floats must be finite.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from kvserve.structured.spec import check as check_grammar
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: every chunk carries the usage so far
 
 
 class JsonSchemaFormat(BaseModel):
@@ -56,7 +60,7 @@ class StructuredOutputs(BaseModel):
     grammar: str | None = None
 
 
-class _Sampling(BaseModel):
+class SamplingFields(BaseModel):
     """Fields shared by chat and completions (OpenAI's plus vLLM's extras)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -87,6 +91,23 @@ class _Sampling(BaseModel):
     cache_salt: str | None = None  # requests with different salts never share cached prefixes
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+    request_id: Annotated[str, Field(pattern=r"^[A-Za-z0-9._:-]{1,128}$")] | None = None  # response id suffix
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>"
+    prompt_logprobs: NumLogprobs | None = None
+    best_of: NumChoices | None = None  # only best_of == n (compat.py)
+    use_beam_search: bool = False  # refused: not implemented
+    length_penalty: float = 1.0  # beam search only
+    # vLLM's deprecated names for structured_outputs (compat.py maps them, with a Warning header)
+    guided_json: dict[str, Any] | str | None = None
+    guided_choice: list[str] | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    # OpenAI's informational fields: accepted, not acted on
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
 
     def output_constraint(self) -> StructuredOutputsParams | None:
         """response_format or structured_outputs as engine params; ValueError names the field."""
@@ -211,22 +232,47 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: PositiveInt64 | None = None
     logprobs: bool = False
     top_logprobs: NumLogprobs | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM: extend the last (assistant) message
+    echo: bool = False  # vLLM: the reply starts with the continued assistant message
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM: extra variables for the template
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    functions: list[FunctionDefinition] | None = None  # legacy: mapped onto tools
+    function_call: Literal["none", "auto"] | ToolChoiceFunction | None = None  # legacy tool_choice
+    # Honoured where they mean something for a text model, refused otherwise (compat.py)
+    modalities: list[Literal["text", "audio"]] | None = None
+    audio: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None  # predicted output: a latency hint only
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]  # ids are range-checked by the processor
     logprobs: NumLogprobs | None = None
     echo: bool = False
-    suffix: None = None  # not supported: any value is a 400
+    suffix: str | None = None  # refused unless empty: no fill-in-the-middle (compat.py)
+
+
+class EmbeddingRequest(BaseModel):
+    """OpenAI's embeddings body; `pooling` is kvserve's (vLLM sets it per model)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: PositiveInt64 | None = None  # only the model's own width (no Matryoshka truncation)
+    user: str | None = None  # informational
+    pooling: Literal["last", "mean"] = "last"
+    priority: Int64 = 0
 
 
 class TokenizeRequest(BaseModel):
@@ -234,8 +280,11 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ChatTool] | None = None  # counted as a chat request with these tools would be
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(BaseModel):

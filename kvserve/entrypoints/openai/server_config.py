@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 @dataclass
 class ServerConfig:
-    served_model_name: str | None = None
+    served_model_name: list[str] | None = None
+    """Names clients may use; the first is the one reported (None: the model argument)."""
     api_keys: list[str] = field(default_factory=list)
     """Bearer keys accepted on /v1/* and the admin routes (none: no key needed)."""
     metrics_require_key: bool = False
@@ -24,3 +25,12 @@ class ServerConfig:
     """How many times in a row a dead engine core is restarted."""
     routing_policy: str = "cache-aware"
     """With --data-parallel-size > 1: round-robin | least-loaded | session | cache-aware."""
+    allowed_origins: list[str] = field(default_factory=list)
+    """CORS: browser origins allowed to call the API (empty: no CORS headers at all)."""
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
+    response_store_size: int = 1024
+    """Responses API: how many stored responses are kept for previous_response_id (LRU)."""
+    metrics_compat: str | None = None
+    """"vllm": /metrics also carries each series under its vllm:* name."""

@@ -8,29 +8,51 @@ SSE `data: {...}` lines ending with `data: [DONE]`.
 from __future__ import annotations
 
 import asyncio
+import base64
+import functools
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import msgspec
+import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
 from kvserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError, RequestStream
+from kvserve.entrypoints.openai.compat import (
+    ModelNotFoundError,
+    continues_final_message,
+    normalize_chat,
+    normalize_completion,
+)
 from kvserve.entrypoints.openai.errors import error_response
 from kvserve.entrypoints.openai.lifecycle import ServerShuttingDownError
 from kvserve.entrypoints.openai.limits import sample_seed
-from kvserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice
+from kvserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    NamedToolChoice,
+    TokenizeRequest,
+)
 from kvserve.entrypoints.openai.stall import StallWatch
 from kvserve.entrypoints.openai.tool_parser import ToolCallStream, new_call_id, parse_calls
 from kvserve.entrypoints.openai.tools import call_constraint, conversation, tool_mode
+from kvserve.model.loader import load_arch
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 
 _json = msgspec.json.Encoder()
+# apply_chat_template's own parameters: chat_template_kwargs may not set them
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message", "return_dict",
+     "tools", "documents", "chat_template"}
+)  # fmt: skip
 
 
 class ClientDisconnectedError(Exception):
@@ -66,15 +88,30 @@ class OpenAIServing:
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvserve-tokenize")
         self.max_prompt_chars = engine.limits.max_model_len * self.tokenizer.max_token_chars
 
+    @functools.cached_property
+    def embedding_width(self) -> int:
+        """The model's hidden size: the length of its embeddings."""
+        return load_arch(self.engine.source).hidden_size
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- shared ----------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.model_names:
-            raise ValueError(
-                f"model: {model!r} is not served here (available: {', '.join(self.model_names)})"
+            raise ModelNotFoundError(
+                f"model: {model!r} does not exist here (available: {', '.join(self.model_names)})"
             )
+
+    @staticmethod
+    def response_id(prefix: str, request_id: str | None, raw: Request) -> tuple[str, str]:
+        """(the response's id, the base of its engine request ids). The id's suffix is the body's
+        request_id, else the X-Request-Id the middleware echoes (the client's or a fresh one);
+        engine ids add a random part, so two requests sent with the same id never collide."""
+        suffix = request_id or getattr(raw.state, "request_id", None) or uuid.uuid4().hex
+        raw.state.request_id = suffix
+        rid = f"{prefix}-{suffix}"
+        return rid, f"{rid}-{secrets.token_hex(4)}"
 
     def _check_chars(self, field: str, num_chars: int) -> None:
         """Refuse text that cannot fit max_model_len whatever it tokenizes to (before tokenizing)."""
@@ -90,6 +127,21 @@ class OpenAIServing:
     async def tokenize_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
         self._check_chars("prompt", len(text))
         return await self._off_loop(self.tokenizer.encode, text, add_special_tokens)
+
+    async def render_chat(self, req: ChatCompletionRequest | TokenizeRequest) -> list[int]:
+        """The prompt ids of a chat request: tools, developer role and assistant prefill applied
+        (tools.py, compat.py), plus the client's chat_template_kwargs."""
+        messages, template_kwargs = conversation(req, self.tokenizer.hf.chat_template or "")
+        extra = dict(req.chat_template_kwargs or {})
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS & extra.keys())
+        if reserved:
+            raise ValueError(f"chat_template_kwargs: {', '.join(reserved)} is set by the server")
+        prefill = continues_final_message(req)
+        if prefill:
+            template_kwargs["continue_final_message"] = True
+        return await self.chat_prompt_ids(
+            messages, req.add_generation_prompt and not prefill, {**extra, **template_kwargs}
+        )
 
     async def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool, template_kwargs: dict):
         """The chat template applied and tokenized, off the event loop."""
@@ -231,99 +283,153 @@ class OpenAIServing:
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _chat_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]], top: int) -> dict:
+    def _token_name(self, token_id: int, as_ids: bool) -> str:
+        """How logprobs name a token: its text, or "token_id:<id>" (return_tokens_as_token_ids)."""
+        return f"token_id:{token_id}" if as_ids else self._token_text(token_id)
+
+    def _chat_logprobs(
+        self, token_ids: list[int], logprobs: list[dict[int, float]], top: int, as_ids: bool = False
+    ) -> dict:
         content = []
         for tok, entry in zip(token_ids, logprobs):
             alts = sorted(entry.items(), key=lambda kv: -kv[1])[:top]
-            text = self._token_text(tok)
             content.append(
                 {
-                    "token": text,
+                    "token": self._token_name(tok, as_ids),
                     "logprob": entry[tok],
-                    "bytes": list(text.encode()),
+                    "bytes": list(self.tokenizer.token_bytes(tok)),
                     "top_logprobs": [
-                        {"token": (t := self._token_text(a)), "logprob": lp, "bytes": list(t.encode())}
+                        {
+                            "token": self._token_name(a, as_ids),
+                            "logprob": lp,
+                            "bytes": list(self.tokenizer.token_bytes(a)),
+                        }
                         for a, lp in alts
-                    ],
+                    ],  # fmt: skip
                 }
             )
         return {"content": content}
 
     def _completion_logprobs(
-        self, token_ids: list[int], logprobs: list[dict[int, float] | None], top: int, offset: int
-    ) -> dict:
+        self, token_ids: list[int], logprobs: list[dict[int, float] | None], top: int, offset: int,
+        as_ids: bool = False,
+    ) -> dict:  # fmt: skip
         tokens, token_lps, tops, offsets = [], [], [], []
         for tok, entry in zip(token_ids, logprobs):
             text = self._token_text(tok)
-            tokens.append(text)
+            tokens.append(self._token_name(tok, as_ids))
             token_lps.append(None if entry is None else entry[tok])
             if entry is None:
                 tops.append(None)
             else:
                 alts = sorted(entry.items(), key=lambda kv: -kv[1])[:top]
-                tops.append({self._token_text(a): lp for a, lp in alts})
+                tops.append({self._token_name(a, as_ids): lp for a, lp in alts})
             offsets.append(offset)
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
+    def _content_tokens(self, token_ids: list[int], text: str, skip_special: bool) -> int:
+        """How many leading tokens make up `text`: the end-of-turn token and the tokens of a
+        cut stop string produced no content, so their logprobs are not reported."""
+        m = len(token_ids)
+        while m > 0 and len(self.tokenizer.decode(token_ids[: m - 1], skip_special)) >= len(text):
+            m -= 1
+        return m
+
+    def _prompt_logprobs(self, out: RequestOutput, top: int) -> list[dict | None]:
+        """vLLM's prompt_logprobs: per prompt token (None for the first) the logprob, rank and
+        text of the actual token and of the top alternatives, keyed by token id."""
+        result: list[dict | None] = []
+        for entry in out.prompt_logprobs or []:
+            if entry is None:
+                result.append(None)
+                continue
+            ranked = sorted(entry.items(), key=lambda kv: -kv[1])
+            rank = {t: i + 1 for i, (t, _) in enumerate(ranked[:top])}
+            result.append(
+                {str(t): {"logprob": lp, "rank": rank.get(t), "decoded_token": self._token_text(t)}
+                 for t, lp in entry.items()}
+            )  # fmt: skip
+        return result
+
     @staticmethod
     def _sse(obj: dict) -> bytes:
-        return b"data: " + _json.encode(obj) + b"\n\n"
+        """One server-sent event; objects with a `type` (Responses API events) name their event."""
+        head = b"event: " + obj["type"].encode() + b"\n" if "type" in obj else b""
+        return head + b"data: " + _json.encode(obj) + b"\n\n"
 
     # ---- chat ------------------------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, raw: Request):
+        run = await self.chat_run(req, raw)
+        if req.stream:
+            return _warn(self.sse_response(run.gen, run.chunks, run.streams), run.warnings)
+        return _warn(JSONResponse(run.body), run.warnings)
+
+    async def chat_run(self, req: ChatCompletionRequest, raw: Request) -> ChatRun:
+        """Start a chat request: streaming, its chunks (dicts, for /v1/chat/completions or for
+        another envelope such as the Responses API); otherwise the finished body."""
         self.check_model(req.model)
+        warnings = normalize_chat(req)
         mode = tool_mode(req)
-        messages, template_kwargs = conversation(req, self.tokenizer.hf.chat_template or "")
-        prompt = await self.chat_prompt_ids(messages, req.add_generation_prompt, template_kwargs)
+        prompt = await self.render_chat(req)
         top = req.top_logprobs if req.top_logprobs is not None else 0
         if req.top_logprobs is not None and not req.logprobs:
             raise ValueError("top_logprobs: requires logprobs=true")
         max_tokens = req.max_completion_tokens or req.max_tokens
-        params = req.sampling_params(max_tokens, top if req.logprobs else None)
+        params = req.sampling_params(max_tokens, top if req.logprobs else None, req.prompt_logprobs)
         forced = call_constraint(req, mode)
         if forced is not None:
             params = replace(params, structured_outputs=forced)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        rid, engine_rid = self.response_id("chatcmpl", req.request_id, raw)
         created = int(time.time())
         model = req.model or self.model_names[0]
+        echo = req.messages[-1].text() if req.echo and continues_final_message(req) else ""
         deadline = self._deadline()
         streams = await self._start(
-            [prompt], params, req.n, rid, req.priority, req.cache_salt, session_key(raw, req.user)
+            [prompt], params, req.n, engine_rid, req.priority, req.cache_salt, session_key(raw, req.user)
         )
         gen = self._merged(streams, deadline)
+        run = ChatRun(gen, streams, warnings)
         if req.stream:
-            return self._stream(gen, self._chat_chunks(gen, rid, created, model, req, mode, top), streams)
+            run.chunks = self._chat_chunks(gen, rid, created, model, req, mode, top, echo)
+            return run
         finals = await self._collect(gen, raw)
         choices, usage = [], Usage(req.n)
+        as_ids = req.return_tokens_as_token_ids
         for i in range(req.n):
             c = finals[i].outputs[0]
             usage.add(i, finals[i], len(c.token_ids))
-            message, finish = self._chat_message(c.text, c.finish_reason, req, mode)
-            choices.append(
-                {
-                    "index": i,
-                    "message": message,
-                    "logprobs": self._chat_logprobs(c.token_ids, c.logprobs, top) if req.logprobs else None,
-                    "finish_reason": finish,
-                }
-            )
-        return JSONResponse(
-            {
-                "id": rid, "object": "chat.completion", "created": created, "model": model,
-                "choices": choices, "usage": usage.as_dict(),
-            }
-        )  # fmt: skip
+            message, finish = self._chat_message(echo + c.text, c.finish_reason, req, mode)
+            logprobs = None
+            if req.logprobs:
+                k = len(c.token_ids)
+                if c.finish_reason == "stop":  # an end-of-turn token or a cut stop string ended it
+                    k = self._content_tokens(c.token_ids, c.text, req.skip_special_tokens)
+                logprobs = self._chat_logprobs(c.token_ids[:k], c.logprobs[:k], top, as_ids)
+            choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish})
+        body = {
+            "id": rid, "object": "chat.completion", "created": created, "model": model,
+            "choices": choices, "usage": usage.as_dict(),
+        }  # fmt: skip
+        if req.prompt_logprobs is not None:
+            body["prompt_logprobs"] = self._prompt_logprobs(finals[0], req.prompt_logprobs)
+        run.body = body
+        return run
 
     @staticmethod
     def _chat_message(text: str, finish: str | None, req: ChatCompletionRequest, mode: str):
-        """The assistant message (with tool_calls when the output holds calls) and finish_reason."""
+        """The assistant message (with tool_calls when the output holds calls) and finish_reason;
+        a request in the legacy `functions` form gets its call back as `function_call`."""
         if mode == "none":
             return {"role": "assistant", "content": text}, finish
         content, calls = parse_calls(text, mode, _named(req))
         calls = calls if req.parallel_tool_calls else calls[:1]
         if not calls:
             return {"role": "assistant", "content": content}, finish
+        if req.functions is not None:
+            call = {"name": calls[0].name, "arguments": calls[0].arguments}
+            message = {"role": "assistant", "content": content, "function_call": call}
+            return message, "function_call" if finish == "stop" else finish
         tool_calls = [
             {"id": new_call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
             for c in calls
@@ -331,25 +437,33 @@ class OpenAIServing:
         message = {"role": "assistant", "content": content, "tool_calls": tool_calls}
         return message, "tool_calls" if finish == "stop" else finish
 
-    async def _chat_chunks(self, gen, rid, created, model, req: ChatCompletionRequest, mode: str, top: int):
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    async def _chat_chunks(
+        self, gen, rid, created, model, req: ChatCompletionRequest, mode: str, top: int, echo: str
+    ):
+        opts = req.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        continuous = bool(opts and opts.continuous_usage_stats)
         base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
-        extra = {"usage": None} if include_usage else {}
-        for i in range(req.n):
-            delta = {"role": "assistant", "content": ""}
-            yield self._sse(
-                {
-                    **base,
-                    "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}],
-                    **extra,
-                }
-            )
         usage = Usage(req.n)
+        for i in range(req.n):
+            delta = {"role": "assistant", "content": echo}
+            yield {
+                **base,
+                "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}],
+                **usage.chunk_field(include_usage, continuous),
+            }
+        legacy = req.functions is not None
+        as_ids = req.return_tokens_as_token_ids
         tool_streams: dict[int, ToolCallStream] = {}
         async for index, out in gen:
             c = out.outputs[0]
             usage.add(index, out, len(c.delta_token_ids))
-            with_logprobs = req.logprobs and c.delta_token_ids
+            lp_ids, lps = c.delta_token_ids, c.delta_logprobs
+            if req.logprobs and out.finished and c.finish_reason == "stop":  # not the end-of-turn token
+                sent = len(c.token_ids) - len(lp_ids)
+                keep = max(0, self._content_tokens(c.token_ids, c.text, req.skip_special_tokens) - sent)
+                lp_ids, lps = lp_ids[:keep], lps[:keep]
+            with_logprobs = req.logprobs and lp_ids
             delta: dict = {"content": c.delta_text} if c.delta_text else {}
             finish = c.finish_reason if out.finished else None
             if mode != "none":  # tool calls: content and call deltas come from the parser
@@ -358,19 +472,48 @@ class OpenAIServing:
                 )
                 content, calls = ts.feed(c.delta_text, out.finished)
                 delta = {"content": content} if content else {}
-                if calls:
+                if calls and legacy:  # one call, as `function_call` deltas
+                    first = [call["function"] for call in calls if call.get("index", 0) == 0]
+                    if first:
+                        delta["function_call"] = first[0]
+                elif calls:
                     delta["tool_calls"] = calls
                 if finish == "stop" and ts.ids:
-                    finish = "tool_calls"
+                    finish = "function_call" if legacy else "tool_calls"
             if delta or out.finished or with_logprobs:  # no empty chunks for held-back text
                 choice = {"index": index, "delta": delta}
-                choice["logprobs"] = (
-                    self._chat_logprobs(c.delta_token_ids, c.delta_logprobs, top) if with_logprobs else None
-                )
+                choice["logprobs"] = self._chat_logprobs(lp_ids, lps, top, as_ids) if with_logprobs else None
                 choice["finish_reason"] = finish
-                yield self._sse({**base, "choices": [choice], **extra})
+                yield {**base, "choices": [choice], **usage.chunk_field(include_usage, continuous)}
         if include_usage:
-            yield self._sse({**base, "choices": [], "usage": usage.as_dict()})
+            yield {**base, "choices": [], "usage": usage.as_dict()}
+
+    # ---- embeddings ------------------------------------------------------------------------
+    async def embeddings(self, req: EmbeddingRequest, raw: Request) -> dict:
+        """Each input runs as a prefill-only engine request (SamplingParams.pooling), batched
+        with whatever else is running; vectors come back L2-normalized, in input order."""
+        self.check_model(req.model)
+        width = self.embedding_width
+        if req.dimensions is not None and req.dimensions != width:
+            raise ValueError(f"dimensions: this model's embeddings have {width} dimensions (no truncation)")
+        inputs = self._prompts(req.input)
+        params = SamplingParams(temperature=0, max_tokens=1, pooling=req.pooling)
+        _, engine_rid = self.response_id("embd", None, raw)
+        streams = await self._start(inputs, params, 1, engine_rid, req.priority, None)
+        finals = await self._collect(self._merged(streams, self._deadline()), raw)
+        data, prompt_tokens = [], 0
+        for i in range(len(inputs)):
+            vector = np.asarray(finals[i].embedding, dtype=np.float32)
+            vector /= max(float(np.linalg.norm(vector)), 1e-12)
+            prompt_tokens += len(finals[i].prompt_token_ids)
+            value = (
+                base64.b64encode(vector.astype("<f4").tobytes()).decode()  # as OpenAI: float32 LE
+                if req.encoding_format == "base64"
+                else vector.tolist()
+            )
+            data.append({"object": "embedding", "index": i, "embedding": value})
+        usage = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}
+        return {"object": "list", "data": data, "model": req.model or self.model_names[0], "usage": usage}
 
     # ---- completions -----------------------------------------------------------------------
     def _prompts(self, prompt) -> list:
@@ -384,38 +527,41 @@ class OpenAIServing:
 
     async def completion(self, req: CompletionRequest, raw: Request):
         self.check_model(req.model)
+        warnings = normalize_completion(req)
         prompts = self._prompts(req.prompt)
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
-        prompt_lp = req.logprobs if (req.echo and req.logprobs is not None) else None
+        wanted = [req.prompt_logprobs, req.logprobs if req.echo else None]
+        prompt_lp = max((k for k in wanted if k is not None), default=None)
         params = req.sampling_params(max_tokens, req.logprobs, prompt_lp)
-        rid = f"cmpl-{uuid.uuid4().hex}"
+        rid, engine_rid = self.response_id("cmpl", req.request_id, raw)
         created = int(time.time())
         model = req.model or self.model_names[0]
         deadline = self._deadline()
         streams = await self._start(
-            prompts, params, req.n, rid, req.priority, req.cache_salt, session_key(raw, req.user)
+            prompts, params, req.n, engine_rid, req.priority, req.cache_salt, session_key(raw, req.user)
         )
         gen = self._merged(streams, deadline)
         if req.stream:
-            return self._stream(gen, self._completion_chunks(gen, rid, created, model, req, prompts), streams)
+            chunks = self._completion_chunks(gen, rid, created, model, req, prompts)
+            return _warn(self.sse_response(gen, chunks, streams), warnings)
         finals = await self._collect(gen, raw)
         choices, usage = [], Usage(req.n)
         for index in sorted(finals):
             out = finals[index]
             c = out.outputs[0]
             usage.add(index, out, len(c.token_ids))
-            choices.append(
-                {
-                    "index": index, "text": self._echo_text(req, out) + c.text,
-                    "logprobs": self._choice_logprobs(req, out), "finish_reason": c.finish_reason,
-                }
-            )  # fmt: skip
-        return JSONResponse(
-            {
-                "id": rid, "object": "text_completion", "created": created, "model": model,
-                "choices": choices, "usage": usage.as_dict(),
-            }
-        )  # fmt: skip
+            choice = {
+                "index": index, "text": self._echo_text(req, out) + c.text,
+                "logprobs": self._choice_logprobs(req, out), "finish_reason": c.finish_reason,
+            }  # fmt: skip
+            if req.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = self._prompt_logprobs(out, req.prompt_logprobs)
+            choices.append(choice)
+        body = {
+            "id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": choices, "usage": usage.as_dict(),
+        }  # fmt: skip
+        return _warn(JSONResponse(body), warnings)
 
     def _echo_text(self, req: CompletionRequest, out: RequestOutput) -> str:
         if not req.echo:
@@ -431,12 +577,13 @@ class OpenAIServing:
             lps = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids)) + list(c.logprobs)
         else:
             ids, lps = c.token_ids, c.logprobs
-        return self._completion_logprobs(ids, lps, req.logprobs, 0)
+        return self._completion_logprobs(ids, lps, req.logprobs, 0, req.return_tokens_as_token_ids)
 
     async def _completion_chunks(self, gen, rid, created, model, req: CompletionRequest, prompts: list):
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        opts = req.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        continuous = bool(opts and opts.continuous_usage_stats)
         base = {"id": rid, "object": "text_completion", "created": created, "model": model}
-        extra = {"usage": None} if include_usage else {}
         usage = Usage(req.n)
         offsets: dict[int, int] = {}  # characters sent so far per choice (for text_offset)
         async for index, out in gen:
@@ -453,16 +600,21 @@ class OpenAIServing:
             if text or out.finished or with_logprobs:
                 logprobs = None
                 if with_logprobs:
-                    logprobs = self._completion_logprobs(ids, lps, req.logprobs, offsets[index])
+                    logprobs = self._completion_logprobs(
+                        ids, lps, req.logprobs, offsets[index], req.return_tokens_as_token_ids
+                    )
                 offsets[index] += len(text)
                 choice = {"index": index, "text": text, "logprobs": logprobs}
                 choice["finish_reason"] = c.finish_reason if out.finished else None
-                yield self._sse({**base, "choices": [choice], **extra})
+                yield {**base, "choices": [choice], **usage.chunk_field(include_usage, continuous)}
         if include_usage:
-            yield self._sse({**base, "choices": [], "usage": usage.as_dict()})
+            yield {**base, "choices": [], "usage": usage.as_dict()}
 
     # ---- streaming ------------------------------------------------------------------------------
-    def _stream(self, gen, chunks, streams: list[RequestStream]) -> StreamingResponse:
+    def sse_response(self, gen, chunks, streams: list[RequestStream]) -> StreamingResponse:
+        """Stream `chunks` (dicts) as server-sent events, ending with [DONE]; errors become an
+        error event, and whatever has not finished is aborted when the response ends."""
+
         async def abort_unfinished() -> None:
             # Runs after the response, also when the client went away mid-stream (Starlette
             # then stops iterating `body` without closing it, so its finally may never run).
@@ -474,7 +626,7 @@ class OpenAIServing:
             try:
                 async for chunk in chunks:
                     stall.sending()
-                    yield chunk
+                    yield self._sse(chunk)
                     stall.sent()
             except EngineDeadError as e:
                 yield self._sse({"error": _err_body(str(e), "engine_dead", 503)})
@@ -494,6 +646,18 @@ class OpenAIServing:
         )
 
 
+@dataclass
+class ChatRun:
+    """A started chat request: its merged engine stream, and either the chunks to stream or
+    the finished body."""
+
+    gen: AsyncIterator
+    streams: list[RequestStream]
+    warnings: list[str]
+    chunks: AsyncIterator[dict] | None = None
+    body: dict | None = None
+
+
 class Usage:
     """Token counts of one API request: each prompt counted once, every sample's output."""
 
@@ -510,6 +674,13 @@ class Usage:
                 self.cached += out.num_cached_tokens
         self.completion += new_tokens
 
+    def chunk_field(self, include_usage: bool, continuous: bool) -> dict:
+        """A stream chunk's `usage`: so far (continuous_usage_stats), null (include_usage: only
+        the last chunk carries it), or absent."""
+        if continuous:
+            return {"usage": self.as_dict()}
+        return {"usage": None} if include_usage else {}
+
     def as_dict(self) -> dict:
         return {
             "prompt_tokens": self.prompt,
@@ -517,6 +688,13 @@ class Usage:
             "total_tokens": self.prompt + self.completion,
             "prompt_tokens_details": {"cached_tokens": self.cached},
         }
+
+
+def _warn(resp, warnings: list[str]):
+    """Deprecation notices (compat.py) as a Warning header."""
+    if warnings:
+        resp.headers["Warning"] = ", ".join(warnings)
+    return resp
 
 
 def _named(req: ChatCompletionRequest) -> str | None:

@@ -11,7 +11,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kvserve.entrypoints.openai.protocol import ChatCompletionRequest, NamedToolChoice, checked
+from kvserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    NamedToolChoice,
+    TokenizeRequest,
+    checked,
+)
 from kvserve.sampling_params import StructuredOutputsParams
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
@@ -69,13 +74,19 @@ def call_constraint(req: ChatCompletionRequest, mode: str) -> StructuredOutputsP
     return checked(StructuredOutputsParams(json=schema), "tools")
 
 
-def conversation(req: ChatCompletionRequest, template: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def conversation(
+    req: ChatCompletionRequest | TokenizeRequest, template: str
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """(messages, extra template kwargs). A template that uses `tools` gets them natively;
-    otherwise tools go into the system prompt and earlier calls into the assistant text."""
+    otherwise tools go into the system prompt and earlier calls into the assistant text.
+    `developer` (OpenAI's newer name for the system role) is rendered as `system` unless the
+    template knows the role, so it replaces the template's default system prompt."""
     native = "tools" in template or "tool_calls" in template
+    developer = "system" if "developer" not in template else "developer"
     messages = []
     for m in req.messages:
-        msg: dict[str, Any] = {"role": m.role, "content": m.text()}
+        role = developer if m.role == "developer" else m.role
+        msg: dict[str, Any] = {"role": role, "content": m.text()}
         if m.name:
             msg["name"] = m.name
         if m.tool_call_id:
@@ -94,7 +105,7 @@ def conversation(req: ChatCompletionRequest, template: str) -> tuple[list[dict[s
                 )
                 msg["content"] = f"{msg['content']}\n{text}" if msg["content"] else text
         messages.append(msg)
-    if not req.tools or req.tool_choice == "none":
+    if not req.tools or getattr(req, "tool_choice", None) == "none":
         return messages, {}
     specs = [t.model_dump(exclude_none=True) for t in req.tools]
     if native:

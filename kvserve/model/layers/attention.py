@@ -6,7 +6,8 @@ through the step's slot mapping (block id + offset per token); attention reads t
 through block tables. The model runner builds one AttentionMetadata per step and every
 layer reuses it, so index tensors and masks are computed once per step, not per layer.
 
-The batch is laid out decodes first (one query token each), then prefill chunks. Decodes
+The batch is laid out decodes first (one query token each), then prefill chunks, then any
+padding rows (worker/shape_buckets.py), which are neither stored nor attended to. Decodes
 go through the C++ paged kernel on CPU when it is available (it reads K/V in place), or a
 gather + SDPA path otherwise; prefill chunks use SDPA one request at a time, with a causal
 mask offset by the tokens already cached. A CUDA backend (FlashAttention / Triton) would
@@ -96,12 +97,14 @@ class PagedAttention:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        n = meta.slot_blocks.shape[0]  # rows past n only pad the batch to a bucket size
         if self.kv_scales is None:
-            k_cache[meta.slot_blocks, :, meta.slot_offsets] = k
-            v_cache[meta.slot_blocks, :, meta.slot_offsets] = v
+            k_cache[meta.slot_blocks, :, meta.slot_offsets] = k[:n]
+            v_cache[meta.slot_blocks, :, meta.slot_offsets] = v[:n]
         else:
-            k, v = self._write_quantized(k, v, k_cache, v_cache, meta)
+            k, v = self._write_quantized(k[:n], v[:n], k_cache, v_cache, meta)
         out = torch.empty_like(q)
+        out[n:] = 0
         nd = meta.num_decodes
         if nd:
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta)

@@ -1,0 +1,100 @@
+"""What clients send beyond the core fields, reduced to what the handlers act on.
+
+SDKs and frameworks send fields by default that a text model cannot or need not act on, and
+older clients use names that have since moved (legacy `functions`, vLLM's `guided_*`). Here
+each request is brought to one canonical form before it is served: legacy names mapped onto
+their successors (with a deprecation Warning header), informational fields dropped with a
+debug line, and fields that would change the output in a way kvserve cannot honour refused
+with a 400 that says why, rather than ignored.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kvserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatTool,
+    CompletionRequest,
+    NamedToolChoice,
+    SamplingFields,
+    StructuredOutputs,
+)
+
+logger = logging.getLogger("kvserve.server")
+
+INFORMATIONAL = (
+    "store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier", "user",
+    "reasoning_effort", "verbosity", "prediction",
+)  # fmt: skip
+GUIDED = {
+    "guided_json": "json", "guided_choice": "choice", "guided_regex": "regex", "guided_grammar": "grammar",
+}  # fmt: skip
+
+
+class ModelNotFoundError(LookupError):
+    """The request names a model this server does not serve (404 model_not_found, as OpenAI)."""
+
+
+def normalize_sampling(req: SamplingFields) -> list[str]:
+    """Shared by chat and completions. Returns the Warning header values to send back."""
+    if req.use_beam_search:
+        raise ValueError("use_beam_search: beam search is not supported; use n > 1 or greedy decoding")
+    if req.best_of is not None and req.best_of != req.n:
+        raise ValueError(
+            f"best_of: only best_of equal to n is supported (got best_of={req.best_of}, n={req.n}); "
+            "every sample is returned"
+        )
+    ignored = [f for f in INFORMATIONAL if getattr(req, f, None) is not None]
+    if ignored:
+        logger.debug("ignoring informational fields: %s", ", ".join(ignored))
+    warnings = []
+    guided = {GUIDED[f]: getattr(req, f) for f in GUIDED if getattr(req, f) is not None}
+    if guided:
+        old = ", ".join(f for f in GUIDED if getattr(req, f) is not None)
+        if req.structured_outputs is not None:
+            raise ValueError(f"{old.split(',')[0]}: cannot be combined with structured_outputs")
+        req.structured_outputs = StructuredOutputs.model_validate(guided)
+        warnings.append(f'299 kvserve "{old} deprecated: use structured_outputs"')
+    return warnings
+
+
+def normalize_chat(req: ChatCompletionRequest) -> list[str]:
+    warnings = normalize_sampling(req)
+    if req.modalities and "audio" in req.modalities or req.audio is not None:
+        raise ValueError("modalities: this server produces text only; audio output is not supported")
+    if req.web_search_options is not None:
+        raise ValueError("web_search_options: web search is not available on this server")
+    if req.function_call is not None and req.functions is None:
+        raise ValueError("function_call: requires functions")
+    if req.functions is not None:
+        if req.tools is not None or req.tool_choice is not None:
+            raise ValueError("functions: cannot be combined with tools / tool_choice (use tools)")
+        req.tools = [ChatTool(function=f) for f in req.functions]
+        fc = req.function_call
+        req.tool_choice = fc if fc is None or isinstance(fc, str) else NamedToolChoice(function=fc)
+        req.parallel_tool_calls = False  # a legacy reply holds one function_call
+        warnings.append('299 kvserve "functions and function_call deprecated: use tools and tool_choice"')
+    if req.continue_final_message and req.messages[-1].role != "assistant":
+        raise ValueError("continue_final_message: the last message must be the assistant's")
+    explicit_prompt = req.add_generation_prompt and "add_generation_prompt" in req.model_fields_set
+    if req.continue_final_message and explicit_prompt:
+        raise ValueError("continue_final_message: cannot be combined with add_generation_prompt=true")
+    return warnings
+
+
+def normalize_completion(req: CompletionRequest) -> list[str]:
+    if req.suffix:
+        raise ValueError("suffix: this model has no fill-in-the-middle support; send the prompt only")
+    return normalize_sampling(req)
+
+
+def continues_final_message(req: ChatCompletionRequest) -> bool:
+    """Prefill: the reply extends the last assistant message instead of opening a new turn,
+    when asked (continue_final_message) or when the conversation ends with the assistant's
+    text and the client did not explicitly ask for a generation prompt."""
+    last = req.messages[-1]
+    if req.continue_final_message:
+        return True
+    explicit = "add_generation_prompt" in req.model_fields_set and req.add_generation_prompt
+    return last.role == "assistant" and not last.tool_calls and bool(last.text()) and not explicit

@@ -1,0 +1,237 @@
+"""POST /v1/responses, GET / DELETE /v1/responses/{id}: the Responses API over the chat path.
+
+Each response runs as a chat request (responses_protocol.to_chat); here its result is put in
+the Responses envelope: output items (a message with output_text, function_call items),
+usage in input/output tokens, and, streaming, the typed event sequence clients reassemble
+(response.created, output_item.added, output_text.delta, ..., response.completed).
+Stored responses (store=true, the default) keep their conversation so a later request can
+continue it with previous_response_id; the store is bounded, oldest dropped first.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from kvserve.entrypoints.openai.responses_protocol import ResponsesRequest, input_messages, to_chat
+from kvserve.entrypoints.openai.serving import OpenAIServing
+
+
+class ResponseNotFoundError(LookupError):
+    """An id that is not (or no longer) in the store: 404."""
+
+
+class ResponseStore:
+    """Responses by id with the conversation each ended on; at most `capacity`, LRU."""
+
+    def __init__(self, capacity: int = 1024) -> None:
+        self.capacity = capacity
+        self._items: OrderedDict[str, tuple[dict, list[dict]]] = OrderedDict()
+
+    def put(self, response: dict, conversation: list[dict]) -> None:
+        self._items[response["id"]] = (response, conversation)
+        self._items.move_to_end(response["id"])
+        while len(self._items) > self.capacity:
+            self._items.popitem(last=False)
+
+    def get(self, response_id: str) -> tuple[dict, list[dict]]:
+        if response_id not in self._items:
+            raise ResponseNotFoundError(f"response {response_id!r} not found (never stored, or expired)")
+        self._items.move_to_end(response_id)
+        return self._items[response_id]
+
+    def delete(self, response_id: str) -> None:
+        self.get(response_id)
+        del self._items[response_id]
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _message_item(text: str, status: str = "completed") -> dict:
+    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    return {"type": "message", "id": _new_id("msg"), "status": status, "role": "assistant", "content": [part]}
+
+
+def _call_item(call_id: str, name: str, arguments: str, status: str = "completed") -> dict:
+    return {"type": "function_call", "id": _new_id("fc"), "call_id": call_id, "name": name,
+            "arguments": arguments, "status": status}  # fmt: skip
+
+
+def _usage(chat_usage: dict | None) -> dict | None:
+    if chat_usage is None:
+        return None
+    return {
+        "input_tokens": chat_usage["prompt_tokens"],
+        "input_tokens_details": {"cached_tokens": chat_usage["prompt_tokens_details"]["cached_tokens"]},
+        "output_tokens": chat_usage["completion_tokens"],
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": chat_usage["total_tokens"],
+    }
+
+
+def _assistant_turn(output: list[dict]) -> list[dict]:
+    """The output items as chat messages, to carry into the next turn."""
+    text = "".join(p["text"] for item in output if item["type"] == "message" for p in item["content"])
+    calls = [
+        {"id": i["call_id"], "type": "function", "function": {"name": i["name"], "arguments": i["arguments"]}}
+        for i in output
+        if i["type"] == "function_call"
+    ]
+    return [{"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}]
+
+
+class ResponsesServing:
+    def __init__(self, serving: OpenAIServing, store: ResponseStore) -> None:
+        self.serving = serving
+        self.store = store
+
+    def _skeleton(self, req: ResponsesRequest, rid: str, model: str) -> dict[str, Any]:
+        return {
+            "id": rid, "object": "response", "created_at": int(time.time()), "status": "in_progress",
+            "model": model, "output": [], "instructions": req.instructions,
+            "max_output_tokens": req.max_output_tokens, "temperature": req.temperature, "top_p": req.top_p,
+            "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
+            "tool_choice": req.tool_choice if isinstance(req.tool_choice, str) or req.tool_choice is None
+            else req.tool_choice.model_dump(),
+            "parallel_tool_calls": req.parallel_tool_calls, "previous_response_id": req.previous_response_id,
+            "text": {"format": (req.text.format.model_dump(by_alias=True, exclude_none=True)
+                                if req.text and req.text.format else {"type": "text"})},
+            "metadata": req.metadata or {}, "store": req.store, "truncation": req.truncation or "disabled",
+            "error": None, "incomplete_details": None, "usage": None,
+        }  # fmt: skip
+
+    def _finish(self, response: dict, output: list[dict], finish: str | None, usage: dict | None) -> dict:
+        response["output"] = output
+        response["usage"] = _usage(usage)
+        if finish == "length":
+            response["status"] = "incomplete"
+            response["incomplete_details"] = {"reason": "max_output_tokens"}
+        else:
+            response["status"] = "completed"
+        return response
+
+    async def create(self, req: ResponsesRequest, raw: Request):
+        history: list[dict] = []
+        if req.previous_response_id is not None:
+            try:
+                _, history = self.store.get(req.previous_response_id)
+            except ResponseNotFoundError as e:
+                raise ValueError(f"previous_response_id: {e}") from None
+        chat_req = to_chat(req, history)
+        run = await self.serving.chat_run(chat_req, raw)
+        rid = _new_id("resp")
+        response = self._skeleton(req, rid, req.model or self.serving.model_names[0])
+        conversation = history + input_messages(req.input)
+        if req.stream:
+            events = self._events(run.chunks, response, conversation, req.store)
+            return self.serving.sse_response(run.gen, events, run.streams)
+        choice = run.body["choices"][0]
+        message = choice["message"]
+        output = []
+        if message.get("content") or not message.get("tool_calls"):
+            output.append(_message_item(message.get("content") or ""))
+        for tc in message.get("tool_calls") or []:
+            output.append(_call_item(tc["id"], tc["function"]["name"], tc["function"]["arguments"]))
+        self._finish(response, output, choice["finish_reason"], run.body["usage"])
+        if req.store:
+            self.store.put(response, conversation + _assistant_turn(output))
+        return JSONResponse(response)
+
+    async def _events(
+        self, chunks: AsyncIterator[dict], response: dict, conversation: list[dict], store: bool
+    ) -> AsyncIterator[dict]:
+        """Chat chunks -> Responses stream events."""
+        out = _EventBuilder()
+        yield out.event("response.created", response=dict(response))
+        yield out.event("response.in_progress", response=dict(response))
+        finish, usage = None, None
+        async for chunk in chunks:
+            usage = chunk.get("usage") or usage
+            for choice in chunk.get("choices", []):
+                delta = choice["delta"]
+                for e in out.text(delta.get("content") or ""):
+                    yield e
+                for tc in delta.get("tool_calls") or []:
+                    for e in out.call(tc):
+                        yield e
+                finish = choice.get("finish_reason") or finish
+        for e in out.close():
+            yield e
+        self._finish(response, out.output, finish, usage)
+        if store:
+            self.store.put(response, conversation + _assistant_turn(out.output))
+        kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
+        yield out.event(kind, response=response)
+
+
+class _EventBuilder:
+    """The output items of one streamed response, and the events that build them (numbered)."""
+
+    def __init__(self) -> None:
+        self.seq = 0
+        self.output: list[dict] = []
+        self.message: dict | None = None
+        self.calls: dict[int, dict] = {}  # chat tool-call index -> its output item
+
+    def event(self, kind: str, **fields: Any) -> dict:
+        self.seq += 1
+        return {"type": kind, "sequence_number": self.seq - 1, **fields}
+
+    def _at(self, item: dict) -> dict:
+        return {"output_index": self.output.index(item), "item_id": item["id"], "content_index": 0}
+
+    def text(self, delta: str) -> list[dict]:
+        if not delta:
+            return []
+        events = []
+        if self.message is None:
+            self.message = _message_item("", "in_progress")
+            self.output.append(self.message)
+            index = len(self.output) - 1
+            events.append(self.event("response.output_item.added", output_index=index, item=self.message))
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            events.append(self.event("response.content_part.added", **self._at(self.message), part=part))
+        self.message["content"][0]["text"] += delta
+        events.append(self.event("response.output_text.delta", **self._at(self.message), delta=delta))
+        return events
+
+    def call(self, tc: dict) -> list[dict]:
+        events = []
+        item = self.calls.get(tc["index"])
+        if item is None:
+            item = _call_item(tc["id"], tc["function"]["name"], "", "in_progress")
+            self.calls[tc["index"]] = item
+            self.output.append(item)
+            events.append(
+                self.event("response.output_item.added", output_index=len(self.output) - 1, item=item)
+            )
+        args = tc["function"].get("arguments") or ""
+        if args:
+            item["arguments"] += args
+            at = {"item_id": item["id"], "output_index": self.output.index(item)}
+            events.append(self.event("response.function_call_arguments.delta", **at, delta=args))
+        return events
+
+    def close(self) -> list[dict]:
+        events = []
+        for index, item in enumerate(self.output):
+            item["status"] = "completed"
+            if item["type"] == "message":
+                part = item["content"][0]
+                events.append(self.event("response.output_text.done", **self._at(item), text=part["text"]))
+                events.append(self.event("response.content_part.done", **self._at(item), part=part))
+            else:
+                at = {"item_id": item["id"], "output_index": index}
+                events.append(
+                    self.event("response.function_call_arguments.done", **at, arguments=item["arguments"])
+                )
+            events.append(self.event("response.output_item.done", output_index=index, item=item))
+        return events

@@ -1,0 +1,176 @@
+"""The Responses API request (POST /v1/responses), and its translation to a chat request.
+
+A response is a chat completion in another envelope: `input` (a string or a list of items)
+and `instructions` become messages, flat function tools become chat tools, `text.format`
+becomes response_format, and `previous_response_id` prepends the stored conversation that
+response ended. Keeping one engine path means the Responses API gets every chat feature
+(structured outputs, tool parsing, logprob rules) without a second implementation.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvserve.entrypoints.openai.limits import Int64, NumLogprobs, PositiveInt64
+from kvserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    ChatTool,
+    FunctionDefinition,
+    JsonSchemaFormat,
+    NamedToolChoice,
+    ResponseFormat,
+    ToolChoiceFunction,
+)
+
+
+class FunctionTool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class FunctionChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None  # informational
+
+
+class ResponsesRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
+    parallel_tool_calls: bool = True
+    text: TextConfig | None = None
+    max_output_tokens: PositiveInt64 | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_logprobs: NumLogprobs | None = None
+    seed: Int64 | None = None
+    stream: bool = False
+    store: bool = True
+    previous_response_id: str | None = None
+    # informational, or features refused with a reason (see to_chat)
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    reasoning: dict[str, Any] | None = None
+    include: list[str] | None = None
+    background: bool = False
+
+
+def _text_of(content: Any, where: str) -> str:
+    """An item's content as text: a string, or input_text / output_text parts."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise ValueError(f"input: {where} content must be a string or a list of parts")
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("input_text", "output_text", "text"):
+            raise ValueError(f"input: content part type {kind!r} is not supported (text only)")
+        texts.append(part.get("text", ""))
+    return "".join(texts)
+
+
+def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Response input items -> chat messages (function calls and their outputs included)."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    messages: list[dict[str, Any]] = []
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise ValueError(f"input: item {i} must be an object")
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise ValueError(f"input: item {i} has role {role!r}")
+            messages.append({"role": role, "content": _text_of(item.get("content"), f"item {i}")})
+        elif kind == "function_call":
+            fn = {"name": item.get("name"), "arguments": item.get("arguments", "{}")}
+            call = {"id": item.get("call_id"), "type": "function", "function": fn}
+            if messages and messages[-1]["role"] == "assistant" and messages[-1].get("tool_calls"):
+                messages[-1]["tool_calls"].append(call)  # parallel calls: one assistant turn
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            text = output if isinstance(output, str) else json.dumps(output)
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": text})
+        else:
+            raise ValueError(f"input: item type {kind!r} is not supported")
+    return messages
+
+
+def to_chat(req: ResponsesRequest, history: list[dict[str, Any]]) -> ChatCompletionRequest:
+    """The chat request this response runs as; `history` is the stored conversation of the
+    previous response (its input and output), [] when there is none."""
+    if req.background:
+        raise ValueError("background: background responses are not supported; use stream=true")
+    messages = list(history)
+    if req.instructions:  # instructions apply to this turn only (they are not carried forward)
+        messages = [{"role": "system", "content": req.instructions}, *messages]
+    messages += input_messages(req.input)
+    if not messages:
+        raise ValueError("input: must not be empty")
+    fmt = req.text.format if req.text else None
+    response_format = None
+    if fmt is not None and fmt.type != "text":
+        schema = (
+            JsonSchemaFormat(name=fmt.name, schema=fmt.schema_, strict=fmt.strict) if fmt.schema_ else None
+        )
+        if fmt.type == "json_schema" and schema is None:
+            raise ValueError("text: format.schema is required for type json_schema")
+        response_format = ResponseFormat(type=fmt.type, json_schema=schema)
+    choice = req.tool_choice
+    if isinstance(choice, FunctionChoice):
+        choice = NamedToolChoice(function=ToolChoiceFunction(name=choice.name))
+    tools = None
+    if req.tools:
+        tools = [ChatTool(function=FunctionDefinition(**t.model_dump(exclude={"type"}))) for t in req.tools]
+    return ChatCompletionRequest(
+        model=req.model,
+        messages=[ChatMessage.model_validate(m) for m in messages],
+        max_completion_tokens=req.max_output_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        seed=req.seed,
+        logprobs=req.top_logprobs is not None,
+        top_logprobs=req.top_logprobs,
+        tools=tools,
+        tool_choice=choice,
+        parallel_tool_calls=req.parallel_tool_calls,
+        response_format=response_format,
+        stream=req.stream,
+        stream_options={"include_usage": True} if req.stream else None,
+    )

@@ -1,0 +1,301 @@
+"""What real clients send beyond the core fields (issue: OpenAI compatibility), against a live
+`kvserve serve` on the default model, through the official `openai` SDK where it has the call
+and raw HTTP where the point is a header or a status."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from server_utils import ServerProcess
+
+ORIGIN = "http://app.example"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    log = tmp_path_factory.mktemp("compat") / "serve.log"
+    s = ServerProcess(
+        "smollm2-135m", "--kv-cache-memory", "64MiB", "--max-num-seqs", "8",
+        "--served-model-name", "smol", "smol-alias", "--allowed-origins", ORIGIN,
+        "--metrics-compat", "vllm", log_path=str(log),
+    )  # fmt: skip
+    s.log_file = log
+    yield s
+    s.stop()
+
+
+def test_default_model_answers_and_logs_its_configuration(server, client):
+    """What `make serve` starts: the default model, with its configuration and KV pool logged."""
+    r = client.chat.completions.create(
+        model="smol", messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=16, temperature=0,
+    )  # fmt: skip
+    assert "Paris" in r.choices[0].message.content
+    text = server.log_file.read_text()
+    assert "configuration:" in text and "KV pool:" in text and "max concurrency at max_model_len" in text
+    assert "Traceback" not in text
+
+
+@pytest.fixture()
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=server.api_key, max_retries=0)
+
+
+def post(server, path: str, body: dict, **headers) -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", json=body, headers={**server.headers, **headers}, timeout=60)
+
+
+HI = [{"role": "user", "content": "Say hello."}]
+
+
+def test_informational_fields_are_accepted(client):
+    r = client.chat.completions.create(
+        model="smol", messages=HI, max_tokens=3, store=False, metadata={"team": "a"},
+        service_tier="auto", reasoning_effort="low", prompt_cache_key="k1", safety_identifier="u1",
+        verbosity="low", modalities=["text"], prediction={"type": "content", "content": "Hello"},
+        extra_body={"request_id": "abc-1", "chat_template_kwargs": {"enable_thinking": False},
+                    "return_tokens_as_token_ids": False, "stream_options": None},
+    )  # fmt: skip
+    assert r.choices[0].message.content and r.id == "chatcmpl-abc-1"
+
+
+@pytest.mark.parametrize(
+    "extra, field",
+    [
+        ({"modalities": ["text", "audio"]}, "modalities"),
+        ({"web_search_options": {}}, "web_search_options"),
+        ({"use_beam_search": True}, "use_beam_search"),
+        ({"best_of": 3}, "best_of"),
+        ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+        ({"no_such_field": 1}, "no_such_field"),
+    ],
+)
+def test_fields_that_change_behaviour_are_refused_with_a_reason(server, extra, field):
+    r = post(server, "/v1/chat/completions", {"messages": HI, "max_tokens": 2, **extra})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field, r.text
+
+
+def test_unknown_model_is_404_and_models_retrieve(client, server):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-9", messages=HI, max_tokens=2)
+    assert e.value.body["code"] == "model_not_found"
+    assert client.models.retrieve("smol-alias").id == "smol-alias"
+    assert [m.id for m in client.models.list().data] == ["smol", "smol-alias"]
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-9")
+    r = client.completions.create(model="smol-alias", prompt="Once", max_tokens=2)
+    assert r.model == "smol-alias"
+
+
+def test_legacy_functions_map_onto_tools(client):
+    fn = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                 "required": ["city"]}}  # fmt: skip
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    call = {"model": "smol", "messages": messages, "max_tokens": 40, "temperature": 0, "functions": [fn],
+            "function_call": {"name": "get_weather"}}  # fmt: skip
+    r = client.chat.completions.create(**call)
+    c = r.choices[0]
+    assert c.finish_reason == "function_call" and c.message.function_call.name == "get_weather"
+    assert "city" in json.loads(c.message.function_call.arguments)
+    assert not c.message.tool_calls
+    chunks = list(client.chat.completions.create(**call, stream=True))
+    args = "".join(ch.choices[0].delta.function_call.arguments or "" for ch in chunks
+                   if ch.choices and ch.choices[0].delta.function_call)  # fmt: skip
+    assert json.loads(args) == json.loads(c.message.function_call.arguments)
+    assert chunks[-1].choices[0].finish_reason == "function_call"
+
+
+def test_guided_aliases_work_with_a_deprecation_warning(server):
+    r = post(
+        server, "/v1/chat/completions", {"messages": HI, "max_tokens": 5, "guided_choice": ["yes", "no"]}
+    )
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] in ("yes", "no")
+    assert "guided_choice" in r.headers["warning"] and "structured_outputs" in r.headers["warning"]
+    both = {"messages": HI, "guided_regex": "a+", "structured_outputs": {"regex": "b+"}}
+    assert post(server, "/v1/chat/completions", both).status_code == 400
+
+
+def test_developer_role_replaces_the_default_system_prompt(server):
+    msgs = [{"role": "developer", "content": "Answer in French."}, {"role": "user", "content": "Hi"}]
+    dev = post(server, "/tokenize", {"messages": msgs}).json()["tokens"]
+    sys_ = post(server, "/tokenize", {"messages": [{**msgs[0], "role": "system"}, msgs[1]]}).json()["tokens"]
+    assert dev == sys_
+
+
+def test_assistant_prefill_continues_the_last_message(server):
+    msgs = [{"role": "user", "content": "What is your name?"}, {"role": "assistant", "content": "My name is"}]
+    prefilled = post(server, "/tokenize", {"messages": msgs}).json()["tokens"]
+    closed = post(server, "/tokenize", {"messages": msgs, "add_generation_prompt": True}).json()["tokens"]
+    tail = httpx.post(f"{server.url}/detokenize", json={"tokens": prefilled[-4:]}, headers=server.headers)
+    assert tail.json()["prompt"].endswith("My name is")  # no end-of-turn, no new assistant header
+    assert len(closed) > len(prefilled)
+    r = post(
+        server, "/v1/chat/completions", {"messages": msgs, "max_tokens": 4, "temperature": 0, "echo": True}
+    )
+    content = r.json()["choices"][0]["message"]["content"]
+    assert content.startswith("My name is") and len(content) > len("My name is")
+    bad = {"messages": msgs[:1], "continue_final_message": True}
+    assert post(server, "/v1/chat/completions", bad).json()["error"]["param"] == "continue_final_message"
+
+
+def test_tokenize_counts_tools_as_chat_does(server, client):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    msgs = [{"role": "user", "content": "Call f."}]
+    counted = post(server, "/tokenize", {"messages": msgs, "tools": tools}).json()["count"]
+    r = client.chat.completions.create(model="smol", messages=msgs, tools=tools, max_tokens=1)
+    assert counted == r.usage.prompt_tokens
+    assert counted > post(server, "/tokenize", {"messages": msgs}).json()["count"]
+
+
+def test_request_id_header_is_echoed_or_generated(server):
+    r = post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 1}, **{"x-request-id": "trace-42"})
+    assert r.headers["x-request-id"] == "trace-42" and r.json()["id"] == "cmpl-trace-42"
+    r = post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 1})
+    assert r.json()["id"] == f"cmpl-{r.headers['x-request-id']}"
+    # the same id sent twice at once must not collide inside the engine
+    again = post(
+        server, "/v1/completions", {"prompt": "Hi", "max_tokens": 1, "n": 2}, **{"x-request-id": "dup"}
+    )
+    assert again.status_code == 200 and len(again.json()["choices"]) == 2
+
+
+def test_ping_cors_and_vllm_metric_names(server):
+    assert httpx.get(f"{server.url}/ping").status_code == 200
+    assert httpx.post(f"{server.url}/ping").status_code == 200
+    pre = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
+           "Access-Control-Request-Headers": "authorization,content-type"}  # fmt: skip
+    ok = httpx.options(f"{server.url}/v1/chat/completions", headers=pre)
+    assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == ORIGIN
+    other = httpx.options(
+        f"{server.url}/v1/chat/completions", headers={**pre, "Origin": "http://evil.example"}
+    )
+    assert "access-control-allow-origin" not in other.headers
+    m = server.metrics()
+    assert m["vllm:num_requests_waiting"] == m["kvserve:num_requests_waiting"]
+    assert "vllm:generation_tokens_total" in m
+
+
+def test_completion_suffix_and_vllm_logprob_extras(server):
+    r = post(server, "/v1/completions", {"prompt": "def f(", "suffix": "return x", "max_tokens": 2})
+    assert r.status_code == 400 and "fill-in-the-middle" in r.json()["error"]["message"]
+    body = {"prompt": "The capital of France is", "max_tokens": 2, "temperature": 0, "logprobs": 1,
+            "prompt_logprobs": 1, "return_tokens_as_token_ids": True}  # fmt: skip
+    c = post(server, "/v1/completions", body).json()["choices"][0]
+    assert all(t.startswith("token_id:") for t in c["logprobs"]["tokens"])
+    plp = c["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(
+        post(server, "/tokenize", {"prompt": body["prompt"]}).json()["tokens"]
+    )
+    assert all(isinstance(v["logprob"], float) for e in plp[1:] for v in e.values())
+
+
+def test_logprob_bytes_are_the_tokens_own_and_cover_only_the_content(server):
+    body = {"messages": [{"role": "user", "content": "Write the word 日本 once."}], "max_tokens": 24,
+            "temperature": 0, "logprobs": True, "stop": ["\n"]}  # fmt: skip
+    c = post(server, "/v1/chat/completions", body).json()["choices"][0]
+    entries = c["logprobs"]["content"]
+    joined = b"".join(bytes(e["bytes"]) for e in entries).decode()
+    assert joined == c["message"]["content"]  # multi-byte pieces rejoin; no end-of-turn token
+
+
+def test_continuous_usage_stats(server):
+    body = {"prompt": "Count: 1, 2,", "max_tokens": 4, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=server.headers) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    usages = [e["usage"]["completion_tokens"] for e in events if e.get("choices")]
+    assert usages == sorted(usages) and usages[-1] == events[-1]["usage"]["completion_tokens"]
+
+
+def test_responses_multi_turn_with_previous_response_id(client):
+    first = client.responses.create(
+        model="smol", input="My name is Ada. Reply with one word.", max_output_tokens=8, temperature=0
+    )
+    assert first.status in ("completed", "incomplete") and first.output_text
+    assert first.usage.input_tokens > 0 and first.usage.output_tokens > 0
+    second = client.responses.create(
+        model="smol",
+        input="What is my name?",
+        previous_response_id=first.id,
+        max_output_tokens=8,
+        temperature=0,
+    )
+    # the second turn's prompt holds the first turn (its input and output) before the new input
+    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    assert client.responses.retrieve(second.id).output_text == second.output_text
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="smol", input="Hi", previous_response_id=first.id)
+    assert e.value.body["param"] == "previous_response_id"
+
+
+def test_responses_function_call_round_trip(client):
+    city = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    tools = [
+        {"type": "function", "name": "get_weather", "description": "Weather for a city", "parameters": city}
+    ]
+    r = client.responses.create(
+        model="smol", input="What is the weather in Paris?", tools=tools, tool_choice="required",
+        max_output_tokens=40, temperature=0,
+    )  # fmt: skip
+    call = next(item for item in r.output if item.type == "function_call")
+    assert call.name == "get_weather" and "city" in json.loads(call.arguments)
+    follow = client.responses.create(
+        model="smol", previous_response_id=r.id, tools=tools, max_output_tokens=12, temperature=0,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}],
+    )  # fmt: skip
+    assert follow.output_text
+
+
+def test_responses_stream_reassembles_to_the_non_streamed_text(client):
+    kw = {"model": "smol", "input": "Name three colors.", "max_output_tokens": 16, "temperature": 0,
+          "instructions": "Be brief."}  # fmt: skip
+    plain = client.responses.create(**kw)
+    events = list(client.responses.create(**kw, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[0] == "response.created" and kinds[-1] in ("response.completed", "response.incomplete")
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == plain.output_text
+    assert events[-1].response.output_text == text
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_embeddings_batch_order_and_formats(client, server):
+    texts = [f"document number {i} about {'cats' if i % 2 else 'ships'}" for i in range(64)]
+    batch = client.embeddings.create(model="smol", input=texts)
+    assert [d.index for d in batch.data] == list(range(64)) and len(batch.data[0].embedding) == 576
+    alone = client.embeddings.create(model="smol", input=texts[5]).data[0].embedding
+    in_32 = client.embeddings.create(model="smol", input=texts[:32]).data[5].embedding
+    cos = sum(a * b for a, b in zip(alone, in_32))  # both L2-normalized
+    assert cos >= 0.9999 and abs(sum(a * a for a in alone) - 1) < 1e-4
+    assert abs(sum(a * b for a, b in zip(alone, batch.data[5].embedding)) - 1) < 1e-4
+    counts = [len(post(server, "/tokenize", {"prompt": t}).json()["tokens"]) for t in texts]
+    assert batch.usage.prompt_tokens == batch.usage.total_tokens == sum(counts)
+    ids = post(server, "/tokenize", {"prompt": texts[5]}).json()["tokens"]
+    by_ids = client.embeddings.create(model="smol", input=[ids]).data[0].embedding
+    assert sum(a * b for a, b in zip(alone, by_ids)) >= 0.9999
+    b64 = client.embeddings.create(model="smol", input=texts[5], encoding_format="base64").data[0].embedding
+    decoded = np.frombuffer(base64.b64decode(b64), dtype="<f4")
+    assert np.allclose(decoded, alone, atol=1e-6)
+    r = post(server, "/v1/embeddings", {"input": "x", "dimensions": 64})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "dimensions"
+
+
+def test_streamed_logprobs_cover_only_the_content(client):
+    kw = {"model": "smol", "messages": [{"role": "user", "content": "Say OK."}], "max_tokens": 24,
+          "temperature": 0, "logprobs": True}  # fmt: skip
+    plain = client.chat.completions.create(**kw).choices[0]
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    streamed = [e.token for ch in chunks if ch.choices and ch.choices[0].logprobs
+                for e in ch.choices[0].logprobs.content]  # fmt: skip
+    assert streamed == [e.token for e in plain.logprobs.content]
+    if plain.finish_reason == "stop":
+        assert "<|im_end|>" not in streamed
