@@ -42,8 +42,6 @@ class ParallelConfig:
             raise ValueError("distributed_executor_backend: 'ray' is not implemented yet; use mp")
         if self.pipeline_parallel_size > 1:
             raise ValueError("pipeline_parallel_size: pipeline parallelism is not implemented yet; use 1")
-        if self.data_parallel_size > 1:
-            raise ValueError("data_parallel_size: data parallelism is not implemented yet; use 1")
 
     @property
     def world_size(self) -> int:
@@ -139,7 +137,15 @@ class EngineConfig:
     pipeline_parallel_size: int = field(
         default=1, metadata={"help": "Pipeline stages (not implemented yet)."}
     )
-    data_parallel_size: int = field(default=1, metadata={"help": "Engine replicas (not implemented yet)."})
+    data_parallel_size: int = field(
+        default=1,
+        metadata={
+            "help": (
+                "Engine replicas behind one server (kvserve serve; each its own core process, KV pool "
+                "and share of the CPU threads); requests are routed by --routing-policy."
+            )
+        },
+    )
     distributed_executor_backend: str = field(
         default="mp", metadata={"help": "How ranks run when tensor_parallel_size > 1: mp (local processes)."}
     )

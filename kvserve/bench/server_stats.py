@@ -22,7 +22,11 @@ def scrape_spec_counters(base_url: str) -> dict[str, float] | None:
     for fam in families:
         for name in _COUNTERS:
             if fam.name == f"kvserve:spec_decode_{name}":
-                totals[name] = sum(s.value for s in fam.samples if s.name.endswith("_total"))
+                totals[name] = sum(
+                    s.value
+                    for s in fam.samples
+                    if s.name.endswith("_total") and s.labels.get("engine") != "total"  # replicas
+                )
     return totals if len(totals) == len(_COUNTERS) else None
 
 

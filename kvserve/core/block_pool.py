@@ -11,6 +11,7 @@ only when the pool needs them. A referenced block is never evicted.
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -18,16 +19,51 @@ BlockHash = bytes
 
 
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra: str | None = None) -> BlockHash:
-    """Chained SHA-256 over (parent block's hash, this block's tokens, extra keys).
+    """Chained SHA-256 over (parent block's hash, this block's tokens as int64, extra keys).
 
     Cryptographic, so two different prefixes never share a hash in practice: a cache hit
-    can never return another prefix's KV.
+    can never return another prefix's KV. The data-parallel router computes the same chain
+    (`hash_prompt_blocks`) to know exactly which replica holds a prompt's blocks.
     """
     h = hashlib.sha256(parent or b"")
-    h.update(b",".join(str(t).encode() for t in token_ids))
+    h.update(array("q", token_ids).tobytes())
     if extra:
         h.update(b"|" + extra.encode())
     return h.digest()
+
+
+def hash_prompt_blocks(
+    token_ids: Sequence[int], block_size: int, extra: str | None = None, limit: int | None = None
+) -> list[BlockHash]:
+    """The chain of hashes of every full block of `token_ids` (at most `limit` blocks)."""
+    n = len(token_ids) // block_size if limit is None else min(limit, len(token_ids) // block_size)
+    out: list[BlockHash] = []
+    parent = None
+    for i in range(n):
+        parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size], extra)
+        out.append(parent)
+    return out
+
+
+class KVEvents:
+    """Block hashes that entered or left the prefix cache since the last `drain` (vLLM's KV
+    events idea): the engine core publishes them with its step outputs so a router can keep
+    an exact copy of each replica's cached hashes. Per hash only the last change counts (a
+    block evicted and recomputed in one step is cached); `cleared`: forget everything first."""
+
+    __slots__ = ("changes", "cleared")
+
+    def __init__(self) -> None:
+        self.changes: dict[BlockHash, bool] = {}  # hash -> cached now (True) or gone (False)
+        self.cleared = False
+
+    def drain(self) -> tuple[list[BlockHash], list[BlockHash], bool]:
+        """(stored, removed, cleared) since the last drain."""
+        stored = [h for h, cached in self.changes.items() if cached]
+        removed = [h for h, cached in self.changes.items() if not cached]
+        cleared = self.cleared
+        self.changes, self.cleared = {}, False
+        return stored, removed, cleared
 
 
 class BlockPool:
@@ -40,6 +76,7 @@ class BlockPool:
         self.cached: dict[BlockHash, int] = {}  # hash -> block holding that content
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.num_evictions = 0  # cached blocks whose content was dropped to make room
+        self.events: KVEvents | None = None  # set by a core that publishes its cache contents
 
     @property
     def num_free_blocks(self) -> int:
@@ -64,6 +101,8 @@ class BlockPool:
             self.num_evictions += 1
             if self.cached.get(h) == b:
                 del self.cached[h]
+                if self.events is not None:
+                    self.events.changes[h] = False
 
     def lookup(self, h: BlockHash) -> int | None:
         return self.cached.get(h)
@@ -80,6 +119,8 @@ class BlockPool:
         if self.block_hash[b] is None and h not in self.cached:
             self.block_hash[b] = h
             self.cached[h] = b
+            if self.events is not None:
+                self.events.changes[h] = True
 
     def uncache(self, b: int) -> None:
         """Forget block b's hash (its content turned out not to be what the hash says)."""
@@ -88,6 +129,8 @@ class BlockPool:
             self.block_hash[b] = None
             if self.cached.get(h) == b:
                 del self.cached[h]
+                if self.events is not None:
+                    self.events.changes[h] = False
 
     def free(self, blocks: Sequence[int]) -> None:
         """Drop one reference to each block; blocks reaching zero join the back of the queue."""
@@ -101,6 +144,9 @@ class BlockPool:
         """Forget every cached hash (blocks in use keep their content). Returns how many."""
         n = len(self.cached)
         self.cached.clear()
+        if self.events is not None:
+            self.events.changes.clear()
+            self.events.cleared = True
         self.block_hash = [None] * self.num_blocks
         return n
 

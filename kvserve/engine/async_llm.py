@@ -77,6 +77,7 @@ class RequestStream:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.started = False  # has produced output
         self.finished = False
+        self.prefill_tokens = 0  # prompt tokens it is expected to compute (a router's load)
 
     def put(self, item: RequestOutput | Exception) -> None:
         self.started = True
@@ -118,8 +119,20 @@ class AsyncLLM:
 
     RESTART_RESET_S = 300.0
 
-    def __init__(self, config: EngineConfig, startup_timeout: float = 300.0, restart_limit: int = 3) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        startup_timeout: float = 300.0,
+        restart_limit: int = 3,
+        num_threads: int | None = None,
+        publish_kv_events: bool = False,
+        wait: bool = True,
+    ) -> None:
+        """`wait=False` returns once the core is spawned (call `wait_started`): replicas load
+        at the same time. Spawn from the main thread: the core's parent-death signal follows
+        the thread that started it."""
         self.config = config
+        self.num_threads, self.publish_kv_events = num_threads, publish_kv_events
         self.startup_timeout = startup_timeout
         self.restart_limit = restart_limit
         self.source = resolve_model(config.model)
@@ -129,11 +142,6 @@ class AsyncLLM:
         self._decoder = msgspec.msgpack.Decoder(OutputMessage)
         self._open_sockets()
         self._spawn_core()
-        self.ready = self._wait_ready(startup_timeout)
-        self.limits = ModelLimits(
-            self.ready.vocab_size, self.ready.max_model_len, self.ready.num_blocks, self.ready.block_size
-        )
-        self.processor = InputProcessor(self.tokenizer, self.limits)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = EngineStats()
         self.dead = False
@@ -146,6 +154,16 @@ class AsyncLLM:
         self._watch_task: asyncio.Task | None = None
         self.on_step = None  # callback(EngineCoreOutputs, list[RequestOutput]) for metrics
         self.on_core_lost = None  # callback() when the core dies: clear what it reported
+        if wait:
+            self.wait_started()
+
+    def wait_started(self) -> None:
+        """Block until the core has loaded the model (raises if it fails or times out)."""
+        self.ready = self._wait_ready(self.startup_timeout)
+        self.limits = ModelLimits(
+            self.ready.vocab_size, self.ready.max_model_len, self.ready.num_blocks, self.ready.block_size
+        )
+        self.processor = InputProcessor(self.tokenizer, self.limits)
 
     # ---- the core process and its sockets ---------------------------------------------------
     def _open_sockets(self) -> None:
@@ -174,7 +192,7 @@ class AsyncLLM:
     def _spawn_core(self) -> None:
         self.proc = multiprocessing.get_context("spawn").Process(
             target=run_engine_core,
-            args=(self.config, self._in_addr, self._out_addr),
+            args=(self.config, self._in_addr, self._out_addr, self.num_threads, self.publish_kv_events),
             name="kvserve-engine-core",
             daemon=True,  # also terminated by multiprocessing when this process exits normally
         )
@@ -303,6 +321,11 @@ class AsyncLLM:
     def num_in_flight(self) -> int:
         return len(self._streams)
 
+    @property
+    def load_tokens(self) -> int:
+        """Load in tokens: prompt tokens still to prefill + one per running sequence."""
+        return sum(1 if st.started else st.prefill_tokens for st in self._streams.values())
+
     async def reset_prefix_cache(self) -> None:
         if not self.is_alive:
             raise self.dead_error()
@@ -317,13 +340,15 @@ class AsyncLLM:
         cache_salt: str | None = None,
         group_id: str | None = None,
         prompt_token_ids: list[int] | None = None,
+        session: str | None = None,
     ) -> RequestStream:
         """Queue a request now (synchronously) and return its output stream.
 
         `prompt_token_ids`, if given, are the prompt already tokenized (the server tokenizes
-        off the event loop). Raises ValueError for bad input and EngineDeadError when the core
-        is down; either way nothing is registered. The request runs even if the stream is
-        never read; it is aborted when the stream is closed before it finishes.
+        off the event loop); `session` only matters to a data-parallel router. Raises
+        ValueError for bad input and EngineDeadError when the core is down; either way
+        nothing is registered. The request runs even if the stream is never read; it is
+        aborted when the stream is closed before it finishes.
         """
         if not self.is_alive:
             raise self.dead_error()
@@ -343,6 +368,7 @@ class AsyncLLM:
         except zmq.ZMQError:
             raise self.dead_error() from None
         stream = RequestStream(self, request_id)
+        stream.prefill_tokens = len(req.prompt_token_ids)
         self._streams[request_id] = stream
         self.output_processor.add_request(req, prompt if isinstance(prompt, str) else None)
         return stream

@@ -14,6 +14,7 @@ from dataclasses import replace
 import torch
 
 from kvserve.config import EngineConfig
+from kvserve.core.block_pool import KVEvents
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.kv_sizing import (
     KVPoolSize,
@@ -230,6 +231,10 @@ class EngineCore:
             self.scheduler.add_request(req)
         return [EngineCoreOutput(r.request_id, [], finish_reason="abort") for r in failed]
 
+    def enable_kv_events(self) -> None:
+        """Publish prefix-cache changes with every step's outputs (for a cache-aware router)."""
+        self.kv_cache_manager.pool.events = KVEvents()
+
     def reset_prefix_cache(self) -> int:
         """Forget all cached prefixes; returns how many blocks were uncached."""
         return self.kv_cache_manager.reset_prefix_cache()
@@ -272,6 +277,8 @@ class EngineCore:
     def _outputs(self, outputs: list[EngineCoreOutput], sched) -> EngineCoreOutputs:
         """This step's outputs with the scheduler's numbers (for metrics)."""
         spec = self.scheduler.spec_stats
+        events = self.kv_cache_manager.pool.events
+        stored, removed, cleared = events.drain() if events is not None else ([], [], False)
         return EngineCoreOutputs(
             outputs,
             num_running=len(self.scheduler.running),
@@ -285,6 +292,9 @@ class EngineCore:
             spec_num_draft_tokens=spec.num_draft_tokens,
             spec_num_accepted_tokens=spec.num_accepted_tokens,
             spec_accepted_per_position=list(spec.accepted_per_position),
+            kv_stored=stored,
+            kv_removed=removed,
+            kv_cleared=cleared,
         )
 
     @staticmethod

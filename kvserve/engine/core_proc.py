@@ -74,9 +74,20 @@ def _die_with_parent() -> None:
     threading.Thread(target=watch, daemon=True, name="parent-watch").start()
 
 
-def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> None:
-    """Process entry point."""
+def run_engine_core(
+    config: EngineConfig,
+    input_addr: str,
+    output_addr: str,
+    num_threads: int | None = None,
+    publish_kv_events: bool = False,
+) -> None:
+    """Process entry point. A data-parallel replica gets its share of the CPU threads
+    (`num_threads`) and, under cache-aware routing, publishes its prefix-cache changes."""
     _die_with_parent()
+    if num_threads is not None:
+        import torch
+
+        torch.set_num_threads(num_threads)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process decides when we stop
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s [core]: %(message)s")
     ctx = zmq.Context()
@@ -89,6 +100,8 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> 
         from kvserve.engine.core import EngineCore
 
         core = EngineCore(config)
+        if publish_kv_events:
+            core.enable_kv_events()
     except Exception as e:
         out.send(encoder.encode(Failed(f"{type(e).__name__}: {e}")))
         return

@@ -19,6 +19,8 @@ from kvserve.sampling_params import SamplingParams
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        if config.data_parallel_size > 1:
+            raise ValueError("data_parallel_size: replicas are a server feature (kvserve serve); use 1 here")
         self.config = config
         self.core = EngineCore(config)
         self.tokenizer = self.core.tokenizer

@@ -52,3 +52,7 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, tag
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: list[int] = []
+    # Prefix-cache changes since the last message (only from a core asked to publish them):
+    kv_stored: list[bytes] = []
+    kv_removed: list[bytes] = []
+    kv_cleared: bool = False

@@ -9,6 +9,7 @@ from dataclasses import fields
 
 from kvserve.config import EngineConfig
 from kvserve.entrypoints.openai.server_config import ServerConfig
+from kvserve.routing.registry import SERVE_POLICIES
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -118,7 +119,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             max_waiting_requests=args.max_waiting_requests, max_request_bytes=args.max_request_bytes,
             shutdown_timeout=args.shutdown_timeout,
             stream_stall_timeout=args.stream_stall_timeout if args.stream_stall_timeout > 0 else None,
-            engine_restart_limit=args.engine_restart_limit,
+            engine_restart_limit=args.engine_restart_limit, routing_policy=args.routing_policy,
             allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
             allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
             metrics_compat=args.metrics_compat,
@@ -190,6 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="abort a stream whose client has not read for this long (0: never)")  # fmt: skip
     srv.add_argument("--engine-restart-limit", type=int, default=ServerConfig.engine_restart_limit,
                      help="restart a dead engine core up to this many times in a row (0: never)")  # fmt: skip
+    srv.add_argument("--routing-policy", choices=SERVE_POLICIES, default=ServerConfig.routing_policy,
+                     help="how --data-parallel-size replicas share requests")  # fmt: skip
     srv.add_argument("--engine", choices=("kvserve", "naive"), default="kvserve",
                      help="naive: the transformers generate() baseline, one request at a time")  # fmt: skip
     add_engine_args(srv)

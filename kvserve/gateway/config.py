@@ -81,8 +81,24 @@ class Deployment(_Strict):
     backend: Backend
 
 
+RoutingName = Literal[
+    "simple-shuffle", "least-busy", "latency-based", "round-robin", "least-loaded", "session", "cache-aware"
+]  # kvserve/routing/registry.py
+
+
 class RouterSettings(_Strict):
-    routing_strategy: Literal["simple-shuffle", "least-busy", "latency-based"] = "simple-shuffle"
+    routing_strategy: Literal[
+        "simple-shuffle",
+        "least-busy",
+        "latency-based",
+        "round-robin",
+        "least-loaded",
+        "session",
+        "cache-aware",
+    ] = "simple-shuffle"
+    # cache-aware: ignore the cache when loads (estimated tokens) differ by more than abs AND rel x
+    balance_abs_threshold: float = Field(2048, ge=0)
+    balance_rel_threshold: float = Field(1.5, ge=1)
     num_retries: int = Field(2, ge=0, le=20)
     retry_backoff_base: float = Field(0.1, ge=0)
     retry_backoff_cap: float = Field(5.0, ge=0)

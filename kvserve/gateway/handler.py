@@ -23,10 +23,11 @@ from kvserve.gateway.limits import deployment_checks, needs_tokens, ratelimit_he
 from kvserve.gateway.metrics import GatewayMetrics
 from kvserve.gateway.proxy import Outcome, attempt
 from kvserve.gateway.retries import MAX_RETRY_AFTER, backoff
-from kvserve.gateway.router import Router
+from kvserve.gateway.router import Router, request_info
 from kvserve.gateway.spend import SpendLog, SpendRow
 from kvserve.gateway.sse import error_event
 from kvserve.gateway.state import Check, StateStore, StoreUnavailable
+from kvserve.routing import RequestInfo
 
 log = logging.getLogger("kvserve.gateway")
 
@@ -51,6 +52,7 @@ class Ctx:
     attempts: int = 0
     served_by: Deployment | None = None
     settled: bool = False
+    route: RequestInfo | None = None  # what request-aware routing strategies look at
 
 
 class Gateway:
@@ -103,6 +105,7 @@ class Gateway:
             time.monotonic(),
         )
         ctx.request = request
+        ctx.route = request_info(body, request.headers if request is not None else {})
         work = asyncio.ensure_future(self._run(ctx))
         watcher = asyncio.ensure_future(_disconnected(request))
         try:
@@ -188,7 +191,7 @@ class Gateway:
             alias, excluded, tried, too_long = groups[gi], set(), set(), False
             group_attempts, failed_id, retry_after = 0, None, None
             while group_attempts <= self.rs.num_retries:
-                dep = await self.router.pick(alias, excluded, tried)
+                dep = await self.router.pick(alias, excluded, tried, ctx.route)
                 if dep is None:
                     break
                 if (
@@ -275,16 +278,16 @@ class Gateway:
     async def _one(self, ctx: Ctx, dep: Deployment, arid: str, dchecks: list[Check]) -> Response | Outcome:
         """One attempt; a Response when it is the answer, else the failed Outcome."""
         strategy = self.router.strategy
-        strategy.started(dep.id)
+        strategy.started(dep.id, ctx.route)
         try:
             out = await attempt(self.pool, dep, ctx.path, ctx.body, ctx.stream, ctx.client_usage)
         except BaseException:
-            strategy.finished(dep.id, None)
+            strategy.finished(dep.id, None, ctx.route)
             await asyncio.shield(self._release(arid, dchecks, 0))
             raise
         if out.kind == "ok" and out.response is not None:  # a live stream: finished when it ends
             return self._stream(ctx, dep, arid, dchecks, out)
-        strategy.finished(dep.id, out.first_byte_s if out.kind == "ok" else None)
+        strategy.finished(dep.id, out.first_byte_s if out.kind == "ok" else None, ctx.route)
         tokens = (out.usage or {}).get("total_tokens", ctx.prompt_tokens) if out.kind == "ok" else 0
         await self._release(arid, dchecks, tokens)
         if out.kind in ("retry", "context"):
@@ -349,7 +352,7 @@ class Gateway:
         failure: str | None,
     ) -> None:
         await out.response.aclose()
-        self.router.strategy.finished(dep.id, out.first_byte_s if failure is None else None)
+        self.router.strategy.finished(dep.id, out.first_byte_s if failure is None else None, ctx.route)
         usage = out.relay.usage
         await self._release(arid, dchecks, (usage or {}).get("total_tokens", ctx.prompt_tokens))
         self.metrics.attempts.labels(dep.id, "ok" if failure is None else "failed_mid_stream").inc()

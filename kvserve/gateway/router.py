@@ -6,9 +6,28 @@ import logging
 
 from kvserve.gateway.config import Deployment, GatewayConfig
 from kvserve.gateway.state import StateStore
-from kvserve.routing import RoutingStrategy, make_strategy
+from kvserve.routing import RequestInfo, RoutingStrategy, make_strategy
 
 log = logging.getLogger("kvserve.gateway")
+
+
+def request_info(body: dict, headers) -> RequestInfo:
+    """What request-aware strategies see of a body: its prompt text (the gateway does not
+    tokenize; cache-aware matches text), the session (`x-session-id` header or `user`)."""
+    text = ""
+    if isinstance(body.get("messages"), list):
+        parts = []
+        for m in body["messages"]:
+            c = m.get("content") if isinstance(m, dict) else None
+            if isinstance(c, list):  # content parts: their text only
+                c = "".join(p.get("text", "") for p in c if isinstance(p, dict))
+            parts.append(f"{m.get('role', '')}:{c or ''}\n" if isinstance(m, dict) else "")
+        text = "".join(parts)
+    elif isinstance(body.get("prompt"), str):
+        text = body["prompt"]
+    user = body.get("user") if isinstance(body.get("user"), str) else None
+    salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+    return RequestInfo(text=text, session=headers.get("x-session-id") or user, cache_salt=salt)
 
 
 class _Target:
@@ -26,7 +45,13 @@ class Router:
     ) -> None:
         self.cfg, self.store = cfg, store
         self.rs = cfg.router_settings
-        self.strategy = strategy or make_strategy(self.rs.routing_strategy)
+        thresholds = {}
+        if self.rs.routing_strategy == "cache-aware":
+            thresholds = dict(
+                balance_abs_threshold=self.rs.balance_abs_threshold,
+                balance_rel_threshold=self.rs.balance_rel_threshold,
+            )
+        self.strategy = strategy or make_strategy(self.rs.routing_strategy, **thresholds)
         self.groups: dict[str, list[_Target]] = {}
         for d in cfg.model_list:
             self.groups.setdefault(d.model_name, []).append(_Target(d))
@@ -35,7 +60,9 @@ class Router:
     def deployments(self, alias: str) -> list[Deployment]:
         return [t.dep for t in self.groups.get(alias, [])]
 
-    async def pick(self, alias: str, excluded: set[str], tried: set[str]) -> Deployment | None:
+    async def pick(
+        self, alias: str, excluded: set[str], tried: set[str], request: RequestInfo | None = None
+    ) -> Deployment | None:
         """A deployment of the group that is not cooling down and not excluded, preferring one not
         yet tried for this request; None when the group has nothing left."""
         targets = [t for t in self.groups[alias] if t.id not in excluded]
@@ -46,7 +73,7 @@ class Router:
         if not live:
             return None
         fresh = [t for t in live if t.id not in tried]
-        return self.strategy.choose(fresh or live).dep
+        return self.strategy.choose(fresh or live, request).dep
 
     async def failed(self, dep: Deployment) -> bool:
         """Count a failure; True when the deployment went into cooldown because of it."""

@@ -1,7 +1,9 @@
 """Prometheus metrics of the API server, fed once per engine step.
 
 Gauges mirror the scheduler; counters accumulate tokens, requests and preemptions;
-latencies are histograms. All names carry the `kvserve:` prefix.
+latencies are histograms. All names carry the `kvserve:` prefix. With data-parallel
+replicas every series also carries `engine`: "0", "1", ... per replica and "total" for the
+whole server (so sum over `engine!="total"`, or read `engine="total"`).
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20,
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, num_engines: int = 1) -> None:
         r = self.registry = CollectorRegistry()
-        lbl = {"labelnames": ["model_name"]}
+        base = ["model_name"] + (["engine"] if num_engines > 1 else [])
+        lbl = {"labelnames": base}
         self.running = Gauge(
             "kvserve:num_requests_running", "Requests in the running batch", registry=r, **lbl
         )
@@ -41,7 +44,7 @@ class ServerMetrics:
         self.success = Counter(
             "kvserve:request_success",
             "Finished requests",
-            labelnames=["model_name", "finished_reason"],
+            labelnames=[*base, "finished_reason"],
             registry=r,
         )
         h = {"registry": r, "buckets": _LATENCY_BUCKETS, **lbl}
@@ -66,67 +69,97 @@ class ServerMetrics:
         self.spec_accepted_pos = Counter(
             "kvserve:spec_decode_num_accepted_tokens_per_pos",
             spec + "accepted tokens by position in the proposal (0 = first)",
-            labelnames=["model_name", "position"],
+            labelnames=[*base, "position"],
             registry=r,
         )
         self.model = model_name
-        self._seen: dict[tuple, int] = {}  # running totals from the core already counted
+        self.num_engines = num_engines
+        self._seen: dict[tuple, int] = {}  # running totals from each core already counted
         self._last_token_time: dict[str, float] = {}
+        self._engine_of: dict[str, int] = {}  # request -> replica, for requests with a token
+        self._gauges: dict[int, tuple[int, int, float]] = {}  # engine -> running, waiting, kv usage
 
-    def _count_total(self, counter: Counter, total: int, *labels: str) -> None:
-        """Advance a counter to a running total reported by the engine core."""
-        key = (counter, labels)
+    def _labels(self, engine: int) -> list[tuple[str, ...]]:
+        """The label sets one engine's numbers go to: its own, and the total with replicas."""
+        if self.num_engines == 1:
+            return [(self.model,)]
+        return [(self.model, str(engine)), (self.model, "total")]
+
+    def _inc(self, metric, amount: float, engine: int, *extra: str) -> None:
+        for labels in self._labels(engine):
+            metric.labels(*labels, *extra).inc(amount)
+
+    def _observe(self, metric, value: float, engine: int) -> None:
+        for labels in self._labels(engine):
+            metric.labels(*labels).observe(value)
+
+    def _count_total(self, counter: Counter, total: int, engine: int, *labels: str) -> None:
+        """Advance a counter to a running total reported by an engine core."""
+        key = (counter, engine, labels)
         seen = self._seen.get(key, 0)
         if total > seen:
-            counter.labels(self.model, *labels).inc(total - seen)
+            self._inc(counter, total - seen, engine, *labels)
             self._seen[key] = total
 
-    def on_step(self, core: EngineCoreOutputs, outs: list[RequestOutput]) -> None:
-        m = self.model
-        self.running.labels(m).set(core.num_running)
-        self.waiting.labels(m).set(core.num_waiting)
-        self.kv_usage.labels(m).set(core.kv_cache_usage)
-        self._count_total(self.preemptions, core.num_preemptions_total)
-        self._count_total(self.prefix_queries, core.prefix_cache_queries)
-        self._count_total(self.prefix_hits, core.prefix_cache_hits)
-        self._count_total(self.spec_drafts, core.spec_num_drafts)
-        self._count_total(self.spec_draft_tokens, core.spec_num_draft_tokens)
-        self._count_total(self.spec_accepted, core.spec_num_accepted_tokens)
+    def _set_gauges(self, engine: int, running: int, waiting: int, kv: float) -> None:
+        self._gauges[engine] = (running, waiting, kv)
+        own = self._labels(engine)[0]
+        self.running.labels(*own).set(running)
+        self.waiting.labels(*own).set(waiting)
+        self.kv_usage.labels(*own).set(kv)
+        if self.num_engines > 1:  # totals; KV usage is the mean (each replica has its own pool)
+            vals = list(self._gauges.values())
+            self.running.labels(self.model, "total").set(sum(v[0] for v in vals))
+            self.waiting.labels(self.model, "total").set(sum(v[1] for v in vals))
+            self.kv_usage.labels(self.model, "total").set(sum(v[2] for v in vals) / self.num_engines)
+
+    def on_step(self, core: EngineCoreOutputs, outs: list[RequestOutput], engine: int = 0) -> None:
+        e = engine
+        self._set_gauges(e, core.num_running, core.num_waiting, core.kv_cache_usage)
+        self._count_total(self.preemptions, core.num_preemptions_total, e)
+        self._count_total(self.prefix_queries, core.prefix_cache_queries, e)
+        self._count_total(self.prefix_hits, core.prefix_cache_hits, e)
+        self._count_total(self.spec_drafts, core.spec_num_drafts, e)
+        self._count_total(self.spec_draft_tokens, core.spec_num_draft_tokens, e)
+        self._count_total(self.spec_accepted, core.spec_num_accepted_tokens, e)
         for pos, total in enumerate(core.spec_accepted_per_position):
-            self._count_total(self.spec_accepted_pos, total, str(pos))
+            self._count_total(self.spec_accepted_pos, total, e, str(pos))
         if core.iteration_tokens:
-            self.iteration_tokens.labels(m).observe(core.iteration_tokens)
+            self._observe(self.iteration_tokens, core.iteration_tokens, e)
         now = time.monotonic()
         for out in outs:
             c = out.outputs[0]
             new = len(c.delta_token_ids)
             if new:
-                self.generation_tokens.labels(m).inc(new)
+                self._inc(self.generation_tokens, new, e)
             rid, met = out.request_id, out.metrics
             last = self._last_token_time.get(rid)
             if last is None and new:
                 if met.time_to_first_token is not None:
-                    self.ttft.labels(m).observe(met.time_to_first_token)
+                    self._observe(self.ttft, met.time_to_first_token, e)
                 if met.queue_time is not None:
-                    self.queue.labels(m).observe(met.queue_time)
-                self.prompt_tokens.labels(m).inc(len(out.prompt_token_ids))
+                    self._observe(self.queue, met.queue_time, e)
+                self._inc(self.prompt_tokens, len(out.prompt_token_ids), e)
             elif last is not None and new:
-                self.itl.labels(m).observe((now - last) / new)
+                self._observe(self.itl, (now - last) / new, e)
             if out.finished:
                 self._last_token_time.pop(rid, None)
-                self.success.labels(m, c.finish_reason).inc()
+                self._engine_of.pop(rid, None)
+                self._inc(self.success, 1, e, c.finish_reason)
                 if met.e2e_latency is not None:
-                    self.e2e.labels(m).observe(met.e2e_latency)
+                    self._observe(self.e2e, met.e2e_latency, e)
             elif new:
                 self._last_token_time[rid] = now
+                self._engine_of[rid] = e
 
-    def on_core_lost(self) -> None:
-        """The engine core died: its gauges no longer hold, and a new core's running totals
+    def on_core_lost(self, engine: int = 0) -> None:
+        """An engine core died: its gauges no longer hold, and a new core's running totals
         start from zero again (the counters keep what they counted)."""
-        for gauge in (self.running, self.waiting, self.kv_usage):
-            gauge.labels(self.model).set(0)
-        self._seen.clear()
-        self._last_token_time.clear()
+        self._set_gauges(engine, 0, 0, 0.0)
+        self._seen = {k: v for k, v in self._seen.items() if k[1] != engine}
+        for rid in [r for r, owner in self._engine_of.items() if owner == engine]:
+            self._last_token_time.pop(rid, None)
+            del self._engine_of[rid]
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,39 +1,74 @@
 """The strategy interface is three calls: choose() among candidates, started() when a request
-goes to the choice, finished() with its latency. A new policy (cache-aware, session) implements
-those and nothing else changes."""
+goes to the choice, finished() with its latency. A new policy implements those and nothing
+else changes. The gateway (targets: deployments) and data-parallel serve (targets: engine
+replicas) share it; policies that look at the request get a `RequestInfo`."""
 
 from __future__ import annotations
 
 import random
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 
 class Target(Protocol):
+    """`load` (tokens) is optional: engine replicas know theirs exactly; without it a strategy
+    counts what it sent (in-flight prompt tokens + one per in-flight request)."""
+
     id: str
     weight: float
+
+
+@dataclass
+class RequestInfo:
+    """What a policy may look at: prompt token ids (serve), or prompt text (gateway, which does
+    not tokenize), the session key (header or `user`), the cache scope (`cache_salt`)."""
+
+    token_ids: Sequence[int] | None = None
+    text: str | None = None
+    session: str | None = None
+    cache_salt: str | None = None
+    cached_tokens: int = 0  # set by cache-aware routing: the hit it expects on its choice
+
+    @property
+    def num_tokens(self) -> int:
+        if self.token_ids is not None:
+            return len(self.token_ids)
+        return len(self.text or "") // 4  # ~4 characters per token: only for load estimates
 
 
 class RoutingStrategy:
     def __init__(self) -> None:
         self.in_flight: dict[str, int] = defaultdict(int)
+        self.in_flight_tokens: dict[str, int] = defaultdict(int)
 
-    def choose(self, candidates: Sequence[Target]) -> Target:
+    def choose(self, candidates: Sequence[Target], request: RequestInfo | None = None) -> Target:
         raise NotImplementedError
 
-    def started(self, target_id: str) -> None:
+    def started(self, target_id: str, request: RequestInfo | None = None) -> None:
         self.in_flight[target_id] += 1
+        if request is not None:
+            self.in_flight_tokens[target_id] += request.num_tokens - request.cached_tokens
 
-    def finished(self, target_id: str, latency: float | None) -> None:
+    def finished(self, target_id: str, latency: float | None, request: RequestInfo | None = None) -> None:
         """latency: seconds to the first byte, None when the attempt failed."""
         self.in_flight[target_id] -= 1
+        if request is not None:
+            self.in_flight_tokens[target_id] -= request.num_tokens - request.cached_tokens
+
+    def load(self, target: Target) -> float:
+        """Load in tokens: the target's own figure, else what this strategy has in flight there."""
+        own = getattr(target, "load", None)
+        if own is not None:
+            return own
+        return self.in_flight_tokens[target.id] + self.in_flight[target.id]
 
 
 class SimpleShuffle(RoutingStrategy):
     """Weighted random: traffic in proportion to each target's weight."""
 
-    def choose(self, candidates: Sequence[Target]) -> Target:
+    def choose(self, candidates: Sequence[Target], request: RequestInfo | None = None) -> Target:
         if len(candidates) == 1:
             return candidates[0]
         return random.choices(candidates, weights=[c.weight for c in candidates])[0]
@@ -42,7 +77,7 @@ class SimpleShuffle(RoutingStrategy):
 class LeastBusy(RoutingStrategy):
     """Fewest requests in flight from this instance; ties broken at random."""
 
-    def choose(self, candidates: Sequence[Target]) -> Target:
+    def choose(self, candidates: Sequence[Target], request: RequestInfo | None = None) -> Target:
         low = min(self.in_flight[c.id] for c in candidates)
         return random.choice([c for c in candidates if self.in_flight[c.id] == low])
 
@@ -56,21 +91,14 @@ class LatencyBased(RoutingStrategy):
         self.alpha, self.penalty = alpha, failure_penalty
         self.ewma: dict[str, float] = {}
 
-    def choose(self, candidates: Sequence[Target]) -> Target:
+    def choose(self, candidates: Sequence[Target], request: RequestInfo | None = None) -> Target:
         untried = [c for c in candidates if c.id not in self.ewma]
         if untried:
             return random.choice(untried)
         return min(candidates, key=lambda c: self.ewma[c.id])
 
-    def finished(self, target_id: str, latency: float | None) -> None:
-        super().finished(target_id, latency)
+    def finished(self, target_id: str, latency: float | None, request: RequestInfo | None = None) -> None:
+        super().finished(target_id, latency, request)
         sample = self.penalty if latency is None else latency
         old = self.ewma.get(target_id, sample)
         self.ewma[target_id] = (1 - self.alpha) * old + self.alpha * sample
-
-
-STRATEGIES = {"simple-shuffle": SimpleShuffle, "least-busy": LeastBusy, "latency-based": LatencyBased}
-
-
-def make_strategy(name: str) -> RoutingStrategy:
-    return STRATEGIES[name]()

@@ -11,12 +11,13 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvserve import __version__
 from kvserve.config import EngineConfig
 from kvserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError
+from kvserve.engine.dp_client import DPClient
 from kvserve.entrypoints.openai.compat import ModelNotFoundError
 from kvserve.entrypoints.openai.errors import error_response, param_of
 from kvserve.entrypoints.openai.lifecycle import DrainingServer, Lifecycle, ServerShuttingDownError
@@ -60,10 +61,10 @@ def engine_dead_response(exc: EngineDeadError) -> Response:
     return resp
 
 
-def build_app(engine: AsyncLLM, cfg: ServerConfig) -> FastAPI:
+def build_app(engine: AsyncLLM | DPClient, cfg: ServerConfig) -> FastAPI:
     names = cfg.served_model_name or [engine.source.name]
     name = names[0]
-    metrics = ServerMetrics(name)
+    metrics = ServerMetrics(name, getattr(engine, "size", 1))
     engine.on_step = metrics.on_step
     engine.on_core_lost = metrics.on_core_lost
     serving = OpenAIServing(
@@ -207,7 +208,10 @@ def build_app(engine: AsyncLLM, cfg: ServerConfig) -> FastAPI:
     @app.get("/health")
     @app.api_route("/ping", methods=["GET", "POST"])  # vLLM's (and SageMaker's) name for it
     async def health():
-        """Liveness: the engine core is running."""
+        """Liveness: the engine core is running (with replicas: one is; the body lists each)."""
+        if isinstance(engine, DPClient):
+            body = {"status": "ok" if engine.is_alive else "dead", "replicas": engine.health()}
+            return JSONResponse(body, status_code=200 if engine.is_alive else 503)
         if engine.is_alive:
             return Response(status_code=200)
         return engine_dead_response(engine.dead_error())
@@ -271,7 +275,16 @@ def serve(config: EngineConfig, host: str, port: int, cfg: ServerConfig) -> int:
         cfg.api_keys = [os.environ["KVSERVE_API_KEY"]]
     logger.info("configuration: %s", config)
     logger.info("server: %s", {**vars(cfg), "api_keys": f"{len(cfg.api_keys)} key(s)"})
-    engine = AsyncLLM(config, restart_limit=cfg.engine_restart_limit)
+    if config.data_parallel_size > 1:
+        engine = DPClient(
+            config, config.data_parallel_size, cfg.routing_policy, restart_limit=cfg.engine_restart_limit
+        )
+        logger.info(
+            "data parallel: %d replicas, %d thread(s) each, routing %s",
+            engine.size, engine.threads_per_replica, engine.policy,
+        )  # fmt: skip
+    else:
+        engine = AsyncLLM(config, restart_limit=cfg.engine_restart_limit)
     r = engine.ready
     logger.info(
         "KV pool: %d blocks x %d tokens = %d tokens, %.1f MiB; max concurrency at max_model_len=%d: %.2f",

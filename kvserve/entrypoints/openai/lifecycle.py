@@ -52,10 +52,13 @@ class Lifecycle:
         """One tiny greedy request through the whole path before readiness turns true."""
         tok = self.engine.tokenizer
         first = tok.bos_token_id if tok.bos_token_id is not None else 0
+        params = SamplingParams(temperature=0, max_tokens=1)
+        replicas = getattr(self.engine, "engines", [self.engine])  # each data-parallel replica
         try:
-            stream = self.engine.add_request([first], SamplingParams(temperature=0, max_tokens=1), "warmup")
-            async for _ in stream:
-                pass
+            for i, engine in enumerate(replicas):
+                stream = engine.add_request([first], params, "warmup" if i == 0 else f"warmup-{i}")
+                async for _ in stream:
+                    pass
         except Exception as e:  # noqa: BLE001 - readiness stays false; liveness tells the rest
             logger.error("warm-up request failed: %s", e)
             return

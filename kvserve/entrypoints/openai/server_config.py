@@ -23,6 +23,8 @@ class ServerConfig:
     """A stream whose client has not read for this long (send buffer full) is aborted."""
     engine_restart_limit: int = 3
     """How many times in a row a dead engine core is restarted."""
+    routing_policy: str = "cache-aware"
+    """With --data-parallel-size > 1: round-robin | least-loaded | session | cache-aware."""
     allowed_origins: list[str] = field(default_factory=list)
     """CORS: browser origins allowed to call the API (empty: no CORS headers at all)."""
     allowed_methods: list[str] = field(default_factory=lambda: ["*"])

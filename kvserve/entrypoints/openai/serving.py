@@ -63,6 +63,11 @@ class ServerOverloadedError(RuntimeError):
     """Admission control refused the request (HTTP 503 with Retry-After)."""
 
 
+def session_key(raw: Request, user: str | None) -> str | None:
+    """The session a request belongs to, for session-affinity routing: `x-session-id`, else `user`."""
+    return raw.headers.get("x-session-id") or user
+
+
 class OpenAIServing:
     def __init__(
         self,
@@ -156,7 +161,14 @@ class OpenAIServing:
         return await self._off_loop(render)
 
     async def _start(
-        self, prompts: list, params: SamplingParams, n: int, rid: str, priority: int, salt: str | None
+        self,
+        prompts: list,
+        params: SamplingParams,
+        n: int,
+        rid: str,
+        priority: int,
+        salt: str | None,
+        session: str | None = None,
     ) -> list[RequestStream]:
         """Validate every prompt, apply admission control, then queue all engine requests of
         this API request at once (choice index = prompt index * n + sample index).
@@ -198,6 +210,7 @@ class OpenAIServing:
                             salt,
                             group,
                             prompt_token_ids=prompt_ids,
+                            session=session,
                         )
                     )
         except BaseException:
@@ -372,7 +385,9 @@ class OpenAIServing:
         model = req.model or self.model_names[0]
         echo = req.messages[-1].text() if req.echo and continues_final_message(req) else ""
         deadline = self._deadline()
-        streams = await self._start([prompt], params, req.n, engine_rid, req.priority, req.cache_salt)
+        streams = await self._start(
+            [prompt], params, req.n, engine_rid, req.priority, req.cache_salt, session_key(raw, req.user)
+        )
         gen = self._merged(streams, deadline)
         run = ChatRun(gen, streams, warnings)
         if req.stream:
@@ -522,7 +537,9 @@ class OpenAIServing:
         created = int(time.time())
         model = req.model or self.model_names[0]
         deadline = self._deadline()
-        streams = await self._start(prompts, params, req.n, engine_rid, req.priority, req.cache_salt)
+        streams = await self._start(
+            prompts, params, req.n, engine_rid, req.priority, req.cache_salt, session_key(raw, req.user)
+        )
         gen = self._merged(streams, deadline)
         if req.stream:
             chunks = self._completion_chunks(gen, rid, created, model, req, prompts)

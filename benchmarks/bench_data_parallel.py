@@ -1,0 +1,313 @@
+"""Data-parallel serve: routing policies on a multi-tenant chat workload, and the router's cost.
+
+For each policy a fresh `kvserve serve --data-parallel-size 2 --routing-policy P` (one thread
+per replica on 2 cores) gets the same Poisson stream: `--tenants` distinct system prompts of
+~`--system-tokens` tokens, each request one of them + a ~`--question-tokens`-token question,
+streamed, `--output-len` tokens out. Reported per policy: prefix-cache hit rate (server
+counters), TTFT p50/p99 (client side, to the first streamed token), throughput, and tokens
+computed per replica (`kvserve:iteration_tokens_sum{engine}`). `--skew 0.8` sends 80% of
+requests to tenant 0. The KV pool per replica (`--kv-cache-memory`) is sized to hold about
+half the tenants, so where a prefix lives matters. Then the router microbenchmark: decisions
+for a prompt of system + question tokens against `--cached-prefixes` prefixes per replica.
+
+    python benchmarks/bench_data_parallel.py                       # the issue's full workload
+    python benchmarks/bench_data_parallel.py --requests 64 --skew 0.8 --policies cache-aware
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import httpx
+
+from kvserve.core.block_pool import hash_prompt_blocks
+from kvserve.routing import BlockHashIndex, CacheAware, RequestInfo, TextPrefixIndex
+
+WORDS = (
+    "time year people way day man thing woman life child world school state family student group country "
+    "problem hand part place case week company system program question work government number night point"
+).split()
+
+
+def cpu_flags() -> str:
+    with open("/proc/cpuinfo") as f:
+        flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    wanted = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile")
+    return " ".join(x for x in wanted if x in flags) or "none of avx2/avx512"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def workload(args) -> list[tuple[float, int, str]]:
+    """(arrival offset s, tenant, prompt) for every request; one word is ~1.1 tokens here."""
+    rng = random.Random(args.seed)
+    systems = [
+        f"System {t}: you are agent {t}. " + words(rng, int(args.system_tokens / 1.1))
+        for t in range(args.tenants)
+    ]
+    t, out = 0.0, []
+    for _ in range(args.requests):
+        t += rng.expovariate(args.rate)
+        hot = args.skew is not None and rng.random() < args.skew
+        tenant = 0 if hot else rng.randrange(args.tenants)
+        out.append(
+            (t, tenant, systems[tenant] + "\n\nQuestion: " + words(rng, int(args.question_tokens / 1.1)))
+        )
+    return out
+
+
+def metric_by_engine(text: str, name: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for m in re.finditer(rf"^{re.escape(name)}\{{([^}}]*)\}} (\S+)$", text, re.M):
+        e = re.search(r'engine="([^"]+)"', m.group(1))
+        key = e.group(1) if e else "total"
+        out[key] = out.get(key, 0.0) + float(m.group(2))
+    return out
+
+
+async def one(http: httpx.AsyncClient, url: str, body: dict, delay: float) -> tuple[float | None, bool]:
+    await asyncio.sleep(delay)
+    t0 = time.perf_counter()
+    ttft = None
+    try:
+        async with http.stream("POST", url, json=body) as r:
+            if r.status_code != 200:
+                return None, False
+            async for line in r.aiter_lines():
+                if ttft is None and line.startswith("data: {") and '"text":""' not in line.replace(" ", ""):
+                    ttft = time.perf_counter() - t0
+    except httpx.HTTPError:
+        return None, False
+    return ttft, True
+
+
+def wait_ready(url: str, proc: subprocess.Popen, what: str) -> None:
+    deadline = time.monotonic() + 600
+    while True:
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not start")
+        time.sleep(0.5)
+
+
+def start_server(args, port: int, *extra: str, env: dict | None = None) -> subprocess.Popen:
+    cmd = [
+        sys.executable, "-m", "kvserve.entrypoints.cli", "serve", args.model, "--port", str(port),
+        "--kv-cache-memory", args.kv_cache_memory, "--max-model-len", "2048", "--max-num-seqs", "32",
+        "--served-model-name", "m", *extra,
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    wait_ready(f"http://127.0.0.1:{port}/health/ready", proc, "kvserve serve")
+    return proc
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def drive(url: str, args, reqs, headers: dict | None = None) -> tuple[list, float]:
+    """The Poisson stream against url; (ttft, ok) per request and the wall time."""
+
+    async def go():
+        limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
+        async with httpx.AsyncClient(timeout=None, limits=limits, headers=headers) as http:
+            bodies = [
+                {"model": "m", "prompt": p, "max_tokens": args.output_len, "ignore_eos": True,
+                 "temperature": 0, "stream": True}
+                for _, _, p in reqs
+            ]  # fmt: skip
+            return await asyncio.gather(*(one(http, url, b, t) for b, (t, _, _) in zip(bodies, reqs)))
+
+    t0 = time.perf_counter()
+    results = asyncio.run(go())
+    return results, time.perf_counter() - t0
+
+
+def summary(policy: str, args, results, wall: float, before: list[str], after: list[str], per_engine: bool):
+    """Hit rate and tokens computed from the servers' /metrics (several servers: summed, one
+    entry per server; one data-parallel server: one entry per replica)."""
+
+    def delta(name: str) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for i, (b_text, a_text) in enumerate(zip(before, after)):
+            a, b = metric_by_engine(a_text, name), metric_by_engine(b_text, name)
+            for k, v in a.items():
+                key = k if per_engine else (f"server{i}" if k == "total" else None)
+                if key is not None:
+                    out[key] = out.get(key, 0.0) + v - b.get(k, 0.0)
+        return out
+
+    hits, queries = delta("kvserve:prefix_cache_hits_total"), delta("kvserve:prefix_cache_queries_total")
+    computed = delta("kvserve:iteration_tokens_sum")
+    per = {k: v for k, v in computed.items() if k != "total"}
+    ttfts = sorted(t for t, ok in results if ok and t is not None)
+    ok = sum(1 for _, good in results if good)
+    hit_total = sum(v for k, v in hits.items() if k != "total")
+    query_total = sum(v for k, v in queries.items() if k != "total")
+    return {
+        "policy": policy,
+        "ok": ok,
+        "hit_rate": round(hit_total / max(query_total, 1), 4),
+        "ttft_p50_s": round(statistics.median(ttfts), 3) if ttfts else None,
+        "ttft_p99_s": round(ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))], 3) if ttfts else None,
+        "req_per_s": round(ok / wall, 4),
+        "out_tok_per_s": round(ok * args.output_len / wall, 2),
+        "tokens_computed_per_replica": per,
+        "replica_imbalance": round(max(per.values()) / max(min(per.values()), 1), 3) if per else None,
+    }
+
+
+def run_policy(policy: str, args, reqs) -> dict:
+    """One `kvserve serve --data-parallel-size 2` with this routing policy."""
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    proc = start_server(args, port, "--data-parallel-size", "2", "--routing-policy", policy)
+    try:
+        before = [httpx.get(f"{base}/metrics").text]
+        results, wall = drive(f"{base}/v1/completions", args, reqs)
+        after = [httpx.get(f"{base}/metrics").text]
+    finally:
+        stop(proc)
+    return summary(policy, args, results, wall, before, after, per_engine=True)
+
+
+def run_gateway(policy: str, args, reqs, workdir: str) -> dict:
+    """`kvserve gateway` with this routing strategy over two single-replica `kvserve serve`s
+    (one thread each): the gateway's approximate (text) cache-aware index."""
+    import os
+
+    import yaml
+
+    ports = [free_port(), free_port()]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    servers = [start_server(args, p, env=env) for p in ports]
+    gw_port = free_port()
+    cfg = {
+        "model_list": [
+            {"model_name": "m", "backend": {"base_url": f"http://127.0.0.1:{p}/v1", "model": "m",
+                                            "first_byte_timeout": 600, "idle_timeout": 600}}
+            for p in ports
+        ],
+        "router_settings": {"routing_strategy": policy, "num_retries": 0},
+        "keys": [{"key": "sk-bench"}],
+        "general_settings": {"database": os.path.join(workdir, f"gw-{policy}.db")},
+    }  # fmt: skip
+    path = os.path.join(workdir, f"gw-{policy}.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(cfg, f)
+    gw = subprocess.Popen(
+        [sys.executable, "-m", "kvserve.entrypoints.cli", "gateway", "--config", path,
+         "--port", str(gw_port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        wait_ready(f"http://127.0.0.1:{gw_port}/health", gw, "gateway")
+        before = [httpx.get(f"http://127.0.0.1:{p}/metrics").text for p in ports]
+        auth = {"Authorization": "Bearer sk-bench"}
+        results, wall = drive(f"http://127.0.0.1:{gw_port}/v1/completions", args, reqs, auth)
+        after = [httpx.get(f"http://127.0.0.1:{p}/metrics").text for p in ports]
+    finally:
+        for proc in (gw, *servers):
+            stop(proc)
+    return summary(f"gateway/{policy}", args, results, wall, before, after, per_engine=False)
+
+
+def microbench(args) -> dict:
+    """Decision cost with `cached_prefixes` 256-token prefixes per replica plus the tenants'."""
+    rng = random.Random(1)
+    exact = BlockHashIndex(16)
+    for r in ("0", "1"):
+        hashes: list[bytes] = []
+        for _ in range(args.cached_prefixes):
+            hashes += hash_prompt_blocks([rng.randrange(49152) for _ in range(256)], 16)
+        exact.apply(r, hashes, [], False)
+    systems = [[rng.randrange(49152) for _ in range(args.system_tokens)] for _ in range(args.tenants)]
+    for t, s in enumerate(systems):
+        exact.apply(str(t % 2), hash_prompt_blocks(s, 16), [], False)
+
+    class Target:
+        def __init__(self, i: str) -> None:
+            self.id, self.weight, self.load = i, 1.0, 0
+
+    targets = [Target("0"), Target("1")]
+    out = {}
+    for name, ca, make in (
+        ("exact", CacheAware(exact), lambda s, q: RequestInfo(token_ids=s + q)),
+        ("text", CacheAware(TextPrefixIndex()), lambda s, q: RequestInfo(text=" ".join(map(str, s + q)))),
+    ):
+        times = []
+        for i in range(args.decisions):
+            s = systems[i % len(systems)]
+            info = make(s, [rng.randrange(49152) for _ in range(args.question_tokens)])
+            t0 = time.perf_counter()
+            ca.choose(targets, info)
+            times.append(time.perf_counter() - t0)
+        times.sort()
+        out[name] = {
+            "p50_ms": round(1e3 * times[len(times) // 2], 4),
+            "p99_ms": round(1e3 * times[int(0.99 * len(times))], 4),
+        }
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--policies", default="cache-aware,round-robin,least-loaded")
+    p.add_argument("--requests", type=int, default=256)
+    p.add_argument("--rate", type=float, default=2.0, help="Poisson arrivals per second")
+    p.add_argument("--tenants", type=int, default=8)
+    p.add_argument("--system-tokens", type=int, default=1000)
+    p.add_argument("--question-tokens", type=int, default=50)
+    p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--skew", type=float, default=None, help="fraction of requests on tenant 0")
+    p.add_argument("--kv-cache-memory", default="240MiB", help="per replica (~5,000 tokens of smollm2)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cached-prefixes", type=int, default=10_000)
+    p.add_argument("--decisions", type=int, default=10_000)
+    p.add_argument("--skip-serve", action="store_true", help="only the router microbenchmark")
+    p.add_argument("--gateway", action="store_true", help="also through `kvserve gateway` over two servers")
+    args = p.parse_args()
+    print(f"# cpu flags: {cpu_flags()}", flush=True)
+    print(f"# args: {vars(args)}", flush=True)
+    if not args.skip_serve:
+        reqs = workload(args)
+        for policy in args.policies.split(","):
+            print(json.dumps(run_policy(policy, args, reqs)), flush=True)
+        if args.gateway:
+            import tempfile
+
+            with tempfile.TemporaryDirectory() as workdir:
+                for policy in args.policies.split(","):
+                    print(json.dumps(run_gateway(policy, args, reqs, workdir)), flush=True)
+    print(json.dumps({"router_microbench": microbench(args)}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

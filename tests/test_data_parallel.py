@@ -1,0 +1,119 @@
+"""`kvserve serve --data-parallel-size 2` end to end (one real server for the module, cache-aware
+routing): greedy completions equal the single-engine result, both replicas serve, a repeated
+prompt lands where it is cached, a disconnect frees the owner's blocks, and a killed replica
+fails only its own requests while /health reports it and the other goes on serving."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import time
+
+import httpx
+import pytest
+from server_utils import ServerProcess
+from test_server import LONG, MODEL_ARGS
+
+from kvserve import LLM, SamplingParams
+
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog. A paged KV cache stores keys and values " + tail
+    for tail in ("Hello world!", "in blocks.", "0123456789", "naive cafe", "Continuous", "batching")
+]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir):
+    s = ServerProcess(tiny_llama_dir, *MODEL_ARGS, "--data-parallel-size", "2", "--max-num-seqs", "8")
+    yield s
+    s.stop()
+
+
+def by_engine(s: ServerProcess, name: str) -> dict[str, float]:
+    """engine label -> value of one metric (summed over its other labels)."""
+    text = httpx.get(f"{s.url}/metrics", headers=s.headers, timeout=5).text
+    out: dict[str, float] = {}
+    for m in re.finditer(rf"^{re.escape(name)}\{{([^}}]*)\}} (\S+)$", text, re.M):
+        engine = re.search(r'engine="([^"]+)"', m.group(1)).group(1)
+        out[engine] = out.get(engine, 0.0) + float(m.group(2))
+    return out
+
+
+def _post_all(s: ServerProcess, bodies: list[dict]):
+    async def scenario():
+        async with httpx.AsyncClient(timeout=60) as http:
+            url = f"{s.url}/v1/completions"
+            return await asyncio.gather(*(http.post(url, json=b, headers=s.headers) for b in bodies))
+
+    return asyncio.run(scenario())
+
+
+def test_greedy_equals_one_engine_and_cache_hits_land_on_the_holder(server, tiny_llama_dir):
+    offline = LLM(tiny_llama_dir, kv_cache_memory="32MiB", max_model_len=256)
+    outs = offline.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12))
+    want = [o.outputs[0].text for o in outs]
+    del offline
+    bodies = [{"model": "tiny", "prompt": p, "max_tokens": 12, "temperature": 0} for p in PROMPTS]
+    for _ in range(2):  # cold, then with the shared prefix cached
+        results = _post_all(server, bodies)
+        assert [r.status_code for r in results] == [200] * len(PROMPTS)
+        assert [r.json()["choices"][0]["text"] for r in results] == want
+    assert all(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0 for r in results)
+    prompt_tokens = by_engine(server, "kvserve:prompt_tokens_total")
+    assert prompt_tokens["0"] > 0 and prompt_tokens["1"] > 0  # both replicas served
+    assert prompt_tokens["total"] == prompt_tokens["0"] + prompt_tokens["1"]
+    hits = by_engine(server, "kvserve:prefix_cache_hits_total")
+    assert hits["total"] == hits.get("0", 0) + hits.get("1", 0) > 0
+
+
+def test_disconnect_frees_blocks_on_the_owner(server):
+    body = {**LONG, "stream": True}
+    with httpx.Client(timeout=30) as http:
+        with http.stream("POST", f"{server.url}/v1/completions", json=body, headers=server.headers) as r:
+            assert r.status_code == 200
+            for i, _ in enumerate(r.iter_lines()):
+                if i >= 4:
+                    break  # leave mid-stream
+    deadline = time.monotonic() + 5
+    while True:
+        running = by_engine(server, "kvserve:num_requests_running")
+        usage = by_engine(server, "kvserve:kv_cache_usage_perc")
+        if all(v == 0 for v in running.values()) and all(v == 0 for v in usage.values()):
+            break
+        assert time.monotonic() < deadline, (running, usage)
+        time.sleep(0.1)
+    assert httpx.get(f"{server.url}/health").json()["replicas"][0]["in_flight"] == 0
+
+
+def test_killed_replica_fails_only_its_own_requests(server):
+    health = httpx.get(f"{server.url}/health").json()
+    assert [r["alive"] for r in health["replicas"]] == [True, True]
+    victim = health["replicas"][1]["pid"]
+    url, hdr = f"{server.url}/v1/completions", server.headers
+
+    async def scenario():
+        async with httpx.AsyncClient(timeout=60) as http:
+            tasks = [asyncio.create_task(http.post(url, json=LONG, headers=hdr)) for _ in range(8)]
+            await asyncio.sleep(0.5)
+            os.kill(victim, signal.SIGKILL)
+            t0 = time.monotonic()
+            while (h := (await http.get(f"{server.url}/health")).json())["replicas"][1]["alive"]:
+                assert time.monotonic() - t0 < 2.0, "/health did not report the dead replica"
+                await asyncio.sleep(0.05)
+            # New requests go to the survivor while the dead one restarts.
+            short = {"model": "tiny", "prompt": "Hi", "max_tokens": 4}
+            during = await asyncio.gather(*(http.post(url, json=short, headers=hdr) for _ in range(3)))
+            return h, during, await asyncio.gather(*tasks)
+
+    h, during, results = asyncio.run(scenario())
+    assert h["status"] == "ok" and h["replicas"][0]["alive"]
+    assert [r.status_code for r in during] == [200] * 3
+    codes = sorted(r.status_code for r in results)
+    assert 200 in codes and any(c >= 500 for c in codes) and set(codes) <= {200, 500, 503}, codes
+    deadline = time.monotonic() + 60
+    while not httpx.get(f"{server.url}/health").json()["replicas"][1]["alive"]:
+        assert time.monotonic() < deadline, "the killed replica did not come back"
+        time.sleep(0.2)
+    assert httpx.get(f"{server.url}/health").json()["replicas"][1]["pid"] != victim
