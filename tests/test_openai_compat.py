@@ -148,6 +148,8 @@ def test_tokenize_counts_tools_as_chat_does(server, client):
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     msgs = [{"role": "user", "content": "Call f."}]
     counted = post(server, "/tokenize", {"messages": msgs, "tools": tools}).json()["count"]
+    empty = post(server, "/tokenize", {"messages": [], "continue_final_message": False})
+    assert empty.status_code == 400 and empty.json()["error"]["param"] == "messages"  # schemathesis found it
     r = client.chat.completions.create(model="smol", messages=msgs, tools=tools, max_tokens=1)
     assert counted == r.usage.prompt_tokens
     assert counted > post(server, "/tokenize", {"messages": msgs}).json()["count"]

@@ -93,6 +93,8 @@ def continues_final_message(req: ChatCompletionRequest) -> bool:
     """Prefill: the reply extends the last assistant message instead of opening a new turn,
     when asked (continue_final_message) or when the conversation ends with the assistant's
     text and the client did not explicitly ask for a generation prompt."""
+    if not req.messages:
+        return False
     last = req.messages[-1]
     if req.continue_final_message:
         return True

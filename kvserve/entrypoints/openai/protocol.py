@@ -279,7 +279,7 @@ class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     tools: list[ChatTool] | None = None  # counted as a chat request with these tools would be
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
