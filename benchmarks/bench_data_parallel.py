@@ -28,6 +28,7 @@ import sys
 import time
 
 import httpx
+from cpu_info import cpu_flags
 
 from kvserve.core.block_pool import hash_prompt_blocks
 from kvserve.routing import BlockHashIndex, CacheAware, RequestInfo, TextPrefixIndex
@@ -36,13 +37,6 @@ WORDS = (
     "time year people way day man thing woman life child world school state family student group country "
     "problem hand part place case week company system program question work government number night point"
 ).split()
-
-
-def cpu_flags() -> str:
-    with open("/proc/cpuinfo") as f:
-        flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    wanted = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile")
-    return " ".join(x for x in wanted if x in flags) or "none of avx2/avx512"
 
 
 def free_port() -> int:

@@ -27,16 +27,10 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+from cpu_info import cpu_flags  # noqa: E402
 
 from benchmarks.common import machine  # noqa: E402
 from kvserve import LLM, SamplingParams  # noqa: E402
-
-
-def cpu_flags() -> str:
-    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
-    with open("/proc/cpuinfo") as f:
-        flags = next((line.split(":")[1].split() for line in f if line.startswith("flags")), [])
-    return " ".join(w for w in wanted if w in flags) or "none of " + ",".join(wanted)
 
 
 def run(tp: int, args, threads: int | None = None) -> dict:

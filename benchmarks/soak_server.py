@@ -23,6 +23,7 @@ import time
 
 import httpx
 import psutil
+from cpu_info import cpu_flags
 
 BAD = [
     {"top_k": 2**63}, {"seed": 2**70}, {"priority": 2**70}, {"n": 1000}, {"temperature": "hot"},
@@ -30,13 +31,6 @@ BAD = [
     {"stop": [""]}, {"logit_bias": {"x": 1}},
 ]  # fmt: skip
 WORDS = "time year people way day man thing woman life child world school state family".split()
-
-
-def cpu_flags() -> str:
-    with open("/proc/cpuinfo") as f:
-        flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    wanted = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile")
-    return " ".join(x for x in wanted if x in flags) or "none of avx2/avx512"
 
 
 def free_port() -> int:
