@@ -104,7 +104,8 @@ class PagedAttention:
         else:
             k, v = self._write_quantized(k[:n], v[:n], k_cache, v_cache, meta)
         out = torch.empty_like(q)
-        out[n:] = 0
+        if n < q.shape[0]:
+            out[n:] = 0
         nd = meta.num_decodes
         if nd:
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta)
