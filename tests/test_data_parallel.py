@@ -95,8 +95,15 @@ def test_killed_replica_fails_only_its_own_requests(server):
 
     async def scenario():
         async with httpx.AsyncClient(timeout=60) as http:
-            tasks = [asyncio.create_task(http.post(url, json=LONG, headers=hdr)) for _ in range(8)]
-            await asyncio.sleep(0.5)
+            # distinct prompts (no shared prefix to follow), so the policy spreads them
+            bodies = [{**LONG, "prompt": f"{i} {LONG['prompt']}"} for i in range(8)]
+            tasks = [asyncio.create_task(http.post(url, json=b, headers=hdr)) for b in bodies]
+            t0 = time.monotonic()
+            while not all(
+                r["in_flight"] for r in (await http.get(f"{server.url}/health")).json()["replicas"]
+            ):
+                assert time.monotonic() - t0 < 30, "the requests did not reach both replicas"
+                await asyncio.sleep(0.05)
             os.kill(victim, signal.SIGKILL)
             t0 = time.monotonic()
             while (h := (await http.get(f"{server.url}/health")).json())["replicas"][1]["alive"]:
