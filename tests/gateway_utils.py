@@ -92,7 +92,9 @@ class FaultBackend:
 class GatewayProcess:
     """`kvserve gateway --config` in its own process (a real uvicorn server)."""
 
-    def __init__(self, config: dict, workdir: str, name: str = "gw", wait: bool = True) -> None:
+    def __init__(
+        self, config: dict, workdir: str, name: str = "gw", wait: bool = True, args: tuple[str, ...] = ()
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.config_path = os.path.join(workdir, f"{name}.yaml")
@@ -102,7 +104,7 @@ class GatewayProcess:
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvserve.entrypoints.cli", "gateway", "--config", self.config_path,
-             "--port", str(self.port)],
+             "--port", str(self.port), *args],
             stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT,
         )  # fmt: skip
         if wait:

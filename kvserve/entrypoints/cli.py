@@ -122,7 +122,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             engine_restart_limit=args.engine_restart_limit, routing_policy=args.routing_policy,
             allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
             allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
-            metrics_compat=args.metrics_compat,
+            metrics_compat=args.metrics_compat, web_ui=not args.disable_web_ui,
         )  # fmt: skip
         return serve(config, args.host, args.port, server)
     except (ValueError, FileNotFoundError, RuntimeError, TimeoutError) as e:  # start-up problems
@@ -140,7 +140,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         return 2
     from kvserve.gateway.app import serve
 
-    return serve(cfg, args.host, args.port)
+    return serve(cfg, args.host, args.port, web_ui=not args.disable_web_ui)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -193,6 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="restart a dead engine core up to this many times in a row (0: never)")  # fmt: skip
     srv.add_argument("--routing-policy", choices=SERVE_POLICIES, default=ServerConfig.routing_policy,
                      help="how --data-parallel-size replicas share requests")  # fmt: skip
+    srv.add_argument("--disable-web-ui", action="store_true", help="no chat at / and no /dashboard")
     srv.add_argument("--engine", choices=("kvserve", "naive"), default="kvserve",
                      help="naive: the transformers generate() baseline, one request at a time")  # fmt: skip
     add_engine_args(srv)
@@ -202,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--config", required=True, help="gateway YAML (see docs/GATEWAY.md)")
     gw.add_argument("--host", default="127.0.0.1")
     gw.add_argument("--port", type=int, default=4000)
+    gw.add_argument("--disable-web-ui", action="store_true", help="no chat at / and no /dashboard")
     gw.set_defaults(func=cmd_gateway)
 
     from kvserve.planner.cli import register as register_plan

@@ -22,6 +22,7 @@ from kvserve.gateway.keys import KeyRecord, KeyStore, open_database
 from kvserve.gateway.metrics import GatewayMetrics
 from kvserve.gateway.spend import SpendLog
 from kvserve.gateway.state import StoreUnavailable, open_store
+from kvserve.web import add_web_ui
 
 log = logging.getLogger("kvserve.gateway")
 
@@ -59,7 +60,7 @@ class GatewayState:
             raise unauthorized("Authorization: the admin API needs the master key")
 
 
-def build_app(cfg: GatewayConfig) -> FastAPI:
+def build_app(cfg: GatewayConfig, web_ui: bool = True) -> FastAPI:
     state = GatewayState(cfg)
 
     @contextlib.asynccontextmanager
@@ -138,10 +139,12 @@ def build_app(cfg: GatewayConfig) -> FastAPI:
     async def metrics():
         return Response(generate_latest(st().metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    if web_ui:  # the chat over the aliases (/v1/models), the dashboard over the gateway's metrics
+        add_web_ui(app)
     return app
 
 
-def serve(cfg: GatewayConfig, host: str, port: int) -> int:
+def serve(cfg: GatewayConfig, host: str, port: int, web_ui: bool = True) -> int:
     import uvicorn
 
     log.info(
@@ -151,5 +154,5 @@ def serve(cfg: GatewayConfig, host: str, port: int) -> int:
         len(cfg.model_list),
         cfg.general_settings.state.split("@")[-1],
     )
-    uvicorn.run(build_app(cfg), host=host, port=port, log_level="warning", access_log=False)
+    uvicorn.run(build_app(cfg, web_ui), host=host, port=port, log_level="warning", access_log=False)
     return 0

@@ -35,6 +35,7 @@ from kvserve.entrypoints.openai.responses_protocol import ResponsesRequest
 from kvserve.entrypoints.openai.server_config import ServerConfig
 from kvserve.entrypoints.openai.serving import ClientDisconnectedError, OpenAIServing, ServerOverloadedError
 from kvserve.metrics.prometheus import ServerMetrics
+from kvserve.web import add_web_ui
 
 logger = logging.getLogger("kvserve.server")
 
@@ -262,6 +263,8 @@ def build_app(engine: AsyncLLM | DPClient, cfg: ServerConfig) -> FastAPI:
             body += body.replace(b"kvserve:", b"vllm:")
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    if cfg.web_ui:
+        add_web_ui(app)
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.lifecycle = lifecycle

@@ -34,3 +34,5 @@ class ServerConfig:
     """Responses API: how many stored responses are kept for previous_response_id (LRU)."""
     metrics_compat: str | None = None
     """"vllm": /metrics also carries each series under its vllm:* name."""
+    web_ui: bool = True
+    """The chat at / and the dashboard at /dashboard (--disable-web-ui turns them off)."""

@@ -1,0 +1,362 @@
+// The chat page: conversations in localStorage, answers streamed from /v1/chat/completions
+// (server-sent events read with fetch, so Stop can abort the request: the server then aborts
+// it in the engine, which frees its KV blocks) and rendered as Markdown as they arrive.
+
+import { api, errorText } from "./common.js";
+import { renderMarkdown } from "./markdown.js";
+
+const $ = (id) => document.getElementById(id);
+const STORE = "kvserve.conversations";
+const SETTINGS = "kvserve.chatSettings";
+const FIELDS = ["model", "system", "temperature", "top_p", "max_tokens", "seed", "json_mode", "json_schema"];
+
+const load = (key, fallback) => {
+  try {
+    return JSON.parse(localStorage.getItem(key)) ?? fallback;
+  } catch {
+    return fallback;
+  }
+};
+let conversations = load(STORE, []);
+let current = null; // the conversation on screen
+let controller = null; // the AbortController of the answer being streamed
+
+function saveConversations() {
+  localStorage.setItem(STORE, JSON.stringify(conversations));
+}
+
+// ---- settings -------------------------------------------------------------------------------
+function readSetting(name) {
+  const el = $(name);
+  return el.type === "checkbox" ? el.checked : el.value;
+}
+
+function saveSettings() {
+  localStorage.setItem(SETTINGS, JSON.stringify(Object.fromEntries(FIELDS.map((f) => [f, readSetting(f)]))));
+}
+
+function restoreSettings() {
+  const saved = load(SETTINGS, {});
+  for (const f of FIELDS) {
+    if (!(f in saved) || f === "model") continue; // the model list is not loaded yet
+    if ($(f).type === "checkbox") $(f).checked = saved[f];
+    else $(f).value = saved[f];
+  }
+  for (const f of FIELDS) $(f).addEventListener("change", saveSettings);
+}
+
+async function loadModels() {
+  const res = await api("/v1/models");
+  if (!res.ok) return setStatus(`models: ${await errorText(res)}`);
+  const ids = (await res.json()).data.map((m) => m.id);
+  const select = $("model");
+  select.replaceChildren(...ids.map((id) => new Option(id, id)));
+  const saved = load(SETTINGS, {}).model;
+  if (ids.includes(saved)) select.value = saved;
+}
+
+/** The request body's sampling part; throws on a JSON schema that does not parse. */
+function samplingBody() {
+  const body = { model: $("model").value };
+  const num = (f) => (readSetting(f) === "" ? null : Number(readSetting(f)));
+  for (const f of ["temperature", "top_p", "max_tokens", "seed"]) if (num(f) !== null) body[f] = num(f);
+  if (readSetting("json_mode")) {
+    const text = readSetting("json_schema").trim();
+    body.response_format = text
+      ? { type: "json_schema", json_schema: { name: "answer", schema: JSON.parse(text) } }
+      : { type: "json_object" };
+  }
+  return body;
+}
+
+// ---- conversations --------------------------------------------------------------------------
+function newConversation() {
+  current = { id: crypto.randomUUID?.() ?? String(Date.now()), title: "New chat", messages: [] };
+  renderAll();
+  $("prompt").focus();
+}
+
+function renderList() {
+  const list = $("conversations");
+  list.replaceChildren(
+    ...conversations.map((c) => {
+      const li = document.createElement("li");
+      const open = document.createElement("button");
+      open.type = "button";
+      open.className = "conv" + (c === current ? " active" : "");
+      open.textContent = c.title;
+      open.onclick = () => {
+        if (controller) return;
+        current = c;
+        renderAll();
+        closeMenu();
+      };
+      const del = document.createElement("button");
+      del.type = "button";
+      del.className = "icon";
+      del.textContent = "×";
+      del.setAttribute("aria-label", `Delete conversation “${c.title}”`);
+      del.onclick = () => {
+        conversations = conversations.filter((x) => x !== c);
+        saveConversations();
+        if (c === current) newConversation();
+        else renderList();
+      };
+      li.append(open, del);
+      return li;
+    }),
+  );
+}
+
+function renderAll() {
+  $("title").textContent = current.title;
+  $("messages").replaceChildren(...current.messages.map((m, i) => messageElement(m, i)));
+  renderList();
+  scrollDown();
+}
+
+function messageElement(msg, index) {
+  const el = document.createElement("article");
+  el.className = `msg ${msg.role}`;
+  const role = document.createElement("div");
+  role.className = "role";
+  role.textContent = msg.role === "user" ? "You" : msg.model || "Assistant";
+  const body = document.createElement("div");
+  body.className = "body";
+  el.append(role, body);
+  if (msg.role === "assistant") {
+    const meta = document.createElement("footer");
+    meta.className = "meta";
+    const stats = document.createElement("span");
+    stats.className = "stats";
+    const copy = button("Copy", "Copy this answer", () => copyText(msg.content, copy));
+    meta.append(stats, copy);
+    if (index === current.messages.length - 1) {
+      meta.append(button("Regenerate", "Regenerate this answer", regenerate));
+    }
+    el.append(meta);
+  }
+  fillMessage(el, msg);
+  return el;
+}
+
+function fillMessage(el, msg) {
+  const body = el.querySelector(".body");
+  if (msg.role === "user") body.textContent = msg.content;
+  else {
+    body.innerHTML = renderMarkdown(msg.content);
+    for (const pre of body.querySelectorAll("pre")) {
+      pre.append(button("Copy", "Copy this code", (e) => copyText(pre.querySelector("code").textContent, e.target)));
+    }
+  }
+  if (msg.error) {
+    const err = document.createElement("p");
+    err.className = "error";
+    err.textContent = msg.error;
+    body.append(err);
+  }
+  const stats = el.querySelector(".stats");
+  if (stats) stats.textContent = statsText(msg.stats);
+}
+
+function statsText(s) {
+  if (!s) return "";
+  const parts = [];
+  if (s.ttft_ms != null) parts.push(`TTFT ${Math.round(s.ttft_ms)} ms`);
+  parts.push(`${s.tokens} tokens`);
+  if (s.tok_per_s != null) parts.push(`${s.tok_per_s.toFixed(1)} tok/s`);
+  if (s.stopped) parts.push("stopped");
+  return parts.join(" · ");
+}
+
+function button(label, aria, onclick) {
+  const b = document.createElement("button");
+  b.type = "button";
+  b.className = "small";
+  b.textContent = label;
+  b.setAttribute("aria-label", aria);
+  b.onclick = onclick;
+  return b;
+}
+
+async function copyText(text, btn) {
+  try {
+    await navigator.clipboard.writeText(text);
+  } catch {
+    const area = Object.assign(document.createElement("textarea"), { value: text });
+    document.body.append(area);
+    area.select();
+    document.execCommand("copy");
+    area.remove();
+  }
+  const was = btn.textContent;
+  btn.textContent = "Copied";
+  setTimeout(() => (btn.textContent = was), 1200);
+}
+
+function scrollDown() {
+  const box = $("messages");
+  box.scrollTop = box.scrollHeight;
+}
+
+function setStatus(text) {
+  $("status").textContent = text;
+}
+
+// ---- sending and streaming ------------------------------------------------------------------
+function send() {
+  const text = $("prompt").value.trim();
+  if (!text || controller) return;
+  $("prompt").value = "";
+  if (!current.messages.length) {
+    current.title = text.length > 40 ? text.slice(0, 40) + "…" : text;
+    conversations.unshift(current);
+  }
+  current.messages.push({ role: "user", content: text });
+  answer();
+}
+
+function regenerate() {
+  if (controller) return;
+  if (current.messages.at(-1)?.role === "assistant") current.messages.pop();
+  answer();
+}
+
+async function answer() {
+  let body;
+  try {
+    body = samplingBody();
+  } catch (e) {
+    setStatus(`JSON schema: ${e.message}`);
+    return renderAll();
+  }
+  const history = current.messages.map(({ role, content }) => ({ role, content }));
+  const system = readSetting("system").trim();
+  body.messages = system ? [{ role: "system", content: system }, ...history] : history;
+  body.stream = true;
+  body.stream_options = { include_usage: true };
+
+  const msg = { role: "assistant", content: "", model: body.model };
+  const convo = current;
+  convo.messages.push(msg);
+  renderAll();
+  const el = $("messages").lastElementChild;
+  el.setAttribute("aria-busy", "true");
+  controller = new AbortController();
+  setBusy(true);
+  const t0 = performance.now();
+  let tFirst = null;
+  let chunks = 0;
+  let usage = null;
+  let pending = false;
+  const redraw = () => {
+    if (pending) return;
+    pending = true;
+    requestAnimationFrame(() => {
+      pending = false;
+      fillMessage(el, msg);
+      scrollDown();
+    });
+  };
+  try {
+    const res = await api("/v1/chat/completions", {
+      method: "POST",
+      headers: { "Content-Type": "application/json" },
+      body: JSON.stringify(body),
+      signal: controller.signal,
+    });
+    if (!res.ok) throw new Error(await errorText(res));
+    for await (const event of sseEvents(res.body)) {
+      if (event.error) throw new Error(event.error.message || "stream error");
+      if (event.usage) usage = event.usage;
+      const text = event.choices?.[0]?.delta?.content;
+      if (text) {
+        tFirst ??= performance.now();
+        chunks++;
+        msg.content += text;
+        redraw();
+      }
+    }
+  } catch (e) {
+    if (e.name === "AbortError") msg.stopped = true;
+    else msg.error = e.message;
+  } finally {
+    const tEnd = performance.now();
+    const tokens = usage?.completion_tokens ?? chunks;
+    msg.stats = {
+      ttft_ms: tFirst === null ? null : tFirst - t0,
+      tokens,
+      tok_per_s: tFirst !== null && tokens > 1 && tEnd > tFirst ? (tokens - 1) / ((tEnd - tFirst) / 1000) : null,
+      stopped: Boolean(msg.stopped),
+    };
+    controller = null;
+    setBusy(false);
+    el.removeAttribute("aria-busy");
+    saveConversations();
+    if (convo === current) renderAll();
+  }
+}
+
+/** The JSON payloads of a server-sent event stream, until [DONE]. */
+async function* sseEvents(stream) {
+  const reader = stream.pipeThrough(new TextDecoderStream()).getReader();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buffer += value;
+    let cut;
+    while ((cut = buffer.indexOf("\n\n")) >= 0) {
+      const event = buffer.slice(0, cut);
+      buffer = buffer.slice(cut + 2);
+      const data = event
+        .split("\n")
+        .filter((l) => l.startsWith("data:"))
+        .map((l) => l.slice(5).trim())
+        .join("\n");
+      if (data === "[DONE]") return;
+      if (data) yield JSON.parse(data);
+    }
+  }
+}
+
+function setBusy(busy) {
+  $("send").disabled = busy;
+  $("stop").disabled = !busy;
+  setStatus(busy ? "answering…" : "");
+}
+
+// ---- wiring ---------------------------------------------------------------------------------
+function closeMenu() {
+  document.body.classList.remove("menu-open");
+  $("menu").setAttribute("aria-expanded", "false");
+}
+
+function init() {
+  restoreSettings();
+  $("composer").addEventListener("submit", (e) => {
+    e.preventDefault();
+    send();
+  });
+  $("prompt").addEventListener("keydown", (e) => {
+    if (e.key === "Enter" && !e.shiftKey && !e.isComposing) {
+      e.preventDefault();
+      send();
+    }
+  });
+  $("stop").addEventListener("click", () => controller?.abort());
+  $("new-chat").addEventListener("click", () => {
+    if (!controller) newConversation();
+    closeMenu();
+  });
+  $("menu").addEventListener("click", () => {
+    const open = document.body.classList.toggle("menu-open");
+    $("menu").setAttribute("aria-expanded", String(open));
+  });
+  current = conversations[0] ?? null;
+  if (current) renderAll();
+  else newConversation();
+  loadModels();
+}
+
+init();

@@ -1,0 +1,281 @@
+"""The built-in web chat (`/`) and dashboard (`/dashboard`) in a real browser: Debian's chromium
+driven by Playwright, against real `kvserve serve` and `kvserve gateway` processes.
+
+Every page runs with the browser's network limited to the server's own origin: any other
+request is blocked and recorded, and the test fails if there was one.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+from gateway_utils import GatewayProcess, deployment
+from playwright.sync_api import Page, sync_playwright
+from server_utils import ServerProcess
+
+CHROMIUM = "/usr/bin/chromium"  # Debian's package (the Makefile installs it); no browser download
+KEY = "sk-web"
+MODEL_ARGS = ("--kv-cache-memory", "64MiB", "--max-model-len", "4096", "--served-model-name", "tiny")
+RECORD_ANSWER = """() => {
+  window.seen = [];
+  new MutationObserver(() => {
+    const body = [...document.querySelectorAll('.msg.assistant .body')].at(-1);
+    const text = body ? body.textContent : '';
+    if (text && text !== window.seen.at(-1)) window.seen.push(text);
+  }).observe(document.getElementById('messages'), {subtree: true, childList: true, characterData: true});
+}"""
+
+
+@pytest.fixture(scope="module")
+def server(tiny_long_dir):
+    s = ServerProcess(tiny_long_dir, *MODEL_ARGS, api_key=KEY)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
+        yield b
+        b.close()
+
+
+class Offline:
+    """A browser context whose network is the one origin: the rest is blocked and recorded."""
+
+    def __init__(self, browser, origin: str, key: str | None, **context) -> None:
+        self.origin = origin
+        self.requested: list[str] = []
+        self.blocked: list[str] = []
+        self.errors: list[str] = []
+        self.context = browser.new_context(**{"viewport": {"width": 1280, "height": 800}, **context})
+        if key:  # as if entered in this tab before
+            self.context.add_init_script(f"sessionStorage.setItem('kvserve.apiKey', {key!r})")
+        self.context.route("**/*", self._route)
+
+    def _route(self, route) -> None:
+        url = route.request.url
+        self.requested.append(url)
+        if url == self.origin or url.startswith(self.origin + "/"):
+            route.continue_()
+        else:
+            self.blocked.append(url)
+            route.abort()
+
+    def page(self) -> Page:
+        page = self.context.new_page()
+        page.on("pageerror", lambda e: self.errors.append(str(e)))
+        return page
+
+    def close(self) -> None:
+        self.context.close()
+        assert not self.blocked, f"requests outside the origin: {self.blocked}"
+        assert not self.errors, f"JavaScript errors: {self.errors}"
+
+
+@pytest.fixture()
+def offline(browser, server):
+    ctx = Offline(browser, server.url, KEY)
+    yield ctx
+    ctx.close()
+
+
+def running(server: ServerProcess) -> float:
+    return server.metrics()["kvserve:num_requests_running"]
+
+
+def wait_until(predicate, timeout: float = 20, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_pages_stay_on_their_origin(offline, server):
+    """Both pages and every asset load with nothing but 127.0.0.1 reachable."""
+    page = offline.page()
+    for path, ready in (("/", "#model option"), ("/dashboard", "#v-tokps")):
+        page.goto(server.url + path)
+        page.wait_for_selector(ready, state="attached")
+        page.wait_for_load_state("networkidle")
+    assert any(u.endswith("/ui/chat.js") for u in offline.requested)
+    assert any(u.endswith("/ui/dashboard.js") for u in offline.requested)
+    assert any(u.endswith("/metrics") for u in offline.requested)
+    csp = httpx.get(server.url + "/").headers["content-security-policy"]
+    assert "connect-src 'self'" in csp and "default-src 'self'" in csp
+
+
+def test_api_key_prompt_then_chat(browser, server):
+    ctx = Offline(browser, server.url, key=None)
+    page = ctx.page()
+    page.goto(server.url + "/")
+    dialog = page.locator("#key-dialog")
+    dialog.wait_for(state="visible")  # /v1/models answered 401
+    page.get_by_label("Key (kept in this tab's session only)").fill(KEY)
+    page.keyboard.press("Enter")
+    page.wait_for_selector("#model option[value=tiny]", state="attached")
+    assert not dialog.is_visible()
+    assert page.evaluate("sessionStorage.getItem('kvserve.apiKey')") == KEY
+    page.get_by_label("Max tokens").fill("8")
+    page.get_by_label("Message").fill("Hello")
+    page.get_by_role("button", name="Send").click()
+    stats = page.locator(".msg.assistant .stats")
+    stats.filter(has_text="tokens").wait_for()
+    assert "TTFT" in stats.inner_text()
+    page.reload()  # the key lasts for the session: no second prompt
+    page.wait_for_selector("#model option[value=tiny]", state="attached")
+    assert not dialog.is_visible()
+    ctx.close()
+
+
+def test_chat_streams_and_stop_frees_the_engine(offline, server):
+    page = offline.page()
+    page.goto(server.url + "/")
+    page.wait_for_selector("#model option[value=tiny]", state="attached")
+    page.get_by_label("Temperature").fill("0")
+    page.get_by_label("Max tokens").fill("3000")
+    prompt = page.get_by_label("Message")
+    prompt.click()
+    page.keyboard.type("The quick brown fox")
+    page.keyboard.press("Shift+Enter")  # a new line, not a send
+    page.keyboard.type("jumps")
+    assert prompt.input_value() == "The quick brown fox\njumps"
+    assert page.locator(".msg").count() == 0
+    page.evaluate(RECORD_ANSWER)
+    page.keyboard.press("Enter")  # sends
+    page.wait_for_function("() => window.seen.length >= 3")  # text arrived in several updates
+    seen = page.evaluate("window.seen")
+    assert all(b.startswith(a) for a, b in zip(seen, seen[1:])), seen  # it grows, it is not replaced
+    assert running(server) == 1  # still answering
+    page.get_by_role("button", name="Stop").click()
+    wait_until(lambda: running(server) == 0, what="the engine's running count to drop to 0")
+    stats = page.locator(".msg.assistant .stats")
+    stats.filter(has_text="stopped").wait_for()
+    assert page.get_by_role("button", name="Send").is_enabled()
+    assert page.get_by_role("button", name="Stop").is_disabled()
+    stopped_text = page.locator(".msg.assistant .body").inner_text()
+    assert stopped_text
+    page.reload()  # the conversation is kept in localStorage, with the partial answer
+    page.locator(".msg.assistant .body").wait_for()
+    assert page.locator(".msg.user .body").inner_text() == "The quick brown fox\njumps"
+    assert page.locator(".msg.assistant .body").inner_text() == stopped_text
+    assert page.locator("#conversations button.conv").first.inner_text().startswith("The quick brown fox")
+
+
+def test_markdown_is_rendered_and_escaped(offline, server):
+    page = offline.page()
+    page.goto(server.url + "/ui/chat.html")
+    source = "\n".join(
+        ["# Title", "Some **bold** and `x<y`", "", "```python", 'print("<b>")', "```", "- one", "- two"]
+        + ["<script>x</script>"]
+    )
+    html = page.evaluate("async (s) => (await import('/ui/markdown.js')).renderMarkdown(s)", source)
+    assert "<strong>bold</strong>" in html and "<code>x&lt;y</code>" in html
+    assert '<pre data-lang="python"><code>print(&quot;&lt;b&gt;&quot;)</code></pre>' in html
+    assert "<ul><li>one</li><li>two</li></ul>" in html
+    assert "<script>" not in html and "&lt;script&gt;" in html
+
+
+def _load(server: ServerProcess, stop: threading.Event) -> None:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "fox"}], "max_tokens": 200}
+    with httpx.Client(base_url=server.url, headers=server.headers, timeout=60) as client:
+        while not stop.is_set():
+            client.post("/v1/chat/completions", json=body)
+
+
+def test_dashboard_under_load(offline, server):
+    stop = threading.Event()
+    workers = [threading.Thread(target=_load, args=(server, stop)) for _ in range(2)]
+    for w in workers:
+        w.start()
+    try:
+        page = offline.page()
+        page.goto(server.url + "/dashboard")
+        values: list[str] = []
+
+        def changed() -> bool:
+            text = page.locator("#v-tokps").inner_text()
+            if text != "—" and text not in values:
+                values.append(text)
+            return len(values) >= 2 and any(float(v) > 0 for v in values)
+
+        wait_until(changed, timeout=30, what="the throughput value to change")
+        page.locator("#v-requests", has_text="running").wait_for()
+        assert page.locator("canvas#c-tokps").is_visible()
+    finally:
+        stop.set()
+        for w in workers:
+            w.join()
+
+
+def test_phone_layout(browser, server):
+    ctx = Offline(browser, server.url, KEY, viewport={"width": 390, "height": 844})
+    page = ctx.page()
+    page.goto(server.url + "/")
+    sidebar = page.locator("#sidebar")
+    assert not sidebar.is_visible()  # settings behind the menu button on a phone
+    page.get_by_role("button", name="Menu").click()
+    assert sidebar.is_visible() and page.get_by_label("Model").is_visible()
+    width = page.evaluate("document.documentElement.scrollWidth")
+    assert width <= 390  # nothing wider than the window
+    ctx.close()
+
+
+def test_disable_web_ui(tmp_path, monkeypatch):
+    """--disable-web-ui: on the gateway (a real process) nothing answers at / or /dashboard; on
+    `kvserve serve` the flag reaches the server's settings (build_app mounts only when set)."""
+    cfg = {
+        "model_list": [deployment("a", "http://127.0.0.1:9/v1", "tiny")],
+        "general_settings": {"database": str(tmp_path / "gw.db")},
+    }
+    gw = GatewayProcess(cfg, str(tmp_path), args=("--disable-web-ui",))
+    try:
+        for path in ("/", "/dashboard", "/ui/chat.js"):
+            r = httpx.get(gw.url + path)
+            assert r.status_code == 404, path
+        assert httpx.get(gw.url + "/health").status_code == 200
+    finally:
+        gw.stop()
+
+    from kvserve.entrypoints import cli
+    from kvserve.entrypoints.openai import api_server
+
+    seen = []
+    monkeypatch.setattr(api_server, "serve", lambda config, host, port, server: seen.append(server) or 0)
+    for argv, expected in ((["serve", "--disable-web-ui"], False), (["serve"], True)):
+        assert cli.main(argv) == 0
+        assert seen.pop().web_ui is expected
+
+
+def test_gateway_chat_over_aliases(browser, server, tmp_path):
+    cfg = {
+        "model_list": [
+            {**deployment("web-alias", server.url + "/v1", "tiny", api_key=KEY), "id": "replica-0"}
+        ],
+        "keys": [{"key": "sk-gw"}],
+        "general_settings": {"database": str(tmp_path / "gw.db")},
+    }
+    gw = GatewayProcess(cfg, str(tmp_path))
+    try:
+        ctx = Offline(browser, gw.url, "sk-gw")
+        page = ctx.page()
+        page.goto(gw.url + "/")
+        page.wait_for_selector("#model option[value=web-alias]", state="attached")
+        page.get_by_label("Max tokens").fill("8")
+        page.get_by_label("Message").fill("Hello")
+        page.keyboard.press("Enter")
+        page.locator(".msg.assistant .stats", has_text="tokens").wait_for()
+        page.goto(gw.url + "/dashboard")
+        page.locator("#deployments td", has_text="replica-0").wait_for()
+        assert page.locator("#deployments tbody td").nth(2).inner_text() == "up"
+        page.locator("#v-rps").wait_for()
+        ctx.close()
+    finally:
+        gw.stop()
