@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install serve test lint bench clean redis-server
+.PHONY: install serve test lint bench clean redis-server chromium
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -27,7 +27,12 @@ serve: $(STAMP)
 redis-server:
 	command -v redis-server >/dev/null || ($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq redis-server)
 
-test: $(STAMP) redis-server
+# The web UI tests (tests/test_web_ui.py) drive Debian's chromium with Playwright; Playwright's own
+# browser download is never used.
+chromium:
+	command -v chromium >/dev/null || ($(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
+
+test: $(STAMP) redis-server chromium
 	$(BIN)/ruff check .
 	$(BIN)/pytest -q --timeout 900
 

@@ -16,6 +16,9 @@ from gateway_utils import GatewayProcess, deployment
 from playwright.sync_api import Page, sync_playwright
 from server_utils import ServerProcess
 
+from kvserve.engine.messages import EngineCoreOutputs
+from kvserve.metrics.prometheus import ServerMetrics
+
 CHROMIUM = "/usr/bin/chromium"  # Debian's package (the Makefile installs it); no browser download
 KEY = "sk-web"
 MODEL_ARGS = ("--kv-cache-memory", "64MiB", "--max-model-len", "4096", "--served-model-name", "tiny")
@@ -31,7 +34,7 @@ RECORD_ANSWER = """() => {
 
 @pytest.fixture(scope="module")
 def server(tiny_long_dir):
-    s = ServerProcess(tiny_long_dir, *MODEL_ARGS, api_key=KEY)
+    s = ServerProcess(tiny_long_dir, *MODEL_ARGS, "--metrics-require-key", api_key=KEY)
     yield s
     s.stop()
 
@@ -135,6 +138,19 @@ def test_api_key_prompt_then_chat(browser, server):
     ctx.close()
 
 
+def test_api_key_prompt_on_the_dashboard(browser, server):
+    """With --metrics-require-key, /metrics answers 401 too: the dashboard asks for the key."""
+    assert httpx.get(server.url + "/metrics").status_code == 401
+    ctx = Offline(browser, server.url, key=None)
+    page = ctx.page()
+    page.goto(server.url + "/dashboard")
+    page.locator("#key-dialog").wait_for(state="visible")
+    page.get_by_label("Key (kept in this tab's session only)").fill(KEY)
+    page.keyboard.press("Enter")
+    page.locator("#v-requests", has_text="running").wait_for()
+    ctx.close()
+
+
 def test_chat_streams_and_stop_frees_the_engine(offline, server):
     page = offline.page()
     page.goto(server.url + "/")
@@ -213,6 +229,26 @@ def test_dashboard_under_load(offline, server):
         stop.set()
         for w in workers:
             w.join()
+
+
+def test_dashboard_per_replica(offline, server):
+    """With data-parallel replicas (the `engine` label) the charts draw one line per replica:
+    /metrics here is what ServerMetrics renders for two engines after one step each."""
+    metrics = ServerMetrics("tiny", num_engines=2)
+    metrics.on_step(EngineCoreOutputs([], num_running=3, num_waiting=1, kv_cache_usage=0.5), [], engine=0)
+    metrics.on_step(EngineCoreOutputs([], num_running=1, kv_cache_usage=0.25), [], engine=1)
+    page = offline.page()
+    page.route(server.url + "/metrics", lambda r: r.fulfill(body=metrics.render(), content_type="text/plain"))
+    page.goto(server.url + "/dashboard")
+    requests = page.locator("#c-requests")
+    requests.and_(page.locator("[aria-label*='running engine 1']")).wait_for()
+    label = requests.get_attribute("aria-label")
+    assert "running engine 0 3.00" in label and "waiting engine 0 1.00" in label
+    assert "running engine 1 1.00" in label and "waiting engine 1 0.00" in label
+    kv = page.locator("#c-kv").get_attribute("aria-label")
+    assert "engine 0 50.0" in kv and "engine 1 25.0" in kv
+    assert page.locator("#v-requests").inner_text() == "4 running · 1 waiting"  # the "total" series
+    assert page.locator("#v-kv").inner_text() == "37.5%"
 
 
 def test_phone_layout(browser, server):

@@ -27,8 +27,9 @@ function niceMax(v) {
 const fmt = (v) => (v >= 100 ? v.toFixed(0) : v >= 10 ? v.toFixed(1) : v.toFixed(2));
 
 export class LineChart {
-  constructor(canvas, { points = 90, max = null } = {}) {
+  constructor(canvas, { title = "", points = 90, max = null } = {}) {
     this.canvas = canvas;
+    this.title = title;
     this.points = points; // 90 samples x 2 s: the last three minutes
     this.fixedMax = max;
     this.series = new Map(); // name -> values (null: no value for that sample)
@@ -40,6 +41,9 @@ export class LineChart {
       list.push(values[name] ?? null);
       if (list.length > this.points) list.shift();
     }
+    // The latest value of each line, for screen readers (and tests) that cannot see the canvas.
+    const latest = [...this.series].map(([name, list]) => `${name} ${list.at(-1) === null ? "—" : fmt(list.at(-1))}`);
+    this.canvas.setAttribute("aria-label", `${this.title}: ${latest.join(", ")}`);
     this.draw();
   }
 

@@ -46,7 +46,7 @@ function buildPanels(specs) {
       canvas.setAttribute("role", "img");
       canvas.setAttribute("aria-label", `${title} chart`);
       panel.append(head, canvas);
-      if (kind === "line") charts[id] = new LineChart(canvas, { max: max ?? null });
+      if (kind === "line") charts[id] = new LineChart(canvas, { title, max: max ?? null });
       return panel;
     }),
   );
@@ -56,13 +56,11 @@ const show = (id, text) => ($(`v-${id}`).textContent = text);
 const fmt = (v, digits = 1) => (v === null || !Number.isFinite(v) ? "—" : v.toFixed(digits));
 const ms = (s) => (s === null ? "—" : s < 1 ? `${Math.round(s * 1000)} ms` : `${s} s`);
 
-/** Per-second rate of a counter between the last two scrapes (null: no data or a reset). */
+/** Per-second rate of a counter between the last two scrapes (null: no data or a reset). A
+ * labelled counter has no series until it first counts, so a missing one counts as 0. */
 function rate(cur, dt, name, match = {}) {
   if (!previous) return null;
-  const now = sum(cur, name, match);
-  const before = sum(previous.samples, name, match);
-  if (now === null) return null;
-  const d = now - (before ?? 0);
+  const d = (sum(cur, name, match) ?? 0) - (sum(previous.samples, name, match) ?? 0);
   return d >= 0 ? d / dt : null;
 }
 
@@ -99,9 +97,10 @@ function engineView(samples, dt) {
     const q = rate(samples, dt, `${K}prefix_cache_queries_total`, m);
     return q ? (100 * rate(samples, dt, `${K}prefix_cache_hits_total`, m)) / q : null;
   };
-  charts.prefix.push(each(hitRate));
   const allQ = sum(samples, `${K}prefix_cache_queries_total`, total);
   const allTime = allQ ? (100 * sum(samples, `${K}prefix_cache_hits_total`, total)) / allQ : null;
+  const now = ids.length ? each(hitRate) : { now: hitRate({}) }; // empty while no prompt arrives
+  charts.prefix.push({ ...now, "all time": allTime });
   show("prefix", `${fmt(hitRate(total))}% now · ${fmt(allTime)}% all time`);
 
   charts.preempt.push(each((m) => rate(samples, dt, `${K}num_preemptions_total`, m)));
