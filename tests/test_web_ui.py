@@ -7,6 +7,7 @@ request is blocked and recorded, and the test fails if there was one.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -183,6 +184,41 @@ def test_chat_streams_and_stop_frees_the_engine(offline, server):
     assert page.locator(".msg.user .body").inner_text() == "The quick brown fox\njumps"
     assert page.locator(".msg.assistant .body").inner_text() == stopped_text
     assert page.locator("#conversations button.conv").first.inner_text().startswith("The quick brown fox")
+
+
+def test_json_schema_seed_regenerate_copy(offline, server):
+    """JSON-schema mode constrains the answer; with a seed, Regenerate gives the same answer
+    again (the same request is sent); Copy puts the answer on the clipboard."""
+    schema = {"type": "object", "properties": {"color": {"enum": ["red", "green"]}}, "required": ["color"]}
+    schema["additionalProperties"] = False
+    offline.context.grant_permissions(["clipboard-read", "clipboard-write"], origin=server.url)
+    page = offline.page()
+    sent = []
+    page.on("request", lambda r: r.url.endswith("/v1/chat/completions") and sent.append(r.post_data_json))
+    page.goto(server.url + "/")
+    page.wait_for_selector("#model option[value=tiny]", state="attached")
+    page.get_by_label("Temperature").fill("1")
+    page.get_by_label("Seed").fill("7")
+    page.get_by_label("Max tokens").fill("64")
+    page.get_by_label("JSON mode").check()
+    page.get_by_label("JSON schema (empty: any JSON object)").fill(json.dumps(schema))
+    page.get_by_role("textbox", name="Message").fill("A colour, please")
+    page.keyboard.press("Enter")
+    stats = page.locator(".msg.assistant .stats", has_text="tokens")
+    stats.wait_for()
+    first = page.locator(".msg.assistant .body").inner_text()
+    assert json.loads(first)["color"] in ("red", "green")
+    page.get_by_role("button", name="Regenerate this answer").click()
+    page.wait_for_function("() => document.querySelector('#send').disabled === false")
+    stats.wait_for()
+    assert page.locator(".msg.assistant").count() == 1  # replaced, not added
+    assert page.locator(".msg.assistant .body").inner_text() == first
+    assert len(sent) == 2 and sent[0] == sent[1]
+    assert sent[0]["seed"] == 7 and sent[0]["temperature"] == 1 and sent[0]["max_tokens"] == 64
+    wanted = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+    assert sent[0]["response_format"] == wanted
+    page.get_by_role("button", name="Copy this answer").click()
+    assert page.evaluate("() => navigator.clipboard.readText()") == first
 
 
 def test_markdown_is_rendered_and_escaped(offline, server):
