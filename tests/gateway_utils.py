@@ -92,9 +92,7 @@ class FaultBackend:
 class GatewayProcess:
     """`kvserve gateway --config` in its own process (a real uvicorn server)."""
 
-    def __init__(
-        self, config: dict, workdir: str, name: str = "gw", wait: bool = True, args: tuple[str, ...] = ()
-    ) -> None:
+    def __init__(self, config: dict, workdir: str, name: str = "gw", wait: bool = True) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.config_path = os.path.join(workdir, f"{name}.yaml")
@@ -104,7 +102,7 @@ class GatewayProcess:
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvserve.entrypoints.cli", "gateway", "--config", self.config_path,
-             "--port", str(self.port), *args],
+             "--port", str(self.port)],
             stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT,
         )  # fmt: skip
         if wait:

@@ -301,29 +301,33 @@ def test_phone_layout(browser, server):
 
 
 def test_disable_web_ui(tmp_path, monkeypatch):
-    """--disable-web-ui: on the gateway (a real process) nothing answers at / or /dashboard; on
-    `kvserve serve` the flag reaches the server's settings (build_app mounts only when set)."""
-    cfg = {
-        "model_list": [deployment("a", "http://127.0.0.1:9/v1", "tiny")],
-        "general_settings": {"database": str(tmp_path / "gw.db")},
-    }
-    gw = GatewayProcess(cfg, str(tmp_path), args=("--disable-web-ui",))
-    try:
-        for path in ("/", "/dashboard", "/ui/chat.js"):
-            r = httpx.get(gw.url + path)
-            assert r.status_code == 404, path
-        assert httpx.get(gw.url + "/health").status_code == 200
-    finally:
-        gw.stop()
+    """--disable-web-ui reaches both servers' settings, and an app built without the pages
+    answers 404 where they would be (the gateway's app, which needs no engine, in-process)."""
+    from fastapi.testclient import TestClient
 
     from kvserve.entrypoints import cli
     from kvserve.entrypoints.openai import api_server
+    from kvserve.gateway import app as gateway_app
+    from kvserve.gateway.config import parse_config
+
+    data = {
+        "model_list": [deployment("a", "http://127.0.0.1:9/v1", "tiny")],
+        "general_settings": {"database": str(tmp_path / "gw.db")},
+    }
+    for web_ui in (False, True):
+        client = TestClient(gateway_app.build_app(parse_config(data), web_ui=web_ui))
+        for path in ("/", "/dashboard", "/ui/chat.js"):
+            assert client.get(path).status_code == (200 if web_ui else 404), path
+        assert client.get("/health").status_code == 200
 
     seen = []
-    monkeypatch.setattr(api_server, "serve", lambda config, host, port, server: seen.append(server) or 0)
-    for argv, expected in ((["serve", "--disable-web-ui"], False), (["serve"], True)):
+    monkeypatch.setattr(api_server, "serve", lambda config, host, port, srv: seen.append(srv.web_ui) or 0)
+    monkeypatch.setattr(gateway_app, "serve", lambda cfg, host, port, web_ui: seen.append(web_ui) or 0)
+    (tmp_path / "gw.yaml").write_text(json.dumps(data))  # JSON is YAML
+    gateway = ["gateway", "--config", str(tmp_path / "gw.yaml")]
+    for argv in (["serve", "--disable-web-ui"], ["serve"], [*gateway, "--disable-web-ui"], gateway):
         assert cli.main(argv) == 0
-        assert seen.pop().web_ui is expected
+    assert seen == [False, True, False, True]
 
 
 def test_gateway_chat_over_aliases(browser, server, tmp_path):

@@ -25,6 +25,15 @@ _HEADERS = {
 }
 
 
+class _Assets(StaticFiles):
+    """StaticFiles with the pages' headers on every file (an HTML file opened under /ui/ too)."""
+
+    def file_response(self, *args, **kwargs):
+        response = super().file_response(*args, **kwargs)
+        response.headers.update(_HEADERS)
+        return response
+
+
 def _page(name: str):
     async def page() -> FileResponse:
         return FileResponse(STATIC / name, media_type="text/html", headers=_HEADERS)
@@ -36,4 +45,4 @@ def add_web_ui(app: FastAPI) -> None:
     """Serve the chat at `/`, the dashboard at `/dashboard` and their assets under `/ui/`."""
     app.add_api_route("/", _page("chat.html"), methods=["GET"], include_in_schema=False)
     app.add_api_route("/dashboard", _page("dashboard.html"), methods=["GET"], include_in_schema=False)
-    app.mount("/ui", StaticFiles(directory=STATIC), name="web-ui")
+    app.mount("/ui", _Assets(directory=STATIC), name="web-ui")
