@@ -295,6 +295,8 @@ def test_phone_layout(browser, server):
     assert not sidebar.is_visible()  # settings behind the menu button on a phone
     page.get_by_role("button", name="Menu").click()
     assert sidebar.is_visible() and page.get_by_label("Model").is_visible()
+    page.get_by_role("button", name="Close the menu").click()
+    assert not sidebar.is_visible()
     width = page.evaluate("document.documentElement.scrollWidth")
     assert width <= 390  # nothing wider than the window
     ctx.close()

@@ -349,6 +349,8 @@ function init() {
     if (!controller) newConversation();
     closeMenu();
   });
+  $("menu-close").addEventListener("click", closeMenu);
+  document.addEventListener("keydown", (e) => e.key === "Escape" && closeMenu());
   $("menu").addEventListener("click", () => {
     const open = document.body.classList.toggle("menu-open");
     $("menu").setAttribute("aria-expanded", String(open));
