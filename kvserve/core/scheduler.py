@@ -12,6 +12,10 @@ Order: "fcfs" keeps admission order (the most recently admitted is preempted fir
 is the one preempted, and a waiting request may preempt a running one of lower priority when
 seats or blocks are short.
 
+Background requests (priority BACKGROUND_PRIORITY: batch jobs) come last under either policy:
+"fcfs" keeps two tiers, everyone else first in admission order, then the background ones, so a
+waiting interactive request takes a seat or blocks from a running background one at once.
+
 Speculative decoding: a decoding request that carries proposed tokens is scheduled with them
 (1 + k tokens, within the budget) and its slots for them are allocated as lookahead, never
 registered in the prefix cache. If the pool is short, the proposals are dropped before
@@ -77,7 +81,7 @@ class WaitingQueue:
 
     def _key(self, req: Request, front: bool) -> tuple:
         order = -next(self._seq) if front else next(self._seq)
-        return (req.priority, req.arrival_time, order) if self.priority else (order,)
+        return (req.priority, req.arrival_time, order) if self.priority else (req.background, order)
 
     def add(self, req: Request, front: bool = False) -> None:
         bisect.insort(self._items, (self._key(req, front), req), key=lambda x: x[0])
@@ -131,17 +135,16 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
-    @staticmethod
-    def _rank(req: Request) -> tuple:
-        return (req.priority, req.arrival_time)
+    def _rank(self, req: Request) -> tuple:
+        return (req.priority, req.arrival_time) if self.policy == "priority" else (req.background,)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
-        if self.policy == "priority":
-            self.running.sort(key=self._rank)  # the last one is the first to give way
-            self._preempt_for_priority(out)
+        # The last one is the first to give way (a stable sort: fcfs keeps admission order per tier).
+        self.running.sort(key=self._rank)
+        self._preempt_for_priority(out)
         preempted_by_priority = out.num_preempted
 
         i = 0
