@@ -17,6 +17,8 @@ class BatchAPI:
         self.jobs = JobStore(conn)
         self.service = BatchService(self.files, self.jobs, serving, cfg.batch_window or max_num_seqs)
         self.router = batch_router(self.files, self.jobs, self.service)
+        # Uploads past the limit get a 400 naming `file` from the route (by the declared length,
+        # or while copying); the middleware stops only a chunked body that runs past it (413).
         self.body_limits = {"/v1/files": cfg.max_upload_size + MULTIPART_SLACK}
 
     def start(self) -> None:
