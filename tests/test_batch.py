@@ -101,12 +101,13 @@ def test_background_tier_keeps_greedy_equal_to_the_reference(tiny_llama_dir):
     engine = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=24)
     prompts = {
-        f"{'bg' if i % 2 else 'fg'}-{i}": engine.tokenizer.encode(f"prompt number {i} says") for i in range(8)
+        f"{'bg' if i < 4 else 'fg'}-{i}": engine.tokenizer.encode(f"prompt number {i} says") for i in range(8)
     }
-    for i, (rid, ids) in enumerate(prompts.items()):
-        engine.add_request(rid, ids, params, priority=BACKGROUND_PRIORITY if rid.startswith("bg") else 0)
-        if i == 3:
+    for rid, ids in prompts.items():
+        if rid == "fg-4":
+            engine.step()  # three background requests hold every seat
             engine.step()
+        engine.add_request(rid, ids, params, priority=BACKGROUND_PRIORITY if rid.startswith("bg") else 0)
     outs = {}
     while engine.has_unfinished_requests():
         for out in engine.step():

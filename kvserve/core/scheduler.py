@@ -15,6 +15,9 @@ seats or blocks are short.
 Background requests (priority BACKGROUND_PRIORITY: batch jobs) come last under either policy:
 "fcfs" keeps two tiers, everyone else first in admission order, then the background ones, so a
 waiting interactive request takes a seat or blocks from a running background one at once.
+While any other request is running or waiting, background requests get no tokens at all
+(they keep their blocks and resume when the others are done): a step full of batch decodes
+would otherwise slow every interactive step down.
 
 Speculative decoding: a decoding request that carries proposed tokens is scheduled with them
 (1 + k tokens, within the budget) and its slots for them are allocated as lookahead, never
@@ -146,10 +149,13 @@ class Scheduler:
         self.running.sort(key=self._rank)
         self._preempt_for_priority(out)
         preempted_by_priority = out.num_preempted
+        hold_background = self._interactive_present()
 
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if hold_background and req.background:
+                break  # sorted last: the rest are background too; they keep their blocks and wait
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             num_spec = min(len(req.spec_token_ids), budget - num_new) if num_new == 1 else 0
             while not self._allocate(req, num_new, num_spec):
@@ -170,6 +176,8 @@ class Scheduler:
         admit = out.num_preempted == preempted_by_priority
         while admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting.peek()
+            if hold_background and req.background:
+                break
             # Mean pooling needs every prompt row computed, so it takes no cached prefix.
             fresh = req.num_computed_tokens == 0 and req.params.pooling != "mean"
             hits = self.kv.get_computed_blocks(req) if fresh else []
@@ -190,6 +198,13 @@ class Scheduler:
 
         out.scheduled = scheduled
         return out
+
+    def _interactive_present(self) -> bool:
+        """Any request not in the background tier running or waiting (both are sorted so
+        background requests come last)."""
+        if self.running and not self.running[0].background:
+            return True
+        return bool(self.waiting) and not self.waiting.peek().background
 
     def _allocate(self, req: Request, num_new: int, num_spec: int, hits: list[int] = ()) -> bool:
         """Slots for num_new tokens plus num_spec proposed ones (and the draft's lookahead
