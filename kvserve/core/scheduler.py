@@ -17,7 +17,9 @@ Background requests (priority BACKGROUND_PRIORITY: batch jobs) come last under e
 waiting interactive request takes a seat or blocks from a running background one at once.
 While any other request is running or waiting, background requests get no tokens at all
 (they keep their blocks and resume when the others are done): a step full of batch decodes
-would otherwise slow every interactive step down.
+would otherwise slow every interactive step down. For BACKGROUND_QUIET_S after the others
+were last present, background-only steps take at most BACKGROUND_STEP_TOKENS tokens, so a
+human who comes back waits for a short step; after that they get the whole budget.
 
 Speculative decoding: a decoding request that carries proposed tokens is scheduled with them
 (1 + k tokens, within the budget) and its slots for them are allocated as lookahead, never
@@ -38,6 +40,10 @@ from kvserve.model.layers.sampler import SampleResult
 from kvserve.request import Request, RequestStatus
 
 POLICIES = ("fcfs", "priority")
+# For this long after other requests were last present, steps of background requests only are
+# kept this small, so an interactive request that arrives waits for a short step, not a full one.
+BACKGROUND_QUIET_S = 2.0
+BACKGROUND_STEP_TOKENS = 32
 
 
 @dataclass
@@ -130,6 +136,7 @@ class Scheduler:
         self.num_preemptions_total = 0
         self.num_lookahead_slots = 0  # draft-model speculation writes this far ahead
         self.spec_stats = SpecDecodeStats()
+        self._interactive_seen = -1e9  # monotonic time other requests were last present
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -150,6 +157,11 @@ class Scheduler:
         self._preempt_for_priority(out)
         preempted_by_priority = out.num_preempted
         hold_background = self._interactive_present()
+        now = time.monotonic()
+        if hold_background:
+            self._interactive_seen = now
+        elif now - self._interactive_seen < BACKGROUND_QUIET_S:
+            budget = min(budget, BACKGROUND_STEP_TOKENS)
 
         i = 0
         while i < len(self.running) and budget > 0:
