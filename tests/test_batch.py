@@ -243,16 +243,16 @@ def test_bad_input_names_the_field(client, server):
 # ---- durability ------------------------------------------------------------------------------
 
 
-def test_kill_9_mid_batch_then_resume(tiny_llama_dir, tmp_path):
+def test_kill_9_and_sigterm_mid_batch_then_resume(tiny_llama_dir, tmp_path):
     store = str(tmp_path / "store")
     args = (*MODEL_ARGS, "--max-num-seqs", "16", "--batch-storage-dir", store)
     s = ServerProcess(tiny_llama_dir, *args)
     try:
         c = openai.OpenAI(base_url=s.url + "/v1", api_key=s.api_key, max_retries=0)
-        lines = [line(i, max_tokens=24, ignore_eos=True) for i in range(400)]
+        lines = [line(i, max_tokens=16, ignore_eos=True) for i in range(300)]
         b = c.batches.create(input_file_id=upload(c, lines).id, endpoint=CHAT, completion_window="24h")
         deadline = time.monotonic() + 300
-        while c.batches.retrieve(b.id).request_counts.completed < 40:
+        while c.batches.retrieve(b.id).request_counts.completed < 30:
             assert time.monotonic() < deadline
             time.sleep(0.2)
         assert c.batches.retrieve(b.id).status == "in_progress"
@@ -262,15 +262,28 @@ def test_kill_9_mid_batch_then_resume(tiny_llama_dir, tmp_path):
     finally:
         s.stop()
     _wait_gone(core)
+    s = ServerProcess(tiny_llama_dir, *args)  # resumes; then SIGTERM mid-batch: a clean, prompt stop
+    try:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key=s.api_key, max_retries=0)
+        at_kill = c.batches.retrieve(b.id).request_counts.completed
+        deadline = time.monotonic() + 300
+        while c.batches.retrieve(b.id).request_counts.completed < at_kill + 30:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        assert c.batches.retrieve(b.id).status == "in_progress"
+        s.proc.terminate()
+        assert s.proc.wait(25) == 0  # the drain does not wait for the batch (shutdown timeout 30 s)
+    finally:
+        s.stop()
     s = ServerProcess(tiny_llama_dir, *args)
     try:
         c = openai.OpenAI(base_url=s.url + "/v1", api_key=s.api_key, max_retries=0)
         done = wait_final(c, b.id)
         assert done.status == "completed"
-        assert (done.request_counts.total, done.request_counts.completed) == (400, 400)
+        assert (done.request_counts.total, done.request_counts.completed) == (300, 300)
         ids = [o["custom_id"] for o in read_lines(c, done.output_file_id)]
-        assert len(ids) == len(set(ids)) == 400  # none twice, none missing
-        assert set(ids) == {f"req-{i}" for i in range(400)}
+        assert len(ids) == len(set(ids)) == 300  # none twice, none missing
+        assert set(ids) == {f"req-{i}" for i in range(300)}
     finally:
         s.stop()
 

@@ -10,12 +10,14 @@ from kvserve.batch.service import BatchService
 
 
 class BatchAPI:
-    def __init__(self, serving, cfg, max_num_seqs: int) -> None:
+    def __init__(self, serving, cfg, max_num_seqs: int, draining=lambda: False) -> None:
         storage = cfg.batch_storage_dir or default_storage_dir()
         conn = open_db(storage)
         self.files = FileStore(conn, storage, cfg.max_upload_size)
         self.jobs = JobStore(conn)
-        self.service = BatchService(self.files, self.jobs, serving, cfg.batch_window or max_num_seqs)
+        self.service = BatchService(
+            self.files, self.jobs, serving, cfg.batch_window or max_num_seqs, draining
+        )
         self.router = batch_router(self.files, self.jobs, self.service)
         # Uploads past the limit get a 400 naming `file` from the route (by the declared length,
         # or while copying); the middleware stops only a chunked body that runs past it (413).

@@ -27,7 +27,11 @@ def count_lines(path: Path) -> int:
 
 
 class BatchService:
-    def __init__(self, files: FileStore, jobs: JobStore, serving, window: int) -> None:
+    def __init__(
+        self, files: FileStore, jobs: JobStore, serving, window: int, draining=lambda: False
+    ) -> None:
+        """draining: true once the server drains (SIGTERM): batches stop at once, so the drain
+        does not wait on them, and resume on the next start."""
         self.files = files
         self.jobs = jobs
         self.serving = serving
@@ -35,6 +39,7 @@ class BatchService:
         self._queue: asyncio.Queue[str | None] = asyncio.Queue()
         self._cancelled: set[str] = set()
         self._stopping = False
+        self._draining = draining
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -52,6 +57,9 @@ class BatchService:
                 self._task.cancel()
                 await asyncio.gather(self._task, return_exceptions=True)
 
+    def _halted(self) -> bool:
+        return self._stopping or self._draining()
+
     def submit(self, batch_id: str) -> None:
         self._queue.put_nowait(batch_id)
 
@@ -63,9 +71,9 @@ class BatchService:
         return self.jobs.get(batch_id)
 
     async def _work(self) -> None:
-        while not self._stopping:
+        while not self._halted():
             batch_id = await self._queue.get()
-            if batch_id is None or self._stopping:
+            if batch_id is None or self._halted():
                 return
             try:
                 await self._process(batch_id)
@@ -114,7 +122,7 @@ class BatchService:
         wm, off = resume[0], resume[1]
 
         def should_stop() -> bool:
-            return self._stopping or batch_id in self._cancelled or self._expired(obj)
+            return self._halted() or batch_id in self._cancelled or self._expired(obj)
 
         async def execute(endpoint: str, body: dict, request_id: str):
             return await execute_line(self.serving, endpoint, body, request_id)

@@ -73,7 +73,8 @@ def build_app(engine: AsyncLLM | DPClient, cfg: ServerConfig) -> FastAPI:
     )
     responses = ResponsesServing(serving, ResponseStore(cfg.response_store_size))
     lifecycle = Lifecycle(engine, cfg.shutdown_timeout)
-    batch = BatchAPI(serving, cfg, engine.config.max_num_seqs)  # /v1/files, /v1/batches
+    # /v1/files, /v1/batches: stops feeding the engine once the server drains
+    batch = BatchAPI(serving, cfg, engine.config.max_num_seqs, lambda: lifecycle.draining)
     protected = PROTECTED_PREFIXES + (("/metrics",) if cfg.metrics_require_key else ())
 
     @asynccontextmanager
