@@ -77,7 +77,10 @@ class JobStore:
     def list(self, limit: int = 20, after: str | None = None) -> list[dict]:
         q, args = f"SELECT {COLUMNS} FROM batches", ()
         if after is not None:
-            created = self.raw(after)["created_at"]
+            try:
+                created = self.raw(after)["created_at"]
+            except BatchAPIError:
+                raise not_found("batch", after, "after") from None
             q, args = q + " WHERE (created_at, id) < (?, ?)", (created, after)
         rows = self.conn.execute(q + " ORDER BY created_at DESC, id DESC LIMIT ?", (*args, limit)).fetchall()
         return [public(_merge(r)) for r in rows]
