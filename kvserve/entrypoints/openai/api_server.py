@@ -105,6 +105,7 @@ def build_app(engine: AsyncLLM | DPClient, cfg: ServerConfig) -> FastAPI:
         return None
 
     app.add_middleware(RequestGate, gate=gate)
+    # before any parsing
     app.add_middleware(BodySizeLimit, max_bytes=cfg.max_request_bytes, overrides=batch.body_limits)
     if cfg.allowed_origins:  # outermost: a preflight carries no API key and must not reach the gate
         app.add_middleware(
