@@ -28,6 +28,11 @@ class RequestStatus(enum.Enum):
         return self.name.startswith("FINISHED")
 
 
+BACKGROUND_PRIORITY = 2**63 - 1
+"""The lowest priority there is (batch jobs): scheduled after every other request, preempted
+first, under both scheduling policies."""
+
+
 class Request:
     def __init__(
         self,
@@ -71,6 +76,10 @@ class Request:
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
+
+    @property
+    def background(self) -> bool:
+        return self.priority == BACKGROUND_PRIORITY
 
     @property
     def num_tokens(self) -> int:

@@ -12,6 +12,15 @@ Order: "fcfs" keeps admission order (the most recently admitted is preempted fir
 is the one preempted, and a waiting request may preempt a running one of lower priority when
 seats or blocks are short.
 
+Background requests (priority BACKGROUND_PRIORITY: batch jobs) come last under either policy:
+"fcfs" keeps two tiers, everyone else first in admission order, then the background ones, so a
+waiting interactive request takes a seat or blocks from a running background one at once.
+While any other request is running or waiting, background requests get no tokens at all
+(they keep their blocks and resume when the others are done): a step full of batch decodes
+would otherwise slow every interactive step down. For BACKGROUND_QUIET_S after the others
+were last present, background-only steps take at most BACKGROUND_STEP_TOKENS tokens, so a
+human who comes back waits for a short step; after that they get the whole budget.
+
 Speculative decoding: a decoding request that carries proposed tokens is scheduled with them
 (1 + k tokens, within the budget) and its slots for them are allocated as lookahead, never
 registered in the prefix cache. If the pool is short, the proposals are dropped before
@@ -31,6 +40,10 @@ from kvserve.model.layers.sampler import SampleResult
 from kvserve.request import Request, RequestStatus
 
 POLICIES = ("fcfs", "priority")
+# For this long after other requests were last present, steps of background requests only are
+# kept this small, so an interactive request that arrives waits for a short step, not a full one.
+BACKGROUND_QUIET_S = 2.0
+BACKGROUND_STEP_TOKENS = 32
 
 
 @dataclass
@@ -77,7 +90,7 @@ class WaitingQueue:
 
     def _key(self, req: Request, front: bool) -> tuple:
         order = -next(self._seq) if front else next(self._seq)
-        return (req.priority, req.arrival_time, order) if self.priority else (order,)
+        return (req.priority, req.arrival_time, order) if self.priority else (req.background, order)
 
     def add(self, req: Request, front: bool = False) -> None:
         bisect.insort(self._items, (self._key(req, front), req), key=lambda x: x[0])
@@ -123,6 +136,7 @@ class Scheduler:
         self.num_preemptions_total = 0
         self.num_lookahead_slots = 0  # draft-model speculation writes this far ahead
         self.spec_stats = SpecDecodeStats()
+        self._interactive_seen = -1e9  # monotonic time other requests were last present
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -131,22 +145,29 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
-    @staticmethod
-    def _rank(req: Request) -> tuple:
-        return (req.priority, req.arrival_time)
+    def _rank(self, req: Request) -> tuple:
+        return (req.priority, req.arrival_time) if self.policy == "priority" else (req.background,)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
-        if self.policy == "priority":
-            self.running.sort(key=self._rank)  # the last one is the first to give way
-            self._preempt_for_priority(out)
+        # The last one is the first to give way (a stable sort: fcfs keeps admission order per tier).
+        self.running.sort(key=self._rank)
+        self._preempt_for_priority(out)
         preempted_by_priority = out.num_preempted
+        hold_background = self._interactive_present()
+        now = time.monotonic()
+        if hold_background:
+            self._interactive_seen = now
+        elif now - self._interactive_seen < BACKGROUND_QUIET_S:
+            budget = min(budget, BACKGROUND_STEP_TOKENS)
 
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if hold_background and req.background:
+                break  # sorted last: the rest are background too; they keep their blocks and wait
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             num_spec = min(len(req.spec_token_ids), budget - num_new) if num_new == 1 else 0
             while not self._allocate(req, num_new, num_spec):
@@ -167,6 +188,8 @@ class Scheduler:
         admit = out.num_preempted == preempted_by_priority
         while admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting.peek()
+            if hold_background and req.background:
+                break
             # Mean pooling needs every prompt row computed, so it takes no cached prefix.
             fresh = req.num_computed_tokens == 0 and req.params.pooling != "mean"
             hits = self.kv.get_computed_blocks(req) if fresh else []
@@ -187,6 +210,13 @@ class Scheduler:
 
         out.scheduled = scheduled
         return out
+
+    def _interactive_present(self) -> bool:
+        """Any request not in the background tier running or waiting (both are sorted so
+        background requests come last)."""
+        if self.running and not self.running[0].background:
+            return True
+        return bool(self.waiting) and not self.waiting.peek().background
 
     def _allocate(self, req: Request, num_new: int, num_spec: int, hits: list[int] = ()) -> bool:
         """Slots for num_new tokens plus num_spec proposed ones (and the draft's lookahead

@@ -1,4 +1,5 @@
-"""`kvserve` command line: generate (one-shot or interactive chat), serve, gateway, plan, bench, eval."""
+"""`kvserve` command line: generate (one-shot or interactive chat), serve, run-batch, gateway, plan,
+bench, eval."""
 
 from __future__ import annotations
 
@@ -123,6 +124,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
             allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
             metrics_compat=args.metrics_compat, web_ui=not args.disable_web_ui,
+            batch_storage_dir=args.batch_storage_dir,
+            max_upload_size=args.max_upload_size, batch_window=args.batch_window,
         )  # fmt: skip
         return serve(config, args.host, args.port, server)
     except (ValueError, FileNotFoundError, RuntimeError, TimeoutError) as e:  # start-up problems
@@ -194,10 +197,31 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--routing-policy", choices=SERVE_POLICIES, default=ServerConfig.routing_policy,
                      help="how --data-parallel-size replicas share requests")  # fmt: skip
     srv.add_argument("--disable-web-ui", action="store_true", help="no chat at / and no /dashboard")
+    srv.add_argument(
+        "--batch-storage-dir",
+        default=None,
+        help="Batch API: files, outputs and job database (default $XDG_DATA_HOME/kvserve/batch)",
+    )
+    srv.add_argument(
+        "--max-upload-size",
+        type=int,
+        default=ServerConfig.max_upload_size,
+        help="Batch API: largest file POST /v1/files accepts, in bytes (default 200 MiB)",
+    )
+    srv.add_argument(
+        "--batch-window",
+        type=int,
+        default=None,
+        help="Batch API: a batch's requests in the engine at once (default --max-num-seqs)",
+    )
     srv.add_argument("--engine", choices=("kvserve", "naive"), default="kvserve",
                      help="naive: the transformers generate() baseline, one request at a time")  # fmt: skip
     add_engine_args(srv)
     srv.set_defaults(func=cmd_serve)
+
+    from kvserve.batch.offline import register as register_run_batch
+
+    register_run_batch(sub, add_engine_args)
 
     gw = sub.add_parser("gateway", help="one OpenAI endpoint over many backends (keys, limits, budgets)")
     gw.add_argument("--config", required=True, help="gateway YAML (see docs/GATEWAY.md)")

@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvserve import __version__
+from kvserve.batch.app import BatchAPI
 from kvserve.config import EngineConfig
 from kvserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError
 from kvserve.engine.dp_client import DPClient
@@ -73,13 +74,17 @@ def build_app(engine: AsyncLLM | DPClient, cfg: ServerConfig) -> FastAPI:
     )
     responses = ResponsesServing(serving, ResponseStore(cfg.response_store_size))
     lifecycle = Lifecycle(engine, cfg.shutdown_timeout)
+    # /v1/files, /v1/batches: stops feeding the engine once the server drains
+    batch = BatchAPI(serving, cfg, engine.config.max_num_seqs, lambda: lifecycle.draining)
     protected = PROTECTED_PREFIXES + (("/metrics",) if cfg.metrics_require_key else ())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
         lifecycle.spawn(lifecycle.warm_up())
+        batch.start()
         yield
+        await batch.stop()
         serving.close()
         engine.shutdown()
 
@@ -101,7 +106,8 @@ def build_app(engine: AsyncLLM | DPClient, cfg: ServerConfig) -> FastAPI:
         return None
 
     app.add_middleware(RequestGate, gate=gate)
-    app.add_middleware(BodySizeLimit, max_bytes=cfg.max_request_bytes)  # before any parsing
+    # before any parsing
+    app.add_middleware(BodySizeLimit, max_bytes=cfg.max_request_bytes, overrides=batch.body_limits)
     if cfg.allowed_origins:  # outermost: a preflight carries no API key and must not reach the gate
         app.add_middleware(
             CORSMiddleware, allow_origins=cfg.allowed_origins, allow_methods=cfg.allowed_methods,
@@ -163,6 +169,8 @@ def build_app(engine: AsyncLLM | DPClient, cfg: ServerConfig) -> FastAPI:
     async def on_http_error(request: Request, exc: StarletteHTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return error_response(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}", kind)
+
+    app.include_router(batch.router)
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, raw: Request):

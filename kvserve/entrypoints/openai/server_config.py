@@ -36,3 +36,10 @@ class ServerConfig:
     """"vllm": /metrics also carries each series under its vllm:* name."""
     web_ui: bool = True
     """The chat at / and the dashboard at /dashboard (--disable-web-ui turns them off)."""
+    batch_storage_dir: str | None = None
+    """Batch API: where uploaded files, outputs and the job database live (None: the user's
+    data dir, $XDG_DATA_HOME/kvserve/batch)."""
+    max_upload_size: int = 200 * 2**20
+    """Batch API: the largest file POST /v1/files accepts (OpenAI's limit is 200 MB)."""
+    batch_window: int | None = None
+    """Batch API: how many of a batch's requests are in the engine at once (None: max_num_seqs)."""

@@ -1,0 +1,96 @@
+"""Uploaded and produced files: bytes under <storage>/files/<id>, records in SQLite, in
+OpenAI's File object shape. Uploads are copied chunk by chunk with a size cap."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import sqlite3
+import time
+from pathlib import Path
+from typing import BinaryIO
+
+from kvserve.batch.errors import BatchAPIError, not_found
+
+PURPOSES = ("batch",)  # what may be uploaded; batch_output is what we write
+CHUNK = 1 << 20
+
+
+def too_large(limit: int) -> BatchAPIError:
+    return BatchAPIError(
+        400, f"file: larger than the server's limit of {limit} bytes", "file", "file_too_large"
+    )
+
+
+def new_file_id() -> str:
+    return "file-" + secrets.token_hex(12)
+
+
+class FileStore:
+    def __init__(self, conn: sqlite3.Connection, storage_dir: str | Path, max_upload_size: int) -> None:
+        self.conn = conn
+        self.dir = Path(storage_dir) / "files"
+        self.max_upload_size = max_upload_size
+
+    def path(self, file_id: str) -> Path:
+        if not file_id.replace("-", "").replace("_", "").isalnum():
+            raise not_found("file", file_id, "file_id")
+        return self.dir / file_id
+
+    def copy_in(self, src: BinaryIO, file_id: str, purpose: str) -> None:
+        """Copy an upload in (no record yet: `register` it); over max_upload_size it is refused
+        and nothing is kept."""
+        if purpose not in PURPOSES:
+            raise BatchAPIError(400, f"purpose: {purpose!r} is not supported here (only 'batch')", "purpose")
+        dest, size = self.path(file_id), 0
+        try:
+            with open(dest, "wb") as f:
+                while chunk := src.read(CHUNK):
+                    size += len(chunk)
+                    if size > self.max_upload_size:
+                        raise too_large(self.max_upload_size)
+                    f.write(chunk)
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException:
+            dest.unlink(missing_ok=True)
+            raise
+
+    def register(self, file_id: str, filename: str, purpose: str) -> dict:
+        """Record a file whose bytes are already in place."""
+        size = self.path(file_id).stat().st_size
+        self.conn.execute(
+            "INSERT INTO files (id, bytes, created_at, filename, purpose) VALUES (?, ?, ?, ?, ?)",
+            (file_id, size, int(time.time()), filename, purpose),
+        )
+        return self.get(file_id)
+
+    def get(self, file_id: str, param: str = "file_id") -> dict:
+        row = self.conn.execute(
+            "SELECT id, bytes, created_at, filename, purpose FROM files WHERE id = ?", (file_id,)
+        ).fetchone()
+        if row is None:
+            raise not_found("file", file_id, param)
+        return _file_obj(row)
+
+    def list(self, purpose: str | None = None, limit: int = 10000) -> list[dict]:
+        q = "SELECT id, bytes, created_at, filename, purpose FROM files"
+        args: tuple = ()
+        if purpose is not None:
+            q, args = q + " WHERE purpose = ?", (purpose,)
+        rows = self.conn.execute(q + " ORDER BY created_at DESC, id LIMIT ?", (*args, limit)).fetchall()
+        return [_file_obj(r) for r in rows]
+
+    def delete(self, file_id: str) -> dict:
+        self.get(file_id)
+        self.conn.execute("DELETE FROM files WHERE id = ?", (file_id,))
+        self.path(file_id).unlink(missing_ok=True)
+        return {"id": file_id, "object": "file", "deleted": True}
+
+
+def _file_obj(row) -> dict:
+    file_id, size, created, filename, purpose = row
+    return {
+        "id": file_id, "object": "file", "bytes": size, "created_at": created, "filename": filename,
+        "purpose": purpose, "status": "processed", "status_details": None, "expires_at": None,
+    }  # fmt: skip

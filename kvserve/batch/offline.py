@@ -1,0 +1,95 @@
+"""`kvserve run-batch -i in.jsonl -o out.jsonl`: the server's line runner without the server.
+
+An engine core process and the chat/completion handlers run in this process; every line of
+the input (OpenAI batch format) becomes one output line, results and errors alike, in the
+order they finish. A tqdm bar shows progress; a summary is printed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+
+
+def _endpoint_of(path: str) -> str:
+    """The batch's endpoint: the url of its first line that names one (default chat)."""
+    from kvserve.batch.jobs import ENDPOINTS
+
+    with open(path, "rb") as f:
+        for raw in f:
+            try:
+                url = json.loads(raw).get("url")
+            except (ValueError, AttributeError):
+                continue
+            if url in ENDPOINTS:
+                return url
+    return ENDPOINTS[0]
+
+
+async def _run(args: argparse.Namespace, config) -> int:
+    from tqdm import tqdm
+
+    from kvserve.batch.execute import execute_line
+    from kvserve.batch.output import PlainSink
+    from kvserve.batch.runner import LineRunner
+    from kvserve.batch.service import count_lines
+    from kvserve.engine.async_llm import AsyncLLM
+    from kvserve.entrypoints.openai.serving import OpenAIServing
+
+    total = count_lines(args.input)
+    endpoint = _endpoint_of(args.input)
+    engine = AsyncLLM(config)
+    engine.start()
+    names = [args.served_model_name or engine.source.name]
+    serving = OpenAIServing(engine, names, None)
+    t0 = time.monotonic()
+    with tqdm(total=total, unit="req", desc="run-batch", disable=args.no_progress) as bar:
+        sink = PlainSink(args.output, bar)
+        try:
+
+            async def execute(ep: str, body: dict, request_id: str):
+                return await execute_line(serving, ep, body, request_id)
+
+            runner = LineRunner(
+                endpoint, execute, sink, args.window or config.max_num_seqs, lambda: False, "run"
+            )
+            await runner.run(args.input)
+        finally:
+            sink.close()
+            serving.close()
+            engine.shutdown()
+    took = time.monotonic() - t0
+    print(
+        f"run-batch: {sink.completed + sink.failed} lines ({sink.completed} ok, {sink.failed} errors) "
+        f"in {took:.1f}s, {endpoint} -> {args.output}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def cmd_run_batch(args: argparse.Namespace) -> int:
+    from kvserve.entrypoints.cli import engine_config
+
+    try:
+        config = engine_config(args)
+        return asyncio.run(_run(args, config))
+    except (ValueError, FileNotFoundError, OSError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def register(sub, add_engine_args) -> None:
+    p = sub.add_parser("run-batch", help="run an OpenAI batch file offline (no server)")
+    p.add_argument("-i", "--input", required=True, help="input .jsonl (one request per line)")
+    p.add_argument("-o", "--output", required=True, help="output .jsonl (results and error lines)")
+    p.add_argument("--model", default="smollm2-135m", help="alias, .gguf file or HF directory")
+    p.add_argument("--served-model-name", default=None, help="the model name lines may use")
+    p.add_argument(
+        "--window", type=int, default=None, help="requests in the engine at once (default max-num-seqs)"
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_engine_args(p)
+    p.set_defaults(func=cmd_run_batch)

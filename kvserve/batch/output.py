@@ -1,0 +1,128 @@
+"""Where a running batch's results go, one line at a time.
+
+DurableSink (the server): lines are appended to the output / error files as they finish;
+every `commit` fsyncs both files and then, in one SQLite transaction, records the new file
+sizes, the lines done and the counts. A restart truncates the files back to the recorded
+sizes and skips the recorded lines, so a line is never written twice nor lost. The lines done
+are kept as a watermark (every line before it is done) plus the few done past it, so memory
+and the table stay as small as the window, whatever the file's size.
+
+PlainSink (`kvserve run-batch`): one output file, flushed as it goes, no resume.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+from pathlib import Path
+from typing import IO
+
+
+def _line(record: dict) -> bytes:
+    return json.dumps(record, ensure_ascii=False).encode() + b"\n"
+
+
+def _open_at(path: Path, size: int) -> IO[bytes]:
+    f = open(path, "ab+")
+    f.truncate(size)  # drop whatever was written after the last commit
+    f.seek(size)
+    return f
+
+
+class DurableSink:
+    def __init__(
+        self, conn: sqlite3.Connection, batch_id: str, out_path: Path, err_path: Path, resume: tuple
+    ) -> None:
+        """resume: JobStore.resume_point (watermark, its input offset, output and error sizes,
+        lines done past the watermark)."""
+        watermark, in_offset, out_bytes, err_bytes, done = resume
+        self.conn = conn
+        self.batch_id = batch_id
+        self.out = _open_at(out_path, out_bytes)
+        self.err = _open_at(err_path, err_bytes)
+        self.watermark, self.in_offset = watermark, in_offset
+        self.done_past: dict[int, int] = dict.fromkeys(done, -1)  # line -> offset after it (-1: unknown yet)
+        self.pending: list[int] = []
+        self.completed = self.failed = 0
+
+    def is_done(self, line: int) -> bool:
+        return line < self.watermark or line in self.done_past
+
+    def add(self, line: int, end_offset: int, record: dict | None, ok: bool) -> None:
+        """A line is finished (record None: nothing to write: blank, or done before a restart)."""
+        if record is not None:
+            (self.out if ok else self.err).write(_line(record))
+            self.pending.append(line)
+            if ok:
+                self.completed += 1
+            else:
+                self.failed += 1
+        self.done_past[line] = end_offset
+        while self.watermark in self.done_past:
+            off = self.done_past.pop(self.watermark)
+            self.in_offset = off if off >= 0 else self.in_offset
+            self.watermark += 1
+
+    def commit(self) -> None:
+        if not self.pending and not self.completed and not self.failed:
+            return
+        for f in (self.out, self.err):
+            f.flush()
+            os.fsync(f.fileno())
+        c = self.conn
+        c.execute("BEGIN")
+        try:
+            c.executemany(
+                "INSERT OR IGNORE INTO done_lines (batch_id, line) VALUES (?, ?)",
+                [(self.batch_id, n) for n in self.pending if n >= self.watermark],
+            )
+            c.execute(
+                "DELETE FROM done_lines WHERE batch_id = ? AND line < ?", (self.batch_id, self.watermark)
+            )
+            c.execute(
+                "UPDATE batches SET watermark = ?, in_offset = ?, out_bytes = ?, err_bytes = ?, "
+                "completed = completed + ?, failed = failed + ? WHERE id = ?",
+                (self.watermark, self.in_offset, self.out.tell(), self.err.tell(),
+                 self.completed, self.failed, self.batch_id),
+            )  # fmt: skip
+            c.execute("COMMIT")
+        except BaseException:
+            c.execute("ROLLBACK")
+            raise
+        self.pending.clear()
+        self.completed = self.failed = 0
+
+    def close(self) -> None:
+        self.commit()
+        self.out.close()
+        self.err.close()
+
+
+class PlainSink:
+    """Results and error lines into one file (as vLLM's run-batch), counted for the summary."""
+
+    def __init__(self, path: str, progress=None) -> None:
+        self.f = open(path, "wb")
+        self.progress = progress
+        self.completed = self.failed = 0
+
+    def is_done(self, line: int) -> bool:
+        return False
+
+    def add(self, line: int, end_offset: int, record: dict | None, ok: bool) -> None:
+        if record is None:
+            return
+        self.f.write(_line(record))
+        if ok:
+            self.completed += 1
+        else:
+            self.failed += 1
+        if self.progress is not None:
+            self.progress.update(1)
+
+    def commit(self) -> None:
+        self.f.flush()
+
+    def close(self) -> None:
+        self.f.close()

@@ -1,0 +1,132 @@
+"""HTTP routes of the Files and Batches APIs, in OpenAI's shapes; client mistakes are 400/404
+in OpenAI's error shape naming the field."""
+
+from __future__ import annotations
+
+import functools
+
+from fastapi import APIRouter, Request
+from fastapi.responses import FileResponse
+from pydantic import BaseModel, ConfigDict
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import UploadFile
+
+from kvserve.batch.errors import BatchAPIError
+from kvserve.batch.files import FileStore, new_file_id, too_large
+from kvserve.batch.jobs import JobStore
+from kvserve.batch.service import BatchService
+from kvserve.entrypoints.openai.errors import error_response
+
+MULTIPART_SLACK = 64 * 1024  # form boundaries and fields around the file itself
+
+
+class BatchCreateRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")  # e.g. output_expires_after: accepted, not acted on
+
+    input_file_id: str
+    endpoint: str
+    completion_window: str
+    metadata: dict[str, str] | None = None
+
+
+def _openai_errors(fn):
+    @functools.wraps(fn)
+    async def wrapper(*args, **kwargs):
+        try:
+            return await fn(*args, **kwargs)
+        except BatchAPIError as e:
+            kind = "not_found_error" if e.status == 404 else "invalid_request_error"
+            return error_response(e.status, e.message, kind, e.param, e.code)
+
+    return wrapper
+
+
+def _page(data: list[dict], has_more: bool = False) -> dict:
+    first = data[0]["id"] if data else None
+    last = data[-1]["id"] if data else None
+    return {"object": "list", "data": data, "first_id": first, "last_id": last, "has_more": has_more}
+
+
+def _copy_upload(files: FileStore, upload: UploadFile, purpose: str) -> str:
+    """Copy the upload to the store (in a thread: it is disk work); returns the new id."""
+    file_id = new_file_id()
+    files.copy_in(upload.file, file_id, purpose)
+    return file_id
+
+
+def batch_router(files: FileStore, jobs: JobStore, service: BatchService) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/v1/files")
+    @_openai_errors
+    async def upload(request: Request):
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > files.max_upload_size + MULTIPART_SLACK:
+            raise too_large(files.max_upload_size)
+        try:
+            form = await request.form(max_files=1, max_fields=16)
+        except Exception as e:  # noqa: BLE001 - malformed multipart is the client's mistake
+            raise BatchAPIError(400, f"file: the body is not a valid multipart form ({e})", "file") from None
+        try:
+            upload, purpose = form.get("file"), form.get("purpose")
+            if not isinstance(purpose, str):
+                raise BatchAPIError(400, "purpose: required (a form field, 'batch')", "purpose")
+            if not isinstance(upload, UploadFile):
+                raise BatchAPIError(400, "file: required (a file part)", "file")
+            file_id = await run_in_threadpool(_copy_upload, files, upload, purpose)
+            return files.register(file_id, upload.filename or "upload.jsonl", purpose)
+        finally:
+            await form.close()
+
+    @router.get("/v1/files")
+    @_openai_errors
+    async def list_files(purpose: str | None = None, limit: int = 10000):
+        return _page(files.list(purpose, max(1, min(limit, 10000))))
+
+    @router.get("/v1/files/{file_id}")
+    @_openai_errors
+    async def get_file(file_id: str):
+        return files.get(file_id)
+
+    @router.get("/v1/files/{file_id}/content")
+    @_openai_errors
+    async def file_content(file_id: str):
+        files.get(file_id)
+        return FileResponse(files.path(file_id), media_type="application/jsonl")
+
+    @router.delete("/v1/files/{file_id}")
+    @_openai_errors
+    async def delete_file(file_id: str):
+        return files.delete(file_id)
+
+    @router.post("/v1/batches")
+    @_openai_errors
+    async def create_batch(req: BatchCreateRequest):
+        f = files.get(req.input_file_id, param="input_file_id")
+        if f["purpose"] != "batch":
+            raise BatchAPIError(
+                400, f"input_file_id: {req.input_file_id!r} has purpose {f['purpose']!r}, not 'batch'",
+                "input_file_id",
+            )  # fmt: skip
+        obj = jobs.create(req.input_file_id, req.endpoint, req.completion_window, req.metadata)
+        service.submit(obj["id"])
+        return obj
+
+    @router.get("/v1/batches")
+    @_openai_errors
+    async def list_batches(limit: int = 20, after: str | None = None):
+        limit = max(1, min(limit, 100))
+        data = jobs.list(limit + 1, after)
+        return _page(data[:limit], has_more=len(data) > limit)
+
+    @router.get("/v1/batches/{batch_id}")
+    @_openai_errors
+    async def get_batch(batch_id: str):
+        return jobs.get(batch_id)
+
+    @router.post("/v1/batches/{batch_id}/cancel")
+    @_openai_errors
+    async def cancel_batch(batch_id: str):
+        return service.cancel(batch_id)
+
+    return router

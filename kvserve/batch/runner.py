@@ -1,0 +1,105 @@
+"""Feed a batch file's lines to the engine, a bounded window at a time.
+
+The input is read one line at a time and at most `window` lines are in flight, so memory
+does not grow with the file; each finished line goes to the sink at once, and the sink is
+committed every `commit_every` seconds. Stopping (cancel, expiry, shutdown) aborts the lines
+in flight; they were never recorded, so a resumed run does them again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from kvserve.batch.execute import TransientError
+from kvserve.batch.lines import LineError, error_record, parse_line, response_record
+
+logger = logging.getLogger("kvserve.batch")
+Execute = Callable[[str, dict, str], Awaitable[tuple[int, dict]]]
+
+
+class LineRunner:
+    def __init__(self, endpoint: str, execute: Execute, sink, window: int, should_stop: Callable[[], bool],
+                 request_prefix: str, commit_every: float = 0.25) -> None:  # fmt: skip
+        self.endpoint = endpoint
+        self.execute = execute
+        self.sink = sink
+        self.window = window
+        self.should_stop = should_stop
+        self.request_prefix = request_prefix
+        self.commit_every = commit_every
+        self._slots = asyncio.Semaphore(window)
+        self._tasks: set[asyncio.Task] = set()
+        self._last_commit = time.monotonic()
+
+    async def run(self, path: str, start_line: int = 0, start_offset: int = 0) -> bool:
+        """Run every line not yet done; True when the file was finished, False when stopped."""
+        try:
+            finished = await self._feed(path, start_line, start_offset) and await self._drain()
+        finally:  # stopped, cancelled from outside, or an error: abort whatever is in flight
+            for t in self._tasks:
+                t.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            self.sink.commit()
+        return finished
+
+    async def _feed(self, path: str, line: int, offset: int) -> bool:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            while raw := f.readline():
+                end = f.tell()
+                if self.sink.is_done(line) or not raw.strip():
+                    self.sink.add(line, end, None, True)
+                else:
+                    while self._slots.locked() and not self.should_stop():  # window full: wait for a line
+                        await self._wait_some()
+                    if self.should_stop():
+                        return False
+                    await self._slots.acquire()
+                    task = asyncio.create_task(self._one(line, end, raw))
+                    self._tasks.add(task)
+                    task.add_done_callback(self._tasks.discard)
+                    self._maybe_commit()
+                line += 1
+        return True
+
+    async def _drain(self) -> bool:
+        while self._tasks:
+            if self.should_stop():
+                return False
+            await self._wait_some()
+        return True
+
+    async def _wait_some(self) -> None:
+        await asyncio.wait(set(self._tasks), timeout=self.commit_every, return_when=asyncio.FIRST_COMPLETED)
+        self._maybe_commit()
+
+    def _maybe_commit(self) -> None:
+        if time.monotonic() - self._last_commit >= self.commit_every:
+            self.sink.commit()
+            self._last_commit = time.monotonic()
+
+    async def _one(self, line: int, end: int, raw: bytes) -> None:
+        try:
+            try:
+                custom_id, body = parse_line(raw, self.endpoint)
+            except LineError as e:
+                self.sink.add(line, end, error_record(e), False)
+                return
+            request_id = f"{self.request_prefix}-{line}"
+            delay = 0.5
+            while True:
+                try:
+                    status, resp = await self.execute(self.endpoint, body, request_id)
+                    break
+                except TransientError as e:
+                    if self.should_stop():
+                        return
+                    logger.info("batch line %d: %s; retrying in %.1fs", line, e, delay)
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 10.0)
+            self.sink.add(line, end, response_record(custom_id, status, request_id, resp), status == 200)
+        finally:
+            self._slots.release()

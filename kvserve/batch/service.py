@@ -1,0 +1,165 @@
+"""The server's batch worker: one batch at a time, oldest first, each through a LineRunner;
+picks up unfinished batches when the server starts (resume), and answers cancel requests."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+
+from kvserve.batch.execute import execute_line
+from kvserve.batch.files import FileStore
+from kvserve.batch.jobs import JobStore
+from kvserve.batch.output import DurableSink
+from kvserve.batch.runner import LineRunner
+
+logger = logging.getLogger("kvserve.batch")
+
+
+def count_lines(path: Path) -> int:
+    """Non-blank lines, read a chunk at a time (the file is never held in memory)."""
+    n = 0
+    with open(path, "rb") as f:
+        for raw in f:
+            n += bool(raw.strip())
+    return n
+
+
+class BatchService:
+    def __init__(
+        self, files: FileStore, jobs: JobStore, serving, window: int, draining=lambda: False
+    ) -> None:
+        """draining: true once the server drains (SIGTERM): batches stop at once, so the drain
+        does not wait on them, and resume on the next start."""
+        self.files = files
+        self.jobs = jobs
+        self.serving = serving
+        self.window = window
+        self._queue: asyncio.Queue[str | None] = asyncio.Queue()
+        self._cancelled: set[str] = set()
+        self._stopping = False
+        self._draining = draining
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        for batch_id in self.jobs.active_ids():
+            self._queue.put_nowait(batch_id)
+        self._task = asyncio.get_running_loop().create_task(self._work())
+
+    async def stop(self) -> None:
+        """Stop at once: lines in flight are aborted, the rest resumes on the next start."""
+        self._stopping = True
+        self._queue.put_nowait(None)  # wakes an idle worker
+        if self._task is not None:
+            done, _ = await asyncio.wait({self._task}, timeout=10)  # it notices within a commit interval
+            if not done:
+                self._task.cancel()
+                await asyncio.gather(self._task, return_exceptions=True)
+
+    def _halted(self) -> bool:
+        return self._stopping or self._draining()
+
+    def submit(self, batch_id: str) -> None:
+        self._queue.put_nowait(batch_id)
+
+    def cancel(self, batch_id: str) -> dict:
+        obj = self.jobs.raw(batch_id)
+        if obj["status"] in ("validating", "in_progress"):
+            self.jobs.set_status(obj, "cancelling")
+            self._cancelled.add(batch_id)
+        return self.jobs.get(batch_id)
+
+    async def _work(self) -> None:
+        while not self._halted():
+            batch_id = await self._queue.get()
+            if batch_id is None or self._halted():
+                return
+            try:
+                await self._process(batch_id)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # a bug must not stop the worker: fail this batch, go on
+                logger.exception("batch %s failed", batch_id)
+                obj = self.jobs.raw(batch_id)
+                self.jobs.set_status(obj, "failed", errors=_errors("internal_error", str(e)))
+
+    async def _process(self, batch_id: str) -> None:
+        obj = self.jobs.raw(batch_id)
+        if obj["status"] == "validating":
+            path = self.files.dir / obj["input_file_id"]
+            try:
+                total = await asyncio.to_thread(count_lines, path)
+            except OSError as e:
+                self.jobs.set_status(
+                    obj, "failed", errors=_errors("file_unreadable", str(e), "input_file_id")
+                )
+                return
+            if total == 0:
+                errors = _errors("empty_file", "the input file has no lines", "input_file_id")
+                self.jobs.set_status(obj, "failed", errors=errors)
+                return
+            self.jobs.set_total(batch_id, total)
+            obj = self.jobs.raw(batch_id)
+            if obj["status"] == "validating":
+                obj = self.jobs.set_status(obj, "in_progress")
+        if obj["status"] == "in_progress":
+            await self._run(obj)
+            obj = self.jobs.raw(batch_id)
+        if obj["status"] in ("finalizing", "cancelling") or (
+            obj["status"] == "in_progress" and self._expired(obj)
+        ):
+            self._finalize(obj)
+
+    def _expired(self, obj: dict) -> bool:
+        return time.time() > obj["expires_at"]
+
+    async def _run(self, obj: dict) -> None:
+        batch_id = obj["id"]
+        resume = self.jobs.resume_point(batch_id)
+        out, err = self.files.path(obj["_output_path_id"]), self.files.path(obj["_error_path_id"])
+        sink = DurableSink(self.jobs.conn, batch_id, out, err, resume)
+        wm, off = resume[0], resume[1]
+
+        def should_stop() -> bool:
+            return self._halted() or batch_id in self._cancelled or self._expired(obj)
+
+        async def execute(endpoint: str, body: dict, request_id: str):
+            return await execute_line(self.serving, endpoint, body, request_id)
+
+        try:
+            runner = LineRunner(obj["endpoint"], execute, sink, self.window, should_stop, batch_id)
+            finished = await runner.run(str(self.files.dir / obj["input_file_id"]), wm, off)
+        finally:
+            sink.close()
+        if finished:
+            self.jobs.set_status(self.jobs.raw(batch_id), "finalizing")
+
+    def _finalize(self, obj: dict) -> None:
+        """Register the output and error files, then the final status, in one transaction."""
+        status = {"finalizing": "completed", "cancelling": "cancelled", "in_progress": "expired"}[
+            obj["status"]
+        ]
+        conn = self.jobs.conn
+        conn.execute("BEGIN")
+        try:
+            fields = {}
+            for key, path_key, name in (("output_file_id", "_output_path_id", "output"),
+                                        ("error_file_id", "_error_path_id", "errors")):  # fmt: skip
+                file_id = obj[path_key]
+                path = self.files.path(file_id)
+                if path.exists() and path.stat().st_size > 0:
+                    if conn.execute("SELECT 1 FROM files WHERE id = ?", (file_id,)).fetchone() is None:
+                        self.files.register(file_id, f"{obj['id']}_{name}.jsonl", "batch_output")
+                    fields[key] = file_id
+            self.jobs.set_status(obj, status, **fields)
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        self._cancelled.discard(obj["id"])
+        logger.info("batch %s %s: %s", obj["id"], status, self.jobs.get(obj["id"])["request_counts"])
+
+
+def _errors(code: str, message: str, param: str | None = None) -> dict:
+    return {"object": "list", "data": [{"code": code, "message": message, "param": param, "line": None}]}

@@ -1,0 +1,314 @@
+"""Batch API end to end with the official `openai` client against real `kvserve serve`
+processes (tiny random model: only ids, counts and shapes are checked), the background tier
+of the scheduler against the Hugging Face reference, and `kvserve run-batch` offline."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+from conftest import load_reference
+from helpers import assert_greedy_match, reference_greedy
+from server_utils import ServerProcess
+
+from kvserve import LLM, SamplingParams
+from kvserve.request import BACKGROUND_PRIORITY
+
+MODEL_ARGS = ("--kv-cache-memory", "32MiB", "--max-model-len", "256", "--served-model-name", "tiny")
+CHAT = "/v1/chat/completions"
+FINAL = ("completed", "failed", "cancelled", "expired")
+
+
+def line(i: int, max_tokens: int = 2, url: str = CHAT, **extra) -> str:
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": f"request {i}"}],
+        "max_tokens": max_tokens,
+    }
+    return json.dumps({"custom_id": f"req-{i}", "method": "POST", "url": url, "body": {**body, **extra}})
+
+
+def upload(client: openai.OpenAI, lines: list[str]):
+    return client.files.create(file=("input.jsonl", ("\n".join(lines) + "\n").encode()), purpose="batch")
+
+
+def wait_final(client: openai.OpenAI, batch_id: str, timeout: float = 600):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        b = client.batches.retrieve(batch_id)
+        if b.status in FINAL:
+            return b
+        time.sleep(0.3)
+    raise TimeoutError(f"batch {batch_id} did not finish")
+
+
+def read_lines(client: openai.OpenAI, file_id: str | None) -> list[dict]:
+    if file_id is None:
+        return []
+    return [json.loads(x) for x in client.files.content(file_id).text.splitlines()]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir, tmp_path_factory):
+    store = tmp_path_factory.mktemp("batch-store")
+    s = ServerProcess(tiny_llama_dir, *MODEL_ARGS, "--max-num-seqs", "32", "--batch-storage-dir", str(store),
+                      "--max-upload-size", str(2**20))  # fmt: skip
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=server.api_key, max_retries=0)
+
+
+# ---- the scheduler's background tier ---------------------------------------------------------
+
+
+def test_background_requests_wait_behind_interactive_ones(tiny_llama_dir):
+    llm = LLM(tiny_llama_dir, kv_cache_memory="64MiB", max_num_seqs=2)  # fcfs, the default policy
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    for i in range(6):
+        engine.add_request(f"bg-{i}", f"batch line {i}", params, priority=BACKGROUND_PRIORITY)
+    engine.step()
+    engine.step()  # two background requests run, four wait
+    for i in range(2):
+        engine.add_request(f"fg-{i}", f"interactive {i}", params)
+    first: dict[str, int] = {}
+    step = 0
+    while engine.has_unfinished_requests():
+        step += 1
+        for out in engine.step():
+            first.setdefault(out.request_id, step)
+    assert max(first["fg-0"], first["fg-1"]) < min(first[f"bg-{i}"] for i in range(2, 6))
+    assert max(first["fg-0"], first["fg-1"]) <= 2  # they took the running seats at once
+    assert engine.scheduler.num_preemptions_total >= 2
+    assert engine.kv_cache_manager.num_free_blocks == engine.kv_cache_manager.num_blocks
+
+
+def test_background_tier_keeps_greedy_equal_to_the_reference(tiny_llama_dir):
+    """Mixed tiers, few seats and a small pool (preemptions): every output is the reference's."""
+    hf = load_reference(tiny_llama_dir)
+    llm = LLM(tiny_llama_dir, kv_cache_memory=24 * 16 * 512, max_num_seqs=3)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=24)
+    prompts = {
+        f"{'bg' if i < 4 else 'fg'}-{i}": engine.tokenizer.encode(f"prompt number {i} says") for i in range(8)
+    }
+    for rid, ids in prompts.items():
+        if rid == "fg-4":
+            engine.step()  # three background requests hold every seat
+            engine.step()
+        engine.add_request(rid, ids, params, priority=BACKGROUND_PRIORITY if rid.startswith("bg") else 0)
+    outs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = out.outputs[0].token_ids
+    assert engine.scheduler.num_preemptions_total > 0
+    eos = [engine.tokenizer.eos_token_id]
+    for rid, ids in prompts.items():
+        assert_greedy_match(hf, ids, reference_greedy(hf, ids, 24, eos), list(outs[rid]), rid)
+
+
+# ---- the HTTP API ----------------------------------------------------------------------------
+
+
+def test_openai_client_round_trip(client):
+    f = upload(client, [line(i) for i in range(20)])
+    assert f.purpose == "batch" and f.bytes > 0
+    assert client.files.retrieve(f.id).id == f.id
+    assert f.id in [x.id for x in client.files.list()]
+    b = client.batches.create(
+        input_file_id=f.id, endpoint=CHAT, completion_window="24h", metadata={"job": "t"}
+    )
+    assert b.status == "validating" and b.metadata == {"job": "t"}
+    b = wait_final(client, b.id)
+    assert b.status == "completed", b
+    assert b.request_counts.total == 20 and b.request_counts.completed == 20 and b.request_counts.failed == 0
+    assert b.in_progress_at and b.finalizing_at and b.completed_at and b.error_file_id is None
+    out = read_lines(client, b.output_file_id)
+    assert sorted(o["custom_id"] for o in out) == sorted(f"req-{i}" for i in range(20))
+    for o in out:
+        assert o["error"] is None and o["response"]["status_code"] == 200
+        body = o["response"]["body"]
+        assert body["object"] == "chat.completion" and body["usage"]["completion_tokens"] <= 2
+    assert b.id in [x.id for x in client.batches.list()]
+    assert client.files.delete(f.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(f.id)
+
+
+def test_completions_endpoint_and_request_errors_become_error_lines(client):
+    lines = [line(i, url="/v1/completions") for i in range(3)]
+    lines = [
+        json.dumps({**json.loads(x), "body": {"model": "tiny", "prompt": "hi", "max_tokens": 2}})
+        for x in lines
+    ]
+    lines.append(json.dumps({"custom_id": "bad-temp", "method": "POST", "url": "/v1/completions",
+                             "body": {"model": "tiny", "prompt": "hi", "temperature": -1}}))  # fmt: skip
+    b = client.batches.create(input_file_id=upload(client, lines).id, endpoint="/v1/completions",
+                              completion_window="24h")  # fmt: skip
+    b = wait_final(client, b.id)
+    assert b.status == "completed" and b.request_counts.completed == 3 and b.request_counts.failed == 1
+    (err,) = read_lines(client, b.error_file_id)
+    assert err["custom_id"] == "bad-temp" and err["response"]["status_code"] == 400
+    assert err["response"]["body"]["error"]["param"] == "temperature"
+    assert all(
+        o["response"]["body"]["object"] == "text_completion" for o in read_lines(client, b.output_file_id)
+    )
+
+
+def test_thousand_lines_with_five_malformed(client):
+    bad = {
+        100: "{not json",
+        250: json.dumps({"method": "POST", "url": CHAT, "body": {}}),
+        500: json.dumps({"custom_id": "x-500", "url": "/v1/embeddings", "body": {}}),
+        750: "[1, 2, 3]",
+        999: json.dumps({"custom_id": "x-999", "url": CHAT, "body": "text"}),
+    }
+    lines = [bad.get(i, line(i, max_tokens=1)) for i in range(1000)]
+    b = client.batches.create(input_file_id=upload(client, lines).id, endpoint=CHAT, completion_window="24h")
+    b = wait_final(client, b.id)
+    assert b.status == "completed"
+    assert (b.request_counts.total, b.request_counts.completed, b.request_counts.failed) == (1000, 995, 5)
+    out, errors = read_lines(client, b.output_file_id), read_lines(client, b.error_file_id)
+    assert len(out) == 995 and len(errors) == 5
+    assert {o["custom_id"] for o in out} == {f"req-{i}" for i in range(1000) if i not in bad}
+    assert all(e["response"] is None and e["error"]["message"] for e in errors)
+    assert {e["custom_id"] for e in errors} == {None, "x-500", "x-999"}
+
+
+def test_cancel_mid_way_keeps_finished_lines(client):
+    lines = [line(i, max_tokens=48, ignore_eos=True) for i in range(300)]
+    b = client.batches.create(input_file_id=upload(client, lines).id, endpoint=CHAT, completion_window="24h")
+    deadline = time.monotonic() + 300
+    while client.batches.retrieve(b.id).request_counts.completed < 5:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    assert client.batches.cancel(b.id).status == "cancelling"
+    b = wait_final(client, b.id)
+    assert b.status == "cancelled" and b.cancelling_at and b.cancelled_at
+    out = read_lines(client, b.output_file_id)
+    assert 5 <= len(out) == b.request_counts.completed < 300
+    assert len({o["custom_id"] for o in out}) == len(out)
+    assert client.batches.cancel(b.id).status == "cancelled"  # idempotent once final
+
+
+def _error(exc: openai.APIStatusError) -> dict:
+    return exc.response.json()["error"]
+
+
+def test_bad_input_names_the_field(client, server):
+    f = upload(client, [line(0)])
+    with pytest.raises(openai.BadRequestError) as e:
+        client.files.create(file=("x.jsonl", b"{}\n"), purpose="fine-tune")
+    assert _error(e.value)["param"] == "purpose"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.batches.create(input_file_id="file-nope", endpoint=CHAT, completion_window="24h")
+    assert _error(e.value)["param"] == "input_file_id"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.batches.create(input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h")
+    assert _error(e.value)["param"] == "endpoint"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="1h")
+    assert _error(e.value)["param"] == "completion_window"
+    files_dir = os.path.join(server.proc.args[server.proc.args.index("--batch-storage-dir") + 1], "files")
+    kept = sorted(os.listdir(files_dir))
+    for size in (2**20 + 1, 30 * 2**20):  # caught while copying; by its declared length
+        with pytest.raises(openai.BadRequestError) as e:  # the server runs with --max-upload-size 1 MiB
+            client.files.create(file=("big.jsonl", b"x" * size), purpose="batch")
+        assert _error(e.value)["param"] == "file"
+    assert sorted(os.listdir(files_dir)) == kept  # nothing of it stays on disk
+    with pytest.raises(openai.NotFoundError) as e:
+        client.batches.retrieve("batch_nope")
+    assert _error(e.value)["param"] == "batch_id"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.files.content("file-nope")
+    assert _error(e.value)["param"] == "file_id"
+    r = httpx.post(f"{server.url}/v1/files", headers=server.headers, data={"purpose": "batch"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "file"
+    r = httpx.post(f"{server.url}/v1/batches", headers=server.headers, json={"endpoint": CHAT})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input_file_id"
+
+
+# ---- durability ------------------------------------------------------------------------------
+
+
+def test_kill_9_and_sigterm_mid_batch_then_resume(tiny_llama_dir, tmp_path):
+    store = str(tmp_path / "store")
+    args = (*MODEL_ARGS, "--max-num-seqs", "16", "--batch-storage-dir", store)
+    s = ServerProcess(tiny_llama_dir, *args)
+    try:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key=s.api_key, max_retries=0)
+        lines = [line(i, max_tokens=16, ignore_eos=True) for i in range(300)]
+        b = c.batches.create(input_file_id=upload(c, lines).id, endpoint=CHAT, completion_window="24h")
+        deadline = time.monotonic() + 300
+        while c.batches.retrieve(b.id).request_counts.completed < 30:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        assert c.batches.retrieve(b.id).status == "in_progress"
+        core = s.engine_core_pid()
+        os.kill(s.proc.pid, signal.SIGKILL)
+        s.proc.wait(10)
+    finally:
+        s.stop()
+    _wait_gone(core)
+    s = ServerProcess(tiny_llama_dir, *args)  # resumes; then SIGTERM mid-batch: a clean, prompt stop
+    try:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key=s.api_key, max_retries=0)
+        at_kill = c.batches.retrieve(b.id).request_counts.completed
+        deadline = time.monotonic() + 300
+        while c.batches.retrieve(b.id).request_counts.completed < at_kill + 30:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        assert c.batches.retrieve(b.id).status == "in_progress"
+        s.proc.terminate()
+        assert s.proc.wait(25) == 0  # the drain does not wait for the batch (shutdown timeout 30 s)
+    finally:
+        s.stop()
+    s = ServerProcess(tiny_llama_dir, *args)
+    try:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key=s.api_key, max_retries=0)
+        done = wait_final(c, b.id)
+        assert done.status == "completed"
+        assert (done.request_counts.total, done.request_counts.completed) == (300, 300)
+        ids = [o["custom_id"] for o in read_lines(c, done.output_file_id)]
+        assert len(ids) == len(set(ids)) == 300  # none twice, none missing
+        assert set(ids) == {f"req-{i}" for i in range(300)}
+    finally:
+        s.stop()
+
+
+def _wait_gone(pid: int, timeout: float = 20) -> None:
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "the engine core outlived its server"
+        time.sleep(0.1)
+
+
+# ---- offline ---------------------------------------------------------------------------------
+
+
+def test_run_batch_offline(tiny_llama_dir, tmp_path):
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join([line(i) for i in range(12)] + ["not json"]) + "\n")
+    cmd = [sys.executable, "-m", "kvserve.entrypoints.cli", "run-batch", "-i", str(src), "-o", str(dst),
+           "--model", tiny_llama_dir, "--served-model-name", "tiny", "--kv-cache-memory", "32MiB",
+           "--max-model-len", "256", "--no-progress"]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "13 lines (12 ok, 1 errors)" in r.stderr
+    out = [json.loads(x) for x in dst.read_text().splitlines()]
+    assert sorted(o["custom_id"] for o in out if o["response"]) == sorted(f"req-{i}" for i in range(12))
+    assert sum(o["error"] is not None for o in out) == 1
