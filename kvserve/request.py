@@ -92,6 +92,22 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 
+    def fork(self, request_id: str) -> Request:
+        """A copy with the same tokens and progress under a new id (a beam-search fork). Its
+        KV blocks come from KVCacheManager.fork; beams carry no generator, grammar or logprobs."""
+        child = Request(
+            request_id, self.prompt_token_ids, self.params, self.max_tokens, self.eos_token_ids,
+            self.arrival_time, self.priority, self.cache_salt, self.group_id,
+        )  # fmt: skip
+        child.all_token_ids = list(self.all_token_ids)
+        child.output_token_ids = list(self.output_token_ids)
+        child.num_computed_tokens = self.num_computed_tokens
+        child.status = self.status
+        child.num_cached_tokens = self.num_cached_tokens
+        child.first_scheduled_time = self.first_scheduled_time
+        child.first_token_time = self.first_token_time
+        return child
+
     def check_stop(self, max_model_len: int) -> bool:
         """Set a finished status if the last token ends the request (EOS, stop id, a finished
         grammar, length)."""
