@@ -126,7 +126,9 @@ class SamplingParams:
 
     def _check_beam_search(self) -> None:
         """What beam search cannot honour is refused, naming the field."""
-        _check(self.early_stopping in (True, False, "never"), "early_stopping", "must be true, false or never")
+        _check(
+            self.early_stopping in (True, False, "never"), "early_stopping", "must be true, false or never"
+        )
         _check(
             self.length_penalty == self.length_penalty and abs(self.length_penalty) != float("inf"),
             "length_penalty",

@@ -88,9 +88,8 @@ class BeamSearchState:
                 if e and rank < self.width:
                     stopped = t in self.stop_token_ids
                     score = _penalized(s, new_len, self.length_penalty)
-                    new.append(
-                        Hypothesis(beams[p][0] + [t], score, "stop" if stopped else "length", t if stopped else None)
-                    )
+                    reason, stop_token = ("stop", t) if stopped else ("length", None)
+                    new.append(Hypothesis(beams[p][0] + [t], score, reason, stop_token))
             if new:  # a stable sort: on a tie the older hypothesis stays ahead
                 self.finished = sorted(self.finished + new, key=lambda h: -h.score)[: self.width]
 

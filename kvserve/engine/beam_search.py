@@ -103,9 +103,10 @@ class BeamSearchManager:
         sched = self.scheduler
         ids = list(group.beams)
         reqs = [sched.requests[b] for b in ids]
+        cands = [group.candidates[b] for b in ids]
         beams = [
-            (r.output_token_ids, group.beams[b], group.candidates[b].token_ids, group.candidates[b].beam_logprobs)
-            for b, r in zip(ids, reqs)
+            (r.output_token_ids, group.beams[b], c.token_ids, c.beam_logprobs)
+            for b, r, c in zip(ids, reqs, cands)
         ]
         chosen = group.state.step(beams, group.depth)
         group.candidates = {}
@@ -148,10 +149,14 @@ class BeamSearchManager:
         root = group.root
         group.results = [
             EngineCoreOutput(
-                "", h.token_ids, finish_reason=h.finish_reason,
+                "",
+                h.token_ids,
+                finish_reason=h.finish_reason,
                 stop_reason=h.stop_token if h.stop_token in root.stop_token_ids else None,
-                first_scheduled_time=root.first_scheduled_time, first_token_time=group.first_token_time,
-                finished_time=now, num_cached_tokens=root.num_cached_tokens,
+                first_scheduled_time=root.first_scheduled_time,
+                first_token_time=group.first_token_time,
+                finished_time=now,
+                num_cached_tokens=root.num_cached_tokens,
             )  # fmt: skip
             for h in hyps
         ]

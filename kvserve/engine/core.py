@@ -202,8 +202,10 @@ class EngineCore:
         return parse_memory_size(DEFAULT_CPU_KV_CACHE_MEMORY)
 
     def add_request(self, req: EngineCoreRequest) -> None:
-        if req.request_id in self.scheduler.requests or req.request_id in self.compiling or self.beams.owns(
-            req.request_id
+        if (
+            req.request_id in self.scheduler.requests
+            or req.request_id in self.compiling
+            or self.beams.owns(req.request_id)
         ):
             raise ValueError(f"request_id: {req.request_id!r} is already in use")
         request = Request(
