@@ -253,3 +253,14 @@ def test_http_completions_and_chat(llm, tiny_llama_dir, reference, tmp_path):
         assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
     finally:
         s.stop()
+
+
+def test_tp2_beams_copy_blocks_on_every_rank(tiny_llama_dir, reference):
+    """Under tensor parallelism each rank holds its heads' KV: the block copies travel in the
+    step to both ranks, so TP=2 beams equal transformers too."""
+    llm = LLM(tiny_llama_dir, tensor_parallel_size=2, kv_cache_memory="2MiB")
+    try:
+        for prompt in PROMPTS:
+            assert beams(llm, prompt, 4, 10) == reference_beams(reference, prompt, 4, 10)
+    finally:
+        llm.llm_engine.core.shutdown()

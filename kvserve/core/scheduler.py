@@ -177,6 +177,9 @@ class Scheduler:
         admit = out.num_preempted == preempted_by_priority
         while admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting.peek()
+            if req.params.use_beam_search and not req.output_token_ids:
+                if len(self.running) + req.params.n > self.max_num_seqs:
+                    break  # a beam group's root: its beams will need n seats
             # Mean pooling needs every prompt row computed, so it takes no cached prefix.
             fresh = req.num_computed_tokens == 0 and req.params.pooling != "mean"
             hits = self.kv.get_computed_blocks(req) if fresh else []

@@ -208,6 +208,10 @@ class EngineCore:
             or self.beams.owns(req.request_id)
         ):
             raise ValueError(f"request_id: {req.request_id!r} is already in use")
+        if req.params.use_beam_search and req.params.n > self.config.max_num_seqs:
+            raise ValueError(
+                f"n: {req.params.n} beams can never run at once (max_num_seqs={self.config.max_num_seqs})"
+            )
         request = Request(
             req.request_id, req.prompt_token_ids, req.params, req.max_tokens, self.eos_token_ids,
             req.arrival_time, req.priority, req.cache_salt, req.group_id,
