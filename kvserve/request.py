@@ -57,6 +57,7 @@ class Request:
         self.cache_salt = cache_salt  # separates prefix-cache namespaces
         self.group_id = group_id  # the n samples of one request share this (and their prompt's blocks)
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at admission
+        self.followers: list[Request] = []  # n > 1: siblings that fork once this one's prompt is done
         self.spec_token_ids: list[int] = []  # proposed tokens to verify in the next step
         self.spec_state = None  # kvserve.spec_decode.adaptive.SpecState when speculating
         self.generator: torch.Generator | None = None

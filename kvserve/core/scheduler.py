@@ -177,9 +177,8 @@ class Scheduler:
         admit = out.num_preempted == preempted_by_priority
         while admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting.peek()
-            if req.params.use_beam_search and not req.output_token_ids:
-                if len(self.running) + req.params.n > self.max_num_seqs:
-                    break  # a beam group's root: its beams will need n seats
+            if len(self.running) + self._seats(req) > self.max_num_seqs:
+                break  # a group's first request: its forks will need their seats too
             # Mean pooling needs every prompt row computed, so it takes no cached prefix.
             fresh = req.num_computed_tokens == 0 and req.params.pooling != "mean"
             hits = self.kv.get_computed_blocks(req) if fresh else []
@@ -211,6 +210,14 @@ class Scheduler:
             self.running.insert(self.running.index(parent) + 1, child)
         else:
             self.waiting.add(child, front=True)
+
+    @staticmethod
+    def _seats(req: Request) -> int:
+        """Seats a request needs at admission: a beam group's root n, a sampling leader one per
+        sibling waiting to fork from it (engine/sample_groups.py), others one."""
+        if req.params.use_beam_search and not req.output_token_ids:
+            return req.params.n
+        return 1 + len(req.followers)
 
     def _allocate(self, req: Request, num_new: int, num_spec: int, hits: list[int] = ()) -> bool:
         """Slots for num_new tokens plus num_spec proposed ones (and the draft's lookahead

@@ -27,6 +27,7 @@ from kvserve.core.kv_sizing import (
 from kvserve.core.scheduler import Scheduler
 from kvserve.engine.beam_search import BeamSearchManager
 from kvserve.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from kvserve.engine.sample_groups import SampleGroups
 from kvserve.engine.step_recovery import recover_failed_step
 from kvserve.executor import make_executor
 from kvserve.model.arch import ModelArch
@@ -93,6 +94,7 @@ class EngineCore:
             config.scheduling_policy,
         )  # fmt: skip
         self.beams = BeamSearchManager(self.scheduler)
+        self.samples = SampleGroups(self.scheduler)
         self.executor = make_executor(config, self._worker_config())
         self.load_time = time.perf_counter() - t0  # reading + dequantizing weights, tokenizer
         self.proposer = self._make_proposer()
@@ -206,6 +208,7 @@ class EngineCore:
             req.request_id in self.scheduler.requests
             or req.request_id in self.compiling
             or self.beams.owns(req.request_id)
+            or req.request_id in self.samples.held
         ):
             raise ValueError(f"request_id: {req.request_id!r} is already in use")
         if req.params.use_beam_search and req.params.n > self.config.max_num_seqs:
@@ -220,6 +223,8 @@ class EngineCore:
             self.beams.add(request)  # a beam group's result slot; the first one starts the search
         elif req.params.structured_outputs is not None:
             self.compiling.add(request)  # [structured outputs] the scheduler gets it once compiled
+        elif self.samples.forkable(request):
+            self.samples.add(request)  # n > 1: siblings fork from the first once its prompt is done
         else:
             self.scheduler.add_request(request)
 
@@ -228,11 +233,15 @@ class EngineCore:
         for rid in request_ids:
             if self.beams.owns(rid):
                 self.beams.abort(rid)
-            elif not self.compiling.abort(rid):
+            elif not self.compiling.abort(rid) and not self.samples.abort(rid):
                 self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
+        self.samples.promote_orphans()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self.compiling) or self.beams.has_pending()
+        return (
+            self.scheduler.has_unfinished_requests() or bool(self.compiling) or self.beams.has_pending()
+            or bool(self.samples.held)
+        )  # fmt: skip
 
     def _admit_compiled(self) -> list[EngineCoreOutput]:
         """[structured outputs] Hand requests whose grammar is ready to the scheduler; end failed ones."""
@@ -274,6 +283,7 @@ class EngineCore:
                     if 0 <= skip < len(entries):
                         req.prompt_logprobs.extend(entries[skip:])
             self.beams.collect(sampled)  # beam candidates, not tokens: the groups choose
+            self.samples.fork_followers(sched, sampled)
             progressed = self.scheduler.update(sched, sampled)
             for req, count in progressed:
                 outputs.append(self._output(req, count))
@@ -293,6 +303,7 @@ class EngineCore:
     def _outputs(self, outputs: list[EngineCoreOutput], sched) -> EngineCoreOutputs:
         """This step's outputs with the scheduler's numbers (for metrics)."""
         outputs = self.beams.translate(outputs) + self.beams.drain()
+        self.samples.promote_orphans()  # after a failed step
         spec = self.scheduler.spec_stats
         events = self.kv_cache_manager.pool.events
         stored, removed, cleared = events.drain() if events is not None else ([], [], False)

@@ -34,12 +34,20 @@ class DriverSampler:
         all_reqs = [requests[rid] for rid in out.sample_req_ids]
         rows = [i for i, r in enumerate(all_reqs) if not r.params.use_beam_search]
         sample_reqs = [all_reqs[i] for i in rows]
+        # n > 1 (engine/sample_groups.py): siblings draw their first token from their leader's
+        # row, each with its own seed; taken before the leader's sampling touches the row.
+        followers = [(r.followers, logits[i].expand(len(r.followers), -1).clone())
+                     for i, r in enumerate(all_reqs) if r.followers]  # fmt: skip
         if sample_reqs:
             n = len(sample_reqs)
             rows_logits = logits[: len(all_reqs)] if n == len(all_reqs) else logits[rows]
             apply_grammar_bitmask(rows_logits, sample_reqs)  # [structured outputs] constrained rows only
             sampled = self.sampler(rows_logits, sample_reqs)
             for i, req in enumerate(sample_reqs):
+                results[req.request_id] = SampleResult([sampled.token_ids[i]], [sampled.logprobs[i]])
+        for reqs, rows_logits in followers:
+            sampled = self.sampler(rows_logits, reqs)
+            for i, req in enumerate(reqs):
                 results[req.request_id] = SampleResult([sampled.token_ids[i]], [sampled.logprobs[i]])
         for i, req in enumerate(all_reqs):
             if req.params.use_beam_search:
