@@ -62,6 +62,7 @@ class Request:
         self.cache_salt = cache_salt  # separates prefix-cache namespaces
         self.group_id = group_id  # the n samples of one request share this (and their prompt's blocks)
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at admission
+        self.followers: list[Request] = []  # n > 1: siblings that fork once this one's prompt is done
         self.spec_token_ids: list[int] = []  # proposed tokens to verify in the next step
         self.spec_state = None  # kvserve.spec_decode.adaptive.SpecState when speculating
         self.generator: torch.Generator | None = None
@@ -100,6 +101,22 @@ class Request:
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def fork(self, request_id: str) -> Request:
+        """A copy with the same tokens and progress under a new id (a beam-search fork). Its
+        KV blocks come from KVCacheManager.fork; beams carry no generator, grammar or logprobs."""
+        child = Request(
+            request_id, self.prompt_token_ids, self.params, self.max_tokens, self.eos_token_ids,
+            self.arrival_time, self.priority, self.cache_salt, self.group_id,
+        )  # fmt: skip
+        child.all_token_ids = list(self.all_token_ids)
+        child.output_token_ids = list(self.output_token_ids)
+        child.num_computed_tokens = self.num_computed_tokens
+        child.status = self.status
+        child.num_cached_tokens = self.num_cached_tokens
+        child.first_scheduled_time = self.first_scheduled_time
+        child.first_token_time = self.first_token_time
+        return child
 
     def check_stop(self, max_model_len: int) -> bool:
         """Set a finished status if the last token ends the request (EOS, stop id, a finished

@@ -69,6 +69,13 @@ class SamplingParams:
     pooling: str | None = None
     """Embedding instead of generation: "last" or "mean" of the prompt's final hidden states;
     the request ends when its prompt is computed (no token is sampled)."""
+    use_beam_search: bool = False
+    """Beam search with n beams, returning the n best sequences (transformers' num_beams=n,
+    num_return_sequences=n); deterministic, so temperature / top-p / top-k / seed do not apply."""
+    length_penalty: float = 1.0
+    """Beam search: a finished sequence scores sum(logprobs) / generated_length ** length_penalty."""
+    early_stopping: bool | str = False
+    """Beam search: True, False or "never", as transformers (docs/BEAM_SEARCH.md)."""
 
     def __post_init__(self) -> None:
         # Not a dataclass field, so it is not serialized; rebuilt wherever params are made.
@@ -114,6 +121,30 @@ class SamplingParams:
         _check(
             self.pooling in (None, "last", "mean"), "pooling", f"must be last or mean, got {self.pooling!r}"
         )
+        if self.use_beam_search:
+            self._check_beam_search()
+
+    def _check_beam_search(self) -> None:
+        """What beam search cannot honour is refused, naming the field."""
+        _check(
+            self.early_stopping in (True, False, "never"), "early_stopping", "must be true, false or never"
+        )
+        _check(
+            self.length_penalty == self.length_penalty and abs(self.length_penalty) != float("inf"),
+            "length_penalty",
+            "must be finite",
+        )
+        unsupported = {
+            "logprobs": self.logprobs is not None,
+            "prompt_logprobs": self.prompt_logprobs is not None,
+            "stop": bool(self.stop_list),
+            "structured_outputs": self.structured_outputs is not None,
+            "logit_bias": bool(self.logit_bias),
+            "pooling": self.pooling is not None,
+            "repetition_penalty": self.has_penalties,
+        }
+        for name, given in unsupported.items():
+            _check(not given, name, "is not supported with use_beam_search")
 
     @property
     def greedy(self) -> bool:

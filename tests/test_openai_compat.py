@@ -69,7 +69,7 @@ def test_informational_fields_are_accepted(client):
     [
         ({"modalities": ["text", "audio"]}, "modalities"),
         ({"web_search_options": {}}, "web_search_options"),
-        ({"use_beam_search": True}, "use_beam_search"),
+        ({"use_beam_search": True, "n": 2, "stream": True}, "stream"),
         ({"best_of": 3}, "best_of"),
         ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
         ({"no_such_field": 1}, "no_such_field"),

@@ -7,6 +7,13 @@ request reuses the longest run of cached blocks at its start; at most num_tokens
 come from the cache, so the last token is always computed (it produces the next token's
 logits). With prefix caching off, only the n samples of one request share blocks with each
 other (their scope is their group id).
+
+Copy-on-write: `fork` gives a new request references to all of another's blocks (beam search
+forks a beam this way). Before a request writes into a block someone else also holds, it gets
+a fresh block of its own; if the shared block holds computed tokens (the partly filled last
+block), the copy (source, destination) is queued in `pending_copies`, and the workers copy
+that block's KV before the step's forward pass (worker/model_runner.py). The first of two
+sharers to write pays the copy; the other then holds the block alone and writes in place.
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[int]] = {}
         self._hashes: dict[str, list[BlockHash]] = {}  # hashes of a request's full blocks so far
         self._num_registered: dict[str, int] = {}  # how many of its blocks are in the cache
+        self.pending_copies: list[tuple[int, int]] = []  # (src, dst) blocks to copy before the next forward
+        self.replaced_tables: set[str] = set()  # requests whose tables changed in place (copy-on-write)
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
 
@@ -81,11 +90,15 @@ class KVCacheManager:
         num_cached = len(computed_blocks) * self.block_size
         total = request.num_computed_tokens + num_cached + num_new_tokens
         need = self.blocks_needed(total + num_lookahead_tokens) - len(blocks) - len(computed_blocks)
+        first_write = request.num_computed_tokens // self.block_size
+        shared = [i for i in range(first_write, len(blocks)) if self.pool.ref_cnt[blocks[i]] > 1]
         reclaimed = sum(1 for b in computed_blocks if self.pool.ref_cnt[b] == 0)  # leave the free queue
-        if need > self.pool.num_free_blocks - reclaimed:
+        if max(need, 0) + len(shared) > self.pool.num_free_blocks - reclaimed:
             if not blocks:
                 del self.req_to_blocks[request.request_id]
             return False
+        if shared:
+            self._copy_on_write(request, blocks, shared)
         if computed_blocks:
             self.pool.touch(computed_blocks)
             blocks.extend(computed_blocks)
@@ -93,6 +106,35 @@ class KVCacheManager:
             blocks.extend(self.pool.allocate(need))
         self._register_full_blocks(request, blocks, total)
         return True
+
+    def _copy_on_write(self, request: Request, blocks: list[int], indices: list[int]) -> None:
+        """Give the request its own block at each of these table indices (all at or after its
+        first unwritten position). Only the block holding computed tokens needs its KV copied;
+        later ones hold nothing anyone reads yet."""
+        fresh = self.pool.allocate(len(indices))
+        for i, new in zip(indices, fresh):
+            old = blocks[i]
+            if i * self.block_size < request.num_computed_tokens:
+                self.pending_copies.append((old, new))
+            blocks[i] = new
+            self.pool.free([old])
+        self.replaced_tables.add(request.request_id)
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """The child shares every block of the parent (same tokens so far): one more reference
+        each, no copy; whichever writes into a shared block first copies it (allocate_slots)."""
+        blocks = list(self.req_to_blocks.get(parent.request_id, []))
+        self.pool.touch(blocks)
+        self.req_to_blocks[child.request_id] = blocks
+        self._hashes[child.request_id] = list(self._hashes.get(parent.request_id, []))
+        self._num_registered[child.request_id] = self._num_registered.get(parent.request_id, 0)
+
+    def take_copies(self) -> tuple[list[tuple[int, int]], set[str]]:
+        """The block copies the workers must make before the next forward, and the requests
+        whose block tables changed in place since the last call."""
+        copies, replaced = self.pending_copies, self.replaced_tables
+        self.pending_copies, self.replaced_tables = [], set()
+        return copies, replaced
 
     def _register_full_blocks(self, request: Request, blocks: list[int], num_tokens: int) -> None:
         """Put blocks that are full once this step's tokens are written into the cache."""

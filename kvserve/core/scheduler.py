@@ -26,6 +26,11 @@ Speculative decoding: a decoding request that carries proposed tokens is schedul
 registered in the prefix cache. If the pool is short, the proposals are dropped before
 anything is preempted. `update` then advances by the accepted tokens only; the rejected
 positions' KV is simply overwritten later (attention never reads past a request's length).
+
+Beam search (engine/beam_search.py) adds two things: a running request with nothing to
+compute (a beam whose next token waits for the rest of its group) is skipped, keeping its
+blocks; and `add_fork` puts a forked beam next to its parent, sharing the parent's blocks.
+The block copies copy-on-write queued while allocating travel with the step's output.
 """
 
 from __future__ import annotations
@@ -71,6 +76,8 @@ class SchedulerOutput:
 
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     num_preempted: int = 0
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), before the forward
+    replaced_tables: set[str] = field(default_factory=set)  # request ids whose tables changed in place
 
     @property
     def total_tokens(self) -> int:
@@ -169,6 +176,9 @@ class Scheduler:
             if hold_background and req.background:
                 break  # sorted last: the rest are background too; they keep their blocks and wait
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if num_new == 0:  # a beam waiting for its group's next tokens: nothing to compute
+                i += 1
+                continue
             num_spec = min(len(req.spec_token_ids), budget - num_new) if num_new == 1 else 0
             while not self._allocate(req, num_new, num_spec):
                 victim = self.running.pop()  # last in order; not yet scheduled this step
@@ -190,6 +200,8 @@ class Scheduler:
             req = self.waiting.peek()
             if hold_background and req.background:
                 break
+            if len(self.running) + self._seats(req) > self.max_num_seqs:
+                break  # a group's first request: its forks will need their seats too
             # Mean pooling needs every prompt row computed, so it takes no cached prefix.
             fresh = req.num_computed_tokens == 0 and req.params.pooling != "mean"
             hits = self.kv.get_computed_blocks(req) if fresh else []
@@ -209,6 +221,7 @@ class Scheduler:
             budget -= num_new
 
         out.scheduled = scheduled
+        out.block_copies, out.replaced_tables = self.kv.take_copies()
         return out
 
     def _interactive_present(self) -> bool:
@@ -217,6 +230,24 @@ class Scheduler:
         if self.running and not self.running[0].background:
             return True
         return bool(self.waiting) and not self.waiting.peek().background
+
+    def add_fork(self, child: Request, parent: Request) -> None:
+        """A request forked from `parent` (same tokens, see Request.fork): it shares the
+        parent's blocks and takes its place in the queues right after it."""
+        self.requests[child.request_id] = child
+        self.kv.fork(parent, child)
+        if parent in self.running:
+            self.running.insert(self.running.index(parent) + 1, child)
+        else:
+            self.waiting.add(child, front=True)
+
+    @staticmethod
+    def _seats(req: Request) -> int:
+        """Seats a request needs at admission: a beam group's root n, a sampling leader one per
+        sibling waiting to fork from it (engine/sample_groups.py), others one."""
+        if req.params.use_beam_search and not req.output_token_ids:
+            return req.params.n
+        return 1 + len(req.followers)
 
     def _allocate(self, req: Request, num_new: int, num_spec: int, hits: list[int] = ()) -> bool:
         """Slots for num_new tokens plus num_spec proposed ones (and the draft's lookahead

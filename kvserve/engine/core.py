@@ -25,7 +25,9 @@ from kvserve.core.kv_sizing import (
     parse_memory_size,
 )
 from kvserve.core.scheduler import Scheduler
+from kvserve.engine.beam_search import BeamSearchManager
 from kvserve.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from kvserve.engine.sample_groups import SampleGroups
 from kvserve.engine.step_recovery import recover_failed_step
 from kvserve.executor import make_executor
 from kvserve.model.arch import ModelArch
@@ -91,6 +93,8 @@ class EngineCore:
             self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
             config.scheduling_policy,
         )  # fmt: skip
+        self.beams = BeamSearchManager(self.scheduler)
+        self.samples = SampleGroups(self.scheduler)
         self.executor = make_executor(config, self._worker_config())
         self.load_time = time.perf_counter() - t0  # reading + dequantizing weights, tokenizer
         self.proposer = self._make_proposer()
@@ -200,25 +204,44 @@ class EngineCore:
         return parse_memory_size(DEFAULT_CPU_KV_CACHE_MEMORY)
 
     def add_request(self, req: EngineCoreRequest) -> None:
-        if req.request_id in self.scheduler.requests or req.request_id in self.compiling:
+        if (
+            req.request_id in self.scheduler.requests
+            or req.request_id in self.compiling
+            or self.beams.owns(req.request_id)
+            or req.request_id in self.samples.held
+        ):
             raise ValueError(f"request_id: {req.request_id!r} is already in use")
+        if req.params.use_beam_search and req.params.n > self.config.max_num_seqs:
+            raise ValueError(
+                f"n: {req.params.n} beams can never run at once (max_num_seqs={self.config.max_num_seqs})"
+            )
         request = Request(
             req.request_id, req.prompt_token_ids, req.params, req.max_tokens, self.eos_token_ids,
             req.arrival_time, req.priority, req.cache_salt, req.group_id,
         )  # fmt: skip
-        if req.params.structured_outputs is not None:
+        if req.params.use_beam_search:
+            self.beams.add(request)  # a beam group's result slot; the first one starts the search
+        elif req.params.structured_outputs is not None:
             self.compiling.add(request)  # [structured outputs] the scheduler gets it once compiled
+        elif self.samples.forkable(request):
+            self.samples.add(request)  # n > 1: siblings fork from the first once its prompt is done
         else:
             self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Free the requests' blocks now; no output is produced for them."""
         for rid in request_ids:
-            if not self.compiling.abort(rid):
+            if self.beams.owns(rid):
+                self.beams.abort(rid)
+            elif not self.compiling.abort(rid) and not self.samples.abort(rid):
                 self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
+        self.samples.promote_orphans()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self.compiling)
+        return (
+            self.scheduler.has_unfinished_requests() or bool(self.compiling) or self.beams.has_pending()
+            or bool(self.samples.held)
+        )  # fmt: skip
 
     def _admit_compiled(self) -> list[EngineCoreOutput]:
         """[structured outputs] Hand requests whose grammar is ready to the scheduler; end failed ones."""
@@ -259,9 +282,12 @@ class EngineCore:
                     skip = (len(req.prompt_logprobs) - 1) - req.num_computed_tokens
                     if 0 <= skip < len(entries):
                         req.prompt_logprobs.extend(entries[skip:])
+            self.beams.collect(sampled)  # beam candidates, not tokens: the groups choose
+            self.samples.fork_followers(sched, sampled)
             progressed = self.scheduler.update(sched, sampled)
             for req, count in progressed:
                 outputs.append(self._output(req, count))
+            outputs += self.beams.advance()
             for rid, vector in pooled.items():  # embedding requests end with their prompt
                 req = self.scheduler.requests.get(rid)
                 if req is not None:
@@ -276,6 +302,8 @@ class EngineCore:
 
     def _outputs(self, outputs: list[EngineCoreOutput], sched) -> EngineCoreOutputs:
         """This step's outputs with the scheduler's numbers (for metrics)."""
+        outputs = self.beams.translate(outputs) + self.beams.drain()
+        self.samples.promote_orphans()  # after a failed step
         spec = self.scheduler.spec_stats
         events = self.kv_cache_manager.pool.events
         stored, removed, cleared = events.drain() if events is not None else ([], [], False)

@@ -78,7 +78,16 @@ class InputProcessor:
                 f"max_tokens: prompt + max_tokens need {need} KV blocks but the pool has only "
                 f"{lim.num_blocks}; lower max_tokens or raise kv_cache_memory"
             )
-        if params.n != 1:
+        if params.use_beam_search:
+            # The prompt's full blocks are held once; each beam may need its own for the rest.
+            per_beam = -(-(n % lim.block_size + max_tokens - 1) // lim.block_size)
+            need = n // lim.block_size + params.n * per_beam
+            if need > lim.num_blocks:
+                raise ValueError(
+                    f"n: {params.n} beams of max_tokens={max_tokens} need up to {need} KV blocks but the "
+                    f"pool has only {lim.num_blocks}"
+                )
+        elif params.n != 1:
             raise ValueError("n: the engine takes one sequence per request; callers fan n out")
         if params.top_k > lim.vocab_size:
             raise ValueError(f"top_k: must be -1, 0 or at most the vocabulary size ({lim.vocab_size})")

@@ -58,13 +58,13 @@ class LLM:
                 group = f"group-{next(self._ids)}" if p.n > 1 else None
                 for j in range(p.n):
                     # Each of the n samples is its own sequence sharing the prompt's KV blocks;
-                    # seeds stay distinct per sample.
+                    # seeds stay distinct per sample. With beam search the n requests are one
+                    # search's result slots (engine/beam_search.py), n beams wide.
                     seed = None if p.seed is None else p.seed + j
                     rid = f"{next(self._ids)}"
+                    one = replace(p, n=p.n if p.use_beam_search else 1, seed=seed)
                     try:
-                        engine.add_request(
-                            rid, prompt, replace(p, n=1, seed=seed), priority=priorities[i], group_id=group
-                        )
+                        engine.add_request(rid, prompt, one, priority=priorities[i], group_id=group)
                     except ValueError as e:
                         raise ValueError(f"prompt {i}: {e}") from None
                     added.append(rid)

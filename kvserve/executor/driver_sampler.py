@@ -5,6 +5,9 @@ outputs mask each row, and advance over drafts to mask verification rows), per-r
 generators, the output history penalties read. Sampling here, once, keeps every rank free of
 that state; the price is moving rows x vocab float32 logits from rank 0 each step (measured in
 benchmarks/bench_parallel.py). With one rank no bytes move at all.
+
+Beam-search rows are not sampled: each gets its best candidates by log-probability (as
+transformers scores beams: log_softmax of the raw logits), and the beam group chooses.
 """
 
 from __future__ import annotations
@@ -28,14 +31,28 @@ class DriverSampler:
         if out.logits is None:
             return results
         logits = out.logits
-        sample_reqs = [requests[rid] for rid in out.sample_req_ids]
+        all_reqs = [requests[rid] for rid in out.sample_req_ids]
+        rows = [i for i, r in enumerate(all_reqs) if not r.params.use_beam_search]
+        sample_reqs = [all_reqs[i] for i in rows]
+        # n > 1 (engine/sample_groups.py): siblings draw their first token from their leader's
+        # row, each with its own seed; taken before the leader's sampling touches the row.
+        followers = [(r.followers, logits[i].expand(len(r.followers), -1).clone())
+                     for i, r in enumerate(all_reqs) if r.followers]  # fmt: skip
         if sample_reqs:
             n = len(sample_reqs)
-            apply_grammar_bitmask(logits[:n], sample_reqs)  # [structured outputs] constrained rows only
-            sampled = self.sampler(logits[:n], sample_reqs)
+            rows_logits = logits[: len(all_reqs)] if n == len(all_reqs) else logits[rows]
+            apply_grammar_bitmask(rows_logits, sample_reqs)  # [structured outputs] constrained rows only
+            sampled = self.sampler(rows_logits, sample_reqs)
             for i, req in enumerate(sample_reqs):
                 results[req.request_id] = SampleResult([sampled.token_ids[i]], [sampled.logprobs[i]])
-        row = len(sample_reqs)
+        for reqs, rows_logits in followers:
+            sampled = self.sampler(rows_logits, reqs)
+            for i, req in enumerate(reqs):
+                results[req.request_id] = SampleResult([sampled.token_ids[i]], [sampled.logprobs[i]])
+        for i, req in enumerate(all_reqs):
+            if req.params.use_beam_search:
+                results[req.request_id] = beam_candidates(logits[i], req)
+        row = len(all_reqs)
         for rid, k in out.verify:
             req = requests[rid]
             drafts = req.spec_token_ids[:k]
@@ -45,3 +62,16 @@ class DriverSampler:
             results[rid] = self.sampler.verify(logits[row:end], req, drafts)
             row = end
         return results
+
+
+def beam_candidates(row: torch.Tensor, req: Request) -> SampleResult:
+    """A beam's best next tokens: as many as a beam step can use, (1 + stop tokens) x width
+    and at least 2 x width (transformers' `beams_to_keep`); below min_tokens the stop tokens
+    are out (log-probability -inf, as its MinNewTokensLengthLogitsProcessor)."""
+    stops = req.eos_token_ids | req.stop_token_ids
+    lp = torch.log_softmax(row.float(), dim=-1)
+    if stops and len(req.output_token_ids) < req.params.min_tokens:
+        lp[list(stops)] = float("-inf")
+    keep = min(max(2, 1 + len(stops)) * req.params.n, lp.numel())
+    top = lp.topk(keep)
+    return SampleResult(top.indices.tolist(), [], top.values.tolist())

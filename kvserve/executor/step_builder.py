@@ -2,7 +2,8 @@
 
 It remembers what the workers were told about each request (tokens, blocks, preemptions) and
 sends only what changed: a request whole the first time it runs, then its new tokens and
-blocks; after a preemption its whole new block table; ids of requests that ended since.
+blocks; after a preemption, or once copy-on-write replaced one of its blocks, its whole new
+block table; ids of requests that ended since; the block copies to make before the forward.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ class StepBuilder:
         self._sent: dict[str, _Sent] = {}
 
     def build(self, sched: SchedulerOutput, block_tables: dict[str, list[int]]) -> StepInput:
-        step = StepInput([], [], [rid for rid, s in self._sent.items() if s.req.is_finished])
+        step = StepInput(
+            [], [], [rid for rid, s in self._sent.items() if s.req.is_finished], sched.block_copies
+        )
         for rid in step.finished_req_ids:
             del self._sent[rid]
         for req, n in sched.scheduled:
@@ -40,7 +43,7 @@ class StepBuilder:
                     NewRequestData(rid, req.prompt_token_ids, req.params.prompt_logprobs, req.params.pooling)
                 )
                 sent = self._sent[rid] = _Sent(req, req.num_prompt_tokens, 0, req.num_preemptions)
-            resumed = sent.num_preemptions != req.num_preemptions
+            resumed = sent.num_preemptions != req.num_preemptions or rid in sched.replaced_tables
             step.scheduled.append(
                 ScheduledRequest(
                     rid,

@@ -90,6 +90,8 @@ class ModelRunner:
         """Run one step. Returns, on rank 0, the logits of the rows that produce a token (the
         last row of each request whose known tokens are all computed, and the k + 1 rows of
         each speculative one) and the prompt logprobs computed; None on other ranks."""
+        if step.block_copies:
+            self._copy_blocks(step.block_copies)
         batch = self.requests.apply(step)
         if not batch:
             return RunnerOutput()
@@ -167,6 +169,15 @@ class ModelRunner:
             if entries is not None:
                 out.prompt_logprobs[r.req_id] = entries
         return out if self.tp.is_driver else None
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: each destination block gets its source's KV (all layers, this rank's
+        heads; the scales of a 1-byte cache and the draft model's KV too)."""
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        for t in (self.kv_cache, self.kv_scales, self.draft_kv_cache):
+            if t is not None:
+                t[:, :, dst] = t[:, :, src]
 
     @staticmethod
     def _pool(req: CachedRequestState, hidden: torch.Tensor, offset: int, count: int) -> torch.Tensor | None:

@@ -33,7 +33,7 @@ class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     num_computed_tokens: int  # where they start
     new_token_ids: list[int] = []  # appended since the workers last saw the request
     new_block_ids: list[int] = []  # blocks added since (the whole table when `resumed`)
-    resumed: bool = False  # back from preemption: new_block_ids replace the table
+    resumed: bool = False  # new_block_ids replace the table (back from preemption, or copy-on-write)
     spec_token_ids: list[int] = []  # proposals to verify this step
 
 
@@ -41,6 +41,7 @@ class StepInput(msgspec.Struct, array_like=True, omit_defaults=True):
     new_requests: list[NewRequestData] = []
     scheduled: list[ScheduledRequest] = []  # in batch order
     finished_req_ids: list[str] = []  # forget these before running the step
+    block_copies: list[tuple[int, int]] = []  # (src, dst): copy-on-write, done before the forward
 
 
 @dataclass

@@ -38,8 +38,8 @@ class ModelNotFoundError(LookupError):
 
 def normalize_sampling(req: SamplingFields) -> list[str]:
     """Shared by chat and completions. Returns the Warning header values to send back."""
-    if req.use_beam_search:
-        raise ValueError("use_beam_search: beam search is not supported; use n > 1 or greedy decoding")
+    if req.use_beam_search and req.stream:
+        raise ValueError("stream: beam search returns whole sequences only (as vLLM's); set stream to false")
     if req.best_of is not None and req.best_of != req.n:
         raise ValueError(
             f"best_of: only best_of equal to n is supported (got best_of={req.best_of}, n={req.n}); "

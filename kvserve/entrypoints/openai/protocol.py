@@ -95,8 +95,9 @@ class SamplingFields(BaseModel):
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>"
     prompt_logprobs: NumLogprobs | None = None
     best_of: NumChoices | None = None  # only best_of == n (compat.py)
-    use_beam_search: bool = False  # refused: not implemented
+    use_beam_search: bool = False  # n beams, the n best returned (engine/beam_search.py); no streaming
     length_penalty: float = 1.0  # beam search only
+    early_stopping: bool | Literal["never"] = False  # beam search only, as transformers'
     # vLLM's deprecated names for structured_outputs (compat.py maps them, with a Warning header)
     guided_json: dict[str, Any] | str | None = None
     guided_choice: list[str] | None = None
@@ -140,7 +141,7 @@ class SamplingFields(BaseModel):
             except ValueError:
                 raise ValueError("logit_bias: keys must be token ids") from None
         return SamplingParams(
-            n=1,
+            n=self.n if self.use_beam_search else 1,  # beam search: each of the n requests is n wide
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=self.top_k or 0,
@@ -160,6 +161,9 @@ class SamplingFields(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=bias,
             structured_outputs=self.output_constraint(),
+            use_beam_search=self.use_beam_search,
+            length_penalty=self.length_penalty,
+            early_stopping=self.early_stopping,
         )
 
 

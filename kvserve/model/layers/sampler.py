@@ -25,6 +25,9 @@ from kvserve.request import Request
 class SampleResult:
     token_ids: list[int]
     logprobs: list[dict[int, float] | None]
+    beam_logprobs: list[float] | None = None
+    """Beam search: token_ids are the row's best candidates and these their log-probabilities
+    (nothing is sampled; engine/beam_search.py chooses)."""
 
 
 class Lookahead:
