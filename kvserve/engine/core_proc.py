@@ -21,6 +21,8 @@ import zmq
 from kvserve.config import EngineConfig
 from kvserve.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 
+IDLE_POLL_MS = 250  # how often an idle core looks at its ranks
+
 
 class AddRequest(msgspec.Struct, tag=True, array_like=True):
     request: EngineCoreRequest
@@ -119,7 +121,9 @@ def run_engine_core(
     try:
         while True:
             busy = core.has_unfinished_requests()
-            events = dict(poller.poll(0 if busy else 1000))
+            events = dict(poller.poll(0 if busy else IDLE_POLL_MS))
+            if not busy:
+                core.executor.check_health()  # a dead or hung rank ends this process when idle too
             rejected: list[EngineCoreOutput] = []
             while events.get(inp) == zmq.POLLIN:
                 msg = decoder.decode(inp.recv())
