@@ -1,5 +1,5 @@
-"""One process per tensor-parallel rank on this machine; gloo (CPU) or NCCL (CUDA) between
-them, ZeroMQ IPC for the per-step control plane (distributed/step_channel.py).
+"""One process per rank (tensor-parallel rank or pipeline stage) on this machine; gloo (CPU)
+or NCCL (CUDA) between them, ZeroMQ IPC for the per-step control plane (distributed/step_channel.py).
 
 A rank that dies is noticed while the engine waits for a step's answer (its process is
 polled every 20 ms while waiting) and turns into `RankFailure`; so does a rank that hangs or
@@ -59,7 +59,7 @@ def free_port() -> int:
 class MultiprocExecutor(Executor):
     def __init__(self, config, worker_config: WorkerConfig) -> None:
         super().__init__(config.seed)
-        self.world_size = worker_config.tensor_parallel_size
+        self.world_size = worker_config.tensor_parallel_size * worker_config.pipeline_parallel_size
         self.failed: str | None = None
         self.chan = EngineChannel(self.world_size)
         cfg = msgspec.structs.replace(worker_config, init_method=f"tcp://127.0.0.1:{free_port()}")
@@ -166,9 +166,11 @@ class MultiprocExecutor(Executor):
             got[rank] = payload
         return [got[r] for r in sorted(got)]
 
-    def _run(self, step: StepInput) -> RunnerOutput:
+    def _send(self, step: StepInput) -> None:
         self._check()
         self.chan.broadcast(STEP, encode_step(step), self._check)
+
+    def _receive(self) -> RunnerOutput:
         return decode_output(self._collect(OUTPUT, count=1)[0])
 
     def collective_rpc(self, method: str) -> list:
