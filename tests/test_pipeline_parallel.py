@@ -136,3 +136,28 @@ def test_default_model_pp2_matches_reference_and_plan(default_llm, default_refer
         assert_greedy_match(default_reference, p, expected, base[i], f"PP=1 vs reference, prompt {i}")
         exact += assert_greedy_match(default_reference, p, base[i], got[i], f"PP=2 vs PP=1, prompt {i}")
     assert exact >= len(prompts) - 1, "more than one near-tie: suspicious"
+
+
+def test_pp2_with_int8_weights_int8_kv_and_ngram_speculation(tiny_llama_dir):
+    """Each stage quantizes its own layers exactly as one process does; n-gram drafts are
+    verified through the last stage's logits, two streams in flight."""
+    ref = load_reference(tiny_llama_dir)
+    kw = dict(
+        kv_cache_memory="2MiB", quantization="int8", kv_cache_dtype="int8", speculative_method="ngram",
+        speculative_ngram_min=1, max_model_len=256,
+    )  # fmt: skip
+    pp1 = LLM(tiny_llama_dir, **kw)
+    text = "red green blue red green blue yellow red green blue one two three one two three four " * 4
+    ids = pp1.tokenizer.encode(text, add_special_tokens=False)
+    prompts = [ids[:n] for n in (40, 75, 23)]  # repeats, so n-grams match
+    params = SamplingParams(temperature=0, max_tokens=40)
+    base = _greedy(pp1, prompts, params)
+    pp2 = LLM(tiny_llama_dir, pipeline_parallel_size=2, **kw)
+    try:
+        got = _greedy(pp2, prompts, params)
+        assert pp2.llm_engine.scheduler.spec_stats.num_drafts > 5
+        assert pp2.llm_engine.core.executor.max_in_flight == 2
+    finally:
+        _shutdown(pp2)
+    for i, p in enumerate(prompts):
+        assert_greedy_match(ref, p, base[i], got[i], f"int8 PP=2 vs PP=1, prompt {i}")
