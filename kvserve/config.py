@@ -38,8 +38,6 @@ class ParallelConfig:
             raise ValueError(
                 f"distributed_executor_backend: {self.distributed_executor_backend!r} is not one of mp, ray"
             )
-        if self.distributed_executor_backend == "ray":
-            raise ValueError("distributed_executor_backend: 'ray' is not implemented yet; use mp")
         if self.pipeline_parallel_size > 1 and self.tensor_parallel_size > 1:
             raise ValueError(
                 "pipeline_parallel_size: tensor and pipeline parallelism together are not supported yet; "
@@ -156,7 +154,13 @@ class EngineConfig:
         },
     )
     distributed_executor_backend: str = field(
-        default="mp", metadata={"help": "How ranks run when there is more than one: mp (local processes)."}
+        default="mp",
+        metadata={
+            "help": (
+                "How ranks run when there is more than one: mp (local processes) or ray (actors on the "
+                "Ray cluster at RAY_ADDRESS, or the one `ray start` left on this machine)."
+            )
+        },
     )
 
     def __post_init__(self) -> None:
