@@ -88,6 +88,25 @@ class Worker:
     def ping(self) -> int:
         return self.rank
 
+    def probe_pipeline_send(self) -> float:
+        """Mean seconds to hand a [16, hidden] float32 activation (a micro-batch at batch 32,
+        PP=2) from stage 0 to stage 1, after a barrier (0.0 without pipeline parallelism)."""
+        import torch.distributed as dist
+
+        pp = get_pp_group()
+        if pp.size == 1:
+            return 0.0
+        x = torch.zeros(16, self.model.arch.hidden_size)
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(200):
+            if pp.stage == 0:
+                dist.send(x, 1)
+            elif pp.stage == 1:
+                dist.recv(x, 0)
+        dist.barrier()
+        return (time.perf_counter() - t0) / 200
+
     def probe_all_reduce(self) -> float:
         """Mean seconds of one all-reduce of a [32, hidden] float32 tensor (a decode step at
         batch 32 does two per layer plus one for the embedding), after a barrier: transport
