@@ -161,3 +161,25 @@ def test_pp2_with_int8_weights_int8_kv_and_ngram_speculation(tiny_llama_dir):
         _shutdown(pp2)
     for i, p in enumerate(prompts):
         assert_greedy_match(ref, p, base[i], got[i], f"int8 PP=2 vs PP=1, prompt {i}")
+
+
+def test_rpc_while_a_step_is_in_flight(tiny_llama_dir):
+    """A collective RPC (stats, weight bytes) between pipelined steps: the step's answer that
+    arrives meanwhile is kept for its collect, and the output is unchanged."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = _prompts(500, [5, 11, 17, 23])
+    base = _greedy(LLM(tiny_llama_dir, kv_cache_memory="1MiB"), prompts, params)
+    pp2 = LLM(tiny_llama_dir, pipeline_parallel_size=2, kv_cache_memory="1MiB")
+    engine = pp2.llm_engine
+    try:
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, params)
+        tokens: dict[str, list[int]] = {}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                tokens[o.request_id] = o.outputs[0].token_ids
+            if engine.core.executor.num_in_flight:
+                assert [s["steps"] >= 0 for s in engine.core.executor.collective_rpc("stats")] == [True] * 2
+    finally:
+        _shutdown(pp2)
+    assert [tokens[str(i)] for i in range(len(prompts))] == base

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 import weakref
+from collections import deque
 
 import msgspec
 
@@ -83,6 +84,7 @@ class MultiprocExecutor(Executor):
             for r in range(self.world_size)
         ]
         self._finalizer = weakref.finalize(self, _stop, self.procs, self.chan)
+        self._early: deque[bytes] = deque()  # step answers that arrived while an RPC waited
         self.last_seen: list[float] | None = None  # per rank, once all are up (loading may stall)
         t0 = time.perf_counter()
         load_times = [msgspec.msgpack.decode(p) for p in self._collect(READY, STARTUP_TIMEOUT_S)]
@@ -161,6 +163,9 @@ class MultiprocExecutor(Executor):
                     self._fail(f"no {kind!r} answer from the ranks within {timeout_s:.0f}s")
                 continue
             k, rank, payload = msg
+            if k == OUTPUT and kind != OUTPUT and self.num_in_flight > len(self._early):
+                self._early.append(payload)  # a step in flight answered during an RPC: keep it
+                continue
             if k != kind:
                 self._fail(f"rank {rank} sent {k!r}, expected {kind!r}")
             got[rank] = payload
@@ -171,6 +176,8 @@ class MultiprocExecutor(Executor):
         self.chan.broadcast(STEP, encode_step(step), self._check)
 
     def _receive(self) -> RunnerOutput:
+        if self._early:
+            return decode_output(self._early.popleft())
         return decode_output(self._collect(OUTPUT, count=1)[0])
 
     def collective_rpc(self, method: str) -> list:
