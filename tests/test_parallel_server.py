@@ -1,6 +1,7 @@
 """`kvserve serve --tensor-parallel-size 2` end to end: greedy completions equal the offline
-single-process engine; killing a rank (SIGKILL) or hanging one (SIGSTOP) mid-generation fails
-the in-flight requests, turns /health 503 within 2 s, and leaves no rank process behind."""
+single-process engine (and so does `--pipeline-parallel-size 2`); killing a rank (SIGKILL) or
+hanging one (SIGSTOP) mid-generation fails the in-flight requests, turns /health 503 within
+2 s, and leaves no rank process behind."""
 
 from __future__ import annotations
 
@@ -88,3 +89,26 @@ def _assert_gone(pids: list[int]) -> None:
     while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
         assert time.monotonic() < deadline, "a rank process outlived the server"
         time.sleep(0.1)
+
+
+def test_pp2_server_greedy_and_stage_death(tiny_llama_dir):
+    """`kvserve serve --pipeline-parallel-size 2`: the same completions as the offline single
+    process; a killed stage fails in-flight requests and /health."""
+    prompts = ["Hello world", "The quick brown fox"]
+    offline = LLM(tiny_llama_dir, kv_cache_memory="32MiB", max_model_len=256)
+    expected = [
+        o.outputs[0].text for o in offline.generate(prompts, SamplingParams(temperature=0, max_tokens=16))
+    ]
+    s = ServerProcess(tiny_llama_dir, *MODEL_ARGS, "--pipeline-parallel-size", "2", "--max-num-seqs", "4")
+    try:
+        pids = _rank_pids(s)
+        assert len(pids) == 2
+        for prompt, want in zip(prompts, expected):
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0}
+            r = httpx.post(f"{s.url}/v1/completions", json=body, headers=s.headers, timeout=60)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == want
+        _fail_a_rank(s, pids, signal.SIGKILL)
+    finally:
+        s.stop()
+    _assert_gone(pids)
