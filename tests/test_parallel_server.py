@@ -77,7 +77,10 @@ def _fail_a_rank(s: ServerProcess, pids: list[int], sig: int) -> None:
     killed, done, results = asyncio.run(scenario())
     codes = [r.status_code for r in results]
     assert any(c >= 500 for c in codes) and set(codes) <= {200, 500, 503}, codes
-    assert done - killed < 3.0
+    # Detection is bounded (~0.1 s dead, HANG_S = 1 s hung); the rest is the core process
+    # exiting and the API noticing, which on 2 cores shared with other test runs (load 10+)
+    # was measured at up to ~4 s: the margin is for that.
+    assert done - killed < 6.0
     t0 = time.monotonic()
     while httpx.get(f"{s.url}/health").status_code != 503:
         assert time.monotonic() - t0 < 2.0

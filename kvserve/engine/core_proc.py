@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -149,4 +150,8 @@ def run_engine_core(
                 out.send(encoder.encode(core.step()))  # report the now-idle stats once
     except Exception:
         traceback.print_exc()
-        raise
+        sys.stderr.flush()
+        # Exit now: the API side fails the in-flight requests once this process is gone, and
+        # an orderly interpreter teardown (torch, sockets) takes seconds on a loaded machine.
+        # Ranks were killed by the executor, or die with us (PR_SET_PDEATHSIG).
+        os._exit(1)
