@@ -1,10 +1,12 @@
 """The Ray executor on a real local Ray head started here (`ray start --head --num-cpus 2`,
 stopped afterwards): greedy output with TP=2 and with PP=2 through Ray actors equals the
-single process and the Hugging Face reference; the actors are gone after shutdown."""
+single process and the Hugging Face reference; the actors are gone after shutdown; a hung
+(SIGSTOP) actor fails the engine through its missing heartbeats."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -16,6 +18,7 @@ from server_utils import free_port
 from test_parallel import _alive, _greedy, _prompts, _shutdown
 
 from kvserve import LLM, SamplingParams
+from kvserve.executor.multiproc import HANG_S, RankFailure
 
 ray = pytest.importorskip("ray")
 
@@ -72,3 +75,28 @@ def test_ray_greedy_equals_one_process_and_reference(ray_head, tiny_llama_dir, l
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(_alive(p) for p in pids), "a rank actor outlived shutdown"
+
+
+def test_ray_hung_actor_fails_the_engine(ray_head, tiny_llama_dir):
+    """SIGSTOP one rank's actor process mid-generation: its heartbeats stop, the step raises
+    RankFailure after HANG_S (1 s; the bound leaves margin for shared cores), and the actors
+    are gone afterwards."""
+    llm = LLM(
+        tiny_llama_dir, tensor_parallel_size=2, distributed_executor_backend="ray", kv_cache_memory="1MiB"
+    )
+    engine = llm.llm_engine
+    pids = engine.core.executor.pids
+    engine.add_request(
+        "a", list(range(3, 40)), SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    )
+    engine.step()
+    os.kill(pids[1], signal.SIGSTOP)
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure, match="rank 1 sent no heartbeat"):
+        for _ in range(2000):
+            engine.step()
+    assert time.monotonic() - t0 < 2.0 + HANG_S
+    deadline = time.monotonic() + 30
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in pids), "a rank actor outlived the failed engine"

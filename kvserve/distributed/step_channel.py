@@ -125,6 +125,29 @@ class EngineChannel:
         os.rmdir(self.dir)
 
 
+def start_heartbeat(ctx: zmq.Context, rank: bytes, addr: str) -> tuple[threading.Event, threading.Thread]:
+    """Send HEARTBEAT (tagged `rank`) to `addr` every HEARTBEAT_S until the event is set, from a
+    thread with its own socket. It keeps beating while the main thread computes (torch ops
+    and collectives release the GIL) and stops when the whole process is stopped (SIGSTOP)
+    or dies. The Ray executor's actors beat over TCP to the engine the same way."""
+    stop = threading.Event()
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(addr)
+
+    def beat() -> None:
+        while not stop.wait(HEARTBEAT_S):
+            try:
+                sock.send_multipart([HEARTBEAT, rank, b""], flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass  # engine busy or gone: the next beat tries again
+        sock.close()
+
+    thread = threading.Thread(target=beat, daemon=True, name="heartbeat")
+    thread.start()
+    return stop, thread
+
+
 class RankChannel:
     """A rank's end: PULL its steps, PUSH answers (tagged with its rank)."""
 
@@ -138,26 +161,8 @@ class RankChannel:
         self.answers.connect(result_addr)
 
     def start_heartbeat(self, result_addr: str) -> threading.Event:
-        """Send HEARTBEAT every HEARTBEAT_S until the returned event is set. The thread keeps
-        beating while the main thread computes (torch ops and collectives release the GIL);
-        it stops when the whole process is stopped (SIGSTOP) or dies."""
-        stop = threading.Event()
-        sock = self.ctx.socket(zmq.PUSH)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(result_addr)
-
-        def beat() -> None:
-            while not stop.wait(HEARTBEAT_S):
-                try:
-                    sock.send_multipart([HEARTBEAT, self.rank, b""], flags=zmq.NOBLOCK)
-                except zmq.ZMQError:
-                    pass  # engine busy or gone: the next beat tries again
-            sock.close()
-
-        self._beat = threading.Thread(target=beat, daemon=True, name="heartbeat")
-        self._beat.start()
-        self._stop_beat = stop
-        return stop
+        self._stop_beat, self._beat = start_heartbeat(self.ctx, self.rank, result_addr)
+        return self._stop_beat
 
     def recv(self, timeout_ms: int) -> tuple[bytes, bytes] | None:
         if not self.steps.poll(timeout_ms):

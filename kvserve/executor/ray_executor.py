@@ -10,8 +10,10 @@ rank 0's actor and handed to every actor before it joins the group.
 Per step the same msgpack bytes as the multiprocess executor's go to every actor as a
 method call; Ray runs one actor's calls in the order they were sent, so the pipeline keeps
 its order and stages overlap as with local processes. An actor that dies fails the step
-(`RayActorError` -> `RankFailure`); the actors are owned by the engine process, so Ray ends
-them when it ends, and `shutdown` kills them and frees the placement group.
+(`RayActorError` -> `RankFailure`), and so does one that hangs: each actor sends heartbeats
+over TCP to the engine (`step_channel.start_heartbeat`, as `mp` ranks do over IPC), and
+`HANG_S` (1 s) without one fails the executor. The actors are owned by the engine process,
+so Ray ends them when it ends, and `shutdown` kills them and frees the placement group.
 """
 
 from __future__ import annotations
@@ -23,10 +25,11 @@ import weakref
 from collections import deque
 
 import msgspec
+import zmq
 
 from kvserve.distributed.step_channel import decode_output, encode_output, encode_step
 from kvserve.executor.base import Executor
-from kvserve.executor.multiproc import STARTUP_TIMEOUT_S, RankFailure
+from kvserve.executor.multiproc import HANG_S, POLL_MS, STARTUP_TIMEOUT_S, RankFailure
 from kvserve.worker.step_input import RunnerOutput, StepInput
 from kvserve.worker.worker import WorkerConfig
 
@@ -54,9 +57,13 @@ class RankActor:
             s.bind(("", 0))
             return ray.util.get_node_ip_address(), s.getsockname()[1]
 
-    def start(self, cfg_bytes: bytes, rank: int) -> float:
+    def start(self, cfg_bytes: bytes, rank: int, heartbeat_addr: str) -> float:
+        import zmq
+
+        from kvserve.distributed.step_channel import start_heartbeat
         from kvserve.worker.worker import Worker
 
+        self._beat = start_heartbeat(zmq.Context.instance(), str(rank).encode(), heartbeat_addr)
         self.worker = Worker(msgspec.msgpack.decode(cfg_bytes, type=WorkerConfig), rank)
         return self.worker.load_time
 
@@ -108,25 +115,56 @@ class RayExecutor(Executor):
             ).remote()
             for r in range(self.world_size)
         ]
-        self._finalizer = weakref.finalize(self, _stop, self.actors, self.pg)
+        # Heartbeats from every actor over TCP (its node may be another machine), as with `mp`.
+        self.zctx = zmq.Context()
+        self.beats = self.zctx.socket(zmq.PULL)
+        beat_addr = f"tcp://{ray.util.get_node_ip_address()}:{self.beats.bind_to_random_port('tcp://*')}"
+        self._finalizer = weakref.finalize(self, _stop, self.actors, self.pg, self.zctx)
         self.failed: str | None = None
+        self.last_seen: list[float] | None = None  # per rank, once all are up
         self._refs: deque[list] = deque()
         ip, port = self._get([self.actors[0].rendezvous.remote()], STARTUP_TIMEOUT_S)[0]
         cfg = msgspec.msgpack.encode(msgspec.structs.replace(worker_config, init_method=f"tcp://{ip}:{port}"))
         t0 = time.perf_counter()
-        loads = self._get([a.start.remote(cfg, r) for r, a in enumerate(self.actors)], STARTUP_TIMEOUT_S)
+        loads = self._get(
+            [a.start.remote(cfg, r, beat_addr) for r, a in enumerate(self.actors)], STARTUP_TIMEOUT_S
+        )
         self.load_time = max(loads)
+        self.last_seen = [time.monotonic()] * self.world_size
         logger.info("%d Ray actors ready in %.1fs (rendezvous %s:%d)", self.world_size,
                     time.perf_counter() - t0, ip, port)  # fmt: skip
 
+    def _check_heartbeats(self) -> None:
+        while self.beats.poll(0):
+            _, rank, _ = self.beats.recv_multipart()
+            if self.last_seen is not None:
+                self.last_seen[int(rank)] = time.monotonic()
+        if self.last_seen is None:
+            return
+        now = time.monotonic()
+        for r, seen in enumerate(self.last_seen):
+            if now - seen > HANG_S:
+                raise _Silent(f"rank {r} sent no heartbeat for {now - seen:.1f}s (hung or stopped)")
+
     def _get(self, refs: list, timeout_s: float | None = None) -> list:
-        """Results of `refs`; a dead or failing actor fails the executor for good."""
+        """Results of `refs`; a dead, failing or silent actor fails the executor for good."""
         import ray
 
         if self.failed:
             raise RankFailure(self.failed)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         try:
-            return ray.get(refs, timeout=timeout_s)
+            while True:
+                ready, _ = ray.wait(refs, num_returns=len(refs), timeout=POLL_MS / 1000)
+                for ref in ready:
+                    ray.get(ref)  # raises at once for an actor that died or raised
+                if len(ready) == len(refs):
+                    return ray.get(refs)
+                self._check_heartbeats()
+                if deadline is not None and time.monotonic() > deadline:
+                    raise ray.exceptions.GetTimeoutError()
+        except _Silent as e:
+            why = str(e)
         except ray.exceptions.RayActorError as e:
             why = f"a rank's Ray actor died: {str(e).strip().splitlines()[0]}"
         except ray.exceptions.RayTaskError as e:
@@ -160,9 +198,14 @@ class RayExecutor(Executor):
         self._finalizer()
 
 
-def _stop(actors: list, pg) -> None:
+class _Silent(Exception):
+    pass
+
+
+def _stop(actors: list, pg, zctx) -> None:
     import ray
 
+    zctx.destroy(linger=0)
     if not ray.is_initialized():
         return
     for a in actors:
