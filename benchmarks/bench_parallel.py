@@ -1,5 +1,6 @@
-"""Tensor parallelism on this machine: TP=2 (two rank processes, one torch thread each)
-against TP=1 (one process, the same two threads' worth of cores), same run, same workload.
+"""Tensor and pipeline parallelism on this machine: TP=2 and PP=2 (two rank processes, one
+torch thread each) against TP=1 (one process, the same two threads' worth of cores), same
+run, same workload.
 
 Workload: B requests (default 32) x P prompt tokens x O output tokens, greedy, ignore_eos,
 default model, fp32. Reports output tokens/s for each, and for the decode steps at full batch
@@ -13,7 +14,13 @@ shared cores); a separate probe times the all-reduce transport alone (200 calls 
 barrier) and multiplies by the all-reduces of one step (2 per layer + 1 for the embedding).
 TP=1 runs twice: with the default threads and with one thread (what each TP rank gets).
 
-    python benchmarks/bench_parallel.py [--batch 32] [--prompt-len 32] [--output-len 48]
+PP=2: each engine step sends one micro-batch (half the requests: one batch stream per stage)
+and collects the other, so a decode step yields batch / 2 tokens. Overhead there is the step
+time beyond the slower stage's own compute (its execute time less time blocked in send /
+recv): control plane, the activation hand-off, and one stage waiting for the other. The
+probe times one [16, hidden] float32 send / recv between the stages.
+
+    python benchmarks/bench_parallel.py [--batch 32] [--prompt-len 32] [--output-len 48] [--only tp|pp]
 """
 
 from __future__ import annotations
@@ -33,10 +40,13 @@ from benchmarks.common import machine  # noqa: E402
 from kvserve import LLM, SamplingParams  # noqa: E402
 
 
-def run(tp: int, args, threads: int | None = None) -> dict:
+def run(tp: int, args, threads: int | None = None, pp: int = 1) -> dict:
     if threads is not None:
         torch.set_num_threads(threads)
-    llm = LLM("smollm2-135m", tensor_parallel_size=tp, kv_cache_memory="512MiB", max_num_seqs=args.batch)
+    llm = LLM(
+        "smollm2-135m", tensor_parallel_size=tp, pipeline_parallel_size=pp, kv_cache_memory="512MiB",
+        max_num_seqs=args.batch,
+    )  # fmt: skip
     engine, core = llm.llm_engine, llm.llm_engine.core
     ex = core.executor
     prompts = [[(i * 31 + 7 * k) % 49152 for i in range(args.prompt_len)] for k in range(args.batch)]
@@ -61,16 +71,30 @@ def run(tp: int, args, threads: int | None = None) -> dict:
             decode_s += time.perf_counter() - s0
         tokens += sum(len(o.outputs[0].token_ids) for o in outs if o.finished)
     total_s = time.perf_counter() - t0
-    stats = ex.collective_rpc("stats")[0]  # rank 0
+    all_stats = ex.collective_rpc("stats")
+    stats = all_stats[0]  # rank 0 (stage 0 under PP)
     probe = ex.collective_rpc("probe_all_reduce")[0]
+    pp_probe = ex.collective_rpc("probe_pipeline_send")[-1]
     n = max(ex.num_steps, 1)
     res = {
-        "tp": tp, "tok_s": tokens / total_s, "step_ms": 1000 * decode_s / max(decode_steps, 1),
+        "tp": tp, "pp": pp, "tok_s": tokens / total_s, "step_ms": 1000 * decode_s / max(decode_steps, 1),
         "rank0_ms": 1000 * stats["execute_s"] / n, "collective_ms": 1000 * stats["collective_s"] / n,
         "control_ms": 1000 * (ex.run_s - stats["execute_s"]) / n if tp > 1 else 0.0, "steps": decode_steps,
-        "threads": torch.get_num_threads() if tp == 1 else 1,
+        "threads": torch.get_num_threads() if tp * pp == 1 else 1,
         "pure_collective_ms": 1000 * probe * (2 * core.arch.num_layers + 1),
     }  # fmt: skip
+    if pp > 1:
+        # Per engine step (one micro-batch of batch / pp requests collected, one sent): each
+        # stage's compute is its execute time less its time blocked in send / recv; whatever
+        # the step takes beyond the slower stage's compute is overhead (control plane, the
+        # activation hand-off, waiting for the other stage).
+        compute = [1000 * (s["execute_s"] - s["pipeline_comm_s"]) / max(s["steps"], 1) for s in all_stats]
+        res.update(
+            stage_compute_ms=compute, stage_wait_ms=[1000 * s["pipeline_comm_s"] / max(s["steps"], 1)
+                                                     for s in all_stats],
+            control_ms=0.0, collective_ms=0.0, pure_collective_ms=1000 * pp_probe,
+            overhead_ms=res["step_ms"] - max(compute),
+        )  # fmt: skip
     core.shutdown()
     return res
 
@@ -80,28 +104,42 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=48)
+    ap.add_argument("--only", choices=["tp", "pp"], help="skip the other parallel run")
     args = ap.parse_args()
     print(f"# {datetime.date.today()} | {machine()} | CPU flags: {cpu_flags()} | cores: {os.cpu_count()}")
     print(f"# batch {args.batch}, prompt {args.prompt_len}, output {args.output_len}, smollm2-135m fp32")
     threads = torch.get_num_threads()
-    results = [run(1, args), run(1, args, threads=1), run(2, args)]
+    results = [run(1, args), run(1, args, threads=1)]
+    if args.only != "pp":
+        results.append(run(2, args))
+    if args.only != "tp":
+        results.append(run(1, args, pp=2))
     torch.set_num_threads(threads)
     base = results[0]
     print(
-        "| TP | torch threads per rank | output tok/s | vs TP=1 | decode step ms | rank 0 forward ms | "
-        "collectives ms (incl. waiting) | all-reduce transport ms (probe) | control plane ms | "
-        "overhead share |"
+        "| layout | torch threads per rank | output tok/s | vs TP=1 | decode step ms | rank 0 forward ms | "
+        "collectives ms (incl. waiting) | transport ms (probe) | control plane ms | overhead share |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        share = (r["collective_ms"] + r["control_ms"]) / r["step_ms"] if r["step_ms"] else 0.0
-        pure = (r["pure_collective_ms"] + r["control_ms"]) / r["step_ms"] if r["step_ms"] else 0.0
+        layout = f"PP={r['pp']}" if r["pp"] > 1 else f"TP={r['tp']}"
+        if r["pp"] > 1:
+            share = f"{100 * r['overhead_ms'] / r['step_ms']:.1f}% (step beyond the slower stage's compute)"
+        else:
+            s1 = (r["collective_ms"] + r["control_ms"]) / r["step_ms"] if r["step_ms"] else 0.0
+            s2 = (r["pure_collective_ms"] + r["control_ms"]) / r["step_ms"] if r["step_ms"] else 0.0
+            share = f"{100 * s1:.1f}% ({100 * s2:.1f}% with probe transport)"
         print(
-            f"| {r['tp']} | {r['threads']} | {r['tok_s']:.1f} | {r['tok_s'] / base['tok_s']:.2f}x | "
+            f"| {layout} | {r['threads']} | {r['tok_s']:.1f} | {r['tok_s'] / base['tok_s']:.2f}x | "
             f"{r['step_ms']:.1f} | {r['rank0_ms']:.1f} | {r['collective_ms']:.1f} | "
-            f"{r['pure_collective_ms']:.1f} | {r['control_ms']:.2f} | {100 * share:.1f}% "
-            f"({100 * pure:.1f}% with probe transport) |"
+            f"{r['pure_collective_ms']:.2f} | {r['control_ms']:.2f} | {share} |"
         )
+        if r["pp"] > 1:
+            print(
+                f"#   PP stages: compute ms per step {[round(x, 1) for x in r['stage_compute_ms']]}, "
+                f"blocked in send/recv ms {[round(x, 1) for x in r['stage_wait_ms']]}, "
+                f"overhead {r['overhead_ms']:.1f} ms; hand-off probe {r['pure_collective_ms']:.2f} ms"
+            )
 
 
 if __name__ == "__main__":

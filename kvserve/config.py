@@ -38,10 +38,11 @@ class ParallelConfig:
             raise ValueError(
                 f"distributed_executor_backend: {self.distributed_executor_backend!r} is not one of mp, ray"
             )
-        if self.distributed_executor_backend == "ray":
-            raise ValueError("distributed_executor_backend: 'ray' is not implemented yet; use mp")
-        if self.pipeline_parallel_size > 1:
-            raise ValueError("pipeline_parallel_size: pipeline parallelism is not implemented yet; use 1")
+        if self.pipeline_parallel_size > 1 and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "pipeline_parallel_size: tensor and pipeline parallelism together are not supported yet; "
+                "use one of them"
+            )
 
     @property
     def world_size(self) -> int:
@@ -135,7 +136,13 @@ class EngineConfig:
         metadata={"help": "Ranks the model is split over (heads, MLP, vocabulary); one process each."},
     )
     pipeline_parallel_size: int = field(
-        default=1, metadata={"help": "Pipeline stages (not implemented yet)."}
+        default=1,
+        metadata={
+            "help": (
+                "Pipeline stages: the decoder layers split into runs, one process each, activations "
+                "sent between them, one batch stream per stage in flight."
+            )
+        },
     )
     data_parallel_size: int = field(
         default=1,
@@ -147,13 +154,21 @@ class EngineConfig:
         },
     )
     distributed_executor_backend: str = field(
-        default="mp", metadata={"help": "How ranks run when tensor_parallel_size > 1: mp (local processes)."}
+        default="mp",
+        metadata={
+            "help": (
+                "How ranks run when there is more than one: mp (local processes) or ray (actors on the "
+                "Ray cluster at RAY_ADDRESS, or the one `ray start` left on this machine)."
+            )
+        },
     )
 
     def __post_init__(self) -> None:
         _ = self.parallel  # validates the parallel section
-        if self.tensor_parallel_size > 1 and self.speculative_method == "draft":
-            raise ValueError("speculative_method: 'draft' runs with tensor_parallel_size 1 only")
+        if self.parallel.world_size > 1 and self.speculative_method == "draft":
+            raise ValueError(
+                "speculative_method: 'draft' runs with tensor_parallel_size and pipeline_parallel_size 1 only"
+            )
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype: {self.dtype!r} is not one of {sorted(set(_DTYPES))}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):

@@ -4,13 +4,16 @@ The engine has one PUSH socket per rank (every rank gets the same bytes: the ste
 once; PUSH queues until the peer connects, so there is no subscription race as with PUB/SUB)
 and one PULL socket all ranks push to. Messages are two frames: a one-byte kind and a
 msgpack payload. Only rank 0 answers a step (its logits); every rank answers an RPC, and
-any rank may report an error at any time.
+any rank may report an error at any time. Every rank also sends a heartbeat every
+`HEARTBEAT_S` from a thread of its own (its own socket: ZeroMQ sockets are not thread-safe),
+so the engine can tell a rank that is stopped or hung (no heartbeat) from one that is busy.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
+import threading
 import time
 
 import msgspec
@@ -21,7 +24,10 @@ import zmq
 from kvserve.worker.step_input import RunnerOutput, StepInput
 
 STEP, RPC, SHUTDOWN = b"S", b"R", b"Q"  # engine -> ranks
-READY, OUTPUT, RPC_RESULT, ERROR = b"r", b"o", b"p", b"e"  # ranks -> engine
+READY, OUTPUT, RPC_RESULT, ERROR, HEARTBEAT = b"r", b"o", b"p", b"e", b"h"  # ranks -> engine
+
+
+HEARTBEAT_S = 0.1
 
 
 class WireOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -119,6 +125,29 @@ class EngineChannel:
         os.rmdir(self.dir)
 
 
+def start_heartbeat(ctx: zmq.Context, rank: bytes, addr: str) -> tuple[threading.Event, threading.Thread]:
+    """Send HEARTBEAT (tagged `rank`) to `addr` every HEARTBEAT_S until the event is set, from a
+    thread with its own socket. It keeps beating while the main thread computes (torch ops
+    and collectives release the GIL) and stops when the whole process is stopped (SIGSTOP)
+    or dies. The Ray executor's actors beat over TCP to the engine the same way."""
+    stop = threading.Event()
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(addr)
+
+    def beat() -> None:
+        while not stop.wait(HEARTBEAT_S):
+            try:
+                sock.send_multipart([HEARTBEAT, rank, b""], flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass  # engine busy or gone: the next beat tries again
+        sock.close()
+
+    thread = threading.Thread(target=beat, daemon=True, name="heartbeat")
+    thread.start()
+    return stop, thread
+
+
 class RankChannel:
     """A rank's end: PULL its steps, PUSH answers (tagged with its rank)."""
 
@@ -131,6 +160,10 @@ class RankChannel:
         self.answers.setsockopt(zmq.LINGER, 1000)
         self.answers.connect(result_addr)
 
+    def start_heartbeat(self, result_addr: str) -> threading.Event:
+        self._stop_beat, self._beat = start_heartbeat(self.ctx, self.rank, result_addr)
+        return self._stop_beat
+
     def recv(self, timeout_ms: int) -> tuple[bytes, bytes] | None:
         if not self.steps.poll(timeout_ms):
             return None
@@ -141,4 +174,7 @@ class RankChannel:
         self.answers.send_multipart([kind, self.rank, payload], copy=False)
 
     def close(self) -> None:
+        if getattr(self, "_beat", None) is not None:
+            self._stop_beat.set()
+            self._beat.join()
         self.ctx.destroy(linger=1000)

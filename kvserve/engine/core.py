@@ -24,7 +24,9 @@ from kvserve.core.kv_sizing import (
     kv_pool_size,
     parse_memory_size,
 )
-from kvserve.core.scheduler import Scheduler
+from kvserve.core.pipelined_scheduler import PipelinedScheduler
+from kvserve.core.scheduler import Scheduler, SchedulerOutput
+from kvserve.distributed.parallel_state import pipeline_layers
 from kvserve.engine.beam_search import BeamSearchManager
 from kvserve.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from kvserve.engine.sample_groups import SampleGroups
@@ -79,8 +81,13 @@ class EngineCore:
                 f"max_model_len: {self.max_model_len} exceeds the model's context length "
                 f"{arch.max_position_embeddings}"
             )
+        pp = config.pipeline_parallel_size
+        if pp > arch.num_layers:
+            raise ValueError(f"pipeline_parallel_size: {pp} stages for {arch.num_layers} layers")
         budget = self._kv_budget(device)  # per rank; every rank's pool has the same blocks
-        rank_arch = replace(arch, num_kv_heads=max_local_kv_heads(arch, tp))
+        # The largest rank: the most KV heads, and under pipeline parallelism the most layers.
+        rank_layers = pipeline_layers(arch.num_layers, pp, 0)[1]
+        rank_arch = replace(arch, num_kv_heads=max_local_kv_heads(arch, tp), num_layers=rank_layers)
         self.pool_size = kv_pool_for(config, rank_arch, budget, draft_arch)
         if self.pool_size.num_blocks < 1:
             raise ValueError(
@@ -89,10 +96,17 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(
             self.pool_size.num_blocks, config.block_size, config.enable_prefix_caching
         )
-        self.scheduler = Scheduler(
-            self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-            config.scheduling_policy,
-        )  # fmt: skip
+        if pp > 1:  # one batch stream per stage, so the stages overlap (core/pipelined_scheduler.py)
+            self.scheduler = PipelinedScheduler(
+                self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                self.max_model_len, config.scheduling_policy, pp,
+            )  # fmt: skip
+        else:
+            self.scheduler = Scheduler(
+                self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
+                config.scheduling_policy,
+            )  # fmt: skip
+        self._in_flight: list[tuple[int, SchedulerOutput]] = []  # (stream, step) under PP
         self.beams = BeamSearchManager(self.scheduler)
         self.samples = SampleGroups(self.scheduler)
         self.executor = make_executor(config, self._worker_config())
@@ -105,9 +119,10 @@ class EngineCore:
         self.compiling = CompilingRequests(self.tokenizer, arch.vocab_size, self.eos_token_ids)
         p = self.pool_size
         logger.info(
-            "model %s loaded in %.1fs (%s, %s, tensor_parallel_size=%d); KV pool per rank: %d blocks x %d "
+            "model %s loaded in %.1fs (%s, %s, tensor_parallel_size=%d, pipeline_parallel_size=%d); "
+            "KV pool per rank: %d blocks x %d "
             "tokens = %d tokens, %.1f MiB; max concurrency at max_model_len=%d: %.2f",
-            self.source.name, self.load_time, config.dtype, device, tp, p.num_blocks, p.block_size,
+            self.source.name, self.load_time, config.dtype, device, tp, pp, p.num_blocks, p.block_size,
             p.num_tokens, p.total_bytes / 2**20, self.max_model_len, p.max_concurrency(self.max_model_len),
         )  # fmt: skip
         if config.speculative_method:
@@ -148,6 +163,7 @@ class EngineCore:
             self.source.path, dtype, str(c.torch_device),
             self.pool_size.num_blocks, c.block_size, c.kv_cache_dtype, c.quantization,
             resolve_model(c.speculative_model).path if c.speculative_model else None, c.tensor_parallel_size,
+            c.pipeline_parallel_size,
         )  # fmt: skip
 
     @property
@@ -211,10 +227,9 @@ class EngineCore:
             or req.request_id in self.samples.held
         ):
             raise ValueError(f"request_id: {req.request_id!r} is already in use")
-        if req.params.use_beam_search and req.params.n > self.config.max_num_seqs:
-            raise ValueError(
-                f"n: {req.params.n} beams can never run at once (max_num_seqs={self.config.max_num_seqs})"
-            )
+        seats = self.scheduler.max_num_seqs  # per batch stream under pipeline parallelism
+        if req.params.use_beam_search and req.params.n > seats:
+            raise ValueError(f"n: {req.params.n} beams can never run at once (seats for one group: {seats})")
         request = Request(
             req.request_id, req.prompt_token_ids, req.params, req.max_tokens, self.eos_token_ids,
             req.arrival_time, req.priority, req.cache_salt, req.group_id,
@@ -238,9 +253,10 @@ class EngineCore:
         self.samples.promote_orphans()
 
     def has_unfinished_requests(self) -> bool:
+        # A step still in the pipe (its requests perhaps aborted since) must be collected.
         return (
             self.scheduler.has_unfinished_requests() or bool(self.compiling) or self.beams.has_pending()
-            or bool(self.samples.held)
+            or bool(self.samples.held) or bool(self._in_flight)
         )  # fmt: skip
 
     def _admit_compiled(self) -> list[EngineCoreOutput]:
@@ -263,6 +279,8 @@ class EngineCore:
         return self.kv_cache_manager.reset_prefix_cache()
 
     def step(self) -> EngineCoreOutputs:
+        if isinstance(self.scheduler, PipelinedScheduler):
+            return self._step_pipelined()
         outputs: list[EngineCoreOutput] = self._admit_compiled()
         sched = self.scheduler.schedule()
         if sched:
@@ -274,30 +292,68 @@ class EngineCore:
             except Exception as e:  # noqa: BLE001 - one bad request must not stop the others
                 outputs += recover_failed_step(self, sched, block_tables, e)
                 return self._outputs(outputs, sched)
-            for req, _ in sched.scheduled:
-                entries = prompt_logprobs.get(req.request_id)
-                if entries:
-                    # After a preemption the prompt is recomputed in chunks that need not line
-                    # up with the first attempt's: keep only positions not recorded yet.
-                    skip = (len(req.prompt_logprobs) - 1) - req.num_computed_tokens
-                    if 0 <= skip < len(entries):
-                        req.prompt_logprobs.extend(entries[skip:])
-            self.beams.collect(sampled)  # beam candidates, not tokens: the groups choose
-            self.samples.fork_followers(sched, sampled)
+            self._apply_step(sched, sampled, prompt_logprobs, pooled, outputs)
+        return self._outputs(outputs, sched)
+
+    def _apply_step(
+        self, sched: SchedulerOutput, sampled, prompt_logprobs, pooled, outputs, stream: int | None = None
+    ) -> None:
+        """Hand a step's results to the scheduler (of `stream` under pipeline parallelism) and
+        append the outputs."""
+        for req, _ in sched.scheduled:
+            entries = prompt_logprobs.get(req.request_id)
+            if entries:
+                # After a preemption the prompt is recomputed in chunks that need not line
+                # up with the first attempt's: keep only positions not recorded yet.
+                skip = (len(req.prompt_logprobs) - 1) - req.num_computed_tokens
+                if 0 <= skip < len(entries):
+                    req.prompt_logprobs.extend(entries[skip:])
+        self.beams.collect(sampled)  # beam candidates, not tokens: the groups choose
+        self.samples.fork_followers(sched, sampled)
+        if stream is None:
             progressed = self.scheduler.update(sched, sampled)
-            for req, count in progressed:
-                outputs.append(self._output(req, count))
-            outputs += self.beams.advance()
-            for rid, vector in pooled.items():  # embedding requests end with their prompt
-                req = self.scheduler.requests.get(rid)
-                if req is not None:
-                    req.first_token_time = time.monotonic()
-                    self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
-                    out = self._output(req, 0)
-                    out.embedding = vector
-                    outputs.append(out)
-            if self.proposer is not None:
-                self._propose([req for req, _ in progressed])
+        else:
+            progressed = self.scheduler.update(stream, sched, sampled)
+        for req, count in progressed:
+            outputs.append(self._output(req, count))
+        outputs += self.beams.advance()
+        for rid, vector in pooled.items():  # embedding requests end with their prompt
+            req = self.scheduler.requests.get(rid)
+            if req is not None:
+                req.first_token_time = time.monotonic()
+                self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
+                out = self._output(req, 0)
+                out.embedding = vector
+                outputs.append(out)
+        if self.proposer is not None:
+            self._propose([req for req, _ in progressed])
+
+    def _step_pipelined(self) -> EngineCoreOutputs:
+        """Pipeline parallelism: send the next free stream's step, and collect the oldest step
+        once every stage has one (or nothing new could be sent). So a call usually returns
+        the tokens of the step sent `pipeline_parallel_size - 1` calls earlier. A failed step
+        is not retried request by request (the other steps in flight would be answered out of
+        order): it ends the engine like a dead rank."""
+        outputs: list[EngineCoreOutput] = self._admit_compiled()
+        sched = SchedulerOutput()
+        busy = {i for i, _ in self._in_flight}
+        streams = self.scheduler.streams
+        for k in range(len(streams)):  # the next stream in turn with no step in flight
+            i = (self.scheduler.next_stream + k) % len(streams)
+            if i in busy:
+                continue
+            sched = self.scheduler.schedule_stream(i)
+            if sched:
+                self.scheduler.next_stream = (i + 1) % len(streams)
+                kv = self.kv_cache_manager
+                block_tables = {r.request_id: kv.get_block_ids(r.request_id) for r, _ in sched.scheduled}
+                self.executor.submit(sched, block_tables)
+                self._in_flight.append((i, sched))
+                break
+        if self._in_flight and (len(self._in_flight) == len(streams) or not sched):
+            i, done = self._in_flight.pop(0)
+            sampled, prompt_logprobs, pooled = self.executor.collect()
+            self._apply_step(done, sampled, prompt_logprobs, pooled, outputs, stream=i)
         return self._outputs(outputs, sched)
 
     def _outputs(self, outputs: list[EngineCoreOutput], sched) -> EngineCoreOutputs:

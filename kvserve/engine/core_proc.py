@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -20,6 +21,8 @@ import zmq
 
 from kvserve.config import EngineConfig
 from kvserve.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+
+IDLE_POLL_MS = 250  # how often an idle core looks at its ranks
 
 
 class AddRequest(msgspec.Struct, tag=True, array_like=True):
@@ -119,7 +122,9 @@ def run_engine_core(
     try:
         while True:
             busy = core.has_unfinished_requests()
-            events = dict(poller.poll(0 if busy else 1000))
+            events = dict(poller.poll(0 if busy else IDLE_POLL_MS))
+            if not busy:
+                core.executor.check_health()  # a dead or hung rank ends this process when idle too
             rejected: list[EngineCoreOutput] = []
             while events.get(inp) == zmq.POLLIN:
                 msg = decoder.decode(inp.recv())
@@ -145,4 +150,8 @@ def run_engine_core(
                 out.send(encoder.encode(core.step()))  # report the now-idle stats once
     except Exception:
         traceback.print_exc()
-        raise
+        sys.stderr.flush()
+        # Exit now: the API side fails the in-flight requests once this process is gone, and
+        # an orderly interpreter teardown (torch, sockets) takes seconds on a loaded machine.
+        # Ranks were killed by the executor, or die with us (PR_SET_PDEATHSIG).
+        os._exit(1)

@@ -18,7 +18,11 @@ class UniProcExecutor(Executor):
     def model_runner(self):
         return self.worker.model_runner
 
-    def _run(self, step: StepInput) -> RunnerOutput:
+    def _send(self, step: StepInput) -> None:
+        self._step = step  # one at a time: a single rank has no pipeline to fill
+
+    def _receive(self) -> RunnerOutput:
+        step, self._step = self._step, None
         return self.worker.execute_model(step)
 
     def collective_rpc(self, method: str) -> list:

@@ -43,6 +43,7 @@ def run_rank(cfg_bytes: bytes, rank: int, step_addr: str, result_addr: str, pare
     from kvserve.worker.worker import Worker, WorkerConfig
 
     chan = RankChannel(rank, step_addr, result_addr)
+    chan.start_heartbeat(result_addr)
     try:
         worker = Worker(msgspec.msgpack.decode(cfg_bytes, type=WorkerConfig), rank)
         chan.send(READY, msgspec.msgpack.encode(worker.load_time))

@@ -1,5 +1,7 @@
 """Turns one step's `StepInput` into tensors, runs the model once, and returns the logits to
-sample (the engine samples them: see worker/step_input.py).
+sample (the engine samples them: see worker/step_input.py). On a pipeline stage it runs
+that stage's layers: stages after the first receive the residual stream for the step's rows
+from the previous stage, stages before the last send theirs on and return nothing.
 
 Owns the KV pool tensor (this rank's heads under tensor parallelism) and a mirror of the
 requests it runs, updated from each step's deltas. Per step it builds flat input ids and
@@ -20,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvserve.distributed.parallel_state import get_tp_group
+from kvserve.distributed.parallel_state import get_pp_group, get_tp_group
 from kvserve.model.layers.attention import AttentionMetadata, PrefillChunk
 from kvserve.model.layers.cpu_kernels import load_cpu_kernels
 from kvserve.model.layers.kv_quant import KV_SCALE_DTYPE, is_quantized, kv_storage_dtype
@@ -52,7 +54,9 @@ class ModelRunner:
         if draft_model is not None:
             self.draft_kv_cache, _ = self._alloc_kv(draft_model, num_blocks)
         self.requests = RequestStates()  # this worker's mirror of the scheduled requests
-        self.tp = get_tp_group()
+        self.tp, self.pp = get_tp_group(), get_pp_group()
+        # The one rank that answers the engine: tensor-parallel rank 0 of the last stage.
+        self.is_output_rank = self.tp.is_driver and self.pp.is_last
         if device.type == "cpu" and use_cpu_kernels:
             kernels = load_cpu_kernels()
             for m in (model, draft_model):
@@ -67,13 +71,13 @@ class ModelRunner:
         arch = model.arch
         kv_dtype = kv_storage_dtype(self.kv_cache_dtype, model.dtype)
         cache = torch.zeros(
-            arch.num_layers, 2, num_blocks, model.num_local_kv_heads, self.block_size, arch.head_dim,
+            len(model.layers), 2, num_blocks, model.num_local_kv_heads, self.block_size, arch.head_dim,
             dtype=kv_dtype, device=self.device,
         )  # fmt: skip
         scales = None
         if is_quantized(kv_dtype):
             scales = torch.ones(
-                arch.num_layers, 2, num_blocks, model.num_local_kv_heads, self.block_size,
+                len(model.layers), 2, num_blocks, model.num_local_kv_heads, self.block_size,
                 dtype=KV_SCALE_DTYPE, device=self.device,
             )  # fmt: skip
             for i, layer in enumerate(model.layers):
@@ -94,7 +98,7 @@ class ModelRunner:
             self._copy_blocks(step.block_copies)
         batch = self.requests.apply(step)
         if not batch:
-            return RunnerOutput()
+            return RunnerOutput() if self.is_output_rank else None
         order = sorted(batch, key=lambda x: not self._is_decode(*x))
         bs = self.block_size
         ids: list[int] = []
@@ -151,7 +155,13 @@ class ModelRunner:
         pad = padded_rows(len(ids)) - len(ids)  # rows past the slot mapping: computed, never stored
         ids_t = torch.tensor(ids + [0] * pad, device=self.device)
         pos_t = torch.from_numpy(np.pad(positions, (0, pad))).to(self.device)
-        hidden = self.model(ids_t, pos_t, meta, self.kv_cache)
+        hidden_in = None
+        if not self.pp.is_first:  # the previous stage's residual stream for these rows
+            hidden_in = self.pp.recv_prev((len(ids_t), self.model.arch.hidden_size), self.dtype, self.device)
+        hidden = self.model(ids_t, pos_t, meta, self.kv_cache, hidden_in)
+        if not self.pp.is_last:
+            self.pp.send_next(hidden)  # and on to the next micro-batch without waiting
+            return None
         if self.draft_model is not None:  # the draft's KV follows every computed position
             self.draft_model(ids_t, pos_t, meta, self.draft_kv_cache)
 
@@ -168,7 +178,7 @@ class ModelRunner:
             entries = self._prompt_logprobs(r, hidden, o, c)
             if entries is not None:
                 out.prompt_logprobs[r.req_id] = entries
-        return out if self.tp.is_driver else None
+        return out if self.is_output_rank else None
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: each destination block gets its source's KV (all layers, this rank's

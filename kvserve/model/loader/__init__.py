@@ -58,7 +58,7 @@ def load_weights_only(
 
         arch = hf_arch(source.path)
         model = _empty_model(arch, dtype)
-        weights = hf_weights(source.path, model.weight_slice)
+        weights = hf_weights(source.path, model.weight_slice, model.owns)
     else:
         import gguf
 

@@ -29,15 +29,20 @@ def hf_arch(path: str) -> ModelArch:
 WeightSlice = Callable[[str, tuple[int, ...]], "tuple[int, int, int] | None"]
 
 
-def hf_weights(path: str, weight_slice: WeightSlice | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def hf_weights(
+    path: str, weight_slice: WeightSlice | None = None, keep: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor by name; with `weight_slice` (a tensor-parallel rank's) only the
-    (dim, start, stop) slice it names is read from the file."""
+    (dim, start, stop) slice it names is read from the file; tensors `keep` rejects (another
+    pipeline stage's) are not read at all."""
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"model: no *.safetensors files in {path!r}")
     for file in files:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
+                if keep is not None and not keep(name):
+                    continue
                 if weight_slice is None:
                     yield name, f.get_tensor(name)
                     continue

@@ -3,7 +3,11 @@
 Takes flat token tensors (all requests of a step concatenated) and knows nothing about
 scheduling. q/k/v and gate/up projections are fused into single matmuls at load time. Under
 tensor parallelism each projection and the vocabulary table hold this rank's shard
-(model/layers/parallel_linear.py); with one rank they are the whole matrices.
+(model/layers/parallel_linear.py); with one rank they are the whole matrices. Under
+pipeline parallelism a stage builds and loads only its run of decoder layers; the first
+stage holds the embedding, the last the lm_head (and the embedding table when tied); the
+final norm (a vector) is on every stage. The residual stream is the one tensor `x` (each
+layer adds into it), so it is all a stage hands to the next.
 
 With `quantization` set, each projection is quantized as its layer completes during loading
 (so the float copy of the whole model never exists) and runs through QuantizedLinear. The
@@ -20,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.distributed.parallel_state import get_tp_group
+from kvserve.distributed.parallel_state import get_pp_group, get_tp_group
 from kvserve.model.arch import ModelArch
 from kvserve.model.layers.attention import AttentionMetadata, PagedAttention
 from kvserve.model.layers.parallel_linear import (
@@ -103,11 +107,17 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()
         self.arch = arch
-        self.embed = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_layers))
+        pp = get_pp_group()
+        self.is_first_stage, self.is_last_stage = pp.is_first, pp.is_last
+        self.start_layer, self.stop_layer = pp.layer_range(arch.num_layers)
+        tied = arch.tie_word_embeddings
+        self.embed = None
+        if pp.is_first or (pp.is_last and tied):
+            self.embed = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(self.start_layer, self.stop_layer))
         self.norm = nn.Parameter(torch.empty(arch.hidden_size), requires_grad=False)
-        self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size)
-        if arch.tie_word_embeddings:
+        self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size) if pp.is_last else None
+        if tied and self.lm_head is not None:
             self.lm_head.tie(self.embed)
         self.rotary = RotaryEmbedding(
             arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling
@@ -128,6 +138,17 @@ class LlamaForCausalLM(nn.Module):
     embed_q = property(lambda self: self.embed.quant)
     lm_head_q = property(lambda self: self.lm_head.quant)
 
+    def owns(self, name: str) -> bool:
+        """Whether checkpoint tensor `name` belongs on this pipeline stage (always, without one)."""
+        m = re.match(r"model\.layers\.(\d+)\.", name)
+        if m:
+            return self.start_layer <= int(m.group(1)) < self.stop_layer
+        if name == "model.embed_tokens.weight":
+            return self.embed is not None
+        if name == "lm_head.weight":
+            return self.lm_head is not None
+        return True
+
     def weight_bytes(self) -> int:
         """Bytes of the weights: parameters and persistent buffers, a tied table counted once
         (rotary tables and oneDNN's packed copies are not included)."""
@@ -138,7 +159,8 @@ class LlamaForCausalLM(nn.Module):
         """Prepack every float projection for oneDNN (CPU); a no-op elsewhere."""
         for layer in self.layers:
             layer.pack_weights()
-        self.lm_head.pack()
+        if self.lm_head is not None:
+            self.lm_head.pack()
 
     @torch.inference_mode()
     def forward(
@@ -146,13 +168,18 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         meta: AttentionMetadata,
-        kv_cache: torch.Tensor,  # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [local layers, 2, num_blocks, block_size, kv_heads, head_dim]
+        hidden_in: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Final hidden states (after the last norm) for every input token."""
-        x = self.embed(input_ids, self.norm.dtype)
+        """Final hidden states (after the last norm) for every input token; on a pipeline stage
+        that is not the last, the residual stream after its layers (to hand on). Stages after
+        the first start from `hidden_in`, the previous stage's."""
+        x = self.embed(input_ids, self.norm.dtype) if hidden_in is None else hidden_in
         cos, sin = self.rotary.tables(positions, x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, meta, kv_cache[i, 0], kv_cache[i, 1])
+        if not self.is_last_stage:
+            return x
         return rms_norm(x, self.norm, self.arch.rms_norm_eps)
 
     @torch.inference_mode()
@@ -191,13 +218,15 @@ class LlamaForCausalLM(nn.Module):
         seen: set[str] = set()
         dtype = self.norm.dtype
         for name, tensor in weights:
+            if not self.owns(name):  # another pipeline stage's (GGUF tensors are read first)
+                continue
             if isinstance(tensor, QWeight) and not name.startswith("model.layers."):
                 tensor = tensor.dequantize()
             if isinstance(tensor, torch.Tensor):
                 tensor = tensor.to(dtype)
             m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
             if m:
-                idx, rest = int(m.group(1)), m.group(2)
+                idx, rest = int(m.group(1)) - self.start_layer, m.group(2)
                 if rest.endswith("rotary_emb.inv_freq"):
                     continue
                 pending.setdefault(idx, {})[rest] = tensor
@@ -205,7 +234,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "model.embed_tokens.weight":
                 self.embed.load(tensor)
-                if self.arch.tie_word_embeddings:
+                if self.arch.tie_word_embeddings and self.lm_head is not None:
                     self.lm_head.tie(self.embed)
             elif name == "model.norm.weight":
                 self.norm.data = tensor
@@ -218,8 +247,8 @@ class LlamaForCausalLM(nn.Module):
         if pending:
             missing = {i: sorted(p) for i, p in pending.items()}
             raise ValueError(f"incomplete layer weights: {missing}")
-        need = {"model.embed_tokens.weight", "model.norm.weight"}
-        if not self.arch.tie_word_embeddings:
+        need = {"model.norm.weight"} | ({"model.embed_tokens.weight"} if self.embed is not None else set())
+        if not self.arch.tie_word_embeddings and self.lm_head is not None:
             need.add("lm_head.weight")
         if need - seen:
             raise ValueError(f"missing weights: {sorted(need - seen)}")
@@ -228,7 +257,10 @@ class LlamaForCausalLM(nn.Module):
 
     def _quantize_embeddings(self) -> None:
         method = "fp8" if self.quantization == "fp8" else "int8"
-        self.embed.quantize(method, self.quant_device)
+        if self.embed is not None:
+            self.embed.quantize(method, self.quant_device)
+        if self.lm_head is None:
+            return
         if self.arch.tie_word_embeddings:
             self.lm_head.tie(self.embed)
         else:
