@@ -11,22 +11,13 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from server_utils import ServerProcess
 
-ORIGIN = "http://app.example"
+ORIGIN = "http://app.example"  # the one compat_server (conftest.py) allows
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    log = tmp_path_factory.mktemp("compat") / "serve.log"
-    s = ServerProcess(
-        "smollm2-135m", "--kv-cache-memory", "64MiB", "--max-num-seqs", "8",
-        "--served-model-name", "smol", "smol-alias", "--allowed-origins", ORIGIN,
-        "--metrics-compat", "vllm", log_path=str(log),
-    )  # fmt: skip
-    s.log_file = log
-    yield s
-    s.stop()
+def server(compat_server):
+    return compat_server
 
 
 def test_default_model_answers_and_logs_its_configuration(server, client):
