@@ -122,7 +122,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             engine_restart_limit=args.engine_restart_limit, routing_policy=args.routing_policy,
             allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
             allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
-            metrics_compat=args.metrics_compat,
+            metrics_compat=args.metrics_compat, response_store=args.response_store,
+            response_store_size=args.response_store_size,
         )  # fmt: skip
         return serve(config, args.host, args.port, server)
     except (ValueError, FileNotFoundError, RuntimeError, TimeoutError) as e:  # start-up problems
@@ -174,6 +175,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--allowed-methods", nargs="*", default=["*"], help="CORS: allowed methods")
     srv.add_argument("--allowed-headers", nargs="*", default=["*"], help="CORS: allowed request headers")
     srv.add_argument("--allow-credentials", action="store_true", help="CORS: allow cookies / auth headers")
+    srv.add_argument("--response-store", default="memory",
+                     help="Responses API store: memory | sqlite:PATH (survives restarts)")  # fmt: skip
+    srv.add_argument("--response-store-size", type=int, default=1024,
+                     help="Responses API: stored responses kept (least recently used dropped)")  # fmt: skip
     srv.add_argument("--metrics-compat", choices=("vllm",), default=None,
                      help="also expose each kvserve:* series as vLLM's vllm:* (dashboards)")  # fmt: skip
     srv.add_argument(
