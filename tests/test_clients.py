@@ -147,6 +147,24 @@ def test_openai_tools_with_streamed_deltas(client, choice, parallel):
     assert streamed == calls and finish == r.finish_reason
 
 
+def test_openai_best_of_returns_the_most_likely_samples(client):
+    """best_of=k draws the same k samples as n=k (same seed) and returns the one of highest
+    cumulative logprob; every sample is billed."""
+    kw = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 6, "temperature": 1.0, "seed": 11}
+    drawn = client.completions.create(**kw, n=3, logprobs=0)
+    scores = [sum(c.logprobs.token_logprobs) for c in drawn.choices]
+    best = client.completions.create(**kw, best_of=3)
+    (choice,) = best.choices
+    assert choice.text == drawn.choices[scores.index(max(scores))].text and choice.logprobs is None
+    assert best.usage.completion_tokens == drawn.usage.completion_tokens
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Tell a story."}], "max_tokens": 6,
+            "temperature": 1.0, "seed": 5}  # fmt: skip
+    all3 = client.chat.completions.create(**chat, n=3, logprobs=True)
+    ranked = sorted(all3.choices, key=lambda c: -sum(e.logprob for e in c.logprobs.content))
+    top2 = client.chat.completions.create(**chat, n=2, extra_body={"best_of": 3})
+    assert [c.message.content for c in top2.choices] == [c.message.content for c in ranked[:2]]
+
+
 # ---- openai: the issue's table ----------------------------------------------------------------
 def test_openai_table_rows(client, server):
     """developer role, assistant prefill, x-request-id, suffix and the vLLM extras, through the SDK."""
