@@ -132,3 +132,23 @@ def default_reference():
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+COMPAT_ORIGIN = "http://app.example"
+
+
+@pytest.fixture(scope="session")
+def compat_server(tmp_path_factory):
+    """One live `kvserve serve` on the default model, with the options issue 23's clients need
+    (aliases, a CORS origin, vLLM metric names); test_openai_compat and test_clients share it."""
+    from server_utils import ServerProcess
+
+    log = tmp_path_factory.mktemp("compat") / "serve.log"
+    s = ServerProcess(
+        "smollm2-135m", "--kv-cache-memory", "64MiB", "--max-num-seqs", "8",
+        "--served-model-name", "smol", "smol-alias", "--allowed-origins", COMPAT_ORIGIN,
+        "--metrics-compat", "vllm", log_path=str(log),
+    )  # fmt: skip
+    s.log_file = log
+    yield s
+    s.stop()

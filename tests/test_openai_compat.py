@@ -11,22 +11,13 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from server_utils import ServerProcess
 
-ORIGIN = "http://app.example"
+ORIGIN = "http://app.example"  # the one compat_server (conftest.py) allows
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    log = tmp_path_factory.mktemp("compat") / "serve.log"
-    s = ServerProcess(
-        "smollm2-135m", "--kv-cache-memory", "64MiB", "--max-num-seqs", "8",
-        "--served-model-name", "smol", "smol-alias", "--allowed-origins", ORIGIN,
-        "--metrics-compat", "vllm", log_path=str(log),
-    )  # fmt: skip
-    s.log_file = log
-    yield s
-    s.stop()
+def server(compat_server):
+    return compat_server
 
 
 def test_default_model_answers_and_logs_its_configuration(server, client):
@@ -70,7 +61,8 @@ def test_informational_fields_are_accepted(client):
         ({"modalities": ["text", "audio"]}, "modalities"),
         ({"web_search_options": {}}, "web_search_options"),
         ({"use_beam_search": True, "n": 2, "stream": True}, "stream"),
-        ({"best_of": 3}, "best_of"),
+        ({"best_of": 1, "n": 2}, "best_of"),
+        ({"best_of": 3, "stream": True}, "best_of"),
         ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
         ({"no_such_field": 1}, "no_such_field"),
     ],

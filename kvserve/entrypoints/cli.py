@@ -126,6 +126,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             metrics_compat=args.metrics_compat, web_ui=not args.disable_web_ui,
             batch_storage_dir=args.batch_storage_dir,
             max_upload_size=args.max_upload_size, batch_window=args.batch_window,
+            response_store=args.response_store,
+            response_store_size=args.response_store_size,
         )  # fmt: skip
         return serve(config, args.host, args.port, server)
     except (ValueError, FileNotFoundError, RuntimeError, TimeoutError) as e:  # start-up problems
@@ -177,6 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--allowed-methods", nargs="*", default=["*"], help="CORS: allowed methods")
     srv.add_argument("--allowed-headers", nargs="*", default=["*"], help="CORS: allowed request headers")
     srv.add_argument("--allow-credentials", action="store_true", help="CORS: allow cookies / auth headers")
+    srv.add_argument("--response-store", default="memory",
+                     help="Responses API store: memory | sqlite:PATH (survives restarts)")  # fmt: skip
+    srv.add_argument("--response-store-size", type=int, default=1024,
+                     help="Responses API: stored responses kept (least recently used dropped)")  # fmt: skip
     srv.add_argument("--metrics-compat", choices=("vllm",), default=None,
                      help="also expose each kvserve:* series as vLLM's vllm:* (dashboards)")  # fmt: skip
     srv.add_argument(

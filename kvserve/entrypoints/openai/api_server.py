@@ -31,7 +31,8 @@ from kvserve.entrypoints.openai.protocol import (
     EmbeddingRequest,
     TokenizeRequest,
 )
-from kvserve.entrypoints.openai.responses import ResponseNotFoundError, ResponsesServing, ResponseStore
+from kvserve.entrypoints.openai.response_store import ResponseNotFoundError, ResponseStore, open_store
+from kvserve.entrypoints.openai.responses import ResponsesServing
 from kvserve.entrypoints.openai.responses_protocol import ResponsesRequest
 from kvserve.entrypoints.openai.server_config import ServerConfig
 from kvserve.entrypoints.openai.serving import ClientDisconnectedError, OpenAIServing, ServerOverloadedError
@@ -63,7 +64,7 @@ def engine_dead_response(exc: EngineDeadError) -> Response:
     return resp
 
 
-def build_app(engine: AsyncLLM | DPClient, cfg: ServerConfig) -> FastAPI:
+def build_app(engine: AsyncLLM | DPClient, cfg: ServerConfig, store: ResponseStore | None = None) -> FastAPI:
     names = cfg.served_model_name or [engine.source.name]
     name = names[0]
     metrics = ServerMetrics(name, getattr(engine, "size", 1))
@@ -72,7 +73,7 @@ def build_app(engine: AsyncLLM | DPClient, cfg: ServerConfig) -> FastAPI:
     serving = OpenAIServing(
         engine, names, cfg.request_timeout, cfg.max_waiting_requests, cfg.stream_stall_timeout
     )
-    responses = ResponsesServing(serving, ResponseStore(cfg.response_store_size))
+    responses = ResponsesServing(serving, store or open_store(cfg.response_store, cfg.response_store_size))
     lifecycle = Lifecycle(engine, cfg.shutdown_timeout)
     # /v1/files, /v1/batches: stops feeding the engine once the server drains
     batch = BatchAPI(serving, cfg, engine.config.max_num_seqs, lambda: lifecycle.draining)
@@ -286,6 +287,9 @@ def serve(config: EngineConfig, host: str, port: int, cfg: ServerConfig) -> int:
         cfg.api_keys = [os.environ["KVSERVE_API_KEY"]]
     logger.info("configuration: %s", config)
     logger.info("server: %s", {**vars(cfg), "api_keys": f"{len(cfg.api_keys)} key(s)"})
+    store = open_store(
+        cfg.response_store, cfg.response_store_size
+    )  # a bad spec fails before the engine starts
     if config.data_parallel_size > 1:
         engine = DPClient(
             config, config.data_parallel_size, cfg.routing_policy, restart_limit=cfg.engine_restart_limit
@@ -302,7 +306,7 @@ def serve(config: EngineConfig, host: str, port: int, cfg: ServerConfig) -> int:
         r.num_blocks, r.block_size, r.num_blocks * r.block_size, r.kv_cache_bytes / 2**20, r.max_model_len,
         r.num_blocks / -(-r.max_model_len // r.block_size),
     )  # fmt: skip
-    app = build_app(engine, cfg)
+    app = build_app(engine, cfg, store)
     logger.info(
         "serving %s on http://%s:%d (API key %s)",
         ", ".join(cfg.served_model_name or [engine.source.name]), host, port,

@@ -40,11 +40,12 @@ def normalize_sampling(req: SamplingFields) -> list[str]:
     """Shared by chat and completions. Returns the Warning header values to send back."""
     if req.use_beam_search and req.stream:
         raise ValueError("stream: beam search returns whole sequences only (as vLLM's); set stream to false")
-    if req.best_of is not None and req.best_of != req.n:
-        raise ValueError(
-            f"best_of: only best_of equal to n is supported (got best_of={req.best_of}, n={req.n}); "
-            "every sample is returned"
-        )
+    if req.use_beam_search and req.best_of is not None and req.best_of != req.n:
+        raise ValueError("best_of: with use_beam_search, n is the beam width; leave best_of unset")
+    if req.best_of is not None and req.best_of < req.n:
+        raise ValueError(f"best_of: must be at least n (got best_of={req.best_of}, n={req.n})")
+    if req.best_of is not None and req.best_of > req.n and req.stream:
+        raise ValueError("best_of: cannot be streamed (the best are known only at the end); use n")
     ignored = [f for f in INFORMATIONAL if getattr(req, f, None) is not None]
     if ignored:
         logger.debug("ignoring informational fields: %s", ", ".join(ignored))

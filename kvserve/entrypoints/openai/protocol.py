@@ -94,7 +94,7 @@ class SamplingFields(BaseModel):
     request_id: Annotated[str, Field(pattern=r"^[A-Za-z0-9._:-]{1,128}$")] | None = None  # response id suffix
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>"
     prompt_logprobs: NumLogprobs | None = None
-    best_of: NumChoices | None = None  # only best_of == n (compat.py)
+    best_of: NumChoices | None = None  # samples drawn; the n of highest cumulative logprob returned
     use_beam_search: bool = False  # n beams, the n best returned (engine/beam_search.py); no streaming
     length_penalty: float = 1.0  # beam search only
     early_stopping: bool | Literal["never"] = False  # beam search only, as transformers'

@@ -5,50 +5,22 @@ the Responses envelope: output items (a message with output_text, function_call 
 usage in input/output tokens, and, streaming, the typed event sequence clients reassemble
 (response.created, output_item.added, output_text.delta, ..., response.completed).
 Stored responses (store=true, the default) keep their conversation so a later request can
-continue it with previous_response_id; the store is bounded, oldest dropped first.
+continue it with previous_response_id, in a bounded store (response_store.py).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from kvserve.entrypoints.openai.response_store import ResponseNotFoundError, ResponseStore
 from kvserve.entrypoints.openai.responses_protocol import ResponsesRequest, input_messages, to_chat
 from kvserve.entrypoints.openai.serving import OpenAIServing
-
-
-class ResponseNotFoundError(LookupError):
-    """An id that is not (or no longer) in the store: 404."""
-
-
-class ResponseStore:
-    """Responses by id with the conversation each ended on; at most `capacity`, LRU."""
-
-    def __init__(self, capacity: int = 1024) -> None:
-        self.capacity = capacity
-        self._items: OrderedDict[str, tuple[dict, list[dict]]] = OrderedDict()
-
-    def put(self, response: dict, conversation: list[dict]) -> None:
-        self._items[response["id"]] = (response, conversation)
-        self._items.move_to_end(response["id"])
-        while len(self._items) > self.capacity:
-            self._items.popitem(last=False)
-
-    def get(self, response_id: str) -> tuple[dict, list[dict]]:
-        if response_id not in self._items:
-            raise ResponseNotFoundError(f"response {response_id!r} not found (never stored, or expired)")
-        self._items.move_to_end(response_id)
-        return self._items[response_id]
-
-    def delete(self, response_id: str) -> None:
-        self.get(response_id)
-        del self._items[response_id]
 
 
 def _new_id(prefix: str) -> str:

@@ -30,6 +30,8 @@ class ServerConfig:
     allowed_methods: list[str] = field(default_factory=lambda: ["*"])
     allowed_headers: list[str] = field(default_factory=lambda: ["*"])
     allow_credentials: bool = False
+    response_store: str = "memory"
+    """Responses API store: memory | sqlite:PATH (kept across restarts)."""
     response_store_size: int = 1024
     """Responses API: how many stored responses are kept for previous_response_id (LRU)."""
     metrics_compat: str | None = None

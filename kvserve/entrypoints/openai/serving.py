@@ -1,8 +1,10 @@
 """Chat and completion handlers: OpenAI request -> engine streams -> OpenAI response.
 
 Both endpoints fan a request out into one engine request per (prompt, sample) and merge
-their streams, so n > 1 and lists of prompts share one code path. Streaming responses are
-SSE `data: {...}` lines ending with `data: [DONE]`.
+their streams, so n > 1 and lists of prompts share one code path. Both also share the rest
+of a request's life (_launch: name it and queue it; _body / _chunks: the finished or the
+streamed envelope with its usage; respond: JSON or SSE): each endpoint only says how one
+choice looks. Streaming responses are SSE `data: {...}` lines ending with `data: [DONE]`.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import functools
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
@@ -38,6 +40,7 @@ from kvserve.entrypoints.openai.protocol import (
     CompletionRequest,
     EmbeddingRequest,
     NamedToolChoice,
+    SamplingFields,
     TokenizeRequest,
 )
 from kvserve.entrypoints.openai.stall import StallWatch
@@ -358,14 +361,73 @@ class OpenAIServing:
         head = b"event: " + obj["type"].encode() + b"\n" if "type" in obj else b""
         return head + b"data: " + _json.encode(obj) + b"\n\n"
 
+    # ---- one request's life, shared by chat and completions ---------------------------------
+    async def _launch(
+        self, prefix: str, req: SamplingFields, prompts: list, params: SamplingParams, raw: Request
+    ) -> Launched:
+        """Name the response, queue its engine requests and merge their streams."""
+        samples = max(req.n, req.best_of or 0)  # best_of > n: rank them by cumulative logprob
+        if samples > req.n and params.logprobs is None:
+            params = replace(params, logprobs=0)  # the ranking needs them; the reply shows them only if asked
+        rid, engine_rid = self.response_id(prefix, req.request_id, raw)
+        created = int(time.time())
+        model = req.model or self.model_names[0]
+        deadline = self._deadline()
+        streams = await self._start(
+            prompts, params, samples, engine_rid, req.priority, req.cache_salt, session_key(raw, req.user)
+        )
+        return Launched(rid, created, model, streams, self._merged(streams, deadline), samples)
+
+    async def _body(
+        self, run: Launched, obj: str, n: int, raw: Request, choice
+    ) -> tuple[dict, dict[int, RequestOutput]]:
+        """The finished, non-streamed response (and the outputs it was made of): `choice(index,
+        output)` for each choice, in order."""
+        finals = await self._collect(run.gen, raw)
+        usage = Usage(run.samples)
+        for index in sorted(finals):  # every sample drawn is billed, as OpenAI bills best_of
+            usage.add(index, finals[index], len(finals[index].outputs[0].token_ids))
+        if run.samples > n:
+            finals = _best(finals, run.samples, n)
+        choices = [choice(index, finals[index]) for index in sorted(finals)]
+        return {**run.envelope(obj), "choices": choices, "usage": usage.as_dict()}, finals
+
+    async def _chunks(
+        self, run: Launched, obj: str, req: SamplingFields, choice, first: Sequence[dict] = ()
+    ) -> AsyncIterator[dict]:
+        """The streamed response: `first` choices, then `choice(index, output)` per engine
+        output (None: nothing to send yet), each in a chunk with its usage field; the usage
+        chunk last when asked (stream_options)."""
+        opts = req.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        continuous = bool(opts and opts.continuous_usage_stats)
+        base = run.envelope(obj)
+        usage = Usage(req.n)
+        for c in first:
+            yield {**base, "choices": [c], **usage.chunk_field(include_usage, continuous)}
+        async for index, out in run.gen:
+            usage.add(index, out, len(out.outputs[0].delta_token_ids))
+            c = choice(index, out)
+            if c is not None:
+                yield {**base, "choices": [c], **usage.chunk_field(include_usage, continuous)}
+        if include_usage:
+            yield {**base, "choices": [], "usage": usage.as_dict()}
+
+    def respond(self, run: Run):
+        """The HTTP response of a started request: SSE when streaming, else JSON."""
+        if run.chunks is None:
+            resp = JSONResponse(run.body)
+        else:
+            resp = self.sse_response(run.gen, run.chunks, run.streams)
+        if run.warnings:  # deprecation notices (compat.py)
+            resp.headers["Warning"] = ", ".join(run.warnings)
+        return resp
+
     # ---- chat ------------------------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, raw: Request):
-        run = await self.chat_run(req, raw)
-        if req.stream:
-            return _warn(self.sse_response(run.gen, run.chunks, run.streams), run.warnings)
-        return _warn(JSONResponse(run.body), run.warnings)
+        return self.respond(await self.chat_run(req, raw))
 
-    async def chat_run(self, req: ChatCompletionRequest, raw: Request) -> ChatRun:
+    async def chat_run(self, req: ChatCompletionRequest, raw: Request) -> Run:
         """Start a chat request: streaming, its chunks (dicts, for /v1/chat/completions or for
         another envelope such as the Responses API); otherwise the finished body."""
         self.check_model(req.model)
@@ -380,25 +442,16 @@ class OpenAIServing:
         forced = call_constraint(req, mode)
         if forced is not None:
             params = replace(params, structured_outputs=forced)
-        rid, engine_rid = self.response_id("chatcmpl", req.request_id, raw)
-        created = int(time.time())
-        model = req.model or self.model_names[0]
         echo = req.messages[-1].text() if req.echo and continues_final_message(req) else ""
-        deadline = self._deadline()
-        streams = await self._start(
-            [prompt], params, req.n, engine_rid, req.priority, req.cache_salt, session_key(raw, req.user)
-        )
-        gen = self._merged(streams, deadline)
-        run = ChatRun(gen, streams, warnings)
+        launched = await self._launch("chatcmpl", req, [prompt], params, raw)
+        run = Run(launched.gen, launched.streams, warnings)
         if req.stream:
-            run.chunks = self._chat_chunks(gen, rid, created, model, req, mode, top, echo)
+            run.chunks = self._chat_chunks(launched, req, mode, top, echo)
             return run
-        finals = await self._collect(gen, raw)
-        choices, usage = [], Usage(req.n)
         as_ids = req.return_tokens_as_token_ids
-        for i in range(req.n):
-            c = finals[i].outputs[0]
-            usage.add(i, finals[i], len(c.token_ids))
+
+        def choice(i: int, out: RequestOutput) -> dict:
+            c = out.outputs[0]
             message, finish = self._chat_message(echo + c.text, c.finish_reason, req, mode)
             logprobs = None
             if req.logprobs:
@@ -406,14 +459,11 @@ class OpenAIServing:
                 if c.finish_reason == "stop":  # an end-of-turn token or a cut stop string ended it
                     k = self._content_tokens(c.token_ids, c.text, req.skip_special_tokens)
                 logprobs = self._chat_logprobs(c.token_ids[:k], c.logprobs[:k], top, as_ids)
-            choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish})
-        body = {
-            "id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": choices, "usage": usage.as_dict(),
-        }  # fmt: skip
+            return {"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish}
+
+        run.body, finals = await self._body(launched, "chat.completion", req.n, raw, choice)
         if req.prompt_logprobs is not None:
-            body["prompt_logprobs"] = self._prompt_logprobs(finals[0], req.prompt_logprobs)
-        run.body = body
+            run.body["prompt_logprobs"] = self._prompt_logprobs(finals[0], req.prompt_logprobs)
         return run
 
     @staticmethod
@@ -437,27 +487,24 @@ class OpenAIServing:
         message = {"role": "assistant", "content": content, "tool_calls": tool_calls}
         return message, "tool_calls" if finish == "stop" else finish
 
-    async def _chat_chunks(
-        self, gen, rid, created, model, req: ChatCompletionRequest, mode: str, top: int, echo: str
-    ):
-        opts = req.stream_options
-        include_usage = bool(opts and opts.include_usage)
-        continuous = bool(opts and opts.continuous_usage_stats)
-        base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
-        usage = Usage(req.n)
-        for i in range(req.n):
-            delta = {"role": "assistant", "content": echo}
-            yield {
-                **base,
-                "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}],
-                **usage.chunk_field(include_usage, continuous),
+    def _chat_chunks(
+        self, run: Launched, req: ChatCompletionRequest, mode: str, top: int, echo: str
+    ) -> AsyncIterator[dict]:
+        first = [
+            {
+                "index": i,
+                "delta": {"role": "assistant", "content": echo},
+                "logprobs": None,
+                "finish_reason": None,
             }
+            for i in range(req.n)
+        ]
         legacy = req.functions is not None
         as_ids = req.return_tokens_as_token_ids
         tool_streams: dict[int, ToolCallStream] = {}
-        async for index, out in gen:
+
+        def choice(index: int, out: RequestOutput) -> dict | None:
             c = out.outputs[0]
-            usage.add(index, out, len(c.delta_token_ids))
             lp_ids, lps = c.delta_token_ids, c.delta_logprobs
             if req.logprobs and out.finished and c.finish_reason == "stop":  # not the end-of-turn token
                 sent = len(c.token_ids) - len(lp_ids)
@@ -473,20 +520,19 @@ class OpenAIServing:
                 content, calls = ts.feed(c.delta_text, out.finished)
                 delta = {"content": content} if content else {}
                 if calls and legacy:  # one call, as `function_call` deltas
-                    first = [call["function"] for call in calls if call.get("index", 0) == 0]
-                    if first:
-                        delta["function_call"] = first[0]
+                    first_call = [call["function"] for call in calls if call.get("index", 0) == 0]
+                    if first_call:
+                        delta["function_call"] = first_call[0]
                 elif calls:
                     delta["tool_calls"] = calls
                 if finish == "stop" and ts.ids:
                     finish = "function_call" if legacy else "tool_calls"
-            if delta or out.finished or with_logprobs:  # no empty chunks for held-back text
-                choice = {"index": index, "delta": delta}
-                choice["logprobs"] = self._chat_logprobs(lp_ids, lps, top, as_ids) if with_logprobs else None
-                choice["finish_reason"] = finish
-                yield {**base, "choices": [choice], **usage.chunk_field(include_usage, continuous)}
-        if include_usage:
-            yield {**base, "choices": [], "usage": usage.as_dict()}
+            if not (delta or out.finished or with_logprobs):  # no empty chunks for held-back text
+                return None
+            logprobs = self._chat_logprobs(lp_ids, lps, top, as_ids) if with_logprobs else None
+            return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+
+        return self._chunks(run, "chat.completion.chunk", req, choice, first)
 
     # ---- embeddings ------------------------------------------------------------------------
     async def embeddings(self, req: EmbeddingRequest, raw: Request) -> dict:
@@ -533,35 +579,24 @@ class OpenAIServing:
         wanted = [req.prompt_logprobs, req.logprobs if req.echo else None]
         prompt_lp = max((k for k in wanted if k is not None), default=None)
         params = req.sampling_params(max_tokens, req.logprobs, prompt_lp)
-        rid, engine_rid = self.response_id("cmpl", req.request_id, raw)
-        created = int(time.time())
-        model = req.model or self.model_names[0]
-        deadline = self._deadline()
-        streams = await self._start(
-            prompts, params, req.n, engine_rid, req.priority, req.cache_salt, session_key(raw, req.user)
-        )
-        gen = self._merged(streams, deadline)
+        launched = await self._launch("cmpl", req, prompts, params, raw)
+        run = Run(launched.gen, launched.streams, warnings)
         if req.stream:
-            chunks = self._completion_chunks(gen, rid, created, model, req, prompts)
-            return _warn(self.sse_response(gen, chunks, streams), warnings)
-        finals = await self._collect(gen, raw)
-        choices, usage = [], Usage(req.n)
-        for index in sorted(finals):
-            out = finals[index]
+            run.chunks = self._completion_chunks(launched, req)
+            return self.respond(run)
+
+        def choice(index: int, out: RequestOutput) -> dict:
             c = out.outputs[0]
-            usage.add(index, out, len(c.token_ids))
             choice = {
                 "index": index, "text": self._echo_text(req, out) + c.text,
                 "logprobs": self._choice_logprobs(req, out), "finish_reason": c.finish_reason,
             }  # fmt: skip
             if req.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = self._prompt_logprobs(out, req.prompt_logprobs)
-            choices.append(choice)
-        body = {
-            "id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": choices, "usage": usage.as_dict(),
-        }  # fmt: skip
-        return _warn(JSONResponse(body), warnings)
+            return choice
+
+        run.body, _ = await self._body(launched, "text_completion", req.n, raw, choice)
+        return self.respond(run)
 
     def _echo_text(self, req: CompletionRequest, out: RequestOutput) -> str:
         if not req.echo:
@@ -579,14 +614,10 @@ class OpenAIServing:
             ids, lps = c.token_ids, c.logprobs
         return self._completion_logprobs(ids, lps, req.logprobs, 0, req.return_tokens_as_token_ids)
 
-    async def _completion_chunks(self, gen, rid, created, model, req: CompletionRequest, prompts: list):
-        opts = req.stream_options
-        include_usage = bool(opts and opts.include_usage)
-        continuous = bool(opts and opts.continuous_usage_stats)
-        base = {"id": rid, "object": "text_completion", "created": created, "model": model}
-        usage = Usage(req.n)
+    def _completion_chunks(self, run: Launched, req: CompletionRequest) -> AsyncIterator[dict]:
         offsets: dict[int, int] = {}  # characters sent so far per choice (for text_offset)
-        async for index, out in gen:
+
+        def choice(index: int, out: RequestOutput) -> dict | None:
             c = out.outputs[0]
             text, ids, lps = c.delta_text, list(c.delta_token_ids), list(c.delta_logprobs or [])
             if index not in offsets:
@@ -595,20 +626,19 @@ class OpenAIServing:
                 if req.echo and req.logprobs is not None:  # the echoed prompt's logprobs come first
                     ids = out.prompt_token_ids + ids
                     lps = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids)) + lps
-            usage.add(index, out, len(c.delta_token_ids))
             with_logprobs = req.logprobs is not None and ids
-            if text or out.finished or with_logprobs:
-                logprobs = None
-                if with_logprobs:
-                    logprobs = self._completion_logprobs(
-                        ids, lps, req.logprobs, offsets[index], req.return_tokens_as_token_ids
-                    )
-                offsets[index] += len(text)
-                choice = {"index": index, "text": text, "logprobs": logprobs}
-                choice["finish_reason"] = c.finish_reason if out.finished else None
-                yield {**base, "choices": [choice], **usage.chunk_field(include_usage, continuous)}
-        if include_usage:
-            yield {**base, "choices": [], "usage": usage.as_dict()}
+            if not (text or out.finished or with_logprobs):
+                return None
+            logprobs = None
+            if with_logprobs:
+                logprobs = self._completion_logprobs(
+                    ids, lps, req.logprobs, offsets[index], req.return_tokens_as_token_ids
+                )
+            offsets[index] += len(text)
+            finish = c.finish_reason if out.finished else None
+            return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+        return self._chunks(run, "text_completion", req, choice)
 
     # ---- streaming ------------------------------------------------------------------------------
     def sse_response(self, gen, chunks, streams: list[RequestStream]) -> StreamingResponse:
@@ -647,9 +677,26 @@ class OpenAIServing:
 
 
 @dataclass
-class ChatRun:
-    """A started chat request: its merged engine stream, and either the chunks to stream or
-    the finished body."""
+class Launched:
+    """An API request whose engine requests are queued: its merged stream and its envelope."""
+
+    rid: str
+    created: int
+    model: str
+    streams: list[RequestStream]
+    gen: AsyncIterator[tuple[int, RequestOutput]]
+
+    samples: int = 1
+    """Engine requests per prompt: n, or best_of when larger."""
+
+    def envelope(self, obj: str) -> dict:
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model}
+
+
+@dataclass
+class Run:
+    """A started chat or completion request: its merged engine stream, and either the chunks
+    to stream or the finished body (another envelope, e.g. the Responses API, may take either)."""
 
     gen: AsyncIterator
     streams: list[RequestStream]
@@ -690,11 +737,18 @@ class Usage:
         }
 
 
-def _warn(resp, warnings: list[str]):
-    """Deprecation notices (compat.py) as a Warning header."""
-    if warnings:
-        resp.headers["Warning"] = ", ".join(warnings)
-    return resp
+def _best(finals: dict[int, RequestOutput], samples: int, n: int) -> dict[int, RequestOutput]:
+    """best_of: per prompt, the n samples of highest cumulative logprob, best first, re-indexed."""
+
+    def score(out: RequestOutput) -> float:
+        c = out.outputs[0]
+        return sum(entry[tok] for tok, entry in zip(c.token_ids, c.logprobs or []))
+
+    best: dict[int, RequestOutput] = {}
+    for p in range(len(finals) // samples):
+        ranked = sorted(range(p * samples, (p + 1) * samples), key=lambda i: -score(finals[i]))
+        best.update({p * n + rank: finals[i] for rank, i in enumerate(ranked[:n])})
+    return best
 
 
 def _named(req: ChatCompletionRequest) -> str | None:

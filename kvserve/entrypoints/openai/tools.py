@@ -46,9 +46,11 @@ def tool_mode(req: ChatCompletionRequest) -> str:
         mode = "named"
     else:
         mode = choice or "auto"
-    constrained = req.response_format is not None and req.response_format.type != "text"
-    if mode in ("named", "required") and (constrained or req.structured_outputs is not None):
-        raise ValueError("tool_choice: a forced tool call cannot be combined with response_format")
+    # A forced call leaves no text reply for response_format to shape, so the call's own
+    # constraint wins (OpenAI accepts both; instructor's Responses mode sends both). vLLM's
+    # structured_outputs constrains the raw output, which the call constraint would replace.
+    if mode in ("named", "required") and req.structured_outputs is not None:
+        raise ValueError("tool_choice: a forced tool call cannot be combined with structured_outputs")
     return mode
 
 

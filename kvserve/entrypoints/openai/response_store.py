@@ -1,0 +1,124 @@
+"""Where stored Responses live (store=true, read back by previous_response_id and GET).
+
+`memory` (the default) is lost on restart; `sqlite:PATH` keeps them in one SQLite file, so a
+conversation survives a restart or a redeploy onto the same disk. Both are bounded: past
+`capacity` the least recently used response is dropped, so an unattended server never
+grows without limit.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections import OrderedDict
+from typing import Protocol
+
+
+class ResponseNotFoundError(LookupError):
+    """An id that is not (or no longer) in the store: 404."""
+
+
+def _missing(response_id: str) -> ResponseNotFoundError:
+    return ResponseNotFoundError(f"response {response_id!r} not found (never stored, or expired)")
+
+
+class ResponseStore(Protocol):
+    """Responses by id, each with the conversation it ended on (chat messages)."""
+
+    def put(self, response: dict, conversation: list[dict]) -> None: ...
+
+    def get(self, response_id: str) -> tuple[dict, list[dict]]: ...
+
+    def delete(self, response_id: str) -> None: ...
+
+
+class MemoryResponseStore:
+    """In this process only; at most `capacity`, LRU."""
+
+    def __init__(self, capacity: int = 1024) -> None:
+        self.capacity = capacity
+        self._items: OrderedDict[str, tuple[dict, list[dict]]] = OrderedDict()
+
+    def put(self, response: dict, conversation: list[dict]) -> None:
+        self._items[response["id"]] = (response, conversation)
+        self._items.move_to_end(response["id"])
+        while len(self._items) > self.capacity:
+            self._items.popitem(last=False)
+
+    def get(self, response_id: str) -> tuple[dict, list[dict]]:
+        if response_id not in self._items:
+            raise _missing(response_id)
+        self._items.move_to_end(response_id)
+        return self._items[response_id]
+
+    def delete(self, response_id: str) -> None:
+        self.get(response_id)
+        del self._items[response_id]
+
+
+class SQLiteResponseStore:
+    """One SQLite file; at most `capacity` rows, LRU by a use counter kept in the rows (so the
+    order survives a restart too). Each call is one short local transaction; the handlers call
+    it on the event loop, as the memory store, since a row is a few kilobytes."""
+
+    def __init__(self, path: str, capacity: int = 1024) -> None:
+        self.capacity = capacity
+        self._db = sqlite3.connect(path, check_same_thread=False)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute(
+            "CREATE TABLE IF NOT EXISTS responses (id TEXT PRIMARY KEY, used INTEGER NOT NULL, "
+            "response TEXT NOT NULL, conversation TEXT NOT NULL)"
+        )
+        self._db.execute("CREATE INDEX IF NOT EXISTS responses_by_use ON responses (used)")
+        self._db.commit()
+        (self._clock,) = self._db.execute("SELECT COALESCE(MAX(used), 0) FROM responses").fetchone()
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def put(self, response: dict, conversation: list[dict]) -> None:
+        with self._db:
+            self._db.execute(
+                "INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?)",
+                (response["id"], self._tick(), json.dumps(response), json.dumps(conversation)),
+            )
+            self._db.execute(
+                "DELETE FROM responses WHERE used <= "
+                "(SELECT used FROM responses ORDER BY used DESC LIMIT 1 OFFSET ?)",
+                (self.capacity,),
+            )
+
+    def get(self, response_id: str) -> tuple[dict, list[dict]]:
+        row = self._db.execute(
+            "SELECT response, conversation FROM responses WHERE id = ?", (response_id,)
+        ).fetchone()
+        if row is None:
+            raise _missing(response_id)
+        with self._db:
+            self._db.execute("UPDATE responses SET used = ? WHERE id = ?", (self._tick(), response_id))
+        return json.loads(row[0]), json.loads(row[1])
+
+    def delete(self, response_id: str) -> None:
+        with self._db:
+            gone = self._db.execute("DELETE FROM responses WHERE id = ?", (response_id,)).rowcount
+        if gone == 0:
+            raise _missing(response_id)
+
+    def close(self) -> None:
+        self._db.close()
+
+
+def open_store(spec: str, capacity: int) -> MemoryResponseStore | SQLiteResponseStore:
+    """`memory` or `sqlite:PATH` (the --response-store flag); ValueError for anything else."""
+    if capacity < 1:
+        raise ValueError(f"--response-store-size: must be at least 1 (got {capacity})")
+    if spec == "memory":
+        return MemoryResponseStore(capacity)
+    kind, _, path = spec.partition(":")
+    if kind != "sqlite" or not path:
+        raise ValueError(f"--response-store: expected memory or sqlite:PATH, got {spec!r}")
+    try:
+        return SQLiteResponseStore(path, capacity)
+    except sqlite3.Error as e:
+        raise ValueError(f"--response-store: cannot open {path!r} as SQLite: {e}") from None

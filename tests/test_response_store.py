@@ -1,0 +1,77 @@
+"""The Responses API store (response_store.py): bounded, least recently used dropped first, and
+with `--response-store sqlite:PATH` a conversation that survives a server restart."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+from server_utils import ServerProcess
+
+from kvserve.entrypoints.openai.response_store import (
+    MemoryResponseStore,
+    ResponseNotFoundError,
+    SQLiteResponseStore,
+    open_store,
+)
+
+
+def _resp(i: int) -> dict:
+    return {"id": f"resp_{i}", "object": "response", "output": [{"type": "message", "text": f"é {i}"}]}
+
+
+@pytest.mark.parametrize("kind", ["memory", "sqlite"])
+def test_bounded_least_recently_used_first(tmp_path, kind):
+    store = open_store("memory" if kind == "memory" else f"sqlite:{tmp_path / 'r.db'}", capacity=3)
+    for i in range(3):
+        store.put(_resp(i), [{"role": "user", "content": f"q{i}"}])
+    assert store.get("resp_0")[1] == [{"role": "user", "content": "q0"}]  # now the most recent
+    store.put(_resp(3), [])
+    with pytest.raises(ResponseNotFoundError):
+        store.get("resp_1")  # the least recently used went
+    assert [store.get(f"resp_{i}")[0] for i in (0, 2, 3)] == [_resp(0), _resp(2), _resp(3)]
+    store.delete("resp_2")
+    with pytest.raises(ResponseNotFoundError):
+        store.delete("resp_2")
+
+
+def test_sqlite_store_reopens_with_its_contents_and_order(tmp_path):
+    path = str(tmp_path / "r.db")
+    first = SQLiteResponseStore(path, capacity=2)
+    first.put(_resp(0), [{"role": "user", "content": "hi"}])
+    first.put(_resp(1), [])
+    first.get("resp_0")
+    first.close()
+    again = SQLiteResponseStore(path, capacity=2)
+    assert again.get("resp_0") == (_resp(0), [{"role": "user", "content": "hi"}])
+    again.put(_resp(2), [])  # resp_1 was the least recently used before the restart
+    with pytest.raises(ResponseNotFoundError):
+        again.get("resp_1")
+
+
+@pytest.mark.parametrize("spec, size", [("redis://x", 8), ("sqlite:", 8), ("memory", 0)])
+def test_bad_store_settings_are_refused(tmp_path, spec, size):
+    with pytest.raises(ValueError, match="--response-store"):
+        open_store(spec, size)
+    assert isinstance(open_store("memory", 1), MemoryResponseStore)
+    with pytest.raises(ValueError, match="cannot open"):
+        open_store(f"sqlite:{tmp_path}", 8)  # a directory
+
+
+def test_conversation_survives_a_server_restart(tiny_llama_dir, tmp_path):
+    args = ("--kv-cache-memory", "8MiB", "--max-model-len", "256", "--served-model-name", "tiny",
+            "--response-store", f"sqlite:{tmp_path / 'responses.db'}")  # fmt: skip
+    kw = {"model": "tiny", "max_output_tokens": 4, "temperature": 0}
+    s = ServerProcess(tiny_llama_dir, *args)
+    try:
+        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key=s.api_key, max_retries=0)
+        first = client.responses.create(**kw, input="Hello world!")
+    finally:
+        s.stop()
+    s = ServerProcess(tiny_llama_dir, *args)
+    try:
+        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key=s.api_key, max_retries=0)
+        assert client.responses.retrieve(first.id).output_text == first.output_text
+        second = client.responses.create(**kw, input="The quick brown fox", previous_response_id=first.id)
+        assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    finally:
+        s.stop()
