@@ -118,6 +118,20 @@ def test_cache_aware_text_index_for_other_backends():
     assert picks[first.id] == 5
 
 
+def test_text_index_matches_a_bounded_prefix_of_long_prompts():
+    """Past max_chars nothing more is hashed, yet a long cached prompt is still a hit (not a
+    "new prefix" because the match is capped), and a prompt differing past the cap matches."""
+    index = TextPrefixIndex(chunk_chars=64, max_chars=1024)
+    ca = CacheAware(index)
+    doc = "A long shared document about paged attention. " * 200  # ~9,400 chars
+    first = ca.choose([T("a"), T("b")], RequestInfo(text=doc + "Q0"))
+    info = RequestInfo(text=doc + "Q1, with another question")
+    assert ca.choose([T("a"), T("b")], info).id == first.id
+    assert len(info.text_keys) == 16 and info.cached_tokens == index.matchable(info) == 256
+    salted = RequestInfo(text=doc, cache_salt="tenant-b")  # another cache scope matches nothing
+    assert index.match(salted, ["a", "b"]) == {"a": 0, "b": 0}
+
+
 def test_round_robin_least_loaded_session():
     rr = make_strategy("round-robin")
     assert [rr.choose([T("1"), T("0")]).id for _ in range(4)] == ["0", "1", "0", "1"]

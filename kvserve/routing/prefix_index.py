@@ -14,7 +14,6 @@ decision costs O(matched blocks x candidates), whatever the number of cached pre
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
@@ -67,47 +66,75 @@ class BlockHashIndex:
                 hits[t] += bs
         return hits
 
+    def matchable(self, request: RequestInfo) -> int:
+        """The most `match` can report: every full block but the last token's."""
+        n = len(request.token_ids or ())
+        return max(0, n - 1) // self.block_size * self.block_size
+
     def routed(self, target_id: str, request: RequestInfo) -> None:
         """Nothing to guess: the replica will say what it cached."""
 
 
 class TextPrefixIndex:
-    """Approximate: chained hashes of fixed-size character chunks of what was routed where."""
+    """Approximate: chained keys of fixed-size character chunks of what was routed where.
+
+    A key is Python's own hash of (parent key, chunk): SipHash in C, much cheaper than a
+    blake2b object per chunk; a 64-bit collision costs at worst one misrouted request, and the
+    index lives in one process, so the per-process hash seed does not matter. Only the first
+    `max_chars` characters are matched: past a few thousand tokens the holder is decided, and
+    the cost stays bounded for long prompts. A request's keys are computed once, for both
+    `match` and `routed`.
+    """
 
     def __init__(
-        self, chunk_chars: int = 64, max_chunks_per_target: int = 200_000, chars_per_token: float = 4.0
+        self,
+        chunk_chars: int = 64,
+        max_chunks_per_target: int = 200_000,
+        chars_per_token: float = 4.0,
+        max_chars: int = 16_384,
     ) -> None:
         self.chunk = chunk_chars
         self.max_chunks = max_chunks_per_target
         self.chars_per_token = chars_per_token
-        self.cached: dict[str, OrderedDict[bytes, None]] = {}
+        self.max_chars = max_chars
+        self.cached: dict[str, OrderedDict[int, None]] = {}
 
-    def _keys(self, request: RequestInfo):
-        text = request.text or ""
-        scope = (request.cache_salt or "").encode()
-        parent = b""
-        for i in range(len(text) // self.chunk):
-            h = hashlib.blake2b(parent, digest_size=16, key=scope[:64])
-            h.update(text[i * self.chunk : (i + 1) * self.chunk].encode())
-            parent = h.digest()
-            yield parent
+    def _keys(self, request: RequestInfo) -> list[int]:
+        if request.text_keys is None:
+            text, c = request.text or "", self.chunk
+            end = min(len(text), self.max_chars) // c * c
+            parent = hash(request.cache_salt or "")
+            keys = []
+            for i in range(0, end, c):
+                parent = hash((parent, text[i : i + c]))
+                keys.append(parent)
+            request.text_keys = keys
+        return request.text_keys
+
+    def matchable(self, request: RequestInfo) -> int:
+        """The most `match` can report for this request (its first max_chars characters)."""
+        return int(len(self._keys(request)) * self.chunk / self.chars_per_token)
 
     def match(self, request: RequestInfo, target_ids: Sequence[str]) -> dict[str, int]:
         """Estimated prompt tokens each target holds (matched characters / chars_per_token)."""
-        chars = dict.fromkeys(target_ids, 0)
-        live = [(t, self.cached[t]) for t in target_ids if self.cached.get(t)]
-        for key in self._keys(request):
-            live = [(t, s) for t, s in live if key in s]
-            if not live:
-                break
-            for t, _ in live:
-                chars[t] += self.chunk
-        return {t: int(c / self.chars_per_token) for t, c in chars.items()}
+        chunks = dict.fromkeys(target_ids, 0)
+        keys = self._keys(request)
+        for t in target_ids:
+            s = self.cached.get(t)
+            if s:
+                n = 0
+                for key in keys:
+                    if key not in s:
+                        break
+                    n += 1
+                chunks[t] = n
+        return {t: int(n * self.chunk / self.chars_per_token) for t, n in chunks.items()}
 
     def routed(self, target_id: str, request: RequestInfo) -> None:
-        """The prompt went to target_id: assume its chunks are cached there from now on."""
+        """The prompt went to target_id: assume its chunks are cached there from now on. Tail
+        first, so the oldest entry is a prompt's last chunk: what a full engine evicts first."""
         s = self.cached.setdefault(target_id, OrderedDict())
-        for key in self._keys(request):
+        for key in reversed(self._keys(request)):
             s[key] = None
             s.move_to_end(key)
         while len(s) > self.max_chunks:
