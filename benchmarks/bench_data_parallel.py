@@ -20,9 +20,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import re
+import signal
 import socket
 import statistics
 import subprocess
@@ -78,20 +80,27 @@ def metric_by_engine(text: str, name: str) -> dict[str, float]:
     return out
 
 
-async def one(http: httpx.AsyncClient, url: str, body: dict, delay: float) -> tuple[float | None, bool]:
+async def one(http: httpx.AsyncClient, url: str, body: dict, delay: float, slot: list) -> None:
+    """One streamed request; slot = [ttft or None, "ok" | "failed" | "unfinished"], filled as it
+    goes, so a request cancelled at the deadline keeps the TTFT it had reached."""
     await asyncio.sleep(delay)
     t0 = time.perf_counter()
-    ttft = None
     try:
         async with http.stream("POST", url, json=body) as r:
             if r.status_code != 200:
-                return None, False
+                slot[1] = "failed"
+                return
             async for line in r.aiter_lines():
-                if ttft is None and line.startswith("data: {") and '"text":""' not in line.replace(" ", ""):
-                    ttft = time.perf_counter() - t0
+                if (
+                    slot[0] is None
+                    and line.startswith("data: {")
+                    and '"text":""' not in line.replace(" ", "")
+                ):
+                    slot[0] = time.perf_counter() - t0
     except httpx.HTTPError:
-        return None, False
-    return ttft, True
+        slot[1] = "failed"
+        return
+    slot[1] = "ok"
 
 
 def wait_ready(url: str, proc: subprocess.Popen, what: str) -> None:
@@ -127,21 +136,37 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def drive(url: str, args, reqs, headers: dict | None = None) -> tuple[list, float]:
-    """The Poisson stream against url; (ttft, ok) per request and the wall time."""
+    """The Poisson stream against url; [ttft, state] per request and the wall time. Requests
+    still running `--drain-timeout` s after the last arrival are cancelled (the client
+    disconnects, the server aborts them) and count as unfinished: the run time is bounded
+    even for a policy that cannot keep up."""
 
     async def go():
         limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
+        slots = [[None, "unfinished"] for _ in reqs]
         async with httpx.AsyncClient(timeout=None, limits=limits, headers=headers) as http:
             bodies = [
                 {"model": "m", "prompt": p, "max_tokens": args.output_len, "ignore_eos": True,
                  "temperature": 0, "stream": True}
                 for _, _, p in reqs
             ]  # fmt: skip
-            return await asyncio.gather(*(one(http, url, b, t) for b, (t, _, _) in zip(bodies, reqs)))
+            tasks = [
+                asyncio.create_task(one(http, url, b, t, slot))
+                for b, (t, _, _), slot in zip(bodies, reqs, slots)
+            ]
+            _, pending = await asyncio.wait(tasks, timeout=reqs[-1][0] + args.drain_timeout)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        return slots
 
     t0 = time.perf_counter()
     results = asyncio.run(go())
     return results, time.perf_counter() - t0
+
+
+def _round(x: float) -> float | str:
+    return round(x, 3) if math.isfinite(x) else "inf"
 
 
 def summary(policy: str, args, results, wall: float, before: list[str], after: list[str], per_engine: bool):
@@ -161,16 +186,21 @@ def summary(policy: str, args, results, wall: float, before: list[str], after: l
     hits, queries = delta("kvserve:prefix_cache_hits_total"), delta("kvserve:prefix_cache_queries_total")
     computed = delta("kvserve:iteration_tokens_sum")
     per = {k: v for k, v in computed.items() if k != "total"}
-    ttfts = sorted(t for t, ok in results if ok and t is not None)
-    ok = sum(1 for _, good in results if good)
+    # TTFT over every request that did not fail: one still waiting for its first token at the
+    # deadline counts as infinite (censored), so an overloaded policy's percentiles are not
+    # flattered by leaving its slowest requests out.
+    ttfts = sorted(t if t is not None else math.inf for t, state in results if state != "failed")
+    ok = sum(1 for _, state in results if state == "ok")
     hit_total = sum(v for k, v in hits.items() if k != "total")
     query_total = sum(v for k, v in queries.items() if k != "total")
     return {
         "policy": policy,
         "ok": ok,
         "hit_rate": round(hit_total / max(query_total, 1), 4),
-        "ttft_p50_s": round(statistics.median(ttfts), 3) if ttfts else None,
-        "ttft_p99_s": round(ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))], 3) if ttfts else None,
+        "failed": sum(1 for _, state in results if state == "failed"),
+        "unfinished": sum(1 for _, state in results if state == "unfinished"),
+        "ttft_p50_s": _round(statistics.median(ttfts)) if ttfts else None,
+        "ttft_p99_s": _round(ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))]) if ttfts else None,
         "req_per_s": round(ok / wall, 4),
         "out_tok_per_s": round(ok * args.output_len / wall, 2),
         "tokens_computed_per_replica": per,
@@ -286,7 +316,7 @@ def main() -> int:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--policies", default="cache-aware,round-robin,least-loaded")
     p.add_argument("--requests", type=int, default=256)
-    p.add_argument("--rate", type=float, default=2.0, help="Poisson arrivals per second")
+    p.add_argument("--rate", type=float, default=1.0, help="Poisson arrivals per second")
     p.add_argument("--tenants", type=int, default=8)
     p.add_argument("--system-tokens", type=int, default=1000)
     p.add_argument("--question-tokens", type=int, default=50)
@@ -308,7 +338,9 @@ def main() -> int:
         help="instead of one `serve --data-parallel-size 2`: `kvserve gateway --routing-strategy P` "
         "over two one-thread `kvserve serve`s (the gateway's text index)",
     )
+    p.add_argument("--drain-timeout", type=float, default=90, help="s after the last arrival")
     args = p.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `finally`: stop the servers
     print(f"# cpu flags: {cpu_flags()}", flush=True)
     print(f"# args: {vars(args)}", flush=True)
     if not args.skip_serve:
@@ -321,6 +353,7 @@ def main() -> int:
                 else:
                     result = run_policy(policy, args, reqs)
                 result["utc"] = f"{t0}-{time.strftime('%H:%M:%S', time.gmtime())}"
+                result["load_avg_5min_at_end"] = round(os.getloadavg()[1], 2)  # the machine is shared
                 print(json.dumps(result), flush=True)
     if args.decisions:
         print(json.dumps({"router_microbench": microbench(args)}), flush=True)
