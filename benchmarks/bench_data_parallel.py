@@ -116,14 +116,17 @@ def wait_ready(url: str, proc: subprocess.Popen, what: str) -> None:
         time.sleep(0.5)
 
 
-def start_server(args, port: int, *extra: str, env: dict | None = None) -> subprocess.Popen:
+def start_server(
+    args, port: int, *extra: str, env: dict | None = None, wait: bool = True
+) -> subprocess.Popen:
     cmd = [
         sys.executable, "-m", "kvserve.entrypoints.cli", "serve", args.model, "--port", str(port),
         "--kv-cache-memory", args.kv_cache_memory, "--max-model-len", "2048", "--max-num-seqs", "32",
         "--served-model-name", "m", *extra,
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    wait_ready(f"http://127.0.0.1:{port}/health/ready", proc, "kvserve serve")
+    if wait:
+        wait_ready(f"http://127.0.0.1:{port}/health/ready", proc, "kvserve serve")
     return proc
 
 
@@ -222,41 +225,74 @@ def run_policy(policy: str, args, reqs) -> dict:
     return summary(policy, args, results, wall, before, after, per_engine=True)
 
 
-def run_gateway(policy: str, args, reqs, workdir: str) -> dict:
-    """`kvserve gateway` with this routing strategy over two single-replica `kvserve serve`s
-    (one thread each): the gateway's approximate (text) cache-aware index."""
+def serve_runs(policies: list[str], args, reqs):
+    for policy in policies:
+        t0 = time.strftime("%H:%M:%S", time.gmtime())
+        out = run_policy(policy, args, reqs)
+        out["utc"] = f"{t0}-{time.strftime('%H:%M:%S', time.gmtime())}"
+        yield out
+
+
+def idle_and_reset(port: int) -> None:
+    """Wait for the server to finish (or abort) what the last policy left, then empty its prefix
+    cache, so the next policy starts cold as with a fresh server."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        busy = [metric_by_engine(text, f"kvserve:num_requests_{k}") for k in ("running", "waiting")]
+        if sum(sum(b.values()) for b in busy) == 0:
+            break
+        time.sleep(1)
+    httpx.post(f"http://127.0.0.1:{port}/reset_prefix_cache", timeout=60).raise_for_status()
+
+
+def run_gateway(policies: list[str], args, reqs, workdir: str):
+    """`kvserve gateway` with each routing strategy in turn over the same two single-replica
+    `kvserve serve`s (one thread each; prefix caches emptied between strategies, which saves
+    two server starts per strategy): the gateway's approximate (text) cache-aware index."""
     ports = [free_port(), free_port()]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    servers = [start_server(args, p, env=env) for p in ports]
-    gw_port = free_port()
-    cfg = {
-        "model_list": [
-            {"model_name": "m", "backend": {"base_url": f"http://127.0.0.1:{p}/v1", "model": "m",
-                                            "first_byte_timeout": 600, "idle_timeout": 600}}
-            for p in ports
-        ],
-        "router_settings": {"routing_strategy": policy, "num_retries": 0},
-        "keys": [{"key": "sk-bench"}],
-        "general_settings": {"database": os.path.join(workdir, f"gw-{policy}.db")},
-    }  # fmt: skip
-    path = os.path.join(workdir, f"gw-{policy}.yaml")
-    with open(path, "w") as f:
-        yaml.safe_dump(cfg, f)
-    gw = subprocess.Popen(
-        [sys.executable, "-m", "kvserve.entrypoints.cli", "gateway", "--config", path,
-         "--port", str(gw_port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    servers = [start_server(args, p, env=env, wait=False) for p in ports]
     try:
-        wait_ready(f"http://127.0.0.1:{gw_port}/health", gw, "gateway")
-        before = [httpx.get(f"http://127.0.0.1:{p}/metrics").text for p in ports]
-        auth = {"Authorization": "Bearer sk-bench"}
-        results, wall = drive(f"http://127.0.0.1:{gw_port}/v1/completions", args, reqs, auth)
-        after = [httpx.get(f"http://127.0.0.1:{p}/metrics").text for p in ports]
+        for proc, p in zip(servers, ports):
+            wait_ready(f"http://127.0.0.1:{p}/health/ready", proc, "kvserve serve")
+        for policy in policies:
+            t0 = time.strftime("%H:%M:%S", time.gmtime())
+            for p in ports:
+                idle_and_reset(p)
+            gw_port = free_port()
+            cfg = {
+                "model_list": [
+                    {"model_name": "m", "backend": {"base_url": f"http://127.0.0.1:{p}/v1", "model": "m",
+                                                    "first_byte_timeout": 600, "idle_timeout": 600}}
+                    for p in ports
+                ],
+                "router_settings": {"routing_strategy": policy, "num_retries": 0},
+                "keys": [{"key": "sk-bench"}],
+                "general_settings": {"database": os.path.join(workdir, f"gw-{policy}.db")},
+            }  # fmt: skip
+            path = os.path.join(workdir, f"gw-{policy}.yaml")
+            with open(path, "w") as f:
+                yaml.safe_dump(cfg, f)
+            gw = subprocess.Popen(
+                [sys.executable, "-m", "kvserve.entrypoints.cli", "gateway", "--config", path,
+                 "--port", str(gw_port)],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )  # fmt: skip
+            try:
+                wait_ready(f"http://127.0.0.1:{gw_port}/health", gw, "gateway")
+                before = [httpx.get(f"http://127.0.0.1:{p}/metrics").text for p in ports]
+                auth = {"Authorization": "Bearer sk-bench"}
+                results, wall = drive(f"http://127.0.0.1:{gw_port}/v1/completions", args, reqs, auth)
+                after = [httpx.get(f"http://127.0.0.1:{p}/metrics").text for p in ports]
+            finally:
+                stop(gw)
+            out = summary(f"gateway/{policy}", args, results, wall, before, after, per_engine=False)
+            out["utc"] = f"{t0}-{time.strftime('%H:%M:%S', time.gmtime())}"
+            yield out
     finally:
-        for proc in (gw, *servers):
+        for proc in servers:
             stop(proc)
-    return summary(f"gateway/{policy}", args, results, wall, before, after, per_engine=False)
 
 
 def microbench(args) -> dict:
@@ -345,14 +381,14 @@ def main() -> int:
     print(f"# args: {vars(args)}", flush=True)
     if not args.skip_serve:
         reqs = workload(args)
+        policies = args.policies.split(",")
         with tempfile.TemporaryDirectory() as workdir:
-            for policy in args.policies.split(","):
-                t0 = time.strftime("%H:%M:%S", time.gmtime())
-                if args.through_gateway:
-                    result = run_gateway(policy, args, reqs, workdir)
-                else:
-                    result = run_policy(policy, args, reqs)
-                result["utc"] = f"{t0}-{time.strftime('%H:%M:%S', time.gmtime())}"
+            runs = (
+                run_gateway(policies, args, reqs, workdir)
+                if args.through_gateway
+                else serve_runs(policies, args, reqs)
+            )
+            for result in runs:
                 result["load_avg_5min_at_end"] = round(os.getloadavg()[1], 2)  # the machine is shared
                 print(json.dumps(result), flush=True)
     if args.decisions:
