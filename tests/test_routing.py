@@ -90,7 +90,27 @@ def test_cache_aware_spreads_new_prefixes_by_cache_size():
     new = RequestInfo(token_ids=list(range(1000, 1100)))  # nobody holds it: ties by cache size
     assert ca.choose([T("0", load=0), T("1", load=0)], new).id == "1"
     assert new.cached_tokens == 0
-    assert ca.choose([T("0", load=0), T("1", load=30)], new).id == "0"  # load first
+    other = RequestInfo(token_ids=list(range(2000, 2100)))
+    assert ca.choose([T("0", load=0), T("1", load=30)], other).id == "0"  # load first
+
+
+def test_cache_aware_follows_what_it_routed_before_the_replica_reports_it():
+    """A tenant's second request, routed while the first is still queued (nothing reported
+    yet), goes where the first went instead of being spread as a new prefix; the pending
+    blocks become reported ones, and without a report they expire."""
+    index = BlockHashIndex(block_size=4, pending_ttl=60)
+    ca = CacheAware(index)
+    system = list(range(100, 180))
+    targets = [T("0", load=0), T("1", load=0)]
+    first = ca.choose(targets, RequestInfo(token_ids=system + [1, 2, 3]))
+    targets = [T("0", load=0 if first.id == "1" else 83), T("1", load=83 if first.id == "1" else 0)]
+    second = RequestInfo(token_ids=system + [4, 5, 6])
+    assert ca.choose(targets, second).id == first.id and second.cached_tokens == 80
+    index.apply(first.id, hash_prompt_blocks(system, 4), [], False)  # reported: no longer pending
+    assert not index.pending[first.id].keys() & set(hash_prompt_blocks(system, 4))
+    stale = BlockHashIndex(block_size=4, pending_ttl=0)
+    stale.routed("0", RequestInfo(token_ids=system + [1]))
+    assert stale.match(RequestInfo(token_ids=system + [2]), ["0"]) == {"0": 0}
 
 
 def test_cache_aware_balance_guard():
