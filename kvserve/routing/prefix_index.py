@@ -29,8 +29,8 @@ class BlockHashIndex:
 
     A replica reports a block once it is computed; under load a tenant's first request can wait
     tens of seconds for its prefill, and every request of that tenant routed meanwhile would
-    see the prefix nowhere and be spread as a new prefix, caching it on both replicas (the
-    first 256-request run did that: hit rate 0.48 where 0.9 was possible). So the blocks of a
+    see the prefix nowhere and be spread as a new prefix, caching it on both replicas (a first
+    256-request attempt did that: hit rate 0.48 where 0.9 was possible). So the blocks of a
     routed prompt count as held by its replica ("pending") until the replica reports them or
     `pending_ttl` seconds pass, as SGLang's tree inserts a prompt when it routes it.
     """
