@@ -1,7 +1,8 @@
 """`kvserve serve --data-parallel-size 2` end to end (one real server for the module, cache-aware
 routing): greedy completions equal the single-engine result, both replicas serve, a repeated
 prompt lands where it is cached, a disconnect frees the owner's blocks, and a killed replica
-fails only its own requests while /health reports it and the other goes on serving."""
+fails only its own requests while /health reports it and the other goes on serving; under
+`--routing-policy session` a session (`user` field or `x-session-id` header) keeps its replica."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from server_utils import ServerProcess
 from test_server import LONG, MODEL_ARGS
 
 from kvserve import LLM, SamplingParams
+from kvserve.routing import RequestInfo, SessionAffinity
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog. A paged KV cache stores keys and values " + tail
@@ -124,3 +126,33 @@ def test_killed_replica_fails_only_its_own_requests(server):
         assert time.monotonic() < deadline, "the killed replica did not come back"
         time.sleep(0.2)
     assert httpx.get(f"{server.url}/health").json()["replicas"][1]["pid"] != victim
+
+
+def test_session_policy_keeps_a_session_on_its_replica(tiny_llama_dir):
+    """Each request of a session lands on one replica, whatever its prompt, by `user` or by the
+    header (which wins over `user`); sessions chosen to hash to both replicas, so the test also
+    sees that sessions spread. The replica that served a request: whose prompt-token counter
+    moved (requests one at a time)."""
+    s = ServerProcess(tiny_llama_dir, *MODEL_ARGS, "--data-parallel-size", "2", "--routing-policy", "session")
+    try:
+        policy, targets = SessionAffinity(), [type("T", (), {"id": i})() for i in ("0", "1")]
+        owner = {f"user-{i}": policy.choose(targets, RequestInfo(session=f"user-{i}")).id for i in range(12)}
+        sessions = [next(k for k, v in owner.items() if v == e) for e in ("0", "1")]
+        sessions += [k for k in owner if k not in sessions][:2]
+        url = f"{s.url}/v1/completions"
+        for n, session in enumerate(sessions * 3):
+            body = {"model": "tiny", "prompt": f"{n} {PROMPTS[n % len(PROMPTS)]}", "max_tokens": 2}
+            headers = dict(s.headers)
+            if n % 2:
+                headers["x-session-id"] = session
+                body["user"] = "someone-else"  # the header wins
+            else:
+                body["user"] = session
+            before = by_engine(s, "kvserve:prompt_tokens_total")
+            r = httpx.post(url, json=body, headers=headers, timeout=60)
+            assert r.status_code == 200, r.text
+            after = by_engine(s, "kvserve:prompt_tokens_total")
+            served = [e for e in ("0", "1") if after.get(e, 0) > before.get(e, 0)]
+            assert served == [owner[session]], (session, served)
+    finally:
+        s.stop()

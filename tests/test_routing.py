@@ -90,7 +90,27 @@ def test_cache_aware_spreads_new_prefixes_by_cache_size():
     new = RequestInfo(token_ids=list(range(1000, 1100)))  # nobody holds it: ties by cache size
     assert ca.choose([T("0", load=0), T("1", load=0)], new).id == "1"
     assert new.cached_tokens == 0
-    assert ca.choose([T("0", load=0), T("1", load=30)], new).id == "0"  # load first
+    other = RequestInfo(token_ids=list(range(2000, 2100)))
+    assert ca.choose([T("0", load=0), T("1", load=30)], other).id == "0"  # load first
+
+
+def test_cache_aware_follows_what_it_routed_before_the_replica_reports_it():
+    """A tenant's second request, routed while the first is still queued (nothing reported
+    yet), goes where the first went instead of being spread as a new prefix; the pending
+    blocks become reported ones, and without a report they expire."""
+    index = BlockHashIndex(block_size=4, pending_ttl=60)
+    ca = CacheAware(index)
+    system = list(range(100, 180))
+    targets = [T("0", load=0), T("1", load=0)]
+    first = ca.choose(targets, RequestInfo(token_ids=system + [1, 2, 3]))
+    targets = [T("0", load=0 if first.id == "1" else 83), T("1", load=83 if first.id == "1" else 0)]
+    second = RequestInfo(token_ids=system + [4, 5, 6])
+    assert ca.choose(targets, second).id == first.id and second.cached_tokens == 80
+    index.apply(first.id, hash_prompt_blocks(system, 4), [], False)  # reported: no longer pending
+    assert not index.pending[first.id].keys() & set(hash_prompt_blocks(system, 4))
+    stale = BlockHashIndex(block_size=4, pending_ttl=0)
+    stale.routed("0", RequestInfo(token_ids=system + [1]))
+    assert stale.match(RequestInfo(token_ids=system + [2]), ["0"]) == {"0": 0}
 
 
 def test_cache_aware_balance_guard():
@@ -116,6 +136,20 @@ def test_cache_aware_text_index_for_other_backends():
         picks[ca.choose([T("a"), T("b")], r).id] += 1
         assert r.cached_tokens > 200
     assert picks[first.id] == 5
+
+
+def test_text_index_matches_a_bounded_prefix_of_long_prompts():
+    """Past max_chars nothing more is hashed, yet a long cached prompt is still a hit (not a
+    "new prefix" because the match is capped), and a prompt differing past the cap matches."""
+    index = TextPrefixIndex(chunk_chars=64, max_chars=1024)
+    ca = CacheAware(index)
+    doc = "A long shared document about paged attention. " * 200  # ~9,400 chars
+    first = ca.choose([T("a"), T("b")], RequestInfo(text=doc + "Q0"))
+    info = RequestInfo(text=doc + "Q1, with another question")
+    assert ca.choose([T("a"), T("b")], info).id == first.id
+    assert len(info.text_keys) == 16 and info.cached_tokens == index.matchable(info) == 256
+    salted = RequestInfo(text=doc, cache_salt="tenant-b")  # another cache scope matches nothing
+    assert index.match(salted, ["a", "b"]) == {"a": 0, "b": 0}
 
 
 def test_round_robin_least_loaded_session():

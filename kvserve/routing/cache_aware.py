@@ -8,10 +8,10 @@ left only when the work queued there is twice the hit. Balance guards as SGLang'
 differ by more than `balance_abs_threshold` tokens AND the highest is over
 `balance_rel_threshold` x the lowest, the cache is ignored and the least-loaded target wins,
 so one hot prefix cannot overload one replica. A request no target holds `cache_threshold`
-of (a new prefix) goes to the least-loaded target, ties to the smallest cache (SGLang's
-smallest tree): new prefixes spread over idle replicas instead of landing at random, and a
-burst of them still follows the load. The index is exact (engine block hashes) or
-approximate (prompt text)."""
+of (of what the index can match), or nothing of, is a new prefix: it goes to the
+least-loaded target, ties to the smallest cache (SGLang's smallest tree), so new prefixes
+spread over idle replicas instead of landing at random, and a burst of them still follows the
+load. The index is exact (engine block hashes) or approximate (prompt text)."""
 
 from __future__ import annotations
 
@@ -48,7 +48,8 @@ class CacheAware(RoutingStrategy):
             hits = self.index.match(request, [choice.id])
         else:
             hits = self.index.match(request, [c.id for c in candidates])
-            if max(hits.values()) < self.cache_threshold * request.num_tokens:
+            best_hit = max(hits.values())
+            if best_hit == 0 or best_hit < self.cache_threshold * self.index.matchable(request):
                 key = {c.id: (loads[c.id], self.index.size(c.id)) for c in candidates}
             else:
                 key = {c.id: (0, self.load_weight * loads[c.id] - hits[c.id]) for c in candidates}

@@ -30,6 +30,8 @@ class RequestInfo:
     session: str | None = None
     cache_salt: str | None = None
     cached_tokens: int = 0  # set by cache-aware routing: the hit it expects on its choice
+    text_keys: list[int] | None = None  # TextPrefixIndex's chunk keys, computed once
+    block_hashes: list[bytes] | None = None  # BlockHashIndex's chained block hashes, computed once
 
     @property
     def num_tokens(self) -> int:
