@@ -1,16 +1,26 @@
 """Builds and loads kvserve's small C++ CPU kernels (paged decode attention).
 
 Compiled once per machine with torch's extension builder (needs a C++ compiler; the result
-is cached under TORCH_EXTENSIONS_DIR). The module name carries a hash of the source, so
-checkouts with different kernel sources never load each other's build. If building fails,
-callers fall back to the pure PyTorch path, which computes the same thing more slowly.
+is cached under TORCH_EXTENSIONS_DIR). The module name carries a hash of the source, the
+flags and this CPU's instruction sets (the build uses -march=native, so a build made on an
+AVX-512 machine must never be loaded on an AVX2 one sharing the cache), and the source is
+copied into the build folder, so every checkout writes the same build file and none forces
+a rebuild for the others.
+
+torch guards a build with a plain `lock` file that a killed builder leaves behind, and then
+every later load waits on it forever. We hold our own fcntl lock around the build (the OS
+drops it when its holder dies), so under it any torch `lock` file is stale and is removed.
+If building fails, callers fall back to the pure PyTorch path, which computes the same
+thing more slowly.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
+import shutil
 import threading
 
 logger = logging.getLogger(__name__)
@@ -18,9 +28,50 @@ logger = logging.getLogger(__name__)
 _SRC = os.path.join(
     os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "csrc", "paged_attention_cpu.cpp"
 )
+_CFLAGS = ["-O3", "-fopenmp", "-march=native", "-ffast-math"]
 _lock = threading.Lock()
 _module = None
 _failed = False
+
+
+def _cpu_flags() -> str:
+    """The first `flags` line of /proc/cpuinfo ('' where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def _build_name(source: bytes) -> str:
+    key = hashlib.sha256(source + " ".join(_CFLAGS).encode() + _cpu_flags().encode())
+    return f"kvserve_cpu_kernels_{key.hexdigest()[:10]}"
+
+
+def _build(name: str, source: bytes):
+    from torch.utils.cpp_extension import _get_build_directory, load
+
+    build_dir = _get_build_directory(name, verbose=False)
+    with open(os.path.join(os.path.dirname(build_dir), f"{name}.flock"), "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # released by the OS if this process dies
+        stale = os.path.join(build_dir, "lock")
+        if os.path.exists(stale):
+            logger.info("removing a stale extension build lock %s", stale)
+            os.remove(stale)
+        src = os.path.join(build_dir, "paged_attention_cpu.cpp")
+        if not os.path.exists(src) or open(src, "rb").read() != source:
+            shutil.copyfile(_SRC, src)
+        return load(
+            name=name,
+            sources=[src],
+            extra_cflags=_CFLAGS,
+            extra_ldflags=["-fopenmp"],
+            build_directory=build_dir,
+            verbose=False,
+        )
 
 
 def load_cpu_kernels():
@@ -33,19 +84,9 @@ def load_cpu_kernels():
             _failed = True
             return None
         try:
-            from torch.utils.cpp_extension import load
-
-            flags = ["-O3", "-fopenmp", "-march=native", "-ffast-math",
-                     ]  # fmt: skip
             with open(_SRC, "rb") as f:
-                digest = hashlib.sha256(f.read()).hexdigest()[:10]
-            _module = load(
-                name=f"kvserve_cpu_kernels_{digest}",
-                sources=[_SRC],
-                extra_cflags=flags,
-                extra_ldflags=["-fopenmp"],
-                verbose=False,
-            )
+                source = f.read()
+            _module = _build(_build_name(source), source)
         except Exception as e:  # no compiler, no headers: the torch path still works
             logger.warning("CPU attention kernel unavailable (%s); using the PyTorch path", e)
             _failed = True
