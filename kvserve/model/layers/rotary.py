@@ -41,10 +41,13 @@ class RotaryEmbedding(torch.nn.Module):
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any]) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling).float()
-        t = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)
-        emb = torch.cat([freqs, freqs], dim=-1)
+        # Always computed on the CPU: under the loader's meta-device context these few ops would
+        # go through torch's reference implementations, whose first import costs seconds.
+        with torch.device("cpu"):
+            inv_freq = rope_inv_freq(head_dim, theta, scaling).float()
+            t = torch.arange(max_positions, dtype=torch.float32)
+            freqs = torch.outer(t, inv_freq)
+            emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 

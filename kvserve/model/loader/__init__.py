@@ -76,8 +76,35 @@ def load_weights_only(
 def _empty_model(arch: ModelArch, dtype: torch.dtype) -> LlamaForCausalLM:
     with torch.device("meta"):  # no memory until the real weights arrive
         model = LlamaForCausalLM(arch)
-    model = model.to_empty(device="cpu").to(dtype)
+    _materialize(model, dtype)
     model.rotary = RotaryEmbedding(
         arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling
     )  # float32 tables, whatever the weights' dtype
     return model
+
+
+def _materialize(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Give every meta parameter and buffer uninitialized CPU storage, floats in `dtype`.
+
+    What `to_empty(device="cpu").to(dtype)` does, but with plain `torch.empty` by shape: the
+    former goes through torch's meta reference kernels, whose first use imports sympy and
+    costs seconds in every engine process. Shared tensors (tied weights) stay shared.
+    """
+    made: dict[int, torch.Tensor] = {}
+
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in made:
+            kind = dtype if t.is_floating_point() else t.dtype
+            made[id(t)] = torch.empty(t.shape, dtype=kind, device="cpu")
+        return made[id(t)]
+
+    params: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                if id(p) not in params:
+                    params[id(p)] = torch.nn.Parameter(empty(p), requires_grad=p.requires_grad)
+                module._parameters[name] = params[id(p)]
+        for name, b in module._buffers.items():
+            if b is not None:
+                module._buffers[name] = empty(b)
