@@ -15,6 +15,7 @@ import time
 import tracemalloc
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import openai
 import pytest
 from server_utils import ServerProcess
@@ -149,3 +150,26 @@ def test_validation_holds_a_few_bytes_per_line_not_the_file(tmp_path):
     assert scan.total == 100_001 and [d[:2] for d in scan.duplicates] == [(100_001, 100_000)]
     # 8 bytes a line, sorted once: ~1.6 MB; a set of the ids would be ~10 MB, the lines ~20 MB
     assert peak < 4_000_000, peak
+
+
+def test_list_routes_page_and_clamp(client, server):
+    fid = upload(client, [line("x"), line("x")]).id  # fails at validation: no engine work
+    for _ in range(3):
+        client.batches.create(input_file_id=fid, endpoint=CHAT, completion_window="24h")
+
+    def get(path: str, **params) -> dict:
+        r = httpx.get(f"{server.url}{path}", headers=server.headers, params=params, timeout=30)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    everything = [b["id"] for b in get("/v1/batches", limit=100)["data"]]
+    assert len(everything) >= 3
+    first = get("/v1/batches", limit=2)
+    assert [b["id"] for b in first["data"]] == everything[:2] and first["has_more"] is True
+    assert (first["first_id"], first["last_id"]) == (everything[0], everything[1])
+    rest = get("/v1/batches", limit=100, after=first["last_id"])
+    assert [b["id"] for b in rest["data"]] == everything[2:] and rest["has_more"] is False
+    assert len(get("/v1/batches", limit=0)["data"]) == 1  # clamped to [1, 100]
+    files = get("/v1/files", limit=1, purpose="batch")
+    assert len(files["data"]) == 1 and files["has_more"] is False  # the files list does not paginate
+    assert len(get("/v1/files", limit=-5)["data"]) == 1
