@@ -86,6 +86,13 @@ def tree_rss(pid: int) -> int:
     return total
 
 
+def rss_of(pid: int) -> int:
+    try:
+        return psutil.Process(pid).memory_info().rss
+    except psutil.NoSuchProcess:
+        return 0
+
+
 def bench_ttft(args, tmp: str) -> dict:
     model = model_path(args.ttft_model, tmp)
     store = os.path.join(tmp, "ttft-store")
@@ -151,15 +158,18 @@ def bench_rss(args, tmp: str) -> dict:
         for i in range(3):
             ttft(s, "m", i)
         time.sleep(1)
-        cold = tree_rss(s.proc.pid)
-        warm_burst(s)
-        time.sleep(1)
-        idle = tree_rss(s.proc.pid)
-        peak, stop = [idle], threading.Event()
+        api_pid, core_pid = s.proc.pid, s.engine_core_pid()
+        cold, cold_api, cold_core = tree_rss(api_pid), rss_of(api_pid), rss_of(core_pid)
+        if not args.no_burst:
+            warm_burst(s)
+            time.sleep(1)
+        idle, idle_api, idle_core = tree_rss(api_pid), rss_of(api_pid), rss_of(core_pid)
+        peak, stop = [idle, idle_api, idle_core], threading.Event()
 
-        def sample() -> None:
+        def sample() -> None:  # the tree, and each of the two processes on its own
             while not stop.is_set():
-                peak[0] = max(peak[0], tree_rss(s.proc.pid))
+                now = (tree_rss(api_pid), rss_of(api_pid), rss_of(core_pid))
+                peak[:] = [max(a, b) for a, b in zip(peak, now)]
                 time.sleep(0.1)
 
         t = threading.Thread(target=sample, daemon=True)
@@ -170,10 +180,14 @@ def bench_rss(args, tmp: str) -> dict:
             fid = c.files.create(file=("big.jsonl", f), purpose="batch").id
         b = c.batches.create(input_file_id=fid, endpoint=CHAT, completion_window="24h")
         deadline = t0 + args.rss_seconds if args.rss_seconds else None
+        curve, step = [], max(1, args.rss_lines // 10)  # (lines done, API MB, core MB)
         while (b := c.batches.retrieve(b.id)).status not in ("completed", "failed", "cancelled", "expired"):
             if deadline is not None and time.monotonic() > deadline:
                 break
+            if b.request_counts.completed >= len(curve) * step:
+                curve.append((b.request_counts.completed, rss_of(api_pid) / 1e6, rss_of(core_pid) / 1e6))
             time.sleep(1)
+        curve.append((b.request_counts.completed, rss_of(api_pid) / 1e6, rss_of(core_pid) / 1e6))
         took = time.monotonic() - t0
         stop.set()
         t.join()
@@ -182,6 +196,10 @@ def bench_rss(args, tmp: str) -> dict:
             "completed": b.request_counts.completed, "failed": b.request_counts.failed, "seconds": took,
             "cold_idle_rss_mb": cold / 1e6, "idle_rss_mb": idle / 1e6, "peak_rss_mb": peak[0] / 1e6,
             "delta_mb": (peak[0] - idle) / 1e6, "delta_vs_cold_mb": (peak[0] - cold) / 1e6,
+            "api_mb": {"cold": cold_api / 1e6, "idle": idle_api / 1e6, "peak": peak[1] / 1e6},
+            "core_mb": {"cold": cold_core / 1e6, "idle": idle_core / 1e6, "peak": peak[2] / 1e6},
+            "curve_lines_api_core_mb": [(n, round(a, 1), round(k, 1)) for n, a, k in curve],
+            "server_env": {k: v for k, v in os.environ.items() if k.startswith(("MALLOC_", "KVSERVE_"))},
         }  # fmt: skip
     finally:
         s.stop()
@@ -199,6 +217,7 @@ def main() -> None:
     ap.add_argument(
         "--rss-seconds", type=float, default=0, help="stop sampling after this long (0: until done)"
     )
+    ap.add_argument("--no-burst", action="store_true", help="idle = the cold server (no burst first)")
     ap.add_argument("--skip", choices=("ttft", "rss"), default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()

@@ -35,10 +35,12 @@ async def _never_disconnects() -> dict:
 
 
 def synthetic_request(endpoint: str, request_id: str) -> StarletteRequest:
-    """What the handlers read from an HTTP request: headers, state.request_id, is_disconnected."""
+    """What the handlers read from an HTTP request: headers, state (request_id, and batch_line,
+    which no HTTP client can set), is_disconnected."""
     scope = {
         "type": "http", "method": "POST", "path": endpoint, "headers": [], "query_string": b"",
-        "state": {"request_id": request_id},
+        # batch_line: outside --max-waiting-requests (the runner's window bounds batch lines)
+        "state": {"request_id": request_id, "batch_line": True},
     }  # fmt: skip
     return StarletteRequest(scope, _never_disconnects)
 

@@ -35,11 +35,16 @@ async def _run(args: argparse.Namespace, config) -> int:
     from kvserve.batch.execute import execute_line
     from kvserve.batch.output import PlainSink
     from kvserve.batch.runner import LineRunner
-    from kvserve.batch.service import count_lines
+    from kvserve.batch.validate import duplicate_errors, scan_input
     from kvserve.engine.async_llm import AsyncLLM
     from kvserve.entrypoints.openai.serving import OpenAIServing
 
-    total = count_lines(args.input)
+    scan = scan_input(args.input)
+    if scan.duplicates:  # the output is matched to the input by custom_id alone
+        for e in duplicate_errors(scan)["data"]:
+            print(f"error: {e['message']}", file=sys.stderr)
+        return 2
+    total = scan.total
     endpoint = _endpoint_of(args.input)
     engine = AsyncLLM(config)
     engine.start()

@@ -13,6 +13,7 @@ from starlette.datastructures import UploadFile
 
 from kvserve.batch.errors import BatchAPIError
 from kvserve.batch.files import FileStore, new_file_id, too_large
+from kvserve.batch.heap import release_freed_memory
 from kvserve.batch.jobs import JobStore
 from kvserve.batch.service import BatchService
 from kvserve.entrypoints.openai.errors import error_response
@@ -47,10 +48,21 @@ def _page(data: list[dict], has_more: bool = False) -> dict:
     return {"object": "list", "data": data, "first_id": first, "last_id": last, "has_more": has_more}
 
 
+def _listing(fetch, limit: int, most: int, paginated: bool) -> dict:
+    """One list page, shared by the list routes: `limit` clamped to [1, most]; a paginated list
+    fetches one row more than it returns, to tell has_more."""
+    limit = max(1, min(limit, most))
+    if not paginated:
+        return _page(fetch(limit))
+    data = fetch(limit + 1)
+    return _page(data[:limit], has_more=len(data) > limit)
+
+
 def _copy_upload(files: FileStore, upload: UploadFile, purpose: str) -> str:
     """Copy the upload to the store (in a thread: it is disk work); returns the new id."""
     file_id = new_file_id()
     files.copy_in(upload.file, file_id, purpose)
+    release_freed_memory()  # the multipart parser's buffers (heap.py)
     return file_id
 
 
@@ -81,7 +93,7 @@ def batch_router(files: FileStore, jobs: JobStore, service: BatchService) -> API
     @router.get("/v1/files")
     @_openai_errors
     async def list_files(purpose: str | None = None, limit: int = 10000):
-        return _page(files.list(purpose, max(1, min(limit, 10000))))
+        return _listing(lambda n: files.list(purpose, n), limit, 10000, paginated=False)
 
     @router.get("/v1/files/{file_id}")
     @_openai_errors
@@ -115,9 +127,7 @@ def batch_router(files: FileStore, jobs: JobStore, service: BatchService) -> API
     @router.get("/v1/batches")
     @_openai_errors
     async def list_batches(limit: int = 20, after: str | None = None):
-        limit = max(1, min(limit, 100))
-        data = jobs.list(limit + 1, after)
-        return _page(data[:limit], has_more=len(data) > limit)
+        return _listing(lambda n: jobs.list(n, after), limit, 100, paginated=True)
 
     @router.get("/v1/batches/{batch_id}")
     @_openai_errors

@@ -14,6 +14,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from kvserve.batch.execute import TransientError
+from kvserve.batch.heap import TRIM_EVERY, release_freed_memory
 from kvserve.batch.lines import LineError, error_record, parse_line, response_record
 
 logger = logging.getLogger("kvserve.batch")
@@ -33,6 +34,7 @@ class LineRunner:
         self._slots = asyncio.Semaphore(window)
         self._tasks: set[asyncio.Task] = set()
         self._last_commit = time.monotonic()
+        self._since_trim = 0  # lines finished since the heap was last trimmed (heap.py)
 
     async def run(self, path: str, start_line: int = 0, start_offset: int = 0) -> bool:
         """Run every line not yet done; True when the file was finished, False when stopped."""
@@ -80,6 +82,9 @@ class LineRunner:
         if time.monotonic() - self._last_commit >= self.commit_every:
             self.sink.commit()
             self._last_commit = time.monotonic()
+            if self._since_trim >= TRIM_EVERY:  # memory stays flat over any number of lines
+                self._since_trim = 0
+                release_freed_memory()
 
     async def _one(self, line: int, end: int, raw: bytes) -> None:
         try:
@@ -102,4 +107,5 @@ class LineRunner:
                     delay = min(delay * 2, 10.0)
             self.sink.add(line, end, response_record(custom_id, status, request_id, resp), status == 200)
         finally:
+            self._since_trim += 1
             self._slots.release()

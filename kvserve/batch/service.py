@@ -6,24 +6,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from pathlib import Path
 
 from kvserve.batch.execute import execute_line
 from kvserve.batch.files import FileStore
 from kvserve.batch.jobs import JobStore
 from kvserve.batch.output import DurableSink
 from kvserve.batch.runner import LineRunner
+from kvserve.batch.validate import duplicate_errors, scan_input
 
 logger = logging.getLogger("kvserve.batch")
-
-
-def count_lines(path: Path) -> int:
-    """Non-blank lines, read a chunk at a time (the file is never held in memory)."""
-    n = 0
-    with open(path, "rb") as f:
-        for raw in f:
-            n += bool(raw.strip())
-    return n
 
 
 class BatchService:
@@ -89,11 +80,15 @@ class BatchService:
         if obj["status"] == "validating":
             path = self.files.dir / obj["input_file_id"]
             try:
-                total = await asyncio.to_thread(count_lines, path)
+                scan = await asyncio.to_thread(scan_input, path)
             except OSError as e:
                 self.jobs.set_status(
                     obj, "failed", errors=_errors("file_unreadable", str(e), "input_file_id")
                 )
+                return
+            total = scan.total
+            if scan.duplicates:  # as OpenAI: the batch fails, each repeat named with its line
+                self.jobs.set_status(obj, "failed", errors=duplicate_errors(scan))
                 return
             if total == 0:
                 errors = _errors("empty_file", "the input file has no lines", "input_file_id")

@@ -78,6 +78,7 @@ class RequestStream:
         self.started = False  # has produced output
         self.finished = False
         self.prefill_tokens = 0  # prompt tokens it is expected to compute (a router's load)
+        self.background = False  # a batch line (set by the server): outside the waiting room
 
     def put(self, item: RequestOutput | Exception) -> None:
         self.started = True
@@ -314,8 +315,11 @@ class AsyncLLM:
 
     @property
     def num_waiting(self) -> int:
-        """Requests accepted here that have not produced a token yet (queued or prefilling)."""
-        return sum(1 for st in self._streams.values() if not st.started)
+        """Interactive requests accepted here that have not produced a token yet (queued or
+        prefilling): what --max-waiting-requests bounds. Batch lines are not counted: the batch
+        runner keeps at most its window of them in the engine, and they run only when nobody
+        else is waiting, so they must not crowd interactive requests out of the waiting room."""
+        return sum(1 for st in self._streams.values() if not (st.started or st.background))
 
     @property
     def num_in_flight(self) -> int:

@@ -172,6 +172,7 @@ class OpenAIServing:
         priority: int,
         salt: str | None,
         session: str | None = None,
+        background: bool = False,
     ) -> list[RequestStream]:
         """Validate every prompt, apply admission control, then queue all engine requests of
         this API request at once (choice index = prompt index * n + sample index).
@@ -185,7 +186,10 @@ class OpenAIServing:
         if n > seats:
             raise ValueError(f"n: {n} samples can never run at once here (max_num_seqs={seats})")
         total = len(prompts) * n
-        if self.max_waiting is not None and total > self.max_waiting:
+        # Batch lines (background) are outside the waiting room: the batch runner bounds them with
+        # its window, and the scheduler runs them only when no interactive request waits.
+        limited = self.max_waiting is not None and not background
+        if limited and total > self.max_waiting:
             raise ValueError(
                 f"n: {total} sequences ({len(prompts)} prompt(s) x n={n}) exceed the waiting room "
                 f"(max_waiting_requests={self.max_waiting}); this request could never be admitted"
@@ -193,7 +197,7 @@ class OpenAIServing:
         ids = [await self.tokenize_text(p) if isinstance(p, str) else p for p in prompts]
         for p in ids:
             self.engine.processor.process("validate", p, params)
-        if self.max_waiting is not None and self.engine.num_waiting + total > self.max_waiting:
+        if limited and self.engine.num_waiting + total > self.max_waiting:
             raise ServerOverloadedError(
                 f"server busy: {self.engine.num_waiting} requests waiting (max_waiting_requests="
                 f"{self.max_waiting}); retry later"
@@ -216,6 +220,7 @@ class OpenAIServing:
                             session=session,
                         )
                     )
+                    streams[-1].background = background
         except BaseException:
             for st in streams:
                 await st.aclose()
@@ -373,8 +378,9 @@ class OpenAIServing:
         created = int(time.time())
         model = req.model or self.model_names[0]
         deadline = self._deadline()
+        session, batch_line = session_key(raw, req.user), getattr(raw.state, "batch_line", False)
         streams = await self._start(
-            prompts, params, samples, engine_rid, req.priority, req.cache_salt, session_key(raw, req.user)
+            prompts, params, samples, engine_rid, req.priority, req.cache_salt, session, batch_line
         )
         return Launched(rid, created, model, streams, self._merged(streams, deadline), samples)
 
