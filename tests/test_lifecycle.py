@@ -170,7 +170,8 @@ def test_sigterm_deadline_ends_streams_with_an_error(tiny_llama_dir):
 
         events, sent = asyncio.run(scenario())
         s.proc.wait(10)
-        assert time.monotonic() - sent < 2 + 1.5
+        # the 2 s deadline plus a wide margin for a loaded machine (`cut` below checks the deadline acted)
+        assert time.monotonic() - sent < 2 + 6
         cut = [ev for ev in events if isinstance(ev, list) and "error" in ev[-2]]
         assert cut, events  # twelve 240-token requests on one seat cannot all finish in 2 s
         for ev in cut:

@@ -38,7 +38,7 @@ def client(server):
 
 
 def post(server, path: str, body: dict, **headers) -> httpx.Response:
-    return httpx.post(f"{server.url}{path}", json=body, headers={**server.headers, **headers}, timeout=60)
+    return httpx.post(f"{server.url}{path}", json=body, headers={**server.headers, **headers}, timeout=180)
 
 
 HI = [{"role": "user", "content": "Say hello."}]
