@@ -137,12 +137,17 @@ class AsyncLLM:
         self.startup_timeout = startup_timeout
         self.restart_limit = restart_limit
         self.source = resolve_model(config.model)
-        self.tokenizer = load_tokenizer(self.source)
         self._ctx = zmq.Context()
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(OutputMessage)
         self._open_sockets()
         self._spawn_core()
+        try:
+            self.tokenizer = load_tokenizer(self.source)  # while the core starts (imports, weights)
+        except BaseException:
+            self.proc.kill()
+            self._close_sockets()
+            raise
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = EngineStats()
         self.dead = False
