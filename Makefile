@@ -34,7 +34,7 @@ chromium:
 
 test: $(STAMP) redis-server chromium
 	$(BIN)/ruff check .
-	$(BIN)/pytest -q --timeout 900
+	$(BIN)/pytest -q --timeout 600
 
 lint: $(STAMP)
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
