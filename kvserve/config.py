@@ -55,7 +55,13 @@ class EngineConfig:
         default="smollm2-135m",
         metadata={"help": "Alias 'smollm2-135m', a .gguf file, or a Hugging Face model directory."},
     )
-    dtype: str = field(default="float32", metadata={"help": "Weights and activations: float32 or bfloat16."})
+    dtype: str = field(
+        default="float32",
+        metadata={
+            "help": "Weights and activations: float32 or bfloat16 (on a CPU without avx512_bf16 / "
+            "amx_bf16, bfloat16 runs as float32: it would be several times slower)."
+        },
+    )
     device: str = field(default="auto", metadata={"help": "'cpu', 'cuda' or 'auto' (CUDA when available)."})
     kv_cache_memory: str | int | None = field(
         default=None,

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from kvserve.distributed.parallel_state import get_tp_group
-from kvserve.model.layers.linear import linear, onednn_pack
+from kvserve.model.layers.linear import float_kernel_name, linear, onednn_pack
 from kvserve.model.layers.quantization import QWeight, fuse, quantize_weight
 from kvserve.model.layers.quantized_linear import QuantizedLinear
 from kvserve.model.layers.tp_sharding import even_shard, head_shard
@@ -79,6 +79,12 @@ class ParallelLinear(nn.Module):
     def pack(self) -> None:
         if self.quant is None:
             self.packed = onednn_pack(self.weight)
+
+    def kernel_name(self) -> str:
+        """What runs this projection (for the start-up log)."""
+        if self.quant is not None:
+            return self.quant.kernel_name()
+        return float_kernel_name(self.weight.dtype, self.packed)
 
     def local(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quant is not None:
@@ -196,6 +202,11 @@ class ParallelLMHead(VocabParallelEmbedding):
     def pack(self) -> None:
         if self.quant is None:
             self.packed = onednn_pack(self.weight)
+
+    def kernel_name(self) -> str:
+        if self.quant is not None:
+            return self.quant.kernel_name()
+        return float_kernel_name(self.weight.dtype, self.packed)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         if self.quant is not None:

@@ -71,6 +71,16 @@ class QuantizedLinear(nn.Module):
         y = y.to(x.dtype).reshape(*lead, self.out_features)
         return y if bias is None else y + bias
 
+    def kernel_name(self) -> str:
+        """What runs this projection (for the start-up log)."""
+        if self.method == "int8" and self.kernel:
+            return "int8: aten._weight_int8pack_mm (bf16 activations)"
+        if self.method == "int4" and self.kernel:
+            return "int4: aten._weight_int4pack_mm_for_cpu (bf16 activations)"
+        if self.use_scaled_mm:
+            return "fp8: torch._scaled_mm (row-wise scales)"
+        return f"{self.method}: dequantize to bf16 per call + F.linear"
+
     def _scaled_mm(self, x: torch.Tensor) -> torch.Tensor:
         """fp8 x fp8 with row-wise scales (activations quantized per token, dynamically)."""
         x_scale = (x.abs().amax(dim=1, keepdim=True).float() / 448.0).clamp(min=1e-12)
