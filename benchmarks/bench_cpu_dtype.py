@@ -9,8 +9,9 @@ process (the real CPU) and in a child process with oneDNN and ATen capped at AVX
 - bf16: what a bf16 engine runs (oneDNN-packed bf16 where it packs, else `F.linear`),
 - bf16 weights -> fp32: weights kept bf16 in memory, widened per call for the fp32 matmul
   (the "half the memory, fp32 speed" option).
-Microseconds are the best of `--reps` calls (the machine is shared; the best is the least
-disturbed); ratios are against fp32 in the same process.
+Figures are CPU microseconds per call with one torch thread, the best of `--reps` calls
+(benchmarks/common.py `cpu_us`: on a shared machine wall time measures the scheduler);
+ratios are against fp32 in the same process.
 
     python benchmarks/bench_cpu_dtype.py [--reps 30]
 """
@@ -22,14 +23,13 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from benchmarks.common import machine  # noqa: E402
+from benchmarks.common import cpu_us, machine  # noqa: E402
 from benchmarks.cpu_info import cpu_flags  # noqa: E402
 from kvserve.model.layers.linear import linear, onednn_pack  # noqa: E402
 from kvserve.platform.cpu_isa import cpu_isa  # noqa: E402
@@ -39,36 +39,26 @@ ROWS = (1, 32)
 AVX2_ENV = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
 
 
-def best_us(fn, reps: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times) * 1e6
+def one_shape(n: int, k: int, m: int, reps: int) -> dict:
+    w = torch.randn(n, k) * 0.05
+    w16 = w.bfloat16()
+    p32, p16 = onednn_pack(w), onednn_pack(w16)
+    x = torch.randn(m, k)
+    x16 = x.bfloat16()
+    return {
+        "fp32": cpu_us(lambda: linear(x, w, None, p32), reps),
+        "bf16": cpu_us(lambda: linear(x16, w16, None, p16), reps),
+        "bf16_packed": p16 is not None,
+        "bf16w_fp32": cpu_us(lambda: F.linear(x, w16.float()), reps),
+    }
 
 
 @torch.inference_mode()
 def measure(reps: int) -> list[dict]:
     torch.manual_seed(0)
-    rows = []
-    for name, (n, k) in SHAPES.items():
-        w = torch.randn(n, k) * 0.05
-        w16 = w.bfloat16()
-        p32, p16 = onednn_pack(w), onednn_pack(w16)
-        for m in ROWS:
-            x = torch.randn(m, k)
-            x16 = x.bfloat16()
-            rows.append({
-                "shape": f"{name} {n}x{k}", "M": m,
-                "fp32": best_us(lambda: linear(x, w, None, p32), reps),
-                "bf16": best_us(lambda: linear(x16, w16, None, p16), reps),
-                "bf16_packed": p16 is not None,
-                "bf16w_fp32": best_us(lambda: F.linear(x, w16.float()), reps),
-            })  # fmt: skip
-    return rows
+    torch.set_num_threads(1)
+    return [{"shape": f"{name} {n}x{k}", "M": m, **one_shape(n, k, m, reps)}
+            for name, (n, k) in SHAPES.items() for m in ROWS]  # fmt: skip
 
 
 def child(reps: int) -> dict:
@@ -78,7 +68,7 @@ def child(reps: int) -> dict:
 
 def table(title: str, res: dict) -> None:
     print(f"\n{title}: flags seen {res['isa']}, ATen capability {res['capability']}")
-    print("| shape | M | fp32 packed us | bf16 us (vs fp32) | bf16 weights -> fp32 us (vs fp32) |")
+    print("| shape | M | fp32 packed CPU us | bf16 us (vs fp32) | bf16 weights -> fp32 us (vs fp32) |")
     print("|---|---|---|---|---|")
     for r in res["rows"]:
         f = r["fp32"]
