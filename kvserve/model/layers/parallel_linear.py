@@ -91,7 +91,11 @@ class ParallelLinear(nn.Module):
         return float_kernel_name(self.weight.dtype, self.packed)
 
     def packed_bytes(self) -> int:
+        """Bytes of oneDNN's copy, which replaced the plain weight."""
         return 0 if self.packed is None else self.packed.numel() * self.packed.element_size()
+
+    def duplicate_bytes(self) -> int:
+        return 0 if self.quant is None else self.quant.duplicate_bytes()
 
     def local(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quant is not None:

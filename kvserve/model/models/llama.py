@@ -161,8 +161,12 @@ class LlamaForCausalLM(nn.Module):
         return plain + packed
 
     def duplicate_weight_bytes(self) -> int:
-        """Bytes held twice: a tied table packed for the lm_head beside its plain rows."""
-        return self.lm_head.packed_bytes() if self.lm_head is not None and self.lm_head.holds_both() else 0
+        """Bytes held twice: a tied table packed for the lm_head beside its plain rows, and
+        the int8 copies int4 projections hold for the dynamic kernel."""
+        dup = sum(p.duplicate_bytes() for layer in self.layers for p in layer.projections().values())
+        if self.lm_head is not None and self.lm_head.holds_both():
+            dup += self.lm_head.packed_bytes()
+        return dup
 
     def pack_weights(self) -> None:
         """Prepack every float projection for oneDNN (CPU) in place of its plain weight; a
