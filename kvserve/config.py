@@ -84,6 +84,13 @@ class EngineConfig:
     max_num_batched_tokens: int = field(
         default=512, metadata={"help": "Token budget of one step (prefill chunks + decode tokens)."}
     )
+    long_prefill_token_threshold: int = field(
+        default=0,
+        metadata={
+            "help": "While requests decode, at most this many prefill tokens per step (long prompts "
+            "then arrive a chunk per step and inter-token latency stays steady); 0: no cap."
+        },
+    )
     seed: int = field(
         default=0, metadata={"help": "Seed for requests that sample without a seed of their own."}
     )
@@ -180,6 +187,10 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(
+                f"long_prefill_token_threshold: must be >= 0, got {self.long_prefill_token_threshold}"
+            )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len: must be >= 1, got {self.max_model_len}")
         self.quantization = check_method(self.quantization)

@@ -109,7 +109,7 @@ class EngineCore:
         else:
             self.scheduler = Scheduler(
                 self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-                config.scheduling_policy,
+                config.scheduling_policy, config.long_prefill_token_threshold,
             )  # fmt: skip
         self._in_flight: list[tuple[int, SchedulerOutput]] = []  # (stream, step) under PP
         self.beams = BeamSearchManager(self.scheduler)
