@@ -27,11 +27,13 @@ from benchmarks.cpu_info import cpu_flags  # noqa: E402
 from kvserve import LLM, SamplingParams  # noqa: E402
 
 
-def run_once(llm: LLM, args, tag: str) -> dict:
+def run_once(llm: LLM, args, tag: str, rnd: int) -> dict:
+    """One round; its prompts are new to the engine (seeded by round), so no long prompt is a
+    prefix-cache hit that would skip the prefill being measured."""
     engine = llm.llm_engine
     tok = llm.tokenizer
-    short = make_prompts(tok, args.streams, 16, seed=3, jitter=2)
-    longs = make_prompts(tok, args.num_long, args.long_len, seed=4, jitter=8)
+    short = make_prompts(tok, args.streams, 16, seed=100 + rnd, jitter=2)
+    longs = make_prompts(tok, args.num_long, args.long_len, seed=200 + rnd, jitter=8)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     long_params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     for i, p in enumerate(short):
@@ -77,7 +79,7 @@ def main() -> int:
     results: dict[int, list[dict]] = {c: [] for c in caps}
     for rnd in range(args.rounds):
         for c, llm in llms.items():
-            r = run_once(llm, args, f"r{rnd}c{c}")
+            r = run_once(llm, args, f"r{rnd}c{c}", rnd)
             results[c].append(r)
             print(f"round {rnd + 1} cap {c}: " + ", ".join(f"{k} {v:.1f}" for k, v in r.items()), flush=True)
     print(f"\n{machine()}; CPU flags: {cpu_flags()}; load average {os.getloadavg()[0]:.2f}")
