@@ -9,7 +9,7 @@ What was measured instead, and chosen:
   count, 1 to 128, 2-3x fp32 at 32 rows. It quantizes the activations per call, so it is
   W8A8: with one scale per call it cost +46% perplexity (the first token's hidden state sets
   the scale for the whole chunk), with rows scaled to a common range first
-  (`dynamic_int8_mm`) +4.0% for int8 weights and +3.9% for int4 weights. That fails int8's
+  (`dynamic_int8_mm`) +4.0% for int8 weights and +3.2-3.9% for int4 weights. That fails int8's
   +2% gate and passes int4's +10% one, so:
 - int8 keeps exact weight-only arithmetic: from `INT8_BF16_MIN_ROWS` rows its codes are
   widened to bf16 per call (exact: |q| <= 127) for oneDNN's bf16 matmul (AMX /
@@ -21,6 +21,8 @@ What was measured instead, and chosen:
   per row from the int4 values at load) for the dynamic kernel from `INT4_DYNAMIC_MIN_ROWS`
   rows; one row (the bandwidth-bound single stream) reads half the bytes through the int4
   kernel. The price is memory: int4 then holds about 1.6 bytes per weight instead of 0.6.
+  These crossovers come from one-thread CPU timings; end to end with two threads int4
+  batches were still slower than fp32 (docs/BENCHMARKS.md): to be re-tuned.
 Without VNNI the dynamic kernel's activations use 7 bits (`reduce_range`): AVX2's
 `vpmaddubsw` would otherwise saturate its int16 sums. PyTorch 2.13 deprecates quantized
 tensors; where they are gone `dynamic_int8_pack` returns None and the int4 kernel runs at
