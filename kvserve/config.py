@@ -55,7 +55,13 @@ class EngineConfig:
         default="smollm2-135m",
         metadata={"help": "Alias 'smollm2-135m', a .gguf file, or a Hugging Face model directory."},
     )
-    dtype: str = field(default="float32", metadata={"help": "Weights and activations: float32 or bfloat16."})
+    dtype: str = field(
+        default="float32",
+        metadata={
+            "help": "Weights and activations: float32 or bfloat16 (on a CPU without avx512_bf16 / "
+            "amx_bf16, bfloat16 runs as float32: it would be several times slower)."
+        },
+    )
     device: str = field(default="auto", metadata={"help": "'cpu', 'cuda' or 'auto' (CUDA when available)."})
     kv_cache_memory: str | int | None = field(
         default=None,
@@ -77,6 +83,13 @@ class EngineConfig:
     max_num_seqs: int = field(default=128, metadata={"help": "Most requests running in one step."})
     max_num_batched_tokens: int = field(
         default=512, metadata={"help": "Token budget of one step (prefill chunks + decode tokens)."}
+    )
+    long_prefill_token_threshold: int = field(
+        default=0,
+        metadata={
+            "help": "While requests decode, at most this many prefill tokens per step (long prompts "
+            "then arrive a chunk per step and inter-token latency stays steady); 0: no cap."
+        },
     )
     seed: int = field(
         default=0, metadata={"help": "Seed for requests that sample without a seed of their own."}
@@ -174,6 +187,10 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(
+                f"long_prefill_token_threshold: must be >= 0, got {self.long_prefill_token_threshold}"
+            )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len: must be >= 1, got {self.max_model_len}")
         self.quantization = check_method(self.quantization)

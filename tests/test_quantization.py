@@ -56,6 +56,8 @@ def test_quantized_linear_matches_its_weights(method):
         y = layer(x)
         assert y.dtype == torch.float32 and y.shape == (7, 160)
         tol = 0.05 if layer.use_scaled_mm else 0.01  # _scaled_mm also rounds activations to fp8
+        if layer.dynamic is not None:  # int4's batched path: its int8 copy, activations to 8 bits
+            tol = 0.03
         assert (y - ref).abs().max() <= tol * ref.abs().max(), method
         assert torch.allclose(layer.dequantize(), qw.dequantize(), atol=0.02 * qw.dequantize().abs().max())
     bias = torch.randn(160)

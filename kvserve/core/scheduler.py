@@ -21,6 +21,11 @@ would otherwise slow every interactive step down. For BACKGROUND_QUIET_S after t
 were last present, background-only steps take at most BACKGROUND_STEP_TOKENS tokens, so a
 human who comes back waits for a short step; after that they get the whole budget.
 
+Steady inter-token latency: with `long_prefill_token_threshold` set, a step in which any
+running request decodes takes at most that many prefill tokens in all (running chunks and
+admissions), so a long prompt is split over several steps instead of making one step, and
+every stream's next token, wait for all of it. Without decodes prefill gets the whole budget.
+
 Speculative decoding: a decoding request that carries proposed tokens is scheduled with them
 (1 + k tokens, within the budget) and its slots for them are allocated as lookahead, never
 registered in the prefix cache. If the pool is short, the proposals are dropped before
@@ -129,6 +134,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         policy: str = "fcfs",
+        long_prefill_token_threshold: int = 0,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"scheduling_policy: {policy!r} is not one of {POLICIES}")
@@ -137,6 +143,8 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.policy = policy
+        # While requests decode, prefill tokens per step are capped at this (0: no cap).
+        self.long_prefill_token_threshold = long_prefill_token_threshold
         self.waiting = WaitingQueue(policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -170,6 +178,7 @@ class Scheduler:
         elif now - self._interactive_seen < BACKGROUND_QUIET_S:
             budget = min(budget, BACKGROUND_STEP_TOKENS)
 
+        prefill_budget = self._prefill_budget(budget, hold_background)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -179,6 +188,12 @@ class Scheduler:
             if num_new == 0:  # a beam waiting for its group's next tokens: nothing to compute
                 i += 1
                 continue
+            if num_new > 1:  # a prefill chunk (decodes and speculation are 1 here)
+                num_new = min(num_new, prefill_budget)
+                if num_new == 0:
+                    i += 1
+                    continue
+                prefill_budget -= num_new
             num_spec = min(len(req.spec_token_ids), budget - num_new) if num_new == 1 else 0
             while not self._allocate(req, num_new, num_spec):
                 victim = self.running.pop()  # last in order; not yet scheduled this step
@@ -196,7 +211,12 @@ class Scheduler:
 
         # After running out of blocks the pool is full: admitting now would only preempt again.
         admit = out.num_preempted == preempted_by_priority
-        while admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while (
+            admit
+            and self.waiting
+            and min(budget, prefill_budget) > 0
+            and len(self.running) < self.max_num_seqs
+        ):
             req = self.waiting.peek()
             if hold_background and req.background:
                 break
@@ -207,6 +227,9 @@ class Scheduler:
             hits = self.kv.get_computed_blocks(req) if fresh else []
             num_cached = len(hits) * self.kv.block_size
             num_new = min(req.num_tokens - req.num_computed_tokens - num_cached, budget)
+            if num_new > 1:
+                num_new = min(num_new, prefill_budget)
+                prefill_budget -= num_new
             if not self._allocate(req, num_new, 0, hits):
                 break
             self.waiting.pop()
@@ -223,6 +246,19 @@ class Scheduler:
         out.scheduled = scheduled
         out.block_copies, out.replaced_tables = self.kv.take_copies()
         return out
+
+    def _prefill_budget(self, budget: int, hold_background: bool) -> int:
+        """Prefill tokens this step may take: all of `budget`, or, while any running request
+        decodes, `long_prefill_token_threshold` (vLLM's idea): a long prompt then arrives a
+        chunk per step instead of stalling every stream for one long step."""
+        cap = self.long_prefill_token_threshold
+        if cap <= 0:
+            return budget
+        decoding = any(
+            r.num_computed_tokens >= r.num_tokens - 1 and not (hold_background and r.background)
+            for r in self.running
+        )
+        return min(budget, cap) if decoding else budget
 
     def _interactive_present(self) -> bool:
         """Any request not in the background tier running or waiting (both are sorted so

@@ -35,6 +35,7 @@ from kvserve.executor import make_executor
 from kvserve.model.arch import ModelArch
 from kvserve.model.layers.tp_sharding import check_tensor_parallel, max_local_kv_heads
 from kvserve.model.loader import load_arch, load_tokenizer, resolve_model
+from kvserve.platform.cpu_isa import cpu_compute_dtype
 from kvserve.request import Request, RequestStatus
 from kvserve.spec_decode.adaptive import SpecState
 from kvserve.spec_decode.draft import DraftModelProposer
@@ -64,6 +65,10 @@ def kv_pool_for(
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         t0 = time.perf_counter()
+        # bf16 without hardware support is several times slower than fp32: compute in fp32.
+        dtype = cpu_compute_dtype(config.dtype, config.torch_device.type)
+        if dtype != config.dtype:
+            config = replace(config, dtype=dtype)
         self.config = config
         self.source = resolve_model(config.model)
         device = config.torch_device
@@ -104,7 +109,7 @@ class EngineCore:
         else:
             self.scheduler = Scheduler(
                 self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-                config.scheduling_policy,
+                config.scheduling_policy, config.long_prefill_token_threshold,
             )  # fmt: skip
         self._in_flight: list[tuple[int, SchedulerOutput]] = []  # (stream, step) under PP
         self.beams = BeamSearchManager(self.scheduler)

@@ -27,6 +27,8 @@ from kvserve.model.layers.attention import AttentionMetadata, PrefillChunk
 from kvserve.model.layers.cpu_kernels import load_cpu_kernels
 from kvserve.model.layers.kv_quant import KV_SCALE_DTYPE, is_quantized, kv_storage_dtype
 from kvserve.model.models.llama import LlamaForCausalLM
+from kvserve.platform.memory import trim_heap
+from kvserve.worker.kernel_log import log_kernels
 from kvserve.worker.request_state import CachedRequestState, RequestStates
 from kvserve.worker.shape_buckets import padded_rows
 from kvserve.worker.step_input import RunnerOutput, StepInput
@@ -64,6 +66,9 @@ class ModelRunner:
                     m.pack_weights()
                     for layer in m.layers:
                         layer.attn.kernels = kernels
+            if self.tp.is_driver and self.pp.is_first:  # one line per engine, not per rank
+                log_kernels(model, kernels is not None)
+        trim_heap()  # the loader's temporaries and the plain weights packing replaced
 
     def _alloc_kv(self, model: LlamaForCausalLM, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The model's KV pool and, for a 1-byte cache, its bfloat16 scales (one per token and

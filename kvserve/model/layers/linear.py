@@ -36,3 +36,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pac
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+def float_kernel_name(dtype: torch.dtype, packed: torch.Tensor | None) -> str:
+    """The start-up log's name for a float projection's kernel."""
+    name = str(dtype).removeprefix("torch.")
+    return f"oneDNN packed {name}" if packed is not None else f"F.linear {name} (not packed)"

@@ -1,10 +1,12 @@
-"""One quantized projection: packs a `QWeight` for the fastest kernel on its device.
+"""One quantized projection: packs a `QWeight` for the fastest kernel on its device, per row count.
 
-CPU (measured on AVX-512, benchmarks/bench_quant_kernels.py):
-- int8 -> `aten._weight_int8pack_mm`, int4 -> `aten._weight_int4pack_mm_for_cpu`. Both run
-  with bfloat16 activations: with float32 activations PyTorch takes a scalar path that was
-  6-40x slower than the float32 oneDNN matmul, with bfloat16 they are vectorized.
-  Activations are therefore cast to bfloat16 inside the projection and back afterwards.
+CPU (measured on AVX-512 + AMX, benchmarks/bench_quant_kernels.py; the batched paths and why
+they were chosen are in layers/quant_batched.py):
+- int8 -> `aten._weight_int8pack_mm` with bf16 activations (with float32 ones PyTorch takes
+  a scalar path 6-40x slower) below `bf16_min_rows` rows; from there the codes are widened
+  to bf16 per call for oneDNN's bf16 matmul, the per-row scale applied to the output.
+- int4 -> `aten._weight_int4pack_mm_for_cpu` (bf16 activations) for one row; from
+  `INT4_DYNAMIC_MIN_ROWS` rows the dynamic int8 kernel on an int8 copy held for it.
 - fp8 -> dequantizing path: the e4m3 codes are widened to bfloat16 (exact) for a bfloat16
   matmul and the per-channel scale is applied to the output. There is no fp8 weight-only
   matmul on CPU; `torch._scaled_mm` works there but also quantizes the activations.
@@ -21,7 +23,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.model.layers.quantization import SCALE_DTYPE, QWeight
+from kvserve.model.layers.quant_batched import (
+    INT4_DYNAMIC_MIN_ROWS,
+    INT8_BF16_MIN_ROWS,
+    INT8_BF16_MIN_ROWS_LARGE,
+    LARGE_WEIGHT,
+    dynamic_int8_mm,
+    dynamic_int8_pack,
+    int8_bf16_mm,
+)
+from kvserve.model.layers.quantization import SCALE_DTYPE, QWeight, quantize_weight
 
 COMPUTE_DTYPE = torch.bfloat16  # activations inside quantized projections
 
@@ -38,9 +49,19 @@ class QuantizedLinear(nn.Module):
         self.method = qw.method
         self.out_features, self.in_features = qw.shape
         self.group_size = qw.group_size
+        cpu = torch.device(device).type == "cpu"
         # Packed for the CPU kernels (the int4 one needs out_features divisible by 16).
-        self.kernel = torch.device(device).type == "cpu" and (qw.method != "int4" or qw.shape[0] % 16 == 0)
+        self.kernel = cpu and (qw.method != "int4" or qw.shape[0] % 16 == 0)
         self.use_scaled_mm = qw.method == "fp8" and _cuda_fp8_ok(torch.device(device))
+        # The dynamic int8 kernel's packed weight, and the row count from which it runs.
+        self.dynamic, self.dynamic_min_rows = None, 1
+        # int8: from this many rows, codes widened to bf16 per call (quant_batched.int8_bf16_mm).
+        large = qw.shape[0] * qw.shape[1] > LARGE_WEIGHT
+        self.bf16_min_rows = INT8_BF16_MIN_ROWS_LARGE if large else INT8_BF16_MIN_ROWS
+        if self.kernel and qw.method == "int4":
+            q8 = quantize_weight(qw.dequantize(), "int8")
+            self.dynamic = dynamic_int8_pack(q8.codes, q8.scales)
+            self.dynamic_min_rows = INT4_DYNAMIC_MIN_ROWS
         if qw.method == "int4":
             if self.kernel:
                 packed = torch._convert_weight_to_int4pack_for_cpu(qw.codes.to(torch.int32), 1)
@@ -53,10 +74,22 @@ class QuantizedLinear(nn.Module):
             self.register_buffer("qweight", qw.codes.contiguous())
             self.register_buffer("scales", qw.scales.to(SCALE_DTYPE))
 
+    def dynamic_bytes(self) -> int:
+        """Bytes of the dynamic kernel's packed weight (not a buffer): codes + float scales."""
+        return 0 if self.dynamic is None else self.out_features * (self.in_features + 4)
+
+    def duplicate_bytes(self) -> int:
+        """Bytes of a second copy of this weight: the dynamic kernel's int8 one (int4 only)."""
+        return self.dynamic_bytes()
+
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        if self.method == "int8" and self.kernel:
+        if self.dynamic is not None and x2.shape[0] >= self.dynamic_min_rows:
+            y = dynamic_int8_mm(x2, self.dynamic)
+        elif self.method == "int8" and self.kernel and x2.shape[0] >= self.bf16_min_rows:
+            y = int8_bf16_mm(x2, self.qweight, self.scales)
+        elif self.method == "int8" and self.kernel:
             y = torch.ops.aten._weight_int8pack_mm(x2.to(COMPUTE_DTYPE), self.qweight, self.scales)
         elif self.method == "int4" and self.kernel:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
@@ -70,6 +103,21 @@ class QuantizedLinear(nn.Module):
             y = F.linear(x2.to(COMPUTE_DTYPE), self.dequantize(COMPUTE_DTYPE))
         y = y.to(x.dtype).reshape(*lead, self.out_features)
         return y if bias is None else y + bias
+
+    def kernel_name(self) -> str:
+        """What runs this projection (for the start-up log)."""
+        dyn = "quantized::linear_dynamic (int8 x dynamic u8 activations)"
+        if self.dynamic is not None:
+            return (f"int4: aten._weight_int4pack_mm_for_cpu below {self.dynamic_min_rows} rows, "
+                    f"then {dyn} on an int8 copy")  # fmt: skip
+        if self.method == "int8" and self.kernel:
+            return (f"int8: aten._weight_int8pack_mm (bf16 activations) below {self.bf16_min_rows} rows, "
+                    "then codes widened to bf16 per call + oneDNN bf16 matmul")  # fmt: skip
+        if self.method == "int4" and self.kernel:
+            return "int4: aten._weight_int4pack_mm_for_cpu (bf16 activations)"
+        if self.use_scaled_mm:
+            return "fp8: torch._scaled_mm (row-wise scales)"
+        return f"{self.method}: dequantize to bf16 per call + F.linear"
 
     def _scaled_mm(self, x: torch.Tensor) -> torch.Tensor:
         """fp8 x fp8 with row-wise scales (activations quantized per token, dynamically)."""

@@ -150,17 +150,31 @@ class LlamaForCausalLM(nn.Module):
         return True
 
     def weight_bytes(self) -> int:
-        """Bytes of the weights: parameters and persistent buffers, a tied table counted once
-        (rotary tables and oneDNN's packed copies are not included)."""
+        """Bytes of the weights, each once, as held: parameters and persistent buffers, or a
+        projection's oneDNN-packed matrix once it has replaced the Parameter (rotary tables are
+        not included). A tied table counts once; `duplicate_weight_bytes` is its second copy."""
         tensors = {id(t): t for t in self.state_dict(keep_vars=True).values()}
-        return sum(t.numel() * t.element_size() for t in tensors.values())
+        plain = sum(t.numel() * t.element_size() for t in tensors.values())
+        packed = sum(p.packed_bytes() for layer in self.layers for p in layer.projections().values())
+        if self.lm_head is not None and not self.lm_head.holds_both():
+            packed += self.lm_head.packed_bytes()
+        return plain + packed
+
+    def duplicate_weight_bytes(self) -> int:
+        """Bytes held twice: a tied table packed for the lm_head beside its plain rows, and
+        the int8 copies int4 projections hold for the dynamic kernel."""
+        dup = sum(p.duplicate_bytes() for layer in self.layers for p in layer.projections().values())
+        if self.lm_head is not None and self.lm_head.holds_both():
+            dup += self.lm_head.packed_bytes()
+        return dup
 
     def pack_weights(self) -> None:
-        """Prepack every float projection for oneDNN (CPU); a no-op elsewhere."""
+        """Prepack every float projection for oneDNN (CPU) in place of its plain weight; a
+        tied table stays plain too where this stage looks tokens up in it (the first)."""
         for layer in self.layers:
             layer.pack_weights()
         if self.lm_head is not None:
-            self.lm_head.pack()
+            self.lm_head.pack(keep_plain=self.lm_head.tied and self.is_first_stage)
 
     @torch.inference_mode()
     def forward(

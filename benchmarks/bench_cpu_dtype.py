@@ -1,0 +1,100 @@
+"""bf16 vs fp32 projections on this CPU and on an emulated AVX2-only one (issue 16, ISA dispatch).
+
+Why: `--dtype bfloat16` is 2x faster than fp32 where the CPU has avx512_bf16 / AMX and several
+times slower where it has not; the engine then computes in fp32 (kvserve/platform/cpu_isa.py).
+This script measures the three candidates per projection shape of the default model, in this
+process (the real CPU) and in a child process with oneDNN and ATen capped at AVX2
+(`ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2`):
+- fp32: the oneDNN-packed fp32 matmul (the default engine),
+- bf16: what a bf16 engine runs (oneDNN-packed bf16 where it packs, else `F.linear`),
+- bf16 weights -> fp32: weights kept bf16 in memory, widened per call for the fp32 matmul
+  (the "half the memory, fp32 speed" option).
+Figures are CPU microseconds per call with one torch thread, the best of `--reps` calls
+(benchmarks/common.py `cpu_us`: on a shared machine wall time measures the scheduler);
+ratios are against fp32 in the same process.
+
+    python benchmarks/bench_cpu_dtype.py [--reps 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from benchmarks.common import cpu_us, machine  # noqa: E402
+from benchmarks.cpu_info import cpu_flags  # noqa: E402
+from kvserve.model.layers.linear import linear, onednn_pack  # noqa: E402
+from kvserve.platform.cpu_isa import cpu_isa  # noqa: E402
+
+SHAPES = {"qkv": (960, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+ROWS = (1, 32)
+AVX2_ENV = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+
+
+def one_shape(n: int, k: int, m: int, reps: int) -> dict:
+    w = torch.randn(n, k) * 0.05
+    w16 = w.bfloat16()
+    p32, p16 = onednn_pack(w), onednn_pack(w16)
+    x = torch.randn(m, k)
+    x16 = x.bfloat16()
+    return {
+        "fp32": cpu_us(lambda: linear(x, w, None, p32), reps),
+        "bf16": cpu_us(lambda: linear(x16, w16, None, p16), reps),
+        "bf16_packed": p16 is not None,
+        "bf16w_fp32": cpu_us(lambda: F.linear(x, w16.float()), reps),
+    }
+
+
+@torch.inference_mode()
+def measure(reps: int) -> list[dict]:
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    return [{"shape": f"{name} {n}x{k}", "M": m, **one_shape(n, k, m, reps)}
+            for name, (n, k) in SHAPES.items() for m in ROWS]  # fmt: skip
+
+
+def child(reps: int) -> dict:
+    return {"isa": cpu_isa().describe(), "capability": torch.backends.cpu.get_cpu_capability(),
+            "rows": measure(reps)}  # fmt: skip
+
+
+def table(title: str, res: dict) -> None:
+    print(f"\n{title}: flags seen {res['isa']}, ATen capability {res['capability']}")
+    print("| shape | M | fp32 packed CPU us | bf16 us (vs fp32) | bf16 weights -> fp32 us (vs fp32) |")
+    print("|---|---|---|---|---|")
+    for r in res["rows"]:
+        f = r["fp32"]
+        packed = "packed" if r["bf16_packed"] else "F.linear"
+        print(f"| {r['shape']} | {r['M']} | {f:.0f} | {r['bf16']:.0f} {packed} ({r['bf16'] / f:.2f}x) "
+              f"| {r['bf16w_fp32']:.0f} ({r['bf16w_fp32'] / f:.2f}x) |")  # fmt: skip
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(child(args.reps)))
+        return 0
+    native = child(args.reps)
+    env = {**os.environ, **AVX2_ENV}
+    out = subprocess.run([sys.executable, __file__, "--child", "--reps", str(args.reps)], env=env,
+                         capture_output=True, text=True, check=True)  # fmt: skip
+    emulated = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"{machine()}; CPU flags: {cpu_flags()}; load average {os.getloadavg()[0]:.2f}")
+    table("this CPU", native)
+    table("emulated AVX2-only (ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2)", emulated)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""Each weight is held once: oneDNN packing replaces the float Parameter; a tied table stays
+plain beside its packed lm_head only where the embedding looks tokens up in it. (Greedy
+output against transformers with the packed weights is tests/test_fidelity.py's.)"""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.model.loader import load_weights_only, resolve_model
+
+
+def _load(path: str):
+    return load_weights_only(resolve_model(path), torch.float32, torch.device("cpu"))
+
+
+def test_packing_replaces_the_parameters(tiny_llama_dir):
+    model = _load(tiny_llama_dir)
+    before = model.weight_bytes()
+    model.pack_weights()
+    for layer in model.layers:
+        for proj in layer.projections().values():
+            assert proj.packed is not None and proj.weight.numel() == 0
+    assert model.lm_head.weight.numel() == 0  # untied: packed only
+    assert model.weight_bytes() == before and model.duplicate_weight_bytes() == 0
+
+
+def test_tied_table_kept_for_lookups(tiny_qwen2_dir):
+    model = _load(tiny_qwen2_dir)
+    table = model.embed.weight.detach().clone()
+    before = model.weight_bytes()
+    model.pack_weights()
+    assert model.lm_head.weight is model.embed.weight and torch.equal(model.embed.weight, table)
+    assert model.weight_bytes() == before and model.duplicate_weight_bytes() == table.nbytes
+    hidden = torch.randn(3, table.shape[1])
+    torch.testing.assert_close(model.compute_logits(hidden), hidden @ table.t(), rtol=1e-5, atol=1e-5)
+    model.is_first_stage = False  # a last pipeline stage never looks tokens up: packed only
+    model.lm_head.packed = None
+    model.pack_weights()
+    assert model.embed.weight.numel() == 0 and model.duplicate_weight_bytes() == 0
+    assert model.weight_bytes() == before
