@@ -1,17 +1,23 @@
 """Per-row-count kernel dispatch of QuantizedLinear on CPU (layers/quant_batched.py): each
 path agrees with x @ W_q.T at the row counts it serves, int8 keeps exact weight-only
-arithmetic, int4's batched path runs on its int8 copy, and without the quantized engine the
-weight-only kernels run everywhere."""
+arithmetic (widened to bf16 only where the CPU has native bf16), int4 runs its own kernel
+(the dynamic int8 path is off), and without the quantized engine the weight-only kernels run
+everywhere."""
 
 from __future__ import annotations
+
+import sys
 
 import pytest
 import torch
 
 from kvserve.model.layers import quantized_linear as ql
-from kvserve.model.layers.quant_batched import INT4_DYNAMIC_MIN_ROWS
+from kvserve.model.layers.quant_batched import INT4_DYNAMIC_MIN_ROWS, dynamic_int8_mm, dynamic_int8_pack
 from kvserve.model.layers.quantization import quantize_weight
 from kvserve.model.layers.quantized_linear import QuantizedLinear
+from kvserve.platform.cpu_isa import cpu_isa
+
+WIDEN = cpu_isa().native_bf16  # the bf16 widening runs only with native bf16
 
 
 def _case(method: str, rows: int):
@@ -39,7 +45,8 @@ def test_int8_paths_by_rows(rows, monkeypatch):
     weight-only arithmetic (bf16 activations), no activation quantization."""
     qw, x, ref = _case("int8", rows)
     layer = QuantizedLinear(qw, "cpu")
-    assert layer.bf16_min_rows == 32 and layer.dynamic is None and layer.duplicate_bytes() == 0
+    assert layer.bf16_min_rows == (32 if WIDEN else sys.maxsize)
+    assert layer.dynamic is None and layer.duplicate_bytes() == 0
     widened = _spy(monkeypatch, "int8_bf16_mm")
     _close(layer(x), ref, 0.01)
     assert bool(widened) == (rows >= layer.bf16_min_rows)
@@ -49,30 +56,42 @@ def test_int8_paths_by_rows(rows, monkeypatch):
 
 def test_int8_vocabulary_table_widens_later():
     qw = quantize_weight(torch.randn(16384, 576) * 0.1, "int8")
-    assert QuantizedLinear(qw, "cpu").bf16_min_rows == 64
+    assert QuantizedLinear(qw, "cpu").bf16_min_rows == (64 if WIDEN else sys.maxsize)
 
 
-@pytest.mark.parametrize("rows", [1, INT4_DYNAMIC_MIN_ROWS, 48])
+def test_int8_never_widens_without_native_bf16(monkeypatch):
+    from kvserve.platform.cpu_isa import CpuIsa
+
+    monkeypatch.setattr(ql, "cpu_isa", lambda: CpuIsa(frozenset({"avx2", "fma"})))
+    qw, x, ref = _case("int8", 100)
+    layer = QuantizedLinear(qw, "cpu")
+    widened = _spy(monkeypatch, "int8_bf16_mm")
+    _close(layer(x), ref, 0.01)
+    assert layer.bf16_min_rows == sys.maxsize and not widened
+
+
+@pytest.mark.parametrize("rows", [1, 2, 48])
 def test_int4_paths_by_rows(rows, monkeypatch):
     qw, x, ref = _case("int4", rows)
     layer = QuantizedLinear(qw, "cpu")
     dynamic = _spy(monkeypatch, "dynamic_int8_mm")
     # The int8 copy re-rounds the int4 values (half an int8 step) and quantizes activations.
     _close(layer(x), ref, 0.03)
-    assert bool(dynamic) == (layer.dynamic is not None and rows >= INT4_DYNAMIC_MIN_ROWS)
+    assert bool(dynamic) == (layer.dynamic is not None and rows >= (INT4_DYNAMIC_MIN_ROWS or 0))
     if layer.dynamic is not None:
         assert layer.duplicate_bytes() == 192 * (128 + 4) and "linear_dynamic" in layer.kernel_name()
 
 
 def test_dynamic_kernel_scales_rows():
-    """A huge first row (as a chunk's first token has) must not cost the others precision."""
-    qw, x, ref = _case("int4", 8)
-    layer = QuantizedLinear(qw, "cpu")
-    if layer.dynamic is None:
+    """The dynamic int8 kernel (benchmarked, off by default): a huge first row (as a chunk's
+    first token has) must not cost the others precision."""
+    qw, x, _ = _case("int8", 8)
+    packed = dynamic_int8_pack(qw.codes, qw.scales)
+    if packed is None:
         pytest.skip("no quantized engine in this PyTorch")
     x[0] *= 1000
     ref = x @ qw.dequantize().t()
-    y = layer(x)
+    y = dynamic_int8_mm(x, packed)
     for r in range(1, 8):
         _close(y[r : r + 1], ref[r : r + 1], 0.03)
 

@@ -43,7 +43,10 @@ logger = logging.getLogger(__name__)
 
 # Row counts from which each batched path runs (crossovers measured on AVX-512 + AMX against
 # the weight-only kernels and fp32: docs/BENCHMARKS.md, "Batched quantized speed").
-INT4_DYNAMIC_MIN_ROWS = 2
+# int4 through the dynamic kernel (on an int8 copy) is off: the one-thread kernel timings
+# favoured it from 2 rows, but end to end with two threads int4 batches ran at 0.13-0.73x
+# fp32 through it against ~1.0x through the int4 kernel, for +1 byte per weight.
+INT4_DYNAMIC_MIN_ROWS: int | None = None
 INT8_BF16_MIN_ROWS = 32
 INT8_BF16_MIN_ROWS_LARGE = 64
 LARGE_WEIGHT = 8 * 2**20  # elements: past the caches, widening per call costs memory traffic

@@ -5,8 +5,9 @@ they were chosen are in layers/quant_batched.py):
 - int8 -> `aten._weight_int8pack_mm` with bf16 activations (with float32 ones PyTorch takes
   a scalar path 6-40x slower) below `bf16_min_rows` rows; from there the codes are widened
   to bf16 per call for oneDNN's bf16 matmul, the per-row scale applied to the output.
-- int4 -> `aten._weight_int4pack_mm_for_cpu` (bf16 activations) for one row; from
-  `INT4_DYNAMIC_MIN_ROWS` rows the dynamic int8 kernel on an int8 copy held for it.
+  (The widening needs native bf16, avx512_bf16 / AMX; elsewhere the int8 kernel runs always.)
+- int4 -> `aten._weight_int4pack_mm_for_cpu` (bf16 activations) at every row count (the
+  dynamic int8 path on an int8 copy, `INT4_DYNAMIC_MIN_ROWS`, is off: slower end to end).
 - fp8 -> dequantizing path: the e4m3 codes are widened to bfloat16 (exact) for a bfloat16
   matmul and the per-channel scale is applied to the output. There is no fp8 weight-only
   matmul on CPU; `torch._scaled_mm` works there but also quantizes the activations.
@@ -18,6 +19,8 @@ embedding / lm_head is stored once.
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +36,7 @@ from kvserve.model.layers.quant_batched import (
     int8_bf16_mm,
 )
 from kvserve.model.layers.quantization import SCALE_DTYPE, QWeight, quantize_weight
+from kvserve.platform.cpu_isa import cpu_isa
 
 COMPUTE_DTYPE = torch.bfloat16  # activations inside quantized projections
 
@@ -58,7 +62,9 @@ class QuantizedLinear(nn.Module):
         # int8: from this many rows, codes widened to bf16 per call (quant_batched.int8_bf16_mm).
         large = qw.shape[0] * qw.shape[1] > LARGE_WEIGHT
         self.bf16_min_rows = INT8_BF16_MIN_ROWS_LARGE if large else INT8_BF16_MIN_ROWS
-        if self.kernel and qw.method == "int4":
+        if not cpu_isa().native_bf16:  # a bf16 matmul is slower than the int8 kernel there
+            self.bf16_min_rows = sys.maxsize
+        if self.kernel and qw.method == "int4" and INT4_DYNAMIC_MIN_ROWS is not None:
             q8 = quantize_weight(qw.dequantize(), "int8")
             self.dynamic = dynamic_int8_pack(q8.codes, q8.scales)
             self.dynamic_min_rows = INT4_DYNAMIC_MIN_ROWS
