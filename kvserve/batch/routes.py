@@ -13,10 +13,10 @@ from starlette.datastructures import UploadFile
 
 from kvserve.batch.errors import BatchAPIError
 from kvserve.batch.files import FileStore, new_file_id, too_large
-from kvserve.batch.heap import release_freed_memory
 from kvserve.batch.jobs import JobStore
 from kvserve.batch.service import BatchService
 from kvserve.entrypoints.openai.errors import error_response
+from kvserve.platform.memory import trim_heap
 
 MULTIPART_SLACK = 64 * 1024  # form boundaries and fields around the file itself
 
@@ -62,7 +62,7 @@ def _copy_upload(files: FileStore, upload: UploadFile, purpose: str) -> str:
     """Copy the upload to the store (in a thread: it is disk work); returns the new id."""
     file_id = new_file_id()
     files.copy_in(upload.file, file_id, purpose)
-    release_freed_memory()  # the multipart parser's buffers (heap.py)
+    trim_heap()  # the multipart parser's buffers
     return file_id
 
 

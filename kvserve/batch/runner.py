@@ -14,11 +14,15 @@ import time
 from collections.abc import Awaitable, Callable
 
 from kvserve.batch.execute import TransientError
-from kvserve.batch.heap import TRIM_EVERY, release_freed_memory
 from kvserve.batch.lines import LineError, error_record, parse_line, response_record
+from kvserve.platform.memory import trim_heap
 
 logger = logging.getLogger("kvserve.batch")
 Execute = Callable[[str, dict, str], Awaitable[tuple[int, dict]]]
+
+# Finished lines between heap trims: per-line native allocations (response JSON, ZeroMQ
+# frames, msgpack buffers) otherwise stay in RSS after they are freed (docs/BATCH.md).
+TRIM_EVERY = 1000
 
 
 class LineRunner:
@@ -34,7 +38,7 @@ class LineRunner:
         self._slots = asyncio.Semaphore(window)
         self._tasks: set[asyncio.Task] = set()
         self._last_commit = time.monotonic()
-        self._since_trim = 0  # lines finished since the heap was last trimmed (heap.py)
+        self._since_trim = 0  # lines finished since the heap was last trimmed
 
     async def run(self, path: str, start_line: int = 0, start_offset: int = 0) -> bool:
         """Run every line not yet done; True when the file was finished, False when stopped."""
@@ -84,7 +88,7 @@ class LineRunner:
             self._last_commit = time.monotonic()
             if self._since_trim >= TRIM_EVERY:  # memory stays flat over any number of lines
                 self._since_trim = 0
-                release_freed_memory()
+                trim_heap()
 
     async def _one(self, line: int, end: int, raw: bytes) -> None:
         try:

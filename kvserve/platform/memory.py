@@ -1,10 +1,15 @@
-"""Give freed heap memory back to the OS after loading.
+"""Give freed heap memory back to the OS (glibc's malloc_trim).
 
-Loading builds every weight through temporaries (dequantized GGUF blocks, fused q|k|v and
-gate|up copies, the plain matrices that oneDNN packing replaces); glibc keeps most of what
-they freed inside its arenas, where it counts in the process's RSS for the rest of its life
-(measured: about 250 MiB for the default model, benchmarks/bench_memory.py). `malloc_trim`
-returns it. Elsewhere than glibc this does nothing.
+glibc keeps most freed memory inside its arenas, where it counts in the process's RSS for
+the rest of its life. Two places free a lot of it:
+- loading builds every weight through temporaries (dequantized GGUF blocks, fused q|k|v and
+  gate|up copies, the plain matrices that oneDNN packing replaces): about 250 MiB for the
+  default model (benchmarks/bench_memory.py); the model runner trims once after loading;
+- a batch run makes short-lived native allocations per line (response JSON, output
+  records, ZeroMQ frames, msgpack buffers) between long-lived ones, which crept up ~0.3 MB
+  per 1,000 lines with live Python memory flat; the batch runner trims every 1,000 lines
+  and the upload route after copying a file (benchmarks/bench_batch.py).
+A trim takes a few milliseconds. Elsewhere than glibc this does nothing.
 """
 
 from __future__ import annotations
