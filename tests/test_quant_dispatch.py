@@ -12,12 +12,20 @@ import pytest
 import torch
 
 from kvserve.model.layers import quantized_linear as ql
-from kvserve.model.layers.quant_batched import INT4_DYNAMIC_MIN_ROWS, dynamic_int8_mm, dynamic_int8_pack
+from kvserve.model.layers.quant_batched import (
+    INT4_DYNAMIC_MIN_ROWS,
+    INT8_BF16_MIN_ROWS,
+    INT8_BF16_MIN_ROWS_LARGE,
+    dynamic_int8_mm,
+    dynamic_int8_pack,
+    int8_bf16_mm,
+)
 from kvserve.model.layers.quantization import quantize_weight
 from kvserve.model.layers.quantized_linear import QuantizedLinear
 from kvserve.platform.cpu_isa import cpu_isa
 
-WIDEN = cpu_isa().native_bf16  # the bf16 widening runs only with native bf16
+# The bf16 widening runs only with native bf16, and only while it is switched on.
+WIDEN = cpu_isa().native_bf16 and INT8_BF16_MIN_ROWS is not None
 
 
 def _case(method: str, rows: int):
@@ -45,7 +53,7 @@ def test_int8_paths_by_rows(rows, monkeypatch):
     weight-only arithmetic (bf16 activations), no activation quantization."""
     qw, x, ref = _case("int8", rows)
     layer = QuantizedLinear(qw, "cpu")
-    assert layer.bf16_min_rows == (32 if WIDEN else sys.maxsize)
+    assert layer.bf16_min_rows == (INT8_BF16_MIN_ROWS if WIDEN else sys.maxsize)
     assert layer.dynamic is None and layer.duplicate_bytes() == 0
     widened = _spy(monkeypatch, "int8_bf16_mm")
     _close(layer(x), ref, 0.01)
@@ -56,7 +64,12 @@ def test_int8_paths_by_rows(rows, monkeypatch):
 
 def test_int8_vocabulary_table_widens_later():
     qw = quantize_weight(torch.randn(16384, 576) * 0.1, "int8")
-    assert QuantizedLinear(qw, "cpu").bf16_min_rows == (64 if WIDEN else sys.maxsize)
+    assert QuantizedLinear(qw, "cpu").bf16_min_rows == (INT8_BF16_MIN_ROWS_LARGE if WIDEN else sys.maxsize)
+
+
+def test_int8_bf16_widening_is_weight_only_arithmetic():
+    qw, x, ref = _case("int8", 40)
+    _close(int8_bf16_mm(x, qw.codes, qw.scales), ref, 0.01)
 
 
 def test_int8_never_widens_without_native_bf16(monkeypatch):

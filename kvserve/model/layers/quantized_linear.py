@@ -3,9 +3,9 @@
 CPU (measured on AVX-512 + AMX, benchmarks/bench_quant_kernels.py; the batched paths and why
 they were chosen are in layers/quant_batched.py):
 - int8 -> `aten._weight_int8pack_mm` with bf16 activations (with float32 ones PyTorch takes
-  a scalar path 6-40x slower) below `bf16_min_rows` rows; from there the codes are widened
-  to bf16 per call for oneDNN's bf16 matmul, the per-row scale applied to the output.
-  (The widening needs native bf16, avx512_bf16 / AMX; elsewhere the int8 kernel runs always.)
+  a scalar path 6-40x slower) below `bf16_min_rows` rows; from there the codes can be widened
+  to bf16 per call for oneDNN's bf16 matmul, the per-row scale applied to the output (only
+  with native bf16, avx512_bf16 / AMX; and off for now, see `INT8_BF16_MIN_ROWS`).
 - int4 -> `aten._weight_int4pack_mm_for_cpu` (bf16 activations) at every row count (the
   dynamic int8 path on an int8 copy, `INT4_DYNAMIC_MIN_ROWS`, is off: slower end to end).
 - fp8 -> dequantizing path: the e4m3 codes are widened to bfloat16 (exact) for a bfloat16
@@ -61,9 +61,9 @@ class QuantizedLinear(nn.Module):
         self.dynamic, self.dynamic_min_rows = None, 1
         # int8: from this many rows, codes widened to bf16 per call (quant_batched.int8_bf16_mm).
         large = qw.shape[0] * qw.shape[1] > LARGE_WEIGHT
-        self.bf16_min_rows = INT8_BF16_MIN_ROWS_LARGE if large else INT8_BF16_MIN_ROWS
-        if not cpu_isa().native_bf16:  # a bf16 matmul is slower than the int8 kernel there
-            self.bf16_min_rows = sys.maxsize
+        widen_from = INT8_BF16_MIN_ROWS_LARGE if large else INT8_BF16_MIN_ROWS
+        # Without native bf16 a bf16 matmul is slower than the int8 kernel; off: see quant_batched.
+        self.bf16_min_rows = widen_from if widen_from is not None and cpu_isa().native_bf16 else sys.maxsize
         if self.kernel and qw.method == "int4" and INT4_DYNAMIC_MIN_ROWS is not None:
             q8 = quantize_weight(qw.dequantize(), "int8")
             self.dynamic = dynamic_int8_pack(q8.codes, q8.scales)
