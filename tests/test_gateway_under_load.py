@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import os
 import re
 import time
 
@@ -115,6 +116,19 @@ def saturated(big: ServerProcess):
             _until(lambda: big.metrics()["kvserve:num_requests_waiting"] >= 1, what="a waiting request")
             yield queued
         assert queued.result().status_code == 200
+
+
+def test_manifest_probes_answer_on_live_apps(servers, gw):
+    """deploy/k8s's probe paths, requested on a real replica and a real gateway."""
+    import yaml
+
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "deploy", "k8s")
+    for name, url in (("kvserve", servers[0].url), ("kvserve-gateway", gw.url)):
+        with open(os.path.join(root, name, "deployment.yaml")) as f:
+            c = yaml.safe_load(f)["spec"]["template"]["spec"]["containers"][0]
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            r = httpx.get(url + c[probe]["httpGet"]["path"], timeout=10)
+            assert r.status_code == 200, (name, probe, r.text)
 
 
 def test_saturation_and_waiting_prefill_tokens(servers):
