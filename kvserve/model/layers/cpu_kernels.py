@@ -2,10 +2,10 @@
 
 Compiled once per machine with torch's extension builder (needs a C++ compiler; the result
 is cached under TORCH_EXTENSIONS_DIR). The module name carries a hash of the source, the
-flags and this CPU's instruction sets (the build uses -march=native, so a build made on an
-AVX-512 machine must never be loaded on an AVX2 one sharing the cache), and the source is
-copied into the build folder, so every checkout writes the same build file and none forces
-a rebuild for the others.
+flags, this CPU's instruction sets (the build uses -march=native, so a build made on an
+AVX-512 machine must never be loaded on an AVX2 one sharing the cache) and the torch install
+built against; the source is copied into the build folder, so every checkout on one venv
+writes the same build file and none forces a rebuild for the others.
 
 torch guards a build with a plain `lock` file that a killed builder leaves behind, and then
 every later load waits on it forever. We hold our own fcntl lock around the build (the OS
@@ -47,7 +47,12 @@ def _cpu_flags() -> str:
 
 
 def _build_name(source: bytes) -> str:
-    key = hashlib.sha256(source + " ".join(_CFLAGS).encode() + _cpu_flags().encode())
+    """The build file names torch's include and library paths: two venvs sharing one name
+    would rewrite it and rebuild in turn."""
+    import torch
+
+    where = os.path.dirname(torch.__file__) + torch.__version__
+    key = hashlib.sha256(source + " ".join(_CFLAGS).encode() + _cpu_flags().encode() + where.encode())
     return f"kvserve_cpu_kernels_{key.hexdigest()[:10]}"
 
 
