@@ -199,11 +199,7 @@ class ServerMetrics:
 
 
 def waiting_prefill_tokens(engine) -> list[int]:
-    """Per engine replica: prompt tokens still to compute for requests that have produced no
-    output yet (the engine's own stream records, read-only; a data-parallel client's tokens
-    are net of what its router expected to find in the prefix cache)."""
+    """Per engine replica, its `waiting_prefill_tokens` (under data parallelism net of what
+    the router expected to find in the replica's prefix cache)."""
     engines = getattr(engine, "engines", [engine])
-    return [
-        sum(st.prefill_tokens for st in e._streams.values() if not st.started)  # noqa: SLF001
-        for e in engines
-    ]
+    return [e.waiting_prefill_tokens for e in engines]
