@@ -64,6 +64,34 @@ def _with(path: str, value) -> dict:
         ),
         ("general_settings.state", "memcached://x", "general_settings.state: Value error, must be 'memory'"),
         ("model_list", [], "model_list: List should have at least 1 item"),
+        (
+            "router_settings.degradation",
+            {"nope": {"threshold": 0.9, "action": "shed"}},
+            "router_settings.degradation.nope: unknown model_name 'nope'",
+        ),
+        (
+            "router_settings.degradation",
+            {"m": {"threshold": 0.9, "action": "fallback"}},
+            "router_settings.degradation.m.fallback: required with action 'fallback'",
+        ),
+        (
+            "router_settings.degradation",
+            {"m": {"threshold": 0.9, "action": "fallback", "fallback": "m"}},
+            "router_settings.degradation.m.fallback: must be another model_name",
+        ),
+        (
+            "router_settings.degradation",
+            {"m": {"threshold": 0, "action": "shed"}},
+            "router_settings.degradation.m.threshold: Input should be greater than 0",
+        ),
+        ("response_cache", {"models": ["x"]}, "response_cache.models: unknown model_name 'x'"),
+        (
+            "response_cache",
+            {"semantic": {"embedding_model": "emb"}},
+            "response_cache.semantic.embedding_model: unknown model_name 'emb'",
+        ),
+        ("response_cache", {"ttl": -1}, "response_cache.ttl: Input should be greater than 0"),
+        ("general_settings.shutdown_timeout", -1, "general_settings.shutdown_timeout: Input should be"),
     ],
 )
 def test_bad_config_names_the_key_path(path, value, message):

@@ -331,6 +331,12 @@ class AsyncLLM:
         return len(self._streams)
 
     @property
+    def waiting_prefill_tokens(self) -> int:
+        """Prompt tokens still to compute for requests with no output yet (queued or
+        prefilling): the scaling signal kvserve:num_waiting_prefill_tokens."""
+        return sum(st.prefill_tokens for st in self._streams.values() if not st.started)
+
+    @property
     def load_tokens(self) -> int:
         """Load in tokens: prompt tokens still to prefill + one per running sequence."""
         return sum(1 if st.started else st.prefill_tokens for st in self._streams.values())

@@ -19,6 +19,7 @@ from kvserve.gateway.config import GatewayConfig
 from kvserve.gateway.errors import GatewayError, unauthorized
 from kvserve.gateway.handler import Gateway
 from kvserve.gateway.keys import KeyRecord, KeyStore, open_database
+from kvserve.gateway.lifecycle import DrainingGatewayServer, GatewayLifecycle
 from kvserve.gateway.metrics import GatewayMetrics
 from kvserve.gateway.spend import SpendLog
 from kvserve.gateway.state import StoreUnavailable, open_store
@@ -38,6 +39,16 @@ class GatewayState:
         self.pool = BackendPool(cfg)
         self.metrics = GatewayMetrics()
         self.gateway = Gateway(cfg, self.store, self.pool, self.spend, self.metrics)
+        self.lifecycle = GatewayLifecycle(
+            cfg.general_settings.shutdown_timeout, lambda: self.gateway.num_in_flight
+        )
+
+    def refuse_if_draining(self) -> None:
+        if self.lifecycle.draining:
+            retry = {"retry-after": "5"}
+            raise GatewayError(
+                503, "the gateway is shutting down", "server_error", "shutting_down", headers=retry
+            )
 
     def authenticate(self, request: Request) -> KeyRecord:
         auth = request.headers.get("authorization", "")
@@ -66,7 +77,9 @@ def build_app(cfg: GatewayConfig, web_ui: bool = True) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         state.spend.start()
+        state.gateway.monitor.start()
         yield
+        await state.gateway.monitor.stop()
         await state.spend.stop()
         await state.pool.close()
         await state.store.close()
@@ -100,11 +113,13 @@ def build_app(cfg: GatewayConfig, web_ui: bool = True) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         s = st()
+        s.refuse_if_draining()
         return await s.gateway.handle(request, "/chat/completions", s.authenticate(request))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         s = st()
+        s.refuse_if_draining()
         return await s.gateway.handle(request, "/completions", s.authenticate(request))
 
     @app.get("/v1/models")
@@ -116,11 +131,16 @@ def build_app(cfg: GatewayConfig, web_ui: bool = True) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        """Liveness: the process answers (a backend being down is readiness's business)."""
         return {"status": "ok"}
 
-    @app.get("/health/readiness")
+    @app.get("/health/ready")
+    @app.get("/health/readiness")  # the earlier name, kept
     async def readiness():
+        """Readiness: not draining, the state store answers, one deployment is up and warm."""
         s = st()
+        if s.lifecycle.draining:
+            return JSONResponse({"status": "not_ready", "reason": "draining"}, status_code=503)
         deps = cfg.model_list
         up, cooling, store_ok = await asyncio.gather(
             asyncio.gather(*(s.pool.probe(d) for d in deps)),
@@ -154,5 +174,7 @@ def serve(cfg: GatewayConfig, host: str, port: int, web_ui: bool = True) -> int:
         len(cfg.model_list),
         cfg.general_settings.state.split("@")[-1],
     )
-    uvicorn.run(build_app(cfg, web_ui), host=host, port=port, log_level="warning", access_log=False)
+    app = build_app(cfg, web_ui)
+    uv = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
+    DrainingGatewayServer(uv, app.state.gateway.lifecycle).run()
     return 0

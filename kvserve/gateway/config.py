@@ -86,6 +86,20 @@ RoutingName = Literal[
 ]  # kvserve/routing/registry.py
 
 
+class Degradation(_Strict):
+    """What an alias does when its group's saturation (the backends' `kvserve:saturation`,
+    polled) reaches `threshold`: send `share` of its requests to the `fallback` alias (a
+    smaller model), or shed requests whose `priority` is `shed_priority` or more (higher
+    numbers run later in kvserve, so they are the least urgent) with 503 + Retry-After."""
+
+    threshold: float = Field(gt=0, description="group saturation at which degradation starts")
+    action: Literal["fallback", "shed"]
+    fallback: str | None = None
+    share: float = Field(1.0, gt=0, le=1, description="fallback: share of requests sent there")
+    shed_priority: int = Field(1, description="shed: requests with priority >= this are refused")
+    retry_after: int = Field(5, ge=1, description="shed: the Retry-After seconds")
+
+
 class RouterSettings(_Strict):
     routing_strategy: Literal[
         "simple-shuffle",
@@ -106,6 +120,8 @@ class RouterSettings(_Strict):
     cooldown_time: float = Field(30.0, ge=0)
     fallbacks: dict[str, list[str]] = Field(default_factory=dict)
     context_window_fallbacks: dict[str, list[str]] = Field(default_factory=dict)
+    degradation: dict[str, Degradation] = Field(default_factory=dict)
+    saturation_poll_interval: float = Field(1.0, gt=0, description="seconds between /metrics polls")
 
 
 class KeySpec(Limits):
@@ -125,6 +141,7 @@ class GeneralSettings(_Strict):
     state: str = "memory"
     database: str = "kvserve_gateway.db"
     reservation_ttl: float | None = Field(None, gt=0, description="default: longest timeout + 30 s")
+    shutdown_timeout: float = Field(30.0, ge=0, description="SIGTERM: seconds in-flight requests may finish")
 
     @field_validator("state")
     @classmethod
@@ -134,12 +151,34 @@ class GeneralSettings(_Strict):
         return v
 
 
+class SemanticCache(_Strict):
+    """Opt-in: a request whose whole conversation embeds within `threshold` (cosine) of a
+    cached one's, with the same non-text parameters and the same negations and numbers, gets
+    that answer (kvserve/gateway/cache_keys.py says why the guard)."""
+
+    embedding_model: str = Field(description="model_name whose backends serve /v1/embeddings")
+    models: list[str] | None = Field(None, description="model_names matched semantically (None: all cached)")
+    threshold: float = Field(0.95, gt=0, le=1)
+    max_entries: int = Field(256, ge=1, description="conversations compared per parameter set")
+    pooling: Literal["last", "mean"] | None = Field(None, description="kvserve backends: the pooling")
+
+
+class ResponseCache(_Strict):
+    """Exact-match response cache kept in the state store (shared by N gateways with Redis)."""
+
+    ttl: float = Field(600.0, gt=0, description="seconds an answer is kept")
+    models: list[str] | None = Field(None, description="model_names cached (None: all)")
+    any_temperature: bool = Field(False, description="also cache requests with temperature > 0")
+    semantic: SemanticCache | None = None
+
+
 class GatewayConfig(_Strict):
     model_list: list[Deployment] = Field(min_length=1)
     router_settings: RouterSettings = Field(default_factory=RouterSettings)
     keys: list[KeySpec] = Field(default_factory=list)
     teams: dict[str, TeamSpec] = Field(default_factory=dict)
     general_settings: GeneralSettings = Field(default_factory=GeneralSettings)
+    response_cache: ResponseCache | None = None
 
     def aliases(self) -> list[str]:
         return list(dict.fromkeys(d.model_name for d in self.model_list))
@@ -168,6 +207,27 @@ def _check_references(cfg: GatewayConfig) -> None:
             for t in [alias, *targets]:
                 if t not in aliases:
                     raise ConfigError(f"router_settings.{field}.{alias}: unknown model_name {t!r}")
+    for alias, deg in rs.degradation.items():
+        where = f"router_settings.degradation.{alias}"
+        if alias not in aliases:
+            raise ConfigError(f"{where}: unknown model_name {alias!r}")
+        if deg.action == "fallback" and deg.fallback is None:
+            raise ConfigError(f"{where}.fallback: required with action 'fallback'")
+        if deg.fallback is not None and deg.fallback not in aliases:
+            raise ConfigError(f"{where}.fallback: unknown model_name {deg.fallback!r}")
+        if deg.fallback == alias:
+            raise ConfigError(f"{where}.fallback: must be another model_name than {alias!r}")
+    rc = cfg.response_cache
+    for m in (rc.models or []) if rc else []:
+        if m not in aliases:
+            raise ConfigError(f"response_cache.models: unknown model_name {m!r}")
+    for m in (rc.semantic.models or []) if rc and rc.semantic else []:
+        if m not in aliases:
+            raise ConfigError(f"response_cache.semantic.models: unknown model_name {m!r}")
+    if rc and rc.semantic and rc.semantic.embedding_model not in aliases:
+        raise ConfigError(
+            f"response_cache.semantic.embedding_model: unknown model_name {rc.semantic.embedding_model!r}"
+        )
     ids: set[str] = set()
     for i, d in enumerate(cfg.model_list):
         d.id = d.id or f"{d.model_name}-{i}"

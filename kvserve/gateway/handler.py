@@ -17,13 +17,18 @@ from fastapi.responses import Response, StreamingResponse
 from kvserve.gateway.backends import BackendPool
 from kvserve.gateway.budgets import completion_budget, cost, max_cost
 from kvserve.gateway.config import Deployment, GatewayConfig
+from kvserve.gateway.degrade import HEADER as DEGRADED_HEADER
+from kvserve.gateway.degrade import Degrader
 from kvserve.gateway.errors import GatewayError
 from kvserve.gateway.keys import KeyRecord
 from kvserve.gateway.limits import deployment_checks, needs_tokens, ratelimit_headers, tenant_checks
 from kvserve.gateway.metrics import GatewayMetrics
 from kvserve.gateway.proxy import Outcome, attempt
+from kvserve.gateway.response_cache import HEADER as CACHE_HEADER
+from kvserve.gateway.response_cache import Lookup, ResponseCache
 from kvserve.gateway.retries import MAX_RETRY_AFTER, backoff
 from kvserve.gateway.router import Router, request_info
+from kvserve.gateway.saturation import SaturationMonitor
 from kvserve.gateway.spend import SpendLog, SpendRow
 from kvserve.gateway.sse import error_event
 from kvserve.gateway.state import Check, StateStore, StoreUnavailable
@@ -53,6 +58,8 @@ class Ctx:
     served_by: Deployment | None = None
     settled: bool = False
     route: RequestInfo | None = None  # what request-aware routing strategies look at
+    degraded_to: str | None = None  # the fallback alias tried first: the group is saturated
+    cache: Lookup | None = None  # set when the response cache applies to this request
 
 
 class Gateway:
@@ -69,6 +76,10 @@ class Gateway:
         self.rs = cfg.router_settings
         gs = cfg.general_settings
         self.ttl = gs.reservation_ttl or max(d.backend.timeout for d in cfg.model_list) + 30.0
+        self.monitor = SaturationMonitor(cfg, pool, list(self.rs.degradation), metrics)
+        self.degrader = Degrader(cfg, self.monitor, metrics)
+        self.cache = ResponseCache(cfg, store, pool, self.router)
+        self.num_in_flight = 0  # client requests not yet settled (streams until they end): the drain waits
 
     # ---- entry -----------------------------------------------------------------------------
     def allowed_models(self, key: KeyRecord) -> list[str]:
@@ -122,9 +133,13 @@ class Gateway:
 
     async def _run(self, ctx: Ctx) -> Response:
         self.metrics.in_flight.inc()
+        self.num_in_flight += 1
         try:
             await self._admit(ctx)
-            resp = await self._attempts(ctx)
+            resp = await self._from_cache(ctx)  # a cached answer even when the group is saturated
+            if resp is None:
+                ctx.degraded_to = self.degrader.decide(ctx.alias, ctx.body)  # or raises the shed 503
+                resp = await self._attempts(ctx)
         except BaseException as e:
             status = (
                 e.status if isinstance(e, GatewayError)
@@ -136,14 +151,34 @@ class Gateway:
             raise
         return resp
 
+    async def _from_cache(self, ctx: Ctx) -> Response | None:
+        headers = ctx.request.headers if ctx.request is not None else None
+        if not self.cache.applies(ctx.alias, ctx.body, headers):
+            return None
+        ctx.cache = await self.cache.lookup(ctx.alias, ctx.path, ctx.body)
+        hit = ctx.cache.hit
+        self.metrics.cache.labels(ctx.alias, "miss" if hit is None else ctx.cache.match).inc()
+        if hit is None:
+            return None
+        await self._finish(ctx, 200, None)  # no backend call: nothing spent, no tokens counted
+        h = {**ctx.headers, CACHE_HEADER: "hit", "x-kvserve-cache-match": ctx.cache.match,
+             "x-kvserve-model-group": ctx.alias, "x-kvserve-attempts": "0"}  # fmt: skip
+        return Response(hit, 200, headers=h, media_type="application/json")
+
     # ---- admission -------------------------------------------------------------------------
-    def _chain(self, alias: str) -> list[str]:
-        return [alias, *self.rs.fallbacks.get(alias, [])]
+    def _chain(self, ctx: Ctx) -> list[str]:
+        """The groups to try in order: a degradation fallback first, then the alias and its
+        configured fallbacks."""
+        first = [ctx.degraded_to] if ctx.degraded_to else []
+        return list(dict.fromkeys([*first, ctx.alias, *self.rs.fallbacks.get(ctx.alias, [])]))
 
     async def _admit(self, ctx: Ctx) -> None:
         key, team_name = ctx.key, ctx.key.spec.team
         team = self.cfg.teams.get(team_name or "")
-        reachable = self._chain(ctx.alias) + self.rs.context_window_fallbacks.get(ctx.alias, [])
+        reachable = self._chain(ctx) + self.rs.context_window_fallbacks.get(ctx.alias, [])
+        rule = self.rs.degradation.get(ctx.alias)
+        if rule is not None and rule.fallback:  # decided after admission: reserve for it too
+            reachable.append(rule.fallback)
         deps = [d for a in dict.fromkeys(reachable) for d in self.router.deployments(a)]
         probe = tenant_checks(key.scope, key.spec, team_name, team, 0, 0.0)
         first = self.router.deployments(ctx.alias)[0]
@@ -183,7 +218,7 @@ class Gateway:
 
     # ---- attempts --------------------------------------------------------------------------
     async def _attempts(self, ctx: Ctx) -> Response:
-        groups, context_switched = self._chain(ctx.alias), False
+        groups, context_switched = self._chain(ctx), False
         context_answer: tuple[Deployment, Outcome] | None = None  # a backend's own "too long" 400
         last: GatewayError | None = None
         gi = 0
@@ -297,15 +332,22 @@ class Gateway:
         ctx.served_by = dep
         self.metrics.attempts.labels(dep.id, "ok").inc()
         await self._finish(ctx, out.status, out.usage, ok=True)
-        return Response(out.content, out.status, headers=self._headers(ctx, dep), media_type=out.media_type)
+        headers = self._headers(ctx, dep)
+        if ctx.cache is not None and out.status == 200 and dep.model_name == ctx.alias:  # not a fallback's
+            await self.cache.save(ctx.cache, out.content)
+            headers[CACHE_HEADER] = "miss"
+        return Response(out.content, out.status, headers=headers, media_type=out.media_type)
 
     def _headers(self, ctx: Ctx, dep: Deployment) -> dict[str, str]:
-        return {
+        h = {
             **ctx.headers,
             "x-kvserve-deployment": dep.id,
             "x-kvserve-attempts": str(ctx.attempts),
             "x-kvserve-model-group": dep.model_name,
         }
+        if ctx.degraded_to is not None and dep.model_name == ctx.degraded_to:
+            h[DEGRADED_HEADER] = "fallback"
+        return h
 
     def _stream(self, ctx: Ctx, dep: Deployment, arid: str, dchecks: list[Check], out: Outcome) -> Response:
         ctx.served_by = dep
@@ -386,6 +428,7 @@ class Gateway:
             except StoreUnavailable as e:  # the reservation expires on its own (TTL)
                 log.warning("settle of %s failed: %s", ctx.rid, e)
         self.metrics.in_flight.dec()
+        self.num_in_flight -= 1
         self.metrics.requests.labels(ctx.alias, str(status)).inc()
         if not ctx.stream:
             self.metrics.latency.labels(ctx.alias).observe(time.monotonic() - ctx.t0)

@@ -24,4 +24,14 @@ class GatewayMetrics:
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
             registry=r,
         )
+        self.group_saturation = Gauge(
+            p + "group_saturation",
+            "Mean kvserve:saturation of a group's backends (polled)",
+            ["model"],
+            registry=r,
+        )
+        self.degraded = Counter(
+            p + "degraded", "Requests degraded under saturation", ["model", "action"], registry=r
+        )
+        self.cache = Counter(p + "cache", "Response cache lookups by result", ["model", "result"], registry=r)
         self.spend = Counter(p + "spend", "Money spent (settled)", ["model"], registry=r)

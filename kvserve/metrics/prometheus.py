@@ -4,22 +4,28 @@ Gauges mirror the scheduler; counters accumulate tokens, requests and preemption
 latencies are histograms. All names carry the `kvserve:` prefix. With data-parallel
 replicas every series also carries `engine`: "0", "1", ... per replica and "total" for the
 whole server (so sum over `engine!="total"`, or read `engine="total"`).
+
+The scaling signals (docs/DEPLOYMENT.md): `num_requests_waiting`, `kv_cache_usage_perc`,
+`num_waiting_prefill_tokens` (read from the engine's streams when /metrics is scraped) and
+`saturation` (kvserve/metrics/saturation.py), the one meant as an autoscaler's target.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvserve.engine.messages import EngineCoreOutputs
+from kvserve.metrics.saturation import saturation
 from kvserve.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, num_engines: int = 1) -> None:
+    def __init__(self, model_name: str, num_engines: int = 1, max_num_seqs: int = 128) -> None:
         r = self.registry = CollectorRegistry()
         base = ["model_name"] + (["engine"] if num_engines > 1 else [])
         lbl = {"labelnames": base}
@@ -32,6 +38,17 @@ class ServerMetrics:
         self.kv_usage = Gauge(
             "kvserve:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)", registry=r, **lbl
         )
+        self.saturation = Gauge(
+            "kvserve:saturation",
+            "Share of the replica's capacity in use: max(KV usage, running / max_num_seqs) "
+            "+ waiting / max_num_seqs; above 1 requests queue (the autoscaling target)",
+            registry=r, **lbl,
+        )  # fmt: skip
+        self.waiting_prefill = Gauge(
+            "kvserve:num_waiting_prefill_tokens",
+            "Prompt tokens still to compute for requests with no output yet (queued or prefilling)",
+            registry=r, **lbl,
+        )  # fmt: skip
         self.preemptions = Counter("kvserve:num_preemptions", "Preemptions by recompute", registry=r, **lbl)
         self.prefix_queries = Counter(
             "kvserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", registry=r, **lbl
@@ -74,6 +91,9 @@ class ServerMetrics:
         )
         self.model = model_name
         self.num_engines = num_engines
+        self.max_num_seqs = max_num_seqs
+        # per engine: prompt tokens of requests not started yet; set by the server, read at scrape
+        self.pending_prefill: Callable[[], list[int]] | None = None
         self._seen: dict[tuple, int] = {}  # running totals from each core already counted
         self._last_token_time: dict[str, float] = {}
         self._engine_of: dict[str, int] = {}  # request -> replica, for requests with a token
@@ -107,11 +127,14 @@ class ServerMetrics:
         self.running.labels(*own).set(running)
         self.waiting.labels(*own).set(waiting)
         self.kv_usage.labels(*own).set(kv)
-        if self.num_engines > 1:  # totals; KV usage is the mean (each replica has its own pool)
+        self.saturation.labels(*own).set(saturation(running, waiting, kv, self.max_num_seqs))
+        if self.num_engines > 1:  # totals; KV usage and saturation are means (a pool each)
             vals = list(self._gauges.values())
             self.running.labels(self.model, "total").set(sum(v[0] for v in vals))
             self.waiting.labels(self.model, "total").set(sum(v[1] for v in vals))
             self.kv_usage.labels(self.model, "total").set(sum(v[2] for v in vals) / self.num_engines)
+            sat = sum(saturation(*v, self.max_num_seqs) for v in vals) / self.num_engines
+            self.saturation.labels(self.model, "total").set(sat)
 
     def on_step(self, core: EngineCoreOutputs, outs: list[RequestOutput], engine: int = 0) -> None:
         e = engine
@@ -161,5 +184,22 @@ class ServerMetrics:
             self._last_token_time.pop(rid, None)
             del self._engine_of[rid]
 
+    def _refresh_pending(self) -> None:
+        if self.pending_prefill is None:
+            return
+        per_engine = self.pending_prefill()
+        for e, tokens in enumerate(per_engine):
+            self.waiting_prefill.labels(*self._labels(e)[0]).set(tokens)
+        if self.num_engines > 1:
+            self.waiting_prefill.labels(self.model, "total").set(sum(per_engine))
+
     def render(self) -> bytes:
+        self._refresh_pending()
         return generate_latest(self.registry)
+
+
+def waiting_prefill_tokens(engine) -> list[int]:
+    """Per engine replica, its `waiting_prefill_tokens` (under data parallelism net of what
+    the router expected to find in the replica's prefix cache)."""
+    engines = getattr(engine, "engines", [engine])
+    return [e.waiting_prefill_tokens for e in engines]

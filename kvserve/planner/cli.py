@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 
+from kvserve.planner import simulate_cli
 from kvserve.planner.gpus import DEFAULT_GPU, GPUS
 from kvserve.planner.plan import WEIGHT_BYTES, PlanRequest, make_plan
 from kvserve.planner.presets import PRESETS
@@ -26,7 +27,9 @@ def fraction(text: str) -> float:
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "model", help=f"preset ({', '.join(PRESETS)}), HF model dir with config.json, or .gguf file"
+        "model",
+        nargs="?",
+        help=f"preset ({', '.join(PRESETS)}), HF model dir with config.json, or .gguf file",
     )
     hw = p.add_argument_group("hardware")
     hw.add_argument(
@@ -84,10 +87,16 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         "(default 0.5)",
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    simulate_cli.add_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
     """Make the plan and print it; exit 1 when the model does not fit, 2 on bad input."""
+    if args.simulate:
+        return simulate_cli.run(args)
+    if args.model is None:
+        print("kvserve plan: error: MODEL is required (or --simulate TRACE)", file=sys.stderr)
+        return 2
     fields = set(PlanRequest.__dataclass_fields__)
     request = PlanRequest(**{k: v for k, v in vars(args).items() if k in fields})
     try:

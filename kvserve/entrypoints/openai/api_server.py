@@ -36,7 +36,7 @@ from kvserve.entrypoints.openai.responses import ResponsesServing
 from kvserve.entrypoints.openai.responses_protocol import ResponsesRequest
 from kvserve.entrypoints.openai.server_config import ServerConfig
 from kvserve.entrypoints.openai.serving import ClientDisconnectedError, OpenAIServing, ServerOverloadedError
-from kvserve.metrics.prometheus import ServerMetrics
+from kvserve.metrics.prometheus import ServerMetrics, waiting_prefill_tokens
 from kvserve.web import add_web_ui
 
 logger = logging.getLogger("kvserve.server")
@@ -67,7 +67,8 @@ def engine_dead_response(exc: EngineDeadError) -> Response:
 def build_app(engine: AsyncLLM | DPClient, cfg: ServerConfig, store: ResponseStore | None = None) -> FastAPI:
     names = cfg.served_model_name or [engine.source.name]
     name = names[0]
-    metrics = ServerMetrics(name, getattr(engine, "size", 1))
+    metrics = ServerMetrics(name, getattr(engine, "size", 1), engine.config.max_num_seqs)
+    metrics.pending_prefill = lambda: waiting_prefill_tokens(engine)
     engine.on_step = metrics.on_step
     engine.on_core_lost = metrics.on_core_lost
     serving = OpenAIServing(

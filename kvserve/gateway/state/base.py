@@ -54,6 +54,23 @@ class StateStore:
         """The deployments among these that are cooling down now."""
         raise NotImplementedError
 
+    # ---- the response cache (kvserve/gateway/response_cache.py) ----------------------------
+    async def cache_get(self, key: str) -> bytes | None:
+        """A cached answer, or None (absent or past its TTL)."""
+        raise NotImplementedError
+
+    async def cache_set(self, key: str, value: bytes, ttl: float) -> None:
+        raise NotImplementedError
+
+    async def cache_add(self, bucket: str, entry: bytes, ttl: float, max_entries: int) -> None:
+        """Prepend an entry to a bucket, keep the newest max_entries, expire the bucket after ttl
+        without additions (its entries' answers expire on their own)."""
+        raise NotImplementedError
+
+    async def cache_entries(self, bucket: str) -> list[bytes]:
+        """A bucket's entries, newest first."""
+        raise NotImplementedError
+
     async def ping(self) -> bool:
         return True
 

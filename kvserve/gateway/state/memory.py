@@ -18,6 +18,8 @@ class MemoryStore(StateStore):
         self._reserved: dict[str, dict[str, tuple[float, float]]] = defaultdict(dict)  # -> (expiry, amt)
         self._fails: dict[str, list[float]] = defaultdict(list)
         self._cool_until: dict[str, float] = {}
+        self._cache: dict[str, tuple[float, bytes]] = {}  # key -> (expiry, answer)
+        self._buckets: dict[str, tuple[float, list[bytes]]] = {}  # bucket -> (expiry, entries)
 
     def _window_used(self, key: str, now: float) -> tuple[float, dict[int, float]]:
         buckets = self._windows[key]
@@ -100,3 +102,32 @@ class MemoryStore(StateStore):
     async def cooling(self, deployments: list[str]) -> set[str]:
         now = time.monotonic()
         return {d for d in deployments if self._cool_until.get(d, 0) > now}
+
+    def _sweep(self, now: float) -> None:
+        """Drop expired answers and buckets (called on every 256th store, so memory stays bounded)."""
+        for k in [k for k, (exp, _) in self._cache.items() if exp <= now]:
+            del self._cache[k]
+        for k in [k for k, (exp, _) in self._buckets.items() if exp <= now]:
+            del self._buckets[k]
+
+    async def cache_get(self, key: str) -> bytes | None:
+        hit = self._cache.get(key)
+        if hit is None or hit[0] <= time.monotonic():
+            return None
+        return hit[1]
+
+    async def cache_set(self, key: str, value: bytes, ttl: float) -> None:
+        now = time.monotonic()
+        if len(self._cache) % 256 == 0:
+            self._sweep(now)
+        self._cache[key] = (now + ttl, value)
+
+    async def cache_add(self, bucket: str, entry: bytes, ttl: float, max_entries: int) -> None:
+        now = time.monotonic()
+        exp, entries = self._buckets.get(bucket, (0.0, []))
+        entries = ([entry] + entries if exp > now else [entry])[:max_entries]
+        self._buckets[bucket] = (now + ttl, entries)
+
+    async def cache_entries(self, bucket: str) -> list[bytes]:
+        exp, entries = self._buckets.get(bucket, (0.0, []))
+        return list(entries) if exp > time.monotonic() else []

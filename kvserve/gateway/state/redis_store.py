@@ -83,6 +83,25 @@ class RedisStore(StateStore):
         vals = await self.redis.mget([f"{PREFIX}c:{d}" for d in deployments])
         return {d for d, v in zip(deployments, vals) if v is not None}
 
+    @_guarded
+    async def cache_get(self, key: str) -> bytes | None:
+        return await self.redis.get(f"{PREFIX}rc:{key}")
+
+    @_guarded
+    async def cache_set(self, key: str, value: bytes, ttl: float) -> None:
+        await self.redis.set(f"{PREFIX}rc:{key}", value, px=max(1, int(ttl * 1000)))
+
+    @_guarded
+    async def cache_add(self, bucket: str, entry: bytes, ttl: float, max_entries: int) -> None:
+        key = f"{PREFIX}rb:{bucket}"
+        async with self.redis.pipeline(transaction=True) as pipe:  # MULTI: one step for other gateways
+            pipe.lpush(key, entry).ltrim(key, 0, max_entries - 1).pexpire(key, max(1, int(ttl * 1000)))
+            await pipe.execute()
+
+    @_guarded
+    async def cache_entries(self, bucket: str) -> list[bytes]:
+        return await self.redis.lrange(f"{PREFIX}rb:{bucket}", 0, -1)
+
     async def ping(self) -> bool:
         try:
             return bool(await self.redis.ping())

@@ -1,0 +1,66 @@
+"""Readiness and graceful shutdown of `kvserve gateway`, the same contract as `kvserve serve`
+(kvserve/entrypoints/openai/lifecycle.py) so one set of probes and preStop hooks fits both.
+
+- `/health` is liveness (the process answers); `/health/ready` is readiness: the state store
+  answers, one deployment is up and not cooling down, and no drain is under way.
+- SIGTERM / SIGINT start a drain: readiness turns false at once (a load balancer stops
+  sending), new requests get 503 + Retry-After while the listener stays open, requests in
+  flight (streams included) finish until `general_settings.shutdown_timeout`, then uvicorn
+  closes. A second signal exits at once. The gateway's state lives in its store, so nothing
+  else needs handing over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from collections.abc import Callable
+from types import FrameType
+
+import uvicorn
+
+log = logging.getLogger("kvserve.gateway")
+
+
+class GatewayLifecycle:
+    def __init__(self, shutdown_timeout: float, in_flight: Callable[[], int]) -> None:
+        self.shutdown_timeout = shutdown_timeout
+        self.in_flight = in_flight
+        self.draining = False
+        self._tasks: set[asyncio.Task] = set()
+
+    def spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def drain(self, server: uvicorn.Server) -> None:
+        self.draining = True
+        deadline = time.monotonic() + self.shutdown_timeout
+        log.info(
+            "shutting down: draining %d request(s) for up to %.0fs", self.in_flight(), self.shutdown_timeout
+        )
+        while self.in_flight() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.in_flight():
+            log.warning("shutdown deadline: closing with %d request(s) still in flight", self.in_flight())
+        server.should_exit = True
+
+
+class DrainingGatewayServer(uvicorn.Server):
+    """uvicorn's server, with SIGTERM / SIGINT handed to the lifecycle's drain."""
+
+    def __init__(self, config: uvicorn.Config, lifecycle: GatewayLifecycle) -> None:
+        super().__init__(config)
+        self.lifecycle = lifecycle
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.lifecycle.draining:  # a second signal: stop now
+            self.should_exit = True
+            self.force_exit = sig == signal.SIGINT
+            return
+        self.lifecycle.draining = True
+        loop = asyncio.get_event_loop()
+        loop.call_soon_threadsafe(self.lifecycle.spawn, self.lifecycle.drain(self))

@@ -1,0 +1,88 @@
+"""`kvserve plan --simulate`: the replica model against hand arithmetic, the autoscaler's
+scale-up and drain on a burst, the SLO search, traces and the CLI. Pure Python, fast."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvserve.planner.cli import main
+from kvserve.planner.simulate import ReplicaModel, ScalingPolicy, min_replicas_for_slo, simulate
+from kvserve.planner.trace import Arrival, bursty, load_trace
+
+MODEL = ReplicaModel(max_num_seqs=8, max_num_batched_tokens=256, step_overhead_s=0.01, token_s=0.001)
+FIXED1 = ScalingPolicy(1, 1)
+
+
+def test_one_request_costs_what_the_step_model_says():
+    res = simulate([Arrival(0.0, 100, 5)], MODEL, FIXED1)
+    assert res.ttft_s == [pytest.approx(0.01 + 0.001 * 100)]  # one prefill step
+    assert res.makespan_s == pytest.approx(0.11 + 4 * 0.011)  # then four 1-token decode steps
+    assert res.queue_s == [0.0] and res.replica_hours == pytest.approx(res.makespan_s / 3600)
+
+
+def test_saturated_throughput_and_chunked_prefill():
+    res = simulate([Arrival(0.0, 10, 400) for _ in range(16)], MODEL, FIXED1)
+    # 8 seats decoding: 8 tokens a step of 0.01 + 8 * 0.001 s, so ~444 tokens/s for most of the run
+    assert 400 < res.output_tokens_per_s < 8 / 0.018 * 1.01
+    assert sorted(res.queue_s)[8] > 1.0  # the second eight waited for seats
+    long = simulate([Arrival(0.0, 1000, 1)], MODEL, FIXED1)  # 4 steps of <= 256 prompt tokens
+    assert long.ttft_s[0] == pytest.approx(4 * 0.01 + 0.001 * 1000)
+
+
+def test_a_burst_scales_up_then_drains_back():
+    calm = [Arrival(t * 2.0, 50, 20) for t in range(300)]
+    burst = [Arrival(100 + i * 0.02, 50, 200) for i in range(600)]
+    trace = sorted(calm + burst, key=lambda a: a.t)
+    policy = ScalingPolicy(1, 6, target_saturation=0.8, interval_s=5, cold_start_s=10, scale_down_delay_s=30)
+    res = simulate(trace, MODEL, policy)
+    assert res.peak_replicas > 1 and res.scale_events >= 2  # up, and at least one drain down
+    assert res.replica_hours < res.peak_replicas * res.makespan_s / 3600  # not all held to the end
+    pinned = simulate(trace, MODEL, ScalingPolicy(1, 1))
+    assert res.attainment(2.0) > pinned.attainment(2.0)
+    slower = simulate(trace, MODEL, ScalingPolicy(1, 6, 0.8, 5, cold_start_s=120, scale_down_delay_s=30))
+    assert slower.attainment(2.0) <= res.attainment(2.0)  # a cold start is paid in TTFT
+
+
+def test_min_replicas_for_a_ttft_slo_is_the_smallest_that_meets_it():
+    trace = bursty(
+        "bursty:duration=120,rate=1,burst_rate=12,burst_every=60,burst_len=10,prompt=100,output=30"
+    )
+    policy = ScalingPolicy(1, 8, 0.8, 5, cold_start_s=20, scale_down_delay_s=30)
+    fixed, auto = min_replicas_for_slo(trace, MODEL, policy, slo_s=1.0, target=0.95)
+    assert fixed is not None and fixed > 1 and auto is not None and auto <= fixed
+    pinned = lambda n: simulate(trace, MODEL, ScalingPolicy(n, n)).attainment(1.0)  # noqa: E731
+    assert pinned(fixed) >= 0.95 > pinned(fixed - 1)
+
+
+def test_traces(tmp_path):
+    a, b = bursty("bursty:duration=60,seed=3"), bursty("bursty:duration=60,seed=3")
+    assert a == b and a and all(x.t < 60 for x in a)
+    assert bursty("bursty:duration=60,seed=4") != a
+    good = tmp_path / "t.jsonl"
+    rows = [
+        '{"t": 1.5, "prompt_tokens": 10, "output_tokens": 2}',
+        "",
+        '{"t": 0, "prompt_tokens": 3, "output_tokens": 1}',
+    ]
+    good.write_text("\n".join(rows) + "\n")
+    assert [x.t for x in load_trace(str(good))] == [0, 1.5]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"t": 0, "prompt_tokens": 3, "output_tokens": 1}\n{"t": 1}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: expected"):
+        load_trace(str(bad))
+    with pytest.raises(ValueError, match="rate"):
+        bursty("bursty:rat=2")
+
+
+def test_cli(capsys):
+    code = main(["--simulate", "bursty:duration=60,rate=1,burst_rate=5", "--max-num-seqs", "16",
+                 "--cold-start", "10", "--scale-interval", "5", "--json"])  # fmt: skip
+    out = json.loads(capsys.readouterr().out)
+    assert code in (0, 1) and out["policy"]["requests"] > 0
+    assert {"min_fixed_replicas_for_slo", "min_replicas_for_slo_with_autoscaling"} <= set(out)
+    assert out["one_replica_output_tokens_per_s"] > 0
+    assert main(["--simulate", "bursty:nope=1"]) == 2
+    assert "expected key=value" in capsys.readouterr().err
+    assert main([]) == 2 and "MODEL is required" in capsys.readouterr().err
