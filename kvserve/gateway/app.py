@@ -13,13 +13,14 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvserve.entrypoints.draining_server import DrainingServer
 from kvserve.gateway.admin import admin_router
 from kvserve.gateway.backends import BackendPool
 from kvserve.gateway.config import GatewayConfig
 from kvserve.gateway.errors import GatewayError, unauthorized
 from kvserve.gateway.handler import Gateway
 from kvserve.gateway.keys import KeyRecord, KeyStore, open_database
-from kvserve.gateway.lifecycle import DrainingGatewayServer, GatewayLifecycle
+from kvserve.gateway.lifecycle import GatewayLifecycle
 from kvserve.gateway.metrics import GatewayMetrics
 from kvserve.gateway.spend import SpendLog
 from kvserve.gateway.state import StoreUnavailable, open_store
@@ -176,5 +177,5 @@ def serve(cfg: GatewayConfig, host: str, port: int, web_ui: bool = True) -> int:
     )
     app = build_app(cfg, web_ui)
     uv = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
-    DrainingGatewayServer(uv, app.state.gateway.lifecycle).run()
+    DrainingServer(uv, app.state.gateway.lifecycle).run()
     return 0

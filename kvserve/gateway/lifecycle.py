@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import time
 from collections.abc import Callable
-from types import FrameType
 
 import uvicorn
 
@@ -47,20 +45,3 @@ class GatewayLifecycle:
         if self.in_flight():
             log.warning("shutdown deadline: closing with %d request(s) still in flight", self.in_flight())
         server.should_exit = True
-
-
-class DrainingGatewayServer(uvicorn.Server):
-    """uvicorn's server, with SIGTERM / SIGINT handed to the lifecycle's drain."""
-
-    def __init__(self, config: uvicorn.Config, lifecycle: GatewayLifecycle) -> None:
-        super().__init__(config)
-        self.lifecycle = lifecycle
-
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self.lifecycle.draining:  # a second signal: stop now
-            self.should_exit = True
-            self.force_exit = sig == signal.SIGINT
-            return
-        self.lifecycle.draining = True
-        loop = asyncio.get_event_loop()
-        loop.call_soon_threadsafe(self.lifecycle.spawn, self.lifecycle.drain(self))

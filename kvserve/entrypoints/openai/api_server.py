@@ -19,9 +19,10 @@ from kvserve.batch.app import BatchAPI
 from kvserve.config import EngineConfig
 from kvserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError
 from kvserve.engine.dp_client import DPClient
+from kvserve.entrypoints.draining_server import DrainingServer
 from kvserve.entrypoints.openai.compat import ModelNotFoundError
 from kvserve.entrypoints.openai.errors import error_response, param_of
-from kvserve.entrypoints.openai.lifecycle import DrainingServer, Lifecycle, ServerShuttingDownError
+from kvserve.entrypoints.openai.lifecycle import Lifecycle, ServerShuttingDownError
 from kvserve.entrypoints.openai.middleware import BodySizeLimit, RequestGate
 from kvserve.entrypoints.openai.openapi import openapi_with_400
 from kvserve.entrypoints.openai.protocol import (

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import time
-from types import FrameType
 
 import uvicorn
 
@@ -80,20 +78,3 @@ class Lifecycle:
             engine.fail_all(ServerShuttingDownError("the server is shutting down"))
             await asyncio.sleep(min(FLUSH_S, 0.3))
         server.should_exit = True
-
-
-class DrainingServer(uvicorn.Server):
-    """uvicorn's server, with SIGTERM / SIGINT handed to the lifecycle's drain."""
-
-    def __init__(self, config: uvicorn.Config, lifecycle: Lifecycle) -> None:
-        super().__init__(config)
-        self.lifecycle = lifecycle
-
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self.lifecycle.draining:  # a second signal: stop now
-            self.should_exit = True
-            self.force_exit = sig == signal.SIGINT
-            return
-        self.lifecycle.draining = True
-        loop = asyncio.get_event_loop()
-        loop.call_soon_threadsafe(self.lifecycle.spawn, self.lifecycle.drain(self))
