@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvserve.core.kv_sizing import parse_memory_size
+from kvserve.kv_transfer.config import KVTransferConfig, parse_kv_transfer_config
 from kvserve.model.layers.kv_quant import check_kv_cache_dtype
 from kvserve.model.layers.quantization import check_method
 
@@ -176,8 +177,20 @@ class EngineConfig:
         },
     )
 
+    kv_transfer_config: str | None = field(
+        default=None,
+        metadata={
+            "help": (
+                'Prefill/decode disaggregation, as JSON: {"kv_connector": "tcp" | "shm" | "disk", '
+                '"kv_role": "kv_producer" | "kv_consumer" | "kv_both", ...} (docs/DISAGGREGATION.md).'
+            )
+        },
+    )
+
     def __post_init__(self) -> None:
         _ = self.parallel  # validates the parallel section
+        if self.kv_transfer is not None and (self.parallel.world_size > 1 or self.data_parallel_size > 1):
+            raise ValueError("kv_transfer_config: runs with tensor, pipeline and data parallel sizes 1 only")
         if self.parallel.world_size > 1 and self.speculative_method == "draft":
             raise ValueError(
                 "speculative_method: 'draft' runs with tensor_parallel_size and pipeline_parallel_size 1 only"
@@ -218,6 +231,10 @@ class EngineConfig:
                 parse_memory_size(self.kv_cache_memory)
             except ValueError as e:
                 raise ValueError(f"kv_cache_memory: {e}") from None
+
+    @property
+    def kv_transfer(self) -> KVTransferConfig | None:
+        return parse_kv_transfer_config(self.kv_transfer_config)
 
     @property
     def parallel(self) -> ParallelConfig:

@@ -71,3 +71,5 @@ class RequestOutput:
     """Prompt tokens whose KV came from the prefix cache."""
     embedding: list[float] | None = None
     """Embedding requests (SamplingParams.pooling): the pooled final hidden state."""
+    kv_transfer_params: dict | None = None
+    """A prefill engine's answer to do_remote_decode: where a decode engine finds the KV."""

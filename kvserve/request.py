@@ -18,6 +18,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"  # its prompt's blocks are on the way (kv_transfer/)
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
@@ -31,6 +32,16 @@ class RequestStatus(enum.Enum):
 BACKGROUND_PRIORITY = 2**63 - 1
 """The lowest priority there is (batch jobs): scheduled after every other request, preempted
 first, under both scheduling policies."""
+
+
+class RemoteKV:
+    """A consumer's load of a request's prompt KV: `local_tokens` came from this engine's
+    prefix cache, `remote_tokens` after them from the producer; `loaded` once written."""
+
+    __slots__ = ("local_tokens", "remote_tokens", "loaded")
+
+    def __init__(self, local_tokens: int, remote_tokens: int) -> None:
+        self.local_tokens, self.remote_tokens, self.loaded = local_tokens, remote_tokens, False
 
 
 class Request:
@@ -69,6 +80,8 @@ class Request:
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
         self.grammar: GrammarState | None = None  # structured outputs: set once compiled
+        self.remote_kv: RemoteKV | None = None  # prefill/decode disaggregation: the load, once tried
+        self.kv_transfer_out: dict | None = None  # a producer's kv_transfer_params for the response
         self.logprobs: list[dict[int, float]] = []
         self.prompt_logprobs: list[dict[int, float] | None] = (
             [None] if params.prompt_logprobs is not None else []

@@ -76,6 +76,9 @@ class SamplingParams:
     """Beam search: a finished sequence scores sum(logprobs) / generated_length ** length_penalty."""
     early_stopping: bool | str = False
     """Beam search: True, False or "never", as transformers (docs/BEAM_SEARCH.md)."""
+    kv_transfer_params: dict | None = None
+    """Prefill/decode disaggregation (kvserve/kv_transfer/params.py): keep this prompt's KV for
+    a decode engine, or take it from the prefill engine named here."""
 
     def __post_init__(self) -> None:
         # Not a dataclass field, so it is not serialized; rebuilt wherever params are made.

@@ -107,6 +107,34 @@ class KVCacheManager:
         self._register_full_blocks(request, blocks, total)
         return True
 
+    def allocate_for_remote(self, request: Request, hits: list[int], num_tokens: int, headroom: int) -> bool:
+        """Blocks for the first `num_tokens` tokens of a waiting request whose KV another engine
+        will supply (after the cache hits `hits`). Nothing is registered in the prefix cache
+        until the bytes are written (`commit_remote`): no other request may hit a block that
+        is still empty. Leaves `headroom` blocks free for the running requests' growth."""
+        need = self.blocks_needed(num_tokens) - len(hits)
+        reclaimed = sum(1 for b in hits if self.pool.ref_cnt[b] == 0)
+        if need + headroom > self.pool.num_free_blocks - reclaimed:
+            return False
+        self.pool.touch(hits)
+        self.req_to_blocks[request.request_id] = list(hits) + self.pool.allocate(need)
+        return True
+
+    def commit_remote(self, request: Request) -> None:
+        """The remote blocks are written: register the full ones up to the computed tokens."""
+        blocks = self.req_to_blocks[request.request_id]
+        self._register_full_blocks(request, blocks, request.num_computed_tokens)
+
+    def detach(self, request: Request) -> list[int]:
+        """Forget a finished request's blocks without freeing them (a producer's lease frees
+        them later with `free_blocks`)."""
+        self._num_registered.pop(request.request_id, None)
+        self._hashes.pop(request.request_id, None)
+        return self.req_to_blocks.pop(request.request_id, [])
+
+    def free_blocks(self, blocks: list[int]) -> None:
+        self.pool.free(blocks[::-1])  # tail first, as `free`
+
     def _copy_on_write(self, request: Request, blocks: list[int], indices: list[int]) -> None:
         """Give the request its own block at each of these table indices (all at or after its
         first unwritten position). Only the block holding computed tokens needs its KV copied;

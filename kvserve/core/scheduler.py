@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.model.layers.sampler import SampleResult
-from kvserve.request import Request, RequestStatus
+from kvserve.request import RemoteKV, Request, RequestStatus
 
 POLICIES = ("fcfs", "priority")
 # For this long after other requests were last present, steps of background requests only are
@@ -152,13 +152,16 @@ class Scheduler:
         self.num_lookahead_slots = 0  # draft-model speculation writes this far ahead
         self.spec_stats = SpecDecodeStats()
         self._interactive_seen = -1e9  # monotonic time other requests were last present
+        # Prefill/decode disaggregation (kv_transfer/): set by the engine core when configured.
+        self.connector = None
+        self.waiting_for_kv: dict[str, Request] = {}  # their prompt's blocks are on the way
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.waiting_for_kv)
 
     def _rank(self, req: Request) -> tuple:
         return (req.priority, req.arrival_time) if self.policy == "priority" else (req.background,)
@@ -222,6 +225,12 @@ class Scheduler:
                 break
             if len(self.running) + self._seats(req) > self.max_num_seqs:
                 break  # a group's first request: its forks will need their seats too
+            if self.connector is not None and req.remote_kv is None and req.num_computed_tokens == 0:
+                started = self._start_remote_load(req)
+                if started is None:
+                    break  # the pool is short
+                if started:
+                    continue
             # Mean pooling needs every prompt row computed, so it takes no cached prefix.
             fresh = req.num_computed_tokens == 0 and req.params.pooling != "mean"
             hits = self.kv.get_computed_blocks(req) if fresh else []
@@ -235,8 +244,13 @@ class Scheduler:
             self.waiting.pop()
             req.num_computed_tokens += num_cached
             if req.status == RequestStatus.WAITING:  # first admission, not a resumed preemption
-                req.num_cached_tokens = num_cached
-                self.kv.record_query(req.num_prompt_tokens, num_cached)
+                remote = req.remote_kv
+                if remote is not None and remote.loaded:  # tokens another engine computed count as cached
+                    req.num_cached_tokens = remote.local_tokens + remote.remote_tokens
+                    self.kv.record_query(req.num_prompt_tokens, remote.local_tokens)
+                else:
+                    req.num_cached_tokens = num_cached
+                    self.kv.record_query(req.num_prompt_tokens, num_cached)
                 req.first_scheduled_time = time.monotonic()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -246,6 +260,39 @@ class Scheduler:
         out.scheduled = scheduled
         out.block_copies, out.replaced_tables = self.kv.take_copies()
         return out
+
+    def _start_remote_load(self, req: Request) -> bool | None:
+        """Prefill/decode disaggregation: if another engine holds this waiting request's prompt
+        KV (beyond the local cache hits), allocate its blocks and start fetching them; the
+        request waits outside the queue until `finish_remote_load`. Returns True when started,
+        False to compute the prompt here, None when the pool is short."""
+        hits = self.kv.get_computed_blocks(req) if req.params.pooling != "mean" else []
+        local = len(hits) * self.kv.block_size
+        num_remote = self.connector.num_remote_tokens(req, local)
+        if num_remote <= 0:
+            req.remote_kv = RemoteKV(local, 0)  # tried once: computed here from now on
+            return False
+        if not self.kv.allocate_for_remote(req, hits, local + num_remote, headroom=len(self.running)):
+            return None
+        self.waiting.pop()
+        req.remote_kv = RemoteKV(local, num_remote)
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.waiting_for_kv[req.request_id] = req
+        self.connector.start_load(req, len(hits), self.kv.blocks_needed(local + num_remote) - len(hits))
+        return True
+
+    def finish_remote_load(self, req: Request, ok: bool) -> None:
+        """The fetch ended: written (the request resumes after the loaded tokens) or failed
+        (its blocks go back and it computes its prompt here, from its local cache hits)."""
+        del self.waiting_for_kv[req.request_id]
+        if ok:
+            req.num_computed_tokens = req.remote_kv.local_tokens + req.remote_kv.remote_tokens
+            req.remote_kv.loaded = True
+            self.kv.commit_remote(req)
+        else:
+            self.kv.free(req)
+        req.status = RequestStatus.WAITING
+        self.waiting.add(req, front=True)
 
     def _prefill_budget(self, budget: int, hold_background: bool) -> int:
         """Prefill tokens this step may take: all of `budget`, or, while any running request
@@ -369,6 +416,8 @@ class Scheduler:
         req.status = status
         if req in self.waiting:
             self.waiting.remove(req)
+        if self.waiting_for_kv.pop(request_id, None) is not None:
+            self.connector.cancel(req)  # the producer frees its lease now
         self._retire(req)
         return req
 
@@ -376,5 +425,14 @@ class Scheduler:
         req.finished_time = time.monotonic()
         if req in self.running:
             self.running.remove(req)
-        self.kv.free(req)
+        if self.connector is not None and req.status in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+        ):
+            blocks = self.kv.detach(req)
+            kept, req.kv_transfer_out = self.connector.request_finished(req, blocks)
+            if not kept:  # (a producer keeps them under a lease until a consumer has them)
+                self.kv.free_blocks(blocks)
+        else:
+            self.kv.free(req)
         self.requests.pop(req.request_id, None)

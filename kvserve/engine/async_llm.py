@@ -169,7 +169,7 @@ class AsyncLLM:
         self.limits = ModelLimits(
             self.ready.vocab_size, self.ready.max_model_len, self.ready.num_blocks, self.ready.block_size
         )
-        self.processor = InputProcessor(self.tokenizer, self.limits)
+        self.processor = InputProcessor(self.tokenizer, self.limits, self.config.kv_transfer)
 
     # ---- the core process and its sockets ---------------------------------------------------
     def _open_sockets(self) -> None:

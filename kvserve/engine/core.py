@@ -115,6 +115,7 @@ class EngineCore:
         self.beams = BeamSearchManager(self.scheduler)
         self.samples = SampleGroups(self.scheduler)
         self.executor = make_executor(config, self._worker_config())
+        self.connector = self._make_connector()
         self.load_time = time.perf_counter() - t0  # reading + dequantizing weights, tokenizer
         self.proposer = self._make_proposer()
         self.eos_token_ids = frozenset(arch.eos_token_ids) | (
@@ -149,6 +150,62 @@ class EngineCore:
                 "of a %s cache in the same memory", config.kv_cache_dtype, ratio, config.dtype,
             )  # fmt: skip
 
+    def _make_connector(self):
+        """Prefill/decode disaggregation (kv_transfer/): the connector over this engine's KV pool."""
+        kt = self.config.kv_transfer
+        if kt is None:
+            return None
+        if self.model_runner is None or self.config.speculative_method == "draft":
+            raise ValueError(
+                "kv_transfer_config: needs tensor_parallel_size 1, pipeline_parallel_size 1 and "
+                "no draft model"
+            )
+        from kvserve.kv_transfer.block_io import KVBlockIO
+        from kvserve.kv_transfer.factory import make_connector
+
+        c = self.config
+        identity = f"{self.source.name}|{c.dtype}|{c.quantization}|{c.kv_cache_dtype}"
+        connector = make_connector(kt, KVBlockIO.from_runner(self.model_runner, identity), c.block_size)
+        self.scheduler.connector = connector
+        logger.info(
+            "kv transfer: connector %s, role %s, engine id %s",
+            kt.kv_connector,
+            kt.kv_role,
+            connector.engine_id,
+        )
+        return connector
+
+    def poll_transfers(self) -> bool:
+        """Between steps: free lease blocks that were sent or expired, write finished fetches
+        into their blocks (or send their requests to compute the prompt). True if anything
+        changed."""
+        c = self.connector
+        if c is None:
+            return False
+        kv = self.kv_cache_manager
+        released = c.drain_released()
+        for blocks in released:
+            kv.free_blocks(blocks)
+        loads = c.take_loads()
+        for result in loads:
+            req = self.scheduler.waiting_for_kv.get(result.request.request_id)
+            if req is not result.request:
+                continue  # aborted while on the way
+            ok = result.payload is not None
+            if ok:
+                table = kv.get_block_ids(req.request_id)
+                try:
+                    c.write(result, table[result.first_block : result.first_block + result.num_blocks])
+                except ValueError as e:
+                    logger.warning("kv transfer for %s: %s; computing its prompt here", req.request_id, e)
+                    ok = False
+            self.scheduler.finish_remote_load(req, ok)
+        return bool(released or loads)
+
+    def has_pending_transfers(self) -> bool:
+        """Leases held or fetches running: an idle core must keep polling (poll_transfers)."""
+        return self.connector is not None and self.connector.has_pending()
+
     def _check_draft(self) -> ModelArch:
         """The draft model's shape; it must speak the target's tokenizer (same vocabulary)."""
         source = resolve_model(self.config.speculative_model)
@@ -177,6 +234,8 @@ class EngineCore:
         return getattr(self.executor, "model_runner", None)
 
     def shutdown(self) -> None:
+        if self.connector is not None:
+            self.connector.shutdown()
         self.executor.shutdown()
 
     def _make_proposer(self):
@@ -287,7 +346,10 @@ class EngineCore:
         if isinstance(self.scheduler, PipelinedScheduler):
             return self._step_pipelined()
         outputs: list[EngineCoreOutput] = self._admit_compiled()
+        self.poll_transfers()
         sched = self.scheduler.schedule()
+        if not sched and self.scheduler.waiting_for_kv:
+            self.connector.wait_for_loads(0.005)  # nothing to run until a fetch lands: do not spin
         if sched:
             block_tables = {
                 r.request_id: self.kv_cache_manager.get_block_ids(r.request_id) for r, _ in sched.scheduled
@@ -371,7 +433,9 @@ class EngineCore:
         return EngineCoreOutputs(
             outputs,
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting) + len(self.compiling),
+            num_waiting=len(self.scheduler.waiting)
+            + len(self.compiling)
+            + len(self.scheduler.waiting_for_kv),
             kv_cache_usage=self.kv_cache_manager.usage(),
             num_preemptions_total=self.scheduler.num_preemptions_total,
             iteration_tokens=sched.total_tokens,
@@ -384,7 +448,18 @@ class EngineCore:
             kv_stored=stored,
             kv_removed=removed,
             kv_cleared=cleared,
+            **self._transfer_totals(),
         )
+
+    def _transfer_totals(self) -> dict:
+        if self.connector is None:
+            return {}
+        s = self.connector.stats
+        return {
+            "kv_transfers": s.loads, "kv_transfer_failures": s.load_failures,
+            "kv_transfer_bytes": s.load_bytes, "kv_transfer_seconds": s.load_seconds,
+            "kv_leases_expired": s.leases_expired,
+        }  # fmt: skip
 
     @staticmethod
     def _output(req: Request, count: int) -> EngineCoreOutput:
@@ -399,6 +474,7 @@ class EngineCore:
             if req.params.prompt_logprobs is not None:
                 out.prompt_logprobs = req.prompt_logprobs
         if req.is_finished:
+            out.kv_transfer_params = req.kv_transfer_out
             out.finish_reason = req.finish_reason
             out.stop_reason = req.stop_reason
             out.finished_time = req.finished_time

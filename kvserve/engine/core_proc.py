@@ -23,6 +23,7 @@ from kvserve.config import EngineConfig
 from kvserve.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 
 IDLE_POLL_MS = 250  # how often an idle core looks at its ranks
+TRANSFER_POLL_MS = 10  # how often an idle core with KV leases or fetches looks at them
 
 
 class AddRequest(msgspec.Struct, tag=True, array_like=True):
@@ -122,7 +123,8 @@ def run_engine_core(
     try:
         while True:
             busy = core.has_unfinished_requests()
-            events = dict(poller.poll(0 if busy else IDLE_POLL_MS))
+            idle_ms = TRANSFER_POLL_MS if core.has_pending_transfers() else IDLE_POLL_MS
+            events = dict(poller.poll(0 if busy else idle_ms))
             if not busy:
                 core.executor.check_health()  # a dead or hung rank ends this process when idle too
             rejected: list[EngineCoreOutput] = []
@@ -148,6 +150,8 @@ def run_engine_core(
                 out.send(encoder.encode(result))
             elif busy:
                 out.send(encoder.encode(core.step()))  # report the now-idle stats once
+            elif core.poll_transfers():  # lease blocks freed while idle: report the pool
+                out.send(encoder.encode(core.step()))
     except Exception:
         traceback.print_exc()
         sys.stderr.flush()

@@ -24,7 +24,7 @@ class LLMEngine:
         self.config = config
         self.core = EngineCore(config)
         self.tokenizer = self.core.tokenizer
-        self.processor = InputProcessor(self.tokenizer, limits_of(self.core))
+        self.processor = InputProcessor(self.tokenizer, limits_of(self.core), config.kv_transfer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._pending: list[RequestOutput] = []
 

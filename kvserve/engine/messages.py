@@ -37,6 +37,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # sent with the first token
     embedding: list[float] | None = None  # pooling requests: the vector, sent as they finish
+    kv_transfer_params: dict | None = None  # a producer's answer: where a decode engine finds the KV
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, tag=True):
@@ -56,3 +57,9 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, tag
     kv_stored: list[bytes] = []
     kv_removed: list[bytes] = []
     kv_cleared: bool = False
+    # Prefill/decode disaggregation running totals (a consumer's fetches; a producer's leases):
+    kv_transfers: int = 0
+    kv_transfer_failures: int = 0
+    kv_transfer_bytes: int = 0
+    kv_transfer_seconds: float = 0.0
+    kv_leases_expired: int = 0

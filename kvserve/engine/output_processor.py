@@ -30,6 +30,7 @@ class RequestState:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.embedding: list[float] | None = None
+        self.kv_transfer_params: dict | None = None
 
     def make_output(
         self, new_token_ids: list[int], new_logprobs: list[dict[int, float]] | None = None
@@ -48,7 +49,7 @@ class RequestState:
         )
         return RequestOutput(
             self.request_id, self.prompt, self.prompt_token_ids, [completion], finished, self.metrics,
-            self.prompt_logprobs, self.num_cached_tokens, self.embedding,
+            self.prompt_logprobs, self.num_cached_tokens, self.embedding, self.kv_transfer_params,
         )  # fmt: skip
 
 
@@ -77,6 +78,8 @@ class OutputProcessor:
                 st.num_cached_tokens = out.num_cached_tokens
             if out.embedding is not None:
                 st.embedding = out.embedding
+            if out.kv_transfer_params is not None:
+                st.kv_transfer_params = out.kv_transfer_params
             # Token by token: with speculative decoding a step brings several, and a stop
             # string completed by one of them ends the output there.
             new_ids, new_logprobs, stop = out.new_token_ids, out.new_logprobs, None

@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvserve.engine.messages import EngineCoreRequest
+from kvserve.kv_transfer.config import KVTransferConfig
+from kvserve.kv_transfer.params import check_kv_transfer_params
 from kvserve.sampling_params import SamplingParams
 from kvserve.structured.spec import check as check_grammar
 from kvserve.tokenizer import Tokenizer
@@ -27,9 +29,30 @@ class ModelLimits:
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Tokenizer, limits: ModelLimits) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, limits: ModelLimits, kv_transfer: KVTransferConfig | None = None
+    ) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
+        self.kv_transfer = kv_transfer
+
+    def _check_kv_transfer(self, params: SamplingParams) -> None:
+        p = check_kv_transfer_params(params.kv_transfer_params)
+        if p is None:
+            return
+        kt = self.kv_transfer
+        if kt is None:
+            raise ValueError("kv_transfer_params: this engine runs without --kv-transfer-config")
+        if p.get("do_remote_decode") and not kt.is_producer:
+            raise ValueError(
+                f"kv_transfer_params: do_remote_decode needs a kv_producer engine, this is {kt.kv_role}"
+            )
+        if p.get("do_remote_prefill") and not kt.is_consumer:
+            raise ValueError(
+                f"kv_transfer_params: do_remote_prefill needs a kv_consumer engine, this is {kt.kv_role}"
+            )
+        if params.use_beam_search:
+            raise ValueError("kv_transfer_params: cannot be combined with use_beam_search")
 
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -109,6 +132,7 @@ class InputProcessor:
             raise ValueError(f"stop_token_ids: token ids out of range: {bad[:5]}")
         if params.structured_outputs is not None:
             check_grammar(params.structured_outputs)  # an invalid schema never reaches the core
+        self._check_kv_transfer(params)
         return EngineCoreRequest(
             request_id,
             ids,

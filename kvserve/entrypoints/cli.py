@@ -148,6 +148,13 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     return serve(cfg, args.host, args.port, web_ui=not args.disable_web_ui)
 
 
+def cmd_pd_proxy(args: argparse.Namespace) -> int:
+    from kvserve.disagg.proxy import serve
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    return serve(args.prefill, args.decode, args.host, args.port)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve", description="kvserve: LLM inference and serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -235,6 +242,13 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--port", type=int, default=4000)
     gw.add_argument("--disable-web-ui", action="store_true", help="no chat at / and no /dashboard")
     gw.set_defaults(func=cmd_gateway)
+
+    pd = sub.add_parser("pd-proxy", help="prefill on one engine, decode on another (docs/DISAGGREGATION.md)")
+    pd.add_argument("--prefill", nargs="+", required=True, help="base URL(s) of kv_producer servers")
+    pd.add_argument("--decode", nargs="+", required=True, help="base URL(s) of kv_consumer servers")
+    pd.add_argument("--host", default="127.0.0.1")
+    pd.add_argument("--port", type=int, default=8100)
+    pd.set_defaults(func=cmd_pd_proxy)
 
     from kvserve.planner.cli import register as register_plan
 

@@ -56,6 +56,27 @@ class ServerMetrics:
         self.prefix_hits = Counter(
             "kvserve:prefix_cache_hits", "Prompt tokens found in the prefix cache", registry=r, **lbl
         )
+        # Prefill/decode disaggregation (kv_transfer/): a consumer's fetches, a producer's leases
+        self.kv_transfers = Counter(
+            "kvserve:kv_transfers", "Prompt KV fetches from a prefill engine that landed", registry=r, **lbl
+        )
+        self.kv_transfer_failures = Counter(
+            "kvserve:kv_transfer_failures",
+            "Prompt KV fetches that failed or timed out (the prompt was computed here instead)",
+            registry=r, **lbl,
+        )  # fmt: skip
+        self.kv_transfer_bytes = Counter(
+            "kvserve:kv_transfer_bytes", "Bytes of KV blocks fetched", registry=r, **lbl
+        )
+        self.kv_transfer_seconds = Counter(
+            "kvserve:kv_transfer_seconds",
+            "Seconds spent in KV fetches (request to last byte)",
+            registry=r,
+            **lbl,
+        )
+        self.kv_leases_expired = Counter(
+            "kvserve:kv_leases_expired", "Producer leases freed because no consumer came", registry=r, **lbl
+        )
         self.prompt_tokens = Counter("kvserve:prompt_tokens", "Prompt tokens processed", registry=r, **lbl)
         self.generation_tokens = Counter("kvserve:generation_tokens", "Tokens generated", registry=r, **lbl)
         self.success = Counter(
@@ -143,6 +164,11 @@ class ServerMetrics:
         self._count_total(self.prefix_queries, core.prefix_cache_queries, e)
         self._count_total(self.prefix_hits, core.prefix_cache_hits, e)
         self._count_total(self.spec_drafts, core.spec_num_drafts, e)
+        self._count_total(self.kv_transfers, core.kv_transfers, e)
+        self._count_total(self.kv_transfer_failures, core.kv_transfer_failures, e)
+        self._count_total(self.kv_transfer_bytes, core.kv_transfer_bytes, e)
+        self._count_total(self.kv_transfer_seconds, core.kv_transfer_seconds, e)
+        self._count_total(self.kv_leases_expired, core.kv_leases_expired, e)
         self._count_total(self.spec_draft_tokens, core.spec_num_draft_tokens, e)
         self._count_total(self.spec_accepted, core.spec_num_accepted_tokens, e)
         for pos, total in enumerate(core.spec_accepted_per_position):

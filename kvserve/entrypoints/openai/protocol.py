@@ -23,6 +23,7 @@ from kvserve.entrypoints.openai.limits import (
     PositiveInt64,
     TopK,
 )
+from kvserve.kv_transfer.params import check_kv_transfer_params
 from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 from kvserve.structured.spec import check as check_grammar
 
@@ -98,6 +99,7 @@ class SamplingFields(BaseModel):
     use_beam_search: bool = False  # n beams, the n best returned (engine/beam_search.py); no streaming
     length_penalty: float = 1.0  # beam search only
     early_stopping: bool | Literal["never"] = False  # beam search only, as transformers'
+    kv_transfer_params: dict[str, Any] | None = None  # prefill/decode disaggregation (kv_transfer/)
     # vLLM's deprecated names for structured_outputs (compat.py maps them, with a Warning header)
     guided_json: dict[str, Any] | str | None = None
     guided_choice: list[str] | None = None
@@ -164,7 +166,14 @@ class SamplingFields(BaseModel):
             use_beam_search=self.use_beam_search,
             length_penalty=self.length_penalty,
             early_stopping=self.early_stopping,
+            kv_transfer_params=self._kv_transfer_params(),
         )
+
+    def _kv_transfer_params(self) -> dict | None:
+        p = check_kv_transfer_params(self.kv_transfer_params)
+        if p is not None and (self.n > 1 or (self.best_of or 1) > 1):
+            raise ValueError("kv_transfer_params: needs n = 1 and no best_of")
+        return p
 
 
 class FunctionDefinition(BaseModel):

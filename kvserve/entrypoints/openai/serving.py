@@ -396,7 +396,11 @@ class OpenAIServing:
         if run.samples > n:
             finals = _best(finals, run.samples, n)
         choices = [choice(index, finals[index]) for index in sorted(finals)]
-        return {**run.envelope(obj), "choices": choices, "usage": usage.as_dict()}, finals
+        body = {**run.envelope(obj), "choices": choices, "usage": usage.as_dict()}
+        transfer = [f.kv_transfer_params for f in finals.values() if f.kv_transfer_params]
+        if transfer:  # a prefill engine's answer to do_remote_decode (n is 1 then)
+            body["kv_transfer_params"] = transfer[0]
+        return body, finals
 
     async def _chunks(
         self, run: Launched, obj: str, req: SamplingFields, choice, first: Sequence[dict] = ()

@@ -1,0 +1,154 @@
+"""The prefill/decode proxy: each request goes to a prefill engine (max_tokens 1, keep the KV)
+and then, with the returned transfer parameters, to a decode engine whose answer is passed
+through to the client (SSE event for event when streaming).
+
+Failure semantics: a prefill engine that errors, times out or answers without parameters
+only costs time: the decode engine is asked without them and computes the prompt itself
+(`x-kvserve-pd: fallback` on the response). A client that goes away during the prefill
+cancels it (the prefill engine aborts the request); during the decode, the closed stream
+aborts it on the decode engine, which releases the producer's lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import AsyncIterator
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvserve.disagg.split import decode_body, prefill_body
+
+logger = logging.getLogger(__name__)
+ROUTES = ("/v1/chat/completions", "/v1/completions")
+
+
+class PDProxy:
+    def __init__(self, prefill: list[str], decode: list[str], timeout_s: float = 600.0) -> None:
+        if not prefill or not decode:
+            raise ValueError("pd-proxy: needs at least one --prefill and one --decode URL")
+        self.prefill = [u.rstrip("/") for u in prefill]
+        self.decode = [u.rstrip("/") for u in decode]
+        self._p, self._d = itertools.cycle(self.prefill), itertools.cycle(self.decode)
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
+        self.num_fallbacks = 0
+
+    @staticmethod
+    def _headers(raw: Request) -> dict:
+        keep = ("authorization", "x-request-id")
+        return {k: v for k, v in raw.headers.items() if k.lower() in keep}
+
+    async def _prefill(self, path: str, body: dict, raw: Request) -> dict | None:
+        """The producer's kv_transfer_params, or None (fall back). Cancelled if the client leaves."""
+        url = next(self._p) + path
+        call = asyncio.ensure_future(
+            self.client.post(url, json=prefill_body(body), headers=self._headers(raw))
+        )
+        while not call.done():
+            await asyncio.wait([call], timeout=0.5)
+            if not call.done() and await raw.is_disconnected():
+                call.cancel()  # closes the connection: the prefill engine aborts the request
+                await asyncio.gather(call, return_exceptions=True)
+                return None
+        try:
+            resp = call.result()
+        except httpx.HTTPError as e:
+            logger.warning(
+                "pd-proxy: prefill at %s failed (%s); the decode engine computes the prompt", url, e
+            )
+            return None
+        if resp.status_code != 200:
+            return {"_status": resp.status_code, "_content": resp.content}  # the client's mistake: pass it on
+        params = resp.json().get("kv_transfer_params")
+        if not params:
+            logger.warning("pd-proxy: %s answered without kv_transfer_params; decoding without them", url)
+        return params
+
+    async def handle(self, path: str, raw: Request) -> Response:
+        try:
+            body = await raw.json()
+        except ValueError:
+            return JSONResponse(_error("request body: not valid JSON", None), status_code=400)
+        if not isinstance(body, dict):
+            return JSONResponse(_error("request body: must be a JSON object", None), status_code=400)
+        params = await self._prefill(path, body, raw)
+        if params is not None and "_status" in params:
+            return Response(params["_content"], status_code=params["_status"], media_type="application/json")
+        if await raw.is_disconnected():
+            return Response(status_code=499)
+        fallback = params is None
+        self.num_fallbacks += fallback
+        headers = {"x-kvserve-pd": "fallback" if fallback else "disaggregated"}
+        req = self.client.build_request(
+            "POST", next(self._d) + path, json=decode_body(body, params), headers=self._headers(raw)
+        )
+        resp = await self.client.send(req, stream=True)
+        if not body.get("stream") or resp.status_code != 200:
+            content = await resp.aread()
+            await resp.aclose()
+            media = resp.headers.get("content-type", "application/json")
+            return Response(content, status_code=resp.status_code, media_type=media, headers=headers)
+        return StreamingResponse(_relay(resp), media_type="text/event-stream", headers=headers)
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+
+async def _relay(resp: httpx.Response) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in resp.aiter_raw():
+            yield chunk
+    finally:
+        await resp.aclose()  # the client left (or the stream ended): the decode engine aborts
+
+
+def _error(message: str, param: str | None) -> dict:
+    return {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": None}}
+
+
+def build_app(proxy: PDProxy) -> FastAPI:
+    app = FastAPI(title="kvserve pd-proxy")
+    app.state.proxy = proxy
+
+    for path in ROUTES:
+
+        async def route(raw: Request, _path: str = path) -> Response:
+            return await proxy.handle(_path, raw)
+
+        app.add_api_route(path, route, methods=["POST"])
+
+    @app.get("/v1/models")
+    async def models(raw: Request) -> Response:
+        resp = await proxy.client.get(proxy.decode[0] + "/v1/models", headers=proxy._headers(raw))
+        return Response(resp.content, status_code=resp.status_code, media_type="application/json")
+
+    @app.get("/health")
+    async def health() -> Response:
+        async def ok(url: str) -> bool:
+            try:
+                return (await proxy.client.get(url + "/health", timeout=2.0)).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        states = await asyncio.gather(*(ok(u) for u in proxy.prefill + proxy.decode))
+        up = all(states[len(proxy.prefill) :]) and any(states[: len(proxy.prefill)])
+        return JSONResponse({"prefill": states[: len(proxy.prefill)], "decode": states[len(proxy.prefill) :]},
+                            status_code=200 if up else 503)  # fmt: skip
+
+    @app.on_event("shutdown")
+    async def close() -> None:
+        await proxy.aclose()
+
+    return app
+
+
+def serve(prefill: list[str], decode: list[str], host: str, port: int) -> int:
+    import uvicorn
+
+    proxy = PDProxy(prefill, decode)
+    logger.info("pd-proxy on %s:%d: prefill %s, decode %s", host, port, proxy.prefill, proxy.decode)
+    uvicorn.run(build_app(proxy), host=host, port=port, log_level="warning", access_log=False)
+    return 0

@@ -1,0 +1,28 @@
+"""How one client request becomes a prefill request and a decode request.
+
+The prefill engine computes the prompt and one token (which nobody sees) and keeps the
+prompt's KV under a lease; its response's `kv_transfer_params` go with the client's own
+body to the decode engine, which pulls the KV and produces the whole answer, streamed or
+not, as if it had computed the prompt itself.
+"""
+
+from __future__ import annotations
+
+_DROP_FOR_PREFILL = ("stream_options", "n", "best_of", "logprobs", "top_logprobs", "max_completion_tokens")
+
+
+def prefill_body(body: dict) -> dict:
+    out = {k: v for k, v in body.items() if k not in _DROP_FOR_PREFILL}
+    out.update(max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
+    out.pop("min_tokens", None)
+    return out
+
+
+def decode_body(body: dict, kv_transfer_params: dict | None) -> dict:
+    """The client's body, with the producer's parameters (None: the decode engine computes
+    the prompt itself, e.g. after the prefill engine failed)."""
+    out = dict(body)
+    out.pop("kv_transfer_params", None)
+    if kv_transfer_params:
+        out["kv_transfer_params"] = kv_transfer_params
+    return out

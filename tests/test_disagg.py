@@ -1,0 +1,239 @@
+"""Prefill/decode disaggregation in one process: a producer engine computes each prompt (one
+token), a consumer engine pulls the prompt's KV and decodes. Greedy output equals a single
+engine's and transformers', for short and chunked prompts, with prefix-cache hits on either
+side, every connector, fp32 and 1-byte KV caches."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from helpers import assert_greedy_match, reference_greedy
+
+from kvserve.config import EngineConfig
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.kv_transfer.config import parse_kv_transfer_config
+from kvserve.kv_transfer.params import check_kv_transfer_params
+from kvserve.sampling_params import SamplingParams
+
+TEXT = (
+    "In a quiet village by the sea, the fishermen rose before dawn to mend their nets and talk about "
+    "the weather, the prices at the market and the stories of old sailors. "
+) * 40
+
+
+def _engine(model: str, connector: str | None, role: str | None = None, tmp=None, **kw) -> LLMEngine:
+    kt = None
+    if connector:
+        extra = {"kv_path": str(tmp)} if connector == "disk" else {}
+        kt = json.dumps({"kv_connector": connector, "kv_role": role, **extra})
+    return LLMEngine(EngineConfig(model=model, kv_cache_memory="96MiB", kv_transfer_config=kt, **kw))
+
+
+def _run(engine: LLMEngine, rid: str, prompt: list[int], params: SamplingParams):
+    engine.add_request(rid, prompt, params)
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final = out
+    return final
+
+
+def _disaggregated(prod: LLMEngine, cons: LLMEngine, rid: str, prompt: list[int], max_tokens: int):
+    """Prefill on the producer (one token, KV kept), decode on the consumer; both pools settle."""
+    first = _run(
+        prod,
+        "p-" + rid,
+        prompt,
+        SamplingParams(temperature=0, max_tokens=1, kv_transfer_params={"do_remote_decode": True}),
+    )
+    params = first.kv_transfer_params
+    assert params["do_remote_prefill"] and params["remote_num_tokens"] == len(prompt) - 1
+    out = _run(
+        cons,
+        "c-" + rid,
+        prompt,
+        SamplingParams(temperature=0, max_tokens=max_tokens, kv_transfer_params=params),
+    )
+    prod.core.poll_transfers()  # the pulled lease's blocks go back to the producer's pool
+    for e in (prod, cons):
+        kv = e.kv_cache_manager
+        assert kv.num_free_blocks == kv.num_blocks, "blocks left held after the transfer"
+    return first, out
+
+
+@pytest.fixture(scope="module")
+def default_pair():
+    prod = _engine("smollm2-135m", "tcp", "kv_producer")
+    cons = _engine("smollm2-135m", "tcp", "kv_consumer")
+    yield prod, cons
+    for e in (prod, cons):
+        e.core.shutdown()
+
+
+def test_default_model_disaggregated_equals_single_engine_and_reference(
+    default_pair, default_llm, default_reference
+):
+    """Short and chunked (> 512-token step budget) prompts; then the same long prompt again (a
+    hit on the producer's cache; the consumer holds all but its last block already) and one
+    sharing its first 480 tokens with it (a hit on the consumer's cache: only the rest is
+    pulled). Each equals the single engine, the short ones transformers too."""
+    prod, cons = default_pair
+    tok = prod.tokenizer
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    prompts = [ids[:9], ids[3:36], ids[5 : 5 + 700], ids[5 : 5 + 700], ids[5 : 5 + 480] + ids[600:660]]
+    eos = sorted(prod.eos_token_ids)
+    single = default_llm.llm_engine
+    stats = cons.core.connector.stats
+    for i, p in enumerate(prompts):
+        before = (stats.loads, stats.load_bytes)
+        hits_before = prod.kv_cache_manager.prefix_cache_hits
+        first, out = _disaggregated(prod, cons, str(i), p, 12)
+        alone = _run(single, f"single-{i}", p, SamplingParams(temperature=0, max_tokens=12))
+        got = out.outputs[0].token_ids
+        assert got == alone.outputs[0].token_ids, f"prompt {i}: disaggregated differs from one engine"
+        assert first.outputs[0].token_ids[0] == got[0]
+        if i < 2:  # (a single engine equals transformers on long prompts: test_fidelity.py)
+            expected = reference_greedy(default_reference, p, 12, eos)
+            assert_greedy_match(default_reference, p, expected, got, f"prompt {i}")
+        assert stats.loads == before[0] + 1 and stats.load_failures == 0
+        assert out.num_cached_tokens == len(p) - 1  # every prompt token but the last came from elsewhere
+        pulled_blocks = (stats.load_bytes - before[1]) // sum(cons.core.connector.io.block_bytes())
+        if i == 3:
+            assert prod.kv_cache_manager.prefix_cache_hits > hits_before, (
+                "the producer recomputed a cached prompt"
+            )
+        if i == 3:
+            assert pulled_blocks == 1
+        if i == 4:  # 480 tokens = 30 blocks were cached on the consumer: only the rest travelled
+            assert pulled_blocks == -(-(len(p) - 1) // 16) - 30
+        elif i < 3:
+            assert pulled_blocks == -(-(len(p) - 1) // 16)
+
+
+@pytest.mark.parametrize("connector,kv_dtype", [("shm", "int8"), ("disk", "fp8_e4m3"), ("tcp", "auto")])
+def test_connectors_and_kv_dtypes_equal_single_engine(connector, kv_dtype, tmp_path, tiny_llama_dir):
+    prod = _engine(tiny_llama_dir, connector, "kv_producer", tmp_path, kv_cache_dtype=kv_dtype)
+    cons = _engine(tiny_llama_dir, connector, "kv_consumer", tmp_path, kv_cache_dtype=kv_dtype)
+    single = _engine(tiny_llama_dir, None, kv_cache_dtype=kv_dtype, max_num_batched_tokens=64)
+    try:
+        for i, n in enumerate([5, 17, 48, 200]):
+            p = [(11 * j + i) % 500 + 3 for j in range(n)]
+            _, out = _disaggregated(prod, cons, str(i), p, 20)
+            ref = _run(single, str(i), p, SamplingParams(temperature=0, max_tokens=20))
+            assert out.outputs[0].token_ids == ref.outputs[0].token_ids, f"{connector}/{kv_dtype} prompt {n}"
+        assert cons.core.connector.stats.load_failures == 0
+    finally:
+        for e in (prod, cons, single):
+            e.core.shutdown()
+
+
+def test_mismatched_prompt_is_computed_locally_and_frees_the_lease(tiny_llama_dir):
+    """A consumer whose prompt is not the producer's never uses that KV; the lease is released."""
+    prod = _engine(tiny_llama_dir, "tcp", "kv_producer")
+    cons = _engine(tiny_llama_dir, "tcp", "kv_consumer")
+    single = _engine(tiny_llama_dir, None)
+    try:
+        p = [(7 * j) % 500 + 3 for j in range(40)]
+        params = _run(
+            prod,
+            "p",
+            p,
+            SamplingParams(temperature=0, max_tokens=1, kv_transfer_params={"do_remote_decode": True}),
+        ).kv_transfer_params
+        other = p[:-5] + [9, 9, 9, 9, 9]
+        out = _run(cons, "c", other, SamplingParams(temperature=0, max_tokens=12, kv_transfer_params=params))
+        assert (
+            out.outputs[0].token_ids
+            == _run(single, "s", other, SamplingParams(temperature=0, max_tokens=12)).outputs[0].token_ids
+        )
+        assert cons.core.connector.stats.loads == 0
+        kv = prod.kv_cache_manager
+        for _ in range(200):  # the release message reaches the producer's transfer thread
+            prod.core.poll_transfers()
+            if kv.num_free_blocks == kv.num_blocks:
+                break
+            time.sleep(0.01)
+        assert kv.num_free_blocks == kv.num_blocks
+    finally:
+        for e in (prod, cons, single):
+            e.core.shutdown()
+
+
+def test_disk_tier_survives_a_restart(tmp_path, tiny_llama_dir):
+    """kv_both on disk: blocks written by one engine are loaded by a fresh one (same output)."""
+    p = [(5 * j) % 500 + 3 for j in range(100)]
+    first = _engine(tiny_llama_dir, "disk", "kv_both", tmp_path)
+    try:
+        a = _run(first, "a", p, SamplingParams(temperature=0, max_tokens=10))
+        first.core.connector._pool.shutdown(wait=True)  # the writes are done
+        first.core.poll_transfers()
+    finally:
+        first.core.shutdown()
+    second = _engine(tiny_llama_dir, "disk", "kv_both", tmp_path)
+    try:
+        b = _run(second, "b", p, SamplingParams(temperature=0, max_tokens=10))
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        assert b.num_cached_tokens == 96 and second.core.connector.stats.loads == 1  # six full blocks
+    finally:
+        second.core.shutdown()
+
+
+@pytest.mark.parametrize(
+    "value,message",
+    [
+        ("{", "not valid JSON"),
+        ('{"kv_role": "kv_producer"}', "kv_connector: required"),
+        ('{"kv_connector": "rdma", "kv_role": "kv_producer"}', "kv_connector: 'rdma' is not one of"),
+        ('{"kv_connector": "tcp", "kv_role": "both"}', "kv_role: 'both' is not one of"),
+        ('{"kv_connector": "disk", "kv_role": "kv_both"}', "kv_path: required"),
+        ('{"kv_connector": "tcp", "kv_role": "kv_both", "kv_port": 70000}', "kv_port: must be"),
+        ('{"kv_connector": "tcp", "kv_role": "kv_both", "lease": 3}', "lease: unknown key"),
+    ],
+)
+def test_bad_kv_transfer_config_names_the_key(value, message):
+    with pytest.raises(ValueError, match=message):
+        parse_kv_transfer_config(value)
+
+
+@pytest.mark.parametrize(
+    "params,message",
+    [
+        ([], "must be an object"),
+        ({"do_remote_decode": "yes"}, "do_remote_decode: must be a boolean"),
+        ({"do_remote_decode": True, "do_remote_prefill": True}, "cannot be combined"),
+        ({"do_remote_prefill": True}, "remote_request_id: required"),
+        (
+            {
+                "do_remote_prefill": True,
+                "remote_request_id": "x",
+                "prompt_digest": "d",
+                "kv_connector": "tcp",
+                "remote_num_tokens": 4,
+            },
+            "remote_host: required",
+        ),
+        ({"surprise": 1}, "surprise: unknown key"),
+    ],
+)
+def test_bad_kv_transfer_params_name_the_key(params, message):
+    with pytest.raises(ValueError, match=message):
+        check_kv_transfer_params(params)
+
+
+def test_engine_without_config_refuses_transfer_params(tiny_llama_dir):
+    e = _engine(tiny_llama_dir, None)
+    with pytest.raises(ValueError, match="kv_transfer_params: this engine runs without --kv-transfer-config"):
+        e.add_request("x", [5, 6, 7], SamplingParams(kv_transfer_params={"do_remote_decode": True}))
+    cons = _engine(tiny_llama_dir, "tcp", "kv_consumer")
+    try:
+        with pytest.raises(ValueError, match="do_remote_decode needs a kv_producer"):
+            cons.add_request("y", [5, 6, 7], SamplingParams(kv_transfer_params={"do_remote_decode": True}))
+    finally:
+        cons.core.shutdown()
+    with pytest.raises(ValueError, match="kv_transfer_config: runs with tensor, pipeline and data parallel"):
+        EngineConfig(
+            kv_transfer_config='{"kv_connector": "tcp", "kv_role": "kv_both"}', tensor_parallel_size=2
+        )

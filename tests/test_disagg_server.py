@@ -1,0 +1,201 @@
+"""Prefill/decode disaggregation between real servers: `kvserve pd-proxy` in front of a
+kv_producer and a kv_consumer (`kvserve serve --kv-transfer-config`), and what happens when
+the transfer goes wrong: an abort while the KV is on the way, a prefill engine killed
+mid-transfer, a lease nobody claims, bad parameters."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+from server_utils import ServerProcess, free_port, stop_process
+
+PROMPT = (
+    "The quick brown fox jumps over the lazy dog. A paged KV cache stores keys and values in "
+    "fixed-size blocks. Continuous batching schedules every step. Hello world! 0123456789 "
+) * 3
+
+
+def _kv(role: str, **extra) -> str:
+    return json.dumps({"kv_connector": "tcp", "kv_role": role, **extra})
+
+
+def _server(model: str, role: str | None = None, **extra) -> ServerProcess:
+    args = ["--kv-cache-memory", "16MiB", "--max-model-len", "512"]
+    if role:
+        args += ["--kv-transfer-config", _kv(role, **extra)]
+    return ServerProcess(model, *args, api_key=None)
+
+
+class Proxy:
+    def __init__(self, prefill: str, decode: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "kvserve.entrypoints.cli", "pd-proxy", "--prefill", prefill,
+               "--decode", decode, "--port", str(self.port)]  # fmt: skip
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                httpx.get(self.url + "/v1/models", timeout=1)
+                return
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        raise TimeoutError("pd-proxy did not start")
+
+    def stop(self) -> None:
+        stop_process(self.proc)
+
+
+def _wait_for(cond, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"not within {timeout}s: {what}"
+        time.sleep(0.05)
+
+
+def _settled(s: ServerProcess) -> bool:
+    m = s.metrics()
+    return (
+        m["kvserve:kv_cache_usage_perc"] == 0
+        and m["kvserve:num_requests_running"] == 0
+        and m["kvserve:num_requests_waiting"] == 0
+    )
+
+
+def _prefill(s: ServerProcess) -> dict:
+    body = {"prompt": PROMPT, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    r = httpx.post(s.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["kv_transfer_params"]
+
+
+@pytest.fixture(scope="module")
+def pd(tiny_llama_dir):
+    prod = _server(tiny_llama_dir, "kv_producer", lease_s=2.0)
+    cons = _server(tiny_llama_dir, "kv_consumer", transfer_timeout_s=3.0)
+    proxy = Proxy(prod.url, cons.url)
+    yield prod, cons, proxy
+    proxy.stop()
+    for s in (prod, cons):
+        s.stop()
+
+
+def test_proxy_answers_as_one_engine_would(pd):
+    """Through the proxy (official openai client, streamed and not), the text equals the decode
+    engine's own answer when it computes the prompt itself; the KV travelled; pools settle."""
+    prod, cons, proxy = pd
+    body = {"model": cons_model(cons), "prompt": PROMPT, "max_tokens": 24, "temperature": 0}
+    alone = httpx.post(cons.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    before = cons.metrics().get("kvserve:kv_transfers_total", 0)
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="none")
+    raw = client.completions.with_raw_response.create(**body)
+    assert raw.headers["x-kvserve-pd"] == "disaggregated"
+    assert raw.parse().choices[0].text == alone
+    chunks = client.completions.create(**body, stream=True)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == alone
+    chat = {"model": body["model"], "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 16}
+    direct = httpx.post(cons.url + "/v1/chat/completions", json={**chat, "temperature": 0}, timeout=60).json()
+    via = client.chat.completions.create(**chat, temperature=0)
+    assert via.choices[0].message.content == direct["choices"][0]["message"]["content"]
+    assert cons.metrics()["kvserve:kv_transfers_total"] >= before + 3
+    _wait_for(lambda: _settled(prod) and _settled(cons), 2, "both pools back to empty")
+
+
+def cons_model(s: ServerProcess) -> str:
+    return httpx.get(s.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+
+
+def test_abort_during_transfer_frees_blocks_on_both_engines(pd):
+    """The producer is frozen (SIGSTOP) so the consumer's request waits for its KV; the client
+    goes away: the consumer frees its blocks within 2 s, and once the producer runs again the
+    release message frees the lease within 2 s."""
+    prod, cons, _ = pd
+    params = _prefill(prod)
+    core = prod.engine_core_pid()
+    os.kill(core, signal.SIGSTOP)
+    try:
+        body = {"prompt": PROMPT, "max_tokens": 40, "stream": True, "kv_transfer_params": params}
+        with httpx.Client(timeout=30) as c, c.stream("POST", cons.url + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            _wait_for(lambda: cons.metrics()["kvserve:num_requests_waiting"] == 1, 5, "waiting for its KV")
+            assert cons.metrics()["kvserve:kv_cache_usage_perc"] > 0
+        t0 = time.monotonic()
+        _wait_for(lambda: _settled(cons), 2, "the consumer frees the aborted request's blocks")
+        assert time.monotonic() - t0 < 2
+    finally:
+        os.kill(core, signal.SIGCONT)
+    _wait_for(lambda: _settled(prod), 2, "the producer frees the lease")
+    assert prod.metrics().get("kvserve:kv_leases_expired_total", 0) == 0  # released, not expired
+
+
+def test_unclaimed_lease_expires(pd):
+    prod, _, _ = pd
+    before = prod.metrics().get("kvserve:kv_leases_expired_total", 0)
+    _prefill(prod)
+    assert prod.metrics()["kvserve:kv_cache_usage_perc"] > 0  # held for a consumer
+    _wait_for(lambda: _settled(prod), 4, "the lease (2 s) expires and its blocks free")
+    assert prod.metrics()["kvserve:kv_leases_expired_total"] == before + 1
+
+
+def test_killed_prefill_engine_means_recompute_not_failure(pd, tiny_llama_dir):
+    """The producer's engine dies while the consumer waits on its KV: after the transfer
+    timeout (3 s) the consumer computes the prompt and answers exactly as it would alone. A
+    proxy whose prefill engine is gone falls back the same way."""
+    _, cons, _ = pd
+    prod = _server(tiny_llama_dir, "kv_producer")
+    try:
+        params = _prefill(prod)
+        core = prod.engine_core_pid()
+        os.kill(core, signal.SIGSTOP)
+        failures = cons.metrics().get("kvserve:kv_transfer_failures_total", 0)
+        body = {"prompt": PROMPT, "max_tokens": 20, "temperature": 0}
+        alone = httpx.post(cons.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+        with httpx.Client(timeout=60) as c:
+            with c.stream(
+                "POST",
+                cons.url + "/v1/completions",
+                json={**body, "stream": True, "kv_transfer_params": params},
+            ) as r:
+                _wait_for(
+                    lambda: cons.metrics()["kvserve:num_requests_waiting"] == 1, 5, "waiting for its KV"
+                )
+                os.kill(core, signal.SIGKILL)
+                events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == alone
+        assert cons.metrics()["kvserve:kv_transfer_failures_total"] == failures + 1
+        prod.stop()
+        proxy = Proxy(prod.url, cons.url)  # nothing listens there any more
+        try:
+            r = httpx.post(proxy.url + "/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200 and r.headers["x-kvserve-pd"] == "fallback"
+            assert r.json()["choices"][0]["text"] == alone
+        finally:
+            proxy.stop()
+        _wait_for(lambda: _settled(cons), 2, "the consumer's pool is empty")
+    finally:
+        prod.stop()
+
+
+@pytest.mark.parametrize(
+    "extra,param",
+    [
+        ({"kv_transfer_params": {"do_remote_decode": True}}, "do_remote_decode needs a kv_producer"),
+        ({"kv_transfer_params": {"do_remote_prefill": True}}, "remote_request_id: required"),
+        ({"kv_transfer_params": "yes"}, "kv_transfer_params"),
+        ({"kv_transfer_params": {"do_remote_decode": True}, "n": 2}, "needs n = 1"),
+    ],
+)
+def test_bad_transfer_params_are_400s_naming_the_field(pd, extra, param):
+    _, cons, _ = pd
+    r = httpx.post(cons.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, **extra}, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert param in err["message"] and "kv_transfer_params" in (err.get("param") or "") + err["message"]
