@@ -199,3 +199,34 @@ def test_bad_transfer_params_are_400s_naming_the_field(pd, extra, param):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert param in err["message"] and "kv_transfer_params" in (err.get("param") or "") + err["message"]
+
+
+def test_gateway_pd_deployment(pd, tmp_path):
+    """A gateway deployment with `prefill_url` runs each request's prompt on the producer and
+    decodes on base_url; the answer equals the decode engine's own."""
+    from gateway_utils import GatewayProcess, deployment
+
+    prod, cons, _ = pd
+    model = cons_model(cons)
+    cfg = {
+        "model_list": [deployment("pd", cons.url + "/v1", model, prefill_url=prod.url + "/v1")],
+        "keys": [{"key": "sk-pd"}],
+        "general_settings": {"database": str(tmp_path / "gw.db")},
+    }
+    gw = GatewayProcess(cfg, str(tmp_path))
+    try:
+        body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 16, "temperature": 0}
+        direct = httpx.post(
+            cons.url + "/v1/chat/completions", json={**body, "model": model}, timeout=60
+        ).json()
+        before = cons.metrics()["kvserve:kv_transfers_total"]
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key="sk-pd")
+        raw = client.chat.completions.with_raw_response.create(model="pd", **body)
+        assert raw.headers["x-kvserve-pd"] == "disaggregated"
+        assert raw.parse().choices[0].message.content == direct["choices"][0]["message"]["content"]
+        stream = client.chat.completions.create(model="pd", stream=True, **body)
+        text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        assert text == direct["choices"][0]["message"]["content"]
+        assert cons.metrics()["kvserve:kv_transfers_total"] == before + 2
+    finally:
+        gw.stop()

@@ -2,7 +2,7 @@
 and then, with the returned transfer parameters, to a decode engine whose answer is passed
 through to the client (SSE event for event when streaming).
 
-Failure semantics: a prefill engine that errors, times out or answers without parameters
+Failure semantics (disagg/prefill.py): a prefill engine that errors, times out or answers without parameters
 only costs time: the decode engine is asked without them and computes the prompt itself
 (`x-kvserve-pd: fallback` on the response). A client that goes away during the prefill
 cancels it (the prefill engine aborts the request); during the decode, the closed stream
@@ -20,7 +20,8 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvserve.disagg.split import decode_body, prefill_body
+from kvserve.disagg.prefill import PrefillResult, run_prefill
+from kvserve.disagg.split import decode_body
 
 logger = logging.getLogger(__name__)
 ROUTES = ("/v1/chat/completions", "/v1/completions")
@@ -41,31 +42,16 @@ class PDProxy:
         keep = ("authorization", "x-request-id")
         return {k: v for k, v in raw.headers.items() if k.lower() in keep}
 
-    async def _prefill(self, path: str, body: dict, raw: Request) -> dict | None:
-        """The producer's kv_transfer_params, or None (fall back). Cancelled if the client leaves."""
-        url = next(self._p) + path
-        call = asyncio.ensure_future(
-            self.client.post(url, json=prefill_body(body), headers=self._headers(raw))
-        )
+    async def _prefill(self, path: str, body: dict, raw: Request) -> PrefillResult | None:
+        """The prefill engine's answer; None if the client left meanwhile (it is cancelled)."""
+        call = asyncio.ensure_future(run_prefill(self.client, next(self._p) + path, body, self._headers(raw)))
         while not call.done():
             await asyncio.wait([call], timeout=0.5)
             if not call.done() and await raw.is_disconnected():
                 call.cancel()  # closes the connection: the prefill engine aborts the request
                 await asyncio.gather(call, return_exceptions=True)
                 return None
-        try:
-            resp = call.result()
-        except httpx.HTTPError as e:
-            logger.warning(
-                "pd-proxy: prefill at %s failed (%s); the decode engine computes the prompt", url, e
-            )
-            return None
-        if resp.status_code != 200:
-            return {"_status": resp.status_code, "_content": resp.content}  # the client's mistake: pass it on
-        params = resp.json().get("kv_transfer_params")
-        if not params:
-            logger.warning("pd-proxy: %s answered without kv_transfer_params; decoding without them", url)
-        return params
+        return call.result()
 
     async def handle(self, path: str, raw: Request) -> Response:
         try:
@@ -74,11 +60,14 @@ class PDProxy:
             return JSONResponse(_error("request body: not valid JSON", None), status_code=400)
         if not isinstance(body, dict):
             return JSONResponse(_error("request body: must be a JSON object", None), status_code=400)
-        params = await self._prefill(path, body, raw)
-        if params is not None and "_status" in params:
-            return Response(params["_content"], status_code=params["_status"], media_type="application/json")
-        if await raw.is_disconnected():
+        pre = await self._prefill(path, body, raw)
+        if pre is None or await raw.is_disconnected():
             return Response(status_code=499)
+        if pre.refused_status is not None:  # the client's mistake: the prefill engine's 4xx stands
+            return Response(
+                pre.refused_content, status_code=pre.refused_status, media_type="application/json"
+            )
+        params = pre.params
         fallback = params is None
         self.num_fallbacks += fallback
         headers = {"x-kvserve-pd": "fallback" if fallback else "disaggregated"}

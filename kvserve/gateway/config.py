@@ -66,10 +66,17 @@ class Backend(_Strict):
     output_cost_per_token: float = Field(0.0, ge=0)
     max_context: int | None = Field(None, ge=1)
     tokenizer: Literal["auto", "kvserve", "estimate"] = "auto"
+    prefill_url: str | None = Field(
+        None,
+        description="pd deployment: each request's prompt first goes to this kv_producer (kvserve serve "
+        "--kv-transfer-config), then to base_url, a kv_consumer, with the KV's whereabouts",
+    )
 
-    @field_validator("base_url")
+    @field_validator("base_url", "prefill_url")
     @classmethod
-    def _url(cls, v: str) -> str:
+    def _url(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
         if not re.match(r"^https?://", v):
             raise ValueError("must start with http:// or https://")
         return v.rstrip("/")

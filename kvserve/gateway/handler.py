@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from kvserve.disagg.prefill import run_prefill
+from kvserve.disagg.split import decode_body
 from kvserve.gateway.backends import BackendPool
 from kvserve.gateway.budgets import completion_budget, cost, max_cost
 from kvserve.gateway.config import Deployment, GatewayConfig
@@ -60,6 +62,7 @@ class Ctx:
     route: RequestInfo | None = None  # what request-aware routing strategies look at
     degraded_to: str | None = None  # the fallback alias tried first: the group is saturated
     cache: Lookup | None = None  # set when the response cache applies to this request
+    pd: str | None = None  # pd deployments: "disaggregated" or "fallback" (the last attempt's)
 
 
 class Gateway:
@@ -312,10 +315,19 @@ class Gateway:
 
     async def _one(self, ctx: Ctx, dep: Deployment, arid: str, dchecks: list[Check]) -> Response | Outcome:
         """One attempt; a Response when it is the answer, else the failed Outcome."""
+        body = ctx.body
+        if dep.backend.prefill_url:  # a pd deployment: the prompt on its kv_producer first
+            url, prefill = dep.backend.prefill_url + ctx.path, dict(body, model=dep.backend.model)
+            pre = await run_prefill(self.pool.client(dep), url, prefill, self.pool.headers(dep))
+            if pre.refused_status is not None:
+                return await self._pass_through(
+                    ctx, dep, Outcome("final", pre.refused_status, pre.refused_content)
+                )
+            body, ctx.pd = decode_body(body, pre.params), "disaggregated" if pre.params else "fallback"
         strategy = self.router.strategy
         strategy.started(dep.id, ctx.route)
         try:
-            out = await attempt(self.pool, dep, ctx.path, ctx.body, ctx.stream, ctx.client_usage)
+            out = await attempt(self.pool, dep, ctx.path, body, ctx.stream, ctx.client_usage)
         except BaseException:
             strategy.finished(dep.id, None, ctx.route)
             await asyncio.shield(self._release(arid, dchecks, 0))
@@ -347,6 +359,8 @@ class Gateway:
         }
         if ctx.degraded_to is not None and dep.model_name == ctx.degraded_to:
             h[DEGRADED_HEADER] = "fallback"
+        if ctx.pd is not None:
+            h["x-kvserve-pd"] = ctx.pd
         return h
 
     def _stream(self, ctx: Ctx, dep: Deployment, arid: str, dchecks: list[Check], out: Outcome) -> Response:

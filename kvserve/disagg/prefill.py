@@ -1,0 +1,46 @@
+"""The prefill half of a disaggregated request, shared by `kvserve pd-proxy` and the gateway's
+pd deployments (a backend with `prefill_url`)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import httpx
+
+from kvserve.disagg.split import prefill_body
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PrefillResult:
+    """`params` for the decode engine (None: it computes the prompt itself), or, when the
+    prefill engine refused the request (a 4xx: the client's mistake), its answer to pass on."""
+
+    params: dict | None = None
+    refused_status: int | None = None
+    refused_content: bytes = b""
+
+
+async def run_prefill(client: httpx.AsyncClient, url: str, body: dict, headers: dict) -> PrefillResult:
+    """POST the prefill body to `url`; any failure of the prefill engine means a fallback."""
+    try:
+        resp = await client.post(url, json=prefill_body(body), headers=headers)
+    except httpx.HTTPError as e:
+        logger.warning("prefill at %s failed (%s); the decode engine computes the prompt", url, e)
+        return PrefillResult()
+    if 400 <= resp.status_code < 500 and resp.status_code not in (408, 429):
+        return PrefillResult(refused_status=resp.status_code, refused_content=resp.content)
+    if resp.status_code != 200:
+        logger.warning(
+            "prefill at %s answered %d; the decode engine computes the prompt", url, resp.status_code
+        )
+        return PrefillResult()
+    try:
+        params = resp.json().get("kv_transfer_params")
+    except ValueError:
+        params = None
+    if not params:
+        logger.warning("prefill at %s answered without kv_transfer_params (not a kv_producer?)", url)
+    return PrefillResult(params or None)
