@@ -32,6 +32,13 @@ registered in the prefix cache. If the pool is short, the proposals are dropped 
 anything is preempted. `update` then advances by the accepted tokens only; the rejected
 positions' KV is simply overwritten later (attention never reads past a request's length).
 
+Prefill/decode disaggregation (kv_transfer/): with a connector, a waiting request whose prompt
+KV another engine holds gets blocks for it (after its local cache hits) and waits in
+WAITING_FOR_REMOTE_KV, outside the queue and without a seat, until the engine core reports the
+fetch done (`finish_remote_load`): it rejoins the queue at the front with those tokens computed,
+or, if the fetch failed, with its blocks freed to compute the prompt here. A producer's request
+that finishes normally hands its blocks to the connector (a lease) instead of freeing them.
+
 Beam search (engine/beam_search.py) adds two things: a running request with nothing to
 compute (a beam whose next token waits for the rest of its group) is skipped, keeping its
 blocks; and `add_fork` puts a forked beam next to its parent, sharing the parent's blocks.
