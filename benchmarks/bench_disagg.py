@@ -10,7 +10,8 @@ greedy, ignore_eos) while a `--long-len`-token prompt arrives every `--every` se
                   `kvserve pd-proxy` in front; every request (streams too) goes prefill -> decode
 Printed per configuration: the streams' inter-token latency p50 / p99 (gaps between content
 chunks, during the long-prompt phase), their output tok/s, the long prompts' TTFT, and for the
-disaggregated run the KV transfers (count, MB, MB/s, ms each) from the consumer's /metrics.
+disaggregated run the KV transfers (count, MB, MB/s, ms each) from the consumer's /metrics, over
+the whole run and for three long prompts sent afterwards with nothing else running.
 
     python benchmarks/bench_disagg.py [--modes colocated,colocated-cap,disaggregated]
 """
@@ -171,6 +172,28 @@ async def run_load(url: str, args, short: list[list[int]], long: list[list[int]]
     }
 
 
+def idle_transfer(url: str, consumer: str, long: list[list[int]]) -> dict:
+    """The long prompts' transfers with nothing else running (after the load run)."""
+    before = metrics(consumer)
+
+    async def go() -> None:
+        async with httpx.AsyncClient(timeout=600) as client:
+            for p in long[:3]:
+                await stream_one(client, url, p, 2)
+
+    asyncio.run(go())
+    after = metrics(consumer)
+    d = {k: after.get(k, 0) - before.get(k, 0) for k in ("kvserve:kv_transfers_total",
+         "kvserve:kv_transfer_bytes_total", "kvserve:kv_transfer_seconds_total")}  # fmt: skip
+    n, mb, s = (
+        d["kvserve:kv_transfers_total"],
+        d["kvserve:kv_transfer_bytes_total"] / 1e6,
+        d["kvserve:kv_transfer_seconds_total"],
+    )
+    return {"idle_long_transfer_mb": round(mb / n, 1), "idle_long_transfer_ms": round(1000 * s / n, 1),
+            "idle_long_transfer_mb_s": round(mb / s, 1)} if n else {}  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--modes", default="colocated,colocated-cap,disaggregated")
@@ -196,6 +219,7 @@ def main() -> None:
         try:
             row = asyncio.run(run_load(url, args, short, long))
             if consumer is not None:
+                row.update(idle_transfer(url, consumer, long))
                 m = metrics(consumer)
                 n, mb = (
                     m.get("kvserve:kv_transfers_total", 0),

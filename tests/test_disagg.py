@@ -237,3 +237,20 @@ def test_engine_without_config_refuses_transfer_params(tiny_llama_dir):
         EngineConfig(
             kv_transfer_config='{"kv_connector": "tcp", "kv_role": "kv_both"}', tensor_parallel_size=2
         )
+
+
+def test_what_the_proxy_sends_each_engine():
+    from kvserve.disagg.split import decode_body, disaggregates, prefill_body
+
+    body = {"model": "m", "prompt": "hi", "max_tokens": 50, "stream": True, "n": 1,
+            "stream_options": {"include_usage": True}, "logprobs": 2, "min_tokens": 5}  # fmt: skip
+    pre = prefill_body(body)
+    assert pre["max_tokens"] == 1 and pre["stream"] is False
+    assert pre["kv_transfer_params"] == {"do_remote_decode": True}
+    assert not {"stream_options", "logprobs", "min_tokens", "n"} & set(pre)
+    params = {"do_remote_prefill": True, "remote_request_id": "x"}
+    assert decode_body(body, params) == {**body, "kv_transfer_params": params}
+    assert "kv_transfer_params" not in decode_body({**body, "kv_transfer_params": {"a": 1}}, None)
+    assert disaggregates(body)
+    for extra in ({"n": 2}, {"best_of": 3}, {"use_beam_search": True}, {"prompt_logprobs": 1}):
+        assert not disaggregates({**body, **extra}), extra

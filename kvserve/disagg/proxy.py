@@ -21,7 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvserve.disagg.prefill import PrefillResult, run_prefill
-from kvserve.disagg.split import decode_body
+from kvserve.disagg.split import decode_body, disaggregates
 
 logger = logging.getLogger(__name__)
 ROUTES = ("/v1/chat/completions", "/v1/completions")
@@ -60,17 +60,18 @@ class PDProxy:
             return JSONResponse(_error("request body: not valid JSON", None), status_code=400)
         if not isinstance(body, dict):
             return JSONResponse(_error("request body: must be a JSON object", None), status_code=400)
-        pre = await self._prefill(path, body, raw)
-        if pre is None or await raw.is_disconnected():
-            return Response(status_code=499)
-        if pre.refused_status is not None:  # the client's mistake: the prefill engine's 4xx stands
-            return Response(
-                pre.refused_content, status_code=pre.refused_status, media_type="application/json"
-            )
-        params = pre.params
-        fallback = params is None
-        self.num_fallbacks += fallback
-        headers = {"x-kvserve-pd": "fallback" if fallback else "disaggregated"}
+        params, how = None, "decode-only"
+        if disaggregates(body):
+            pre = await self._prefill(path, body, raw)
+            if pre is None or await raw.is_disconnected():
+                return Response(status_code=499)
+            if pre.refused_status is not None:  # the client's mistake: the prefill engine's 4xx stands
+                status, content = pre.refused_status, pre.refused_content
+                return Response(content, status_code=status, media_type="application/json")
+            params = pre.params
+            how = "disaggregated" if params else "fallback"
+            self.num_fallbacks += params is None
+        headers = {"x-kvserve-pd": how}
         req = self.client.build_request(
             "POST", next(self._d) + path, json=decode_body(body, params), headers=self._headers(raw)
         )

@@ -11,6 +11,14 @@ from __future__ import annotations
 _DROP_FOR_PREFILL = ("stream_options", "n", "best_of", "logprobs", "top_logprobs", "max_completion_tokens")
 
 
+def disaggregates(body: dict) -> bool:
+    """Whether a request goes prefill -> decode. Several sequences from one prompt (n, best_of,
+    beams) and prompt logprobs (every prompt position scored where it is decoded) go to the
+    decode engine alone."""
+    n, best_of = body.get("n") or 1, body.get("best_of") or 1
+    return n == 1 and best_of == 1 and not body.get("use_beam_search") and body.get("prompt_logprobs") is None
+
+
 def prefill_body(body: dict) -> dict:
     out = {k: v for k, v in body.items() if k not in _DROP_FOR_PREFILL}
     out.update(max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})

@@ -15,7 +15,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from kvserve.disagg.prefill import run_prefill
-from kvserve.disagg.split import decode_body
+from kvserve.disagg.split import decode_body, disaggregates
 from kvserve.gateway.backends import BackendPool
 from kvserve.gateway.budgets import completion_budget, cost, max_cost
 from kvserve.gateway.config import Deployment, GatewayConfig
@@ -316,7 +316,7 @@ class Gateway:
     async def _one(self, ctx: Ctx, dep: Deployment, arid: str, dchecks: list[Check]) -> Response | Outcome:
         """One attempt; a Response when it is the answer, else the failed Outcome."""
         body = ctx.body
-        if dep.backend.prefill_url:  # a pd deployment: the prompt on its kv_producer first
+        if dep.backend.prefill_url and disaggregates(body):  # pd deployment: the prompt on its kv_producer
             url, prefill = dep.backend.prefill_url + ctx.path, dict(body, model=dep.backend.model)
             pre = await run_prefill(self.pool.client(dep), url, prefill, self.pool.headers(dep))
             if pre.refused_status is not None:

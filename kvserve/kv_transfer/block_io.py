@@ -34,9 +34,7 @@ class KVBlockIO:
         block i is bytes [i * size, (i + 1) * size) of each part); safe to send after the blocks
         are freed: nothing here points into the pool."""
         idx = torch.tensor(list(block_ids), dtype=torch.long)
-        return [
-            t.index_select(2, idx).movedim(2, 0).contiguous().view(-1).view(torch.uint8) for t in self.tensors
-        ]
+        return [t.movedim(2, 0)[idx].view(-1).view(torch.uint8) for t in self.tensors]  # one copy each
 
     def scatter(self, block_ids: Sequence[int], payload: Sequence) -> None:
         """Write received blocks (one bytes-like per KV tensor, as `gather` made them)."""

@@ -82,7 +82,10 @@ class ZmqConnector(KVConnector):
     # ---- consumer ---------------------------------------------------------------------------
     def num_remote_tokens(self, req: Request, num_local_tokens: int) -> int:
         rp = remote_prefill(req.params.kv_transfer_params)
-        if rp is None or not self.config.is_consumer or req.params.prompt_logprobs is not None:
+        if rp is None or not self.config.is_consumer:
+            return 0
+        if req.params.prompt_logprobs is not None or req.params.pooling:  # every position computed here
+            self._send_async(rp, Release(rp.request_id))
             return 0
         if rp.connector != self.name:
             logger.warning("kv transfer: %s names connector %r, this engine runs %r; computing it here",
