@@ -31,8 +31,10 @@ def _engine(model: str, connector: str | None, role: str | None = None, tmp=None
     return LLMEngine(EngineConfig(model=model, kv_cache_memory="96MiB", kv_transfer_config=kt, **kw))
 
 
-def _run(engine: LLMEngine, rid: str, prompt: list[int], params: SamplingParams):
-    engine.add_request(rid, prompt, params)
+def _run(engine: LLMEngine, rid: str | None, prompt: list[int] | None, params: SamplingParams | None):
+    """Run a request to the end (rid None: one already added) and return its final output."""
+    if rid is not None:
+        engine.add_request(rid, prompt, params)
     final = None
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -64,52 +66,56 @@ def _disaggregated(prod: LLMEngine, cons: LLMEngine, rid: str, prompt: list[int]
     return first, out
 
 
-@pytest.fixture(scope="module")
-def default_pair():
-    prod = _engine("smollm2-135m", "tcp", "kv_producer")
-    cons = _engine("smollm2-135m", "tcp", "kv_consumer")
-    yield prod, cons
-    for e in (prod, cons):
-        e.core.shutdown()
-
-
-def test_default_model_disaggregated_equals_single_engine_and_reference(
-    default_pair, default_llm, default_reference
-):
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_default_model_disaggregated_equals_single_engine(kv_dtype, default_reference):
     """Short and chunked (> 512-token step budget) prompts; then the same long prompt again (a
     hit on the producer's cache; the consumer holds all but its last block already) and one
     sharing its first 480 tokens with it (a hit on the consumer's cache: only the rest is
-    pulled). Each equals the single engine, the short ones transformers too."""
-    prod, cons = default_pair
-    tok = prod.tokenizer
-    ids = tok.encode(TEXT, add_special_tokens=False)
-    prompts = [ids[:9], ids[3:36], ids[5 : 5 + 700], ids[5 : 5 + 700], ids[5 : 5 + 480] + ids[600:660]]
+    pulled). Each equals the consumer computing the prompt itself (under another cache_salt,
+    so from nothing), and with an fp32 cache the short ones equal transformers."""
+    prod = _engine("smollm2-135m", "tcp", "kv_producer", kv_cache_dtype=kv_dtype)
+    cons = _engine("smollm2-135m", "tcp", "kv_consumer", kv_cache_dtype=kv_dtype)
+    try:
+        if kv_dtype == "auto":
+            _check_default_pair(prod, cons, default_reference, [0, 1, 2, 3, 4])
+        else:  # the cases that read a 1-byte cache back: a chunked prompt, a consumer-side hit
+            _check_default_pair(prod, cons, None, [2, 4])
+    finally:
+        for e in (prod, cons):
+            e.core.shutdown()
+
+
+def _check_default_pair(prod: LLMEngine, cons: LLMEngine, reference, cases: list[int]) -> None:
+    ids = prod.tokenizer.encode(TEXT, add_special_tokens=False)
+    prompts = [ids[:9], ids[3:36], ids[5 : 5 + 560], ids[5 : 5 + 560], ids[5 : 5 + 480] + ids[600:640]]
     eos = sorted(prod.eos_token_ids)
-    single = default_llm.llm_engine
     stats = cons.core.connector.stats
-    for i, p in enumerate(prompts):
+    block_bytes = sum(cons.core.connector.io.block_bytes())
+    alone_tokens: dict[tuple, list[int]] = {}
+    for i in cases:
+        p = prompts[i]
         before = (stats.loads, stats.load_bytes)
         hits_before = prod.kv_cache_manager.prefix_cache_hits
-        first, out = _disaggregated(prod, cons, str(i), p, 12)
-        alone = _run(single, f"single-{i}", p, SamplingParams(temperature=0, max_tokens=12))
+        first, out = _disaggregated(prod, cons, str(i), p, 8)
         got = out.outputs[0].token_ids
-        assert got == alone.outputs[0].token_ids, f"prompt {i}: disaggregated differs from one engine"
+        if tuple(p) not in alone_tokens:  # the consumer computing it itself, from nothing
+            cons.add_request(f"alone-{i}", p, SamplingParams(temperature=0, max_tokens=8), cache_salt=f"a{i}")
+            alone = _run(cons, None, None, None)
+            assert alone.num_cached_tokens == 0
+            alone_tokens[tuple(p)] = alone.outputs[0].token_ids
+        assert got == alone_tokens[tuple(p)], f"prompt {i}: disaggregated differs from one engine"
         assert first.outputs[0].token_ids[0] == got[0]
-        if i < 2:  # (a single engine equals transformers on long prompts: test_fidelity.py)
-            expected = reference_greedy(default_reference, p, 12, eos)
-            assert_greedy_match(default_reference, p, expected, got, f"prompt {i}")
+        if reference is not None and i < 2:  # (one engine equals transformers on long prompts: test_fidelity)
+            assert_greedy_match(reference, p, reference_greedy(reference, p, 8, eos), got, f"prompt {i}")
         assert stats.loads == before[0] + 1 and stats.load_failures == 0
         assert out.num_cached_tokens == len(p) - 1  # every prompt token but the last came from elsewhere
-        pulled_blocks = (stats.load_bytes - before[1]) // sum(cons.core.connector.io.block_bytes())
+        pulled_blocks = (stats.load_bytes - before[1]) // block_bytes
         if i == 3:
-            assert prod.kv_cache_manager.prefix_cache_hits > hits_before, (
-                "the producer recomputed a cached prompt"
-            )
-        if i == 3:
+            assert prod.kv_cache_manager.prefix_cache_hits > hits_before, "the producer recomputed it"
             assert pulled_blocks == 1
-        if i == 4:  # 480 tokens = 30 blocks were cached on the consumer: only the rest travelled
+        elif i == 4:  # 480 tokens = 30 blocks were cached on the consumer: only the rest travelled
             assert pulled_blocks == -(-(len(p) - 1) // 16) - 30
-        elif i < 3:
+        else:
             assert pulled_blocks == -(-(len(p) - 1) // 16)
 
 
