@@ -92,7 +92,7 @@ def calibrate(
         dec = [(b, _decode_step(llm, b, context, 24, seed=10 + b)) for b in batches if b <= max_num_seqs]
         pre = [(n, _prefill_step(llm, n, 5, seed=1000 + n)) for n in lengths if n <= max_num_batched_tokens]
     finally:
-        llm.llm_engine.shutdown() if hasattr(llm.llm_engine, "shutdown") else None
+        llm.llm_engine.core.shutdown()  # its memory and threads are gone before the server starts
     d0, d1 = _fit(dec)
     p0, p1 = _fit(pre)
     return Calibration(d0, d1, p1, p0, dec, pre)
