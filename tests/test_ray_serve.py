@@ -196,8 +196,8 @@ def test_scales_1_to_2_and_back_without_failing_a_request(ray_head, tiny_llama_d
         tasks = [asyncio.create_task(load.worker(64, heavy_stop)) for _ in range(6)]
         t_up = await poller.until(lambda s: s.get("RUNNING") == 2, 150, "scale-up to 2 replicas")
         shared = await same_prefix_replicas(load.url)  # both replicas serve the heavy load meanwhile
-        # Light: 2 long streams, 1 per replica, half the target -> Serve wants 1.
-        tasks += [asyncio.create_task(load.worker(160, light_stop)) for _ in range(2)]
+        # Light: 2 long streams (seconds each), 1 per replica, half the target -> Serve wants 1.
+        tasks += [asyncio.create_task(load.worker(300, light_stop)) for _ in range(2)]
         heavy_stop.set()
         t_light = time.monotonic()
         t_down = await poller.until(

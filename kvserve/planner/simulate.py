@@ -7,8 +7,9 @@ the batch, each step computing one token per decoding sequence plus prompt chunk
 + token_s x prompt tokens`. Decode and prompt tokens cost differently: a decoding sequence is
 one row through every weight plus attention over its whole context through the paged kernel,
 a prompt token one row of a large matmul; on the 2-core CPU here one more decoding sequence
-cost 1.6x a prompt token (benchmarks/plan_calibrate.py; docs/BENCHMARKS.md, round 6), and
-one per-token figure fit to prefill put TTFT p50 on a bursty trace at 0.66x the measured.
+cost 1.6-1.9x a prompt token (benchmarks/plan_calibrate.py; docs/BENCHMARKS.md, round 6),
+and one per-token figure fit to prefill put TTFT p50 on a bursty trace at 0.66-0.68x the
+measured.
 Fit them on the real hardware from step times: the overhead and decode cost from decode
 steps at a few batch sizes, the prompt cost from prefills of a few lengths (`decode_token_s`
 None: the same as `token_s`). KV capacity is not modelled (seats only), so size the KV pool
