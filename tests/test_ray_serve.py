@@ -203,7 +203,9 @@ def test_scales_1_to_2_and_back_without_failing_a_request(ray_head, tiny_llama_d
         t_down = await poller.until(
             lambda s: s.get("RUNNING") == 1 and len(s) == 1, 120, "scale-down back to 1 replica"
         )
-        await asyncio.sleep(1.5)
+        deadline = time.monotonic() + 60  # one stream sent after it: which replica is left
+        while not any(r.t0 > t_down for r in load.results) and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
         light_stop.set()
         await asyncio.gather(*tasks)
         return {"t_load": t_load, "t_up": t_up, "t_light": t_light, "t_down": t_down, "shared": shared}
@@ -229,7 +231,9 @@ def test_scales_1_to_2_and_back_without_failing_a_request(ray_head, tiny_llama_d
     i = next(i for i, (t, s) in enumerate(samples) if t > times["t_light"] and s != {"RUNNING": 2})
     t_prev, t_began = samples[i - 1][0], samples[i][0]  # Serve decided in between
     drained = [r for r in res if r.replica == removed and r.t0 < t_prev and r.t1 > t_began]
-    assert drained, "no stream was in flight on the removed replica when it began to stop"
+    near = [(r.replica == removed, round(r.t0 - t_began, 2), round(r.t1 - t_began, 2)) for r in res
+            if r.t1 > times["t_light"] - 2]  # fmt: skip
+    assert drained, f"no stream in flight on the removed replica at [{t_prev - t_began:.2f}, 0]: {near}"
     starting = next(t for t, s in samples if "STARTING" in s)
     print(
         f"deploy {deploy_s:.1f} s; load at +{times['t_load'] - t_start:.1f} s, 2nd replica starting "
