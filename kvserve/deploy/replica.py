@@ -14,7 +14,7 @@ Why a subprocess and not kvserve's FastAPI app mounted with Serve's ASGI ingress
   (`graceful_shutdown_wait_loop_s` / `_timeout_s`, streams count until their last chunk),
   then calls `__del__`, which sends SIGTERM: the server's own drain then finds nothing in
   flight, stops its engine and removes its IPC files.
-The price is one localhost HTTP hop per request (well under a millisecond next to a step).
+The price is one more localhost HTTP hop per request (not measured against a bare server yet).
 """
 
 from __future__ import annotations
