@@ -18,7 +18,7 @@ from server_utils import ServerProcess, free_port
 
 from kvserve import LLM, SamplingParams
 from kvserve.bench.datasets import DatasetConfig, build_dataset, load_bench_tokenizer
-from kvserve.bench.loadgen import LoadConfig, RequestResult, arrival_gaps, run_load
+from kvserve.bench.loadgen import LoadConfig, RequestResult, arrival_gaps, run_load, schedule
 from kvserve.bench.metrics import compute_metrics, parse_slo
 from kvserve.entrypoints.cli import main as kvserve_main
 
@@ -179,6 +179,29 @@ def test_datasets(tiny_tok, tmp_path):
     assert [r.output_len for r in js] == [7, 9, 7] and js[1].messages and js[0].text == "hello world"
     with pytest.raises(ValueError, match="dataset-path"):
         build_dataset(tiny_tok, DatasetConfig("jsonl", 3))
+
+
+def test_trace_dataset_replays_arrivals(instant_stub, tiny_tok, tmp_path):
+    """--dataset trace: the planner's trace format, each line once at its time, lengths as given."""
+    path = tmp_path / "t.jsonl"
+    rows = [
+        {"t": 0.5, "prompt_tokens": 12, "output_tokens": 3},
+        {"t": 0.7, "prompt_tokens": 30, "output_tokens": 5},
+        {"t": 1.2, "prompt_tokens": 8, "output_tokens": 2},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    reqs = build_dataset(tiny_tok, DatasetConfig("trace", num_prompts=1, path=str(path)))
+    assert [r.arrival_s for r in reqs] == [0.5, 0.7, 1.2] and [r.output_len for r in reqs] == [3, 5, 2]
+    for r, row in zip(reqs, rows):  # the toy vocabulary's tokens may merge when re-encoded
+        assert abs(r.prompt_len - row["prompt_tokens"]) <= row["prompt_tokens"] // 2
+    cfg = LoadConfig(instant_stub.url, "stub", progress=False)
+    assert schedule(reqs, cfg) == pytest.approx([0.0, 0.2, 0.5])
+    results, _ = _run(cfg, reqs)
+    starts = [r.start for r in results]
+    assert all(abs(s - t) < 0.05 for s, t in zip(starts, [0.0, 0.2, 0.7])), starts
+    assert len(build_dataset(tiny_tok, DatasetConfig("trace", path="bursty:duration=20,seed=1"))) > 5
+    with pytest.raises(ValueError, match="dataset-path"):
+        build_dataset(tiny_tok, DatasetConfig("trace"))
 
 
 # ---- the CLI: sweep + plot, serve JSON -----------------------------------------------------------

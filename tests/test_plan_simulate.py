@@ -86,3 +86,17 @@ def test_cli(capsys):
     assert main(["--simulate", "bursty:nope=1"]) == 2
     assert "expected key=value" in capsys.readouterr().err
     assert main([]) == 2 and "MODEL is required" in capsys.readouterr().err
+
+
+def test_decoding_sequences_cost_their_own_rate():
+    """decode_token_s prices a decoding sequence apart from a prompt token (None: token_s)."""
+    model = ReplicaModel(8, 256, step_overhead_s=0.01, token_s=0.001, decode_token_s=0.004)
+    one = simulate([Arrival(0.0, 100, 5)], model, FIXED1)
+    assert one.ttft_s == [pytest.approx(0.11)] and one.makespan_s == pytest.approx(0.11 + 4 * 0.014)
+    two = simulate([Arrival(0.0, 100, 5), Arrival(0.0, 100, 5)], model, FIXED1)
+    # the second prompt joins the first's first decode step: 0.11 + (0.01 + 0.004 + 0.1)
+    assert two.ttft_s == [pytest.approx(0.11), pytest.approx(0.224)]
+    # then three steps decoding both (0.018 each) and one with the second alone (0.014)
+    assert two.makespan_s == pytest.approx(0.224 + 3 * 0.018 + 0.014)
+    same = ReplicaModel(8, 256, step_overhead_s=0.01, token_s=0.001)
+    assert same.decode_s == 0.001

@@ -11,7 +11,8 @@ from kvserve.bench.datasets import DATASETS
 def add_dataset_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("dataset")
     g.add_argument("--dataset", choices=DATASETS, default="random")
-    g.add_argument("--dataset-path", default=None, help="JSONL file for --dataset jsonl")
+    g.add_argument("--dataset-path", default=None,
+                   help="jsonl: a JSONL file; trace: a JSONL trace or bursty:... spec")  # fmt: skip
     g.add_argument("--tokenizer", default=None, help="alias, .gguf or HF directory (default: --model)")
     g.add_argument("--num-prompts", type=int, default=100)
     g.add_argument("--input-len", type=int, default=128, help="prompt tokens (chat: the median)")

@@ -13,7 +13,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-DATASETS = ("random", "prefix", "chat", "jsonl")
+DATASETS = ("random", "prefix", "chat", "jsonl", "trace")
 
 
 @dataclass
@@ -24,6 +24,7 @@ class BenchRequest:
     prompt_ids: list[int]
     output_len: int
     messages: list[dict[str, str]] | None = None
+    arrival_s: float | None = None  # trace: when to send it, seconds after the first
 
     @property
     def prompt_len(self) -> int:
@@ -158,6 +159,24 @@ def jsonl_dataset(tok, cfg: DatasetConfig) -> list[BenchRequest]:
     return out
 
 
+def trace_dataset(tok, cfg: DatasetConfig) -> list[BenchRequest]:
+    """An arrival trace replayed as `kvserve plan --simulate` reads it (kvserve/planner/trace.py):
+    a JSONL path ({"t", "prompt_tokens", "output_tokens"} a line) or a `bursty:...` spec. Each
+    request is sent at its `t` with a random-word prompt of its length and its output length
+    (with --ignore-eos exactly), every line once (--num-prompts does not apply)."""
+    from kvserve.planner.trace import load_trace
+
+    if not cfg.path:
+        raise ValueError("dataset-path: the trace dataset needs a JSONL file or a bursty:... spec")
+    rng, pool = random.Random(cfg.seed), word_pool(tok)
+    out = []
+    for a in load_trace(cfg.path):
+        req = _text_request(tok, rng.choices(pool, k=a.prompt_tokens), a.output_tokens)
+        req.arrival_s = a.t
+        out.append(req)
+    return out
+
+
 def build_dataset(tok, cfg: DatasetConfig) -> list[BenchRequest]:
     if cfg.num_prompts < 1:
         raise ValueError("num-prompts: must be at least 1")
@@ -166,6 +185,7 @@ def build_dataset(tok, cfg: DatasetConfig) -> list[BenchRequest]:
         "prefix": prefix_dataset,
         "chat": chat_dataset,
         "jsonl": jsonl_dataset,
+        "trace": trace_dataset,
     }
     if cfg.name not in makers:
         raise ValueError(f"dataset: {cfg.name!r} is not one of {', '.join(DATASETS)}")

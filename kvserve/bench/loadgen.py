@@ -157,6 +157,15 @@ def arrival_gaps(n: int, rate: float, burstiness: float, seed: int) -> list[floa
     return [0.0] + [rng.gammavariate(burstiness, 1.0 / (rate * burstiness)) for _ in range(n - 1)]
 
 
+def schedule(requests: list[BenchRequest], cfg: LoadConfig) -> list[float]:
+    """Gaps between sends: a trace's own arrival times (the first sent at once), else the
+    request rate's gamma arrivals."""
+    times = [r.arrival_s for r in requests]
+    if requests and all(t is not None for t in times):
+        return [0.0] + [max(0.0, b - a) for a, b in zip(times, times[1:])]
+    return arrival_gaps(len(requests), cfg.request_rate, cfg.burstiness, cfg.seed)
+
+
 def _client(n: int) -> httpx.AsyncClient:
     limits = httpx.Limits(max_connections=n + 4, max_keepalive_connections=n + 4)
     return httpx.AsyncClient(timeout=None, limits=limits)
@@ -206,9 +215,7 @@ async def run_load(
 
         tasks = []
         t_base = due = time.perf_counter()
-        for req, gap in zip(
-            requests, arrival_gaps(len(requests), cfg.request_rate, cfg.burstiness, cfg.seed)
-        ):
+        for req, gap in zip(requests, schedule(requests, cfg)):
             due += gap  # absolute schedule: sleep overheads do not accumulate
             if due > time.perf_counter():
                 await asyncio.sleep(due - time.perf_counter())

@@ -1,5 +1,5 @@
 """`kvserve` command line: generate (one-shot or interactive chat), serve, run-batch, gateway, plan,
-bench, eval."""
+bench, eval, deploy."""
 
 from __future__ import annotations
 
@@ -259,6 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
     from kvserve.eval.cli import register as register_eval
 
     register_eval(sub)
+    from kvserve.deploy.cli import register as register_deploy
+
+    register_deploy(sub)
     return parser
 
 

@@ -3,11 +3,19 @@
 
 Each replica is modelled as kvserve's scheduler runs it: up to `max_num_seqs` sequences in
 the batch, each step computing one token per decoding sequence plus prompt chunks, within
-`max_num_batched_tokens`; a step lasts `step_overhead_s + token_s x tokens` (fit both to a
-`kvserve bench` run on the real hardware: the overhead from a 1-sequence decode, the
-per-token cost from a long prefill). KV capacity is not modelled (seats only), so size the
-KV pool with `kvserve plan MODEL` first. Requests go to the ready replica with the fewest
-requests; with none ready they wait at the front.
+`max_num_batched_tokens`; a step lasts `step_overhead_s + decode_token_s x decoding sequences
++ token_s x prompt tokens`. Decode and prompt tokens cost differently: a decoding sequence is
+one row through every weight plus attention over its whole context through the paged kernel,
+a prompt token one row of a large matmul; on the 2-core CPU here one more decoding sequence
+cost 1.6-1.9x a prompt token (benchmarks/plan_calibrate.py; docs/BENCHMARKS.md, round 6),
+and one per-token figure fit to prefill put TTFT p50 on a bursty trace at 0.66-0.68x the
+measured.
+Fit them on the real hardware from step times: the overhead and decode cost from decode
+steps at a few batch sizes, the prompt cost from prefills of a few lengths (`decode_token_s`
+None: the same as `token_s`). KV capacity is not modelled (seats only), so size the KV pool
+with `kvserve plan MODEL` first.
+Requests go to the ready replica with the fewest requests; with none ready they wait at the
+front.
 
 The autoscaler acts as an HPA on `kvserve:saturation` (kvserve/metrics/saturation.py):
 every `interval_s`, desired = ceil(ready x mean saturation / target), clamped; new replicas
@@ -33,7 +41,12 @@ class ReplicaModel:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     step_overhead_s: float = 0.02
-    token_s: float = 0.0002
+    token_s: float = 0.0002  # per prompt token computed in a step
+    decode_token_s: float | None = None  # per decoding sequence in a step; None: token_s
+
+    @property
+    def decode_s(self) -> float:
+        return self.token_s if self.decode_token_s is None else self.decode_token_s
 
 
 @dataclass(frozen=True)
@@ -148,9 +161,11 @@ class _Sim:
                 n = min(budget, req.a.prompt_tokens - req.prefilled)
                 plan.append((req, n))
                 budget -= n
-        tokens = m.max_num_batched_tokens - budget
+        decodes = sum(1 for req, _ in plan if req.prefilled == req.a.prompt_tokens)
+        prompt_tokens = m.max_num_batched_tokens - budget - decodes
         rep.stepping = True
-        self.push(now + m.step_overhead_s + m.token_s * tokens, "step", (rep, plan))
+        duration = m.step_overhead_s + m.decode_s * decodes + m.token_s * prompt_tokens
+        self.push(now + duration, "step", (rep, plan))
 
     def step_end(self, rep: _Replica, plan: list, now: float) -> None:
         rep.stepping = False

@@ -26,7 +26,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="JSONL trace ({t, prompt_tokens, output_tokens} a line) or bursty[:k=v,...]",
     )
     s.add_argument("--step-overhead-ms", type=float, default=20.0, help="per engine step, measured (20)")
-    s.add_argument("--token-ms", type=float, default=0.2, help="per token computed in a step, measured (0.2)")
+    s.add_argument("--token-ms", type=float, default=0.2, help="per prompt token computed in a step (0.2)")
+    s.add_argument("--decode-token-ms", type=float, default=None,
+                   help="per decoding sequence in a step, measured (default: --token-ms)")  # fmt: skip
     s.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step (2048)")
     s.add_argument("--min-replicas", type=int, default=1)
     s.add_argument("--max-replicas", type=int, default=8)
@@ -60,13 +62,15 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.max_num_seqs < 1 or args.max_num_batched_tokens < 1:
             raise ValueError("--max-num-seqs and --max-num-batched-tokens must be >= 1")
-        if args.step_overhead_ms < 0 or args.token_ms < 0 or args.cold_start < 0 or args.scale_interval <= 0:
+        decode_ms = args.token_ms if args.decode_token_ms is None else args.decode_token_ms
+        times = (args.step_overhead_ms, args.token_ms, decode_ms, args.cold_start)
+        if min(times) < 0 or args.scale_interval <= 0:
             raise ValueError("times must be >= 0 (--scale-interval > 0)")
         if not 0 < args.target_saturation or not 0 < args.slo_target <= 1:
             raise ValueError("--target-saturation must be > 0 and --slo-target in (0, 1]")
         trace = load_trace(args.simulate)
         model = ReplicaModel(args.max_num_seqs, args.max_num_batched_tokens, args.step_overhead_ms / 1000,
-                             args.token_ms / 1000)  # fmt: skip
+                             args.token_ms / 1000, decode_ms / 1000)  # fmt: skip
         policy = ScalingPolicy(args.min_replicas, args.max_replicas, args.target_saturation,
                                args.scale_interval, args.cold_start, args.scale_down_delay)  # fmt: skip
         res = simulate(trace, model, policy)

@@ -1,0 +1,71 @@
+"""The front of the Ray Serve application: Serve's HTTP proxy hands every request to this
+small FastAPI ingress (no engine), which passes it to the kvserve replicas through a
+DeploymentHandle, so the replicas' request router (ray_router.py: kvserve's routing policy)
+picks which one. Responses stream through chunk by chunk, status and content type as the
+replica's server answered, with `x-kvserve-replica` naming the replica.
+"""
+
+import json
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from kvserve.deploy.replica import FORWARDED_HEADERS
+
+app = FastAPI(title="kvserve on Ray Serve")
+
+
+def _error(status: int, message: str, code: str) -> JSONResponse:
+    return JSONResponse(
+        {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}},
+        status_code=status,
+    )
+
+
+def _headers(request: Request) -> dict[str, str]:
+    return {k: request.headers[k] for k in FORWARDED_HEADERS if k in request.headers}
+
+
+@serve.ingress(app)
+class Front:
+    def __init__(self, replicas: DeploymentHandle) -> None:
+        self.replicas = replicas
+
+    @app.post("/v1/{path:path}")
+    async def post(self, path: str, request: Request) -> Response:
+        try:
+            body = json.loads(await request.body())
+        except ValueError:
+            return _error(400, "the body is not valid JSON", "invalid_json")
+        if not isinstance(body, dict):
+            return _error(400, "the body must be a JSON object", "invalid_json")
+        gen = self.replicas.options(stream=True).forward.remote(f"/v1/{path}", body, _headers(request))
+        meta = await gen.__anext__()
+
+        async def rest():
+            async for chunk in gen:
+                yield chunk
+
+        return StreamingResponse(
+            rest(), status_code=meta["status"], media_type=meta["content_type"],
+            headers={"x-kvserve-replica": meta["replica"]},
+        )  # fmt: skip
+
+    @app.get("/v1/models")
+    async def models(self, request: Request) -> Response:
+        return await self._get("/v1/models", request)
+
+    @app.get("/health")
+    async def health(self, request: Request) -> Response:
+        """Liveness of a replica (any: Serve replaces dead ones itself)."""
+        return await self._get("/health", request)
+
+    @app.get("/health/ready")
+    async def ready(self, request: Request) -> Response:
+        return await self._get("/health/ready", request)
+
+    async def _get(self, path: str, request: Request) -> Response:
+        status, media_type, content = await self.replicas.get.remote(path, _headers(request))
+        return Response(content, status_code=status, media_type=media_type)

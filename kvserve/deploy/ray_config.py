@@ -1,0 +1,170 @@
+"""The `kvserve deploy ray --config FILE` document: pydantic models, YAML loading, and one-line
+errors that name the key ("autoscaling.max_replicas: ..."). Read before Ray is imported, so
+a typo costs no cluster start."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from kvserve.config import EngineConfig
+from kvserve.routing.registry import STRATEGIES
+
+
+class DeployConfigError(ValueError):
+    """A configuration problem; str() is one line: 'key.path: problem'."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class HttpConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+
+
+class ReplicaConfig(_Strict):
+    """One kvserve replica: a `kvserve serve` process owned by a Serve replica actor."""
+
+    num_cpus: float = Field(1.0, ge=0)
+    num_gpus: float = Field(0.0, ge=0)
+    threads: int | None = Field(None, ge=1, description="OMP_NUM_THREADS of the server (default: Ray's)")
+    max_ongoing_requests: int = Field(16, ge=1, description="Serve's cap of requests in one replica")
+    startup_timeout_s: float = Field(900.0, gt=0, description="model load + warm-up before failing")
+    # Serve's drain on scale-down: stop routing, wait for ongoing requests (checked every
+    # wait_loop_s) up to timeout_s, then our destructor SIGTERMs the server (its own drain).
+    graceful_shutdown_timeout_s: float = Field(120.0, gt=0)
+    graceful_shutdown_wait_loop_s: float = Field(2.0, gt=0)
+    server_shutdown_timeout_s: float = Field(30.0, gt=0, description="the server's --shutdown-timeout")
+
+
+class AutoscalingConfig(_Strict):
+    """Serve's autoscaling_config, with the keys it takes (their meaning is Serve's)."""
+
+    min_replicas: int = Field(1, ge=1, description="no scale to zero: a model load takes minutes")
+    max_replicas: int = Field(2, ge=1)
+    initial_replicas: int | None = Field(None, ge=1)
+    target_ongoing_requests: float = Field(4.0, gt=0)
+    upscale_delay_s: float = Field(10.0, ge=0)
+    downscale_delay_s: float = Field(120.0, ge=0)
+    metrics_interval_s: float = Field(2.0, gt=0)
+    look_back_period_s: float = Field(10.0, gt=0)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AutoscalingConfig:
+        if self.max_replicas < self.min_replicas:
+            raise ValueError(
+                f"max_replicas ({self.max_replicas}) is below min_replicas ({self.min_replicas})"
+            )
+        if self.initial_replicas is not None and not (
+            self.min_replicas <= self.initial_replicas <= self.max_replicas
+        ):
+            raise ValueError("initial_replicas must lie between min_replicas and max_replicas")
+        return self
+
+
+class RoutingConfig(_Strict):
+    """Which kvserve routing policy picks the replica (kvserve/routing; cache-aware matches
+    prompt text, as the gateway does, since the router does not tokenize)."""
+
+    policy: str = "cache-aware"
+    cache_aware: dict[str, float] = Field(default_factory=dict, description="CacheAware's thresholds")
+
+    @field_validator("policy")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        if v not in STRATEGIES:
+            raise ValueError(f"{v!r} is not one of {', '.join(STRATEGIES)}")
+        return v
+
+    @field_validator("cache_aware")
+    @classmethod
+    def _thresholds(cls, v: dict[str, float]) -> dict[str, float]:
+        known = ("balance_abs_threshold", "balance_rel_threshold", "load_weight", "cache_threshold",
+                 "recent_work_tau", "recent_abs_threshold")  # fmt: skip
+        for key in v:
+            if key not in known:
+                raise ValueError(f"{key!r} is not one of {', '.join(known)}")
+        return v
+
+
+_ENGINE_FIELDS = {f.name: f for f in fields(EngineConfig) if f.name != "model"}
+
+
+class RayDeployConfig(_Strict):
+    model: str = "smollm2-135m"
+    app_name: str = "kvserve"
+    route_prefix: str = "/"
+    address: str | None = Field(None, description="Ray address; --address overrides")
+    served_model_name: list[str] | None = None
+    engine: dict[str, str | int | float | bool] = Field(
+        default_factory=dict, description="EngineConfig fields, as `kvserve serve` flags without --"
+    )
+    server_args: list[str] = Field(default_factory=list, description="more `kvserve serve` flags, verbatim")
+    http: HttpConfig = Field(default_factory=HttpConfig)
+    replica: ReplicaConfig = Field(default_factory=ReplicaConfig)
+    autoscaling: AutoscalingConfig = Field(default_factory=AutoscalingConfig)
+    routing: RoutingConfig = Field(default_factory=RoutingConfig)
+
+    @field_validator("engine")
+    @classmethod
+    def _engine_keys(cls, v: dict) -> dict:
+        for key in v:
+            if key.replace("-", "_") not in _ENGINE_FIELDS:
+                raise ValueError(f"{key!r} is not an engine setting (see `kvserve serve --help`)")
+        return {k.replace("-", "_"): val for k, val in v.items()}
+
+    @field_validator("route_prefix")
+    @classmethod
+    def _prefix(cls, v: str) -> str:
+        if not v.startswith("/"):
+            raise ValueError("must start with '/'")
+        return v
+
+    def server_argv(self, port: int) -> list[str]:
+        """`kvserve serve` arguments for one replica on 127.0.0.1:port."""
+        argv = ["serve", self.model, "--host", "127.0.0.1", "--port", str(port), "--disable-web-ui",
+                "--shutdown-timeout", str(self.replica.server_shutdown_timeout_s)]  # fmt: skip
+        if self.served_model_name:
+            argv += ["--served-model-name", *self.served_model_name]
+        for key, value in self.engine.items():
+            flag = "--" + key.replace("_", "-")
+            if isinstance(value, bool):
+                argv.append(flag if value else "--no-" + flag[2:])
+            else:
+                argv += [flag, str(value)]
+        return argv + self.server_args
+
+
+def _loc(loc: tuple) -> str:
+    return ".".join(str(p) for p in loc) or "(top level)"
+
+
+def parse_config(data: object) -> RayDeployConfig:
+    """Validate a loaded YAML document; DeployConfigError names the key."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise DeployConfigError("(top level): expected a mapping with model, autoscaling, replica, ...")
+    try:
+        return RayDeployConfig.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"].removeprefix("Value error, ")
+        raise DeployConfigError(f"{_loc(err['loc'])}: {msg}") from None
+
+
+def load_config(path: str) -> RayDeployConfig:
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except OSError as e:
+        raise DeployConfigError(f"{path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise DeployConfigError(f"{path}:{where}: not valid YAML ({getattr(e, 'problem', e)})") from None
+    return parse_config(data)

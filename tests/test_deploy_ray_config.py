@@ -1,0 +1,84 @@
+"""`kvserve deploy ray --config`: the shipped sample parses, a bad config is one line naming
+the key (exit 2, no Ray started, no traceback), and the config becomes the `kvserve serve`
+flags each replica runs and Serve's autoscaling_config."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from kvserve.deploy.ray_config import DeployConfigError, load_config, parse_config
+from kvserve.deploy.ray_serve import autoscaling_config
+
+
+def test_sample_config_parses():
+    cfg = load_config("deploy/ray/deploy.yaml")
+    assert cfg.autoscaling.min_replicas == 1 and cfg.routing.policy == "cache-aware"
+    argv = cfg.server_argv(8123)
+    assert argv[:2] == ["serve", "smollm2-135m"] and "--kv-cache-memory" in argv and "8123" in argv
+
+
+def test_engine_settings_become_serve_flags():
+    cfg = parse_config(
+        {"engine": {"max-num-seqs": 4, "enable_prefix_caching": False}, "server_args": ["--x"]}
+    )
+    argv = cfg.server_argv(1)
+    assert argv[argv.index("--max-num-seqs") + 1] == "4"
+    assert "--no-enable-prefix-caching" in argv and argv[-1] == "--x"
+
+
+def test_autoscaling_config_is_serves():
+    cfg = parse_config({"autoscaling": {"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 2}})
+    got = autoscaling_config(cfg)
+    assert got["max_replicas"] == 3 and got["target_ongoing_requests"] == 2
+    assert "initial_replicas" not in got  # unset: Serve's default (min_replicas)
+    pytest.importorskip("ray.serve")
+    from ray.serve.config import AutoscalingConfig
+
+    AutoscalingConfig(**got)  # every key is one Serve takes
+
+
+@pytest.mark.parametrize(
+    "doc, message",
+    [
+        ({"autoscaling": {"max_replicas": 0}}, "autoscaling.max_replicas: "),
+        ({"autoscaling": {"min_replicas": 3, "max_replicas": 2}}, "autoscaling: max_replicas (2) is below"),
+        ({"autoscaling": {"min_replicas": 0}}, "autoscaling.min_replicas: "),
+        ({"engine": {"kv_cache_mem": "1GiB"}}, "engine: 'kv_cache_mem' is not an engine setting"),
+        ({"routing": {"policy": "fastest"}}, "routing.policy: 'fastest' is not one of"),
+        ({"routing": {"cache_aware": {"tau": 1}}}, "routing.cache_aware: 'tau' is not one of"),
+        ({"replica": {"cpus": 1}}, "replica.cpus: unknown key"),
+        ({"http": {"port": "eighty"}}, "http.port: "),
+        ({"route_prefix": "v1"}, "route_prefix: must start with '/'"),
+        ([1, 2], "(top level): expected a mapping"),
+    ],
+)
+def test_bad_config_names_the_key(doc, message):
+    with pytest.raises(DeployConfigError) as e:
+        parse_config(doc)
+    assert str(e.value).startswith(message), str(e.value)
+
+
+def test_cli_bad_config_exits_2_with_one_line(tmp_path):
+    path = tmp_path / "d.yaml"
+    path.write_text("autoscaling:\n  max_replicas: -1\n")
+    out = subprocess.run(
+        [sys.executable, "-m", "kvserve.entrypoints.cli", "deploy", "ray", "--config", str(path)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1].startswith("error: autoscaling.max_replicas:")
+    assert "Traceback" not in out.stderr
+    path.write_text("autoscaling: [unclosed\n")
+    out = subprocess.run(
+        [sys.executable, "-m", "kvserve.entrypoints.cli", "deploy", "ray", "--config", str(path)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 2 and "not valid YAML" in out.stderr and "Traceback" not in out.stderr
+    out = subprocess.run(
+        [sys.executable, "-m", "kvserve.entrypoints.cli", "deploy", "ray", "--config", str(tmp_path / "no")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 2 and "No such file" in out.stderr
