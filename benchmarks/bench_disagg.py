@@ -128,7 +128,7 @@ async def run_load(url: str, args, short: list[list[int]], long: list[list[int]]
     limits = httpx.Limits(max_connections=args.streams + 8)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600), limits=limits) as client:
         # Warm-up: one long and a batch of short ones (compiles the shape buckets both need).
-        await stream_one(client, url, long[-1], 4)
+        await stream_one(client, url, long[args.long_count], 4)
         await asyncio.gather(*(stream_one(client, url, p, 8) for p in short[: args.streams]))
         t0 = time.monotonic()
         end_long = t0 + args.every * args.long_count + 1
@@ -173,12 +173,13 @@ async def run_load(url: str, args, short: list[list[int]], long: list[list[int]]
 
 
 def idle_transfer(url: str, consumer: str, long: list[list[int]]) -> dict:
-    """The long prompts' transfers with nothing else running (after the load run)."""
+    """Transfers of long prompts neither engine has seen, with nothing else running (after the
+    load run)."""
     before = metrics(consumer)
 
     async def go() -> None:
         async with httpx.AsyncClient(timeout=600) as client:
-            for p in long[:3]:
+            for p in long:
                 await stream_one(client, url, p, 2)
 
     asyncio.run(go())
@@ -210,7 +211,7 @@ def main() -> None:
 
     tok = load_tokenizer(resolve_model(MODEL))
     short = make_prompts(tok, args.streams * 8, args.stream_len, seed=1)
-    long = make_prompts(tok, args.long_count + 1, args.long_len, seed=2, jitter=0)
+    long = make_prompts(tok, args.long_count + 4, args.long_len, seed=2, jitter=0)  # +1 warm-up, +3 idle
     print(f"CPU flags: {cpu_flags()}; {os.cpu_count()} cores; load average {os.getloadavg()[0]:.2f}")
     print(f"{args.streams} streams x {args.stream_len}-token prompts x {args.stream_tokens} tokens; "
           f"{args.long_count} x {args.long_len}-token prompts every {args.every}s; {MODEL} fp32")  # fmt: skip
@@ -219,7 +220,7 @@ def main() -> None:
         try:
             row = asyncio.run(run_load(url, args, short, long))
             if consumer is not None:
-                row.update(idle_transfer(url, consumer, long))
+                row.update(idle_transfer(url, consumer, long[args.long_count + 1 :]))
                 m = metrics(consumer)
                 n, mb = (
                     m.get("kvserve:kv_transfers_total", 0),
