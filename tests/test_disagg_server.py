@@ -145,45 +145,6 @@ def test_unclaimed_lease_expires(pd):
     assert prod.metrics()["kvserve:kv_leases_expired_total"] == before + 1
 
 
-def test_killed_prefill_engine_means_recompute_not_failure(pd, tiny_llama_dir):
-    """The producer's engine dies while the consumer waits on its KV: after the transfer
-    timeout (3 s) the consumer computes the prompt and answers exactly as it would alone. A
-    proxy whose prefill engine is gone falls back the same way."""
-    _, cons, _ = pd
-    prod = _server(tiny_llama_dir, "kv_producer")
-    try:
-        params = _prefill(prod)
-        core = prod.engine_core_pid()
-        os.kill(core, signal.SIGSTOP)
-        failures = cons.metrics().get("kvserve:kv_transfer_failures_total", 0)
-        body = {"prompt": PROMPT, "max_tokens": 20, "temperature": 0}
-        alone = httpx.post(cons.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
-        with httpx.Client(timeout=60) as c:
-            with c.stream(
-                "POST",
-                cons.url + "/v1/completions",
-                json={**body, "stream": True, "kv_transfer_params": params},
-            ) as r:
-                _wait_for(
-                    lambda: cons.metrics()["kvserve:num_requests_waiting"] == 1, 5, "waiting for its KV"
-                )
-                os.kill(core, signal.SIGKILL)
-                events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
-        assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == alone
-        assert cons.metrics()["kvserve:kv_transfer_failures_total"] == failures + 1
-        prod.stop()
-        proxy = Proxy(prod.url, cons.url)  # nothing listens there any more
-        try:
-            r = httpx.post(proxy.url + "/v1/completions", json=body, timeout=60)
-            assert r.status_code == 200 and r.headers["x-kvserve-pd"] == "fallback"
-            assert r.json()["choices"][0]["text"] == alone
-        finally:
-            proxy.stop()
-        _wait_for(lambda: _settled(cons), 2, "the consumer's pool is empty")
-    finally:
-        prod.stop()
-
-
 @pytest.mark.parametrize(
     "extra,param",
     [
@@ -230,3 +191,36 @@ def test_gateway_pd_deployment(pd, tmp_path):
         assert cons.metrics()["kvserve:kv_transfers_total"] == before + 2
     finally:
         gw.stop()
+
+
+def test_killed_prefill_engine_means_recompute_not_failure(pd):
+    """The producer's engine dies while the consumer waits on its KV: after the transfer
+    timeout (3 s) the consumer computes the prompt and answers exactly as it would alone. A
+    proxy whose prefill engine is gone falls back the same way. (Last: it ends the producer.)"""
+    prod, cons, _ = pd
+    params = _prefill(prod)
+    core = prod.engine_core_pid()
+    os.kill(core, signal.SIGSTOP)
+    failures = cons.metrics().get("kvserve:kv_transfer_failures_total", 0)
+    body = {"prompt": PROMPT, "max_tokens": 20, "temperature": 0}
+    alone = httpx.post(cons.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    with httpx.Client(timeout=60) as c:
+        with c.stream(
+            "POST",
+            cons.url + "/v1/completions",
+            json={**body, "stream": True, "kv_transfer_params": params},
+        ) as r:
+            _wait_for(lambda: cons.metrics()["kvserve:num_requests_waiting"] == 1, 5, "waiting for its KV")
+            os.kill(core, signal.SIGKILL)
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == alone
+    assert cons.metrics()["kvserve:kv_transfer_failures_total"] == failures + 1
+    prod.stop()
+    proxy = Proxy(prod.url, cons.url)  # nothing listens there any more
+    try:
+        r = httpx.post(proxy.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200 and r.headers["x-kvserve-pd"] == "fallback"
+        assert r.json()["choices"][0]["text"] == alone
+    finally:
+        proxy.stop()
+    _wait_for(lambda: _settled(cons), 2, "the consumer's pool is empty")

@@ -48,6 +48,7 @@ class PipelinedScheduler:
             s.requests, s.spec_stats = self.requests, self.spec_stats
         self._stream_of: dict[str, int] = {}
         self.next_stream = 0  # whose turn it is
+        self.waiting_for_kv: dict[str, Request] = {}  # (no KV connector under pipeline parallelism)
 
     @property
     def running(self) -> list[Request]:
