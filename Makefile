@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install serve test lint bench clean redis-server chromium
+.PHONY: install serve test test-all lint bench clean redis-server chromium
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -32,7 +32,15 @@ redis-server:
 chromium:
 	command -v chromium >/dev/null || ($(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
 
+# `make test` leaves out the tests marked `slow` (long end-to-end runs on the default model, Ray
+# Serve, ...) to stay a quick loop; CI (which sets CI=true) and `make test-all` run every test.
+SLOW := $(if $(CI),,-m "not slow")
+
 test: $(STAMP) redis-server chromium
+	$(BIN)/ruff check .
+	$(BIN)/pytest -q --timeout 600 $(SLOW)
+
+test-all: $(STAMP) redis-server chromium
 	$(BIN)/ruff check .
 	$(BIN)/pytest -q --timeout 600
 

@@ -1,0 +1,153 @@
+"""Issue 16's server figures: each weight format through `kvserve serve`, ratios against fp32.
+
+For every configuration (a name and the `kvserve serve` flags it adds), in one run:
+1. offline per-token decode time at one sequence (`LLM`, the (n+1)-token run minus a 1-token
+   run, best of `--offline-rounds`), the yardstick for the server's c=1 inter-token latency
+   (issue 16: "c=1 ITL within 10% of the offline per-token time");
+2. the server at c=1: `--c1-requests` streamed completions, one at a time;
+3. the server at c=32: `--requests` (64) streamed completions of ~100-token prompts and 128
+   output tokens (ignore_eos), at most 32 in flight (issue 16: output throughput >= 2x the
+   fp32 configuration, ITL p99 <= 3x ITL p50).
+The load generator is `kvserve bench serve` in its own process. Prints the CPU flags and the
+load average beside every table.
+
+    python benchmarks/bench_cpu_serve.py [--configs fp32,int4,bf16] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+from server_utils import ServerProcess  # noqa: E402
+
+from benchmarks.common import machine, make_prompts  # noqa: E402
+from benchmarks.cpu_info import cpu_flags  # noqa: E402
+
+MODEL = "smollm2-135m"
+CONFIGS: dict[str, list[str]] = {
+    "fp32": [],
+    "int4": ["--quantization", "int4"],
+    "int8": ["--quantization", "int8"],
+    "bf16": ["--dtype", "bfloat16"],
+    "fp32-cap64": ["--long-prefill-token-threshold", "64"],
+    "int4-cap64": ["--quantization", "int4", "--long-prefill-token-threshold", "64"],
+}
+
+
+def _engine_kwargs(flags: list[str]) -> dict:
+    """The LLM keyword arguments matching a configuration's server flags."""
+    kw, it = {}, iter(flags)
+    for flag in it:
+        kw[flag.removeprefix("--").replace("-", "_")] = next(it)
+    if "long_prefill_token_threshold" in kw:
+        kw["long_prefill_token_threshold"] = int(kw["long_prefill_token_threshold"])
+    return kw
+
+
+def offline_ms_per_token(flags: list[str], output_len: int, rounds: int) -> float:
+    """One sequence's decode time per token in this process (no server, no HTTP)."""
+    from kvserve import LLM, SamplingParams
+
+    llm = LLM(MODEL, kv_cache_memory="256MiB", **_engine_kwargs(flags))
+    prompt = make_prompts(llm.tokenizer, 1, 100, seed=3)
+
+    def run(n: int) -> float:
+        t0 = time.perf_counter()
+        llm.generate(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+        return time.perf_counter() - t0
+
+    run(4)  # warm-up
+    best = min(run(output_len + 1) - run(1) for _ in range(rounds))
+    del llm
+    gc.collect()
+    return best / output_len * 1000
+
+
+def bench_serve(url: str, concurrency: int, requests: int, output_len: int, out: str) -> dict:
+    """One `kvserve bench serve` run; its saved result."""
+    cmd = [
+        sys.executable, "-m", "kvserve.entrypoints.cli", "bench", "serve", "--base-url", url,
+        "--model", MODEL, "--api-key", "bench-key", "--dataset", "random", "--input-len", "100",
+        "--output-len", str(output_len), "--range-ratio", "0.1", "--num-prompts", str(requests),
+        "--max-concurrency", str(concurrency), "--request-rate", "inf", "--ignore-eos",
+        "--warmup", "2", "--disable-tqdm", "--seed", "7", "--save-result", out,
+    ]  # fmt: skip
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    with open(out) as f:
+        return json.load(f)
+
+
+def measure(name: str, flags: list[str], args, tmp: str) -> dict:
+    r = {"offline_ms_per_token": offline_ms_per_token(flags, args.output_len, args.offline_rounds)}
+    server = ServerProcess(MODEL, "--kv-cache-memory", "1GiB", *flags, api_key="bench-key", timeout=300)
+    try:
+        c1 = bench_serve(server.url, 1, args.c1_requests, args.output_len, os.path.join(tmp, f"{name}-c1.json"))
+        c32 = bench_serve(server.url, 32, args.requests, args.output_len, os.path.join(tmp, f"{name}-c32.json"))
+    finally:
+        server.stop()
+    for tag, res in (("c1", c1), ("c32", c32)):
+        m = res.get("metrics", res)
+        if m.get("failed"):
+            raise RuntimeError(f"{name} {tag}: {m['failed']} requests failed: {m.get('errors')}")
+        r[f"{tag}_tok_s"] = m["output_throughput"]
+        r[f"{tag}_itl_p50_ms"] = m["itl_ms"]["p50"]
+        r[f"{tag}_itl_p99_ms"] = m["itl_ms"]["p99"]
+        r[f"{tag}_ttft_p50_ms"] = m["ttft_ms"]["p50"]
+    r["c1_itl_vs_offline"] = r["c1_itl_p50_ms"] / r["offline_ms_per_token"]
+    r["c32_itl_p99_over_p50"] = r["c32_itl_p99_ms"] / r["c32_itl_p50_ms"]
+    return r
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--configs", default="fp32,int4,bf16", help=f"from {', '.join(CONFIGS)}")
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--c1-requests", type=int, default=8)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--offline-rounds", type=int, default=3)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    names = args.configs.split(",")
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        ap.error(f"--configs: unknown {unknown}; choose from {', '.join(CONFIGS)}")
+
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names:
+            results[name] = measure(name, CONFIGS[name], args, tmp)
+            print(name, json.dumps({k: round(v, 3) for k, v in results[name].items()}), flush=True)
+
+    base = results.get("fp32")
+    print(f"\n{machine()}; CPU flags: {cpu_flags()}; load average {os.getloadavg()[0]:.2f}; "
+          f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")  # fmt: skip
+    print("| config | offline ms/token | c=1 tok/s | c=1 ITL p50 (vs offline) | c=32 tok/s (vs fp32) "
+          "| c=32 ITL p50 / p99 (p99/p50) | c=32 TTFT p50 |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    for name, r in results.items():
+        vs = f" ({r['c32_tok_s'] / base['c32_tok_s']:.2f}x)" if base else ""
+        print(f"| {name} | {r['offline_ms_per_token']:.1f} | {r['c1_tok_s']:.1f} | "
+              f"{r['c1_itl_p50_ms']:.1f} ms ({r['c1_itl_vs_offline']:.2f}x) | {r['c32_tok_s']:.1f}{vs} | "
+              f"{r['c32_itl_p50_ms']:.0f} / {r['c32_itl_p99_ms']:.0f} ms ({r['c32_itl_p99_over_p50']:.1f}x) | "
+              f"{r['c32_ttft_p50_ms']:.0f} ms |")  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": machine(), "flags": cpu_flags(), "args": vars(args), "results": results}, f,
+                      indent=2)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
