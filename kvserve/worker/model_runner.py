@@ -22,8 +22,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kvserve.attention_backends import ScheduledSeq, make_backend
 from kvserve.distributed.parallel_state import get_pp_group, get_tp_group
-from kvserve.model.layers.attention import AttentionMetadata, PrefillChunk
 from kvserve.model.layers.cpu_kernels import load_cpu_kernels
 from kvserve.model.layers.kv_quant import KV_SCALE_DTYPE, is_quantized, kv_storage_dtype
 from kvserve.model.models.llama import LlamaForCausalLM
@@ -44,6 +44,7 @@ class ModelRunner:
         use_cpu_kernels: bool = True,
         kv_cache_dtype: str = "auto",
         draft_model: LlamaForCausalLM | None = None,
+        attention_backend: str | None = None,
     ) -> None:
         self.model = model
         self.draft_model = draft_model
@@ -51,6 +52,8 @@ class ModelRunner:
         self.block_size = block_size
         self.dtype = model.dtype
         self.kv_cache_dtype = kv_cache_dtype
+        # cuda -> the Triton kernels, otherwise today's CPU path (attention_backends/base.py)
+        self.attn_backend = make_backend(device, block_size, attention_backend)
         self.kv_cache, self.kv_scales = self._alloc_kv(model, num_blocks)
         self.draft_kv_cache = None
         if draft_model is not None:
@@ -105,16 +108,14 @@ class ModelRunner:
         if not batch:
             return RunnerOutput() if self.is_output_rank else None
         order = sorted(batch, key=lambda x: not self._is_decode(*x))
-        bs = self.block_size
         ids: list[int] = []
-        pos_chunks, slot_chunks = [], []
+        pos_chunks = []
         sample_rows: list[int] = []
         sample_ids: list[str] = []
         verify: list[tuple[str, int, int]] = []  # (req_id, first flat row, number of drafts)
         prompt_lp: list[tuple[CachedRequestState, int, int]] = []  # (req, first flat row, count)
         pooling: list[tuple[CachedRequestState, int, int]] = []  # embedding requests' rows
-        meta = AttentionMetadata(torch.empty(0), torch.empty(0))
-        decode_tables, decode_lens = [], []
+        seqs: list[ScheduledSeq] = []  # the step as the attention backend sees it
         offset = 0
         for req, n in order:
             start = req.num_computed_tokens
@@ -122,22 +123,8 @@ class ModelRunner:
             drafts = req.spec_token_ids[: n - len(known)]
             ids.extend(known)
             ids.extend(drafts)
-            pos = np.arange(start, start + n)
-            table = req.block_ids
-            pos_chunks.append(pos)
-            slot_chunks.append(np.asarray(table)[pos // bs])
-            if self._is_decode(req, n):
-                meta.num_decodes += n
-                decode_tables.extend([table] * n)
-                decode_lens.extend(range(start + 1, start + n + 1))
-            else:
-                chunk = PrefillChunk(offset, offset + n, start)
-                if start > 0:
-                    nb = -(-(start + n) // bs)
-                    chunk.block_ids = torch.tensor(table[:nb], device=self.device)
-                    q_pos = torch.arange(start, start + n).unsqueeze(1)
-                    chunk.mask = (torch.arange(start + n).unsqueeze(0) <= q_pos).to(self.device)
-                meta.prefills.append(chunk)
+            pos_chunks.append(np.arange(start, start + n))
+            seqs.append(ScheduledSeq(start, n, req.block_ids, self._is_decode(req, n)))
             if req.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
                 count = min(n, req.num_prompt_tokens - 1 - start)
                 prompt_lp.append((req, offset, count))
@@ -151,11 +138,7 @@ class ModelRunner:
             offset += n
 
         positions = np.concatenate(pos_chunks)
-        meta.slot_blocks = torch.from_numpy(np.concatenate(slot_chunks)).to(self.device)
-        meta.slot_offsets = torch.from_numpy(positions % bs).to(self.device)
-        if decode_tables:
-            meta.decode_block_tables = self._table_tensor(decode_tables)
-            meta.decode_seq_lens = torch.tensor(decode_lens, dtype=torch.long, device=self.device)
+        meta = self.attn_backend.build_metadata(seqs, positions)
 
         pad = padded_rows(len(ids)) - len(ids)  # rows past the slot mapping: computed, never stored
         ids_t = torch.tensor(ids + [0] * pad, device=self.device)
@@ -214,13 +197,6 @@ class ModelRunner:
         logits = model.compute_logits(hidden[torch.tensor(index, device=self.device)])
         return None if logits is None else logits[: len(rows)]
 
-    def _table_tensor(self, tables: list[list[int]]) -> torch.Tensor:
-        width = max(len(t) for t in tables)
-        arr = np.zeros((len(tables), width), dtype=np.int64)
-        for i, t in enumerate(tables):
-            arr[i, : len(t)] = t
-        return torch.from_numpy(arr).to(self.device)
-
     @torch.inference_mode()
     def propose_with_draft(
         self, items: list[tuple[str, int, int, int]], block_tables: dict[str, list[int]]
@@ -231,20 +207,15 @@ class ModelRunner:
         Each request's last token is not in the draft's KV yet: round j feeds the token at
         position num_tokens - 1 + j (the last token, then the drafts so far) and writes its KV
         into slots the scheduler reserved ahead."""
-        bs = self.block_size
         drafts: dict[str, list[int]] = {rid: [] for rid, *_ in items}
         for j in range(max((k for *_, k in items), default=0)):
             active = [(rid, last, n) for rid, last, n, k in items if k > j]
             ids = [drafts[rid][-1] if j else last for rid, last, _ in active]
             positions = np.array([n - 1 + j for _, _, n in active])
-            tables = [block_tables[rid] for rid, _, _ in active]
-            meta = AttentionMetadata(
-                torch.tensor([t[p // bs] for t, p in zip(tables, positions)], device=self.device),
-                torch.from_numpy(positions % bs).to(self.device),
-                num_decodes=len(active),
-                decode_block_tables=self._table_tensor(tables),
-                decode_seq_lens=torch.from_numpy(positions + 1).to(self.device),
-            )
+            seqs = [
+                ScheduledSeq(int(p), 1, block_tables[rid], True) for (rid, _, _), p in zip(active, positions)
+            ]
+            meta = self.attn_backend.build_metadata(seqs, positions)
             pad = padded_rows(len(ids)) - len(ids)
             hidden = self.draft_model(
                 torch.tensor(ids + [0] * pad, device=self.device),
