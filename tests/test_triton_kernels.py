@@ -204,10 +204,11 @@ def test_kv_write_slot_mapping(kv_dtype):
 def test_triton_backend_matches_cpu_backend(tiny_llama_dir, monkeypatch, kv_cache_dtype):
     """The whole engine with the Triton backend (interpreted, on CPU tensors) against the CPU
     backend: chunked prefill (32-token budget), a shared prefix hit by later requests, decodes."""
-    from kvserve.entrypoints.llm import LLM
-    from kvserve.sampling_params import SamplingParams
     from conftest import load_reference
     from helpers import assert_greedy_match
+
+    from kvserve.entrypoints.llm import LLM
+    from kvserve.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     prefix = list(range(3, 37))  # two full blocks and a bit: later prompts hit the cached blocks
@@ -218,7 +219,8 @@ def test_triton_backend_matches_cpu_backend(tiny_llama_dir, monkeypatch, kv_cach
         monkeypatch.setenv("KVSERVE_ATTENTION_BACKEND", name)
         llm = LLM(tiny_llama_dir, **kw)
         assert llm.llm_engine.core.model_runner.attn_backend.name == name
-        outs = llm.generate(prompts[:1], params, use_tqdm=False) + llm.generate(prompts[1:], params, use_tqdm=False)
+        first = llm.generate(prompts[:1], params, use_tqdm=False)  # caches the shared prefix
+        outs = first + llm.generate(prompts[1:], params, use_tqdm=False)
         results[name] = [o.outputs[0].token_ids for o in outs]
         if name == "triton":
             assert llm.llm_engine.kv_cache_manager.prefix_cache_hits > 0

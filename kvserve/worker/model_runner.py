@@ -54,6 +54,7 @@ class ModelRunner:
         self.kv_cache_dtype = kv_cache_dtype
         # cuda -> the Triton kernels, otherwise today's CPU path (attention_backends/base.py)
         self.attn_backend = make_backend(device, block_size, attention_backend)
+        self.graphs = None  # DecodeGraphRunner once captured (CUDA only: worker/cuda_graphs.py)
         self.kv_cache, self.kv_scales = self._alloc_kv(model, num_blocks)
         self.draft_kv_cache = None
         if draft_model is not None:
@@ -72,6 +73,34 @@ class ModelRunner:
             if self.tp.is_driver and self.pp.is_first:  # one line per engine, not per rank
                 log_kernels(model, kernels is not None)
         trim_heap()  # the loader's temporaries and the plain weights packing replaced
+
+    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Capture the decode forward at each graph size (CUDA + Triton backend only)."""
+        if self.device.type != "cuda" or self.attn_backend.name != "triton":
+            return
+        from kvserve.worker.cuda_graphs import DecodeGraphRunner
+
+        width = -(-max_model_len // self.block_size)
+        self.graphs = DecodeGraphRunner(self.model, self.kv_cache, self.attn_backend, max_num_seqs, width)
+        self.graphs.capture()
+
+    def _forward(self, ids: list[int], positions: np.ndarray, meta, graphable: bool) -> torch.Tensor:
+        """The model over this step's rows: a captured CUDA graph for a pure decode step that
+        fits one, else eagerly over the rows padded to a bucket size (shape_buckets.py)."""
+        n = len(ids)
+        if graphable and self.graphs is not None and meta.num_decodes == n and self.graphs.size_for(n):
+            ids_t = torch.tensor(ids, device=self.device)
+            return self.graphs.run(ids_t, torch.from_numpy(positions).to(self.device), meta)
+        ids_t, pos_t = self._padded_inputs(ids, positions)
+        hidden_in = None
+        if not self.pp.is_first:  # the previous stage's residual stream for these rows
+            hidden_in = self.pp.recv_prev((len(ids_t), self.model.arch.hidden_size), self.dtype, self.device)
+        return self.model(ids_t, pos_t, meta, self.kv_cache, hidden_in)
+
+    def _padded_inputs(self, ids: list[int], positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        pad = padded_rows(len(ids)) - len(ids)  # rows past the slot mapping: computed, never stored
+        ids_t = torch.tensor(ids + [0] * pad, device=self.device)
+        return ids_t, torch.from_numpy(np.pad(positions, (0, pad))).to(self.device)
 
     def _alloc_kv(self, model: LlamaForCausalLM, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The model's KV pool and, for a 1-byte cache, its bfloat16 scales (one per token and
@@ -140,18 +169,13 @@ class ModelRunner:
         positions = np.concatenate(pos_chunks)
         meta = self.attn_backend.build_metadata(seqs, positions)
 
-        pad = padded_rows(len(ids)) - len(ids)  # rows past the slot mapping: computed, never stored
-        ids_t = torch.tensor(ids + [0] * pad, device=self.device)
-        pos_t = torch.from_numpy(np.pad(positions, (0, pad))).to(self.device)
-        hidden_in = None
-        if not self.pp.is_first:  # the previous stage's residual stream for these rows
-            hidden_in = self.pp.recv_prev((len(ids_t), self.model.arch.hidden_size), self.dtype, self.device)
-        hidden = self.model(ids_t, pos_t, meta, self.kv_cache, hidden_in)
+        graphable = not (prompt_lp or pooling) and self.draft_model is None
+        hidden = self._forward(ids, positions, meta, graphable)
         if not self.pp.is_last:
             self.pp.send_next(hidden)  # and on to the next micro-batch without waiting
             return None
         if self.draft_model is not None:  # the draft's KV follows every computed position
-            self.draft_model(ids_t, pos_t, meta, self.draft_kv_cache)
+            self.draft_model(*self._padded_inputs(ids, positions), meta, self.draft_kv_cache)
 
         out = RunnerOutput(sample_ids, [(rid, k) for rid, _, k in verify])
         rows = sample_rows + [o + j for _, o, k in verify for j in range(k + 1)]

@@ -19,11 +19,10 @@ import triton
 import triton.language as tl
 
 from kvserve.attention_backends.triton_kernels import dot_args, next_pow2
+from kvserve.attention_backends.triton_kernels.constants import DECODE_MAX_SPLITS as MAX_SPLITS
+from kvserve.attention_backends.triton_kernels.constants import DECODE_TOKENS_PER_SPLIT as TOKENS_PER_SPLIT
 from kvserve.attention_backends.triton_kernels.decode_reduce import reduce_splits
 from kvserve.attention_backends.triton_kernels.kv_tile import load_kv_tile
-
-TOKENS_PER_SPLIT = 256  # a split below this reads too little to pay for its partial output
-MAX_SPLITS = 16
 
 
 @triton.jit
