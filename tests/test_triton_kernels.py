@@ -68,6 +68,11 @@ def _ref_attend(q, keys, values, first_pos: int, scale: float) -> torch.Tensor:
     return torch.einsum("hnl,hld->nhd", s.softmax(-1), v)
 
 
+def _on_device(*tensors):
+    """The kernels' inputs on the device they run on (references stay on the CPU)."""
+    return [None if t is None else t.to(DEVICE) for t in tensors]
+
+
 def _tol(dtype):
     return {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}[dtype]
 
@@ -96,9 +101,11 @@ def test_paged_decode(dtype, heads, kvh, kv_dtype, splits):
     width = max(len(t) for t in tables)
     bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
     q = torch.randn(len(tables), heads, hd, generator=gen).to(dtype)
-    out = torch.full_like(q, float("nan"))
+    out = torch.full_like(q, float("nan")).to(DEVICE)
     scale = hd**-0.5
-    paged_decode(q, kc, vc, bt, torch.tensor(lens, dtype=torch.int32), scale, out, ks, vs, num_splits=splits)
+    args = _on_device(q, kc, vc, bt, torch.tensor(lens, dtype=torch.int32))
+    paged_decode(*args, scale, out, *_on_device(ks, vs), num_splits=splits)
+    out = out.cpu()
     for i, (t, n) in enumerate(zip(tables, lens)):
         if n == 0:
             assert torch.equal(out[i], torch.zeros_like(out[i])), "a padding row must come out as zeros"
@@ -145,10 +152,11 @@ def test_paged_prefill_chunks_and_prefix_hits(dtype, heads, kvh, kv_dtype):
     )  # 2 decode rows first
     total = int(qs[-1])
     q = torch.randn(total, heads, hd, generator=gen).to(dtype)
-    out = torch.zeros_like(q)
+    out = torch.zeros_like(q).to(DEVICE)
     ctx = torch.tensor([c for _, c, _ in chunks], dtype=torch.int32)
     scale = hd**-0.5
-    paged_prefill(q, kc, vc, bt, qs, ctx, max(lens), scale, out, ks, vs)
+    paged_prefill(*_on_device(q, kc, vc, bt, qs, ctx), max(lens), scale, out, *_on_device(ks, vs))
+    out = out.cpu()
     assert torch.equal(out[:2], torch.zeros_like(out[:2])), "rows outside the chunks are not written"
     for i, (t, c, n) in enumerate(chunks):
         keys, values = _dense(kc, ks, t, c + n, dtype), _dense(vc, vs, t, c + n, dtype)
@@ -180,7 +188,9 @@ def test_kv_write_slot_mapping(kv_dtype):
     wide = (torch.randn(5, 3 * kvh * hd, generator=gen) * 50).to(dtype)
     k = wide[:, : kvh * hd].view(5, kvh, hd)
     v = wide[:, kvh * hd : 2 * kvh * hd].view(5, kvh, hd)
-    write_kv(k, v, kc, vc, slots, ks, vs)
+    caches = _on_device(kc, vc, ks, vs)
+    write_kv(*_on_device(k, v), caches[0], caches[1], slots.to(DEVICE), caches[2], caches[3])
+    kc, vc, ks, vs = [None if t is None else t.cpu() for t in caches]
     written = torch.zeros(nb, BS, dtype=torch.bool)
     for t, slot in enumerate(slots.tolist()):
         if slot < 0:
