@@ -10,6 +10,11 @@ tables for the decodes, and per-chunk info for prefills; then computes logits on
 token is sampled (the last position of each request whose known tokens are all computed
 after this step).
 
+Attention goes through a backend (attention_backends/): the runner describes the step as one
+ScheduledSeq per request and the backend builds its own metadata; cuda selects the Triton
+kernels, anything else today's CPU path. On CUDA, pure decode steps replay captured graphs
+(worker/cuda_graphs.py) unless --enforce-eager.
+
 A request carrying k speculative tokens is laid out as k + 1 decode rows sharing its block
 table, row j attending to positions up to start + j: all k + 1 positions are scored in the
 same pass and the paged decode kernel serves them like any other decode. With a draft model
@@ -18,6 +23,8 @@ every step's tokens, then proposes the next drafts a token at a time.
 """
 
 from __future__ import annotations
+
+import logging
 
 import numpy as np
 import torch
@@ -32,6 +39,8 @@ from kvserve.worker.kernel_log import log_kernels
 from kvserve.worker.request_state import CachedRequestState, RequestStates
 from kvserve.worker.shape_buckets import padded_rows
 from kvserve.worker.step_input import RunnerOutput, StepInput
+
+logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -81,8 +90,13 @@ class ModelRunner:
         from kvserve.worker.cuda_graphs import DecodeGraphRunner
 
         width = -(-max_model_len // self.block_size)
-        self.graphs = DecodeGraphRunner(self.model, self.kv_cache, self.attn_backend, max_num_seqs, width)
-        self.graphs.capture()
+        graphs = DecodeGraphRunner(self.model, self.kv_cache, self.attn_backend, max_num_seqs, width)
+        try:
+            graphs.capture()
+        except RuntimeError as e:  # a forward that cannot be captured still serves, eagerly
+            logger.warning("decode CUDA graphs not captured, running eagerly: %s", e)
+            return
+        self.graphs = graphs
 
     def _forward(self, ids: list[int], positions: np.ndarray, meta, graphable: bool) -> torch.Tensor:
         """The model over this step's rows: a captured CUDA graph for a pure decode step that
