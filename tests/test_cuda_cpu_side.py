@@ -89,3 +89,39 @@ except ImportError as e:
 """
     env_py = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert env_py.stdout.strip() == "OK", env_py.stderr
+
+
+def test_graph_buffers_pad_a_decode_step():
+    """A 3-row decode step copied into the size-4 graph's buffers: its rows as given, the padding
+    row storing nothing (slot -1) and attending to nothing (length 0). No capture: no GPU here."""
+    from types import SimpleNamespace
+
+    from kvserve.worker.cuda_graphs import DecodeGraphRunner
+
+    kv = torch.zeros(2, 2, 8, 2, 16, 4)  # [layers, k/v, blocks, kv_heads, block_size, head_dim]
+    runner = DecodeGraphRunner(None, kv, SimpleNamespace(block_size=16), max_num_seqs=8, max_blocks_per_seq=6)
+    assert runner.sizes == [1, 2, 4, 8]
+    assert runner.size_for(3) is None  # nothing captured: eager
+    runner.load(torch.tensor([9] * 8), torch.tensor([1] * 8), _decode_meta(8))  # a bigger step before
+    meta = _decode_meta(3)
+    assert runner.load(torch.tensor([5, 6, 7]), torch.tensor([20, 33, 40]), meta) == 4
+    assert runner.input_ids[:3].tolist() == [5, 6, 7]
+    assert runner.positions[:3].tolist() == [20, 33, 40]
+    assert runner.slot_mapping[:4].tolist() == meta.slot_mapping.tolist() + [-1]
+    assert runner.seq_lens[:4].tolist() == meta.decode_seq_lens.tolist() + [0]
+    assert torch.equal(runner.block_tables[:3, :2], meta.decode_block_tables)
+    graph_meta = runner._meta(4)
+    assert graph_meta.num_decodes == 4 and graph_meta.decode_num_splits == 1  # 6 blocks x 16 tokens
+    assert graph_meta.slot_mapping.data_ptr() == runner.slot_mapping.data_ptr()  # the buffers themselves
+    with pytest.raises(RuntimeError, match="CUDA"):
+        runner.capture()
+
+
+def _decode_meta(n: int):
+    from kvserve.attention_backends.triton_backend import TritonAttentionMetadata
+
+    return TritonAttentionMetadata(
+        None, n, torch.arange(n) * 16 + 3, num_decodes=n,
+        decode_block_tables=torch.arange(2 * n, dtype=torch.int32).view(n, 2),
+        decode_seq_lens=torch.arange(n, dtype=torch.int32) + 20,
+    )  # fmt: skip

@@ -117,7 +117,8 @@ def test_paged_decode(dtype, heads, kvh, kv_dtype, splits):
 
 @needs_triton
 def test_decode_split_count():
-    from kvserve.attention_backends.triton_kernels.paged_decode import MAX_SPLITS, num_decode_splits
+    from kvserve.attention_backends.triton_kernels.constants import DECODE_MAX_SPLITS as MAX_SPLITS
+    from kvserve.attention_backends.triton_kernels.constants import num_decode_splits
 
     assert num_decode_splits(1, 16) == 1
     assert num_decode_splits(16, 16) == 1  # 256 tokens

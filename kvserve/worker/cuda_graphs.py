@@ -75,9 +75,7 @@ class DecodeGraphRunner:
     def __init__(
         self, model, kv_cache: torch.Tensor, backend, max_num_seqs: int, max_blocks_per_seq: int
     ) -> None:
-        if kv_cache.device.type != "cuda":
-            raise RuntimeError("CUDA graphs need a CUDA device (use --enforce-eager elsewhere)")
-        from kvserve.attention_backends.triton_kernels.paged_decode import num_decode_splits
+        from kvserve.attention_backends.triton_kernels.constants import num_decode_splits
 
         self.model, self.kv_cache, self.backend = model, kv_cache, backend
         self.sizes = capture_sizes(max_num_seqs)
@@ -103,6 +101,8 @@ class DecodeGraphRunner:
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every size, largest first, into one pool; record the memory it took."""
+        if self.kv_cache.device.type != "cuda":
+            raise RuntimeError("CUDA graphs need a CUDA device (use --enforce-eager elsewhere)")
         free_before = torch.cuda.mem_get_info()[0]
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):
@@ -124,8 +124,15 @@ class DecodeGraphRunner:
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         """Replay the graph for this decode step (Triton metadata, decode rows only): copy it
         into the buffers, pad, replay; the hidden states of its rows (a view of the graph's output)."""
+        graph, out = self.graphs[self.load(input_ids, positions, meta)]
+        graph.replay()
+        return out[: meta.num_decodes]
+
+    def load(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> int:
+        """Copy a decode step into the persistent buffers, padding rows up to the captured size
+        (slot -1: nothing stored; length 0: zeros out); returns that size."""
         n = meta.num_decodes
-        size = self.size_for(n)
+        size = graph_size_for(n, self.sizes)
         width = meta.decode_block_tables.shape[1]
         self.input_ids[:n].copy_(input_ids[:n])
         self.positions[:n].copy_(positions[:n])
@@ -134,6 +141,4 @@ class DecodeGraphRunner:
         self.block_tables[:n, :width].copy_(meta.decode_block_tables)
         self.seq_lens[:n].copy_(meta.decode_seq_lens)
         self.seq_lens[n:size].fill_(0)
-        graph, out = self.graphs[size]
-        graph.replay()
-        return out[:n]
+        return size

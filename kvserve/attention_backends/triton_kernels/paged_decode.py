@@ -19,8 +19,7 @@ import triton
 import triton.language as tl
 
 from kvserve.attention_backends.triton_kernels import dot_args, next_pow2
-from kvserve.attention_backends.triton_kernels.constants import DECODE_MAX_SPLITS as MAX_SPLITS
-from kvserve.attention_backends.triton_kernels.constants import DECODE_TOKENS_PER_SPLIT as TOKENS_PER_SPLIT
+from kvserve.attention_backends.triton_kernels.constants import num_decode_splits
 from kvserve.attention_backends.triton_kernels.decode_reduce import reduce_splits
 from kvserve.attention_backends.triton_kernels.kv_tile import load_kv_tile
 
@@ -82,11 +81,6 @@ def _paged_decode_kernel(
     tl.store(acc_ptr + part[:, None] * BLOCK_D + d[None, :], acc, mask=gmask[:, None])
     tl.store(m_ptr + part, m, mask=gmask)
     tl.store(l_ptr + part, l, mask=gmask)
-
-
-def num_decode_splits(table_width: int, block_size: int) -> int:
-    """Splits for a block table `table_width` blocks wide: one per TOKENS_PER_SPLIT, at most 16."""
-    return max(1, min(MAX_SPLITS, -(-table_width * block_size // TOKENS_PER_SPLIT)))
 
 
 def paged_decode(
