@@ -16,16 +16,16 @@ from kvserve.attention_backends.triton_kernels import next_pow2
 
 @triton.jit
 def _decode_reduce_kernel(
-    acc_ptr, m_ptr, l_ptr, out_ptr, stride_ot, stride_oh,
-    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    acc_ptr, m_ptr, l_ptr, out_ptr, stride_ot, stride_oh, num_splits,
+    NUM_HEADS: tl.constexpr, BLOCK_S: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     head = tl.program_id(1)
     sp = tl.arange(0, BLOCK_S)
-    smask = sp < NUM_SPLITS
+    smask = sp < num_splits
     d = tl.arange(0, BLOCK_D)
-    part = (row * NUM_HEADS + head) * NUM_SPLITS + sp
+    part = (row * NUM_HEADS + head) * num_splits + sp
     m = tl.load(m_ptr + part, mask=smask, other=float("-inf"))
     l = tl.load(l_ptr + part, mask=smask, other=0.0)  # noqa: E741
     top = tl.max(m, axis=0)
@@ -45,7 +45,7 @@ def reduce_splits(acc: torch.Tensor, m: torch.Tensor, l: torch.Tensor, out: torc
     if out.stride(-1) != 1:
         raise ValueError("decode reduce: out's last dimension must be contiguous")
     _decode_reduce_kernel[(rows, heads)](
-        acc, m, l, out, out.stride(0), out.stride(1),
-        NUM_HEADS=heads, NUM_SPLITS=splits, BLOCK_S=next_pow2(splits), HEAD_DIM=out.shape[2], BLOCK_D=bd,
+        acc, m, l, out, out.stride(0), out.stride(1), splits,
+        NUM_HEADS=heads, BLOCK_S=next_pow2(splits), HEAD_DIM=out.shape[2], BLOCK_D=bd,
     )  # fmt: skip
     return out

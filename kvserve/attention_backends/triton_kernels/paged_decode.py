@@ -31,7 +31,7 @@ def _paged_decode_kernel(
     stride_qt, stride_qh, stride_bt,
     stride_cb, stride_ch, stride_cs, stride_sb, stride_sh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, NUM_HEADS: tl.constexpr,
     QUANT: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
@@ -39,7 +39,8 @@ def _paged_decode_kernel(
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + row).to(tl.int32)
     num_blocks = tl.cdiv(seq_len, BLOCK_SIZE)
-    per_split = tl.cdiv(num_blocks, NUM_SPLITS)
+    num_splits = tl.num_programs(2)  # a runtime value: a new split count compiles nothing
+    per_split = tl.cdiv(num_blocks, num_splits)
     first = split * per_split
     last = tl.minimum(first + per_split, num_blocks)
 
@@ -77,7 +78,7 @@ def _paged_decode_kernel(
         l = l * alpha + tl.sum(p, axis=1)  # noqa: E741
         m = m_new
     # partials are [rows, heads, splits(, head_dim)]
-    part = (row * NUM_HEADS + heads) * NUM_SPLITS + split
+    part = (row * NUM_HEADS + heads) * num_splits + split
     tl.store(acc_ptr + part[:, None] * BLOCK_D + d[None, :], acc, mask=gmask[:, None])
     tl.store(m_ptr + part, m, mask=gmask)
     tl.store(l_ptr + part, l, mask=gmask)
@@ -118,7 +119,7 @@ def paged_decode(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         ks.stride(0) if quant else 0, ks.stride(1) if quant else 0,
         GROUP=group, BLOCK_G=max(16, next_pow2(group)), HEAD_DIM=hd, BLOCK_D=bd,
-        BLOCK_SIZE=block_size, NUM_SPLITS=splits, NUM_HEADS=num_heads, QUANT=quant,
+        BLOCK_SIZE=block_size, NUM_HEADS=num_heads, QUANT=quant,
         **dot_args(q.dtype),
     )  # fmt: skip
     return reduce_splits(acc, m, l, out)
