@@ -27,8 +27,12 @@ def _store_one(
     x = tl.load(x_ptr, mask=mask, other=0.0)
     if QUANT:
         xf = x.to(tl.float32)
-        scale = round_to_bf16(tl.maximum(tl.max(tl.abs(xf), axis=1) / QMAX, 1e-8))
-        q = tl.minimum(tl.maximum(xf / scale[:, None], -QMAX), QMAX)
+        # div_rn: IEEE division, as torch's (Triton's `/` on a GPU is an approximate division);
+        # it does not broadcast, hence the operands made the same shape
+        amax = tl.max(tl.abs(xf), axis=1)
+        scale = round_to_bf16(tl.maximum(tl.div_rn(amax, tl.zeros_like(amax) + QMAX), 1e-8))
+        q = tl.div_rn(xf, scale[:, None] + tl.zeros_like(xf))
+        q = tl.minimum(tl.maximum(q, -QMAX), QMAX)
         if FP8:
             codes = round_to_e4m3(q)
         else:

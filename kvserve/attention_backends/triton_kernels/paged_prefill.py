@@ -22,6 +22,15 @@ import triton.language as tl
 from kvserve.attention_backends.triton_kernels import dot_args, interpreting, next_pow2
 from kvserve.attention_backends.triton_kernels.kv_tile import load_kv_tile
 
+# At 4 warps a 64 x 128 float32 accumulator and its q tile spill (tests/triton_compile_check.py).
+NUM_WARPS = 8
+
+
+def prefill_block_m(dtype: torch.dtype) -> int:
+    """Query rows per program: 64 for 16-bit models, 32 for float32 (its tiles are twice the
+    registers), 16 under the interpreter (numpy time grows with the tile)."""
+    return 16 if interpreting() else 32 if dtype == torch.float32 else 64
+
 
 @triton.jit
 def _paged_prefill_kernel(
@@ -105,7 +114,7 @@ def paged_prefill(
     if block_size < 16 or block_size & (block_size - 1):
         raise ValueError(f"Triton paged attention: block_size {block_size} must be a power of two >= 16")
     q = q if q.stride(-1) == 1 else q.contiguous()
-    block_m = 16 if interpreting() else 64
+    block_m = prefill_block_m(q.dtype)
     quant = k_scales is not None
     ks, vs = (k_scales, v_scales) if quant else (k_cache, v_cache)
     grid = (chunks, num_heads, -(-max_query_len // block_m))
@@ -115,6 +124,6 @@ def paged_prefill(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         ks.stride(0) if quant else 0, ks.stride(1) if quant else 0,
         GROUP=num_heads // kvh, HEAD_DIM=hd, BLOCK_D=next_pow2(hd), BLOCK_M=block_m,
-        BLOCK_SIZE=block_size, QUANT=quant, **dot_args(q.dtype),
+        BLOCK_SIZE=block_size, QUANT=quant, **dot_args(q.dtype), num_warps=NUM_WARPS,
     )  # fmt: skip
     return out

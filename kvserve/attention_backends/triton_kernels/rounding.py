@@ -36,5 +36,6 @@ def round_to_e4m3(y):
     a = tl.abs(y)
     exponent = ((tl.maximum(a, 0.015625).to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
     step = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)
-    r = round_to_int(a / step) * step
+    inv_step = ((3 - exponent + 127) << 23).to(tl.float32, bitcast=True)  # exact, unlike a GPU's `/`
+    r = round_to_int(a * inv_step) * step
     return tl.where(y < 0, -r, r)
