@@ -101,7 +101,9 @@ def test_graph_buffers_pad_a_decode_step():
     kv = torch.zeros(2, 2, 8, 2, 16, 4)  # [layers, k/v, blocks, kv_heads, block_size, head_dim]
     runner = DecodeGraphRunner(None, kv, SimpleNamespace(block_size=16), max_num_seqs=8, max_blocks_per_seq=6)
     assert runner.sizes == [1, 2, 4, 8]
-    assert runner.size_for(3) is None  # nothing captured: eager
+    assert runner.size_for(3) is None and not runner.fits(_decode_meta(3))  # nothing captured: eager
+    runner.graphs = {s: None for s in runner.sizes}  # as if captured
+    assert runner.fits(_decode_meta(3)) and not runner.fits(_decode_meta(9))  # 9 > max_num_seqs
     runner.load(torch.tensor([9] * 8), torch.tensor([1] * 8), _decode_meta(8))  # a bigger step before
     meta = _decode_meta(3)
     assert runner.load(torch.tensor([5, 6, 7]), torch.tensor([20, 33, 40]), meta) == 4

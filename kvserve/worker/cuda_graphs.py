@@ -121,6 +121,16 @@ class DecodeGraphRunner:
     def size_for(self, num_rows: int) -> int | None:
         return graph_size_for(num_rows, self.sizes) if self.graphs else None
 
+    def fits(self, meta) -> bool:
+        """A pure decode step (Triton metadata) that a captured graph can replay: every row a
+        decode, a captured size that holds them, block tables no wider than the buffer."""
+        n = meta.num_decodes
+        return (
+            n == meta.num_tokens
+            and self.size_for(n) is not None
+            and meta.decode_block_tables.shape[1] <= self.block_tables.shape[1]
+        )
+
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         """Replay the graph for this decode step (Triton metadata, decode rows only): copy it
         into the buffers, pad, replay; the hidden states of its rows (a view of the graph's output)."""

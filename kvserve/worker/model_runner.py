@@ -101,8 +101,7 @@ class ModelRunner:
     def _forward(self, ids: list[int], positions: np.ndarray, meta, graphable: bool) -> torch.Tensor:
         """The model over this step's rows: a captured CUDA graph for a pure decode step that
         fits one, else eagerly over the rows padded to a bucket size (shape_buckets.py)."""
-        n = len(ids)
-        if graphable and self.graphs is not None and meta.num_decodes == n and self.graphs.size_for(n):
+        if graphable and self.graphs is not None and self.graphs.fits(meta):
             ids_t = torch.tensor(ids, device=self.device)
             return self.graphs.run(ids_t, torch.from_numpy(positions).to(self.device), meta)
         ids_t, pos_t = self._padded_inputs(ids, positions)
