@@ -22,6 +22,7 @@ the earlier figures):
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -81,6 +82,15 @@ def _llm(path: str, device: str, **kw):
     return LLM(path, device=device, **kw)
 
 
+def _free(device: str, llm=None) -> None:
+    """Give a finished engine's (or model's) GPU memory back before the next one sizes its KV pool."""
+    if llm is not None:
+        llm.llm_engine.core.shutdown()
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
 def _greedy(max_tokens: int):
     from kvserve.sampling_params import SamplingParams
 
@@ -122,9 +132,11 @@ def fidelity(path: str, device: str, prompts: list[list[int]], max_tokens: int, 
         result[mode] = {v: verdicts.count(v) for v in sorted(set(verdicts))}
         result[mode]["backend"] = llm.llm_engine.core.model_runner.attn_backend.name
         result[mode]["graphs"] = llm.llm_engine.core.model_runner.graphs is not None
+        _free(device, llm)
         del llm
     result["ok"] = all(result[m].get("MISMATCH", 0) == 0 for m in ("graphs", "eager"))
     del hf
+    _free(device)
     return result
 
 
@@ -154,7 +166,7 @@ def decode_roofline(path: str, read_bytes: int, device: str, decode_tokens: int,
     against the time to stream the weights once at the measured copy bandwidth."""
     bw = copy_bandwidth(device, bw_bytes)
     dtype = "bfloat16" if device == "cuda" else "float32"
-    llm = _llm(path, device, dtype=dtype, max_model_len=1024, max_num_seqs=8)
+    llm = _llm(path, device, dtype=dtype, max_model_len=1024, max_num_seqs=8, kv_cache_memory="8GiB")
     prompt = [random.Random(0).randrange(3, 500) for _ in range(128)]  # within every test vocabulary
     llm.generate([prompt], _greedy(8), use_tqdm=False)  # warm-up
     timings = {}
@@ -164,11 +176,14 @@ def decode_roofline(path: str, read_bytes: int, device: str, decode_tokens: int,
         timings[n] = time.perf_counter() - t
     per_token = (timings[decode_tokens + 1] - timings[1]) / decode_tokens
     achieved = read_bytes / per_token
+    graphs = llm.llm_engine.core.model_runner.graphs is not None
+    _free(device, llm)
+    del llm
     return {
         "weight_bytes_read_per_token": read_bytes, "copy_bandwidth_GBps": bw / 1e9,
         "seconds_per_token": per_token, "tokens_per_s": 1 / per_token,
         "achieved_GBps": achieved / 1e9, "roofline_fraction": achieved / bw, "target": 0.8,
-        "graphs": llm.llm_engine.core.model_runner.graphs is not None,
+        "graphs": graphs,
     }  # fmt: skip
 
 
@@ -182,8 +197,11 @@ def nano_vllm_workload(num_seqs: int, lo: int, hi: int, seed: int = 0) -> tuple[
 def kvserve_throughput(path: str, device: str, prompts, out_lens, eager: bool, max_len: int) -> dict:
     from kvserve.sampling_params import SamplingParams
 
+    # 48 GiB of KV: ~420k tokens of the 0.6B shape, the whole batch at its mean lengths
+    kv = "48GiB" if device == "cuda" else "256MiB"
     llm = _llm(path, device, dtype="bfloat16" if device == "cuda" else "float32", max_model_len=max_len,
-               max_num_seqs=len(prompts), max_num_batched_tokens=8192, enforce_eager=eager)  # fmt: skip
+               max_num_seqs=len(prompts), max_num_batched_tokens=8192, enforce_eager=eager,
+               kv_cache_memory=kv)  # fmt: skip
     llm.generate([prompts[0][:16]], _greedy(4), use_tqdm=False)  # warm-up
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in out_lens]
     t = time.perf_counter()
@@ -191,14 +209,9 @@ def kvserve_throughput(path: str, device: str, prompts, out_lens, eager: bool, m
     seconds = time.perf_counter() - t
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     graphs = llm.llm_engine.core.model_runner.graphs is not None
+    _free(device, llm)
     del llm
-    _empty_cache(device)
     return {"seqs": len(prompts), "output_tokens": tokens, "seconds": seconds, "graphs": graphs}
-
-
-def _empty_cache(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.empty_cache()
 
 
 def hf_throughput(path: str, device: str, prompts, out_lens) -> dict:
@@ -223,7 +236,7 @@ def hf_throughput(path: str, device: str, prompts, out_lens) -> dict:
     _sync(device)
     seconds = time.perf_counter() - t
     del hf
-    _empty_cache(device)
+    _free(device)
     tokens = sum(out_lens)
     return {
         "seqs": len(prompts),
@@ -339,6 +352,9 @@ def _fidelity_gguf(path: str, device: str, prompts: list[list[int]], max_tokens:
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, _greedy(max_tokens), use_tqdm=False)]
     verdicts = [_compare_greedy(hf, p, w, g) for p, w, g in zip(prompts, want, got)]
     counts = {v: verdicts.count(v) for v in sorted(set(verdicts))}
+    _free(device, llm)
+    del llm, hf
+    _free(device)
     return {"model": "smollm2-135m", **counts, "ok": "MISMATCH" not in counts}
 
 
