@@ -77,6 +77,14 @@ class EngineConfig:
         default=0.9,
         metadata={"help": "On CUDA, the fraction of device memory kvserve may use (weights + KV pool)."},
     )
+    enforce_eager: bool = field(
+        default=False,
+        metadata={
+            "help": "On CUDA, run decode steps eagerly instead of replaying captured CUDA graphs "
+            "(worker/cuda_graphs.py; no graph pool is reserved). No effect on CPU, which never "
+            "captures graphs."
+        },
+    )
     block_size: int = field(default=16, metadata={"help": "Tokens per KV block."})
     max_model_len: int | None = field(
         default=None, metadata={"help": "Longest prompt + output; defaults to the model's context length."}

@@ -225,7 +225,8 @@ class EngineCore:
             self.source.path, dtype, str(c.torch_device),
             self.pool_size.num_blocks, c.block_size, c.kv_cache_dtype, c.quantization,
             resolve_model(c.speculative_model).path if c.speculative_model else None, c.tensor_parallel_size,
-            c.pipeline_parallel_size,
+            c.pipeline_parallel_size, enforce_eager=c.enforce_eager, max_num_seqs=c.max_num_seqs,
+            max_model_len=self.max_model_len,
         )  # fmt: skip
 
     @property
@@ -279,9 +280,24 @@ class EngineCore:
 
             free, total = torch.cuda.mem_get_info(device)
             # The same rule as `kvserve plan`: utilization x memory, less what is already used
-            # (the weights), less an overhead share for activations and fragmentation.
-            return gpu_kv_budget(total, self.config.gpu_memory_utilization, total - free)
+            # (the weights), less an overhead share for activations and fragmentation, less the
+            # decode CUDA graphs' pool (worker/cuda_graphs.py) unless --enforce-eager.
+            budget = gpu_kv_budget(total, self.config.gpu_memory_utilization, total - free)
+            return max(budget - self._graph_pool_bytes(), 0)
         return parse_memory_size(DEFAULT_CPU_KV_CACHE_MEMORY)
+
+    def _graph_pool_bytes(self) -> int:
+        """What the decode CUDA graphs will take (0 with --enforce-eager or several ranks)."""
+        c, a = self.config, self.arch
+        if c.enforce_eager or c.tensor_parallel_size * c.pipeline_parallel_size > 1:
+            return 0
+        from kvserve.worker.cuda_graphs import graph_pool_bytes_estimate
+
+        elem = 4 if c.torch_dtype == torch.float32 else 2
+        q_size, kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        return graph_pool_bytes_estimate(
+            c.max_num_seqs, a.hidden_size, a.intermediate_size, q_size, kv_size, a.num_heads, elem
+        )
 
     def add_request(self, req: EngineCoreRequest) -> None:
         if (

@@ -10,6 +10,11 @@ tables for the decodes, and per-chunk info for prefills; then computes logits on
 token is sampled (the last position of each request whose known tokens are all computed
 after this step).
 
+Attention goes through a backend (attention_backends/): the runner describes the step as one
+ScheduledSeq per request and the backend builds its own metadata; cuda selects the Triton
+kernels, anything else today's CPU path. On CUDA, pure decode steps replay captured graphs
+(worker/cuda_graphs.py) unless --enforce-eager.
+
 A request carrying k speculative tokens is laid out as k + 1 decode rows sharing its block
 table, row j attending to positions up to start + j: all k + 1 positions are scored in the
 same pass and the paged decode kernel serves them like any other decode. With a draft model
@@ -19,11 +24,13 @@ every step's tokens, then proposes the next drafts a token at a time.
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 
+from kvserve.attention_backends import ScheduledSeq, make_backend
 from kvserve.distributed.parallel_state import get_pp_group, get_tp_group
-from kvserve.model.layers.attention import AttentionMetadata, PrefillChunk
 from kvserve.model.layers.cpu_kernels import load_cpu_kernels
 from kvserve.model.layers.kv_quant import KV_SCALE_DTYPE, is_quantized, kv_storage_dtype
 from kvserve.model.models.llama import LlamaForCausalLM
@@ -32,6 +39,8 @@ from kvserve.worker.kernel_log import log_kernels
 from kvserve.worker.request_state import CachedRequestState, RequestStates
 from kvserve.worker.shape_buckets import padded_rows
 from kvserve.worker.step_input import RunnerOutput, StepInput
+
+logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -44,6 +53,7 @@ class ModelRunner:
         use_cpu_kernels: bool = True,
         kv_cache_dtype: str = "auto",
         draft_model: LlamaForCausalLM | None = None,
+        attention_backend: str | None = None,
     ) -> None:
         self.model = model
         self.draft_model = draft_model
@@ -51,6 +61,9 @@ class ModelRunner:
         self.block_size = block_size
         self.dtype = model.dtype
         self.kv_cache_dtype = kv_cache_dtype
+        # cuda -> the Triton kernels, otherwise today's CPU path (attention_backends/base.py)
+        self.attn_backend = make_backend(device, block_size, attention_backend)
+        self.graphs = None  # DecodeGraphRunner once captured (CUDA only: worker/cuda_graphs.py)
         self.kv_cache, self.kv_scales = self._alloc_kv(model, num_blocks)
         self.draft_kv_cache = None
         if draft_model is not None:
@@ -69,6 +82,38 @@ class ModelRunner:
             if self.tp.is_driver and self.pp.is_first:  # one line per engine, not per rank
                 log_kernels(model, kernels is not None)
         trim_heap()  # the loader's temporaries and the plain weights packing replaced
+
+    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Capture the decode forward at each graph size (CUDA + Triton backend only)."""
+        if self.device.type != "cuda" or self.attn_backend.name != "triton":
+            return
+        from kvserve.worker.cuda_graphs import DecodeGraphRunner
+
+        width = -(-max_model_len // self.block_size)
+        graphs = DecodeGraphRunner(self.model, self.kv_cache, self.attn_backend, max_num_seqs, width)
+        try:
+            graphs.capture()
+        except RuntimeError as e:  # a forward that cannot be captured still serves, eagerly
+            logger.warning("decode CUDA graphs not captured, running eagerly: %s", e)
+            return
+        self.graphs = graphs
+
+    def _forward(self, ids: list[int], positions: np.ndarray, meta, graphable: bool) -> torch.Tensor:
+        """The model over this step's rows: a captured CUDA graph for a pure decode step that
+        fits one, else eagerly over the rows padded to a bucket size (shape_buckets.py)."""
+        if graphable and self.graphs is not None and self.graphs.fits(meta):
+            ids_t = torch.tensor(ids, device=self.device)
+            return self.graphs.run(ids_t, torch.from_numpy(positions).to(self.device), meta)
+        ids_t, pos_t = self._padded_inputs(ids, positions)
+        hidden_in = None
+        if not self.pp.is_first:  # the previous stage's residual stream for these rows
+            hidden_in = self.pp.recv_prev((len(ids_t), self.model.arch.hidden_size), self.dtype, self.device)
+        return self.model(ids_t, pos_t, meta, self.kv_cache, hidden_in)
+
+    def _padded_inputs(self, ids: list[int], positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        pad = padded_rows(len(ids)) - len(ids)  # rows past the slot mapping: computed, never stored
+        ids_t = torch.tensor(ids + [0] * pad, device=self.device)
+        return ids_t, torch.from_numpy(np.pad(positions, (0, pad))).to(self.device)
 
     def _alloc_kv(self, model: LlamaForCausalLM, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The model's KV pool and, for a 1-byte cache, its bfloat16 scales (one per token and
@@ -105,16 +150,14 @@ class ModelRunner:
         if not batch:
             return RunnerOutput() if self.is_output_rank else None
         order = sorted(batch, key=lambda x: not self._is_decode(*x))
-        bs = self.block_size
         ids: list[int] = []
-        pos_chunks, slot_chunks = [], []
+        pos_chunks = []
         sample_rows: list[int] = []
         sample_ids: list[str] = []
         verify: list[tuple[str, int, int]] = []  # (req_id, first flat row, number of drafts)
         prompt_lp: list[tuple[CachedRequestState, int, int]] = []  # (req, first flat row, count)
         pooling: list[tuple[CachedRequestState, int, int]] = []  # embedding requests' rows
-        meta = AttentionMetadata(torch.empty(0), torch.empty(0))
-        decode_tables, decode_lens = [], []
+        seqs: list[ScheduledSeq] = []  # the step as the attention backend sees it
         offset = 0
         for req, n in order:
             start = req.num_computed_tokens
@@ -122,22 +165,8 @@ class ModelRunner:
             drafts = req.spec_token_ids[: n - len(known)]
             ids.extend(known)
             ids.extend(drafts)
-            pos = np.arange(start, start + n)
-            table = req.block_ids
-            pos_chunks.append(pos)
-            slot_chunks.append(np.asarray(table)[pos // bs])
-            if self._is_decode(req, n):
-                meta.num_decodes += n
-                decode_tables.extend([table] * n)
-                decode_lens.extend(range(start + 1, start + n + 1))
-            else:
-                chunk = PrefillChunk(offset, offset + n, start)
-                if start > 0:
-                    nb = -(-(start + n) // bs)
-                    chunk.block_ids = torch.tensor(table[:nb], device=self.device)
-                    q_pos = torch.arange(start, start + n).unsqueeze(1)
-                    chunk.mask = (torch.arange(start + n).unsqueeze(0) <= q_pos).to(self.device)
-                meta.prefills.append(chunk)
+            pos_chunks.append(np.arange(start, start + n))
+            seqs.append(ScheduledSeq(start, n, req.block_ids, self._is_decode(req, n)))
             if req.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
                 count = min(n, req.num_prompt_tokens - 1 - start)
                 prompt_lp.append((req, offset, count))
@@ -151,24 +180,15 @@ class ModelRunner:
             offset += n
 
         positions = np.concatenate(pos_chunks)
-        meta.slot_blocks = torch.from_numpy(np.concatenate(slot_chunks)).to(self.device)
-        meta.slot_offsets = torch.from_numpy(positions % bs).to(self.device)
-        if decode_tables:
-            meta.decode_block_tables = self._table_tensor(decode_tables)
-            meta.decode_seq_lens = torch.tensor(decode_lens, dtype=torch.long, device=self.device)
+        meta = self.attn_backend.build_metadata(seqs, positions)
 
-        pad = padded_rows(len(ids)) - len(ids)  # rows past the slot mapping: computed, never stored
-        ids_t = torch.tensor(ids + [0] * pad, device=self.device)
-        pos_t = torch.from_numpy(np.pad(positions, (0, pad))).to(self.device)
-        hidden_in = None
-        if not self.pp.is_first:  # the previous stage's residual stream for these rows
-            hidden_in = self.pp.recv_prev((len(ids_t), self.model.arch.hidden_size), self.dtype, self.device)
-        hidden = self.model(ids_t, pos_t, meta, self.kv_cache, hidden_in)
+        graphable = not (prompt_lp or pooling) and self.draft_model is None
+        hidden = self._forward(ids, positions, meta, graphable)
         if not self.pp.is_last:
             self.pp.send_next(hidden)  # and on to the next micro-batch without waiting
             return None
         if self.draft_model is not None:  # the draft's KV follows every computed position
-            self.draft_model(ids_t, pos_t, meta, self.draft_kv_cache)
+            self.draft_model(*self._padded_inputs(ids, positions), meta, self.draft_kv_cache)
 
         out = RunnerOutput(sample_ids, [(rid, k) for rid, _, k in verify])
         rows = sample_rows + [o + j for _, o, k in verify for j in range(k + 1)]
@@ -214,13 +234,6 @@ class ModelRunner:
         logits = model.compute_logits(hidden[torch.tensor(index, device=self.device)])
         return None if logits is None else logits[: len(rows)]
 
-    def _table_tensor(self, tables: list[list[int]]) -> torch.Tensor:
-        width = max(len(t) for t in tables)
-        arr = np.zeros((len(tables), width), dtype=np.int64)
-        for i, t in enumerate(tables):
-            arr[i, : len(t)] = t
-        return torch.from_numpy(arr).to(self.device)
-
     @torch.inference_mode()
     def propose_with_draft(
         self, items: list[tuple[str, int, int, int]], block_tables: dict[str, list[int]]
@@ -231,20 +244,15 @@ class ModelRunner:
         Each request's last token is not in the draft's KV yet: round j feeds the token at
         position num_tokens - 1 + j (the last token, then the drafts so far) and writes its KV
         into slots the scheduler reserved ahead."""
-        bs = self.block_size
         drafts: dict[str, list[int]] = {rid: [] for rid, *_ in items}
         for j in range(max((k for *_, k in items), default=0)):
             active = [(rid, last, n) for rid, last, n, k in items if k > j]
             ids = [drafts[rid][-1] if j else last for rid, last, _ in active]
             positions = np.array([n - 1 + j for _, _, n in active])
-            tables = [block_tables[rid] for rid, _, _ in active]
-            meta = AttentionMetadata(
-                torch.tensor([t[p // bs] for t, p in zip(tables, positions)], device=self.device),
-                torch.from_numpy(positions % bs).to(self.device),
-                num_decodes=len(active),
-                decode_block_tables=self._table_tensor(tables),
-                decode_seq_lens=torch.from_numpy(positions + 1).to(self.device),
-            )
+            seqs = [
+                ScheduledSeq(int(p), 1, block_tables[rid], True) for (rid, _, _), p in zip(active, positions)
+            ]
+            meta = self.attn_backend.build_metadata(seqs, positions)
             pad = padded_rows(len(ids)) - len(ids)
             hidden = self.draft_model(
                 torch.tensor(ids + [0] * pad, device=self.device),

@@ -31,6 +31,9 @@ class WorkerConfig(msgspec.Struct, omit_defaults=True):
     pipeline_parallel_size: int = 1
     init_method: str = ""  # torch.distributed rendezvous, e.g. tcp://127.0.0.1:29500
     collective_timeout_s: float = 30.0
+    enforce_eager: bool = False  # CUDA only: no decode CUDA graphs
+    max_num_seqs: int = 128  # the largest decode graph captured
+    max_model_len: int = 0  # the graphs' block-table width (0: no graphs)
 
 
 class Worker:
@@ -57,6 +60,9 @@ class Worker:
             self.model, cfg.num_blocks, cfg.block_size, device, kv_cache_dtype=cfg.kv_cache_dtype,
             draft_model=draft,
         )  # fmt: skip
+        single_rank = cfg.tensor_parallel_size * cfg.pipeline_parallel_size == 1
+        if device.type == "cuda" and not cfg.enforce_eager and single_rank and cfg.max_model_len:
+            self.model_runner.capture_decode_graphs(cfg.max_num_seqs, cfg.max_model_len)
 
     def execute_model(self, step: StepInput) -> RunnerOutput | None:
         t0 = time.perf_counter()

@@ -13,6 +13,11 @@ gather + SDPA path otherwise; prefill chunks use SDPA one request at a time, wit
 mask offset by the tokens already cached. A CUDA backend (FlashAttention / Triton) would
 take the same metadata.
 
+Since the attention-backend seam (kvserve/attention_backends/), the metadata a backend builds
+carries the backend (`meta.backend`) and `forward` hands the call to it: the CPU backend comes
+back to `forward_torch` below, the Triton backend runs its own kernels. Metadata built by hand
+(tests) has no backend and takes `forward_torch`.
+
 With a 1-byte KV cache (kv_quant.py) the model runner binds each layer's scale tensors to
 its attention (`kv_scales`, as vLLM's Attention layer holds its k/v scales): new K/V are
 quantized as they are written, every read dequantizes, and a fresh prompt chunk attends to
@@ -22,6 +27,7 @@ its own K/V after the same round trip, so prefill sees exactly what later decode
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +56,7 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int64
     decode_seq_lens: torch.Tensor | None = None  # [num_decodes] int64, including the new token
     prefills: list[PrefillChunk] = field(default_factory=list)
+    backend: Any = None  # the attention backend that built it (attention_backends/cpu.py)
     _gather: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def decode_gather_inputs(self, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,6 +104,21 @@ class PagedAttention:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        backend = getattr(meta, "backend", None)
+        if backend is not None:
+            return backend.forward(self, q, k, v, k_cache, v_cache, meta)
+        return self.forward_torch(q, k, v, k_cache, v_cache, meta)
+
+    def forward_torch(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The torch path: C++ paged decode on CPU when loaded (SDPA gather otherwise), SDPA prefill."""
         n = meta.slot_blocks.shape[0]  # rows past n only pad the batch to a bucket size
         if self.kv_scales is None:
             k_cache[meta.slot_blocks, :, meta.slot_offsets] = k[:n]

@@ -1,0 +1,82 @@
+"""The CPU backend: today's path behind the backend seam, with identical results.
+
+The metadata is attention.py's AttentionMetadata built exactly as the model runner built it
+before the seam existed (slot blocks/offsets, decode block tables and lengths, one
+PrefillChunk per prompt chunk with its causal mask offset by the cached tokens); the forward
+is PagedAttention.forward_torch (the C++ paged decode kernel when loaded, SDPA otherwise).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvserve.attention_backends.base import ScheduledSeq
+from kvserve.model.layers.attention import AttentionMetadata, PagedAttention, PrefillChunk
+
+
+def padded_table_tensor(tables: list[list[int]], device: torch.device) -> torch.Tensor:
+    """Block tables as one [n, longest] int64 tensor, short rows padded with block 0."""
+    width = max(len(t) for t in tables)
+    arr = np.zeros((len(tables), width), dtype=np.int64)
+    for i, t in enumerate(tables):
+        arr[i, : len(t)] = t
+    return torch.from_numpy(arr).to(device)
+
+
+def slot_blocks_of(seqs: list[ScheduledSeq], positions: np.ndarray, block_size: int) -> np.ndarray:
+    """The physical block of each new token's slot, in batch order."""
+    out, i = [], 0
+    for s in seqs:
+        out.append(np.asarray(s.block_table)[positions[i : i + s.num_tokens] // block_size])
+        i += s.num_tokens
+    return np.concatenate(out)
+
+
+class CpuAttentionBackend:
+    name = "cpu"
+
+    def __init__(self, device: torch.device, block_size: int) -> None:
+        self.device = device
+        self.block_size = block_size
+
+    def build_metadata(self, seqs: list[ScheduledSeq], positions: np.ndarray) -> AttentionMetadata:
+        bs, dev = self.block_size, self.device
+        meta = AttentionMetadata(
+            torch.from_numpy(slot_blocks_of(seqs, positions, bs)).to(dev),
+            torch.from_numpy(positions % bs).to(dev),
+            backend=self,
+        )
+        decode_tables, decode_lens = [], []
+        offset = 0
+        for s in seqs:
+            start, n = s.start, s.num_tokens
+            if s.is_decode:
+                meta.num_decodes += n
+                decode_tables.extend([s.block_table] * n)
+                decode_lens.extend(range(start + 1, start + n + 1))
+            else:
+                chunk = PrefillChunk(offset, offset + n, start)
+                if start > 0:
+                    nb = -(-(start + n) // bs)
+                    chunk.block_ids = torch.tensor(s.block_table[:nb], device=dev)
+                    q_pos = torch.arange(start, start + n).unsqueeze(1)
+                    chunk.mask = (torch.arange(start + n).unsqueeze(0) <= q_pos).to(dev)
+                meta.prefills.append(chunk)
+            offset += n
+        if decode_tables:
+            meta.decode_block_tables = padded_table_tensor(decode_tables, dev)
+            meta.decode_seq_lens = torch.tensor(decode_lens, dtype=torch.long, device=dev)
+        return meta
+
+    def forward(
+        self,
+        layer: PagedAttention,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        return layer.forward_torch(q, k, v, k_cache, v_cache, meta)
