@@ -16,6 +16,8 @@ import logging
 import os
 import threading
 
+import torch
+
 from kvserve.model.layers.cpu_kernels import build_extension
 from kvserve.platform.cpu_isa import CpuIsa, cpu_isa
 
@@ -74,6 +76,8 @@ def load_quant_kernels(variant: str | None = None):
     if os.environ.get("KVSERVE_DISABLE_CPU_KERNELS"):
         return None
     variant = variant or selected_variant()
+    if variant in _modules:  # the per-call path: no lock
+        return _modules[variant]
     if variant not in runnable_variants():
         logger.warning("native int4 kernel: this CPU cannot run the %s variant", variant)
         return None
@@ -110,3 +114,23 @@ def compile_only(variant: str) -> str:
         subprocess.run(cmd, check=True, capture_output=True)
         os.replace(out + ".tmp", out)
     return out
+
+
+def pack_int4(
+    codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's layout from QWeight's int4 parts (group 32): uint8 [N, K/2] with byte j of
+    a group holding codes j (low nibble) and j + 16 (high), and bf16 [N, K/32, 2] (scale, zero)."""
+    n, k = codes.shape
+    c = codes.view(n, k // 32, 32)
+    packed = (c[..., :16] | (c[..., 16:] << 4)).reshape(n, k // 2).contiguous()
+    return packed, torch.stack([scales, zeros], -1).to(torch.bfloat16).contiguous()
+
+
+def unpack_int4(packed: torch.Tensor, sz: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The float [N, K] weight of `pack_int4`'s layout: (q - 8) * scale + zero."""
+    n, kb = packed.shape
+    p = packed.view(n, kb // 16, 16)
+    q = torch.cat([p & 15, p >> 4], -1).float() - 8
+    s = sz.float()
+    return (q * s[..., :1] + s[..., 1:]).reshape(n, kb * 2).to(dtype)
