@@ -199,6 +199,67 @@ void tile_f32(const Args& a, int64_t n, int64_t m0) {
   }
   for (int c = 0; c < MR; ++c) a.y[(m0 + c) * a.N + n] = hsum(_mm256_add_ps(acc[c][0], acc[c][1]));
 }
+// Weight-only, many rows: a block of 16 weight rows is dequantized once into a row-major
+// fp32 buffer (L1/L2-resident), then MR x NR dot-product tiles run over it with every
+// activation row, so the dequantization is paid once per call rather than once per row.
+constexpr int64_t NB = 16;
+
+void dequant_row(const Args& a, int64_t n, float* out) {
+  const int64_t ng = a.K / G, kb = a.K / 2;
+  const __m128i mask = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
+  for (int64_t g = 0; g < ng; ++g) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a.w + n * kb + g * 16));
+    const __m128i lo = _mm_sub_epi8(_mm_and_si128(v, mask), eight);
+    const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), mask), eight);
+    const uint16_t* p = a.sz + (n * ng + g) * 2;
+    const __m256 s = _mm256_set1_ps(bf16(p[0])), z = _mm256_set1_ps(bf16(p[1]));
+    float* o = out + g * G;
+    _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), s, z));
+    _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), s, z));
+    _mm256_storeu_ps(o + 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), s, z));
+    _mm256_storeu_ps(o + 24, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), s, z));
+  }
+}
+
+template <int MR>
+void tile_panel(const Args& a, const float* T, int64_t n0, int64_t m0) {
+  constexpr int NR = 4;
+  __m256 acc[MR][NR];
+  for (int c = 0; c < MR; ++c)
+    for (int r = 0; r < NR; ++r) acc[c][r] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < a.K; k += 8) {
+    __m256 xv[MR];
+    for (int c = 0; c < MR; ++c) xv[c] = _mm256_loadu_ps(a.x + (m0 + c) * a.K + k);
+    for (int r = 0; r < NR; ++r) {
+      const __m256 wv = _mm256_loadu_ps(T + r * a.K + k);
+      for (int c = 0; c < MR; ++c) acc[c][r] = _mm256_fmadd_ps(xv[c], wv, acc[c][r]);
+    }
+  }
+  for (int c = 0; c < MR; ++c)
+    for (int r = 0; r < NR; ++r) a.y[(m0 + c) * a.N + n0 + r] = hsum(acc[c][r]);
+}
+
+// Rows [n0, n1) by panels of NB; a partial last panel goes row by row.
+void rows_panel(const Args& a, int64_t M, int64_t n0, int64_t n1) {
+  thread_local std::vector<float> T;
+  T.resize(NB * a.K);
+  int64_t n = n0;
+  for (; n + NB <= n1; n += NB) {
+    for (int64_t r = 0; r < NB; ++r) dequant_row(a, n + r, T.data() + r * a.K);
+    int64_t m = 0;
+    for (; m + 3 <= M; m += 3)
+      for (int64_t r = 0; r < NB; r += 4) tile_panel<3>(a, T.data() + r * a.K, n + r, m);
+    for (int64_t r = 0; r < NB && m < M; r += 4) {
+      if (M - m == 2) tile_panel<2>(a, T.data() + r * a.K, n + r, m);
+      else tile_panel<1>(a, T.data() + r * a.K, n + r, m);
+    }
+  }
+  for (; n < n1; ++n) {
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) tile_f32<4>(a, n, m);
+    for (; m < M; ++m) tile_f32<1>(a, n, m);
+  }
+}
 #else
 // Plain C++: the same arithmetic, one (row, column) at a time.
 template <int NR, int MR>
@@ -310,6 +371,10 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
       rows_i8<4>(a, M, n0, n1);
     else if (mode == 1)
       rows_i8<2>(a, M, n0, n1);
+#if defined(KVQ_AVX2)
+    else if (M >= 4)
+      rows_panel(a, M, n0, n1);
+#endif
     else
       rows_f32(a, M, n0, n1);
   });
