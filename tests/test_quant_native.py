@@ -43,6 +43,30 @@ def test_kernel_matches_float_reference(variant, mode):
             assert err <= TOL[mode], (variant, mode, n, k, rows, err)
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_int8_kernel_matches_float_reference(variant):
+    mod = qk.load_quant_kernels(variant)
+    for n, k in [(33, 96), (50, 1544)]:
+        for rows in (1, 3, 17, 64):
+            torch.manual_seed(rows)
+            qw = quantize_weight(torch.randn(n, k) * 0.1, "int8")
+            x = torch.randn(rows, k)
+            ref = x @ qw.dequantize().t()
+            err = ((mod.int8_mm(x, qw.codes, qw.scales) - ref).abs().max() / ref.abs().max()).item()
+            assert err <= 1e-5, (variant, n, k, rows, err)
+
+
+def test_quantized_linear_int8_native_keeps_lookups():
+    torch.manual_seed(0)
+    qw = quantize_weight(torch.randn(64, 96) * 0.1, "int8")
+    layer = ql.QuantizedLinear(qw, "cpu")
+    assert layer.native == VARIANTS[0] and "int8: kvserve native" in layer.kernel_name()
+    x = torch.randn(9, 96)
+    torch.testing.assert_close(layer(x), x @ qw.dequantize().t(), rtol=1e-5, atol=1e-5)
+    ids = torch.tensor([0, 7, 63])
+    torch.testing.assert_close(layer.embedding(ids, torch.float32), qw.dequantize()[ids])
+
+
 def test_variants_agree_on_int8_activations():
     """Same quantized activations, integer dot products: variants differ only in fp32 sums."""
     qw, x, _ = _case(64, 576, 5)

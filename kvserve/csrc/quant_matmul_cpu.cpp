@@ -117,6 +117,8 @@ struct Args {
   const float* dx;      // [M, K/32]
   const float* sx;      // [M, K/32]
   float* y;             // [M, N]
+  const int8_t* w8 = nullptr;     // int8 weights [N, K] (int8_mm)
+  const uint16_t* s8 = nullptr;   // their bf16 scale per row [N]
 };
 
 #if defined(KVQ_AVX2)
@@ -239,13 +241,51 @@ void tile_panel(const Args& a, const float* T, int64_t n0, int64_t m0) {
     for (int r = 0; r < NR; ++r) a.y[(m0 + c) * a.N + n0 + r] = hsum(acc[c][r]);
 }
 
+// int8 per-row weights, weight-only: codes widened to fp32 (exact), row scale applied last.
+void dequant_row_i8(const Args& a, int64_t n, float* out) {
+  const __m256 s = _mm256_set1_ps(bf16(a.s8[n]));
+  const int8_t* w = a.w8 + n * a.K;
+  for (int64_t k = 0; k < a.K; k += 8) {
+    const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + k)));
+    _mm256_storeu_ps(out + k, _mm256_mul_ps(_mm256_cvtepi32_ps(v), s));
+  }
+}
+
+template <int MR>
+void tile_i8w(const Args& a, int64_t n, int64_t m0) {
+  __m256 acc[MR][2];
+  for (int c = 0; c < MR; ++c) acc[c][0] = acc[c][1] = _mm256_setzero_ps();
+  const int8_t* w = a.w8 + n * a.K;
+  int64_t k = 0;
+  for (; k + 16 <= a.K; k += 16) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k));
+    const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+    const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)));
+    for (int c = 0; c < MR; ++c) {
+      const float* xp = a.x + (m0 + c) * a.K + k;
+      acc[c][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xp), acc[c][0]);
+      acc[c][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xp + 8), acc[c][1]);
+    }
+  }
+  for (; k < a.K; k += 8) {
+    const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + k))));
+    for (int c = 0; c < MR; ++c) acc[c][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(a.x + (m0 + c) * a.K + k), acc[c][0]);
+  }
+  const float s = bf16(a.s8[n]);
+  for (int c = 0; c < MR; ++c) a.y[(m0 + c) * a.N + n] = hsum(_mm256_add_ps(acc[c][0], acc[c][1])) * s;
+}
+
 // Rows [n0, n1) by panels of NB; a partial last panel goes row by row.
+template <bool I8>
 void rows_panel(const Args& a, int64_t M, int64_t n0, int64_t n1) {
   thread_local std::vector<float> T;
   T.resize(NB * a.K);
   int64_t n = n0;
   for (; n + NB <= n1; n += NB) {
-    for (int64_t r = 0; r < NB; ++r) dequant_row(a, n + r, T.data() + r * a.K);
+    for (int64_t r = 0; r < NB; ++r) {
+      if constexpr (I8) dequant_row_i8(a, n + r, T.data() + r * a.K);
+      else dequant_row(a, n + r, T.data() + r * a.K);
+    }
     int64_t m = 0;
     for (; m + 3 <= M; m += 3)
       for (int64_t r = 0; r < NB; r += 4) tile_panel<3>(a, T.data() + r * a.K, n + r, m);
@@ -256,8 +296,13 @@ void rows_panel(const Args& a, int64_t M, int64_t n0, int64_t n1) {
   }
   for (; n < n1; ++n) {
     int64_t m = 0;
-    for (; m + 4 <= M; m += 4) tile_f32<4>(a, n, m);
-    for (; m < M; ++m) tile_f32<1>(a, n, m);
+    if constexpr (I8) {
+      for (; m + 4 <= M; m += 4) tile_i8w<4>(a, n, m);
+      for (; m < M; ++m) tile_i8w<1>(a, n, m);
+    } else {
+      for (; m + 4 <= M; m += 4) tile_f32<4>(a, n, m);
+      for (; m < M; ++m) tile_f32<1>(a, n, m);
+    }
   }
 }
 #else
@@ -301,6 +346,20 @@ void tile_f32(const Args& a, int64_t n, int64_t m0) {
     }
   }
   for (int c = 0; c < MR; ++c) a.y[(m0 + c) * a.N + n] = acc[c];
+}
+#endif
+
+#if !defined(KVQ_AVX2)
+template <int MR>
+void tile_i8w(const Args& a, int64_t n, int64_t m0) {
+  const int8_t* w = a.w8 + n * a.K;
+  const float s = bf16(a.s8[n]);
+  for (int c = 0; c < MR; ++c) {
+    const float* xp = a.x + (m0 + c) * a.K;
+    float acc = 0.0f;
+    for (int64_t k = 0; k < a.K; ++k) acc += static_cast<float>(w[k]) * xp[k];
+    a.y[(m0 + c) * a.N + n] = acc * s;
+  }
 }
 #endif
 
@@ -373,10 +432,38 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
       rows_i8<2>(a, M, n0, n1);
 #if defined(KVQ_AVX2)
     else if (M >= 4)
-      rows_panel(a, M, n0, n1);
+      rows_panel<false>(a, M, n0, n1);
 #endif
     else
       rows_f32(a, M, n0, n1);
+  });
+  return y;
+}
+
+at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [M, K]");
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.is_contiguous(), "codes: int8 [N, K]");
+  TORCH_CHECK(codes.size(1) == x.size(1) && x.size(1) % 8 == 0, "K must match and be a multiple of 8");
+  TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.is_contiguous() && scales.numel() == codes.size(0),
+              "scales: bfloat16 [N]");
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  Args a{nullptr, nullptr, N, K, x.data_ptr<float>(), nullptr, nullptr, nullptr, y.data_ptr<float>(),
+         codes.data_ptr<int8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>())};
+  at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t b, int64_t e) {
+    const int64_t n0 = b * 16, n1 = std::min(N, e * 16);
+#if defined(KVQ_AVX2)
+    if (M >= 4) {
+      rows_panel<true>(a, M, n0, n1);
+      return;
+    }
+#endif
+    for (int64_t n = n0; n < n1; ++n) {
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4) tile_i8w<4>(a, n, m);
+      for (; m < M; ++m) tile_i8w<1>(a, n, m);
+    }
   });
   return y;
 }
@@ -385,5 +472,6 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_mm", &int4_mm, "y = x @ W.T, W int4 (kvserve layout); mode 0 weight-only fp32, 1 int8 activations");
+  m.def("int8_mm", &int8_mm, "y = x @ W.T, W int8 with a bf16 scale per row; weight-only fp32");
   m.def("isa", &isa_name, "the instruction set this variant was compiled for");
 }
