@@ -97,7 +97,10 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=32, help="decode steps timed per run")
     ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = ap.parse_args()
+    if args.threads:  # on a shared machine 1 avoids OpenMP barriers waiting on a preempted thread
+        torch.set_num_threads(args.threads)
     when = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
     print(f"{machine()}; CPU flags: {cpu_flags()}; {when}; load average {os.getloadavg()}", flush=True)
 
