@@ -49,7 +49,7 @@ from kvserve.platform.cpu_isa import cpu_isa
 COMPUTE_DTYPE = torch.bfloat16  # activations inside quantized projections
 # The native int4 kernel's arithmetic by row count: int8 activations (llama.cpp-style integer
 # dot products) below this many rows, weight-only fp32 from it (docs/BENCHMARKS.md, issue 16).
-NATIVE_WEIGHT_ONLY_MIN_ROWS = 8
+NATIVE_WEIGHT_ONLY_MIN_ROWS = 6
 
 
 def _cuda_fp8_ok(device: torch.device) -> bool:
