@@ -57,6 +57,12 @@ def _build_name(source: bytes) -> str:
 
 
 def _build(name: str, source: bytes):
+    return build_extension(name, _SRC, source, _CFLAGS)
+
+
+def build_extension(name: str, src_path: str, source: bytes, cflags: list[str]):
+    """Build (or load the cached build of) one C++ source under our own fcntl lock; raises
+    on failure. Shared by every kvserve kernel loader."""
     from torch.utils.cpp_extension import _get_build_directory, load
 
     build_dir = _get_build_directory(name, verbose=False)
@@ -66,13 +72,13 @@ def _build(name: str, source: bytes):
         if os.path.exists(stale):
             logger.info("removing a stale extension build lock %s", stale)
             os.remove(stale)
-        src = os.path.join(build_dir, "paged_attention_cpu.cpp")
+        src = os.path.join(build_dir, os.path.basename(src_path))
         if not os.path.exists(src) or open(src, "rb").read() != source:
-            shutil.copyfile(_SRC, src)
+            shutil.copyfile(src_path, src)
         return load(
             name=name,
             sources=[src],
-            extra_cflags=_CFLAGS,
+            extra_cflags=cflags,
             extra_ldflags=["-fopenmp"],
             build_directory=build_dir,
             verbose=False,

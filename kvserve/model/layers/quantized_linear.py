@@ -2,12 +2,19 @@
 
 CPU (measured on AVX-512 + AMX, benchmarks/bench_quant_kernels.py; the batched paths and why
 they were chosen are in layers/quant_batched.py):
-- int8 -> `aten._weight_int8pack_mm` with bf16 activations (with float32 ones PyTorch takes
-  a scalar path 6-40x slower) below `bf16_min_rows` rows; from there the codes can be widened
-  to bf16 per call for oneDNN's bf16 matmul, the per-row scale applied to the output (only
-  with native bf16, avx512_bf16 / AMX; and off for now, see `INT8_BF16_MIN_ROWS`).
-- int4 -> `aten._weight_int4pack_mm_for_cpu` (bf16 activations) at every row count (the
-  dynamic int8 path on an int8 copy, `INT4_DYNAMIC_MIN_ROWS`, is off: slower end to end).
+- int8 (in_features % 8 == 0) -> kvserve's native C++ kernel, weight-only fp32 arithmetic, at
+  every row count (faster than aten's at each one measured on AVX2, docs/BENCHMARKS.md issue
+  16); where it cannot be built, `aten._weight_int8pack_mm` with bf16 activations (with
+  float32 ones PyTorch takes a scalar path 6-40x slower) below `bf16_min_rows` rows; from
+  there the codes can be widened to bf16 per call for oneDNN's bf16 matmul, the per-row
+  scale applied to the output (only with native bf16, avx512_bf16 / AMX; and off for now,
+  see `INT8_BF16_MIN_ROWS`).
+- int4 (group 32) -> kvserve's native C++ kernel (csrc/quant_matmul_cpu.cpp, the variant for
+  this CPU's ISA, layers/quant_kernels.py): int8 activations below `NATIVE_WEIGHT_ONLY_MIN_ROWS`
+  rows, exact weight-only fp32 arithmetic from there (measured on AVX2, docs/BENCHMARKS.md
+  issue 16). Where it cannot be built, `aten._weight_int4pack_mm_for_cpu` (bf16 activations)
+  at every row count (the dynamic int8 path on an int8 copy, `INT4_DYNAMIC_MIN_ROWS`, is off:
+  slower end to end).
 - fp8 -> dequantizing path: the e4m3 codes are widened to bfloat16 (exact) for a bfloat16
   matmul and the per-channel scale is applied to the output. There is no fp8 weight-only
   matmul on CPU; `torch._scaled_mm` works there but also quantizes the activations.
@@ -26,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.model.layers import quant_kernels
 from kvserve.model.layers.quant_batched import (
     INT4_DYNAMIC_MIN_ROWS,
     INT8_BF16_MIN_ROWS,
@@ -39,6 +47,9 @@ from kvserve.model.layers.quantization import SCALE_DTYPE, QWeight, quantize_wei
 from kvserve.platform.cpu_isa import cpu_isa
 
 COMPUTE_DTYPE = torch.bfloat16  # activations inside quantized projections
+# The native int4 kernel's arithmetic by row count: int8 activations (llama.cpp-style integer
+# dot products) below this many rows, weight-only fp32 from it (docs/BENCHMARKS.md, issue 16).
+NATIVE_WEIGHT_ONLY_MIN_ROWS = 6
 
 
 def _cuda_fp8_ok(device: torch.device) -> bool:
@@ -64,11 +75,24 @@ class QuantizedLinear(nn.Module):
         widen_from = INT8_BF16_MIN_ROWS_LARGE if large else INT8_BF16_MIN_ROWS
         # Without native bf16 a bf16 matmul is slower than the int8 kernel; off: see quant_batched.
         self.bf16_min_rows = widen_from if widen_from is not None and cpu_isa().native_bf16 else sys.maxsize
+        # int4 (groups of 32) and int8: kvserve's own kernel (int4 held in its layout only).
+        # The variant's name, not the module: layers are pickled to tensor-parallel workers.
+        self.native: str | None = None
+        native_ok = (qw.method == "int4" and qw.group_size == 32) or (
+            qw.method == "int8" and qw.shape[1] % 8 == 0
+        )
+        if cpu and native_ok and quant_kernels.load_quant_kernels():
+            self.native = quant_kernels.selected_variant()
+            self.kernel = False
         if self.kernel and qw.method == "int4" and INT4_DYNAMIC_MIN_ROWS is not None:
             q8 = quantize_weight(qw.dequantize(), "int8")
             self.dynamic = dynamic_int8_pack(q8.codes, q8.scales)
             self.dynamic_min_rows = INT4_DYNAMIC_MIN_ROWS
-        if qw.method == "int4":
+        if self.native is not None and qw.method == "int4":
+            packed, sz = quant_kernels.pack_int4(qw.codes, qw.scales, qw.zeros)
+            self.register_buffer("qweight", packed)
+            self.register_buffer("scales_zeros", sz)  # [N, K / 32, 2], unlike aten's [K / group, N, 2]
+        elif qw.method == "int4":
             if self.kernel:
                 packed = torch._convert_weight_to_int4pack_for_cpu(qw.codes.to(torch.int32), 1)
             else:  # two codes per byte, low nibble first; dequantized per call
@@ -91,7 +115,16 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        if self.dynamic is not None and x2.shape[0] >= self.dynamic_min_rows:
+        if self.native is not None and self.method == "int8":
+            y = quant_kernels.load_quant_kernels(self.native).int8_mm(
+                x2.float().contiguous(), self.qweight, self.scales
+            )
+        elif self.native is not None:
+            weight_only = x2.shape[0] >= NATIVE_WEIGHT_ONLY_MIN_ROWS
+            mode = quant_kernels.MODE_WEIGHT_ONLY if weight_only else quant_kernels.MODE_INT8_ACTS
+            kernels = quant_kernels.load_quant_kernels(self.native)
+            y = kernels.int4_mm(x2.float().contiguous(), self.qweight, self.scales_zeros, mode)
+        elif self.dynamic is not None and x2.shape[0] >= self.dynamic_min_rows:
             y = dynamic_int8_mm(x2, self.dynamic)
         elif self.method == "int8" and self.kernel and x2.shape[0] >= self.bf16_min_rows:
             y = int8_bf16_mm(x2, self.qweight, self.scales)
@@ -112,6 +145,11 @@ class QuantizedLinear(nn.Module):
 
     def kernel_name(self) -> str:
         """What runs this projection (for the start-up log)."""
+        if self.native is not None and self.method == "int8":
+            return f"int8: kvserve native C++ ({self.native}), weight-only fp32"
+        if self.native is not None:
+            return (f"int4: kvserve native C++ ({self.native}), int8 activations below "
+                    f"{NATIVE_WEIGHT_ONLY_MIN_ROWS} rows, weight-only fp32 from there")  # fmt: skip
         dyn = "quantized::linear_dynamic (int8 x dynamic u8 activations)"
         if self.dynamic is not None:
             return (f"int4: aten._weight_int4pack_mm_for_cpu below {self.dynamic_min_rows} rows, "
@@ -136,6 +174,8 @@ class QuantizedLinear(nn.Module):
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float [N, K] weight (for the generic path and for tests)."""
+        if self.native is not None and self.method == "int4":
+            return quant_kernels.unpack_int4(self.qweight, self.scales_zeros, dtype)
         if self.method != "int4":
             return (self.qweight.to(torch.float32) * self.scales.float().unsqueeze(1)).to(dtype)
         if self.kernel:  # run the kernel on the identity: rows of I @ W.T are W's columns

@@ -1,0 +1,157 @@
+"""Decode against this machine's limits, in one run (issue 16's acceptance figures).
+
+Measures, in the same process: memory read bandwidth (sum of a large array), fp32 GEMM peak
+(a large torch.mm) and int8 GEMM peak (the dynamic quantized linear, where available), all with the
+engine's threads. Then, for the default model in each weight format (offline engine):
+- single-stream decode ms/token (one ~128-token prompt; time of an (n+1)-token run minus a
+  1-token run, divided by n) against the weight-bandwidth floor: bytes read per token (every
+  weight once: the tied table is read whole by the lm_head, its lookup row is noise) divided
+  by the measured bandwidth. Target: <= 1.5x the floor for int4 and int8;
+- a 64-sequence decode step (whole step: 64 ~16-token prompts, decode time as above over the
+  same batch) as achieved GFLOP/s against the GEMM peak of its compute format. The FLOPs are
+  2 x the model's weights per token (from the fp32 engine's weight bytes / 4), attention left
+  out (about 1% at these contexts), so the fraction is slightly understated. Target: >= 60%.
+Each figure is the best of --rounds (a shared machine: the least disturbed round). With
+`--threads 1` every time is this process's CPU time (the engine runs in it), so other
+processes' load shows less; with more threads, wall time.
+
+    python benchmarks/bench_decode_roofline.py [--formats fp32,int4,int8] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.common import machine, make_prompts  # noqa: E402
+from benchmarks.cpu_info import cpu_flags  # noqa: E402
+from kvserve import LLM, SamplingParams  # noqa: E402
+
+FORMATS = {"fp32": {}, "int4": {"quantization": "int4"}, "int8": {"quantization": "int8"}}
+TARGET_FLOOR, TARGET_PEAK = 1.5, 0.60
+# The clock: with one torch thread, this process's CPU time (the work, not the time the
+# scheduler gave other processes on a shared machine); with more, wall time.
+clock = time.perf_counter
+
+
+def best_s(fn, reps: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = clock()
+        fn()
+        best = min(best, clock() - t0)
+    return best
+
+
+def read_bandwidth(mib: int = 512, reps: int = 8) -> float:
+    """Bytes/s of reading an array far larger than any cache (torch.sum, the engine's threads)."""
+    a = torch.ones(mib * 2**20 // 4)
+    return a.numel() * 4 / best_s(lambda: a.sum(), reps)
+
+
+def copy_bandwidth(mib: int = 512, reps: int = 8) -> float:
+    """Bytes/s moved (read + write) by a large copy, for comparison."""
+    a, b = torch.ones(mib * 2**20 // 4), torch.empty(mib * 2**20 // 4)
+    return 2 * a.numel() * 4 / best_s(lambda: b.copy_(a), reps)
+
+
+def gemm_peak_fp32(n: int = 2048, reps: int = 5) -> float:
+    """FLOP/s of an n x n x n fp32 torch.mm (oneDNN)."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    return 2 * n**3 / best_s(lambda: torch.mm(a, b), reps)
+
+
+def gemm_peak_int8(n: int = 1024, reps: int = 5) -> float | None:
+    """OP/s of the fastest int8 GEMM PyTorch has here: the dynamic quantized linear (fbgemm /
+    oneDNN u8 x s8, activations quantized per call), n x n x n; None without it.
+    (torch._int_mm measured ~0.3 GOP/s on this CPU: a reference loop, not a peak.)"""
+    from kvserve.model.layers.quant_batched import dynamic_int8_mm, dynamic_int8_pack
+    from kvserve.model.layers.quantization import quantize_weight
+
+    q = quantize_weight(torch.randn(n, n), "int8")
+    packed = dynamic_int8_pack(q.codes, q.scales)
+    if packed is None:
+        return None
+    x = torch.randn(n, n)
+    return 2 * n**3 / best_s(lambda: dynamic_int8_mm(x, packed), reps)
+
+
+def _run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    t0 = clock()
+    llm.generate(prompts, params, use_tqdm=False)
+    return clock() - t0
+
+
+def decode_s(llm: LLM, prompts: list[list[int]], n: int) -> float:
+    """Seconds per decode step: (n+1)-token run minus 1-token run, over n."""
+    return (_run(llm, prompts, n + 1) - _run(llm, prompts, 1)) / n
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--formats", default="fp32,int4,int8")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=32, help="decode steps timed per run")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    args = ap.parse_args()
+    global clock
+    if args.threads:  # on a shared machine 1 avoids OpenMP barriers waiting on a preempted thread
+        torch.set_num_threads(args.threads)
+    if torch.get_num_threads() == 1:
+        clock = time.process_time
+    print(f"clock: {'process CPU time' if clock is time.process_time else 'wall time'}")
+    when = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
+    print(f"{machine()}; CPU flags: {cpu_flags()}; {when}; load average {os.getloadavg()}", flush=True)
+
+    bw, cbw = read_bandwidth(), copy_bandwidth()
+    peak32, peak8 = gemm_peak_fp32(), gemm_peak_int8()
+    print(f"memory read bandwidth {bw / 1e9:.1f} GB/s (copy {cbw / 1e9:.1f} GB/s read+write)")
+    int8 = f"{peak8 / 1e9:.1f} GOP/s (quantized::linear_dynamic)" if peak8 else "n/a"
+    print(f"GEMM peak fp32 {peak32 / 1e9:.1f} GFLOP/s, int8 {int8}", flush=True)
+
+    names = args.formats.split(",")
+    llms = {n: LLM("smollm2-135m", kv_cache_memory="256MiB", **FORMATS[n]) for n in names}
+    model = {n: llm.llm_engine.model_runner.model for n, llm in llms.items()}
+    ref = llms.get("fp32") or LLM("smollm2-135m", kv_cache_memory="64MiB")
+    params = ref.llm_engine.model_runner.model.weight_bytes() / 4  # fp32: 4 bytes a weight
+    tok = next(iter(llms.values())).tokenizer
+    one = make_prompts(tok, 1, 128, seed=1)
+    batch = make_prompts(tok, args.batch, 16, seed=2, jitter=2)
+    for llm in llms.values():
+        _run(llm, one, 4)  # warm-up
+    single = {n: float("inf") for n in names}
+    step = {n: float("inf") for n in names}
+    for rnd in range(args.rounds):
+        for name, llm in llms.items():
+            s1, sb = decode_s(llm, one, args.tokens), decode_s(llm, batch, args.tokens)
+            single[name], step[name] = min(single[name], s1), min(step[name], sb)
+            print(f"round {rnd + 1} {name}: single {s1 * 1e3:.2f} ms/token, {args.batch}-seq step "
+                  f"{sb * 1e3:.1f} ms; load {os.getloadavg()[0]:.2f}", flush=True)  # fmt: skip
+
+    print(f"\nmodel weights per token {params / 1e6:.1f} M (x2 FLOPs); load average {os.getloadavg()}")
+    print(f"| weights | bytes read / token | floor ms (at {bw / 1e9:.1f} GB/s) | single-stream ms/token | "
+          f"/ floor (target <= {TARGET_FLOOR}) | {args.batch}-seq step ms | GFLOP/s | / fp32 peak "
+          f"(target >= {TARGET_PEAK:.0%}) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    for name in names:
+        wb = model[name].weight_bytes()
+        floor = wb / bw
+        gflops = 2 * params * args.batch / step[name] / 1e9
+        print(f"| {name} | {wb / 2**20:.1f} MiB | {floor * 1e3:.2f} | {single[name] * 1e3:.2f} | "
+              f"{single[name] / floor:.2f}x | {step[name] * 1e3:.1f} | {gflops:.1f} | "
+              f"{gflops * 1e9 / peak32:.0%} |")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

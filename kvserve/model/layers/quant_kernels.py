@@ -1,0 +1,136 @@
+"""Builds and loads the native int4 matmul (csrc/quant_matmul_cpu.cpp), one variant per ISA.
+
+The source is compiled with explicit instruction-set flags per variant, never -march=native,
+so a build (or a wheel) made on one CPU is correct on another: the variant is chosen at run
+time from `platform/cpu_isa.py`'s detection, which honours ONEDNN_MAX_CPU_ISA. Each variant
+is its own extension module (its name hashes the source, the flags and the torch install),
+built once under cpu_kernels' fcntl lock and cached. `KVSERVE_QUANT_ISA` forces a variant
+(e.g. `generic`, the plain C++ fallback every machine runs); `KVSERVE_DISABLE_CPU_KERNELS`
+turns the native path off. If a build fails, callers keep PyTorch's int4 kernel.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+
+import torch
+
+from kvserve.model.layers.cpu_kernels import build_extension
+from kvserve.platform.cpu_isa import CpuIsa, cpu_isa
+
+logger = logging.getLogger(__name__)
+
+SRC = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "csrc", "quant_matmul_cpu.cpp"
+)
+_COMMON = ["-O3", "-fopenmp"]
+# Variant -> compiler flags, best first.
+VARIANTS: dict[str, list[str]] = {
+    "avx512_vnni": [*_COMMON, "-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"],
+    "avx2": [*_COMMON, "-mavx2", "-mfma"],
+    "generic": list(_COMMON),
+}
+MODE_WEIGHT_ONLY, MODE_INT8_ACTS = 0, 1
+
+_lock = threading.Lock()
+_modules: dict[str, object] = {}
+_failed: set[str] = set()
+
+
+def runnable_variants(isa: CpuIsa | None = None) -> list[str]:
+    """The variants this CPU can execute, best first (`generic` always)."""
+    isa = isa or cpu_isa()
+    out = []
+    if isa.avx2 and isa.avx512 and "avx512_vnni" in isa.flags:
+        out.append("avx512_vnni")
+    if isa.avx2:
+        out.append("avx2")
+    return [*out, "generic"]
+
+
+def selected_variant() -> str:
+    """The variant QuantizedLinear uses here: forced by KVSERVE_QUANT_ISA, else the best."""
+    forced = os.environ.get("KVSERVE_QUANT_ISA")
+    if forced:
+        if forced not in VARIANTS:
+            raise ValueError(f"KVSERVE_QUANT_ISA={forced!r}: not one of {', '.join(VARIANTS)}")
+        return forced
+    return runnable_variants()[0]
+
+
+def build_name(variant: str, source: bytes) -> str:
+    import torch
+
+    where = os.path.dirname(torch.__file__) + torch.__version__
+    key = hashlib.sha256(source + " ".join(VARIANTS[variant]).encode() + where.encode())
+    return f"kvserve_quant_{variant}_{key.hexdigest()[:10]}"
+
+
+def load_quant_kernels(variant: str | None = None):
+    """The compiled module of `variant` (default: `selected_variant()`), or None if disabled,
+    if this CPU cannot run it (importing it would already execute its instructions), or if it
+    cannot be built."""
+    if os.environ.get("KVSERVE_DISABLE_CPU_KERNELS"):
+        return None
+    variant = variant or selected_variant()
+    if variant in _modules:  # the per-call path: no lock
+        return _modules[variant]
+    if variant not in runnable_variants():
+        logger.warning("native int4 kernel: this CPU cannot run the %s variant", variant)
+        return None
+    with _lock:
+        if variant in _modules or variant in _failed:
+            return _modules.get(variant)
+        try:
+            with open(SRC, "rb") as f:
+                source = f.read()
+            _modules[variant] = build_extension(build_name(variant, source), SRC, source, VARIANTS[variant])
+        except Exception as e:  # no compiler, or flags it does not know
+            logger.warning(
+                "native int4 kernel (%s) unavailable (%s); using PyTorch's int4 kernel", variant, e
+            )
+            _failed.add(variant)
+        return _modules.get(variant)
+
+
+def compile_only(variant: str) -> str:
+    """Compile `variant` to an object file without loading it (for variants this CPU cannot
+    run); returns its path, cached by source/flags hash. Raises CalledProcessError on errors."""
+    import subprocess
+    import sysconfig
+
+    from torch.utils.cpp_extension import _get_build_directory, include_paths
+
+    with open(SRC, "rb") as f:
+        name = build_name(variant, f.read())
+    out = os.path.join(_get_build_directory(name, verbose=False), f"{name}.o")
+    if not os.path.exists(out):
+        includes = [f"-I{p}" for p in [*include_paths(), sysconfig.get_paths()["include"]]]
+        cmd = ["c++", "-c", SRC, "-o", out + ".tmp", "-std=c++17", "-fPIC", *VARIANTS[variant], *includes,
+               f"-DTORCH_EXTENSION_NAME={name}"]  # fmt: skip
+        subprocess.run(cmd, check=True, capture_output=True)
+        os.replace(out + ".tmp", out)
+    return out
+
+
+def pack_int4(
+    codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's layout from QWeight's int4 parts (group 32): uint8 [N, K/2] with byte j of
+    a group holding codes j (low nibble) and j + 16 (high), and bf16 [N, K/32, 2] (scale, zero)."""
+    n, k = codes.shape
+    c = codes.view(n, k // 32, 32)
+    packed = (c[..., :16] | (c[..., 16:] << 4)).reshape(n, k // 2).contiguous()
+    return packed, torch.stack([scales, zeros], -1).to(torch.bfloat16).contiguous()
+
+
+def unpack_int4(packed: torch.Tensor, sz: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The float [N, K] weight of `pack_int4`'s layout: (q - 8) * scale + zero."""
+    n, kb = packed.shape
+    p = packed.view(n, kb // 16, 16)
+    q = torch.cat([p & 15, p >> 4], -1).float() - 8
+    s = sz.float()
+    return (q * s[..., :1] + s[..., 1:]).reshape(n, kb * 2).to(dtype)
