@@ -132,3 +132,21 @@ def test_greedy_native_int4_matches_dequantized_float(tiny_llama_dir, monkeypatc
     base = native.generate(prompts, params, use_tqdm=False)  # same weights, float arithmetic
     for p, b, g in zip(prompts, base, got, strict=True):
         assert_quantized_match(b.outputs[0], g.outputs[0].token_ids, f"native int4 {p!r}")
+
+
+@pytest.mark.slow
+def test_int4_request_alone_and_in_a_batch_of_eight_decode_alike():
+    """A request decoded alone runs int8 activations (below NATIVE_WEIGHT_ONLY_MIN_ROWS rows);
+    in a batch of eight it runs weight-only. The two arithmetics must not change its greedy
+    tokens beyond a tie of the quantized model itself (default model, its own Q4_1 weights)."""
+    llm = LLM("smollm2-135m", kv_cache_memory="64MiB", quantization="int4")
+    assert ql.NATIVE_WEIGHT_ONLY_MIN_ROWS <= 8
+    tok = llm.tokenizer
+    texts = [f"Question {i}: name a reason people like {w}." for i, w in enumerate(
+        ["tea", "rain", "maps", "music", "trains", "books", "cats", "winter"])]  # fmt: skip
+    prompts = [tok.encode(t, add_special_tokens=False) for t in texts]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    together = llm.generate(prompts, params, use_tqdm=False)
+    for p, t, b in zip(texts[:3], prompts[:3], together[:3]):
+        alone = llm.generate([t], params, use_tqdm=False)[0].outputs[0]
+        assert_quantized_match(alone, b.outputs[0].token_ids, f"int4 alone vs batch {p!r}")
