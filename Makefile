@@ -20,8 +20,10 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
+# int4: the model's own Q4_1 weights through kvserve's native kernel, the fastest configuration
+# whose quality gate passes (docs/BENCHMARKS.md, issue 16); `kvserve serve` itself defaults to fp32.
 serve: $(STAMP)
-	$(BIN)/kvserve serve smollm2-135m --host 127.0.0.1 --port 8000
+	$(BIN)/kvserve serve smollm2-135m --quantization int4 --host 127.0.0.1 --port 8000
 
 # The gateway tests start their own real Redis (Debian's redis-server), so install it when missing.
 redis-server:

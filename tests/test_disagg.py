@@ -66,6 +66,7 @@ def _disaggregated(prod: LLMEngine, cons: LLMEngine, rid: str, prompt: list[int]
     return first, out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
 def test_default_model_disaggregated_equals_single_engine(kv_dtype, default_reference):
     """Short and chunked (> 512-token step budget) prompts; then the same long prompt again (a
