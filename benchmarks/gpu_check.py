@@ -110,11 +110,8 @@ def _compare_greedy(hf, prompt: list[int], want: list[int], got: list[int]) -> s
     return "near-tie" if (top2[0] - top2[1]).item() < NEAR_TIE else "MISMATCH"
 
 
-def fidelity(path: str, device: str, prompts: list[list[int]], max_tokens: int, label: str) -> dict:
-    """kvserve (graphs, then eager) vs transformers generate, greedy, fp32, on `device`."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+def _hf_greedy(hf, prompts: list[list[int]], max_tokens: int, device: str) -> list[list[int]]:
+    """transformers `generate`, greedy and fixed-length, one prompt at a time: the reference."""
     want = []
     with torch.inference_mode():
         for p in prompts:
@@ -122,6 +119,15 @@ def fidelity(path: str, device: str, prompts: list[list[int]], max_tokens: int, 
             out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
                               min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)  # fmt: skip
             want.append(out[0, len(p) :].tolist())
+    return want
+
+
+def fidelity(path: str, device: str, prompts: list[list[int]], max_tokens: int, label: str) -> dict:
+    """kvserve (graphs, then eager) vs transformers generate, greedy, fp32, on `device`."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+    want = _hf_greedy(hf, prompts, max_tokens, device)
     result = {"model": label, "prompts": len(prompts), "max_tokens": max_tokens}
     for mode, eager in (("graphs", False), ("eager", True)):
         llm = _llm(
@@ -341,13 +347,7 @@ def _fidelity_gguf(path: str, device: str, prompts: list[list[int]], max_tokens:
 
     d, f = os.path.split(path)
     hf = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).to(device).eval()
-    want = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p], device=device)
-            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                              min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)  # fmt: skip
-            want.append(out[0, len(p) :].tolist())
+    want = _hf_greedy(hf, prompts, max_tokens, device)
     llm = _llm("smollm2-135m", device, dtype="float32", kv_cache_memory="1GiB", max_model_len=1024)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, _greedy(max_tokens), use_tqdm=False)]
     verdicts = [_compare_greedy(hf, p, w, g) for p, w, g in zip(prompts, want, got)]
