@@ -53,13 +53,14 @@ def assert_greedy_match(hf_model, prompt: list[int], expected: list[int], got: l
 QUANTIZED_TIE = 0.0625  # two of the 1/32-nat steps int8 kernels' logits come in on AVX2 CPUs
 
 
-def assert_quantized_match(base, got: list[int], label: str) -> bool:
+def assert_quantized_match(base, got: list[int], label: str, tie: float = QUANTIZED_TIE) -> bool:
     """A quantized engine against the same quantization split differently (TP, PP): equal, or
     the first divergence is a tie of the quantized model itself, judged on `base`'s own top
     logprobs (a CompletionOutput run with logprobs >= 2). The fp32 reference's gap says
     nothing here: int8 kernels round their outputs (on an AVX2 CPU logits come in steps of
     1/32 nat, and exact ties occur), and a partial sum rounded differently breaks such a tie
-    the other way."""
+    the other way. Two different arithmetics (int8 activations against weight-only) pass the
+    noise they measured between themselves as `tie`."""
     expected = base.token_ids
     if expected == got:
         return True
@@ -68,8 +69,6 @@ def assert_quantized_match(base, got: list[int], label: str) -> bool:
     assert i < n, f"{label}: lengths differ ({len(expected)} vs {len(got)}) with equal prefix"
     top = sorted(base.logprobs[i].values())[-2:]
     gap = top[1] - top[0]
-    assert gap <= QUANTIZED_TIE, (
-        f"{label}: diverged at step {i} where the quantized model's top-2 gap is {gap:.3g}"
-    )
+    assert gap <= tie, f"{label}: diverged at step {i} where the quantized model's top-2 gap is {gap:.3g}"
     print(f"QUANTIZED TIE {label}: step {i}, top-2 gap {gap:.3g}")
     return False

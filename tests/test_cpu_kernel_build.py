@@ -18,8 +18,7 @@ def build_dir() -> str:
         pytest.skip("no C++ toolchain here")
     from torch.utils.cpp_extension import _get_build_directory
 
-    with open(cpu_kernels._SRC, "rb") as f:
-        return _get_build_directory(cpu_kernels._build_name(f.read()), verbose=False)
+    return _get_build_directory(cpu_kernels._build_name(cpu_kernels.read_sources()), verbose=False)
 
 
 def test_stale_build_lock_is_removed_not_waited_on(build_dir):

@@ -77,8 +77,7 @@ class ModelRunner:
             for m in (model, draft_model):
                 if m is not None:
                     m.pack_weights()
-                    for layer in m.layers:
-                        layer.attn.kernels = kernels
+                    m.use_cpu_kernels(kernels)
             if self.tp.is_driver and self.pp.is_first:  # one line per engine, not per rank
                 log_kernels(model, kernels is not None)
         trim_heap()  # the loader's temporaries and the plain weights packing replaced

@@ -120,7 +120,9 @@ class PagedAttention:
     ) -> torch.Tensor:
         """The torch path: C++ paged decode on CPU when loaded (SDPA gather otherwise), SDPA prefill."""
         n = meta.slot_blocks.shape[0]  # rows past n only pad the batch to a bucket size
-        if self.kv_scales is None:
+        if self.kv_scales is None and self.kernels is not None and k.dtype == k_cache.dtype:
+            self.kernels.kv_write(k_cache, v_cache, k, v, meta.slot_blocks, meta.slot_offsets)
+        elif self.kv_scales is None:
             k_cache[meta.slot_blocks, :, meta.slot_offsets] = k[:n]
             v_cache[meta.slot_blocks, :, meta.slot_offsets] = v[:n]
         else:

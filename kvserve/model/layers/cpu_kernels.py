@@ -1,10 +1,11 @@
-"""Builds and loads kvserve's small C++ CPU kernels (paged decode attention).
+"""Builds and loads kvserve's small C++ CPU kernels: paged decode attention and the fused
+per-layer ops (RMSNorm, rotary, KV write, SiLU-and-multiply), one extension from csrc/.
 
 Compiled once per machine with torch's extension builder (needs a C++ compiler; the result
-is cached under TORCH_EXTENSIONS_DIR). The module name carries a hash of the source, the
+is cached under TORCH_EXTENSIONS_DIR). The module name carries a hash of the sources, the
 flags, this CPU's instruction sets (the build uses -march=native, so a build made on an
 AVX-512 machine must never be loaded on an AVX2 one sharing the cache) and the torch install
-built against; the source is copied into the build folder, so every checkout on one venv
+built against; the sources are copied into the build folder, so every checkout on one venv
 writes the same build file and none forces a rebuild for the others.
 
 torch guards a build with a plain `lock` file that a killed builder leaves behind, and then
@@ -25,9 +26,11 @@ import threading
 
 logger = logging.getLogger(__name__)
 
-_SRC = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "csrc", "paged_attention_cpu.cpp"
-)
+_CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "csrc")
+SOURCES = [
+    os.path.join(_CSRC, name)
+    for name in ("paged_attention_cpu.cpp", "layer_ops_cpu.cpp", "cpu_kernels_bindings.cpp")
+]
 _CFLAGS = ["-O3", "-fopenmp", "-march=native", "-ffast-math"]
 _lock = threading.Lock()
 _module = None
@@ -56,13 +59,18 @@ def _build_name(source: bytes) -> str:
     return f"kvserve_cpu_kernels_{key.hexdigest()[:10]}"
 
 
-def _build(name: str, source: bytes):
-    return build_extension(name, _SRC, source, _CFLAGS)
+def read_sources() -> bytes:
+    """The extension's sources, concatenated: what its build name hashes."""
+    out = b""
+    for path in SOURCES:
+        with open(path, "rb") as f:
+            out += f.read()
+    return out
 
 
-def build_extension(name: str, src_path: str, source: bytes, cflags: list[str]):
-    """Build (or load the cached build of) one C++ source under our own fcntl lock; raises
-    on failure. Shared by every kvserve kernel loader."""
+def build_extension(name: str, src_paths: list[str], cflags: list[str]):
+    """Build (or load the cached build of) one extension from C++ sources under our own fcntl
+    lock; raises on failure. Shared by every kvserve kernel loader."""
     from torch.utils.cpp_extension import _get_build_directory, load
 
     build_dir = _get_build_directory(name, verbose=False)
@@ -72,12 +80,17 @@ def build_extension(name: str, src_path: str, source: bytes, cflags: list[str]):
         if os.path.exists(stale):
             logger.info("removing a stale extension build lock %s", stale)
             os.remove(stale)
-        src = os.path.join(build_dir, os.path.basename(src_path))
-        if not os.path.exists(src) or open(src, "rb").read() != source:
-            shutil.copyfile(src_path, src)
+        copies = []
+        for path in src_paths:
+            dst = os.path.join(build_dir, os.path.basename(path))
+            with open(path, "rb") as f:
+                source = f.read()
+            if not os.path.exists(dst) or open(dst, "rb").read() != source:
+                shutil.copyfile(path, dst)
+            copies.append(dst)
         return load(
             name=name,
-            sources=[src],
+            sources=copies,
             extra_cflags=cflags,
             extra_ldflags=["-fopenmp"],
             build_directory=build_dir,
@@ -95,9 +108,7 @@ def load_cpu_kernels():
             _failed = True
             return None
         try:
-            with open(_SRC, "rb") as f:
-                source = f.read()
-            _module = _build(_build_name(source), source)
+            _module = build_extension(_build_name(read_sources()), SOURCES, _CFLAGS)
         except Exception as e:  # no compiler, no headers: the torch path still works
             logger.warning("CPU attention kernel unavailable (%s); using the PyTorch path", e)
             _failed = True

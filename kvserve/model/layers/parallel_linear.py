@@ -99,7 +99,7 @@ class ParallelLinear(nn.Module):
 
     def local(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quant is not None:
-            return self.quant(x, bias)
+            return self.quant.forward(x, bias)  # no hooks to run: skip nn.Module.__call__
         return linear(x, self.weight, bias, self.packed)
 
 

@@ -69,6 +69,12 @@ def build_name(variant: str, source: bytes) -> str:
     return f"kvserve_quant_{variant}_{key.hexdigest()[:10]}"
 
 
+def kernels_for(variant: str):
+    """The module of a variant a layer already chose (QuantizedLinear's per-call path: one dict
+    lookup; a process that unpickled the layer loads it on first use)."""
+    return _modules.get(variant) or load_quant_kernels(variant)
+
+
 def load_quant_kernels(variant: str | None = None):
     """The compiled module of `variant` (default: `selected_variant()`), or None if disabled,
     if this CPU cannot run it (importing it would already execute its instructions), or if it
@@ -87,7 +93,7 @@ def load_quant_kernels(variant: str | None = None):
         try:
             with open(SRC, "rb") as f:
                 source = f.read()
-            _modules[variant] = build_extension(build_name(variant, source), SRC, source, VARIANTS[variant])
+            _modules[variant] = build_extension(build_name(variant, source), [SRC], VARIANTS[variant])
         except Exception as e:  # no compiler, or flags it does not know
             logger.warning(
                 "native int4 kernel (%s) unavailable (%s); using PyTorch's int4 kernel", variant, e

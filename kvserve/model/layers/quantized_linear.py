@@ -113,16 +113,18 @@ class QuantizedLinear(nn.Module):
         return self.dynamic_bytes()
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.native is not None and bias is None and x.dim() == 2 and x.dtype == torch.float32:
+            return self._native_2d(x)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if self.native is not None and self.method == "int8":
-            y = quant_kernels.load_quant_kernels(self.native).int8_mm(
+            y = quant_kernels.kernels_for(self.native).int8_mm(
                 x2.float().contiguous(), self.qweight, self.scales
             )
         elif self.native is not None:
             weight_only = x2.shape[0] >= NATIVE_WEIGHT_ONLY_MIN_ROWS
             mode = quant_kernels.MODE_WEIGHT_ONLY if weight_only else quant_kernels.MODE_INT8_ACTS
-            kernels = quant_kernels.load_quant_kernels(self.native)
+            kernels = quant_kernels.kernels_for(self.native)
             y = kernels.int4_mm(x2.float().contiguous(), self.qweight, self.scales_zeros, mode)
         elif self.dynamic is not None and x2.shape[0] >= self.dynamic_min_rows:
             y = dynamic_int8_mm(x2, self.dynamic)
@@ -142,6 +144,18 @@ class QuantizedLinear(nn.Module):
             y = F.linear(x2.to(COMPUTE_DTYPE), self.dequantize(COMPUTE_DTYPE))
         y = y.to(x.dtype).reshape(*lead, self.out_features)
         return y if bias is None else y + bias
+
+    def _native_2d(self, x: torch.Tensor) -> torch.Tensor:
+        """The native kernels on float32 rows, the decode hot path: per call it costs about
+        what a one-row matmul does, so buffers are read from `_buffers` directly (nn.Module's
+        attribute fallback is a slow path) and no no-op reshapes or casts are dispatched."""
+        buffers, kernels = self._buffers, quant_kernels.kernels_for(self.native)
+        x = x.contiguous()
+        if self.method == "int8":
+            return kernels.int8_mm(x, buffers["qweight"], buffers["scales"])
+        weight_only = x.shape[0] >= NATIVE_WEIGHT_ONLY_MIN_ROWS
+        mode = quant_kernels.MODE_WEIGHT_ONLY if weight_only else quant_kernels.MODE_INT8_ACTS
+        return kernels.int4_mm(x, buffers["qweight"], buffers["scales_zeros"], mode)
 
     def kernel_name(self) -> str:
         """What runs this projection (for the start-up log)."""

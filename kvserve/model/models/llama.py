@@ -67,6 +67,7 @@ class DecoderLayer(nn.Module):
         self.input_norm = nn.Parameter(torch.empty(h), requires_grad=False)
         self.post_attn_norm = nn.Parameter(torch.empty(h), requires_grad=False)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, hd)
+        self.ops = None  # the C++ CPU kernels once the model runner loads them (cpu_kernels.py)
 
     def projections(self) -> dict[str, ParallelLinear]:
         return {"qkv": self.qkv_proj, "o": self.o_proj, "gate_up": self.gate_up_proj, "down": self.down_proj}
@@ -89,6 +90,8 @@ class DecoderLayer(nn.Module):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
     ) -> torch.Tensor:
+        if self.ops is not None and x.dtype == torch.float32:
+            return self._forward_fused(x, cos, sin, meta, k_cache, v_cache)
         n = x.shape[0]
         h = rms_norm(x, self.input_norm, self.eps)
         qkv = self.qkv_proj(h)
@@ -101,6 +104,27 @@ class DecoderLayer(nn.Module):
         h = rms_norm(x, self.post_attn_norm, self.eps)
         gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
         return x + self.down_proj(F.silu(gate) * up)
+
+    def _forward_fused(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+        k_cache: torch.Tensor, v_cache: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        """The same layer with its small ops fused in C++ (one call each where the torch path
+        dispatches ~20 ATen ops: at one decoding row they cost about what the matmuls do).
+        Rotary is applied in place in the qkv output, and the residual stream `x` is added
+        into in place: it is this forward's own tensor (the embedding's or the last layer's)."""
+        ops, n, hd = self.ops, x.shape[0], self.head_dim
+        # .forward: these modules have no hooks, and nn.Module.__call__ costs microseconds a call
+        qkv = self.qkv_proj.forward(ops.rms_norm(x, self.input_norm, self.eps))
+        q = qkv[:, : self.q_size].view(n, self.num_heads, hd)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(n, self.num_kv_heads, hd)
+        v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, hd)
+        ops.rotary_inplace(q, cos, sin)
+        ops.rotary_inplace(k, cos, sin)
+        attn = self.attn.forward(q, k, v, k_cache, v_cache, meta)
+        o = self.o_proj.forward(attn.reshape(n, self.q_size))
+        h = ops.add_rms_norm(x, o, self.post_attn_norm, self.eps)
+        return x.add_(self.down_proj.forward(ops.silu_mul(self.gate_up_proj.forward(h))))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -116,6 +140,7 @@ class LlamaForCausalLM(nn.Module):
             self.embed = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(self.start_layer, self.stop_layer))
         self.norm = nn.Parameter(torch.empty(arch.hidden_size), requires_grad=False)
+        self.ops = None  # the C++ CPU kernels (use_cpu_kernels)
         self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size) if pp.is_last else None
         if tied and self.lm_head is not None:
             self.lm_head.tie(self.embed)
@@ -168,6 +193,13 @@ class LlamaForCausalLM(nn.Module):
             dup += self.lm_head.packed_bytes()
         return dup
 
+    def use_cpu_kernels(self, kernels) -> None:
+        """Run attention's decodes and KV writes and the layers' small ops through the C++ CPU
+        kernels (cpu_kernels.py); None keeps the torch path."""
+        self.ops = kernels
+        for layer in self.layers:
+            layer.ops = layer.attn.kernels = kernels
+
     def pack_weights(self) -> None:
         """Prepack every float projection for oneDNN (CPU) in place of its plain weight; a
         tied table stays plain too where this stage looks tokens up in it (the first)."""
@@ -191,9 +223,11 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed(input_ids, self.norm.dtype) if hidden_in is None else hidden_in
         cos, sin = self.rotary.tables(positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, meta, kv_cache[i, 0], kv_cache[i, 1])
+            x = layer.forward(x, cos, sin, meta, kv_cache[i, 0], kv_cache[i, 1])
         if not self.is_last_stage:
             return x
+        if self.ops is not None and x.dtype == torch.float32:
+            return self.ops.rms_norm(x, self.norm, self.arch.rms_norm_eps)
         return rms_norm(x, self.norm, self.arch.rms_norm_eps)
 
     @torch.inference_mode()

@@ -1,0 +1,143 @@
+// The small per-layer operations of a decoder layer, fused, on the CPU (float32).
+//
+// At one decoding row a layer's matmuls take a few hundred microseconds, and the ~20 ATen
+// calls around them (RMSNorm's pow/mean/rsqrt/mul, rotary's slices/cat/neg/mul, the KV write's
+// index_put, SiLU and the gate multiply) cost about as much again: each is a dispatch, an
+// allocation and a pass over a few KB. Here each is one call and one pass, as vLLM's CPU build
+// does with its rms_norm / rotary_embedding / reshape_and_cache / silu_and_mul ops. Rows are
+// independent and each row's arithmetic is the same at every batch size, so batching never
+// changes a row's result. Work is split over rows only when there are enough of them.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t kRowGrain = 16;  // rows per parallel chunk: below this, one thread
+
+void check_rows(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == torch::kFloat, name, " must be float32");
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be [rows, width] with contiguous rows");
+}
+
+// out = x * rsqrt(mean(x^2) + eps) * w, one row (the reference's order of operations).
+inline void rms_norm_row(const float* x, const float* w, float* out, int64_t d, float eps) {
+  float ss = 0.f;
+  for (int64_t i = 0; i < d; ++i) ss += x[i] * x[i];
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(d) + eps);
+  for (int64_t i = 0; i < d; ++i) out[i] = (x[i] * r) * w[i];
+}
+
+}  // namespace
+
+// RMSNorm of each row of x [rows, d] (float32) with weight w [d]; returns a new tensor.
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  check_rows(x, "x");
+  TORCH_CHECK(w.is_contiguous() && w.numel() == x.size(1), "weight must be [d]");
+  auto out = torch::empty({x.size(0), x.size(1)}, x.options());
+  const int64_t d = x.size(1), sx = x.stride(0);
+  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, x.size(0), kRowGrain, [&](int64_t a, int64_t b) {
+    for (int64_t r = a; r < b; ++r) rms_norm_row(xp + r * sx, wp, op + r * d, d, static_cast<float>(eps));
+  });
+  return out;
+}
+
+// x += delta (in place: the residual stream), then returns RMSNorm(x) with weight w.
+torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor w, double eps) {
+  check_rows(x, "x");
+  check_rows(delta, "delta");
+  TORCH_CHECK(delta.sizes() == x.sizes(), "delta must have x's shape");
+  TORCH_CHECK(w.is_contiguous() && w.numel() == x.size(1), "weight must be [d]");
+  auto out = torch::empty({x.size(0), x.size(1)}, x.options());
+  const int64_t d = x.size(1), sx = x.stride(0), sd = delta.stride(0);
+  float* xp = x.data_ptr<float>();
+  const float *dp = delta.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, x.size(0), kRowGrain, [&](int64_t a, int64_t b) {
+    for (int64_t r = a; r < b; ++r) {
+      float* xr = xp + r * sx;
+      const float* dr = dp + r * sd;
+      for (int64_t i = 0; i < d; ++i) xr[i] += dr[i];
+      rms_norm_row(xr, wp, op + r * d, d, static_cast<float>(eps));
+    }
+  });
+  return out;
+}
+
+// Rotary embedding (rotate-half / NeoX form) applied in place to x [rows, heads, head_dim]
+// (any row and head strides, contiguous head_dim), with cos/sin [rows, head_dim] already
+// gathered for each row's position: x * cos + rotate_half(x) * sin.
+void rotary_inplace(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 3 && x.stride(2) == 1, "x: float32 [rows, heads, hd]");
+  TORCH_CHECK(cos.scalar_type() == torch::kFloat && cos.is_contiguous() && sin.is_contiguous() &&
+                  cos.numel() == x.size(0) * x.size(2) && sin.numel() == cos.numel(),
+              "cos/sin: contiguous float32 [rows, head_dim]");
+  const int64_t heads = x.size(1), hd = x.size(2), half = hd / 2, sr = x.stride(0), sh = x.stride(1);
+  float* xp = x.data_ptr<float>();
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  at::parallel_for(0, x.size(0), kRowGrain, [&](int64_t a, int64_t b) {
+    for (int64_t r = a; r < b; ++r) {
+      const float *c = cp + r * hd, *s = sp + r * hd;
+      for (int64_t h = 0; h < heads; ++h) {
+        float* v = xp + r * sr + h * sh;
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = v[i], x2 = v[i + half];
+          v[i] = x1 * c[i] - x2 * s[i];
+          v[i + half] = x2 * c[i + half] + x1 * s[i + half];
+        }
+      }
+    }
+  });
+}
+
+// Stores the first len(slot_blocks) rows of k and v [rows, kv_heads, head_dim] into the
+// caches [blocks, kv_heads, block_size, head_dim] (same dtype) at (block, offset) per row.
+void kv_write(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, torch::Tensor v,
+              torch::Tensor slot_blocks, torch::Tensor slot_offsets) {
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous caches");
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type(),
+              "k/v must have the cache's dtype");
+  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.stride(2) == 1 && v.stride(2) == 1, "k/v: [rows, kv_heads, hd]");
+  TORCH_CHECK(slot_blocks.scalar_type() == torch::kLong && slot_offsets.scalar_type() == torch::kLong &&
+                  slot_blocks.is_contiguous() && slot_offsets.is_contiguous(),
+              "int64 slot blocks and offsets");
+  const int64_t n = slot_blocks.numel(), kvh = k_cache.size(1), bs = k_cache.size(2), hd = k_cache.size(3);
+  TORCH_CHECK(k.size(0) >= n && v.size(0) >= n && k.size(1) == kvh && k.size(2) == hd, "k/v shape");
+  const int64_t esize = k.element_size(), nblocks = k_cache.size(0);
+  const int64_t *blk = slot_blocks.data_ptr<int64_t>(), *off = slot_offsets.data_ptr<int64_t>();
+  char *kc = static_cast<char*>(k_cache.data_ptr()), *vc = static_cast<char*>(v_cache.data_ptr());
+  const char *kp = static_cast<const char*>(k.data_ptr()), *vp = static_cast<const char*>(v.data_ptr());
+  for (int64_t t = 0; t < n; ++t)
+    TORCH_CHECK(blk[t] >= 0 && blk[t] < nblocks && off[t] >= 0 && off[t] < bs, "slot out of range");
+  at::parallel_for(0, n, kRowGrain * 4, [&](int64_t a, int64_t b) {
+    for (int64_t t = a; t < b; ++t) {
+      for (int64_t h = 0; h < kvh; ++h) {
+        const int64_t dst = ((blk[t] * kvh + h) * bs + off[t]) * hd * esize;
+        std::memcpy(kc + dst, kp + (t * k.stride(0) + h * k.stride(1)) * esize, hd * esize);
+        std::memcpy(vc + dst, vp + (t * v.stride(0) + h * v.stride(1)) * esize, hd * esize);
+      }
+    }
+  });
+}
+
+// gate_up [rows, 2 * I] (gate | up) -> silu(gate) * up [rows, I].
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  check_rows(gate_up, "gate_up");
+  const int64_t inter = gate_up.size(1) / 2, sg = gate_up.stride(0);
+  auto out = torch::empty({gate_up.size(0), inter}, gate_up.options());
+  const float* gp = gate_up.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, gate_up.size(0), kRowGrain, [&](int64_t a, int64_t b) {
+    for (int64_t r = a; r < b; ++r) {
+      const float *g = gp + r * sg, *u = g + inter;
+      float* o = op + r * inter;
+      for (int64_t i = 0; i < inter; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+    }
+  });
+  return out;
+}
