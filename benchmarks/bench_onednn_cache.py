@@ -9,8 +9,9 @@ capacities interleaved in every repeat so a noisy neighbour hits all of them ali
     bench_engine.py): a few prefill buckets, then decode steps of one bucket.
 Reported per run: seconds, output tokens/s, oneDNN kernels compiled during the workload
 (ONEDNN_VERBOSE=profile_create lines "create:cache_miss", after a warm-up) and the share of
-the workload's time they took (oneDNN's own creation times: steadier than tokens/s on a shared
-machine), and RSS growth over the workload (after malloc_trim on both sides). "1024" is PyTorch's default capacity.
+the workload's time they took (oneDNN's own creation times: steadier than tokens/s on a
+shared machine), and RSS growth over the workload (after malloc_trim on both sides). "1024"
+is PyTorch's default capacity.
 
     python benchmarks/bench_onednn_cache.py [--model smollm2-135m|tiny] [--caps 1024 64 32]
         [--repeats 2] [--json out.json]
