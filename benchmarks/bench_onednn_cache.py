@@ -6,7 +6,9 @@ capacities interleaved in every repeat so a noisy neighbour hits all of them ali
     (at most 128 in flight), as the batch runner's lines reach the core: steps of every size,
     so many row-count buckets (the worst case for a capped cache);
   - decode: 64 requests x 128 prompt tokens x 64 output tokens submitted at once (as
-    bench_engine.py): a few prefill buckets, then decode steps of one bucket.
+    bench_engine.py): a few prefill buckets, then decode steps of one bucket;
+  - steady (not by default): 8 requests x 300 output tokens, measured from their sixth step:
+    a steady decode, which must compile nothing.
 Reported per run: seconds, output tokens/s, oneDNN kernels compiled during the workload
 (ONEDNN_VERBOSE=profile_create lines "create:cache_miss", after a warm-up) and the share of
 the workload's time they took (oneDNN's own creation times: steadier than tokens/s on a
@@ -72,6 +74,25 @@ def decode(llm, prompts: list[list[int]], output_len: int = 64) -> tuple[int, in
     return tokens, steps
 
 
+def steady(llm, prompts: list[list[int]], output_len: int = 300) -> tuple[int, int]:
+    """8 requests decoding together: after their first steps, every step is the same bucket.
+    Only those later steps are counted (the mark is printed after 5 steps)."""
+    from kvserve import SamplingParams
+
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    for i, p in enumerate(prompts[:8]):
+        engine.add_request(f"s-{i}", p, params)
+    for _ in range(5):
+        engine.step()
+    print(MARK, flush=True)
+    tokens, steps = 0, 0
+    while engine.has_unfinished_requests():
+        tokens += sum(len(o.outputs[0].token_ids) for o in engine.step() if o.finished)
+        steps += 1
+    return tokens, steps
+
+
 def child(model: str, workload: str, batch_prompts: int) -> None:
     import psutil
 
@@ -88,9 +109,10 @@ def child(model: str, workload: str, batch_prompts: int) -> None:
     proc = psutil.Process()
     trim_heap()
     rss0 = proc.memory_info().rss
-    print(MARK, flush=True)
+    if workload != "steady":
+        print(MARK, flush=True)
     t0 = time.perf_counter()
-    tokens, steps = batch_like(llm, prompts) if workload == "batch" else decode(llm, prompts)
+    tokens, steps = {"batch": batch_like, "decode": decode, "steady": steady}[workload](llm, prompts)
     seconds = time.perf_counter() - t0
     trim_heap()
     grow = (proc.memory_info().rss - rss0) / 1e6
@@ -128,7 +150,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--caps", type=int, nargs="+", default=[1024, 64, 32])
-    ap.add_argument("--workloads", nargs="+", default=["batch", "decode"], choices=["batch", "decode"])
+    workloads = ["batch", "decode", "steady"]
+    ap.add_argument("--workloads", nargs="+", default=workloads[:2], choices=workloads)
     ap.add_argument("--batch-prompts", type=int, default=2000)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--json", default=None)
