@@ -1,16 +1,16 @@
 """Caps on oneDNN's caches of compiled kernels, so the process running the model stays bounded.
 
-oneDNN JIT-compiles one kernel per input shape for the packed CPU linears (about 0.6 MB each
-here, whatever the shape) and keeps it in two LRU caches of 1,024 entries each: oneDNN's
-primitive cache (`ONEDNN_PRIMITIVE_CACHE_CAPACITY`) and PyTorch's ideep cache in front of it
-(`LRU_CACHE_CAPACITY`, per thread). The row-count buckets (worker/shape_buckets.py) leave 56
-row counts x 5 projection shapes at the default step budget, so a long batch run grew the
-engine core by ~80 MB as it met new buckets (docs/BENCHMARKS.md, issue 18). Either cache alone
-keeps a kernel alive, so both are capped. A step reuses one bucket across all layers, so a cap
-holds the recent buckets and a steady decode never recompiles; a miss costs a compile of
-~0.2-0.5 ms (benchmarks/bench_onednn_cache.py). Both variables are read when oneDNN first
-builds a kernel in the process, so this runs before the model loads; a value already set in
-the environment (the user's) wins.
+oneDNN JIT-compiles one kernel per input shape for the packed CPU linears (about 0.6 MB each,
+whatever the shape) and keeps it in two LRU caches of 1,024 entries: oneDNN's primitive cache
+(`ONEDNN_PRIMITIVE_CACHE_CAPACITY`) and PyTorch's ideep cache in front of it
+(`LRU_CACHE_CAPACITY`, per thread). Row counts are padded to buckets (worker/shape_buckets.py),
+but 56 buckets x 5 projection shapes still grew the engine core by ~80 MB over a 100,000-line
+batch (docs/BENCHMARKS.md, issue 18). A kernel lives while either cache holds it, so both are
+capped. A step uses one bucket in every layer, so a steady decode never recompiles; steps of
+ever-changing size recompile a few kernels each, ~0.5 ms a kernel: 0.1% of the default model's
+time, up to ~20% of a 2-layer test model's ~10 ms steps (benchmarks/bench_onednn_cache.py).
+Both variables are read when oneDNN first builds a kernel in the process, so this runs before
+the model loads; a value already in the environment (the user's) wins.
 """
 
 from __future__ import annotations
