@@ -8,7 +8,7 @@ but 56 buckets x 5 projection shapes still grew the engine core by ~80 MB over a
 batch (docs/BENCHMARKS.md, issue 18). A kernel lives while either cache holds it, so both are
 capped. A step uses one bucket in every layer, so a steady decode never recompiles; steps of
 ever-changing size recompile a few kernels each, ~0.5 ms a kernel: 0.1% of the default model's
-time, up to ~20% of a 2-layer test model's ~10 ms steps (benchmarks/bench_onednn_cache.py).
+time, ~20% more for a 2-layer test model's ~9 ms steps (benchmarks/bench_onednn_cache.py).
 Both variables are read when oneDNN first builds a kernel in the process, so this runs before
 the model loads; a value already in the environment (the user's) wins.
 """
