@@ -38,6 +38,9 @@ from server_utils import ServerProcess  # noqa: E402
 from benchmarks.cpu_info import cpu_flags  # noqa: E402
 
 CHAT = "/v1/chat/completions"
+# recorded with the result: settings that change the server's memory (the oneDNN cache caps
+# are set by the engine unless given here; platform/onednn_cache.py)
+SERVER_ENV = ("MALLOC_", "KVSERVE_", "ONEDNN_", "LRU_CACHE_CAPACITY")
 
 
 def model_path(name: str, tmp: str) -> str:
@@ -199,7 +202,7 @@ def bench_rss(args, tmp: str) -> dict:
             "api_mb": {"cold": cold_api / 1e6, "idle": idle_api / 1e6, "peak": peak[1] / 1e6},
             "core_mb": {"cold": cold_core / 1e6, "idle": idle_core / 1e6, "peak": peak[2] / 1e6},
             "curve_lines_api_core_mb": [(n, round(a, 1), round(k, 1)) for n, a, k in curve],
-            "server_env": {k: v for k, v in os.environ.items() if k.startswith(("MALLOC_", "KVSERVE_"))},
+            "server_env": {k: v for k, v in os.environ.items() if k.startswith(SERVER_ENV)},
         }  # fmt: skip
     finally:
         s.stop()

@@ -1,12 +1,13 @@
 """Row counts padded to a small fixed set, so the matmul kernels compiled stay bounded.
 
 oneDNN (behind the packed CPU linears and bfloat16 matmuls) JIT-compiles one kernel per input
-shape and caches it: about 650 KiB each here, up to 1,024 per cache. With the flat batch's
-token count free to take any value from 1 to the step budget, a server that runs long enough
-compiles a kernel for nearly every count, which showed up as the engine process growing by
-hundreds of MB over a soak (docs/BENCHMARKS.md). Padding every batch to one of a few sizes
-(exact up to 16 rows, then eight sizes per doubling: at most 12.5% padding) keeps that set
-finite, like the capture sizes of CUDA graphs in vLLM. Rows are independent in every
+shape and caches it: about 0.6 MB each. With the flat batch's token count free to take any
+value from 1 to the step budget, a server that runs long enough compiles a kernel for nearly
+every count, which showed up as the engine process growing by hundreds of MB over a soak
+(docs/BENCHMARKS.md). Padding every batch to one of a few sizes (exact up to 16 rows, then
+eight sizes per doubling: at most 12.5% padding) keeps that set finite, like the capture sizes
+of CUDA graphs in vLLM, and small enough that the capped caches (platform/onednn_cache.py,
+32 kernels) mostly hit. Rows are independent in every
 projection and norm, so padding rows never change a real row's result.
 """
 

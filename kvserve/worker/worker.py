@@ -12,6 +12,7 @@ import torch
 
 from kvserve.distributed.parallel_state import get_pp_group, get_tp_group, init_tensor_parallel
 from kvserve.model.loader import load_weights_only, resolve_model
+from kvserve.platform.onednn_cache import cap_onednn_caches
 from kvserve.worker.model_runner import ModelRunner
 from kvserve.worker.step_input import RunnerOutput, StepInput
 
@@ -41,6 +42,8 @@ class Worker:
         t0 = time.perf_counter()
         self.rank = rank
         device = torch.device(cfg.device)
+        if device.type == "cpu":
+            cap_onednn_caches()  # before the first kernel is built: loading packs the weights
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda" and cfg.tensor_parallel_size * cfg.pipeline_parallel_size > 1:
             device = torch.device("cuda", rank)
