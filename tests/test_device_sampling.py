@@ -208,7 +208,7 @@ def test_speculative_verification_stays_on_the_host(tiny_llama_dir, host_llm):
     prompt = "ab ab ab ab ab ab ab ab ab ab"
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     want = _gen(host_llm, [prompt], [params])[0].token_ids
-    (rid, got), = _rid(llm, [prompt], [params])
+    [(rid, got)] = _rid(llm, [prompt], [params])
     assert got.token_ids == want
     assert routes.device[rid] >= 1  # at least the first token (no drafts before the prompt is done)
     assert routes.device[rid] < len(want)  # some tokens came from verification steps
