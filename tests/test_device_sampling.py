@@ -225,3 +225,25 @@ def test_step_and_output_cross_processes():
     out = RunnerOutput(["x"], [("y", 1)], torch.ones(3, 4), sampled={"a": 3, "c": 9})
     back = decode_output(encode_output(out))
     assert back.sampled == {"a": 3, "c": 9} and back.sample_req_ids == ["x"] and back.logits.shape == (3, 4)
+
+
+def test_runner_splits_rows_and_keeps_the_host_rows_in_order():
+    """Listed sample rows become token ids (a constrained one masked); the rest (host sample
+    rows, then verification rows) stay logits, in order; listed ids without a row are ignored."""
+    from kvserve.worker.device_sampling import sample_listed_rows
+
+    logits = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))
+    logits[2, 7] = 100.0  # row "c"'s argmax, which its bitmask forbids
+    allowed = torch.full((1, 2), 0, dtype=torch.int32)
+    allowed[0, 1] = 1 << 3  # only token 35
+    spec = DeviceSampling(["zz", "c", "a"], [0.0, 0.0, 0.0], [0, 0, 0], [1.0, 1.0, 1.0], [1],
+                          allowed.numpy().tobytes())  # fmt: skip
+    out = RunnerOutput(["a", "b", "c"], [("v", 1)])
+    sample_listed_rows(out, logits.clone(), spec, torch.Generator())
+    assert out.sampled == {"a": int(logits[0].argmax()), "c": 35}
+    assert out.sample_req_ids == ["b"]
+    assert torch.equal(out.logits, logits[[1, 3, 4]])
+    # nothing listed has a row: everything goes to the host, as without device sampling
+    out = RunnerOutput(["b"], [])
+    sample_listed_rows(out, logits[:1].clone(), spec, torch.Generator())
+    assert out.sampled == {} and out.sample_req_ids == ["b"] and torch.equal(out.logits, logits[:1])
