@@ -247,3 +247,25 @@ def test_runner_splits_rows_and_keeps_the_host_rows_in_order():
     out = RunnerOutput(["b"], [])
     sample_listed_rows(out, logits[:1].clone(), spec, torch.Generator())
     assert out.sampled == {} and out.sample_req_ids == ["b"] and torch.equal(out.logits, logits[:1])
+
+
+def test_a_failing_request_fails_alone_beside_device_rows(host_llm, device_llm, monkeypatch):
+    """The sampling fault hook's requests stay on the host sampler, where it raises: the
+    engine's poison-request isolation still finds them while the others sample on the device."""
+    from kvserve.model.layers.sampler import FAULT_INJECTION_ENV
+
+    llm, routes = device_llm
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = _gen(host_llm, PROMPTS[:2], [params] * 2)
+    monkeypatch.setenv(FAULT_INJECTION_ENV, "poison")
+    engine = llm.llm_engine
+    for rid, prompt in [("poison", PROMPTS[2]), ("ok-0", PROMPTS[0]), ("ok-1", PROMPTS[1])]:
+        engine.add_request(rid, prompt, params)
+    final = {}
+    while engine.has_unfinished_requests():
+        final.update({o.request_id: o.outputs[0] for o in engine.step() if o.finished})
+    assert final["poison"].finish_reason == "error" and routes.device["poison"] == 0
+    for i in range(2):
+        assert final[f"ok-{i}"].token_ids == want[i].token_ids
+        # more than one draw a token: the failed step and its probes (step_recovery.py) sampled too
+        assert routes.device[f"ok-{i}"] > len(want[i].token_ids) and routes.host[f"ok-{i}"] == 0
