@@ -269,3 +269,18 @@ def test_a_failing_request_fails_alone_beside_device_rows(host_llm, device_llm, 
         assert final[f"ok-{i}"].token_ids == want[i].token_ids
         # more than one draw a token: the failed step and its probes (step_recovery.py) sampled too
         assert routes.device[f"ok-{i}"] > len(want[i].token_ids) and routes.host[f"ok-{i}"] == 0
+
+
+def test_n_samples_draw_their_first_token_on_the_host(host_llm, device_llm):
+    """n > 1: the siblings' first tokens come from the leader's logits row on the host (with
+    the leader's own), every later token from the device; greedy siblings all equal the host's."""
+    llm, routes = device_llm
+    params = SamplingParams(n=3, temperature=0, max_tokens=9, ignore_eos=True)
+    want = host_llm.generate(PROMPTS[1], params, use_tqdm=False)[0].outputs
+    before = set(routes.device) | set(routes.host)
+    got = llm.generate(PROMPTS[1], params, use_tqdm=False)[0].outputs
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    siblings = (set(routes.device) | set(routes.host)) - before
+    assert len(siblings) == 3
+    assert sorted(routes.host[rid] for rid in siblings) == [0, 0, 1]  # only the leader's row
+    assert all(routes.device[rid] == 8 for rid in siblings)

@@ -9,9 +9,10 @@ on any device (the tests run the device path on the CPU), =0 off.
 A request qualifies when sampling it needs no host state: no seed (its generator is on the
 host: a seeded request's draws must not depend on the batch or the device), no penalties,
 logit bias, min-p or min_tokens still in force (they read the request's history), no logprobs,
-no beam search, no n > 1 siblings waiting on its row. Its row's draws come from the runner's
-device generator (seeded with the engine's seed), not from the host sampler's: the
-distribution is the same, the draws are not. Greedy rows give the same tokens either way.
+no beam search, not an n > 1 leader before its first token (siblings draw from its row). Its
+row's draws come from the runner's device generator (seeded with the engine's seed), not from
+the host sampler's: the distribution is the same, the draws are not. Greedy rows give the same
+tokens either way.
 """
 
 from __future__ import annotations
@@ -50,7 +51,9 @@ def samples_on_device(req: Request) -> bool:
         and p.logprobs is None
         and not p.use_beam_search
         and p.pooling is None
-        and not req.followers
+        # n > 1 before its first token: siblings draw theirs from its logits row, and under
+        # pipeline parallelism more may join while this step is in flight (sample_groups.py)
+        and not (req.group_id is not None and not req.output_token_ids)
         and not fault_injected(req)  # the test hook raises in the host sampler: keep it there
     )
 
