@@ -39,6 +39,7 @@ class WireOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_rows: int = 0
     prompt_logprobs: dict[str, list[dict[int, float] | None]] = {}
     pooled: dict[str, list[float]] = {}
+    sampled: dict[str, int] = {}
 
 
 _step_encoder = msgspec.msgpack.Encoder()
@@ -59,7 +60,7 @@ def encode_output(out: RunnerOutput) -> bytes:
     rows = 0 if out.logits is None else out.logits.shape[0]
     pooled = {rid: v.tolist() for rid, v in out.pooled.items()}
     return _step_encoder.encode(
-        WireOutput(out.sample_req_ids, out.verify, logits, rows, out.prompt_logprobs, pooled)
+        WireOutput(out.sample_req_ids, out.verify, logits, rows, out.prompt_logprobs, pooled, out.sampled)
     )
 
 
@@ -71,7 +72,8 @@ def decode_output(data: bytes) -> RunnerOutput:
             np.frombuffer(bytearray(w.logits), dtype=np.float32).reshape(w.num_rows, -1)
         )
     pooled = {rid: torch.tensor(v) for rid, v in w.pooled.items()}
-    return RunnerOutput(w.sample_req_ids, [tuple(v) for v in w.verify], logits, w.prompt_logprobs, pooled)
+    verify = [tuple(v) for v in w.verify]
+    return RunnerOutput(w.sample_req_ids, verify, logits, w.prompt_logprobs, pooled, w.sampled)
 
 
 def ipc_dir() -> str:

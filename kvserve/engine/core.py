@@ -32,6 +32,7 @@ from kvserve.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineC
 from kvserve.engine.sample_groups import SampleGroups
 from kvserve.engine.step_recovery import recover_failed_step
 from kvserve.executor import make_executor
+from kvserve.executor.device_sampling import DeviceSamplingPlanner, device_sampling_enabled
 from kvserve.model.arch import ModelArch
 from kvserve.model.layers.tp_sharding import check_tensor_parallel, max_local_kv_heads
 from kvserve.model.loader import load_arch, load_tokenizer, resolve_model
@@ -115,6 +116,8 @@ class EngineCore:
         self.beams = BeamSearchManager(self.scheduler)
         self.samples = SampleGroups(self.scheduler)
         self.executor = make_executor(config, self._worker_config())
+        if device_sampling_enabled(device):  # CUDA: sample on the device (executor/device_sampling.py)
+            self.executor.device_sampling = DeviceSamplingPlanner(arch.vocab_size)
         self.connector = self._make_connector()
         self.load_time = time.perf_counter() - t0  # reading + dequantizing weights, tokenizer
         self.proposer = self._make_proposer()
@@ -226,7 +229,7 @@ class EngineCore:
             self.pool_size.num_blocks, c.block_size, c.kv_cache_dtype, c.quantization,
             resolve_model(c.speculative_model).path if c.speculative_model else None, c.tensor_parallel_size,
             c.pipeline_parallel_size, enforce_eager=c.enforce_eager, max_num_seqs=c.max_num_seqs,
-            max_model_len=self.max_model_len,
+            max_model_len=self.max_model_len, seed=c.seed,
         )  # fmt: skip
 
     @property

@@ -6,6 +6,7 @@ import time
 from collections import deque
 
 from kvserve.core.scheduler import SchedulerOutput
+from kvserve.executor.device_sampling import DeviceSamplingPlanner
 from kvserve.executor.driver_sampler import DriverSampler
 from kvserve.executor.step_builder import StepBuilder
 from kvserve.model.layers.sampler import SampleResult
@@ -21,6 +22,7 @@ class Executor:
     several in flight (`submit` ... `collect`), otherwise `execute_model` does both."""
 
     load_time: float = 0.0
+    device_sampling: DeviceSamplingPlanner | None = None  # set by the engine (executor/device_sampling.py)
 
     def __init__(self, seed: int) -> None:
         self.builder = StepBuilder()
@@ -44,6 +46,8 @@ class Executor:
         """Send a step without waiting for it (its requests must not be scheduled again
         before it is collected)."""
         step = self.builder.build(sched, block_tables)
+        if self.device_sampling is not None:
+            step.device_sampling = self.device_sampling.plan(sched)
         self._in_flight.append((sched, time.perf_counter()))
         self.max_in_flight = max(self.max_in_flight, len(self._in_flight))
         self._send(step)

@@ -4,7 +4,9 @@ The state sampling needs lives with the scheduler's `Request`s: grammar matchers
 outputs mask each row, and advance over drafts to mask verification rows), per-request seeded
 generators, the output history penalties read. Sampling here, once, keeps every rank free of
 that state; the price is moving rows x vocab float32 logits from rank 0 each step (measured in
-benchmarks/bench_parallel.py). With one rank no bytes move at all.
+benchmarks/bench_parallel.py). With one rank no bytes move at all. Rows that need none of that
+state can be sampled on the device instead (on CUDA: executor/device_sampling.py); they arrive
+as token ids in `RunnerOutput.sampled`.
 
 Beam-search rows are not sampled: each gets its best candidates by log-probability (as
 transformers scores beams: log_softmax of the raw logits), and the beam group chooses.
@@ -27,7 +29,8 @@ class DriverSampler:
     @torch.inference_mode()
     def sample(self, out: RunnerOutput, requests: dict[str, Request]) -> dict[str, SampleResult]:
         """Tokens to emit per request id: one, or an accepted speculative run plus one."""
-        results: dict[str, SampleResult] = {}
+        # rows sampled on the device (executor/device_sampling.py): their token is all there is
+        results = {rid: SampleResult([token], [None]) for rid, token in out.sampled.items()}
         if out.logits is None:
             return results
         logits = out.logits

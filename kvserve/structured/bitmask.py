@@ -1,7 +1,8 @@
 """Masks the logits of a step's constrained rows: one bitmask fill + one in-place apply.
 
-Called once per step by the model runner before sampling. Rows without a grammar are left
-untouched, so unconstrained requests sample exactly as before.
+Called once per step by the engine's sampler before sampling (rows sampled on the device get
+theirs from `fill_grammar_bitmask` when the step is sent: executor/device_sampling.py). Rows
+without a grammar are left untouched, so unconstrained requests sample exactly as before.
 """
 
 from __future__ import annotations
@@ -41,6 +42,15 @@ def apply_grammar_bitmask(logits: torch.Tensor, reqs: list[Request]) -> None:
     for i in rows:
         reqs[i].grammar.fill_bitmask(bitmask, i)
     xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=rows)
+
+
+def fill_grammar_bitmask(reqs: list[Request], vocab: int) -> torch.Tensor:
+    """The constrained requests' bitmasks, row i for reqs[i] (int32 [len(reqs), words], a
+    fresh tensor), for a sampler that applies them elsewhere (sampling on the device)."""
+    bitmask = _reused_bitmask(len(reqs), vocab)
+    for i, req in enumerate(reqs):
+        req.grammar.fill_bitmask(bitmask, i)
+    return bitmask.clone()
 
 
 def apply_grammar_bitmask_to_drafts(logits: torch.Tensor, req: Request, drafts: list[int]) -> None:

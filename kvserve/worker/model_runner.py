@@ -1,7 +1,8 @@
 """Turns one step's `StepInput` into tensors, runs the model once, and returns the logits to
-sample (the engine samples them: see worker/step_input.py). On a pipeline stage it runs
-that stage's layers: stages after the first receive the residual stream for the step's rows
-from the previous stage, stages before the last send theirs on and return nothing.
+sample (the engine samples them: see worker/step_input.py), or, for the rows the engine listed
+for sampling on the device, their token ids (worker/device_sampling.py). On a pipeline stage
+it runs that stage's layers: stages after the first receive the residual stream for the step's
+rows from the previous stage, stages before the last send theirs on and return nothing.
 
 Owns the KV pool tensor (this rank's heads under tensor parallelism) and a mirror of the
 requests it runs, updated from each step's deltas. Per step it builds flat input ids and
@@ -35,6 +36,7 @@ from kvserve.model.layers.cpu_kernels import load_cpu_kernels
 from kvserve.model.layers.kv_quant import KV_SCALE_DTYPE, is_quantized, kv_storage_dtype
 from kvserve.model.models.llama import LlamaForCausalLM
 from kvserve.platform.memory import trim_heap
+from kvserve.worker.device_sampling import sample_listed_rows
 from kvserve.worker.kernel_log import log_kernels
 from kvserve.worker.request_state import CachedRequestState, RequestStates
 from kvserve.worker.shape_buckets import padded_rows
@@ -54,6 +56,7 @@ class ModelRunner:
         kv_cache_dtype: str = "auto",
         draft_model: LlamaForCausalLM | None = None,
         attention_backend: str | None = None,
+        seed: int = 0,
     ) -> None:
         self.model = model
         self.draft_model = draft_model
@@ -64,6 +67,8 @@ class ModelRunner:
         # cuda -> the Triton kernels, otherwise today's CPU path (attention_backends/base.py)
         self.attn_backend = make_backend(device, block_size, attention_backend)
         self.graphs = None  # DecodeGraphRunner once captured (CUDA only: worker/cuda_graphs.py)
+        self.seed = seed  # of the generator rows sampled on the device draw from
+        self._generator: torch.Generator | None = None
         self.kv_cache, self.kv_scales = self._alloc_kv(model, num_blocks)
         self.draft_kv_cache = None
         if draft_model is not None:
@@ -96,6 +101,12 @@ class ModelRunner:
             logger.warning("decode CUDA graphs not captured, running eagerly: %s", e)
             return
         self.graphs = graphs
+
+    def _device_generator(self) -> torch.Generator:
+        """The generator of the unseeded rows sampled on the device, made on first use."""
+        if self._generator is None:
+            self._generator = torch.Generator(self.device).manual_seed(self.seed)
+        return self._generator
 
     def _forward(self, ids: list[int], positions: np.ndarray, meta, graphable: bool) -> torch.Tensor:
         """The model over this step's rows: a captured CUDA graph for a pure decode step that
@@ -193,7 +204,10 @@ class ModelRunner:
         rows = sample_rows + [o + j for _, o, k in verify for j in range(k + 1)]
         if rows:
             logits = self._logits(self.model, hidden, rows)
-            out.logits = None if logits is None else logits.float().cpu()
+            if logits is not None and step.device_sampling is not None:  # worker/device_sampling.py
+                sample_listed_rows(out, logits, step.device_sampling, self._device_generator())
+            elif logits is not None:
+                out.logits = logits.float().cpu()
         for r, o, c in pooling:
             vector = self._pool(r, hidden, o, c)
             if vector is not None:

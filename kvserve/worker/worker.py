@@ -35,6 +35,7 @@ class WorkerConfig(msgspec.Struct, omit_defaults=True):
     enforce_eager: bool = False  # CUDA only: no decode CUDA graphs
     max_num_seqs: int = 128  # the largest decode graph captured
     max_model_len: int = 0  # the graphs' block-table width (0: no graphs)
+    seed: int = 0  # rows sampled on the device without a seed of their own draw from this
 
 
 class Worker:
@@ -61,7 +62,7 @@ class Worker:
         self.steps, self.execute_s = 0, 0.0
         self.model_runner = ModelRunner(
             self.model, cfg.num_blocks, cfg.block_size, device, kv_cache_dtype=cfg.kv_cache_dtype,
-            draft_model=draft,
+            draft_model=draft, seed=cfg.seed,
         )  # fmt: skip
         single_rank = cfg.tensor_parallel_size * cfg.pipeline_parallel_size == 1
         if device.type == "cuda" and not cfg.enforce_eager and single_rank and cfg.max_model_len:

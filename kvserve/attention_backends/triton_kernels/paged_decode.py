@@ -21,7 +21,7 @@ import triton.language as tl
 from kvserve.attention_backends.triton_kernels import dot_args, next_pow2
 from kvserve.attention_backends.triton_kernels.constants import num_decode_splits
 from kvserve.attention_backends.triton_kernels.decode_reduce import reduce_splits
-from kvserve.attention_backends.triton_kernels.kv_tile import load_kv_tile
+from kvserve.attention_backends.triton_kernels.online_softmax import attend_block
 
 
 @triton.jit
@@ -61,22 +61,12 @@ def _paged_decode_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     for b in range(first, last):
         block = tl.load(tables_ptr + row * stride_bt + b).to(tl.int64)
-        k = load_kv_tile(
-            k_cache_ptr, k_scale_ptr, block, kv_head, s, d, dmask,
-            stride_cb, stride_ch, stride_cs, stride_sb, stride_sh, QUANT, q.dtype,
+        visible = (b * BLOCK_SIZE + s)[None, :] < seq_len
+        acc, m, l = attend_block(  # noqa: E741
+            q, acc, m, l, visible, sm_scale,
+            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block, kv_head, s, d, dmask,
+            stride_cb, stride_ch, stride_cs, stride_sb, stride_sh, QUANT, DOT_PRECISION,
         )  # fmt: skip
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale
-        scores = tl.where((b * BLOCK_SIZE + s)[None, :] < seq_len, scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        v = load_kv_tile(
-            v_cache_ptr, v_scale_ptr, block, kv_head, s, d, dmask,
-            stride_cb, stride_ch, stride_cs, stride_sb, stride_sh, QUANT, q.dtype,
-        )  # fmt: skip
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        l = l * alpha + tl.sum(p, axis=1)  # noqa: E741
-        m = m_new
     # partials are [rows, heads, splits(, head_dim)]
     part = (row * NUM_HEADS + heads) * num_splits + split
     tl.store(acc_ptr + part[:, None] * BLOCK_D + d[None, :], acc, mask=gmask[:, None])

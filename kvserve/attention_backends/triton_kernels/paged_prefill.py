@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from kvserve.attention_backends.triton_kernels import dot_args, interpreting, next_pow2
-from kvserve.attention_backends.triton_kernels.kv_tile import load_kv_tile
+from kvserve.attention_backends.triton_kernels.online_softmax import attend_block
 
 # At 4 warps a 64 x 128 float32 accumulator and its q tile spill (tests/triton_compile_check.py).
 NUM_WARPS = 8
@@ -67,23 +67,12 @@ def _paged_prefill_kernel(
         kv_end = context + tl.minimum((tile + 1) * BLOCK_M, q_len)  # keys past it are in no row's past
         for b in range(0, tl.cdiv(kv_end, BLOCK_SIZE)):
             block = tl.load(tables_ptr + chunk * stride_bt + b).to(tl.int64)
-            k = load_kv_tile(
-                k_cache_ptr, k_scale_ptr, block, kv_head, s, d, dmask,
-                stride_cb, stride_ch, stride_cs, stride_sb, stride_sh, QUANT, q.dtype,
+            visible = (b * BLOCK_SIZE + s)[None, :] <= (context + r)[:, None]  # causal, offset
+            acc, m, l = attend_block(  # noqa: E741
+                q, acc, m, l, visible, sm_scale,
+                k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block, kv_head, s, d, dmask,
+                stride_cb, stride_ch, stride_cs, stride_sb, stride_sh, QUANT, DOT_PRECISION,
             )  # fmt: skip
-            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale
-            key_pos = b * BLOCK_SIZE + s
-            scores = tl.where(key_pos[None, :] <= (context + r)[:, None], scores, float("-inf"))
-            m_new = tl.maximum(m, tl.max(scores, axis=1))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(scores - m_new[:, None])
-            v = load_kv_tile(
-                v_cache_ptr, v_scale_ptr, block, kv_head, s, d, dmask,
-                stride_cb, stride_ch, stride_cs, stride_sb, stride_sh, QUANT, q.dtype,
-            )  # fmt: skip
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            l = l * alpha + tl.sum(p, axis=1)  # noqa: E741
-            m = m_new
         o = acc / l[:, None]
         tl.store(
             out_ptr + rows[:, None] * stride_ot + head * stride_oh + d[None, :],
