@@ -127,10 +127,12 @@ class PagedAttention:
             v_cache[meta.slot_blocks, :, meta.slot_offsets] = v[:n]
         else:
             k, v = self._write_quantized(k[:n], v[:n], k_cache, v_cache, meta)
+        nd = meta.num_decodes
+        if nd == q.shape[0]:  # every row a decode, none padding: the kernel's output is the answer
+            return self._decode(q, k_cache, v_cache, meta)
         out = torch.empty_like(q)
         if n < q.shape[0]:
             out[n:] = 0
-        nd = meta.num_decodes
         if nd:
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta)
         for chunk in meta.prefills:
