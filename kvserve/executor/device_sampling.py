@@ -73,10 +73,8 @@ class DeviceSamplingPlanner:
         if not reqs:
             return None
         grammar_rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
-        bitmask = b""
-        if grammar_rows:
-            filled = fill_grammar_bitmask([reqs[i] for i in grammar_rows], self.vocab_size)
-            bitmask = filled.numpy().tobytes()
+        constrained = [reqs[i] for i in grammar_rows]
+        bitmask = fill_grammar_bitmask(constrained, self.vocab_size) if constrained else b""
         return DeviceSampling(
             [r.request_id for r in reqs],
             [0.0 if r.params.greedy else r.params.temperature for r in reqs],

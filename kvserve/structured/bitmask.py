@@ -44,13 +44,14 @@ def apply_grammar_bitmask(logits: torch.Tensor, reqs: list[Request]) -> None:
     xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=rows)
 
 
-def fill_grammar_bitmask(reqs: list[Request], vocab: int) -> torch.Tensor:
-    """The constrained requests' bitmasks, row i for reqs[i] (int32 [len(reqs), words], a
-    fresh tensor), for a sampler that applies them elsewhere (sampling on the device)."""
+def fill_grammar_bitmask(reqs: list[Request], vocab: int) -> bytes:
+    """The constrained requests' bitmasks, row i for reqs[i] (int32 [len(reqs), words] as raw
+    bytes, copied out of the reused buffer), for a sampler that applies them elsewhere
+    (sampling on the device)."""
     bitmask = _reused_bitmask(len(reqs), vocab)
     for i, req in enumerate(reqs):
         req.grammar.fill_bitmask(bitmask, i)
-    return bitmask.clone()
+    return bitmask.numpy().tobytes()
 
 
 def apply_grammar_bitmask_to_drafts(logits: torch.Tensor, req: Request, drafts: list[int]) -> None:

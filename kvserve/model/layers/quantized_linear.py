@@ -117,15 +117,8 @@ class QuantizedLinear(nn.Module):
             return self._native_2d(x)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        if self.native is not None and self.method == "int8":
-            y = quant_kernels.kernels_for(self.native).int8_mm(
-                x2.float().contiguous(), self.qweight, self.scales
-            )
-        elif self.native is not None:
-            weight_only = x2.shape[0] >= NATIVE_WEIGHT_ONLY_MIN_ROWS
-            mode = quant_kernels.MODE_WEIGHT_ONLY if weight_only else quant_kernels.MODE_INT8_ACTS
-            kernels = quant_kernels.kernels_for(self.native)
-            y = kernels.int4_mm(x2.float().contiguous(), self.qweight, self.scales_zeros, mode)
+        if self.native is not None:
+            y = self._native_2d(x2.float())
         elif self.dynamic is not None and x2.shape[0] >= self.dynamic_min_rows:
             y = dynamic_int8_mm(x2, self.dynamic)
         elif self.method == "int8" and self.kernel and x2.shape[0] >= self.bf16_min_rows:

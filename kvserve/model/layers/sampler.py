@@ -115,8 +115,8 @@ def fault_injected(req) -> bool:
 def _maybe_inject_fault(reqs: list) -> None:
     """Test hook: raise when a row's request id contains $KVSERVE_FAULT_INJECT_SAMPLING, so
     tests can prove one failing request does not take the batch down with it."""
-    mark = os.environ.get(FAULT_INJECTION_ENV)
-    if mark and any(fault_injected(r) for r in reqs):
+    if any(fault_injected(r) for r in reqs):
+        mark = os.environ[FAULT_INJECTION_ENV]
         raise RuntimeError(f"fault injected into sampling (request id contains {mark!r})")
 
 
