@@ -106,6 +106,25 @@ void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s) {
   }
 }
 
+// ---- weight-stream prefetch ------------------------------------------------------------
+// A GEMV reads each weight once, so it runs at the speed weights arrive from memory. The
+// hardware prefetchers alone kept ~8 of ~25 GB/s in flight on a Sapphire Rapids core (the
+// rows of a layer are not in cache when its turn comes); asking for the lines about
+// PF_BYTES ahead of the row being multiplied keeps enough misses outstanding.
+constexpr int64_t PF_BYTES = 4096;
+
+inline void prefetch_span(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 3);
+}
+
+// Rows [n, n + rows) of a weight matrix of row_bytes per row and N rows, clamped to N.
+inline void prefetch_rows(const void* base, int64_t row_bytes, int64_t n, int64_t rows, int64_t N) {
+  if (n >= N) return;
+  rows = std::min(rows, N - n);
+  prefetch_span(static_cast<const char*>(base) + n * row_bytes, rows * row_bytes);
+}
+
 // ---- tiles -----------------------------------------------------------------------------
 
 struct Args {
@@ -366,8 +385,14 @@ void tile_i8w(const Args& a, int64_t n, int64_t m0) {
 // Rows [n0, n1) of the output for all M activation rows.
 template <int NR>
 void rows_i8(const Args& a, int64_t M, int64_t n0, int64_t n1) {
+  const int64_t code_bytes = a.K / 2, sz_bytes = a.K / G * 4;
+  const int64_t ahead = std::max<int64_t>(NR, PF_BYTES / code_bytes);
+  prefetch_rows(a.w, code_bytes, n0, ahead, n1);  // the range's start: no earlier row asked for it
+  prefetch_rows(a.sz, sz_bytes, n0, ahead, n1);
   int64_t n = n0;
   for (; n + NR <= n1; n += NR) {
+    prefetch_rows(a.w, code_bytes, n + ahead, NR, a.N);
+    prefetch_rows(a.sz, sz_bytes, n + ahead, NR, a.N);
     int64_t m = 0;
     for (; m + 4 <= M; m += 4) tile_i8<NR, 4>(a, n, m);
     switch (M - m) {
@@ -459,7 +484,10 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
       return;
     }
 #endif
+    const int64_t ahead = std::max<int64_t>(1, PF_BYTES / K);
+    prefetch_rows(a.w8, K, n0, ahead, n1);
     for (int64_t n = n0; n < n1; ++n) {
+      prefetch_rows(a.w8, K, n + ahead, 1, N);
       int64_t m = 0;
       for (; m + 4 <= M; m += 4) tile_i8w<4>(a, n, m);
       for (; m < M; ++m) tile_i8w<1>(a, n, m);
