@@ -103,3 +103,75 @@ def test_a_model_through_the_fused_ops_equals_the_torch_path(ops, tiny_llama_dir
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             for tok, lp in la.items():
                 assert abs(lp - lb[tok]) < 1e-4
+
+
+BF16_PATH_NOISE = 0.125  # nats: four 1/32-nat steps of the tiny model's bf16 logits
+
+
+def bf16_close(got: torch.Tensor, want_fp32: torch.Tensor) -> None:
+    """bfloat16 ops compute in float32 and round once: within a bfloat16 step of the float32
+    reference rounded (the sum's order can move a value across a rounding boundary)."""
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want_fp32.bfloat16().float(), rtol=2**-7, atol=1e-3)
+
+
+@pytest.mark.parametrize("n", [1, 37])
+def test_bfloat16_ops_compute_in_float32_and_round_once(ops, n):
+    g = torch.Generator().manual_seed(n)
+    x, delta = torch.randn(n, 576, generator=g).bfloat16(), torch.randn(n, 576, generator=g).bfloat16()
+    w = torch.randn(576, generator=g).bfloat16()
+    bf16_close(ops.rms_norm(x, w, 1e-5), F.rms_norm(x.float(), (576,), w.float(), 1e-5))
+    residual = x.clone()
+    h = ops.add_rms_norm(residual, delta, w, 1e-5)
+    assert torch.equal(residual, x + delta)  # bf16 + bf16, rounded once either way
+    bf16_close(h, F.rms_norm((x + delta).float(), (576,), w.float(), 1e-5))
+    gu = (torch.randn(n, 2 * 1536, generator=g) * 4).bfloat16()
+    gate, up = gu.float().chunk(2, dim=-1)
+    bf16_close(ops.silu_mul(gu), F.silu(gate) * up)
+    heads, hd = 9, 64
+    q = torch.randn(n, heads, hd, generator=g).bfloat16()
+    cos, sin = torch.randn(n, 1, hd, generator=g).bfloat16(), torch.randn(n, 1, hd, generator=g).bfloat16()
+    want = apply_rotary(q.float(), cos.float(), sin.float())
+    ops.rotary_inplace(q, cos, sin)
+    bf16_close(q, want)
+
+
+def test_layer_ops_reject_mixed_dtypes(ops):
+    x = torch.randn(2, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="weight must have the activations' dtype"):
+        ops.rms_norm(x, torch.randn(64), 1e-5)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        ops.silu_mul(torch.randn(2, 64).half())
+
+
+def test_a_bfloat16_model_through_the_fused_ops_follows_the_torch_path(ops, tiny_llama_dir):
+    """Where the CPU computes bf16 natively (elsewhere the engine runs bf16 requests in fp32),
+    the fused bf16 ops replace the torch ones: the same greedy tokens up to a tie of the bf16
+    model (bf16 logits come in steps of ~1/32 nat at these magnitudes and tie exactly; the
+    torch path rounds after every op, the fused one once, which moved logprobs by up to 0.064
+    here), and logprobs within BF16_PATH_NOISE until then."""
+    from helpers import assert_quantized_match
+
+    from kvserve import LLM, SamplingParams
+    from kvserve.platform.cpu_isa import cpu_isa
+
+    if not cpu_isa().native_bf16:
+        pytest.skip("no native bf16 on this CPU: a bfloat16 engine computes in float32")
+    llm = LLM(tiny_llama_dir, dtype="bfloat16", kv_cache_memory="16MiB")
+    model = llm.llm_engine.model_runner.model
+    assert model.dtype == torch.bfloat16 and model.ops is ops
+    prompts = [[5, 9, 17, 33, 2, 41, 7], [11, 3, 8], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
+    fused = llm.generate(prompts, params, use_tqdm=False)
+    model.use_cpu_kernels(None)
+    plain = llm.generate(prompts, params, use_tqdm=False)
+    model.use_cpu_kernels(ops)
+    for i, (a, b) in enumerate(zip(fused, plain)):
+        got, want = a.outputs[0], b.outputs[0]
+        assert_quantized_match(want, got.token_ids, f"bf16 prompt {i}", tie=BF16_PATH_NOISE)
+        for step, (la, lb) in enumerate(zip(got.logprobs, want.logprobs)):
+            if got.token_ids[:step] != want.token_ids[:step]:
+                break  # past a tie the two runs continue different texts
+            for tok, lp in la.items():
+                if tok in lb:
+                    assert abs(lp - lb[tok]) < BF16_PATH_NOISE, (i, step, tok)

@@ -14,9 +14,9 @@ torch::Tensor silu_mul(torch::Tensor gate_up);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)");
-  m.def("rms_norm", &rms_norm, "RMSNorm of each row (float32)");
-  m.def("add_rms_norm", &add_rms_norm, "x += delta in place, then RMSNorm(x) (float32)");
-  m.def("rotary_inplace", &rotary_inplace, "Rotate-half rotary embedding in place (float32)");
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row (float32 or bfloat16)");
+  m.def("add_rms_norm", &add_rms_norm, "x += delta in place, then RMSNorm(x) (float32 or bfloat16)");
+  m.def("rotary_inplace", &rotary_inplace, "Rotate-half rotary embedding in place (float32 or bfloat16)");
   m.def("kv_write", &kv_write, "Store K/V rows at their slots");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate|up row (float32)");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate|up row (float32 or bfloat16)");
 }

@@ -1,4 +1,4 @@
-// The small per-layer operations of a decoder layer, fused, on the CPU (float32).
+// The small per-layer operations of a decoder layer, fused, on the CPU (float32 or bfloat16).
 //
 // At one decoding row a layer's matmuls take a few hundred microseconds, and the ~20 ATen
 // calls around them (RMSNorm's pow/mean/rsqrt/mul, rotary's slices/cat/neg/mul, the KV write's
@@ -7,6 +7,9 @@
 // does with its rms_norm / rotary_embedding / reshape_and_cache / silu_and_mul ops. Rows are
 // independent and each row's arithmetic is the same at every batch size, so batching never
 // changes a row's result. Work is split over rows only when there are enough of them.
+// bfloat16 tensors (a `--dtype bfloat16` model) are widened to float32 as they are read, each
+// op computes in float32 and its result is rounded to bfloat16 once, as it is stored (vLLM's
+// CPU ops do the same); the torch path rounds after every ATen op instead.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -18,17 +21,35 @@ namespace {
 
 constexpr int64_t kRowGrain = 16;  // rows per parallel chunk: below this, one thread
 
+inline float ld(const float* p) { return *p; }
+inline float ld(const at::BFloat16* p) { return static_cast<float>(*p); }
+inline void st(float* p, float v) { *p = v; }
+inline void st(at::BFloat16* p, float v) { *p = at::BFloat16(v); }  // round to nearest even
+
 void check_rows(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == torch::kFloat, name, " must be float32");
+  TORCH_CHECK(t.scalar_type() == torch::kFloat || t.scalar_type() == torch::kBFloat16, name,
+              " must be float32 or bfloat16");
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be [rows, width] with contiguous rows");
 }
 
+void check_same(const torch::Tensor& t, const torch::Tensor& like, const char* name) {
+  TORCH_CHECK(t.scalar_type() == like.scalar_type(), name, " must have the activations' dtype");
+}
+
 // out = x * rsqrt(mean(x^2) + eps) * w, one row (the reference's order of operations).
-inline void rms_norm_row(const float* x, const float* w, float* out, int64_t d, float eps) {
+template <typename T>
+inline void rms_norm_row(const T* x, const T* w, T* out, int64_t d, float eps) {
   float ss = 0.f;
-  for (int64_t i = 0; i < d; ++i) ss += x[i] * x[i];
+  for (int64_t i = 0; i < d; ++i) ss += ld(x + i) * ld(x + i);
   const float r = 1.f / std::sqrt(ss / static_cast<float>(d) + eps);
-  for (int64_t i = 0; i < d; ++i) out[i] = (x[i] * r) * w[i];
+  for (int64_t i = 0; i < d; ++i) st(out + i, (ld(x + i) * r) * ld(w + i));
+}
+
+// Runs fn.template operator()<T>() with T the C++ type of a float32 / bfloat16 tensor.
+template <typename Fn>
+void dispatch(const torch::Tensor& t, Fn&& fn) {
+  if (t.scalar_type() == torch::kBFloat16) fn(at::BFloat16{});
+  else fn(float{});
 }
 
 }  // namespace
@@ -36,13 +57,17 @@ inline void rms_norm_row(const float* x, const float* w, float* out, int64_t d, 
 // RMSNorm of each row of x [rows, d] (float32) with weight w [d]; returns a new tensor.
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   check_rows(x, "x");
+  check_same(w, x, "weight");
   TORCH_CHECK(w.is_contiguous() && w.numel() == x.size(1), "weight must be [d]");
   auto out = torch::empty({x.size(0), x.size(1)}, x.options());
   const int64_t d = x.size(1), sx = x.stride(0);
-  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, x.size(0), kRowGrain, [&](int64_t a, int64_t b) {
-    for (int64_t r = a; r < b; ++r) rms_norm_row(xp + r * sx, wp, op + r * d, d, static_cast<float>(eps));
+  dispatch(x, [&](auto tag) {
+    using T = decltype(tag);
+    const T *xp = x.data_ptr<T>(), *wp = w.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    at::parallel_for(0, x.size(0), kRowGrain, [&](int64_t a, int64_t b) {
+      for (int64_t r = a; r < b; ++r) rms_norm_row(xp + r * sx, wp, op + r * d, d, static_cast<float>(eps));
+    });
   });
   return out;
 }
@@ -51,20 +76,25 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
 torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor w, double eps) {
   check_rows(x, "x");
   check_rows(delta, "delta");
+  check_same(delta, x, "delta");
+  check_same(w, x, "weight");
   TORCH_CHECK(delta.sizes() == x.sizes(), "delta must have x's shape");
   TORCH_CHECK(w.is_contiguous() && w.numel() == x.size(1), "weight must be [d]");
   auto out = torch::empty({x.size(0), x.size(1)}, x.options());
   const int64_t d = x.size(1), sx = x.stride(0), sd = delta.stride(0);
-  float* xp = x.data_ptr<float>();
-  const float *dp = delta.data_ptr<float>(), *wp = w.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, x.size(0), kRowGrain, [&](int64_t a, int64_t b) {
-    for (int64_t r = a; r < b; ++r) {
-      float* xr = xp + r * sx;
-      const float* dr = dp + r * sd;
-      for (int64_t i = 0; i < d; ++i) xr[i] += dr[i];
-      rms_norm_row(xr, wp, op + r * d, d, static_cast<float>(eps));
-    }
+  dispatch(x, [&](auto tag) {
+    using T = decltype(tag);
+    T* xp = x.data_ptr<T>();
+    const T *dp = delta.data_ptr<T>(), *wp = w.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    at::parallel_for(0, x.size(0), kRowGrain, [&](int64_t a, int64_t b) {
+      for (int64_t r = a; r < b; ++r) {
+        T* xr = xp + r * sx;
+        const T* dr = dp + r * sd;
+        for (int64_t i = 0; i < d; ++i) st(xr + i, ld(xr + i) + ld(dr + i));  // the stream, rounded
+        rms_norm_row(xr, wp, op + r * d, d, static_cast<float>(eps));
+      }
+    });
   });
   return out;
 }
@@ -73,25 +103,32 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor w
 // (any row and head strides, contiguous head_dim), with cos/sin [rows, head_dim] already
 // gathered for each row's position: x * cos + rotate_half(x) * sin.
 void rotary_inplace(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 3 && x.stride(2) == 1, "x: float32 [rows, heads, hd]");
-  TORCH_CHECK(cos.scalar_type() == torch::kFloat && cos.is_contiguous() && sin.is_contiguous() &&
-                  cos.numel() == x.size(0) * x.size(2) && sin.numel() == cos.numel(),
-              "cos/sin: contiguous float32 [rows, head_dim]");
+  TORCH_CHECK((x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16) && x.dim() == 3 &&
+                  x.stride(2) == 1,
+              "x: float32 or bfloat16 [rows, heads, hd]");
+  check_same(cos, x, "cos");
+  check_same(sin, x, "sin");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == x.size(0) * x.size(2) &&
+                  sin.numel() == cos.numel(),
+              "cos/sin: contiguous [rows, head_dim]");
   const int64_t heads = x.size(1), hd = x.size(2), half = hd / 2, sr = x.stride(0), sh = x.stride(1);
-  float* xp = x.data_ptr<float>();
-  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
-  at::parallel_for(0, x.size(0), kRowGrain, [&](int64_t a, int64_t b) {
-    for (int64_t r = a; r < b; ++r) {
-      const float *c = cp + r * hd, *s = sp + r * hd;
-      for (int64_t h = 0; h < heads; ++h) {
-        float* v = xp + r * sr + h * sh;
-        for (int64_t i = 0; i < half; ++i) {
-          const float x1 = v[i], x2 = v[i + half];
-          v[i] = x1 * c[i] - x2 * s[i];
-          v[i + half] = x2 * c[i + half] + x1 * s[i + half];
+  dispatch(x, [&](auto tag) {
+    using T = decltype(tag);
+    T* xp = x.data_ptr<T>();
+    const T *cp = cos.data_ptr<T>(), *sp = sin.data_ptr<T>();
+    at::parallel_for(0, x.size(0), kRowGrain, [&](int64_t a, int64_t b) {
+      for (int64_t r = a; r < b; ++r) {
+        const T *c = cp + r * hd, *s = sp + r * hd;
+        for (int64_t h = 0; h < heads; ++h) {
+          T* v = xp + r * sr + h * sh;
+          for (int64_t i = 0; i < half; ++i) {
+            const float x1 = ld(v + i), x2 = ld(v + i + half);
+            st(v + i, x1 * ld(c + i) - x2 * ld(s + i));
+            st(v + i + half, x2 * ld(c + i + half) + x1 * ld(s + i + half));
+          }
         }
       }
-    }
+    });
   });
 }
 
@@ -130,14 +167,20 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   check_rows(gate_up, "gate_up");
   const int64_t inter = gate_up.size(1) / 2, sg = gate_up.stride(0);
   auto out = torch::empty({gate_up.size(0), inter}, gate_up.options());
-  const float* gp = gate_up.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, gate_up.size(0), kRowGrain, [&](int64_t a, int64_t b) {
-    for (int64_t r = a; r < b; ++r) {
-      const float *g = gp + r * sg, *u = g + inter;
-      float* o = op + r * inter;
-      for (int64_t i = 0; i < inter; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
-    }
+  dispatch(gate_up, [&](auto tag) {
+    using T = decltype(tag);
+    const T* gp = gate_up.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    at::parallel_for(0, gate_up.size(0), kRowGrain, [&](int64_t a, int64_t b) {
+      for (int64_t r = a; r < b; ++r) {
+        const T *g = gp + r * sg, *u = g + inter;
+        T* o = op + r * inter;
+        for (int64_t i = 0; i < inter; ++i) {
+          const float gi = ld(g + i);
+          st(o + i, gi / (1.f + std::exp(-gi)) * ld(u + i));
+        }
+      }
+    });
   });
   return out;
 }

@@ -34,6 +34,7 @@ from kvserve.attention_backends import ScheduledSeq, make_backend
 from kvserve.distributed.parallel_state import get_pp_group, get_tp_group
 from kvserve.model.layers.cpu_kernels import load_cpu_kernels
 from kvserve.model.layers.kv_quant import KV_SCALE_DTYPE, is_quantized, kv_storage_dtype
+from kvserve.model.layers.sampler import row_argmax
 from kvserve.model.models.llama import LlamaForCausalLM
 from kvserve.platform.memory import trim_heap
 from kvserve.worker.device_sampling import sample_listed_rows
@@ -271,7 +272,7 @@ class ModelRunner:
                 torch.tensor(ids + [0] * pad, device=self.device),
                 torch.from_numpy(np.pad(positions, (0, pad))).to(self.device), meta, self.draft_kv_cache,
             )  # fmt: skip
-            next_ids = self._logits(self.draft_model, hidden, list(range(len(ids)))).argmax(-1).tolist()
+            next_ids = row_argmax(self._logits(self.draft_model, hidden, list(range(len(ids))))).tolist()
             for (rid, _, _), t in zip(active, next_ids):
                 drafts[rid].append(t)
         return drafts

@@ -40,6 +40,9 @@ from kvserve.model.layers.quantized_linear import QuantizedLinear
 from kvserve.model.layers.rotary import RotaryEmbedding, apply_rotary
 from kvserve.model.layers.tp_sharding import even_shard
 
+# Activation dtypes the C++ layer ops (csrc/layer_ops_cpu.cpp) take; others run the torch path.
+FUSED_DTYPES = (torch.float32, torch.bfloat16)
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in float32 then cast back, as the reference does."""
@@ -90,7 +93,7 @@ class DecoderLayer(nn.Module):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
     ) -> torch.Tensor:
-        if self.ops is not None and x.dtype == torch.float32:
+        if self.ops is not None and x.dtype in FUSED_DTYPES:
             return self._forward_fused(x, cos, sin, meta, k_cache, v_cache)
         n = x.shape[0]
         h = rms_norm(x, self.input_norm, self.eps)
@@ -226,7 +229,7 @@ class LlamaForCausalLM(nn.Module):
             x = layer.forward(x, cos, sin, meta, kv_cache[i, 0], kv_cache[i, 1])
         if not self.is_last_stage:
             return x
-        if self.ops is not None and x.dtype == torch.float32:
+        if self.ops is not None and x.dtype in FUSED_DTYPES:
             return self.ops.rms_norm(x, self.norm, self.arch.rms_norm_eps)
         return rms_norm(x, self.norm, self.arch.rms_norm_eps)
 
