@@ -13,7 +13,7 @@ requests (so oneDNN's kernel caches and the allocator are warm), and reports fro
 `--baseline-tree DIR` also measures another checkout (e.g. `git archive` of the previous
 commit) in the same run and prints the ratio.
 
-    python benchmarks/bench_memory.py [--dtype float32] [--baseline-tree /tmp/kvserve-before]
+    python benchmarks/bench_memory.py [--dtype float32] [--quantization int4] [--baseline-tree DIR]
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ def child(args) -> dict:
     from kvserve import LLM, SamplingParams
 
     runtime = _status()["VmRSS"]
-    llm = LLM(args.model, kv_cache_memory=args.kv_cache_memory, dtype=args.dtype)
+    quant = {"quantization": args.quantization} if args.quantization else {}
+    llm = LLM(args.model, kv_cache_memory=args.kv_cache_memory, dtype=args.dtype, **quant)
     loaded = _status()
     prompts = [[1] + list(range(100 + 7 * i, 164 + 7 * i)) for i in range(8)]
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
@@ -62,6 +63,8 @@ def run(tree: str, args) -> dict:
     env = {**os.environ, "PYTHONPATH": tree}
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--model", args.model, "--dtype", args.dtype,
            "--kv-cache-memory", args.kv_cache_memory]  # fmt: skip
+    if args.quantization:
+        cmd += ["--quantization", args.quantization]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True, cwd=tree)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -95,6 +98,7 @@ def main() -> int:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--kv-cache-memory", default="1GiB")
+    ap.add_argument("--quantization", default=None, help="e.g. int4 (what `make serve` runs)")
     ap.add_argument("--baseline-tree", default=None, help="another checkout to measure in the same run")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -106,7 +110,8 @@ def main() -> int:
     from benchmarks.cpu_info import cpu_flags
 
     print(f"{machine()}; CPU flags: {cpu_flags()}; load average {os.getloadavg()[0]:.2f}")
-    print(f"model {args.model}, dtype {args.dtype}, KV pool {args.kv_cache_memory}")
+    quant = f", quantization {args.quantization}" if args.quantization else ""
+    print(f"model {args.model}, dtype {args.dtype}{quant}, KV pool {args.kv_cache_memory}")
     this = report(f"this tree ({ROOT})", run(ROOT, args))
     if args.baseline_tree:
         base = report(f"baseline tree ({args.baseline_tree})", run(args.baseline_tree, args))
