@@ -35,7 +35,7 @@ def test_kernel_matches_float_reference(variant, mode):
     mod = qk.load_quant_kernels(variant)
     assert mod is not None and mod.isa() == variant
     for n, k in [(33, 96), (192, 128), (50, 1536)]:
-        for rows in (1, 3, 17, 64):
+        for rows in (1, 3, 6, 17, 21, 64):  # 17, 21: the 8-row tiles' remainders
             qw, x, ref = _case(n, k, rows)
             codes, sz = qk.pack_int4(qw.codes, qw.scales, qw.zeros)
             y = mod.int4_mm(x, codes, sz, mode)
@@ -47,7 +47,7 @@ def test_kernel_matches_float_reference(variant, mode):
 def test_int8_kernel_matches_float_reference(variant):
     mod = qk.load_quant_kernels(variant)
     for n, k in [(33, 96), (50, 1544)]:
-        for rows in (1, 3, 17, 64):
+        for rows in (1, 3, 6, 17, 21, 64):
             torch.manual_seed(rows)
             qw = quantize_weight(torch.randn(n, k) * 0.1, "int8")
             x = torch.randn(rows, k)

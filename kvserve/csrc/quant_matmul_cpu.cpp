@@ -294,17 +294,96 @@ void tile_i8w(const Args& a, int64_t n, int64_t m0) {
   for (int c = 0; c < MR; ++c) a.y[(m0 + c) * a.N + n] = hsum(_mm256_add_ps(acc[c][0], acc[c][1])) * s;
 }
 
+#if defined(__AVX512F__)
+// AVX-512: the panel is turned k-major ([K][16]: the 16 weight rows' values at each k side by
+// side), so one 512-bit FMA multiplies an activation (broadcast) into 16 outputs at once: a tile
+// of PANEL_MR activation rows x 16 weight rows keeps PANEL_MR accumulators, needs no horizontal
+// sums, and stores each row's 16 outputs in one go. Each output still sums its K products in
+// order in fp32, so a row's result does not depend on how many rows share the call.
+constexpr int PANEL_MR = 8;
+// Turning the panel costs a pass over it, which pays back only over enough activation rows
+// (bench_quant_native.py: slower than the 256-bit tiles at 8 rows, faster from 32).
+constexpr int64_t KMAJOR_MIN_ROWS = 16;
+
+// dst[j * 16 + i] = src[i * ld + j] for a 16 x 16 block (dst 64-byte aligned).
+inline void transpose16(const float* src, int64_t ld, float* dst) {
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * ld);
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  auto lo = [](__m512 a, __m512 b) {
+    return _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
+  };
+  auto hi = [](__m512 a, __m512 b) {
+    return _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
+  };
+  for (int i = 0; i < 16; i += 4) {  // r[i + c]: rows i..i+3 of columns c, c + 4, c + 8, c + 12
+    r[i] = lo(t[i], t[i + 2]);
+    r[i + 1] = hi(t[i], t[i + 2]);
+    r[i + 2] = lo(t[i + 1], t[i + 3]);
+    r[i + 3] = hi(t[i + 1], t[i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {  // rows 0-7 and 8-15 of columns (c, c + 8) and (c + 4, c + 12)
+    t[c] = _mm512_shuffle_f32x4(r[c], r[c + 4], 0x88);
+    t[c + 4] = _mm512_shuffle_f32x4(r[c], r[c + 4], 0xdd);
+    t[c + 8] = _mm512_shuffle_f32x4(r[c + 8], r[c + 12], 0x88);
+    t[c + 12] = _mm512_shuffle_f32x4(r[c + 8], r[c + 12], 0xdd);
+  }
+  for (int c = 0; c < 8; ++c) {  // whole columns c and c + 8
+    _mm512_store_ps(dst + c * 16, _mm512_shuffle_f32x4(t[c], t[c + 8], 0x88));
+    _mm512_store_ps(dst + (c + 8) * 16, _mm512_shuffle_f32x4(t[c], t[c + 8], 0xdd));
+  }
+}
+
+template <int MR>
+void tile_panel16(const Args& a, const float* Tt, int64_t n0, int64_t m0) {
+  __m512 acc[MR];
+  for (int c = 0; c < MR; ++c) acc[c] = _mm512_setzero_ps();
+  const float* x = a.x + m0 * a.K;
+  for (int64_t k = 0; k < a.K; ++k) {
+    const __m512 w = _mm512_load_ps(Tt + k * 16);
+    for (int c = 0; c < MR; ++c) acc[c] = _mm512_fmadd_ps(_mm512_set1_ps(x[c * a.K + k]), w, acc[c]);
+  }
+  for (int c = 0; c < MR; ++c) _mm512_storeu_ps(a.y + (m0 + c) * a.N + n0, acc[c]);
+}
+
+template <int MR>
+void tail_panel16(const Args& a, const float* Tt, int64_t n0, int64_t m0, int64_t rows) {
+  if constexpr (MR > 0) {
+    if (rows == MR) return tile_panel16<MR>(a, Tt, n0, m0);
+    tail_panel16<MR - 1>(a, Tt, n0, m0, rows);
+  }
+}
+#endif
+
 // Rows [n0, n1) by panels of NB; a partial last panel goes row by row.
 template <bool I8>
 void rows_panel(const Args& a, int64_t M, int64_t n0, int64_t n1) {
   thread_local std::vector<float> T;
   T.resize(NB * a.K);
+#if defined(__AVX512F__)
+  thread_local std::vector<float> kmajor;  // 64-byte aligned view below
+  const bool wide = a.K % 16 == 0 && M >= KMAJOR_MIN_ROWS;
+  if (wide) kmajor.resize(NB * a.K + 16);
+  float* const Tt = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(kmajor.data()) + 63) & ~uintptr_t(63));
+#endif
   int64_t n = n0;
   for (; n + NB <= n1; n += NB) {
     for (int64_t r = 0; r < NB; ++r) {
       if constexpr (I8) dequant_row_i8(a, n + r, T.data() + r * a.K);
       else dequant_row(a, n + r, T.data() + r * a.K);
     }
+#if defined(__AVX512F__)
+    if (wide) {
+      for (int64_t k = 0; k < a.K; k += 16) transpose16(T.data() + k, a.K, Tt + k * 16);
+      int64_t m = 0;
+      for (; m + PANEL_MR <= M; m += PANEL_MR) tile_panel16<PANEL_MR>(a, Tt, n, m);
+      if (m < M) tail_panel16<PANEL_MR - 1>(a, Tt, n, m, M - m);
+      continue;
+    }
+#endif
     int64_t m = 0;
     for (; m + 3 <= M; m += 3)
       for (int64_t r = 0; r < NB; r += 4) tile_panel<3>(a, T.data() + r * a.K, n + r, m);
