@@ -17,13 +17,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import cpu_us, machine  # noqa: E402
+from benchmarks.common import cpu_us, machine, wall_us  # noqa: E402
 from benchmarks.cpu_info import cpu_flags  # noqa: E402
 from kvserve.model.layers import quant_kernels as qk  # noqa: E402
 from kvserve.model.layers.linear import linear, onednn_pack  # noqa: E402
@@ -57,16 +56,6 @@ def kernels(n: int, k: int, mod) -> dict:
         "native w-only": lambda x: mod.int4_mm(x, codes, sz, qk.MODE_WEIGHT_ONLY),
         "native int8-act": lambda x: mod.int4_mm(x, codes, sz, qk.MODE_INT8_ACTS),
     }
-
-
-def wall_us(fn, reps: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e6
 
 
 def main() -> int:

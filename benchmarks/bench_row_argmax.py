@@ -11,25 +11,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import machine  # noqa: E402
+from benchmarks.common import machine, wall_us  # noqa: E402
 from benchmarks.cpu_info import cpu_flags  # noqa: E402
 from kvserve.model.layers.sampler import row_argmax  # noqa: E402
-
-
-def best_us(fn, reps: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e6
 
 
 def main() -> int:
@@ -43,8 +32,8 @@ def main() -> int:
     for rows in (1, 8, 64):
         x = torch.randn(rows, args.vocab)
         assert torch.equal(x.argmax(-1), row_argmax(x))
-        a = best_us(lambda x=x: x.argmax(-1), args.reps)
-        m = best_us(lambda x=x: row_argmax(x), args.reps)
+        a = wall_us(lambda x=x: x.argmax(-1), args.reps)
+        m = wall_us(lambda x=x: row_argmax(x), args.reps)
         print(f"| {rows} | {a:.0f} | {m:.0f} | {a / m:.2f}x |")
     return 0
 
