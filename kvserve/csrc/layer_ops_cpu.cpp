@@ -54,7 +54,7 @@ void dispatch(const torch::Tensor& t, Fn&& fn) {
 
 }  // namespace
 
-// RMSNorm of each row of x [rows, d] (float32) with weight w [d]; returns a new tensor.
+// RMSNorm of each row of x [rows, d] with weight w [d] (same dtype); returns a new tensor.
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   check_rows(x, "x");
   check_same(w, x, "weight");
