@@ -24,7 +24,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import machine  # noqa: E402
+from benchmarks.bench_decode_roofline import read_bandwidth  # noqa: E402
+from benchmarks.common import machine, wall_us  # noqa: E402
 from benchmarks.cpu_info import cpu_flags  # noqa: E402
 from kvserve.model.layers import quant_kernels  # noqa: E402
 from kvserve.model.layers.quantization import quantize_weight  # noqa: E402
@@ -39,17 +40,6 @@ SHAPES = [
     ("lm_head", "int8", 49152, 576),
     ("gate_up", "int8", 3072, 576),
 ]
-
-
-def read_bandwidth(mib: int = 512, reps: int = 8) -> float:
-    a = torch.ones(mib * 2**20 // 4)
-    a.sum()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        a.sum()
-        best = min(best, time.perf_counter() - t0)
-    return a.numel() * 4 / best
 
 
 def weight_bytes(q: QuantizedLinear) -> int:
@@ -83,11 +73,7 @@ def main() -> int:
             for q in layers:
                 q(x)
             cold = min(cold, (time.perf_counter() - t0) / copies)
-        hot = float("inf")
-        for _ in range(args.rounds * 20):
-            t0 = time.perf_counter()
-            first(x)
-            hot = min(hot, time.perf_counter() - t0)
+        hot = wall_us(lambda first=first, x=x: first(x), args.rounds * 20) / 1e6
         print(f"| {name} {n}x{k} | {method} | {nbytes / 1e6:.2f} | {copies} | {cold * 1e6:.0f} "
               f"({nbytes / cold / 1e9:.1f}, {nbytes / cold / bw:.0%}) | {hot * 1e6:.0f} "
               f"({nbytes / hot / 1e9:.1f}) |")  # fmt: skip

@@ -79,6 +79,16 @@ def hf_generate_static_batches(
     return total, time.perf_counter() - t0
 
 
+def _best_us(fn, reps: int, clock) -> float:
+    """Best of `reps` timed calls of fn by `clock`, in microseconds."""
+    best = float("inf")
+    for _ in range(reps):
+        t0 = clock()
+        fn()
+        best = min(best, clock() - t0)
+    return best * 1e6
+
+
 def cpu_us(fn, reps: int = 20) -> float:
     """Microseconds of this thread's CPU time per call of `fn`, the best of `reps` calls.
 
@@ -91,21 +101,11 @@ def cpu_us(fn, reps: int = 20) -> float:
     fn()
     if time.thread_time() - t0 > 0.05:
         reps = 2
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.thread_time()
-        fn()
-        best = min(best, time.thread_time() - t0)
-    return best * 1e6
+    return _best_us(fn, reps, time.thread_time)
 
 
 def wall_us(fn, reps: int) -> float:
     """Best wall-clock microseconds of `reps` calls of fn (after one warm-up call), with the
     engine's threads: for the figures a user sees, where cpu_us would count one thread."""
     fn()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e6
+    return _best_us(fn, reps, time.perf_counter)
