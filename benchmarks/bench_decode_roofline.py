@@ -1,8 +1,9 @@
 """Decode against this machine's limits, in one run (issue 16's acceptance figures).
 
 Measures, in the same process: memory read bandwidth (sum of a large array), fp32 GEMM peak
-(a large torch.mm) and int8 GEMM peak (the dynamic quantized linear, where available), all with the
-engine's threads. Then, for the default model in each weight format (offline engine):
+(a large torch.mm) and int8 GEMM peak (the faster of the dynamic quantized linear and
+kvserve's native int8 kernel), all with the engine's threads. Then, for the default model in
+each weight format (offline engine):
 - single-stream decode ms/token (one ~128-token prompt; time of an (n+1)-token run minus a
   1-token run, divided by n) against the weight-bandwidth floor: bytes read per token (every
   weight once: the tied table is read whole by the lm_head, its lookup row is noise) divided
@@ -11,9 +12,9 @@ engine's threads. Then, for the default model in each weight format (offline eng
   same batch) as achieved GFLOP/s against the GEMM peak of its compute format. The FLOPs are
   2 x the model's weights per token (from the fp32 engine's weight bytes / 4), attention left
   out (about 1% at these contexts), so the fraction is slightly understated. Target: >= 60%
-  of the peak of its compute format: fp32 for fp32, int4 and int8 (their batches run
-  weight-only fp32 arithmetic), bf16 for bf16 (`--formats ...,bf16`, where the CPU has native
-  bf16).
+  of the peak of its compute format: fp32 for fp32, int8 for int4 and int8 (the native
+  kernels' integer dot products; fp32 where they are not built), bf16 for bf16 (`--formats
+  ...,bf16`, where the CPU has native bf16).
 Each figure is the best of --rounds (a shared machine: the least disturbed round). With
 `--threads 1` every time is this process's CPU time (the engine runs in it), so other
 processes' load shows less; with more threads, wall time.
@@ -36,6 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import machine, make_prompts  # noqa: E402
 from benchmarks.cpu_info import cpu_flags  # noqa: E402
 from kvserve import LLM, SamplingParams  # noqa: E402
+from kvserve.model.layers.quant_kernels import load_quant_kernels  # noqa: E402
 from kvserve.platform.cpu_isa import cpu_isa  # noqa: E402
 
 FORMATS = {
@@ -85,18 +87,25 @@ def gemm_peak_bf16(n: int = 2048, reps: int = 5) -> float:
 
 
 def gemm_peak_int8(n: int = 1024, reps: int = 5) -> float | None:
-    """OP/s of the fastest int8 GEMM PyTorch has here: the dynamic quantized linear (fbgemm /
-    oneDNN u8 x s8, activations quantized per call), n x n x n; None without it.
+    """OP/s of the fastest int8 GEMM here, n x n x n: PyTorch's dynamic quantized linear
+    (fbgemm / oneDNN u8 x s8, activations quantized per call) or kvserve's native int8 kernel
+    (activations quantized per group of 32), whichever is faster; None without either.
     (torch._int_mm measured ~0.3 GOP/s on this CPU: a reference loop, not a peak.)"""
     from kvserve.model.layers.quant_batched import dynamic_int8_mm, dynamic_int8_pack
+    from kvserve.model.layers.quant_kernels import pack_int8
     from kvserve.model.layers.quantization import quantize_weight
 
     q = quantize_weight(torch.randn(n, n), "int8")
-    packed = dynamic_int8_pack(q.codes, q.scales)
-    if packed is None:
-        return None
     x = torch.randn(n, n)
-    return 2 * n**3 / best_s(lambda: dynamic_int8_mm(x, packed), reps)
+    rates = []
+    packed = dynamic_int8_pack(q.codes, q.scales)
+    if packed is not None:
+        rates.append(2 * n**3 / best_s(lambda: dynamic_int8_mm(x, packed), reps))
+    mod = load_quant_kernels()
+    if mod is not None:
+        codes, scales = pack_int8(q.codes, q.scales)
+        rates.append(2 * n**3 / best_s(lambda: mod.int8_mm(x, codes, scales, n), reps))
+    return max(rates) if rates else None
 
 
 def _run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float:
@@ -131,14 +140,19 @@ def main() -> int:
     bw, cbw = read_bandwidth(), copy_bandwidth()
     peak32, peak8 = gemm_peak_fp32(), gemm_peak_int8()
     print(f"memory read bandwidth {bw / 1e9:.1f} GB/s (copy {cbw / 1e9:.1f} GB/s read+write)")
-    int8 = f"{peak8 / 1e9:.1f} GOP/s (quantized::linear_dynamic)" if peak8 else "n/a"
+    int8 = (
+        f"{peak8 / 1e9:.1f} GOP/s (the faster of quantized::linear_dynamic and kvserve's)" if peak8 else "n/a"
+    )
     print(f"GEMM peak fp32 {peak32 / 1e9:.1f} GFLOP/s, int8 {int8}", flush=True)
 
     names = args.formats.split(",")
     if "bf16" in names and not cpu_isa().native_bf16:
         print("bf16 left out: this CPU has no native bf16, where a bfloat16 engine computes in fp32")
         names.remove("bf16")
-    peaks = {n: peak32 for n in names}  # int4 / int8 batches run weight-only fp32 arithmetic
+    peaks = {n: peak32 for n in names}
+    for name in ("int4", "int8"):  # the native kernels' dot products are int8 x int8
+        if name in names and peak8 and load_quant_kernels() is not None:
+            peaks[name] = peak8
     if "bf16" in names:
         peaks["bf16"] = gemm_peak_bf16()
         print(f"GEMM peak bf16 {peaks['bf16'] / 1e9:.1f} GFLOP/s (bf16's compute format)", flush=True)

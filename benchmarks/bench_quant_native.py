@@ -3,9 +3,9 @@
 For the default model's projection shapes at M = 1 (single-stream decode), 8, 32 and 64 rows
 (batched decode): microseconds per call of y = x @ W.T for fp32 oneDNN-prepacked (kvserve's
 float path), `aten._weight_int4pack_mm_for_cpu` (bf16 activations, kvserve's int4 path before
-the native kernel), and the native kernel in both arithmetics (weight-only fp32, int8
-activations) for the variant this CPU runs; for int8 per-row weights, `aten._weight_int8pack_mm`
-(bf16 activations) against the native weight-only int8 kernel. Two timings per cell: one
+the native kernel), and the native kernel (16-row panels x int8 activations) for the variant
+this CPU runs; for int8 per-row weights, `aten._weight_int8pack_mm` (bf16 activations) against
+the native int8 kernel. Two timings per cell: one
 thread's CPU time (best of --reps, benchmarks/common.py `cpu_us`) and the wall time with the
 engine's two threads (best of --reps). This is the measurement behind QuantizedLinear's native dispatch.
 
@@ -35,7 +35,7 @@ SHAPES = {
     "down": (576, 1536),
     "lm_head": (49152, 576),
 }
-COLUMNS = ("fp32 oneDNN", "aten int4", "native w-only", "native int8-act", "aten int8", "native int8")
+COLUMNS = ("fp32 oneDNN", "aten int4", "native int4", "aten int8", "native int8")
 
 
 def kernels(n: int, k: int, mod) -> dict:
@@ -46,15 +46,15 @@ def kernels(n: int, k: int, mod) -> dict:
     a_sz = torch.stack([qw.scales.t(), qw.zeros.t()], -1).contiguous()
     codes, sz = qk.pack_int4(qw.codes, qw.scales, qw.zeros)
     q8 = quantize_weight(w, "int8")
+    codes8, scales8 = qk.pack_int8(q8.codes, q8.scales)
     return {
         "aten int8": lambda x: torch.ops.aten._weight_int8pack_mm(x.bfloat16(), q8.codes, q8.scales).float(),
-        "native int8": lambda x: mod.int8_mm(x, q8.codes, q8.scales),
+        "native int8": lambda x: mod.int8_mm(x, codes8, scales8, n),
         "fp32 oneDNN": lambda x: linear(x, w, None, packed),
         "aten int4": lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.bfloat16(), a_codes, 32, a_sz
         ).float(),
-        "native w-only": lambda x: mod.int4_mm(x, codes, sz, qk.MODE_WEIGHT_ONLY),
-        "native int8-act": lambda x: mod.int4_mm(x, codes, sz, qk.MODE_INT8_ACTS),
+        "native int4": lambda x: mod.int4_mm(x, codes, sz, n),
     }
 
 

@@ -72,3 +72,15 @@ def assert_quantized_match(base, got: list[int], label: str, tie: float = QUANTI
     assert gap <= tie, f"{label}: diverged at step {i} where the quantized model's top-2 gap is {gap:.3g}"
     print(f"QUANTIZED TIE {label}: step {i}, top-2 gap {gap:.3g}")
     return False
+
+
+def agreed_logprob_noise(pairs) -> float:
+    """How far two runs (CompletionOutput pairs, logprobs >= 1) put the same token's logprob
+    apart while their tokens agree: the noise between two arithmetics. A flip of the top two
+    needs their difference to move, which each run's error can do by up to twice this."""
+    return max(
+        abs(a.logprobs[k][tok] - b.logprobs[k][tok])
+        for a, b in pairs
+        for k, tok in enumerate(a.token_ids)
+        if b.token_ids[: k + 1] == a.token_ids[: k + 1]
+    )

@@ -1,25 +1,26 @@
-// y = x @ W.T for kvserve's int4 weights, fp32 activations in and out, on the CPU.
+// y = x @ W.T for kvserve's int4 and int8 weights, fp32 activations in and out, on the CPU.
 //
-// Weight layout (repacked once at load by QuantizedLinear, same bytes as before):
-//   codes  uint8 [N, K / 2]: per group of 32 inputs, 16 bytes; byte j holds code j in its
-//          low nibble and code j + 16 in its high one, so one AND and one shift give the
-//          group's first and second halves in order;
-//   sz     bfloat16 [N, K / 32, 2]: (scale, zero) per group, w = (q - 8) * scale + zero.
-// Row-major by output row: a GEMV streams each row's codes and scales front to back.
+// int4 weight layout (built once at load by quant_kernels.pack_int4): panels of 16 output rows,
+// k-major, so one 512-bit VNNI dot product feeds 16 outputs at once and needs no horizontal sums.
+//   codes  uint8 [P, K / 8, 64], P = ceil(N / 16) (the last panel padded with zero codes): in
+//          panel p, chunk j (inputs 8j .. 8j + 7), byte 4r + i holds row 16p + r's code for input
+//          8j + i in its low nibble and for input 8j + 4 + i in its high one (i = 0..3);
+//   sz     bfloat16 [P, K / 32, 2, 16]: per panel and group of 32 inputs, the 16 rows' scales,
+//          then their zeros; w = (q - 8) * scale + zero. Same bytes as a row-major layout.
+// (llama.cpp's repacked Q4_0 x 8 rows is the same idea for its GEMV and GEMM.)
 //
-// Two arithmetics, chosen by the caller:
-//   mode 0, weight-only: each group is dequantized to fp32 in registers and multiplied with
-//          the fp32 activations (the exact weight-only result up to fp32 rounding);
-//   mode 1, int8 activations (llama.cpp's Q4_1 x Q8 scheme): each activation row is
-//          quantized per group of 32 to int8 with its own scale, the group dot products are
-//          integer (AVX2 vpmaddubsw + vpmaddwd, AVX-512 VNNI vpdpbusd), then scaled:
-//          sum_j w_j x_j ~= scale * dx * sum_j q_j qx_j + (zero - 8 scale) * dx * sum_j qx_j.
+// Arithmetic (llama.cpp's Q4_1 x Q8 scheme): each activation row is quantized per group of 32
+// to int8 with its own scale dx (and sx = dx * sum of its codes); per output, group by group in
+// order, every variant computes
+//   isum = sum_j q_j qx_j                      (exact in int32)
+//   acc  = fma(float(isum), scale * dx, acc)    bias = fma(zero - 8 scale, sx, bias)
+// and stores acc + bias. One output is one SIMD lane whatever the row count, so a row's result
+// is bit-identical alone or in a batch of 64, and in a prefill chunk of any length.
 //
-// The same file is compiled once per instruction set with explicit flags (never
-// -march=native), and kvserve picks the variant this CPU can run: AVX-512 VNNI, AVX2 + FMA,
-// or plain C++ (the compiler's baseline). Each thread takes a contiguous range of output
-// rows; inside it, a tile of NR weight rows is unpacked once per group and used for MR
-// activation rows, so batches reuse the unpacked weights from registers.
+// int8 weights (a bf16 scale per row) take the same panels, activations and order; see below.
+//
+// The file is compiled once per instruction set with explicit flags (never -march=native), and
+// kvserve picks the variant this CPU can run: AVX-512 VNNI, AVX2 + FMA, or plain C++.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -55,9 +56,9 @@ const char* isa_name() {
 #endif
 }
 
-// ---- activation quantization (mode 1): per row, per group of 32, symmetric int8 ----------
+// ---- activation quantization: per row, per group of 32, symmetric int8 --------------------
 
-void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s) {
+void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s, int32_t* qsum) {
   for (int64_t g = 0; g < K / G; ++g) {
     const float* xg = x + g * G;
     int8_t* qg = q + g * G;
@@ -88,20 +89,22 @@ void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s) {
     p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(qg), p8);
     d[g] = dg;
-    s[g] = dg * static_cast<float>(_mm_cvtsi128_si32(s4));
+    qsum[g] = _mm_cvtsi128_si32(s4);
+    s[g] = dg * static_cast<float>(qsum[g]);
 #else
     float mx = 0.0f;
     for (int64_t i = 0; i < G; ++i) mx = std::max(mx, std::fabs(xg[i]));
     const float dg = mx / 127.0f;
     const float inv = dg > 0.0f ? 127.0f / mx : 0.0f;
-    int sum = 0;
+    int total = 0;
     for (int64_t i = 0; i < G; ++i) {
       const int v = static_cast<int>(std::nearbyint(xg[i] * inv));
       qg[i] = static_cast<int8_t>(v);
-      sum += v;
+      total += v;
     }
     d[g] = dg;
-    s[g] = dg * static_cast<float>(sum);
+    qsum[g] = total;
+    s[g] = dg * static_cast<float>(total);
 #endif
   }
 }
@@ -125,460 +128,377 @@ inline void prefetch_rows(const void* base, int64_t row_bytes, int64_t n, int64_
   prefetch_span(static_cast<const char*>(base) + n * row_bytes, rows * row_bytes);
 }
 
-// ---- tiles -----------------------------------------------------------------------------
+// ---- int4 x int8 activations on 16-row panels --------------------------------------------
 
 struct Args {
-  const uint8_t* w;     // [N, K/2]
-  const uint16_t* sz;   // [N, K/32, 2]
+  const uint8_t* w;     // int4 panels [P, K/8, 64]
+  const uint16_t* sz;   // [P, K/32, 2, 16]
   int64_t N, K;
-  const float* x;       // [M, K] (mode 0)
-  const int8_t* qx;     // [M, K] (mode 1)
-  const float* dx;      // [M, K/32]
-  const float* sx;      // [M, K/32]
+  const int8_t* qx;     // [M, K] activations quantized per group of 32: codes,
+  const float* dx;      // [M, K/32] their scales,
+  const float* sx;      // [M, K/32] scale * sum of the group's codes,
+  const int32_t* xs;    // [M, K/32] sum of the group's codes
   float* y;             // [M, N]
-  const int8_t* w8 = nullptr;     // int8 weights [N, K] (int8_mm)
-  const uint16_t* s8 = nullptr;   // their bf16 scale per row [N]
+  const int8_t* w8 = nullptr;     // int8 panels [P, K/4, 64] (int8_mm)
+  const uint16_t* s8 = nullptr;   // their bf16 scale per row [P * 16]
 };
 
-#if defined(KVQ_AVX2)
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
+constexpr int64_t PR = 16;  // output rows per panel
+
+inline int64_t panel_code_bytes(const Args& a) { return a.K / 8 * 64; }
+inline int64_t panel_sz_elems(const Args& a) { return a.K / G * 2 * PR; }
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+constexpr int I4_MR = 8;  // activation rows per tile: 8 x 3 accumulators + 2 weight registers
+
+inline __m512 bf16x16(const uint16_t* p) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
 }
 
-// A group's 16 code bytes -> 32 unsigned codes in input order.
-inline __m256i unpack32(const uint8_t* p) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m128i m = _mm_set1_epi8(0x0F);
-  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
+inline __m512i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
 }
 
-// 8 int32 partial sums of 32 u8 x s8 products.
-inline __m256i dot32(__m256i w, __m256i x) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
-#else
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));  // <= 3810: no saturation
-#endif
-}
-
-template <int NR, int MR>
-void tile_i8(const Args& a, int64_t n0, int64_t m0) {
-  const int64_t ng = a.K / G, kb = a.K / 2;
-  __m256 acc[NR][MR];
-  float bias[NR][MR];
-  for (int r = 0; r < NR; ++r)
-    for (int c = 0; c < MR; ++c) acc[r][c] = _mm256_setzero_ps(), bias[r][c] = 0.0f;
+// Rows [m0, m0 + MR) x panel p. pf: the next panel's codes and scales to prefetch, or null.
+template <int MR>
+void panel_i4(const Args& a, int64_t p, int64_t m0, const uint8_t* pf, const uint16_t* pf_sz) {
+  const int64_t ng = a.K / G;
+  const uint8_t* w = a.w + p * panel_code_bytes(a);
+  const uint16_t* sz = a.sz + p * panel_sz_elems(a);
+  const __m512i mask = _mm512_set1_epi8(0x0F);
+  __m512 acc[MR], bias[MR];
+  for (int c = 0; c < MR; ++c) acc[c] = bias[c] = _mm512_setzero_ps();
   for (int64_t g = 0; g < ng; ++g) {
-    __m256i w[NR];
-    float sw[NR], mw[NR];
-    for (int r = 0; r < NR; ++r) {
-      w[r] = unpack32(a.w + (n0 + r) * kb + g * 16);
-      const uint16_t* p = a.sz + ((n0 + r) * ng + g) * 2;
-      sw[r] = bf16(p[0]);
-      mw[r] = bf16(p[1]) - 8.0f * sw[r];
+    if (pf != nullptr) {
+      prefetch_span(pf + g * 256, 256);
+      __builtin_prefetch(pf_sz + g * 2 * PR, 0, 3);
     }
-    for (int c = 0; c < MR; ++c) {
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qx + (m0 + c) * a.K + g * G));
-      const float d = a.dx[(m0 + c) * ng + g], s = a.sx[(m0 + c) * ng + g];
-      for (int r = 0; r < NR; ++r) {
-        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32(w[r], xv)), _mm256_set1_ps(sw[r] * d), acc[r][c]);
-        bias[r][c] += mw[r] * s;
+    __m512i isum[MR];
+    for (int c = 0; c < MR; ++c) isum[c] = _mm512_setzero_si512();
+    for (int j = 0; j < 4; ++j) {
+      const __m512i v = _mm512_loadu_si512(w + (g * 4 + j) * 64);
+      const __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+      for (int c = 0; c < MR; ++c) {
+        const int8_t* xq = a.qx + (m0 + c) * a.K + g * G + 8 * j;
+        isum[c] = _mm512_dpbusd_epi32(isum[c], lo, bcast4(xq));
+        isum[c] = _mm512_dpbusd_epi32(isum[c], hi, bcast4(xq + 4));
       }
     }
-  }
-  for (int c = 0; c < MR; ++c)
-    for (int r = 0; r < NR; ++r) a.y[(m0 + c) * a.N + n0 + r] = hsum(acc[r][c]) + bias[r][c];
-}
-
-template <int MR>
-void tile_f32(const Args& a, int64_t n, int64_t m0) {
-  const int64_t ng = a.K / G, kb = a.K / 2;
-  __m256 acc[MR][2];
-  for (int c = 0; c < MR; ++c) acc[c][0] = acc[c][1] = _mm256_setzero_ps();
-  const __m128i mask = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
-  for (int64_t g = 0; g < ng; ++g) {
-    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a.w + n * kb + g * 16));
-    const __m128i lo = _mm_sub_epi8(_mm_and_si128(v, mask), eight);  // q - 8, exact in int8
-    const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), mask), eight);
-    const uint16_t* p = a.sz + (n * ng + g) * 2;
-    const __m256 s = _mm256_set1_ps(bf16(p[0])), z = _mm256_set1_ps(bf16(p[1]));
-    __m256 w[4];
-    w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), s, z);
-    w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), s, z);
-    w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), s, z);
-    w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), s, z);
+    const __m512 sw = bf16x16(sz + g * 2 * PR), zw = bf16x16(sz + g * 2 * PR + PR);
+    const __m512 mw = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), sw, zw);  // zero - 8 scale
     for (int c = 0; c < MR; ++c) {
-      const float* xp = a.x + (m0 + c) * a.K + g * G;
-      acc[c][0] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xp), acc[c][0]);
-      acc[c][1] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xp + 8), acc[c][1]);
-      acc[c][0] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xp + 16), acc[c][0]);
-      acc[c][1] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xp + 24), acc[c][1]);
+      const int64_t i = (m0 + c) * ng + g;
+      acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[c]), _mm512_mul_ps(sw, _mm512_set1_ps(a.dx[i])), acc[c]);
+      bias[c] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.sx[i]), bias[c]);
     }
   }
-  for (int c = 0; c < MR; ++c) a.y[(m0 + c) * a.N + n] = hsum(_mm256_add_ps(acc[c][0], acc[c][1]));
+  const int64_t n0 = p * PR, valid = std::min(PR, a.N - n0);
+  const __mmask16 keep = static_cast<__mmask16>((1u << valid) - 1);
+  for (int c = 0; c < MR; ++c) _mm512_mask_storeu_ps(a.y + (m0 + c) * a.N + n0, keep, _mm512_add_ps(acc[c], bias[c]));
 }
-// Weight-only, many rows: a block of 16 weight rows is dequantized once into a row-major
-// fp32 buffer (L1/L2-resident), then MR x NR dot-product tiles run over it with every
-// activation row, so the dequantization is paid once per call rather than once per row.
-constexpr int64_t NB = 16;
+#elif defined(KVQ_AVX2)
+constexpr int I4_MR = 3;  // 16 ymm registers: 3 x 3 accumulators + weights and broadcasts
 
-void dequant_row(const Args& a, int64_t n, float* out) {
-  const int64_t ng = a.K / G, kb = a.K / 2;
-  const __m128i mask = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
+inline __m256 bf16x8(const uint16_t* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+
+inline __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// The first `valid` of 8 outputs.
+inline void store8(float* out, __m256 v, int64_t valid) {
+  if (valid == 8) return _mm256_storeu_ps(out, v);
+  alignas(32) float tmp[8];
+  _mm256_store_ps(tmp, v);
+  std::memcpy(out, tmp, valid * sizeof(float));
+}
+
+// Per int32 lane, the exact sum of 4 u8 x s8 products (pairs <= 3810: vpmaddubsw cannot saturate).
+inline __m256i dot4(__m256i w, __m256i x) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+}
+
+// One half (8 rows) of panel p: the first or second 32 bytes of each 64-byte chunk.
+template <int MR>
+void half_i4(const Args& a, int64_t p, int h, int64_t m0, const uint8_t* pf, const uint16_t* pf_sz) {
+  const int64_t n0 = p * PR + h * 8, valid = std::min<int64_t>(8, a.N - n0);
+  if (valid <= 0) return;
+  const int64_t ng = a.K / G;
+  const uint8_t* w = a.w + p * panel_code_bytes(a) + h * 32;
+  const uint16_t* sz = a.sz + p * panel_sz_elems(a) + h * 8;
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  __m256 acc[MR], bias[MR];
+  for (int c = 0; c < MR; ++c) acc[c] = bias[c] = _mm256_setzero_ps();
   for (int64_t g = 0; g < ng; ++g) {
-    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a.w + n * kb + g * 16));
-    const __m128i lo = _mm_sub_epi8(_mm_and_si128(v, mask), eight);
-    const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), mask), eight);
-    const uint16_t* p = a.sz + (n * ng + g) * 2;
-    const __m256 s = _mm256_set1_ps(bf16(p[0])), z = _mm256_set1_ps(bf16(p[1]));
-    float* o = out + g * G;
-    _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), s, z));
-    _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), s, z));
-    _mm256_storeu_ps(o + 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), s, z));
-    _mm256_storeu_ps(o + 24, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), s, z));
-  }
-}
-
-template <int MR>
-void tile_panel(const Args& a, const float* T, int64_t n0, int64_t m0) {
-  constexpr int NR = 4;
-  __m256 acc[MR][NR];
-  for (int c = 0; c < MR; ++c)
-    for (int r = 0; r < NR; ++r) acc[c][r] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < a.K; k += 8) {
-    __m256 xv[MR];
-    for (int c = 0; c < MR; ++c) xv[c] = _mm256_loadu_ps(a.x + (m0 + c) * a.K + k);
-    for (int r = 0; r < NR; ++r) {
-      const __m256 wv = _mm256_loadu_ps(T + r * a.K + k);
-      for (int c = 0; c < MR; ++c) acc[c][r] = _mm256_fmadd_ps(xv[c], wv, acc[c][r]);
+    if (pf != nullptr) {
+      prefetch_span(pf + g * 256, 256);
+      __builtin_prefetch(pf_sz + g * 2 * PR, 0, 3);
     }
-  }
-  for (int c = 0; c < MR; ++c)
-    for (int r = 0; r < NR; ++r) a.y[(m0 + c) * a.N + n0 + r] = hsum(acc[c][r]);
-}
-
-// int8 per-row weights, weight-only: codes widened to fp32 (exact), row scale applied last.
-void dequant_row_i8(const Args& a, int64_t n, float* out) {
-  const __m256 s = _mm256_set1_ps(bf16(a.s8[n]));
-  const int8_t* w = a.w8 + n * a.K;
-  for (int64_t k = 0; k < a.K; k += 8) {
-    const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + k)));
-    _mm256_storeu_ps(out + k, _mm256_mul_ps(_mm256_cvtepi32_ps(v), s));
-  }
-}
-
-template <int MR>
-void tile_i8w(const Args& a, int64_t n, int64_t m0) {
-  __m256 acc[MR][2];
-  for (int c = 0; c < MR; ++c) acc[c][0] = acc[c][1] = _mm256_setzero_ps();
-  const int8_t* w = a.w8 + n * a.K;
-  int64_t k = 0;
-  for (; k + 16 <= a.K; k += 16) {
-    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k));
-    const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
-    const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)));
+    __m256i isum[MR];
+    for (int c = 0; c < MR; ++c) isum[c] = _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (g * 4 + j) * 64));
+      const __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+      for (int c = 0; c < MR; ++c) {
+        const int8_t* xq = a.qx + (m0 + c) * a.K + g * G + 8 * j;
+        isum[c] = _mm256_add_epi32(isum[c], _mm256_add_epi32(dot4(lo, bcast4(xq)), dot4(hi, bcast4(xq + 4))));
+      }
+    }
+    const __m256 sw = bf16x8(sz + g * 2 * PR), zw = bf16x8(sz + g * 2 * PR + PR);
+    const __m256 mw = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), sw, zw);  // zero - 8 scale
     for (int c = 0; c < MR; ++c) {
-      const float* xp = a.x + (m0 + c) * a.K + k;
-      acc[c][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xp), acc[c][0]);
-      acc[c][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xp + 8), acc[c][1]);
+      const int64_t i = (m0 + c) * ng + g;
+      acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[c]), _mm256_mul_ps(sw, _mm256_set1_ps(a.dx[i])), acc[c]);
+      bias[c] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.sx[i]), bias[c]);
     }
   }
-  for (; k < a.K; k += 8) {
-    const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + k))));
-    for (int c = 0; c < MR; ++c) acc[c][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(a.x + (m0 + c) * a.K + k), acc[c][0]);
-  }
-  const float s = bf16(a.s8[n]);
-  for (int c = 0; c < MR; ++c) a.y[(m0 + c) * a.N + n] = hsum(_mm256_add_ps(acc[c][0], acc[c][1])) * s;
-}
-
-#if defined(__AVX512F__)
-// AVX-512: the panel is turned k-major ([K][16]: the 16 weight rows' values at each k side by
-// side), so one 512-bit FMA multiplies an activation (broadcast) into 16 outputs at once: a tile
-// of PANEL_MR activation rows x 16 weight rows keeps PANEL_MR accumulators, needs no horizontal
-// sums, and stores each row's 16 outputs in one go. Each output still sums its K products in
-// order in fp32, so a row's result does not depend on how many rows share the call.
-constexpr int PANEL_MR = 8;
-// Turning the panel costs a pass over it, which pays back only over enough activation rows
-// (bench_quant_native.py: slower than the 256-bit tiles at 8 rows, faster from 32).
-constexpr int64_t KMAJOR_MIN_ROWS = 16;
-
-// dst[j * 16 + i] = src[i * ld + j] for a 16 x 16 block (dst 64-byte aligned).
-inline void transpose16(const float* src, int64_t ld, float* dst) {
-  __m512 r[16], t[16];
-  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * ld);
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-  }
-  auto lo = [](__m512 a, __m512 b) {
-    return _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
-  };
-  auto hi = [](__m512 a, __m512 b) {
-    return _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
-  };
-  for (int i = 0; i < 16; i += 4) {  // r[i + c]: rows i..i+3 of columns c, c + 4, c + 8, c + 12
-    r[i] = lo(t[i], t[i + 2]);
-    r[i + 1] = hi(t[i], t[i + 2]);
-    r[i + 2] = lo(t[i + 1], t[i + 3]);
-    r[i + 3] = hi(t[i + 1], t[i + 3]);
-  }
-  for (int c = 0; c < 4; ++c) {  // rows 0-7 and 8-15 of columns (c, c + 8) and (c + 4, c + 12)
-    t[c] = _mm512_shuffle_f32x4(r[c], r[c + 4], 0x88);
-    t[c + 4] = _mm512_shuffle_f32x4(r[c], r[c + 4], 0xdd);
-    t[c + 8] = _mm512_shuffle_f32x4(r[c + 8], r[c + 12], 0x88);
-    t[c + 12] = _mm512_shuffle_f32x4(r[c + 8], r[c + 12], 0xdd);
-  }
-  for (int c = 0; c < 8; ++c) {  // whole columns c and c + 8
-    _mm512_store_ps(dst + c * 16, _mm512_shuffle_f32x4(t[c], t[c + 8], 0x88));
-    _mm512_store_ps(dst + (c + 8) * 16, _mm512_shuffle_f32x4(t[c], t[c + 8], 0xdd));
-  }
+  for (int c = 0; c < MR; ++c) store8(a.y + (m0 + c) * a.N + n0, _mm256_add_ps(acc[c], bias[c]), valid);
 }
 
 template <int MR>
-void tile_panel16(const Args& a, const float* Tt, int64_t n0, int64_t m0) {
+void panel_i4(const Args& a, int64_t p, int64_t m0, const uint8_t* pf, const uint16_t* pf_sz) {
+  half_i4<MR>(a, p, 0, m0, pf, pf_sz);
+  half_i4<MR>(a, p, 1, m0, nullptr, nullptr);
+}
+#else
+constexpr int I4_MR = 4;
+
+// Plain C++: the same arithmetic, one output at a time (fma only where the compiler contracts).
+template <int MR>
+void panel_i4(const Args& a, int64_t p, int64_t m0, const uint8_t*, const uint16_t*) {
+  const int64_t ng = a.K / G, n0 = p * PR, valid = std::min(PR, a.N - n0);
+  const uint8_t* w = a.w + p * panel_code_bytes(a);
+  const uint16_t* sz = a.sz + p * panel_sz_elems(a);
+  for (int c = 0; c < MR; ++c)
+    for (int64_t r = 0; r < valid; ++r) {
+      float acc = 0.0f, bias = 0.0f;
+      for (int64_t g = 0; g < ng; ++g) {
+        const int8_t* xq = a.qx + (m0 + c) * a.K + g * G;
+        int32_t isum = 0;
+        for (int j = 0; j < 4; ++j)
+          for (int i = 0; i < 4; ++i) {
+            const uint8_t b = w[(g * 4 + j) * 64 + r * 4 + i];
+            isum += (b & 15) * xq[8 * j + i] + (b >> 4) * xq[8 * j + 4 + i];
+          }
+        const float sw = bf16(sz[g * 2 * PR + r]), zw = bf16(sz[g * 2 * PR + PR + r]);
+        const int64_t i = (m0 + c) * ng + g;
+        acc += static_cast<float>(isum) * (sw * a.dx[i]);
+        bias += (zw - 8.0f * sw) * a.sx[i];
+      }
+      a.y[(m0 + c) * a.N + n0 + r] = acc + bias;
+    }
+}
+#endif
+
+template <int MR>
+void tail_i4(const Args& a, int64_t p, int64_t m0, int64_t rows, const uint8_t* pf, const uint16_t* pf_sz) {
+  if constexpr (MR > 0) {
+    if (rows == MR) return panel_i4<MR>(a, p, m0, pf, pf_sz);
+    tail_i4<MR - 1>(a, p, m0, rows, pf, pf_sz);
+  }
+}
+
+// Panels [p0, p1) for all M activation rows. The panel after the current one is prefetched as
+// its first tile runs: a GEMV reads each weight once, so it runs at the speed weights arrive
+// from memory, and with the hardware prefetchers alone the weight stream ran at about half
+// the machine's read bandwidth (bench_quant_stream.py).
+void panels_i4(const Args& a, int64_t M, int64_t p0, int64_t p1) {
+  prefetch_span(a.w + p0 * panel_code_bytes(a), std::min<int64_t>(PF_BYTES, panel_code_bytes(a)));
+  for (int64_t p = p0; p < p1; ++p) {
+    const bool next = p + 1 < p1;
+    const uint8_t* pf = next ? a.w + (p + 1) * panel_code_bytes(a) : nullptr;
+    const uint16_t* pf_sz = next ? a.sz + (p + 1) * panel_sz_elems(a) : nullptr;
+    int64_t m = 0;
+    for (; m + I4_MR <= M; m += I4_MR, pf = nullptr) panel_i4<I4_MR>(a, p, m, pf, pf_sz);
+    if (m < M) tail_i4<I4_MR - 1>(a, p, m, M - m, pf, pf_sz);
+  }
+}
+
+// ---- int8 weights x int8 activations on 16-row panels ------------------------------------
+// Layout (quant_kernels.pack_int8): codes int8 [P, K / 4, 64], in panel p, chunk j (inputs
+// 4j .. 4j + 3), byte 4r + i holds row 16p + r's code for input 4j + i; scales bf16 [P * 16],
+// one per row (zero in the padding). Per output, group by group in order:
+//   isum = sum_j q_j qx_j (exact in int32);  acc = fma(float(isum), dx, acc)
+// and the output is acc * scale. As for int4, a row's result does not depend on the row count.
+// |q| <= 127 on both sides, so AVX2's vpmaddubsw (u8 x s8 pairs into int16) cannot saturate
+// once the signs are moved onto the weights (|x| x sign(x) w, llama.cpp's trick); VNNI's
+// vpdpbusd takes the weights as unsigned, q + 128, and subtracts 128 * sum(qx) afterwards.
+
+inline const int8_t* panel8(const Args& a, int64_t p) { return a.w8 + p * a.K * PR; }
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+template <int MR>
+void panel_q8(const Args& a, int64_t p, int64_t m0, const int8_t* pf) {
+  const int64_t ng = a.K / G;
+  const int8_t* w = panel8(a, p);
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));  // q ^ 0x80 = q + 128 as u8
   __m512 acc[MR];
   for (int c = 0; c < MR; ++c) acc[c] = _mm512_setzero_ps();
-  const float* x = a.x + m0 * a.K;
-  for (int64_t k = 0; k < a.K; ++k) {
-    const __m512 w = _mm512_load_ps(Tt + k * 16);
-    for (int c = 0; c < MR; ++c) acc[c] = _mm512_fmadd_ps(_mm512_set1_ps(x[c * a.K + k]), w, acc[c]);
+  for (int64_t g = 0; g < ng; ++g) {
+    if (pf != nullptr) prefetch_span(pf + g * 512, 512);
+    __m512i isum[MR];
+    for (int c = 0; c < MR; ++c) isum[c] = _mm512_setzero_si512();
+    for (int j = 0; j < 8; ++j) {
+      const __m512i v = _mm512_xor_si512(_mm512_loadu_si512(w + (g * 8 + j) * 64), flip);
+      for (int c = 0; c < MR; ++c) isum[c] = _mm512_dpbusd_epi32(isum[c], v, bcast4(a.qx + (m0 + c) * a.K + g * G + 4 * j));
+    }
+    for (int c = 0; c < MR; ++c) {
+      const int64_t i = (m0 + c) * ng + g;
+      const __m512i exact = _mm512_sub_epi32(isum[c], _mm512_set1_epi32(128 * a.xs[i]));
+      acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_set1_ps(a.dx[i]), acc[c]);
+    }
   }
-  for (int c = 0; c < MR; ++c) _mm512_storeu_ps(a.y + (m0 + c) * a.N + n0, acc[c]);
+  const int64_t n0 = p * PR, valid = std::min(PR, a.N - n0);
+  const __mmask16 keep = static_cast<__mmask16>((1u << valid) - 1);
+  const __m512 s = bf16x16(a.s8 + n0);
+  for (int c = 0; c < MR; ++c) _mm512_mask_storeu_ps(a.y + (m0 + c) * a.N + n0, keep, _mm512_mul_ps(acc[c], s));
+}
+#elif defined(KVQ_AVX2)
+template <int MR>
+void half_q8(const Args& a, int64_t p, int h, int64_t m0, const int8_t* pf) {
+  const int64_t n0 = p * PR + h * 8, valid = std::min<int64_t>(8, a.N - n0);
+  if (valid <= 0) return;
+  const int64_t ng = a.K / G;
+  const int8_t* w = panel8(a, p) + h * 32;
+  __m256 acc[MR];
+  for (int c = 0; c < MR; ++c) acc[c] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < ng; ++g) {
+    if (pf != nullptr) prefetch_span(pf + g * 512, 512);
+    __m256i isum[MR];
+    for (int c = 0; c < MR; ++c) isum[c] = _mm256_setzero_si256();
+    for (int j = 0; j < 8; ++j) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (g * 8 + j) * 64));
+      for (int c = 0; c < MR; ++c) {
+        const __m256i x = bcast4(a.qx + (m0 + c) * a.K + g * G + 4 * j);
+        isum[c] = _mm256_add_epi32(isum[c], dot4(_mm256_sign_epi8(x, x), _mm256_sign_epi8(v, x)));
+      }
+    }
+    for (int c = 0; c < MR; ++c) {
+      const int64_t i = (m0 + c) * ng + g;
+      acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[c]), _mm256_set1_ps(a.dx[i]), acc[c]);
+    }
+  }
+  const __m256 s = bf16x8(a.s8 + n0);
+  for (int c = 0; c < MR; ++c) store8(a.y + (m0 + c) * a.N + n0, _mm256_mul_ps(acc[c], s), valid);
 }
 
 template <int MR>
-void tail_panel16(const Args& a, const float* Tt, int64_t n0, int64_t m0, int64_t rows) {
-  if constexpr (MR > 0) {
-    if (rows == MR) return tile_panel16<MR>(a, Tt, n0, m0);
-    tail_panel16<MR - 1>(a, Tt, n0, m0, rows);
-  }
-}
-#endif
-
-// Rows [n0, n1) by panels of NB; a partial last panel goes row by row.
-template <bool I8>
-void rows_panel(const Args& a, int64_t M, int64_t n0, int64_t n1) {
-  thread_local std::vector<float> T;
-  T.resize(NB * a.K);
-#if defined(__AVX512F__)
-  thread_local std::vector<float> kmajor;  // 64-byte aligned view below
-  const bool wide = a.K % 16 == 0 && M >= KMAJOR_MIN_ROWS;
-  if (wide) kmajor.resize(NB * a.K + 16);
-  float* const Tt = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(kmajor.data()) + 63) & ~uintptr_t(63));
-#endif
-  int64_t n = n0;
-  for (; n + NB <= n1; n += NB) {
-    for (int64_t r = 0; r < NB; ++r) {
-      if constexpr (I8) dequant_row_i8(a, n + r, T.data() + r * a.K);
-      else dequant_row(a, n + r, T.data() + r * a.K);
-    }
-#if defined(__AVX512F__)
-    if (wide) {
-      for (int64_t k = 0; k < a.K; k += 16) transpose16(T.data() + k, a.K, Tt + k * 16);
-      int64_t m = 0;
-      for (; m + PANEL_MR <= M; m += PANEL_MR) tile_panel16<PANEL_MR>(a, Tt, n, m);
-      if (m < M) tail_panel16<PANEL_MR - 1>(a, Tt, n, m, M - m);
-      continue;
-    }
-#endif
-    int64_t m = 0;
-    for (; m + 3 <= M; m += 3)
-      for (int64_t r = 0; r < NB; r += 4) tile_panel<3>(a, T.data() + r * a.K, n + r, m);
-    for (int64_t r = 0; r < NB && m < M; r += 4) {
-      if (M - m == 2) tile_panel<2>(a, T.data() + r * a.K, n + r, m);
-      else tile_panel<1>(a, T.data() + r * a.K, n + r, m);
-    }
-  }
-  for (; n < n1; ++n) {
-    int64_t m = 0;
-    if constexpr (I8) {
-      for (; m + 4 <= M; m += 4) tile_i8w<4>(a, n, m);
-      for (; m < M; ++m) tile_i8w<1>(a, n, m);
-    } else {
-      for (; m + 4 <= M; m += 4) tile_f32<4>(a, n, m);
-      for (; m < M; ++m) tile_f32<1>(a, n, m);
-    }
-  }
+void panel_q8(const Args& a, int64_t p, int64_t m0, const int8_t* pf) {
+  half_q8<MR>(a, p, 0, m0, pf);
+  half_q8<MR>(a, p, 1, m0, nullptr);
 }
 #else
-// Plain C++: the same arithmetic, one (row, column) at a time.
-template <int NR, int MR>
-void tile_i8(const Args& a, int64_t n0, int64_t m0) {
-  const int64_t ng = a.K / G, kb = a.K / 2;
-  for (int r = 0; r < NR; ++r)
-    for (int c = 0; c < MR; ++c) {
+template <int MR>
+void panel_q8(const Args& a, int64_t p, int64_t m0, const int8_t*) {
+  const int64_t ng = a.K / G, n0 = p * PR, valid = std::min(PR, a.N - n0);
+  const int8_t* w = panel8(a, p);
+  for (int c = 0; c < MR; ++c)
+    for (int64_t r = 0; r < valid; ++r) {
       float acc = 0.0f;
       for (int64_t g = 0; g < ng; ++g) {
-        const uint8_t* wp = a.w + (n0 + r) * kb + g * 16;
-        const int8_t* xp = a.qx + (m0 + c) * a.K + g * G;
-        int32_t dot = 0;
-        for (int j = 0; j < 16; ++j) dot += (wp[j] & 15) * xp[j] + (wp[j] >> 4) * xp[j + 16];
-        const uint16_t* p = a.sz + ((n0 + r) * ng + g) * 2;
-        const float sw = bf16(p[0]), mw = bf16(p[1]) - 8.0f * sw;
-        const int64_t i = (m0 + c) * ng + g;
-        acc += static_cast<float>(dot) * sw * a.dx[i] + mw * a.sx[i];
+        const int8_t* xq = a.qx + (m0 + c) * a.K + g * G;
+        int32_t isum = 0;
+        for (int j = 0; j < 8; ++j)
+          for (int i = 0; i < 4; ++i) isum += w[(g * 8 + j) * 64 + r * 4 + i] * xq[4 * j + i];
+        acc += static_cast<float>(isum) * a.dx[(m0 + c) * ng + g];
       }
-      a.y[(m0 + c) * a.N + n0 + r] = acc;
+      a.y[(m0 + c) * a.N + n0 + r] = acc * bf16(a.s8[n0 + r]);
     }
-}
-
-template <int MR>
-void tile_f32(const Args& a, int64_t n, int64_t m0) {
-  const int64_t ng = a.K / G, kb = a.K / 2;
-  float w[G];
-  float acc[MR] = {};
-  for (int64_t g = 0; g < ng; ++g) {
-    const uint8_t* wp = a.w + n * kb + g * 16;
-    const uint16_t* p = a.sz + (n * ng + g) * 2;
-    const float s = bf16(p[0]), z = bf16(p[1]);
-    for (int j = 0; j < 16; ++j) {
-      w[j] = static_cast<float>((wp[j] & 15) - 8) * s + z;
-      w[j + 16] = static_cast<float>((wp[j] >> 4) - 8) * s + z;
-    }
-    for (int c = 0; c < MR; ++c) {
-      const float* xp = a.x + (m0 + c) * a.K + g * G;
-      for (int j = 0; j < G; ++j) acc[c] += w[j] * xp[j];
-    }
-  }
-  for (int c = 0; c < MR; ++c) a.y[(m0 + c) * a.N + n] = acc[c];
 }
 #endif
 
-#if !defined(KVQ_AVX2)
 template <int MR>
-void tile_i8w(const Args& a, int64_t n, int64_t m0) {
-  const int8_t* w = a.w8 + n * a.K;
-  const float s = bf16(a.s8[n]);
-  for (int c = 0; c < MR; ++c) {
-    const float* xp = a.x + (m0 + c) * a.K;
-    float acc = 0.0f;
-    for (int64_t k = 0; k < a.K; ++k) acc += static_cast<float>(w[k]) * xp[k];
-    a.y[(m0 + c) * a.N + n] = acc * s;
+void tail_q8(const Args& a, int64_t p, int64_t m0, int64_t rows, const int8_t* pf) {
+  if constexpr (MR > 0) {
+    if (rows == MR) return panel_q8<MR>(a, p, m0, pf);
+    tail_q8<MR - 1>(a, p, m0, rows, pf);
   }
 }
-#endif
 
-// Rows [n0, n1) of the output for all M activation rows.
-template <int NR>
-void rows_i8(const Args& a, int64_t M, int64_t n0, int64_t n1) {
-  const int64_t code_bytes = a.K / 2, sz_bytes = a.K / G * 4;
-  const int64_t ahead = std::max<int64_t>(NR, PF_BYTES / code_bytes);
-  prefetch_rows(a.w, code_bytes, n0, ahead, n1);  // the range's start: no earlier row asked for it
-  prefetch_rows(a.sz, sz_bytes, n0, ahead, n1);
-  int64_t n = n0;
-  for (; n + NR <= n1; n += NR) {
-    prefetch_rows(a.w, code_bytes, n + ahead, NR, a.N);
-    prefetch_rows(a.sz, sz_bytes, n + ahead, NR, a.N);
+void panels_q8(const Args& a, int64_t M, int64_t p0, int64_t p1) {
+  prefetch_span(panel8(a, p0), std::min<int64_t>(PF_BYTES, a.K * PR));
+  for (int64_t p = p0; p < p1; ++p) {
+    const int8_t* pf = p + 1 < p1 ? panel8(a, p + 1) : nullptr;
     int64_t m = 0;
-    for (; m + 4 <= M; m += 4) tile_i8<NR, 4>(a, n, m);
-    switch (M - m) {
-      case 3: tile_i8<NR, 3>(a, n, m); break;
-      case 2: tile_i8<NR, 2>(a, n, m); break;
-      case 1: tile_i8<NR, 1>(a, n, m); break;
-      default: break;
-    }
-  }
-  for (; n < n1; ++n)
-    for (int64_t m = 0; m < M; ++m) tile_i8<1, 1>(a, n, m);
-}
-
-void rows_f32(const Args& a, int64_t M, int64_t n0, int64_t n1) {
-  for (int64_t n = n0; n < n1; ++n) {
-    int64_t m = 0;
-    for (; m + 4 <= M; m += 4) tile_f32<4>(a, n, m);
-    switch (M - m) {
-      case 3: tile_f32<3>(a, n, m); break;
-      case 2: tile_f32<2>(a, n, m); break;
-      case 1: tile_f32<1>(a, n, m); break;
-      default: break;
-    }
+    for (; m + I4_MR <= M; m += I4_MR, pf = nullptr) panel_q8<I4_MR>(a, p, m, pf);
+    if (m < M) tail_q8<I4_MR - 1>(a, p, m, M - m, pf);
   }
 }
 
-void check(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sz) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [M, K]");
-  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous(), "codes: uint8 [N, K/2]");
-  const int64_t K = x.size(1);
-  TORCH_CHECK(K % G == 0 && codes.size(1) * 2 == K, "K must be a multiple of 32 matching codes");
-  TORCH_CHECK(sz.scalar_type() == at::kBFloat16 && sz.is_contiguous() && sz.numel() == codes.size(0) * (K / G) * 2,
-              "sz: contiguous bfloat16 [N, K/32, 2]");
-}
+// ---- entry points ------------------------------------------------------------------------
 
-at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sz, int64_t mode) {
-  check(x, codes, sz);
-  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
-  at::Tensor y = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return y;
-  Args a{codes.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(sz.data_ptr<at::BFloat16>()), N, K,
-         x.data_ptr<float>(), nullptr, nullptr, nullptr, y.data_ptr<float>()};
-  std::vector<int8_t> qx;
-  std::vector<float> dx, sx;
-  if (mode == 1) {
-    qx.resize(M * K);
-    dx.resize(M * (K / G));
-    sx.resize(M * (K / G));
+// Every row of x quantized per group of 32 (the activations both kernels multiply).
+struct QuantizedRows {
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+  std::vector<int32_t> sum;
+  QuantizedRows(const at::Tensor& x) {
+    const int64_t M = x.size(0), K = x.size(1), ng = K / G;
+    q.resize(M * K), d.resize(M * ng), s.resize(M * ng), sum.resize(M * ng);
+    const float* xp = x.data_ptr<float>();
     at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
       for (int64_t m = b; m < e; ++m)
-        quantize_row(a.x + m * K, K, qx.data() + m * K, dx.data() + m * (K / G), sx.data() + m * (K / G));
+        quantize_row(xp + m * K, K, q.data() + m * K, d.data() + m * ng, s.data() + m * ng, sum.data() + m * ng);
     });
-    a.qx = qx.data(), a.dx = dx.data(), a.sx = sx.data();
   }
-  // Work unit: 16 output rows (a multiple of every tile width); a thread's units are contiguous.
-  const int64_t units = (N + 15) / 16;
-  at::parallel_for(0, units, 1, [&](int64_t b, int64_t e) {
-    const int64_t n0 = b * 16, n1 = std::min(N, e * 16);
-    if (mode == 1 && M == 1)
-      rows_i8<4>(a, M, n0, n1);
-    else if (mode == 1)
-      rows_i8<2>(a, M, n0, n1);
-#if defined(KVQ_AVX2)
-    else if (M >= 4)
-      rows_panel<false>(a, M, n0, n1);
-#endif
-    else
-      rows_f32(a, M, n0, n1);
-  });
+};
+
+void check_x(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [M, K]");
+  TORCH_CHECK(x.size(1) % G == 0, "K must be a multiple of 32, got ", x.size(1));
+}
+
+void check_panels(int64_t N, int64_t P) {
+  TORCH_CHECK(N > (P - 1) * PR && N <= P * PR, "N must fill the last of the ", P, " panels of 16 rows, got ", N);
+}
+
+at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sz, int64_t N) {
+  check_x(x);
+  const int64_t M = x.size(0), K = x.size(1), P = codes.size(0);
+  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.size(2) == 64 &&
+              codes.size(1) * 8 == K, "codes: uint8 panels [P, K/8, 64] matching K");
+  check_panels(N, P);
+  TORCH_CHECK(sz.scalar_type() == at::kBFloat16 && sz.is_contiguous() && sz.numel() == P * (K / G) * 2 * PR,
+              "sz: contiguous bfloat16 [P, K/32, 2, 16]");
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  QuantizedRows xq(x);
+  Args a{codes.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(sz.data_ptr<at::BFloat16>()), N, K,
+         xq.q.data(), xq.d.data(), xq.s.data(), xq.sum.data(), y.data_ptr<float>()};
+  // Work unit: one panel; a thread's panels are contiguous.
+  at::parallel_for(0, P, 1, [&](int64_t b, int64_t e) { panels_i4(a, M, b, e); });
   return y;
 }
 
-at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [M, K]");
-  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.is_contiguous(), "codes: int8 [N, K]");
-  TORCH_CHECK(codes.size(1) == x.size(1) && x.size(1) % 8 == 0, "K must match and be a multiple of 8");
-  TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.is_contiguous() && scales.numel() == codes.size(0),
-              "scales: bfloat16 [N]");
-  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
+at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t N) {
+  check_x(x);
+  const int64_t M = x.size(0), K = x.size(1), P = codes.size(0);
+  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kChar && codes.is_contiguous() && codes.size(2) == 64 &&
+              codes.size(1) * 4 == K, "codes: int8 panels [P, K/4, 64] matching K");
+  check_panels(N, P);
+  TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.is_contiguous() && scales.numel() == P * PR,
+              "scales: bfloat16 [P * 16]");
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
-  Args a{nullptr, nullptr, N, K, x.data_ptr<float>(), nullptr, nullptr, nullptr, y.data_ptr<float>(),
+  QuantizedRows xq(x);
+  Args a{nullptr, nullptr, N, K, xq.q.data(), xq.d.data(), xq.s.data(), xq.sum.data(), y.data_ptr<float>(),
          codes.data_ptr<int8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>())};
-  at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t b, int64_t e) {
-    const int64_t n0 = b * 16, n1 = std::min(N, e * 16);
-#if defined(KVQ_AVX2)
-    if (M >= 4) {
-      rows_panel<true>(a, M, n0, n1);
-      return;
-    }
-#endif
-    const int64_t ahead = std::max<int64_t>(1, PF_BYTES / K);
-    prefetch_rows(a.w8, K, n0, ahead, n1);
-    for (int64_t n = n0; n < n1; ++n) {
-      prefetch_rows(a.w8, K, n + ahead, 1, N);
-      int64_t m = 0;
-      for (; m + 4 <= M; m += 4) tile_i8w<4>(a, n, m);
-      for (; m < M; ++m) tile_i8w<1>(a, n, m);
-    }
-  });
+  at::parallel_for(0, P, 1, [&](int64_t b, int64_t e) { panels_q8(a, M, b, e); });
   return y;
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("int4_mm", &int4_mm, "y = x @ W.T, W int4 (kvserve layout); mode 0 weight-only fp32, 1 int8 activations");
-  m.def("int8_mm", &int8_mm, "y = x @ W.T, W int8 with a bf16 scale per row; weight-only fp32");
+  m.def("int4_mm", &int4_mm, "y = x @ W.T for N output rows, W int4 in kvserve's panel layout, int8 activations");
+  m.def("int8_mm", &int8_mm, "y = x @ W.T for N output rows, W int8 (a scale per row) in panels, int8 activations");
   m.def("isa", &isa_name, "the instruction set this variant was compiled for");
 }

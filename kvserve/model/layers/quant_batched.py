@@ -1,4 +1,5 @@
-"""The CPU kernels QuantizedLinear uses where PyTorch's weight-only kernels are slow.
+"""The CPU kernels QuantizedLinear uses where PyTorch's weight-only kernels are slow, on
+machines where kvserve's own kernels (csrc/quant_matmul_cpu.cpp) are not built.
 
 `aten._weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu` read few bytes (fast for one row,
 where decode is bandwidth-bound) but were 1.3-2.5x slower than the fp32 oneDNN matmul from 8

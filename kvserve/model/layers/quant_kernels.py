@@ -17,6 +17,7 @@ import os
 import threading
 
 import torch
+import torch.nn.functional as F
 
 from kvserve.model.layers.cpu_kernels import build_extension
 from kvserve.platform.cpu_isa import CpuIsa, cpu_isa
@@ -33,7 +34,6 @@ VARIANTS: dict[str, list[str]] = {
     "avx2": [*_COMMON, "-mavx2", "-mfma"],
     "generic": list(_COMMON),
 }
-MODE_WEIGHT_ONLY, MODE_INT8_ACTS = 0, 1
 
 _lock = threading.Lock()
 _modules: dict[str, object] = {}
@@ -122,21 +122,52 @@ def compile_only(variant: str) -> str:
     return out
 
 
+PANEL_ROWS = 16  # output rows per panel of the int4 layout
+
+
 def pack_int4(
     codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's layout from QWeight's int4 parts (group 32): uint8 [N, K/2] with byte j of
-    a group holding codes j (low nibble) and j + 16 (high), and bf16 [N, K/32, 2] (scale, zero)."""
+    """The kernel's int4 layout from QWeight's parts (codes [N, K] in 0..15, scales and zeros
+    [N, K/32]): panels of 16 output rows, the last padded with zero codes and scales.
+    - codes uint8 [P, K/8, 64]: in panel p, chunk j, byte 4r + i holds row 16p + r's code for
+      input 8j + i (low nibble) and 8j + 4 + i (high nibble);
+    - bf16 [P, K/32, 2, 16]: per panel and group, the 16 rows' scales, then their zeros.
+    (csrc/quant_matmul_cpu.cpp says why: one VNNI dot product feeds 16 outputs.)"""
     n, k = codes.shape
-    c = codes.view(n, k // 32, 32)
-    packed = (c[..., :16] | (c[..., 16:] << 4)).reshape(n, k // 2).contiguous()
-    return packed, torch.stack([scales, zeros], -1).to(torch.bfloat16).contiguous()
+    p = -(-n // PANEL_ROWS)
+    pad = p * PANEL_ROWS - n
+    c = F.pad(codes, (0, 0, 0, pad)).view(p, PANEL_ROWS, k // 8, 2, 4)
+    packed = (c[..., 0, :] | (c[..., 1, :] << 4)).permute(0, 2, 1, 3).reshape(p, k // 8, 64).contiguous()
+    s, z = (F.pad(t, (0, 0, 0, pad)).view(p, PANEL_ROWS, k // 32).transpose(1, 2) for t in (scales, zeros))
+    return packed, torch.stack([s, z], 2).to(torch.bfloat16).contiguous()
 
 
-def unpack_int4(packed: torch.Tensor, sz: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The float [N, K] weight of `pack_int4`'s layout: (q - 8) * scale + zero."""
-    n, kb = packed.shape
-    p = packed.view(n, kb // 16, 16)
-    q = torch.cat([p & 15, p >> 4], -1).float() - 8
-    s = sz.float()
-    return (q * s[..., :1] + s[..., 1:]).reshape(n, kb * 2).to(dtype)
+def unpack_int4(
+    packed: torch.Tensor, sz: torch.Tensor, n: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """The float [n, K] weight of `pack_int4`'s layout: (q - 8) * scale + zero."""
+    p, k8, _ = packed.shape
+    b = packed.view(p, k8, PANEL_ROWS, 4).permute(0, 2, 1, 3)  # [P, 16, K/8, 4]
+    q = torch.stack([b & 15, b >> 4], 3).reshape(p, PANEL_ROWS, k8 * 8).float() - 8
+    s = sz.float().permute(0, 3, 1, 2).repeat_interleave(32, 2)  # [P, 16, K, 2]
+    w = q * s[..., 0] + s[..., 1]
+    return w.reshape(p * PANEL_ROWS, k8 * 8)[:n].to(dtype)
+
+
+def pack_int8(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's int8 layout from per-row codes [N, K] and scales [N]: int8 [P, K/4, 64]
+    (in panel p, chunk j, byte 4r + i is row 16p + r's code for input 4j + i) and bf16
+    scales [P * 16], the last panel padded with zeros."""
+    n, k = codes.shape
+    p = -(-n // PANEL_ROWS)
+    pad = p * PANEL_ROWS - n
+    c = F.pad(codes, (0, 0, 0, pad)).view(p, PANEL_ROWS, k // 4, 4).permute(0, 2, 1, 3)
+    return c.reshape(p, k // 4, 64).contiguous(), F.pad(scales, (0, pad)).to(torch.bfloat16).contiguous()
+
+
+def int8_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of the int8 codes in `pack_int8`'s layout, as [len(ids), K] (embedding lookups)."""
+    p, k4, _ = packed.shape
+    panels = packed.view(p, k4, PANEL_ROWS, 4)
+    return panels[ids // PANEL_ROWS, :, ids % PANEL_ROWS].reshape(len(ids), k4 * 4)

@@ -2,19 +2,17 @@
 
 CPU (measured on AVX-512 + AMX, benchmarks/bench_quant_kernels.py; the batched paths and why
 they were chosen are in layers/quant_batched.py):
-- int8 (in_features % 8 == 0) -> kvserve's native C++ kernel, weight-only fp32 arithmetic, at
-  every row count (faster than aten's at each one measured on AVX2, docs/BENCHMARKS.md issue
-  16); where it cannot be built, `aten._weight_int8pack_mm` with bf16 activations (with
-  float32 ones PyTorch takes a scalar path 6-40x slower) below `bf16_min_rows` rows; from
-  there the codes can be widened to bf16 per call for oneDNN's bf16 matmul, the per-row
-  scale applied to the output (only with native bf16, avx512_bf16 / AMX; and off for now,
-  see `INT8_BF16_MIN_ROWS`).
-- int4 (group 32) -> kvserve's native C++ kernel (csrc/quant_matmul_cpu.cpp, the variant for
-  this CPU's ISA, layers/quant_kernels.py): int8 activations below `NATIVE_WEIGHT_ONLY_MIN_ROWS`
-  rows, exact weight-only fp32 arithmetic from there (measured on AVX2, docs/BENCHMARKS.md
-  issue 16). Where it cannot be built, `aten._weight_int4pack_mm_for_cpu` (bf16 activations)
+- int4 (group 32) and int8 (in_features % 32 == 0) -> kvserve's native C++ kernels
+  (csrc/quant_matmul_cpu.cpp, the variant for this CPU's ISA, layers/quant_kernels.py) at
+  every row count: weights in 16-row panels, activations quantized to int8 per group of 32,
+  integer dot products (AVX-512 VNNI `vpdpbusd` / AVX2 `vpmaddubsw`). A row's result is the
+  same bit for bit alone, in a batch or in a prefill chunk.
+- Where they cannot be built: int4 -> `aten._weight_int4pack_mm_for_cpu` (bf16 activations)
   at every row count (the dynamic int8 path on an int8 copy, `INT4_DYNAMIC_MIN_ROWS`, is off:
-  slower end to end).
+  slower end to end); int8 -> `aten._weight_int8pack_mm` with bf16 activations (with float32
+  ones PyTorch takes a scalar path 6-40x slower) below `bf16_min_rows` rows, from there the
+  codes can be widened to bf16 per call for oneDNN's bf16 matmul (only with native bf16; off
+  for now, see `INT8_BF16_MIN_ROWS`).
 - fp8 -> dequantizing path: the e4m3 codes are widened to bfloat16 (exact) for a bfloat16
   matmul and the per-channel scale is applied to the output. There is no fp8 weight-only
   matmul on CPU; `torch._scaled_mm` works there but also quantizes the activations.
@@ -47,9 +45,6 @@ from kvserve.model.layers.quantization import SCALE_DTYPE, QWeight, quantize_wei
 from kvserve.platform.cpu_isa import cpu_isa
 
 COMPUTE_DTYPE = torch.bfloat16  # activations inside quantized projections
-# The native int4 kernel's arithmetic by row count: int8 activations (llama.cpp-style integer
-# dot products) below this many rows, weight-only fp32 from it (docs/BENCHMARKS.md, issue 16).
-NATIVE_WEIGHT_ONLY_MIN_ROWS = 6
 
 
 def _cuda_fp8_ok(device: torch.device) -> bool:
@@ -65,7 +60,7 @@ class QuantizedLinear(nn.Module):
         self.out_features, self.in_features = qw.shape
         self.group_size = qw.group_size
         cpu = torch.device(device).type == "cpu"
-        # Packed for the CPU kernels (the int4 one needs out_features divisible by 16).
+        # Packed for aten's CPU kernels (its int4 one needs out_features divisible by 16).
         self.kernel = cpu and (qw.method != "int4" or qw.shape[0] % 16 == 0)
         self.use_scaled_mm = qw.method == "fp8" and _cuda_fp8_ok(torch.device(device))
         # The dynamic int8 kernel's packed weight, and the row count from which it runs.
@@ -79,7 +74,7 @@ class QuantizedLinear(nn.Module):
         # The variant's name, not the module: layers are pickled to tensor-parallel workers.
         self.native: str | None = None
         native_ok = (qw.method == "int4" and qw.group_size == 32) or (
-            qw.method == "int8" and qw.shape[1] % 8 == 0
+            qw.method == "int8" and qw.shape[1] % 32 == 0
         )
         if cpu and native_ok and quant_kernels.load_quant_kernels():
             self.native = quant_kernels.selected_variant()
@@ -91,7 +86,7 @@ class QuantizedLinear(nn.Module):
         if self.native is not None and qw.method == "int4":
             packed, sz = quant_kernels.pack_int4(qw.codes, qw.scales, qw.zeros)
             self.register_buffer("qweight", packed)
-            self.register_buffer("scales_zeros", sz)  # [N, K / 32, 2], unlike aten's [K / group, N, 2]
+            self.register_buffer("scales_zeros", sz)  # [P, K / 32, 2, 16]: see pack_int4
         elif qw.method == "int4":
             if self.kernel:
                 packed = torch._convert_weight_to_int4pack_for_cpu(qw.codes.to(torch.int32), 1)
@@ -100,6 +95,10 @@ class QuantizedLinear(nn.Module):
             self.register_buffer("qweight", packed)
             # [K / group, N, 2]: the kernels' scales-and-zeros layout.
             self.register_buffer("scales_zeros", torch.stack([qw.scales.t(), qw.zeros.t()], -1).contiguous())
+        elif self.native is not None:  # int8 in the kernel's panels
+            packed, scales = quant_kernels.pack_int8(qw.codes, qw.scales.to(SCALE_DTYPE))
+            self.register_buffer("qweight", packed)
+            self.register_buffer("scales", scales)  # [P * 16]: zero past out_features
         else:
             self.register_buffer("qweight", qw.codes.contiguous())
             self.register_buffer("scales", qw.scales.to(SCALE_DTYPE))
@@ -145,18 +144,15 @@ class QuantizedLinear(nn.Module):
         buffers, kernels = self._buffers, quant_kernels.kernels_for(self.native)
         x = x.contiguous()
         if self.method == "int8":
-            return kernels.int8_mm(x, buffers["qweight"], buffers["scales"])
-        weight_only = x.shape[0] >= NATIVE_WEIGHT_ONLY_MIN_ROWS
-        mode = quant_kernels.MODE_WEIGHT_ONLY if weight_only else quant_kernels.MODE_INT8_ACTS
-        return kernels.int4_mm(x, buffers["qweight"], buffers["scales_zeros"], mode)
+            return kernels.int8_mm(x, buffers["qweight"], buffers["scales"], self.out_features)
+        return kernels.int4_mm(x, buffers["qweight"], buffers["scales_zeros"], self.out_features)
 
     def kernel_name(self) -> str:
         """What runs this projection (for the start-up log)."""
         if self.native is not None and self.method == "int8":
-            return f"int8: kvserve native C++ ({self.native}), weight-only fp32"
+            return f"int8: kvserve native C++ ({self.native}), 16-row panels x int8 activations"
         if self.native is not None:
-            return (f"int4: kvserve native C++ ({self.native}), int8 activations below "
-                    f"{NATIVE_WEIGHT_ONLY_MIN_ROWS} rows, weight-only fp32 from there")  # fmt: skip
+            return f"int4: kvserve native C++ ({self.native}), 16-row panels x int8 activations"
         dyn = "quantized::linear_dynamic (int8 x dynamic u8 activations)"
         if self.dynamic is not None:
             return (f"int4: aten._weight_int4pack_mm_for_cpu below {self.dynamic_min_rows} rows, "
@@ -182,9 +178,9 @@ class QuantizedLinear(nn.Module):
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float [N, K] weight (for the generic path and for tests)."""
         if self.native is not None and self.method == "int4":
-            return quant_kernels.unpack_int4(self.qweight, self.scales_zeros, dtype)
+            return quant_kernels.unpack_int4(self.qweight, self.scales_zeros, self.out_features, dtype)
         if self.method != "int4":
-            return (self.qweight.to(torch.float32) * self.scales.float().unsqueeze(1)).to(dtype)
+            return self.embedding(torch.arange(self.out_features), dtype)
         if self.kernel:  # run the kernel on the identity: rows of I @ W.T are W's columns
             eye = torch.eye(self.in_features, dtype=COMPUTE_DTYPE, device=self.qweight.device)
             w_t = torch.ops.aten._weight_int4pack_mm_for_cpu(
@@ -201,5 +197,8 @@ class QuantizedLinear(nn.Module):
         """Rows `ids` of W, dequantized: the embedding lookup of a tied (or int8) table."""
         if self.method == "int4":
             raise ValueError("quantization: int4 tables cannot serve embedding lookups")
-        rows = self.qweight.index_select(0, ids).to(torch.float32)
+        if self.native is not None:
+            rows = quant_kernels.int8_rows(self.qweight, ids).to(torch.float32)
+        else:
+            rows = self.qweight.index_select(0, ids).to(torch.float32)
         return (rows * self.scales.index_select(0, ids).float().unsqueeze(1)).to(dtype)
