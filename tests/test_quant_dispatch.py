@@ -1,8 +1,9 @@
-"""Per-row-count kernel dispatch of QuantizedLinear on CPU (layers/quant_batched.py): each
-path agrees with x @ W_q.T at the row counts it serves, int8 keeps exact weight-only
-arithmetic (widened to bf16 only where the CPU has native bf16), int4 runs its own kernel
-(the dynamic int8 path is off), and without the quantized engine the weight-only kernels run
-everywhere."""
+"""Per-row-count kernel dispatch of QuantizedLinear on CPU where kvserve's native kernels are
+not built (layers/quant_batched.py; forced here with KVSERVE_DISABLE_CPU_KERNELS, the native
+kernels are tests/test_quant_native.py's): each path agrees with x @ W_q.T at the row counts
+it serves, int8 keeps exact weight-only arithmetic (widened to bf16 only where the CPU has
+native bf16), int4 runs aten's kernel (the dynamic int8 path is off), and without the
+quantized engine the weight-only kernels run everywhere."""
 
 from __future__ import annotations
 
@@ -26,6 +27,11 @@ from kvserve.platform.cpu_isa import cpu_isa
 
 # The bf16 widening runs only with native bf16, and only while it is switched on.
 WIDEN = cpu_isa().native_bf16 and INT8_BF16_MIN_ROWS is not None
+
+
+@pytest.fixture(autouse=True)
+def _aten_fallback(monkeypatch):
+    monkeypatch.setenv("KVSERVE_DISABLE_CPU_KERNELS", "1")
 
 
 def _case(method: str, rows: int):
