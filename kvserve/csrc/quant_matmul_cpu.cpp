@@ -242,16 +242,21 @@ void half_i4(const Args& a, int64_t p, int h, int64_t m0, const uint8_t* pf, con
       prefetch_span(pf + g * 256, 256);
       __builtin_prefetch(pf_sz + g * 2 * PR, 0, 3);
     }
-    __m256i isum[MR];
-    for (int c = 0; c < MR; ++c) isum[c] = _mm256_setzero_si256();
+    // int16 pair sums of the whole group: each vpmaddubsw pair is <= 2 * 15 * 127 = 3810, and
+    // 8 of them add up to <= 30480 < 32767, so one vpmaddwd per group widens them exactly.
+    __m256i s16[MR];
+    for (int c = 0; c < MR; ++c) s16[c] = _mm256_setzero_si256();
     for (int j = 0; j < 4; ++j) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (g * 4 + j) * 64));
       const __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
       for (int c = 0; c < MR; ++c) {
         const int8_t* xq = a.qx + (m0 + c) * a.K + g * G + 8 * j;
-        isum[c] = _mm256_add_epi32(isum[c], _mm256_add_epi32(dot4(lo, bcast4(xq)), dot4(hi, bcast4(xq + 4))));
+        const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(xq)), _mm256_maddubs_epi16(hi, bcast4(xq + 4)));
+        s16[c] = _mm256_add_epi16(s16[c], pairs);
       }
     }
+    __m256i isum[MR];
+    for (int c = 0; c < MR; ++c) isum[c] = _mm256_madd_epi16(s16[c], _mm256_set1_epi16(1));
     const __m256 sw = bf16x8(sz + g * 2 * PR), zw = bf16x8(sz + g * 2 * PR + PR);
     const __m256 mw = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), sw, zw);  // zero - 8 scale
     for (int c = 0; c < MR; ++c) {
