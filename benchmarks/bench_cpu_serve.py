@@ -39,6 +39,7 @@ MODEL = "smollm2-135m"
 CONFIGS: dict[str, list[str]] = {
     "fp32": [],
     "int4": ["--quantization", "int4"],
+    "int4-kv8": ["--quantization", "int4", "--kv-cache-dtype", "int8"],
     "int8": ["--quantization", "int8"],
     "bf16": ["--dtype", "bfloat16"],
     "fp32-cap64": ["--long-prefill-token-threshold", "64"],
