@@ -310,4 +310,7 @@ def test_expensive_compile_does_not_stall_other_streams(server):
     assert t1 - t0 > 1.0, "the schema compiled too fast to test anything"
     assert len(during) >= 3, "the other streams produced nothing while the schema compiled"
     assert max(during) < 0.5 * (t1 - t0)
-    assert statistics.median(during) < 3 * statistics.median(before) + 0.05
+    # The compile thread shares 2 cores with the engine (and, in CI, with the rest of the
+    # suite): tokens slow down while it runs (4.6x at the median in one full-suite run, 1.9x
+    # alone), but a stream that waited on the compile would show one gap of about the window.
+    assert statistics.median(during) < 10 * statistics.median(before) + 0.05

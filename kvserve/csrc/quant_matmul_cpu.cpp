@@ -113,7 +113,8 @@ void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s, int3
 // A GEMV reads each weight once, so it runs at the speed weights arrive from memory (a
 // layer's rows are not in cache when its turn comes). With the hardware prefetchers alone the
 // vocabulary-sized int8 table streamed at ~11 of ~24 GB/s on an AVX-512 Xeon; asking for the
-// lines PF_BYTES ahead of the row being multiplied took it to ~17 (bench_quant_stream.py).
+// next panel while the current one runs (and for a thread's first PF_BYTES) took it to ~26
+// (bench_quant_stream.py, docs/BENCHMARKS.md issue 16 rounds 9-10).
 constexpr int64_t PF_BYTES = 4096;
 
 inline void prefetch_span(const void* p, int64_t bytes) {
@@ -121,12 +122,6 @@ inline void prefetch_span(const void* p, int64_t bytes) {
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 3);
 }
 
-// Rows [n, n + rows) of a weight matrix of row_bytes per row and N rows, clamped to N.
-inline void prefetch_rows(const void* base, int64_t row_bytes, int64_t n, int64_t rows, int64_t N) {
-  if (n >= N) return;
-  rows = std::min(rows, N - n);
-  prefetch_span(static_cast<const char*>(base) + n * row_bytes, rows * row_bytes);
-}
 
 // ---- int4 x int8 activations on 16-row panels --------------------------------------------
 
@@ -149,7 +144,7 @@ inline int64_t panel_code_bytes(const Args& a) { return a.K / 8 * 64; }
 inline int64_t panel_sz_elems(const Args& a) { return a.K / G * 2 * PR; }
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
-constexpr int I4_MR = 8;  // activation rows per tile: 8 x 3 accumulators + 2 weight registers
+constexpr int TILE_MR = 8;  // activation rows per tile: 8 x 3 accumulators + 2 weight registers
 
 inline __m512 bf16x16(const uint16_t* p) {
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -200,7 +195,7 @@ void panel_i4(const Args& a, int64_t p, int64_t m0, const uint8_t* pf, const uin
   for (int c = 0; c < MR; ++c) _mm512_mask_storeu_ps(a.y + (m0 + c) * a.N + n0, keep, _mm512_add_ps(acc[c], bias[c]));
 }
 #elif defined(KVQ_AVX2)
-constexpr int I4_MR = 3;  // 16 ymm registers: 3 x 3 accumulators + weights and broadcasts
+constexpr int TILE_MR = 3;  // 16 ymm registers: 3 x 3 accumulators + weights and broadcasts
 
 inline __m256 bf16x8(const uint16_t* p) {
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
@@ -221,7 +216,8 @@ inline void store8(float* out, __m256 v, int64_t valid) {
   std::memcpy(out, tmp, valid * sizeof(float));
 }
 
-// Per int32 lane, the exact sum of 4 u8 x s8 products (pairs <= 3810: vpmaddubsw cannot saturate).
+// Per int32 lane, the exact sum of 4 u8 x s8 products, for pairs that fit int16 (int8 weights
+// with the signs moved: <= 2 * 127 * 127 = 32258).
 inline __m256i dot4(__m256i w, __m256i x) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
 }
@@ -274,7 +270,7 @@ void panel_i4(const Args& a, int64_t p, int64_t m0, const uint8_t* pf, const uin
   half_i4<MR>(a, p, 1, m0, nullptr, nullptr);
 }
 #else
-constexpr int I4_MR = 4;
+constexpr int TILE_MR = 4;
 
 // Plain C++: the same arithmetic, one output at a time (fma only where the compiler contracts).
 template <int MR>
@@ -311,10 +307,8 @@ void tail_i4(const Args& a, int64_t p, int64_t m0, int64_t rows, const uint8_t* 
   }
 }
 
-// Panels [p0, p1) for all M activation rows. The panel after the current one is prefetched as
-// its first tile runs: a GEMV reads each weight once, so it runs at the speed weights arrive
-// from memory, and with the hardware prefetchers alone the weight stream ran at about half
-// the machine's read bandwidth (bench_quant_stream.py).
+// Panels [p0, p1) for all M activation rows; the next panel is prefetched as the current
+// panel's first tile runs.
 void panels_i4(const Args& a, int64_t M, int64_t p0, int64_t p1) {
   prefetch_span(a.w + p0 * panel_code_bytes(a), std::min<int64_t>(PF_BYTES, panel_code_bytes(a)));
   for (int64_t p = p0; p < p1; ++p) {
@@ -322,8 +316,8 @@ void panels_i4(const Args& a, int64_t M, int64_t p0, int64_t p1) {
     const uint8_t* pf = next ? a.w + (p + 1) * panel_code_bytes(a) : nullptr;
     const uint16_t* pf_sz = next ? a.sz + (p + 1) * panel_sz_elems(a) : nullptr;
     int64_t m = 0;
-    for (; m + I4_MR <= M; m += I4_MR, pf = nullptr) panel_i4<I4_MR>(a, p, m, pf, pf_sz);
-    if (m < M) tail_i4<I4_MR - 1>(a, p, m, M - m, pf, pf_sz);
+    for (; m + TILE_MR <= M; m += TILE_MR, pf = nullptr) panel_i4<TILE_MR>(a, p, m, pf, pf_sz);
+    if (m < M) tail_i4<TILE_MR - 1>(a, p, m, M - m, pf, pf_sz);
   }
 }
 
@@ -433,8 +427,8 @@ void panels_q8(const Args& a, int64_t M, int64_t p0, int64_t p1) {
   for (int64_t p = p0; p < p1; ++p) {
     const int8_t* pf = p + 1 < p1 ? panel8(a, p + 1) : nullptr;
     int64_t m = 0;
-    for (; m + I4_MR <= M; m += I4_MR, pf = nullptr) panel_q8<I4_MR>(a, p, m, pf);
-    if (m < M) tail_q8<I4_MR - 1>(a, p, m, M - m, pf);
+    for (; m + TILE_MR <= M; m += TILE_MR, pf = nullptr) panel_q8<TILE_MR>(a, p, m, pf);
+    if (m < M) tail_q8<TILE_MR - 1>(a, p, m, M - m, pf);
   }
 }
 

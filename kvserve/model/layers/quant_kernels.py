@@ -1,4 +1,5 @@
-"""Builds and loads the native int4 matmul (csrc/quant_matmul_cpu.cpp), one variant per ISA.
+"""Builds and loads the native int4 / int8 matmuls (csrc/quant_matmul_cpu.cpp), one variant
+per ISA, and packs weights into their 16-row panel layouts.
 
 The source is compiled with explicit instruction-set flags per variant, never -march=native,
 so a build (or a wheel) made on one CPU is correct on another: the variant is chosen at run
@@ -6,7 +7,7 @@ time from `platform/cpu_isa.py`'s detection, which honours ONEDNN_MAX_CPU_ISA. E
 is its own extension module (its name hashes the source, the flags and the torch install),
 built once under cpu_kernels' fcntl lock and cached. `KVSERVE_QUANT_ISA` forces a variant
 (e.g. `generic`, the plain C++ fallback every machine runs); `KVSERVE_DISABLE_CPU_KERNELS`
-turns the native path off. If a build fails, callers keep PyTorch's int4 kernel.
+turns the native path off. If a build fails, callers keep PyTorch's kernels.
 """
 
 from __future__ import annotations
