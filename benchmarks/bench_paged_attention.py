@@ -1,11 +1,12 @@
 """The CPU paged decode attention kernel (csrc/paged_attention_cpu.cpp) on its own.
 
-One call as a c=32 decode step makes it: 32 sequences of --context tokens, the default model's
-heads (9 query, 3 kv, head_dim 64), block tables scattered over a pool far larger than the
-caches, fp32 and int8 caches. Prints ms per call (best of --reps, the engine's two threads) and
-the KV bytes it reads per second, beside the machine's read bandwidth measured in the same run.
+One call as a decode step makes it: --seqs sequences (32: a c=32 step) of --context tokens,
+the default model's heads (9 query, 3 kv, head_dim 64), block tables scattered over a pool far
+larger than the caches, fp32 and int8 caches. Prints ms per call (best of --reps, the
+engine's two threads) and the KV bytes it reads per second, beside the machine's read
+bandwidth measured in the same run.
 
-    python benchmarks/bench_paged_attention.py [--context 164] [--reps 50]
+    python benchmarks/bench_paged_attention.py [--seqs 32] [--context 164] [--reps 50]
 """
 
 from __future__ import annotations
@@ -23,11 +24,12 @@ from benchmarks.common import machine, wall_us  # noqa: E402
 from benchmarks.cpu_info import cpu_flags  # noqa: E402
 from kvserve.model.layers.cpu_kernels import load_cpu_kernels  # noqa: E402
 
-SEQS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 9, 3, 64, 16
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seqs", type=int, default=32)
     ap.add_argument("--context", type=int, default=164)
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--pool-blocks", type=int, default=6000)
@@ -40,17 +42,17 @@ def main() -> int:
     torch.set_num_threads(2)
     print(f"{machine()}; CPU flags: {cpu_flags()}; load average {os.getloadavg()}")
     per_seq = -(-args.context // BLOCK)
-    tables = torch.randperm(args.pool_blocks)[: SEQS * per_seq].view(SEQS, per_seq).long()
-    lens = torch.full((SEQS,), args.context, dtype=torch.long)
-    q = torch.randn(SEQS, HEADS, HEAD_DIM)
+    tables = torch.randperm(args.pool_blocks)[: args.seqs * per_seq].view(args.seqs, per_seq).long()
+    lens = torch.full((args.seqs,), args.context, dtype=torch.long)
+    q = torch.randn(args.seqs, HEADS, HEAD_DIM)
     shape = (args.pool_blocks, KV_HEADS, BLOCK, HEAD_DIM)
     k32, v32 = torch.randn(shape), torch.randn(shape)
     k8, v8 = ((t * 30).clamp(-127, 127).to(torch.int8) for t in (k32, v32))
     scales = torch.full(shape[:3], 1 / 30).bfloat16()
     none = torch.empty(0, dtype=torch.bfloat16)
     bw = read_bandwidth()
-    print(f"read bandwidth {bw / 1e9:.1f} GB/s; {SEQS} sequences x {args.context} tokens")
-    kv_bytes = SEQS * args.context * KV_HEADS * HEAD_DIM * 2
+    print(f"read bandwidth {bw / 1e9:.1f} GB/s; {args.seqs} sequences x {args.context} tokens")
+    kv_bytes = args.seqs * args.context * KV_HEADS * HEAD_DIM * 2
     cases = {
         "fp32": (4, lambda: kernels.paged_decode_attention(q, k32, v32, none, none, tables, lens, 0.125)),
         "int8": (1, lambda: kernels.paged_decode_attention(q, k8, v8, scales, scales, tables, lens, 0.125)),
