@@ -123,7 +123,7 @@ def compile_only(variant: str) -> str:
     return out
 
 
-PANEL_ROWS = 16  # output rows per panel of the int4 layout
+PANEL_ROWS = 16  # output rows per panel of the int4 and int8 layouts
 
 
 def pack_int4(

@@ -180,7 +180,7 @@ class QuantizedLinear(nn.Module):
         if self.native is not None and self.method == "int4":
             return quant_kernels.unpack_int4(self.qweight, self.scales_zeros, self.out_features, dtype)
         if self.method != "int4":
-            return self.embedding(torch.arange(self.out_features), dtype)
+            return self.embedding(torch.arange(self.out_features, device=self.qweight.device), dtype)
         if self.kernel:  # run the kernel on the identity: rows of I @ W.T are W's columns
             eye = torch.eye(self.in_features, dtype=COMPUTE_DTYPE, device=self.qweight.device)
             w_t = torch.ops.aten._weight_int4pack_mm_for_cpu(
