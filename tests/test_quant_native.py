@@ -30,6 +30,17 @@ def _case(n: int, k: int, rows: int):
     return qw, x, x @ qw.dequantize().t()
 
 
+def _check_against_reference(mm, weight: tuple, x, ref, label) -> None:
+    """mm(x, *weight) is within TOL of the float reference, and each row alone gives the same
+    bits as in the batch: one output is one SIMD lane whatever the row count."""
+    y = mm(x, *weight)
+    err = ((y - ref).abs().max() / ref.abs().max()).item()
+    assert err <= TOL, (*label, err)
+    rows = x.shape[0]
+    for r in {0, rows // 2, rows - 1}:
+        assert torch.equal(mm(x[r : r + 1].contiguous(), *weight)[0], y[r]), (*label, r)
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_kernel_matches_float_reference_and_rows_alone(variant):
     mod = qk.load_quant_kernels(variant)
@@ -38,13 +49,7 @@ def test_kernel_matches_float_reference_and_rows_alone(variant):
         for rows in (1, 3, 6, 9, 17, 21, 64):  # 9, 17, 21: the tiles' remainders
             qw, x, ref = _case(n, k, rows)
             codes, sz = qk.pack_int4(qw.codes, qw.scales, qw.zeros)
-            y = mod.int4_mm(x, codes, sz, n)
-            err = ((y - ref).abs().max() / ref.abs().max()).item()
-            assert err <= TOL, (variant, n, k, rows, err)
-            # One output is one SIMD lane whatever the row count: batching changes no bit.
-            for r in {0, rows // 2, rows - 1}:
-                alone = mod.int4_mm(x[r : r + 1].contiguous(), codes, sz, n)
-                assert torch.equal(alone[0], y[r]), (variant, n, k, rows, r)
+            _check_against_reference(mod.int4_mm, (codes, sz, n), x, ref, (variant, n, k, rows))
 
 
 def test_kernel_rejects_a_row_count_outside_its_panels():
@@ -64,12 +69,7 @@ def test_int8_kernel_matches_float_reference_and_rows_alone(variant):
             x = torch.randn(rows, k)
             ref = x @ qw.dequantize().t()
             codes, scales = qk.pack_int8(qw.codes, qw.scales)
-            y = mod.int8_mm(x, codes, scales, n)
-            err = ((y - ref).abs().max() / ref.abs().max()).item()
-            assert err <= TOL, (variant, n, k, rows, err)
-            for r in {0, rows // 2, rows - 1}:
-                alone = mod.int8_mm(x[r : r + 1].contiguous(), codes, scales, n)
-                assert torch.equal(alone[0], y[r]), (variant, n, k, rows, r)
+            _check_against_reference(mod.int8_mm, (codes, scales, n), x, ref, (variant, n, k, rows))
 
 
 def test_quantized_linear_int8_native_keeps_lookups():

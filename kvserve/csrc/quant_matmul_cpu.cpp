@@ -143,6 +143,12 @@ constexpr int64_t PR = 16;  // output rows per panel
 inline int64_t panel_code_bytes(const Args& a) { return a.K / 8 * 64; }
 inline int64_t panel_sz_elems(const Args& a) { return a.K / G * 2 * PR; }
 
+// Group g of int4 panel p (its codes and scales), asked for while the panel before it runs.
+inline void prefetch_group_i4(const Args& a, int64_t p, int64_t g) {
+  prefetch_span(a.w + p * panel_code_bytes(a) + g * 256, 256);
+  __builtin_prefetch(a.sz + p * panel_sz_elems(a) + g * 2 * PR, 0, 3);
+}
+
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
 constexpr int TILE_MR = 8;  // activation rows per tile: 8 x 3 accumulators + 2 weight registers
 
@@ -157,9 +163,9 @@ inline __m512i bcast4(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
-// Rows [m0, m0 + MR) x panel p. pf: the next panel's codes and scales to prefetch, or null.
+// Rows [m0, m0 + MR) x panel p; pf: prefetch panel p + 1 meanwhile.
 template <int MR>
-void panel_i4(const Args& a, int64_t p, int64_t m0, const uint8_t* pf, const uint16_t* pf_sz) {
+void panel_i4(const Args& a, int64_t p, int64_t m0, bool pf) {
   const int64_t ng = a.K / G;
   const uint8_t* w = a.w + p * panel_code_bytes(a);
   const uint16_t* sz = a.sz + p * panel_sz_elems(a);
@@ -167,10 +173,7 @@ void panel_i4(const Args& a, int64_t p, int64_t m0, const uint8_t* pf, const uin
   __m512 acc[MR], bias[MR];
   for (int c = 0; c < MR; ++c) acc[c] = bias[c] = _mm512_setzero_ps();
   for (int64_t g = 0; g < ng; ++g) {
-    if (pf != nullptr) {
-      prefetch_span(pf + g * 256, 256);
-      __builtin_prefetch(pf_sz + g * 2 * PR, 0, 3);
-    }
+    if (pf) prefetch_group_i4(a, p + 1, g);
     __m512i isum[MR];
     for (int c = 0; c < MR; ++c) isum[c] = _mm512_setzero_si512();
     for (int j = 0; j < 4; ++j) {
@@ -224,7 +227,7 @@ inline __m256i dot4(__m256i w, __m256i x) {
 
 // One half (8 rows) of panel p: the first or second 32 bytes of each 64-byte chunk.
 template <int MR>
-void half_i4(const Args& a, int64_t p, int h, int64_t m0, const uint8_t* pf, const uint16_t* pf_sz) {
+void half_i4(const Args& a, int64_t p, int h, int64_t m0, bool pf) {
   const int64_t n0 = p * PR + h * 8, valid = std::min<int64_t>(8, a.N - n0);
   if (valid <= 0) return;
   const int64_t ng = a.K / G;
@@ -234,10 +237,7 @@ void half_i4(const Args& a, int64_t p, int h, int64_t m0, const uint8_t* pf, con
   __m256 acc[MR], bias[MR];
   for (int c = 0; c < MR; ++c) acc[c] = bias[c] = _mm256_setzero_ps();
   for (int64_t g = 0; g < ng; ++g) {
-    if (pf != nullptr) {
-      prefetch_span(pf + g * 256, 256);
-      __builtin_prefetch(pf_sz + g * 2 * PR, 0, 3);
-    }
+    if (pf) prefetch_group_i4(a, p + 1, g);
     // int16 pair sums of the whole group: each vpmaddubsw pair is <= 2 * 15 * 127 = 3810, and
     // 8 of them add up to <= 30480 < 32767, so one vpmaddwd per group widens them exactly.
     __m256i s16[MR];
@@ -265,16 +265,16 @@ void half_i4(const Args& a, int64_t p, int h, int64_t m0, const uint8_t* pf, con
 }
 
 template <int MR>
-void panel_i4(const Args& a, int64_t p, int64_t m0, const uint8_t* pf, const uint16_t* pf_sz) {
-  half_i4<MR>(a, p, 0, m0, pf, pf_sz);
-  half_i4<MR>(a, p, 1, m0, nullptr, nullptr);
+void panel_i4(const Args& a, int64_t p, int64_t m0, bool pf) {
+  half_i4<MR>(a, p, 0, m0, pf);
+  half_i4<MR>(a, p, 1, m0, false);
 }
 #else
 constexpr int TILE_MR = 4;
 
 // Plain C++: the same arithmetic, one output at a time (fma only where the compiler contracts).
 template <int MR>
-void panel_i4(const Args& a, int64_t p, int64_t m0, const uint8_t*, const uint16_t*) {
+void panel_i4(const Args& a, int64_t p, int64_t m0, bool) {
   const int64_t ng = a.K / G, n0 = p * PR, valid = std::min(PR, a.N - n0);
   const uint8_t* w = a.w + p * panel_code_bytes(a);
   const uint16_t* sz = a.sz + p * panel_sz_elems(a);
@@ -299,28 +299,6 @@ void panel_i4(const Args& a, int64_t p, int64_t m0, const uint8_t*, const uint16
 }
 #endif
 
-template <int MR>
-void tail_i4(const Args& a, int64_t p, int64_t m0, int64_t rows, const uint8_t* pf, const uint16_t* pf_sz) {
-  if constexpr (MR > 0) {
-    if (rows == MR) return panel_i4<MR>(a, p, m0, pf, pf_sz);
-    tail_i4<MR - 1>(a, p, m0, rows, pf, pf_sz);
-  }
-}
-
-// Panels [p0, p1) for all M activation rows; the next panel is prefetched as the current
-// panel's first tile runs.
-void panels_i4(const Args& a, int64_t M, int64_t p0, int64_t p1) {
-  prefetch_span(a.w + p0 * panel_code_bytes(a), std::min<int64_t>(PF_BYTES, panel_code_bytes(a)));
-  for (int64_t p = p0; p < p1; ++p) {
-    const bool next = p + 1 < p1;
-    const uint8_t* pf = next ? a.w + (p + 1) * panel_code_bytes(a) : nullptr;
-    const uint16_t* pf_sz = next ? a.sz + (p + 1) * panel_sz_elems(a) : nullptr;
-    int64_t m = 0;
-    for (; m + TILE_MR <= M; m += TILE_MR, pf = nullptr) panel_i4<TILE_MR>(a, p, m, pf, pf_sz);
-    if (m < M) tail_i4<TILE_MR - 1>(a, p, m, M - m, pf, pf_sz);
-  }
-}
-
 // ---- int8 weights x int8 activations on 16-row panels ------------------------------------
 // Layout (quant_kernels.pack_int8): codes int8 [P, K / 4, 64], in panel p, chunk j (inputs
 // 4j .. 4j + 3), byte 4r + i holds row 16p + r's code for input 4j + i; scales bf16 [P * 16],
@@ -333,16 +311,18 @@ void panels_i4(const Args& a, int64_t M, int64_t p0, int64_t p1) {
 
 inline const int8_t* panel8(const Args& a, int64_t p) { return a.w8 + p * a.K * PR; }
 
+inline void prefetch_group_q8(const Args& a, int64_t p, int64_t g) { prefetch_span(panel8(a, p) + g * 512, 512); }
+
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
 template <int MR>
-void panel_q8(const Args& a, int64_t p, int64_t m0, const int8_t* pf) {
+void panel_q8(const Args& a, int64_t p, int64_t m0, bool pf) {
   const int64_t ng = a.K / G;
   const int8_t* w = panel8(a, p);
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));  // q ^ 0x80 = q + 128 as u8
   __m512 acc[MR];
   for (int c = 0; c < MR; ++c) acc[c] = _mm512_setzero_ps();
   for (int64_t g = 0; g < ng; ++g) {
-    if (pf != nullptr) prefetch_span(pf + g * 512, 512);
+    if (pf) prefetch_group_q8(a, p + 1, g);
     __m512i isum[MR];
     for (int c = 0; c < MR; ++c) isum[c] = _mm512_setzero_si512();
     for (int j = 0; j < 8; ++j) {
@@ -362,7 +342,7 @@ void panel_q8(const Args& a, int64_t p, int64_t m0, const int8_t* pf) {
 }
 #elif defined(KVQ_AVX2)
 template <int MR>
-void half_q8(const Args& a, int64_t p, int h, int64_t m0, const int8_t* pf) {
+void half_q8(const Args& a, int64_t p, int h, int64_t m0, bool pf) {
   const int64_t n0 = p * PR + h * 8, valid = std::min<int64_t>(8, a.N - n0);
   if (valid <= 0) return;
   const int64_t ng = a.K / G;
@@ -370,7 +350,7 @@ void half_q8(const Args& a, int64_t p, int h, int64_t m0, const int8_t* pf) {
   __m256 acc[MR];
   for (int c = 0; c < MR; ++c) acc[c] = _mm256_setzero_ps();
   for (int64_t g = 0; g < ng; ++g) {
-    if (pf != nullptr) prefetch_span(pf + g * 512, 512);
+    if (pf) prefetch_group_q8(a, p + 1, g);
     __m256i isum[MR];
     for (int c = 0; c < MR; ++c) isum[c] = _mm256_setzero_si256();
     for (int j = 0; j < 8; ++j) {
@@ -390,13 +370,13 @@ void half_q8(const Args& a, int64_t p, int h, int64_t m0, const int8_t* pf) {
 }
 
 template <int MR>
-void panel_q8(const Args& a, int64_t p, int64_t m0, const int8_t* pf) {
+void panel_q8(const Args& a, int64_t p, int64_t m0, bool pf) {
   half_q8<MR>(a, p, 0, m0, pf);
-  half_q8<MR>(a, p, 1, m0, nullptr);
+  half_q8<MR>(a, p, 1, m0, false);
 }
 #else
 template <int MR>
-void panel_q8(const Args& a, int64_t p, int64_t m0, const int8_t*) {
+void panel_q8(const Args& a, int64_t p, int64_t m0, bool) {
   const int64_t ng = a.K / G, n0 = p * PR, valid = std::min(PR, a.N - n0);
   const int8_t* w = panel8(a, p);
   for (int c = 0; c < MR; ++c)
@@ -414,32 +394,53 @@ void panel_q8(const Args& a, int64_t p, int64_t m0, const int8_t*) {
 }
 #endif
 
-template <int MR>
-void tail_q8(const Args& a, int64_t p, int64_t m0, int64_t rows, const int8_t* pf) {
+// ---- the panel loop both formats share ------------------------------------------------
+
+struct Int4 {
+  template <int MR>
+  static void tile(const Args& a, int64_t p, int64_t m0, bool pf) { panel_i4<MR>(a, p, m0, pf); }
+  static const void* panel(const Args& a, int64_t p) { return a.w + p * panel_code_bytes(a); }
+  static int64_t panel_bytes(const Args& a) { return panel_code_bytes(a); }
+};
+
+struct Int8 {
+  template <int MR>
+  static void tile(const Args& a, int64_t p, int64_t m0, bool pf) { panel_q8<MR>(a, p, m0, pf); }
+  static const void* panel(const Args& a, int64_t p) { return panel8(a, p); }
+  static int64_t panel_bytes(const Args& a) { return a.K * PR; }
+};
+
+// The last rows (fewer than TILE_MR) of panel p as one tile of exactly that many.
+template <class F, int MR>
+void tail(const Args& a, int64_t p, int64_t m0, int64_t rows, bool pf) {
   if constexpr (MR > 0) {
-    if (rows == MR) return panel_q8<MR>(a, p, m0, pf);
-    tail_q8<MR - 1>(a, p, m0, rows, pf);
+    if (rows == MR) return F::template tile<MR>(a, p, m0, pf);
+    tail<F, MR - 1>(a, p, m0, rows, pf);
   }
 }
 
-void panels_q8(const Args& a, int64_t M, int64_t p0, int64_t p1) {
-  prefetch_span(panel8(a, p0), std::min<int64_t>(PF_BYTES, a.K * PR));
+// Panels [p0, p1) for all M activation rows; the next panel is prefetched as the current
+// panel's first tile runs, and the range's first bytes before it starts.
+template <class F>
+void panels(const Args& a, int64_t M, int64_t p0, int64_t p1) {
+  prefetch_span(F::panel(a, p0), std::min<int64_t>(PF_BYTES, F::panel_bytes(a)));
   for (int64_t p = p0; p < p1; ++p) {
-    const int8_t* pf = p + 1 < p1 ? panel8(a, p + 1) : nullptr;
+    bool pf = p + 1 < p1;
     int64_t m = 0;
-    for (; m + TILE_MR <= M; m += TILE_MR, pf = nullptr) panel_q8<TILE_MR>(a, p, m, pf);
-    if (m < M) tail_q8<TILE_MR - 1>(a, p, m, M - m, pf);
+    for (; m + TILE_MR <= M; m += TILE_MR, pf = false) F::template tile<TILE_MR>(a, p, m, pf);
+    if (m < M) tail<F, TILE_MR - 1>(a, p, m, M - m, pf);
   }
 }
 
 // ---- entry points ------------------------------------------------------------------------
 
-// Every row of x quantized per group of 32 (the activations both kernels multiply).
+// Every row of x quantized per group of 32 (the activations both kernels multiply), in buffers
+// each calling thread keeps: a decode step calls the kernels ~120 times, so no allocation each.
 struct QuantizedRows {
   std::vector<int8_t> q;
   std::vector<float> d, s;
   std::vector<int32_t> sum;
-  QuantizedRows(const at::Tensor& x) {
+  void fill(const at::Tensor& x) {
     const int64_t M = x.size(0), K = x.size(1), ng = K / G;
     q.resize(M * K), d.resize(M * ng), s.resize(M * ng), sum.resize(M * ng);
     const float* xp = x.data_ptr<float>();
@@ -449,6 +450,12 @@ struct QuantizedRows {
     });
   }
 };
+
+const QuantizedRows& quantized_rows(const at::Tensor& x) {
+  static thread_local QuantizedRows rows;
+  rows.fill(x);
+  return rows;
+}
 
 void check_x(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [M, K]");
@@ -469,11 +476,11 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
               "sz: contiguous bfloat16 [P, K/32, 2, 16]");
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
-  QuantizedRows xq(x);
+  const QuantizedRows& xq = quantized_rows(x);
   Args a{codes.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(sz.data_ptr<at::BFloat16>()), N, K,
          xq.q.data(), xq.d.data(), xq.s.data(), xq.sum.data(), y.data_ptr<float>()};
   // Work unit: one panel; a thread's panels are contiguous.
-  at::parallel_for(0, P, 1, [&](int64_t b, int64_t e) { panels_i4(a, M, b, e); });
+  at::parallel_for(0, P, 1, [&](int64_t b, int64_t e) { panels<Int4>(a, M, b, e); });
   return y;
 }
 
@@ -487,10 +494,10 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
               "scales: bfloat16 [P * 16]");
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
-  QuantizedRows xq(x);
+  const QuantizedRows& xq = quantized_rows(x);
   Args a{nullptr, nullptr, N, K, xq.q.data(), xq.d.data(), xq.s.data(), xq.sum.data(), y.data_ptr<float>(),
          codes.data_ptr<int8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>())};
-  at::parallel_for(0, P, 1, [&](int64_t b, int64_t e) { panels_q8(a, M, b, e); });
+  at::parallel_for(0, P, 1, [&](int64_t b, int64_t e) { panels<Int8>(a, M, b, e); });
   return y;
 }
 

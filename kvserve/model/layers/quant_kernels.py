@@ -126,6 +126,13 @@ def compile_only(variant: str) -> str:
 PANEL_ROWS = 16  # output rows per panel of the int4 and int8 layouts
 
 
+def _panel_rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """`t` ([N, ...]) padded with zero rows to whole panels, and the number of panels."""
+    panels = -(-t.shape[0] // PANEL_ROWS)
+    pad = panels * PANEL_ROWS - t.shape[0]
+    return F.pad(t, (0, 0) * (t.dim() - 1) + (0, pad)), panels
+
+
 def pack_int4(
     codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,12 +142,11 @@ def pack_int4(
       input 8j + i (low nibble) and 8j + 4 + i (high nibble);
     - bf16 [P, K/32, 2, 16]: per panel and group, the 16 rows' scales, then their zeros.
     (csrc/quant_matmul_cpu.cpp says why: one VNNI dot product feeds 16 outputs.)"""
-    n, k = codes.shape
-    p = -(-n // PANEL_ROWS)
-    pad = p * PANEL_ROWS - n
-    c = F.pad(codes, (0, 0, 0, pad)).view(p, PANEL_ROWS, k // 8, 2, 4)
+    k = codes.shape[1]
+    padded, p = _panel_rows(codes)
+    c = padded.view(p, PANEL_ROWS, k // 8, 2, 4)
     packed = (c[..., 0, :] | (c[..., 1, :] << 4)).permute(0, 2, 1, 3).reshape(p, k // 8, 64).contiguous()
-    s, z = (F.pad(t, (0, 0, 0, pad)).view(p, PANEL_ROWS, k // 32).transpose(1, 2) for t in (scales, zeros))
+    s, z = (_panel_rows(t)[0].view(p, PANEL_ROWS, k // 32).transpose(1, 2) for t in (scales, zeros))
     return packed, torch.stack([s, z], 2).to(torch.bfloat16).contiguous()
 
 
@@ -160,11 +166,10 @@ def pack_int8(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, 
     """The kernel's int8 layout from per-row codes [N, K] and scales [N]: int8 [P, K/4, 64]
     (in panel p, chunk j, byte 4r + i is row 16p + r's code for input 4j + i) and bf16
     scales [P * 16], the last panel padded with zeros."""
-    n, k = codes.shape
-    p = -(-n // PANEL_ROWS)
-    pad = p * PANEL_ROWS - n
-    c = F.pad(codes, (0, 0, 0, pad)).view(p, PANEL_ROWS, k // 4, 4).permute(0, 2, 1, 3)
-    return c.reshape(p, k // 4, 64).contiguous(), F.pad(scales, (0, pad)).to(torch.bfloat16).contiguous()
+    k = codes.shape[1]
+    padded, p = _panel_rows(codes)
+    c = padded.view(p, PANEL_ROWS, k // 4, 4).permute(0, 2, 1, 3)
+    return c.reshape(p, k // 4, 64).contiguous(), _panel_rows(scales)[0].to(torch.bfloat16).contiguous()
 
 
 def int8_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
