@@ -42,7 +42,17 @@ def main() -> int:
     torch.set_num_threads(2)
     print(f"{machine()}; CPU flags: {cpu_flags()}; load average {os.getloadavg()}")
     per_seq = -(-args.context // BLOCK)
-    tables = torch.randperm(args.pool_blocks)[: args.seqs * per_seq].view(args.seqs, per_seq).long()
+    # Disjoint block tables, one per call in turn: the model's 30 layers each read their own
+    # cache once a step, so a call finds its blocks in memory, not in a cache level.
+    sets = args.pool_blocks // (args.seqs * per_seq)
+    perm = torch.randperm(args.pool_blocks)[: sets * args.seqs * per_seq].long()
+    tables_of = [t.view(args.seqs, per_seq) for t in perm.chunk(sets)]
+    turn = [0]
+
+    def tables() -> torch.Tensor:
+        turn[0] += 1
+        return tables_of[turn[0] % sets]
+
     lens = torch.full((args.seqs,), args.context, dtype=torch.long)
     q = torch.randn(args.seqs, HEADS, HEAD_DIM)
     shape = (args.pool_blocks, KV_HEADS, BLOCK, HEAD_DIM)
@@ -51,11 +61,12 @@ def main() -> int:
     scales = torch.full(shape[:3], 1 / 30).bfloat16()
     none = torch.empty(0, dtype=torch.bfloat16)
     bw = read_bandwidth()
-    print(f"read bandwidth {bw / 1e9:.1f} GB/s; {args.seqs} sequences x {args.context} tokens")
+    print(f"read bandwidth {bw / 1e9:.1f} GB/s; {args.seqs} sequences x {args.context} tokens; "
+          f"calls rotate over {sets} disjoint sets of blocks")
     kv_bytes = args.seqs * args.context * KV_HEADS * HEAD_DIM * 2
     cases = {
-        "fp32": (4, lambda: kernels.paged_decode_attention(q, k32, v32, none, none, tables, lens, 0.125)),
-        "int8": (1, lambda: kernels.paged_decode_attention(q, k8, v8, scales, scales, tables, lens, 0.125)),
+        "fp32": (4, lambda: kernels.paged_decode_attention(q, k32, v32, none, none, tables(), lens, 0.125)),
+        "int8": (1, lambda: kernels.paged_decode_attention(q, k8, v8, scales, scales, tables(), lens, 0.125)),
     }
     for name, (width, fn) in cases.items():
         us = wall_us(fn, args.reps)

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.model.layers.cpu_kernels import load_cpu_kernels
+from kvserve.model.layers.kv_quant import dequantize_kv, quantize_kv
 from kvserve.model.layers.rotary import apply_rotary
 
 ROWS = [1, 5, 16, 37, 130]
@@ -75,6 +76,37 @@ def test_kv_write_rejects_a_slot_outside_the_pool(ops):
     with pytest.raises(RuntimeError, match="slot out of range"):
         ops.kv_write(kc, vc, k, k, torch.tensor([2]), torch.tensor([0]))
     assert not kc.any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("round_trip", [False, True])
+def test_kv_write_int8_equals_quantize_kv(ops, dtype, round_trip):
+    """Codes and scales exactly as kv_quant computes them (halves rounded to even: bfloat16
+    inputs hit exact halves often), padding rows untouched, and with round_trip the rows as
+    the cache gives them back. k is a strided view, as the slice of a fused qkv output is."""
+    g = torch.Generator().manual_seed(7)
+    n, blocks, kv_heads, bs, hd = 200, 16, 3, 16, 64
+    slots = torch.randperm(blocks * bs, generator=g)[:n]
+    sb, so = slots // bs, slots % bs
+    spread = torch.rand(n + 2, kv_heads, 1, generator=g) * 10
+    qkv = (torch.randn(n + 2, 2 * kv_heads, hd, generator=g) * spread.repeat(1, 2, 1)).to(dtype)
+    qkv[0, 0] = 0  # an all-zero vector: the scale's floor
+    k, v = qkv[:, :kv_heads], qkv[:, kv_heads:]
+    before = qkv.clone()
+    kc, vc = (
+        torch.zeros(blocks, kv_heads, bs, hd, dtype=torch.int8),
+        torch.zeros(blocks, kv_heads, bs, hd, dtype=torch.int8),
+    )
+    ks, vs = (
+        torch.ones(blocks, kv_heads, bs, dtype=torch.bfloat16),
+        torch.ones(blocks, kv_heads, bs, dtype=torch.bfloat16),
+    )
+    ops.kv_write_int8(kc, vc, ks, vs, k, v, sb, so, round_trip)
+    for x, cache, scales, old in ((k, kc, ks, before[:, :kv_heads]), (v, vc, vs, before[:, kv_heads:])):
+        codes, s = quantize_kv(old[:n], torch.int8)
+        assert torch.equal(cache[sb, :, so], codes) and torch.equal(scales[sb, :, so], s)
+        want = dequantize_kv(codes, s, dtype) if round_trip else old[:n]
+        assert torch.equal(x[:n], want) and torch.equal(x[n:], old[n:])
 
 
 @pytest.mark.parametrize("n", ROWS)

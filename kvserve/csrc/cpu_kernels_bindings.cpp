@@ -10,6 +10,9 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor w
 void rotary_inplace(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 void kv_write(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, torch::Tensor v,
               torch::Tensor slot_blocks, torch::Tensor slot_offsets);
+void kv_write_int8(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k_scales, torch::Tensor v_scales,
+                   torch::Tensor k, torch::Tensor v, torch::Tensor slot_blocks, torch::Tensor slot_offsets,
+                   bool round_trip);
 torch::Tensor silu_mul(torch::Tensor gate_up);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -18,5 +21,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "x += delta in place, then RMSNorm(x) (float32 or bfloat16)");
   m.def("rotary_inplace", &rotary_inplace, "Rotate-half rotary embedding in place (float32 or bfloat16)");
   m.def("kv_write", &kv_write, "Store K/V rows at their slots");
+  m.def("kv_write_int8", &kv_write_int8, "Quantize K/V rows to int8 (a bfloat16 scale per head vector) at their slots");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate|up row (float32 or bfloat16)");
 }

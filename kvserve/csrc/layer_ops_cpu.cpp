@@ -13,6 +13,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -161,6 +162,71 @@ void kv_write(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, tor
     }
   });
 }
+
+// kv_write for an int8 cache: each K and V head vector of the first len(slot_blocks) rows
+// becomes int8 codes plus one bfloat16 scale (max|x| / 127, at least 1e-8), exactly as
+// kv_quant.quantize_kv computes them, stored at (block, offset); the scales go to
+// k_scales / v_scales [blocks, kv_heads, block_size]. With round_trip, those rows of k and v
+// are replaced by what the cache gives back (codes x scale), so a prefill chunk attends to the
+// same values later decodes read. One pass where the torch path dispatches ~15 ops a layer.
+// Compiled without -ffast-math: its reciprocal division moved a code by one now and then.
+#pragma GCC push_options
+#pragma GCC optimize("no-fast-math")
+void kv_write_int8(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k_scales, torch::Tensor v_scales,
+                   torch::Tensor k, torch::Tensor v, torch::Tensor slot_blocks, torch::Tensor slot_offsets,
+                   bool round_trip) {
+  TORCH_CHECK(k_cache.scalar_type() == torch::kChar && v_cache.scalar_type() == torch::kChar &&
+                  k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "contiguous int8 caches");
+  TORCH_CHECK(k_scales.scalar_type() == torch::kBFloat16 && v_scales.scalar_type() == torch::kBFloat16 &&
+                  k_scales.is_contiguous() && v_scales.is_contiguous() &&
+                  k_scales.numel() * k_cache.size(3) == k_cache.numel() && v_scales.numel() == k_scales.numel(),
+              "contiguous bfloat16 scales [blocks, kv_heads, block_size]");
+  TORCH_CHECK(k.scalar_type() == v.scalar_type() && (k.scalar_type() == torch::kFloat || k.scalar_type() == torch::kBFloat16),
+              "k/v: float32 or bfloat16");
+  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.stride(2) == 1 && v.stride(2) == 1, "k/v: [rows, kv_heads, hd]");
+  TORCH_CHECK(slot_blocks.scalar_type() == torch::kLong && slot_offsets.scalar_type() == torch::kLong &&
+                  slot_blocks.is_contiguous() && slot_offsets.is_contiguous(),
+              "int64 slot blocks and offsets");
+  const int64_t n = slot_blocks.numel(), kvh = k_cache.size(1), bs = k_cache.size(2), hd = k_cache.size(3);
+  TORCH_CHECK(k.size(0) >= n && v.size(0) >= n && k.size(1) == kvh && k.size(2) == hd && v.sizes() == k.sizes(),
+              "k/v shape");
+  const int64_t nblocks = k_cache.size(0);
+  const int64_t *blk = slot_blocks.data_ptr<int64_t>(), *off = slot_offsets.data_ptr<int64_t>();
+  for (int64_t t = 0; t < n; ++t)
+    TORCH_CHECK(blk[t] >= 0 && blk[t] < nblocks && off[t] >= 0 && off[t] < bs, "slot out of range");
+  dispatch(k, [&](auto tag) {
+    using T = decltype(tag);
+    struct Side {
+      T* x;
+      int64_t s0, s1;
+      int8_t* codes;
+      at::BFloat16* scales;
+    };
+    const Side sides[2] = {{k.data_ptr<T>(), k.stride(0), k.stride(1), k_cache.data_ptr<int8_t>(), k_scales.data_ptr<at::BFloat16>()},
+                           {v.data_ptr<T>(), v.stride(0), v.stride(1), v_cache.data_ptr<int8_t>(), v_scales.data_ptr<at::BFloat16>()}};
+    at::parallel_for(0, n, kRowGrain * 4, [&](int64_t a, int64_t b) {
+      for (int64_t t = a; t < b; ++t)
+        for (const Side& side : sides)
+          for (int64_t h = 0; h < kvh; ++h) {
+            T* x = side.x + t * side.s0 + h * side.s1;
+            const int64_t slot = (blk[t] * kvh + h) * bs + off[t];
+            float amax = 0.f;
+            for (int64_t i = 0; i < hd; ++i) amax = std::max(amax, std::fabs(ld(x + i)));
+            const at::BFloat16 s(std::max(amax / 127.f, 1e-8f));  // rounded as torch's .to(bfloat16)
+            const float sf = static_cast<float>(s);
+            int8_t* c = side.codes + slot * hd;
+            for (int64_t i = 0; i < hd; ++i) {
+              const float q = std::nearbyint(std::min(std::max(ld(x + i) / sf, -127.f), 127.f));  // half to even
+              c[i] = static_cast<int8_t>(q);
+              if (round_trip) st(x + i, q * sf);
+            }
+            side.scales[slot] = s;
+          }
+    });
+  });
+}
+#pragma GCC pop_options
 
 // gate_up [rows, 2 * I] (gate | up) -> silu(gate) * up [rows, I].
 torch::Tensor silu_mul(torch::Tensor gate_up) {

@@ -55,14 +55,23 @@ void dequantize_rows(const C* codes, const at::BFloat16* scales, int64_t rows, i
   }
 }
 
-template <typename T, typename C>
+// Asks for `bytes` from p into the cache (Locality 3: L1, 2: L2). A sequence's blocks lie
+// scattered over the pool, a few KB each, and the hardware prefetchers stop at each one's
+// end: without this, a step that reads its KV from memory waits on every block's first lines.
+template <int Locality>
+inline void prefetch_bytes(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o, 0, Locality);
+}
+
+template <typename T, typename C, int HD>
 void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                    const torch::Tensor& k_scale, const torch::Tensor& v_scale,
                    const torch::Tensor& block_tables, const torch::Tensor& seq_lens, torch::Tensor& out,
                    double scale) {
   // KV element type as the loops read it: the cache's own, or float after dequantizing.
   using K = std::conditional_t<is_quantized<C>(), float, C>;
-  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = HD > 0 ? HD : q.size(2);
   const int64_t num_kv_heads = k_cache.size(1), block_size = k_cache.size(2);
   const int64_t group = num_heads / num_kv_heads, max_blocks = block_tables.size(1);
   const T* qp = q.data_ptr<T>();
@@ -89,6 +98,18 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
       for (int64_t b = 0; b < num_blocks; ++b) {
         const int64_t slice = table[b] * num_kv_heads * block_size + kh * block_size;  // first row
         const int64_t n = std::min(block_size, len - b * block_size);
+        // The next block's keys (or the next item's first ones) to L1, this block's values to L2.
+        if (b + 1 < num_blocks) {
+          const int64_t next = table[b + 1] * num_kv_heads * block_size + kh * block_size;
+          prefetch_bytes<3>(kp + next * head_dim, block_size * head_dim * sizeof(C));
+          if constexpr (is_quantized<C>()) prefetch_bytes<3>(ksp + next, block_size * 2);
+        } else if (item + 1 < end) {
+          const int64_t s2 = (item + 1) / num_kv_heads, kh2 = (item + 1) % num_kv_heads;
+          const int64_t next = tables[s2 * max_blocks] * num_kv_heads * block_size + kh2 * block_size;
+          prefetch_bytes<3>(kp + next * head_dim, block_size * head_dim * sizeof(C));
+        }
+        prefetch_bytes<2>(vp + slice * head_dim, n * head_dim * sizeof(C));
+        if constexpr (is_quantized<C>()) prefetch_bytes<2>(vsp + slice, n * 2);
         const K* kb;
         if constexpr (is_quantized<C>()) {
           dequantize_rows(kp + slice * head_dim, ksp + slice, n, head_dim, buf.data());
@@ -173,13 +194,26 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
   });
 }
 
+// The kernel with head_dim a compile-time constant where it is a common one (the loops over a
+// head then unroll fully), else read at run time.
+template <typename T, typename C>
+void decode_hd(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+               const torch::Tensor& k_scale, const torch::Tensor& v_scale, const torch::Tensor& bt,
+               const torch::Tensor& sl, torch::Tensor& out, double scale) {
+  switch (q.size(2)) {
+    case 64: return decode_kernel<T, C, 64>(q, k_cache, v_cache, k_scale, v_scale, bt, sl, out, scale);
+    case 128: return decode_kernel<T, C, 128>(q, k_cache, v_cache, k_scale, v_scale, bt, sl, out, scale);
+    default: return decode_kernel<T, C, 0>(q, k_cache, v_cache, k_scale, v_scale, bt, sl, out, scale);
+  }
+}
+
 template <typename T>
 void dispatch_cache(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                     const torch::Tensor& k_scale, const torch::Tensor& v_scale, const torch::Tensor& bt,
                     const torch::Tensor& sl, torch::Tensor& out, double scale) {
   const auto kind = k_cache.scalar_type();
   if (kind == q.scalar_type()) {
-    decode_kernel<T, T>(q, k_cache, v_cache, k_scale, v_scale, bt, sl, out, scale);
+    decode_hd<T, T>(q, k_cache, v_cache, k_scale, v_scale, bt, sl, out, scale);
     return;
   }
   TORCH_CHECK(kind == torch::kFloat8_e4m3fn || kind == torch::kChar,
@@ -188,9 +222,9 @@ void dispatch_cache(const torch::Tensor& q, const torch::Tensor& k_cache, const 
                   k_scale.numel() * k_cache.size(3) == k_cache.numel() && v_scale.numel() == k_scale.numel(),
               "a 1-byte cache needs contiguous bfloat16 scales [blocks, kv_heads, block_size]");
   if (kind == torch::kChar)
-    decode_kernel<T, int8_t>(q, k_cache, v_cache, k_scale, v_scale, bt, sl, out, scale);
+    decode_hd<T, int8_t>(q, k_cache, v_cache, k_scale, v_scale, bt, sl, out, scale);
   else
-    decode_kernel<T, c10::Float8_e4m3fn>(q, k_cache, v_cache, k_scale, v_scale, bt, sl, out, scale);
+    decode_hd<T, c10::Float8_e4m3fn>(q, k_cache, v_cache, k_scale, v_scale, bt, sl, out, scale);
 }
 
 }  // namespace
