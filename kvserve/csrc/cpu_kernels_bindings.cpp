@@ -15,6 +15,8 @@ void kv_write_int8(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k
                    bool round_trip);
 torch::Tensor silu_mul(torch::Tensor gate_up);
 
+void bind_decode_stack(pybind11::module& m);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row (float32 or bfloat16)");
@@ -23,4 +25,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kv_write", &kv_write, "Store K/V rows at their slots");
   m.def("kv_write_int8", &kv_write_int8, "Quantize K/V rows to int8 (a bfloat16 scale per head vector) at their slots");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate|up row (float32 or bfloat16)");
+  bind_decode_stack(m);
 }

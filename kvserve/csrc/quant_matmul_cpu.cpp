@@ -28,6 +28,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <map>
+#include <string>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -507,4 +509,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_mm", &int4_mm, "y = x @ W.T for N output rows, W int4 in kvserve's panel layout, int8 activations");
   m.def("int8_mm", &int8_mm, "y = x @ W.T for N output rows, W int8 (a scale per row) in panels, int8 activations");
   m.def("isa", &isa_name, "the instruction set this variant was compiled for");
+  // For cpu_kernels' DecodeStack, which calls the matmuls without Python in between.
+  m.def("matmul_addresses", [] {
+    return std::map<std::string, int64_t>{{"int4", reinterpret_cast<int64_t>(&int4_mm)},
+                                          {"int8", reinterpret_cast<int64_t>(&int8_mm)}};
+  }, "addresses of int4_mm and int8_mm (at::Tensor (*)(x, codes, scales, N))");
 }

@@ -1,5 +1,6 @@
-"""Builds and loads kvserve's small C++ CPU kernels: paged decode attention and the fused
-per-layer ops (RMSNorm, rotary, KV write, SiLU-and-multiply), one extension from csrc/.
+"""Builds and loads kvserve's small C++ CPU kernels: paged decode attention, the fused
+per-layer ops (RMSNorm, rotary, KV write, SiLU-and-multiply) and the decode stack that runs
+a decode step's layers in one call, one extension from csrc/.
 
 Compiled once per machine with torch's extension builder (needs a C++ compiler; the result
 is cached under TORCH_EXTENSIONS_DIR). The module name carries a hash of the sources, the
@@ -29,7 +30,9 @@ logger = logging.getLogger(__name__)
 _CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "csrc")
 SOURCES = [
     os.path.join(_CSRC, name)
-    for name in ("paged_attention_cpu.cpp", "layer_ops_cpu.cpp", "cpu_kernels_bindings.cpp")
+    for name in (
+        "paged_attention_cpu.cpp", "layer_ops_cpu.cpp", "decode_stack_cpu.cpp", "cpu_kernels_bindings.cpp"
+    )
 ]
 _CFLAGS = ["-O3", "-fopenmp", "-march=native", "-ffast-math"]
 _lock = threading.Lock()

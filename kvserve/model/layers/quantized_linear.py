@@ -147,6 +147,17 @@ class QuantizedLinear(nn.Module):
             return kernels.int8_mm(x, buffers["qweight"], buffers["scales"], self.out_features)
         return kernels.int4_mm(x, buffers["qweight"], buffers["scales_zeros"], self.out_features)
 
+    def native_matmul(self) -> tuple[int, torch.Tensor, torch.Tensor, int] | None:
+        """(address of the native matmul, codes, scales, out_features) for C++ callers (the
+        decode stack), or None where this layer does not run the native kernels."""
+        if self.native is None:
+            return None
+        mod = quant_kernels.kernels_for(self.native)
+        if mod is None or not hasattr(mod, "matmul_addresses"):
+            return None
+        scales = self._buffers["scales" if self.method == "int8" else "scales_zeros"]
+        return mod.matmul_addresses()[self.method], self._buffers["qweight"], scales, self.out_features
+
     def kernel_name(self) -> str:
         """What runs this projection (for the start-up log)."""
         if self.native is not None and self.method == "int8":
