@@ -3,7 +3,7 @@ machines). No torch import: server-side benchmarks read it without loading the e
 
 from __future__ import annotations
 
-WANTED = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile")
+WANTED = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8", "amx_tile")
 
 
 def cpu_flags() -> str:

@@ -88,7 +88,7 @@ def test_quantized_linear_int8_native_keeps_lookups():
 def test_variants_agree_on_int8_activations():
     """Same quantized activations, integer dot products, the same fp32 steps per output: the
     SIMD variants agree bit for bit; the plain C++ one differs only where the compiler fuses."""
-    qw, x, _ = _case(64, 576, 5)
+    qw, x, _ = _case(64, 576, 37)  # 37 rows: two AMX tiles where present, then the VNNI ones
     codes, sz = qk.pack_int4(qw.codes, qw.scales, qw.zeros)
     q8 = quantize_weight(torch.randn(40, 576) * 0.1, "int8")
     codes8, scales8 = qk.pack_int8(q8.codes, q8.scales)
@@ -100,10 +100,11 @@ def test_variants_agree_on_int8_activations():
         torch.testing.assert_close(ys["generic"], ys[VARIANTS[0]], rtol=1e-4, atol=1e-4)
 
 
-def test_avx512_variant_compiles_and_is_never_loaded_where_it_cannot_run():
-    assert qk.compile_only("avx512_vnni").endswith(".o")
-    if "avx512_vnni" not in VARIANTS:
-        assert qk.load_quant_kernels("avx512_vnni") is None
+@pytest.mark.parametrize("variant", ["avx512_amx", "avx512_vnni"])
+def test_avx512_variants_compile_and_are_never_loaded_where_they_cannot_run(variant):
+    assert qk.compile_only(variant).endswith(".o")
+    if variant not in VARIANTS:
+        assert qk.load_quant_kernels(variant) is None
 
 
 def test_pack_layout_round_trips():

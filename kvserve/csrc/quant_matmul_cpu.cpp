@@ -49,7 +49,9 @@ inline float bf16(uint16_t v) {
 }
 
 const char* isa_name() {
-#if defined(KVQ_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if defined(KVQ_AVX2) && defined(__AMX_INT8__) && defined(__AVX512VNNI__)
+  return "avx512_amx";
+#elif defined(KVQ_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
   return "avx512_vnni";
 #elif defined(KVQ_AVX2)
   return "avx2";
@@ -396,11 +398,130 @@ void panel_q8(const Args& a, int64_t p, int64_t m0, bool) {
 }
 #endif
 
+// ---- AMX: 16 activation rows x one panel per tile multiply -------------------------------
+// Where the CPU has AMX-INT8 (the avx512_amx variant), a full tile of 16 activation rows takes
+// one group's 16 x 16 x 32 integer products in one tile instruction: A = the rows' int8 codes
+// (straight from the quantized activations, stride K), B = the panel's group in VNNI layout (an
+// int8 panel's group is already that, 8 chunks of 64 bytes; an int4 one is unpacked to it).
+// The int32 sums are the same integers the VNNI loop makes, and the float steps per output
+// below are that loop's, so the result is bit-identical to it; fewer rows use the VNNI tiles.
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512VNNI__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+constexpr int AMX_MR = 16;
+
+
+// Linux hands out the tile registers only on request (ARCH_REQ_XCOMP_PERM, XTILEDATA); once
+// per process. False where the kernel refuses: the VNNI tiles then do all the work.
+bool amx_permitted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+}
+
+// Tile 0: C, 16 x 16 int32; tile 1: A, 16 rows x 32 bytes; tile 2: B, 8 rows x 64 bytes.
+void amx_configure() {
+  static thread_local bool done = false;
+  if (done) return;
+  alignas(64) uint8_t cfg[64] = {};
+  cfg[0] = 1;  // palette 1
+  auto tile = [&](int t, int rows, int colsb) {
+    cfg[16 + 2 * t] = static_cast<uint8_t>(colsb);
+    cfg[48 + t] = static_cast<uint8_t>(rows);
+  };
+  tile(0, 16, 64);
+  tile(1, 16, 32);
+  tile(2, 8, 64);
+  _tile_loadconfig(cfg);
+  done = true;
+}
+
+inline bool amx_ready() { return amx_permitted() && (amx_configure(), true); }
+
+// Group g of int4 panel p as a VNNI-layout B tile: row 2j holds chunk j's low nibbles (inputs
+// 8j .. 8j + 3), row 2j + 1 its high ones (8j + 4 .. 8j + 7).
+inline void unpack_b_i4(const Args& a, int64_t p, int64_t g, uint8_t* bt) {
+  const uint8_t* w = a.w + p * panel_code_bytes(a) + g * 256;
+  const __m512i mask = _mm512_set1_epi8(0x0F);
+  for (int j = 0; j < 4; ++j) {
+    const __m512i v = _mm512_loadu_si512(w + j * 64);
+    _mm512_storeu_si512(bt + 128 * j, _mm512_and_si512(v, mask));
+    _mm512_storeu_si512(bt + 128 * j + 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), mask));
+  }
+}
+
+// One group's 16 x 16 integer sums into c (row-major, 16 int32 per activation row).
+inline void amx_group(const Args& a, int64_t m0, int64_t g, const void* b, bool b_unsigned, int32_t* c) {
+  _tile_zero(0);
+  _tile_loadd(1, a.qx + m0 * a.K + g * G, a.K);
+  _tile_loadd(2, b, 64);
+  if (b_unsigned) _tile_dpbsud(0, 1, 2);
+  else _tile_dpbssd(0, 1, 2);
+  _tile_stored(0, c, 64);
+}
+
+// Every AMX_MR-row tile of rows [0, M) x int4 panel p: the panel is unpacked to B tiles once,
+// then read by each row tile (the B tile written just before its load would stall on it).
+void amx_panel_i4(const Args& a, int64_t p, int64_t M) {
+  const int64_t ng = a.K / G;
+  const uint16_t* sz = a.sz + p * panel_sz_elems(a);
+  static thread_local std::vector<uint8_t> bt;
+  bt.resize(ng * 512);
+  for (int64_t g = 0; g < ng; ++g) unpack_b_i4(a, p, g, bt.data() + g * 512);
+  alignas(64) int32_t c[AMX_MR * 16];
+  for (int64_t m0 = 0; m0 + AMX_MR <= M; m0 += AMX_MR) {
+    __m512 acc[AMX_MR], bias[AMX_MR];
+    for (int r = 0; r < AMX_MR; ++r) acc[r] = bias[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < ng; ++g) {
+      amx_group(a, m0, g, bt.data() + g * 512, true, c);
+      const __m512 sw = bf16x16(sz + g * 2 * PR), zw = bf16x16(sz + g * 2 * PR + PR);
+      const __m512 mw = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), sw, zw);
+      for (int r = 0; r < AMX_MR; ++r) {
+        const int64_t i = (m0 + r) * ng + g;
+        const __m512i isum = _mm512_load_si512(c + 16 * r);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(sw, _mm512_set1_ps(a.dx[i])), acc[r]);
+        bias[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.sx[i]), bias[r]);
+      }
+    }
+    const int64_t n0 = p * PR, valid = std::min(PR, a.N - n0);
+    const __mmask16 keep = static_cast<__mmask16>((1u << valid) - 1);
+    for (int r = 0; r < AMX_MR; ++r)
+      _mm512_mask_storeu_ps(a.y + (m0 + r) * a.N + n0, keep, _mm512_add_ps(acc[r], bias[r]));
+  }
+}
+
+// Every AMX_MR-row tile of rows [0, M) x int8 panel p (its groups are B tiles as they lie).
+void amx_panel_q8(const Args& a, int64_t p, int64_t M) {
+  const int64_t ng = a.K / G;
+  alignas(64) int32_t c[AMX_MR * 16];
+  for (int64_t m0 = 0; m0 + AMX_MR <= M; m0 += AMX_MR) {
+    __m512 acc[AMX_MR];
+    for (int r = 0; r < AMX_MR; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < ng; ++g) {
+      amx_group(a, m0, g, panel8(a, p) + g * 512, false, c);  // signed x signed: the exact sums
+      for (int r = 0; r < AMX_MR; ++r) {
+        const int64_t i = (m0 + r) * ng + g;
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * r)), _mm512_set1_ps(a.dx[i]), acc[r]);
+      }
+    }
+    const int64_t n0 = p * PR, valid = std::min(PR, a.N - n0);
+    const __mmask16 keep = static_cast<__mmask16>((1u << valid) - 1);
+    const __m512 s = bf16x16(a.s8 + n0);
+    for (int r = 0; r < AMX_MR; ++r) _mm512_mask_storeu_ps(a.y + (m0 + r) * a.N + n0, keep, _mm512_mul_ps(acc[r], s));
+  }
+}
+#define KVQ_AMX 1
+#endif
+
 // ---- the panel loop both formats share ------------------------------------------------
 
 struct Int4 {
   template <int MR>
   static void tile(const Args& a, int64_t p, int64_t m0, bool pf) { panel_i4<MR>(a, p, m0, pf); }
+#if defined(KVQ_AMX)
+  static constexpr int64_t amx_min_rows = 32;  // at 16 the per-group float steps outweigh the gain
+  static void amx(const Args& a, int64_t p, int64_t M) { amx_panel_i4(a, p, M); }
+#endif
   static const void* panel(const Args& a, int64_t p) { return a.w + p * panel_code_bytes(a); }
   static int64_t panel_bytes(const Args& a) { return panel_code_bytes(a); }
 };
@@ -408,6 +529,10 @@ struct Int4 {
 struct Int8 {
   template <int MR>
   static void tile(const Args& a, int64_t p, int64_t m0, bool pf) { panel_q8<MR>(a, p, m0, pf); }
+#if defined(KVQ_AMX)
+  static constexpr int64_t amx_min_rows = AMX_MR;
+  static void amx(const Args& a, int64_t p, int64_t M) { amx_panel_q8(a, p, M); }
+#endif
   static const void* panel(const Args& a, int64_t p) { return panel8(a, p); }
   static int64_t panel_bytes(const Args& a) { return a.K * PR; }
 };
@@ -426,9 +551,18 @@ void tail(const Args& a, int64_t p, int64_t m0, int64_t rows, bool pf) {
 template <class F>
 void panels(const Args& a, int64_t M, int64_t p0, int64_t p1) {
   prefetch_span(F::panel(a, p0), std::min<int64_t>(PF_BYTES, F::panel_bytes(a)));
+#if defined(KVQ_AMX)
+  const bool amx = M >= F::amx_min_rows && amx_ready();
+#endif
   for (int64_t p = p0; p < p1; ++p) {
     bool pf = p + 1 < p1;
     int64_t m = 0;
+#if defined(KVQ_AMX)
+    if (amx) {
+      F::amx(a, p, M);
+      m = M / AMX_MR * AMX_MR;
+    }
+#endif
     for (; m + TILE_MR <= M; m += TILE_MR, pf = false) F::template tile<TILE_MR>(a, p, m, pf);
     if (m < M) tail<F, TILE_MR - 1>(a, p, m, M - m, pf);
   }

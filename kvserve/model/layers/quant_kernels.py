@@ -30,8 +30,10 @@ SRC = os.path.join(
 )
 _COMMON = ["-O3", "-fopenmp"]
 # Variant -> compiler flags, best first.
+_VNNI = [*_COMMON, "-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
 VARIANTS: dict[str, list[str]] = {
-    "avx512_vnni": [*_COMMON, "-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"],
+    "avx512_amx": [*_VNNI, "-mamx-tile", "-mamx-int8"],  # VNNI plus AMX tiles for 16+ rows
+    "avx512_vnni": _VNNI,
     "avx2": [*_COMMON, "-mavx2", "-mfma"],
     "generic": list(_COMMON),
 }
@@ -46,6 +48,8 @@ def runnable_variants(isa: CpuIsa | None = None) -> list[str]:
     isa = isa or cpu_isa()
     out = []
     if isa.avx2 and isa.avx512 and "avx512_vnni" in isa.flags:
+        if "amx_int8" in isa.flags and "amx_tile" in isa.flags:
+            out.append("avx512_amx")
         out.append("avx512_vnni")
     if isa.avx2:
         out.append("avx2")
