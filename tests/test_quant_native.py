@@ -187,3 +187,18 @@ def test_int4_request_alone_and_in_a_batch_of_eight_decode_alike():
     assert noise < 1e-3, f"alone and batched disagree by {noise:.3g} nats on agreed tokens"
     for p, (alone, batched) in zip(texts, pairs):
         assert_quantized_match(alone, batched.token_ids, f"int4 alone vs batch {p!r}", 2 * noise)
+
+
+@pytest.mark.skipif("avx512_amx" not in VARIANTS, reason="no AMX-INT8 here")
+def test_amx_variant_after_another_amx_user_released_the_tiles():
+    """oneDNN's bf16 matmuls use AMX where present and release the tiles when done; the AMX
+    variant must configure them again at its next call (a stale configuration is an illegal
+    instruction), and still agree with the VNNI one."""
+    q8 = quantize_weight(torch.randn(64, 576) * 0.1, "int8")
+    codes8, scales8 = qk.pack_int8(q8.codes, q8.scales)
+    x = torch.randn(32, 576)
+    amx, vnni = qk.load_quant_kernels("avx512_amx"), qk.load_quant_kernels("avx512_vnni")
+    for _ in range(3):
+        a = torch.randn(256, 256).bfloat16()
+        torch.mm(a, a)
+        assert torch.equal(amx.int8_mm(x, codes8, scales8, 64), vnni.int8_mm(x, codes8, scales8, 64))

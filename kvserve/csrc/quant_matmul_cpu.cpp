@@ -420,9 +420,10 @@ bool amx_permitted() {
 }
 
 // Tile 0: C, 16 x 16 int32; tile 1: A, 16 rows x 32 bytes; tile 2: B, 8 rows x 64 bytes.
+// Loaded at every kernel call and released after it: other AMX users on the same thread
+// (oneDNN's bf16 matmuls) release the tiles when they finish, and a tile instruction under a
+// released configuration is an illegal instruction.
 void amx_configure() {
-  static thread_local bool done = false;
-  if (done) return;
   alignas(64) uint8_t cfg[64] = {};
   cfg[0] = 1;  // palette 1
   auto tile = [&](int t, int rows, int colsb) {
@@ -433,10 +434,7 @@ void amx_configure() {
   tile(1, 16, 32);
   tile(2, 8, 64);
   _tile_loadconfig(cfg);
-  done = true;
 }
-
-inline bool amx_ready() { return amx_permitted() && (amx_configure(), true); }
 
 // Group g of int4 panel p as a VNNI-layout B tile: row 2j holds chunk j's low nibbles (inputs
 // 8j .. 8j + 3), row 2j + 1 its high ones (8j + 4 .. 8j + 7).
@@ -552,7 +550,8 @@ template <class F>
 void panels(const Args& a, int64_t M, int64_t p0, int64_t p1) {
   prefetch_span(F::panel(a, p0), std::min<int64_t>(PF_BYTES, F::panel_bytes(a)));
 #if defined(KVQ_AMX)
-  const bool amx = M >= F::amx_min_rows && amx_ready();
+  const bool amx = M >= F::amx_min_rows && amx_permitted();
+  if (amx) amx_configure();
 #endif
   for (int64_t p = p0; p < p1; ++p) {
     bool pf = p + 1 < p1;
@@ -566,6 +565,9 @@ void panels(const Args& a, int64_t M, int64_t p0, int64_t p1) {
     for (; m + TILE_MR <= M; m += TILE_MR, pf = false) F::template tile<TILE_MR>(a, p, m, pf);
     if (m < M) tail<F, TILE_MR - 1>(a, p, m, M - m, pf);
   }
+#if defined(KVQ_AMX)
+  if (amx) _tile_release();
+#endif
 }
 
 // ---- entry points ------------------------------------------------------------------------

@@ -218,7 +218,8 @@ class LlamaForCausalLM(nn.Module):
             return None
         if kv_cache.dtype not in (torch.float32, torch.int8):
             return None
-        key = id(self.layers[0].attn.kv_scales)  # the runner gives the layers new scales with a new pool
+        scales = self.layers[0].attn.kv_scales  # a new pool comes with new scales (the stack holds them)
+        key = scales[0].data_ptr() if scales else 0
         if self._stack is None or self._stack[0] != key:
             self._stack = (key, self._build_decode_stack())
         return self._stack[1]
