@@ -212,7 +212,9 @@ class LlamaForCausalLM(nn.Module):
         projection native int4 / int8 without bias, one tensor-parallel rank, a float32 or int8
         KV cache. It computes exactly what the fused Python path does, without the ~35 us of
         interpreter per layer."""
-        if not self.use_decode_stack or self.ops is None or meta.prefills or not meta.num_decodes:
+        if not self.use_decode_stack or self.ops is None or type(meta) is not AttentionMetadata:
+            return None  # other backends' metadata (Triton) keep their own attention
+        if meta.prefills or not meta.num_decodes:
             return None
         if x.device.type != "cpu" or x.dtype != torch.float32 or not x.is_contiguous():
             return None
