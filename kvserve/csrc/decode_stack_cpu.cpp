@@ -8,23 +8,10 @@
 // quant_kernels variant module, reached through the function pointers it exports (both modules
 // are built against the same torch headers); the small ops and the attention are this
 // extension's own.
-#include <torch/extension.h>
+#include "cpu_kernels.h"
 
 #include <cstdint>
 #include <vector>
-
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor k_scale, torch::Tensor v_scale, torch::Tensor block_tables,
-                                     torch::Tensor seq_lens, double scale);
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
-torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor w, double eps);
-void rotary_inplace(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
-void kv_write(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, torch::Tensor v,
-              torch::Tensor slot_blocks, torch::Tensor slot_offsets);
-void kv_write_int8(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k_scales, torch::Tensor v_scales,
-                   torch::Tensor k, torch::Tensor v, torch::Tensor slot_blocks, torch::Tensor slot_offsets,
-                   bool round_trip);
-torch::Tensor silu_mul(torch::Tensor gate_up);
 
 namespace {
 
@@ -41,6 +28,7 @@ struct Projection {
 struct Layer {
   at::Tensor input_norm, post_norm, k_scales, v_scales;  // scales: empty unless the cache is int8
   Projection qkv, o, gate_up, down;
+  bool int8_cache;
 };
 
 class DecodeStack {
@@ -55,7 +43,8 @@ class DecodeStack {
     TORCH_CHECK(fns.size() == 4 && weights.size() == 8 && ns.size() == 4, "four projections");
     Projection p[4];
     for (int i = 0; i < 4; ++i) p[i] = {reinterpret_cast<MatmulFn>(fns[i]), weights[2 * i], weights[2 * i + 1], ns[i]};
-    layers_.push_back({input_norm, post_norm, k_scales, v_scales, p[0], p[1], p[2], p[3]});
+    const bool int8_cache = k_scales.numel() > 0;
+    layers_.push_back({input_norm, post_norm, k_scales, v_scales, p[0], p[1], p[2], p[3], int8_cache});
   }
 
   // x: the residual stream [rows, hidden] float32 (added into in place and returned); cos/sin
@@ -68,7 +57,6 @@ class DecodeStack {
     TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "x: contiguous float32 rows");
     TORCH_CHECK(kv_cache.size(0) == static_cast<int64_t>(layers_.size()), "one KV cache per layer");
     const int64_t rows = x.size(0), nd = seq_lens.numel(), q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
-    const at::Tensor none = at::empty({0}, x.options().dtype(at::kBFloat16));
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& l = layers_[i];
       at::Tensor qkv = l.qkv(rms_norm(x, l.input_norm, eps_));
@@ -78,10 +66,9 @@ class DecodeStack {
       rotary_inplace(q, cos, sin);
       rotary_inplace(k, cos, sin);
       at::Tensor kc = kv_cache.select(0, i).select(0, 0), vc = kv_cache.select(0, i).select(0, 1);
-      const bool quantized = l.k_scales.defined() && l.k_scales.numel() > 0;
-      if (quantized) kv_write_int8(kc, vc, l.k_scales, l.v_scales, k, v, slot_blocks, slot_offsets, false);
+      if (l.int8_cache) kv_write_int8(kc, vc, l.k_scales, l.v_scales, k, v, slot_blocks, slot_offsets, false);
       else kv_write(kc, vc, k, v, slot_blocks, slot_offsets);
-      at::Tensor ks = quantized ? l.k_scales : none, vs = quantized ? l.v_scales : none;
+      const at::Tensor &ks = l.k_scales, &vs = l.v_scales;  // empty for a float cache, as the kernel takes it
       at::Tensor attn;
       if (nd == rows) {
         attn = paged_decode_attention(q.contiguous(), kc, vc, ks, vs, block_tables, seq_lens, scale);

@@ -69,7 +69,7 @@ class AttentionMetadata:
         return self._gather
 
 
-_NO_SCALES = torch.empty(0)  # what the C++ kernel is given for an unquantized cache
+NO_SCALES = torch.empty(0)  # what the C++ kernel is given for an unquantized cache
 
 
 def _gather_kv(
@@ -162,7 +162,7 @@ class PagedAttention:
     ) -> torch.Tensor:
         ks, vs = self.kv_scales or (None, None)
         if self.kernels is not None and q.device.type == "cpu":
-            ks, vs = (_NO_SCALES, _NO_SCALES) if ks is None else (ks, vs)
+            ks, vs = (NO_SCALES, NO_SCALES) if ks is None else (ks, vs)
             return self.kernels.paged_decode_attention(
                 q.contiguous(), k_cache, v_cache, ks, vs,
                 meta.decode_block_tables, meta.decode_seq_lens, self.scale,

@@ -34,6 +34,7 @@ SOURCES = [
         "paged_attention_cpu.cpp", "layer_ops_cpu.cpp", "decode_stack_cpu.cpp", "cpu_kernels_bindings.cpp"
     )
 ]
+HEADERS = [os.path.join(_CSRC, "cpu_kernels.h")]  # copied beside the sources, hashed with them
 _CFLAGS = ["-O3", "-fopenmp", "-march=native", "-ffast-math"]
 _lock = threading.Lock()
 _module = None
@@ -63,17 +64,18 @@ def _build_name(source: bytes) -> str:
 
 
 def read_sources() -> bytes:
-    """The extension's sources, concatenated: what its build name hashes."""
+    """The extension's sources and headers, concatenated: what its build name hashes."""
     out = b""
-    for path in SOURCES:
+    for path in SOURCES + HEADERS:
         with open(path, "rb") as f:
             out += f.read()
     return out
 
 
-def build_extension(name: str, src_paths: list[str], cflags: list[str]):
-    """Build (or load the cached build of) one extension from C++ sources under our own fcntl
-    lock; raises on failure. Shared by every kvserve kernel loader."""
+def build_extension(name: str, src_paths: list[str], cflags: list[str], headers: list[str] = ()):
+    """Build (or load the cached build of) one extension from C++ sources (and the headers they
+    include, copied beside them) under our own fcntl lock; raises on failure. Shared by every
+    kvserve kernel loader."""
     from torch.utils.cpp_extension import _get_build_directory, load
 
     build_dir = _get_build_directory(name, verbose=False)
@@ -84,7 +86,7 @@ def build_extension(name: str, src_paths: list[str], cflags: list[str]):
             logger.info("removing a stale extension build lock %s", stale)
             os.remove(stale)
         copies = []
-        for path in src_paths:
+        for path in [*src_paths, *headers]:
             dst = os.path.join(build_dir, os.path.basename(path))
             with open(path, "rb") as f:
                 source = f.read()
@@ -93,7 +95,7 @@ def build_extension(name: str, src_paths: list[str], cflags: list[str]):
             copies.append(dst)
         return load(
             name=name,
-            sources=copies,
+            sources=copies[: len(src_paths)],
             extra_cflags=cflags,
             extra_ldflags=["-fopenmp"],
             build_directory=build_dir,
@@ -111,7 +113,7 @@ def load_cpu_kernels():
             _failed = True
             return None
         try:
-            _module = build_extension(_build_name(read_sources()), SOURCES, _CFLAGS)
+            _module = build_extension(_build_name(read_sources()), SOURCES, _CFLAGS, HEADERS)
         except Exception as e:  # no compiler, no headers: the torch path still works
             logger.warning("CPU attention kernel unavailable (%s); using the PyTorch path", e)
             _failed = True

@@ -26,7 +26,7 @@ from torch import nn
 
 from kvserve.distributed.parallel_state import get_pp_group, get_tp_group
 from kvserve.model.arch import ModelArch
-from kvserve.model.layers.attention import AttentionMetadata, PagedAttention
+from kvserve.model.layers.attention import NO_SCALES, AttentionMetadata, PagedAttention
 from kvserve.model.layers.parallel_linear import (
     MergedColumnParallelLinear,
     ParallelLinear,
@@ -231,13 +231,12 @@ class LlamaForCausalLM(nn.Module):
             return None
         first = self.layers[0]
         stack = self.ops.DecodeStack(first.num_heads, first.num_kv_heads, first.head_dim, first.eps)
-        none = torch.empty(0, dtype=torch.bfloat16)
         for layer in self.layers:
             calls = [p.quant.native_matmul() if p.quant is not None and p.bias is None else None
                      for p in layer.projections().values()]  # fmt: skip
             if any(c is None for c in calls):
                 return None
-            ks, vs = layer.attn.kv_scales or (none, none)
+            ks, vs = layer.attn.kv_scales or (NO_SCALES, NO_SCALES)
             weights = [t for _, codes, scales, _ in calls for t in (codes, scales)]
             stack.add_layer(layer.input_norm, layer.post_attn_norm, [c[0] for c in calls], weights,
                             [c[3] for c in calls], ks, vs)  # fmt: skip
