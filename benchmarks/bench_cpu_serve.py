@@ -45,6 +45,7 @@ CONFIGS: dict[str, list[str]] = {
     "fp32-cap64": ["--long-prefill-token-threshold", "64"],
     "int4-cap64": ["--quantization", "int4", "--long-prefill-token-threshold", "64"],
     "int8-cap64": ["--quantization", "int8", "--long-prefill-token-threshold", "64"],
+    "int8-cap128": ["--quantization", "int8", "--long-prefill-token-threshold", "128"],
     "int4-kv8-cap64": [
         "--quantization", "int4", "--kv-cache-dtype", "int8", "--long-prefill-token-threshold", "64",
     ],  # fmt: skip

@@ -88,16 +88,19 @@ def test_quantized_linear_int8_native_keeps_lookups():
 def test_variants_agree_on_int8_activations():
     """Same quantized activations, integer dot products, the same fp32 steps per output: the
     SIMD variants agree bit for bit; the plain C++ one differs only where the compiler fuses."""
-    qw, x, _ = _case(64, 576, 37)  # 37 rows: two AMX tiles where present, then the VNNI ones
-    codes, sz = qk.pack_int4(qw.codes, qw.scales, qw.zeros)
-    q8 = quantize_weight(torch.randn(40, 576) * 0.1, "int8")
-    codes8, scales8 = qk.pack_int8(q8.codes, q8.scales)
-    for run in (lambda m: m.int4_mm(x, codes, sz, 64), lambda m: m.int8_mm(x, codes8, scales8, 40)):
-        ys = {v: run(qk.load_quant_kernels(v)) for v in VARIANTS}
-        simd = [ys[v] for v in VARIANTS if v != "generic"]
-        for y in simd[1:]:
-            assert torch.equal(y, simd[0])
-        torch.testing.assert_close(ys["generic"], ys[VARIANTS[0]], rtol=1e-4, atol=1e-4)
+    # 37 rows: two AMX tiles where present, then the VNNI ones; 576 and 160 inputs: 18 and 5
+    # groups, so the AMX batches of four groups end in a batch of two and of one
+    for k in (576, 160):
+        qw, x, _ = _case(64, k, 37)
+        codes, sz = qk.pack_int4(qw.codes, qw.scales, qw.zeros)
+        q8 = quantize_weight(torch.randn(40, k) * 0.1, "int8")
+        codes8, scales8 = qk.pack_int8(q8.codes, q8.scales)
+        for run in (lambda m: m.int4_mm(x, codes, sz, 64), lambda m: m.int8_mm(x, codes8, scales8, 40)):
+            ys = {v: run(qk.load_quant_kernels(v)) for v in VARIANTS}
+            simd = [ys[v] for v in VARIANTS if v != "generic"]
+            for y in simd[1:]:
+                assert torch.equal(y, simd[0])
+            torch.testing.assert_close(ys["generic"], ys[VARIANTS[0]], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("variant", ["avx512_amx", "avx512_vnni"])

@@ -419,10 +419,15 @@ bool amx_permitted() {
   return ok;
 }
 
-// Tile 0: C, 16 x 16 int32; tile 1: A, 16 rows x 32 bytes; tile 2: B, 8 rows x 64 bytes.
+// Tiles 0-3: C, 16 x 16 int32 each (up to four groups in flight); 4-5: A, 16 rows x 32 bytes;
+// 6-7: B, 8 rows x 64 bytes. One group per tile multiply leaves the tile unit mostly waiting on
+// each result's store (perf: ~45% of the kernel on the store and the next A load at 64 rows),
+// so up to four independent groups are multiplied before their sums are stored.
 // Loaded at every kernel call and released after it: other AMX users on the same thread
 // (oneDNN's bf16 matmuls) release the tiles when they finish, and a tile instruction under a
 // released configuration is an illegal instruction.
+constexpr int AMX_GROUPS = 4;
+
 void amx_configure() {
   alignas(64) uint8_t cfg[64] = {};
   cfg[0] = 1;  // palette 1
@@ -430,9 +435,11 @@ void amx_configure() {
     cfg[16 + 2 * t] = static_cast<uint8_t>(colsb);
     cfg[48 + t] = static_cast<uint8_t>(rows);
   };
-  tile(0, 16, 64);
-  tile(1, 16, 32);
-  tile(2, 8, 64);
+  for (int t = 0; t < 4; ++t) tile(t, 16, 64);
+  tile(4, 16, 32);
+  tile(5, 16, 32);
+  tile(6, 8, 64);
+  tile(7, 8, 64);
   _tile_loadconfig(cfg);
 }
 
@@ -448,37 +455,69 @@ inline void unpack_b_i4(const Args& a, int64_t p, int64_t g, uint8_t* bt) {
   }
 }
 
-// One group's 16 x 16 integer sums into c (row-major, 16 int32 per activation row).
-inline void amx_group(const Args& a, int64_t m0, int64_t g, const void* b, bool b_unsigned, int32_t* c) {
-  _tile_zero(0);
-  _tile_loadd(1, a.qx + m0 * a.K + g * G, a.K);
-  _tile_loadd(2, b, 64);
-  if (b_unsigned) _tile_dpbsud(0, 1, 2);
-  else _tile_dpbssd(0, 1, 2);
+// Tile numbers are immediates, so each of the four slots is spelled out.
+#define KVQ_AMX_SLOT(C, A, B)                                   \
+  _tile_zero(C);                                                \
+  _tile_loadd(A, x + (C) * G, a.K);                             \
+  _tile_loadd(B, b + (C) * 512, 64);                            \
+  if constexpr (B_UNSIGNED) _tile_dpbsud(C, A, B);              \
+  else _tile_dpbssd(C, A, B);
+
+// Groups g .. g + NB - 1 (NB <= 4) of activation rows [m0, m0 + 16): their 16 x 16 integer sums
+// into c[NB][16 x 16] (row-major, 16 int32 per activation row). b: group g's B tile, the next
+// groups' following it 512 bytes apart.
+template <int NB, bool B_UNSIGNED>
+inline void amx_groups(const Args& a, int64_t m0, int64_t g, const uint8_t* b, int32_t* c) {
+  const int8_t* x = a.qx + m0 * a.K + g * G;
+  KVQ_AMX_SLOT(0, 4, 6)
+  if constexpr (NB > 1) { KVQ_AMX_SLOT(1, 5, 7) }
+  if constexpr (NB > 2) { KVQ_AMX_SLOT(2, 4, 6) }
+  if constexpr (NB > 3) { KVQ_AMX_SLOT(3, 5, 7) }
   _tile_stored(0, c, 64);
+  if constexpr (NB > 1) _tile_stored(1, c + 256, 64);
+  if constexpr (NB > 2) _tile_stored(2, c + 512, 64);
+  if constexpr (NB > 3) _tile_stored(3, c + 768, 64);
+}
+#undef KVQ_AMX_SLOT
+
+template <bool B_UNSIGNED>
+inline void amx_batch(const Args& a, int64_t m0, int64_t g, int nb, const uint8_t* b, int32_t* c) {
+  switch (nb) {
+    case 4: return amx_groups<4, B_UNSIGNED>(a, m0, g, b, c);
+    case 3: return amx_groups<3, B_UNSIGNED>(a, m0, g, b, c);
+    case 2: return amx_groups<2, B_UNSIGNED>(a, m0, g, b, c);
+    default: return amx_groups<1, B_UNSIGNED>(a, m0, g, b, c);
+  }
 }
 
 // Every AMX_MR-row tile of rows [0, M) x int4 panel p: the panel is unpacked to B tiles once,
 // then read by each row tile (the B tile written just before its load would stall on it).
-void amx_panel_i4(const Args& a, int64_t p, int64_t M) {
+void amx_panel_i4(const Args& a, int64_t p, int64_t M, bool pf) {
   const int64_t ng = a.K / G;
   const uint16_t* sz = a.sz + p * panel_sz_elems(a);
   static thread_local std::vector<uint8_t> bt;
   bt.resize(ng * 512);
-  for (int64_t g = 0; g < ng; ++g) unpack_b_i4(a, p, g, bt.data() + g * 512);
-  alignas(64) int32_t c[AMX_MR * 16];
+  for (int64_t g = 0; g < ng; ++g) {
+    if (pf) prefetch_group_i4(a, p + 1, g);
+    unpack_b_i4(a, p, g, bt.data() + g * 512);
+  }
+  alignas(64) int32_t c[AMX_GROUPS * AMX_MR * 16];
   for (int64_t m0 = 0; m0 + AMX_MR <= M; m0 += AMX_MR) {
     __m512 acc[AMX_MR], bias[AMX_MR];
     for (int r = 0; r < AMX_MR; ++r) acc[r] = bias[r] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < ng; ++g) {
-      amx_group(a, m0, g, bt.data() + g * 512, true, c);
-      const __m512 sw = bf16x16(sz + g * 2 * PR), zw = bf16x16(sz + g * 2 * PR + PR);
-      const __m512 mw = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), sw, zw);
-      for (int r = 0; r < AMX_MR; ++r) {
-        const int64_t i = (m0 + r) * ng + g;
-        const __m512i isum = _mm512_load_si512(c + 16 * r);
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(sw, _mm512_set1_ps(a.dx[i])), acc[r]);
-        bias[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.sx[i]), bias[r]);
+    for (int64_t g0 = 0; g0 < ng; g0 += AMX_GROUPS) {
+      const int nb = static_cast<int>(std::min<int64_t>(AMX_GROUPS, ng - g0));
+      amx_batch<true>(a, m0, g0, nb, bt.data() + g0 * 512, c);
+      for (int k = 0; k < nb; ++k) {
+        const int64_t g = g0 + k;
+        const __m512 sw = bf16x16(sz + g * 2 * PR), zw = bf16x16(sz + g * 2 * PR + PR);
+        const __m512 mw = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), sw, zw);
+        for (int r = 0; r < AMX_MR; ++r) {
+          const int64_t i = (m0 + r) * ng + g;
+          const __m512i isum = _mm512_load_si512(c + 256 * k + 16 * r);
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(sw, _mm512_set1_ps(a.dx[i])), acc[r]);
+          bias[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.sx[i]), bias[r]);
+        }
       }
     }
     const int64_t n0 = p * PR, valid = std::min(PR, a.N - n0);
@@ -489,18 +528,24 @@ void amx_panel_i4(const Args& a, int64_t p, int64_t M) {
 }
 
 // Every AMX_MR-row tile of rows [0, M) x int8 panel p (its groups are B tiles as they lie).
-void amx_panel_q8(const Args& a, int64_t p, int64_t M) {
+void amx_panel_q8(const Args& a, int64_t p, int64_t M, bool pf) {
   const int64_t ng = a.K / G;
-  alignas(64) int32_t c[AMX_MR * 16];
-  for (int64_t m0 = 0; m0 + AMX_MR <= M; m0 += AMX_MR) {
+  const uint8_t* w = reinterpret_cast<const uint8_t*>(panel8(a, p));
+  alignas(64) int32_t c[AMX_GROUPS * AMX_MR * 16];
+  for (int64_t m0 = 0; m0 + AMX_MR <= M; m0 += AMX_MR, pf = false) {
     __m512 acc[AMX_MR];
     for (int r = 0; r < AMX_MR; ++r) acc[r] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < ng; ++g) {
-      amx_group(a, m0, g, panel8(a, p) + g * 512, false, c);  // signed x signed: the exact sums
-      for (int r = 0; r < AMX_MR; ++r) {
-        const int64_t i = (m0 + r) * ng + g;
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * r)), _mm512_set1_ps(a.dx[i]), acc[r]);
-      }
+    for (int64_t g0 = 0; g0 < ng; g0 += AMX_GROUPS) {
+      const int nb = static_cast<int>(std::min<int64_t>(AMX_GROUPS, ng - g0));
+      if (pf)
+        for (int k = 0; k < nb; ++k) prefetch_group_q8(a, p + 1, g0 + k);
+      amx_batch<false>(a, m0, g0, nb, w + g0 * 512, c);  // signed x signed: the exact sums
+      for (int k = 0; k < nb; ++k)
+        for (int r = 0; r < AMX_MR; ++r) {
+          const int64_t i = (m0 + r) * ng + g0 + k;
+          const __m512 isum = _mm512_cvtepi32_ps(_mm512_load_si512(c + 256 * k + 16 * r));
+          acc[r] = _mm512_fmadd_ps(isum, _mm512_set1_ps(a.dx[i]), acc[r]);
+        }
     }
     const int64_t n0 = p * PR, valid = std::min(PR, a.N - n0);
     const __mmask16 keep = static_cast<__mmask16>((1u << valid) - 1);
@@ -518,7 +563,7 @@ struct Int4 {
   static void tile(const Args& a, int64_t p, int64_t m0, bool pf) { panel_i4<MR>(a, p, m0, pf); }
 #if defined(KVQ_AMX)
   static constexpr int64_t amx_min_rows = 32;  // at 16 the per-group float steps outweigh the gain
-  static void amx(const Args& a, int64_t p, int64_t M) { amx_panel_i4(a, p, M); }
+  static void amx(const Args& a, int64_t p, int64_t M, bool pf) { amx_panel_i4(a, p, M, pf); }
 #endif
   static const void* panel(const Args& a, int64_t p) { return a.w + p * panel_code_bytes(a); }
   static int64_t panel_bytes(const Args& a) { return panel_code_bytes(a); }
@@ -529,7 +574,7 @@ struct Int8 {
   static void tile(const Args& a, int64_t p, int64_t m0, bool pf) { panel_q8<MR>(a, p, m0, pf); }
 #if defined(KVQ_AMX)
   static constexpr int64_t amx_min_rows = AMX_MR;
-  static void amx(const Args& a, int64_t p, int64_t M) { amx_panel_q8(a, p, M); }
+  static void amx(const Args& a, int64_t p, int64_t M, bool pf) { amx_panel_q8(a, p, M, pf); }
 #endif
   static const void* panel(const Args& a, int64_t p) { return panel8(a, p); }
   static int64_t panel_bytes(const Args& a) { return a.K * PR; }
@@ -558,8 +603,9 @@ void panels(const Args& a, int64_t M, int64_t p0, int64_t p1) {
     int64_t m = 0;
 #if defined(KVQ_AMX)
     if (amx) {
-      F::amx(a, p, M);
+      F::amx(a, p, M, pf);
       m = M / AMX_MR * AMX_MR;
+      pf = false;
     }
 #endif
     for (; m + TILE_MR <= M; m += TILE_MR, pf = false) F::template tile<TILE_MR>(a, p, m, pf);
