@@ -95,8 +95,8 @@ def test_variants_agree_on_int8_activations():
         codes, sz = qk.pack_int4(qw.codes, qw.scales, qw.zeros)
         q8 = quantize_weight(torch.randn(40, k) * 0.1, "int8")
         codes8, scales8 = qk.pack_int8(q8.codes, q8.scales)
-        for run in (lambda m: m.int4_mm(x, codes, sz, 64), lambda m: m.int8_mm(x, codes8, scales8, 40)):
-            ys = {v: run(qk.load_quant_kernels(v)) for v in VARIANTS}
+        for name, weight in (("int4_mm", (codes, sz, 64)), ("int8_mm", (codes8, scales8, 40))):
+            ys = {v: getattr(qk.load_quant_kernels(v), name)(x, *weight) for v in VARIANTS}
             simd = [ys[v] for v in VARIANTS if v != "generic"]
             for y in simd[1:]:
                 assert torch.equal(y, simd[0])
