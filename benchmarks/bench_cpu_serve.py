@@ -44,6 +44,7 @@ CONFIGS: dict[str, list[str]] = {
     "bf16": ["--dtype", "bfloat16"],
     "fp32-cap64": ["--long-prefill-token-threshold", "64"],
     "int4-cap64": ["--quantization", "int4", "--long-prefill-token-threshold", "64"],
+    "int4-cap128": ["--quantization", "int4", "--long-prefill-token-threshold", "128"],
     "int8-cap64": ["--quantization", "int8", "--long-prefill-token-threshold", "64"],
     "int8-cap128": ["--quantization", "int8", "--long-prefill-token-threshold", "128"],
     "int4-kv8-cap64": [
