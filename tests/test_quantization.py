@@ -139,18 +139,26 @@ def test_kv_quantize_round_trip(name):
     assert (err <= tol * x.abs().amax(-1, keepdim=True)).all()
 
 
-def _decode_case(kv_name: str, dtype: torch.dtype):
+# (head_dim, block_size, sequence lengths, block tables): a run-time head size with small
+# blocks, and the default model's head size (a compile-time one, the int8 cache's 16-lane loops
+# on AVX-512) with its blocks of 16, partial last blocks included.
+DECODE_SHAPES = {
+    "hd32": (32, 4, [5, 9, 1], [[7, 2], [0, 11, 4], [9]]),
+    "hd64": (64, 16, [5, 40, 17], [[7], [0, 11, 4], [9, 2]]),
+}
+
+
+def _decode_case(kv_name: str, dtype: torch.dtype, shape: str = "hd32"):
     """A random paged cache with 3 sequences, written through PagedAttention itself."""
     torch.manual_seed(1)
-    heads, kvh, hd, bs, nblocks = 6, 2, 32, 4, 12
+    hd, bs, lens, tables = DECODE_SHAPES[shape]
+    heads, kvh, nblocks = 6, 2, 12
     store = kv_storage_dtype(kv_name, dtype)
     k_cache = torch.zeros(nblocks, kvh, bs, hd, dtype=store)
     v_cache = torch.zeros_like(k_cache)
     attn = PagedAttention(heads, kvh, hd)
     if store != dtype:
         attn.kv_scales = tuple(torch.ones(nblocks, kvh, bs, dtype=KV_SCALE_DTYPE) for _ in range(2))
-    lens = [5, 9, 1]
-    tables = [[7, 2], [0, 11, 4], [9]]
     slots_b = [t[p // bs] for t, n in zip(tables, lens) for p in range(n)]
     slots_o = [p % bs for n in lens for p in range(n)]
     k = torch.randn(len(slots_b), kvh, hd, dtype=dtype) * 3
@@ -169,13 +177,14 @@ def _decode_case(kv_name: str, dtype: torch.dtype):
     return attn, q, k_cache, v_cache, dmeta
 
 
+@pytest.mark.parametrize("shape", list(DECODE_SHAPES))
 @pytest.mark.parametrize("kv_name", ["auto", "fp8_e4m3", "int8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_kernel_matches_torch_path(kv_name, dtype):
+def test_decode_kernel_matches_torch_path(kv_name, dtype, shape):
     kernels = load_cpu_kernels()
     if kernels is None:
         pytest.skip("C++ kernel not built here")
-    attn, q, k_cache, v_cache, meta = _decode_case(kv_name, dtype)
+    attn, q, k_cache, v_cache, meta = _decode_case(kv_name, dtype, shape)
     ref = attn._decode(q, k_cache, v_cache, meta)  # gather + SDPA (KVSERVE_DISABLE_CPU_KERNELS path)
     attn.kernels = kernels
     got = attn._decode(q, k_cache, v_cache, meta)
