@@ -11,7 +11,10 @@ For every configuration (a name and the `kvserve serve` flags it adds), in one r
 The load generator is `kvserve bench serve` in its own process. Prints the CPU flags and the
 load average beside every table.
 
-    python benchmarks/bench_cpu_serve.py [--configs fp32,int4,bf16] [--json out.json]
+    python benchmarks/bench_cpu_serve.py [--configs fp32,int4,int8-kv8-cap128] [--json out.json]
+
+A configuration is named by its weights (fp32, int4, int8, bf16), then optionally `-kv8` (int8
+KV cache) and `-capN` (`--long-prefill-token-threshold N`).
 """
 
 from __future__ import annotations
@@ -36,22 +39,30 @@ from benchmarks.common import machine, make_prompts  # noqa: E402
 from benchmarks.cpu_info import cpu_flags  # noqa: E402
 
 MODEL = "smollm2-135m"
-CONFIGS: dict[str, list[str]] = {
+WEIGHTS: dict[str, list[str]] = {
     "fp32": [],
     "int4": ["--quantization", "int4"],
-    "int4-kv8": ["--quantization", "int4", "--kv-cache-dtype", "int8"],
     "int8": ["--quantization", "int8"],
     "bf16": ["--dtype", "bfloat16"],
-    "fp32-cap64": ["--long-prefill-token-threshold", "64"],
-    "int4-cap64": ["--quantization", "int4", "--long-prefill-token-threshold", "64"],
-    "int4-cap128": ["--quantization", "int4", "--long-prefill-token-threshold", "128"],
-    "int8-cap64": ["--quantization", "int8", "--long-prefill-token-threshold", "64"],
-    "int8-cap128": ["--quantization", "int8", "--long-prefill-token-threshold", "128"],
-    "int4-kv8-cap64": [
-        "--quantization", "int4", "--kv-cache-dtype", "int8", "--long-prefill-token-threshold", "64",
-    ],  # fmt: skip
-    "bf16-cap64": ["--dtype", "bfloat16", "--long-prefill-token-threshold", "64"],
 }
+
+
+def config_flags(name: str) -> list[str]:
+    """A configuration's `kvserve serve` flags from its name: weights (fp32 | int4 | int8 |
+    bf16), then optionally `-kv8` (int8 KV cache) and `-capN` (`--long-prefill-token-threshold
+    N`), e.g. int4-kv8-cap128. ValueError names what is wrong."""
+    weights, *rest = name.split("-")
+    if weights not in WEIGHTS:
+        raise ValueError(f"{name!r}: weights must be one of {', '.join(WEIGHTS)}")
+    flags = list(WEIGHTS[weights])
+    for part in rest:
+        if part == "kv8":
+            flags += ["--kv-cache-dtype", "int8"]
+        elif part.startswith("cap") and part[3:].isdigit():
+            flags += ["--long-prefill-token-threshold", part[3:]]
+        else:
+            raise ValueError(f"{name!r}: {part!r} is neither kv8 nor capN")
+    return flags
 
 
 def _engine_kwargs(flags: list[str]) -> dict:
@@ -119,22 +130,22 @@ def measure(name: str, flags: list[str], args, tmp: str) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--configs", default="fp32,int4,bf16", help=f"from {', '.join(CONFIGS)}")
+    ap.add_argument("--configs", default="fp32,int4,bf16", help=config_flags.__doc__.split(".")[0])
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--c1-requests", type=int, default=8)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--offline-rounds", type=int, default=3)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    names = args.configs.split(",")
-    unknown = [n for n in names if n not in CONFIGS]
-    if unknown:
-        ap.error(f"--configs: unknown {unknown}; choose from {', '.join(CONFIGS)}")
+    try:
+        configs = {name: config_flags(name) for name in args.configs.split(",")}
+    except ValueError as e:
+        ap.error(f"--configs: {e}")
 
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name in names:
-            results[name] = measure(name, CONFIGS[name], args, tmp)
+        for name, flags in configs.items():
+            results[name] = measure(name, flags, args, tmp)
             print(name, json.dumps({k: round(v, 3) for k, v in results[name].items()}), flush=True)
 
     base = results.get("fp32")
