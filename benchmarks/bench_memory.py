@@ -13,7 +13,8 @@ requests (so oneDNN's kernel caches and the allocator are warm), and reports fro
 `--baseline-tree DIR` also measures another checkout (e.g. `git archive` of the previous
 commit) in the same run and prints the ratio.
 
-    python benchmarks/bench_memory.py [--dtype float32] [--quantization int4] [--baseline-tree DIR]
+    python benchmarks/bench_memory.py [--dtype float32] [--quantization int4] [--kv-cache-dtype int8]
+        [--baseline-tree DIR]
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ def child(args) -> dict:
 
     runtime = _status()["VmRSS"]
     quant = {"quantization": args.quantization} if args.quantization else {}
-    llm = LLM(args.model, kv_cache_memory=args.kv_cache_memory, dtype=args.dtype, **quant)
+    kv = {"kv_cache_memory": args.kv_cache_memory, "kv_cache_dtype": args.kv_cache_dtype}
+    llm = LLM(args.model, dtype=args.dtype, **kv, **quant)
     loaded = _status()
     prompts = [[1] + list(range(100 + 7 * i, 164 + 7 * i)) for i in range(8)]
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
@@ -62,7 +64,7 @@ def child(args) -> dict:
 def run(tree: str, args) -> dict:
     env = {**os.environ, "PYTHONPATH": tree}
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--model", args.model, "--dtype", args.dtype,
-           "--kv-cache-memory", args.kv_cache_memory]  # fmt: skip
+           "--kv-cache-memory", args.kv_cache_memory, "--kv-cache-dtype", args.kv_cache_dtype]  # fmt: skip
     if args.quantization:
         cmd += ["--quantization", args.quantization]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True, cwd=tree)
@@ -99,6 +101,7 @@ def main() -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--kv-cache-memory", default="1GiB")
     ap.add_argument("--quantization", default=None, help="e.g. int4 (what `make serve` runs)")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="e.g. int8 (what `make serve` runs)")
     ap.add_argument("--baseline-tree", default=None, help="another checkout to measure in the same run")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -111,7 +114,8 @@ def main() -> int:
 
     print(f"{machine()}; CPU flags: {cpu_flags()}; load average {os.getloadavg()[0]:.2f}")
     quant = f", quantization {args.quantization}" if args.quantization else ""
-    print(f"model {args.model}, dtype {args.dtype}{quant}, KV pool {args.kv_cache_memory}")
+    kv = f"KV pool {args.kv_cache_memory} ({args.kv_cache_dtype})"
+    print(f"model {args.model}, dtype {args.dtype}{quant}, {kv}")
     this = report(f"this tree ({ROOT})", run(ROOT, args))
     if args.baseline_tree:
         base = report(f"baseline tree ({args.baseline_tree})", run(args.baseline_tree, args))
