@@ -3,8 +3,9 @@
 Each configuration is a fresh engine on the same model, scored by `kvserve.eval.perplexity`
 (engine prompt logprobs) on the shipped corpus (Persuasion, chapters 1-8, ~29.7k tokens):
 fp32, bf16, int8, int4 and fp8 weights with the default KV cache, then fp8_e4m3 and int8 KV
-caches with fp32 weights, and int4 / int8 weights with an int8 KV cache. Also prints each loaded model's weight bytes and the KV pool's
-tokens for the same `--kv-cache-memory`, as ratios to fp32.
+caches with fp32 weights, and int4 / int8 weights with an int8 KV cache. Also prints each
+loaded model's weight bytes and the KV pool's tokens for the same `--kv-cache-memory`, as
+ratios to fp32.
 
     python benchmarks/bench_quant_perplexity.py [--max-tokens N] [--json out.json]
 """

@@ -207,3 +207,39 @@ def test_a_bfloat16_model_through_the_fused_ops_follows_the_torch_path(ops, tiny
             for tok, lp in la.items():
                 if tok in lb:
                     assert abs(lp - lb[tok]) < BF16_PATH_NOISE, (i, step, tok)
+
+
+@pytest.mark.parametrize("n", [1, 5, 17, 100, 49152])  # tails after the 16- and 64-float chunks
+def test_row_argmax_equals_torch_max(ops, n):
+    """Greedy's pick (sampler.row_argmax): torch.max's indices, the first on ties, the first
+    NaN where a row holds one, also with infinities and signed zeros."""
+    torch.manual_seed(n)
+    x = torch.randn(9, n)
+    if n > 3:
+        x[1, n // 3] = x[1, n - 1] = x[1].max() + 1  # a tie: the first one
+        x[2, n // 2] = float("nan")
+        x[2, n - 1] = float("inf")  # a NaN beats even +inf
+        x[3] = float("-inf")  # structured output can mask a whole row but one token...
+        x[3, n - 2] = 0.0
+        x[4] = float("-inf")  # ...or, in a test, all of it
+        x[5, : n // 2] = -0.0
+        x[5, n // 2 :] = 0.0
+        x[6, 0] = float("nan")
+        x[7, n - 1] = float("nan")
+    x[8] = x[8].abs() + 1
+    got = ops.row_argmax(x)
+    assert got.dtype == torch.int64
+    assert torch.equal(got, torch.max(x, -1).indices), (got, torch.max(x, -1).indices)
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        ops.row_argmax(x.double())
+
+
+def test_sampler_takes_the_row_argmax_kernel_once_loaded(ops):
+    from kvserve.model.layers import sampler
+
+    assert sampler.loaded_cpu_kernels() is ops  # the fixture loaded it in this process
+    x = torch.randn(4, 300)
+    x[0, 7] = x[0, 200] = 100.0
+    assert sampler.row_argmax(x).tolist()[0] == 7
+    assert torch.equal(sampler.row_argmax(x), x.argmax(-1))
+    assert torch.equal(sampler.row_argmax(x.t()), x.t().argmax(-1))  # not contiguous: copied

@@ -2,8 +2,9 @@
 
 On a slice of the shipped corpus (its first 768 tokens, 2 windows), through the engine's prompt
 logprobs: int8 weights and fp8/int8 KV caches stay within +2% of fp32 perplexity, int4
-(also with an int8 KV cache, `make serve`'s configuration) within +10%. Also: weight bytes of the loaded model (int8 <= 30%, int4 <= 18% of fp32),
-KV pool tokens for the same kv_cache_memory (>= 1.9x), and how often greedy output on short
+(also with an int8 KV cache, `make serve`'s configuration) within +10%. Also: weight bytes of
+the loaded model (int8 <= 30%, int4 <= 18% of fp32), KV pool tokens for the same
+kv_cache_memory (>= 1.9x), and how often greedy output on short
 prompts is unchanged by a quantized KV cache (printed). int8 KV agrees on most prompts;
 fp8 e4m3 (3 mantissa bits) flips about half of them within 16 tokens, each time at a close
 call of the fp32 model (top-2 gap under 0.25 nats; bf16 compute flips at such gaps too), which

@@ -1,5 +1,5 @@
 // The CPU kernels' entry points, for the bindings and for the decode stack that calls them
-// directly (definitions in paged_attention_cpu.cpp and layer_ops_cpu.cpp).
+// directly (definitions in paged_attention_cpu.cpp, layer_ops_cpu.cpp and sampling_cpu.cpp).
 #pragma once
 #include <torch/extension.h>
 
@@ -15,3 +15,4 @@ void kv_write_int8(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k
                    torch::Tensor k, torch::Tensor v, torch::Tensor slot_blocks, torch::Tensor slot_offsets,
                    bool round_trip);
 torch::Tensor silu_mul(torch::Tensor gate_up);
+torch::Tensor row_argmax(torch::Tensor x);

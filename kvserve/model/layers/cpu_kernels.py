@@ -1,6 +1,6 @@
 """Builds and loads kvserve's small C++ CPU kernels: paged decode attention, the fused
-per-layer ops (RMSNorm, rotary, KV write, SiLU-and-multiply) and the decode stack that runs
-a decode step's layers in one call, one extension from csrc/.
+per-layer ops (RMSNorm, rotary, KV write, SiLU-and-multiply), the decode stack that runs
+a decode step's layers in one call and greedy's row argmax, one extension from csrc/.
 
 Compiled once per machine with torch's extension builder (needs a C++ compiler; the result
 is cached under TORCH_EXTENSIONS_DIR). The module name carries a hash of the sources, the
@@ -31,7 +31,8 @@ _CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 SOURCES = [
     os.path.join(_CSRC, name)
     for name in (
-        "paged_attention_cpu.cpp", "layer_ops_cpu.cpp", "decode_stack_cpu.cpp", "cpu_kernels_bindings.cpp"
+        "paged_attention_cpu.cpp", "layer_ops_cpu.cpp", "decode_stack_cpu.cpp", "sampling_cpu.cpp",
+        "cpu_kernels_bindings.cpp",
     )
 ]
 HEADERS = [os.path.join(_CSRC, "cpu_kernels.h")]  # copied beside the sources, hashed with them
@@ -101,6 +102,12 @@ def build_extension(name: str, src_paths: list[str], cflags: list[str], headers:
             build_directory=build_dir,
             verbose=False,
         )
+
+
+def loaded_cpu_kernels():
+    """The module if this process has already loaded it, else None: for callers that must
+    never start a build (the sampler, which also runs beside GPU models)."""
+    return _module
 
 
 def load_cpu_kernels():
