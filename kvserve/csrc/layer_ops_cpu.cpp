@@ -153,6 +153,16 @@ void kv_write(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, tor
   for (int64_t t = 0; t < n; ++t)
     TORCH_CHECK(blk[t] >= 0 && blk[t] < nblocks && off[t] >= 0 && off[t] < bs, "slot out of range");
   at::parallel_for(0, n, kRowGrain * 4, [&](int64_t a, int64_t b) {
+    // Every destination line asked for (for writing) before the first copy: each row lands in
+    // its own cold block, and one miss at a time cost ~36 us for a 64-row decode step.
+    for (int64_t t = a; t < b; ++t)
+      for (int64_t h = 0; h < kvh; ++h) {
+        const int64_t dst = ((blk[t] * kvh + h) * bs + off[t]) * hd * esize;
+        for (int64_t o = 0; o < hd * esize; o += 64) {
+          __builtin_prefetch(kc + dst + o, 1, 3);
+          __builtin_prefetch(vc + dst + o, 1, 3);
+        }
+      }
     for (int64_t t = a; t < b; ++t) {
       for (int64_t h = 0; h < kvh; ++h) {
         const int64_t dst = ((blk[t] * kvh + h) * bs + off[t]) * hd * esize;
