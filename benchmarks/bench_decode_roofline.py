@@ -19,7 +19,9 @@ Each figure is the best of --rounds (a shared machine: the least disturbed round
 `--threads 1` every time is this process's CPU time (the engine runs in it), so other
 processes' load shows less; with more threads, wall time.
 
-    python benchmarks/bench_decode_roofline.py [--formats fp32,int4,int8,bf16] [--rounds 3]
+    python benchmarks/bench_decode_roofline.py [--formats fp32,int4,int8,bf16,int4-kv8] [--rounds 3]
+
+(`-kv8`: the same weights with an int8 KV cache, `make serve`'s configuration for int4.)
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ FORMATS = {
     "int4": {"quantization": "int4"},
     "int8": {"quantization": "int8"},
     "bf16": {"dtype": "bfloat16"},  # only where the CPU computes bf16 natively (AMX / avx512_bf16)
+    # with an int8 KV cache (`make serve` runs int4-kv8): the same weights, a 4x smaller cache
+    "int4-kv8": {"quantization": "int4", "kv_cache_dtype": "int8"},
+    "int8-kv8": {"quantization": "int8", "kv_cache_dtype": "int8"},
 }
 TARGET_FLOOR, TARGET_PEAK = 1.5, 0.60
 # The clock: with one torch thread, this process's CPU time (the work, not the time the
@@ -150,8 +155,8 @@ def main() -> int:
         print("bf16 left out: this CPU has no native bf16, where a bfloat16 engine computes in fp32")
         names.remove("bf16")
     peaks = {n: peak32 for n in names}
-    for name in ("int4", "int8"):  # the native kernels' dot products are int8 x int8
-        if name in names and peak8 and load_quant_kernels() is not None:
+    for name in names:  # the native kernels' dot products are int8 x int8
+        if name.startswith(("int4", "int8")) and peak8 and load_quant_kernels() is not None:
             peaks[name] = peak8
     if "bf16" in names:
         peaks["bf16"] = gemm_peak_bf16()
