@@ -71,6 +71,8 @@ inline void prefetch_bytes(const void* p, int64_t bytes) {
 // an accumulator reloaded every four keys, and at 164 tokens x 32 sequences an int8 cache read
 // only a third as fast as its 4x smaller bytes allow (bench_paged_attention.py). A float cache
 // keeps the generic loops: it waits on memory either way, and its results stay as they were.
+// dequantize_rows for int8 with the head size a constant: through the generic one, this path
+// measured 0.205 ms a call instead of 0.172 (bench_paged_attention.py).
 template <int HD>
 inline void dequantize_int8_rows(const int8_t* codes, const at::BFloat16* scales, int64_t rows, float* dst) {
   for (int64_t r = 0; r < rows; ++r) {
