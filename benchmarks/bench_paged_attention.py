@@ -61,8 +61,10 @@ def main() -> int:
     scales = torch.full(shape[:3], 1 / 30).bfloat16()
     none = torch.empty(0, dtype=torch.bfloat16)
     bw = read_bandwidth()
-    print(f"read bandwidth {bw / 1e9:.1f} GB/s; {args.seqs} sequences x {args.context} tokens; "
-          f"calls rotate over {sets} disjoint sets of blocks")
+    print(
+        f"read bandwidth {bw / 1e9:.1f} GB/s; {args.seqs} sequences x {args.context} tokens; "
+        f"calls rotate over {sets} disjoint sets of blocks"
+    )
     kv_bytes = args.seqs * args.context * KV_HEADS * HEAD_DIM * 2
     cases = {
         "fp32": (4, lambda: kernels.paged_decode_attention(q, k32, v32, none, none, tables(), lens, 0.125)),

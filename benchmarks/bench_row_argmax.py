@@ -47,5 +47,6 @@ def main() -> int:
         print(f"| {rows} | {a:.0f} | {m:.0f} | {k:.0f} | {a / k:.2f}x | {m / k:.2f}x |")
     return 0
 
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -21,6 +21,7 @@ import zmq
 
 from kvserve.config import EngineConfig
 from kvserve.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from kvserve.platform.memory import trim_heap
 
 IDLE_POLL_MS = 250  # how often an idle core looks at its ranks
 TRANSFER_POLL_MS = 10  # how often an idle core with KV leases or fetches looks at them
@@ -150,6 +151,7 @@ def run_engine_core(
                 out.send(encoder.encode(result))
             elif busy:
                 out.send(encoder.encode(core.step()))  # report the now-idle stats once
+                trim_heap()  # and return what the burst's steps freed (platform/memory.py)
             elif core.poll_transfers():  # lease blocks freed while idle: report the pool
                 out.send(encoder.encode(core.step()))
     except Exception:

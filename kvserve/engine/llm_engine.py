@@ -14,6 +14,7 @@ from kvserve.engine.core import EngineCore
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.processor import InputProcessor, ModelLimits
 from kvserve.outputs import RequestOutput
+from kvserve.platform.memory import trim_heap
 from kvserve.sampling_params import SamplingParams
 
 
@@ -78,6 +79,8 @@ class LLMEngine:
         core_out = self.core.step()
         outs, to_abort = self.output_processor.process(core_out.outputs)
         self.core.abort_requests(to_abort)
+        if core_out.outputs and not self.core.has_unfinished_requests():
+            trim_heap()  # idle after a burst: return what its steps freed (platform/memory.py)
         return results + outs
 
 

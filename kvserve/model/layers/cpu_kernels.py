@@ -31,7 +31,10 @@ _CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 SOURCES = [
     os.path.join(_CSRC, name)
     for name in (
-        "paged_attention_cpu.cpp", "layer_ops_cpu.cpp", "decode_stack_cpu.cpp", "sampling_cpu.cpp",
+        "paged_attention_cpu.cpp",
+        "layer_ops_cpu.cpp",
+        "decode_stack_cpu.cpp",
+        "sampling_cpu.cpp",
         "cpu_kernels_bindings.cpp",
     )
 ]

@@ -23,6 +23,7 @@ from torch import nn
 
 from kvserve.distributed.parallel_state import get_tp_group
 from kvserve.model.layers.linear import float_kernel_name, linear, onednn_pack
+from kvserve.model.layers.lookup_table import LookupTable, compact_lookup_table
 from kvserve.model.layers.quantization import QWeight, fuse, quantize_weight
 from kvserve.model.layers.quantized_linear import QuantizedLinear
 from kvserve.model.layers.tp_sharding import even_shard, head_shard
@@ -177,9 +178,21 @@ class VocabParallelEmbedding(nn.Module):
         self.widths = [b - a for a, b in (even_shard(vocab, self.tp.size, r) for r in range(self.tp.size))]
         self.weight = nn.Parameter(torch.empty(self.stop - self.start, hidden), requires_grad=False)
         self.quant: QuantizedLinear | None = None
+        self.lookup: LookupTable | None = None  # the rows in a compact exact form (compact_lookups)
 
     def load(self, w: torch.Tensor) -> None:
         self.weight.data = take_rows(w, self.start, self.stop, self.vocab)
+        self.lookup = None
+
+    def compact_lookups(self) -> bool:
+        """Serve lookups from the table's smallest exact form (lookup_table.py) and drop the
+        plain weight, for a tied table whose lm_head holds its own packed copy. False (and
+        nothing changes) where the table has no smaller exact form."""
+        if self.quant is None and self.lookup is None:
+            self.lookup = compact_lookup_table(self.weight.data)
+            if self.lookup is not None:
+                self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
+        return self.lookup is not None
 
     def quantize(self, method: str, device) -> None:
         self.quant = QuantizedLinear(quantize_weight(self.weight, method), device)
@@ -189,11 +202,12 @@ class VocabParallelEmbedding(nn.Module):
         if self.tp.size > 1:
             outside = (ids < self.start) | (ids >= self.stop)
             ids = (ids - self.start).masked_fill(outside, 0)
-        x = (
-            self.quant.embedding(ids, dtype)
-            if self.quant is not None
-            else nn.functional.embedding(ids, self.weight)
-        )
+        if self.quant is not None:
+            x = self.quant.embedding(ids, dtype)
+        elif self.lookup is not None:
+            x = self.lookup.rows(ids)
+        else:
+            x = nn.functional.embedding(ids, self.weight)
         if self.tp.size > 1:
             x = self.tp.all_reduce(x.masked_fill(outside.unsqueeze(-1), 0))  # exact: one rank adds its row
         return x
@@ -215,7 +229,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     def pack(self, keep_plain: bool = False) -> None:
         """Pack for oneDNN and drop the plain weight, unless `keep_plain`: a tied table whose
         embedding looks rows up in it (oneDNN's blocked layout cannot serve lookups, and an
-        unpacked fp32 lm_head measured up to 2.5x slower at 8-32 rows, so it is held twice)."""
+        unpacked fp32 lm_head measured up to 2.5x slower at 8-32 rows, so it is held twice,
+        the lookup copy compacted where it can be: VocabParallelEmbedding.compact_lookups)."""
         if self.quant is None and self.packed is None:
             self.packed = onednn_pack(self.weight)
             if self.packed is not None and not keep_plain:

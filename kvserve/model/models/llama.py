@@ -191,11 +191,14 @@ class LlamaForCausalLM(nn.Module):
         return plain + packed
 
     def duplicate_weight_bytes(self) -> int:
-        """Bytes held twice: a tied table packed for the lm_head beside its plain rows, and
-        the int8 copies int4 projections hold for the dynamic kernel."""
+        """Bytes held twice: a tied table packed for the lm_head beside its plain rows (or
+        their compact lookup form), and the int8 copies int4 projections hold for the dynamic
+        kernel."""
         dup = sum(p.duplicate_bytes() for layer in self.layers for p in layer.projections().values())
         if self.lm_head is not None and self.lm_head.holds_both():
             dup += self.lm_head.packed_bytes()
+        if self.embed is not None and self.embed.lookup is not None:
+            dup += self.embed.lookup.nbytes()
         return dup
 
     def use_cpu_kernels(self, kernels) -> None:
@@ -244,11 +247,15 @@ class LlamaForCausalLM(nn.Module):
 
     def pack_weights(self) -> None:
         """Prepack every float projection for oneDNN (CPU) in place of its plain weight; a
-        tied table stays plain too where this stage looks tokens up in it (the first)."""
+        tied table is also kept for lookups where this stage looks tokens up in it (the
+        first), in its smallest exact form."""
         for layer in self.layers:
             layer.pack_weights()
         if self.lm_head is not None:
-            self.lm_head.pack(keep_plain=self.lm_head.tied and self.is_first_stage)
+            lookups = self.lm_head.tied and self.is_first_stage
+            self.lm_head.pack(keep_plain=lookups)
+            if lookups and self.lm_head.holds_both():
+                self.embed.compact_lookups()  # the same Parameter: the lm_head's plain copy goes too
 
     @torch.inference_mode()
     def forward(
