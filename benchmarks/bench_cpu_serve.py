@@ -91,16 +91,20 @@ def offline_ms_per_token(flags: list[str], output_len: int, rounds: int) -> floa
     return min(run(output_len + 1) - run(1) for _ in range(rounds)) / output_len * 1000
 
 
-def bench_serve(url: str, concurrency: int, requests: int, output_len: int, out: str) -> dict:
-    """One `kvserve bench serve` run; its saved result."""
+def bench_serve(url: str, concurrency: int, requests: int, output_len: int, out: str,
+                extra: list[str] | None = None) -> dict:  # fmt: skip
+    """One `kvserve bench serve` run (with `extra` arguments); its saved result."""
     cmd = [
         sys.executable, "-m", "kvserve.entrypoints.cli", "bench", "serve", "--base-url", url,
         "--model", MODEL, "--api-key", "bench-key", "--dataset", "random", "--input-len", "100",
         "--output-len", str(output_len), "--range-ratio", "0.1", "--num-prompts", str(requests),
         "--max-concurrency", str(concurrency), "--request-rate", "inf", "--ignore-eos",
-        "--warmup", "2", "--disable-tqdm", "--seed", "7", "--save-result", out,
+        "--warmup", "2", "--disable-tqdm", "--seed", "7", "--save-result", out, *(extra or []),
     ]  # fmt: skip
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode:
+        tail = (done.stdout + done.stderr)[-2000:]
+        raise RuntimeError(f"kvserve bench serve failed ({done.returncode}): {tail}")
     with open(out) as f:
         return json.load(f)
 
