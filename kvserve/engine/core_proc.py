@@ -121,6 +121,7 @@ def run_engine_core(
     decoder = msgspec.msgpack.Decoder(InputMessage)
     poller = zmq.Poller()
     poller.register(inp, zmq.POLLIN)
+    trimmed = True  # whether the heap was trimmed since the last step
     try:
         while True:
             busy = core.has_unfinished_requests()
@@ -128,6 +129,12 @@ def run_engine_core(
             events = dict(poller.poll(0 if busy else idle_ms))
             if not busy:
                 core.executor.check_health()  # a dead or hung rank ends this process when idle too
+                if not events and not trimmed:
+                    # Idle for a poll interval: return what the last burst's steps freed
+                    # (platform/memory.py); not between back-to-back requests, which would
+                    # fault the same pages in again.
+                    trim_heap()
+                    trimmed = True
             rejected: list[EngineCoreOutput] = []
             while events.get(inp) == zmq.POLLIN:
                 msg = decoder.decode(inp.recv())
@@ -146,12 +153,12 @@ def run_engine_core(
                     core.reset_prefix_cache()
                 events = dict(poller.poll(0))
             if core.has_unfinished_requests() or rejected:
+                trimmed = False
                 result = core.step() if core.has_unfinished_requests() else EngineCoreOutputs([])
                 result.outputs.extend(rejected)
                 out.send(encoder.encode(result))
             elif busy:
                 out.send(encoder.encode(core.step()))  # report the now-idle stats once
-                trim_heap()  # and return what the burst's steps freed (platform/memory.py)
             elif core.poll_transfers():  # lease blocks freed while idle: report the pool
                 out.send(encoder.encode(core.step()))
     except Exception:

@@ -10,8 +10,9 @@ the rest of its life. Two places free a lot of it:
   per 1,000 lines with live Python memory flat; the batch runner trims every 1,000 lines
   and the upload route after copying a file (benchmarks/bench_batch.py).
 - a burst of steps leaves its temporaries (a prefill's activations, a batch's logits) in
-  the arenas: ~40 MiB after 8 prompts of 65 tokens on the default model; the engine trims
-  when its last request has finished (the core process after reporting it).
+  the arenas: ~40 MiB after 8 prompts of 65 tokens on the default model; the offline engine
+  trims when its last request has finished, the server's core process once it has been idle
+  for a poll interval (250 ms), so back-to-back requests do not fault the pages in again.
 A trim takes a few milliseconds. Elsewhere than glibc this does nothing.
 """
 
