@@ -109,6 +109,29 @@ def bench_serve(url: str, concurrency: int, requests: int, output_len: int, out:
         return json.load(f)
 
 
+def load_figures(name: str, c1: dict, c32: dict) -> dict:
+    """Throughput, ITL and TTFT of the c=1 and c=32 runs' saved results; RuntimeError if any
+    request failed."""
+    r = {}
+    for tag, res in (("c1", c1), ("c32", c32)):
+        m = res.get("metrics", res)
+        if m.get("failed"):
+            raise RuntimeError(f"{name} {tag}: {m['failed']} requests failed: {m.get('errors')}")
+        r[f"{tag}_tok_s"] = m["output_throughput"]
+        r[f"{tag}_out_tokens"] = m.get("total_output_tokens")
+        r[f"{tag}_itl_p50_ms"] = m["itl_ms"]["p50"]
+        r[f"{tag}_itl_p99_ms"] = m["itl_ms"]["p99"]
+        r[f"{tag}_ttft_p50_ms"] = m["ttft_ms"]["p50"]
+    return r
+
+
+def save_json(path: str, args, results: dict) -> None:
+    """The run's results beside the machine, its CPU flags and the arguments."""
+    with open(path, "w") as f:
+        record = {"machine": machine(), "flags": cpu_flags(), "args": vars(args), "results": results}
+        json.dump(record, f, indent=2)
+
+
 def measure(name: str, flags: list[str], args, tmp: str) -> dict:
     r = {"offline_ms_per_token": offline_ms_per_token(flags, args.output_len, args.offline_rounds)}
     gc.collect()  # the offline engine is gone before the server starts
@@ -119,14 +142,7 @@ def measure(name: str, flags: list[str], args, tmp: str) -> dict:
         c32 = bench_serve(server.url, 32, args.requests, args.output_len, out + "-c32.json")
     finally:
         server.stop()
-    for tag, res in (("c1", c1), ("c32", c32)):
-        m = res.get("metrics", res)
-        if m.get("failed"):
-            raise RuntimeError(f"{name} {tag}: {m['failed']} requests failed: {m.get('errors')}")
-        r[f"{tag}_tok_s"] = m["output_throughput"]
-        r[f"{tag}_itl_p50_ms"] = m["itl_ms"]["p50"]
-        r[f"{tag}_itl_p99_ms"] = m["itl_ms"]["p99"]
-        r[f"{tag}_ttft_p50_ms"] = m["ttft_ms"]["p50"]
+    r.update(load_figures(name, c1, c32))
     r["c1_itl_vs_offline"] = r["c1_itl_p50_ms"] / r["offline_ms_per_token"]
     r["c32_itl_p99_over_p50"] = r["c32_itl_p99_ms"] / r["c32_itl_p50_ms"]
     return r
@@ -166,9 +182,7 @@ def main() -> int:
               f"({r['c32_itl_p99_over_p50']:.1f}x) | "
               f"{r['c32_ttft_p50_ms']:.0f} ms |")  # fmt: skip
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"machine": machine(), "flags": cpu_flags(), "args": vars(args), "results": results}, f,
-                      indent=2)  # fmt: skip
+        save_json(args.json, args, results)
     return 0
 
 

@@ -42,7 +42,14 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 from server_utils import ServerProcess, free_port  # noqa: E402
 
-from benchmarks.bench_cpu_serve import MODEL, bench_serve, config_flags, offline_ms_per_token  # noqa: E402
+from benchmarks.bench_cpu_serve import (  # noqa: E402
+    MODEL,
+    bench_serve,
+    config_flags,
+    load_figures,
+    offline_ms_per_token,
+    save_json,
+)
 from benchmarks.common import machine  # noqa: E402
 from benchmarks.cpu_info import cpu_flags  # noqa: E402
 from kvserve.model.loader import resolve_model  # noqa: E402
@@ -94,20 +101,6 @@ class LlamaCppServer:
             self.proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-
-
-def figures(name: str, c1: dict, c32: dict) -> dict:
-    r = {}
-    for tag, res in (("c1", c1), ("c32", c32)):
-        m = res.get("metrics", res)
-        if m.get("failed"):
-            raise RuntimeError(f"{name} {tag}: {m['failed']} requests failed: {m.get('errors')}")
-        r[f"{tag}_tok_s"] = m["output_throughput"]
-        r[f"{tag}_out_tokens"] = m.get("total_output_tokens")
-        r[f"{tag}_itl_p50_ms"] = m["itl_ms"]["p50"]
-        r[f"{tag}_itl_p99_ms"] = m["itl_ms"]["p99"]
-        r[f"{tag}_ttft_p50_ms"] = m["ttft_ms"]["p50"]
-    return r
 
 
 # llama.cpp's own decode time per token in one process (no server): the same prompt as
@@ -176,7 +169,7 @@ def main() -> int:
                 c1, c32 = run_both_loads(server.url, args, out, ["--extra-body", bias])
             finally:
                 server.stop()
-            results[server.label] = figures(server.label, c1, c32)
+            results[server.label] = load_figures(server.label, c1, c32)
             if "python" in which:
                 results[server.label]["offline_ms_per_token"] = llama_offline_ms_per_token(
                     args.llama_python, gguf, args.threads, args.output_len
@@ -188,7 +181,7 @@ def main() -> int:
                 c1, c32 = run_both_loads(kv.url, args, os.path.join(tmp, name), [])
             finally:
                 kv.stop()
-            r = results[f"kvserve {name}"] = figures(name, c1, c32)
+            r = results[f"kvserve {name}"] = load_figures(name, c1, c32)
             r["offline_ms_per_token"] = offline_ms_per_token(flags, args.output_len, 3)
             print(f"kvserve {name}", json.dumps(r), flush=True)
 
@@ -207,9 +200,7 @@ def main() -> int:
               f"{r['c32_itl_p50_ms']:.0f} / {r['c32_itl_p99_ms']:.0f} ms | "
               f"{r['c32_ttft_p50_ms']:.0f} ms |")  # fmt: skip
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"machine": machine(), "flags": cpu_flags(), "args": vars(args), "results": results}, f,
-                      indent=2)  # fmt: skip
+        save_json(args.json, args, results)
     return 0
 
 
