@@ -84,3 +84,13 @@ def agreed_logprob_noise(pairs) -> float:
         for k, tok in enumerate(a.token_ids)
         if b.token_ids[: k + 1] == a.token_ids[: k + 1]
     )
+
+
+def q8_0_like_table(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    """A float32 table as a GGUF Q8_0 one dequantizes: int8 codes x one fp16 scale per 32."""
+    g = torch.Generator().manual_seed(seed)
+    scales = (torch.rand(rows, cols // 32, generator=g) * 0.02 + 1e-4).half().float()
+    codes = torch.randint(-127, 128, (rows, cols // 32, 32), generator=g).float()
+    codes[..., 3] = 127  # llama.cpp's quantizer maps each group's largest value to +-127
+    codes[0, 0] = 0  # an all-zero group (scale 0)
+    return (codes * scales.unsqueeze(-1)).flatten(1)

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import torch
+from helpers import q8_0_like_table
 
 from kvserve.model.layers.lookup_table import compact_lookup_table
-from tests.test_weight_memory import _q8_0_like
 
 
 def test_q8_0_table_as_int8_groups():
-    table = _q8_0_like(300, 96)
+    table = q8_0_like_table(300, 96)
     lut = compact_lookup_table(table)
     assert lut is not None and lut.codes.dtype == torch.int8 and lut.scales.dtype == torch.float16
     assert lut.nbytes() == 300 * 96 + 300 * 3 * 2
@@ -29,7 +29,7 @@ def test_bf16_values_as_bf16():
 def test_no_exact_form_keeps_the_table():
     table = torch.randn(64, 64)
     assert compact_lookup_table(table) is None
-    one_off = _q8_0_like(64, 64)
+    one_off = q8_0_like_table(64, 64)
     one_off[10, 5] = torch.nextafter(one_off[10, 5], torch.tensor(1.0))  # one value off its grid
     assert compact_lookup_table(one_off) is None
     assert compact_lookup_table(torch.randn(8, 32).bfloat16()) is None  # bf16 itself: nothing smaller

@@ -6,6 +6,7 @@ output against transformers with the packed weights is tests/test_fidelity.py's.
 from __future__ import annotations
 
 import torch
+from helpers import q8_0_like_table
 
 from kvserve.model.loader import load_weights_only, resolve_model
 
@@ -41,21 +42,11 @@ def test_tied_table_kept_for_lookups(tiny_qwen2_dir):
     assert model.weight_bytes() == before
 
 
-def _q8_0_like(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
-    """A float32 table as a GGUF Q8_0 one dequantizes: int8 codes x one fp16 scale per 32."""
-    g = torch.Generator().manual_seed(seed)
-    scales = (torch.rand(rows, cols // 32, generator=g) * 0.02 + 1e-4).half().float()
-    codes = torch.randint(-127, 128, (rows, cols // 32, 32), generator=g).float()
-    codes[..., 3] = 127  # llama.cpp's quantizer maps each group's largest value to +-127
-    codes[0, 0] = 0  # an all-zero group (scale 0)
-    return (codes * scales.unsqueeze(-1)).flatten(1)
-
-
 def test_tied_q8_table_held_compact_for_lookups(tiny_qwen2_dir):
     """A tied table with an exact int8-per-group form (the default GGUF's Q8_0 table) is held
     for lookups as codes and scales, not a second float32 copy; lookups return its values."""
     model = _load(tiny_qwen2_dir)
-    table = _q8_0_like(*model.embed.weight.shape)
+    table = q8_0_like_table(*model.embed.weight.shape)
     model.embed.weight.data = table.clone()
     before = model.weight_bytes()
     model.pack_weights()

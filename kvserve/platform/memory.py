@@ -1,7 +1,7 @@
 """Give freed heap memory back to the OS (glibc's malloc_trim).
 
 glibc keeps most freed memory inside its arenas, where it counts in the process's RSS for
-the rest of its life. Two places free a lot of it:
+the rest of its life. Three places free a lot of it:
 - loading builds every weight through temporaries (dequantized GGUF blocks, fused q|k|v and
   gate|up copies, the plain matrices that oneDNN packing replaces): about 250 MiB for the
   default model (benchmarks/bench_memory.py); the model runner trims once after loading;
