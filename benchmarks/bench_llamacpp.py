@@ -40,7 +40,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
-from server_utils import ServerProcess, free_port  # noqa: E402
+from server_utils import ServerProcess, free_port, stop_process  # noqa: E402
 
 from benchmarks.bench_cpu_serve import (  # noqa: E402
     MODEL,
@@ -96,11 +96,7 @@ class LlamaCppServer:
         raise TimeoutError(f"{cmd[0]} did not answer")
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        stop_process(self.proc, grace=20)
 
 
 # llama.cpp's own decode time per token in one process (no server): the same prompt as

@@ -48,12 +48,12 @@ def _int8_groups(table: torch.Tensor) -> LookupTable | None:
     scales = torch.empty(table.shape[0], table.shape[1] // GROUP, dtype=torch.float32)
     for a in range(0, table.shape[0], _CHUNK_ROWS):
         g = table[a : a + _CHUNK_ROWS].unflatten(-1, (-1, GROUP))
-        s = g.abs().amax(-1) / 127
-        q = torch.where(s.unsqueeze(-1) > 0, g / s.unsqueeze(-1), 0.0).round_()
-        if not torch.equal(q * s.unsqueeze(-1), g) or q.abs().amax() > 127:
+        s = g.abs().amax(-1, keepdim=True) / 127  # so every |code| <= 127
+        q = torch.where(s > 0, g / s, 0.0).round_()
+        if not torch.equal(q * s, g):
             return None
         codes[a : a + _CHUNK_ROWS] = q.flatten(-2).to(torch.int8)
-        scales[a : a + _CHUNK_ROWS] = s
+        scales[a : a + _CHUNK_ROWS] = s.squeeze(-1)
     half = scales.half()
     if torch.equal(half.float(), scales):  # a GGUF Q8_0 scale is fp16 itself
         scales = half
