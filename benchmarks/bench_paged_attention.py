@@ -2,9 +2,10 @@
 
 One call as a decode step makes it: --seqs sequences (32: a c=32 step) of --context tokens,
 the default model's heads (9 query, 3 kv, head_dim 64), block tables scattered over a pool far
-larger than the caches, fp32 and int8 caches. Prints ms per call (best of --reps, the
-engine's two threads) and the KV bytes it reads per second, beside the machine's read
-bandwidth measured in the same run.
+larger than the caches, fp32 and int8 caches, each with the pool in ordinary 4 KiB pages and
+in transparent huge pages as the engine allocates it (platform/huge_pages.py, where the OS
+grants them). Prints ms per call (best of --reps, the engine's two threads) and the KV bytes
+it reads per second, beside the machine's read bandwidth measured in the same run.
 
     python benchmarks/bench_paged_attention.py [--seqs 32] [--context 164] [--reps 50]
 """
@@ -12,6 +13,7 @@ bandwidth measured in the same run.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
@@ -23,8 +25,20 @@ from benchmarks.bench_decode_roofline import read_bandwidth  # noqa: E402
 from benchmarks.common import machine, wall_us  # noqa: E402
 from benchmarks.cpu_info import cpu_flags  # noqa: E402
 from kvserve.model.layers.cpu_kernels import load_cpu_kernels  # noqa: E402
+from kvserve.platform.huge_pages import huge_page_full  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+
+
+def in_huge_pages(t: torch.Tensor) -> torch.Tensor:
+    """A copy of t in transparent huge pages, as the engine's KV pool is allocated."""
+    return huge_page_full(tuple(t.shape), 0, t.dtype).copy_(t)
+
+
+def huge_kib() -> int:
+    """AnonHugePages of this process (0 where the OS gave none)."""
+    with open("/proc/self/smaps_rollup") as f:
+        return next((int(line.split()[1]) for line in f if line.startswith("AnonHugePages")), 0)
 
 
 def main() -> int:
@@ -60,20 +74,25 @@ def main() -> int:
     k8, v8 = ((t * 30).clamp(-127, 127).to(torch.int8) for t in (k32, v32))
     scales = torch.full(shape[:3], 1 / 30).bfloat16()
     none = torch.empty(0, dtype=torch.bfloat16)
+    plain = {"fp32": (k32, v32, none), "int8": (k8, v8, scales)}
+    pools = {"4 KiB pages": plain, "huge pages": {n: tuple(map(in_huge_pages, c)) for n, c in plain.items()}}
     bw = read_bandwidth()
     print(
         f"read bandwidth {bw / 1e9:.1f} GB/s; {args.seqs} sequences x {args.context} tokens; "
         f"calls rotate over {sets} disjoint sets of blocks"
     )
     kv_bytes = args.seqs * args.context * KV_HEADS * HEAD_DIM * 2
-    cases = {
-        "fp32": (4, lambda: kernels.paged_decode_attention(q, k32, v32, none, none, tables(), lens, 0.125)),
-        "int8": (1, lambda: kernels.paged_decode_attention(q, k8, v8, scales, scales, tables(), lens, 0.125)),
-    }
-    for name, (width, fn) in cases.items():
-        us = wall_us(fn, args.reps)
-        rate = kv_bytes * width / us / 1e3
-        print(f"{name} cache: {us / 1e3:.3f} ms per call, KV read at {rate:.1f} GB/s ({rate * 1e9 / bw:.0%})")
+
+    def decode(k: torch.Tensor, v: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        return kernels.paged_decode_attention(q, k, v, scales, scales, tables(), lens, 0.125)
+
+    for pages, caches in pools.items():
+        for name, (k, v, s) in caches.items():
+            us = wall_us(functools.partial(decode, k, v, s), args.reps)
+            rate = kv_bytes * k.element_size() / us / 1e3
+            print(f"{name} cache, {pages}: {us / 1e3:.3f} ms per call, KV read at {rate:.1f} GB/s "
+                  f"({rate * 1e9 / bw:.0%})")  # fmt: skip
+    print(f"huge pages held by this process: {huge_kib()} KiB")
     return 0
 
 

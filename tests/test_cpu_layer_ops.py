@@ -78,19 +78,24 @@ def test_kv_write_rejects_a_slot_outside_the_pool(ops):
     assert not kc.any()
 
 
+@pytest.mark.parametrize("hd", [64, 40])  # 40: not a multiple of 16, the scalar loop everywhere
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("round_trip", [False, True])
-def test_kv_write_int8_equals_quantize_kv(ops, dtype, round_trip):
+def test_kv_write_int8_equals_quantize_kv(ops, dtype, round_trip, hd):
     """Codes and scales exactly as kv_quant computes them (halves rounded to even: bfloat16
-    inputs hit exact halves often), padding rows untouched, and with round_trip the rows as
-    the cache gives them back. k is a strided view, as the slice of a fused qkv output is."""
+    inputs hit exact halves often; a float32 row is made of them), padding rows untouched,
+    and with round_trip the rows as the cache gives them back. k is a strided view, as the
+    slice of a fused qkv output is."""
     g = torch.Generator().manual_seed(7)
-    n, blocks, kv_heads, bs, hd = 200, 16, 3, 16, 64
+    n, blocks, kv_heads, bs = 200, 16, 3, 16
     slots = torch.randperm(blocks * bs, generator=g)[:n]
     sb, so = slots // bs, slots % bs
     spread = torch.rand(n + 2, kv_heads, 1, generator=g) * 10
     qkv = (torch.randn(n + 2, 2 * kv_heads, hd, generator=g) * spread.repeat(1, 2, 1)).to(dtype)
     qkv[0, 0] = 0  # an all-zero vector: the scale's floor
+    # max 127 -> scale exactly 1: every other value a half, rounded to even (2.5 -> 2, -3.5 -> -4)
+    qkv[1, 1] = torch.arange(hd, dtype=torch.float32).remainder(9).sub(4).add(0.5).to(dtype)
+    qkv[1, 1, 0] = 127
     k, v = qkv[:, :kv_heads], qkv[:, kv_heads:]
     before = qkv.clone()
     kc, vc = (

@@ -142,17 +142,22 @@ def test_kv_quantize_round_trip(name):
 # (head_dim, block_size, sequence lengths, block tables): a run-time head size with small
 # blocks, and the default model's head size (a compile-time one, the int8 cache's 16-lane loops
 # on AVX-512) with its blocks of 16, partial last blocks included.
+# (head_dim, block_size, query heads, sequence lengths, block tables); 2 kv heads.
 DECODE_SHAPES = {
-    "hd32": (32, 4, [5, 9, 1], [[7, 2], [0, 11, 4], [9]]),
-    "hd64": (64, 16, [5, 40, 17], [[7], [0, 11, 4], [9, 2]]),
+    "hd32": (32, 4, 6, [5, 9, 1], [[7, 2], [0, 11, 4], [9]]),
+    "hd64": (64, 16, 6, [5, 40, 17], [[7], [0, 11, 4], [9, 2]]),
+    # the int8 cache's AVX-512 loops take keys 16 at a time: a 32-token block is two chunks
+    "hd64-bs32": (64, 32, 6, [5, 40, 17], [[7], [0, 11], [9]]),
+    # 5 query heads per kv head: more than those loops hold in registers, the generic path
+    "hd64-group5": (64, 16, 10, [5, 40, 17], [[7], [0, 11, 4], [9, 2]]),
 }
 
 
 def _decode_case(kv_name: str, dtype: torch.dtype, shape: str = "hd32"):
     """A random paged cache with 3 sequences, written through PagedAttention itself."""
     torch.manual_seed(1)
-    hd, bs, lens, tables = DECODE_SHAPES[shape]
-    heads, kvh, nblocks = 6, 2, 12
+    hd, bs, heads, lens, tables = DECODE_SHAPES[shape]
+    kvh, nblocks = 2, 12
     store = kv_storage_dtype(kv_name, dtype)
     k_cache = torch.zeros(nblocks, kvh, bs, hd, dtype=store)
     v_cache = torch.zeros_like(k_cache)

@@ -17,6 +17,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -179,9 +184,60 @@ void kv_write(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, tor
 // k_scales / v_scales [blocks, kv_heads, block_size]. With round_trip, those rows of k and v
 // are replaced by what the cache gives back (codes x scale), so a prefill chunk attends to the
 // same values later decodes read. One pass where the torch path dispatches ~15 ops a layer.
-// Compiled without -ffast-math: its reciprocal division moved a code by one now and then.
+// Compiled without -ffast-math: its reciprocal division moved a code by one now and then. For
+// the same reason nothing here calls an inline helper from outside the pragma (GCC will not
+// inline across the changed options, and a call per element cost ~4 us a row: ~10% of a
+// 32-sequence step at 2 threads). float32 head vectors of a multiple of 16 take 16-lane
+// registers where the CPU has AVX-512: the same IEEE division and round-half-to-even per
+// element, so the same codes.
 #pragma GCC push_options
 #pragma GCC optimize("no-fast-math")
+namespace {
+
+// One head vector x[0, hd) -> codes c and the returned scale; x rewritten as codes x scale
+// when round_trip.
+template <typename T>
+at::BFloat16 quantize_head_int8(T* x, int64_t hd, int8_t* c, bool round_trip) {
+  auto load = [](const T* p) -> float { return static_cast<float>(*p); };
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float>) {
+    if (hd % 16 == 0) {
+      __m512 amax = _mm512_setzero_ps();
+      for (int64_t i = 0; i < hd; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
+      const at::BFloat16 s(std::max(_mm512_reduce_max_ps(amax) / 127.f, 1e-8f));  // rounded as torch's .to(bfloat16)
+      const float sf = static_cast<float>(s);
+      const __m512 vs = _mm512_set1_ps(sf), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+      for (int64_t i = 0; i < hd; i += 16) {
+        const __m512 y = _mm512_min_ps(_mm512_max_ps(_mm512_div_ps(_mm512_loadu_ps(x + i), vs), lo), hi);
+        const __m512 q = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);  // half to even
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(c + i), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(q)));
+        if (round_trip) _mm512_storeu_ps(x + i, _mm512_mul_ps(q, vs));
+      }
+      return s;
+    }
+  }
+#endif
+  float amax = 0.f;
+  for (int64_t i = 0; i < hd; ++i) {
+    const float a = load(x + i);
+    const float m = a < 0.f ? -a : a;
+    amax = m > amax ? m : amax;
+  }
+  const float r = amax / 127.f;
+  const at::BFloat16 s(r > 1e-8f ? r : 1e-8f);  // rounded as torch's .to(bfloat16)
+  const float sf = static_cast<float>(s);
+  for (int64_t i = 0; i < hd; ++i) {
+    float y = load(x + i) / sf;
+    y = y < -127.f ? -127.f : (y > 127.f ? 127.f : y);
+    const float q = std::nearbyint(y);  // half to even
+    c[i] = static_cast<int8_t>(q);
+    if (round_trip) x[i] = static_cast<T>(q * sf);
+  }
+  return s;
+}
+
+}  // namespace
+
 void kv_write_int8(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k_scales, torch::Tensor v_scales,
                    torch::Tensor k, torch::Tensor v, torch::Tensor slot_blocks, torch::Tensor slot_offsets,
                    bool round_trip) {
@@ -219,19 +275,8 @@ void kv_write_int8(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k
       for (int64_t t = a; t < b; ++t)
         for (const Side& side : sides)
           for (int64_t h = 0; h < kvh; ++h) {
-            T* x = side.x + t * side.s0 + h * side.s1;
             const int64_t slot = (blk[t] * kvh + h) * bs + off[t];
-            float amax = 0.f;
-            for (int64_t i = 0; i < hd; ++i) amax = std::max(amax, std::fabs(ld(x + i)));
-            const at::BFloat16 s(std::max(amax / 127.f, 1e-8f));  // rounded as torch's .to(bfloat16)
-            const float sf = static_cast<float>(s);
-            int8_t* c = side.codes + slot * hd;
-            for (int64_t i = 0; i < hd; ++i) {
-              const float q = std::nearbyint(std::min(std::max(ld(x + i) / sf, -127.f), 127.f));  // half to even
-              c[i] = static_cast<int8_t>(q);
-              if (round_trip) st(x + i, q * sf);
-            }
-            side.scales[slot] = s;
+            side.scales[slot] = quantize_head_int8(side.x + t * side.s0 + h * side.s1, hd, side.codes + slot * hd, round_trip);
           }
     });
   });

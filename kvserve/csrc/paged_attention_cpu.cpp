@@ -66,63 +66,110 @@ inline void prefetch_bytes(const void* p, int64_t bytes) {
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
-// A 1-byte cache's block, once dequantized into floats, against a kv head's query heads with
-// the head dimension in 16-lane registers: the generic loops below compile to 8-lane ones with
-// an accumulator reloaded every four keys, and at 164 tokens x 32 sequences an int8 cache read
-// only a third as fast as its 4x smaller bytes allow (bench_paged_attention.py). A float cache
-// keeps the generic loops: it waits on memory either way, and its results stay as they were.
-// dequantize_rows for int8 with the head size a constant: through the generic one, this path
-// measured 0.205 ms a call instead of 0.172 (bench_paged_attention.py).
+// An int8 cache's block against a kv head's query heads, with the head dimension in 16-lane
+// registers. Each key's and value's scale is applied once to its dot product or its weight
+// rather than to each of its codes, and 16 keys' dot products are summed across lanes together:
+// the generic loops compile to 8-lane ones with an accumulator reloaded every four keys, and
+// a first 16-lane version (dequantize each block into floats, one lane sum per key) still read
+// at only ~10 GB/s, compute-bound (bench_paged_attention.py). A float cache keeps the generic
+// loops: it waits on memory either way, and its results stay as they were.
+
+// rows x HD int8 codes -> floats, unscaled.
 template <int HD>
-inline void dequantize_int8_rows(const int8_t* codes, const at::BFloat16* scales, int64_t rows, float* dst) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const __m512 s = _mm512_set1_ps(static_cast<float>(scales[r]));
+inline void widen_int8_rows(const int8_t* codes, int64_t rows, float* dst) {
+  for (int64_t r = 0; r < rows; ++r)
     for (int c = 0; c < HD / 16; ++c) {
       const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + r * HD + 16 * c));
-      _mm512_storeu_ps(dst + r * HD + 16 * c, _mm512_mul_ps(s, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b))));
+      _mm512_storeu_ps(dst + r * HD + 16 * c, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)));
+    }
+}
+
+// Lane o of the result: the sum of v[o]'s 16 lanes. Pairs, then quads, of vectors are folded
+// into each other's lanes (45 shuffles and adds for 16 sums, where one sum at a time takes 8).
+inline __m512 sum_lanes16(const __m512* v) {
+  __m512 quad[4];
+  for (int i = 0; i < 4; ++i) {
+    const __m512 *a = v + 4 * i, *b = a + 2;
+    // In every 128-bit lane: pairwise sums of v0's and v1's elements interleaved (s01), then
+    // each of the four vectors' sum over that lane, in order.
+    const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a[0], a[1]), _mm512_unpackhi_ps(a[0], a[1]));
+    const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(b[0], b[1]), _mm512_unpackhi_ps(b[0], b[1]));
+    const __m512d d01 = _mm512_castps_pd(s01), d23 = _mm512_castps_pd(s23);
+    quad[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(d01, d23)),
+                            _mm512_castpd_ps(_mm512_unpackhi_pd(d01, d23)));
+  }
+  // quad[i]'s 128-bit lane j holds vectors 4i..4i+3's sums over their lane j: add the four
+  // 128-bit lanes of each quad, landing quad i in 128-bit lane i.
+  const __m512 w01 = _mm512_add_ps(_mm512_shuffle_f32x4(quad[0], quad[1], 0x44), _mm512_shuffle_f32x4(quad[0], quad[1], 0xEE));
+  const __m512 w23 = _mm512_add_ps(_mm512_shuffle_f32x4(quad[2], quad[3], 0x44), _mm512_shuffle_f32x4(quad[2], quad[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, 0x88), _mm512_shuffle_f32x4(w01, w23, 0xDD));
+}
+
+// Up to 16 bfloat16 scales as floats (zero past n).
+inline __m512 scales16(const at::BFloat16* s, int64_t n) {
+  alignas(64) float f[16] = {};
+  for (int64_t i = 0; i < n; ++i) f[i] = static_cast<float>(s[i]);
+  return _mm512_load_ps(f);
+}
+
+// scores[g * len + o] = (q_g . codes_o) * scale_o for the block's n keys kb (n x HD floats,
+// the codes widened), 16 keys at a time.
+template <int HD>
+inline void block_scores(const float* kb, const at::BFloat16* ks, int64_t n, const float* qf, int64_t group,
+                         float* srow, int64_t len) {
+  constexpr int V = HD / 16;
+  for (int64_t o0 = 0; o0 < n; o0 += 16) {
+    const int64_t m = std::min<int64_t>(16, n - o0);
+    const __m512 sc = scales16(ks + o0, m);
+    const __mmask16 keep = static_cast<__mmask16>((1u << m) - 1);
+    for (int64_t g = 0; g < group; ++g) {
+      __m512 q[V], dot[16];
+      for (int c = 0; c < V; ++c) q[c] = _mm512_loadu_ps(qf + g * HD + 16 * c);
+      for (int o = 0; o < 16; ++o) {
+        dot[o] = _mm512_setzero_ps();
+        if (o < m) {
+          const float* k = kb + (o0 + o) * HD;
+          for (int c = 0; c < V; ++c) dot[o] = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(k + 16 * c), dot[o]);
+        }
+      }
+      _mm512_mask_storeu_ps(srow + g * len + o0, keep, _mm512_mul_ps(sum_lanes16(dot), sc));
     }
   }
 }
 
-// scores[g * len + o] = q_g . k_o for the block's n keys kb (n x HD floats).
+// acc_g += sum_o (p_g[o] * scale_o) codes_o for the block's n values (int8 codes vb); p: the
+// block's first probability of head 0 (head g's at g * len). Each value row is widened once
+// and added into every head's accumulator, all of them in registers (group <= 4).
 template <int HD>
-inline void block_scores(const float* kb, int64_t n, const float* qf, int64_t group, float* srow, int64_t len) {
-  constexpr int V = HD / 16;
-  for (int64_t g = 0; g < group; ++g) {
-    __m512 q[V];
-    for (int c = 0; c < V; ++c) q[c] = _mm512_loadu_ps(qf + g * HD + 16 * c);
-    for (int64_t o = 0; o < n; ++o) {
-      const float* k = kb + o * HD;
-      __m512 dot = _mm512_mul_ps(q[0], _mm512_loadu_ps(k));
-      for (int c = 1; c < V; ++c) dot = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(k + 16 * c), dot);
-      srow[g * len + o] = _mm512_reduce_add_ps(dot);
+inline void block_values(const int8_t* vb, const at::BFloat16* vs, int64_t n, const float* p, int64_t group,
+                         int64_t len, float* acc) {
+  constexpr int V = HD / 16, MAX_GROUP = 4;
+  __m512 a[MAX_GROUP][V];
+  for (int64_t g = 0; g < group; ++g)
+    for (int c = 0; c < V; ++c) a[g][c] = _mm512_loadu_ps(acc + g * HD + 16 * c);
+  for (int64_t o = 0; o < n; ++o) {
+    __m512 v[V];
+    for (int c = 0; c < V; ++c)
+      v[c] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(vb + o * HD + 16 * c))));
+    const float s = static_cast<float>(vs[o]);
+    for (int64_t g = 0; g < group; ++g) {
+      const __m512 w = _mm512_set1_ps(p[g * len + o] * s);
+      for (int c = 0; c < V; ++c) a[g][c] = _mm512_fmadd_ps(w, v[c], a[g][c]);
     }
   }
+  for (int64_t g = 0; g < group; ++g)
+    for (int c = 0; c < V; ++c) _mm512_storeu_ps(acc + g * HD + 16 * c, a[g][c]);
 }
-
-// acc_g += sum_o p_g[o] v_o for the block's n values vb; p: the block's first probability of
-// head 0 (head g's at g * len), each head's accumulator in registers for the whole block.
-template <int HD>
-inline void block_values(const float* vb, int64_t n, const float* p, int64_t group, int64_t len, float* acc) {
-  constexpr int V = HD / 16;
-  for (int64_t g = 0; g < group; ++g) {
-    __m512 a[V];
-    for (int c = 0; c < V; ++c) a[c] = _mm512_loadu_ps(acc + g * HD + 16 * c);
-    for (int64_t o = 0; o < n; ++o) {
-      const __m512 w = _mm512_set1_ps(p[g * len + o]);
-      for (int c = 0; c < V; ++c) a[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vb + o * HD + 16 * c), a[c]);
-    }
-    for (int c = 0; c < V; ++c) _mm512_storeu_ps(acc + g * HD + 16 * c, a[c]);
-  }
-}
+constexpr int kMaxWideGroup = 4;  // block_values keeps this many heads' accumulators in registers
 constexpr bool kAvx512 = true;
 #else
+constexpr int kMaxWideGroup = 0;
 template <int HD>
-inline void dequantize_int8_rows(const int8_t*, const at::BFloat16*, int64_t, float*) {}
+inline void widen_int8_rows(const int8_t*, int64_t, float*) {}
 template <int HD>
-inline void block_scores(const float*, int64_t, const float*, int64_t, float*, int64_t) {}
+inline void block_scores(const float*, const at::BFloat16*, int64_t, const float*, int64_t, float*, int64_t) {}
 template <int HD>
-inline void block_values(const float*, int64_t, const float*, int64_t, int64_t, float*) {}
+inline void block_values(const int8_t*, const at::BFloat16*, int64_t, const float*, int64_t, int64_t, float*) {}
 constexpr bool kAvx512 = false;
 #endif
 
@@ -133,11 +180,13 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
                    double scale) {
   // KV element type as the loops read it: the cache's own, or float after dequantizing.
   using K = std::conditional_t<is_quantized<C>(), float, C>;
-  // An int8 cache through the 16-lane block loops above (HD a multiple of 16, AVX-512).
-  constexpr bool wide = kAvx512 && std::is_same_v<C, int8_t> && HD > 0 && HD % 16 == 0;
+  // An int8 cache through the 16-lane block loops above (HD a multiple of 16, AVX-512, at most
+  // kMaxWideGroup query heads per kv head).
+  constexpr bool wide_type = kAvx512 && std::is_same_v<C, int8_t> && HD > 0 && HD % 16 == 0;
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = HD > 0 ? HD : q.size(2);
   const int64_t num_kv_heads = k_cache.size(1), block_size = k_cache.size(2);
   const int64_t group = num_heads / num_kv_heads, max_blocks = block_tables.size(1);
+  const bool wide = wide_type && group <= kMaxWideGroup;
   const T* qp = q.data_ptr<T>();
   const C* kp = k_cache.data_ptr<C>();
   const C* vp = v_cache.data_ptr<C>();
@@ -175,10 +224,12 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
         prefetch_bytes<2>(vp + slice * head_dim, n * head_dim * sizeof(C));
         if constexpr (is_quantized<C>()) prefetch_bytes<2>(vsp + slice, n * 2);
         const K* kb;
-        if constexpr (wide) {
-          dequantize_int8_rows<HD>(kp + slice * head_dim, ksp + slice, n, buf.data());
-          block_scores<HD>(buf.data(), n, qf.data(), group, scores.data() + b * block_size, len);
-          continue;
+        if constexpr (wide_type) {
+          if (wide) {
+            widen_int8_rows<HD>(kp + slice * head_dim, n, buf.data());
+            block_scores<HD>(buf.data(), ksp + slice, n, qf.data(), group, scores.data() + b * block_size, len);
+            continue;
+          }
         }
         if constexpr (is_quantized<C>()) {
           dequantize_rows(kp + slice * head_dim, ksp + slice, n, head_dim, buf.data());
@@ -229,10 +280,12 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
       for (int64_t b = 0; b < num_blocks; ++b) {
         const int64_t slice = table[b] * num_kv_heads * block_size + kh * block_size;
         const int64_t n = std::min(block_size, len - b * block_size);
-        if constexpr (wide) {
-          dequantize_int8_rows<HD>(vp + slice * head_dim, vsp + slice, n, buf.data());
-          block_values<HD>(buf.data(), n, scores.data() + b * block_size, group, len, acc.data());
-          continue;
+        if constexpr (wide_type) {
+          if (wide) {
+            block_values<HD>(vp + slice * head_dim, vsp + slice, n, scores.data() + b * block_size, group, len,
+                             acc.data());
+            continue;
+          }
         }
         const K* vb;
         if constexpr (is_quantized<C>()) {

@@ -24,7 +24,8 @@ import functools
 
 
 @functools.cache
-def _libc():
+def libc():
+    """glibc through ctypes, or None where this is not glibc (no malloc_trim)."""
     name = ctypes.util.find_library("c")
     try:
         lib = ctypes.CDLL(name) if name else None
@@ -35,7 +36,7 @@ def _libc():
 
 def trim_heap() -> bool:
     """Return free heap pages to the OS; True where glibc's malloc_trim ran."""
-    lib = _libc()
+    lib = libc()
     if lib is None:
         return False
     lib.malloc_trim(0)

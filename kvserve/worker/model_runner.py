@@ -36,6 +36,7 @@ from kvserve.model.layers.cpu_kernels import load_cpu_kernels
 from kvserve.model.layers.kv_quant import KV_SCALE_DTYPE, is_quantized, kv_storage_dtype
 from kvserve.model.layers.sampler import row_argmax
 from kvserve.model.models.llama import LlamaForCausalLM
+from kvserve.platform.huge_pages import huge_page_full
 from kvserve.platform.memory import trim_heap
 from kvserve.worker.device_sampling import sample_listed_rows
 from kvserve.worker.kernel_log import log_kernels
@@ -128,19 +129,22 @@ class ModelRunner:
 
     def _alloc_kv(self, model: LlamaForCausalLM, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The model's KV pool and, for a 1-byte cache, its bfloat16 scales (one per token and
-        kv head), which the model's attention layers are given."""
+        kv head), which the model's attention layers are given. On the CPU both are in huge
+        pages where the OS grants them (platform/huge_pages.py: decode reads scattered blocks)."""
         arch = model.arch
         kv_dtype = kv_storage_dtype(self.kv_cache_dtype, model.dtype)
-        cache = torch.zeros(
-            len(model.layers), 2, num_blocks, model.num_local_kv_heads, self.block_size, arch.head_dim,
-            dtype=kv_dtype, device=self.device,
-        )  # fmt: skip
+
+        def full(shape: tuple[int, ...], value: float, dtype: torch.dtype) -> torch.Tensor:
+            if torch.device(self.device).type == "cpu":
+                return huge_page_full(shape, value, dtype)
+            return torch.full(shape, value, dtype=dtype, device=self.device)
+
+        layers, kv_heads = len(model.layers), model.num_local_kv_heads
+        kv_shape = (layers, 2, num_blocks, kv_heads, self.block_size, arch.head_dim)
+        cache = full(kv_shape, 0, kv_dtype)
         scales = None
         if is_quantized(kv_dtype):
-            scales = torch.ones(
-                len(model.layers), 2, num_blocks, model.num_local_kv_heads, self.block_size,
-                dtype=KV_SCALE_DTYPE, device=self.device,
-            )  # fmt: skip
+            scales = full(kv_shape[:-1], 1, KV_SCALE_DTYPE)
             for i, layer in enumerate(model.layers):
                 layer.attn.kv_scales = (scales[i, 0], scales[i, 1])
         return cache, scales
