@@ -204,7 +204,8 @@ at::BFloat16 quantize_head_int8(T* x, int64_t hd, int8_t* c, bool round_trip) {
     if (hd % 16 == 0) {
       __m512 amax = _mm512_setzero_ps();
       for (int64_t i = 0; i < hd; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
-      const at::BFloat16 s(std::max(_mm512_reduce_max_ps(amax) / 127.f, 1e-8f));  // rounded as torch's .to(bfloat16)
+      const float r = _mm512_reduce_max_ps(amax) / 127.f;
+      const at::BFloat16 s(r > 1e-8f ? r : 1e-8f);  // rounded as torch's .to(bfloat16)
       const float sf = static_cast<float>(s);
       const __m512 vs = _mm512_set1_ps(sf), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
       for (int64_t i = 0; i < hd; i += 16) {
