@@ -6,6 +6,7 @@ import torch
 
 from kvserve.model.arch import ModelArch
 from kvserve.model.layers.rotary import RotaryEmbedding
+from kvserve.model.loader.gguf_file import gguf_reader, release_gguf_reader
 from kvserve.model.loader.resolve import ModelSource, resolve_model
 from kvserve.model.models.llama import LlamaForCausalLM
 from kvserve.tokenizer import Tokenizer
@@ -19,11 +20,9 @@ def load_tokenizer(source: ModelSource) -> Tokenizer:
         from kvserve.model.loader.hf_loader import hf_tokenizer
 
         return Tokenizer(hf_tokenizer(source.path))
-    import gguf
-
     from kvserve.model.loader.gguf_loader import gguf_tokenizer
 
-    return Tokenizer(*gguf_tokenizer(gguf.GGUFReader(source.path)))
+    return Tokenizer(*gguf_tokenizer(gguf_reader(source.path)))
 
 
 def load_arch(source: ModelSource) -> ModelArch:
@@ -32,11 +31,9 @@ def load_arch(source: ModelSource) -> ModelArch:
         from kvserve.model.loader.hf_loader import hf_arch
 
         return hf_arch(source.path)
-    import gguf
-
     from kvserve.model.loader.gguf_loader import gguf_arch
 
-    return gguf_arch(gguf.GGUFReader(source.path))
+    return gguf_arch(gguf_reader(source.path))
 
 
 def load_model(
@@ -60,16 +57,16 @@ def load_weights_only(
         model = _empty_model(arch, dtype)
         weights = hf_weights(source.path, model.weight_slice, model.owns)
     else:
-        import gguf
-
         from kvserve.model.loader.gguf_loader import gguf_arch, gguf_weights
 
-        reader = gguf.GGUFReader(source.path)
+        reader = gguf_reader(source.path)
         arch = gguf_arch(reader)
         model = _empty_model(arch, dtype)
         weights = gguf_weights(reader, arch, quantization)
     model.quantization, model.quant_device = quantization, device
     model.load_weights(weights)
+    if source.kind != "hf":
+        release_gguf_reader(source.path)
     return model.to(device).eval()
 
 

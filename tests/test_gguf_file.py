@@ -1,0 +1,48 @@
+"""An engine's start parses the default model's GGUF metadata once (architecture, tokenizer and
+weights share one reader), and the reader is dropped once the weights are loaded."""
+
+from __future__ import annotations
+
+import gguf
+import torch
+
+from kvserve.model.loader import gguf_file, load_arch, load_tokenizer, load_weights_only, resolve_model
+
+
+def test_one_parse_per_load_then_released(monkeypatch):
+    parses = []
+    real = gguf.GGUFReader
+
+    def counting(path, *args, **kwargs):
+        parses.append(path)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", counting)
+    source = resolve_model("smollm2-135m")
+    gguf_file.release_gguf_reader(source.path)  # whatever an earlier test left
+    arch = load_arch(source)
+    tok = load_tokenizer(source)
+    model = load_weights_only(source, torch.float32, torch.device("cpu"), "int4")
+    assert len(parses) == 1
+    assert model.arch == arch and tok.encode("hello")
+    assert not gguf_file._readers  # the next load parses again
+
+
+def _write(path: str, name: str) -> None:
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_name(name)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+
+
+def test_a_rewritten_file_is_parsed_again(tmp_path):
+    path = str(tmp_path / "m.gguf")
+    _write(path, "first")
+    first = gguf_file.gguf_reader(path)
+    assert gguf_file.gguf_reader(path) is first
+    _write(path, "second, longer")  # another size: another file as far as the cache knows
+    again = gguf_file.gguf_reader(path)
+    assert again is not first and again.fields["general.name"].contents() == "second, longer"
+    gguf_file.release_gguf_reader(path)
+    assert not gguf_file._readers
