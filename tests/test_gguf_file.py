@@ -3,6 +3,8 @@ weights share one reader), and the reader is dropped once the weights are loaded
 
 from __future__ import annotations
 
+import os
+
 import gguf
 import torch
 
@@ -25,7 +27,11 @@ def test_one_parse_per_load_then_released(monkeypatch):
     model = load_weights_only(source, torch.float32, torch.device("cpu"), "int4")
     assert len(parses) == 1
     assert model.arch == arch and tok.encode("hello")
-    assert not gguf_file._readers  # the next load parses again
+    assert not _cached(source.path)  # the next load parses again
+
+
+def _cached(path: str) -> bool:
+    return any(key[0] == os.path.realpath(path) for key in gguf_file._readers)
 
 
 def _write(path: str, name: str) -> None:
@@ -45,4 +51,14 @@ def test_a_rewritten_file_is_parsed_again(tmp_path):
     again = gguf_file.gguf_reader(path)
     assert again is not first and again.fields["general.name"].contents() == "second, longer"
     gguf_file.release_gguf_reader(path)
-    assert not gguf_file._readers
+    assert not _cached(path)
+
+
+def test_at_most_two_readers_oldest_dropped_first(tmp_path):
+    paths = [str(tmp_path / f"m{i}.gguf") for i in range(3)]
+    for i, path in enumerate(paths):
+        _write(path, f"model {i}")
+        gguf_file.gguf_reader(path)
+    assert [_cached(p) for p in paths] == [False, True, True]
+    for path in paths:
+        gguf_file.release_gguf_reader(path)
