@@ -198,7 +198,6 @@ namespace {
 // when round_trip.
 template <typename T>
 at::BFloat16 quantize_head_int8(T* x, int64_t hd, int8_t* c, bool round_trip) {
-  auto load = [](const T* p) -> float { return static_cast<float>(*p); };
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<T, float>) {
     if (hd % 16 == 0) {
@@ -220,7 +219,7 @@ at::BFloat16 quantize_head_int8(T* x, int64_t hd, int8_t* c, bool round_trip) {
 #endif
   float amax = 0.f;
   for (int64_t i = 0; i < hd; ++i) {
-    const float a = load(x + i);
+    const float a = static_cast<float>(x[i]);
     const float m = a < 0.f ? -a : a;
     amax = m > amax ? m : amax;
   }
@@ -228,7 +227,7 @@ at::BFloat16 quantize_head_int8(T* x, int64_t hd, int8_t* c, bool round_trip) {
   const at::BFloat16 s(r > 1e-8f ? r : 1e-8f);  // rounded as torch's .to(bfloat16)
   const float sf = static_cast<float>(s);
   for (int64_t i = 0; i < hd; ++i) {
-    float y = load(x + i) / sf;
+    float y = static_cast<float>(x[i]) / sf;
     y = y < -127.f ? -127.f : (y > 127.f ? 127.f : y);
     const float q = std::nearbyint(y);  // half to even
     c[i] = static_cast<int8_t>(q);

@@ -139,14 +139,16 @@ inline void block_scores(const float* kb, const at::BFloat16* ks, int64_t n, con
   }
 }
 
+constexpr int kMaxWideGroup = 4;  // block_values keeps this many heads' accumulators in registers
+
 // acc_g += sum_o (p_g[o] * scale_o) codes_o for the block's n values (int8 codes vb); p: the
 // block's first probability of head 0 (head g's at g * len). Each value row is widened once
 // and added into every head's accumulator, all of them in registers (group <= 4).
 template <int HD>
 inline void block_values(const int8_t* vb, const at::BFloat16* vs, int64_t n, const float* p, int64_t group,
                          int64_t len, float* acc) {
-  constexpr int V = HD / 16, MAX_GROUP = 4;
-  __m512 a[MAX_GROUP][V];
+  constexpr int V = HD / 16;
+  __m512 a[kMaxWideGroup][V];
   for (int64_t g = 0; g < group; ++g)
     for (int c = 0; c < V; ++c) a[g][c] = _mm512_loadu_ps(acc + g * HD + 16 * c);
   for (int64_t o = 0; o < n; ++o) {
@@ -162,7 +164,6 @@ inline void block_values(const int8_t* vb, const at::BFloat16* vs, int64_t n, co
   for (int64_t g = 0; g < group; ++g)
     for (int c = 0; c < V; ++c) _mm512_storeu_ps(acc + g * HD + 16 * c, a[g][c]);
 }
-constexpr int kMaxWideGroup = 4;  // block_values keeps this many heads' accumulators in registers
 constexpr bool kAvx512 = true;
 #else
 constexpr int kMaxWideGroup = 0;
