@@ -139,10 +139,9 @@ def test_kv_quantize_round_trip(name):
     assert (err <= tol * x.abs().amax(-1, keepdim=True)).all()
 
 
-# (head_dim, block_size, sequence lengths, block tables): a run-time head size with small
-# blocks, and the default model's head size (a compile-time one, the int8 cache's 16-lane loops
-# on AVX-512) with its blocks of 16, partial last blocks included.
-# (head_dim, block_size, query heads, sequence lengths, block tables); 2 kv heads.
+# (head_dim, block_size, query heads, sequence lengths, block tables), 2 kv heads: a run-time
+# head size with small blocks, and the default model's head size (a compile-time one, the int8
+# cache's 16-lane loops on AVX-512) with its blocks of 16, partial last blocks included.
 DECODE_SHAPES = {
     "hd32": (32, 4, 6, [5, 9, 1], [[7, 2], [0, 11, 4], [9]]),
     "hd64": (64, 16, 6, [5, 40, 17], [[7], [0, 11, 4], [9, 2]]),
