@@ -140,14 +140,16 @@ def test_kv_quantize_round_trip(name):
 
 
 # (head_dim, block_size, query heads, sequence lengths, block tables), 2 kv heads: a run-time
-# head size with small blocks, and the default model's head size (a compile-time one, the int8
-# cache's 16-lane loops on AVX-512) with its blocks of 16, partial last blocks included.
+# head size with small blocks (the generic loops on every CPU), and the default model's head
+# size (a compile-time one: the int8 cache's 16-lane loops on AVX-512, the 8-lane loops of
+# both cache types on AVX2) with its blocks of 16, partial last blocks included.
 DECODE_SHAPES = {
     "hd32": (32, 4, 6, [5, 9, 1], [[7, 2], [0, 11, 4], [9]]),
     "hd64": (64, 16, 6, [5, 40, 17], [[7], [0, 11, 4], [9, 2]]),
-    # the int8 cache's AVX-512 loops take keys 16 at a time: a 32-token block is two chunks
+    # the AVX-512 loops take keys 16 at a time (a 32-token block is two chunks), AVX2's four
     "hd64-bs32": (64, 32, 6, [5, 40, 17], [[7], [0, 11], [9]]),
-    # 5 query heads per kv head: more than those loops hold in registers, the generic path
+    # 5 query heads per kv head: more than the AVX-512 loops hold in registers (the generic
+    # path there); AVX2's take one head at a time
     "hd64-group5": (64, 16, 10, [5, 40, 17], [[7], [0, 11, 4], [9, 2]]),
 }
 

@@ -146,7 +146,7 @@ constexpr int kMaxWideGroup = 4;  // block_values keeps this many heads' accumul
 // and added into every head's accumulator, all of them in registers (group <= 4).
 template <int HD>
 inline void block_values(const int8_t* vb, const at::BFloat16* vs, int64_t n, const float* p, int64_t group,
-                         int64_t len, float* acc) {
+                         int64_t len, float* acc, float* /*widened: unused, the rows are widened in registers*/) {
   constexpr int V = HD / 16;
   __m512 a[kMaxWideGroup][V];
   for (int64_t g = 0; g < group; ++g)
@@ -164,7 +164,97 @@ inline void block_values(const int8_t* vb, const at::BFloat16* vs, int64_t n, co
   for (int64_t g = 0; g < group; ++g)
     for (int c = 0; c < V; ++c) _mm512_storeu_ps(acc + g * HD + 16 * c, a[g][c]);
 }
-constexpr bool kAvx512 = true;
+template <int HD>  // AVX2's float-cache loops: a float cache keeps the generic ones here (above)
+inline void block_values_rows(const float*, const at::BFloat16*, int64_t, const float*, int64_t, int64_t, float*) {}
+constexpr int kWideLanes = 16;
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+// The same block loops in 8 lanes for AVX2, for an int8 cache and a float32 one alike. Sixteen
+// registers: scores take four keys at a time against one query head held in registers, values
+// one head at a time, each block's int8 values widened once into a buffer the group's heads
+// then read from L1. On a Zen 3 (9 query heads, 3 kv heads, head size 64, one thread) the
+// generic loops took 1.25-1.55x these loops' time with an int8 cache and 1.05-1.2x with a
+// float32 one, at 1 and 32 sequences of 160 and 512 tokens (docs/BENCHMARKS.md, round 16).
+
+// rows x HD int8 codes -> floats, unscaled.
+template <int HD>
+inline void widen_int8_rows(const int8_t* codes, int64_t rows, float* dst) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int c = 0; c < HD / 8; ++c) {
+      const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + r * HD + 8 * c));
+      _mm256_storeu_ps(dst + r * HD + 8 * c, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)));
+    }
+}
+
+// Lane i of the result: the sum of a[i]'s 8 lanes.
+inline __m128 sum_lanes4(const __m256* a) {
+  const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
+// Four bfloat16 scales as floats: a bfloat16 is a float's upper 16 bits.
+inline __m128 scales4(const at::BFloat16* s) {
+  const __m128i bits = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s));
+  return _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(bits), 16));
+}
+
+// scores[g * len + o] = (q_g . codes_o) * scale_o for the block's n keys kb (n x HD floats,
+// the codes widened), four keys at a time.
+template <int HD>
+inline void block_scores(const float* kb, const at::BFloat16* ks, int64_t n, const float* qf, int64_t group,
+                         float* srow, int64_t len) {
+  constexpr int V = HD / 8;
+  for (int64_t g = 0; g < group; ++g) {
+    __m256 q[V];
+    for (int c = 0; c < V; ++c) q[c] = _mm256_loadu_ps(qf + g * HD + 8 * c);
+    float* out = srow + g * len;
+    int64_t o = 0;
+    for (; o + 4 <= n; o += 4) {
+      __m256 dot[4];
+      for (int j = 0; j < 4; ++j) {
+        const float* k = kb + (o + j) * HD;
+        dot[j] = _mm256_mul_ps(q[0], _mm256_loadu_ps(k));
+        for (int c = 1; c < V; ++c) dot[j] = _mm256_fmadd_ps(q[c], _mm256_loadu_ps(k + 8 * c), dot[j]);
+      }
+      const __m128 sums = sum_lanes4(dot);
+      _mm_storeu_ps(out + o, ks ? _mm_mul_ps(sums, scales4(ks + o)) : sums);
+    }
+    for (; o < n; ++o) {
+      __m256 dot[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+      for (int c = 0; c < V; ++c) dot[0] = _mm256_fmadd_ps(q[c], _mm256_loadu_ps(kb + o * HD + 8 * c), dot[0]);
+      out[o] = _mm_cvtss_f32(sum_lanes4(dot)) * (ks ? static_cast<float>(ks[o]) : 1.0f);
+    }
+  }
+}
+
+constexpr int64_t kMaxWideGroup = std::numeric_limits<int64_t>::max();  // one head at a time: any group
+
+// acc_g += sum_o (p_g[o] * scale_o) rows_o for the block's n value rows (n x HD floats; scales
+// vs, or none: all 1); p: the block's first probability of head 0 (head g's at g * len). Each
+// head's accumulator is held in registers over the rows.
+template <int HD>
+inline void block_values_rows(const float* rows, const at::BFloat16* vs, int64_t n, const float* p, int64_t group,
+                              int64_t len, float* acc) {
+  constexpr int V = HD / 8;
+  for (int64_t g = 0; g < group; ++g) {
+    __m256 a[V];
+    for (int c = 0; c < V; ++c) a[c] = _mm256_loadu_ps(acc + g * HD + 8 * c);
+    for (int64_t o = 0; o < n; ++o) {
+      const __m256 w = _mm256_set1_ps(vs ? p[g * len + o] * static_cast<float>(vs[o]) : p[g * len + o]);
+      for (int c = 0; c < V; ++c) a[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(rows + o * HD + 8 * c), a[c]);
+    }
+    for (int c = 0; c < V; ++c) _mm256_storeu_ps(acc + g * HD + 8 * c, a[c]);
+  }
+}
+
+// The same for int8 codes vb: widened once into `widened` (n x HD floats), then summed as rows.
+template <int HD>
+inline void block_values(const int8_t* vb, const at::BFloat16* vs, int64_t n, const float* p, int64_t group,
+                         int64_t len, float* acc, float* widened) {
+  widen_int8_rows<HD>(vb, n, widened);
+  block_values_rows<HD>(widened, vs, n, p, group, len, acc);
+}
+constexpr int kWideLanes = 8;
 #else
 constexpr int kMaxWideGroup = 0;
 template <int HD>
@@ -172,8 +262,10 @@ inline void widen_int8_rows(const int8_t*, int64_t, float*) {}
 template <int HD>
 inline void block_scores(const float*, const at::BFloat16*, int64_t, const float*, int64_t, float*, int64_t) {}
 template <int HD>
-inline void block_values(const int8_t*, const at::BFloat16*, int64_t, const float*, int64_t, int64_t, float*) {}
-constexpr bool kAvx512 = false;
+inline void block_values(const int8_t*, const at::BFloat16*, int64_t, const float*, int64_t, int64_t, float*, float*) {}
+template <int HD>
+inline void block_values_rows(const float*, const at::BFloat16*, int64_t, const float*, int64_t, int64_t, float*) {}
+constexpr int kWideLanes = 0;
 #endif
 
 template <typename T, typename C, int HD>
@@ -183,13 +275,14 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
                    double scale) {
   // KV element type as the loops read it: the cache's own, or float after dequantizing.
   using K = std::conditional_t<is_quantized<C>(), float, C>;
-  // An int8 cache through the 16-lane block loops above (HD a multiple of 16, AVX-512, at most
-  // kMaxWideGroup query heads per kv head).
-  constexpr bool wide_type = kAvx512 && std::is_same_v<C, int8_t> && HD > 0 && HD % 16 == 0;
+  // An int8 cache through the block loops above (AVX-512's 16 lanes or AVX2's 8: HD a multiple
+  // of them, at most kMaxWideGroup query heads per kv head), and on AVX2 a float32 one too.
+  constexpr bool wide_type = kWideLanes > 0 && std::is_same_v<C, int8_t> && HD > 0 && HD % std::max(kWideLanes, 1) == 0;
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = HD > 0 ? HD : q.size(2);
   const int64_t num_kv_heads = k_cache.size(1), block_size = k_cache.size(2);
   const int64_t group = num_heads / num_kv_heads, max_blocks = block_tables.size(1);
   const bool wide = wide_type && group <= kMaxWideGroup;
+  constexpr bool wide_float = kWideLanes == 8 && std::is_same_v<C, float> && HD > 0 && HD % 8 == 0;
   const T* qp = q.data_ptr<T>();
   const C* kp = k_cache.data_ptr<C>();
   const C* vp = v_cache.data_ptr<C>();
@@ -227,6 +320,10 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
         prefetch_bytes<2>(vp + slice * head_dim, n * head_dim * sizeof(C));
         if constexpr (is_quantized<C>()) prefetch_bytes<2>(vsp + slice, n * 2);
         const K* kb;
+        if constexpr (wide_float) {
+          block_scores<HD>(kp + slice * head_dim, nullptr, n, qf.data(), group, scores.data() + b * block_size, len);
+          continue;
+        }
         if constexpr (wide_type) {
           if (wide) {
             widen_int8_rows<HD>(kp + slice * head_dim, n, buf.data());
@@ -283,10 +380,14 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
       for (int64_t b = 0; b < num_blocks; ++b) {
         const int64_t slice = table[b] * num_kv_heads * block_size + kh * block_size;
         const int64_t n = std::min(block_size, len - b * block_size);
+        if constexpr (wide_float) {
+          block_values_rows<HD>(vp + slice * head_dim, nullptr, n, scores.data() + b * block_size, group, len, acc.data());
+          continue;
+        }
         if constexpr (wide_type) {
           if (wide) {
             block_values<HD>(vp + slice * head_dim, vsp + slice, n, scores.data() + b * block_size, group, len,
-                             acc.data());
+                             acc.data(), buf.data());
             continue;
           }
         }
