@@ -7,7 +7,11 @@ in transparent huge pages as the engine allocates it (platform/huge_pages.py, wh
 grants them). Prints ms per call (best of --reps, the engine's two threads) and the KV bytes
 it reads per second, beside the machine's read bandwidth measured in the same run.
 
-    python benchmarks/bench_paged_attention.py [--seqs 32] [--context 164] [--reps 50]
+With --baseline REV the kernels as of git revision REV are built too and each case alternates
+between the two builds (--rounds times, best of each), so a shared machine's drift falls on
+both alike; the ratio printed is this tree's time over the baseline's.
+
+    python benchmarks/bench_paged_attention.py [--seqs 32] [--context 164] [--reps 50] [--baseline REV]
 """
 
 from __future__ import annotations
@@ -15,7 +19,9 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import subprocess
 import sys
+import tempfile
 
 import torch
 
@@ -24,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.bench_decode_roofline import read_bandwidth  # noqa: E402
 from benchmarks.common import machine, wall_us  # noqa: E402
 from benchmarks.cpu_info import cpu_flags  # noqa: E402
+from kvserve.model.layers import cpu_kernels  # noqa: E402
 from kvserve.model.layers.cpu_kernels import load_cpu_kernels  # noqa: E402
 from kvserve.platform.huge_pages import huge_page_full  # noqa: E402
 
@@ -41,17 +48,39 @@ def huge_kib() -> int:
         return next((int(line.split()[1]) for line in f if line.startswith("AnonHugePages")), 0)
 
 
+def kernels_at(rev: str):
+    """The CPU kernels extension built from the C++ sources as of git revision `rev`."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    folder = tempfile.mkdtemp(prefix="kvserve-csrc-")
+    paths = []
+    for path in cpu_kernels.SOURCES + cpu_kernels.HEADERS:
+        rel = os.path.relpath(path, root)
+        shown = subprocess.run(["git", "show", f"{rev}:{rel}"], cwd=root, capture_output=True, check=True)
+        paths.append(os.path.join(folder, os.path.basename(path)))
+        with open(paths[-1], "wb") as f:
+            f.write(shown.stdout)
+    source = b"".join(open(p, "rb").read() for p in paths)
+    n = len(cpu_kernels.SOURCES)
+    name = cpu_kernels._build_name(source)
+    return cpu_kernels.build_extension(name, paths[:n], cpu_kernels._CFLAGS, paths[n:])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seqs", type=int, default=32)
     ap.add_argument("--context", type=int, default=164)
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--pool-blocks", type=int, default=6000)
+    ap.add_argument("--baseline", help="a git revision whose kernels to time against, alternating")
+    ap.add_argument("--rounds", type=int, default=3, help="alternations with --baseline")
     args = ap.parse_args()
     kernels = load_cpu_kernels()
     if kernels is None:
         print("C++ kernels unavailable")
         return 1
+    builds = {"this tree": kernels}
+    if args.baseline:
+        builds[args.baseline] = kernels_at(args.baseline)
     torch.manual_seed(0)
     torch.set_num_threads(2)
     print(f"{machine()}; CPU flags: {cpu_flags()}; load average {os.getloadavg()}")
@@ -83,15 +112,25 @@ def main() -> int:
     )
     kv_bytes = args.seqs * args.context * KV_HEADS * HEAD_DIM * 2
 
-    def decode(k: torch.Tensor, v: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-        return kernels.paged_decode_attention(q, k, v, scales, scales, tables(), lens, 0.125)
+    def decode(module, k: torch.Tensor, v: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        return module.paged_decode_attention(q, k, v, scales, scales, tables(), lens, 0.125)
 
     for pages, caches in pools.items():
         for name, (k, v, s) in caches.items():
-            us = wall_us(functools.partial(decode, k, v, s), args.reps)
-            rate = kv_bytes * k.element_size() / us / 1e3
-            print(f"{name} cache, {pages}: {us / 1e3:.3f} ms per call, KV read at {rate:.1f} GB/s "
-                  f"({rate * 1e9 / bw:.0%})")  # fmt: skip
+            best = dict.fromkeys(builds, float("inf"))
+            for _ in range(args.rounds if len(builds) > 1 else 1):
+                for build, module in builds.items():
+                    us = wall_us(functools.partial(decode, module, k, v, s), args.reps)
+                    best[build] = min(best[build], us)
+            cells = []
+            for build, us in best.items():
+                rate = kv_bytes * k.element_size() / us / 1e3
+                cells.append(
+                    f"{build}: {us / 1e3:.3f} ms per call, KV read at {rate:.1f} GB/s ({rate * 1e9 / bw:.0%})"
+                )
+            if args.baseline:
+                cells.append(f"this tree / {args.baseline} {best['this tree'] / best[args.baseline]:.2f}x")
+            print(f"{name} cache, {pages}: " + "; ".join(cells))
     print(f"huge pages held by this process: {huge_kib()} KiB")
     return 0
 
