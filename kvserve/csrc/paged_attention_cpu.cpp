@@ -198,8 +198,8 @@ inline __m128 scales4(const at::BFloat16* s) {
   return _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(bits), 16));
 }
 
-// scores[g * len + o] = (q_g . codes_o) * scale_o for the block's n keys kb (n x HD floats,
-// the codes widened), four keys at a time.
+// scores[g * len + o] = (q_g . k_o) * scale_o for the block's n keys kb (n x HD floats: a float
+// cache's rows, or int8 codes widened; ks their scales, or none: all 1), four keys at a time.
 template <int HD>
 inline void block_scores(const float* kb, const at::BFloat16* ks, int64_t n, const float* qf, int64_t group,
                          float* srow, int64_t len) {
