@@ -31,7 +31,6 @@ from benchmarks.bench_decode_roofline import read_bandwidth  # noqa: E402
 from benchmarks.common import machine, wall_us  # noqa: E402
 from benchmarks.cpu_info import cpu_flags  # noqa: E402
 from kvserve.model.layers import cpu_kernels  # noqa: E402
-from kvserve.model.layers.cpu_kernels import load_cpu_kernels  # noqa: E402
 from kvserve.platform.huge_pages import huge_page_full  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
@@ -52,14 +51,14 @@ def kernels_at(rev: str):
     """The CPU kernels extension built from the C++ sources as of git revision `rev`."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     folder = tempfile.mkdtemp(prefix="kvserve-csrc-")
-    paths = []
+    paths, source = [], b""
     for path in cpu_kernels.SOURCES + cpu_kernels.HEADERS:
         rel = os.path.relpath(path, root)
         shown = subprocess.run(["git", "show", f"{rev}:{rel}"], cwd=root, capture_output=True, check=True)
         paths.append(os.path.join(folder, os.path.basename(path)))
+        source += shown.stdout  # what the build name hashes, in read_sources' order
         with open(paths[-1], "wb") as f:
             f.write(shown.stdout)
-    source = b"".join(open(p, "rb").read() for p in paths)
     n = len(cpu_kernels.SOURCES)
     name = cpu_kernels._build_name(source)
     return cpu_kernels.build_extension(name, paths[:n], cpu_kernels._CFLAGS, paths[n:])
@@ -74,7 +73,7 @@ def main() -> int:
     ap.add_argument("--baseline", help="a git revision whose kernels to time against, alternating")
     ap.add_argument("--rounds", type=int, default=3, help="alternations with --baseline")
     args = ap.parse_args()
-    kernels = load_cpu_kernels()
+    kernels = cpu_kernels.load_cpu_kernels()
     if kernels is None:
         print("C++ kernels unavailable")
         return 1
