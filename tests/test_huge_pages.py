@@ -31,3 +31,44 @@ def test_equals_torch_full_and_owns_its_memory(shape, value, dtype):
     gc.collect()  # the view alone keeps the over-allocated buffer alive
     t.view(-1)[-1] = 3
     assert t.view(-1)[-1].float().item() == 3 and t.view(-1)[0].float().item() == value
+
+
+def test_weights_move_into_one_arena_with_their_values_and_objects():
+    """weights_in_huge_pages: large parameters and buffers keep their Python objects and
+    values, lie in one huge-page-aligned arena in order, 64-byte aligned; small tensors and
+    tensors sharing a storage stay where they were."""
+    from kvserve.platform.huge_pages import weights_in_huge_pages
+
+    torch.manual_seed(0)
+    module = torch.nn.Module()
+    module.big = torch.nn.Parameter(torch.randn(700, 1000), requires_grad=False)  # 2.7 MiB
+    module.register_buffer("codes", torch.randint(-128, 127, (3, 1001), dtype=torch.int8).repeat(300, 1))
+    module.register_buffer("small", torch.randn(10))
+    shared = torch.randn(2, 300, 300)
+    module.register_buffer("first", shared[0])  # views of one storage: left alone
+    module.register_buffer("second", shared[1])
+    before = {name: t.clone() for name, t in module.state_dict().items()}
+    objects = {name: id(t) for name, t in module.state_dict(keep_vars=True).items()}
+    places = {name: t.data_ptr() for name, t in module.state_dict().items()}
+    moved = weights_in_huge_pages(module)
+    after = module.state_dict(keep_vars=True)
+    assert {name: id(t) for name, t in after.items()} == objects
+    for name, t in after.items():
+        assert torch.equal(t, before[name]), name
+    for name in ("small", "first", "second"):
+        assert after[name].data_ptr() == places[name], name
+    if libc() is None:
+        assert moved == 0
+        return
+    big, codes = after["big"], after["codes"]
+    assert moved == big.nbytes + -(-codes.nbytes // 64) * 64
+    assert big.data_ptr() % HUGE_PAGE == 0 and codes.data_ptr() == big.data_ptr() + big.nbytes
+    assert big.untyped_storage().data_ptr() == codes.untyped_storage().data_ptr()  # one arena
+
+
+def test_weights_under_one_huge_page_stay_put():
+    from kvserve.platform.huge_pages import weights_in_huge_pages
+
+    module = torch.nn.Linear(256, 256)  # 256 KiB: less than one huge page in all
+    ptr = module.weight.data_ptr()
+    assert weights_in_huge_pages(module) == 0 and module.weight.data_ptr() == ptr

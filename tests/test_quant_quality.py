@@ -110,3 +110,18 @@ def test_kv_pool_and_greedy_agreement(engines, name):
     if name == "kv-int8":
         assert agree > len(prompts) / 2
     assert all(gap < CLOSE_CALL for gap in gaps)
+
+
+@pytest.mark.slow
+def test_quantized_weights_sit_in_one_huge_page_arena(engines):
+    """The int4 engine's projections and table (read front to back every token) were moved into
+    one huge-page arena at start (platform/huge_pages.weights_in_huge_pages); the perplexity
+    gates above run on them as placed."""
+    from kvserve.platform.memory import libc
+
+    if libc() is None:
+        pytest.skip("huge pages are asked for through glibc's madvise")
+    model = engines("int4").llm_engine.model_runner.model
+    tensors = [p.quant.qweight for layer in model.layers for p in layer.projections().values()]
+    tensors.append(model.lm_head.quant.qweight)
+    assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1  # loaded as 121 tensors

@@ -36,7 +36,7 @@ from kvserve.model.layers.cpu_kernels import load_cpu_kernels
 from kvserve.model.layers.kv_quant import KV_SCALE_DTYPE, is_quantized, kv_storage_dtype
 from kvserve.model.layers.sampler import row_argmax
 from kvserve.model.models.llama import LlamaForCausalLM
-from kvserve.platform.huge_pages import huge_page_full
+from kvserve.platform.huge_pages import huge_page_full, weights_in_huge_pages
 from kvserve.platform.memory import trim_heap
 from kvserve.worker.device_sampling import sample_listed_rows
 from kvserve.worker.kernel_log import log_kernels
@@ -84,6 +84,7 @@ class ModelRunner:
             for m in (model, draft_model):
                 if m is not None:
                     m.pack_weights()
+                    weights_in_huge_pages(m)  # read front to back every token: fewer TLB misses
                     m.use_cpu_kernels(kernels)
             if self.tp.is_driver and self.pp.is_first:  # one line per engine, not per rank
                 log_kernels(model, kernels is not None)
