@@ -18,14 +18,13 @@ import itertools
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.bench_decode_roofline import FORMATS  # noqa: E402
+from benchmarks.bench_decode_roofline import FORMATS, decode_s  # noqa: E402
 from benchmarks.common import machine, make_prompts  # noqa: E402
 from benchmarks.cpu_info import cpu_flags  # noqa: E402
-from kvserve import LLM, SamplingParams  # noqa: E402
+from kvserve import LLM  # noqa: E402
 
 
 def thp_mode() -> str:
@@ -34,16 +33,6 @@ def thp_mode() -> str:
             return f.read().split("[")[1].split("]")[0]
     except (OSError, IndexError):
         return "unknown"
-
-
-def decode_s(llm: LLM, prompts: list[list[int]], n: int) -> float:
-    def run(tokens: int) -> float:
-        params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-        t0 = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
-        return time.perf_counter() - t0
-
-    return (run(n + 1) - run(1)) / n
 
 
 def main() -> int:

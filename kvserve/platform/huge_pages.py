@@ -57,7 +57,7 @@ def weights_in_huge_pages(module: torch.nn.Module, min_bytes: int = 64 << 10) ->
     for group in by_storage.values():
         t = group[0]
         whole = t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes
-        if len({id(x) for x in group}) == 1 and whole and t.nbytes >= min_bytes:
+        if len(group) == 1 and whole and t.nbytes >= min_bytes:  # (parameters() and buffers() dedupe)
             moving.append(t)
     offsets, total = [], 0
     for t in moving:
