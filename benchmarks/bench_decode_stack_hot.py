@@ -9,7 +9,9 @@ alternating: as built (each layer its own weights, which come from memory: 63 Mi
 through a cache far smaller), and with layer 0's weights in all the layers (the same shapes,
 the same KV cache and attention, the weights hot in cache). It prints both, their
 difference, and the time the layers' weights take to stream at the read bandwidth measured
-in the same run.
+in the same run. Where the stack has its overlapped path (csrc/decode_overlap_cpu.cpp: one
+parallel region, the other threads loading the next weights during the serial work), both
+are also run without it (one parallel region per kernel), alternating with the rest.
 
     python benchmarks/bench_decode_stack_hot.py [--kv-cache-dtype auto|int8] [--rounds 30]
 """
@@ -31,7 +33,7 @@ from benchmarks.bench_decode_roofline import read_bandwidth  # noqa: E402
 from benchmarks.common import machine, make_prompts  # noqa: E402
 from benchmarks.cpu_info import cpu_flags  # noqa: E402
 from kvserve import LLM, SamplingParams  # noqa: E402
-from kvserve.model.layers.attention import NO_SCALES  # noqa: E402
+from kvserve.model.models.llama import OVERLAP_MAX_ROWS, add_stack_layer  # noqa: E402
 
 
 def captured_stack_call(llm: LLM, context: int) -> tuple[object, list]:
@@ -68,11 +70,9 @@ def hot_stack(model):
     first = model.layers[0]
     stack = model.ops.DecodeStack(first.num_heads, first.num_kv_heads, first.head_dim, first.eps)
     calls = [p.quant.native_matmul() for p in first.projections().values()]
-    weights = [t for _, codes, scales, _ in calls for t in (codes, scales)]
     for layer in model.layers:
-        ks, vs = layer.attn.kv_scales or (NO_SCALES, NO_SCALES)
-        stack.add_layer(first.input_norm, first.post_attn_norm, [c[0] for c in calls], weights,
-                        [c[3] for c in calls], ks, vs)  # fmt: skip
+        add_stack_layer(stack, first.input_norm, first.post_attn_norm, calls, layer.attn.kv_scales)
+    stack.set_overlap_rows(OVERLAP_MAX_ROWS)
     return stack
 
 
@@ -81,8 +81,8 @@ def layer_weight_bytes(model) -> int:
     total = 0
     for layer in model.layers:
         for p in layer.projections().values():
-            _, codes, scales, _ = p.quant.native_matmul()
-            total += codes.nbytes + scales.nbytes
+            call = p.quant.native_matmul()
+            total += call.codes.nbytes + call.scales.nbytes
         total += layer.input_norm.nbytes + layer.post_attn_norm.nbytes
     return total
 
@@ -100,6 +100,11 @@ def main() -> int:
     stacks = {"from memory": model._build_decode_stack(), "hot": hot_stack(model)}
     if stacks["from memory"] is None:
         raise SystemExit("the decode stack does not take this model here")
+    if stacks["from memory"].overlap_usable():  # and as it ran before it (one region per kernel)
+        stacks["from memory, no overlap"] = model._build_decode_stack()
+        stacks["from memory, no overlap"].set_overlap_rows(0)
+        stacks["hot, no overlap"] = hot_stack(model)
+        stacks["hot, no overlap"].set_overlap_rows(0)
 
     def run(stack) -> float:
         inputs = [call[0].clone(), *call[1:]]

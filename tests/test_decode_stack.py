@@ -8,6 +8,7 @@ transformers (test_cpu_layer_ops.py, test_fidelity.py).
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.model.layers.cpu_kernels import load_cpu_kernels
@@ -62,3 +63,66 @@ def test_layers_it_cannot_take_stay_in_python(request, fixture, kwargs):
     stacked, plain, stack = _both_paths(llm, PROMPTS[:3])
     assert stack is None
     _assert_identical(stacked, plain)
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize(("quantization", "kv_cache_dtype"), [("int4", "auto"), ("int8", "int8")])
+def test_overlapped_stack_equals_the_python_layers(tiny_llama_dir, quantization, kv_cache_dtype, threads):
+    """One-row steps run the whole stack in one parallel region (thread 0 the serial work, the
+    others loading their share of the next projections, the split learnt step by step), and
+    so do two-row ones when asked: the same bits as the Python loop, whatever the split and
+    thread count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        llm = LLM(
+            tiny_llama_dir, kv_cache_memory="16MiB", quantization=quantization, kv_cache_dtype=kv_cache_dtype
+        )
+        stacked, plain, stack = _both_paths(llm, PROMPTS[:1])
+        _assert_identical(stacked, plain)
+        assert stack.overlap_usable()
+        assert stack.overlapped_steps() == 11  # every decode step (12 tokens: the first from prefill)
+        stack.set_overlap_rows(2)
+        stacked, plain, _ = _both_paths(llm, PROMPTS[1:3])
+        _assert_identical(stacked, plain)
+        assert stack.overlapped_steps() == 22
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_an_error_inside_the_overlapped_stack_is_raised(tiny_llama_dir):
+    """A kernel's error inside the parallel region (here attention refusing int32 block tables)
+    comes back as an exception, the region left cleanly, and the stack still works after it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        llm = LLM(tiny_llama_dir, kv_cache_memory="16MiB", quantization="int4")
+        model = llm.llm_engine.model_runner.model
+        calls: list[list] = []
+        build = model._decode_stack
+
+        class Recorder:
+            def __init__(self, stack):
+                self.stack = stack
+
+            def forward(self, *args):
+                calls.append([args[0].clone(), *args[1:]])
+                return self.stack.forward(*args)
+
+        def capture(*a):
+            stack = build(*a)
+            return None if stack is None else Recorder(stack)
+
+        model._decode_stack = capture
+        params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        llm.generate(PROMPTS[:1], params, use_tqdm=False)
+        del model._decode_stack
+        stack = model._stack[1]
+        x, cos, sin, kv_cache, slot_blocks, slot_offsets, tables, lens, scale = calls[-1]
+        with pytest.raises(RuntimeError, match="int64 block tables"):
+            stack.forward(x.clone(), cos, sin, kv_cache, slot_blocks, slot_offsets, tables.int(), lens, scale)
+        again = stack.forward(x.clone(), cos, sin, kv_cache, slot_blocks, slot_offsets, tables, lens, scale)
+        assert torch.isfinite(again).all()
+        assert stack.overlapped_steps() == 3  # the two decode steps and the call after the error
+    finally:
+        torch.set_num_threads(before)

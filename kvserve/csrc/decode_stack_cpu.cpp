@@ -8,44 +8,65 @@
 // quant_kernels variant module, reached through the function pointers it exports (both modules
 // are built against the same torch headers); the small ops and the attention are this
 // extension's own.
-#include "cpu_kernels.h"
+#include "decode_stack.h"
+
+#include <ATen/Parallel.h>
 
 #include <cstdint>
 #include <vector>
 
+at::Tensor attend(const Layer& l, const StackShape& s, int64_t i, const at::Tensor& qkv, const at::Tensor& cos,
+                  const at::Tensor& sin, const at::Tensor& kv_cache, const at::Tensor& slot_blocks,
+                  const at::Tensor& slot_offsets, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                  double scale) {
+  const int64_t rows = qkv.size(0), nd = seq_lens.numel(), q_size = s.heads * s.head_dim,
+                kv_size = s.kv_heads * s.head_dim;
+  at::Tensor q = qkv.narrow(1, 0, q_size).view({rows, s.heads, s.head_dim});
+  at::Tensor k = qkv.narrow(1, q_size, kv_size).view({rows, s.kv_heads, s.head_dim});
+  at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({rows, s.kv_heads, s.head_dim});
+  rotary_inplace(q, cos, sin);
+  rotary_inplace(k, cos, sin);
+  at::Tensor kc = kv_cache.select(0, i).select(0, 0), vc = kv_cache.select(0, i).select(0, 1);
+  if (l.int8_cache) kv_write_int8(kc, vc, l.k_scales, l.v_scales, k, v, slot_blocks, slot_offsets, false);
+  else kv_write(kc, vc, k, v, slot_blocks, slot_offsets);
+  const at::Tensor &ks = l.k_scales, &vs = l.v_scales;  // empty for a float cache, as the kernel takes it
+  if (nd == rows) return paged_decode_attention(q.contiguous(), kc, vc, ks, vs, block_tables, seq_lens, scale);
+  at::Tensor attn = at::zeros({rows, s.heads, s.head_dim}, qkv.options());
+  attn.narrow(0, 0, nd).copy_(
+      paged_decode_attention(q.narrow(0, 0, nd).contiguous(), kc, vc, ks, vs, block_tables, seq_lens, scale));
+  return attn;
+}
+
 namespace {
-
-// quant_matmul_cpu.cpp's int4_mm / int8_mm: y = x @ W.T for N rows of packed W.
-using MatmulFn = at::Tensor (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t);
-
-struct Projection {
-  MatmulFn fn;
-  at::Tensor codes, scales;
-  int64_t n;
-  at::Tensor operator()(const at::Tensor& x) const { return fn(x, codes, scales, n); }
-};
-
-struct Layer {
-  at::Tensor input_norm, post_norm, k_scales, v_scales;  // scales: empty unless the cache is int8
-  Projection qkv, o, gate_up, down;
-  bool int8_cache;
-};
 
 class DecodeStack {
  public:
-  DecodeStack(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps)
-      : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps) {}
+  DecodeStack(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps) : shape_{heads, kv_heads, head_dim, eps} {}
 
   // One layer, in order. fns: the four projections' matmuls as addresses (qkv, o, gate_up,
-  // down); weights: their (codes, scales) pairs in the same order; ns: their output rows.
+  // down); weights: their (codes, scales) pairs in the same order; ns: their output rows;
+  // panel_fns: their panel-range forms (or empty) and quantize the module's activation
+  // quantizer (or 0), which the overlapped path needs.
   void add_layer(at::Tensor input_norm, at::Tensor post_norm, std::vector<int64_t> fns,
-                 std::vector<at::Tensor> weights, std::vector<int64_t> ns, at::Tensor k_scales, at::Tensor v_scales) {
+                 std::vector<at::Tensor> weights, std::vector<int64_t> ns, at::Tensor k_scales, at::Tensor v_scales,
+                 std::vector<int64_t> panel_fns, int64_t quantize) {
     TORCH_CHECK(fns.size() == 4 && weights.size() == 8 && ns.size() == 4, "four projections");
+    TORCH_CHECK(panel_fns.empty() || panel_fns.size() == 4, "four panel-range forms, or none");
     Projection p[4];
-    for (int i = 0; i < 4; ++i) p[i] = {reinterpret_cast<MatmulFn>(fns[i]), weights[2 * i], weights[2 * i + 1], ns[i]};
+    for (int i = 0; i < 4; ++i) {
+      PanelsFn panels = panel_fns.empty() ? nullptr : reinterpret_cast<PanelsFn>(panel_fns[i]);
+      p[i] = {reinterpret_cast<MatmulFn>(fns[i]), panels, weights[2 * i], weights[2 * i + 1], ns[i]};
+    }
     const bool int8_cache = k_scales.numel() > 0;
     layers_.push_back({input_norm, post_norm, k_scales, v_scales, p[0], p[1], p[2], p[3], int8_cache});
+    const QuantizeFn q = reinterpret_cast<QuantizeFn>(quantize);
+    overlap_usable_ = (layers_.size() == 1 || overlap_usable_) && overlapped_.usable(layers_, q);
   }
+
+  // Steps of up to this many rows run the overlapped path (0: never).
+  void set_overlap_rows(int64_t rows) { overlap_rows_ = rows; }
+  bool overlap_usable() const { return overlap_usable_; }
+  int64_t overlapped_steps() const { return overlapped_.steps(); }
 
   // x: the residual stream [rows, hidden] float32 (added into in place and returned); cos/sin
   // [rows, head_dim]; kv_cache [layers, 2, blocks, kv_heads, block_size, head_dim]; the slots of
@@ -56,37 +77,28 @@ class DecodeStack {
                      at::Tensor slot_offsets, at::Tensor block_tables, at::Tensor seq_lens, double scale) {
     TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "x: contiguous float32 rows");
     TORCH_CHECK(kv_cache.size(0) == static_cast<int64_t>(layers_.size()), "one KV cache per layer");
-    const int64_t rows = x.size(0), nd = seq_lens.numel(), q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
+    const int64_t rows = x.size(0);
+    if (overlap_usable_ && rows <= overlap_rows_ && seq_lens.numel() == rows && at::get_num_threads() > 1 &&
+        !at::in_parallel_region())
+      return overlapped_.forward(layers_, shape_, x, cos, sin, kv_cache, slot_blocks, slot_offsets, block_tables,
+                                 seq_lens, scale);
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& l = layers_[i];
-      at::Tensor qkv = l.qkv(rms_norm(x, l.input_norm, eps_));
-      at::Tensor q = qkv.narrow(1, 0, q_size).view({rows, heads_, head_dim_});
-      at::Tensor k = qkv.narrow(1, q_size, kv_size).view({rows, kv_heads_, head_dim_});
-      at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({rows, kv_heads_, head_dim_});
-      rotary_inplace(q, cos, sin);
-      rotary_inplace(k, cos, sin);
-      at::Tensor kc = kv_cache.select(0, i).select(0, 0), vc = kv_cache.select(0, i).select(0, 1);
-      if (l.int8_cache) kv_write_int8(kc, vc, l.k_scales, l.v_scales, k, v, slot_blocks, slot_offsets, false);
-      else kv_write(kc, vc, k, v, slot_blocks, slot_offsets);
-      const at::Tensor &ks = l.k_scales, &vs = l.v_scales;  // empty for a float cache, as the kernel takes it
-      at::Tensor attn;
-      if (nd == rows) {
-        attn = paged_decode_attention(q.contiguous(), kc, vc, ks, vs, block_tables, seq_lens, scale);
-      } else {
-        attn = at::zeros({rows, heads_, head_dim_}, x.options());
-        attn.narrow(0, 0, nd).copy_(
-            paged_decode_attention(q.narrow(0, 0, nd).contiguous(), kc, vc, ks, vs, block_tables, seq_lens, scale));
-      }
-      at::Tensor h = add_rms_norm(x, l.o(attn.view({rows, q_size})), l.post_norm, eps_);
+      at::Tensor qkv = l.qkv(rms_norm(x, l.input_norm, shape_.eps));
+      at::Tensor attn = attend(l, shape_, i, qkv, cos, sin, kv_cache, slot_blocks, slot_offsets, block_tables,
+                               seq_lens, scale);
+      at::Tensor h = add_rms_norm(x, l.o(attn.view({rows, shape_.heads * shape_.head_dim})), l.post_norm, shape_.eps);
       x.add_(l.down(silu_mul(l.gate_up(h))));
     }
     return x;
   }
 
  private:
-  int64_t heads_, kv_heads_, head_dim_;
-  double eps_;
+  StackShape shape_;
   std::vector<Layer> layers_;
+  OverlappedStack overlapped_;
+  bool overlap_usable_ = false;
+  int64_t overlap_rows_ = 0;
 };
 
 }  // namespace
@@ -95,5 +107,8 @@ void bind_decode_stack(pybind11::module& m) {
   pybind11::class_<DecodeStack>(m, "DecodeStack", "A pure-decode step's decoder layers in one call")
       .def(pybind11::init<int64_t, int64_t, int64_t, double>())
       .def("add_layer", &DecodeStack::add_layer)
+      .def("set_overlap_rows", &DecodeStack::set_overlap_rows)
+      .def("overlap_usable", &DecodeStack::overlap_usable)
+      .def("overlapped_steps", &DecodeStack::overlapped_steps)
       .def("forward", &DecodeStack::forward);
 }

@@ -685,6 +685,29 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
   return y;
 }
 
+// ---- one thread's share, for a caller that runs its own parallel region ------------------
+// cpu_kernels' DecodeStack runs a small decode step's layers inside one parallel region and
+// splits each projection's panels between its threads itself (decode_overlap_cpu.cpp): these
+// take rows the caller quantized and one panel range, and start no threads. Same arithmetic
+// as int4_mm / int8_mm, so the same bits.
+
+void quantize_rows_into(const float* x, int64_t M, int64_t K, int8_t* q, float* d, float* s, int32_t* sum) {
+  const int64_t ng = K / G;
+  for (int64_t m = 0; m < M; ++m) quantize_row(x + m * K, K, q + m * K, d + m * ng, s + m * ng, sum + m * ng);
+}
+
+void int4_panel_range(const void* codes, const void* scales, int64_t N, int64_t K, const int8_t* q, const float* d,
+                      const float* s, const int32_t* sum, float* y, int64_t M, int64_t p0, int64_t p1) {
+  Args a{static_cast<const uint8_t*>(codes), static_cast<const uint16_t*>(scales), N, K, q, d, s, sum, y};
+  if (p0 < p1) panels<Int4>(a, M, p0, p1);
+}
+
+void int8_panel_range(const void* codes, const void* scales, int64_t N, int64_t K, const int8_t* q, const float* d,
+                      const float* s, const int32_t* sum, float* y, int64_t M, int64_t p0, int64_t p1) {
+  Args a{nullptr, nullptr, N, K, q, d, s, sum, y, static_cast<const int8_t*>(codes), static_cast<const uint16_t*>(scales)};
+  if (p0 < p1) panels<Int8>(a, M, p0, p1);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -694,6 +717,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // For cpu_kernels' DecodeStack, which calls the matmuls without Python in between.
   m.def("matmul_addresses", [] {
     return std::map<std::string, int64_t>{{"int4", reinterpret_cast<int64_t>(&int4_mm)},
-                                          {"int8", reinterpret_cast<int64_t>(&int8_mm)}};
-  }, "addresses of int4_mm and int8_mm (at::Tensor (*)(x, codes, scales, N))");
+                                          {"int8", reinterpret_cast<int64_t>(&int8_mm)},
+                                          {"int4_panels", reinterpret_cast<int64_t>(&int4_panel_range)},
+                                          {"int8_panels", reinterpret_cast<int64_t>(&int8_panel_range)},
+                                          {"quantize_rows", reinterpret_cast<int64_t>(&quantize_rows_into)}};
+  }, "addresses of int4_mm and int8_mm (at::Tensor (*)(x, codes, scales, N)), of their panel-range forms "
+     "and of the activation quantizer they share (decode_stack.h's PanelsFn, QuantizeFn)");
 }

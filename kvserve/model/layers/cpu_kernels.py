@@ -34,11 +34,13 @@ SOURCES = [
         "paged_attention_cpu.cpp",
         "layer_ops_cpu.cpp",
         "decode_stack_cpu.cpp",
+        "decode_overlap_cpu.cpp",
         "sampling_cpu.cpp",
         "cpu_kernels_bindings.cpp",
     )
 ]
-HEADERS = [os.path.join(_CSRC, "cpu_kernels.h")]  # copied beside the sources, hashed with them
+# Copied beside the sources, hashed with them.
+HEADERS = [os.path.join(_CSRC, name) for name in ("cpu_kernels.h", "decode_stack.h")]
 _CFLAGS = ["-O3", "-fopenmp", "-march=native", "-ffast-math"]
 _lock = threading.Lock()
 _module = None

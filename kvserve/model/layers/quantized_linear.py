@@ -26,6 +26,7 @@ embedding / lm_head is stored once.
 from __future__ import annotations
 
 import sys
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +46,18 @@ from kvserve.model.layers.quantization import SCALE_DTYPE, QWeight, quantize_wei
 from kvserve.platform.cpu_isa import cpu_isa
 
 COMPUTE_DTYPE = torch.bfloat16  # activations inside quantized projections
+
+
+class NativeMatmul(NamedTuple):
+    """A projection on the native kernels as C++ callers (the decode stack) take it: addresses
+    in its quant_kernels module, and its weights."""
+
+    address: int  # int4_mm / int8_mm
+    codes: torch.Tensor
+    scales: torch.Tensor
+    out_features: int
+    panels: int  # int4_panel_range / int8_panel_range, 0 where the module has none
+    quantize: int  # the module's activation quantizer, 0 where it has none
 
 
 def _cuda_fp8_ok(device: torch.device) -> bool:
@@ -147,16 +160,19 @@ class QuantizedLinear(nn.Module):
             return kernels.int8_mm(x, buffers["qweight"], buffers["scales"], self.out_features)
         return kernels.int4_mm(x, buffers["qweight"], buffers["scales_zeros"], self.out_features)
 
-    def native_matmul(self) -> tuple[int, torch.Tensor, torch.Tensor, int] | None:
-        """(address of the native matmul, codes, scales, out_features) for C++ callers (the
-        decode stack), or None where this layer does not run the native kernels."""
+    def native_matmul(self) -> NativeMatmul | None:
+        """This projection for C++ callers (the decode stack), or None where it does not run
+        the native kernels."""
         if self.native is None:
             return None
         mod = quant_kernels.kernels_for(self.native)
         if mod is None or not hasattr(mod, "matmul_addresses"):
             return None
         scales = self._buffers["scales" if self.method == "int8" else "scales_zeros"]
-        return mod.matmul_addresses()[self.method], self._buffers["qweight"], scales, self.out_features
+        at = mod.matmul_addresses()
+        panels, quantize = at.get(f"{self.method}_panels", 0), at.get("quantize_rows", 0)
+        codes = self._buffers["qweight"]
+        return NativeMatmul(at[self.method], codes, scales, self.out_features, panels, quantize)
 
     def kernel_name(self) -> str:
         """What runs this projection (for the start-up log)."""

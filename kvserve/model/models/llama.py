@@ -36,12 +36,30 @@ from kvserve.model.layers.parallel_linear import (
     VocabParallelEmbedding,
 )
 from kvserve.model.layers.quantization import QWeight
-from kvserve.model.layers.quantized_linear import QuantizedLinear
+from kvserve.model.layers.quantized_linear import NativeMatmul, QuantizedLinear
 from kvserve.model.layers.rotary import RotaryEmbedding, apply_rotary
 from kvserve.model.layers.tp_sharding import even_shard
 
 # Activation dtypes the C++ layer ops (csrc/layer_ops_cpu.cpp) take; others run the torch path.
 FUSED_DTYPES = (torch.float32, torch.bfloat16)
+# Decode steps of up to this many rows run the stack in one parallel region, the weight stream
+# overlapping the serial work (csrc/decode_overlap_cpu.cpp). One: at 2 and 4 rows the attention
+# it runs on one thread outweighed the overlap (an AVX2 Zen 3, docs/BENCHMARKS.md round 17).
+OVERLAP_MAX_ROWS = 1
+
+
+def add_stack_layer(stack, input_norm: torch.Tensor, post_norm: torch.Tensor, calls: list[NativeMatmul],
+                    kv_scales: tuple[torch.Tensor, torch.Tensor] | None) -> None:  # fmt: skip
+    """One decoder layer into a C++ DecodeStack: its norms, its four projections (qkv, o,
+    gate_up, down) and its int8 KV cache's scales, if any."""
+    ks, vs = kv_scales or (NO_SCALES, NO_SCALES)
+    weights = [t for c in calls for t in (c.codes, c.scales)]
+    panels = [c.panels for c in calls]
+    quantize = calls[0].quantize if all(panels) and len({c.quantize for c in calls}) == 1 else 0
+    if not quantize:
+        panels = []  # the overlapped path needs every projection's panel-range form from one module
+    addresses, rows = [c.address for c in calls], [c.out_features for c in calls]
+    stack.add_layer(input_norm, post_norm, addresses, weights, rows, ks, vs, panels, quantize)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -239,10 +257,8 @@ class LlamaForCausalLM(nn.Module):
                      for p in layer.projections().values()]  # fmt: skip
             if any(c is None for c in calls):
                 return None
-            ks, vs = layer.attn.kv_scales or (NO_SCALES, NO_SCALES)
-            weights = [t for _, codes, scales, _ in calls for t in (codes, scales)]
-            stack.add_layer(layer.input_norm, layer.post_attn_norm, [c[0] for c in calls], weights,
-                            [c[3] for c in calls], ks, vs)  # fmt: skip
+            add_stack_layer(stack, layer.input_norm, layer.post_attn_norm, calls, layer.attn.kv_scales)
+        stack.set_overlap_rows(OVERLAP_MAX_ROWS)
         return stack
 
     def pack_weights(self) -> None:

@@ -1,0 +1,70 @@
+// The decode stack's layers as its two forward paths read them (decode_stack_cpu.cpp: one
+// parallel region per kernel; decode_overlap_cpu.cpp: the whole stack in one region, the weight
+// stream overlapping the serial work).
+#pragma once
+#include "cpu_kernels.h"
+
+#include <cstdint>
+#include <vector>
+
+// The signatures of quant_matmul_cpu.cpp's entry points, reached by address (its module is built
+// per instruction set, against the same torch headers):
+//   int4_mm / int8_mm: y = x @ W.T for the rows of x;
+using MatmulFn = at::Tensor (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t);
+//   int4_panel_range / int8_panel_range: output panels [p0, p1) of 16 rows for M quantized rows;
+using PanelsFn = void (*)(const void* codes, const void* scales, int64_t n, int64_t k, const int8_t* q,
+                          const float* d, const float* s, const int32_t* sum, float* y, int64_t m, int64_t p0,
+                          int64_t p1);
+//   quantize_rows_into: the activations both kernels multiply, per row and group of 32.
+using QuantizeFn = void (*)(const float* x, int64_t m, int64_t k, int8_t* q, float* d, float* s, int32_t* sum);
+
+struct Projection {
+  MatmulFn fn;
+  PanelsFn panels;  // null where the module has no panel-range form
+  at::Tensor codes, scales;
+  int64_t n;
+  at::Tensor operator()(const at::Tensor& x) const { return fn(x, codes, scales, n); }
+  int64_t num_panels() const { return codes.size(0); }
+  int64_t k() const { return codes.size(1) * (codes.scalar_type() == at::kByte ? 8 : 4); }  // int4: 2 a byte
+  int64_t codes_per_panel() const { return codes.size(1) * codes.size(2); }  // bytes
+  int64_t scales_per_panel() const { return scales.nbytes() / codes.size(0); }  // bytes
+};
+
+struct Layer {
+  at::Tensor input_norm, post_norm, k_scales, v_scales;  // scales: empty unless the cache is int8
+  Projection qkv, o, gate_up, down;
+  bool int8_cache;
+};
+
+struct StackShape {
+  int64_t heads, kv_heads, head_dim;
+  double eps;
+};
+
+// One pure-decode step's attention for layer i of `layers`: q, k, v rotated, K/V stored at the
+// rows' slots, the output [rows, heads, head_dim]. Every row a decode (both paths share it).
+at::Tensor attend(const Layer& l, const StackShape& s, int64_t i, const at::Tensor& qkv, const at::Tensor& cos,
+                  const at::Tensor& sin, const at::Tensor& kv_cache, const at::Tensor& slot_blocks,
+                  const at::Tensor& slot_offsets, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                  double scale);
+
+// The whole stack in one parallel region for a few rows (decode_overlap_cpu.cpp).
+class OverlappedStack {
+ public:
+  // Whether every layer's projections have panel-range forms from one module (`quantize` its
+  // activation quantizer); else forward must not be called.
+  bool usable(const std::vector<Layer>& layers, QuantizeFn quantize);
+  at::Tensor forward(const std::vector<Layer>& layers, const StackShape& s, at::Tensor x, const at::Tensor& cos,
+                     const at::Tensor& sin, const at::Tensor& kv_cache, const at::Tensor& slot_blocks,
+                     const at::Tensor& slot_offsets, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                     double scale);
+  int64_t steps() const { return steps_; }  // forward calls so far
+
+ private:
+  int64_t steps_ = 0;
+  QuantizeFn quantize_ = nullptr;
+  std::vector<int64_t> lead_;  // per layer and projection: panels the serial thread computes
+  std::vector<int8_t> q_;      // the activations of the projection about to run, quantized
+  std::vector<float> d_, s_;
+  std::vector<int32_t> sum_;
+};
