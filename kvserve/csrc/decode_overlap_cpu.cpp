@@ -1,15 +1,15 @@
-// A small decode step's layers in one parallel region, the weight stream overlapping the serial
-// work (issue 16: single-stream decode at the bandwidth limit).
+// A one-row decode step's layers in one parallel region, the weight stream overlapping the
+// serial work (issue 16: single-stream decode at the bandwidth limit).
 //
 // At one row a token reads every weight once, and between its projections come the norms,
-// rotary, the KV write and attention: serial work, ~40% of an AVX2 token, during which the
-// memory bus idles and the second core waits in the OpenMP pool (bench_decode_stack_hot.py:
-// the stack took its weights' stream time plus its hot-cache time, no overlap). Here thread 0
-// does that work while the other threads load the panels they will compute in the next
-// projection (and the one after) into their own caches; then every thread computes its share. The share is learnt
-// per projection: thread 0's (from memory) grows or shrinks by a panel each step toward
-// finishing with the others. Any split gives the same bits: one output is one SIMD lane of
-// the same kernel, whichever thread computes it.
+// rotary, the KV write and attention: serial work, ~30% of the stack's time on an AVX2 Zen 3,
+// during which memory idles and the other cores wait in the OpenMP pool (round 16's
+// bench_decode_stack_hot.py: the stack took its weights' stream time plus its hot-cache time).
+// Here thread 0 does that work while the other threads load the panels they will compute in
+// this projection and the next into their own caches; then every thread computes its share.
+// Thread 0's share (read from memory) is learnt per layer and projection: a panel less each
+// step it finishes last, one more when first. Any split gives the same bits: one output is
+// one SIMD lane of the same kernel, whichever thread computes it.
 #include "decode_stack.h"
 
 #include <ATen/Parallel.h>
@@ -28,7 +28,7 @@ namespace {
 
 // Per stage, a worker loads at most this much ahead. Above a Zen 3's 512 KiB L2 on purpose: the
 // attention stage's gap is long enough for more, and lines the L2 pushes out go to the L3.
-constexpr int64_t kPrefetchBudget = 1024 * 1024;
+constexpr int64_t kLoadAheadBudget = 1024 * 1024;
 
 using Clock = std::chrono::steady_clock;
 
@@ -143,7 +143,7 @@ at::Tensor OverlappedStack::forward(const std::vector<Layer>& layers, const Stac
         }
         ready.store(stage, std::memory_order_release);
       } else {
-        int64_t budget = warm(i, j, kPrefetchBudget);
+        int64_t budget = warm(i, j, kLoadAheadBudget);
         if (i + (j + 1) / 4 < n_layers) warm(i + (j + 1) / 4, (j + 1) % 4, budget);
         for (int64_t spins = 0; ready.load(std::memory_order_acquire) < stage;) relax(spins);
       }

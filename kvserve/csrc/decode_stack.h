@@ -41,8 +41,9 @@ struct StackShape {
   double eps;
 };
 
-// One pure-decode step's attention for layer i of `layers`: q, k, v rotated, K/V stored at the
-// rows' slots, the output [rows, heads, head_dim]. Every row a decode (both paths share it).
+// Layer l's attention in a pure-decode step (its KV cache: kv_cache[i]): q and k of the qkv
+// projection's output rotated, K/V stored at the rows' slots, the output [rows, heads,
+// head_dim]; rows past len(seq_lens) pad the batch and get zeros. Both paths call it.
 at::Tensor attend(const Layer& l, const StackShape& s, int64_t i, const at::Tensor& qkv, const at::Tensor& cos,
                   const at::Tensor& sin, const at::Tensor& kv_cache, const at::Tensor& slot_blocks,
                   const at::Tensor& slot_offsets, const at::Tensor& block_tables, const at::Tensor& seq_lens,
