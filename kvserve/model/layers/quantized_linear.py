@@ -169,10 +169,10 @@ class QuantizedLinear(nn.Module):
         if mod is None or not hasattr(mod, "matmul_addresses"):
             return None
         scales = self._buffers["scales" if self.method == "int8" else "scales_zeros"]
-        at = mod.matmul_addresses()
-        panels, quantize = at.get(f"{self.method}_panels", 0), at.get("quantize_rows", 0)
+        addresses = mod.matmul_addresses()
+        panels, quantize = addresses.get(f"{self.method}_panels", 0), addresses.get("quantize_rows", 0)
         codes = self._buffers["qweight"]
-        return NativeMatmul(at[self.method], codes, scales, self.out_features, panels, quantize)
+        return NativeMatmul(addresses[self.method], codes, scales, self.out_features, panels, quantize)
 
     def kernel_name(self) -> str:
         """What runs this projection (for the start-up log)."""
