@@ -121,8 +121,8 @@ def main() -> int:
             for name, stack in stacks.items():
                 times[name].append(min(run(stack) for _ in range(3)))
     bandwidth = read_bandwidth()
-    mib = layer_weight_bytes(model) / 2**20
-    stream_ms = layer_weight_bytes(model) / bandwidth * 1e3
+    weight_bytes = layer_weight_bytes(model)
+    mib, stream_ms = weight_bytes / 2**20, weight_bytes / bandwidth * 1e3
     best = {name: min(t) * 1e3 for name, t in times.items()}
     for name, t in times.items():
         print(f"stack {name}: best {best[name]:.2f} ms, median {statistics.median(t) * 1e3:.2f} ms")

@@ -60,19 +60,15 @@ inline std::pair<int64_t, int64_t> share(int64_t panels, int64_t lead, int t, in
 
 }  // namespace
 
-bool OverlappedStack::usable(const std::vector<Layer>& layers, QuantizeFn quantize) {
+bool OverlappedStack::accepts(const Layer& first, const Layer& l, QuantizeFn quantize) {
   if (quantize == nullptr || (quantize_ != nullptr && quantize_ != quantize)) return false;
-  const Layer& first = layers[0];
-  for (const Layer& l : layers)
-    for (const Projection* p : {&l.qkv, &l.o, &l.gate_up, &l.down}) {
-      if (p->panels == nullptr) return false;
-      TORCH_CHECK(p->codes.dim() == 3 && p->codes.size(2) == 64 && p->codes.is_contiguous() &&
-                  p->scales.is_contiguous() && p->k() % 32 == 0, "projection weights: contiguous panels");
-    }
-  for (const Layer& l : layers)  // forward sizes its buffers from the first layer
-    if (l.qkv.n != first.qkv.n || l.o.n != first.o.n || l.gate_up.n != first.gate_up.n || l.down.n != first.down.n ||
-        l.down.k() != first.down.k())
-      return false;
+  for (int j = 0; j < 4; ++j) {
+    const Projection &p = l.projection(j), &f = first.projection(j);
+    if (p.panels == nullptr) return false;
+    TORCH_CHECK(p.codes.dim() == 3 && p.codes.size(2) == 64 && p.codes.is_contiguous() && p.scales.is_contiguous() &&
+                p.k() % 32 == 0, "projection weights: contiguous panels");
+    if (p.n != f.n || p.k() != f.k()) return false;  // forward sizes its buffers from the first layer
+  }
   quantize_ = quantize;
   return true;
 }
@@ -88,11 +84,8 @@ at::Tensor OverlappedStack::forward(const std::vector<Layer>& layers, const Stac
   q_.resize(rows * max_k), d_.resize(rows * max_k / 32), s_.resize(rows * max_k / 32), sum_.resize(rows * max_k / 32);
   if (lead_.size() != static_cast<size_t>(n_layers * 4)) {
     lead_.assign(n_layers * 4, 0);
-    for (int64_t i = 0; i < n_layers; ++i) {
-      const Layer& l = layers[i];
-      const Projection* ps[4] = {&l.qkv, &l.o, &l.gate_up, &l.down};
-      for (int j = 0; j < 4; ++j) lead_[i * 4 + j] = ps[j]->num_panels() / threads;
-    }
+    for (int64_t i = 0; i < n_layers; ++i)
+      for (int j = 0; j < 4; ++j) lead_[i * 4 + j] = layers[i].projection(j).num_panels() / threads;
   }
   // Outputs, one per projection kind: each is read before the next layer writes it again.
   at::Tensor y[4] = {at::empty({rows, first.qkv.n}, x.options()), at::empty({rows, first.o.n}, x.options()),
@@ -110,8 +103,7 @@ at::Tensor OverlappedStack::forward(const std::vector<Layer>& layers, const Stac
     // Worker t's share of projection j of layer i into its caches while thread 0 has not
     // finished the stage's serial part, up to `budget` bytes; returns the budget left.
     auto warm = [&](int64_t i, int j, int64_t budget) {
-      const Layer& l = layers[i];
-      const Projection& p = j == 0 ? l.qkv : j == 1 ? l.o : j == 2 ? l.gate_up : l.down;
+      const Projection& p = layers[i].projection(j);
       const auto [b, e] = share(p.num_panels(), lead_[i * 4 + j], t, nt);
       const char* codes = static_cast<const char*>(p.codes.data_ptr());
       const char* scales = static_cast<const char*>(p.scales.data_ptr());
@@ -126,8 +118,9 @@ at::Tensor OverlappedStack::forward(const std::vector<Layer>& layers, const Stac
     // One stage: thread 0 runs `serial` (which leaves h) and quantizes h, while the others
     // load their share of projection j of layer i, then of the next one; then all compute
     // their shares of projection j into y[j].
-    auto run_stage = [&](int64_t i, int j, const Projection& p, auto&& serial) {
+    auto run_stage = [&](int64_t i, int j, auto&& serial) {
       ++stage;
+      const Projection& p = layers[i].projection(j);
       int64_t& lead = lead_[i * 4 + j];
       const int64_t k = p.k();
       if (t == 0) {
@@ -164,16 +157,16 @@ at::Tensor OverlappedStack::forward(const std::vector<Layer>& layers, const Stac
 
     for (int64_t i = 0; i < n_layers; ++i) {
       const Layer& l = layers[i];
-      run_stage(i, 0, l.qkv, [&] {
+      run_stage(i, 0, [&] {
         if (i > 0) x.add_(y[3]);  // the previous layer's MLP output into the residual stream
         h = rms_norm(x, l.input_norm, s.eps);
       });
-      run_stage(i, 1, l.o, [&] {
+      run_stage(i, 1, [&] {
         h = attend(l, s, i, y[0], cos, sin, kv_cache, slot_blocks, slot_offsets, block_tables, seq_lens, scale)
                 .view({rows, s.heads * s.head_dim});
       });
-      run_stage(i, 2, l.gate_up, [&] { h = add_rms_norm(x, y[1], l.post_norm, s.eps); });
-      run_stage(i, 3, l.down, [&] { h = silu_mul(y[2]); });
+      run_stage(i, 2, [&] { h = add_rms_norm(x, y[1], l.post_norm, s.eps); });
+      run_stage(i, 3, [&] { h = silu_mul(y[2]); });
       if (failed.load(std::memory_order_relaxed)) break;  // read after the stage's barrier: all agree
     }
   }

@@ -34,6 +34,8 @@ struct Layer {
   at::Tensor input_norm, post_norm, k_scales, v_scales;  // scales: empty unless the cache is int8
   Projection qkv, o, gate_up, down;
   bool int8_cache;
+  // The j-th projection in the order a layer runs them.
+  const Projection& projection(int j) const { return j == 0 ? qkv : j == 1 ? o : j == 2 ? gate_up : down; }
 };
 
 struct StackShape {
@@ -52,9 +54,10 @@ at::Tensor attend(const Layer& l, const StackShape& s, int64_t i, const at::Tens
 // The whole stack in one parallel region for a few rows (decode_overlap_cpu.cpp).
 class OverlappedStack {
  public:
-  // Whether every layer's projections have panel-range forms from one module (`quantize` its
-  // activation quantizer); else forward must not be called.
-  bool usable(const std::vector<Layer>& layers, QuantizeFn quantize);
+  // Whether layer l, added after `first` (or being it), can run here: its projections have
+  // panel-range forms from the module whose activation quantizer is `quantize`, the same for
+  // every layer, and its shapes are the first's. Else forward must not be called.
+  bool accepts(const Layer& first, const Layer& l, QuantizeFn quantize);
   at::Tensor forward(const std::vector<Layer>& layers, const StackShape& s, at::Tensor x, const at::Tensor& cos,
                      const at::Tensor& sin, const at::Tensor& kv_cache, const at::Tensor& slot_blocks,
                      const at::Tensor& slot_offsets, const at::Tensor& block_tables, const at::Tensor& seq_lens,

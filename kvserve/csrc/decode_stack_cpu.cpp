@@ -60,7 +60,8 @@ class DecodeStack {
     const bool int8_cache = k_scales.numel() > 0;
     layers_.push_back({input_norm, post_norm, k_scales, v_scales, p[0], p[1], p[2], p[3], int8_cache});
     const QuantizeFn q = reinterpret_cast<QuantizeFn>(quantize);
-    overlap_usable_ = (layers_.size() == 1 || overlap_usable_) && overlapped_.usable(layers_, q);
+    const bool before = layers_.size() == 1 || overlap_usable_;
+    overlap_usable_ = before && overlapped_.accepts(layers_.front(), layers_.back(), q);
   }
 
   // Steps of up to this many rows run the overlapped path (0: never).
