@@ -50,7 +50,7 @@ def test_stack_equals_the_python_layers(tiny_llama_dir, quantization, kv_cache_d
         tiny_llama_dir, kv_cache_memory="16MiB", quantization=quantization, kv_cache_dtype=kv_cache_dtype
     )
     stacked, plain, stack = _both_paths(llm, PROMPTS)
-    assert stack is not None  # the stack ran the decode steps
+    assert stack is not None and stack.has_head()  # the stack ran the decode steps, logits included
     _assert_identical(stacked, plain)
 
 
@@ -80,7 +80,7 @@ def test_overlapped_stack_equals_the_python_layers(tiny_llama_dir, quantization,
         )
         stacked, plain, stack = _both_paths(llm, PROMPTS[:1])
         _assert_identical(stacked, plain)
-        assert stack.overlap_usable()
+        assert stack.overlap_usable() and stack.head_overlapped()  # the lm_head the region's last stage
         assert stack.overlapped_steps() == 11  # every decode step (12 tokens: the first from prefill)
         stack.set_overlap_rows(2)
         stacked, plain, _ = _both_paths(llm, PROMPTS[1:3])
@@ -105,9 +105,12 @@ def test_an_error_inside_the_overlapped_stack_is_raised(tiny_llama_dir):
             def __init__(self, stack):
                 self.stack = stack
 
-            def forward(self, *args):
+            def has_head(self):
+                return self.stack.has_head()
+
+            def forward_logits(self, *args):
                 calls.append([args[0].clone(), *args[1:]])
-                return self.stack.forward(*args)
+                return self.stack.forward_logits(*args)
 
         def capture(*a):
             stack = build(*a)
@@ -119,10 +122,11 @@ def test_an_error_inside_the_overlapped_stack_is_raised(tiny_llama_dir):
         del model._decode_stack
         stack = model._stack[1]
         x, cos, sin, kv_cache, slot_blocks, slot_offsets, tables, lens, scale = calls[-1]
+        kv = (kv_cache, slot_blocks, slot_offsets)
         with pytest.raises(RuntimeError, match="int64 block tables"):
-            stack.forward(x.clone(), cos, sin, kv_cache, slot_blocks, slot_offsets, tables.int(), lens, scale)
-        again = stack.forward(x.clone(), cos, sin, kv_cache, slot_blocks, slot_offsets, tables, lens, scale)
-        assert torch.isfinite(again).all()
+            stack.forward_logits(x.clone(), cos, sin, *kv, tables.int(), lens, scale)
+        again = stack.forward_logits(x.clone(), cos, sin, *kv, tables, lens, scale)
+        assert again.shape == (1, model.arch.vocab_size) and torch.isfinite(again).all()
         assert stack.overlapped_steps() == 3  # the two decode steps and the call after the error
     finally:
         torch.set_num_threads(before)

@@ -83,6 +83,10 @@ def test_quantized_linear_int8_native_keeps_lookups():
     ids = torch.tensor([0, 7, 49, 16])
     torch.testing.assert_close(layer.embedding(ids, torch.float32), qw.dequantize()[ids], rtol=0, atol=0)
     torch.testing.assert_close(layer.dequantize(), qw.dequantize(), rtol=0, atol=0)
+    bf16 = layer.embedding(ids, torch.bfloat16)  # the torch ops' path, for other dtypes
+    torch.testing.assert_close(bf16, qw.dequantize()[ids].bfloat16(), rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="token id 64 out of range"):  # past the last panel's padding
+        layer.embedding(torch.tensor([3, 64]), torch.float32)
 
 
 def test_variants_agree_on_int8_activations():

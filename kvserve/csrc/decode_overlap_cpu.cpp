@@ -60,36 +60,53 @@ inline std::pair<int64_t, int64_t> share(int64_t panels, int64_t lead, int t, in
 
 }  // namespace
 
+bool OverlappedStack::check_panels(const Projection& p, QuantizeFn quantize) {
+  if (quantize == nullptr || (quantize_ != nullptr && quantize_ != quantize) || p.panels == nullptr) return false;
+  TORCH_CHECK(p.codes.dim() == 3 && p.codes.size(2) == 64 && p.codes.is_contiguous() && p.scales.is_contiguous() &&
+              p.k() % 32 == 0, "projection weights: contiguous panels");
+  return true;
+}
+
 bool OverlappedStack::accepts(const Layer& first, const Layer& l, QuantizeFn quantize) {
-  if (quantize == nullptr || (quantize_ != nullptr && quantize_ != quantize)) return false;
   for (int j = 0; j < 4; ++j) {
     const Projection &p = l.projection(j), &f = first.projection(j);
-    if (p.panels == nullptr) return false;
-    TORCH_CHECK(p.codes.dim() == 3 && p.codes.size(2) == 64 && p.codes.is_contiguous() && p.scales.is_contiguous() &&
-                p.k() % 32 == 0, "projection weights: contiguous panels");
+    if (!check_panels(p, quantize)) return false;
     if (p.n != f.n || p.k() != f.k()) return false;  // forward sizes its buffers from the first layer
   }
   quantize_ = quantize;
   return true;
 }
 
-at::Tensor OverlappedStack::forward(const std::vector<Layer>& layers, const StackShape& s, at::Tensor x,
-                                    const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kv_cache,
-                                    const at::Tensor& slot_blocks, const at::Tensor& slot_offsets,
-                                    const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+bool OverlappedStack::accepts(const Projection& lm_head, QuantizeFn quantize) {
+  if (!check_panels(lm_head, quantize)) return false;
+  quantize_ = quantize;
+  return true;
+}
+
+at::Tensor OverlappedStack::forward(const std::vector<Layer>& layers, const Head* head, const StackShape& s,
+                                    at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
+                                    const at::Tensor& kv_cache, const at::Tensor& slot_blocks,
+                                    const at::Tensor& slot_offsets, const at::Tensor& block_tables,
+                                    const at::Tensor& seq_lens, double scale) {
   const int64_t rows = x.size(0), n_layers = layers.size();
   const int threads = at::get_num_threads();
   const Layer& first = layers[0];
-  const int64_t max_k = std::max({first.qkv.k(), first.o.k(), first.gate_up.k(), first.down.k()});
+  // The stages in order: a layer's four projections, then the head's lm_head.
+  std::vector<const Projection*> order;
+  order.reserve(n_layers * 4 + 1);
+  for (const Layer& l : layers)
+    for (int j = 0; j < 4; ++j) order.push_back(&l.projection(j));
+  if (head != nullptr) order.push_back(&head->lm_head);
+  const int64_t n_stages = order.size();
+  int64_t max_k = 0;
+  for (const Projection* p : order) max_k = std::max(max_k, p->k());
   q_.resize(rows * max_k), d_.resize(rows * max_k / 32), s_.resize(rows * max_k / 32), sum_.resize(rows * max_k / 32);
-  if (lead_.size() != static_cast<size_t>(n_layers * 4)) {
-    lead_.assign(n_layers * 4, 0);
-    for (int64_t i = 0; i < n_layers; ++i)
-      for (int j = 0; j < 4; ++j) lead_[i * 4 + j] = layers[i].projection(j).num_panels() / threads;
-  }
-  // Outputs, one per projection kind: each is read before the next layer writes it again.
-  at::Tensor y[4] = {at::empty({rows, first.qkv.n}, x.options()), at::empty({rows, first.o.n}, x.options()),
-                     at::empty({rows, first.gate_up.n}, x.options()), at::empty({rows, first.down.n}, x.options())};
+  for (int64_t i = lead_.size(); i < n_stages; ++i) lead_.push_back(order[i]->num_panels() / threads);
+  // Outputs, one per projection kind (the head's last): each is read before the next layer
+  // writes it again.
+  at::Tensor y[5] = {at::empty({rows, first.qkv.n}, x.options()), at::empty({rows, first.o.n}, x.options()),
+                     at::empty({rows, first.gate_up.n}, x.options()), at::empty({rows, first.down.n}, x.options()),
+                     head != nullptr ? at::empty({rows, head->lm_head.n}, x.options()) : at::Tensor()};
   std::atomic<int64_t> ready{0};  // the stages thread 0 has finished its serial part of
   std::atomic<bool> failed{false};
   std::exception_ptr error;
@@ -99,29 +116,27 @@ at::Tensor OverlappedStack::forward(const std::vector<Layer>& layers, const Stac
 #pragma omp parallel num_threads(threads)
   {
     const int t = omp_get_thread_num(), nt = omp_get_num_threads();  // nt may be fewer than asked
-    int64_t stage = 0;
-    // Worker t's share of projection j of layer i into its caches while thread 0 has not
-    // finished the stage's serial part, up to `budget` bytes; returns the budget left.
-    auto warm = [&](int64_t i, int j, int64_t budget) {
-      const Projection& p = layers[i].projection(j);
-      const auto [b, e] = share(p.num_panels(), lead_[i * 4 + j], t, nt);
+    // Worker t's share of stage `st`'s projection into its caches while thread 0 has not
+    // finished the serial part of stage `now`, up to `budget` bytes; returns the budget left.
+    auto warm = [&](int64_t st, int64_t now, int64_t budget) {
+      const Projection& p = *order[st];
+      const auto [b, e] = share(p.num_panels(), lead_[st], t, nt);
       const char* codes = static_cast<const char*>(p.codes.data_ptr());
       const char* scales = static_cast<const char*>(p.scales.data_ptr());
       const int64_t cb = p.codes_per_panel(), sb = p.scales_per_panel();
-      for (int64_t q = b; q < e && budget > 0 && ready.load(std::memory_order_acquire) < stage; ++q) {
+      for (int64_t q = b; q < e && budget > 0 && ready.load(std::memory_order_acquire) <= now; ++q) {
         touch_lines(codes + q * cb, cb);
         touch_lines(scales + q * sb, sb);
         budget -= cb + sb;
       }
       return budget;
     };
-    // One stage: thread 0 runs `serial` (which leaves h) and quantizes h, while the others
-    // load their share of projection j of layer i, then of the next one; then all compute
-    // their shares of projection j into y[j].
-    auto run_stage = [&](int64_t i, int j, auto&& serial) {
-      ++stage;
-      const Projection& p = layers[i].projection(j);
-      int64_t& lead = lead_[i * 4 + j];
+    // Stage `st`: thread 0 runs `serial` (which leaves h) and quantizes h, while the others
+    // load their share of its projection, then of the next one; then all compute their shares
+    // into `out`.
+    auto run_stage = [&](int64_t st, const at::Tensor& out, auto&& serial) {
+      const Projection& p = *order[st];
+      int64_t& lead = lead_[st];
       const int64_t k = p.k();
       if (t == 0) {
         if (!failed.load(std::memory_order_relaxed)) {
@@ -134,16 +149,16 @@ at::Tensor OverlappedStack::forward(const std::vector<Layer>& layers, const Stac
             failed.store(true, std::memory_order_relaxed);
           }
         }
-        ready.store(stage, std::memory_order_release);
+        ready.store(st + 1, std::memory_order_release);
       } else {
-        int64_t budget = warm(i, j, kLoadAheadBudget);
-        if (i + (j + 1) / 4 < n_layers) warm(i + (j + 1) / 4, (j + 1) % 4, budget);
-        for (int64_t spins = 0; ready.load(std::memory_order_acquire) < stage;) relax(spins);
+        const int64_t budget = warm(st, st, kLoadAheadBudget);
+        if (st + 1 < n_stages) warm(st + 1, st, budget);
+        for (int64_t spins = 0; ready.load(std::memory_order_acquire) <= st;) relax(spins);
       }
       if (!failed.load(std::memory_order_relaxed)) {
         const auto [b, e] = share(p.num_panels(), lead, t, nt);
         p.panels(p.codes.data_ptr(), p.scales.data_ptr(), p.n, k, q_.data(), d_.data(), s_.data(), sum_.data(),
-                 y[j].data_ptr<float>(), rows, b, e);
+                 out.data_ptr<float>(), rows, b, e);
       }
       done[t] = Clock::now();
 #pragma omp barrier
@@ -157,21 +172,27 @@ at::Tensor OverlappedStack::forward(const std::vector<Layer>& layers, const Stac
 
     for (int64_t i = 0; i < n_layers; ++i) {
       const Layer& l = layers[i];
-      run_stage(i, 0, [&] {
+      run_stage(4 * i, y[0], [&] {
         if (i > 0) x.add_(y[3]);  // the previous layer's MLP output into the residual stream
         h = rms_norm(x, l.input_norm, s.eps);
       });
-      run_stage(i, 1, [&] {
+      run_stage(4 * i + 1, y[1], [&] {
         h = attend(l, s, i, y[0], cos, sin, kv_cache, slot_blocks, slot_offsets, block_tables, seq_lens, scale)
                 .view({rows, s.heads * s.head_dim});
       });
-      run_stage(i, 2, [&] { h = add_rms_norm(x, y[1], l.post_norm, s.eps); });
-      run_stage(i, 3, [&] { h = silu_mul(y[2]); });
+      run_stage(4 * i + 2, y[2], [&] { h = add_rms_norm(x, y[1], l.post_norm, s.eps); });
+      run_stage(4 * i + 3, y[3], [&] { h = silu_mul(y[2]); });
       if (failed.load(std::memory_order_relaxed)) break;  // read after the stage's barrier: all agree
     }
+    if (head != nullptr && !failed.load(std::memory_order_relaxed))
+      run_stage(n_stages - 1, y[4], [&] {
+        x.add_(y[3]);
+        h = rms_norm(x, head->norm, s.eps);
+      });
   }
   if (error) std::rethrow_exception(error);
-  x.add_(y[3]);
   ++steps_;
+  if (head != nullptr) return y[4];
+  x.add_(y[3]);
   return x;
 }

@@ -38,6 +38,14 @@ struct Layer {
   const Projection& projection(int j) const { return j == 0 ? qkv : j == 1 ? o : j == 2 ? gate_up : down; }
 };
 
+// The final norm and the lm_head, where the stack computes a decode step's logits too
+// (DecodeStack.forward_logits): the step's last stage, so the overlapped path's region runs it
+// with its learnt split instead of a region of its own after the Python between them.
+struct Head {
+  at::Tensor norm;
+  Projection lm_head;
+};
+
 struct StackShape {
   int64_t heads, kv_heads, head_dim;
   double eps;
@@ -58,16 +66,20 @@ class OverlappedStack {
   // panel-range forms from the module whose activation quantizer is `quantize`, the same for
   // every layer, and its shapes are the first's. Else forward must not be called.
   bool accepts(const Layer& first, const Layer& l, QuantizeFn quantize);
-  at::Tensor forward(const std::vector<Layer>& layers, const StackShape& s, at::Tensor x, const at::Tensor& cos,
-                     const at::Tensor& sin, const at::Tensor& kv_cache, const at::Tensor& slot_blocks,
-                     const at::Tensor& slot_offsets, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                     double scale);
+  // Whether the head's lm_head can run here as the last stage (the same conditions).
+  bool accepts(const Projection& lm_head, QuantizeFn quantize);
+  // The residual stream after the layers, or, given an accepted head, the logits.
+  at::Tensor forward(const std::vector<Layer>& layers, const Head* head, const StackShape& s, at::Tensor x,
+                     const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kv_cache,
+                     const at::Tensor& slot_blocks, const at::Tensor& slot_offsets, const at::Tensor& block_tables,
+                     const at::Tensor& seq_lens, double scale);
   int64_t steps() const { return steps_; }  // forward calls so far
 
  private:
   int64_t steps_ = 0;
   QuantizeFn quantize_ = nullptr;
-  std::vector<int64_t> lead_;  // per layer and projection: panels the serial thread computes
+  bool check_panels(const Projection& p, QuantizeFn quantize);
+  std::vector<int64_t> lead_;  // per stage (4 a layer, then the head's): panels the serial thread computes
   std::vector<int8_t> q_;      // the activations of the projection about to run, quantized
   std::vector<float> d_, s_;
   std::vector<int32_t> sum_;

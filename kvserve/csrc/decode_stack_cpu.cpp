@@ -13,6 +13,7 @@
 #include <ATen/Parallel.h>
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 at::Tensor attend(const Layer& l, const StackShape& s, int64_t i, const at::Tensor& qkv, const at::Tensor& cos,
@@ -64,6 +65,16 @@ class DecodeStack {
     overlap_usable_ = before && overlapped_.accepts(layers_.front(), layers_.back(), q);
   }
 
+  // The final norm and the lm_head, for forward_logits: the lm_head's matmul address, weights
+  // and rows, its panel-range form (or 0) and activation quantizer (or 0).
+  void set_head(at::Tensor norm, int64_t fn, at::Tensor codes, at::Tensor scales, int64_t n, int64_t panels,
+                int64_t quantize) {
+    head_ = Head{norm, {reinterpret_cast<MatmulFn>(fn), reinterpret_cast<PanelsFn>(panels), codes, scales, n}};
+    head_overlapped_ = overlap_usable_ && overlapped_.accepts(head_->lm_head, reinterpret_cast<QuantizeFn>(quantize));
+  }
+  bool has_head() const { return head_.has_value(); }
+  bool head_overlapped() const { return head_overlapped_; }
+
   // Steps of up to this many rows run the overlapped path (0: never).
   void set_overlap_rows(int64_t rows) { overlap_rows_ = rows; }
   bool overlap_usable() const { return overlap_usable_; }
@@ -76,30 +87,53 @@ class DecodeStack {
   // stored, attention output zero).
   at::Tensor forward(at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor kv_cache, at::Tensor slot_blocks,
                      at::Tensor slot_offsets, at::Tensor block_tables, at::Tensor seq_lens, double scale) {
-    TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "x: contiguous float32 rows");
-    TORCH_CHECK(kv_cache.size(0) == static_cast<int64_t>(layers_.size()), "one KV cache per layer");
-    const int64_t rows = x.size(0);
-    if (overlap_usable_ && rows <= overlap_rows_ && seq_lens.numel() == rows && at::get_num_threads() > 1 &&
-        !at::in_parallel_region())
-      return overlapped_.forward(layers_, shape_, x, cos, sin, kv_cache, slot_blocks, slot_offsets, block_tables,
-                                 seq_lens, scale);
-    for (size_t i = 0; i < layers_.size(); ++i) {
-      const Layer& l = layers_[i];
-      at::Tensor qkv = l.qkv(rms_norm(x, l.input_norm, shape_.eps));
-      at::Tensor attn = attend(l, shape_, i, qkv, cos, sin, kv_cache, slot_blocks, slot_offsets, block_tables,
-                               seq_lens, scale);
-      at::Tensor h = add_rms_norm(x, l.o(attn.view({rows, shape_.heads * shape_.head_dim})), l.post_norm, shape_.eps);
-      x.add_(l.down(silu_mul(l.gate_up(h))));
-    }
-    return x;
+    return run(x, false, cos, sin, kv_cache, slot_blocks, slot_offsets, block_tables, seq_lens, scale);
+  }
+
+  // forward, then the final norm and the lm_head (set_head): the step's logits [rows, vocab].
+  at::Tensor forward_logits(at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor kv_cache,
+                            at::Tensor slot_blocks, at::Tensor slot_offsets, at::Tensor block_tables,
+                            at::Tensor seq_lens, double scale) {
+    TORCH_CHECK(head_.has_value(), "forward_logits: no head set");
+    return run(x, true, cos, sin, kv_cache, slot_blocks, slot_offsets, block_tables, seq_lens, scale);
   }
 
  private:
+  at::Tensor run(at::Tensor x, bool logits, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kv_cache,
+                 const at::Tensor& slot_blocks, const at::Tensor& slot_offsets, const at::Tensor& block_tables,
+                 const at::Tensor& seq_lens, double scale) {
+    TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "x: contiguous float32 rows");
+    TORCH_CHECK(kv_cache.size(0) == static_cast<int64_t>(layers_.size()), "one KV cache per layer");
+    const int64_t rows = x.size(0);
+    const Head* head = logits ? &*head_ : nullptr;
+    if (overlap_usable_ && rows <= overlap_rows_ && seq_lens.numel() == rows && at::get_num_threads() > 1 &&
+        !at::in_parallel_region()) {
+      const bool inside = head != nullptr && head_overlapped_;  // the head as the region's last stage
+      x = overlapped_.forward(layers_, inside ? head : nullptr, shape_, x, cos, sin, kv_cache, slot_blocks,
+                              slot_offsets, block_tables, seq_lens, scale);
+      if (inside || head == nullptr) return x;
+    } else {
+      for (size_t i = 0; i < layers_.size(); ++i) {
+        const Layer& l = layers_[i];
+        at::Tensor qkv = l.qkv(rms_norm(x, l.input_norm, shape_.eps));
+        at::Tensor attn = attend(l, shape_, i, qkv, cos, sin, kv_cache, slot_blocks, slot_offsets, block_tables,
+                                 seq_lens, scale);
+        at::Tensor h =
+            add_rms_norm(x, l.o(attn.view({rows, shape_.heads * shape_.head_dim})), l.post_norm, shape_.eps);
+        x.add_(l.down(silu_mul(l.gate_up(h))));
+      }
+      if (head == nullptr) return x;
+    }
+    return head->lm_head(rms_norm(x, head->norm, shape_.eps));
+  }
+
   StackShape shape_;
   std::vector<Layer> layers_;
   OverlappedStack overlapped_;
   bool overlap_usable_ = false;
   int64_t overlap_rows_ = 0;
+  std::optional<Head> head_;
+  bool head_overlapped_ = false;  // the head's lm_head runs as the overlapped region's last stage
 };
 
 }  // namespace
@@ -111,5 +145,9 @@ void bind_decode_stack(pybind11::module& m) {
       .def("set_overlap_rows", &DecodeStack::set_overlap_rows)
       .def("overlap_usable", &DecodeStack::overlap_usable)
       .def("overlapped_steps", &DecodeStack::overlapped_steps)
-      .def("forward", &DecodeStack::forward);
+      .def("set_head", &DecodeStack::set_head)
+      .def("has_head", &DecodeStack::has_head)
+      .def("head_overlapped", &DecodeStack::head_overlapped)
+      .def("forward", &DecodeStack::forward)
+      .def("forward_logits", &DecodeStack::forward_logits);
 }

@@ -685,6 +685,33 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
   return y;
 }
 
+// Rows `ids` of an int8 table in int8_mm's layout as float32 [len(ids), K]: code x the row's
+// bf16 scale, the one product QuantizedLinear.embedding's torch ops make, in one call (a tied
+// table's lookup each decode step; as torch ops it was ~8 small dispatches).
+at::Tensor int8_embedding(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& ids) {
+  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kChar && codes.is_contiguous() && codes.size(2) == 64,
+              "codes: int8 panels [P, K/4, 64]");
+  const int64_t P = codes.size(0), K4 = codes.size(1);
+  TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.is_contiguous() && scales.numel() == P * PR,
+              "scales: bfloat16 [P * 16]");
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "ids: int64 [n]");
+  const at::Tensor idc = ids.contiguous();
+  const int64_t n = idc.numel(), *id = idc.data_ptr<int64_t>();
+  at::Tensor out = at::empty({n, K4 * 4}, codes.options().dtype(at::kFloat));
+  const int8_t* c = codes.data_ptr<int8_t>();
+  const uint16_t* sc = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
+  float* o = out.data_ptr<float>();
+  for (int64_t m = 0; m < n; ++m) {
+    const int64_t r = id[m];
+    TORCH_CHECK(r >= 0 && r < P * PR, "embedding: token id ", r, " out of range [0, ", P * PR, ")");
+    const int8_t* row = c + (r / PR) * K4 * 64 + (r % PR) * 4;  // chunk j holds inputs 4j .. 4j + 3
+    const float scale = bf16(sc[r]);
+    for (int64_t j = 0; j < K4; ++j)
+      for (int i = 0; i < 4; ++i) o[m * K4 * 4 + 4 * j + i] = static_cast<float>(row[j * 64 + i]) * scale;
+  }
+  return out;
+}
+
 // ---- one thread's share, for a caller that runs its own parallel region ------------------
 // cpu_kernels' DecodeStack runs a small decode step's layers inside one parallel region and
 // splits each projection's panels between its threads itself (decode_overlap_cpu.cpp): these
@@ -713,6 +740,7 @@ void int8_panel_range(const void* codes, const void* scales, int64_t N, int64_t 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_mm", &int4_mm, "y = x @ W.T for N output rows, W int4 in kvserve's panel layout, int8 activations");
   m.def("int8_mm", &int8_mm, "y = x @ W.T for N output rows, W int8 (a scale per row) in panels, int8 activations");
+  m.def("int8_embedding", &int8_embedding, "rows ids of an int8 table in int8_mm's layout, dequantized to float32");
   m.def("isa", &isa_name, "the instruction set this variant was compiled for");
   // For cpu_kernels' DecodeStack, which calls the matmuls without Python in between.
   m.def("matmul_addresses", [] {

@@ -198,6 +198,12 @@ class ModelRunner:
         positions = np.concatenate(pos_chunks)
         meta = self.attn_backend.build_metadata(seqs, positions)
 
+        out = RunnerOutput(sample_ids, [(rid, k) for rid, _, k in verify])
+        if len(sample_rows) == len(ids) and self._fuses_logits():  # one row a request, each sampled
+            logits = self.model.decode_logits(*self._padded_inputs(ids, positions), meta, self.kv_cache)
+            self._put_logits(out, None if logits is None else logits[: len(ids)], step)
+            return out if self.is_output_rank else None
+
         graphable = not (prompt_lp or pooling) and self.draft_model is None
         hidden = self._forward(ids, positions, meta, graphable)
         if not self.pp.is_last:
@@ -206,14 +212,9 @@ class ModelRunner:
         if self.draft_model is not None:  # the draft's KV follows every computed position
             self.draft_model(*self._padded_inputs(ids, positions), meta, self.draft_kv_cache)
 
-        out = RunnerOutput(sample_ids, [(rid, k) for rid, _, k in verify])
         rows = sample_rows + [o + j for _, o, k in verify for j in range(k + 1)]
         if rows:
-            logits = self._logits(self.model, hidden, rows)
-            if logits is not None and step.device_sampling is not None:  # worker/device_sampling.py
-                sample_listed_rows(out, logits, step.device_sampling, self._device_generator())
-            elif logits is not None:
-                out.logits = logits.float().cpu()
+            self._put_logits(out, self._logits(self.model, hidden, rows), step)
         for r, o, c in pooling:
             vector = self._pool(r, hidden, o, c)
             if vector is not None:
@@ -223,6 +224,19 @@ class ModelRunner:
             if entries is not None:
                 out.prompt_logprobs[r.req_id] = entries
         return out if self.is_output_rank else None
+
+    def _fuses_logits(self) -> bool:
+        """Whether a step whose every row is sampled goes through model.decode_logits (the
+        hidden states never leave the model: on the CPU, the decode stack's one call): one
+        pipeline stage, no draft model, no CUDA graphs to replay instead."""
+        return self.pp.is_first and self.pp.is_last and self.draft_model is None and self.graphs is None
+
+    def _put_logits(self, out: RunnerOutput, logits: torch.Tensor | None, step: StepInput) -> None:
+        """The sampled rows' logits into `out`: sampled here (device sampling) or handed on."""
+        if logits is not None and step.device_sampling is not None:  # worker/device_sampling.py
+            sample_listed_rows(out, logits, step.device_sampling, self._device_generator())
+        elif logits is not None:
+            out.logits = logits.float().cpu()
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: each destination block gets its source's KV (all layers, this rank's

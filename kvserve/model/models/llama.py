@@ -258,6 +258,10 @@ class LlamaForCausalLM(nn.Module):
             if any(c is None for c in calls):
                 return None
             add_stack_layer(stack, layer.input_norm, layer.post_attn_norm, calls, layer.attn.kv_scales)
+        head = self.lm_head.quant.native_matmul() if self.lm_head is not None and self.lm_head.quant else None
+        if head is not None:  # decode_logits: the final norm and the lm_head in the same call
+            stack.set_head(self.norm, head.address, head.codes, head.scales, head.out_features, head.panels,
+                           head.quantize)  # fmt: skip
         stack.set_overlap_rows(OVERLAP_MAX_ROWS)
         return stack
 
@@ -286,19 +290,48 @@ class LlamaForCausalLM(nn.Module):
         that is not the last, the residual stream after its layers (to hand on). Stages after
         the first start from `hidden_in`, the previous stage's."""
         x = self.embed(input_ids, self.norm.dtype) if hidden_in is None else hidden_in
+        return self._run(x, positions, meta, kv_cache, logits=False)
+
+    @torch.inference_mode()
+    def decode_logits(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """Logits of every row of a step on a one-stage model (None on tensor-parallel ranks
+        other than 0): forward then compute_logits, in one C++ call where the decode stack
+        takes the step (its head: the final norm and the lm_head as the stack's last stage).
+        The same numbers either way."""
+        return self._run(self.embed(input_ids, self.norm.dtype), positions, meta, kv_cache, logits=True)
+
+    def _run(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: torch.Tensor,
+        logits: bool,
+    ) -> torch.Tensor | None:
         cos, sin = self.rotary.tables(positions, x.dtype)
         stack = self._decode_stack(x, meta, kv_cache)
         if stack is not None:
-            tables, lens, scale = meta.decode_block_tables, meta.decode_seq_lens, self.layers[0].attn.scale
-            x = stack.forward(x, cos, sin, kv_cache, meta.slot_blocks, meta.slot_offsets, tables, lens, scale)
+            args = (x, cos, sin, kv_cache, meta.slot_blocks, meta.slot_offsets, meta.decode_block_tables,
+                    meta.decode_seq_lens, self.layers[0].attn.scale)  # fmt: skip
+            if logits and stack.has_head():
+                return stack.forward_logits(*args)
+            x = stack.forward(*args)
         else:
             for i, layer in enumerate(self.layers):
                 x = layer.forward(x, cos, sin, meta, kv_cache[i, 0], kv_cache[i, 1])
         if not self.is_last_stage:
             return x
         if self.ops is not None and x.dtype in FUSED_DTYPES:
-            return self.ops.rms_norm(x, self.norm, self.arch.rms_norm_eps)
-        return rms_norm(x, self.norm, self.arch.rms_norm_eps)
+            hidden = self.ops.rms_norm(x, self.norm, self.arch.rms_norm_eps)
+        else:
+            hidden = rms_norm(x, self.norm, self.arch.rms_norm_eps)
+        return self.compute_logits(hidden) if logits else hidden
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
