@@ -373,10 +373,41 @@ void half_q8(const Args& a, int64_t p, int h, int64_t m0, bool pf) {
   for (int c = 0; c < MR; ++c) store8(a.y + (m0 + c) * a.N + n0, _mm256_mul_ps(acc[c], s), valid);
 }
 
+// One row (a decode GEMV), both halves per pass: each 64-byte line is used whole as it arrives
+// rather than half now and half on a second pass. Per output the same steps as half_q8, so the
+// same bits. The vocabulary-wide int8 lm_head streamed in 0.93-0.96x the time (27 MiB from
+// memory, 2 threads, AVX2 Zen 3); the int4 panels gained nothing from the same change.
+inline void full_q8_row(const Args& a, int64_t p, int64_t m0, bool pf) {
+  const int64_t ng = a.K / G;
+  const int8_t* w = panel8(a, p);
+  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int64_t g = 0; g < ng; ++g) {
+    if (pf) prefetch_group_q8(a, p + 1, g);
+    __m256i isum[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+    for (int j = 0; j < 8; ++j) {
+      const __m256i x = bcast4(a.qx + m0 * a.K + g * G + 4 * j), ax = _mm256_sign_epi8(x, x);
+      for (int h = 0; h < 2; ++h) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (g * 8 + j) * 64 + h * 32));
+        isum[h] = _mm256_add_epi32(isum[h], dot4(ax, _mm256_sign_epi8(v, x)));
+      }
+    }
+    for (int h = 0; h < 2; ++h)
+      acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[h]), _mm256_set1_ps(a.dx[m0 * ng + g]), acc[h]);
+  }
+  for (int h = 0; h < 2; ++h) {
+    const int64_t n0 = p * PR + h * 8, valid = std::min<int64_t>(8, a.N - n0);
+    if (valid > 0) store8(a.y + m0 * a.N + n0, _mm256_mul_ps(acc[h], bf16x8(a.s8 + n0)), valid);
+  }
+}
+
 template <int MR>
 void panel_q8(const Args& a, int64_t p, int64_t m0, bool pf) {
-  half_q8<MR>(a, p, 0, m0, pf);
-  half_q8<MR>(a, p, 1, m0, false);
+  if constexpr (MR == 1) {
+    full_q8_row(a, p, m0, pf);
+  } else {
+    half_q8<MR>(a, p, 0, m0, pf);
+    half_q8<MR>(a, p, 1, m0, false);
+  }
 }
 #else
 template <int MR>
