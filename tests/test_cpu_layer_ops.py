@@ -214,7 +214,7 @@ def test_a_bfloat16_model_through_the_fused_ops_follows_the_torch_path(ops, tiny
                     assert abs(lp - lb[tok]) < BF16_PATH_NOISE, (i, step, tok)
 
 
-@pytest.mark.parametrize("n", [1, 5, 17, 100, 49152])  # tails after the 16- and 64-float chunks
+@pytest.mark.parametrize("n", [1, 5, 17, 100, 49152])  # tails after the 8-, 16-, 32- and 64-float chunks
 def test_row_argmax_equals_torch_max(ops, n):
     """Greedy's pick (sampler.row_argmax): torch.max's indices, the first on ties, the first
     NaN where a row holds one, also with infinities and signed zeros."""

@@ -12,7 +12,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -50,6 +50,21 @@ float row_max(const float* x, int64_t n, bool* has_nan) {
     nan = bad != 0;
     m = _mm512_reduce_max_ps(vm);
   }
+#elif defined(__AVX2__)
+  if (n >= 8) {  // the same pass in 8 lanes (an AVX2 CPU had the scalar loop: ~50 us a 49k-float row)
+    __m256 vm = _mm256_loadu_ps(x);
+    __m256i bad = _mm256_setzero_si256();
+    const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
+    for (; i + 8 <= n; i += 8) {
+      const __m256 v = _mm256_loadu_ps(x + i);
+      bad = _mm256_or_si256(bad, _mm256_cmpgt_epi32(_mm256_and_si256(_mm256_castps_si256(v), abs_mask), inf));
+      vm = _mm256_max_ps(vm, v);
+    }
+    nan = !_mm256_testz_si256(bad, bad);
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vm), _mm256_extractf128_ps(vm, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+  }
 #endif
   for (; i < n; ++i) {
     if (is_nan_bits(bits_of(x[i]))) nan = true;
@@ -69,6 +84,16 @@ int64_t first_equal(const float* x, int64_t n, float m) {
                     _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i + 32), vm, _CMP_EQ_OQ) |
                     _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i + 48), vm, _CMP_EQ_OQ);
     if (hit) break;
+  }
+#elif defined(__AVX2__)
+  const __m256 vm = _mm256_set1_ps(m);
+  for (; i + 32 <= n; i += 32) {
+    const __m256 hit = _mm256_or_ps(
+        _mm256_or_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), vm, _CMP_EQ_OQ),
+                     _mm256_cmp_ps(_mm256_loadu_ps(x + i + 8), vm, _CMP_EQ_OQ)),
+        _mm256_or_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i + 16), vm, _CMP_EQ_OQ),
+                     _mm256_cmp_ps(_mm256_loadu_ps(x + i + 24), vm, _CMP_EQ_OQ)));
+    if (_mm256_movemask_ps(hit)) break;
   }
 #endif
   for (; i < n; ++i)
