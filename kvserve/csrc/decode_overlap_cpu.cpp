@@ -60,7 +60,7 @@ inline std::pair<int64_t, int64_t> share(int64_t panels, int64_t lead, int t, in
 
 }  // namespace
 
-bool OverlappedStack::check_panels(const Projection& p, QuantizeFn quantize) {
+bool OverlappedStack::has_panels(const Projection& p, QuantizeFn quantize) {
   if (quantize == nullptr || (quantize_ != nullptr && quantize_ != quantize) || p.panels == nullptr) return false;
   TORCH_CHECK(p.codes.dim() == 3 && p.codes.size(2) == 64 && p.codes.is_contiguous() && p.scales.is_contiguous() &&
               p.k() % 32 == 0, "projection weights: contiguous panels");
@@ -70,7 +70,7 @@ bool OverlappedStack::check_panels(const Projection& p, QuantizeFn quantize) {
 bool OverlappedStack::accepts(const Layer& first, const Layer& l, QuantizeFn quantize) {
   for (int j = 0; j < 4; ++j) {
     const Projection &p = l.projection(j), &f = first.projection(j);
-    if (!check_panels(p, quantize)) return false;
+    if (!has_panels(p, quantize)) return false;
     if (p.n != f.n || p.k() != f.k()) return false;  // forward sizes its buffers from the first layer
   }
   quantize_ = quantize;
@@ -78,7 +78,7 @@ bool OverlappedStack::accepts(const Layer& first, const Layer& l, QuantizeFn qua
 }
 
 bool OverlappedStack::accepts(const Projection& lm_head, QuantizeFn quantize) {
-  if (!check_panels(lm_head, quantize)) return false;
+  if (!has_panels(lm_head, quantize)) return false;
   quantize_ = quantize;
   return true;
 }

@@ -78,7 +78,8 @@ class OverlappedStack {
  private:
   int64_t steps_ = 0;
   QuantizeFn quantize_ = nullptr;
-  bool check_panels(const Projection& p, QuantizeFn quantize);
+  // Whether p has a panel-range form from the module of `quantize` (and its panels' layout).
+  bool has_panels(const Projection& p, QuantizeFn quantize);
   std::vector<int64_t> lead_;  // per stage (4 a layer, then the head's): panels the serial thread computes
   std::vector<int8_t> q_;      // the activations of the projection about to run, quantized
   std::vector<float> d_, s_;

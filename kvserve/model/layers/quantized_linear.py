@@ -225,8 +225,8 @@ class QuantizedLinear(nn.Module):
         if self.method == "int4":
             raise ValueError("quantization: int4 tables cannot serve embedding lookups")
         if self.native is not None:
-            kernels = quant_kernels.kernels_for(self.native)
-            if dtype == torch.float32 and hasattr(kernels, "int8_embedding"):  # one call: the decode hot path
+            if dtype == torch.float32:  # one call: the decode hot path
+                kernels = quant_kernels.kernels_for(self.native)
                 return kernels.int8_embedding(self._buffers["qweight"], self._buffers["scales"], ids)
             rows = quant_kernels.int8_rows(self.qweight, ids).to(torch.float32)
         else:
