@@ -52,6 +52,28 @@ def test_kernel_matches_float_reference_and_rows_alone(variant):
             _check_against_reference(mod.int4_mm, (codes, sz, n), x, ref, (variant, n, k, rows))
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_panels_split_over_threads_give_the_same_bits(variant):
+    """A call's panels split between two threads give one thread's bits: one output is one
+    lane of the same kernel, whichever thread computes it."""
+    mod = qk.load_quant_kernels(variant)
+    qw, _, _ = _case(1000, 96, 1)  # 63 panels
+    codes, sz = qk.pack_int4(qw.codes, qw.scales, qw.zeros)
+    q8 = quantize_weight(torch.randn(1000, 96) * 0.1, "int8")
+    codes8, scales8 = qk.pack_int8(q8.codes, q8.scales)
+    before = torch.get_num_threads()
+    try:
+        for rows in (1, 5, 40):  # one row (a GEMV), a tile and a tail, many tiles
+            x = torch.randn(rows, 96)
+            ys = []
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                ys.append((mod.int4_mm(x, codes, sz, 1000), mod.int8_mm(x, codes8, scales8, 1000)))
+            assert torch.equal(ys[0][0], ys[1][0]) and torch.equal(ys[0][1], ys[1][1]), (variant, rows)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_kernel_rejects_a_row_count_outside_its_panels():
     qw, x, _ = _case(33, 96, 2)
     codes, sz = qk.pack_int4(qw.codes, qw.scales, qw.zeros)

@@ -1,0 +1,145 @@
+"""Where a served token's CPU goes at c=1: the engine's threads, the API process, the client.
+
+Issue 16 asks for a c=1 inter-token latency within 10% of the offline per-token time. On a
+machine with as many cores as the engine has threads, the API process and the client run on
+the cores the engine computes on, so their CPU per token is what the server adds. For one
+configuration, in one run:
+1. offline: one ~100-token prompt decoding `--tokens` tokens in this process (the (n+1)-token
+   run minus a 1-token run), with the CPU each of this process's threads used per token;
+2. served: the same prompt streamed from `kvserve serve` by a client in this process; the
+   inter-token latency, and the CPU per token of the engine core's threads (from /proc), of
+   the API process and of this client.
+Rounds alternate offline and served. Prints the CPU flags and the load average.
+
+    python benchmarks/bench_served_token_cpu.py [--config int4-kv8-cap64] [--tokens 600] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+import httpx  # noqa: E402
+from server_utils import ServerProcess  # noqa: E402
+
+from benchmarks.bench_cpu_serve import MODEL, _engine_kwargs, config_flags  # noqa: E402
+from benchmarks.common import machine  # noqa: E402
+from benchmarks.cpu_info import cpu_flags  # noqa: E402
+
+PROMPT = "Tell me a long story about a cat who learns to sail. " * 8
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu_s(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) so far of each thread of `pid`, by "tid:name"."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                name = f.read().strip()
+        except OSError:  # the thread ended
+            continue
+        out[f"{tid}:{name}"] = (int(fields[11]) + int(fields[12])) / TICK
+    return out
+
+
+def per_token_ms(before: dict[str, float], after: dict[str, float], tokens: int) -> list[float]:
+    """Each thread's CPU milliseconds per token between two readings, largest first."""
+    return sorted(((after[k] - before.get(k, 0.0)) / tokens * 1e3 for k in after), reverse=True)
+
+
+def offline(flags: list[str], tokens: int) -> dict:
+    from kvserve import LLM, SamplingParams
+
+    llm = LLM(MODEL, kv_cache_memory="256MiB", **_engine_kwargs(flags))
+
+    def run(n: int) -> float:
+        t0 = time.perf_counter()
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        llm.generate(PROMPT, params, use_tqdm=False)
+        return time.perf_counter() - t0
+
+    run(8)  # warm-up
+    c0 = thread_cpu_s(os.getpid())
+    long = run(tokens + 1)
+    c1 = thread_cpu_s(os.getpid())
+    ms = (long - run(1)) / tokens * 1e3
+    return {"ms": ms, "threads": per_token_ms(c0, c1, tokens)[:2]}
+
+
+def served(flags: list[str], tokens: int) -> dict:
+    server = ServerProcess(MODEL, "--kv-cache-memory", "256MiB", *flags, api_key="bench-key", timeout=300)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": tokens + 1, "ignore_eos": True,
+            "temperature": 0, "stream": True}  # fmt: skip
+    try:
+        core = server.engine_core_pid()
+        with httpx.Client(timeout=300, headers=server.headers) as client:
+
+            def stream() -> list[float]:
+                stamps = []
+                with client.stream("POST", f"{server.url}/v1/completions", json=body) as r:
+                    r.raise_for_status()
+                    for line in r.iter_lines():
+                        if line.startswith("data:") and "[DONE]" not in line:
+                            stamps.append(time.perf_counter())
+                return stamps
+
+            stream()  # warm-up
+            a0, e0, c0 = thread_cpu_s(server.proc.pid), thread_cpu_s(core), time.process_time()
+            stamps = stream()
+            a1, e1, c1 = thread_cpu_s(server.proc.pid), thread_cpu_s(core), time.process_time()
+    finally:
+        server.stop()
+    n = len(stamps) - 1
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    return {
+        "itl_p50_ms": statistics.median(gaps) * 1e3,
+        "itl_mean_ms": (stamps[-1] - stamps[0]) / n * 1e3,
+        "engine": per_token_ms(e0, e1, n)[:2],
+        "api_ms": sum(per_token_ms(a0, a1, n)),
+        "client_ms": (c1 - c0) / n * 1e3,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", default="int4-kv8-cap64", help="as bench_cpu_serve.py's --configs names one")
+    ap.add_argument("--tokens", type=int, default=600)
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    try:
+        flags = config_flags(args.config)
+    except ValueError as e:
+        ap.error(f"--config: {e}")
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    print(f"{machine()}; CPU flags: {cpu_flags()}; {now:%Y-%m-%d %H:%M} UTC")
+    print(f"{args.config}, {args.tokens} tokens, c=1 streaming")
+    print("| round | offline ms/token (its 2 threads' CPU ms/token) | served ITL p50 / mean ms (vs offline) "
+          "| engine's 2 busiest threads, CPU ms/token | API process | client | load |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    for rnd in range(args.rounds):
+        off = offline(flags, args.tokens)
+        gc.collect()  # the offline engine is gone before the server starts
+        srv = served(flags, args.tokens)
+        cpu = lambda ts: " + ".join(f"{t:.2f}" for t in ts)  # noqa: E731
+        print(f"| {rnd + 1} | {off['ms']:.2f} ({cpu(off['threads'])}) | {srv['itl_p50_ms']:.2f} / "
+              f"{srv['itl_mean_ms']:.2f} ({srv['itl_p50_ms'] / off['ms']:.2f}x) | {cpu(srv['engine'])} | "
+              f"{srv['api_ms']:.2f} | {srv['client_ms']:.2f} | {os.getloadavg()[0]:.2f} |",
+              flush=True)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
