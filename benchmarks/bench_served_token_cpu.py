@@ -29,6 +29,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 import httpx  # noqa: E402
+import psutil  # noqa: E402
 from server_utils import ServerProcess  # noqa: E402
 
 from benchmarks.bench_cpu_serve import MODEL, _engine_kwargs, config_flags  # noqa: E402
@@ -36,25 +37,14 @@ from benchmarks.common import machine  # noqa: E402
 from benchmarks.cpu_info import cpu_flags  # noqa: E402
 
 PROMPT = "Tell me a long story about a cat who learns to sail. " * 8
-TICK = os.sysconf("SC_CLK_TCK")
 
 
-def thread_cpu_s(pid: int) -> dict[str, float]:
-    """CPU seconds (user + system) so far of each thread of `pid`, by "tid:name"."""
-    out = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            with open(f"/proc/{pid}/task/{tid}/comm") as f:
-                name = f.read().strip()
-        except OSError:  # the thread ended
-            continue
-        out[f"{tid}:{name}"] = (int(fields[11]) + int(fields[12])) / TICK
-    return out
+def thread_cpu_s(pid: int) -> dict[int, float]:
+    """CPU seconds (user + system) so far of each thread of `pid`, by thread id."""
+    return {t.id: t.user_time + t.system_time for t in psutil.Process(pid).threads()}
 
 
-def per_token_ms(before: dict[str, float], after: dict[str, float], tokens: int) -> list[float]:
+def per_token_ms(before: dict[int, float], after: dict[int, float], tokens: int) -> list[float]:
     """Each thread's CPU milliseconds per token between two readings, largest first."""
     return sorted(((after[k] - before.get(k, 0.0)) / tokens * 1e3 for k in after), reverse=True)
 
