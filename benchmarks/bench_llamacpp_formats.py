@@ -39,7 +39,7 @@ from kvserve.model.loader import resolve_model  # noqa: E402
 LLAMA_TYPES = ["F32", "Q8_0", "Q4_0"]  # made with llama-quantize; Q4_1 is the shipped file
 
 
-def llama_bench(binary: str, gguf: str, args) -> tuple[float, float]:
+def llama_bench(binary: str, gguf: str, args: argparse.Namespace) -> tuple[float, float]:
     """(prompt-processing tok/s, generation tok/s): llama-bench's averages over `args.reps`."""
     cmd = [binary, "-m", gguf, "-t", str(args.threads), "-p", str(args.prompt), "-n", str(args.gen),
            "-r", str(args.reps), "-o", "json"]  # fmt: skip
