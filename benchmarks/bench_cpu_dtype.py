@@ -6,7 +6,9 @@ This script measures the three candidates per projection shape of the default mo
 process (the real CPU) and in a child process with oneDNN and ATen capped at AVX2
 (`ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2`):
 - fp32: the oneDNN-packed fp32 matmul (the default engine),
-- bf16: what a bf16 engine runs (oneDNN-packed bf16 where it packs, else `F.linear`),
+- bf16: what a bf16 engine runs (kvserve's bf16 panels where the CPU has avx512_bf16 and no
+  AMX, else oneDNN-packed bf16 where it packs, else `F.linear`), and oneDNN's packed bf16
+  beside it where the panels ran,
 - bf16 weights -> fp32: weights kept bf16 in memory, widened per call for the fp32 matmul
   (the "half the memory, fp32 speed" option).
 Figures are CPU microseconds per call with one torch thread, the best of `--reps` calls
@@ -31,7 +33,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from benchmarks.common import cpu_us, machine  # noqa: E402
 from benchmarks.cpu_info import cpu_flags  # noqa: E402
-from kvserve.model.layers.linear import linear, onednn_pack  # noqa: E402
+from kvserve.model.layers.linear import float_kernel_name, linear, onednn_pack, pack_float  # noqa: E402
 from kvserve.platform.cpu_isa import cpu_isa  # noqa: E402
 
 SHAPES = {"qkv": (960, 576), "gate_up": (3072, 576), "down": (576, 1536)}
@@ -42,13 +44,15 @@ AVX2_ENV = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
 def one_shape(n: int, k: int, m: int, reps: int) -> dict:
     w = torch.randn(n, k) * 0.05
     w16 = w.bfloat16()
-    p32, p16 = onednn_pack(w), onednn_pack(w16)
+    p32, p16, o16 = onednn_pack(w), pack_float(w16), onednn_pack(w16)
     x = torch.randn(m, k)
     x16 = x.bfloat16()
+    panels = p16 is not None and not p16.is_mkldnn and o16 is not None
     return {
         "fp32": cpu_us(lambda: linear(x, w, None, p32), reps),
         "bf16": cpu_us(lambda: linear(x16, w16, None, p16), reps),
-        "bf16_packed": p16 is not None,
+        "bf16_kernel": float_kernel_name(torch.bfloat16, p16),
+        "bf16_onednn": cpu_us(lambda: linear(x16, w16, None, o16), reps) if panels else None,
         "bf16w_fp32": cpu_us(lambda: F.linear(x, w16.float()), reps),
     }
 
@@ -68,13 +72,15 @@ def child(reps: int) -> dict:
 
 def table(title: str, res: dict) -> None:
     print(f"\n{title}: flags seen {res['isa']}, ATen capability {res['capability']}")
-    print("| shape | M | fp32 packed CPU us | bf16 us (vs fp32) | bf16 weights -> fp32 us (vs fp32) |")
-    print("|---|---|---|---|---|")
+    print("| shape | M | fp32 packed CPU us | bf16 us (vs fp32), kernel | bf16 oneDNN packed us (vs fp32) "
+          "| bf16 weights -> fp32 us (vs fp32) |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
     for r in res["rows"]:
-        f = r["fp32"]
-        packed = "packed" if r["bf16_packed"] else "F.linear"
-        print(f"| {r['shape']} | {r['M']} | {f:.0f} | {r['bf16']:.0f} {packed} ({r['bf16'] / f:.2f}x) "
-              f"| {r['bf16w_fp32']:.0f} ({r['bf16w_fp32'] / f:.2f}x) |")  # fmt: skip
+        f, o = r["fp32"], r["bf16_onednn"]
+        onednn = "same as bf16" if o is None else f"{o:.0f} ({o / f:.2f}x)"
+        b = r["bf16"]
+        print(f"| {r['shape']} | {r['M']} | {f:.0f} | {b:.0f} ({b / f:.2f}x), {r['bf16_kernel']} "
+              f"| {onednn} | {r['bf16w_fp32']:.0f} ({r['bf16w_fp32'] / f:.2f}x) |")  # fmt: skip
 
 
 def main() -> int:

@@ -96,11 +96,17 @@ def cap_flags(flags: frozenset[str], max_isa: str | None) -> frozenset[str]:
 
 
 @functools.cache
-def cpu_isa() -> CpuIsa:
-    """This machine's ISA, read once (tests monkeypatch this function's result)."""
+def hardware_isa() -> CpuIsa:
+    """This machine's ISA, read once. What decides whether a module built with wider
+    instructions may be loaded at all: tests replace `cpu_isa`, never this."""
     cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
     flags = cap_flags(read_cpu_flags(), cap)
     return CpuIsa(frozenset(f for f in WANTED if f in flags))
+
+
+def cpu_isa() -> CpuIsa:
+    """This machine's ISA for dispatch decisions (tests monkeypatch this function's result)."""
+    return hardware_isa()
 
 
 def cpu_compute_dtype(dtype: str, device_type: str, isa: CpuIsa | None = None) -> str:

@@ -4,7 +4,9 @@ PyTorch's default CPU matmul repacks the weight matrix on every call; at decode 
 sizes that repacking costs as much as the multiplication. oneDNN can pack a weight once
 (at load) into its blocked layout, which measured about 2x faster here for the shapes of
 a small decoder (benchmarks/bench_engine.py). On other devices, or if packing is not
-supported, the plain `F.linear` path is used.
+supported, the plain `F.linear` path is used. bfloat16 weights on a CPU with avx512_bf16 and
+no AMX take kvserve's own panel layout and kernel instead (bf16_panels.py: faster than oneDNN
+there at every batch size measured).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import logging
 
 import torch
 import torch.nn.functional as F
+
+from kvserve.model.layers.bf16_panels import bf16_panel_linear, pack_bf16
 
 logger = logging.getLogger(__name__)
 
@@ -31,14 +35,24 @@ def onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
+def pack_float(weight: torch.Tensor) -> torch.Tensor | None:
+    """The weight in the fastest packed layout here (bf16 panels, else oneDNN's), or None."""
+    panels = pack_bf16(weight)
+    return panels if panels is not None else onednn_pack(weight)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None):
     """x @ weight.T + bias, through the packed weight when there is one."""
     if packed is not None:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        if packed.is_mkldnn:
+            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        return bf16_panel_linear(x, packed, bias)
     return F.linear(x, weight, bias)
 
 
 def float_kernel_name(dtype: torch.dtype, packed: torch.Tensor | None) -> str:
     """The start-up log's name for a float projection's kernel."""
     name = str(dtype).removeprefix("torch.")
-    return f"oneDNN packed {name}" if packed is not None else f"F.linear {name} (not packed)"
+    if packed is None:
+        return f"F.linear {name} (not packed)"
+    return f"oneDNN packed {name}" if packed.is_mkldnn else "kvserve bf16 panels (avx512_bf16)"

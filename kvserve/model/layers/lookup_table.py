@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from kvserve.model.layers.bf16_panels import panel_rows
+
 GROUP = 32  # GGUF Q8_0's block: one scale per 32 values of a row
 _CHUNK_ROWS = 4096  # rows checked at a time, to bound the check's temporaries
 
@@ -38,6 +40,20 @@ class LookupTable:
     def nbytes(self) -> int:
         held = (self.codes,) if self.scales is None else (self.codes, self.scales)
         return sum(t.numel() * t.element_size() for t in held)
+
+
+class PanelLookup:
+    """A tied bf16 table's rows read from its lm_head's panels (bf16_panels.py): that layout
+    serves lookups, so there is no second copy (`nbytes` 0)."""
+
+    def __init__(self, panels: torch.Tensor) -> None:
+        self.panels = panels
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return panel_rows(self.panels, ids)
+
+    def nbytes(self) -> int:
+        return 0
 
 
 def _int8_groups(table: torch.Tensor) -> LookupTable | None:

@@ -268,7 +268,7 @@ class LlamaForCausalLM(nn.Module):
     def pack_weights(self) -> None:
         """Prepack every float projection for oneDNN (CPU) in place of its plain weight; a
         tied table is also kept for lookups where this stage looks tokens up in it (the
-        first), in its smallest exact form."""
+        first), in its smallest exact form, unless its bf16 panels serve them."""
         for layer in self.layers:
             layer.pack_weights()
         if self.lm_head is not None:
@@ -276,6 +276,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.pack(keep_plain=lookups)
             if lookups and self.lm_head.holds_both():
                 self.embed.compact_lookups()  # the same Parameter: the lm_head's plain copy goes too
+            elif lookups and self.lm_head.panels_serve_lookups():
+                self.embed.lookups_from_panels(self.lm_head.packed)
 
     @torch.inference_mode()
     def forward(
