@@ -136,6 +136,22 @@ def test_assistant_prefill_continues_the_last_message(server):
     assert post(server, "/v1/chat/completions", bad).json()["error"]["param"] == "continue_final_message"
 
 
+def test_stream_events_stay_one_line_for_splitlines_clients(server):
+    """Text holding U+0085 / U+2028 / U+2029 (JSON may carry them raw; Python's str.splitlines,
+    and so httpx's aiter_lines, breaks lines at them) still arrives one event per line: an
+    httpx client parses every event of an echoed prefill that contains all three."""
+    odd = "My name\u2028is\x85Bob\u2029and"
+    msgs = [{"role": "user", "content": "What is your name?"}, {"role": "assistant", "content": odd}]
+    body = {"model": "smol", "messages": msgs, "max_tokens": 3, "echo": True, "stream": True}
+    url, content = f"{server.url}/v1/chat/completions", ""
+    with httpx.stream("POST", url, json=body, headers=server.headers, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                for choice in json.loads(line[6:])["choices"]:
+                    content += choice["delta"].get("content") or ""
+    assert content.startswith(odd) and len(content) > len(odd)
+
+
 def test_tokenize_counts_tools_as_chat_does(server, client):
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     msgs = [{"role": "user", "content": "Call f."}]

@@ -17,15 +17,15 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
-import msgspec
 import torch
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvserve.entrypoints.sse_json import sse_json
+
 logger = logging.getLogger("kvserve.naive")
-_json = msgspec.json.Encoder()
 
 
 class _Options(BaseModel):
@@ -167,7 +167,7 @@ class NaiveGenerator:
 
 
 def _sse(obj: dict) -> bytes:
-    return b"data: " + _json.encode(obj) + b"\n\n"
+    return b"data: " + sse_json(obj) + b"\n\n"
 
 
 def build_naive_app(model, tokenizer, served_model_name: str) -> FastAPI:

@@ -19,7 +19,6 @@ from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
-import msgspec
 import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -46,11 +45,11 @@ from kvserve.entrypoints.openai.protocol import (
 from kvserve.entrypoints.openai.stall import StallWatch
 from kvserve.entrypoints.openai.tool_parser import ToolCallStream, new_call_id, parse_calls
 from kvserve.entrypoints.openai.tools import call_constraint, conversation, tool_mode
+from kvserve.entrypoints.sse_json import sse_json
 from kvserve.model.loader import load_arch
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 
-_json = msgspec.json.Encoder()
 # apply_chat_template's own parameters: chat_template_kwargs may not set them
 RESERVED_TEMPLATE_KWARGS = frozenset(
     {"conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message", "return_dict",
@@ -364,7 +363,7 @@ class OpenAIServing:
     def _sse(obj: dict) -> bytes:
         """One server-sent event; objects with a `type` (Responses API events) name their event."""
         head = b"event: " + obj["type"].encode() + b"\n" if "type" in obj else b""
-        return head + b"data: " + _json.encode(obj) + b"\n\n"
+        return head + b"data: " + sse_json(obj) + b"\n\n"
 
     # ---- one request's life, shared by chat and completions ---------------------------------
     async def _launch(
