@@ -1,14 +1,22 @@
 """Each weight is held once: oneDNN packing replaces the float Parameter; a tied table is
 kept for lookups beside its packed lm_head only where the embedding looks tokens up in it,
 and then in its smallest exact form. (Greedy
-output against transformers with the packed weights is tests/test_fidelity.py's.)"""
+output against transformers with the packed weights is tests/test_fidelity.py's.) These are
+oneDNN's layouts: on an AVX-512 CPU without AMX kvserve's panels would take their place, and a
+tied table is then held once (tests/test_float_panels.py), so they are switched off here."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from helpers import q8_0_like_table
 
 from kvserve.model.loader import load_weights_only, resolve_model
+
+
+@pytest.fixture(autouse=True)
+def onednn_packing(monkeypatch):
+    monkeypatch.setenv("KVSERVE_FLOAT_PANELS", "0")
 
 
 def _load(path: str):

@@ -4,9 +4,9 @@ PyTorch's default CPU matmul repacks the weight matrix on every call; at decode 
 sizes that repacking costs as much as the multiplication. oneDNN can pack a weight once
 (at load) into its blocked layout, which measured about 2x faster here for the shapes of
 a small decoder (benchmarks/bench_engine.py). On other devices, or if packing is not
-supported, the plain `F.linear` path is used. bfloat16 weights on a CPU with avx512_bf16 and
-no AMX take kvserve's own panel layout and kernel instead (bf16_panels.py: faster than oneDNN
-there at every batch size measured).
+supported, the plain `F.linear` path is used. On an AVX-512 CPU without AMX, float32 and
+bfloat16 weights take kvserve's own panel layout and kernels instead (float_panels.py: up to
+~1.7x oneDNN's speed at decode batch sizes there, level with it for prefills).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from kvserve.model.layers.bf16_panels import bf16_panel_linear, pack_bf16
+from kvserve.model.layers.float_panels import pack_panels, panel_linear
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +36,8 @@ def onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def pack_float(weight: torch.Tensor) -> torch.Tensor | None:
-    """The weight in the fastest packed layout here (bf16 panels, else oneDNN's), or None."""
-    panels = pack_bf16(weight)
+    """The weight in the fastest packed layout here (kvserve's panels, else oneDNN's), or None."""
+    panels = pack_panels(weight)
     return panels if panels is not None else onednn_pack(weight)
 
 
@@ -46,7 +46,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pac
     if packed is not None:
         if packed.is_mkldnn:
             return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-        return bf16_panel_linear(x, packed, bias)
+        return panel_linear(x, packed, bias)
     return F.linear(x, weight, bias)
 
 
@@ -55,4 +55,4 @@ def float_kernel_name(dtype: torch.dtype, packed: torch.Tensor | None) -> str:
     name = str(dtype).removeprefix("torch.")
     if packed is None:
         return f"F.linear {name} (not packed)"
-    return f"oneDNN packed {name}" if packed.is_mkldnn else "kvserve bf16 panels (avx512_bf16)"
+    return f"oneDNN packed {name}" if packed.is_mkldnn else f"kvserve {name} panels (AVX-512)"

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.model.layers.bf16_panels import panel_rows
+from kvserve.model.layers.float_panels import panel_rows
 
 GROUP = 32  # GGUF Q8_0's block: one scale per 32 values of a row
 _CHUNK_ROWS = 4096  # rows checked at a time, to bound the check's temporaries
@@ -43,8 +43,8 @@ class LookupTable:
 
 
 class PanelLookup:
-    """A tied bf16 table's rows read from its lm_head's panels (bf16_panels.py): that layout
-    serves lookups, so there is no second copy (`nbytes` 0)."""
+    """A tied table's rows read from its lm_head's panels (float_panels.py): that layout serves
+    lookups, so there is no second copy (`nbytes` 0)."""
 
     def __init__(self, panels: torch.Tensor) -> None:
         self.panels = panels

@@ -61,7 +61,7 @@ def take_cols(w: Weight, start: int, stop: int, full: int) -> Weight:
 
 def hold_packed(module: nn.Module, packed: torch.Tensor | None) -> torch.Tensor | None:
     """`packed`, also registered as the module's (non-persistent) buffer when it is an ordinary
-    tensor (bf16 panels, not oneDNN's opaque one), so that the model runner's move of the
+    tensor (kvserve's panels, not oneDNN's opaque one), so that the model runner's move of the
     weights into huge pages takes it along (a bf16 single stream: ~0.92x the time)."""
     if packed is not None and packed.layout == torch.strided:
         module.register_buffer("panels", packed, persistent=False)
@@ -204,7 +204,7 @@ class VocabParallelEmbedding(nn.Module):
         return self.lookup is not None
 
     def lookups_from_panels(self, panels: torch.Tensor) -> None:
-        """Serve lookups from a tied lm_head's bf16 panels, the table's only copy."""
+        """Serve lookups from a tied lm_head's panels, the table's only copy."""
         self.lookup = PanelLookup(panels)
         self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
 
@@ -245,14 +245,14 @@ class ParallelLMHead(VocabParallelEmbedding):
         embedding looks rows up in it (oneDNN's blocked layout cannot serve lookups, and an
         unpacked fp32 lm_head measured up to 2.5x slower at 8-32 rows, so it is held twice,
         the lookup copy compacted where it can be: VocabParallelEmbedding.compact_lookups).
-        bf16 panels serve lookups themselves (`panels_serve_lookups`)."""
+        kvserve's panels serve lookups themselves (`panels_serve_lookups`)."""
         if self.quant is None and self.packed is None:
             self.packed = hold_packed(self, pack_float(self.weight))
             if self.packed is not None and not (keep_plain and self.packed.is_mkldnn):
                 self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
 
     def panels_serve_lookups(self) -> bool:
-        """Whether the table is held as bf16 panels, which also serve its row lookups."""
+        """Whether the table is held as kvserve's panels, which also serve its row lookups."""
         return self.packed is not None and not self.packed.is_mkldnn
 
     def holds_both(self) -> bool:

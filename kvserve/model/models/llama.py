@@ -268,7 +268,7 @@ class LlamaForCausalLM(nn.Module):
     def pack_weights(self) -> None:
         """Prepack every float projection for oneDNN (CPU) in place of its plain weight; a
         tied table is also kept for lookups where this stage looks tokens up in it (the
-        first), in its smallest exact form, unless its bf16 panels serve them."""
+        first), in its smallest exact form, unless its panels (float_panels.py) serve them."""
         for layer in self.layers:
             layer.pack_weights()
         if self.lm_head is not None:
