@@ -4,6 +4,12 @@ The metadata is attention.py's AttentionMetadata built exactly as the model runn
 before the seam existed (slot blocks/offsets, decode block tables and lengths, one
 PrefillChunk per prompt chunk with its causal mask offset by the cached tokens); the forward
 is PagedAttention.forward_torch (the C++ paged decode kernel when loaded, SDPA otherwise).
+
+One layout is new: where the model runner sets `chunk_pairs_as_decodes` (its model runs the C++
+decode stack), a step whose prompt chunks each cover at most that many (query, key) pairs
+lists every prompt token as a decode row instead, with the request's block table and its own
+causal length (as speculative rows are), so the stack runs the whole step in one call. The
+results differ from the SDPA chunks by summation order only (tests/test_chunks_as_decodes.py).
 """
 
 from __future__ import annotations
@@ -33,12 +39,23 @@ def slot_blocks_of(seqs: list[ScheduledSeq], positions: np.ndarray, block_size: 
     return np.concatenate(out)
 
 
+def attended_pairs(seq: ScheduledSeq) -> int:
+    """(query, key) pairs a chunk's causal attention covers: each new row sees its own
+    position and every one before it."""
+    return seq.num_tokens * seq.start + seq.num_tokens * (seq.num_tokens + 1) // 2
+
+
 class CpuAttentionBackend:
     name = "cpu"
 
     def __init__(self, device: torch.device, block_size: int) -> None:
         self.device = device
         self.block_size = block_size
+        # Prompt chunks as decode rows (one query each, its own length, the request's block
+        # table) when every chunk of a step covers at most this many attended pairs; 0: never.
+        # The model runner sets it where the C++ decode stack runs those steps whole
+        # (LlamaForCausalLM.stack_applies): see CHUNK_PAIRS_AS_DECODES.
+        self.chunk_pairs_as_decodes = 0
 
     def build_metadata(self, seqs: list[ScheduledSeq], positions: np.ndarray) -> AttentionMetadata:
         bs, dev = self.block_size, self.device
@@ -48,10 +65,12 @@ class CpuAttentionBackend:
             backend=self,
         )
         decode_tables, decode_lens = [], []
+        budget = self.chunk_pairs_as_decodes
+        as_decodes = budget > 0 and all(s.is_decode or attended_pairs(s) <= budget for s in seqs)
         offset = 0
         for s in seqs:
             start, n = s.start, s.num_tokens
-            if s.is_decode:
+            if s.is_decode or as_decodes:
                 meta.num_decodes += n
                 decode_tables.extend([s.block_table] * n)
                 decode_lens.extend(range(start + 1, start + n + 1))

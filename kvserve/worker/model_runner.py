@@ -45,6 +45,15 @@ from kvserve.worker.shape_buckets import padded_rows
 from kvserve.worker.step_input import RunnerOutput, StepInput
 
 logger = logging.getLogger(__name__)
+# Where the C++ decode stack runs a model (native int4 / int8 projections on the CPU), prompt
+# chunks covering at most this many (query, key) pairs each reach it as decode rows: the whole
+# step then runs in one C++ call, each chunk row attending through the paged decode kernel to
+# its own causal length, instead of the layers in Python with SDPA per chunk over a gathered,
+# dequantized copy of its cache. Per chunk, as decode rows / as SDPA (default model, int4
+# weights, int8 KV, 2 threads, Zen 4; docs/BENCHMARKS.md round 22): 16 tokens 0.67-0.79x,
+# 64 tokens 0.89-0.94x up to ~27K pairs, even at ~35K, 256 tokens from 0 (33K) 1.04x, longer
+# contexts 1.1x+. A 32-stream step with a 64-token chunk took 0.85-0.87x the time.
+CHUNK_PAIRS_AS_DECODES = 16384
 
 
 class ModelRunner:
@@ -88,7 +97,17 @@ class ModelRunner:
                     m.use_cpu_kernels(kernels)
             if self.tp.is_driver and self.pp.is_first:  # one line per engine, not per rank
                 log_kernels(model, kernels is not None)
+        if self._stack_takes_chunks():
+            self.attn_backend.chunk_pairs_as_decodes = CHUNK_PAIRS_AS_DECODES
         trim_heap()  # the loader's temporaries and the plain weights packing replaced
+
+    def _stack_takes_chunks(self) -> bool:
+        """Whether small prompt chunks go to the model as decode rows (CHUNK_PAIRS_AS_DECODES):
+        where the C++ decode stack then runs their steps (CPU, native quantized projections,
+        a float32 or int8 cache) and no draft model shares the metadata."""
+        stack = getattr(self.model, "stack_applies", None)
+        return (self.attn_backend.name == "cpu" and self.draft_model is None and stack is not None and stack()
+                and self.kv_cache.dtype in (torch.float32, torch.int8))  # fmt: skip
 
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Capture the decode forward at each graph size (CUDA + Triton backend only)."""

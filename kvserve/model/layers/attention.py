@@ -10,8 +10,9 @@ The batch is laid out decodes first (one query token each), then prefill chunks,
 padding rows (worker/shape_buckets.py), which are neither stored nor attended to. Decodes
 go through the C++ paged kernel on CPU when it is available (it reads K/V in place), or a
 gather + SDPA path otherwise; prefill chunks use SDPA one request at a time, with a causal
-mask offset by the tokens already cached. A CUDA backend (FlashAttention / Triton) would
-take the same metadata.
+mask offset by the tokens already cached (unless the CPU backend lays small chunks out as
+decode rows: attention_backends/cpu.py). A CUDA backend (FlashAttention / Triton) would take
+the same metadata.
 
 Since the attention-backend seam (kvserve/attention_backends/), the metadata a backend builds
 carries the backend (`meta.backend`) and `forward` hands the call to it: the CPU backend comes

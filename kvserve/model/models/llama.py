@@ -229,7 +229,8 @@ class LlamaForCausalLM(nn.Module):
 
     def _decode_stack(self, x: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor):
         """The C++ decode stack (csrc/decode_stack_cpu.cpp) for this step, or None to run the
-        layers from Python: it takes pure-decode steps of float32 rows on the CPU, every
+        layers from Python: it takes pure-decode steps (prompt rows too, where the CPU backend
+        laid small chunks out as decode rows) of float32 rows on the CPU, every
         projection native int4 / int8 without bias, one tensor-parallel rank, a float32 or int8
         KV cache. It computes exactly what the fused Python path does, without the ~35 us of
         interpreter per layer."""
@@ -247,16 +248,33 @@ class LlamaForCausalLM(nn.Module):
             self._stack = (key, self._build_decode_stack())
         return self._stack[1]
 
-    def _build_decode_stack(self):
+    def _stack_calls(self) -> list[list[NativeMatmul]] | None:
+        """Each layer's four projections as the stack calls them, or None where the stack
+        cannot run this model (a float or biased projection, tensor parallelism, no kernels)."""
         if not hasattr(self.ops, "DecodeStack") or get_tp_group().size > 1:
             return None
-        first = self.layers[0]
-        stack = self.ops.DecodeStack(first.num_heads, first.num_kv_heads, first.head_dim, first.eps)
+        out = []
         for layer in self.layers:
             calls = [p.quant.native_matmul() if p.quant is not None and p.bias is None else None
                      for p in layer.projections().values()]  # fmt: skip
             if any(c is None for c in calls):
                 return None
+            out.append(calls)
+        return out
+
+    def stack_applies(self) -> bool:
+        """Whether the C++ decode stack runs this model's pure-decode steps on the CPU (its
+        KV cache aside: float32 or int8, which the caller knows)."""
+        return (self.use_decode_stack and self.ops is not None and self.dtype == torch.float32
+                and self._stack_calls() is not None)  # fmt: skip
+
+    def _build_decode_stack(self):
+        layer_calls = self._stack_calls()
+        if layer_calls is None:
+            return None
+        first = self.layers[0]
+        stack = self.ops.DecodeStack(first.num_heads, first.num_kv_heads, first.head_dim, first.eps)
+        for layer, calls in zip(self.layers, layer_calls):
             add_stack_layer(stack, layer.input_norm, layer.post_attn_norm, calls, layer.attn.kv_scales)
         head = self.lm_head.quant.native_matmul() if self.lm_head is not None and self.lm_head.quant else None
         if head is not None:  # decode_logits: the final norm and the lm_head in the same call

@@ -1,0 +1,131 @@
+"""Prompt chunks as decode rows (attention_backends/cpu.py, model_runner.CHUNK_PAIRS_AS_DECODES).
+
+Where the C++ decode stack runs a quantized model, a step whose prompt chunks are all small
+reaches it as decode rows: each prompt token one row, attending through the paged decode
+kernel to its own causal length, after the step's K/V are written. The reference is the path
+the same engine takes with the budget at 0: torch's SDPA over the gathered cache, the
+attention test_fidelity.py holds to transformers.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from helpers import assert_quantized_match
+
+from kvserve import LLM, SamplingParams
+from kvserve.attention_backends.base import ScheduledSeq
+from kvserve.attention_backends.cpu import CpuAttentionBackend, attended_pairs
+from kvserve.model.layers.cpu_kernels import load_cpu_kernels
+from kvserve.model.layers.quant_kernels import load_quant_kernels
+from kvserve.worker.model_runner import CHUNK_PAIRS_AS_DECODES
+
+
+def _step() -> tuple[list[ScheduledSeq], np.ndarray]:
+    """One decode (position 10), a fresh 5-token prompt and a 3-token chunk after 6 cached."""
+    seqs = [
+        ScheduledSeq(10, 1, [3, 5, 7], True),
+        ScheduledSeq(0, 5, [1, 2], False),
+        ScheduledSeq(6, 3, [4, 6, 8], False),
+    ]
+    return seqs, np.array([10, 0, 1, 2, 3, 4, 6, 7, 8])
+
+
+def test_small_chunks_become_decode_rows_at_their_causal_lengths():
+    backend = CpuAttentionBackend(torch.device("cpu"), block_size=4)
+    seqs, positions = _step()
+    assert [attended_pairs(s) for s in seqs[1:]] == [15, 24]  # 1+..+5; 3 x 6 cached + 1+2+3
+
+    backend.chunk_pairs_as_decodes = 24
+    meta = backend.build_metadata(seqs, positions)
+    assert meta.num_decodes == 9 and not meta.prefills
+    assert meta.decode_seq_lens.tolist() == [11, 1, 2, 3, 4, 5, 7, 8, 9]
+    assert meta.decode_block_tables.tolist() == [[3, 5, 7]] + [[1, 2, 0]] * 5 + [[4, 6, 8]] * 3
+    assert meta.slot_blocks.tolist() == [7, 1, 1, 1, 1, 2, 6, 6, 8]
+    assert meta.slot_offsets.tolist() == [2, 0, 1, 2, 3, 0, 2, 3, 0]
+
+
+@pytest.mark.parametrize("budget", [0, 23])
+def test_a_step_with_any_larger_chunk_keeps_sdpa_for_all(budget):
+    backend = CpuAttentionBackend(torch.device("cpu"), block_size=4)
+    backend.chunk_pairs_as_decodes = budget
+    meta = backend.build_metadata(*_step())
+    assert meta.num_decodes == 1 and meta.decode_seq_lens.tolist() == [11]
+    assert [(c.start, c.end, c.num_cached) for c in meta.prefills] == [(1, 6, 0), (6, 9, 6)]
+
+
+needs_kernels = pytest.mark.skipif(
+    load_cpu_kernels() is None or load_quant_kernels() is None, reason="C++ kernels not built here"
+)
+
+# Prompts sharing a 36-token prefix, prefilled in chunks of 8 beside each other's decodes. A
+# request for prompt logprobs computes every position; run again without them, the prompts
+# start from the prefix's two cached blocks.
+PREFIX = [(7 * j + 3) % 50 + 2 for j in range(36)]
+PROMPTS = [PREFIX + [40 + i, 12 + i, 3 * i + 1, 25] * (1 + i % 3) for i in range(6)]
+
+
+def _run(llm: LLM, budget: int) -> tuple[list, list[tuple[bool, bool]]]:
+    """Outputs with the runner's budget set to `budget`; per step, whether it had prompt rows
+    and whether they were laid out as prefill chunks."""
+    runner = llm.llm_engine.model_runner
+    backend = runner.attn_backend
+    build, seen = backend.build_metadata, []
+
+    def recording(seqs, positions):
+        meta = build(seqs, positions)
+        seen.append((any(not s.is_decode for s in seqs), bool(meta.prefills)))
+        return meta
+
+    backend.build_metadata, backend.chunk_pairs_as_decodes = recording, budget
+    try:
+        llm.llm_engine.reset_prefix_cache()
+        params = dict(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+        fresh = llm.generate(PROMPTS, SamplingParams(**params, prompt_logprobs=1), use_tqdm=False)
+        return fresh + llm.generate(PROMPTS, SamplingParams(**params), use_tqdm=False), seen
+    finally:
+        del backend.build_metadata
+        backend.chunk_pairs_as_decodes = CHUNK_PAIRS_AS_DECODES
+
+
+# How far a logprob may move. A float32 cache: the two attentions' different summation orders
+# only. An int8 cache: a last-bit difference upstream (here the first layer's attention) can
+# round one of the next layer's K/V codes the other way, a step of max|x| / 127, and on this
+# random tiny model (head size 16, large weights) that moved three prompt logprobs by up to
+# 0.065; any chunk size or batch split does the same (test_quantization.py). So there most
+# positions must still agree to 1e-4, none by more than 0.2 (a causality or length error moves
+# nearly all of them, by far more).
+TOLERANCE = {"auto": (1e-4, 1.0), "int8": (0.2, 0.9)}  # (any position, share within 1e-4)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_prompt_rows_as_decodes_match_sdpa(tiny_llama_dir, kv_cache_dtype):
+    llm = LLM(tiny_llama_dir, kv_cache_memory="16MiB", quantization="int4", kv_cache_dtype=kv_cache_dtype,
+              long_prefill_token_threshold=8, enable_prefix_caching=True)  # fmt: skip
+    runner = llm.llm_engine.model_runner
+    assert runner.attn_backend.chunk_pairs_as_decodes == CHUNK_PAIRS_AS_DECODES  # the stack applies here
+
+    got, seen = _run(llm, CHUNK_PAIRS_AS_DECODES)
+    assert any(prompt and not chunks for prompt, chunks in seen)  # prompt rows went as decode rows
+    assert not any(prompt and chunks for prompt, chunks in seen)  # every chunk here is small
+    want, seen = _run(llm, 0)
+    assert all(chunks for prompt, chunks in seen if prompt)
+
+    n = len(PROMPTS)
+    assert min(o.num_cached_tokens for o in got[n:]) >= 32  # the second pass: the prefix's blocks
+    diffs = []
+    for i, (a, b) in enumerate(zip(want[:n], got[:n])):
+        assert len(a.prompt_logprobs) == len(b.prompt_logprobs) == len(PROMPTS[i])
+        pairs = zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:], PROMPTS[i][1:])
+        diffs += [abs(x[t] - y[t]) for x, y, t in pairs]
+    for a, b in zip(want, got, strict=True):  # the sampled tokens' logprobs while both agree
+        ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
+        pairs = enumerate(zip(a.outputs[0].logprobs, b.outputs[0].logprobs, tb))
+        diffs += [abs(x[t] - y[t]) for k, (x, y, t) in pairs if ta[: k + 1] == tb[: k + 1]]
+    most, share = TOLERANCE[kv_cache_dtype]
+    assert max(diffs) <= most, max(diffs)
+    assert sum(d <= 1e-4 for d in diffs) >= share * len(diffs), sorted(diffs)[-10:]
+    for i, (a, b) in enumerate(zip(want, got)):  # tokens equal, or parted at a tie that close
+        assert_quantized_match(a.outputs[0], b.outputs[0].token_ids, f"prompt {i % n}", tie=2 * max(diffs))
