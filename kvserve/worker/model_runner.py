@@ -50,9 +50,11 @@ logger = logging.getLogger(__name__)
 # step then runs in one C++ call, each chunk row attending through the paged decode kernel to
 # its own causal length, instead of the layers in Python with SDPA per chunk over a gathered,
 # dequantized copy of its cache. Per chunk, as decode rows / as SDPA (default model, int4
-# weights, int8 KV, 2 threads, Zen 4; docs/BENCHMARKS.md round 22): 16 tokens 0.67-0.79x,
-# 64 tokens 0.89-0.94x up to ~27K pairs, even at ~35K, 256 tokens from 0 (33K) 1.04x, longer
-# contexts 1.1x+. A 32-stream step with a 64-token chunk took 0.85-0.87x the time.
+# weights, int8 KV, 2 threads, Zen 4; benchmarks/bench_chunks_as_decodes.py, docs/BENCHMARKS.md
+# issue 16 round 22): 16 tokens 0.65-0.82x; 64 tokens 0.88-0.94x up to ~27K pairs, 0.89-1.01x
+# at 35K, 0.98-1.07x past 50K; 256 tokens from 0 (33K) 0.99-1.04x, then 1.02-1.16x. A 32-stream
+# step carrying a 64-token chunk took 0.84-0.88x the time. The budget: about half the pairs
+# where the two meet.
 CHUNK_PAIRS_AS_DECODES = 16384
 
 
