@@ -9,7 +9,7 @@ One layout is new: where the model runner sets `chunk_pairs_as_decodes` (its mod
 decode stack), a step whose prompt chunks each cover at most that many (query, key) pairs
 lists every prompt token as a decode row instead, with the request's block table and its own
 causal length (as speculative rows are), so the stack runs the whole step in one call. The
-results differ from the SDPA chunks by summation order only (tests/test_chunks_as_decodes.py).
+results differ from the SDPA chunks by summation order only (tests/test_quant_chunks_as_decodes.py).
 """
 
 from __future__ import annotations
