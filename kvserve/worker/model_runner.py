@@ -107,9 +107,8 @@ class ModelRunner:
         """Whether small prompt chunks go to the model as decode rows (CHUNK_PAIRS_AS_DECODES):
         where the C++ decode stack then runs their steps (CPU, native quantized projections,
         a float32 or int8 cache) and no draft model shares the metadata."""
-        stack = getattr(self.model, "stack_applies", None)
-        return (self.attn_backend.name == "cpu" and self.draft_model is None and stack is not None and stack()
-                and self.kv_cache.dtype in (torch.float32, torch.int8))  # fmt: skip
+        return (self.attn_backend.name == "cpu" and self.draft_model is None
+                and self.model.stack_applies(self.kv_cache.dtype))  # fmt: skip
 
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Capture the decode forward at each graph size (CUDA + Triton backend only)."""

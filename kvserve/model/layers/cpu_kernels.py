@@ -59,14 +59,20 @@ def _cpu_flags() -> str:
     return ""
 
 
-def _build_name(source: bytes) -> str:
-    """The build file names torch's include and library paths: two venvs sharing one name
-    would rewrite it and rebuild in turn."""
+def extension_name(prefix: str, source: bytes, cflags: list[str], extra: str = "") -> str:
+    """`prefix` and a hash of the source, the flags, `extra` and the torch install built against
+    (the build file names torch's include and library paths: two venvs sharing one name would
+    rewrite it and rebuild in turn). Every kvserve kernel module is named this way."""
     import torch
 
     where = os.path.dirname(torch.__file__) + torch.__version__
-    key = hashlib.sha256(source + " ".join(_CFLAGS).encode() + _cpu_flags().encode() + where.encode())
-    return f"kvserve_cpu_kernels_{key.hexdigest()[:10]}"
+    key = hashlib.sha256(source + " ".join(cflags).encode() + extra.encode() + where.encode())
+    return f"{prefix}_{key.hexdigest()[:10]}"
+
+
+def _build_name(source: bytes) -> str:
+    """This module's name: its hash also covers this CPU's flags (the build uses -march=native)."""
+    return extension_name("kvserve_cpu_kernels", source, _CFLAGS, _cpu_flags())
 
 
 def read_sources() -> bytes:

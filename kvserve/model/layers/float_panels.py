@@ -12,14 +12,13 @@ CPU flags run it. `KVSERVE_FLOAT_PANELS=0` (or KVSERVE_DISABLE_CPU_KERNELS) keep
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import threading
 
 import torch
 
-from kvserve.model.layers.cpu_kernels import build_extension
+from kvserve.model.layers.cpu_kernels import build_extension, extension_name
 from kvserve.platform.cpu_isa import CpuIsa, hardware_isa
 
 logger = logging.getLogger(__name__)
@@ -48,12 +47,8 @@ def panel_variant(isa: CpuIsa | None = None) -> str | None:
 
 
 def _build_name(variant: str) -> str:
-    """The module's name hashes its source, its flags and the torch install it builds against."""
     with open(SRC, "rb") as f:
-        source = f.read()
-    where = os.path.dirname(torch.__file__) + torch.__version__
-    key = hashlib.sha256(source + " ".join(VARIANTS[variant]).encode() + where.encode())
-    return f"kvserve_float_panels_{variant}_{key.hexdigest()[:10]}"
+        return extension_name(f"kvserve_float_panels_{variant}", f.read(), VARIANTS[variant])
 
 
 def load_panel_kernels():

@@ -12,7 +12,6 @@ turns the native path off. If a build fails, callers keep PyTorch's kernels.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import threading
@@ -20,7 +19,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from kvserve.model.layers.cpu_kernels import build_extension
+from kvserve.model.layers.cpu_kernels import build_extension, extension_name
 from kvserve.platform.cpu_isa import CpuIsa, cpu_isa
 
 logger = logging.getLogger(__name__)
@@ -67,11 +66,7 @@ def selected_variant() -> str:
 
 
 def build_name(variant: str, source: bytes) -> str:
-    import torch
-
-    where = os.path.dirname(torch.__file__) + torch.__version__
-    key = hashlib.sha256(source + " ".join(VARIANTS[variant]).encode() + where.encode())
-    return f"kvserve_quant_{variant}_{key.hexdigest()[:10]}"
+    return extension_name(f"kvserve_quant_{variant}", source, VARIANTS[variant])
 
 
 def kernels_for(variant: str):

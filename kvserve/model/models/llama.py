@@ -46,6 +46,7 @@ FUSED_DTYPES = (torch.float32, torch.bfloat16)
 # overlapping the serial work (csrc/decode_overlap_cpu.cpp). One: at 2 and 4 rows the attention
 # it runs on one thread outweighed the overlap (an AVX2 Zen 3, docs/BENCHMARKS.md round 17).
 OVERLAP_MAX_ROWS = 1
+STACK_KV_DTYPES = (torch.float32, torch.int8)  # the KV caches the decode stack's attention reads
 
 
 def add_stack_layer(stack, input_norm: torch.Tensor, post_norm: torch.Tensor, calls: list[NativeMatmul],
@@ -240,7 +241,7 @@ class LlamaForCausalLM(nn.Module):
             return None
         if x.device.type != "cpu" or x.dtype != torch.float32 or not x.is_contiguous():
             return None
-        if kv_cache.dtype not in (torch.float32, torch.int8):
+        if kv_cache.dtype not in STACK_KV_DTYPES:
             return None
         scales = self.layers[0].attn.kv_scales  # a new pool comes with new scales (the stack holds them)
         key = scales[0].data_ptr() if scales else 0
@@ -262,11 +263,11 @@ class LlamaForCausalLM(nn.Module):
             out.append(calls)
         return out
 
-    def stack_applies(self) -> bool:
-        """Whether the C++ decode stack runs this model's pure-decode steps on the CPU (its
-        KV cache aside: float32 or int8, which the caller knows)."""
+    def stack_applies(self, kv_cache_dtype: torch.dtype) -> bool:
+        """Whether the C++ decode stack runs this model's pure-decode steps on the CPU with a KV
+        cache of `kv_cache_dtype`."""
         return (self.use_decode_stack and self.ops is not None and self.dtype == torch.float32
-                and self._stack_calls() is not None)  # fmt: skip
+                and kv_cache_dtype in STACK_KV_DTYPES and self._stack_calls() is not None)  # fmt: skip
 
     def _build_decode_stack(self):
         layer_calls = self._stack_calls()
