@@ -283,7 +283,11 @@ def test_decode_graph_buffers_give_eager_results(tiny_llama_dir, monkeypatch):
     eager = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     graphs = DecodeGraphRunner(runner.model, runner.kv_cache, runner.attn_backend, 4, max_blocks_per_seq=8)
     hidden = runner.model.arch.hidden_size
-    graphs.graphs = {s: (_EagerReplay(graphs, s, out := torch.zeros(s, hidden)), out) for s in graphs.sizes}
+
+    def output(size: int) -> torch.Tensor:  # where a captured graph's output lives (the GPU on one)
+        return torch.zeros(size, hidden, dtype=runner.dtype, device=runner.device)
+
+    graphs.graphs = {s: (_EagerReplay(graphs, s, out := output(s)), out) for s in graphs.sizes}
     runner.graphs = graphs
     replays = []
     run = graphs.run

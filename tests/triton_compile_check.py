@@ -98,7 +98,33 @@ def main(cc: int) -> int:
             except Exception as e:  # report every kernel, then fail
                 failed += 1
                 print(f"FAIL {label}: {type(e).__name__}: {e}", flush=True)
-    return 1 if failed else 0
+    return 1 if failed + _layer_ops(cc) else 0
+
+
+def _layer_ops(cc: int) -> int:
+    """The decoder layer's small ops (model/layers/triton_layer_ops.py) for each model dtype, at
+    Llama-3-8B's sizes; returns how many failed."""
+    from kvserve.model.layers import triton_layer_ops as ops
+
+    failed = 0
+    for act, rounding in (("bf16", ops.BF16), ("fp32", ops.NO_ROUNDING)):
+        t = f"*{act}"
+        jobs = [
+            (ops._rms_norm_kernel, dict(X=t, Y=t, W=t, OUT=t), ("eps",),
+             dict(ADD=True, ROUND=rounding, BLOCK=4096), 8),
+            (ops._rotary_kernel, dict(T=t, COS=t, SIN=t), (), dict(HALF=HEAD_DIM // 2, ROUND=rounding,
+             BLOCK=HEAD_DIM // 2), 1),
+            (ops._silu_mul_kernel, dict(GU=t, OUT=t), (),
+             dict(ROUND=rounding, BLOCK=ops.TritonLayerOps.SILU_BLOCK), 4),
+        ]  # fmt: skip
+        for fn, pointers, floats, constexprs, warps in jobs:
+            label = f"{fn.__name__} ({act}, sm_{cc})"
+            try:
+                print(f"OK   {label}: {_compile(fn, pointers, floats, constexprs, cc, warps)}", flush=True)
+            except Exception as e:  # report every kernel, then fail
+                failed += 1
+                print(f"FAIL {label}: {type(e).__name__}: {e}", flush=True)
+    return failed
 
 
 if __name__ == "__main__":

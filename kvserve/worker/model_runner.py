@@ -99,6 +99,14 @@ class ModelRunner:
                     m.use_cpu_kernels(kernels)
             if self.tp.is_driver and self.pp.is_first:  # one line per engine, not per rank
                 log_kernels(model, kernels is not None)
+        elif device.type == "cuda" and self.attn_backend.name == "triton":
+            from kvserve.model.layers.triton_layer_ops import TritonLayerOps
+
+            for m in (model, draft_model):  # one kernel per small op (measured: docs/CUDA.md)
+                if m is not None:
+                    m.use_layer_ops(TritonLayerOps())
+            if self.tp.is_driver and self.pp.is_first:
+                logger.info("layer ops: Triton kernels (RMSNorm, rotary, SiLU-and-multiply)")
         if self._stack_takes_chunks():
             self.attn_backend.chunk_pairs_as_decodes = CHUNK_PAIRS_AS_DECODES
         trim_heap()  # the loader's temporaries and the plain weights packing replaced

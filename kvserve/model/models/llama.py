@@ -40,7 +40,8 @@ from kvserve.model.layers.quantized_linear import NativeMatmul, QuantizedLinear
 from kvserve.model.layers.rotary import RotaryEmbedding, apply_rotary
 from kvserve.model.layers.tp_sharding import even_shard
 
-# Activation dtypes the C++ layer ops (csrc/layer_ops_cpu.cpp) take; others run the torch path.
+# Activation dtypes the fused layer ops (csrc/layer_ops_cpu.cpp, triton_layer_ops.py) take; others run
+# the torch path.
 FUSED_DTYPES = (torch.float32, torch.bfloat16)
 # Decode steps of up to this many rows run the stack in one parallel region, the weight stream
 # overlapping the serial work (csrc/decode_overlap_cpu.cpp). One: at 2 and 4 rows the attention
@@ -89,7 +90,7 @@ class DecoderLayer(nn.Module):
         self.input_norm = nn.Parameter(torch.empty(h), requires_grad=False)
         self.post_attn_norm = nn.Parameter(torch.empty(h), requires_grad=False)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, hd)
-        self.ops = None  # the C++ CPU kernels once the model runner loads them (cpu_kernels.py)
+        self.ops = None  # the small ops' kernels once the model runner loads them (use_layer_ops)
 
     def projections(self) -> dict[str, ParallelLinear]:
         return {"qkv": self.qkv_proj, "o": self.o_proj, "gate_up": self.gate_up_proj, "down": self.down_proj}
@@ -131,8 +132,9 @@ class DecoderLayer(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
         k_cache: torch.Tensor, v_cache: torch.Tensor,
     ) -> torch.Tensor:  # fmt: skip
-        """The same layer with its small ops fused in C++ (one call each where the torch path
-        dispatches ~20 ATen ops: at one decoding row they cost about what the matmuls do).
+        """The same layer with its small ops fused (one call each where the torch path
+        dispatches ~20 ATen ops: at one decoding row they cost about what the matmuls do on the
+        CPU, and a third of the step on an H200): the C++ CPU kernels or the Triton ones.
         Rotary is applied in place in the qkv output, and the residual stream `x` is added
         into in place: it is this forward's own tensor (the embedding's or the last layer's)."""
         ops, n, hd = self.ops, x.shape[0], self.head_dim
@@ -162,7 +164,7 @@ class LlamaForCausalLM(nn.Module):
             self.embed = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(self.start_layer, self.stop_layer))
         self.norm = nn.Parameter(torch.empty(arch.hidden_size), requires_grad=False)
-        self.ops = None  # the C++ CPU kernels (use_cpu_kernels)
+        self.ops = None  # the small ops' kernels: C++ on the CPU, Triton on a GPU (use_layer_ops)
         self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size) if pp.is_last else None
         if tied and self.lm_head is not None:
             self.lm_head.tie(self.embed)
@@ -223,10 +225,18 @@ class LlamaForCausalLM(nn.Module):
     def use_cpu_kernels(self, kernels) -> None:
         """Run attention's decodes and KV writes and the layers' small ops through the C++ CPU
         kernels (cpu_kernels.py); None keeps the torch path."""
-        self.ops = kernels
+        self.use_layer_ops(kernels)
+        for layer in self.layers:
+            layer.attn.kernels = kernels
+
+    def use_layer_ops(self, ops) -> None:
+        """Run the layers' small ops (norms, rotary, SiLU-and-multiply) through `ops`, the C++
+        CPU kernels or, on a GPU, the Triton ones (triton_layer_ops.py), leaving attention to
+        its backend; None keeps the torch path."""
+        self.ops = ops
         self._stack = None
         for layer in self.layers:
-            layer.ops = layer.attn.kernels = kernels
+            layer.ops = ops
 
     def _decode_stack(self, x: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor):
         """The C++ decode stack (csrc/decode_stack_cpu.cpp) for this step, or None to run the
