@@ -3,6 +3,7 @@
 # build of torch (which brings triton). Not part of `make test`. About 8 minutes on an H200:
 #   (a) the CUDA test subset: tests/test_triton_kernels.py (the Triton kernels compiled for the
 #       GPU, not interpreted, and the Triton backend against the torch path through the engine),
+#       tests/test_triton_layer_ops.py (the layers' small ops against the torch path),
 #       tests/test_cuda_cpu_side.py and tests/test_device_sampling.py (sampling on the GPU
 #       against the host sampler through the engine);
 #   (b)-(d) benchmarks/gpu_check.py: greedy fidelity against transformers on the GPU, batch-1
@@ -24,8 +25,8 @@ unset TRITON_INTERPRET KVSERVE_ATTENTION_BACKEND KVSERVE_DEVICE_SAMPLING
 "$PY" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())' | tee -a "$LOG"
 
 echo "== (a) CUDA test subset" | tee -a "$LOG"
-timeout 300 "$PY" -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py tests/test_cuda_cpu_side.py \
-    tests/test_device_sampling.py 2>&1 | tee -a "$LOG"
+timeout 300 "$PY" -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py tests/test_triton_layer_ops.py \
+    tests/test_cuda_cpu_side.py tests/test_device_sampling.py 2>&1 | tee -a "$LOG"
 tests_rc=${PIPESTATUS[0]}
 
 echo "== (b)-(d) fidelity and benchmarks" | tee -a "$LOG"
