@@ -16,28 +16,14 @@ bytes read per token / the device-to-device copy bandwidth measured in the same 
 
 from __future__ import annotations
 
-import argparse
 import os
-import random
 import sys
 import tempfile
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpu_check  # noqa: E402
-
-
-def _timed(fn, repeats: int, device: str) -> float:
-    """Seconds per call of fn, after one warm-up call."""
-    fn()
-    gpu_check._sync(device)
-    t = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    gpu_check._sync(device)
-    return (time.perf_counter() - t) / repeats
 
 
 def _kernel_split(llm, prompt: list[int], tokens: int) -> dict[str, float]:
@@ -59,41 +45,23 @@ def _kernel_split(llm, prompt: list[int], tokens: int) -> dict[str, float]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks the script only")
-    args = ap.parse_args()
-    device = "cpu" if args.smoke else "cuda"
-    if device == "cuda" and not torch.cuda.is_available():
-        print("no CUDA device: run with --smoke to check the script on the CPU", file=sys.stderr)
+    setup = gpu_check.bench_device(__doc__.split("\n")[0])
+    if setup is None:
         return 2
-    print(f"device: {torch.cuda.get_device_name() if device == 'cuda' else 'cpu (smoke)'}, "
-          f"torch {torch.__version__}", flush=True)  # fmt: skip
-    shape, tokens = (gpu_check.TINY, 16) if args.smoke else (gpu_check.LLAMA_8B, 256)
+    device, smoke = setup
     with tempfile.TemporaryDirectory() as tmp:
-        wdtype = torch.float32 if args.smoke else torch.bfloat16
-        path, read = gpu_check.build_llama(os.path.join(tmp, "m"), shape, wdtype, device)
-        bw = gpu_check.copy_bandwidth(device, (64 << 20) if args.smoke else (4 << 30))
-        floor = read / bw
-        lm_head_bytes = shape["vocab_size"] * shape["hidden_size"] * wdtype.itemsize
-        print(f"weights read per token {read / 1e9:.2f} GB (lm_head {lm_head_bytes / 1e9:.2f}), copy "
-              f"bandwidth {bw / 1e9:.0f} GB/s, floor {floor * 1e3:.3f} ms/token", flush=True)  # fmt: skip
+        path, floor, shape, tokens, wdtype = gpu_check.decode_bench_model(tmp, device, smoke)
         kv = "8GiB" if device == "cuda" else "64MiB"
         llm = gpu_check._llm(path, device, dtype=str(wdtype).removeprefix("torch."), max_model_len=1024,
                              max_num_seqs=8, kv_cache_memory=kv)  # fmt: skip
         runner = llm.llm_engine.core.model_runner
-        prompt = [random.Random(0).randrange(3, 500) for _ in range(128)]
-        llm.generate([prompt], gpu_check._greedy(8), use_tqdm=False)  # warm-up
-        times = {}
-        for n in (1, tokens + 1):
-            t = time.perf_counter()
-            llm.generate([prompt], gpu_check._greedy(n), use_tqdm=False)
-            times[n] = time.perf_counter() - t
-        per_token = (times[tokens + 1] - times[1]) / tokens
+        prompt = gpu_check.DECODE_PROMPT
+        per_token = gpu_check.decode_seconds_per_token(llm, tokens)
         hidden = torch.randn(1, shape["hidden_size"], dtype=runner.dtype, device=device)
-        lm_head = _timed(lambda: runner.model.compute_logits(hidden), 50, device)
+        lm_head = gpu_check.seconds_per_call(lambda: runner.model.compute_logits(hidden), 50, device)
         replay = None
         if runner.graphs is not None:
-            replay = _timed(runner.graphs.graphs[1][0].replay, 100, device)
+            replay = gpu_check.seconds_per_call(runner.graphs.graphs[1][0].replay, 100, device)
 
         def line(label: str, seconds: float) -> None:
             share = seconds / per_token
@@ -111,8 +79,8 @@ def main() -> int:
             split = _kernel_split(llm, prompt, 32)
             for kind, seconds in split.items():
                 line(f"kernels: {kind}", seconds)
-            print(f"matrix products at {read / split['matmul'] / 1e9:.0f} GB/s "
-                  f"({read / split['matmul'] / bw:.2f} of the copy bandwidth)")  # fmt: skip
+            # every weight byte goes through a matrix product: their time against the floor's
+            print(f"matrix products stream the weights at {floor / split['matmul']:.2f} of copy bandwidth")
         gpu_check._free(device, llm)
     return 0
 

@@ -10,12 +10,9 @@ device-to-device copy bandwidth measured in the same run). The variants alternat
 
 from __future__ import annotations
 
-import argparse
 import os
-import random
 import sys
 import tempfile
-import time
 
 import torch
 
@@ -25,11 +22,6 @@ if not torch.cuda.is_available():
 import gpu_check  # noqa: E402
 
 import kvserve.model.layers.triton_layer_ops as triton_layer_ops  # noqa: E402
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def measure(path: str, device: str, triton_ops: bool, tokens: int) -> dict:
@@ -45,45 +37,20 @@ def measure(path: str, device: str, triton_ops: bool, tokens: int) -> dict:
     runner = llm.llm_engine.core.model_runner
     if device == "cpu":  # no model-runner hook without CUDA: hand the layers the ops here
         runner.model.use_layer_ops(real() if triton_ops else None)
-    prompt = [random.Random(0).randrange(3, 500) for _ in range(128)]
-    llm.generate([prompt], gpu_check._greedy(8), use_tqdm=False)  # warm-up
-    times = {}
-    for n in (1, tokens + 1):
-        t = time.perf_counter()
-        llm.generate([prompt], gpu_check._greedy(n), use_tqdm=False)
-        times[n] = time.perf_counter() - t
-    out = {"per_token": (times[tokens + 1] - times[1]) / tokens, "replay": None}
+    out = {"per_token": gpu_check.decode_seconds_per_token(llm, tokens), "replay": None}
     if runner.graphs is not None:
-        graph = runner.graphs.graphs[1][0]
-        graph.replay()
-        _sync()
-        t = time.perf_counter()
-        for _ in range(100):
-            graph.replay()
-        _sync()
-        out["replay"] = (time.perf_counter() - t) / 100
+        out["replay"] = gpu_check.seconds_per_call(runner.graphs.graphs[1][0].replay, 100, device)
     gpu_check._free(device, llm)
     return out
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks the script only")
-    args = ap.parse_args()
-    device = "cpu" if args.smoke else "cuda"
-    if device == "cuda" and not torch.cuda.is_available():
-        print("no CUDA device: run with --smoke to check the script on the CPU", file=sys.stderr)
+    setup = gpu_check.bench_device(__doc__.split("\n")[0])
+    if setup is None:
         return 2
-    name = torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke)"
-    print(f"device: {name}, torch {torch.__version__}", flush=True)
-    shape, tokens = (gpu_check.TINY, 16) if args.smoke else (gpu_check.LLAMA_8B, 256)
+    device, smoke = setup
     with tempfile.TemporaryDirectory() as tmp:
-        wdtype = torch.float32 if args.smoke else torch.bfloat16
-        path, read = gpu_check.build_llama(os.path.join(tmp, "m"), shape, wdtype, device)
-        bw = gpu_check.copy_bandwidth(device, (64 << 20) if args.smoke else (4 << 30))
-        floor = read / bw
-        print(f"weights read per token {read / 1e9:.2f} GB, copy bandwidth {bw / 1e9:.0f} GB/s, "
-              f"floor {floor * 1e3:.3f} ms/token", flush=True)  # fmt: skip
+        path, floor, shape, tokens, wdtype = gpu_check.decode_bench_model(tmp, device, smoke)
         results: dict[str, list[dict]] = {"torch ops": [], "triton ops": []}
         for _ in range(2):
             for label in results:

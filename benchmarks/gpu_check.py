@@ -167,20 +167,66 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+DECODE_PROMPT = [random.Random(0).randrange(3, 500) for _ in range(128)]  # within every test vocabulary
+
+
+def decode_seconds_per_token(llm, decode_tokens: int, prompt: list[int] = DECODE_PROMPT) -> float:
+    """Batch-1 greedy decode after the prefill: (t(n + 1 tokens) - t(1 token)) / n, warmed up."""
+    llm.generate([prompt], _greedy(8), use_tqdm=False)
+    timings = {}
+    for n in (1, decode_tokens + 1):
+        t = time.perf_counter()
+        llm.generate([prompt], _greedy(n), use_tqdm=False)
+        timings[n] = time.perf_counter() - t
+    return (timings[decode_tokens + 1] - timings[1]) / decode_tokens
+
+
+def seconds_per_call(fn, repeats: int, device: str) -> float:
+    """Seconds per call of fn (a graph replay, one kernel), after one warm-up call."""
+    fn()
+    _sync(device)
+    t = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    _sync(device)
+    return (time.perf_counter() - t) / repeats
+
+
+def bench_device(description: str) -> tuple[str, bool] | None:
+    """The device a GPU benchmark runs on ('cuda', or 'cpu' under --smoke) and whether it is a
+    smoke run; None, after saying why, when CUDA is asked for and absent."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks the script only")
+    smoke = ap.parse_args().smoke
+    if not smoke and not torch.cuda.is_available():
+        print("no CUDA device: run with --smoke to check the script on the CPU", file=sys.stderr)
+        return None
+    name = "cpu (smoke)" if smoke else torch.cuda.get_device_name()
+    print(f"device: {name}, torch {torch.__version__}", flush=True)
+    return ("cpu" if smoke else "cuda"), smoke
+
+
+def decode_bench_model(tmp: str, device: str, smoke: bool) -> tuple[str, float, dict, int, torch.dtype]:
+    """The 8B-shaped Llama (the tiny one under --smoke) saved in tmp, and its floor: weight bytes
+    read a token over the copy bandwidth measured now (printed). Returns (path, floor seconds,
+    shape, decode tokens to time, weight dtype)."""
+    shape, tokens = (TINY, 16) if smoke else (LLAMA_8B, 256)
+    wdtype = torch.float32 if smoke else torch.bfloat16
+    path, read = build_llama(os.path.join(tmp, "m"), shape, wdtype, device)
+    bw = copy_bandwidth(device, (64 << 20) if smoke else (4 << 30))
+    lm_head = shape["vocab_size"] * shape["hidden_size"] * wdtype.itemsize
+    print(f"weights read per token {read / 1e9:.2f} GB (lm_head {lm_head / 1e9:.2f}), copy bandwidth "
+          f"{bw / 1e9:.0f} GB/s, floor {read / bw * 1e3:.3f} ms/token", flush=True)  # fmt: skip
+    return path, read / bw, shape, tokens, wdtype
+
+
 def decode_roofline(path: str, read_bytes: int, device: str, decode_tokens: int, bw_bytes: int) -> dict:
     """Seconds per token of batch-1 greedy decode (a prompt of 128 tokens), after the prefill,
     against the time to stream the weights once at the measured copy bandwidth."""
     bw = copy_bandwidth(device, bw_bytes)
     dtype = "bfloat16" if device == "cuda" else "float32"
     llm = _llm(path, device, dtype=dtype, max_model_len=1024, max_num_seqs=8, kv_cache_memory="8GiB")
-    prompt = [random.Random(0).randrange(3, 500) for _ in range(128)]  # within every test vocabulary
-    llm.generate([prompt], _greedy(8), use_tqdm=False)  # warm-up
-    timings = {}
-    for n in (1, decode_tokens + 1):
-        t = time.perf_counter()
-        llm.generate([prompt], _greedy(n), use_tqdm=False)
-        timings[n] = time.perf_counter() - t
-    per_token = (timings[decode_tokens + 1] - timings[1]) / decode_tokens
+    per_token = decode_seconds_per_token(llm, decode_tokens)
     achieved = read_bytes / per_token
     graphs = llm.llm_engine.core.model_runner.graphs is not None
     _free(device, llm)
