@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 
 import torch
 
@@ -45,19 +44,12 @@ def _kernel_split(llm, prompt: list[int], tokens: int) -> dict[str, float]:
 
 
 def main() -> int:
-    setup = gpu_check.bench_device(__doc__.split("\n")[0])
-    if setup is None:
-        return 2
-    device, smoke = setup
-    with tempfile.TemporaryDirectory() as tmp:
-        path, floor, shape, tokens, wdtype = gpu_check.decode_bench_model(tmp, device, smoke)
-        kv = "8GiB" if device == "cuda" else "64MiB"
-        llm = gpu_check._llm(path, device, dtype=str(wdtype).removeprefix("torch."), max_model_len=1024,
-                             max_num_seqs=8, kv_cache_memory=kv)  # fmt: skip
+    with gpu_check.decode_bench(__doc__.split("\n")[0]) as bench:
+        device, floor = bench.device, bench.floor
+        llm = bench.engine()
         runner = llm.llm_engine.core.model_runner
-        prompt = gpu_check.DECODE_PROMPT
-        per_token = gpu_check.decode_seconds_per_token(llm, tokens)
-        hidden = torch.randn(1, shape["hidden_size"], dtype=runner.dtype, device=device)
+        per_token = gpu_check.decode_seconds_per_token(llm, bench.tokens)
+        hidden = torch.randn(1, bench.shape["hidden_size"], dtype=runner.dtype, device=device)
         lm_head = gpu_check.seconds_per_call(lambda: runner.model.compute_logits(hidden), 50, device)
         replay = None
         if runner.graphs is not None:
@@ -76,7 +68,7 @@ def main() -> int:
         line("floor (weights at copy bandwidth)", floor)
         print(f"roofline fraction {floor / per_token:.3f} (target 0.8)", flush=True)
         if device == "cuda":
-            split = _kernel_split(llm, prompt, 32)
+            split = _kernel_split(llm, gpu_check.DECODE_PROMPT, 32)
             for kind, seconds in split.items():
                 line(f"kernels: {kind}", seconds)
             # every weight byte goes through a matrix product: their time against the floor's

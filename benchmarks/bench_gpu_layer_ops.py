@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 
 import torch
 
@@ -24,37 +23,31 @@ import gpu_check  # noqa: E402
 import kvserve.model.layers.triton_layer_ops as triton_layer_ops  # noqa: E402
 
 
-def measure(path: str, device: str, triton_ops: bool, tokens: int) -> dict:
+def measure(bench: gpu_check.DecodeBench, triton_ops: bool) -> dict:
     real = triton_layer_ops.TritonLayerOps
     if not triton_ops:  # the model runner then hands the layers None: the torch path
         triton_layer_ops.TritonLayerOps = lambda: None
     try:
-        llm = gpu_check._llm(path, device, dtype="bfloat16" if device == "cuda" else "float32",
-                             max_model_len=1024, max_num_seqs=8,
-                             kv_cache_memory="8GiB" if device == "cuda" else "64MiB")  # fmt: skip
+        llm = bench.engine()
     finally:
         triton_layer_ops.TritonLayerOps = real
     runner = llm.llm_engine.core.model_runner
-    if device == "cpu":  # no model-runner hook without CUDA: hand the layers the ops here
+    if bench.device == "cpu":  # no model-runner hook without CUDA: hand the layers the ops here
         runner.model.use_layer_ops(real() if triton_ops else None)
-    out = {"per_token": gpu_check.decode_seconds_per_token(llm, tokens), "replay": None}
+    out = {"per_token": gpu_check.decode_seconds_per_token(llm, bench.tokens), "replay": None}
     if runner.graphs is not None:
-        out["replay"] = gpu_check.seconds_per_call(runner.graphs.graphs[1][0].replay, 100, device)
-    gpu_check._free(device, llm)
+        out["replay"] = gpu_check.seconds_per_call(runner.graphs.graphs[1][0].replay, 100, bench.device)
+    gpu_check._free(bench.device, llm)
     return out
 
 
 def main() -> int:
-    setup = gpu_check.bench_device(__doc__.split("\n")[0])
-    if setup is None:
-        return 2
-    device, smoke = setup
-    with tempfile.TemporaryDirectory() as tmp:
-        path, floor, shape, tokens, wdtype = gpu_check.decode_bench_model(tmp, device, smoke)
-        results: dict[str, list[dict]] = {"torch ops": [], "triton ops": []}
+    results: dict[str, list[dict]] = {"torch ops": [], "triton ops": []}
+    with gpu_check.decode_bench(__doc__.split("\n")[0]) as bench:
+        floor = bench.floor
         for _ in range(2):
             for label in results:
-                r = measure(path, device, label == "triton ops", tokens)
+                r = measure(bench, label == "triton ops")
                 results[label].append(r)
                 replay = ""
                 if r["replay"] is not None:

@@ -22,6 +22,7 @@ the earlier figures):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -30,6 +31,8 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -192,32 +195,48 @@ def seconds_per_call(fn, repeats: int, device: str) -> float:
     return (time.perf_counter() - t) / repeats
 
 
-def bench_device(description: str) -> tuple[str, bool] | None:
-    """The device a GPU benchmark runs on ('cuda', or 'cpu' under --smoke) and whether it is a
-    smoke run; None, after saying why, when CUDA is asked for and absent."""
+@dataclass
+class DecodeBench:
+    """A batch-1 decode benchmark's setting: the device, the 8B-shaped Llama (the tiny one under
+    --smoke) saved for it, its floor (weight bytes read a token over the copy bandwidth measured
+    at the start), and how many decode tokens to time."""
+
+    device: str
+    path: str
+    floor: float
+    shape: dict
+    tokens: int
+    wdtype: torch.dtype
+
+    def engine(self):
+        """kvserve over the model, in its weights' dtype, graphs as the device allows."""
+        kv = "8GiB" if self.device == "cuda" else "64MiB"
+        return _llm(self.path, self.device, dtype=str(self.wdtype).removeprefix("torch."),
+                    max_model_len=1024, max_num_seqs=8, kv_cache_memory=kv)  # fmt: skip
+
+
+@contextlib.contextmanager
+def decode_bench(description: str) -> Iterator[DecodeBench]:
+    """The setting of a GPU decode benchmark's run (`--smoke`: the CPU, tiny shapes), its model in
+    a temporary directory for the run's length; exits with status 2 where CUDA is missing."""
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks the script only")
     smoke = ap.parse_args().smoke
     if not smoke and not torch.cuda.is_available():
         print("no CUDA device: run with --smoke to check the script on the CPU", file=sys.stderr)
-        return None
+        raise SystemExit(2)
+    device = "cpu" if smoke else "cuda"
     name = "cpu (smoke)" if smoke else torch.cuda.get_device_name()
     print(f"device: {name}, torch {torch.__version__}", flush=True)
-    return ("cpu" if smoke else "cuda"), smoke
-
-
-def decode_bench_model(tmp: str, device: str, smoke: bool) -> tuple[str, float, dict, int, torch.dtype]:
-    """The 8B-shaped Llama (the tiny one under --smoke) saved in tmp, and its floor: weight bytes
-    read a token over the copy bandwidth measured now (printed). Returns (path, floor seconds,
-    shape, decode tokens to time, weight dtype)."""
     shape, tokens = (TINY, 16) if smoke else (LLAMA_8B, 256)
     wdtype = torch.float32 if smoke else torch.bfloat16
-    path, read = build_llama(os.path.join(tmp, "m"), shape, wdtype, device)
-    bw = copy_bandwidth(device, (64 << 20) if smoke else (4 << 30))
-    lm_head = shape["vocab_size"] * shape["hidden_size"] * wdtype.itemsize
-    print(f"weights read per token {read / 1e9:.2f} GB (lm_head {lm_head / 1e9:.2f}), copy bandwidth "
-          f"{bw / 1e9:.0f} GB/s, floor {read / bw * 1e3:.3f} ms/token", flush=True)  # fmt: skip
-    return path, read / bw, shape, tokens, wdtype
+    with tempfile.TemporaryDirectory() as tmp:
+        path, read = build_llama(os.path.join(tmp, "m"), shape, wdtype, device)
+        bw = copy_bandwidth(device, (64 << 20) if smoke else (4 << 30))
+        lm_head = shape["vocab_size"] * shape["hidden_size"] * wdtype.itemsize
+        print(f"weights read per token {read / 1e9:.2f} GB (lm_head {lm_head / 1e9:.2f}), copy bandwidth "
+              f"{bw / 1e9:.0f} GB/s, floor {read / bw * 1e3:.3f} ms/token", flush=True)  # fmt: skip
+        yield DecodeBench(device, path, read / bw, shape, tokens, wdtype)
 
 
 def decode_roofline(path: str, read_bytes: int, device: str, decode_tokens: int, bw_bytes: int) -> dict:
