@@ -9,9 +9,12 @@ configuration, in one run:
 2. served: the same prompt streamed from `kvserve serve` by a client in this process; the
    inter-token latency, and the CPU per token of the engine core's threads (from /proc), of
    the API process and of this client.
-Rounds alternate offline and served. Prints the CPU flags and the load average.
+Rounds alternate offline and served. With `--baseline-tree DIR` (another kvserve tree, e.g.
+`git archive <commit> | tar -x -C DIR`) each round also serves from that tree, in alternating
+order, and the last lines give both servers' medians. Prints the CPU flags and the load average.
 
     python benchmarks/bench_served_token_cpu.py [--config int4-kv8-cap64] [--tokens 600] [--rounds 2]
+                                                [--baseline-tree DIR]
 """
 
 from __future__ import annotations
@@ -68,8 +71,10 @@ def offline(flags: list[str], tokens: int) -> dict:
     return {"ms": ms, "threads": per_token_ms(c0, c1, tokens)[:2]}
 
 
-def served(flags: list[str], tokens: int) -> dict:
-    server = ServerProcess(MODEL, "--kv-cache-memory", "256MiB", *flags, api_key="bench-key", timeout=300)
+def served(flags: list[str], tokens: int, tree: str = ROOT) -> dict:
+    server = ServerProcess(
+        MODEL, "--kv-cache-memory", "256MiB", *flags, api_key="bench-key", timeout=300, cwd=tree
+    )
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": tokens + 1, "ignore_eos": True,
             "temperature": 0, "stream": True}  # fmt: skip
     try:
@@ -107,27 +112,51 @@ def main() -> int:
     ap.add_argument("--config", default="int4-kv8-cap64", help="as bench_cpu_serve.py's --configs names one")
     ap.add_argument("--tokens", type=int, default=600)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--baseline-tree", help="another kvserve source tree to serve from, alternating")
     args = ap.parse_args()
     try:
         flags = config_flags(args.config)
     except ValueError as e:
         ap.error(f"--config: {e}")
+    trees = {"this tree": ROOT}
+    if args.baseline_tree:
+        if not os.path.isfile(os.path.join(args.baseline_tree, "kvserve", "__init__.py")):
+            ap.error(f"--baseline-tree: no kvserve package in {args.baseline_tree}")
+        trees["baseline"] = os.path.abspath(args.baseline_tree)
 
     now = datetime.datetime.now(datetime.timezone.utc)
     print(f"{machine()}; CPU flags: {cpu_flags()}; {now:%Y-%m-%d %H:%M} UTC")
-    print(f"{args.config}, {args.tokens} tokens, c=1 streaming")
-    print("| round | offline ms/token (its 2 threads' CPU ms/token) | served ITL p50 / mean ms (vs offline) "
-          "| engine's 2 busiest threads, CPU ms/token | API process | client | load |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|")
+    print(f"{args.config}, {args.tokens} tokens, c=1 streaming; servers: "
+          + ", ".join(f"{k} {v}" for k, v in trees.items()))  # fmt: skip
+    print("| round | offline ms/token (its 2 threads' CPU ms/token) | server "
+          "| served ITL p50 / mean ms (vs offline) | engine's 2 busiest threads, CPU ms/token "
+          "| API process | client | load |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    seen: dict[str, list[dict]] = {k: [] for k in trees}
+    offs = []
+    cpu = lambda ts: " + ".join(f"{t:.2f}" for t in ts)  # noqa: E731
     for rnd in range(args.rounds):
         off = offline(flags, args.tokens)
+        offs.append(off["ms"])
         gc.collect()  # the offline engine is gone before the server starts
-        srv = served(flags, args.tokens)
-        cpu = lambda ts: " + ".join(f"{t:.2f}" for t in ts)  # noqa: E731
-        print(f"| {rnd + 1} | {off['ms']:.2f} ({cpu(off['threads'])}) | {srv['itl_p50_ms']:.2f} / "
-              f"{srv['itl_mean_ms']:.2f} ({srv['itl_p50_ms'] / off['ms']:.2f}x) | {cpu(srv['engine'])} | "
-              f"{srv['api_ms']:.2f} | {srv['client_ms']:.2f} | {os.getloadavg()[0]:.2f} |",
-              flush=True)  # fmt: skip
+        order = list(trees) if rnd % 2 == 0 else list(reversed(trees))
+        for name in order:
+            srv = served(flags, args.tokens, trees[name])
+            seen[name].append(srv)
+            ratio = srv["itl_p50_ms"] / off["ms"]
+            print(f"| {rnd + 1} | {off['ms']:.2f} ({cpu(off['threads'])}) | {name} "
+                  f"| {srv['itl_p50_ms']:.2f} / {srv['itl_mean_ms']:.2f} ({ratio:.2f}x) "
+                  f"| {cpu(srv['engine'])} | {srv['api_ms']:.2f} | {srv['client_ms']:.2f} "
+                  f"| {os.getloadavg()[0]:.2f} |",
+                  flush=True)  # fmt: skip
+    off_med = statistics.median(offs)
+    print(f"medians: offline {off_med:.2f} ms/token")
+    for name, rs in seen.items():
+        p50 = statistics.median(r["itl_p50_ms"] for r in rs)
+        api = statistics.median(r["api_ms"] for r in rs)
+        client = statistics.median(r["client_ms"] for r in rs)
+        print(f"  {name}: served ITL p50 {p50:.2f} ms ({p50 / off_med:.2f}x offline), API process "
+              f"{api:.2f} ms CPU/token, client {client:.2f}")  # fmt: skip
     return 0
 
 

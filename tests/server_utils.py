@@ -27,7 +27,9 @@ class ServerProcess:
         timeout: float = 180,
         log_path: str | None = None,
         env: dict[str, str] | None = None,
+        cwd: str | None = None,
     ) -> None:
+        """`cwd` also picks the kvserve tree that runs (`python -m` imports from there first)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
@@ -45,7 +47,7 @@ class ServerProcess:
             cmd += ["--api-key", api_key]
         self.log = open(log_path or os.devnull, "w")
         self.proc = subprocess.Popen(
-            cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, cwd=cwd
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

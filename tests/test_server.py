@@ -278,16 +278,23 @@ LONG = {"model": "tiny", "prompt": "Go", "max_tokens": 240, "ignore_eos": True}
 
 
 def test_request_timeout(tiny_llama_dir):
-    # One seat: requests queue behind each other, and waiting counts toward the timeout.
-    s = ServerProcess(tiny_llama_dir, *MODEL_ARGS, "--request-timeout", "0.3", "--max-num-seqs", "1")
+    # Two seats: requests queue behind each other, and waiting counts toward the timeout.
+    s = ServerProcess(tiny_llama_dir, *MODEL_ARGS, "--request-timeout", "0.3", "--max-num-seqs", "2")
     try:
         _, _, results = _post_many(s, LONG, 12)
         codes = sorted(r.status_code for r in results)
         assert set(codes) <= {200, 504} and 504 in codes, codes
         timed_out = next(r for r in results if r.status_code == 504)
         assert timed_out.json()["error"]["type"] == "timeout"
+        # Streamed, one choice or two: the timeout ends the stream with an error event naming it.
+        for extra in ({}, {"n": 2}):
+            _, _, streamed = _post_many(s, {**LONG, **extra, "stream": True}, 6)
+            events = [e for r in streamed for e in r.text.split("\n\n") if e.startswith("data: {")]
+            errors = [json.loads(e[len("data: ") :])["error"] for e in events if '"error"' in e]
+            assert errors and {e["type"] for e in errors} == {"timeout"}, extra
+            assert all(r.text.rstrip().endswith("data: [DONE]") for r in streamed)
         time.sleep(0.5)
-        m = s.metrics()
+        m = s.metrics()  # the timed-out requests were aborted in the engine
         assert m["kvserve:num_requests_running"] == 0 and m["kvserve:kv_cache_usage_perc"] == 0
     finally:
         s.stop()

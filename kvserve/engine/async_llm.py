@@ -1,9 +1,9 @@
 """The API server's engine client: tokenizes and detokenizes here, runs the core elsewhere.
 
-`add_request()` returns an async stream of RequestOutputs for one request. One background task
-reads the core's per-step outputs, turns them into text (stop strings included) and hands
-them to each request's queue; another watches the core process, so if it dies every
-in-flight request fails at once and `is_alive` turns false.
+`add_request()` returns an async stream of RequestOutputs for one request. A reader on the
+event loop takes the core's per-step outputs, turns them into text (stop strings included) and
+hands them to each request's queue; a background task watches the core process, so if it dies
+every in-flight request fails at once and `is_alive` turns false.
 """
 
 from __future__ import annotations
@@ -87,6 +87,12 @@ class RequestStream:
             self.engine._drop(self.request_id)  # delivered even if nobody reads the stream
         self.queue.put_nowait(item)
 
+    def interrupt(self, error: Exception) -> None:
+        """Make the reader raise `error` (a timeout); the request stays live until the stream
+        is closed, which aborts it in the core."""
+        if not self.finished:
+            self.queue.put_nowait(error)
+
     def __aiter__(self) -> RequestStream:
         return self
 
@@ -156,7 +162,7 @@ class AsyncLLM:
         self._closed = False
         self._up_since = time.monotonic()
         self._streams: dict[str, RequestStream] = {}
-        self._output_task: asyncio.Task | None = None
+        self._out_fd: int | None = None  # the outputs socket's fd while a reader is on it
         self._watch_task: asyncio.Task | None = None
         self.on_step = None  # callback(EngineCoreOutputs, list[RequestOutput]) for metrics
         self.on_core_lost = None  # callback() when the core dies: clear what it reported
@@ -236,30 +242,56 @@ class AsyncLLM:
         return not self.dead and self.proc.is_alive()
 
     def start(self) -> None:
-        """Start the background tasks; call from inside the server's event loop."""
-        self._output_task = asyncio.create_task(self._output_loop())
+        """Start reading the core's outputs and watching it; call from inside the server's
+        event loop."""
+        self._listen()
         self._watch_task = asyncio.create_task(self._supervise())
 
-    async def _output_loop(self) -> None:
-        while True:
-            msg = self._decoder.decode(await self._out.recv())
-            if not isinstance(msg, EngineCoreOutputs):
+    def _listen(self) -> None:
+        """Read the core's outputs in a callback on its socket's fd: one wake-up of the loop per
+        step, no Future or task switch between the socket and the requests' queues (at one
+        stream, the API process's CPU per token is taken from the engine's cores)."""
+        self._loop = asyncio.get_running_loop()
+        self._out_fd = self._out_sync.getsockopt(zmq.FD)
+        self._loop.add_reader(self._out_fd, self._drain_outputs)
+        self._drain_outputs()  # the fd signals changes only: read what came before
+
+    def _unlisten(self) -> None:
+        if self._out_fd is None:
+            return
+        if not self._loop.is_closed():
+            self._loop.remove_reader(self._out_fd)
+        self._out_fd = None
+
+    def _drain_outputs(self) -> None:
+        sock = self._out_sync
+        # Until the socket says nothing is left (an empty recv's zmq.Again costs more than a
+        # step's output handling).
+        while self._out_fd is not None and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            raw = sock.recv(zmq.NOBLOCK)
+            try:
+                self._on_output(self._decoder.decode(raw))
+            except Exception:  # a bug here must not leave the rest unread (the fd would not wake us)
+                logger.exception("failed to handle an engine core output")
+
+    def _on_output(self, msg: OutputMessage) -> None:
+        if not isinstance(msg, EngineCoreOutputs):
+            return
+        s = self.stats
+        s.num_running, s.num_waiting = msg.num_running, msg.num_waiting
+        s.kv_cache_usage, s.num_preemptions_total = msg.kv_cache_usage, msg.num_preemptions_total
+        s.prefix_cache_queries, s.prefix_cache_hits = msg.prefix_cache_queries, msg.prefix_cache_hits
+        outs, to_abort = self.output_processor.process(msg.outputs)
+        if to_abort:
+            self._in_sync.send(self._encoder.encode(AbortRequests(to_abort)), zmq.NOBLOCK)
+        for out in outs:
+            st = self._streams.get(out.request_id)
+            if st is None:
                 continue
-            s = self.stats
-            s.num_running, s.num_waiting = msg.num_running, msg.num_waiting
-            s.kv_cache_usage, s.num_preemptions_total = msg.kv_cache_usage, msg.num_preemptions_total
-            s.prefix_cache_queries, s.prefix_cache_hits = msg.prefix_cache_queries, msg.prefix_cache_hits
-            outs, to_abort = self.output_processor.process(msg.outputs)
-            if to_abort:
-                await self._send(AbortRequests(to_abort))
-            for out in outs:
-                st = self._streams.get(out.request_id)
-                if st is None:
-                    continue
-                c = out.outputs[0]
-                st.put(RequestFailedError(str(c.stop_reason)) if c.finish_reason == "error" else out)
-            if self.on_step is not None:
-                self.on_step(msg, outs)
+            c = out.outputs[0]
+            st.put(RequestFailedError(str(c.stop_reason)) if c.finish_reason == "error" else out)
+        if self.on_step is not None:
+            self.on_step(msg, outs)
 
     async def _supervise(self) -> None:
         """Watch the core; when it dies, fail what was in flight and start a new one."""
@@ -280,6 +312,7 @@ class AsyncLLM:
             logger.warning("restarting the engine core in %.1fs (restart %d)", delay, self.num_restarts)
             await asyncio.sleep(delay)
             try:
+                self._unlisten()
                 self._close_sockets()
                 self._open_sockets()
                 self._spawn_core()
@@ -289,15 +322,14 @@ class AsyncLLM:
                 if self.proc.is_alive():
                     self.proc.kill()
                 continue
-            self._output_task = asyncio.create_task(self._output_loop())
+            self._listen()
             self._up_since = time.monotonic()
             self.dead = self.restarting = False
             logger.info("engine core restarted (pid %d)", self.proc.pid)
 
     def _core_lost(self) -> None:
         self.dead = True
-        if self._output_task is not None:
-            self._output_task.cancel()
+        self._unlisten()
         logger.error(
             "engine core process died (exit code %s); failing %d in-flight request(s)",
             self.proc.exitcode, len(self._streams),
@@ -405,9 +437,9 @@ class AsyncLLM:
         if self._closed:
             return
         self._closed = True
-        for t in (self._output_task, self._watch_task):
-            if t is not None:
-                t.cancel()
+        self._unlisten()
+        if self._watch_task is not None:
+            self._watch_task.cancel()
         if self.proc.is_alive():
             self.proc.terminate()
             self.proc.join(5)

@@ -118,6 +118,7 @@ class ServerMetrics:
         self._seen: dict[tuple, int] = {}  # running totals from each core already counted
         self._last_token_time: dict[str, float] = {}
         self._engine_of: dict[str, int] = {}  # request -> replica, for requests with a token
+        self._children: dict[tuple, list] = {}  # (metric, engine, extra labels) -> its series
         self._gauges: dict[int, tuple[int, int, float]] = {}  # engine -> running, waiting, kv usage
 
     def _labels(self, engine: int) -> list[tuple[str, ...]]:
@@ -126,13 +127,22 @@ class ServerMetrics:
             return [(self.model,)]
         return [(self.model, str(engine)), (self.model, "total")]
 
+    def _series(self, metric, engine: int, *extra: str) -> list:
+        """The labelled children one engine's number goes to, looked up once (prometheus_client
+        validates and locks on every `labels()`; this runs per engine step)."""
+        key = (metric, engine, extra)
+        children = self._children.get(key)
+        if children is None:
+            children = self._children[key] = [metric.labels(*lb, *extra) for lb in self._labels(engine)]
+        return children
+
     def _inc(self, metric, amount: float, engine: int, *extra: str) -> None:
-        for labels in self._labels(engine):
-            metric.labels(*labels, *extra).inc(amount)
+        for child in self._series(metric, engine, *extra):
+            child.inc(amount)
 
     def _observe(self, metric, value: float, engine: int) -> None:
-        for labels in self._labels(engine):
-            metric.labels(*labels).observe(value)
+        for child in self._series(metric, engine):
+            child.observe(value)
 
     def _count_total(self, counter: Counter, total: int, engine: int, *labels: str) -> None:
         """Advance a counter to a running total reported by an engine core."""
@@ -143,6 +153,8 @@ class ServerMetrics:
             self._seen[key] = total
 
     def _set_gauges(self, engine: int, running: int, waiting: int, kv: float) -> None:
+        if self._gauges.get(engine) == (running, waiting, kv):
+            return  # most steps change none of them
         self._gauges[engine] = (running, waiting, kv)
         own = self._labels(engine)[0]
         self.running.labels(*own).set(running)

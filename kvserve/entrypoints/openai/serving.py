@@ -233,29 +233,39 @@ class OpenAIServing:
         self, streams: list[RequestStream], deadline: float | None
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(choice index, output) from every engine request of this API request, as they come.
-        Closing it (client gone, timeout, error) aborts whatever has not finished."""
-        queue: asyncio.Queue = asyncio.Queue()
+        Closing it (client gone, timeout, error) aborts whatever has not finished. The deadline
+        is one timer that interrupts the streams, not a wait per output: a streamed token's
+        CPU in this process is taken from the engine's cores."""
+        timer = None
+        if deadline is not None:
+            error = TimeoutError(f"request exceeded the server's request timeout ({self.request_timeout}s)")
 
-        async def pump(index: int, stream: RequestStream) -> None:
-            try:
-                async for out in stream:
-                    await queue.put((index, out))
-            except BaseException as e:  # noqa: BLE001 - handed to the consumer
-                await queue.put((index, e))
-                return
-            await queue.put((index, None))
+            def expire() -> None:
+                for st in streams:
+                    st.interrupt(error)
 
-        tasks = [asyncio.create_task(pump(i, st)) for i, st in enumerate(streams)]
+            timer = asyncio.get_running_loop().call_later(max(0.0, deadline - time.monotonic()), expire)
+        tasks: list[asyncio.Task] = []
         try:
+            if len(streams) == 1:  # n = 1: read the stream itself
+                async for out in streams[0]:
+                    yield 0, out
+                return
+            queue: asyncio.Queue = asyncio.Queue()
+
+            async def pump(index: int, stream: RequestStream) -> None:
+                try:
+                    async for out in stream:
+                        queue.put_nowait((index, out))
+                except BaseException as e:  # noqa: BLE001 - handed to the consumer
+                    queue.put_nowait((index, e))
+                    return
+                queue.put_nowait((index, None))
+
+            tasks = [asyncio.create_task(pump(i, st)) for i, st in enumerate(streams)]
             remaining = len(tasks)
             while remaining:
-                timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-                try:
-                    index, item = await asyncio.wait_for(queue.get(), timeout)
-                except asyncio.TimeoutError:
-                    raise TimeoutError(
-                        f"request exceeded the server's request timeout ({self.request_timeout}s)"
-                    ) from None
+                index, item = await queue.get()
                 if item is None:
                     remaining -= 1
                 elif isinstance(item, BaseException):
@@ -263,6 +273,8 @@ class OpenAIServing:
                 else:
                     yield index, item
         finally:
+            if timer is not None:
+                timer.cancel()
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
