@@ -40,8 +40,7 @@ def _tiny_tokenizer():
     return hf
 
 
-def _save_tiny(path: str, kind: str, num_kv_heads: int = 2, **shape) -> str:
-    """A tiny random model saved at `path`; `shape` overrides config fields (layers, sizes)."""
+def _save_tiny(path: str, kind: str, num_kv_heads: int = 2) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
@@ -57,7 +56,6 @@ def _save_tiny(path: str, kind: str, num_kv_heads: int = 2, **shape) -> str:
         bos_token_id=1,
         eos_token_id=2,
     )
-    common.update(shape)
     if kind == "llama":
         cfg = LlamaConfig(
             **common,

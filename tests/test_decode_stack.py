@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import _save_tiny
 
 from kvserve import LLM, SamplingParams
 from kvserve.model.layers.cpu_kernels import load_cpu_kernels
@@ -87,37 +86,6 @@ def test_overlapped_stack_equals_the_python_layers(tiny_llama_dir, quantization,
         stacked, plain, _ = _both_paths(llm, PROMPTS[1:3])
         _assert_identical(stacked, plain)
         assert stack.overlapped_steps() == 22
-    finally:
-        torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def deep_llama_dir(tmp_path_factory) -> str:
-    """12 wider layers: a stalled worker's late write can land while thread 0 is still several
-    layers from the step's end (two tiny layers end the step before it resumes)."""
-    path = str(tmp_path_factory.mktemp("deep-llama"))
-    return _save_tiny(path, "llama", hidden_size=256, intermediate_size=512, num_hidden_layers=12)
-
-
-@pytest.mark.parametrize("stalled", [0, 1])
-def test_a_thread_that_loses_its_core_holds_up_nothing(deep_llama_dir, stalled):
-    """No barrier between the overlapped stack's stages: when a thread stalls (here it sleeps
-    before its first chunk of every third stage, as if the API process took its core), the
-    other computes its chunks and goes on, serial parts included; the stalled one, resuming, may
-    finish a chunk with later activations into a buffer nobody reads any more. The same bits
-    either way, whichever thread stalls."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        llm = LLM(deep_llama_dir, kv_cache_memory="16MiB", quantization="int4", kv_cache_dtype="int8")
-        llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)  # builds it
-        stack = llm.llm_engine.model_runner.model._stack[1]
-        for us in (5, 20, 80, 300):  # from a stage or two to past the step's end
-            stack.stall_thread(stalled, 3, us)
-            helped = stack.helped_chunks()
-            stacked, plain, _ = _both_paths(llm, PROMPTS[:1])
-            _assert_identical(stacked, plain)
-            assert stack.helped_chunks() > helped + 11  # at least a chunk taken over per stalled step
     finally:
         torch.set_num_threads(before)
 

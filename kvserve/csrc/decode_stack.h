@@ -4,9 +4,7 @@
 #pragma once
 #include "cpu_kernels.h"
 
-#include <atomic>
 #include <cstdint>
-#include <memory>
 #include <vector>
 
 // The signatures of quant_matmul_cpu.cpp's entry points, reached by address (its module is built
@@ -76,32 +74,13 @@ class OverlappedStack {
                      const at::Tensor& slot_blocks, const at::Tensor& slot_offsets, const at::Tensor& block_tables,
                      const at::Tensor& seq_lens, double scale);
   int64_t steps() const { return steps_; }  // forward calls so far
-  // Chunks a thread computed in another's region because they were not done when its own was.
-  int64_t helped_chunks() const { return helped_chunks_.load(); }
-  // For tests: OpenMP thread `thread` sleeps `us` before its first chunk of every `every`-th
-  // stage, as if it lost its core there (every 0: never).
-  void stall_thread(int64_t thread, int64_t every, int64_t us) {
-    stall_thread_ = thread, stall_every_ = every, stall_us_ = us;
-  }
 
  private:
-  int64_t steps_ = 0, stall_thread_ = -1, stall_every_ = 0, stall_us_ = 0;
-  std::atomic<int64_t> helped_chunks_{0};
+  int64_t steps_ = 0;
   QuantizeFn quantize_ = nullptr;
   // Whether p has a panel-range form from the module of `quantize` (and its panels' layout).
   bool has_panels(const Projection& p, QuantizeFn quantize);
   std::vector<int64_t> lead_;  // per stage (4 a layer, then the head's): panels the serial thread computes
-  // Per stage and chunk of a worker's share (at its first panel): done in the call whose
-  // generation it holds.
-  std::unique_ptr<std::atomic<uint32_t>[]> flags_;
-  int64_t flags_size_ = 0;
-  std::unique_ptr<std::atomic<uint32_t>[]> claims_;  // per stage: its serial part claimed (generation)
-  int64_t claims_size_ = 0;
-  uint32_t generation_ = 0;
-  // The layers' stage outputs (one buffer, a view per stage) for steps of stage_rows_ rows.
-  at::Tensor stage_buf_;
-  std::vector<at::Tensor> stage_out_;
-  int64_t stage_rows_ = -1;
   std::vector<int8_t> q_;      // the activations of the projection about to run, quantized
   std::vector<float> d_, s_;
   std::vector<int32_t> sum_;
