@@ -4,14 +4,14 @@ Issue 16 asks for a c=1 inter-token latency within 10% of the offline per-token 
 machine with as many cores as the engine has threads, the API process and the client run on
 the cores the engine computes on, so their CPU per token is what the server adds. For one
 configuration, in one run:
-1. offline: one ~100-token prompt decoding `--tokens` tokens in this process (the (n+1)-token
-   run minus a 1-token run), with the CPU each of this process's threads used per token;
+1. offline: one ~100-token prompt decoding `--tokens` tokens in a child process (the (n+1)-token
+   run minus a 1-token run), with the CPU each of its threads used per token;
 2. served: the same prompt streamed from `kvserve serve` by a client in this process; the
    inter-token latency, and the CPU per token of the engine core's threads (from /proc), of
    the API process and of this client.
-Rounds alternate offline and served. With `--baseline-tree DIR` (another kvserve tree, e.g.
-`git archive <commit> | tar -x -C DIR`) each round also serves from that tree, in alternating
-order, and the last lines give both servers' medians. Prints the CPU flags and the load average.
+With `--baseline-tree DIR` (another kvserve tree, e.g. `git archive <commit> | tar -x -C DIR`)
+each round measures that tree too, offline and served, the two trees in alternating order; the
+last lines give each tree's medians. Prints the CPU flags and the load average.
 
     python benchmarks/bench_served_token_cpu.py [--config int4-kv8-cap64] [--tokens 600] [--rounds 2]
                                                 [--baseline-tree DIR]
@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
+import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -71,6 +72,14 @@ def offline(flags: list[str], tokens: int) -> dict:
     return {"ms": ms, "threads": per_token_ms(c0, c1, tokens)[:2]}
 
 
+def offline_in(tree: str, config: str, tokens: int) -> dict:
+    """`offline` in a child process that imports kvserve from `tree`."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--offline-json", "--tree", tree, "--config", config,
+           "--tokens", str(tokens)]  # fmt: skip
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def served(flags: list[str], tokens: int, tree: str = ROOT) -> dict:
     server = ServerProcess(
         MODEL, "--kv-cache-memory", "256MiB", *flags, api_key="bench-key", timeout=300, cwd=tree
@@ -113,11 +122,17 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=600)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--baseline-tree", help="another kvserve source tree to serve from, alternating")
+    ap.add_argument("--offline-json", action="store_true", help=argparse.SUPPRESS)  # offline_in's child
+    ap.add_argument("--tree", default=ROOT, help=argparse.SUPPRESS)
     args = ap.parse_args()
     try:
         flags = config_flags(args.config)
     except ValueError as e:
         ap.error(f"--config: {e}")
+    if args.offline_json:
+        sys.path.insert(0, args.tree)
+        print(json.dumps(offline(flags, args.tokens)))
+        return 0
     trees = {"this tree": ROOT}
     if args.baseline_tree:
         if not os.path.isfile(os.path.join(args.baseline_tree, "kvserve", "__init__.py")):
@@ -128,35 +143,33 @@ def main() -> int:
     print(f"{machine()}; CPU flags: {cpu_flags()}; {now:%Y-%m-%d %H:%M} UTC")
     print(f"{args.config}, {args.tokens} tokens, c=1 streaming; servers: "
           + ", ".join(f"{k} {v}" for k, v in trees.items()))  # fmt: skip
-    print("| round | offline ms/token (its 2 threads' CPU ms/token) | server "
+    print("| round | server | offline ms/token (its 2 threads' CPU ms/token) "
           "| served ITL p50 / mean ms (vs offline) | engine's 2 busiest threads, CPU ms/token "
           "| API process | client | load |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")
-    seen: dict[str, list[dict]] = {k: [] for k in trees}
-    offs = []
+    seen: dict[str, list[tuple[dict, dict]]] = {k: [] for k in trees}
     cpu = lambda ts: " + ".join(f"{t:.2f}" for t in ts)  # noqa: E731
     for rnd in range(args.rounds):
-        off = offline(flags, args.tokens)
-        offs.append(off["ms"])
-        gc.collect()  # the offline engine is gone before the server starts
         order = list(trees) if rnd % 2 == 0 else list(reversed(trees))
-        for name in order:
+        for name in order:  # each tree's offline time beside its server's, the trees alternating
+            off = offline_in(trees[name], args.config, args.tokens)
             srv = served(flags, args.tokens, trees[name])
-            seen[name].append(srv)
+            seen[name].append((off, srv))
             ratio = srv["itl_p50_ms"] / off["ms"]
-            print(f"| {rnd + 1} | {off['ms']:.2f} ({cpu(off['threads'])}) | {name} "
+            print(f"| {rnd + 1} | {name} | {off['ms']:.2f} ({cpu(off['threads'])}) "
                   f"| {srv['itl_p50_ms']:.2f} / {srv['itl_mean_ms']:.2f} ({ratio:.2f}x) "
                   f"| {cpu(srv['engine'])} | {srv['api_ms']:.2f} | {srv['client_ms']:.2f} "
                   f"| {os.getloadavg()[0]:.2f} |",
                   flush=True)  # fmt: skip
-    off_med = statistics.median(offs)
-    print(f"medians: offline {off_med:.2f} ms/token")
+    print("medians over the rounds:")
     for name, rs in seen.items():
-        p50 = statistics.median(r["itl_p50_ms"] for r in rs)
-        api = statistics.median(r["api_ms"] for r in rs)
-        client = statistics.median(r["client_ms"] for r in rs)
-        print(f"  {name}: served ITL p50 {p50:.2f} ms ({p50 / off_med:.2f}x offline), API process "
-              f"{api:.2f} ms CPU/token, client {client:.2f}")  # fmt: skip
+        off_ms = statistics.median(off["ms"] for off, _ in rs)
+        p50 = statistics.median(srv["itl_p50_ms"] for _, srv in rs)
+        ratio = statistics.median(srv["itl_p50_ms"] / off["ms"] for off, srv in rs)
+        api = statistics.median(srv["api_ms"] for _, srv in rs)
+        client = statistics.median(srv["client_ms"] for _, srv in rs)
+        print(f"  {name}: offline {off_ms:.2f} ms/token, served ITL p50 {p50:.2f} ms, ratio {ratio:.2f}x; "
+              f"API process {api:.2f} ms CPU/token, client {client:.2f}")  # fmt: skip
     return 0
 
 
