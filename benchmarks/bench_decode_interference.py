@@ -37,6 +37,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 from benchmarks.bench_cpu_serve import MODEL, _engine_kwargs, config_flags  # noqa: E402
 from benchmarks.common import machine  # noqa: E402
 from benchmarks.cpu_info import cpu_flags  # noqa: E402
+from benchmarks.tree_compare import add_tree_options, compared_trees, enter_tree, in_tree_child  # noqa: E402
 
 PROMPT = "Tell me a long story about a cat who learns to sail. " * 8
 # The competitor: sleep a period, spin a burn, forever (killed at the end of a turn).
@@ -81,11 +82,10 @@ def turns(config: str, tokens: int, turns_each: int, period_ms: float, burn_ms: 
 
 def turns_in(tree: str, args) -> dict:
     """`turns` in a child process that imports kvserve from `tree`."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--tree", tree, "--config", args.config,
-           "--tokens", str(args.tokens), "--turns", str(args.turns), "--period-ms", str(args.period_ms),
-           "--burn-ms", str(args.burn_ms)]  # fmt: skip
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    return in_tree_child(
+        __file__, tree, "--config", args.config, "--tokens", str(args.tokens), "--turns", str(args.turns),
+        "--period-ms", str(args.period_ms), "--burn-ms", str(args.burn_ms),
+    )  # fmt: skip
 
 
 def main() -> int:
@@ -96,23 +96,17 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--period-ms", type=float, default=5.0)
     ap.add_argument("--burn-ms", type=float, default=0.6)
-    ap.add_argument("--baseline-tree", help="another kvserve source tree to measure, alternating")
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # turns_in's child
-    ap.add_argument("--tree", default=ROOT, help=argparse.SUPPRESS)
+    add_tree_options(ap)
     args = ap.parse_args()
     try:
         config_flags(args.config)
     except ValueError as e:
         ap.error(f"--config: {e}")
-    if args.child:
-        sys.path.insert(0, args.tree)
+    if args.child:  # turns_in's
+        enter_tree(args)
         print(json.dumps(turns(args.config, args.tokens, args.turns, args.period_ms, args.burn_ms)))
         return 0
-    trees = {"this tree": ROOT}
-    if args.baseline_tree:
-        if not os.path.isfile(os.path.join(args.baseline_tree, "kvserve", "__init__.py")):
-            ap.error(f"--baseline-tree: no kvserve package in {args.baseline_tree}")
-        trees["baseline"] = os.path.abspath(args.baseline_tree)
+    trees = compared_trees(ap, args)
 
     now = datetime.datetime.now(datetime.timezone.utc)
     print(f"{machine()}; CPU flags: {cpu_flags()}; {now:%Y-%m-%d %H:%M} UTC")

@@ -24,7 +24,6 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -39,6 +38,7 @@ from server_utils import ServerProcess  # noqa: E402
 from benchmarks.bench_cpu_serve import MODEL, _engine_kwargs, config_flags  # noqa: E402
 from benchmarks.common import machine  # noqa: E402
 from benchmarks.cpu_info import cpu_flags  # noqa: E402
+from benchmarks.tree_compare import add_tree_options, compared_trees, enter_tree, in_tree_child  # noqa: E402
 
 PROMPT = "Tell me a long story about a cat who learns to sail. " * 8
 
@@ -74,10 +74,7 @@ def offline(flags: list[str], tokens: int) -> dict:
 
 def offline_in(tree: str, config: str, tokens: int) -> dict:
     """`offline` in a child process that imports kvserve from `tree`."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--offline-json", "--tree", tree, "--config", config,
-           "--tokens", str(tokens)]  # fmt: skip
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    return in_tree_child(__file__, tree, "--config", config, "--tokens", str(tokens))
 
 
 def served(flags: list[str], tokens: int, tree: str = ROOT) -> dict:
@@ -121,23 +118,17 @@ def main() -> int:
     ap.add_argument("--config", default="int4-kv8-cap64", help="as bench_cpu_serve.py's --configs names one")
     ap.add_argument("--tokens", type=int, default=600)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--baseline-tree", help="another kvserve source tree to serve from, alternating")
-    ap.add_argument("--offline-json", action="store_true", help=argparse.SUPPRESS)  # offline_in's child
-    ap.add_argument("--tree", default=ROOT, help=argparse.SUPPRESS)
+    add_tree_options(ap)
     args = ap.parse_args()
     try:
         flags = config_flags(args.config)
     except ValueError as e:
         ap.error(f"--config: {e}")
-    if args.offline_json:
-        sys.path.insert(0, args.tree)
+    if args.child:  # offline_in's
+        enter_tree(args)
         print(json.dumps(offline(flags, args.tokens)))
         return 0
-    trees = {"this tree": ROOT}
-    if args.baseline_tree:
-        if not os.path.isfile(os.path.join(args.baseline_tree, "kvserve", "__init__.py")):
-            ap.error(f"--baseline-tree: no kvserve package in {args.baseline_tree}")
-        trees["baseline"] = os.path.abspath(args.baseline_tree)
+    trees = compared_trees(ap, args)
 
     now = datetime.datetime.now(datetime.timezone.utc)
     print(f"{machine()}; CPU flags: {cpu_flags()}; {now:%Y-%m-%d %H:%M} UTC")
