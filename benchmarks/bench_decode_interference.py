@@ -35,11 +35,11 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 from benchmarks.bench_cpu_serve import MODEL, _engine_kwargs, config_flags  # noqa: E402
+from benchmarks.bench_served_token_cpu import generate_s  # noqa: E402
 from benchmarks.common import machine  # noqa: E402
 from benchmarks.cpu_info import cpu_flags  # noqa: E402
 from benchmarks.tree_compare import add_tree_options, compared_trees, enter_tree, in_tree_child  # noqa: E402
 
-PROMPT = "Tell me a long story about a cat who learns to sail. " * 8
 # The competitor: sleep a period, spin a burn, forever (killed at the end of a turn).
 COMPETITOR = """
 import sys, time
@@ -54,17 +54,12 @@ while True:
 
 def turns(config: str, tokens: int, turns_each: int, period_ms: float, burn_ms: float) -> dict:
     """In this process: quiet and contended turns of `tokens` decoded tokens, alternating."""
-    from kvserve import LLM, SamplingParams
+    from kvserve import LLM
 
     llm = LLM(MODEL, kv_cache_memory="256MiB", **_engine_kwargs(config_flags(config)))
 
     def ms_per_token() -> float:
-        def run(n: int) -> float:
-            t0 = time.perf_counter()
-            llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
-            return time.perf_counter() - t0
-
-        return (run(tokens + 1) - run(1)) / tokens * 1e3
+        return (generate_s(llm, tokens + 1) - generate_s(llm, 1)) / tokens * 1e3
 
     ms_per_token()  # warm-up
     quiet, contended = [], []

@@ -53,22 +53,24 @@ def per_token_ms(before: dict[int, float], after: dict[int, float], tokens: int)
     return sorted(((after[k] - before.get(k, 0.0)) / tokens * 1e3 for k in after), reverse=True)
 
 
+def generate_s(llm, n: int) -> float:
+    """Seconds for PROMPT and `n` greedy tokens (ignore_eos): (n + 1) minus 1 is the decode."""
+    from kvserve import SamplingParams
+
+    t0 = time.perf_counter()
+    llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+    return time.perf_counter() - t0
+
+
 def offline(flags: list[str], tokens: int) -> dict:
-    from kvserve import LLM, SamplingParams
+    from kvserve import LLM
 
     llm = LLM(MODEL, kv_cache_memory="256MiB", **_engine_kwargs(flags))
-
-    def run(n: int) -> float:
-        t0 = time.perf_counter()
-        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-        llm.generate(PROMPT, params, use_tqdm=False)
-        return time.perf_counter() - t0
-
-    run(8)  # warm-up
+    generate_s(llm, 8)  # warm-up
     c0 = thread_cpu_s(os.getpid())
-    long = run(tokens + 1)
+    long = generate_s(llm, tokens + 1)
     c1 = thread_cpu_s(os.getpid())
-    ms = (long - run(1)) / tokens * 1e3
+    ms = (long - generate_s(llm, 1)) / tokens * 1e3
     return {"ms": ms, "threads": per_token_ms(c0, c1, tokens)[:2]}
 
 
