@@ -3,10 +3,34 @@ machines). No torch import: server-side benchmarks read it without loading the e
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import sys
+
 WANTED = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8", "amx_tile")
 
 
 def cpu_flags() -> str:
+    """The wanted flags this CPU has; where ONEDNN_MAX_CPU_ISA caps them (an older CPU emulated:
+    kvserve's kernels and oneDNN stop there, fbgemm does not), the cap and what is left."""
     with open("/proc/cpuinfo") as f:
         flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    return " ".join(w for w in WANTED if w in flags) or "none of " + ",".join(WANTED)
+    have = " ".join(w for w in WANTED if w in flags) or "none of " + ",".join(WANTED)
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
+    if not cap:
+        return have
+    capped = _cpu_isa().cap_flags(frozenset(flags), cap)
+    used = " ".join(w for w in WANTED if w in capped) or "none of " + ",".join(WANTED)
+    return f"{have}; capped by ONEDNN_MAX_CPU_ISA={cap} to: {used}"
+
+
+def _cpu_isa():
+    """kvserve/platform/cpu_isa.py loaded by path: importing the kvserve package imports torch."""
+    name = "_kvserve_cpu_isa"
+    if name not in sys.modules:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        path = os.path.join(root, "kvserve", "platform", "cpu_isa.py")
+        spec = importlib.util.spec_from_file_location(name, path)
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
