@@ -3,15 +3,21 @@
 For every configuration (a name and the `kvserve serve` flags it adds), in one run:
 1. offline per-token decode time at one sequence (`LLM`, the (n+1)-token run minus a 1-token
    run, best of `--offline-rounds`), the yardstick for the server's c=1 inter-token latency
-   (issue 16: "c=1 ITL within 10% of the offline per-token time");
+   (issue 16: "c=1 ITL within 10% of the offline per-token time"; that ratio here compares
+   runs minutes apart, bench_served_token_cpu.py's compares runs seconds apart);
 2. the server at c=1: `--c1-requests` streamed completions, one at a time;
 3. the server at c=32: `--requests` (64) streamed completions of ~100-token prompts and 128
    output tokens (ignore_eos), at most 32 in flight (issue 16: output throughput >= 2x the
-   fp32 configuration, ITL p99 <= 3x ITL p50).
+   fp32 configuration, ITL p99 <= 3x ITL p50). Every configuration's server stays up, and the
+   c=32 runs go round the configurations `--rounds` times, the order reversed each round, each
+   round with prompts of its own (none any server has cached): a shared host's speed drifts by
+   tens of percent within minutes, so each round's throughput is taken against the fp32 run
+   next to it, and the table gives the medians.
 The load generator is `kvserve bench serve` in its own process. Prints the CPU flags and the
 load average beside every table.
 
-    python benchmarks/bench_cpu_serve.py [--configs fp32,int4,int8-kv8-cap128] [--json out.json]
+    python benchmarks/bench_cpu_serve.py [--configs fp32,int4,int8-kv8-cap128] [--rounds 3]
+                                         [--json out.json]
 
 A configuration is named by its weights (fp32, int4, int8, bf16), then optionally `-kv8` (int8
 KV cache) and `-capN` (`--long-prefill-token-threshold N`).
@@ -24,6 +30,7 @@ import datetime
 import gc
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -92,14 +99,15 @@ def offline_ms_per_token(flags: list[str], output_len: int, rounds: int) -> floa
 
 
 def bench_serve(url: str, concurrency: int, requests: int, output_len: int, out: str,
-                extra: list[str] | None = None) -> dict:  # fmt: skip
-    """One `kvserve bench serve` run (with `extra` arguments); its saved result."""
+                extra: list[str] | None = None, seed: int = 7) -> dict:  # fmt: skip
+    """One `kvserve bench serve` run (with `extra` arguments) of random prompts from `seed`; its
+    saved result. A server that saw the same seed's prompts serves them from its prefix cache."""
     cmd = [
         sys.executable, "-m", "kvserve.entrypoints.cli", "bench", "serve", "--base-url", url,
         "--model", MODEL, "--api-key", "bench-key", "--dataset", "random", "--input-len", "100",
         "--output-len", str(output_len), "--range-ratio", "0.1", "--num-prompts", str(requests),
         "--max-concurrency", str(concurrency), "--request-rate", "inf", "--ignore-eos",
-        "--warmup", "2", "--disable-tqdm", "--seed", "7", "--save-result", out, *(extra or []),
+        "--warmup", "2", "--disable-tqdm", "--seed", str(seed), "--save-result", out, *(extra or []),
     ]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode:
@@ -109,20 +117,28 @@ def bench_serve(url: str, concurrency: int, requests: int, output_len: int, out:
         return json.load(f)
 
 
+def run_figures(tag: str, res: dict) -> dict:
+    """Throughput, ITL and TTFT of one run's saved result, keys prefixed by `tag`; RuntimeError
+    if any request failed."""
+    m = res.get("metrics", res)
+    if m.get("failed"):
+        raise RuntimeError(f"{tag}: {m['failed']} requests failed: {m.get('errors')}")
+    return {
+        f"{tag}_tok_s": m["output_throughput"],
+        f"{tag}_out_tokens": m.get("total_output_tokens"),
+        f"{tag}_itl_p50_ms": m["itl_ms"]["p50"],
+        f"{tag}_itl_p99_ms": m["itl_ms"]["p99"],
+        f"{tag}_ttft_p50_ms": m["ttft_ms"]["p50"],
+    }
+
+
 def load_figures(name: str, c1: dict, c32: dict) -> dict:
-    """Throughput, ITL and TTFT of the c=1 and c=32 runs' saved results; RuntimeError if any
-    request failed."""
-    r = {}
-    for tag, res in (("c1", c1), ("c32", c32)):
-        m = res.get("metrics", res)
-        if m.get("failed"):
-            raise RuntimeError(f"{name} {tag}: {m['failed']} requests failed: {m.get('errors')}")
-        r[f"{tag}_tok_s"] = m["output_throughput"]
-        r[f"{tag}_out_tokens"] = m.get("total_output_tokens")
-        r[f"{tag}_itl_p50_ms"] = m["itl_ms"]["p50"]
-        r[f"{tag}_itl_p99_ms"] = m["itl_ms"]["p99"]
-        r[f"{tag}_ttft_p50_ms"] = m["ttft_ms"]["p50"]
-    return r
+    """`run_figures` of a c=1 and a c=32 run (keys c1_*, c32_*); RuntimeError naming `name` if
+    any request failed."""
+    try:
+        return {**run_figures("c1", c1), **run_figures("c32", c32)}
+    except RuntimeError as e:
+        raise RuntimeError(f"{name} {e}") from None
 
 
 def save_json(path: str, args, results: dict) -> None:
@@ -132,20 +148,31 @@ def save_json(path: str, args, results: dict) -> None:
         json.dump(record, f, indent=2)
 
 
-def measure(name: str, flags: list[str], args, tmp: str) -> dict:
-    r = {"offline_ms_per_token": offline_ms_per_token(flags, args.output_len, args.offline_rounds)}
-    gc.collect()  # the offline engine is gone before the server starts
-    server = ServerProcess(MODEL, "--kv-cache-memory", "1GiB", *flags, api_key="bench-key", timeout=300)
-    try:
-        out = os.path.join(tmp, name)
-        c1 = bench_serve(server.url, 1, args.c1_requests, args.output_len, out + "-c1.json")
-        c32 = bench_serve(server.url, 32, args.requests, args.output_len, out + "-c32.json")
-    finally:
-        server.stop()
-    r.update(load_figures(name, c1, c32))
-    r["c1_itl_vs_offline"] = r["c1_itl_p50_ms"] / r["offline_ms_per_token"]
-    r["c32_itl_p99_over_p50"] = r["c32_itl_p99_ms"] / r["c32_itl_p50_ms"]
-    return r
+def c32_round(
+    servers: dict[str, ServerProcess], order: list[str], args, tmp: str, rnd: int
+) -> dict[str, dict]:
+    """One c=32 run on each configuration's server, in `order`."""
+    runs = {}
+    for name in order:
+        out = os.path.join(tmp, f"{name}-c32-{rnd}.json")
+        # Each round its own prompts (and not the c=1 run's): a server's prefix cache would serve
+        # the prompts of a round before it without their prefill.
+        res = bench_serve(servers[name].url, 32, args.requests, args.output_len, out, seed=100 + rnd)
+        r = run_figures("c32", res)
+        r["c32_itl_p99_over_p50"] = r["c32_itl_p99_ms"] / r["c32_itl_p50_ms"]
+        runs[name] = r
+    return runs
+
+
+def round_line(runs: dict[str, dict]) -> str:
+    """A c=32 round's throughputs (against its fp32 run) and ITL p99/p50, one configuration after
+    another."""
+    base = runs.get("fp32")
+    parts = []
+    for name, r in runs.items():
+        vs = f" ({r['c32_tok_s'] / base['c32_tok_s']:.2f}x)" if base else ""
+        parts.append(f"{name} {r['c32_tok_s']:.1f} tok/s{vs} p99/p50 {r['c32_itl_p99_over_p50']:.1f}x")
+    return ", ".join(parts)
 
 
 def main() -> int:
@@ -155,6 +182,7 @@ def main() -> int:
     ap.add_argument("--c1-requests", type=int, default=8)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--offline-rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3, help="c=32 runs of each configuration, alternating")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     try:
@@ -163,19 +191,48 @@ def main() -> int:
         ap.error(f"--configs: {e}")
 
     results: dict[str, dict] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, flags in configs.items():
-            results[name] = measure(name, flags, args, tmp)
-            print(name, json.dumps({k: round(v, 3) for k, v in results[name].items()}), flush=True)
+    for name, flags in configs.items():
+        ms = offline_ms_per_token(flags, args.output_len, args.offline_rounds)
+        results[name] = {"offline_ms_per_token": ms}
+        gc.collect()  # the offline engine is gone before the servers start
+    servers: dict[str, ServerProcess] = {}
+    rounds: list[dict[str, dict]] = []
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            for name, flags in configs.items():
+                servers[name] = ServerProcess(
+                    MODEL, "--kv-cache-memory", "1GiB", *flags, api_key="bench-key", timeout=300
+                )
+            for name, r in results.items():
+                out = os.path.join(tmp, f"{name}-c1.json")
+                c1 = bench_serve(servers[name].url, 1, args.c1_requests, args.output_len, out)
+                r.update(run_figures("c1", c1))
+                r["c1_itl_vs_offline"] = r["c1_itl_p50_ms"] / r["offline_ms_per_token"]
+                print(name, json.dumps({k: round(v, 3) for k, v in r.items()}), flush=True)
+            for rnd in range(args.rounds):
+                order = list(configs) if rnd % 2 == 0 else list(reversed(configs))
+                rounds.append(c32_round(servers, order, args, tmp, rnd))
+                load = os.getloadavg()[0]
+                print(f"c=32 round {rnd + 1}: {round_line(rounds[-1])}; load {load:.2f}", flush=True)
+    finally:
+        for server in servers.values():
+            server.stop()
+    for name, r in results.items():  # each c=32 figure: its median over the rounds
+        for key in rounds[0][name]:
+            values = [run[name][key] for run in rounds if run[name][key] is not None]
+            r[key] = statistics.median(values) if values else None
+        if "fp32" in configs:
+            r["c32_vs_fp32"] = sorted(run[name]["c32_tok_s"] / run["fp32"]["c32_tok_s"] for run in rounds)
 
-    base = results.get("fp32")
     print(f"\n{machine()}; CPU flags: {cpu_flags()}; load average {os.getloadavg()[0]:.2f}; "
-          f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")  # fmt: skip
-    print("| config | offline ms/token | c=1 tok/s | c=1 ITL p50 (vs offline) | c=32 tok/s (vs fp32) "
-          "| c=32 ITL p50 / p99 (p99/p50) | c=32 TTFT p50 |")  # fmt: skip
+          f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; c=32 figures: medians "
+          f"of {args.rounds} rounds")  # fmt: skip
+    print("| config | offline ms/token | c=1 tok/s | c=1 ITL p50 (vs offline) | c=32 tok/s (vs fp32: median, "
+          "range) | c=32 ITL p50 / p99 (p99/p50) | c=32 TTFT p50 |")  # fmt: skip
     print("|---|---|---|---|---|---|---|")
     for name, r in results.items():
-        vs = f" ({r['c32_tok_s'] / base['c32_tok_s']:.2f}x)" if base else ""
+        ratios = r.get("c32_vs_fp32")
+        vs = f" ({statistics.median(ratios):.2f}x, {ratios[0]:.2f}-{ratios[-1]:.2f})" if ratios else ""
         print(f"| {name} | {r['offline_ms_per_token']:.1f} | {r['c1_tok_s']:.1f} | "
               f"{r['c1_itl_p50_ms']:.1f} ms ({r['c1_itl_vs_offline']:.2f}x) | {r['c32_tok_s']:.1f}{vs} | "
               f"{r['c32_itl_p50_ms']:.0f} / {r['c32_itl_p99_ms']:.0f} ms "
