@@ -33,7 +33,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -88,7 +88,7 @@ def offline_worker(flags: list[str]) -> None:
 
 
 @contextlib.contextmanager
-def offline_engine(tree: str, config: str):
+def offline_engine(tree: str, config: str) -> Iterator[Callable[[int], dict]]:
     """A function running `offline_worker`'s measurement for n tokens in a child that imports
     kvserve from `tree` and stays up between calls."""
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--tree", tree, "--config", config]
@@ -100,7 +100,10 @@ def offline_engine(tree: str, config: str):
         def measure(tokens: int) -> dict:
             proc.stdin.write(f"{tokens}\n")
             proc.stdin.flush()
-            return json.loads(proc.stdout.readline())
+            line = proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"the offline engine ({tree}) exited (rc {proc.wait()})")
+            return json.loads(line)
 
         yield measure
     finally:
@@ -109,7 +112,7 @@ def offline_engine(tree: str, config: str):
 
 
 @contextlib.contextmanager
-def served_engine(flags: list[str], tree: str) -> Iterator:
+def served_engine(flags: list[str], tree: str) -> Iterator[Callable[[int], dict]]:
     """A function streaming n tokens from a `kvserve serve` of `tree` at c=1 (the server stays
     up between calls): ITL p50 / mean and the CPU per token of each process."""
     server = ServerProcess(

@@ -15,13 +15,15 @@ def cpu_flags() -> str:
     kvserve's kernels and oneDNN stop there, fbgemm does not), the cap and what is left."""
     with open("/proc/cpuinfo") as f:
         flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    have = " ".join(w for w in WANTED if w in flags) or "none of " + ",".join(WANTED)
     cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
     if not cap:
-        return have
+        return _wanted(flags)
     capped = _cpu_isa().cap_flags(frozenset(flags), cap)
-    used = " ".join(w for w in WANTED if w in capped) or "none of " + ",".join(WANTED)
-    return f"{have}; capped by ONEDNN_MAX_CPU_ISA={cap} to: {used}"
+    return f"{_wanted(flags)}; capped by ONEDNN_MAX_CPU_ISA={cap} to: {_wanted(capped)}"
+
+
+def _wanted(flags) -> str:
+    return " ".join(w for w in WANTED if w in flags) or "none of " + ",".join(WANTED)
 
 
 def _cpu_isa():
