@@ -11,8 +11,9 @@ WANTED = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "a
 
 
 def cpu_flags() -> str:
-    """The wanted flags this CPU has; where ONEDNN_MAX_CPU_ISA caps them (an older CPU emulated:
-    kvserve's kernels and oneDNN stop there, fbgemm does not), the cap and what is left."""
+    """The wanted flags this CPU has; where ONEDNN_MAX_CPU_ISA caps them (an older CPU emulated,
+    in part: oneDNN and kvserve's quantized matmuls stop there, kvserve's other C++ is built for
+    this CPU and fbgemm ignores the cap), the cap and what is left."""
     with open("/proc/cpuinfo") as f:
         flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
     cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
