@@ -249,7 +249,9 @@ def test_kill_9_and_sigterm_mid_batch_then_resume(tiny_llama_dir, tmp_path):
     s = ServerProcess(tiny_llama_dir, *args)
     try:
         c = openai.OpenAI(base_url=s.url + "/v1", api_key=s.api_key, max_retries=0)
-        lines = [line(i, max_tokens=16, ignore_eos=True) for i in range(300)]
+        # Long enough that the resumed server cannot finish the rest before the test has seen
+        # 30 more lines complete (with 16 tokens a line, a fast host finished all of it first).
+        lines = [line(i, max_tokens=64, ignore_eos=True) for i in range(300)]
         b = c.batches.create(input_file_id=upload(c, lines).id, endpoint=CHAT, completion_window="24h")
         deadline = time.monotonic() + 300
         while c.batches.retrieve(b.id).request_counts.completed < 30:
