@@ -8,6 +8,8 @@ minute each on 2 cores); later runs use the cache."""
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 from helpers import QUANTIZED_TIE, agreed_logprob_noise, assert_quantized_match
@@ -127,6 +129,53 @@ def test_variants_agree_on_int8_activations():
             for y in simd[1:]:
                 assert torch.equal(y, simd[0])
             torch.testing.assert_close(ys["generic"], ys[VARIANTS[0]], rtol=1e-4, atol=1e-4)
+
+
+def _quantize_rows(variant: str, x: torch.Tensor) -> list[torch.Tensor]:
+    """The variant's activation quantizer (the address DecodeStack calls) over x's rows: the
+    int8 codes, and per group of 32 the scale, scale x code sum and code sum."""
+    fn = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 4)(
+        qk.load_quant_kernels(variant).matmul_addresses()["quantize_rows"]
+    )
+    m, k = x.shape
+    out = [torch.empty(m, k, dtype=torch.int8), torch.empty(m, k // 32), torch.empty(m, k // 32),
+           torch.empty(m, k // 32, dtype=torch.int32)]  # fmt: skip
+    fn(x.data_ptr(), m, k, *(t.data_ptr() for t in out))
+    return out
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32) if t.is_floating_point() else t  # NaN == NaN, bit for bit
+
+
+def test_activation_quantizer_is_its_definition_in_every_variant():
+    """Per group of 32: d = max|x| / 127, codes = x * (127 / max|x|) rounded half to even (0
+    where d is 0), their sum, and d x sum. Every variant gives exactly that, whatever its way
+    there (AVX-512 folds up to 16 groups' maxima and sums at once, then takes the rest one at a
+    time): group counts below, at and past the fold, an all-zero group and one whose scale is a
+    denormal; a group holding an infinity, where no reference is defined, only agrees across
+    the SIMD variants."""
+    torch.manual_seed(5)
+    for k in (32, 160, 576, 704, 1536, 2080):  # 1, 5, 18, 22 (16 + 6), 48 and 65 groups
+        x = torch.randn(6, k) * torch.logspace(-30, 4, 6).unsqueeze(1)
+        x[0, :32] = 0
+        x[1, -32:] = 1e-36  # its scale 1e-36 / 127 a denormal, 127 / 1e-36 still finite
+        x[2, -32] = float("inf")
+        g = x.view(6, k // 32, 32)
+        mx = g.abs().amax(-1)
+        d = mx / 127
+        inv = torch.where(d > 0, 127 / mx, torch.zeros_like(mx))
+        codes = torch.round(g * inv.unsqueeze(-1)).nan_to_num(nan=-128).clamp(-128, 127)
+        total = codes.to(torch.int32).sum(-1)
+        want = [codes.to(torch.int8).view(6, k), d, d * total.float(), total]
+        for variant in VARIANTS:
+            got = _quantize_rows(variant, x)
+            rows = slice(0, 2)  # the infinite group's codes are integer-indefinite: no reference
+            for name, a, b in zip(("codes", "d", "s", "sum"), got, want):
+                assert torch.equal(_bits(a[rows]), _bits(b[rows])), (variant, k, name)
+            if variant != "generic":  # its int cast of the NaN an infinity makes is undefined
+                for a, b in zip(got, _quantize_rows(VARIANTS[0], x)):
+                    assert torch.equal(_bits(a), _bits(b)), (variant, k)  # all rows: SIMD variants agree
 
 
 @pytest.mark.parametrize("variant", ["avx512_amx", "avx512_vnni"])
