@@ -7,11 +7,16 @@ in transparent huge pages as the engine allocates it (platform/huge_pages.py, wh
 grants them). Prints ms per call (best of --reps, the engine's two threads) and the KV bytes
 it reads per second, beside the machine's read bandwidth measured in the same run.
 
+With --chunk N the call also carries a prompt chunk's N rows after the sequences (row i
+attending to i + 1 tokens), as a served step with a prompt arriving does: rows of very
+different lengths, the long ones first.
+
 With --baseline REV the kernels as of git revision REV are built too and each case alternates
 between the two builds (--rounds times, best of each), so a shared machine's drift falls on
 both alike; the ratio printed is this tree's time over the baseline's.
 
-    python benchmarks/bench_paged_attention.py [--seqs 32] [--context 164] [--reps 50] [--baseline REV]
+    python benchmarks/bench_paged_attention.py [--seqs 32] [--context 164] [--chunk 0] [--reps 50]
+        [--baseline REV]
 """
 
 from __future__ import annotations
@@ -68,6 +73,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seqs", type=int, default=32)
     ap.add_argument("--context", type=int, default=164)
+    ap.add_argument("--chunk", type=int, default=0, help="rows of a prompt chunk after the sequences")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--pool-blocks", type=int, default=6000)
     ap.add_argument("--baseline", help="a git revision whose kernels to time against, alternating")
@@ -93,10 +99,11 @@ def main() -> int:
 
     def tables() -> torch.Tensor:
         turn[0] += 1
-        return tables_of[turn[0] % sets]
+        t = tables_of[turn[0] % sets]
+        return torch.cat([t, t[:1].expand(args.chunk, -1)]) if args.chunk else t  # the chunk: one table
 
-    lens = torch.full((args.seqs,), args.context, dtype=torch.long)
-    q = torch.randn(args.seqs, HEADS, HEAD_DIM)
+    lens = torch.cat([torch.full((args.seqs,), args.context), torch.arange(1, args.chunk + 1)]).long()
+    q = torch.randn(args.seqs + args.chunk, HEADS, HEAD_DIM)
     shape = (args.pool_blocks, KV_HEADS, BLOCK, HEAD_DIM)
     k32, v32 = torch.randn(shape), torch.randn(shape)
     k8, v8 = ((t * 30).clamp(-127, 127).to(torch.int8) for t in (k32, v32))
@@ -106,10 +113,11 @@ def main() -> int:
     pools = {"4 KiB pages": plain, "huge pages": {n: tuple(map(in_huge_pages, c)) for n, c in plain.items()}}
     bw = read_bandwidth()
     print(
-        f"read bandwidth {bw / 1e9:.1f} GB/s; {args.seqs} sequences x {args.context} tokens; "
+        f"read bandwidth {bw / 1e9:.1f} GB/s; {args.seqs} sequences x {args.context} tokens"
+        f"{f' and a {args.chunk}-row prompt chunk' if args.chunk else ''}; "
         f"calls rotate over {sets} disjoint sets of blocks"
     )
-    kv_bytes = args.seqs * args.context * KV_HEADS * HEAD_DIM * 2
+    kv_bytes = int(lens.sum()) * KV_HEADS * HEAD_DIM * 2
 
     def decode(module, k: torch.Tensor, v: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         return module.paged_decode_attention(q, k, v, scales, scales, tables(), lens, 0.125)

@@ -1,0 +1,79 @@
+"""The CPU paged decode attention kernel (csrc/paged_attention_cpu.cpp) against attention
+computed with torch over the same cache: float32 and int8 caches (a bfloat16 scale per token
+and kv head), query heads per kv head that take the 16-lane loops and ones that do not, head
+sizes the kernel specializes and one it does not, partial blocks, and sequences of very
+different lengths in one call. The threads split the sequences by work, so the result must
+not depend on how many there are: one thread and two give the same bits.
+No timing here (benchmarks/bench_paged_attention.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve.model.layers.cpu_kernels import load_cpu_kernels
+
+KERNELS = load_cpu_kernels()
+pytestmark = pytest.mark.skipif(KERNELS is None, reason="no C++ toolchain here")
+
+
+def _case(heads: int, kv_heads: int, head_dim: int, block: int, lens: list[int], int8: bool, seed: int):
+    """q, caches, scales and block tables of a decode step over `lens` (blocks scattered)."""
+    g = torch.Generator().manual_seed(seed)
+    per_seq = [-(-n // block) for n in lens]
+    pool = sum(per_seq) + 7
+    order = torch.randperm(pool, generator=g)
+    tables = torch.zeros(len(lens), max(per_seq), dtype=torch.long)
+    at = 0
+    for i, n in enumerate(per_seq):
+        tables[i, :n] = order[at : at + n]
+        at += n
+    shape = (pool, kv_heads, block, head_dim)
+    k, v = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    if int8:
+        ks = (k.abs().amax(-1) / 127).bfloat16()
+        vs = (v.abs().amax(-1) / 127).bfloat16()
+        k = (k / ks.float().unsqueeze(-1)).round().clamp(-127, 127).to(torch.int8)
+        v = (v / vs.float().unsqueeze(-1)).round().clamp(-127, 127).to(torch.int8)
+    else:
+        ks = vs = torch.empty(0, dtype=torch.bfloat16)
+    q = torch.randn(len(lens), heads, head_dim, generator=g)
+    return q, k, v, ks, vs, tables, torch.tensor(lens, dtype=torch.long)
+
+
+def _reference(q, k, v, ks, vs, tables, lens, scale: float) -> torch.Tensor:
+    heads, kv_heads, block = q.shape[1], k.shape[1], k.shape[2]
+    kf = k.float() * ks.float().unsqueeze(-1) if ks.numel() else k
+    vf = v.float() * vs.float().unsqueeze(-1) if vs.numel() else v
+    out = torch.empty_like(q)
+    for s, n in enumerate(lens.tolist()):
+        blocks = tables[s, : -(-n // block)]
+        keys = kf[blocks].permute(1, 0, 2, 3).reshape(kv_heads, -1, q.shape[2])[:, :n]  # [kv, n, d]
+        vals = vf[blocks].permute(1, 0, 2, 3).reshape(kv_heads, -1, q.shape[2])[:, :n]
+        rep = heads // kv_heads
+        keys, vals = keys.repeat_interleave(rep, 0), vals.repeat_interleave(rep, 0)
+        p = torch.softmax((keys @ q[s].unsqueeze(-1)).squeeze(-1) * scale, -1)  # [heads, n]
+        out[s] = (p.unsqueeze(1) @ vals).squeeze(1)
+    return out
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["fp32", "int8"])
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,block",
+    [(9, 3, 64, 16), (4, 1, 64, 16), (5, 1, 64, 8), (8, 8, 128, 16), (6, 2, 80, 16)],
+)
+def test_kernel_matches_torch_and_any_thread_count(int8, heads, kv_heads, head_dim, block):
+    # long decodes first, then a prompt chunk's short rows (a served step), odd lengths throughout
+    lens = [203, 190, 177, 41] + list(range(1, 30, 3))
+    case = _case(heads, kv_heads, head_dim, block, lens, int8, seed=heads * 100 + head_dim + block)
+    scale = head_dim**-0.5
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        two = KERNELS.paged_decode_attention(*case, scale)
+        torch.set_num_threads(1)
+        one = KERNELS.paged_decode_attention(*case, scale)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    torch.testing.assert_close(two, _reference(*case, scale), rtol=1e-4, atol=1e-5)
