@@ -370,6 +370,14 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
         }
         prefetch_bytes<2>(vp + slice * head_dim, n * head_dim * sizeof(C));
         if constexpr (is_quantized<C>()) prefetch_bytes<2>(vsp + slice, n * 2);
+        // And the keys two blocks ahead to L2: one block of a float cache is ~100 ns of work, less
+        // than its next block's trip from memory (0.80-0.84x the time with a float32 cache; an
+        // int8 one, its blocks a quarter the bytes and its work per byte higher, unchanged).
+        if (b + 2 < num_blocks) {
+          const int64_t far = table[b + 2] * num_kv_heads * block_size + kh * block_size;
+          prefetch_bytes<2>(kp + far * head_dim, block_size * head_dim * sizeof(C));
+          if constexpr (is_quantized<C>()) prefetch_bytes<2>(ksp + far, block_size * 2);
+        }
         const K* kb;
         if constexpr (wide_float) {
           block_scores<HD>(kp + slice * head_dim, nullptr, n, qf.data(), group, scores.data() + b * block_size, len);
