@@ -87,8 +87,8 @@ inline __m512 fold16(const __m512* v, Op op) {
 // the code sums folded together (as floats: exact, |sum| <= 32 x 127). The same bits as the
 // AVX2 loop, whose two scalar divisions and horizontal steps a group made activation
 // quantization 2-4% of a batched int4 decode step (perf, 64 rows, Zen 4); 64 rows of 576
-// inputs take 6.2 us here against its 8.9, of 1536 14.3 against 22.8 (one thread;
-// docs/BENCHMARKS.md issue 16 round 25).
+// inputs take 6.2 us here against its 8.9, of 1536 14.2 against 22.7 (one thread, Zen 4;
+// benchmarks/bench_activation_quant.py, docs/BENCHMARKS.md issue 16 round 25).
 inline void quantize_groups16(const float* x, int64_t n, int8_t* q, float* d, float* s, int32_t* qsum) {
   __m512 part[16];
   for (int64_t g = 0; g < 16; ++g)
