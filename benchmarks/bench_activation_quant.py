@@ -80,7 +80,7 @@ def main() -> int:
             best = dict.fromkeys(fns, float("inf"))
             for _ in range(args.rounds):
                 for name, fn in fns.items():
-                    best[name] = min(best[name], best_us(lambda fn=fn: fn(*ptrs), args.reps))
+                    best[name] = min(best[name], best_us(lambda fn=fn, ptrs=ptrs: fn(*ptrs), args.reps))
             cells = [f"{name} {us:.2f} us ({us / best[first]:.2f}x)" for name, us in best.items()]
             print(f"{m} rows x {k}: " + "; ".join(cells), flush=True)
     return 0
