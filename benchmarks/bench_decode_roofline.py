@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import statistics
 import sys
 import time
 
@@ -224,9 +225,9 @@ def main() -> int:
         gflops = flops / step[name] / 1e9
         r, f = sorted(ratios[name]), sorted(fractions[name])
         print(f"| {name} | {wb / 2**20:.1f} MiB | {floor * 1e3:.2f} | {single[name] * 1e3:.2f} | "
-              f"{single[name] / floor:.2f}x | {r[len(r) // 2]:.2f}x ({r[0]:.2f}-{r[-1]:.2f}) | "
+              f"{single[name] / floor:.2f}x | {statistics.median(r):.2f}x ({r[0]:.2f}-{r[-1]:.2f}) | "
               f"{step[name] * 1e3:.1f} | {gflops:.1f} | {gflops * 1e9 / peaks[kind[name]]:.0%} | "
-              f"{f[len(f) // 2]:.0%} ({f[0]:.0%}-{f[-1]:.0%}) |")  # fmt: skip
+              f"{statistics.median(f):.0%} ({f[0]:.0%}-{f[-1]:.0%}) |")  # fmt: skip
     return 0
 
 
