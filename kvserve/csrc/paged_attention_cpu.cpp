@@ -138,8 +138,9 @@ constexpr int kMaxWideGroup = 4;  // block_values keeps this many heads' accumul
 
 // block_scores for an int8 cache's keys (codes kb), each key widened in registers and dotted
 // with every head of the group, rather than the block widened into a buffer first and read
-// back: the same products in the same order, so the same bits, with a third fewer instructions
-// a key (docs/BENCHMARKS.md issue 16 round 25).
+// back: the same products in the same order, so the same bits (with the split by work below,
+// 0.93-0.96x the kernel's time at 32 x 164 tokens: bench_paged_attention.py; docs/BENCHMARKS.md
+// issue 16 round 25).
 template <int HD>
 inline void int8_block_scores(const int8_t* kb, const at::BFloat16* ks, int64_t n, const float* qf, int64_t group,
                               float* srow, int64_t len, float* /*widened: unused*/) {
@@ -371,7 +372,7 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
         prefetch_bytes<2>(vp + slice * head_dim, n * head_dim * sizeof(C));
         if constexpr (is_quantized<C>()) prefetch_bytes<2>(vsp + slice, n * 2);
         // And the keys two blocks ahead to L2: one block of a float cache is ~100 ns of work, less
-        // than its next block's trip from memory (0.80-0.84x the time with a float32 cache; an
+        // than its next block's trip from memory (0.80-0.88x the time with a float32 cache; an
         // int8 one, its blocks a quarter the bytes and its work per byte higher, unchanged).
         if (b + 2 < num_blocks) {
           const int64_t far = table[b + 2] * num_kv_heads * block_size + kh * block_size;

@@ -85,7 +85,7 @@ inline __m512 fold16(const __m512* v, Op op) {
 // Groups [0, n) of a row, n <= 16, at once: their maxima folded together, the scales with one
 // vector division each (the IEEE quotients the scalar divisions below make), the codes, and
 // the code sums folded together (as floats: exact, |sum| <= 32 x 127). The same bits as the
-// AVX2 loop, whose two scalar divisions and horizontal steps a group made activation
+// AVX2 loop for finite activations, whose two scalar divisions and horizontal steps a group made activation
 // quantization 2-4% of a batched int4 decode step (perf, 64 rows, Zen 4); 64 rows of 576
 // inputs take 6.2 us here against its 8.9, of 1536 14.2 against 22.7 (one thread, Zen 4;
 // benchmarks/bench_activation_quant.py, docs/BENCHMARKS.md issue 16 round 25).
