@@ -3,18 +3,24 @@ computed with torch over the same cache: float32 and int8 caches (a bfloat16 sca
 and kv head), query heads per kv head that take the 16-lane loops and ones that do not, head
 sizes the kernel specializes and one it does not, partial blocks, and sequences of very
 different lengths in one call. The threads split the sequences by work, so the result must
-not depend on how many there are: one thread and two give the same bits.
+not depend on how many there are: one thread and two give the same bits. The extension is built
+for the CPU at hand (-march=native); on an AVX-512 machine a build for AVX2 alone runs the same
+cases, so the 8-lane loops an AVX2-only CPU takes are checked everywhere that can run them.
 No timing here (benchmarks/bench_paged_attention.py)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
-from kvserve.model.layers.cpu_kernels import load_cpu_kernels
+from kvserve.model.layers import cpu_kernels
+from kvserve.platform.cpu_isa import cpu_isa
 
-KERNELS = load_cpu_kernels()
+KERNELS = cpu_kernels.load_cpu_kernels()
 pytestmark = pytest.mark.skipif(KERNELS is None, reason="no C++ toolchain here")
+CASES = [(9, 3, 64, 16), (4, 1, 64, 16), (5, 1, 64, 8), (8, 8, 128, 16), (6, 2, 80, 16)]
 
 
 def _case(heads: int, kv_heads: int, head_dim: int, block: int, lens: list[int], int8: bool, seed: int):
@@ -57,12 +63,7 @@ def _reference(q, k, v, ks, vs, tables, lens, scale: float) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("int8", [False, True], ids=["fp32", "int8"])
-@pytest.mark.parametrize(
-    "heads,kv_heads,head_dim,block",
-    [(9, 3, 64, 16), (4, 1, 64, 16), (5, 1, 64, 8), (8, 8, 128, 16), (6, 2, 80, 16)],
-)
-def test_kernel_matches_torch_and_any_thread_count(int8, heads, kv_heads, head_dim, block):
+def _check(module, int8: bool, heads: int, kv_heads: int, head_dim: int, block: int) -> None:
     # long decodes first, then a prompt chunk's short rows (a served step), odd lengths throughout
     lens = [203, 190, 177, 41] + list(range(1, 30, 3))
     case = _case(heads, kv_heads, head_dim, block, lens, int8, seed=heads * 100 + head_dim + block)
@@ -70,10 +71,37 @@ def test_kernel_matches_torch_and_any_thread_count(int8, heads, kv_heads, head_d
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        two = KERNELS.paged_decode_attention(*case, scale)
+        two = module.paged_decode_attention(*case, scale)
         torch.set_num_threads(1)
-        one = KERNELS.paged_decode_attention(*case, scale)
+        one = module.paged_decode_attention(*case, scale)
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(one, two)
+    assert torch.equal(one, two), (int8, heads, kv_heads, head_dim, block)
     torch.testing.assert_close(two, _reference(*case, scale), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["fp32", "int8"])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block", CASES)
+def test_kernel_matches_torch_and_any_thread_count(int8, heads, kv_heads, head_dim, block):
+    _check(KERNELS, int8, heads, kv_heads, head_dim, block)
+
+
+@pytest.mark.skipif(not (cpu_isa().avx2 and cpu_isa().avx512), reason="the native build is AVX2's, or none")
+def test_an_avx2_only_build_matches_torch_too(tmp_path):
+    # the kernel's source alone with a binding of its own (a third of the whole extension's build)
+    source = os.path.join(os.path.dirname(cpu_kernels.HEADERS[0]), "paged_attention_cpu.cpp")
+    binding = tmp_path / "paged_attention_avx2_binding.cpp"
+    binding.write_text(
+        '#include "cpu_kernels.h"\n'
+        "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {\n"
+        '  m.def("paged_decode_attention", &paged_decode_attention);\n'
+        "}\n"
+    )
+    flags = [f for f in cpu_kernels._CFLAGS if f != "-march=native"] + ["-mavx2", "-mfma"]  # ISA capped
+    with open(source, "rb") as f:
+        hashed = f.read() + binding.read_bytes() + open(cpu_kernels.HEADERS[0], "rb").read()
+    name = cpu_kernels.extension_name("kvserve_paged_attention_avx2", hashed, flags)
+    module = cpu_kernels.build_extension(name, [source, str(binding)], flags, cpu_kernels.HEADERS[:1])
+    for int8 in (False, True):
+        for shape in CASES:
+            _check(module, int8, *shape)
