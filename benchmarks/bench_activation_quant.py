@@ -19,13 +19,12 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import machine  # noqa: E402
+from benchmarks.common import machine, wall_us  # noqa: E402
 from benchmarks.cpu_info import cpu_flags  # noqa: E402
 from kvserve.model.layers import quant_kernels as qk  # noqa: E402
 
@@ -41,17 +40,6 @@ def variant_at(rev: str, variant: str):
     with open(path, "wb") as f:
         f.write(source)
     return qk.build_extension(qk.build_name(variant, source), [path], qk.VARIANTS[variant])
-
-
-def best_us(fn, reps: int) -> float:
-    for _ in range(reps // 10):
-        fn()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e6
 
 
 def main() -> int:
@@ -80,7 +68,7 @@ def main() -> int:
             best = dict.fromkeys(fns, float("inf"))
             for _ in range(args.rounds):
                 for name, fn in fns.items():
-                    best[name] = min(best[name], best_us(lambda fn=fn, ptrs=ptrs: fn(*ptrs), args.reps))
+                    best[name] = min(best[name], wall_us(lambda fn=fn, ptrs=ptrs: fn(*ptrs), args.reps))
             cells = [f"{name} {us:.2f} us ({us / best[first]:.2f}x)" for name, us in best.items()]
             print(f"{m} rows x {k}: " + "; ".join(cells), flush=True)
     return 0

@@ -11,6 +11,7 @@ No timing here (benchmarks/bench_paged_attention.py)."""
 from __future__ import annotations
 
 import os
+import pathlib
 
 import pytest
 import torch
@@ -98,8 +99,7 @@ def test_an_avx2_only_build_matches_torch_too(tmp_path):
         "}\n"
     )
     flags = [f for f in cpu_kernels._CFLAGS if f != "-march=native"] + ["-mavx2", "-mfma"]  # ISA capped
-    with open(source, "rb") as f:
-        hashed = f.read() + binding.read_bytes() + open(cpu_kernels.HEADERS[0], "rb").read()
+    hashed = b"".join(pathlib.Path(p).read_bytes() for p in (source, binding, cpu_kernels.HEADERS[0]))
     name = cpu_kernels.extension_name("kvserve_paged_attention_avx2", hashed, flags)
     module = cpu_kernels.build_extension(name, [source, str(binding)], flags, cpu_kernels.HEADERS[:1])
     for int8 in (False, True):
