@@ -170,7 +170,7 @@ def test_activation_quantizer_is_its_definition_in_every_variant():
         want = [codes.to(torch.int8).view(6, k), d, d * total.float(), total]
         for variant in VARIANTS:
             got = _quantize_rows(variant, x)
-            rows = slice(0, 2)  # the infinite group's codes are integer-indefinite: no reference
+            rows = [0, 1, 3, 4, 5]  # not row 2: its infinite group's codes are integer-indefinite
             for name, a, b in zip(("codes", "d", "s", "sum"), got, want):
                 assert torch.equal(_bits(a[rows]), _bits(b[rows])), (variant, k, name)
             if variant != "generic":  # its int cast of the NaN an infinity makes is undefined
