@@ -8,8 +8,8 @@ each weight format (offline engine):
   1-token run, divided by n) against the weight-bandwidth floor: bytes read per token (every
   weight once: the tied table is read whole by the lm_head, its lookup row is noise) divided
   by the measured bandwidth (the best read of the run; each round also reads it just before
-  its single-stream run and reports the ratio against that, as a shared host drifts). Target:
-  <= 1.5x the floor for int4 and int8;
+  and just after its single-stream run and reports the ratio against their mean, as a shared
+  host drifts). Target: <= 1.5x the floor for int4 and int8;
 - a 64-sequence decode step (whole step: 64 ~16-token prompts, decode time as above over the
   same batch) as achieved GFLOP/s against the GEMM peak of its compute format. The FLOPs are
   2 x the model's weights per token (from the fp32 engine's weight bytes / 4), attention left
@@ -55,6 +55,7 @@ FORMATS = {
     "int8-kv8": {"quantization": "int8", "kv_cache_dtype": "int8"},
 }
 TARGET_FLOOR, TARGET_PEAK = 1.5, 0.60
+STEADY = 0.15  # a run's limit read before and after it may differ by this fraction
 # The clock: with one torch thread, this process's CPU time (the work, not the time the
 # scheduler gave other processes on a shared machine); with more, wall time.
 clock = time.perf_counter
@@ -189,34 +190,51 @@ def main() -> int:
     single = {n: float("inf") for n in names}
     step = {n: float("inf") for n in names}
     # A shared host's speed drifts by tens of percent within minutes, so each round also reads
-    # the bandwidth just before its single-stream run and the GEMM peak just before its batched
-    # step, and takes each ratio against that (the best of the run may come from a fast minute
-    # the step never saw, and a slow minute's peak flatters it).
+    # the bandwidth around its single-stream run and the GEMM peak around its batched step
+    # (just before and just after), and takes each ratio against the mean of the two readings
+    # (the best of the run may come from a fast minute the step never saw, and a slow minute's
+    # peak flatters it). A run whose two readings differ by more than STEADY (the host changed
+    # speed while it ran, so neither describes it) stays in every figure, and is also left out
+    # of a second, "steady" median.
     ratios: dict[str, list[float]] = {n: [] for n in names}
     fractions: dict[str, list[float]] = {n: [] for n in names}
+    steady_ratios: dict[str, list[float]] = {n: [] for n in names}
+    steady_fractions: dict[str, list[float]] = {n: [] for n in names}
     flops = 2 * params * args.batch  # a batched step's
+
+    def bracketed(limit, llm: LLM, prompts: list[list[int]]) -> tuple[float, float, bool]:
+        """decode_s of `prompts`, the mean of limit(reps=3) read before and after it, and whether
+        the two readings agree within STEADY."""
+        before = limit(reps=3)
+        seconds = decode_s(llm, prompts, args.tokens)
+        after = limit(reps=3)
+        return seconds, (before + after) / 2, abs(after - before) <= STEADY * max(before, after)
+
     for rnd in range(args.rounds):
         for name, llm in llms.items():
-            bw_now = read_bandwidth(reps=3)
+            s1, bw_now, bw_steady = bracketed(read_bandwidth, llm, one)
             bw = max(bw, bw_now)
-            s1 = decode_s(llm, one, args.tokens)
-            peak_now = peak_fns[kind[name]](reps=3)
+            sb, peak_now, peak_steady = bracketed(peak_fns[kind[name]], llm, batch)
             peaks[kind[name]] = max(peaks[kind[name]], peak_now)
-            sb = decode_s(llm, batch, args.tokens)
             single[name], step[name] = min(single[name], s1), min(step[name], sb)
             ratios[name].append(s1 * bw_now / model[name].weight_bytes())
             fractions[name].append(flops / sb / peak_now)
+            if bw_steady:
+                steady_ratios[name].append(ratios[name][-1])
+            if peak_steady:
+                steady_fractions[name].append(fractions[name][-1])
             print(f"round {rnd + 1} {name}: single {s1 * 1e3:.2f} ms/token ({ratios[name][-1]:.2f}x the "
-                  f"floor at {bw_now / 1e9:.1f} GB/s read just before), {args.batch}-seq step "
-                  f"{sb * 1e3:.1f} ms ({fractions[name][-1]:.0%} of the {kind[name]} peak of "
-                  f"{peak_now / 1e9:.1f} G/s measured just before); load {os.getloadavg()[0]:.2f}",
+                  f"floor at {bw_now / 1e9:.1f} GB/s read around it{'' if bw_steady else ', unsteady'}), "
+                  f"{args.batch}-seq step {sb * 1e3:.1f} ms ({fractions[name][-1]:.0%} of the {kind[name]} "
+                  f"peak of {peak_now / 1e9:.1f} G/s measured around it"
+                  f"{'' if peak_steady else ', unsteady'}); load {os.getloadavg()[0]:.2f}",
                   flush=True)  # fmt: skip
 
     print(f"\nmodel weights per token {params / 1e6:.1f} M (x2 FLOPs); load average {os.getloadavg()}")
     print(f"| weights | bytes read / token | floor ms (at {bw / 1e9:.1f} GB/s) | single-stream ms/token | "
           f"/ floor (target <= {TARGET_FLOOR}) | per round: / floor at that round's bandwidth, "
           f"median (range) | {args.batch}-seq step ms | GFLOP/s | / its format's best peak "
-          f"(target >= {TARGET_PEAK:.0%}) | per round: / the peak read just before, "
+          f"(target >= {TARGET_PEAK:.0%}) | per round: / the peak read around it, "
           "median (range) |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name in names:
@@ -228,6 +246,14 @@ def main() -> int:
               f"{single[name] / floor:.2f}x | {statistics.median(r):.2f}x ({r[0]:.2f}-{r[-1]:.2f}) | "
               f"{step[name] * 1e3:.1f} | {gflops:.1f} | {gflops * 1e9 / peaks[kind[name]]:.0%} | "
               f"{statistics.median(f):.0%} ({f[0]:.0%}-{f[-1]:.0%}) |")  # fmt: skip
+    print(f"\nsteady runs only (the limit read before and after within {STEADY:.0%}):")
+    for name in names:
+        r, f = sorted(steady_ratios[name]), sorted(steady_fractions[name])
+        single_part = f"{statistics.median(r):.2f}x ({r[0]:.2f}-{r[-1]:.2f})" if r else "none"
+        step_part = f"{statistics.median(f):.0%} ({f[0]:.0%}-{f[-1]:.0%})" if f else "none"
+        print(f"{name}: single stream / floor {single_part}, {len(r)} of {len(ratios[name])} runs; "
+              f"{args.batch}-seq step / peak {step_part}, {len(f)} of {len(fractions[name])} "
+              "runs")  # fmt: skip
     return 0
 
 

@@ -48,6 +48,9 @@ def captured_stack_call(llm: LLM, context: int) -> tuple[object, list]:
             return None
 
         class Recorder:
+            def has_head(self) -> bool:  # decode_logits then calls forward and the lm_head apart
+                return False
+
             def forward(self, *args):
                 seen[:] = [t.clone() if i == 0 else t for i, t in enumerate(args)]  # x is added into
                 return stack.forward(*args)

@@ -55,6 +55,22 @@ def test_a_step_with_any_larger_chunk_keeps_sdpa_for_all(budget):
     assert [(c.start, c.end, c.num_cached) for c in meta.prefills] == [(1, 6, 0), (6, 9, 6)]
 
 
+def test_a_decode_step_gets_the_metadata_the_general_path_builds():
+    """build_metadata's pure-decode path (one token a sequence, no numpy arrays) against the
+    general one on the same step: every tensor equal, dtype and contiguity too (the kernels
+    read raw pointers)."""
+    backend = CpuAttentionBackend(torch.device("cpu"), block_size=4)
+    seqs = [ScheduledSeq(10, 1, [3, 5, 7], True), ScheduledSeq(3, 1, [9], True)]
+    seqs.append(ScheduledSeq(4, 1, [2, 8], True))
+    positions = np.array([10, 3, 4])
+    fast, general = backend.build_metadata(seqs, positions), backend._metadata(seqs, positions)
+    assert fast.num_decodes == general.num_decodes == 3 and not fast.prefills
+    for name in ("slot_blocks", "slot_offsets", "decode_block_tables", "decode_seq_lens"):
+        a, b = getattr(fast, name), getattr(general, name)
+        assert a.dtype == b.dtype == torch.int64 and a.is_contiguous() and torch.equal(a, b), name
+    assert fast.slot_blocks.tolist() == [7, 9, 8] and fast.decode_block_tables.tolist()[1] == [9, 0, 0]
+
+
 needs_kernels = pytest.mark.skipif(
     load_cpu_kernels() is None or load_quant_kernels() is None, reason="C++ kernels not built here"
 )

@@ -32,6 +32,8 @@ def padded_table_tensor(tables: list[list[int]], device: torch.device) -> torch.
 
 def slot_blocks_of(seqs: list[ScheduledSeq], positions: np.ndarray, block_size: int) -> np.ndarray:
     """The physical block of each new token's slot, in batch order."""
+    if all(s.num_tokens == 1 for s in seqs):  # one new token each (a decode step): no array per table
+        return np.array([s.block_table[s.start // block_size] for s in seqs], dtype=np.int64)
     out, i = [], 0
     for s in seqs:
         out.append(np.asarray(s.block_table)[positions[i : i + s.num_tokens] // block_size])
@@ -58,6 +60,11 @@ class CpuAttentionBackend:
         self.chunk_pairs_as_decodes = 0
 
     def build_metadata(self, seqs: list[ScheduledSeq], positions: np.ndarray) -> AttentionMetadata:
+        if seqs and all(s.is_decode and s.num_tokens == 1 for s in seqs):
+            return self._decode_metadata(seqs)
+        return self._metadata(seqs, positions)
+
+    def _metadata(self, seqs: list[ScheduledSeq], positions: np.ndarray) -> AttentionMetadata:
         bs, dev = self.block_size, self.device
         meta = AttentionMetadata(
             torch.from_numpy(slot_blocks_of(seqs, positions, bs)).to(dev),
@@ -86,6 +93,21 @@ class CpuAttentionBackend:
         if decode_tables:
             meta.decode_block_tables = padded_table_tensor(decode_tables, dev)
             meta.decode_seq_lens = torch.tensor(decode_lens, dtype=torch.long, device=dev)
+        return meta
+
+    def _decode_metadata(self, seqs: list[ScheduledSeq]) -> AttentionMetadata:
+        """A step of one new token per sequence, all decodes: what the general path builds, from
+        the Python lists directly (each numpy or torch op is a few microseconds a step, more
+        when the step's weight stream has just pushed the interpreter out of the caches)."""
+        bs, dev = self.block_size, self.device
+        width = max(len(s.block_table) for s in seqs)
+        # [3, n]: each row contiguous, as the kernels read them
+        rows = [(s.block_table[s.start // bs], s.start % bs, s.start + 1) for s in seqs]
+        slots = torch.tensor(list(zip(*rows)))
+        meta = AttentionMetadata(slots[0].to(dev), slots[1].to(dev), num_decodes=len(seqs), backend=self)
+        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
+        meta.decode_block_tables = torch.tensor(tables, dtype=torch.int64).to(dev)
+        meta.decode_seq_lens = slots[2].to(dev)
         return meta
 
     def forward(

@@ -53,10 +53,11 @@ class RotaryEmbedding(torch.nn.Module):
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin for this step's positions, shaped to broadcast over heads."""
-        return (
-            self.cos.index_select(0, positions).unsqueeze(1).to(dtype),
-            self.sin.index_select(0, positions).unsqueeze(1).to(dtype),
-        )
+        cos = self.cos.index_select(0, positions).unsqueeze(1)
+        sin = self.sin.index_select(0, positions).unsqueeze(1)
+        if dtype != cos.dtype:  # (a float32 model's step skips two dispatches)
+            cos, sin = cos.to(dtype), sin.to(dtype)
+        return cos, sin
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
