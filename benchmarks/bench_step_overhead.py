@@ -5,8 +5,9 @@ prompts of ~`--prompt` tokens, greedy, `--tokens` outputs each, run `--reps` tim
 pure-decode step is timed twice: the whole `LLMEngine.step` (schedule, metadata, the model
 call, sampling, outputs, detokenization) and the stack's own C++ call inside it. The
 difference is the Python around the model, and it runs cold: the step's weight stream
-(~95 MB) has just pushed the interpreter's code and data out of every cache (on a Zen 4 guest,
-~560 us cold against ~190 us for the same Python with the stack call skipped).
+(~95 MB) has just pushed the interpreter's code and data out of every cache (on a Zen 4 guest
+~560 us a single-stream step, against ~190 us for the same Python with the stack call replaced
+by its saved logits: docs/BENCHMARKS.md, issue 16 round 26).
 
 With `--baseline-tree DIR` (another kvserve tree, e.g. `git archive <rev> | tar -x -C DIR`)
 each round also measures that tree, in alternating order, each in its own process; the
