@@ -39,7 +39,9 @@ CONFIGS = {
 
 
 class TimedStack:
-    """The decode stack with its calls timed (the model sees it as the stack itself)."""
+    """The decode stack with its decode steps' calls timed (the model sees it as the stack
+    itself). Only `forward_logits` is timed: a step of sampled rows alone (every decode step
+    here); `forward` also runs steps with prompt rows laid out as decodes."""
 
     def __init__(self, stack, times: list[float]) -> None:
         self.stack, self.times = stack, times
@@ -47,17 +49,14 @@ class TimedStack:
     def has_head(self) -> bool:
         return self.stack.has_head()
 
-    def _timed(self, fn, args):
-        t0 = time.perf_counter()
-        out = fn(*args)
-        self.times.append(time.perf_counter() - t0)
-        return out
-
     def forward(self, *args):
-        return self._timed(self.stack.forward, args)
+        return self.stack.forward(*args)
 
     def forward_logits(self, *args):
-        return self._timed(self.stack.forward_logits, args)
+        t0 = time.perf_counter()
+        out = self.stack.forward_logits(*args)
+        self.times.append(time.perf_counter() - t0)
+        return out
 
 
 def measure(args) -> dict:
@@ -94,7 +93,7 @@ def measure(args) -> dict:
         calls = iter(stack_s)
         for seconds, n in step_s:
             inner = [next(calls) for _ in range(n)]
-            if n == 1:  # a step the stack ran whole (prefill steps run the layers from Python)
+            if n == 1:  # a decode step, the stack's one call (not a step with prompt rows)
                 steps.append(seconds)
                 outside.append(seconds - inner[0])
     return {
