@@ -32,8 +32,6 @@ def padded_table_tensor(tables: list[list[int]], device: torch.device) -> torch.
 
 def slot_blocks_of(seqs: list[ScheduledSeq], positions: np.ndarray, block_size: int) -> np.ndarray:
     """The physical block of each new token's slot, in batch order."""
-    if all(s.num_tokens == 1 for s in seqs):  # one new token each (a decode step): no array per table
-        return np.array([s.block_table[s.start // block_size] for s in seqs], dtype=np.int64)
     out, i = [], 0
     for s in seqs:
         out.append(np.asarray(s.block_table)[positions[i : i + s.num_tokens] // block_size])
