@@ -90,9 +90,9 @@ def test_overlapped_stack_equals_the_python_layers(tiny_llama_dir, quantization,
         torch.set_num_threads(before)
 
 
-def test_an_error_inside_the_overlapped_stack_is_raised(tiny_llama_dir):
-    """A kernel's error inside the parallel region (here attention refusing int32 block tables)
-    comes back as an exception, the region left cleanly, and the stack still works after it."""
+def test_bad_input_to_the_overlapped_stack_is_raised(tiny_llama_dir):
+    """Input the overlapped stack's raw kernels cannot take (here int32 block tables) is refused
+    with an exception before its parallel region starts, and the stack still works after it."""
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

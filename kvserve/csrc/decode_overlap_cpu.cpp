@@ -10,6 +10,13 @@
 // Thread 0's share (read from memory) is learnt per layer and projection: a panel less each
 // step it finishes last, one more when first. Any split gives the same bits: one output is
 // one SIMD lane of the same kernel, whichever thread computes it.
+//
+// Thread 0's serial work calls raw:: (cpu_kernels.h) on buffers this class owns, with every
+// pointer and check taken before the region. The weight stream has just emptied the caches, so
+// each ATen call there (a dispatch, an allocation, tensor metadata, its checks) cost 1.5-2 us
+// where its arithmetic takes a tenth of that: the serial part of a step measured ~800 us with
+// the tensor ops and ~445 us with raw:: (default model, int4 weights, int8 cache, ~160 tokens,
+// Zen 4; docs/BENCHMARKS.md issue 16 round 27).
 #include "decode_stack.h"
 
 #include <ATen/Parallel.h>
@@ -83,6 +90,46 @@ bool OverlappedStack::accepts(const Projection& lm_head, QuantizeFn quantize) {
   return true;
 }
 
+void OverlappedStack::prepare(const std::vector<Layer>& layers, const Head* head, const StackShape& s,
+                              int64_t hidden) {
+  const void* head_codes = head != nullptr ? head->lm_head.codes.data_ptr() : nullptr;
+  if (prepared_layers_ == layers.size() && prepared_head_ == head_codes && !stages_.empty()) return;
+  const Layer& first = layers[0];
+  const int64_t q_size = s.heads * s.head_dim, kv_size = s.kv_heads * s.head_dim;
+  TORCH_CHECK(first.qkv.k() == hidden && first.o.k() == q_size && first.gate_up.k() == hidden &&
+                  first.down.k() == first.gate_up.n / 2 && first.qkv.n == q_size + 2 * kv_size &&
+                  first.o.n == hidden && first.down.n == hidden && (head == nullptr || head->lm_head.k() == hidden),
+              "projection shapes");
+  stages_.clear(), layer_ptrs_.clear();
+  auto add = [&](const Projection& p) {
+    stages_.push_back({p.panels, static_cast<const char*>(p.codes.data_ptr()),
+                       static_cast<const char*>(p.scales.data_ptr()), p.n, p.k(), p.num_panels(),
+                       p.codes_per_panel(), p.scales_per_panel()});
+  };
+  auto norm = [&](const at::Tensor& w) {
+    TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.numel() == hidden,
+                "norm weights: contiguous float32 [hidden]");
+    return w.data_ptr<float>();
+  };
+  for (const Layer& l : layers) {
+    for (int j = 0; j < 4; ++j) add(l.projection(j));
+    TORCH_CHECK(l.int8_cache == first.int8_cache, "every layer's cache of one type");
+    if (l.int8_cache)
+      TORCH_CHECK(l.k_scales.scalar_type() == at::kBFloat16 && l.k_scales.is_contiguous() &&
+                      l.v_scales.scalar_type() == at::kBFloat16 && l.v_scales.is_contiguous() &&
+                      l.v_scales.numel() == l.k_scales.numel() && l.k_scales.numel() == first.k_scales.numel(),
+                  "int8 cache scales: contiguous bfloat16 [blocks, kv_heads, block_size]");
+    layer_ptrs_.push_back({norm(l.input_norm), norm(l.post_norm),
+                           l.int8_cache ? l.k_scales.data_ptr<at::BFloat16>() : nullptr,
+                           l.int8_cache ? l.v_scales.data_ptr<at::BFloat16>() : nullptr});
+  }
+  if (head != nullptr) {
+    add(head->lm_head);
+    norm(head->norm);
+  }
+  prepared_layers_ = layers.size(), prepared_head_ = head_codes;
+}
+
 at::Tensor OverlappedStack::forward(const std::vector<Layer>& layers, const Head* head, const StackShape& s,
                                     at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
                                     const at::Tensor& kv_cache, const at::Tensor& slot_blocks,
@@ -91,27 +138,67 @@ at::Tensor OverlappedStack::forward(const std::vector<Layer>& layers, const Head
   const int64_t rows = x.size(0), n_layers = layers.size();
   const int threads = at::get_num_threads();
   const Layer& first = layers[0];
-  // The stages in order: a layer's four projections, then the head's lm_head.
-  std::vector<const Projection*> order;
-  order.reserve(n_layers * 4 + 1);
-  for (const Layer& l : layers)
-    for (int j = 0; j < 4; ++j) order.push_back(&l.projection(j));
-  if (head != nullptr) order.push_back(&head->lm_head);
-  const int64_t n_stages = order.size();
+  const int64_t hidden = x.size(1), q_size = s.heads * s.head_dim, kv_size = s.kv_heads * s.head_dim;
+  const int64_t inter = first.gate_up.n / 2;
+  prepare(layers, head, s, hidden);
+  const int64_t n_stages = stages_.size();
   int64_t max_k = 0;
-  for (const Projection* p : order) max_k = std::max(max_k, p->k());
+  for (const Stage& st : stages_) max_k = std::max(max_k, st.k);
   q_.resize(rows * max_k), d_.resize(rows * max_k / 32), s_.resize(rows * max_k / 32), sum_.resize(rows * max_k / 32);
-  for (int64_t i = lead_.size(); i < n_stages; ++i) lead_.push_back(order[i]->num_panels() / threads);
+  for (int64_t i = lead_.size(); i < n_stages; ++i) lead_.push_back(stages_[i].num_panels / threads);
   // Outputs, one per projection kind (the head's last): each is read before the next layer
   // writes it again.
   at::Tensor y[5] = {at::empty({rows, first.qkv.n}, x.options()), at::empty({rows, first.o.n}, x.options()),
                      at::empty({rows, first.gate_up.n}, x.options()), at::empty({rows, first.down.n}, x.options()),
                      head != nullptr ? at::empty({rows, head->lm_head.n}, x.options()) : at::Tensor()};
+  // Thread 0's serial work reads and writes raw buffers through raw:: (cpu_kernels.h); the step's
+  // inputs are checked here.
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.numel() == rows * s.head_dim && sin.numel() == cos.numel(),
+              "cos/sin: contiguous float32 [rows, head_dim]");
+  TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() == 6 && kv_cache.size(1) == 2 && kv_cache.size(3) == s.kv_heads &&
+                  kv_cache.size(5) == s.head_dim && (kv_cache.scalar_type() == at::kFloat || kv_cache.scalar_type() == at::kChar),
+              "kv_cache: contiguous float32 or int8 [layers, 2, blocks, kv_heads, block_size, head_dim]");
+  const bool int8_cache = kv_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(first.int8_cache == int8_cache, "an int8 cache comes with its scales");
+  if (int8_cache)
+    TORCH_CHECK(first.k_scales.numel() * s.head_dim == kv_cache.stride(1), "one int8 cache scale a K / V vector");
+  const int64_t blocks = kv_cache.size(2), block_size = kv_cache.size(4), n_slots = slot_blocks.numel();
+  TORCH_CHECK(slot_blocks.scalar_type() == at::kLong && slot_offsets.scalar_type() == at::kLong &&
+                  slot_blocks.is_contiguous() && slot_offsets.is_contiguous() && slot_offsets.numel() == n_slots &&
+                  n_slots <= rows,
+              "int64 slot blocks and offsets, at most one a row");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() && block_tables.dim() == 2 &&
+                  block_tables.size(0) >= rows && seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous() &&
+                  seq_lens.numel() == rows,
+              "int64 block tables and lengths, one a row");
+  const int64_t *slot_blk = slot_blocks.data_ptr<int64_t>(), *slot_off = slot_offsets.data_ptr<int64_t>();
+  for (int64_t t = 0; t < n_slots; ++t)
+    TORCH_CHECK(slot_blk[t] >= 0 && slot_blk[t] < blocks && slot_off[t] >= 0 && slot_off[t] < block_size,
+                "slot out of range");
+  const int64_t *tables = block_tables.data_ptr<int64_t>(), *lens = seq_lens.data_ptr<int64_t>();
+  const int64_t max_blocks = block_tables.size(1);
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(lens[r] > 0 && lens[r] <= max_blocks * block_size, "sequence length out of range");
+    for (int64_t b = 0; b < (lens[r] + block_size - 1) / block_size; ++b)
+      TORCH_CHECK(tables[r * max_blocks + b] >= 0 && tables[r * max_blocks + b] < blocks, "block table entry out of range");
+  }
+  const raw::KvSlots slots{slot_blk, slot_off, n_slots, s.kv_heads, block_size, s.head_dim};
+  const float* final_norm = head != nullptr ? head->norm.data_ptr<float>() : nullptr;
+  char* const kv_base = static_cast<char*>(kv_cache.data_ptr());
+  const int64_t cache_bytes = kv_cache.stride(1) * kv_cache.element_size();  // one layer's K (or V) cache
+  float* xp = x.data_ptr<float>();
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  // Thread 0's activations: the normed stream, the attention's output, the MLP's product.
+  normed_.resize(rows * hidden), attn_.resize(rows * q_size), act_.resize(rows * inter);
+  float* yp[5];
+  for (int j = 0; j < 5; ++j) yp[j] = y[j].defined() ? y[j].data_ptr<float>() : nullptr;
+
   std::atomic<int64_t> ready{0};  // the stages thread 0 has finished its serial part of
   std::atomic<bool> failed{false};
   std::exception_ptr error;
   std::vector<Clock::time_point> done(threads + 1);
-  at::Tensor h;  // thread 0's: the activations the next projection multiplies
+  const float* h = nullptr;  // thread 0's: the activations the next projection multiplies
 
 #pragma omp parallel num_threads(threads)
   {
@@ -119,14 +206,12 @@ at::Tensor OverlappedStack::forward(const std::vector<Layer>& layers, const Head
     // Worker t's share of stage `st`'s projection into its caches while thread 0 has not
     // finished the serial part of stage `now`, up to `budget` bytes; returns the budget left.
     auto warm = [&](int64_t st, int64_t now, int64_t budget) {
-      const Projection& p = *order[st];
-      const auto [b, e] = share(p.num_panels(), lead_[st], t, nt);
-      const char* codes = static_cast<const char*>(p.codes.data_ptr());
-      const char* scales = static_cast<const char*>(p.scales.data_ptr());
-      const int64_t cb = p.codes_per_panel(), sb = p.scales_per_panel();
+      const Stage& p = stages_[st];
+      const auto [b, e] = share(p.num_panels, lead_[st], t, nt);
+      const int64_t cb = p.codes_bytes, sb = p.scales_bytes;
       for (int64_t q = b; q < e && budget > 0 && ready.load(std::memory_order_acquire) <= now; ++q) {
-        touch_lines(codes + q * cb, cb);
-        touch_lines(scales + q * sb, sb);
+        touch_lines(p.codes + q * cb, cb);
+        touch_lines(p.scales + q * sb, sb);
         budget -= cb + sb;
       }
       return budget;
@@ -134,16 +219,15 @@ at::Tensor OverlappedStack::forward(const std::vector<Layer>& layers, const Head
     // Stage `st`: thread 0 runs `serial` (which leaves h) and quantizes h, while the others
     // load their share of its projection, then of the next one; then all compute their shares
     // into `out`.
-    auto run_stage = [&](int64_t st, const at::Tensor& out, auto&& serial) {
-      const Projection& p = *order[st];
+    auto run_stage = [&](int64_t st, float* out, auto&& serial) {
+      const Stage& p = stages_[st];
       int64_t& lead = lead_[st];
-      const int64_t k = p.k();
+      const int64_t k = p.k;
       if (t == 0) {
         if (!failed.load(std::memory_order_relaxed)) {
           try {
             serial();
-            TORCH_CHECK(h.is_contiguous() && h.size(0) == rows && h.size(1) == k, "activations [rows, ", k, "]");
-            quantize_(h.data_ptr<float>(), rows, k, q_.data(), d_.data(), s_.data(), sum_.data());
+            quantize_(h, rows, k, q_.data(), d_.data(), s_.data(), sum_.data());
           } catch (...) {
             error = std::current_exception();
             failed.store(true, std::memory_order_relaxed);
@@ -156,9 +240,8 @@ at::Tensor OverlappedStack::forward(const std::vector<Layer>& layers, const Head
         for (int64_t spins = 0; ready.load(std::memory_order_acquire) <= st;) relax(spins);
       }
       if (!failed.load(std::memory_order_relaxed)) {
-        const auto [b, e] = share(p.num_panels(), lead, t, nt);
-        p.panels(p.codes.data_ptr(), p.scales.data_ptr(), p.n, k, q_.data(), d_.data(), s_.data(), sum_.data(),
-                 out.data_ptr<float>(), rows, b, e);
+        const auto [b, e] = share(p.num_panels, lead, t, nt);
+        p.panels(p.codes, p.scales, p.n, k, q_.data(), d_.data(), s_.data(), sum_.data(), out, rows, b, e);
       }
       done[t] = Clock::now();
 #pragma omp barrier
@@ -166,28 +249,51 @@ at::Tensor OverlappedStack::forward(const std::vector<Layer>& layers, const Head
         Clock::time_point others = done[1];
         for (int w = 2; w < nt; ++w) others = std::max(others, done[w]);
         if (done[0] > others && lead > 0) --lead;
-        else if (done[0] < others && lead < p.num_panels()) ++lead;
+        else if (done[0] < others && lead < p.num_panels) ++lead;
       }
     };
 
     for (int64_t i = 0; i < n_layers; ++i) {
-      const Layer& l = layers[i];
-      run_stage(4 * i, y[0], [&] {
-        if (i > 0) x.add_(y[3]);  // the previous layer's MLP output into the residual stream
-        h = rms_norm(x, l.input_norm, s.eps);
+      const LayerPtrs& l = layer_ptrs_[i];
+      run_stage(4 * i, yp[0], [&] {
+        // the previous layer's MLP output into the residual stream, then the input norm
+        raw::add_rms_norm(xp, hidden, i > 0 ? yp[3] : nullptr, hidden, l.input_norm, normed_.data(), rows, hidden,
+                          static_cast<float>(s.eps));
+        h = normed_.data();
       });
-      run_stage(4 * i + 1, y[1], [&] {
-        h = attend(l, s, i, y[0], cos, sin, kv_cache, slot_blocks, slot_offsets, block_tables, seq_lens, scale)
-                .view({rows, s.heads * s.head_dim});
+      run_stage(4 * i + 1, yp[1], [&] {
+        float* qkv = yp[0];
+        const int64_t w = first.qkv.n;  // a row of qkv: q | k | v
+        raw::rotary(qkv, rows, s.heads, s.head_dim, w, s.head_dim, cp, sp);
+        raw::rotary(qkv + q_size, rows, s.kv_heads, s.head_dim, w, s.head_dim, cp, sp);
+        char *k_cache = kv_base + 2 * i * cache_bytes, *v_cache = k_cache + cache_bytes;
+        if (int8_cache)
+          raw::kv_write_int8(reinterpret_cast<int8_t*>(k_cache), reinterpret_cast<int8_t*>(v_cache), l.k_scales,
+                             l.v_scales, qkv + q_size, w, s.head_dim, qkv + q_size + kv_size, w, s.head_dim, slots);
+        else
+          raw::kv_write(reinterpret_cast<float*>(k_cache), reinterpret_cast<float*>(v_cache), qkv + q_size, w,
+                        s.head_dim, qkv + q_size + kv_size, w, s.head_dim, slots);
+        raw::paged_decode_attention({qkv, w, attn_.data(), k_cache, v_cache, l.k_scales, l.v_scales, tables,
+                                     max_blocks, lens, rows, s.heads, s.kv_heads, block_size, s.head_dim,
+                                     scale});
+        h = attn_.data();
       });
-      run_stage(4 * i + 2, y[2], [&] { h = add_rms_norm(x, y[1], l.post_norm, s.eps); });
-      run_stage(4 * i + 3, y[3], [&] { h = silu_mul(y[2]); });
+      run_stage(4 * i + 2, yp[2], [&] {
+        raw::add_rms_norm(xp, hidden, yp[1], hidden, l.post_norm, normed_.data(), rows, hidden,
+                          static_cast<float>(s.eps));
+        h = normed_.data();
+      });
+      run_stage(4 * i + 3, yp[3], [&] {
+        raw::silu_mul(yp[2], first.gate_up.n, act_.data(), rows, inter);
+        h = act_.data();
+      });
       if (failed.load(std::memory_order_relaxed)) break;  // read after the stage's barrier: all agree
     }
     if (head != nullptr && !failed.load(std::memory_order_relaxed))
-      run_stage(n_stages - 1, y[4], [&] {
-        x.add_(y[3]);
-        h = rms_norm(x, head->norm, s.eps);
+      run_stage(n_stages - 1, yp[4], [&] {
+        raw::add_rms_norm(xp, hidden, yp[3], hidden, final_norm, normed_.data(), rows, hidden,
+                          static_cast<float>(s.eps));
+        h = normed_.data();
       });
   }
   if (error) std::rethrow_exception(error);

@@ -76,6 +76,23 @@ class OverlappedStack {
   int64_t steps() const { return steps_; }  // forward calls so far
 
  private:
+  // What each stage's projection reads and each layer's serial work needs, as raw pointers: the
+  // region touches no tensor. Built (and checked) on the first forward for these layers and this
+  // head (its lm_head's codes, or null).
+  struct Stage {
+    PanelsFn panels;
+    const char *codes, *scales;
+    int64_t n, k, num_panels, codes_bytes, scales_bytes;  // the last two: per panel
+  };
+  struct LayerPtrs {
+    const float *input_norm, *post_norm;
+    at::BFloat16 *k_scales, *v_scales;  // null for a float cache
+  };
+  void prepare(const std::vector<Layer>& layers, const Head* head, const StackShape& s, int64_t hidden);
+  std::vector<Stage> stages_;
+  std::vector<LayerPtrs> layer_ptrs_;
+  const void* prepared_head_ = nullptr;
+  size_t prepared_layers_ = 0;
   int64_t steps_ = 0;
   QuantizeFn quantize_ = nullptr;
   // Whether p has a panel-range form from the module of `quantize` (and its panels' layout).
@@ -84,4 +101,5 @@ class OverlappedStack {
   std::vector<int8_t> q_;      // the activations of the projection about to run, quantized
   std::vector<float> d_, s_;
   std::vector<int32_t> sum_;
+  std::vector<float> normed_, attn_, act_;  // thread 0's activations between the stages
 };

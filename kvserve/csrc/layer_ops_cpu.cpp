@@ -10,6 +10,8 @@
 // bfloat16 tensors (a `--dtype bfloat16` model) are widened to float32 as they are read, each
 // op computes in float32 and its result is rounded to bfloat16 once, as it is stored (vLLM's
 // CPU ops do the same); the torch path rounds after every ATen op instead.
+#include "cpu_kernels.h"
+
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -51,6 +53,50 @@ inline void rms_norm_row(const T* x, const T* w, T* out, int64_t d, float eps) {
   for (int64_t i = 0; i < d; ++i) st(out + i, (ld(x + i) * r) * ld(w + i));
 }
 
+// Rows [0, rows) of the ops below (row r of x at x + r * sx, of out at out + r * d): the loops
+// every form shares, the tensors' on either dtype and raw:: on float32 buffers.
+template <typename T>
+inline void add_rms_norm_rows(T* x, int64_t sx, const T* delta, int64_t sd, const T* w, T* out, int64_t rows,
+                              int64_t d, float eps) {
+  for (int64_t r = 0; r < rows; ++r) {
+    T* xr = x + r * sx;
+    if (delta != nullptr) {
+      const T* dr = delta + r * sd;
+      for (int64_t i = 0; i < d; ++i) st(xr + i, ld(xr + i) + ld(dr + i));  // the stream, rounded
+    }
+    rms_norm_row(xr, w, out + r * d, d, eps);
+  }
+}
+
+template <typename T>
+inline void rotary_rows(T* x, int64_t rows, int64_t heads, int64_t hd, int64_t sr, int64_t sh, const T* cp,
+                        const T* sp) {
+  const int64_t half = hd / 2;
+  for (int64_t r = 0; r < rows; ++r) {
+    const T *c = cp + r * hd, *s = sp + r * hd;
+    for (int64_t h = 0; h < heads; ++h) {
+      T* v = x + r * sr + h * sh;
+      for (int64_t i = 0; i < half; ++i) {
+        const float x1 = ld(v + i), x2 = ld(v + i + half);
+        st(v + i, x1 * ld(c + i) - x2 * ld(s + i));
+        st(v + i + half, x2 * ld(c + i + half) + x1 * ld(s + i + half));
+      }
+    }
+  }
+}
+
+template <typename T>
+inline void silu_mul_rows(const T* gate_up, int64_t sg, T* out, int64_t rows, int64_t inter) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const T *g = gate_up + r * sg, *u = g + inter;
+    T* o = out + r * inter;
+    for (int64_t i = 0; i < inter; ++i) {
+      const float gi = ld(g + i);
+      st(o + i, gi / (1.f + std::exp(-gi)) * ld(u + i));
+    }
+  }
+}
+
 // Runs fn.template operator()<T>() with T the C++ type of a float32 / bfloat16 tensor.
 template <typename Fn>
 void dispatch(const torch::Tensor& t, Fn&& fn) {
@@ -58,6 +104,50 @@ void dispatch(const torch::Tensor& t, Fn&& fn) {
   else fn(float{});
 }
 
+}  // namespace
+
+// Not inlined: the tensors' float32 forms call these very functions, so both take the same
+// compiled loops (-ffast-math leaves the compiler free to vectorize each copy its own way).
+namespace raw {
+__attribute__((noinline)) void add_rms_norm(float* x, int64_t sx, const float* delta, int64_t sd, const float* w,
+                                            float* out, int64_t rows, int64_t d, float eps) {
+  add_rms_norm_rows(x, sx, delta, sd, w, out, rows, d, eps);
+}
+
+__attribute__((noinline)) void rotary(float* x, int64_t rows, int64_t heads, int64_t hd, int64_t sr, int64_t sh,
+                                      const float* cos, const float* sin) {
+  rotary_rows(x, rows, heads, hd, sr, sh, cos, sin);
+}
+
+__attribute__((noinline)) void silu_mul(const float* gate_up, int64_t sg, float* out, int64_t rows, int64_t inter) {
+  silu_mul_rows(gate_up, sg, out, rows, inter);
+}
+}  // namespace raw
+
+namespace {
+// The float32 forms through raw::, the bfloat16 ones through the templates.
+inline void add_rms_norm_any(float* x, int64_t sx, const float* delta, int64_t sd, const float* w, float* out,
+                             int64_t rows, int64_t d, float eps) {
+  raw::add_rms_norm(x, sx, delta, sd, w, out, rows, d, eps);
+}
+inline void add_rms_norm_any(at::BFloat16* x, int64_t sx, const at::BFloat16* delta, int64_t sd,
+                             const at::BFloat16* w, at::BFloat16* out, int64_t rows, int64_t d, float eps) {
+  add_rms_norm_rows(x, sx, delta, sd, w, out, rows, d, eps);
+}
+inline void rotary_any(float* x, int64_t rows, int64_t heads, int64_t hd, int64_t sr, int64_t sh, const float* c,
+                       const float* s) {
+  raw::rotary(x, rows, heads, hd, sr, sh, c, s);
+}
+inline void rotary_any(at::BFloat16* x, int64_t rows, int64_t heads, int64_t hd, int64_t sr, int64_t sh,
+                       const at::BFloat16* c, const at::BFloat16* s) {
+  rotary_rows(x, rows, heads, hd, sr, sh, c, s);
+}
+inline void silu_mul_any(const float* g, int64_t sg, float* out, int64_t rows, int64_t inter) {
+  raw::silu_mul(g, sg, out, rows, inter);
+}
+inline void silu_mul_any(const at::BFloat16* g, int64_t sg, at::BFloat16* out, int64_t rows, int64_t inter) {
+  silu_mul_rows(g, sg, out, rows, inter);
+}
 }  // namespace
 
 // RMSNorm of each row of x [rows, d] with weight w [d] (same dtype); returns a new tensor.
@@ -69,10 +159,11 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   const int64_t d = x.size(1), sx = x.stride(0);
   dispatch(x, [&](auto tag) {
     using T = decltype(tag);
-    const T *xp = x.data_ptr<T>(), *wp = w.data_ptr<T>();
-    T* op = out.data_ptr<T>();
+    T *xp = x.data_ptr<T>(), *op = out.data_ptr<T>();
+    const T* wp = w.data_ptr<T>();
     at::parallel_for(0, x.size(0), kRowGrain, [&](int64_t a, int64_t b) {
-      for (int64_t r = a; r < b; ++r) rms_norm_row(xp + r * sx, wp, op + r * d, d, static_cast<float>(eps));
+      add_rms_norm_any(xp + a * sx, sx, static_cast<const T*>(nullptr), 0, wp, op + a * d, b - a, d,
+                       static_cast<float>(eps));
     });
   });
   return out;
@@ -94,12 +185,7 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor w
     const T *dp = delta.data_ptr<T>(), *wp = w.data_ptr<T>();
     T* op = out.data_ptr<T>();
     at::parallel_for(0, x.size(0), kRowGrain, [&](int64_t a, int64_t b) {
-      for (int64_t r = a; r < b; ++r) {
-        T* xr = xp + r * sx;
-        const T* dr = dp + r * sd;
-        for (int64_t i = 0; i < d; ++i) st(xr + i, ld(xr + i) + ld(dr + i));  // the stream, rounded
-        rms_norm_row(xr, wp, op + r * d, d, static_cast<float>(eps));
-      }
+      add_rms_norm_any(xp + a * sx, sx, dp + a * sd, sd, wp, op + a * d, b - a, d, static_cast<float>(eps));
     });
   });
   return out;
@@ -117,25 +203,49 @@ void rotary_inplace(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == x.size(0) * x.size(2) &&
                   sin.numel() == cos.numel(),
               "cos/sin: contiguous [rows, head_dim]");
-  const int64_t heads = x.size(1), hd = x.size(2), half = hd / 2, sr = x.stride(0), sh = x.stride(1);
+  const int64_t heads = x.size(1), hd = x.size(2), sr = x.stride(0), sh = x.stride(1);
   dispatch(x, [&](auto tag) {
     using T = decltype(tag);
     T* xp = x.data_ptr<T>();
     const T *cp = cos.data_ptr<T>(), *sp = sin.data_ptr<T>();
     at::parallel_for(0, x.size(0), kRowGrain, [&](int64_t a, int64_t b) {
-      for (int64_t r = a; r < b; ++r) {
-        const T *c = cp + r * hd, *s = sp + r * hd;
-        for (int64_t h = 0; h < heads; ++h) {
-          T* v = xp + r * sr + h * sh;
-          for (int64_t i = 0; i < half; ++i) {
-            const float x1 = ld(v + i), x2 = ld(v + i + half);
-            st(v + i, x1 * ld(c + i) - x2 * ld(s + i));
-            st(v + i + half, x2 * ld(c + i + half) + x1 * ld(s + i + half));
-          }
-        }
-      }
+      rotary_any(xp + a * sr, b - a, heads, hd, sr, sh, cp + a * hd, sp + a * hd);
     });
   });
+}
+
+namespace {
+// Rows [a, b) of kv_write: k and v rows / heads at byte strides, elements of esize bytes.
+inline void kv_write_rows(char* kc, char* vc, const char* kp, int64_t sk0, int64_t sk1, const char* vp, int64_t sv0,
+                          int64_t sv1, int64_t esize, const raw::KvSlots& slots, int64_t a, int64_t b) {
+  const int64_t kvh = slots.kv_heads, bs = slots.block_size, hd = slots.head_dim;
+  const int64_t *blk = slots.blk, *off = slots.off;
+  // Every destination line asked for (for writing) before the first copy: each row lands in
+  // its own cold block, and one miss at a time cost ~36 us for a 64-row decode step.
+  for (int64_t t = a; t < b; ++t)
+    for (int64_t h = 0; h < kvh; ++h) {
+      const int64_t dst = ((blk[t] * kvh + h) * bs + off[t]) * hd * esize;
+      for (int64_t o = 0; o < hd * esize; o += 64) {
+        __builtin_prefetch(kc + dst + o, 1, 3);
+        __builtin_prefetch(vc + dst + o, 1, 3);
+      }
+    }
+  for (int64_t t = a; t < b; ++t) {
+    for (int64_t h = 0; h < kvh; ++h) {
+      const int64_t dst = ((blk[t] * kvh + h) * bs + off[t]) * hd * esize;
+      std::memcpy(kc + dst, kp + t * sk0 + h * sk1, hd * esize);
+      std::memcpy(vc + dst, vp + t * sv0 + h * sv1, hd * esize);
+    }
+  }
+}
+}  // namespace
+
+void raw::kv_write(float* k_cache, float* v_cache, const float* k, int64_t sk0, int64_t sk1, const float* v,
+                   int64_t sv0, int64_t sv1, const KvSlots& slots) {
+  constexpr int64_t e = sizeof(float);
+  kv_write_rows(reinterpret_cast<char*>(k_cache), reinterpret_cast<char*>(v_cache),
+                reinterpret_cast<const char*>(k), sk0 * e, sk1 * e, reinterpret_cast<const char*>(v), sv0 * e,
+                sv1 * e, e, slots, 0, slots.n);
 }
 
 // Stores the first len(slot_blocks) rows of k and v [rows, kv_heads, head_dim] into the
@@ -153,28 +263,14 @@ void kv_write(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, tor
   TORCH_CHECK(k.size(0) >= n && v.size(0) >= n && k.size(1) == kvh && k.size(2) == hd, "k/v shape");
   const int64_t esize = k.element_size(), nblocks = k_cache.size(0);
   const int64_t *blk = slot_blocks.data_ptr<int64_t>(), *off = slot_offsets.data_ptr<int64_t>();
-  char *kc = static_cast<char*>(k_cache.data_ptr()), *vc = static_cast<char*>(v_cache.data_ptr());
-  const char *kp = static_cast<const char*>(k.data_ptr()), *vp = static_cast<const char*>(v.data_ptr());
   for (int64_t t = 0; t < n; ++t)
     TORCH_CHECK(blk[t] >= 0 && blk[t] < nblocks && off[t] >= 0 && off[t] < bs, "slot out of range");
+  const raw::KvSlots slots{blk, off, n, kvh, bs, hd};
+  char *kc = static_cast<char*>(k_cache.data_ptr()), *vc = static_cast<char*>(v_cache.data_ptr());
+  const char *kp = static_cast<const char*>(k.data_ptr()), *vp = static_cast<const char*>(v.data_ptr());
   at::parallel_for(0, n, kRowGrain * 4, [&](int64_t a, int64_t b) {
-    // Every destination line asked for (for writing) before the first copy: each row lands in
-    // its own cold block, and one miss at a time cost ~36 us for a 64-row decode step.
-    for (int64_t t = a; t < b; ++t)
-      for (int64_t h = 0; h < kvh; ++h) {
-        const int64_t dst = ((blk[t] * kvh + h) * bs + off[t]) * hd * esize;
-        for (int64_t o = 0; o < hd * esize; o += 64) {
-          __builtin_prefetch(kc + dst + o, 1, 3);
-          __builtin_prefetch(vc + dst + o, 1, 3);
-        }
-      }
-    for (int64_t t = a; t < b; ++t) {
-      for (int64_t h = 0; h < kvh; ++h) {
-        const int64_t dst = ((blk[t] * kvh + h) * bs + off[t]) * hd * esize;
-        std::memcpy(kc + dst, kp + (t * k.stride(0) + h * k.stride(1)) * esize, hd * esize);
-        std::memcpy(vc + dst, vp + (t * v.stride(0) + h * v.stride(1)) * esize, hd * esize);
-      }
-    }
+    kv_write_rows(kc, vc, kp, k.stride(0) * esize, k.stride(1) * esize, vp, v.stride(0) * esize,
+                  v.stride(1) * esize, esize, slots, a, b);
   });
 }
 
@@ -236,6 +332,28 @@ at::BFloat16 quantize_head_int8(T* x, int64_t hd, int8_t* c, bool round_trip) {
   return s;
 }
 
+// One side (K or V) of kv_write_int8: its head vectors (row and head strides) and the cache's
+// codes and scales.
+template <typename T>
+struct Int8Side {
+  T* x;
+  int64_t s0, s1;
+  int8_t* codes;
+  at::BFloat16* scales;
+};
+
+template <typename T>
+void kv_write_int8_rows(const Int8Side<T> (&sides)[2], const raw::KvSlots& slots, int64_t a, int64_t b,
+                        bool round_trip) {
+  const int64_t kvh = slots.kv_heads, bs = slots.block_size, hd = slots.head_dim;
+  for (int64_t t = a; t < b; ++t)
+    for (const Int8Side<T>& side : sides)
+      for (int64_t h = 0; h < kvh; ++h) {
+        const int64_t slot = (slots.blk[t] * kvh + h) * bs + slots.off[t];
+        side.scales[slot] = quantize_head_int8(side.x + t * side.s0 + h * side.s1, hd, side.codes + slot * hd, round_trip);
+      }
+}
+
 }  // namespace
 
 void kv_write_int8(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k_scales, torch::Tensor v_scales,
@@ -261,25 +379,21 @@ void kv_write_int8(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k
   const int64_t *blk = slot_blocks.data_ptr<int64_t>(), *off = slot_offsets.data_ptr<int64_t>();
   for (int64_t t = 0; t < n; ++t)
     TORCH_CHECK(blk[t] >= 0 && blk[t] < nblocks && off[t] >= 0 && off[t] < bs, "slot out of range");
+  const raw::KvSlots slots{blk, off, n, kvh, bs, hd};
   dispatch(k, [&](auto tag) {
     using T = decltype(tag);
-    struct Side {
-      T* x;
-      int64_t s0, s1;
-      int8_t* codes;
-      at::BFloat16* scales;
-    };
-    const Side sides[2] = {{k.data_ptr<T>(), k.stride(0), k.stride(1), k_cache.data_ptr<int8_t>(), k_scales.data_ptr<at::BFloat16>()},
-                           {v.data_ptr<T>(), v.stride(0), v.stride(1), v_cache.data_ptr<int8_t>(), v_scales.data_ptr<at::BFloat16>()}};
-    at::parallel_for(0, n, kRowGrain * 4, [&](int64_t a, int64_t b) {
-      for (int64_t t = a; t < b; ++t)
-        for (const Side& side : sides)
-          for (int64_t h = 0; h < kvh; ++h) {
-            const int64_t slot = (blk[t] * kvh + h) * bs + off[t];
-            side.scales[slot] = quantize_head_int8(side.x + t * side.s0 + h * side.s1, hd, side.codes + slot * hd, round_trip);
-          }
-    });
+    const Int8Side<T> sides[2] = {
+        {k.data_ptr<T>(), k.stride(0), k.stride(1), k_cache.data_ptr<int8_t>(), k_scales.data_ptr<at::BFloat16>()},
+        {v.data_ptr<T>(), v.stride(0), v.stride(1), v_cache.data_ptr<int8_t>(), v_scales.data_ptr<at::BFloat16>()}};
+    at::parallel_for(0, n, kRowGrain * 4,
+                     [&](int64_t a, int64_t b) { kv_write_int8_rows(sides, slots, a, b, round_trip); });
   });
+}
+
+void raw::kv_write_int8(int8_t* k_cache, int8_t* v_cache, at::BFloat16* k_scales, at::BFloat16* v_scales, float* k,
+                        int64_t sk0, int64_t sk1, float* v, int64_t sv0, int64_t sv1, const KvSlots& slots) {
+  const Int8Side<float> sides[2] = {{k, sk0, sk1, k_cache, k_scales}, {v, sv0, sv1, v_cache, v_scales}};
+  kv_write_int8_rows(sides, slots, 0, slots.n, false);
 }
 #pragma GCC pop_options
 
@@ -293,14 +407,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
     const T* gp = gate_up.data_ptr<T>();
     T* op = out.data_ptr<T>();
     at::parallel_for(0, gate_up.size(0), kRowGrain, [&](int64_t a, int64_t b) {
-      for (int64_t r = a; r < b; ++r) {
-        const T *g = gp + r * sg, *u = g + inter;
-        T* o = op + r * inter;
-        for (int64_t i = 0; i < inter; ++i) {
-          const float gi = ld(g + i);
-          st(o + i, gi / (1.f + std::exp(-gi)) * ld(u + i));
-        }
-      }
+      silu_mul_any(gp + a * sg, sg, op + a * inter, b - a, inter);
     });
   });
   return out;

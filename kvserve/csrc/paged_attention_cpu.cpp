@@ -8,6 +8,8 @@
 // A 1-byte cache (fp8 e4m3 or int8 codes) comes with one bfloat16 scale per token and kv
 // head; each block's slice is dequantized into a small float buffer before use, so the
 // arithmetic below is the same for every cache type.
+#include "cpu_kernels.h"
+
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Float8_e4m3fn.h>
@@ -302,31 +304,202 @@ inline void block_values_rows(const float*, const at::BFloat16*, int64_t, const 
 constexpr int kWideLanes = 0;
 #endif
 
+// One call's operands as the loops read them: q rows (q_stride apart), out [seqs, heads,
+// head_dim], the caches and, for a 1-byte one, their scales.
+template <typename T, typename C>
+struct Decode {
+  const T* q;
+  int64_t q_stride;
+  T* out;
+  const C *k, *v;
+  const at::BFloat16 *ks, *vs;
+  const int64_t* tables;
+  int64_t max_blocks;
+  const int64_t* lens;
+  int64_t heads, kv_heads, block_size, head_dim;
+  double scale;
+};
+
+// A thread's buffers, reused across its items.
+struct Scratch {
+  std::vector<float> qf, acc, scores, buf;
+};
+
+// Work items [begin, end) (item = sequence * kv_heads + kv head) on this thread.
 template <typename T, typename C, int HD>
-void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                   const torch::Tensor& k_scale, const torch::Tensor& v_scale,
-                   const torch::Tensor& block_tables, const torch::Tensor& seq_lens, torch::Tensor& out,
-                   double scale) {
+void decode_items(const Decode<T, C>& a, int64_t begin, int64_t end, Scratch& sc) {
   // KV element type as the loops read it: the cache's own, or float after dequantizing.
   using K = std::conditional_t<is_quantized<C>(), float, C>;
   // An int8 cache through the block loops above (AVX-512's 16 lanes or AVX2's 8: HD a multiple
   // of them, at most kMaxWideGroup query heads per kv head), and on AVX2 a float32 one too.
   constexpr bool wide_type = kWideLanes > 0 && std::is_same_v<C, int8_t> && HD > 0 && HD % std::max(kWideLanes, 1) == 0;
-  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = HD > 0 ? HD : q.size(2);
-  const int64_t num_kv_heads = k_cache.size(1), block_size = k_cache.size(2);
-  const int64_t group = num_heads / num_kv_heads, max_blocks = block_tables.size(1);
+  const int64_t num_heads = a.heads, head_dim = HD > 0 ? HD : a.head_dim;
+  const int64_t num_kv_heads = a.kv_heads, block_size = a.block_size;
+  const int64_t group = num_heads / num_kv_heads, max_blocks = a.max_blocks;
   const bool wide = wide_type && group <= kMaxWideGroup;
   constexpr bool wide_float = kWideLanes == 8 && std::is_same_v<C, float> && HD > 0 && HD % 8 == 0;
-  const T* qp = q.data_ptr<T>();
-  const C* kp = k_cache.data_ptr<C>();
-  const C* vp = v_cache.data_ptr<C>();
-  const at::BFloat16* ksp = is_quantized<C>() ? k_scale.data_ptr<at::BFloat16>() : nullptr;
-  const at::BFloat16* vsp = is_quantized<C>() ? v_scale.data_ptr<at::BFloat16>() : nullptr;
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  T* op = out.data_ptr<T>();
+  const T* qp = a.q;
+  const C* kp = a.k;
+  const C* vp = a.v;
+  const at::BFloat16* ksp = a.ks;
+  const at::BFloat16* vsp = a.vs;
+  const int64_t* tables = a.tables;
+  const int64_t* lens = a.lens;
+  T* op = a.out;
+  const double scale = a.scale;
   const int64_t block_stride = num_kv_heads * block_size * head_dim;
+  std::vector<float>&qf = sc.qf, &acc = sc.acc, &scores = sc.scores, &buf = sc.buf;
+  qf.resize(group * head_dim);
+  acc.resize(group * head_dim);
+  buf.resize(is_quantized<C>() ? block_size * head_dim : 0);
+  for (int64_t item = begin; item < end; ++item) {
+    const int64_t s = item / num_kv_heads, kh = item % num_kv_heads, len = lens[s];
+    const int64_t* table = tables + s * max_blocks;
+    for (int64_t g = 0; g < group; ++g)
+      for (int64_t d = 0; d < head_dim; ++d)
+        qf[g * head_dim + d] = static_cast<float>(qp[s * a.q_stride + (kh * group + g) * head_dim + d]) * scale;
+    scores.assign(group * len, 0.f);
+    const int64_t num_blocks = (len + block_size - 1) / block_size;
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      const int64_t slice = table[b] * num_kv_heads * block_size + kh * block_size;  // first row
+      const int64_t n = std::min(block_size, len - b * block_size);
+      // The next block's keys (or the next item's first ones) to L1, this block's values to L2.
+      if (b + 1 < num_blocks) {
+        const int64_t next = table[b + 1] * num_kv_heads * block_size + kh * block_size;
+        prefetch_bytes<3>(kp + next * head_dim, block_size * head_dim * sizeof(C));
+        if constexpr (is_quantized<C>()) prefetch_bytes<3>(ksp + next, block_size * 2);
+      } else if (item + 1 < end) {
+        const int64_t s2 = (item + 1) / num_kv_heads, kh2 = (item + 1) % num_kv_heads;
+        const int64_t next = tables[s2 * max_blocks] * num_kv_heads * block_size + kh2 * block_size;
+        prefetch_bytes<3>(kp + next * head_dim, block_size * head_dim * sizeof(C));
+      }
+      prefetch_bytes<2>(vp + slice * head_dim, n * head_dim * sizeof(C));
+      if constexpr (is_quantized<C>()) prefetch_bytes<2>(vsp + slice, n * 2);
+      // And the keys two blocks ahead to L2: one block of a float cache is ~100 ns of work, less
+      // than its next block's trip from memory (0.80-0.88x the time with a float32 cache; an
+      // int8 one, its blocks a quarter the bytes and its work per byte higher, unchanged).
+      if (b + 2 < num_blocks) {
+        const int64_t far = table[b + 2] * num_kv_heads * block_size + kh * block_size;
+        prefetch_bytes<2>(kp + far * head_dim, block_size * head_dim * sizeof(C));
+        if constexpr (is_quantized<C>()) prefetch_bytes<2>(ksp + far, block_size * 2);
+      }
+      const K* kb;
+      if constexpr (wide_float) {
+        block_scores<HD>(kp + slice * head_dim, nullptr, n, qf.data(), group, scores.data() + b * block_size, len);
+        continue;
+      }
+      if constexpr (wide_type) {
+        if (wide) {
+          int8_block_scores<HD>(kp + slice * head_dim, ksp + slice, n, qf.data(), group,
+                                scores.data() + b * block_size, len, buf.data());
+          continue;
+        }
+      }
+      if constexpr (is_quantized<C>()) {
+        dequantize_rows(kp + slice * head_dim, ksp + slice, n, head_dim, buf.data());
+        kb = buf.data();
+      } else {
+        kb = kp + table[b] * block_stride + kh * block_size * head_dim;
+      }
+      float* srow = scores.data() + b * block_size;
+      for (int64_t g = 0; g < group; ++g) {
+        const float* qg = qf.data() + g * head_dim;
+        int64_t o = 0;
+        // Four keys at a time: independent accumulators keep the FMA units busy.
+        for (; o + 4 <= n; o += 4) {
+          const K* k0 = kb + o * head_dim;
+          float d0 = 0.f, d1 = 0.f, d2 = 0.f, d3 = 0.f;
+          for (int64_t d = 0; d < head_dim; ++d) {
+            const float x = qg[d];
+            d0 += x * static_cast<float>(k0[d]);
+            d1 += x * static_cast<float>(k0[head_dim + d]);
+            d2 += x * static_cast<float>(k0[2 * head_dim + d]);
+            d3 += x * static_cast<float>(k0[3 * head_dim + d]);
+          }
+          srow[g * len + o] = d0;
+          srow[g * len + o + 1] = d1;
+          srow[g * len + o + 2] = d2;
+          srow[g * len + o + 3] = d3;
+        }
+        for (; o < n; ++o) {
+          const K* kr = kb + o * head_dim;
+          float dot = 0.f;
+          for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * static_cast<float>(kr[d]);
+          srow[g * len + o] = dot;
+        }
+      }
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      float* sg = scores.data() + g * len;
+      const float mx = *std::max_element(sg, sg + len);
+      float sum = 0.f;
+      for (int64_t t = 0; t < len; ++t) {
+        sg[t] = std::exp(sg[t] - mx);
+        sum += sg[t];
+      }
+      const float inv = 1.f / sum;
+      for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
+    }
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      const int64_t slice = table[b] * num_kv_heads * block_size + kh * block_size;
+      const int64_t n = std::min(block_size, len - b * block_size);
+      if constexpr (wide_float) {
+        block_values_rows<HD>(vp + slice * head_dim, nullptr, n, scores.data() + b * block_size, group, len, acc.data());
+        continue;
+      }
+      if constexpr (wide_type) {
+        if (wide) {
+          block_values<HD>(vp + slice * head_dim, vsp + slice, n, scores.data() + b * block_size, group, len,
+                           acc.data(), buf.data());
+          continue;
+        }
+      }
+      const K* vb;
+      if constexpr (is_quantized<C>()) {
+        dequantize_rows(vp + slice * head_dim, vsp + slice, n, head_dim, buf.data());
+        vb = buf.data();
+      } else {
+        vb = vp + table[b] * block_stride + kh * block_size * head_dim;
+      }
+      // Four keys per pass over a head's accumulator: one load and one store of it per four
+      // keys rather than per key (benchmarks/bench_paged_attention.py, 32 sequences of 164
+      // tokens: int8 cache 0.32 -> 0.26 ms a call, fp32 0.295 -> 0.27-0.28).
+      for (int64_t g = 0; g < group; ++g) {
+        const float* pg = scores.data() + g * len + b * block_size;
+        float* __restrict__ ag = acc.data() + g * head_dim;
+        int64_t o = 0;
+        for (; o + 4 <= n; o += 4) {
+          const K* __restrict__ v0 = vb + o * head_dim;
+          const float p0 = pg[o], p1 = pg[o + 1], p2 = pg[o + 2], p3 = pg[o + 3];
+          for (int64_t d = 0; d < head_dim; ++d)
+            ag[d] += p0 * static_cast<float>(v0[d]) + p1 * static_cast<float>(v0[head_dim + d]) +
+                     p2 * static_cast<float>(v0[2 * head_dim + d]) + p3 * static_cast<float>(v0[3 * head_dim + d]);
+        }
+        for (; o < n; ++o) {
+          const K* __restrict__ vr = vb + o * head_dim;
+          for (int64_t d = 0; d < head_dim; ++d) ag[d] += pg[o] * static_cast<float>(vr[d]);
+        }
+      }
+    }
+    for (int64_t g = 0; g < group; ++g)
+      for (int64_t d = 0; d < head_dim; ++d)
+        op[(s * num_heads + kh * group + g) * head_dim + d] = static_cast<T>(acc[g * head_dim + d]);
+  }
+}
 
+template <typename T, typename C, int HD>
+void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                   const torch::Tensor& k_scale, const torch::Tensor& v_scale,
+                   const torch::Tensor& block_tables, const torch::Tensor& seq_lens, torch::Tensor& out,
+                   double scale) {
+  const int64_t num_seqs = q.size(0), num_kv_heads = k_cache.size(1), block_size = k_cache.size(2);
+  const Decode<T, C> a{q.data_ptr<T>(), q.size(1) * q.size(2), out.data_ptr<T>(), k_cache.data_ptr<C>(),
+                       v_cache.data_ptr<C>(), is_quantized<C>() ? k_scale.data_ptr<at::BFloat16>() : nullptr,
+                       is_quantized<C>() ? v_scale.data_ptr<at::BFloat16>() : nullptr,
+                       block_tables.data_ptr<int64_t>(), block_tables.size(1), seq_lens.data_ptr<int64_t>(),
+                       q.size(1), num_kv_heads, block_size, q.size(2), scale};
+  const int64_t* lens = a.lens;
   // One contiguous run of items a thread, split by work (an item's blocks, plus one for its
   // fixed steps) rather than by count: a step's rows put the decodes, long, before a prompt
   // chunk's rows, short, and an even count gave one thread the long ones (perf of the c=32
@@ -345,143 +518,8 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
     }
   }
   at::parallel_for(0, parts, 1, [&](int64_t part_begin, int64_t part_end) {
-    const int64_t begin = bounds[part_begin], end = bounds[part_end];
-    std::vector<float> qf(group * head_dim), acc(group * head_dim), scores;
-    std::vector<float> buf(is_quantized<C>() ? block_size * head_dim : 0);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t s = item / num_kv_heads, kh = item % num_kv_heads, len = lens[s];
-      const int64_t* table = tables + s * max_blocks;
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t d = 0; d < head_dim; ++d)
-          qf[g * head_dim + d] = static_cast<float>(qp[(s * num_heads + kh * group + g) * head_dim + d]) * scale;
-      scores.assign(group * len, 0.f);
-      const int64_t num_blocks = (len + block_size - 1) / block_size;
-      for (int64_t b = 0; b < num_blocks; ++b) {
-        const int64_t slice = table[b] * num_kv_heads * block_size + kh * block_size;  // first row
-        const int64_t n = std::min(block_size, len - b * block_size);
-        // The next block's keys (or the next item's first ones) to L1, this block's values to L2.
-        if (b + 1 < num_blocks) {
-          const int64_t next = table[b + 1] * num_kv_heads * block_size + kh * block_size;
-          prefetch_bytes<3>(kp + next * head_dim, block_size * head_dim * sizeof(C));
-          if constexpr (is_quantized<C>()) prefetch_bytes<3>(ksp + next, block_size * 2);
-        } else if (item + 1 < end) {
-          const int64_t s2 = (item + 1) / num_kv_heads, kh2 = (item + 1) % num_kv_heads;
-          const int64_t next = tables[s2 * max_blocks] * num_kv_heads * block_size + kh2 * block_size;
-          prefetch_bytes<3>(kp + next * head_dim, block_size * head_dim * sizeof(C));
-        }
-        prefetch_bytes<2>(vp + slice * head_dim, n * head_dim * sizeof(C));
-        if constexpr (is_quantized<C>()) prefetch_bytes<2>(vsp + slice, n * 2);
-        // And the keys two blocks ahead to L2: one block of a float cache is ~100 ns of work, less
-        // than its next block's trip from memory (0.80-0.88x the time with a float32 cache; an
-        // int8 one, its blocks a quarter the bytes and its work per byte higher, unchanged).
-        if (b + 2 < num_blocks) {
-          const int64_t far = table[b + 2] * num_kv_heads * block_size + kh * block_size;
-          prefetch_bytes<2>(kp + far * head_dim, block_size * head_dim * sizeof(C));
-          if constexpr (is_quantized<C>()) prefetch_bytes<2>(ksp + far, block_size * 2);
-        }
-        const K* kb;
-        if constexpr (wide_float) {
-          block_scores<HD>(kp + slice * head_dim, nullptr, n, qf.data(), group, scores.data() + b * block_size, len);
-          continue;
-        }
-        if constexpr (wide_type) {
-          if (wide) {
-            int8_block_scores<HD>(kp + slice * head_dim, ksp + slice, n, qf.data(), group,
-                                  scores.data() + b * block_size, len, buf.data());
-            continue;
-          }
-        }
-        if constexpr (is_quantized<C>()) {
-          dequantize_rows(kp + slice * head_dim, ksp + slice, n, head_dim, buf.data());
-          kb = buf.data();
-        } else {
-          kb = kp + table[b] * block_stride + kh * block_size * head_dim;
-        }
-        float* srow = scores.data() + b * block_size;
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qg = qf.data() + g * head_dim;
-          int64_t o = 0;
-          // Four keys at a time: independent accumulators keep the FMA units busy.
-          for (; o + 4 <= n; o += 4) {
-            const K* k0 = kb + o * head_dim;
-            float d0 = 0.f, d1 = 0.f, d2 = 0.f, d3 = 0.f;
-            for (int64_t d = 0; d < head_dim; ++d) {
-              const float x = qg[d];
-              d0 += x * static_cast<float>(k0[d]);
-              d1 += x * static_cast<float>(k0[head_dim + d]);
-              d2 += x * static_cast<float>(k0[2 * head_dim + d]);
-              d3 += x * static_cast<float>(k0[3 * head_dim + d]);
-            }
-            srow[g * len + o] = d0;
-            srow[g * len + o + 1] = d1;
-            srow[g * len + o + 2] = d2;
-            srow[g * len + o + 3] = d3;
-          }
-          for (; o < n; ++o) {
-            const K* kr = kb + o * head_dim;
-            float dot = 0.f;
-            for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * static_cast<float>(kr[d]);
-            srow[g * len + o] = dot;
-          }
-        }
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        float* sg = scores.data() + g * len;
-        const float mx = *std::max_element(sg, sg + len);
-        float sum = 0.f;
-        for (int64_t t = 0; t < len; ++t) {
-          sg[t] = std::exp(sg[t] - mx);
-          sum += sg[t];
-        }
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t b = 0; b < num_blocks; ++b) {
-        const int64_t slice = table[b] * num_kv_heads * block_size + kh * block_size;
-        const int64_t n = std::min(block_size, len - b * block_size);
-        if constexpr (wide_float) {
-          block_values_rows<HD>(vp + slice * head_dim, nullptr, n, scores.data() + b * block_size, group, len, acc.data());
-          continue;
-        }
-        if constexpr (wide_type) {
-          if (wide) {
-            block_values<HD>(vp + slice * head_dim, vsp + slice, n, scores.data() + b * block_size, group, len,
-                             acc.data(), buf.data());
-            continue;
-          }
-        }
-        const K* vb;
-        if constexpr (is_quantized<C>()) {
-          dequantize_rows(vp + slice * head_dim, vsp + slice, n, head_dim, buf.data());
-          vb = buf.data();
-        } else {
-          vb = vp + table[b] * block_stride + kh * block_size * head_dim;
-        }
-        // Four keys per pass over a head's accumulator: one load and one store of it per four
-        // keys rather than per key (benchmarks/bench_paged_attention.py, 32 sequences of 164
-        // tokens: int8 cache 0.32 -> 0.26 ms a call, fp32 0.295 -> 0.27-0.28).
-        for (int64_t g = 0; g < group; ++g) {
-          const float* pg = scores.data() + g * len + b * block_size;
-          float* __restrict__ ag = acc.data() + g * head_dim;
-          int64_t o = 0;
-          for (; o + 4 <= n; o += 4) {
-            const K* __restrict__ v0 = vb + o * head_dim;
-            const float p0 = pg[o], p1 = pg[o + 1], p2 = pg[o + 2], p3 = pg[o + 3];
-            for (int64_t d = 0; d < head_dim; ++d)
-              ag[d] += p0 * static_cast<float>(v0[d]) + p1 * static_cast<float>(v0[head_dim + d]) +
-                       p2 * static_cast<float>(v0[2 * head_dim + d]) + p3 * static_cast<float>(v0[3 * head_dim + d]);
-          }
-          for (; o < n; ++o) {
-            const K* __restrict__ vr = vb + o * head_dim;
-            for (int64_t d = 0; d < head_dim; ++d) ag[d] += pg[o] * static_cast<float>(vr[d]);
-          }
-        }
-      }
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t d = 0; d < head_dim; ++d)
-          op[(s * num_heads + kh * group + g) * head_dim + d] = static_cast<T>(acc[g * head_dim + d]);
-    }
+    Scratch scratch;
+    decode_items<T, C, HD>(a, bounds[part_begin], bounds[part_end], scratch);
   });
 }
 
@@ -542,4 +580,22 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
     TORCH_CHECK(false, "paged_decode_attention: float32 or bfloat16 only");
   }
   return out;
+}
+
+void raw::paged_decode_attention(const PagedDecode& p) {
+  thread_local Scratch scratch;  // grown once, then reused step after step
+  const int64_t items = p.seqs * p.kv_heads;
+  auto run = [&](auto cache_tag) {
+    using C = decltype(cache_tag);
+    const Decode<float, C> a{p.q, p.q_stride, p.out, static_cast<const C*>(p.k_cache), static_cast<const C*>(p.v_cache),
+                             p.k_scales, p.v_scales, p.block_tables, p.max_blocks, p.seq_lens, p.heads, p.kv_heads,
+                             p.block_size, p.head_dim, p.scale};
+    switch (p.head_dim) {
+      case 64: return decode_items<float, C, 64>(a, 0, items, scratch);
+      case 128: return decode_items<float, C, 128>(a, 0, items, scratch);
+      default: return decode_items<float, C, 0>(a, 0, items, scratch);
+    }
+  };
+  if (p.k_scales != nullptr) run(int8_t{});
+  else run(float{});
 }
