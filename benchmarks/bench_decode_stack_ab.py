@@ -51,7 +51,7 @@ def baseline_kernels(tree: str):
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--baseline-tree", required=True, help="another kvserve tree (git archive <rev> | tar -x -C DIR)")
+    ap.add_argument("--baseline-tree", required=True, help="another kvserve tree (see the docstring)")
     ap.add_argument("--config", default="int4-kv8", choices=sorted(CONFIGS))
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--tokens", type=int, default=32, help="decode steps timed per run")
