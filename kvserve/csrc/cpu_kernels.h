@@ -17,11 +17,11 @@ void kv_write_int8(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k
 torch::Tensor silu_mul(torch::Tensor gate_up);
 torch::Tensor row_argmax(torch::Tensor x);
 
-// Float32 forms of the layer ops and the attention on raw buffers, one thread, no checks and
-// no allocations, for the overlapped decode stack (decode_overlap_cpu.cpp): between two weight
-// stages its thread 0 runs them with caches the weight stream has just emptied, where each
-// ATen call's dispatch, allocation and checks cost microseconds. The tensor forms above call
-// the same loops, so the results are the same bits.
+// Float32 forms of the layer ops and the attention on raw buffers, one thread, no checks (and
+// no allocation once the attention's buffers have grown), for the overlapped decode stack
+// (decode_overlap_cpu.cpp): between two weight stages its thread 0 runs them with caches the
+// weight stream has just emptied, where each ATen call's dispatch, allocation and checks cost
+// microseconds. The tensor forms above call the same loops, so the results are the same bits.
 namespace raw {
 // x += delta (rows at strides sx, sd; delta may be null: RMSNorm alone), out = RMSNorm(x) * w
 // (out's rows contiguous, d wide).
