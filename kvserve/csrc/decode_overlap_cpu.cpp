@@ -146,11 +146,10 @@ at::Tensor OverlappedStack::forward(const std::vector<Layer>& layers, const Head
   for (const Stage& st : stages_) max_k = std::max(max_k, st.k);
   q_.resize(rows * max_k), d_.resize(rows * max_k / 32), s_.resize(rows * max_k / 32), sum_.resize(rows * max_k / 32);
   for (int64_t i = lead_.size(); i < n_stages; ++i) lead_.push_back(stages_[i].num_panels / threads);
-  // Outputs, one per projection kind (the head's last): each is read before the next layer
-  // writes it again.
-  at::Tensor y[5] = {at::empty({rows, first.qkv.n}, x.options()), at::empty({rows, first.o.n}, x.options()),
-                     at::empty({rows, first.gate_up.n}, x.options()), at::empty({rows, first.down.n}, x.options()),
-                     head != nullptr ? at::empty({rows, head->lm_head.n}, x.options()) : at::Tensor()};
+  // Outputs, one per projection kind (each read before the next layer writes it again; kept
+  // from step to step), and the head's logits, returned.
+  for (int j = 0; j < 4; ++j) out_[j].resize(rows * first.projection(j).n);
+  at::Tensor logits = head != nullptr ? at::empty({rows, head->lm_head.n}, x.options()) : at::Tensor();
   // Thread 0's serial work reads and writes raw buffers through raw:: (cpu_kernels.h); the step's
   // inputs are checked here.
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
@@ -192,7 +191,8 @@ at::Tensor OverlappedStack::forward(const std::vector<Layer>& layers, const Head
   // Thread 0's activations: the normed stream, the attention's output, the MLP's product.
   normed_.resize(rows * hidden), attn_.resize(rows * q_size), act_.resize(rows * inter);
   float* yp[5];
-  for (int j = 0; j < 5; ++j) yp[j] = y[j].defined() ? y[j].data_ptr<float>() : nullptr;
+  for (int j = 0; j < 4; ++j) yp[j] = out_[j].data();
+  yp[4] = logits.defined() ? logits.data_ptr<float>() : nullptr;
 
   std::atomic<int64_t> ready{0};  // the stages thread 0 has finished its serial part of
   std::atomic<bool> failed{false};
@@ -298,7 +298,7 @@ at::Tensor OverlappedStack::forward(const std::vector<Layer>& layers, const Head
   }
   if (error) std::rethrow_exception(error);
   ++steps_;
-  if (head != nullptr) return y[4];
-  x.add_(y[3]);
+  if (head != nullptr) return logits;
+  for (int64_t i = 0; i < rows * hidden; ++i) xp[i] += yp[3][i];  // the last MLP output, as x.add_
   return x;
 }

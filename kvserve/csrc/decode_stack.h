@@ -102,4 +102,5 @@ class OverlappedStack {
   std::vector<float> d_, s_;
   std::vector<int32_t> sum_;
   std::vector<float> normed_, attn_, act_;  // thread 0's activations between the stages
+  std::vector<float> out_[4];                 // the four projections' outputs
 };

@@ -119,17 +119,20 @@ def _entry(raw_logprobs: torch.Tensor, row: int, token: int, k: int) -> dict[int
 FAULT_INJECTION_ENV = "KVSERVE_FAULT_INJECT_SAMPLING"
 
 
+def _marked(req, mark: str | None) -> bool:
+    return bool(mark) and mark in getattr(req, "request_id", "")
+
+
 def fault_injected(req) -> bool:
     """Whether the test hook below makes this request's sampling raise."""
-    mark = os.environ.get(FAULT_INJECTION_ENV)
-    return bool(mark) and mark in getattr(req, "request_id", "")
+    return _marked(req, os.environ.get(FAULT_INJECTION_ENV))
 
 
 def _maybe_inject_fault(reqs: list) -> None:
     """Test hook: raise when a row's request id contains $KVSERVE_FAULT_INJECT_SAMPLING, so
     tests can prove one failing request does not take the batch down with it."""
     mark = os.environ.get(FAULT_INJECTION_ENV)  # once a step, not once a row
-    if mark and any(mark in getattr(r, "request_id", "") for r in reqs):
+    if mark and any(_marked(r, mark) for r in reqs):
         raise RuntimeError(f"fault injected into sampling (request id contains {mark!r})")
 
 
