@@ -28,6 +28,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <string>
 #include <vector>
@@ -201,9 +202,13 @@ void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s, int3
 // vocabulary-sized int8 table streamed at ~11 of ~24 GB/s on an AVX-512 Xeon; asking for the
 // next panel while the current one runs (and for a thread's first PF_BYTES) took it to ~26
 // (bench_quant_stream.py, docs/BENCHMARKS.md issue 16 rounds 9-10).
+//
+// The helpers are always inlined. GCC 12 did not inline prefetch_group_i4 early, judged it
+// const (a prefetch has no effect it tracks) and deleted every call as unused: until issue 16
+// round 28 no int4 panel (AVX2, VNNI or AMX build) asked for the next one.
 constexpr int64_t PF_BYTES = 4096;
 
-inline void prefetch_span(const void* p, int64_t bytes) {
+[[gnu::always_inline]] inline void prefetch_span(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 3);
 }
@@ -230,7 +235,7 @@ inline int64_t panel_code_bytes(const Args& a) { return a.K / 8 * 64; }
 inline int64_t panel_sz_elems(const Args& a) { return a.K / G * 2 * PR; }
 
 // Group g of int4 panel p (its codes and scales), asked for while the panel before it runs.
-inline void prefetch_group_i4(const Args& a, int64_t p, int64_t g) {
+[[gnu::always_inline]] inline void prefetch_group_i4(const Args& a, int64_t p, int64_t g) {
   prefetch_span(a.w + p * panel_code_bytes(a) + g * 256, 256);
   __builtin_prefetch(a.sz + p * panel_sz_elems(a) + g * 2 * PR, 0, 3);
 }
@@ -397,7 +402,9 @@ void panel_i4(const Args& a, int64_t p, int64_t m0, bool) {
 
 inline const int8_t* panel8(const Args& a, int64_t p) { return a.w8 + p * a.K * PR; }
 
-inline void prefetch_group_q8(const Args& a, int64_t p, int64_t g) { prefetch_span(panel8(a, p) + g * 512, 512); }
+[[gnu::always_inline]] inline void prefetch_group_q8(const Args& a, int64_t p, int64_t g) {
+  prefetch_span(panel8(a, p) + g * 512, 512);
+}
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
 template <int MR>
@@ -672,6 +679,15 @@ void amx_panel_q8(const Args& a, int64_t p, int64_t M, bool pf) {
 // ---- the panel loop both formats share ------------------------------------------------
 
 struct Int4 {
+  // The calls that ask for the next panel: batched ones in the VNNI (and AMX) builds. With the
+  // prefetch, 64 rows of a step's int4 projections took 0.96-0.97x the time there but
+  // 1.00-1.02x in the AVX2 build, and a single-stream decode 1.02-1.045x (Zen 4, 2 threads;
+  // docs/BENCHMARKS.md issue 16 round 28). The int8 lm_head's one-row stream gains (rounds 9-10).
+#if defined(__AVX512VNNI__)
+  static constexpr int64_t prefetch_min_rows = 2;
+#else
+  static constexpr int64_t prefetch_min_rows = std::numeric_limits<int64_t>::max();
+#endif
   template <int MR>
   static void tile(const Args& a, int64_t p, int64_t m0, bool pf) { panel_i4<MR>(a, p, m0, pf); }
 #if defined(KVQ_AMX)
@@ -683,6 +699,7 @@ struct Int4 {
 };
 
 struct Int8 {
+  static constexpr int64_t prefetch_min_rows = 1;
   template <int MR>
   static void tile(const Args& a, int64_t p, int64_t m0, bool pf) { panel_q8<MR>(a, p, m0, pf); }
 #if defined(KVQ_AMX)
@@ -712,7 +729,7 @@ void panels(const Args& a, int64_t M, int64_t p0, int64_t p1) {
   if (amx) amx_configure();
 #endif
   for (int64_t p = p0; p < p1; ++p) {
-    bool pf = p + 1 < p1;
+    bool pf = p + 1 < p1 && M >= F::prefetch_min_rows;
     int64_t m = 0;
 #if defined(KVQ_AMX)
     if (amx) {
