@@ -1,0 +1,101 @@
+"""This tree's native quantized matmuls against another tree's, alternating in one process (issue 16).
+
+bench_decode_stack_ab.py's method for the other extension: one offline engine (default model,
+`--config`) holds two C++ decode stacks over the same weights and KV cache. Both are this
+tree's stack code; one calls the matmuls of this tree's quant kernels module
+(csrc/quant_matmul_cpu.cpp, the variant this CPU selects), the other the same variant built
+from `--baseline-tree`'s source (its own module name: the name hashes the source). Each round
+decodes `--batch` prompts (one of ~128 tokens; or ~16 tokens each, as
+bench_decode_roofline.py's batched step) with each stack in turn, order alternating: time per
+decode step, (n+1)-token run minus 1-token run over n, the runs seconds apart. Prompt steps run
+this tree's kernels in both. Prints each round's ratio (this tree over the baseline), their
+median and the CPU flags; the two stacks' greedy tokens must agree.
+
+    python benchmarks/bench_quant_kernels_ab.py --baseline-tree DIR [--batch 64] [--rounds 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.bench_decode_stack_ab import CONFIGS  # noqa: E402
+from benchmarks.common import machine, make_prompts  # noqa: E402
+from benchmarks.cpu_info import cpu_flags  # noqa: E402
+from kvserve import LLM, SamplingParams  # noqa: E402
+from kvserve.model.layers import quant_kernels  # noqa: E402
+from kvserve.model.layers.cpu_kernels import build_extension  # noqa: E402
+
+
+def baseline_module(tree: str, variant: str):
+    """`variant` of the quant kernels as `tree`'s source builds it, with this tree's flags."""
+    src = os.path.join(tree, "kvserve", "csrc", "quant_matmul_cpu.cpp")
+    with open(src, "rb") as f:
+        name = quant_kernels.build_name(variant, f.read())
+    return build_extension(name, [src], quant_kernels.VARIANTS[variant])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--baseline-tree", required=True, help="another kvserve tree")
+    ap.add_argument("--config", default="int4-kv8", choices=sorted(CONFIGS))
+    ap.add_argument("--batch", type=int, default=1, help="prompts decoded together")
+    ap.add_argument("--rounds", type=int, default=16)
+    ap.add_argument("--tokens", type=int, default=None, help="decode steps a run (64 at one row, else 24)")
+    args = ap.parse_args()
+    tokens = args.tokens or (64 if args.batch == 1 else 24)
+    when = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
+    print(f"{machine()}; CPU flags: {cpu_flags()}; {when}; load average {os.getloadavg()}")
+
+    variant = quant_kernels.selected_variant()
+    llm = LLM("smollm2-135m", kv_cache_memory="256MiB", **CONFIGS[args.config])
+    model = llm.llm_engine.model_runner.model
+    prompts = make_prompts(llm.tokenizer, args.batch, 128 if args.batch == 1 else 16, seed=1)
+
+    def run(n: int) -> tuple[float, list]:
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        t0 = time.perf_counter()
+        out = llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - t0, [o.outputs[0].token_ids for o in out]
+
+    run(4)  # builds this tree's stack (model._stack: its key and the stack)
+    key, ours = model._stack
+    own = quant_kernels.load_quant_kernels(variant)
+    quant_kernels._modules[variant] = baseline_module(args.baseline_tree, variant)
+    try:
+        theirs = model._build_decode_stack()
+    finally:
+        quant_kernels._modules[variant] = own
+    stacks = {"this tree": ours, "baseline": theirs}
+    tokens_of = {}
+    for name, stack in stacks.items():
+        model._stack = (key, stack)
+        tokens_of[name] = run(tokens + 1)[1]
+    if tokens_of["this tree"] != tokens_of["baseline"]:
+        sys.exit("the two trees' kernels decoded different greedy tokens")
+    print(f"{args.config} ({variant}), {args.batch} prompt(s), {tokens} decode steps a run; ms per step")
+    print("| round | this tree | baseline | ratio |\n|---|---|---|---|")
+    ratios = []
+    for rnd in range(args.rounds):
+        ms = {}
+        for name in list(stacks) if rnd % 2 == 0 else list(reversed(stacks)):
+            model._stack = (key, stacks[name])
+            ms[name] = (run(tokens + 1)[0] - run(1)[0]) / tokens * 1e3
+        ratios.append(ms["this tree"] / ms["baseline"])
+        print(f"| {rnd + 1} | {ms['this tree']:.3f} | {ms['baseline']:.3f} | {ratios[-1]:.3f} |", flush=True)
+    model._stack = (key, ours)
+    below = sum(r < 1 for r in ratios)
+    print(f"this tree / baseline: median {statistics.median(ratios):.3f}x "
+          f"(range {min(ratios):.3f}-{max(ratios):.3f}; below 1 in {below} of {len(ratios)} rounds); "
+          f"load average {os.getloadavg()}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
