@@ -23,6 +23,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -76,15 +77,24 @@ def main() -> int:
         theirs = model._build_decode_stack()
     finally:
         model.ops = own_ops
-    stacks = {"this tree": ours, "baseline": theirs}
     print(f"{args.config}, one ~128-token prompt, {args.tokens} decode steps a run; ms per token")
+    n = args.tokens
+    alternate(model, key, ours, theirs, lambda: (run(n + 1) - run(1)) / n * 1e3, args.rounds)
+    return 0
+
+
+def alternate(model, key: int, ours, theirs, step_ms: Callable[[], float], rounds: int) -> None:
+    """Time `step_ms` with the model on each decode stack in turn, order alternating by round;
+    print each round's ratio (this tree's over the baseline's) and their median. Leaves the
+    model on `ours`."""
+    stacks = {"this tree": ours, "baseline": theirs}
     print("| round | this tree | baseline | ratio |\n|---|---|---|---|")
     ratios = []
-    for rnd in range(args.rounds):
+    for rnd in range(rounds):
         ms = {}
         for name in list(stacks) if rnd % 2 == 0 else list(reversed(stacks)):
             model._stack = (key, stacks[name])
-            ms[name] = (run(args.tokens + 1) - run(1)) / args.tokens * 1e3
+            ms[name] = step_ms()
         ratios.append(ms["this tree"] / ms["baseline"])
         print(f"| {rnd + 1} | {ms['this tree']:.3f} | {ms['baseline']:.3f} | {ratios[-1]:.3f} |", flush=True)
     model._stack = (key, ours)
@@ -92,7 +102,6 @@ def main() -> int:
     print(f"this tree / baseline: median {statistics.median(ratios):.3f}x "
           f"(range {min(ratios):.3f}-{max(ratios):.3f}; below 1 in {below} of {len(ratios)} rounds); "
           f"load average {os.getloadavg()}")  # fmt: skip
-    return 0
 
 
 if __name__ == "__main__":

@@ -19,13 +19,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import statistics
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.bench_decode_stack_ab import CONFIGS  # noqa: E402
+from benchmarks.bench_decode_stack_ab import CONFIGS, alternate  # noqa: E402
 from benchmarks.common import machine, make_prompts  # noqa: E402
 from benchmarks.cpu_info import cpu_flags  # noqa: E402
 from kvserve import LLM, SamplingParams  # noqa: E402
@@ -72,28 +71,14 @@ def main() -> int:
         theirs = model._build_decode_stack()
     finally:
         quant_kernels._modules[variant] = own
-    stacks = {"this tree": ours, "baseline": theirs}
-    tokens_of = {}
-    for name, stack in stacks.items():
+    decoded = []
+    for stack in (ours, theirs):
         model._stack = (key, stack)
-        tokens_of[name] = run(tokens + 1)[1]
-    if tokens_of["this tree"] != tokens_of["baseline"]:
+        decoded.append(run(tokens + 1)[1])
+    if decoded[0] != decoded[1]:
         sys.exit("the two trees' kernels decoded different greedy tokens")
     print(f"{args.config} ({variant}), {args.batch} prompt(s), {tokens} decode steps a run; ms per step")
-    print("| round | this tree | baseline | ratio |\n|---|---|---|---|")
-    ratios = []
-    for rnd in range(args.rounds):
-        ms = {}
-        for name in list(stacks) if rnd % 2 == 0 else list(reversed(stacks)):
-            model._stack = (key, stacks[name])
-            ms[name] = (run(tokens + 1)[0] - run(1)[0]) / tokens * 1e3
-        ratios.append(ms["this tree"] / ms["baseline"])
-        print(f"| {rnd + 1} | {ms['this tree']:.3f} | {ms['baseline']:.3f} | {ratios[-1]:.3f} |", flush=True)
-    model._stack = (key, ours)
-    below = sum(r < 1 for r in ratios)
-    print(f"this tree / baseline: median {statistics.median(ratios):.3f}x "
-          f"(range {min(ratios):.3f}-{max(ratios):.3f}; below 1 in {below} of {len(ratios)} rounds); "
-          f"load average {os.getloadavg()}")  # fmt: skip
+    alternate(model, key, ours, theirs, lambda: (run(tokens + 1)[0] - run(1)[0]) / tokens * 1e3, args.rounds)
     return 0
 
 
