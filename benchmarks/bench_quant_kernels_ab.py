@@ -5,7 +5,7 @@ bench_decode_stack_ab.py's method for the other extension: one offline engine (d
 tree's stack code; one calls the matmuls of this tree's quant kernels module
 (csrc/quant_matmul_cpu.cpp, the variant this CPU selects), the other the same variant built
 from `--baseline-tree`'s source (its own module name: the name hashes the source). Each round
-decodes `--batch` prompts (one of ~128 tokens; or ~16 tokens each, as
+decodes `--batch` prompts (one of ~128 tokens; or ~16 tokens each, like
 bench_decode_roofline.py's batched step) with each stack in turn, order alternating: time per
 decode step, (n+1)-token run minus 1-token run over n, the runs seconds apart. Prompt steps run
 this tree's kernels in both. Prints each round's ratio (this tree over the baseline), their
