@@ -34,12 +34,14 @@ void rotary(float* x, int64_t rows, int64_t heads, int64_t hd, int64_t sr, int64
 void silu_mul(const float* gate_up, int64_t sg, float* out, int64_t rows, int64_t inter);
 
 // A step's new K/V rows: row t of n to block blk[t], offset off[t] of caches [blocks, kv_heads,
-// block_size, head_dim] (the slots already checked to lie in the cache).
+// block_size, head_dim] (the slots already checked: check_slots).
 struct KvSlots {
   const int64_t* blk;
   const int64_t* off;
   int64_t n, kv_heads, block_size, head_dim;
 };
+// Raises unless every slot lies in caches of `blocks` blocks (what the writes below assume).
+void check_slots(const KvSlots& slots, int64_t blocks);
 // kv_write / kv_write_int8 (without the round trip) of k and v rows at strides (sk0, sk1), (sv0, sv1).
 void kv_write(float* k_cache, float* v_cache, const float* k, int64_t sk0, int64_t sk1, const float* v,
               int64_t sv0, int64_t sv1, const KvSlots& slots);

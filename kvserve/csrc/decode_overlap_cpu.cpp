@@ -171,10 +171,6 @@ at::Tensor OverlappedStack::forward(const std::vector<Layer>& layers, const Head
                   block_tables.size(0) >= rows && seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous() &&
                   seq_lens.numel() == rows,
               "int64 block tables and lengths, one a row");
-  const int64_t *slot_blk = slot_blocks.data_ptr<int64_t>(), *slot_off = slot_offsets.data_ptr<int64_t>();
-  for (int64_t t = 0; t < n_slots; ++t)
-    TORCH_CHECK(slot_blk[t] >= 0 && slot_blk[t] < blocks && slot_off[t] >= 0 && slot_off[t] < block_size,
-                "slot out of range");
   const int64_t *tables = block_tables.data_ptr<int64_t>(), *lens = seq_lens.data_ptr<int64_t>();
   const int64_t max_blocks = block_tables.size(1);
   for (int64_t r = 0; r < rows; ++r) {
@@ -182,7 +178,9 @@ at::Tensor OverlappedStack::forward(const std::vector<Layer>& layers, const Head
     for (int64_t b = 0; b < (lens[r] + block_size - 1) / block_size; ++b)
       TORCH_CHECK(tables[r * max_blocks + b] >= 0 && tables[r * max_blocks + b] < blocks, "block table entry out of range");
   }
-  const raw::KvSlots slots{slot_blk, slot_off, n_slots, s.kv_heads, block_size, s.head_dim};
+  const raw::KvSlots slots{slot_blocks.data_ptr<int64_t>(), slot_offsets.data_ptr<int64_t>(), n_slots, s.kv_heads,
+                           block_size, s.head_dim};
+  raw::check_slots(slots, blocks);
   const float* final_norm = head != nullptr ? head->norm.data_ptr<float>() : nullptr;
   char* const kv_base = static_cast<char*>(kv_cache.data_ptr());
   const int64_t cache_bytes = kv_cache.stride(1) * kv_cache.element_size();  // one layer's K (or V) cache

@@ -240,6 +240,12 @@ inline void kv_write_rows(char* kc, char* vc, const char* kp, int64_t sk0, int64
 }
 }  // namespace
 
+void raw::check_slots(const KvSlots& slots, int64_t blocks) {
+  for (int64_t t = 0; t < slots.n; ++t)
+    TORCH_CHECK(slots.blk[t] >= 0 && slots.blk[t] < blocks && slots.off[t] >= 0 && slots.off[t] < slots.block_size,
+                "slot out of range");
+}
+
 void raw::kv_write(float* k_cache, float* v_cache, const float* k, int64_t sk0, int64_t sk1, const float* v,
                    int64_t sv0, int64_t sv1, const KvSlots& slots) {
   constexpr int64_t e = sizeof(float);
@@ -262,10 +268,8 @@ void kv_write(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, tor
   const int64_t n = slot_blocks.numel(), kvh = k_cache.size(1), bs = k_cache.size(2), hd = k_cache.size(3);
   TORCH_CHECK(k.size(0) >= n && v.size(0) >= n && k.size(1) == kvh && k.size(2) == hd, "k/v shape");
   const int64_t esize = k.element_size(), nblocks = k_cache.size(0);
-  const int64_t *blk = slot_blocks.data_ptr<int64_t>(), *off = slot_offsets.data_ptr<int64_t>();
-  for (int64_t t = 0; t < n; ++t)
-    TORCH_CHECK(blk[t] >= 0 && blk[t] < nblocks && off[t] >= 0 && off[t] < bs, "slot out of range");
-  const raw::KvSlots slots{blk, off, n, kvh, bs, hd};
+  const raw::KvSlots slots{slot_blocks.data_ptr<int64_t>(), slot_offsets.data_ptr<int64_t>(), n, kvh, bs, hd};
+  raw::check_slots(slots, nblocks);
   char *kc = static_cast<char*>(k_cache.data_ptr()), *vc = static_cast<char*>(v_cache.data_ptr());
   const char *kp = static_cast<const char*>(k.data_ptr()), *vp = static_cast<const char*>(v.data_ptr());
   at::parallel_for(0, n, kRowGrain * 4, [&](int64_t a, int64_t b) {
@@ -376,10 +380,8 @@ void kv_write_int8(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k
   TORCH_CHECK(k.size(0) >= n && v.size(0) >= n && k.size(1) == kvh && k.size(2) == hd && v.sizes() == k.sizes(),
               "k/v shape");
   const int64_t nblocks = k_cache.size(0);
-  const int64_t *blk = slot_blocks.data_ptr<int64_t>(), *off = slot_offsets.data_ptr<int64_t>();
-  for (int64_t t = 0; t < n; ++t)
-    TORCH_CHECK(blk[t] >= 0 && blk[t] < nblocks && off[t] >= 0 && off[t] < bs, "slot out of range");
-  const raw::KvSlots slots{blk, off, n, kvh, bs, hd};
+  const raw::KvSlots slots{slot_blocks.data_ptr<int64_t>(), slot_offsets.data_ptr<int64_t>(), n, kvh, bs, hd};
+  raw::check_slots(slots, nblocks);
   dispatch(k, [&](auto tag) {
     using T = decltype(tag);
     const Int8Side<T> sides[2] = {

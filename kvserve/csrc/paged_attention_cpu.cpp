@@ -523,17 +523,24 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
   });
 }
 
-// The kernel with head_dim a compile-time constant where it is a common one (the loops over a
-// head then unroll fully), else read at run time.
+// fn(std::integral_constant<int, HD>{}): HD is head_dim where it is a common one (the loops
+// over a head then unroll fully), else 0 (read at run time).
+template <typename Fn>
+void with_head_dim(int64_t head_dim, Fn&& fn) {
+  switch (head_dim) {
+    case 64: return fn(std::integral_constant<int, 64>{});
+    case 128: return fn(std::integral_constant<int, 128>{});
+    default: return fn(std::integral_constant<int, 0>{});
+  }
+}
+
 template <typename T, typename C>
 void decode_hd(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                const torch::Tensor& k_scale, const torch::Tensor& v_scale, const torch::Tensor& bt,
                const torch::Tensor& sl, torch::Tensor& out, double scale) {
-  switch (q.size(2)) {
-    case 64: return decode_kernel<T, C, 64>(q, k_cache, v_cache, k_scale, v_scale, bt, sl, out, scale);
-    case 128: return decode_kernel<T, C, 128>(q, k_cache, v_cache, k_scale, v_scale, bt, sl, out, scale);
-    default: return decode_kernel<T, C, 0>(q, k_cache, v_cache, k_scale, v_scale, bt, sl, out, scale);
-  }
+  with_head_dim(q.size(2), [&](auto hd) {
+    decode_kernel<T, C, decltype(hd)::value>(q, k_cache, v_cache, k_scale, v_scale, bt, sl, out, scale);
+  });
 }
 
 template <typename T>
@@ -590,11 +597,7 @@ void raw::paged_decode_attention(const PagedDecode& p) {
     const Decode<float, C> a{p.q, p.q_stride, p.out, static_cast<const C*>(p.k_cache), static_cast<const C*>(p.v_cache),
                              p.k_scales, p.v_scales, p.block_tables, p.max_blocks, p.seq_lens, p.heads, p.kv_heads,
                              p.block_size, p.head_dim, p.scale};
-    switch (p.head_dim) {
-      case 64: return decode_items<float, C, 64>(a, 0, items, scratch);
-      case 128: return decode_items<float, C, 128>(a, 0, items, scratch);
-      default: return decode_items<float, C, 0>(a, 0, items, scratch);
-    }
+    with_head_dim(p.head_dim, [&](auto hd) { decode_items<float, C, decltype(hd)::value>(a, 0, items, scratch); });
   };
   if (p.k_scales != nullptr) run(int8_t{});
   else run(float{});
