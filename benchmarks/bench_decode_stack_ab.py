@@ -6,12 +6,13 @@ does: the same code in both trees there read 0.94x over 8 rounds. Here one offli
 (default model, `--config`) holds two decode stacks over the same weights and KV cache: its own,
 built by this tree's CPU kernels extension, and one built by `--baseline-tree`'s (its
 csrc/ compiled under that tree's module name; the native matmuls both call are this tree's).
-Each round decodes one ~128-token prompt with each stack in turn (order alternating): the
+Each round decodes one ~`--prompt`-token prompt with each stack in turn (order alternating): the
 decode time per token, (n+1)-token run minus 1-token run over n, the runs seconds apart. It
 prints each round's ratio (this tree over the baseline) and their median. Prints the CPU
 flags.
 
     python benchmarks/bench_decode_stack_ab.py --baseline-tree DIR [--config int4-kv8] [--rounds 20]
+        [--prompt 128]  (the prompt's length in tokens: the context attention reads)
 """
 
 from __future__ import annotations
@@ -56,13 +57,14 @@ def main() -> int:
     ap.add_argument("--config", default="int4-kv8", choices=sorted(CONFIGS))
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--tokens", type=int, default=32, help="decode steps timed per run")
+    ap.add_argument("--prompt", type=int, default=128, help="prompt tokens (the context attention reads)")
     args = ap.parse_args()
     when = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
     print(f"{machine()}; CPU flags: {cpu_flags()}; {when}; load average {os.getloadavg()}")
 
-    llm = LLM("smollm2-135m", kv_cache_memory="256MiB", **CONFIGS[args.config])
+    llm = LLM("smollm2-135m", kv_cache_memory="256MiB", max_model_len=8192, **CONFIGS[args.config])
     model = llm.llm_engine.model_runner.model
-    prompt = make_prompts(llm.tokenizer, 1, 128, seed=1)
+    prompt = make_prompts(llm.tokenizer, 1, args.prompt, seed=1)
 
     def run(n: int) -> float:
         params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
@@ -77,7 +79,7 @@ def main() -> int:
         theirs = model._build_decode_stack()
     finally:
         model.ops = own_ops
-    print(f"{args.config}, one ~128-token prompt, {args.tokens} decode steps a run; ms per token")
+    print(f"{args.config}, one ~{args.prompt}-token prompt, {args.tokens} decode steps a run; ms per token")
     n = args.tokens
     alternate(model, key, ours, theirs, lambda: (run(n + 1) - run(1)) / n * 1e3, args.rounds)
     return 0

@@ -40,7 +40,8 @@ def _tiny_tokenizer():
     return hf
 
 
-def _save_tiny(path: str, kind: str, num_kv_heads: int = 2) -> str:
+def _save_tiny(path: str, kind: str, num_kv_heads: int = 2, **shape) -> str:
+    """A tiny random model and tokenizer in `path`; `shape` overrides config fields."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
@@ -56,6 +57,7 @@ def _save_tiny(path: str, kind: str, num_kv_heads: int = 2) -> str:
         bos_token_id=1,
         eos_token_id=2,
     )
+    common.update(shape)
     if kind == "llama":
         cfg = LlamaConfig(
             **common,

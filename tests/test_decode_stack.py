@@ -90,6 +90,43 @@ def test_overlapped_stack_equals_the_python_layers(tiny_llama_dir, quantization,
         torch.set_num_threads(before)
 
 
+@pytest.fixture(scope="module")
+def tiny_hd64_dir(tmp_path_factory) -> str:
+    """Four KV heads of 64 dims, two query heads each: the vectorized attention loops' head size,
+    and work items enough for the overlapped stack's threads to share."""
+    from conftest import _save_tiny
+
+    path = str(tmp_path_factory.mktemp("tiny-hd64"))
+    shape = dict(hidden_size=512, intermediate_size=256, num_attention_heads=8)
+    return _save_tiny(path, "llama", num_kv_heads=4, **shape)
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_overlapped_stack_shares_attention_with_the_same_bits(tiny_hd64_dir, kv_cache_dtype, threads):
+    """The overlapped stack's workers take a layer's attention items (sequence, KV head) from
+    the back while thread 0 takes them from the front: with ~300-token contexts they get some,
+    and the tokens and logprobs are the Python loop's, bit for bit."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        llm = LLM(
+            tiny_hd64_dir,
+            kv_cache_memory="16MiB",
+            quantization="int4",
+            kv_cache_dtype=kv_cache_dtype,
+            enable_prefix_caching=False,  # both paths prefill the whole prompt: the same first token's bits
+        )
+        prompts = [[(7 * i + 3 * k) % 500 + 5 for i in range(280 + 9 * k)] for k in range(2)]
+        for prompt in prompts:
+            stacked, plain, stack = _both_paths(llm, [prompt])
+            _assert_identical(stacked, plain)
+        assert stack.overlapped_steps() == 22
+        assert stack.overlapped_helped_items() > 0
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_bad_input_to_the_overlapped_stack_is_raised(tiny_llama_dir):
     """Input the overlapped stack's raw kernels cannot take (here int32 block tables) is refused
     with an exception before its parallel region starts, and the stack still works after it."""

@@ -49,7 +49,9 @@ void kv_write_int8(int8_t* k_cache, int8_t* v_cache, at::BFloat16* k_scales, at:
                    int64_t sk0, int64_t sk1, float* v, int64_t sv0, int64_t sv1, const KvSlots& slots);
 
 // paged_decode_attention of float32 q rows (row stride q_stride) into out [seqs, heads,
-// head_dim], a float32 cache or an int8 one with its scales (k_scales non-null).
+// head_dim], a float32 cache or an int8 one with its scales (k_scales non-null). Given a range,
+// only work items [begin, end) (item = sequence * kv_heads + kv head: one KV head's group of
+// query heads), each computed as a whole call computes it: threads may share one attention.
 struct PagedDecode {
   const float* q;
   int64_t q_stride;
@@ -62,5 +64,5 @@ struct PagedDecode {
   int64_t seqs, heads, kv_heads, block_size, head_dim;
   double scale;
 };
-void paged_decode_attention(const PagedDecode& a);
+void paged_decode_attention(const PagedDecode& a, int64_t begin = 0, int64_t end = -1);
 }  // namespace raw

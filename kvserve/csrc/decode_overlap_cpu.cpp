@@ -7,6 +7,10 @@
 // bench_decode_stack_hot.py: the stack took its weights' stream time plus its hot-cache time).
 // Here thread 0 does that work while the other threads load the panels they will compute in
 // this projection and the next into their own caches; then every thread computes its share.
+// The attention, which grows with the context (at ~2K tokens ~45% of a token's time), is shared:
+// a worker that has loaded its share of the o projection takes KV heads from the back of the
+// layer's list while thread 0 takes them from the front (decode 0.84x the time at 2K tokens of
+// context, 0.97x at 128; docs/BENCHMARKS.md issue 16 round 29).
 // Thread 0's share (read from memory) is learnt per layer and projection: a panel less each
 // step it finishes last, one more when first. Any split gives the same bits: one output is
 // one SIMD lane of the same kernel, whichever thread computes it.
@@ -27,6 +31,7 @@
 #include <chrono>
 #include <exception>
 #include <thread>
+#include <type_traits>
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -64,6 +69,41 @@ inline std::pair<int64_t, int64_t> share(int64_t panels, int64_t lead, int t, in
   const int64_t b = std::min(panels, lead + (t - 1) * per);
   return {b, std::min(panels, b + per)};
 }
+
+// A layer's attention work items (sequence x KV head) shared between thread 0, which takes them
+// from the front as soon as its serial part is done, and the workers, which take them from the
+// back once they have loaded their share of the projection that follows. One word holds the
+// unclaimed range [front, back) and the items the workers have claimed but not finished.
+class WorkSpan {
+ public:
+  void reset(int64_t items) { word_.store(pack(0, items, 0), std::memory_order_relaxed); }
+  // The next item from the front (thread 0) or the back (a worker, which must call finish after
+  // it); -1 when none is left.
+  int64_t claim(bool from_back) {
+    uint64_t w = word_.load(std::memory_order_relaxed);
+    for (;;) {
+      const int64_t front = field(w, 0), back = field(w, 1), pending = field(w, 2);
+      if (front >= back) return -1;
+      const uint64_t next = from_back ? pack(front, back - 1, pending + 1) : pack(front + 1, back, pending);
+      if (word_.compare_exchange_weak(w, next, std::memory_order_relaxed)) return from_back ? back - 1 : front;
+    }
+  }
+  // A worker's claimed item is done: its results are visible to whoever sees settled().
+  void finish() { word_.fetch_sub(uint64_t{1} << (2 * kBits), std::memory_order_release); }
+  bool settled() const {  // nothing left to claim and nothing claimed unfinished
+    const uint64_t w = word_.load(std::memory_order_acquire);
+    return field(w, 0) >= field(w, 1) && field(w, 2) == 0;
+  }
+
+ private:
+  static constexpr int kBits = 21;  // per field: up to 2M items a layer
+  static uint64_t pack(int64_t front, int64_t back, int64_t pending) {
+    return static_cast<uint64_t>(front) | static_cast<uint64_t>(back) << kBits |
+           static_cast<uint64_t>(pending) << (2 * kBits);
+  }
+  static int64_t field(uint64_t w, int i) { return static_cast<int64_t>(w >> (i * kBits) & ((1ull << kBits) - 1)); }
+  std::atomic<uint64_t> word_{0};
+};
 
 }  // namespace
 
@@ -193,8 +233,16 @@ at::Tensor OverlappedStack::forward(const std::vector<Layer>& layers, const Head
   yp[4] = logits.defined() ? logits.data_ptr<float>() : nullptr;
 
   std::atomic<int64_t> ready{0};  // the stages thread 0 has finished its serial part of
-  std::atomic<bool> failed{false};
+  std::atomic<int64_t> shared_go{0};  // the stages whose shared items may be claimed
+  WorkSpan items;                     // that stage's items
+  const int64_t items_per_layer = rows * s.kv_heads;
+  TORCH_CHECK(items_per_layer < (1 << 21), "too many attention items for one step");
+  std::atomic<bool> failed{false}, claimed{false};
   std::exception_ptr error;
+  auto fail = [&](std::exception_ptr e) {  // the first error is the one rethrown
+    if (!claimed.exchange(true)) error = e;
+    failed.store(true, std::memory_order_relaxed);
+  };
   std::vector<Clock::time_point> done(threads + 1);
   const float* h = nullptr;  // thread 0's: the activations the next projection multiplies
 
@@ -216,24 +264,42 @@ at::Tensor OverlappedStack::forward(const std::vector<Layer>& layers, const Head
     };
     // Stage `st`: thread 0 runs `serial` (which leaves h) and quantizes h, while the others
     // load their share of its projection, then of the next one; then all compute their shares
-    // into `out`.
-    auto run_stage = [&](int64_t st, float* out, auto&& serial) {
+    // into `out`. A stage with a `shared` part (the attention) runs it between thread 0's
+    // `serial` and `after`, its items claimed through `items`: shared(i) computes item i.
+    auto run_stage = [&](int64_t st, float* out, auto&& serial, auto&& shared, auto&& after) {
+      constexpr bool has_shared = !std::is_same_v<std::decay_t<decltype(shared)>, std::nullptr_t>;
       const Stage& p = stages_[st];
       int64_t& lead = lead_[st];
       const int64_t k = p.k;
-      if (t == 0) {
-        if (!failed.load(std::memory_order_relaxed)) {
-          try {
-            serial();
-            quantize_(h, rows, k, q_.data(), d_.data(), s_.data(), sum_.data());
-          } catch (...) {
-            error = std::current_exception();
-            failed.store(true, std::memory_order_relaxed);
-          }
+      auto attempt = [&](auto&& fn) {  // fn() unless a thread has failed; its error recorded
+        if (failed.load(std::memory_order_relaxed)) return;
+        try {
+          fn();
+        } catch (...) {
+          fail(std::current_exception());
         }
+      };
+      if (t == 0) {
+        attempt(serial);
+        if constexpr (has_shared) {
+          items.reset(failed.load(std::memory_order_relaxed) ? 0 : items_per_layer);
+          shared_go.store(st + 1, std::memory_order_release);
+          for (int64_t i = items.claim(false); i >= 0; i = items.claim(false)) attempt([&] { shared(i); });
+          for (int64_t spins = 0; !items.settled();) relax(spins);
+          attempt(after);
+        }
+        attempt([&] { quantize_(h, rows, k, q_.data(), d_.data(), s_.data(), sum_.data()); });
         ready.store(st + 1, std::memory_order_release);
       } else {
         const int64_t budget = warm(st, st, kLoadAheadBudget);
+        if constexpr (has_shared) {  // then help with the items thread 0 has not reached
+          for (int64_t spins = 0; shared_go.load(std::memory_order_acquire) <= st;) relax(spins);
+          for (int64_t i = items.claim(true); i >= 0; i = items.claim(true)) {
+            attempt([&] { shared(i); });
+            items.finish();
+            helped_.fetch_add(1, std::memory_order_relaxed);
+          }
+        }
         if (st + 1 < n_stages) warm(st + 1, st, budget);
         for (int64_t spins = 0; ready.load(std::memory_order_acquire) <= st;) relax(spins);
       }
@@ -258,33 +324,33 @@ at::Tensor OverlappedStack::forward(const std::vector<Layer>& layers, const Head
         raw::add_rms_norm(xp, hidden, i > 0 ? yp[3] : nullptr, hidden, l.input_norm, normed_.data(), rows, hidden,
                           static_cast<float>(s.eps));
         h = normed_.data();
-      });
+      }, nullptr, nullptr);
+      float* const qkv = yp[0];
+      const int64_t w = first.qkv.n;  // a row of qkv: q | k | v
+      char *const k_cache = kv_base + 2 * i * cache_bytes, *const v_cache = k_cache + cache_bytes;
       run_stage(4 * i + 1, yp[1], [&] {
-        float* qkv = yp[0];
-        const int64_t w = first.qkv.n;  // a row of qkv: q | k | v
         raw::rotary(qkv, rows, s.heads, s.head_dim, w, s.head_dim, cp, sp);
         raw::rotary(qkv + q_size, rows, s.kv_heads, s.head_dim, w, s.head_dim, cp, sp);
-        char *k_cache = kv_base + 2 * i * cache_bytes, *v_cache = k_cache + cache_bytes;
         if (int8_cache)
           raw::kv_write_int8(reinterpret_cast<int8_t*>(k_cache), reinterpret_cast<int8_t*>(v_cache), l.k_scales,
                              l.v_scales, qkv + q_size, w, s.head_dim, qkv + q_size + kv_size, w, s.head_dim, slots);
         else
           raw::kv_write(reinterpret_cast<float*>(k_cache), reinterpret_cast<float*>(v_cache), qkv + q_size, w,
                         s.head_dim, qkv + q_size + kv_size, w, s.head_dim, slots);
+      }, [&](int64_t item) {  // the attention, its (sequence, KV head) items shared by the threads
         raw::paged_decode_attention({qkv, w, attn_.data(), k_cache, v_cache, l.k_scales, l.v_scales, tables,
-                                     max_blocks, lens, rows, s.heads, s.kv_heads, block_size, s.head_dim,
-                                     scale});
-        h = attn_.data();
-      });
+                                     max_blocks, lens, rows, s.heads, s.kv_heads, block_size, s.head_dim, scale},
+                                    item, item + 1);
+      }, [&] { h = attn_.data(); });
       run_stage(4 * i + 2, yp[2], [&] {
         raw::add_rms_norm(xp, hidden, yp[1], hidden, l.post_norm, normed_.data(), rows, hidden,
                           static_cast<float>(s.eps));
         h = normed_.data();
-      });
+      }, nullptr, nullptr);
       run_stage(4 * i + 3, yp[3], [&] {
         raw::silu_mul(yp[2], first.gate_up.n, act_.data(), rows, inter);
         h = act_.data();
-      });
+      }, nullptr, nullptr);
       if (failed.load(std::memory_order_relaxed)) break;  // read after the stage's barrier: all agree
     }
     if (head != nullptr && !failed.load(std::memory_order_relaxed))
@@ -292,7 +358,7 @@ at::Tensor OverlappedStack::forward(const std::vector<Layer>& layers, const Head
         raw::add_rms_norm(xp, hidden, yp[3], hidden, final_norm, normed_.data(), rows, hidden,
                           static_cast<float>(s.eps));
         h = normed_.data();
-      });
+      }, nullptr, nullptr);
   }
   if (error) std::rethrow_exception(error);
   ++steps_;

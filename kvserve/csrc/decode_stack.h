@@ -4,6 +4,7 @@
 #pragma once
 #include "cpu_kernels.h"
 
+#include <atomic>
 #include <cstdint>
 #include <vector>
 
@@ -74,6 +75,8 @@ class OverlappedStack {
                      const at::Tensor& slot_blocks, const at::Tensor& slot_offsets, const at::Tensor& block_tables,
                      const at::Tensor& seq_lens, double scale);
   int64_t steps() const { return steps_; }  // forward calls so far
+  // attention items the workers computed so far (the rest were thread 0's)
+  int64_t helped_items() const { return helped_.load(std::memory_order_relaxed); }
 
  private:
   // What each stage's projection reads and each layer's serial work needs, as raw pointers: the
@@ -94,6 +97,7 @@ class OverlappedStack {
   const void* prepared_head_ = nullptr;
   size_t prepared_layers_ = 0;
   int64_t steps_ = 0;
+  std::atomic<int64_t> helped_{0};
   QuantizeFn quantize_ = nullptr;
   // Whether p has a panel-range form from the module of `quantize` (and its panels' layout).
   bool has_panels(const Projection& p, QuantizeFn quantize);

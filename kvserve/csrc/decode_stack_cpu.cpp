@@ -79,6 +79,7 @@ class DecodeStack {
   void set_overlap_rows(int64_t rows) { overlap_rows_ = rows; }
   bool overlap_usable() const { return overlap_usable_; }
   int64_t overlapped_steps() const { return overlapped_.steps(); }
+  int64_t overlapped_helped_items() const { return overlapped_.helped_items(); }
 
   // x: the residual stream [rows, hidden] float32 (added into in place and returned); cos/sin
   // [rows, head_dim]; kv_cache [layers, 2, blocks, kv_heads, block_size, head_dim]; the slots of
@@ -145,6 +146,7 @@ void bind_decode_stack(pybind11::module& m) {
       .def("set_overlap_rows", &DecodeStack::set_overlap_rows)
       .def("overlap_usable", &DecodeStack::overlap_usable)
       .def("overlapped_steps", &DecodeStack::overlapped_steps)
+      .def("overlapped_helped_items", &DecodeStack::overlapped_helped_items)
       .def("set_head", &DecodeStack::set_head)
       .def("has_head", &DecodeStack::has_head)
       .def("head_overlapped", &DecodeStack::head_overlapped)

@@ -589,15 +589,16 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   return out;
 }
 
-void raw::paged_decode_attention(const PagedDecode& p) {
+void raw::paged_decode_attention(const PagedDecode& p, int64_t begin, int64_t end) {
   thread_local Scratch scratch;  // grown once, then reused step after step
-  const int64_t items = p.seqs * p.kv_heads;
+  if (end < 0) end = p.seqs * p.kv_heads;
+  if (begin >= end) return;
   auto run = [&](auto cache_tag) {
     using C = decltype(cache_tag);
     const Decode<float, C> a{p.q, p.q_stride, p.out, static_cast<const C*>(p.k_cache), static_cast<const C*>(p.v_cache),
                              p.k_scales, p.v_scales, p.block_tables, p.max_blocks, p.seq_lens, p.heads, p.kv_heads,
                              p.block_size, p.head_dim, p.scale};
-    with_head_dim(p.head_dim, [&](auto hd) { decode_items<float, C, decltype(hd)::value>(a, 0, items, scratch); });
+    with_head_dim(p.head_dim, [&](auto hd) { decode_items<float, C, decltype(hd)::value>(a, begin, end, scratch); });
   };
   if (p.k_scales != nullptr) run(int8_t{});
   else run(float{});
