@@ -68,10 +68,10 @@ def test_layers_it_cannot_take_stay_in_python(request, fixture, kwargs):
 @pytest.mark.parametrize("threads", [2, 3])
 @pytest.mark.parametrize(("quantization", "kv_cache_dtype"), [("int4", "auto"), ("int8", "int8")])
 def test_overlapped_stack_equals_the_python_layers(tiny_llama_dir, quantization, kv_cache_dtype, threads):
-    """One-row steps run the whole stack in one parallel region (thread 0 the serial work, the
-    others loading their share of the next projections, the split learnt step by step), and
-    so do two-row ones when asked: the same bits as the Python loop, whatever the split and
-    thread count."""
+    """Steps of up to OVERLAP_MAX_ROWS rows (one and two here) run the whole stack in one
+    parallel region (thread 0 the serial work, the others loading their share of the next
+    projections and sharing the attention, the split learnt step by step per row count): the
+    same bits as the Python loop, whatever the split and thread count."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -81,11 +81,12 @@ def test_overlapped_stack_equals_the_python_layers(tiny_llama_dir, quantization,
         stacked, plain, stack = _both_paths(llm, PROMPTS[:1])
         _assert_identical(stacked, plain)
         assert stack.overlap_usable() and stack.head_overlapped()  # the lm_head the region's last stage
-        assert stack.overlapped_steps() == 11  # every decode step (12 tokens: the first from prefill)
-        stack.set_overlap_rows(2)
-        stacked, plain, _ = _both_paths(llm, PROMPTS[1:3])
+        # every step: the 6-token prompt as 6 decode rows (a short chunk runs as decodes), then
+        # the 11 decodes of one row
+        assert stack.overlapped_steps() == 12
+        stacked, plain, _ = _both_paths(llm, PROMPTS[1:3])  # 12 prompt rows, then 11 steps of 2
         _assert_identical(stacked, plain)
-        assert stack.overlapped_steps() == 22
+        assert stack.overlapped_steps() == 24
     finally:
         torch.set_num_threads(before)
 
@@ -167,6 +168,7 @@ def test_bad_input_to_the_overlapped_stack_is_raised(tiny_llama_dir):
             stack.forward_logits(x.clone(), cos, sin, *kv, tables.int(), lens, scale)
         again = stack.forward_logits(x.clone(), cos, sin, *kv, tables, lens, scale)
         assert again.shape == (1, model.arch.vocab_size) and torch.isfinite(again).all()
-        assert stack.overlapped_steps() == 3  # the two decode steps and the call after the error
+        # the prompt's rows, the two decode steps and the call after the error
+        assert stack.overlapped_steps() == 4
     finally:
         torch.set_num_threads(before)

@@ -185,7 +185,8 @@ at::Tensor OverlappedStack::forward(const std::vector<Layer>& layers, const Head
   int64_t max_k = 0;
   for (const Stage& st : stages_) max_k = std::max(max_k, st.k);
   q_.resize(rows * max_k), d_.resize(rows * max_k / 32), s_.resize(rows * max_k / 32), sum_.resize(rows * max_k / 32);
-  for (int64_t i = lead_.size(); i < n_stages; ++i) lead_.push_back(stages_[i].num_panels / threads);
+  std::vector<int64_t>& lead_of = leads_[rows];  // the split learnt for this many rows
+  for (int64_t i = lead_of.size(); i < n_stages; ++i) lead_of.push_back(stages_[i].num_panels / threads);
   // Outputs, one per projection kind (each read before the next layer writes it again; kept
   // from step to step), and the head's logits, returned.
   for (int j = 0; j < 4; ++j) out_[j].resize(rows * first.projection(j).n);
@@ -253,7 +254,7 @@ at::Tensor OverlappedStack::forward(const std::vector<Layer>& layers, const Head
     // finished the serial part of stage `now`, up to `budget` bytes; returns the budget left.
     auto warm = [&](int64_t st, int64_t now, int64_t budget) {
       const Stage& p = stages_[st];
-      const auto [b, e] = share(p.num_panels, lead_[st], t, nt);
+      const auto [b, e] = share(p.num_panels, lead_of[st], t, nt);
       const int64_t cb = p.codes_bytes, sb = p.scales_bytes;
       for (int64_t q = b; q < e && budget > 0 && ready.load(std::memory_order_acquire) <= now; ++q) {
         touch_lines(p.codes + q * cb, cb);
@@ -269,7 +270,7 @@ at::Tensor OverlappedStack::forward(const std::vector<Layer>& layers, const Head
     auto run_stage = [&](int64_t st, float* out, auto&& serial, auto&& shared, auto&& after) {
       constexpr bool has_shared = !std::is_same_v<std::decay_t<decltype(shared)>, std::nullptr_t>;
       const Stage& p = stages_[st];
-      int64_t& lead = lead_[st];
+      int64_t& lead = lead_of[st];
       const int64_t k = p.k;
       auto attempt = [&](auto&& fn) {  // fn() unless a thread has failed; its error recorded
         if (failed.load(std::memory_order_relaxed)) return;

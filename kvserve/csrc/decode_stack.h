@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <map>
 #include <vector>
 
 // The signatures of quant_matmul_cpu.cpp's entry points, reached by address (its module is built
@@ -101,7 +102,8 @@ class OverlappedStack {
   QuantizeFn quantize_ = nullptr;
   // Whether p has a panel-range form from the module of `quantize` (and its panels' layout).
   bool has_panels(const Projection& p, QuantizeFn quantize);
-  std::vector<int64_t> lead_;  // per stage (4 a layer, then the head's): panels the serial thread computes
+  // per row count, per stage (4 a layer, then the head's): the panels the serial thread computes
+  std::map<int64_t, std::vector<int64_t>> leads_;
   std::vector<int8_t> q_;      // the activations of the projection about to run, quantized
   std::vector<float> d_, s_;
   std::vector<int32_t> sum_;

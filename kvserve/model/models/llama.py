@@ -44,9 +44,11 @@ from kvserve.model.layers.tp_sharding import even_shard
 # the torch path.
 FUSED_DTYPES = (torch.float32, torch.bfloat16)
 # Decode steps of up to this many rows run the stack in one parallel region, the weight stream
-# overlapping the serial work (csrc/decode_overlap_cpu.cpp). One: at 2 and 4 rows the attention
-# it runs on one thread outweighed the overlap (an AVX2 Zen 3, docs/BENCHMARKS.md round 17).
-OVERLAP_MAX_ROWS = 1
+# overlapping the serial work (csrc/decode_overlap_cpu.cpp). Until the region's threads shared the
+# attention, one row (round 17: at 2 and 4 rows thread 0's attention outweighed the overlap);
+# since, 2 to 16 rows took 0.83-0.94x the time of a region per kernel and 32 rows 1.04x (int4
+# weights, int8 KV, ~128-token contexts, 2-core Zen 4; docs/BENCHMARKS.md issue 16 round 29).
+OVERLAP_MAX_ROWS = 16
 STACK_KV_DTYPES = (torch.float32, torch.int8)  # the KV caches the decode stack's attention reads
 
 

@@ -1,0 +1,76 @@
+"""Small decode batches on the overlapped decode stack against a parallel region per kernel
+(issue 16: which row counts `OVERLAP_MAX_ROWS` sends through csrc/decode_overlap_cpu.cpp).
+
+One offline engine (default model, `--config`), its decode stack switched between the two
+paths round by round (`set_overlap_rows(1)`: only one-row steps overlapped; `(n)`: steps of up
+to n rows), order alternating, the runs seconds apart: a shared host drifts by more than the
+difference between the paths over minutes. Each run decodes `--batch` prompts of ~`--prompt`
+tokens; the time per step is the (n+1)-token run minus the 1-token run, over n. Prints each
+round's ratio (overlapped over per-kernel regions), their median and the CPU flags.
+
+    python benchmarks/bench_overlap_rows.py [--batch 2,4,8,16,32] [--prompt 128] [--rounds 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.bench_decode_stack_ab import CONFIGS  # noqa: E402
+from benchmarks.common import machine, make_prompts  # noqa: E402
+from benchmarks.cpu_info import cpu_flags  # noqa: E402
+from kvserve import LLM, SamplingParams  # noqa: E402
+
+
+def run(llm: LLM, prompts: list[list[int]], tokens: int) -> float:
+    """Seconds to generate `tokens` greedy tokens for each prompt."""
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    return time.perf_counter() - t0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", default="int4-kv8", choices=sorted(CONFIGS))
+    ap.add_argument("--batch", default="2,4,8,16,32", help="comma-separated decode batch sizes")
+    ap.add_argument("--prompt", type=int, default=128, help="prompt tokens (the context attention reads)")
+    ap.add_argument("--tokens", type=int, default=16, help="decode steps timed per run")
+    ap.add_argument("--rounds", type=int, default=8)
+    args = ap.parse_args()
+    when = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
+    print(f"{machine()}; CPU flags: {cpu_flags()}; {when}; load average {os.getloadavg()}")
+
+    llm = LLM("smollm2-135m", kv_cache_memory="512MiB", max_model_len=8192, **CONFIGS[args.config])
+    model = llm.llm_engine.model_runner.model
+    print(f"{args.config}, prompts of ~{args.prompt} tokens, {args.tokens} decode steps a run; ms per step")
+    print("| batch | per-kernel regions | overlapped | ratio, median (range) | rounds below 1 |")
+    print("|---|---|---|---|---|")
+    for batch in (int(b) for b in args.batch.split(",")):
+        if batch < 2:
+            sys.exit(f"--batch {batch}: one row is overlapped either way; give sizes above 1")
+        prompts = make_prompts(llm.tokenizer, batch, args.prompt, seed=1)
+        run(llm, prompts, 4)  # builds the stack (model._stack) and caches the prompts' prefixes
+        stack = model._stack[1]
+        ms: dict[int, list[float]] = {1: [], batch: []}
+        for rnd in range(args.rounds):
+            for rows in (1, batch) if rnd % 2 == 0 else (batch, 1):
+                stack.set_overlap_rows(rows)
+                steps = run(llm, prompts, args.tokens + 1) - run(llm, prompts, 1)
+                ms[rows].append(steps / args.tokens * 1e3)
+        ratios = [b / a for a, b in zip(ms[1], ms[batch])]
+        print(f"| {batch} | {statistics.median(ms[1]):.2f} | {statistics.median(ms[batch]):.2f} | "
+              f"{statistics.median(ratios):.3f}x ({min(ratios):.3f}-{max(ratios):.3f}) | "
+              f"{sum(r < 1 for r in ratios)} of {len(ratios)} |", flush=True)  # fmt: skip
+    print(f"load average {os.getloadavg()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
