@@ -1,5 +1,6 @@
-// A one-row decode step's layers in one parallel region, the weight stream overlapping the
-// serial work (issue 16: single-stream decode at the bandwidth limit).
+// A small decode step's layers (up to llama.py's OVERLAP_MAX_ROWS rows) in one parallel region,
+// the weight stream overlapping the serial work (issue 16: single-stream decode at the bandwidth
+// limit).
 //
 // At one row a token reads every weight once, and between its projections come the norms,
 // rotary, the KV write and attention: serial work, ~30% of the stack's time on an AVX2 Zen 3,
@@ -11,8 +12,8 @@
 // a worker that has loaded its share of the o projection takes KV heads from the back of the
 // layer's list while thread 0 takes them from the front (decode 0.84x the time at 2K tokens of
 // context, 0.97x at 128; docs/BENCHMARKS.md issue 16 round 29).
-// Thread 0's share (read from memory) is learnt per layer and projection: a panel less each
-// step it finishes last, one more when first. Any split gives the same bits: one output is
+// Thread 0's share (read from memory) is learnt per row count, layer and projection: a panel
+// less each step it finishes last, one more when first. Any split gives the same bits: one output is
 // one SIMD lane of the same kernel, whichever thread computes it.
 //
 // Thread 0's serial work calls raw:: (cpu_kernels.h) on buffers this class owns, with every
