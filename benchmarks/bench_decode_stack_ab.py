@@ -23,14 +23,14 @@ import importlib.util
 import os
 import statistics
 import sys
-import time
 from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.bench_decode_roofline import decode_s  # noqa: E402
 from benchmarks.common import machine, make_prompts  # noqa: E402
 from benchmarks.cpu_info import cpu_flags  # noqa: E402
-from kvserve import LLM, SamplingParams  # noqa: E402
+from kvserve import LLM  # noqa: E402
 
 CONFIGS = {
     "int4-kv8": {"quantization": "int4", "kv_cache_dtype": "int8"},
@@ -66,13 +66,7 @@ def main() -> int:
     model = llm.llm_engine.model_runner.model
     prompt = make_prompts(llm.tokenizer, 1, args.prompt, seed=1)
 
-    def run(n: int) -> float:
-        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-        t0 = time.perf_counter()
-        llm.generate(prompt, params, use_tqdm=False)
-        return time.perf_counter() - t0
-
-    run(4)  # builds this tree's stack (model._stack: its key and the stack)
+    decode_s(llm, prompt, 3)  # builds this tree's stack (model._stack: its key and the stack)
     key, ours = model._stack
     own_ops, model.ops = model.ops, baseline_kernels(args.baseline_tree)
     try:
@@ -80,8 +74,7 @@ def main() -> int:
     finally:
         model.ops = own_ops
     print(f"{args.config}, one ~{args.prompt}-token prompt, {args.tokens} decode steps a run; ms per token")
-    n = args.tokens
-    alternate(model, key, ours, theirs, lambda: (run(n + 1) - run(1)) / n * 1e3, args.rounds)
+    alternate(model, key, ours, theirs, lambda: decode_s(llm, prompt, args.tokens) * 1e3, args.rounds)
     return 0
 
 

@@ -18,22 +18,14 @@ import datetime
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.bench_decode_roofline import decode_s  # noqa: E402
 from benchmarks.bench_decode_stack_ab import CONFIGS  # noqa: E402
 from benchmarks.common import machine, make_prompts  # noqa: E402
 from benchmarks.cpu_info import cpu_flags  # noqa: E402
-from kvserve import LLM, SamplingParams  # noqa: E402
-
-
-def run(llm: LLM, prompts: list[list[int]], tokens: int) -> float:
-    """Seconds to generate `tokens` greedy tokens for each prompt."""
-    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-    t0 = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=False)
-    return time.perf_counter() - t0
+from kvserve import LLM  # noqa: E402
 
 
 def main() -> int:
@@ -56,14 +48,13 @@ def main() -> int:
         if batch < 2:
             sys.exit(f"--batch {batch}: one row is overlapped either way; give sizes above 1")
         prompts = make_prompts(llm.tokenizer, batch, args.prompt, seed=1)
-        run(llm, prompts, 4)  # builds the stack (model._stack) and caches the prompts' prefixes
+        decode_s(llm, prompts, 3)  # builds the stack (model._stack) and caches the prompts' prefixes
         stack = model._stack[1]
         ms: dict[int, list[float]] = {1: [], batch: []}
         for rnd in range(args.rounds):
             for rows in (1, batch) if rnd % 2 == 0 else (batch, 1):
                 stack.set_overlap_rows(rows)
-                steps = run(llm, prompts, args.tokens + 1) - run(llm, prompts, 1)
-                ms[rows].append(steps / args.tokens * 1e3)
+                ms[rows].append(decode_s(llm, prompts, args.tokens) * 1e3)
         ratios = [b / a for a, b in zip(ms[1], ms[batch])]
         print(f"| {batch} | {statistics.median(ms[1]):.2f} | {statistics.median(ms[batch]):.2f} | "
               f"{statistics.median(ratios):.3f}x ({min(ratios):.3f}-{max(ratios):.3f}) | "

@@ -20,10 +20,10 @@ import argparse
 import datetime
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.bench_decode_roofline import decode_s  # noqa: E402
 from benchmarks.bench_decode_stack_ab import CONFIGS, alternate  # noqa: E402
 from benchmarks.common import machine, make_prompts  # noqa: E402
 from benchmarks.cpu_info import cpu_flags  # noqa: E402
@@ -57,13 +57,11 @@ def main() -> int:
     model = llm.llm_engine.model_runner.model
     prompts = make_prompts(llm.tokenizer, args.batch, 128 if args.batch == 1 else 16, seed=1)
 
-    def run(n: int) -> tuple[float, list]:
+    def greedy(n: int) -> list[list[int]]:
         params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-        t0 = time.perf_counter()
-        out = llm.generate(prompts, params, use_tqdm=False)
-        return time.perf_counter() - t0, [o.outputs[0].token_ids for o in out]
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
-    run(4)  # builds this tree's stack (model._stack: its key and the stack)
+    greedy(4)  # builds this tree's stack (model._stack: its key and the stack)
     key, ours = model._stack
     own = quant_kernels.load_quant_kernels(variant)
     quant_kernels._modules[variant] = baseline_module(args.baseline_tree, variant)
@@ -74,11 +72,11 @@ def main() -> int:
     decoded = []
     for stack in (ours, theirs):
         model._stack = (key, stack)
-        decoded.append(run(tokens + 1)[1])
+        decoded.append(greedy(tokens + 1))
     if decoded[0] != decoded[1]:
         sys.exit("the two trees' kernels decoded different greedy tokens")
     print(f"{args.config} ({variant}), {args.batch} prompt(s), {tokens} decode steps a run; ms per step")
-    alternate(model, key, ours, theirs, lambda: (run(tokens + 1)[0] - run(1)[0]) / tokens * 1e3, args.rounds)
+    alternate(model, key, ours, theirs, lambda: decode_s(llm, prompts, tokens) * 1e3, args.rounds)
     return 0
 
 

@@ -266,9 +266,9 @@ at::Tensor OverlappedStack::forward(const std::vector<Layer>& layers, const Head
     };
     // Stage `st`: thread 0 runs `serial` (which leaves h) and quantizes h, while the others
     // load their share of its projection, then of the next one; then all compute their shares
-    // into `out`. A stage with a `shared` part (the attention) runs it between thread 0's
-    // `serial` and `after`, its items claimed through `items`: shared(i) computes item i.
-    auto run_stage = [&](int64_t st, float* out, auto&& serial, auto&& shared, auto&& after) {
+    // into `out`. A stage with a `shared` part (the attention) runs it after thread 0's `serial`,
+    // before the quantization, its items claimed through `items`: shared(i) computes item i.
+    auto run_stage = [&](int64_t st, float* out, auto&& serial, auto&& shared) {
       constexpr bool has_shared = !std::is_same_v<std::decay_t<decltype(shared)>, std::nullptr_t>;
       const Stage& p = stages_[st];
       int64_t& lead = lead_of[st];
@@ -288,7 +288,6 @@ at::Tensor OverlappedStack::forward(const std::vector<Layer>& layers, const Head
           shared_go.store(st + 1, std::memory_order_release);
           for (int64_t i = items.claim(false); i >= 0; i = items.claim(false)) attempt([&] { shared(i); });
           for (int64_t spins = 0; !items.settled();) relax(spins);
-          attempt(after);
         }
         attempt([&] { quantize_(h, rows, k, q_.data(), d_.data(), s_.data(), sum_.data()); });
         ready.store(st + 1, std::memory_order_release);
@@ -326,7 +325,7 @@ at::Tensor OverlappedStack::forward(const std::vector<Layer>& layers, const Head
         raw::add_rms_norm(xp, hidden, i > 0 ? yp[3] : nullptr, hidden, l.input_norm, normed_.data(), rows, hidden,
                           static_cast<float>(s.eps));
         h = normed_.data();
-      }, nullptr, nullptr);
+      }, nullptr);
       float* const qkv = yp[0];
       const int64_t w = first.qkv.n;  // a row of qkv: q | k | v
       char *const k_cache = kv_base + 2 * i * cache_bytes, *const v_cache = k_cache + cache_bytes;
@@ -339,20 +338,21 @@ at::Tensor OverlappedStack::forward(const std::vector<Layer>& layers, const Head
         else
           raw::kv_write(reinterpret_cast<float*>(k_cache), reinterpret_cast<float*>(v_cache), qkv + q_size, w,
                         s.head_dim, qkv + q_size + kv_size, w, s.head_dim, slots);
+        h = attn_.data();  // quantized once every thread's items are in
       }, [&](int64_t item) {  // the attention, its (sequence, KV head) items shared by the threads
         raw::paged_decode_attention({qkv, w, attn_.data(), k_cache, v_cache, l.k_scales, l.v_scales, tables,
                                      max_blocks, lens, rows, s.heads, s.kv_heads, block_size, s.head_dim, scale},
                                     item, item + 1);
-      }, [&] { h = attn_.data(); });
+      });
       run_stage(4 * i + 2, yp[2], [&] {
         raw::add_rms_norm(xp, hidden, yp[1], hidden, l.post_norm, normed_.data(), rows, hidden,
                           static_cast<float>(s.eps));
         h = normed_.data();
-      }, nullptr, nullptr);
+      }, nullptr);
       run_stage(4 * i + 3, yp[3], [&] {
         raw::silu_mul(yp[2], first.gate_up.n, act_.data(), rows, inter);
         h = act_.data();
-      }, nullptr, nullptr);
+      }, nullptr);
       if (failed.load(std::memory_order_relaxed)) break;  // read after the stage's barrier: all agree
     }
     if (head != nullptr && !failed.load(std::memory_order_relaxed))
@@ -360,7 +360,7 @@ at::Tensor OverlappedStack::forward(const std::vector<Layer>& layers, const Head
         raw::add_rms_norm(xp, hidden, yp[3], hidden, final_norm, normed_.data(), rows, hidden,
                           static_cast<float>(s.eps));
         h = normed_.data();
-      }, nullptr, nullptr);
+      }, nullptr);
   }
   if (error) std::rethrow_exception(error);
   ++steps_;
