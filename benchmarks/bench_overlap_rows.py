@@ -6,9 +6,11 @@ paths round by round (`set_overlap_rows(1)`: only one-row steps overlapped; `(n)
 to n rows), order alternating, the runs seconds apart: a shared host drifts by more than the
 difference between the paths over minutes. Each run decodes `--batch` prompts of ~`--prompt`
 tokens; the time per step is the (n+1)-token run minus the 1-token run, over n. Prints each
-round's ratio (overlapped over per-kernel regions), their median and the CPU flags.
+round's ratio (overlapped over per-kernel regions), their median and the CPU flags. With
+`--split N` the overlapped steps of N rows or more share thread 0's serial work by rows
+(`set_split_rows`); 0 keeps it on thread 0.
 
-    python benchmarks/bench_overlap_rows.py [--batch 2,4,8,16,32] [--prompt 128] [--rounds 8]
+    python benchmarks/bench_overlap_rows.py [--batch 2,4,8,16,32] [--prompt 128] [--rounds 8] [--split N]
 """
 
 from __future__ import annotations
@@ -35,13 +37,18 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens (the context attention reads)")
     ap.add_argument("--tokens", type=int, default=16, help="decode steps timed per run")
     ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--split", type=int, default=None, help="set_split_rows (default: llama.py's)")
     args = ap.parse_args()
     when = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
     print(f"{machine()}; CPU flags: {cpu_flags()}; {when}; load average {os.getloadavg()}")
 
     llm = LLM("smollm2-135m", kv_cache_memory="512MiB", max_model_len=8192, **CONFIGS[args.config])
     model = llm.llm_engine.model_runner.model
-    print(f"{args.config}, prompts of ~{args.prompt} tokens, {args.tokens} decode steps a run; ms per step")
+    split = "llama.py's" if args.split is None else args.split
+    print(
+        f"{args.config}, prompts of ~{args.prompt} tokens, {args.tokens} decode steps a run, split rows "
+        f"{split}; ms per step"
+    )
     print("| batch | per-kernel regions | overlapped | ratio, median (range) | rounds below 1 |")
     print("|---|---|---|---|---|")
     for batch in (int(b) for b in args.batch.split(",")):
@@ -50,6 +57,8 @@ def main() -> int:
         prompts = make_prompts(llm.tokenizer, batch, args.prompt, seed=1)
         decode_s(llm, prompts, 3)  # builds the stack (model._stack) and caches the prompts' prefixes
         stack = model._stack[1]
+        if args.split is not None:
+            stack.set_split_rows(args.split)
         ms: dict[int, list[float]] = {1: [], batch: []}
         for rnd in range(args.rounds):
             for rows in (1, batch) if rnd % 2 == 0 else (batch, 1):

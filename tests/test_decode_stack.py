@@ -128,6 +128,36 @@ def test_overlapped_stack_shares_attention_with_the_same_bits(tiny_hd64_dir, kv_
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_overlapped_stack_split_by_rows_has_the_same_bits(
+    tiny_hd64_dir, kv_cache_dtype, threads, monkeypatch
+):
+    """From SPLIT_ROWS rows up every thread of the overlapped stack runs the serial work (norms,
+    rotary, KV writes, activation quantization) for its own rows: with 5 rows on 2 and 3 threads
+    (uneven shares) the tokens and logprobs are the Python loop's, bit for bit."""
+    from kvserve.model.models import llama
+
+    monkeypatch.setattr(llama, "SPLIT_ROWS", 2)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        llm = LLM(
+            tiny_hd64_dir,
+            kv_cache_memory="16MiB",
+            quantization="int4",
+            kv_cache_dtype=kv_cache_dtype,
+            enable_prefix_caching=False,
+        )
+        prompts = [[(11 * i + 5 * k) % 500 + 5 for i in range(40 + 3 * k)] for k in range(5)]
+        stacked, plain, stack = _both_paths(llm, prompts)
+        _assert_identical(stacked, plain)
+        assert stack.overlapped_steps() == 11  # every decode step of the 5 rows
+        assert stack.overlapped_helped_items() > 0
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_bad_input_to_the_overlapped_stack_is_raised(tiny_llama_dir):
     """Input the overlapped stack's raw kernels cannot take (here int32 block tables) is refused
     with an exception before its parallel region starts, and the stack still works after it."""

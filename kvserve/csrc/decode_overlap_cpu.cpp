@@ -15,6 +15,11 @@
 // Thread 0's share (read from memory) is learnt per row count, layer and projection: a panel
 // less each step it finishes last, one more when first. Any split gives the same bits: one output is
 // one SIMD lane of the same kernel, whichever thread computes it.
+// From split_rows_ rows up (llama.py's SPLIT_ROWS) the serial work, which grows with the rows,
+// is no longer thread 0's: every thread runs it for its own rows between barriers (row by row
+// the same loops, so the same bits), and nothing is loaded ahead. There the region still saves
+// the ~14 parallel regions a layer of the per-kernel path opens (16-64 rows 0.86-0.97x the time
+// on an AMX Xeon; docs/BENCHMARKS.md issue 16 round 30).
 //
 // Thread 0's serial work calls raw:: (cpu_kernels.h) on buffers this class owns, with every
 // pointer and check taken before the region. The weight stream has just emptied the caches, so
@@ -246,7 +251,17 @@ at::Tensor OverlappedStack::forward(const std::vector<Layer>& layers, const Head
     failed.store(true, std::memory_order_relaxed);
   };
   std::vector<Clock::time_point> done(threads + 1);
-  const float* h = nullptr;  // thread 0's: the activations the next projection multiplies
+  // From split_rows_ rows up every thread takes a share of the rows in each stage's serial part
+  // (its work grows with the rows, and at 32-64 rows it outweighs what loading ahead saves).
+  const bool split = split_rows_ > 0 && rows >= split_rows_;
+  const int64_t slot_n = n_slots;
+  // The KV slots of rows [r0, r1) (rows past the step's slots pad the batch: none).
+  auto slots_of = [&](int64_t r0, int64_t r1) {
+    raw::KvSlots part = slots;
+    const int64_t b = std::min(r0, slot_n), e = std::min(r1, slot_n);
+    part.blk += b, part.off += b, part.n = e - b;
+    return part;
+  };
 
 #pragma omp parallel num_threads(threads)
   {
@@ -264,11 +279,13 @@ at::Tensor OverlappedStack::forward(const std::vector<Layer>& layers, const Head
       }
       return budget;
     };
-    // Stage `st`: thread 0 runs `serial` (which leaves h) and quantizes h, while the others
-    // load their share of its projection, then of the next one; then all compute their shares
-    // into `out`. A stage with a `shared` part (the attention) runs it after thread 0's `serial`,
-    // before the quantization, its items claimed through `items`: shared(i) computes item i.
-    auto run_stage = [&](int64_t st, float* out, auto&& serial, auto&& shared) {
+    // Stage `st`: thread 0 runs `serial(0, rows)` and quantizes h (the activations it leaves),
+    // while the others load their share of its projection, then of the next one; then all
+    // compute their shares into `out`. A stage with a `shared` part (the attention) runs it after
+    // the serial part, before the quantization, its items claimed through `items`: shared(i)
+    // computes item i. With `split`, each thread runs serial(r0, r1) and the quantization for its
+    // own rows instead, between barriers, and loads nothing ahead.
+    auto run_stage = [&](int64_t st, float* out, const float* h, auto&& serial, auto&& shared) {
       constexpr bool has_shared = !std::is_same_v<std::decay_t<decltype(shared)>, std::nullptr_t>;
       const Stage& p = stages_[st];
       int64_t& lead = lead_of[st];
@@ -281,8 +298,27 @@ at::Tensor OverlappedStack::forward(const std::vector<Layer>& layers, const Head
           fail(std::current_exception());
         }
       };
-      if (t == 0) {
-        attempt(serial);
+      if (split) {
+        const int64_t r0 = rows * t / nt, r1 = rows * (t + 1) / nt, g = k / 32;
+        if constexpr (has_shared) {
+          if (t == 0) items.reset(failed.load(std::memory_order_relaxed) ? 0 : items_per_layer);
+        }
+        attempt([&] { serial(r0, r1); });
+#pragma omp barrier
+        if constexpr (has_shared) {  // every row's K and V are in: the items, then every output
+          for (int64_t i = items.claim(t != 0); i >= 0; i = items.claim(t != 0)) {
+            attempt([&] { shared(i); });
+            if (t != 0) items.finish(), helped_.fetch_add(1, std::memory_order_relaxed);
+          }
+#pragma omp barrier
+        }
+        attempt([&] {
+          quantize_(h + r0 * k, r1 - r0, k, q_.data() + r0 * k, d_.data() + r0 * g, s_.data() + r0 * g,
+                    sum_.data() + r0 * g);
+        });
+#pragma omp barrier
+      } else if (t == 0) {
+        attempt([&] { serial(0, rows); });
         if constexpr (has_shared) {
           items.reset(failed.load(std::memory_order_relaxed) ? 0 : items_per_layer);
           shared_go.store(st + 1, std::memory_order_release);
@@ -320,46 +356,44 @@ at::Tensor OverlappedStack::forward(const std::vector<Layer>& layers, const Head
 
     for (int64_t i = 0; i < n_layers; ++i) {
       const LayerPtrs& l = layer_ptrs_[i];
-      run_stage(4 * i, yp[0], [&] {
+      run_stage(4 * i, yp[0], normed_.data(), [&](int64_t r0, int64_t r1) {
         // the previous layer's MLP output into the residual stream, then the input norm
-        raw::add_rms_norm(xp, hidden, i > 0 ? yp[3] : nullptr, hidden, l.input_norm, normed_.data(), rows, hidden,
-                          static_cast<float>(s.eps));
-        h = normed_.data();
+        raw::add_rms_norm(xp + r0 * hidden, hidden, i > 0 ? yp[3] + r0 * hidden : nullptr, hidden, l.input_norm,
+                          normed_.data() + r0 * hidden, r1 - r0, hidden, static_cast<float>(s.eps));
       }, nullptr);
       float* const qkv = yp[0];
       const int64_t w = first.qkv.n;  // a row of qkv: q | k | v
       char *const k_cache = kv_base + 2 * i * cache_bytes, *const v_cache = k_cache + cache_bytes;
-      run_stage(4 * i + 1, yp[1], [&] {
-        raw::rotary(qkv, rows, s.heads, s.head_dim, w, s.head_dim, cp, sp);
-        raw::rotary(qkv + q_size, rows, s.kv_heads, s.head_dim, w, s.head_dim, cp, sp);
+      run_stage(4 * i + 1, yp[1], attn_.data(), [&](int64_t r0, int64_t r1) {
+        float* const row = qkv + r0 * w;
+        const float *const c = cp + r0 * s.head_dim, *const sn = sp + r0 * s.head_dim;
+        raw::rotary(row, r1 - r0, s.heads, s.head_dim, w, s.head_dim, c, sn);
+        raw::rotary(row + q_size, r1 - r0, s.kv_heads, s.head_dim, w, s.head_dim, c, sn);
+        const raw::KvSlots part = slots_of(r0, r1);
         if (int8_cache)
           raw::kv_write_int8(reinterpret_cast<int8_t*>(k_cache), reinterpret_cast<int8_t*>(v_cache), l.k_scales,
-                             l.v_scales, qkv + q_size, w, s.head_dim, qkv + q_size + kv_size, w, s.head_dim, slots);
+                             l.v_scales, row + q_size, w, s.head_dim, row + q_size + kv_size, w, s.head_dim, part);
         else
-          raw::kv_write(reinterpret_cast<float*>(k_cache), reinterpret_cast<float*>(v_cache), qkv + q_size, w,
-                        s.head_dim, qkv + q_size + kv_size, w, s.head_dim, slots);
-        h = attn_.data();  // quantized once every thread's items are in
+          raw::kv_write(reinterpret_cast<float*>(k_cache), reinterpret_cast<float*>(v_cache), row + q_size, w,
+                        s.head_dim, row + q_size + kv_size, w, s.head_dim, part);
       }, [&](int64_t item) {  // the attention, its (sequence, KV head) items shared by the threads
         raw::paged_decode_attention({qkv, w, attn_.data(), k_cache, v_cache, l.k_scales, l.v_scales, tables,
                                      max_blocks, lens, rows, s.heads, s.kv_heads, block_size, s.head_dim, scale},
                                     item, item + 1);
       });
-      run_stage(4 * i + 2, yp[2], [&] {
-        raw::add_rms_norm(xp, hidden, yp[1], hidden, l.post_norm, normed_.data(), rows, hidden,
-                          static_cast<float>(s.eps));
-        h = normed_.data();
+      run_stage(4 * i + 2, yp[2], normed_.data(), [&](int64_t r0, int64_t r1) {
+        raw::add_rms_norm(xp + r0 * hidden, hidden, yp[1] + r0 * hidden, hidden, l.post_norm,
+                          normed_.data() + r0 * hidden, r1 - r0, hidden, static_cast<float>(s.eps));
       }, nullptr);
-      run_stage(4 * i + 3, yp[3], [&] {
-        raw::silu_mul(yp[2], first.gate_up.n, act_.data(), rows, inter);
-        h = act_.data();
+      run_stage(4 * i + 3, yp[3], act_.data(), [&](int64_t r0, int64_t r1) {
+        raw::silu_mul(yp[2] + r0 * first.gate_up.n, first.gate_up.n, act_.data() + r0 * inter, r1 - r0, inter);
       }, nullptr);
       if (failed.load(std::memory_order_relaxed)) break;  // read after the stage's barrier: all agree
     }
     if (head != nullptr && !failed.load(std::memory_order_relaxed))
-      run_stage(n_stages - 1, yp[4], [&] {
-        raw::add_rms_norm(xp, hidden, yp[3], hidden, final_norm, normed_.data(), rows, hidden,
-                          static_cast<float>(s.eps));
-        h = normed_.data();
+      run_stage(n_stages - 1, yp[4], normed_.data(), [&](int64_t r0, int64_t r1) {
+        raw::add_rms_norm(xp + r0 * hidden, hidden, yp[3] + r0 * hidden, hidden, final_norm,
+                          normed_.data() + r0 * hidden, r1 - r0, hidden, static_cast<float>(s.eps));
       }, nullptr);
   }
   if (error) std::rethrow_exception(error);

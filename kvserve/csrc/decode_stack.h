@@ -76,6 +76,8 @@ class OverlappedStack {
                      const at::Tensor& slot_blocks, const at::Tensor& slot_offsets, const at::Tensor& block_tables,
                      const at::Tensor& seq_lens, double scale);
   int64_t steps() const { return steps_; }  // forward calls so far
+  // Steps of at least this many rows share each stage's serial part by rows (0: never).
+  void set_split_rows(int64_t rows) { split_rows_ = rows; }
   // attention items the workers computed so far (the rest were thread 0's)
   int64_t helped_items() const { return helped_.load(std::memory_order_relaxed); }
 
@@ -98,6 +100,7 @@ class OverlappedStack {
   const void* prepared_head_ = nullptr;
   size_t prepared_layers_ = 0;
   int64_t steps_ = 0;
+  int64_t split_rows_ = 0;
   std::atomic<int64_t> helped_{0};
   QuantizeFn quantize_ = nullptr;
   // Whether p has a panel-range form from the module of `quantize` (and its panels' layout).

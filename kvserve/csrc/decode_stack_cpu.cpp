@@ -77,6 +77,8 @@ class DecodeStack {
 
   // Steps of up to this many rows run the overlapped path (0: never).
   void set_overlap_rows(int64_t rows) { overlap_rows_ = rows; }
+  // Overlapped steps of at least this many rows share thread 0's serial work by rows (0: never).
+  void set_split_rows(int64_t rows) { overlapped_.set_split_rows(rows); }
   bool overlap_usable() const { return overlap_usable_; }
   int64_t overlapped_steps() const { return overlapped_.steps(); }
   int64_t overlapped_helped_items() const { return overlapped_.helped_items(); }
@@ -144,6 +146,7 @@ void bind_decode_stack(pybind11::module& m) {
       .def(pybind11::init<int64_t, int64_t, int64_t, double>())
       .def("add_layer", &DecodeStack::add_layer)
       .def("set_overlap_rows", &DecodeStack::set_overlap_rows)
+      .def("set_split_rows", &DecodeStack::set_split_rows)
       .def("overlap_usable", &DecodeStack::overlap_usable)
       .def("overlapped_steps", &DecodeStack::overlapped_steps)
       .def("overlapped_helped_items", &DecodeStack::overlapped_helped_items)

@@ -46,9 +46,14 @@ FUSED_DTYPES = (torch.float32, torch.bfloat16)
 # Decode steps of up to this many rows run the stack in one parallel region, the weight stream
 # overlapping the serial work (csrc/decode_overlap_cpu.cpp). Until the region's threads shared the
 # attention, one row (round 17: at 2 and 4 rows thread 0's attention outweighed the overlap);
-# since, 2 to 16 rows took 0.83-0.94x the time of a region per kernel and 32 rows 1.04x (int4
-# weights, int8 KV, ~128-token contexts, 2-core Zen 4; docs/BENCHMARKS.md issue 16 round 29).
-OVERLAP_MAX_ROWS = 16
+# with it, 2 to 16 rows took 0.83-0.94x the time of a region per kernel (round 29); with the
+# serial work shared by rows from SPLIT_ROWS up, 16 to 64 rows 0.86-0.97x, 128 rows 1.02x (int4
+# weights, int8 KV; 2-core Zen 4 and AMX Xeon; docs/BENCHMARKS.md issue 16 rounds 29-30).
+OVERLAP_MAX_ROWS = 64
+# Overlapped steps of at least this many rows split thread 0's serial work (norms, rotary, KV
+# writes, activation quantization) between the threads by rows: it grows with the rows and, from
+# here up, outweighs the weight loading it overlaps (at 8 rows either way, round 30).
+SPLIT_ROWS = 8
 STACK_KV_DTYPES = (torch.float32, torch.int8)  # the KV caches the decode stack's attention reads
 
 
@@ -294,6 +299,7 @@ class LlamaForCausalLM(nn.Module):
             stack.set_head(self.norm, head.address, head.codes, head.scales, head.out_features, head.panels,
                            head.quantize)  # fmt: skip
         stack.set_overlap_rows(OVERLAP_MAX_ROWS)
+        stack.set_split_rows(SPLIT_ROWS)
         return stack
 
     def pack_weights(self) -> None:
