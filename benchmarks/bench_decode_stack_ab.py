@@ -23,6 +23,7 @@ import importlib.util
 import os
 import statistics
 import sys
+import types
 from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -48,7 +49,20 @@ def baseline_kernels(tree: str):
     ops = loader.load_cpu_kernels()
     if ops is None:
         sys.exit(f"the baseline tree's CPU kernels did not build ({path})")
-    return ops
+    if hasattr(ops.DecodeStack, "set_split_rows"):
+        return ops
+    return types.SimpleNamespace(**{**vars(ops), "DecodeStack": _without_split(ops.DecodeStack)})
+
+
+def _without_split(stack_class):
+    """A tree's DecodeStack from before round 30, which has no split mode: set_split_rows (which
+    this tree's llama.py calls) is a no-op on it."""
+
+    class DecodeStack(stack_class):
+        def set_split_rows(self, rows: int) -> None:
+            pass
+
+    return DecodeStack
 
 
 def main() -> int:

@@ -102,36 +102,48 @@ def tiny_hd64_dir(tmp_path_factory) -> str:
     return _save_tiny(path, "llama", num_kv_heads=4, **shape)
 
 
+def _hd64_int4(path: str, kv_cache_dtype: str) -> LLM:
+    """int4 weights, both paths prefilling whole prompts (no prefix cache): the same first
+    token's bits."""
+    return LLM(
+        path,
+        kv_cache_memory="16MiB",
+        quantization="int4",
+        kv_cache_dtype=kv_cache_dtype,
+        enable_prefix_caching=False,
+    )
+
+
+@pytest.fixture
+def torch_threads():
+    """Sets torch's thread count for one test (restored after it)."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("threads", [2, 3])
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
-def test_overlapped_stack_shares_attention_with_the_same_bits(tiny_hd64_dir, kv_cache_dtype, threads):
+def test_overlapped_stack_shares_attention_with_the_same_bits(
+    tiny_hd64_dir, kv_cache_dtype, threads, torch_threads
+):
     """The overlapped stack's workers take a layer's attention items (sequence, KV head) from
     the back while thread 0 takes them from the front: with ~300-token contexts they get some,
     and the tokens and logprobs are the Python loop's, bit for bit."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        llm = LLM(
-            tiny_hd64_dir,
-            kv_cache_memory="16MiB",
-            quantization="int4",
-            kv_cache_dtype=kv_cache_dtype,
-            enable_prefix_caching=False,  # both paths prefill the whole prompt: the same first token's bits
-        )
-        prompts = [[(7 * i + 3 * k) % 500 + 5 for i in range(280 + 9 * k)] for k in range(2)]
-        for prompt in prompts:
-            stacked, plain, stack = _both_paths(llm, [prompt])
-            _assert_identical(stacked, plain)
-        assert stack.overlapped_steps() == 22
-        assert stack.overlapped_helped_items() > 0
-    finally:
-        torch.set_num_threads(before)
+    torch_threads(threads)
+    llm = _hd64_int4(tiny_hd64_dir, kv_cache_dtype)
+    prompts = [[(7 * i + 3 * k) % 500 + 5 for i in range(280 + 9 * k)] for k in range(2)]
+    for prompt in prompts:
+        stacked, plain, stack = _both_paths(llm, [prompt])
+        _assert_identical(stacked, plain)
+    assert stack.overlapped_steps() == 22
+    assert stack.overlapped_helped_items() > 0
 
 
 @pytest.mark.parametrize("threads", [2, 3])
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 def test_overlapped_stack_split_by_rows_has_the_same_bits(
-    tiny_hd64_dir, kv_cache_dtype, threads, monkeypatch
+    tiny_hd64_dir, kv_cache_dtype, threads, torch_threads, monkeypatch
 ):
     """From SPLIT_ROWS rows up every thread of the overlapped stack runs the serial work (norms,
     rotary, KV writes, activation quantization) for its own rows: with 5 rows on 2 and 3 threads
@@ -139,23 +151,13 @@ def test_overlapped_stack_split_by_rows_has_the_same_bits(
     from kvserve.model.models import llama
 
     monkeypatch.setattr(llama, "SPLIT_ROWS", 2)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        llm = LLM(
-            tiny_hd64_dir,
-            kv_cache_memory="16MiB",
-            quantization="int4",
-            kv_cache_dtype=kv_cache_dtype,
-            enable_prefix_caching=False,
-        )
-        prompts = [[(11 * i + 5 * k) % 500 + 5 for i in range(40 + 3 * k)] for k in range(5)]
-        stacked, plain, stack = _both_paths(llm, prompts)
-        _assert_identical(stacked, plain)
-        assert stack.overlapped_steps() == 11  # every decode step of the 5 rows
-        assert stack.overlapped_helped_items() > 0
-    finally:
-        torch.set_num_threads(before)
+    torch_threads(threads)
+    llm = _hd64_int4(tiny_hd64_dir, kv_cache_dtype)
+    prompts = [[(11 * i + 5 * k) % 500 + 5 for i in range(40 + 3 * k)] for k in range(5)]
+    stacked, plain, stack = _both_paths(llm, prompts)
+    _assert_identical(stacked, plain)
+    assert stack.overlapped_steps() == 11  # every decode step of the 5 rows
+    assert stack.overlapped_helped_items() > 0
 
 
 def test_bad_input_to_the_overlapped_stack_is_raised(tiny_llama_dir):

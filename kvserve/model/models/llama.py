@@ -46,9 +46,9 @@ FUSED_DTYPES = (torch.float32, torch.bfloat16)
 # Decode steps of up to this many rows run the stack in one parallel region, the weight stream
 # overlapping the serial work (csrc/decode_overlap_cpu.cpp). Until the region's threads shared the
 # attention, one row (round 17: at 2 and 4 rows thread 0's attention outweighed the overlap);
-# with it, 2 to 16 rows took 0.83-0.94x the time of a region per kernel (round 29); with the
-# serial work shared by rows from SPLIT_ROWS up, 16 to 64 rows 0.86-0.97x, 128 rows 1.02x (int4
-# weights, int8 KV; 2-core Zen 4 and AMX Xeon; docs/BENCHMARKS.md issue 16 rounds 29-30).
+# with it, 2 to 16 rows took 0.83-0.94x the time of a region per kernel (round 29, Zen 4); with
+# the serial work shared by rows from SPLIT_ROWS up, 16 to 64 rows 0.86-0.97x, 128 rows 1.02x
+# (round 30, an AMX Xeon; int4 weights, int8 KV, 2 threads; docs/BENCHMARKS.md issue 16).
 OVERLAP_MAX_ROWS = 64
 # Overlapped steps of at least this many rows split thread 0's serial work (norms, rotary, KV
 # writes, activation quantization) between the threads by rows: it grows with the rows and, from
