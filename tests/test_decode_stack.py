@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(
     load_cpu_kernels() is None or load_quant_kernels() is None, reason="C++ kernels not built here"
 )
 
-# 19 prompts: the decode batch pads to 20 rows (shape_buckets), so padding rows go through it.
+# 20 prompts; 19 of them make a decode batch padded to 20 rows (shape_buckets): a padding row.
 PROMPTS = [[5 + i, 9, 17 + 2 * i, 33, 2 + i % 7, 41] for i in range(19)] + [[11, 3, 8]]
 
 
@@ -35,6 +35,14 @@ def _both_paths(llm: LLM, prompts: list[list[int]]) -> tuple[list, list, object]
     return stacked, plain, stack
 
 
+@pytest.fixture
+def torch_threads():
+    """Sets torch's thread count for one test (restored after it)."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
 def _assert_identical(stacked: list, plain: list) -> None:
     for a, b in zip(stacked, plain, strict=True):
         ca, cb = a.outputs[0], b.outputs[0]
@@ -45,13 +53,16 @@ def _assert_identical(stacked: list, plain: list) -> None:
 @pytest.mark.parametrize(
     ("quantization", "kv_cache_dtype"), [("int4", "auto"), ("int8", "auto"), ("int4", "int8")]
 )
-def test_stack_equals_the_python_layers(tiny_llama_dir, quantization, kv_cache_dtype):
+def test_stack_equals_the_python_layers(tiny_llama_dir, quantization, kv_cache_dtype, torch_threads):
+    torch_threads(2)
     llm = LLM(
         tiny_llama_dir, kv_cache_memory="16MiB", quantization=quantization, kv_cache_dtype=kv_cache_dtype
     )
-    stacked, plain, stack = _both_paths(llm, PROMPTS)
+    stacked, plain, stack = _both_paths(llm, PROMPTS[1:])
     assert stack is not None and stack.has_head()  # the stack ran the decode steps, logits included
     _assert_identical(stacked, plain)
+    # its 11 decode steps of 19 rows padded to 20 ran overlapped (and split), the padding row too
+    assert stack.overlapped_steps() == 11
 
 
 @pytest.mark.parametrize(
@@ -112,14 +123,6 @@ def _hd64_int4(path: str, kv_cache_dtype: str) -> LLM:
         kv_cache_dtype=kv_cache_dtype,
         enable_prefix_caching=False,
     )
-
-
-@pytest.fixture
-def torch_threads():
-    """Sets torch's thread count for one test (restored after it)."""
-    before = torch.get_num_threads()
-    yield torch.set_num_threads
-    torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("threads", [2, 3])

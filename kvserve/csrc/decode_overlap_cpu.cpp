@@ -214,13 +214,16 @@ at::Tensor OverlappedStack::forward(const std::vector<Layer>& layers, const Head
                   slot_blocks.is_contiguous() && slot_offsets.is_contiguous() && slot_offsets.numel() == n_slots &&
                   n_slots <= rows,
               "int64 slot blocks and offsets, at most one a row");
+  // The first `seqs` rows are the step's sequences; rows past them pad the batch to a bucket size
+  // (shape_buckets.py): computed, never stored, their attention output zero.
+  const int64_t seqs = seq_lens.numel();
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() && block_tables.dim() == 2 &&
-                  block_tables.size(0) >= rows && seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous() &&
-                  seq_lens.numel() == rows,
-              "int64 block tables and lengths, one a row");
+                  block_tables.size(0) >= seqs && seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous() &&
+                  seqs <= rows,
+              "int64 block tables and lengths, one a sequence, at most one a row");
   const int64_t *tables = block_tables.data_ptr<int64_t>(), *lens = seq_lens.data_ptr<int64_t>();
   const int64_t max_blocks = block_tables.size(1);
-  for (int64_t r = 0; r < rows; ++r) {
+  for (int64_t r = 0; r < seqs; ++r) {
     TORCH_CHECK(lens[r] > 0 && lens[r] <= max_blocks * block_size, "sequence length out of range");
     for (int64_t b = 0; b < (lens[r] + block_size - 1) / block_size; ++b)
       TORCH_CHECK(tables[r * max_blocks + b] >= 0 && tables[r * max_blocks + b] < blocks, "block table entry out of range");
@@ -235,6 +238,7 @@ at::Tensor OverlappedStack::forward(const std::vector<Layer>& layers, const Head
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   // Thread 0's activations: the normed stream, the attention's output, the MLP's product.
   normed_.resize(rows * hidden), attn_.resize(rows * q_size), act_.resize(rows * inter);
+  std::fill(attn_.begin() + seqs * q_size, attn_.end(), 0.0f);  // the padding rows' attention
   float* yp[5];
   for (int j = 0; j < 4; ++j) yp[j] = out_[j].data();
   yp[4] = logits.defined() ? logits.data_ptr<float>() : nullptr;
@@ -242,7 +246,7 @@ at::Tensor OverlappedStack::forward(const std::vector<Layer>& layers, const Head
   std::atomic<int64_t> ready{0};  // the stages thread 0 has finished its serial part of
   std::atomic<int64_t> shared_go{0};  // the stages whose shared items may be claimed
   WorkSpan items;                     // that stage's items
-  const int64_t items_per_layer = rows * s.kv_heads;
+  const int64_t items_per_layer = seqs * s.kv_heads;
   TORCH_CHECK(items_per_layer < (1 << 21), "too many attention items for one step");
   std::atomic<bool> failed{false}, claimed{false};
   std::exception_ptr error;
@@ -378,7 +382,7 @@ at::Tensor OverlappedStack::forward(const std::vector<Layer>& layers, const Head
                         s.head_dim, row + q_size + kv_size, w, s.head_dim, part);
       }, [&](int64_t item) {  // the attention, its (sequence, KV head) items shared by the threads
         raw::paged_decode_attention({qkv, w, attn_.data(), k_cache, v_cache, l.k_scales, l.v_scales, tables,
-                                     max_blocks, lens, rows, s.heads, s.kv_heads, block_size, s.head_dim, scale},
+                                     max_blocks, lens, seqs, s.heads, s.kv_heads, block_size, s.head_dim, scale},
                                     item, item + 1);
       });
       run_stage(4 * i + 2, yp[2], normed_.data(), [&](int64_t r0, int64_t r1) {

@@ -109,7 +109,7 @@ class DecodeStack {
     TORCH_CHECK(kv_cache.size(0) == static_cast<int64_t>(layers_.size()), "one KV cache per layer");
     const int64_t rows = x.size(0);
     const Head* head = logits ? &*head_ : nullptr;
-    if (overlap_usable_ && rows <= overlap_rows_ && seq_lens.numel() == rows && at::get_num_threads() > 1 &&
+    if (overlap_usable_ && rows <= overlap_rows_ && at::get_num_threads() > 1 &&
         !at::in_parallel_region()) {
       const bool inside = head != nullptr && head_overlapped_;  // the head as the region's last stage
       x = overlapped_.forward(layers_, inside ? head : nullptr, shape_, x, cos, sin, kv_cache, slot_blocks,
