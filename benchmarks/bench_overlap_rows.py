@@ -3,10 +3,11 @@
 
 One offline engine (default model, `--config`), its decode stack switched between the two
 paths round by round (`set_overlap_rows(1)`: only one-row steps overlapped; `(n)`: steps of up
-to n rows), order alternating, the runs seconds apart: a shared host drifts by more than the
-difference between the paths over minutes. Each run decodes `--batch` prompts of ~`--prompt`
-tokens; the time per step is the (n+1)-token run minus the 1-token run, over n. Prints each
-round's ratio (overlapped over per-kernel regions), their median and the CPU flags. With
+to n rows, a batch of n taking its bucket's rows: shape_buckets.py), order alternating, the runs
+seconds apart: a shared host drifts by more than the difference between the paths over minutes.
+Each run decodes `--batch` prompts of ~`--prompt` tokens; the time per step is the (n+1)-token
+run minus the 1-token run, over n. Prints each round's ratio (overlapped over per-kernel
+regions), their median and the CPU flags. With
 `--split N` the overlapped steps of N rows or more share thread 0's serial work by rows
 (`set_split_rows`); 0 keeps it on thread 0.
 
@@ -28,6 +29,7 @@ from benchmarks.bench_decode_stack_ab import CONFIGS  # noqa: E402
 from benchmarks.common import machine, make_prompts  # noqa: E402
 from benchmarks.cpu_info import cpu_flags  # noqa: E402
 from kvserve import LLM  # noqa: E402
+from kvserve.worker.shape_buckets import padded_rows  # noqa: E402
 
 
 def main() -> int:
@@ -62,7 +64,7 @@ def main() -> int:
         ms: dict[int, list[float]] = {1: [], batch: []}
         for rnd in range(args.rounds):
             for rows in (1, batch) if rnd % 2 == 0 else (batch, 1):
-                stack.set_overlap_rows(rows)
+                stack.set_overlap_rows(padded_rows(rows))  # a batch of n runs as its bucket's rows
                 ms[rows].append(decode_s(llm, prompts, args.tokens) * 1e3)
         ratios = [b / a for a, b in zip(ms[1], ms[batch])]
         print(f"| {batch} | {statistics.median(ms[1]):.2f} | {statistics.median(ms[batch]):.2f} | "
