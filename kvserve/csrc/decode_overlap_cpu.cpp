@@ -258,11 +258,10 @@ at::Tensor OverlappedStack::forward(const std::vector<Layer>& layers, const Head
   // From split_rows_ rows up every thread takes a share of the rows in each stage's serial part
   // (its work grows with the rows, and at 32-64 rows it outweighs what loading ahead saves).
   const bool split = split_rows_ > 0 && rows >= split_rows_;
-  const int64_t slot_n = n_slots;
   // The KV slots of rows [r0, r1) (rows past the step's slots pad the batch: none).
   auto slots_of = [&](int64_t r0, int64_t r1) {
     raw::KvSlots part = slots;
-    const int64_t b = std::min(r0, slot_n), e = std::min(r1, slot_n);
+    const int64_t b = std::min(r0, n_slots), e = std::min(r1, n_slots);
     part.blk += b, part.off += b, part.n = e - b;
     return part;
   };
@@ -302,44 +301,48 @@ at::Tensor OverlappedStack::forward(const std::vector<Layer>& layers, const Head
           fail(std::current_exception());
         }
       };
+      // h's rows [r0, r1) quantized for the projection
+      auto quantize_rows = [&](int64_t r0, int64_t r1) {
+        const int64_t g = k / 32;
+        quantize_(h + r0 * k, r1 - r0, k, q_.data() + r0 * k, d_.data() + r0 * g, s_.data() + r0 * g,
+                  sum_.data() + r0 * g);
+      };
+      // Attention items until none is left: thread 0 from the front, a worker from the back
+      // (each of its items finished, so thread 0 can wait for them: WorkSpan::settled).
+      auto take_items = [&](auto&& item, bool from_back) {
+        for (int64_t i = items.claim(from_back); i >= 0; i = items.claim(from_back)) {
+          attempt([&] { item(i); });
+          if (from_back) items.finish(), helped_.fetch_add(1, std::memory_order_relaxed);
+        }
+      };
       if (split) {
-        const int64_t r0 = rows * t / nt, r1 = rows * (t + 1) / nt, g = k / 32;
+        const int64_t r0 = rows * t / nt, r1 = rows * (t + 1) / nt;
         if constexpr (has_shared) {
           if (t == 0) items.reset(failed.load(std::memory_order_relaxed) ? 0 : items_per_layer);
         }
         attempt([&] { serial(r0, r1); });
 #pragma omp barrier
         if constexpr (has_shared) {  // every row's K and V are in: the items, then every output
-          for (int64_t i = items.claim(t != 0); i >= 0; i = items.claim(t != 0)) {
-            attempt([&] { shared(i); });
-            if (t != 0) items.finish(), helped_.fetch_add(1, std::memory_order_relaxed);
-          }
+          take_items(shared, t != 0);
 #pragma omp barrier
         }
-        attempt([&] {
-          quantize_(h + r0 * k, r1 - r0, k, q_.data() + r0 * k, d_.data() + r0 * g, s_.data() + r0 * g,
-                    sum_.data() + r0 * g);
-        });
+        attempt([&] { quantize_rows(r0, r1); });
 #pragma omp barrier
       } else if (t == 0) {
         attempt([&] { serial(0, rows); });
         if constexpr (has_shared) {
           items.reset(failed.load(std::memory_order_relaxed) ? 0 : items_per_layer);
           shared_go.store(st + 1, std::memory_order_release);
-          for (int64_t i = items.claim(false); i >= 0; i = items.claim(false)) attempt([&] { shared(i); });
+          take_items(shared, false);
           for (int64_t spins = 0; !items.settled();) relax(spins);
         }
-        attempt([&] { quantize_(h, rows, k, q_.data(), d_.data(), s_.data(), sum_.data()); });
+        attempt([&] { quantize_rows(0, rows); });
         ready.store(st + 1, std::memory_order_release);
       } else {
         const int64_t budget = warm(st, st, kLoadAheadBudget);
         if constexpr (has_shared) {  // then help with the items thread 0 has not reached
           for (int64_t spins = 0; shared_go.load(std::memory_order_acquire) <= st;) relax(spins);
-          for (int64_t i = items.claim(true); i >= 0; i = items.claim(true)) {
-            attempt([&] { shared(i); });
-            items.finish();
-            helped_.fetch_add(1, std::memory_order_relaxed);
-          }
+          take_items(shared, true);
         }
         if (st + 1 < n_stages) warm(st + 1, st, budget);
         for (int64_t spins = 0; ready.load(std::memory_order_acquire) <= st;) relax(spins);
