@@ -7,12 +7,13 @@ does: the same code in both trees there read 0.94x over 8 rounds. Here one offli
 built by this tree's CPU kernels extension, and one built by `--baseline-tree`'s (its
 csrc/ compiled under that tree's module name; the native matmuls both call are this tree's).
 Each round decodes one ~`--prompt`-token prompt with each stack in turn (order alternating): the
-decode time per token, (n+1)-token run minus 1-token run over n, the runs seconds apart. It
+decode time per token, (n+1)-token run minus 1-token run over n, the runs seconds apart. With
+`--batch N` each run decodes N prompts of ~`--prompt` tokens together (the time per step). It
 prints each round's ratio (this tree over the baseline) and their median. Prints the CPU
 flags.
 
     python benchmarks/bench_decode_stack_ab.py --baseline-tree DIR [--config int4-kv8] [--rounds 20]
-        [--prompt 128]  (the prompt's length in tokens: the context attention reads)
+        [--prompt 128]  (the prompt's length in tokens: the context attention reads) [--batch 1]
 """
 
 from __future__ import annotations
@@ -72,13 +73,14 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--tokens", type=int, default=32, help="decode steps timed per run")
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens (the context attention reads)")
+    ap.add_argument("--batch", type=int, default=1, help="prompts decoded together")
     args = ap.parse_args()
     when = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
     print(f"{machine()}; CPU flags: {cpu_flags()}; {when}; load average {os.getloadavg()}")
 
     llm = LLM("smollm2-135m", kv_cache_memory="256MiB", max_model_len=8192, **CONFIGS[args.config])
     model = llm.llm_engine.model_runner.model
-    prompt = make_prompts(llm.tokenizer, 1, args.prompt, seed=1)
+    prompt = make_prompts(llm.tokenizer, args.batch, args.prompt, seed=1)
 
     decode_s(llm, prompt, 3)  # builds this tree's stack (model._stack: its key and the stack)
     key, ours = model._stack
@@ -87,7 +89,8 @@ def main() -> int:
         theirs = model._build_decode_stack()
     finally:
         model.ops = own_ops
-    print(f"{args.config}, one ~{args.prompt}-token prompt, {args.tokens} decode steps a run; ms per token")
+    runs = f"{args.batch} prompt(s) of ~{args.prompt} tokens, {args.tokens} decode steps a run"
+    print(f"{args.config}, {runs}; ms per step")
     alternate(model, key, ours, theirs, lambda: decode_s(llm, prompt, args.tokens) * 1e3, args.rounds)
     return 0
 

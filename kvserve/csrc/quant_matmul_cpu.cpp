@@ -560,6 +560,10 @@ void amx_configure() {
   tile(5, 16, 32);
   tile(6, 8, 64);
   tile(7, 8, 64);
+  // GCC 12's _tile_loadconfig tells the compiler it reads 8 bytes, so the stores above could be
+  // dropped as dead (benchmarks/bench_amx_ceiling.py's loops, the same code: ldtilecfg on zeros,
+  // then SIGILL at the first tile load); this keeps them.
+  __asm__ volatile("" : : "r"(cfg) : "memory");
   _tile_loadconfig(cfg);
 }
 
