@@ -190,7 +190,10 @@ at::Tensor OverlappedStack::forward(const std::vector<Layer>& layers, const Head
   const int64_t n_stages = stages_.size();
   int64_t max_k = 0;
   for (const Stage& st : stages_) max_k = std::max(max_k, st.k);
-  q_.resize(rows * max_k), d_.resize(rows * max_k / 32), s_.resize(rows * max_k / 32), sum_.resize(rows * max_k / 32);
+  q_.resize(rows * max_k + 64), d_.resize(rows * max_k / 32), s_.resize(rows * max_k / 32), sum_.resize(rows * max_k / 32);
+  // The codes start on a cache line: the AMX kernels load 16 rows of 32 bytes a tile from them,
+  // and rows straddling two lines cost both (quant_matmul_cpu.cpp, line_aligned).
+  int8_t* const qcodes = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(q_.data()) + 63) & ~uintptr_t{63});
   std::vector<int64_t>& lead_of = leads_[rows];  // the split learnt for this many rows
   for (int64_t i = lead_of.size(); i < n_stages; ++i) lead_of.push_back(stages_[i].num_panels / threads);
   // Outputs, one per projection kind (each read before the next layer writes it again; kept
@@ -304,7 +307,7 @@ at::Tensor OverlappedStack::forward(const std::vector<Layer>& layers, const Head
       // h's rows [r0, r1) quantized for the projection
       auto quantize_rows = [&](int64_t r0, int64_t r1) {
         const int64_t g = k / 32;
-        quantize_(h + r0 * k, r1 - r0, k, q_.data() + r0 * k, d_.data() + r0 * g, s_.data() + r0 * g,
+        quantize_(h + r0 * k, r1 - r0, k, qcodes + r0 * k, d_.data() + r0 * g, s_.data() + r0 * g,
                   sum_.data() + r0 * g);
       };
       // Attention items until none is left: thread 0 from the front, a worker from the back
@@ -349,7 +352,7 @@ at::Tensor OverlappedStack::forward(const std::vector<Layer>& layers, const Head
       }
       if (!failed.load(std::memory_order_relaxed)) {
         const auto [b, e] = share(p.num_panels, lead, t, nt);
-        p.panels(p.codes, p.scales, p.n, k, q_.data(), d_.data(), s_.data(), sum_.data(), out, rows, b, e);
+        p.panels(p.codes, p.scales, p.n, k, qcodes, d_.data(), s_.data(), sum_.data(), out, rows, b, e);
       }
       done[t] = Clock::now();
 #pragma omp barrier

@@ -231,6 +231,16 @@ struct Args {
 
 constexpr int64_t PR = 16;  // output rows per panel
 
+// v grown to hold n elements from its first cache-line boundary, and that boundary. A buffer the
+// tile loads read must start on a line, or rows of 32 and 64 bytes straddle two lines; malloc
+// gives 16 bytes, so which process got aligned buffers was chance.
+template <class T>
+T* line_aligned(std::vector<T>& v, int64_t n) {
+  constexpr int64_t pad = 64 / sizeof(T);
+  if (static_cast<int64_t>(v.size()) < n + pad) v.resize(n + pad);
+  return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(v.data()) + 63) & ~uintptr_t{63});
+}
+
 inline int64_t panel_code_bytes(const Args& a) { return a.K / 8 * 64; }
 inline int64_t panel_sz_elems(const Args& a) { return a.K / G * 2 * PR; }
 
@@ -619,11 +629,11 @@ inline void amx_batch(const Args& a, int64_t m0, int64_t g, int nb, const uint8_
 void amx_panel_i4(const Args& a, int64_t p, int64_t M, bool pf) {
   const int64_t ng = a.K / G;
   const uint16_t* sz = a.sz + p * panel_sz_elems(a);
-  static thread_local std::vector<uint8_t> bt;
-  bt.resize(ng * 512);
+  static thread_local std::vector<uint8_t> buffer;
+  uint8_t* const bt = line_aligned(buffer, ng * 512);
   for (int64_t g = 0; g < ng; ++g) {
     if (pf) prefetch_group_i4(a, p + 1, g);
-    unpack_b_i4(a, p, g, bt.data() + g * 512);
+    unpack_b_i4(a, p, g, bt + g * 512);
   }
   alignas(64) int32_t c[AMX_GROUPS * AMX_MR * 16];
   for (int64_t m0 = 0; m0 + AMX_MR <= M; m0 += AMX_MR) {
@@ -631,7 +641,7 @@ void amx_panel_i4(const Args& a, int64_t p, int64_t M, bool pf) {
     for (int r = 0; r < AMX_MR; ++r) acc[r] = bias[r] = _mm512_setzero_ps();
     for (int64_t g0 = 0; g0 < ng; g0 += AMX_GROUPS) {
       const int nb = static_cast<int>(std::min<int64_t>(AMX_GROUPS, ng - g0));
-      amx_batch<true>(a, m0, g0, nb, bt.data() + g0 * 512, c);
+      amx_batch<true>(a, m0, g0, nb, bt + g0 * 512, c);
       for (int k = 0; k < nb; ++k) {
         const int64_t g = g0 + k;
         const __m512 sw = bf16x16(sz + g * 2 * PR), zw = bf16x16(sz + g * 2 * PR + PR);
@@ -759,16 +769,17 @@ void panels(const Args& a, int64_t M, int64_t p0, int64_t p1) {
 // 64-row step's samples). Each call writes every element it reads.
 struct QuantizedRows {
   std::vector<int8_t> q;
+  int8_t* codes = nullptr;  // q's first cache line: the AMX tiles' rows
   std::vector<float> d, s;
   std::vector<int32_t> sum;
   void fill(const at::Tensor& x) {
     const int64_t M = x.size(0), K = x.size(1), ng = K / G;
-    if (static_cast<int64_t>(q.size()) < M * K) q.resize(M * K);
+    codes = line_aligned(q, M * K);
     if (static_cast<int64_t>(d.size()) < M * ng) d.resize(M * ng), s.resize(M * ng), sum.resize(M * ng);
     const float* xp = x.data_ptr<float>();
     at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
       for (int64_t m = b; m < e; ++m)
-        quantize_row(xp + m * K, K, q.data() + m * K, d.data() + m * ng, s.data() + m * ng, sum.data() + m * ng);
+        quantize_row(xp + m * K, K, codes + m * K, d.data() + m * ng, s.data() + m * ng, sum.data() + m * ng);
     });
   }
 };
@@ -800,7 +811,7 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
   if (M == 0 || N == 0) return y;
   const QuantizedRows& xq = quantized_rows(x);
   Args a{codes.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(sz.data_ptr<at::BFloat16>()), N, K,
-         xq.q.data(), xq.d.data(), xq.s.data(), xq.sum.data(), y.data_ptr<float>()};
+         xq.codes, xq.d.data(), xq.s.data(), xq.sum.data(), y.data_ptr<float>()};
   // Work unit: one panel; a thread's panels are contiguous.
   at::parallel_for(0, P, 1, [&](int64_t b, int64_t e) { panels<Int4>(a, M, b, e); });
   return y;
@@ -817,7 +828,7 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   const QuantizedRows& xq = quantized_rows(x);
-  Args a{nullptr, nullptr, N, K, xq.q.data(), xq.d.data(), xq.s.data(), xq.sum.data(), y.data_ptr<float>(),
+  Args a{nullptr, nullptr, N, K, xq.codes, xq.d.data(), xq.s.data(), xq.sum.data(), y.data_ptr<float>(),
          codes.data_ptr<int8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>())};
   at::parallel_for(0, P, 1, [&](int64_t b, int64_t e) { panels<Int8>(a, M, b, e); });
   return y;
