@@ -217,17 +217,20 @@ int main(int argc, char** argv) {
 """
 
 
-def tile_loops(rows: int, reps: int) -> tuple[float, ...] | None:
+def build_loops(folder: str) -> str:
+    """The loops program, built in `folder`; its path."""
+    src, exe = os.path.join(folder, "loops.cpp"), os.path.join(folder, "loops")
+    with open(src, "w") as f:
+        f.write(LOOPS)
+    subprocess.run(["c++", "-O2", "-march=sapphirerapids", "-std=c++17", src, "-o", exe], check=True)
+    return exe
+
+
+def tile_loops(exe: str, rows: int, reps: int) -> tuple[float, ...] | None:
     """GOP/s on one thread: (multiplies at 32 inputs, at 64, the tile sequence, with int8's float
     steps, with int4's); None where the kernel refuses the tile registers."""
-    with tempfile.TemporaryDirectory() as tmp:
-        src, exe = os.path.join(tmp, "loops.cpp"), os.path.join(tmp, "loops")
-        with open(src, "w") as f:
-            f.write(LOOPS)
-        subprocess.run(["c++", "-O2", "-march=sapphirerapids", "-std=c++17", src, "-o", exe], check=True)
-        shape_args = [str(v) for n_k in SHAPES.values() for v in n_k]
-        cmd = [exe, str(rows), str(reps), *shape_args]
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    shape_args = [str(v) for n_k in SHAPES.values() for v in n_k]
+    out = subprocess.run([exe, str(rows), str(reps), *shape_args], check=True, capture_output=True, text=True)
     if out.stdout.strip() == "refused":
         return None
     return tuple(float(v) for v in out.stdout.split()[:5])
@@ -282,18 +285,20 @@ def main() -> int:
              "int4 / int8: ceilings, kernels"]  # fmt: skip
     print("| " + " | ".join(heads) + " |")
     print("|" + "---|" * len(heads))
-    for r in range(args.rounds):
-        loops = tile_loops(args.rows, args.reps)
-        if loops is None:
-            print("the kernel refused the tile registers (ARCH_REQ_XCOMP_PERM): nothing to measure")
-            return 0
-        mul32, mul64, seq, with8, with4 = loops
-        k8, k4 = kernels(args.rows, args.reps)
-        cells = [f"{mul32:.0f} ({mul64:.0f})", f"{seq:.0f} ({seq / mul32:.0%})",
-                 f"{with8:.0f} ({with8 / seq:.0%})", f"{with4:.0f} ({with4 / seq:.0%})",
-                 f"{k8:.0f} ({k8 / with8:.0%})", f"{k4:.0f} ({k4 / with4:.0%})",
-                 f"{with4 / with8:.2f}x, {k4 / k8:.2f}x"]  # fmt: skip
-        print(f"| {r + 1} | " + " | ".join(cells) + " |", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        exe = build_loops(tmp)
+        for r in range(args.rounds):
+            loops = tile_loops(exe, args.rows, args.reps)
+            if loops is None:
+                print("the kernel refused the tile registers (ARCH_REQ_XCOMP_PERM): nothing to measure")
+                return 0
+            mul32, mul64, seq, with8, with4 = loops
+            k8, k4 = kernels(args.rows, args.reps)
+            cells = [f"{mul32:.0f} ({mul64:.0f})", f"{seq:.0f} ({seq / mul32:.0%})",
+                     f"{with8:.0f} ({with8 / seq:.0%})", f"{with4:.0f} ({with4 / seq:.0%})",
+                     f"{k8:.0f} ({k8 / with8:.0%})", f"{k4:.0f} ({k4 / with4:.0%})",
+                     f"{with4 / with8:.2f}x, {k4 / k8:.2f}x"]  # fmt: skip
+            print(f"| {r + 1} | " + " | ".join(cells) + " |", flush=True)
     print(f"# load average at the end {os.getloadavg()[0]:.2f}")
     return 0
 
