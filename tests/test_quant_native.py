@@ -117,13 +117,15 @@ def test_variants_agree_on_int8_activations():
     """Same quantized activations, integer dot products, the same fp32 steps per output: the
     SIMD variants agree bit for bit; the plain C++ one differs only where the compiler fuses."""
     # 37 rows: two AMX tiles where present, then the VNNI ones; 576 and 160 inputs: 18 and 5
-    # groups, so the AMX batches of four groups end in a batch of two and of one
-    for k in (576, 160):
-        qw, x, _ = _case(64, k, 37)
+    # groups, so the AMX batches of four groups end in a batch of two and of one. 86 rows and
+    # 72 int8 outputs: int8's 2 x 2 blocks (two row tiles x two panels) then an odd row tile,
+    # and an odd last panel (a partial one) alone
+    for k, rows, n8 in ((576, 37, 40), (160, 37, 40), (576, 86, 72)):
+        qw, x, _ = _case(64, k, rows)
         codes, sz = qk.pack_int4(qw.codes, qw.scales, qw.zeros)
-        q8 = quantize_weight(torch.randn(40, k) * 0.1, "int8")
+        q8 = quantize_weight(torch.randn(n8, k) * 0.1, "int8")
         codes8, scales8 = qk.pack_int8(q8.codes, q8.scales)
-        for name, weight in (("int4_mm", (codes, sz, 64)), ("int8_mm", (codes8, scales8, 40))):
+        for name, weight in (("int4_mm", (codes, sz, 64)), ("int8_mm", (codes8, scales8, n8))):
             ys = {v: getattr(qk.load_quant_kernels(v), name)(x, *weight) for v in VARIANTS}
             simd = [ys[v] for v in VARIANTS if v != "generic"]
             for y in simd[1:]:

@@ -661,12 +661,12 @@ void amx_panel_i4(const Args& a, int64_t p, int64_t M, bool pf) {
   }
 }
 
-// Every AMX_MR-row tile of rows [0, M) x int8 panel p (its groups are B tiles as they lie).
-void amx_panel_q8(const Args& a, int64_t p, int64_t M, bool pf) {
+// Every AMX_MR-row tile of rows [m_begin, M) x int8 panel p (its groups are B tiles as they lie).
+void amx_panel_q8(const Args& a, int64_t p, int64_t m_begin, int64_t M, bool pf) {
   const int64_t ng = a.K / G;
   const uint8_t* w = reinterpret_cast<const uint8_t*>(panel8(a, p));
   alignas(64) int32_t c[AMX_GROUPS * AMX_MR * 16];
-  for (int64_t m0 = 0; m0 + AMX_MR <= M; m0 += AMX_MR, pf = false) {
+  for (int64_t m0 = m_begin; m0 + AMX_MR <= M; m0 += AMX_MR, pf = false) {
     __m512 acc[AMX_MR];
     for (int r = 0; r < AMX_MR; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t g0 = 0; g0 < ng; g0 += AMX_GROUPS) {
@@ -686,6 +686,67 @@ void amx_panel_q8(const Args& a, int64_t p, int64_t M, bool pf) {
     const __m512 s = bf16x16(a.s8 + n0);
     for (int r = 0; r < AMX_MR; ++r) _mm512_mask_storeu_ps(a.y + (m0 + r) * a.N + n0, keep, _mm512_mul_ps(acc[r], s));
   }
+}
+
+// Two AMX_MR-row tiles (m0, m0 + 16) x two int8 panels (p, p + 1), a group at a time: C0/C1 the
+// first row tile times each panel, C2/C3 the second's. Each A and B tile loaded feeds two
+// multiplies, where amx_panel_q8 loads both for every one: the tile sequence, not the multiplies,
+// bounds these kernels (benchmarks/bench_amx_ceiling.py: 1.06-1.24x its int8 ceiling with the
+// host's tile unit at full speed, 1.3-1.5x in minutes when it ran at half speed). The
+// same float steps per output in the same order: the same bits. `ahead` panels after p + 1
+// (0-2) are prefetched.
+void amx_block_q8(const Args& a, int64_t p, int64_t m0, int ahead) {
+  const int64_t ng = a.K / G;
+  const uint8_t* w0 = reinterpret_cast<const uint8_t*>(panel8(a, p));
+  const uint8_t* w1 = reinterpret_cast<const uint8_t*>(panel8(a, p + 1));
+  const int8_t* x0 = a.qx + m0 * a.K;
+  const int8_t* x1 = x0 + AMX_MR * a.K;
+  alignas(64) int32_t c[4 * AMX_MR * 16];
+  __m512 acc[4][AMX_MR];
+  for (auto& tile : acc)
+    for (__m512& v : tile) v = _mm512_setzero_ps();
+  for (int64_t g = 0; g < ng; ++g) {
+    for (int k = 0; k < ahead; ++k) prefetch_group_q8(a, p + 2 + k, g);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    _tile_loadd(4, x0 + g * G, a.K);
+    _tile_loadd(6, w0 + g * 512, 64);
+    _tile_dpbssd(0, 4, 6);
+    _tile_loadd(7, w1 + g * 512, 64);
+    _tile_dpbssd(1, 4, 7);
+    _tile_loadd(5, x1 + g * G, a.K);
+    _tile_dpbssd(2, 5, 6);
+    _tile_dpbssd(3, 5, 7);
+    _tile_stored(0, c, 64);
+    _tile_stored(1, c + 256, 64);
+    _tile_stored(2, c + 512, 64);
+    _tile_stored(3, c + 768, 64);
+    for (int t = 0; t < 4; ++t)
+      for (int r = 0; r < AMX_MR; ++r) {
+        const int64_t i = (m0 + (t >> 1) * AMX_MR + r) * ng + g;
+        const __m512 isum = _mm512_cvtepi32_ps(_mm512_load_si512(c + 256 * t + 16 * r));
+        acc[t][r] = _mm512_fmadd_ps(isum, _mm512_set1_ps(a.dx[i]), acc[t][r]);
+      }
+  }
+  for (int t = 0; t < 4; ++t) {
+    const int64_t n0 = (p + (t & 1)) * PR, valid = std::min(PR, a.N - n0);
+    const __mmask16 keep = static_cast<__mmask16>((1u << valid) - 1);
+    const __m512 s = bf16x16(a.s8 + n0);
+    for (int r = 0; r < AMX_MR; ++r)
+      _mm512_mask_storeu_ps(a.y + (m0 + (t >> 1) * AMX_MR + r) * a.N + n0, keep, _mm512_mul_ps(acc[t][r], s));
+  }
+}
+
+// Int8 panels p and p + 1 for rows [0, M) (M >= 32) in 2 x 2 blocks; an odd last row tile of
+// each panel alone. p_end: the end of the caller's panel range (what may be prefetched).
+void amx_pair_q8(const Args& a, int64_t p, int64_t M, int64_t p_end) {
+  const int ahead = static_cast<int>(std::min<int64_t>(2, p_end - p - 2));
+  int64_t m0 = 0;
+  for (; m0 + 2 * AMX_MR <= M; m0 += 2 * AMX_MR) amx_block_q8(a, p, m0, m0 == 0 ? ahead : 0);
+  amx_panel_q8(a, p, m0, M, false);
+  amx_panel_q8(a, p + 1, m0, M, false);
 }
 #define KVQ_AMX 1
 #endif
@@ -707,6 +768,9 @@ struct Int4 {
 #if defined(KVQ_AMX)
   static constexpr int64_t amx_min_rows = 32;  // at 16 the per-group float steps outweigh the gain
   static void amx(const Args& a, int64_t p, int64_t M, bool pf) { amx_panel_i4(a, p, M, pf); }
+  // No 2 x 2 blocks: with its zero terms their 128 accumulators spill, and the tile loads they
+  // save bought 0.86-1.14x (benchmarks/bench_amx_ceiling.py and an ad hoc 2 x 1 variant).
+  static constexpr int64_t amx_pair_min_rows = 0;
 #endif
   static const void* panel(const Args& a, int64_t p) { return a.w + p * panel_code_bytes(a); }
   static int64_t panel_bytes(const Args& a) { return panel_code_bytes(a); }
@@ -718,7 +782,9 @@ struct Int8 {
   static void tile(const Args& a, int64_t p, int64_t m0, bool pf) { panel_q8<MR>(a, p, m0, pf); }
 #if defined(KVQ_AMX)
   static constexpr int64_t amx_min_rows = AMX_MR;
-  static void amx(const Args& a, int64_t p, int64_t M, bool pf) { amx_panel_q8(a, p, M, pf); }
+  static void amx(const Args& a, int64_t p, int64_t M, bool pf) { amx_panel_q8(a, p, 0, M, pf); }
+  static constexpr int64_t amx_pair_min_rows = 2 * AMX_MR;
+  static void amx_pair(const Args& a, int64_t p, int64_t M, int64_t p_end) { amx_pair_q8(a, p, M, p_end); }
 #endif
   static const void* panel(const Args& a, int64_t p) { return panel8(a, p); }
   static int64_t panel_bytes(const Args& a) { return a.K * PR; }
@@ -731,6 +797,13 @@ void tail(const Args& a, int64_t p, int64_t m0, int64_t rows, bool pf) {
     if (rows == MR) return F::template tile<MR>(a, p, m0, pf);
     tail<F, MR - 1>(a, p, m0, rows, pf);
   }
+}
+
+// Rows [m, M) of panel p in the SIMD tiles (TILE_MR rows, then the rest as one tile).
+template <class F>
+void vector_rows(const Args& a, int64_t p, int64_t m, int64_t M, bool pf) {
+  for (; m + TILE_MR <= M; m += TILE_MR, pf = false) F::template tile<TILE_MR>(a, p, m, pf);
+  if (m < M) tail<F, TILE_MR - 1>(a, p, m, M - m, pf);
 }
 
 // Panels [p0, p1) for all M activation rows; the next panel is prefetched as the current
@@ -747,13 +820,20 @@ void panels(const Args& a, int64_t M, int64_t p0, int64_t p1) {
     int64_t m = 0;
 #if defined(KVQ_AMX)
     if (amx) {
-      F::amx(a, p, M, pf);
       m = M / AMX_MR * AMX_MR;
+      if constexpr (F::amx_pair_min_rows > 0) {
+        if (M >= F::amx_pair_min_rows && p + 1 < p1) {  // this panel and the next, in 2 x 2 blocks
+          F::amx_pair(a, p, M, p1);
+          vector_rows<F>(a, p, m, M, false);
+          vector_rows<F>(a, ++p, m, M, false);
+          continue;
+        }
+      }
+      F::amx(a, p, M, pf);
       pf = false;
     }
 #endif
-    for (; m + TILE_MR <= M; m += TILE_MR, pf = false) F::template tile<TILE_MR>(a, p, m, pf);
-    if (m < M) tail<F, TILE_MR - 1>(a, p, m, M - m, pf);
+    vector_rows<F>(a, p, m, M, pf);
   }
 #if defined(KVQ_AMX)
   if (amx) _tile_release();
