@@ -88,6 +88,14 @@ static void load_operands(const int8_t* x, int stride, const uint8_t* b) {
 
 struct Shape { int n, k; };
 
+// The sums of the first nb (1-4) groups in flight, C tiles 0-3, to c[nb][16 x 16].
+static inline void store_sums(int nb, int32_t* c) {
+  _tile_stored(0, c, 64);
+  if (nb > 1) _tile_stored(1, c + 256, 64);
+  if (nb > 2) _tile_stored(2, c + 512, 64);
+  if (nb > 3) _tile_stored(3, c + 768, 64);
+}
+
 // Every group of every 16-row tile of every 16-output panel of each shape: `mode` 0 multiplies
 // only, 1 the tile sequence, 2 with int8's float steps, 3 with int4's and its unpacking (b's
 // bytes read as a panel's packed 4-bit codes, half an int8 panel's). Returns seconds.
@@ -132,10 +140,7 @@ double pass(const std::vector<Shape>& shapes, int M, const int8_t* x, const uint
           if (nb > 2) { SLOT(2, 4, 6) }
           if (nb > 3) { SLOT(3, 5, 7) }
 #undef SLOT
-          _tile_stored(0, c, 64);
-          if (nb > 1) _tile_stored(1, c + 256, 64);
-          if (nb > 2) _tile_stored(2, c + 512, 64);
-          if (nb > 3) _tile_stored(3, c + 768, 64);
+          store_sums(nb, c);
           if (MODE == 1) continue;
           for (int k = 0; k < nb; ++k) {
             const int g = g0 + k;
@@ -258,10 +263,7 @@ double pass_coarse(const std::vector<Shape>& shapes, int M, const int8_t* x, con
           if (nb > 2) { SLOT(2, 4, 6) }
           if (nb > 3) { SLOT(3, 5, 7) }
 #undef SLOT
-          _tile_stored(0, c, 64);
-          if (nb > 1) _tile_stored(1, c + 256, 64);
-          if (nb > 2) _tile_stored(2, c + 512, 64);
-          if (nb > 3) _tile_stored(3, c + 768, 64);
+          store_sums(nb, c);
           for (int k = 0; k < nb; ++k)
             for (int r = 0; r < 16; ++r) {
               const __m512 isum = _mm512_cvtepi32_ps(_mm512_load_si512(c + 256 * k + 16 * r));
