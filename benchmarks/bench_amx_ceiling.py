@@ -210,10 +210,7 @@ double pass_2x2(const std::vector<Shape>& shapes, int M, const int8_t* x, const 
           _tile_loadd(5, x + (m0 + 16) * s.k + g * 32, s.k);
           _tile_dpbssd(2, 5, 6);
           _tile_dpbssd(3, 5, 7);
-          _tile_stored(0, c, 64);
-          _tile_stored(1, c + 256, 64);
-          _tile_stored(2, c + 512, 64);
-          _tile_stored(3, c + 768, 64);
+          store_sums(4, c);
           const __m512 sw = _mm512_load_ps(scales + g * 32), mw = _mm512_load_ps(scales + g * 32 + 16);
           for (int t = 0; t < 4; ++t)
             for (int r = 0; r < 16; ++r) {

@@ -661,6 +661,15 @@ void amx_panel_i4(const Args& a, int64_t p, int64_t M, bool pf) {
   }
 }
 
+// Rows [m0, m0 + AMX_MR) of int8 panel p from their accumulated sums: times the rows' scales,
+// the padding outputs of a last partial panel left out.
+inline void store_q8_rows(const Args& a, int64_t p, int64_t m0, const __m512* acc) {
+  const int64_t n0 = p * PR, valid = std::min(PR, a.N - n0);
+  const __mmask16 keep = static_cast<__mmask16>((1u << valid) - 1);
+  const __m512 s = bf16x16(a.s8 + n0);
+  for (int r = 0; r < AMX_MR; ++r) _mm512_mask_storeu_ps(a.y + (m0 + r) * a.N + n0, keep, _mm512_mul_ps(acc[r], s));
+}
+
 // Every AMX_MR-row tile of rows [m_begin, M) x int8 panel p (its groups are B tiles as they lie).
 void amx_panel_q8(const Args& a, int64_t p, int64_t m_begin, int64_t M, bool pf) {
   const int64_t ng = a.K / G;
@@ -681,10 +690,7 @@ void amx_panel_q8(const Args& a, int64_t p, int64_t m_begin, int64_t M, bool pf)
           acc[r] = _mm512_fmadd_ps(isum, _mm512_set1_ps(a.dx[i]), acc[r]);
         }
     }
-    const int64_t n0 = p * PR, valid = std::min(PR, a.N - n0);
-    const __mmask16 keep = static_cast<__mmask16>((1u << valid) - 1);
-    const __m512 s = bf16x16(a.s8 + n0);
-    for (int r = 0; r < AMX_MR; ++r) _mm512_mask_storeu_ps(a.y + (m0 + r) * a.N + n0, keep, _mm512_mul_ps(acc[r], s));
+    store_q8_rows(a, p, m0, acc);
   }
 }
 
@@ -730,13 +736,7 @@ void amx_block_q8(const Args& a, int64_t p, int64_t m0, int ahead) {
         acc[t][r] = _mm512_fmadd_ps(isum, _mm512_set1_ps(a.dx[i]), acc[t][r]);
       }
   }
-  for (int t = 0; t < 4; ++t) {
-    const int64_t n0 = (p + (t & 1)) * PR, valid = std::min(PR, a.N - n0);
-    const __mmask16 keep = static_cast<__mmask16>((1u << valid) - 1);
-    const __m512 s = bf16x16(a.s8 + n0);
-    for (int r = 0; r < AMX_MR; ++r)
-      _mm512_mask_storeu_ps(a.y + (m0 + (t >> 1) * AMX_MR + r) * a.N + n0, keep, _mm512_mul_ps(acc[t][r], s));
-  }
+  for (int t = 0; t < 4; ++t) store_q8_rows(a, p + (t & 1), m0 + (t >> 1) * AMX_MR, acc[t]);
 }
 
 // Int8 panels p and p + 1 for rows [0, M) (M >= 32) in 2 x 2 blocks; an odd last row tile of
