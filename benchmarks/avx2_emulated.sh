@@ -16,8 +16,8 @@
 #   run natively, outside QEMU, and would see the host; a wrapper passes -march=haswell.
 # Builds go to their own TORCH_EXTENSIONS_DIR. Only this process (and its forks) is emulated:
 # a program it executes runs natively, so use in-process tests (the offline engine, not the
-# server's processes). Everything runs 30-60x slower than natively (the quantized-kernel
-# tests took 11 minutes), so timings mean nothing here.
+# server's processes). Everything runs ~50-100x slower than natively (the quantized-kernel
+# tests took 11 minutes, 7 s natively), so timings mean nothing here.
 set -euo pipefail
 
 if [ "$#" -eq 0 ]; then
