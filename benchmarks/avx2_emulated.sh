@@ -28,7 +28,9 @@ command -v qemu-x86_64 >/dev/null || { echo "needs qemu-user (apt-get install qe
 [ "$(id -u)" = 0 ] || { echo "needs root (unshare -m and a bind mount)" >&2; exit 2; }
 
 if [ -z "${KVSERVE_EMULATED_AVX2:-}" ]; then
-  work=$(mktemp -d /tmp/kvserve-avx2.XXXXXX)
+  export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-/tmp/kvserve-avx2-extensions}"
+  work="$TORCH_EXTENSIONS_DIR/emulation"  # rewritten each run: nothing left behind per run
+  mkdir -p "$work"
   # /proc/cpuinfo without the flags an AVX2-only CPU lacks
   sed -E '/^flags/ s/ (avx512[a-z0-9_]*|amx[a-z0-9_]*|avx_vnni[a-z0-9_]*|avx_ifma|avx_ne_convert)\b//g' \
     /proc/cpuinfo >"$work/cpuinfo"
@@ -40,7 +42,6 @@ exec g++ "${args[@]}"
 EOF
   chmod +x "$work/c++"
   export KVSERVE_EMULATED_AVX2="$work" CXX="$work/c++"
-  export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-/tmp/kvserve-avx2-extensions}"
   exec unshare -m "$0" "$@"
 fi
 
