@@ -48,7 +48,7 @@ def test_kernel_matches_float_reference_and_rows_alone(variant):
     mod = qk.load_quant_kernels(variant)
     assert mod is not None and mod.isa() == variant
     for n, k in [(33, 96), (192, 128), (50, 1536), (7, 64)]:  # 33, 50, 7: a partial last panel
-        for rows in (1, 3, 6, 9, 17, 21, 64):  # 9, 17, 21: the tiles' remainders
+        for rows in (1, 3, 6, 7, 9, 17, 21, 64):  # 6, 7, 9, 17, 21: the tiles' remainders
             qw, x, ref = _case(n, k, rows)
             codes, sz = qk.pack_int4(qw.codes, qw.scales, qw.zeros)
             _check_against_reference(mod.int4_mm, (codes, sz, n), x, ref, (variant, n, k, rows))
@@ -111,6 +111,28 @@ def test_quantized_linear_int8_native_keeps_lookups():
     torch.testing.assert_close(bf16, qw.dequantize()[ids].bfloat16(), rtol=0, atol=0)
     with pytest.raises(RuntimeError, match="token id 64 out of range"):  # past the last panel's padding
         layer.embedding(torch.tensor([3, 64]), torch.float32)
+
+
+@pytest.mark.skipif("avx2" not in VARIANTS, reason="this CPU cannot run the AVX2 variant")
+def test_avx2_int4_unpacked_panels_give_the_same_bits(monkeypatch):
+    """The AVX2 int4 tiles of 4+ rows with each panel's codes unpacked once (Intel's default)
+    and unpacked per tile (elsewhere) give the same bits, at tile remainders of 0-3 rows."""
+    mod = qk.load_quant_kernels("avx2")
+    qw, x, _ = _case(40, 160, 23)  # 23 rows: five 4-row tiles and 3; 40 outputs: a partial panel
+    codes, sz = qk.pack_int4(qw.codes, qw.scales, qw.zeros)
+    try:
+        for rows in (4, 5, 6, 7, 23):
+            xr = x[:rows].contiguous()
+            assert mod.set_int4_unpacked(True)
+            unpacked = mod.int4_mm(xr, codes, sz, 40)
+            assert not mod.set_int4_unpacked(False)
+            assert torch.equal(unpacked, mod.int4_mm(xr, codes, sz, 40)), rows
+    finally:
+        mod.set_int4_unpacked(qk.int4_unpacked_wanted())
+    monkeypatch.setenv("KVSERVE_INT4_UNPACKED", "0")
+    assert not qk.int4_unpacked_wanted()
+    monkeypatch.setenv("KVSERVE_INT4_UNPACKED", "1")
+    assert qk.int4_unpacked_wanted()
 
 
 def test_variants_agree_on_int8_activations():

@@ -227,6 +227,7 @@ struct Args {
   float* y;             // [M, N]
   const int8_t* w8 = nullptr;     // int8 panels [P, K/4, 64] (int8_mm)
   const uint16_t* s8 = nullptr;   // their bf16 scale per row [P * 16]
+  const int8_t* ax = nullptr;     // [M, K] |qx|: the AVX2 int8 tiles' u8 operand (panels sets it)
 };
 
 constexpr int64_t PR = 16;  // output rows per panel
@@ -326,9 +327,10 @@ inline __m256i dot4(__m256i w, __m256i x) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
 }
 
-// One half (8 rows) of panel p: the first or second 32 bytes of each 64-byte chunk.
+// One half (8 rows) of panel p: the first or second 32 bytes of each 64-byte chunk. With `u`,
+// the codes come unpacked from there (unpack_half_i4's layout) rather than from the panel.
 template <int MR>
-void half_i4(const Args& a, int64_t p, int h, int64_t m0, bool pf) {
+void half_i4(const Args& a, int64_t p, int h, int64_t m0, bool pf, const uint8_t* u = nullptr) {
   const int64_t n0 = p * PR + h * 8, valid = std::min<int64_t>(8, a.N - n0);
   if (valid <= 0) return;
   const int64_t ng = a.K / G;
@@ -344,8 +346,14 @@ void half_i4(const Args& a, int64_t p, int h, int64_t m0, bool pf) {
     __m256i s16[MR];
     for (int c = 0; c < MR; ++c) s16[c] = _mm256_setzero_si256();
     for (int j = 0; j < 4; ++j) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (g * 4 + j) * 64));
-      const __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+      __m256i lo, hi;
+      if (u) {
+        lo = _mm256_load_si256(reinterpret_cast<const __m256i*>(u + (g * 4 + j) * 64));
+        hi = _mm256_load_si256(reinterpret_cast<const __m256i*>(u + (g * 4 + j) * 64 + 32));
+      } else {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (g * 4 + j) * 64));
+        lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+      }
       for (int c = 0; c < MR; ++c) {
         const int8_t* xq = a.qx + (m0 + c) * a.K + g * G + 8 * j;
         const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(xq)), _mm256_maddubs_epi16(hi, bcast4(xq + 4)));
@@ -370,6 +378,46 @@ void panel_i4(const Args& a, int64_t p, int64_t m0, bool pf) {
   half_i4<MR>(a, p, 0, m0, pf);
   half_i4<MR>(a, p, 1, m0, false);
 }
+
+// Half h of int4 panel p with its codes unpacked once for every row tile: per chunk, 32 bytes of
+// low nibbles then 32 of high ones, the operands half_i4 makes with three instructions a chunk.
+// Made per tile of 3 rows, they were one of its ~6 vector instructions per 64 products; read
+// from L1 instead, the tiles also have the registers for 4 rows. 32 and 96 rows of the default
+// model's shapes took 0.78-0.84x the time (one thread, AVX2 build on an Emerald Rapids; same
+// bits: the same integer sums and float steps).
+constexpr int UNPACKED_MR = 4;
+
+const uint8_t* unpack_half_i4(const Args& a, int64_t p, int h) {
+  static thread_local std::vector<uint8_t> buf;
+  const int64_t chunks = a.K / 8;
+  uint8_t* out = line_aligned(buf, chunks * 64);
+  const uint8_t* w = a.w + p * panel_code_bytes(a) + h * 32;
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  for (int64_t c = 0; c < chunks; ++c) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * 64));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(out + c * 64), _mm256_and_si256(v, mask));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(out + c * 64 + 32), _mm256_and_si256(_mm256_srli_epi16(v, 4), mask));
+  }
+  return out;
+}
+
+// Rows [m, M) of int4 panel p, half by half, each half's codes unpacked first.
+void unpacked_rows_i4(const Args& a, int64_t p, int64_t m, int64_t M) {
+  for (int h = 0; h < 2; ++h) {
+    if (p * PR + h * 8 >= a.N) break;
+    const uint8_t* u = unpack_half_i4(a, p, h);
+    int64_t r = m;
+    for (; r + UNPACKED_MR <= M; r += UNPACKED_MR) half_i4<UNPACKED_MR>(a, p, h, r, false, u);
+    if (M - r == 3) half_i4<3>(a, p, h, r, false, u);
+    if (M - r == 2) half_i4<2>(a, p, h, r, false, u);
+    if (M - r == 1) half_i4<1>(a, p, h, r, false, u);
+  }
+}
+#define KVQ_UNPACKED_I4 1
+// The fewest rows that take unpacked_rows_i4 (0: never). kvserve sets it at load
+// (quant_kernels.int4_unpacked_wanted): on for Intel cores, off elsewhere. On round 20's Zen 3
+// the same idea, measured in a standalone loop, ran at 0.83-0.87x the 3-row tile's speed.
+int64_t unpacked_min_rows_i4 = UNPACKED_MR;
 #else
 constexpr int TILE_MR = 4;
 
@@ -407,8 +455,9 @@ void panel_i4(const Args& a, int64_t p, int64_t m0, bool) {
 //   isum = sum_j q_j qx_j (exact in int32);  acc = fma(float(isum), dx, acc)
 // and the output is acc * scale. As for int4, a row's result does not depend on the row count.
 // |q| <= 127 on both sides, so AVX2's vpmaddubsw (u8 x s8 pairs into int16) cannot saturate
-// once the signs are moved onto the weights (|x| x sign(x) w, llama.cpp's trick); VNNI's
-// vpdpbusd takes the weights as unsigned, q + 128, and subtracts 128 * sum(qx) afterwards.
+// once the signs are moved onto the weights (|x| x sign(x) w, llama.cpp's trick; the tiles of
+// 2+ rows read |x| from a copy made once a call, Int8::rows); VNNI's vpdpbusd takes the weights
+// as unsigned, q + 128, and subtracts 128 * sum(qx) afterwards.
 
 inline const int8_t* panel8(const Args& a, int64_t p) { return a.w8 + p * a.K * PR; }
 
@@ -459,8 +508,9 @@ void half_q8(const Args& a, int64_t p, int h, int64_t m0, bool pf) {
     for (int j = 0; j < 8; ++j) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (g * 8 + j) * 64));
       for (int c = 0; c < MR; ++c) {
-        const __m256i x = bcast4(a.qx + (m0 + c) * a.K + g * G + 4 * j);
-        isum[c] = _mm256_add_epi32(isum[c], dot4(_mm256_sign_epi8(x, x), _mm256_sign_epi8(v, x)));
+        const int64_t at = (m0 + c) * a.K + g * G + 4 * j;
+        const __m256i x = bcast4(a.qx + at);
+        isum[c] = _mm256_add_epi32(isum[c], dot4(bcast4(a.ax + at), _mm256_sign_epi8(v, x)));
       }
     }
     for (int c = 0; c < MR; ++c) {
@@ -753,7 +803,33 @@ void amx_pair_q8(const Args& a, int64_t p, int64_t M, int64_t p_end) {
 
 // ---- the panel loop both formats share ------------------------------------------------
 
+#if defined(KVQ_AVX2) && !defined(__AVX512VNNI__)
+// The rows' |codes| (all within [-127, 127]), made once a call: half_q8 took them with a
+// vpsignb of its own for every row, chunk and panel half, one of its five vector
+// instructions per 32 products.
+inline Args with_abs_codes(const Args& a, int64_t M) {
+  static thread_local std::vector<int8_t> buf;
+  const int64_t n = M * a.K;  // K is a multiple of 32
+  int8_t* out = line_aligned(buf, n);
+  for (int64_t i = 0; i < n; i += 32) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qx + i));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(out + i), _mm256_abs_epi8(v));
+  }
+  Args b = a;
+  b.ax = out;
+  return b;
+}
+#endif
+
 struct Int4 {
+  static Args rows(const Args& a, int64_t) { return a; }
+#if defined(KVQ_UNPACKED_I4)
+  static int64_t unpacked_min_rows() { return unpacked_min_rows_i4; }
+  static void unpacked(const Args& a, int64_t p, int64_t m, int64_t M) { unpacked_rows_i4(a, p, m, M); }
+#else
+  static int64_t unpacked_min_rows() { return 0; }
+  static void unpacked(const Args&, int64_t, int64_t, int64_t) {}
+#endif
   // The calls that ask for the next panel: batched ones in the VNNI (and AMX) builds. With the
   // prefetch, 64 rows of a step's int4 projections took 0.96-0.97x the time there but
   // 1.00-1.02x in the AVX2 build, and a single-stream decode 1.02-1.045x (Zen 4, 2 threads;
@@ -777,6 +853,16 @@ struct Int4 {
 };
 
 struct Int8 {
+  // What the tiles read besides Args' pointers: the AVX2 ones, the rows' |codes|.
+  static Args rows(const Args& a, int64_t M) {
+#if defined(KVQ_AVX2) && !defined(__AVX512VNNI__)
+    if (M > 1) return with_abs_codes(a, M);
+#endif
+    (void)M;
+    return a;
+  }
+  static int64_t unpacked_min_rows() { return 0; }  // no unpacked form
+  static void unpacked(const Args&, int64_t, int64_t, int64_t) {}
   static constexpr int64_t prefetch_min_rows = 1;
   template <int MR>
   static void tile(const Args& a, int64_t p, int64_t m0, bool pf) { panel_q8<MR>(a, p, m0, pf); }
@@ -802,6 +888,8 @@ void tail(const Args& a, int64_t p, int64_t m0, int64_t rows, bool pf) {
 // Rows [m, M) of panel p in the SIMD tiles (TILE_MR rows, then the rest as one tile).
 template <class F>
 void vector_rows(const Args& a, int64_t p, int64_t m, int64_t M, bool pf) {
+  const int64_t unpacked_min = F::unpacked_min_rows();
+  if (unpacked_min > 0 && M - m >= unpacked_min) return F::unpacked(a, p, m, M);
   for (; m + TILE_MR <= M; m += TILE_MR, pf = false) F::template tile<TILE_MR>(a, p, m, pf);
   if (m < M) tail<F, TILE_MR - 1>(a, p, m, M - m, pf);
 }
@@ -809,7 +897,8 @@ void vector_rows(const Args& a, int64_t p, int64_t m, int64_t M, bool pf) {
 // Panels [p0, p1) for all M activation rows; the next panel is prefetched as the current
 // panel's first tile runs, and the range's first bytes before it starts.
 template <class F>
-void panels(const Args& a, int64_t M, int64_t p0, int64_t p1) {
+void panels(const Args& args, int64_t M, int64_t p0, int64_t p1) {
+  const Args a = F::rows(args, M);
   prefetch_span(F::panel(a, p0), std::min<int64_t>(PF_BYTES, F::panel_bytes(a)));
 #if defined(KVQ_AMX)
   const bool amx = M >= F::amx_min_rows && amx_permitted();
@@ -841,6 +930,18 @@ void panels(const Args& a, int64_t M, int64_t p0, int64_t p1) {
 }
 
 // ---- entry points ------------------------------------------------------------------------
+
+// Whether int4 tiles of 4+ rows read their codes unpacked once per panel half (the AVX2
+// variant's choice; the others have no such form). Returns whether they now do.
+bool set_int4_unpacked(bool on) {
+#if defined(KVQ_UNPACKED_I4)
+  unpacked_min_rows_i4 = on ? UNPACKED_MR : 0;
+  return on;
+#else
+  (void)on;
+  return false;
+#endif
+}
 
 // Every row of x quantized per group of 32 (the activations both kernels multiply), in buffers
 // each calling thread keeps: a decode step calls the kernels ~120 times, so no allocation each.
@@ -971,6 +1072,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_mm", &int8_mm, "y = x @ W.T for N output rows, W int8 (a scale per row) in panels, int8 activations");
   m.def("int8_embedding", &int8_embedding, "rows ids of an int8 table in int8_mm's layout, dequantized to float32");
   m.def("isa", &isa_name, "the instruction set this variant was compiled for");
+  m.def("set_int4_unpacked", &set_int4_unpacked, "AVX2: int4 tiles of 4+ rows read codes unpacked once per panel half");
   // For cpu_kernels' DecodeStack, which calls the matmuls without Python in between.
   m.def("matmul_addresses", [] {
     return std::map<std::string, int64_t>{{"int4", reinterpret_cast<int64_t>(&int4_mm)},

@@ -86,6 +86,19 @@ def read_cpu_flags(path: str = "/proc/cpuinfo") -> frozenset[str]:
     return frozenset()
 
 
+def cpu_vendor(path: str = "/proc/cpuinfo") -> str:
+    """The first `vendor_id` line's value (GenuineIntel, AuthenticAMD; '' where there is none):
+    for a kernel choice that depends on the cores' design rather than on their instructions."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
 def cap_flags(flags: frozenset[str], max_isa: str | None) -> frozenset[str]:
     """`flags` without those above oneDNN's cap `max_isa` (unknown or unset: no cap)."""
     names = [name for name, _ in _CAPS]

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.model.layers.cpu_kernels import build_extension, extension_name
-from kvserve.platform.cpu_isa import CpuIsa, cpu_isa
+from kvserve.platform.cpu_isa import CpuIsa, cpu_isa, cpu_vendor
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +65,20 @@ def selected_variant() -> str:
     return runnable_variants()[0]
 
 
+def int4_unpacked_wanted() -> bool:
+    """Whether the AVX2 variant's int4 tiles of 4+ rows read each panel's codes unpacked once
+    (csrc/quant_matmul_cpu.cpp, unpacked_rows_i4): `KVSERVE_INT4_UNPACKED` (0 or 1) if set,
+    else on Intel cores only. There the tiles issue more vector instructions than their three
+    ports take, and 32-96 rows ran in 0.78-0.84x the time (Emerald Rapids, AVX2 build); on a Zen 3
+    the same idea ran at 0.83-0.87x the speed (docs/BENCHMARKS.md, issue 16 rounds 20 and 34)."""
+    forced = os.environ.get("KVSERVE_INT4_UNPACKED")
+    if forced in ("0", "1"):
+        return forced == "1"
+    if forced:
+        logger.warning("KVSERVE_INT4_UNPACKED=%r: not 0 or 1, ignored", forced)
+    return cpu_vendor() == "GenuineIntel"
+
+
 def build_name(variant: str, source: bytes) -> str:
     return extension_name(f"kvserve_quant_{variant}", source, VARIANTS[variant])
 
@@ -93,7 +107,9 @@ def load_quant_kernels(variant: str | None = None):
         try:
             with open(SRC, "rb") as f:
                 source = f.read()
-            _modules[variant] = build_extension(build_name(variant, source), [SRC], VARIANTS[variant])
+            module = build_extension(build_name(variant, source), [SRC], VARIANTS[variant])
+            module.set_int4_unpacked(int4_unpacked_wanted())
+            _modules[variant] = module
         except Exception as e:  # no compiler, or flags it does not know
             logger.warning(
                 "native int4 kernel (%s) unavailable (%s); using PyTorch's int4 kernel", variant, e
