@@ -70,7 +70,7 @@ def int4_unpacked_wanted() -> bool:
     (csrc/quant_matmul_cpu.cpp, unpacked_rows_i4): `KVSERVE_INT4_UNPACKED` (0 or 1) if set,
     else on Intel cores only. There the tiles issue more vector instructions than their three
     ports take, and 32-96 rows ran in 0.78-0.84x the time (Emerald Rapids, AVX2 build); on a Zen 3
-    the same idea ran at 0.83-0.87x the speed (docs/BENCHMARKS.md, issue 16 rounds 20 and 34)."""
+    the same idea ran at 0.83-0.88x the speed (docs/BENCHMARKS.md, issue 16 rounds 20 and 34)."""
     forced = os.environ.get("KVSERVE_INT4_UNPACKED")
     if forced in ("0", "1"):
         return forced == "1"
