@@ -74,29 +74,28 @@ class CpuIsa:
         return " ".join(f for f in WANTED if f in self.flags) or "no AVX2"
 
 
-def read_cpu_flags(path: str = "/proc/cpuinfo") -> frozenset[str]:
-    """The first `flags` line's words (empty where there is none, e.g. not Linux)."""
+def cpuinfo_value(field: str, path: str = "/proc/cpuinfo") -> str:
+    """The value of the first line that starts with `field` ('' where there is none, e.g. not
+    Linux)."""
     try:
         with open(path) as f:
             for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
-def cpu_vendor(path: str = "/proc/cpuinfo") -> str:
-    """The first `vendor_id` line's value (GenuineIntel, AuthenticAMD; '' where there is none):
-    for a kernel choice that depends on the cores' design rather than on their instructions."""
-    try:
-        with open(path) as f:
-            for line in f:
-                if line.startswith("vendor_id"):
+                if line.startswith(field):
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
     return ""
+
+
+def read_cpu_flags(path: str = "/proc/cpuinfo") -> frozenset[str]:
+    """The first `flags` line's words."""
+    return frozenset(cpuinfo_value("flags", path).split())
+
+
+def cpu_vendor(path: str = "/proc/cpuinfo") -> str:
+    """The first `vendor_id` line's value (GenuineIntel, AuthenticAMD, ''): for a kernel choice
+    that depends on the cores' design rather than on their instructions."""
+    return cpuinfo_value("vendor_id", path)
 
 
 def cap_flags(flags: frozenset[str], max_isa: str | None) -> frozenset[str]:

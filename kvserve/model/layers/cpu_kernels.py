@@ -25,6 +25,8 @@ import os
 import shutil
 import threading
 
+from kvserve.platform.cpu_isa import cpuinfo_value
+
 logger = logging.getLogger(__name__)
 
 _CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "csrc")
@@ -49,14 +51,7 @@ _failed = False
 
 def _cpu_flags() -> str:
     """The first `flags` line of /proc/cpuinfo ('' where there is none)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
+    return cpuinfo_value("flags")
 
 
 def extension_name(prefix: str, source: bytes, cflags: list[str], extra: str = "") -> str:
