@@ -5,10 +5,10 @@ bench_cpu_serve.py measures the acceptance's form (the server, a streaming clien
 neighbours all share the cores), too much to see a kernel change of 10-20%. This is the same
 work without HTTP: `--requests` prompts of ~`--prompt` tokens, `--tokens` outputs each (greedy,
 ignore_eos), at most 32 sequences at a time (max_num_seqs), prefill steps capped as the
-configuration says, prefix caching off. Every configuration (and tree, with `--baseline-tree`)
-runs in its own process, in alternating order round by round; each round's throughput is taken
-against the fp32 run beside it. Prints the CPU flags (run it under `avx2_emulated.sh --native`
-for the AVX2-only paths).
+configuration says (named as in bench_cpu_serve.py), prefix caching off. Every configuration
+(and tree, with `--baseline-tree`) runs in its own process, in alternating order round by round;
+each round's throughput is taken against the fp32 run beside it. Prints the CPU flags (run it
+under `avx2_emulated.sh --native` for the AVX2-only paths).
 
     python benchmarks/bench_cpu_offline_load.py [--configs fp32,int4-kv8-cap64,int8-kv8-cap64]
         [--rounds 3] [--baseline-tree DIR]
@@ -26,28 +26,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.bench_cpu_serve import _engine_kwargs, config_flags  # noqa: E402
 from benchmarks.common import machine  # noqa: E402
 from benchmarks.cpu_info import cpu_flags  # noqa: E402
 from benchmarks.tree_compare import add_tree_options, compared_trees, enter_tree, in_tree_child  # noqa: E402
-
-
-def engine_options(config: str) -> dict:
-    """LLM keyword arguments for a configuration named as in bench_cpu_serve.py: the weights
-    (fp32, int4, int8, bf16), then optionally -kv8 and -capN."""
-    parts = config.split("-")
-    opts: dict = {}
-    if parts[0] == "bf16":
-        opts["dtype"] = "bfloat16"
-    elif parts[0] != "fp32":
-        opts["quantization"] = parts[0]
-    for p in parts[1:]:
-        if p == "kv8":
-            opts["kv_cache_dtype"] = "int8"
-        elif p.startswith("cap") and p[3:].isdigit():
-            opts["long_prefill_token_threshold"] = int(p[3:])
-        else:
-            raise ValueError(f"configuration {config!r}: unknown part {p!r}")
-    return opts
 
 
 def measure(args) -> dict:
@@ -57,7 +39,7 @@ def measure(args) -> dict:
 
     llm = LLM(
         "smollm2-135m", kv_cache_memory="512MiB", max_num_seqs=32, enable_prefix_caching=False,
-        **engine_options(args.config),
+        **_engine_kwargs(config_flags(args.config)),
     )  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
     llm.generate(make_prompts(llm.tokenizer, 8, args.prompt, seed=99), params, use_tqdm=False)
@@ -85,7 +67,7 @@ def main() -> int:
         return 0
     configs = args.configs.split(",")
     for c in configs:
-        engine_options(c)  # a bad name fails before any run
+        config_flags(c)  # a bad name fails before any run
     if "fp32" not in configs:
         ap.error("--configs: needs fp32, the yardstick")
     trees = compared_trees(ap, args)
