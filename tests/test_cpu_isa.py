@@ -11,7 +11,7 @@ import pytest
 
 from kvserve import LLM, SamplingParams
 from kvserve.platform import cpu_isa as isa_mod
-from kvserve.platform.cpu_isa import CpuIsa, cap_flags, cpu_compute_dtype, cpu_vendor, read_cpu_flags
+from kvserve.platform.cpu_isa import CpuIsa, cap_flags, cpu_compute_dtype, read_cpu_flags
 
 AVX2_ONLY = CpuIsa(frozenset({"avx2", "fma"}))
 SAPPHIRE = CpuIsa(frozenset(isa_mod.WANTED))
@@ -22,13 +22,6 @@ def test_read_cpu_flags(tmp_path):
     f.write_text("processor\t: 0\nflags\t\t: fpu sse avx2 fma avx512f amx_tile\n\nflags\t: other\n")
     assert read_cpu_flags(str(f)) == {"fpu", "sse", "avx2", "fma", "avx512f", "amx_tile"}
     assert read_cpu_flags(str(tmp_path / "missing")) == frozenset()
-
-
-def test_cpu_vendor(tmp_path):
-    f = tmp_path / "cpuinfo"
-    f.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: avx2\n\nvendor_id\t: Other\n")
-    assert cpu_vendor(str(f)) == "AuthenticAMD"
-    assert cpu_vendor(str(tmp_path / "missing")) == ""
 
 
 def test_onednn_cap_drops_flags_above_it():

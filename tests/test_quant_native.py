@@ -115,8 +115,9 @@ def test_quantized_linear_int8_native_keeps_lookups():
 
 @pytest.mark.skipif("avx2" not in VARIANTS, reason="this CPU cannot run the AVX2 variant")
 def test_avx2_int4_unpacked_panels_give_the_same_bits(monkeypatch):
-    """The AVX2 int4 tiles of 4+ rows with each panel's codes unpacked once (Intel's default)
-    and unpacked per tile (elsewhere) give the same bits, at tile remainders of 0-3 rows."""
+    """The AVX2 int4 tiles of 4+ rows with each panel's codes unpacked once and unpacked per
+    tile give the same bits, at tile remainders of 0-3 rows; the form is chosen at load by
+    timing both unless KVSERVE_INT4_UNPACKED says, and variants without it report none."""
     mod = qk.load_quant_kernels("avx2")
     qw, x, _ = _case(40, 160, 23)  # 23 rows: five 4-row tiles and 3; 40 outputs: a partial panel
     codes, sz = qk.pack_int4(qw.codes, qw.scales, qw.zeros)
@@ -127,12 +128,20 @@ def test_avx2_int4_unpacked_panels_give_the_same_bits(monkeypatch):
             unpacked = mod.int4_mm(xr, codes, sz, 40)
             assert not mod.set_int4_unpacked(False)
             assert torch.equal(unpacked, mod.int4_mm(xr, codes, sz, 40)), rows
+        for forced in ("0", "1"):
+            monkeypatch.setenv("KVSERVE_INT4_UNPACKED", forced)
+            assert qk.choose_int4_unpacked(mod, "avx2") == (forced == "1")
+            assert f"KVSERVE_INT4_UNPACKED={forced}" in qk.INT4_TILES["avx2"]
+        monkeypatch.delenv("KVSERVE_INT4_UNPACKED")
+        assert qk.int4_unpacked_time_ratio(mod, reps=3) > 0
+        on = qk.choose_int4_unpacked(mod, "avx2")
+        assert qk.INT4_TILES["avx2"].startswith("unpacked" if on else "packed")
+        assert "measured at load" in qk.INT4_TILES["avx2"]
     finally:
-        mod.set_int4_unpacked(qk.int4_unpacked_wanted())
-    monkeypatch.setenv("KVSERVE_INT4_UNPACKED", "0")
-    assert not qk.int4_unpacked_wanted()
-    monkeypatch.setenv("KVSERVE_INT4_UNPACKED", "1")
-    assert qk.int4_unpacked_wanted()
+        monkeypatch.delenv("KVSERVE_INT4_UNPACKED", raising=False)
+        qk.choose_int4_unpacked(mod, "avx2")
+    assert not qk.choose_int4_unpacked(qk.load_quant_kernels("generic"), "generic")
+    assert "generic" not in qk.INT4_TILES
 
 
 def test_variants_agree_on_int8_activations():

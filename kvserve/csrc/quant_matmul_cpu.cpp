@@ -414,9 +414,9 @@ void unpacked_rows_i4(const Args& a, int64_t p, int64_t m, int64_t M) {
   }
 }
 #define KVQ_UNPACKED_I4 1
-// The fewest rows that take unpacked_rows_i4 (0: never). kvserve sets it at load
-// (quant_kernels.int4_unpacked_wanted): on for Intel cores, off elsewhere. On round 20's Zen 3
-// the same idea, measured in a standalone loop, ran at 0.83-0.88x the 3-row tile's speed.
+// The fewest rows that take unpacked_rows_i4 (0: never). kvserve sets it at load from a timing of
+// both forms (quant_kernels.choose_int4_unpacked): on round 20's Zen 3 the same idea, measured in a
+// standalone loop, ran at 0.83-0.88x the 3-row tile's speed.
 int64_t unpacked_min_rows_i4 = UNPACKED_MR;
 #else
 constexpr int TILE_MR = 4;

@@ -92,12 +92,6 @@ def read_cpu_flags(path: str = "/proc/cpuinfo") -> frozenset[str]:
     return frozenset(cpuinfo_value("flags", path).split())
 
 
-def cpu_vendor(path: str = "/proc/cpuinfo") -> str:
-    """The first `vendor_id` line's value (GenuineIntel, AuthenticAMD, ''): for a kernel choice
-    that depends on the cores' design rather than on their instructions."""
-    return cpuinfo_value("vendor_id", path)
-
-
 def cap_flags(flags: frozenset[str], max_isa: str | None) -> frozenset[str]:
     """`flags` without those above oneDNN's cap `max_isa` (unknown or unset: no cap)."""
     names = [name for name, _ in _CAPS]

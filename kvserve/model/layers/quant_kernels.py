@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import logging
 import os
+import statistics
 import threading
+import time
 
 import torch
 import torch.nn.functional as F
 
 from kvserve.model.layers.cpu_kernels import build_extension, extension_name
-from kvserve.platform.cpu_isa import CpuIsa, cpu_isa, cpu_vendor
+from kvserve.platform.cpu_isa import CpuIsa, cpu_isa
 
 logger = logging.getLogger(__name__)
 
@@ -65,18 +67,50 @@ def selected_variant() -> str:
     return runnable_variants()[0]
 
 
-def int4_unpacked_wanted() -> bool:
-    """Whether the AVX2 variant's int4 tiles of 4+ rows read each panel's codes unpacked once
-    (csrc/quant_matmul_cpu.cpp, unpacked_rows_i4): `KVSERVE_INT4_UNPACKED` (0 or 1) if set,
-    else on Intel cores only. There the tiles issue more vector instructions than their three
-    ports take, and 32-96 rows ran in 0.78-0.84x the time (Emerald Rapids, AVX2 build); on a Zen 3
-    the same idea ran at 0.83-0.88x the speed (docs/BENCHMARKS.md, issue 16 rounds 20 and 34)."""
+# Variant -> how its int4 tiles read their codes, as chosen at load (for the start-up log).
+INT4_TILES: dict[str, str] = {}
+
+
+def int4_unpacked_time_ratio(module, rows: int = 32, k: int = 576, n: int = 1536, reps: int = 15) -> float:
+    """The median time of an int4_mm call of `rows` x [n, k] (random codes) with the tiles
+    reading unpacked codes, over the same call reading packed ones; calls alternate, after one
+    of each to warm up. Leaves the unpacked form on."""
+    gen = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 256, (n // 16, k // 8, 64), dtype=torch.uint8, generator=gen)
+    sz = (torch.rand(n // 16, k // 32, 2, 16, generator=gen) * 0.01).to(torch.bfloat16)
+    x = torch.randn(rows, k, generator=gen)
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for i in range(2 * reps + 2):
+        on = i % 2 == 1
+        module.set_int4_unpacked(on)
+        t0 = time.perf_counter()
+        module.int4_mm(x, codes, sz, n)
+        if i >= 2:
+            times[on].append(time.perf_counter() - t0)
+    return statistics.median(times[True]) / statistics.median(times[False])
+
+
+def choose_int4_unpacked(module, variant: str) -> bool:
+    """Whether `module`'s int4 tiles of 4+ rows read each panel's codes unpacked once
+    (csrc/quant_matmul_cpu.cpp, unpacked_rows_i4: the AVX2 variant's form), set on it and
+    returned. `KVSERVE_INT4_UNPACKED` (0 or 1) decides if set; else both forms are timed here
+    (int4_unpacked_time_ratio, ~20 ms). Which is faster depends on the cores, not on their
+    flags: on an Emerald Rapids (three vector ports) unpacking took 0.78-0.84x the time at 32-96
+    rows, while on a Zen 3 (four pipes) a standalone form of it ran at 0.83-0.88x the speed
+    (docs/BENCHMARKS.md, issue 16 rounds 20, 34 and 35). Both give the same bits."""
+    if not module.set_int4_unpacked(True):
+        return False  # this variant has no unpacked form
     forced = os.environ.get("KVSERVE_INT4_UNPACKED")
     if forced in ("0", "1"):
-        return forced == "1"
-    if forced:
-        logger.warning("KVSERVE_INT4_UNPACKED=%r: not 0 or 1, ignored", forced)
-    return cpu_vendor() == "GenuineIntel"
+        on, why = forced == "1", f"KVSERVE_INT4_UNPACKED={forced}"
+    else:
+        if forced:
+            logger.warning("KVSERVE_INT4_UNPACKED=%r: not 0 or 1, ignored", forced)
+        ratio = int4_unpacked_time_ratio(module)
+        on, why = ratio < 1.0, f"measured at load: {ratio:.2f}x the packed tiles' time"
+    module.set_int4_unpacked(on)
+    INT4_TILES[variant] = f"{'unpacked' if on else 'packed'} codes from 4 rows ({why})"
+    return on
 
 
 def build_name(variant: str, source: bytes) -> str:
@@ -108,7 +142,7 @@ def load_quant_kernels(variant: str | None = None):
             with open(SRC, "rb") as f:
                 source = f.read()
             module = build_extension(build_name(variant, source), [SRC], VARIANTS[variant])
-            module.set_int4_unpacked(int4_unpacked_wanted())
+            choose_int4_unpacked(module, variant)
             _modules[variant] = module
         except Exception as e:  # no compiler, or flags it does not know
             logger.warning(
