@@ -94,9 +94,9 @@ def choose_int4_unpacked(module, variant: str) -> bool:
     """Whether `module`'s int4 tiles of 4+ rows read each panel's codes unpacked once
     (csrc/quant_matmul_cpu.cpp, unpacked_rows_i4: the AVX2 variant's form), set on it and
     returned. `KVSERVE_INT4_UNPACKED` (0 or 1) decides if set; else both forms are timed here
-    (int4_unpacked_time_ratio, ~20 ms). Which is faster depends on the cores, not on their
-    flags: on an Emerald Rapids (three vector ports) unpacking took 0.78-0.84x the time at 32-96
-    rows, while on a Zen 3 (four pipes) a standalone form of it ran at 0.83-0.88x the speed
+    (int4_unpacked_time_ratio: ~10 ms on 2 cores). Which is faster depends on the cores, not on
+    their flags: on an Emerald Rapids (three vector ports) unpacking took 0.78-0.84x the time at
+    32-96 rows, while on a Zen 3 (four pipes) a standalone form of it ran at 0.83-0.88x the speed
     (docs/BENCHMARKS.md, issue 16 rounds 20, 34 and 35). Both give the same bits."""
     if not module.set_int4_unpacked(True):
         return False  # this variant has no unpacked form

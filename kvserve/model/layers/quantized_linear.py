@@ -179,10 +179,9 @@ class QuantizedLinear(nn.Module):
         if self.native is not None and self.method == "int8":
             return f"int8: kvserve native C++ ({self.native}), 16-row panels x int8 activations"
         if self.native is not None:
-            tiles = quant_kernels.INT4_TILES.get(self.native)
-            return f"int4: kvserve native C++ ({self.native}), 16-row panels x int8 activations" + (
-                f", {tiles}" if tiles else ""
-            )
+            name = f"int4: kvserve native C++ ({self.native}), 16-row panels x int8 activations"
+            tiles = quant_kernels.INT4_TILES.get(self.native)  # the AVX2 tiles' form, chosen at load
+            return f"{name}, {tiles}" if tiles else name
         dyn = "quantized::linear_dynamic (int8 x dynamic u8 activations)"
         if self.dynamic is not None:
             return (f"int4: aten._weight_int4pack_mm_for_cpu below {self.dynamic_min_rows} rows, "
