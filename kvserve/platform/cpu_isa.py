@@ -74,13 +74,12 @@ class CpuIsa:
         return " ".join(f for f in WANTED if f in self.flags) or "no AVX2"
 
 
-def cpuinfo_value(field: str, path: str = "/proc/cpuinfo") -> str:
-    """The value of the first line that starts with `field` ('' where there is none, e.g. not
-    Linux)."""
+def cpu_flags_line(path: str = "/proc/cpuinfo") -> str:
+    """The first `flags` line's value ('' where there is none, e.g. not Linux)."""
     try:
         with open(path) as f:
             for line in f:
-                if line.startswith(field):
+                if line.startswith("flags"):
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
@@ -89,7 +88,7 @@ def cpuinfo_value(field: str, path: str = "/proc/cpuinfo") -> str:
 
 def read_cpu_flags(path: str = "/proc/cpuinfo") -> frozenset[str]:
     """The first `flags` line's words."""
-    return frozenset(cpuinfo_value("flags", path).split())
+    return frozenset(cpu_flags_line(path).split())
 
 
 def cap_flags(flags: frozenset[str], max_isa: str | None) -> frozenset[str]:

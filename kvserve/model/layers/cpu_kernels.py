@@ -25,7 +25,7 @@ import os
 import shutil
 import threading
 
-from kvserve.platform.cpu_isa import cpuinfo_value
+from kvserve.platform.cpu_isa import cpu_flags_line
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ _failed = False
 
 def _cpu_flags() -> str:
     """The first `flags` line of /proc/cpuinfo ('' where there is none)."""
-    return cpuinfo_value("flags")
+    return cpu_flags_line()
 
 
 def extension_name(prefix: str, source: bytes, cflags: list[str], extra: str = "") -> str:
