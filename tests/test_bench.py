@@ -263,8 +263,20 @@ def test_bench_against_real_server(engine, tiny_llama_dir, tiny_tok, tmp_path):
         assert chat["metrics"]["completed"] == 4 and chat["metrics"]["total_output_tokens"] > 0
         ids = _bench_serve(server.url, tiny_llama_dir, tmp_path, "--prompt-format", "ids")
         assert ids["metrics"]["total_input_tokens"] == m["total_input_tokens"]
+        # a refused request comes back as a failed result naming the server's answer
+        refused, _ = _run(LoadConfig(server.url, "no-such-model", progress=False), prompts[:2])
+        assert [r.success for r in refused] == [False, False]
+        status = "HTTP 404" if engine == "kvserve" else "HTTP 400"  # the naive baseline says 400
+        assert all(r.error.startswith(status) and "model" in r.error for r in refused), refused[0].error
     finally:
         server.stop()
+
+
+def test_unreachable_server_fails_each_request(tiny_tok):
+    cfg = LoadConfig(f"http://127.0.0.1:{free_port()}", "m", progress=False)
+    results, _ = _run(cfg, _requests(tiny_tok, 2, 4))
+    assert [r.success for r in results] == [False, False]
+    assert all("Connect" in r.error for r in results), [r.error for r in results]
 
 
 def test_naive_server_api(tiny_llama_dir):

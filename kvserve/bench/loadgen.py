@@ -1,9 +1,12 @@
 """The load generator: streams requests at an OpenAI-compatible server and timestamps every chunk.
 
-The client must never be the bottleneck, so the per-chunk path is small: raw bytes are split on
-blank lines, each event is decoded with msgspec, and only a timestamp is kept per chunk that
-carries text. Token counts come from the server's final usage chunk (stream_options), or, for
-servers that do not send one, from the caller's `count_tokens` over the generated text.
+The client must never be the bottleneck, nor take the CPU the server under test needs (on a
+2-core machine it shares the cores), so the per-chunk path is small: aiohttp's C HTTP parser
+hands over raw bytes, which are split on blank lines, each event is decoded with msgspec, and
+only a timestamp is kept per chunk that carries text. httpx spent ~110 us of client CPU a chunk
+here, aiohttp ~30 us (docs/BENCHMARKS.md, issue 16 round 36). Token counts come from the
+server's final usage chunk (stream_options), or, for servers that do not send one, from the
+caller's `count_tokens` over the generated text.
 """
 
 from __future__ import annotations
@@ -16,12 +19,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import aiohttp
 import msgspec
 
 from kvserve.bench.datasets import BenchRequest
 
 _decode = msgspec.json.Decoder().decode
+_encode = msgspec.json.Encoder().encode
 
 
 @dataclass
@@ -80,7 +84,7 @@ def _url(cfg: LoadConfig) -> str:
 
 
 async def send_one(
-    http: httpx.AsyncClient,
+    http: aiohttp.ClientSession,
     cfg: LoadConfig,
     req: BenchRequest,
     t_base: float,
@@ -96,12 +100,12 @@ async def send_one(
     t0 = time.perf_counter()
     res.start = t0 - t_base
     try:
-        async with http.stream("POST", _url(cfg), json=_body(cfg, req), headers=headers) as r:
-            if r.status_code != 200:
-                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200].decode(errors='replace')}"
+        async with http.post(_url(cfg), data=_encode(_body(cfg, req)), headers=headers) as r:
+            if r.status != 200:
+                res.error = f"HTTP {r.status}: {(await r.read())[:200].decode(errors='replace')}"
                 return res
             buf = b""
-            async for raw in r.aiter_raw():
+            async for raw in r.content.iter_any():
                 now = time.perf_counter()
                 events = (buf + raw).split(b"\n\n")
                 buf = events.pop()
@@ -126,7 +130,7 @@ async def send_one(
                             pieces.append(text)
                     if obj.get("usage"):
                         usage = obj["usage"]
-    except (httpx.HTTPError, msgspec.DecodeError, OSError) as e:
+    except (aiohttp.ClientError, asyncio.TimeoutError, msgspec.DecodeError, OSError) as e:
         res.error = f"{type(e).__name__}: {e}"
         return res
     end = time.perf_counter()
@@ -166,20 +170,26 @@ def schedule(requests: list[BenchRequest], cfg: LoadConfig) -> list[float]:
     return arrival_gaps(len(requests), cfg.request_rate, cfg.burstiness, cfg.seed)
 
 
-def _client(n: int) -> httpx.AsyncClient:
-    limits = httpx.Limits(max_connections=n + 4, max_keepalive_connections=n + 4)
-    return httpx.AsyncClient(timeout=None, limits=limits)
+def _client(n: int, timeout: float) -> aiohttp.ClientSession:
+    """Up to n + 4 keep-alive connections; `timeout` bounds a connect and each wait for bytes,
+    not a whole stream."""
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=n + 4),
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=timeout, sock_read=timeout),
+        headers={"Content-Type": "application/json"},
+    )
 
 
-async def _prime(http: httpx.AsyncClient, cfg: LoadConfig) -> None:
-    """One cheap GET before the clock starts: httpx's first request loads its async backend
-    (~0.2 s of blocked event loop), which would otherwise be charged to the server's TTFT."""
+async def _prime(http: aiohttp.ClientSession, cfg: LoadConfig) -> None:
+    """One cheap GET before the clock starts, so the first timed request does not pay for the
+    client's first-use setup (with httpx, ~0.2 s of blocked event loop charged to TTFT)."""
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else None
     try:
-        await http.get(
+        async with http.get(
             _url(cfg).rsplit("/", 2 if cfg.endpoint == "chat" else 1)[0] + "/models", headers=headers
-        )
-    except httpx.HTTPError:
+        ) as r:
+            await r.read()
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
         pass  # the benchmark itself will report an unreachable server
 
 
@@ -194,8 +204,7 @@ async def run_load(
     from tqdm import tqdm
 
     cap = cfg.max_concurrency or len(requests)
-    async with _client(max(cap, warmup)) as http:
-        http.timeout = httpx.Timeout(cfg.timeout)
+    async with _client(max(cap, warmup), cfg.timeout) as http:
         await _prime(http, cfg)
         if warmup:
             warm = [requests[i % len(requests)] for i in range(warmup)]
