@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
-import json
 import os
 import statistics
 import sys
@@ -31,7 +30,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 from benchmarks.bench_cpu_serve import MODEL, config_flags  # noqa: E402
 from benchmarks.common import machine  # noqa: E402
 from benchmarks.cpu_info import cpu_flags  # noqa: E402
-from benchmarks.tree_compare import add_tree_options, compared_trees, enter_tree, in_tree_child  # noqa: E402
+from benchmarks.tree_compare import add_tree_options, answer_child, compared_trees, in_tree_child  # noqa: E402
 
 
 def measure(args) -> dict:
@@ -65,9 +64,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     add_tree_options(ap)
     args = ap.parse_args()
-    if args.child:
-        enter_tree(args)
-        print(json.dumps(measure(args)))
+    if answer_child(args, measure):
         return 0
     trees = compared_trees(ap, args)
     from server_utils import ServerProcess

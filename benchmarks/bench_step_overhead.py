@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import statistics
 import sys
@@ -30,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import machine  # noqa: E402
 from benchmarks.cpu_info import cpu_flags  # noqa: E402
-from benchmarks.tree_compare import add_tree_options, compared_trees, enter_tree, in_tree_child  # noqa: E402
+from benchmarks.tree_compare import add_tree_options, answer_child, compared_trees, in_tree_child  # noqa: E402
 
 CONFIGS = {
     "int4-kv8": {"quantization": "int4", "kv_cache_dtype": "int8"},
@@ -113,9 +112,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=6)
     add_tree_options(ap)
     args = ap.parse_args()
-    if args.child:
-        enter_tree(args)
-        print(json.dumps(measure(args)))
+    if answer_child(args, measure):
         return 0
     trees = compared_trees(ap, args)
     when = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"

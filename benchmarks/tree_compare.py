@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -39,6 +40,16 @@ def compared_trees(ap: argparse.ArgumentParser, args: argparse.Namespace) -> dic
 def enter_tree(args: argparse.Namespace) -> None:
     """In a child: import kvserve from its tree (call before the first kvserve import)."""
     sys.path.insert(0, args.tree)
+
+
+def answer_child(args: argparse.Namespace, measure: Callable[[argparse.Namespace], dict]) -> bool:
+    """In a child (`--child`): import kvserve from its tree, print `measure(args)` as the one
+    JSON line `in_tree_child` reads, and return True. Elsewhere: False, nothing done."""
+    if not args.child:
+        return False
+    enter_tree(args)
+    print(json.dumps(measure(args)))
+    return True
 
 
 def in_tree_child(script: str, tree: str, *argv: str) -> dict:
