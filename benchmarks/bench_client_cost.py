@@ -5,8 +5,9 @@ microsecond of client CPU a streamed chunk is taken from the server. This starts
 (make serve's int4-kv8-cap64 by default), then runs the load generator in a child process per
 tree, in alternating order: `--requests` streamed completions of ~100-token prompts and
 `--tokens` outputs, `--concurrency` at a time, each round its own prompts (no prefix-cache
-hits). Each child reports its own CPU time over the timed part (process_time: the event loop,
-HTTP parsing, SSE decoding) per streamed chunk, and the server's output throughput. With
+hits). Each child reports its own CPU time over the load (process_time: the event loop, HTTP
+parsing, SSE decoding; its two warm-up requests included) per streamed chunk, and the server's
+output throughput over the timed part. With
 `--baseline-tree DIR` (e.g. `git archive <rev> | tar -x -C DIR`) the older client is measured
 beside this one against the same server. Prints the CPU flags.
 
