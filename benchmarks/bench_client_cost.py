@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import os
 import statistics
 import sys
@@ -29,8 +28,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 from benchmarks.bench_cpu_serve import MODEL, config_flags  # noqa: E402
-from benchmarks.common import machine  # noqa: E402
-from benchmarks.cpu_info import cpu_flags  # noqa: E402
+from benchmarks.common import run_header  # noqa: E402
 from benchmarks.tree_compare import add_tree_options, answer_child, compared_trees, in_tree_child  # noqa: E402
 
 
@@ -70,8 +68,7 @@ def main() -> int:
     trees = compared_trees(ap, args)
     from server_utils import ServerProcess
 
-    when = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
-    print(f"{machine()}; CPU flags: {cpu_flags()}; {when}; load average {os.getloadavg()}")
+    print(run_header())
     print(f"server {args.config}; {args.requests} x ~100-token prompts, {args.tokens} tokens, "
           f"c={args.concurrency}")  # fmt: skip
     print("| round | tree | client CPU us / chunk | client CPU (% of a core) | served tok/s |")

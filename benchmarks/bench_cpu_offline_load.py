@@ -17,7 +17,6 @@ under `avx2_emulated.sh --native` for the AVX2-only paths).
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import statistics
 import sys
@@ -26,8 +25,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_cpu_serve import _engine_kwargs, config_flags  # noqa: E402
-from benchmarks.common import machine  # noqa: E402
-from benchmarks.cpu_info import cpu_flags  # noqa: E402
+from benchmarks.common import run_header  # noqa: E402
 from benchmarks.tree_compare import add_tree_options, answer_child, compared_trees, in_tree_child  # noqa: E402
 
 
@@ -69,8 +67,7 @@ def main() -> int:
         ap.error("--configs: needs fp32, the yardstick")
     trees = compared_trees(ap, args)
     runs = [(c, t) for c in configs for t in trees if c != "fp32" or t == "this tree"]
-    when = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
-    print(f"{machine()}; CPU flags: {cpu_flags()}; {when}; load average {os.getloadavg()}")
+    print(run_header())
     print(f"{args.requests} x ~{args.prompt}-token prompts, {args.tokens} tokens each, 32 at a time")
     print("| round | configuration | tree | out tok/s | vs fp32 |\n|---|---|---|---|---|")
     ratios: dict[tuple[str, str], list[float]] = {r: [] for r in runs}

@@ -29,7 +29,6 @@ processes' load shows less; with more threads, wall time.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import statistics
 import sys
@@ -39,8 +38,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import machine, make_prompts  # noqa: E402
-from benchmarks.cpu_info import cpu_flags  # noqa: E402
+from benchmarks.common import make_prompts, run_header  # noqa: E402
 from kvserve import LLM, SamplingParams  # noqa: E402
 from kvserve.model.layers.quant_kernels import load_quant_kernels  # noqa: E402
 from kvserve.platform.cpu_isa import cpu_isa  # noqa: E402
@@ -151,8 +149,7 @@ def main() -> int:
     if torch.get_num_threads() == 1:
         clock = time.process_time
     print(f"clock: {'process CPU time' if clock is time.process_time else 'wall time'}")
-    when = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
-    print(f"{machine()}; CPU flags: {cpu_flags()}; {when}; load average {os.getloadavg()}", flush=True)
+    print(run_header(), flush=True)
 
     bw, cbw = read_bandwidth(), copy_bandwidth()
     peak32, peak8 = gemm_peak_fp32(), gemm_peak_int8()

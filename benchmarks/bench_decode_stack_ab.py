@@ -19,7 +19,6 @@ flags.
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib.util
 import os
 import statistics
@@ -30,8 +29,7 @@ from collections.abc import Callable
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_decode_roofline import decode_s  # noqa: E402
-from benchmarks.common import machine, make_prompts  # noqa: E402
-from benchmarks.cpu_info import cpu_flags  # noqa: E402
+from benchmarks.common import make_prompts, run_header  # noqa: E402
 from kvserve import LLM  # noqa: E402
 
 CONFIGS = {
@@ -75,8 +73,7 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens (the context attention reads)")
     ap.add_argument("--batch", type=int, default=1, help="prompts decoded together")
     args = ap.parse_args()
-    when = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
-    print(f"{machine()}; CPU flags: {cpu_flags()}; {when}; load average {os.getloadavg()}")
+    print(run_header())
 
     llm = LLM("smollm2-135m", kv_cache_memory="256MiB", max_model_len=8192, **CONFIGS[args.config])
     model = llm.llm_engine.model_runner.model

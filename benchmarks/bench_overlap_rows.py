@@ -17,7 +17,6 @@ regions), their median and the CPU flags. With
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import statistics
 import sys
@@ -26,8 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_decode_roofline import decode_s  # noqa: E402
 from benchmarks.bench_decode_stack_ab import CONFIGS  # noqa: E402
-from benchmarks.common import machine, make_prompts  # noqa: E402
-from benchmarks.cpu_info import cpu_flags  # noqa: E402
+from benchmarks.common import make_prompts, run_header  # noqa: E402
 from kvserve import LLM  # noqa: E402
 from kvserve.worker.shape_buckets import padded_rows  # noqa: E402
 
@@ -41,8 +39,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--split", type=int, default=None, help="set_split_rows (default: llama.py's)")
     args = ap.parse_args()
-    when = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
-    print(f"{machine()}; CPU flags: {cpu_flags()}; {when}; load average {os.getloadavg()}")
+    print(run_header())
 
     llm = LLM("smollm2-135m", kv_cache_memory="512MiB", max_model_len=8192, **CONFIGS[args.config])
     model = llm.llm_engine.model_runner.model

@@ -17,7 +17,6 @@ median and the CPU flags; the two stacks' greedy tokens must agree.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
 
@@ -25,8 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_decode_roofline import decode_s  # noqa: E402
 from benchmarks.bench_decode_stack_ab import CONFIGS, alternate  # noqa: E402
-from benchmarks.common import machine, make_prompts  # noqa: E402
-from benchmarks.cpu_info import cpu_flags  # noqa: E402
+from benchmarks.common import make_prompts, run_header  # noqa: E402
 from kvserve import LLM, SamplingParams  # noqa: E402
 from kvserve.model.layers import quant_kernels  # noqa: E402
 from kvserve.model.layers.cpu_kernels import build_extension  # noqa: E402
@@ -49,8 +47,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=None, help="decode steps a run (64 at one row, else 24)")
     args = ap.parse_args()
     tokens = args.tokens or (64 if args.batch == 1 else 24)
-    when = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
-    print(f"{machine()}; CPU flags: {cpu_flags()}; {when}; load average {os.getloadavg()}")
+    print(run_header())
 
     variant = quant_kernels.selected_variant()
     llm = LLM("smollm2-135m", kv_cache_memory="256MiB", **CONFIGS[args.config])

@@ -19,7 +19,6 @@ summary is this tree's median over the baseline's, per figure. Prints the CPU fl
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import statistics
 import sys
@@ -27,8 +26,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import machine  # noqa: E402
-from benchmarks.cpu_info import cpu_flags  # noqa: E402
+from benchmarks.common import run_header  # noqa: E402
 from benchmarks.tree_compare import add_tree_options, answer_child, compared_trees, in_tree_child  # noqa: E402
 
 CONFIGS = {
@@ -115,8 +113,7 @@ def main() -> int:
     if answer_child(args, measure):
         return 0
     trees = compared_trees(ap, args)
-    when = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
-    print(f"{machine()}; CPU flags: {cpu_flags()}; {when}; load average {os.getloadavg()}")
+    print(run_header())
     print(f"{args.config}, {args.batch} x ~{args.prompt}-token prompts, {args.tokens} tokens, "
           f"{args.reps} reps a turn")  # fmt: skip
     print("| round | tree | decode step ms | outside the stack ms |\n|---|---|---|---|")

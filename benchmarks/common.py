@@ -1,7 +1,10 @@
-"""Shared helpers for benchmark scripts: workload prompts and the transformers reference."""
+"""Shared helpers for benchmark scripts: workload prompts, the run's header line and the
+transformers reference."""
 
 from __future__ import annotations
 
+import datetime
+import os
 import platform
 import random
 import time
@@ -33,6 +36,15 @@ def make_prompts(tokenizer, num: int, length: int, seed: int = 0, jitter: int = 
 def machine() -> str:
     cpu = platform.processor() or platform.machine()
     return f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+
+
+def run_header() -> str:
+    """The line every benchmark run starts with: this machine, its CPU flags, the time (UTC) and
+    the load average, so a figure can be read beside the host it came from."""
+    from benchmarks.cpu_info import cpu_flags
+
+    when = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
+    return f"{machine()}; CPU flags: {cpu_flags()}; {when}; load average {os.getloadavg()}"
 
 
 def load_hf_reference(gguf_path: str):
