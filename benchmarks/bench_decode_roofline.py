@@ -39,6 +39,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import make_prompts, run_header  # noqa: E402
+from benchmarks.cpu_info import isa_cap  # noqa: E402
 from kvserve import LLM, SamplingParams  # noqa: E402
 from kvserve.model.layers.quant_kernels import load_quant_kernels  # noqa: E402
 from kvserve.platform.cpu_isa import cpu_isa  # noqa: E402
@@ -107,8 +108,9 @@ def gemm_peak_int8(n: int = 1024, reps: int = 5) -> float | None:
     below the steady rate (730-750 against 915-1080 GOP/s in the same process), which made
     earlier rounds' peak figures low and their "/ peak" fractions high.
     Under an ISA cap (ONEDNN_MAX_CPU_ISA, as benchmarks/avx2_emulated.sh --native sets) the
-    dynamic linear is left out: fbgemm picks its kernels from CPUID, not from the caps, so on an
-    AVX-512 host it read 522 GOP/s there, an AVX-512 figure and no AVX2 peak (issue 16 round 37)."""
+    dynamic linear is left out: fbgemm picks its kernels from CPUID, not from the caps (on the
+    AMX host its JIT code under the caps was AVX-512 VNNI, and read 522 GOP/s: no AVX2 peak;
+    docs/BENCHMARKS.md issue 16 round 37)."""
     from kvserve.model.layers.quant_batched import dynamic_int8_mm, dynamic_int8_pack
     from kvserve.model.layers.quant_kernels import pack_int8
     from kvserve.model.layers.quantization import quantize_weight
@@ -116,7 +118,7 @@ def gemm_peak_int8(n: int = 1024, reps: int = 5) -> float | None:
     q = quantize_weight(torch.randn(n, n), "int8")
     x = torch.randn(n, n)
     rates = []
-    packed = None if isa_capped() else dynamic_int8_pack(q.codes, q.scales)
+    packed = None if isa_cap() else dynamic_int8_pack(q.codes, q.scales)
     if packed is not None:
         rates.append(2 * n**3 / best_s(lambda: dynamic_int8_mm(x, packed), reps, warm_s=1.0))
     mod = load_quant_kernels()
@@ -124,11 +126,6 @@ def gemm_peak_int8(n: int = 1024, reps: int = 5) -> float | None:
         codes, scales = pack_int8(q.codes, q.scales)
         rates.append(2 * n**3 / best_s(lambda: mod.int8_mm(x, codes, scales, n), reps, warm_s=1.0))
     return max(rates) if rates else None
-
-
-def isa_capped() -> bool:
-    """Whether the libraries' ISA is capped below this CPU's (ONEDNN_MAX_CPU_ISA / DNNL_...)."""
-    return bool(os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA"))
 
 
 def _run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float:
@@ -164,7 +161,7 @@ def main() -> int:
     print(f"memory read bandwidth {bw / 1e9:.1f} GB/s (copy {cbw / 1e9:.1f} GB/s read+write)")
     source = (
         "kvserve's own kernel: under an ISA cap fbgemm's would run this host's wider instructions"
-        if isa_capped()
+        if isa_cap()
         else "the faster of quantized::linear_dynamic and kvserve's"
     )
     int8 = f"{peak8 / 1e9:.1f} GOP/s ({source})" if peak8 else "n/a"

@@ -16,11 +16,17 @@ def cpu_flags() -> str:
     this CPU and fbgemm ignores the cap), the cap and what is left."""
     with open("/proc/cpuinfo") as f:
         flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
+    cap = isa_cap()
     if not cap:
         return _wanted(flags)
     capped = _cpu_isa().cap_flags(frozenset(flags), cap)
     return f"{_wanted(flags)}; capped by ONEDNN_MAX_CPU_ISA={cap} to: {_wanted(capped)}"
+
+
+def isa_cap() -> str | None:
+    """oneDNN's ISA cap where one is set (ONEDNN_MAX_CPU_ISA, or its old name DNNL_MAX_CPU_ISA;
+    benchmarks/avx2_emulated.sh --native sets it), else None."""
+    return os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or None
 
 
 def _wanted(flags) -> str:
