@@ -1,9 +1,9 @@
-"""Prompt chunks as decode rows against SDPA chunks (model_runner.CHUNK_PAIRS_AS_DECODES).
+"""Prompt chunks as decode rows against SDPA chunks (model_runner.PROMPT_ROWS_AS_DECODES).
 
-Where the C++ decode stack runs the model (int4 / int8 weights), a step whose prompt chunks
-each cover at most CHUNK_PAIRS_AS_DECODES (query, key) pairs runs whole in the stack, every
-prompt token a decode row; otherwise the layers run in Python with SDPA per chunk. Both paths
-run in one process, the backend's budget switched between them (the machine is shared: an
+Where the C++ decode stack runs the model (int4 / int8 weights), every prompt chunk runs whole
+in the stack, every prompt token a decode row (the same arithmetic as a decode: batch
+invariance); the other path runs the layers in Python with SDPA per chunk. Both paths run in
+one process, the backend's switch flipped between them (the machine is shared: an
 alternating A/B in one run is the only fair comparison):
 1. chunks: one `--prompt-len` prompt prefilled in chunks of each of `--chunks` tokens, the
    two paths alternating per prompt for `--rounds` rounds; the best time of each for the
@@ -19,7 +19,6 @@ alternating A/B in one run is the only fair comparison):
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import statistics
 import sys
@@ -28,15 +27,17 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_cpu_serve import MODEL  # noqa: E402
-from benchmarks.common import machine, make_prompts  # noqa: E402
-from benchmarks.cpu_info import cpu_flags  # noqa: E402
+from benchmarks.common import make_prompts, run_header  # noqa: E402
 from kvserve import LLM, SamplingParams  # noqa: E402
-from kvserve.attention_backends.base import ScheduledSeq  # noqa: E402
-from kvserve.attention_backends.cpu import attended_pairs  # noqa: E402
-from kvserve.worker.model_runner import CHUNK_PAIRS_AS_DECODES  # noqa: E402
 
-ON, OFF = 10**12, 0  # every chunk as decode rows / none
+ON, OFF = True, False  # every chunk as decode rows / none
 ENGINE = {"quantization": "int4", "kv_cache_dtype": "int8", "enable_prefix_caching": False}
+
+
+def attended_pairs(start: int, n: int) -> int:
+    """(query, key) pairs a chunk of n tokens after `start` covers: each new row sees its own
+    position and every one before it."""
+    return n * start + n * (n + 1) // 2
 
 
 def timed_steps(llm: LLM, record) -> None:
@@ -57,7 +58,7 @@ def chunk_times(chunk: int, prompt_len: int, rounds: int) -> None:
     llm = LLM(MODEL, kv_cache_memory="512MiB", max_num_batched_tokens=chunk, **ENGINE)
     backend = llm.llm_engine.model_runner.attn_backend
     prompt = make_prompts(llm.tokenizer, 1, prompt_len, seed=5, jitter=0)[0]
-    best: dict[tuple[int, int, int], float] = {}
+    best: dict[tuple[bool, int, int], float] = {}
     mode = [OFF]
 
     def record(sched, s):
@@ -68,13 +69,13 @@ def chunk_times(chunk: int, prompt_len: int, rounds: int) -> None:
 
     timed_steps(llm, record)
     for rnd in range(rounds):
-        for budget in (OFF, ON) if rnd % 2 == 0 else (ON, OFF):
-            mode[0] = backend.chunk_pairs_as_decodes = budget
+        for path in (OFF, ON) if rnd % 2 == 0 else (ON, OFF):
+            mode[0] = backend.prompt_rows_as_decodes = path
             llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
     every = max(chunk, prompt_len // 4)  # four rows a chunk size: contexts 0 to 3/4 of the prompt
     for _, start, n in sorted(k for k in best if k[0] == OFF and k[1] % every == 0):
         sdpa, rows = best[(OFF, start, n)], best[(ON, start, n)]
-        pairs = attended_pairs(ScheduledSeq(start, n, [], False))
+        pairs = attended_pairs(start, n)
         ms = f"{sdpa * 1e3:.1f} | {rows * 1e3:.1f}"
         print(f"| {n} | {start} | {pairs} | {ms} | {rows / sdpa:.2f}x |", flush=True)
     del llm
@@ -85,15 +86,15 @@ def c32_steps(rounds: int) -> None:
     backend = llm.llm_engine.model_runner.attn_backend
     prompts = make_prompts(llm.tokenizer, 64, 100, seed=1)
     params = SamplingParams(max_tokens=128, temperature=0, ignore_eos=True)
-    times: dict[tuple[int, str], list[float]] = {}
+    times: dict[tuple[bool, str], list[float]] = {}
     count = [0]
 
     def record(sched, s):
         prefill = sum(n for _, n in sched.scheduled if n > 1)
         kind = "chunk" if 56 <= prefill <= 72 else "decode" if prefill == 0 else "other"
-        times.setdefault((backend.chunk_pairs_as_decodes, kind), []).append(s)
+        times.setdefault((backend.prompt_rows_as_decodes, kind), []).append(s)
         count[0] += 1
-        backend.chunk_pairs_as_decodes = ON if count[0] % 2 else OFF  # the next step's path
+        backend.prompt_rows_as_decodes = ON if count[0] % 2 else OFF  # the next step's path
 
     timed_steps(llm, record)
     engine = llm.llm_engine
@@ -120,9 +121,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--c32-rounds", type=int, default=3, help="passes of the c=32 load (0: skip it)")
     args = ap.parse_args()
-    now = datetime.datetime.now(datetime.timezone.utc)
-    print(f"{machine()}; CPU flags: {cpu_flags()}; {now:%Y-%m-%d %H:%M} UTC; load {os.getloadavg()[0]:.2f}")
-    print(f"default model, int4 weights, int8 KV; the budget in the engine: {CHUNK_PAIRS_AS_DECODES} pairs\n")
+    print(run_header())
+    print("default model, int4 weights, int8 KV; the engine lays every prompt chunk out as decode rows\n")
     print("| chunk | cached before | attended pairs | SDPA ms (best) | as decode rows ms (best) | ratio |")
     print("|---|---|---|---|---|---|")
     for chunk in (int(c) for c in args.chunks.split(",")):

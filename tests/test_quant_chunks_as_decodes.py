@@ -1,10 +1,12 @@
-"""Prompt chunks as decode rows (attention_backends/cpu.py, model_runner.CHUNK_PAIRS_AS_DECODES).
+"""Prompt chunks as decode rows (attention_backends/cpu.py, model_runner.PROMPT_ROWS_AS_DECODES).
 
-Where the C++ decode stack runs a quantized model, a step whose prompt chunks are all small
-reaches it as decode rows: each prompt token one row, attending through the paged decode
-kernel to its own causal length, after the step's K/V are written. The reference is the path
-the same engine takes with the budget at 0: torch's SDPA over the gathered cache, the
-attention test_fidelity.py holds to transformers.
+Where the C++ decode stack runs a quantized model, every prompt chunk reaches it as decode
+rows: each prompt token one row, attending through the paged decode kernel to its own causal
+length, after the step's K/V are written. The reference is the path the same engine takes with
+the switch off: torch's SDPA over the gathered cache, the attention test_fidelity.py holds to
+transformers. And since every row's arithmetic is then the same however its request was
+chunked, batched or preempted, a greedy request's tokens and logprobs are the same bits alone
+or under load.
 """
 
 from __future__ import annotations
@@ -16,10 +18,9 @@ from helpers import assert_quantized_match
 
 from kvserve import LLM, SamplingParams
 from kvserve.attention_backends.base import ScheduledSeq
-from kvserve.attention_backends.cpu import CpuAttentionBackend, attended_pairs
+from kvserve.attention_backends.cpu import CpuAttentionBackend
 from kvserve.model.layers.cpu_kernels import load_cpu_kernels
 from kvserve.model.layers.quant_kernels import load_quant_kernels
-from kvserve.worker.model_runner import CHUNK_PAIRS_AS_DECODES
 
 
 def _step() -> tuple[list[ScheduledSeq], np.ndarray]:
@@ -32,12 +33,10 @@ def _step() -> tuple[list[ScheduledSeq], np.ndarray]:
     return seqs, np.array([10, 0, 1, 2, 3, 4, 6, 7, 8])
 
 
-def test_small_chunks_become_decode_rows_at_their_causal_lengths():
+def test_prompt_chunks_become_decode_rows_at_their_causal_lengths():
     backend = CpuAttentionBackend(torch.device("cpu"), block_size=4)
     seqs, positions = _step()
-    assert [attended_pairs(s) for s in seqs[1:]] == [15, 24]  # 1+..+5; 3 x 6 cached + 1+2+3
-
-    backend.chunk_pairs_as_decodes = 24
+    backend.prompt_rows_as_decodes = True
     meta = backend.build_metadata(seqs, positions)
     assert meta.num_decodes == 9 and not meta.prefills
     assert meta.decode_seq_lens.tolist() == [11, 1, 2, 3, 4, 5, 7, 8, 9]
@@ -46,10 +45,9 @@ def test_small_chunks_become_decode_rows_at_their_causal_lengths():
     assert meta.slot_offsets.tolist() == [2, 0, 1, 2, 3, 0, 2, 3, 0]
 
 
-@pytest.mark.parametrize("budget", [0, 23])
-def test_a_step_with_any_larger_chunk_keeps_sdpa_for_all(budget):
+def test_without_the_stack_prompt_chunks_stay_sdpa_chunks():
     backend = CpuAttentionBackend(torch.device("cpu"), block_size=4)
-    backend.chunk_pairs_as_decodes = budget
+    assert not backend.prompt_rows_as_decodes  # the default: the model runner turns it on
     meta = backend.build_metadata(*_step())
     assert meta.num_decodes == 1 and meta.decode_seq_lens.tolist() == [11]
     assert [(c.start, c.end, c.num_cached) for c in meta.prefills] == [(1, 6, 0), (6, 9, 6)]
@@ -82,8 +80,8 @@ PREFIX = [(7 * j + 3) % 50 + 2 for j in range(36)]
 PROMPTS = [PREFIX + [40 + i, 12 + i, 3 * i + 1, 25] * (1 + i % 3) for i in range(6)]
 
 
-def _run(llm: LLM, budget: int) -> tuple[list, list[tuple[bool, bool]]]:
-    """Outputs with the runner's budget set to `budget`; per step, whether it had prompt rows
+def _run(llm: LLM, as_decodes: bool) -> tuple[list, list[tuple[bool, bool]]]:
+    """Outputs with prompt rows as decode rows or not; per step, whether it had prompt rows
     and whether they were laid out as prefill chunks."""
     runner = llm.llm_engine.model_runner
     backend = runner.attn_backend
@@ -94,7 +92,7 @@ def _run(llm: LLM, budget: int) -> tuple[list, list[tuple[bool, bool]]]:
         seen.append((any(not s.is_decode for s in seqs), bool(meta.prefills)))
         return meta
 
-    backend.build_metadata, backend.chunk_pairs_as_decodes = recording, budget
+    backend.build_metadata, backend.prompt_rows_as_decodes = recording, as_decodes
     try:
         llm.llm_engine.reset_prefix_cache()
         params = dict(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
@@ -102,7 +100,7 @@ def _run(llm: LLM, budget: int) -> tuple[list, list[tuple[bool, bool]]]:
         return fresh + llm.generate(PROMPTS, SamplingParams(**params), use_tqdm=False), seen
     finally:
         del backend.build_metadata
-        backend.chunk_pairs_as_decodes = CHUNK_PAIRS_AS_DECODES
+        backend.prompt_rows_as_decodes = True
 
 
 # How far a logprob may move. A float32 cache: the two attentions' different summation orders
@@ -121,12 +119,12 @@ def test_prompt_rows_as_decodes_match_sdpa(tiny_llama_dir, kv_cache_dtype):
     llm = LLM(tiny_llama_dir, kv_cache_memory="16MiB", quantization="int4", kv_cache_dtype=kv_cache_dtype,
               long_prefill_token_threshold=8, enable_prefix_caching=True)  # fmt: skip
     runner = llm.llm_engine.model_runner
-    assert runner.attn_backend.chunk_pairs_as_decodes == CHUNK_PAIRS_AS_DECODES  # the stack applies here
+    assert runner.attn_backend.prompt_rows_as_decodes  # the stack applies here
 
-    got, seen = _run(llm, CHUNK_PAIRS_AS_DECODES)
+    got, seen = _run(llm, True)
     assert any(prompt and not chunks for prompt, chunks in seen)  # prompt rows went as decode rows
-    assert not any(prompt and chunks for prompt, chunks in seen)  # every chunk here is small
-    want, seen = _run(llm, 0)
+    assert not any(prompt and chunks for prompt, chunks in seen)
+    want, seen = _run(llm, False)
     assert all(chunks for prompt, chunks in seen if prompt)
 
     n = len(PROMPTS)
@@ -145,3 +143,44 @@ def test_prompt_rows_as_decodes_match_sdpa(tiny_llama_dir, kv_cache_dtype):
     assert sum(d <= 1e-4 for d in diffs) >= share * len(diffs), sorted(diffs)[-10:]
     for i, (a, b) in enumerate(zip(want, got)):  # tokens equal, or parted at a tie that close
         assert_quantized_match(a.outputs[0], b.outputs[0].token_ids, f"prompt {i % n}", tie=2 * max(diffs))
+
+
+def _greedy(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+    """Each prompt's greedy tokens and their logprobs (the same bits or not: compared exactly)."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, [lp[t] for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+            for o in outs]  # fmt: skip
+
+
+LONG = [(11 * j + 5) % 300 + 2 for j in range(300)]  # one 300-token chunk: 45K attended pairs
+
+
+@needs_kernels
+def test_greedy_results_are_the_same_bits_alone_beside_a_long_prompt_and_preempted(tiny_llama_dir):
+    """Batch invariance of the stack path (int4 weights, int8 KV): short prompts alone and in
+    their first step beside a 300-token prompt chunk; 200-token prompts alone and, in a pool of
+    27 blocks, preempted and recomputed in one chunk. Before every chunk went as decode
+    rows, chunks past 16K (query, key) pairs took SDPA (for the whole step): the short prompts'
+    logprobs moved, and so did the recomputed decodes'."""
+    engine = dict(quantization="int4", kv_cache_dtype="int8", enable_prefix_caching=False)
+    llm = LLM(tiny_llama_dir, kv_cache_memory="16MiB", **engine)
+    alone = [_greedy(llm, [p])[0] for p in PROMPTS]
+    assert _greedy(llm, [LONG] + PROMPTS)[1:] == alone
+
+    longer = [LONG[i : i + 200] for i in range(0, 80, 20)]
+    alone = [_greedy(llm, [p])[0] for p in longer]
+    # 27 blocks of 16: two prompts' 13 blocks each, not the 28 both grow to by their last token
+    small = LLM(tiny_llama_dir, kv_cache_memory=27 * 16 * llm.llm_engine.pool_size.bytes_per_token, **engine)
+    assert small.llm_engine.pool_size.num_blocks == 27
+    seen = []
+    schedule = small.llm_engine.core.scheduler.schedule
+
+    def counting():
+        out = schedule()
+        seen.append(out.num_preempted)
+        return out
+
+    small.llm_engine.core.scheduler.schedule = counting
+    assert _greedy(small, longer) == alone
+    assert sum(seen) > 0  # the pool forced preemptions

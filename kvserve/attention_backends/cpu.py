@@ -5,11 +5,11 @@ before the seam existed (slot blocks/offsets, decode block tables and lengths, o
 PrefillChunk per prompt chunk with its causal mask offset by the cached tokens); the forward
 is PagedAttention.forward_torch (the C++ paged decode kernel when loaded, SDPA otherwise).
 
-One layout is new: where the model runner sets `chunk_pairs_as_decodes` (its model runs the C++
-decode stack), a step whose prompt chunks each cover at most that many (query, key) pairs
-lists every prompt token as a decode row instead, with the request's block table and its own
-causal length (as speculative rows are), so the stack runs the whole step in one call. The
-results differ from the SDPA chunks by summation order only (tests/test_quant_chunks_as_decodes.py).
+One layout is new: where the model runner sets `prompt_rows_as_decodes` (its model runs the
+C++ decode stack), every prompt token is laid out as a decode row instead, with the request's
+block table and its own causal length (as speculative rows are), so the stack runs the whole
+step in one call and each row's attention is the decode kernel's, whatever chunk it came in.
+The results differ from the SDPA chunks by summation order only (tests/test_quant_chunks_as_decodes.py).
 """
 
 from __future__ import annotations
@@ -39,12 +39,6 @@ def slot_blocks_of(seqs: list[ScheduledSeq], positions: np.ndarray, block_size: 
     return np.concatenate(out)
 
 
-def attended_pairs(seq: ScheduledSeq) -> int:
-    """(query, key) pairs a chunk's causal attention covers: each new row sees its own
-    position and every one before it."""
-    return seq.num_tokens * seq.start + seq.num_tokens * (seq.num_tokens + 1) // 2
-
-
 class CpuAttentionBackend:
     name = "cpu"
 
@@ -52,10 +46,9 @@ class CpuAttentionBackend:
         self.device = device
         self.block_size = block_size
         # Prompt chunks as decode rows (one query each, its own length, the request's block
-        # table) when every chunk of a step covers at most this many attended pairs; 0: never.
-        # The model runner sets it where the C++ decode stack runs those steps whole
-        # (LlamaForCausalLM.stack_applies): see CHUNK_PAIRS_AS_DECODES.
-        self.chunk_pairs_as_decodes = 0
+        # table). The model runner sets it where the C++ decode stack runs those steps whole
+        # (LlamaForCausalLM.stack_applies): see model_runner.PROMPT_ROWS_AS_DECODES.
+        self.prompt_rows_as_decodes = False
 
     def build_metadata(self, seqs: list[ScheduledSeq], positions: np.ndarray) -> AttentionMetadata:
         if seqs and all(s.is_decode and s.num_tokens == 1 for s in seqs):
@@ -69,15 +62,14 @@ class CpuAttentionBackend:
             torch.from_numpy(positions % bs).to(dev),
             backend=self,
         )
-        decode_tables, decode_lens = [], []
-        budget = self.chunk_pairs_as_decodes
-        as_decodes = budget > 0 and all(s.is_decode or attended_pairs(s) <= budget for s in seqs)
+        decode_tables, decode_rows, decode_lens = [], [], []
         offset = 0
         for s in seqs:
             start, n = s.start, s.num_tokens
-            if s.is_decode or as_decodes:
+            if s.is_decode or self.prompt_rows_as_decodes:
                 meta.num_decodes += n
-                decode_tables.extend([s.block_table] * n)
+                decode_tables.append(s.block_table)
+                decode_rows.append(n)
                 decode_lens.extend(range(start + 1, start + n + 1))
             else:
                 chunk = PrefillChunk(offset, offset + n, start)
@@ -88,8 +80,9 @@ class CpuAttentionBackend:
                     chunk.mask = (torch.arange(start + n).unsqueeze(0) <= q_pos).to(dev)
                 meta.prefills.append(chunk)
             offset += n
-        if decode_tables:
-            meta.decode_block_tables = padded_table_tensor(decode_tables, dev)
+        if decode_tables:  # a chunk's rows share its table: padded once, then repeated
+            tables = padded_table_tensor(decode_tables, dev)
+            meta.decode_block_tables = tables.repeat_interleave(torch.tensor(decode_rows, device=dev), dim=0)
             meta.decode_seq_lens = torch.tensor(decode_lens, dtype=torch.long, device=dev)
         return meta
 

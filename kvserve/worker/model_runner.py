@@ -45,17 +45,20 @@ from kvserve.worker.shape_buckets import padded_rows
 from kvserve.worker.step_input import RunnerOutput, StepInput
 
 logger = logging.getLogger(__name__)
-# Where the C++ decode stack runs a model (native int4 / int8 projections on the CPU), prompt
-# chunks covering at most this many (query, key) pairs each reach it as decode rows: the whole
-# step then runs in one C++ call, each chunk row attending through the paged decode kernel to
-# its own causal length, instead of the layers in Python with SDPA per chunk over a gathered,
-# dequantized copy of its cache. Per chunk, as decode rows / as SDPA (default model, int4
-# weights, int8 KV, 2 threads, Zen 4; benchmarks/bench_chunks_as_decodes.py, docs/BENCHMARKS.md
-# issue 16 round 22): 16 tokens 0.65-0.82x; 64 tokens 0.88-0.94x up to ~27K pairs, 0.89-1.01x
-# at 35K, 0.98-1.07x past 50K; 256 tokens from 0 (33K) 0.99-1.04x, then 1.02-1.16x. A 32-stream
-# step carrying a 64-token chunk took 0.84-0.88x the time. The budget: about half the pairs
-# where the two meet.
-CHUNK_PAIRS_AS_DECODES = 16384
+# Where the C++ decode stack runs a model (native int4 / int8 projections on the CPU), every
+# prompt chunk reaches it as decode rows: each prompt token one row, attending through the paged
+# decode kernel to its own causal length, so the whole step runs in one C++ call. The reason is
+# batch invariance: a token's attention is then the same arithmetic whether it came in a prompt
+# chunk of any size, beside any other requests, after a preemption or as a decode, and with the
+# projections' per-row results (quant_matmul_cpu.cpp) a greedy request gives the same bits
+# alone or under any load. Until round 38 chunks past 16K (query, key) pairs took SDPA, for the
+# whole step: a short prompt beside a long one, or a preempted request's recomputed tokens,
+# then summed in SDPA's order, a last-bit change that the int8 activation codes turn into
+# logprobs moved by up to ~0.1 and other greedy text (tests/test_quant_chunks_as_decodes.py).
+# Cost, against SDPA on the AMX host (benchmarks/bench_chunks_as_decodes.py; docs/BENCHMARKS.md
+# issue 16 round 38): 64-token chunks 0.77-1.12x, 512-token ones 1.04x from the prompt's start
+# to 1.58x 1.5K tokens in, a 2K-token prompt's prefill ~1.4x.
+PROMPT_ROWS_AS_DECODES = True
 
 
 class ModelRunner:
@@ -108,11 +111,11 @@ class ModelRunner:
             if self.tp.is_driver and self.pp.is_first:
                 logger.info("layer ops: Triton kernels (RMSNorm, rotary, SiLU-and-multiply)")
         if self._stack_takes_chunks():
-            self.attn_backend.chunk_pairs_as_decodes = CHUNK_PAIRS_AS_DECODES
+            self.attn_backend.prompt_rows_as_decodes = PROMPT_ROWS_AS_DECODES
         trim_heap()  # the loader's temporaries and the plain weights packing replaced
 
     def _stack_takes_chunks(self) -> bool:
-        """Whether small prompt chunks go to the model as decode rows (CHUNK_PAIRS_AS_DECODES):
+        """Whether prompt chunks go to the model as decode rows (PROMPT_ROWS_AS_DECODES):
         where the C++ decode stack then runs their steps (CPU, native quantized projections,
         a float32 or int8 cache) and no draft model shares the metadata."""
         return (self.attn_backend.name == "cpu" and self.draft_model is None
