@@ -38,6 +38,7 @@ def _base(fault, tmp, **router) -> dict:
             {"model_name": "deprpm", "id": "deprpm-b", "backend": {"base_url": u, "model": "ok", "rpm": 1}},
             {"model_name": "priced", "backend": {"base_url": u, "model": "ok", "input_cost_per_token": 0.5,
                                                  "output_cost_per_token": 0.25}},
+            deployment("narrow", u, "ok", max_context=5),  # no context_window_fallbacks
         ],
         "router_settings": {"num_retries": 1, "retry_backoff_base": 0.01, "allowed_fails": 100,
                             "fallbacks": {"hang": ["okgroup"], "die": ["okgroup"], "bad": ["okgroup"]},
@@ -117,6 +118,18 @@ def test_prompt_over_max_context_goes_to_context_window_fallback(gw):
     assert r.status_code == 200 and r.headers["x-kvserve-deployment"] == "big-6"
     r = post(gw, "small", messages=[{"role": "user", "content": "a"}])
     assert r.status_code == 200 and r.headers["x-kvserve-deployment"] == "small-7"
+
+
+@pytest.mark.parametrize("path, field", [("/v1/chat/completions", "messages"), ("/v1/completions", "prompt")])
+def test_a_prompt_too_long_everywhere_names_its_field(gw, path, field):
+    text = "a b c d e f g h i j"
+    body = {"messages": [{"role": "user", "content": text}]} if field == "messages" else {"prompt": text}
+    r = httpx.post(gw.url + path, json={"model": "narrow", "max_tokens": 2, **body},
+                   headers={"Authorization": f"Bearer {KEY}"}, timeout=30)  # fmt: skip
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "context_length_exceeded" and err["param"] == field, err
+    assert err["message"].startswith(f"{field}: the prompt"), err
 
 
 def test_backend_4xx_is_passed_through_and_not_retried(gw, fault):
@@ -231,6 +244,14 @@ def test_deployment_rpm_sends_the_next_request_elsewhere(gw):
     assert served == {"deprpm-a", "deprpm-b"}
     r = post(gw, "deprpm")
     assert r.status_code == 429 and "retry-after" in r.headers
+
+
+def test_a_request_dearer_than_the_whole_budget_is_a_400_that_says_why(gw):
+    r = post(gw, "priced", key="sk-budget", max_tokens=100)  # up to 1.5 + 100 * 0.25 = 26.5 > 5.0
+    assert r.status_code == 400 and "retry-after" not in r.headers, r.text
+    err = r.json()["error"]
+    assert err["code"] == "budget_exceeded" and err["param"] == "max_tokens", err
+    assert "26.5" in err["message"] and "whole budget of 5" in err["message"], err
 
 
 def test_budget_reserves_then_settles_and_the_admin_api_reports_spend(gw):

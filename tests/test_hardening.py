@@ -152,6 +152,31 @@ def test_auth_schemes_and_keys(server):
     assert httpx.get(f"{server.url}/health").status_code == 200  # probes need no key
 
 
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        (b'{"model": "tiny", "prompt": [', "not valid JSON (Expecting value at character 29)"),
+        (b"", "the request body is missing"),
+        (b"[1, 2]", "the body must be a JSON object"),
+    ],
+)
+def test_a_body_that_is_no_json_object_says_so(server, body, message):
+    r = httpx.post(
+        f"{server.url}/v1/completions", content=body,
+        headers={**server.headers, "content-type": "application/json"},
+    )  # fmt: skip
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert message in err["message"] and err["param"] is None, err  # no offset posing as a field
+    assert_still_serving(server)
+
+
+def test_stream_options_need_stream(server):
+    assert_400(post(server, {**OK, "stream_options": {"include_usage": True}}), "stream_options")
+    chunks = post(server, {**OK, "stream": True, "stream_options": {"include_usage": True}}).text
+    assert '"usage": {' in chunks.replace('"usage":{', '"usage": {') and "data: [DONE]" in chunks
+
+
 def test_readiness_and_openapi_document(server):
     deadline = time.monotonic() + 30
     while httpx.get(f"{server.url}/health/ready").status_code != 200:
@@ -160,6 +185,8 @@ def test_readiness_and_openapi_document(server):
     doc = httpx.get(f"{server.url}/openapi.json").json()
     responses = doc["paths"]["/v1/chat/completions"]["post"]["responses"]
     assert "400" in responses and "422" not in responses
+    ids = [op["operationId"] for path in doc["paths"].values() for op in path.values()]
+    assert len(ids) == len(set(ids))  # /ping's GET and POST once shared one (a warning per start)
 
 
 def test_engine_failure_fails_only_that_request(tiny_llama_dir):

@@ -180,7 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="require this bearer key (repeat for several; or set KVSERVE_API_KEY)")  # fmt: skip
     srv.add_argument("--metrics-require-key", action="store_true", help="/metrics needs an API key too")
     srv.add_argument("--served-model-name", nargs="+", default=None,
-                     help="name(s) clients use; the first is reported, others are aliases")  # fmt: skip
+                     help="name(s) clients use, each listed and echoed back; the first names the model "
+                          "in logs")  # fmt: skip
     srv.add_argument("--allowed-origins", nargs="*", default=[],
                      help="CORS: browser origins allowed to call the API ('*': any)")  # fmt: skip
     srv.add_argument("--allowed-methods", nargs="*", default=["*"], help="CORS: allowed methods")

@@ -34,6 +34,7 @@ from kvserve.gateway.saturation import SaturationMonitor
 from kvserve.gateway.spend import SpendLog, SpendRow
 from kvserve.gateway.sse import error_event
 from kvserve.gateway.state import Check, StateStore, StoreUnavailable
+from kvserve.gateway.state.base import EPS
 from kvserve.routing import RequestInfo
 
 log = logging.getLogger("kvserve.gateway")
@@ -196,6 +197,19 @@ class Gateway:
         )
         if not ctx.checks:
             return
+        for c in ctx.checks:  # a cost no admission can meet: no retry helps, say what does
+            if c.kind == "budget" and c.amount > c.limit * (1 + EPS):
+                who = "the key's" if c.scope.startswith("key:") else f"{c.scope}'s"
+                raise GatewayError(
+                    400,
+                    f"max_tokens: this request may cost up to {c.amount:.6g} ({ctx.prompt_tokens} prompt "
+                    f"tokens + {completion} completion tokens x n={n}), more than {who} whole budget of "
+                    f"{c.limit:g}; set a lower max_tokens",
+                    "invalid_request_error",
+                    "budget_exceeded",
+                    param="max_tokens",
+                    headers=ctx.headers,
+                )
         adm = await self.store.admit(ctx.rid, ctx.checks, self.ttl)
         ctx.headers.update(ratelimit_headers(ctx.checks, adm))
         if not adm.ok:
@@ -293,11 +307,13 @@ class Gateway:
                 groups = self.rs.context_window_fallbacks.get(ctx.alias, [])
                 if not groups and context_answer:  # nowhere bigger to go: the backend's answer stands
                     return await self._pass_through(ctx, *context_answer)
+                field = "messages" if "messages" in ctx.body else "prompt"
                 last = GatewayError(
                     400,
-                    f"messages: the prompt ({ctx.prompt_tokens} tokens) with max_tokens is longer than "
+                    f"{field}: the prompt ({ctx.prompt_tokens} tokens) with max_tokens is longer than "
                     f"the context of every deployment of {alias!r} and of its context_window_fallbacks",
                     code="context_length_exceeded",
+                    param=field,
                 )
                 continue
             gi += 1

@@ -41,10 +41,11 @@ def needs_tokens(checks: list[Check]) -> bool:
 
 
 def ratelimit_headers(checks: list[Check], adm: Admission) -> dict[str, str]:
-    """x-ratelimit-* for the tightest key/team window (OpenAI's header names)."""
+    """x-ratelimit-* for the tightest key/team window (OpenAI's header names). A refused
+    request reports only the window that refused it (at 0): the others were not measured."""
     h: dict[str, str] = {}
     for i, c in enumerate(checks):
-        if c.kind not in ("rpm", "tpm"):
+        if c.kind not in ("rpm", "tpm") or (not adm.ok and c is not adm.failed):
             continue
         name = "requests" if c.kind == "rpm" else "tokens"
         remaining = max(int(adm.remaining[i]), 0) if adm.ok else 0

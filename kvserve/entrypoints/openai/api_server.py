@@ -21,7 +21,7 @@ from kvserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedErr
 from kvserve.engine.dp_client import DPClient
 from kvserve.entrypoints.draining_server import DrainingServer
 from kvserve.entrypoints.openai.compat import ModelNotFoundError
-from kvserve.entrypoints.openai.errors import error_response, param_of
+from kvserve.entrypoints.openai.errors import error_response, param_of, unreadable_body
 from kvserve.entrypoints.openai.lifecycle import Lifecycle, ServerShuttingDownError
 from kvserve.entrypoints.openai.middleware import BodySizeLimit, RequestGate
 from kvserve.entrypoints.openai.openapi import openapi_with_400
@@ -121,6 +121,9 @@ def build_app(engine: AsyncLLM | DPClient, cfg: ServerConfig, store: ResponseSto
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
+        body_error = unreadable_body(first)
+        if body_error:
+            return error_response(400, body_error, code="invalid_json")
         loc = [str(x) for x in first.get("loc", []) if x != "body"]
         param = loc[0] if loc else None  # the top-level field; deeper parts name union members
         msg = (
@@ -218,7 +221,8 @@ def build_app(engine: AsyncLLM | DPClient, cfg: ServerConfig, store: ResponseSto
         return card(model_id)
 
     @app.get("/health")
-    @app.api_route("/ping", methods=["GET", "POST"])  # vLLM's (and SageMaker's) name for it
+    @app.get("/ping")  # vLLM's (and SageMaker's) name for it; one route a method, so the OpenAPI
+    @app.post("/ping")  # document gets an operation id each
     async def health():
         """Liveness: the engine core is running (with replicas: one is; the body lists each)."""
         if isinstance(engine, DPClient):

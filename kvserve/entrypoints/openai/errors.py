@@ -22,3 +22,17 @@ def param_of(message: str) -> str | None:
     """Our ValueErrors start with the field name ("top_p: must be ..."): report it as param."""
     head, sep, _ = message.partition(":")
     return head.strip() if sep and head.strip().replace("_", "").isalnum() else None
+
+
+def unreadable_body(error: dict) -> str | None:
+    """The message for a body that is not a JSON object at all (FastAPI's first validation
+    error for it), else None: its location is a character offset or the body itself, not a
+    field, so the usual "field: message" would name no field (or a number)."""
+    kind, loc = error.get("type"), tuple(error.get("loc", ()))
+    if kind == "json_invalid":
+        why = error.get("ctx", {}).get("error", "decode error")
+        where = f" at character {loc[1]}" if len(loc) > 1 else ""
+        return f"the request body is not valid JSON ({why}{where})"
+    if loc == ("body",):
+        return "the request body is missing" if kind == "missing" else "the body must be a JSON object"
+    return None

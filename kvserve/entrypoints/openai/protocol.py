@@ -136,6 +136,8 @@ class SamplingFields(BaseModel):
     def sampling_params(
         self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
     ):
+        if self.stream_options is not None and not self.stream:  # as OpenAI and vLLM answer it
+            raise ValueError("stream_options: only allowed when stream is true")
         bias = None
         if self.logit_bias:
             try:
