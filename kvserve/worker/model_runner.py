@@ -53,8 +53,8 @@ logger = logging.getLogger(__name__)
 # projections' per-row results (quant_matmul_cpu.cpp) a greedy request gives the same bits
 # alone or under any load. Until round 38 chunks past 16K (query, key) pairs took SDPA, for the
 # whole step: a short prompt beside a long one, or a preempted request's recomputed tokens,
-# then summed in SDPA's order, a last-bit change that the int8 activation codes turn into
-# logprobs moved by up to ~0.1 and other greedy text (tests/test_quant_chunks_as_decodes.py).
+# then summed in SDPA's order. That changes last bits only, but the int8 activation codes round
+# on them: logprobs moved by up to ~0.1 and greedy text changed (tests/test_quant_chunks_as_decodes.py).
 # Cost, against SDPA on the AMX host (benchmarks/bench_chunks_as_decodes.py; docs/BENCHMARKS.md
 # issue 16 round 38): 64-token chunks 0.77-1.12x, 512-token ones 1.04x from the prompt's start
 # to 1.58x 1.5K tokens in, a 2K-token prompt's prefill ~1.4x.
