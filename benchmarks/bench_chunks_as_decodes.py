@@ -1,4 +1,4 @@
-"""Prompt chunks as decode rows against SDPA chunks (model_runner.PROMPT_ROWS_AS_DECODES).
+"""Prompt chunks as decode rows against SDPA chunks (ModelRunner._stack_takes_chunks).
 
 Where the C++ decode stack runs the model (int4 / int8 weights), every prompt chunk runs whole
 in the stack, every prompt token a decode row (the same arithmetic as a decode: batch

@@ -1,4 +1,4 @@
-"""Prompt chunks as decode rows (attention_backends/cpu.py, model_runner.PROMPT_ROWS_AS_DECODES).
+"""Prompt chunks as decode rows (attention_backends/cpu.py, ModelRunner._stack_takes_chunks).
 
 Where the C++ decode stack runs a quantized model, every prompt chunk reaches it as decode
 rows: each prompt token one row, attending through the paged decode kernel to its own causal

@@ -47,7 +47,7 @@ class CpuAttentionBackend:
         self.block_size = block_size
         # Prompt chunks as decode rows (one query each, its own length, the request's block
         # table). The model runner sets it where the C++ decode stack runs those steps whole
-        # (LlamaForCausalLM.stack_applies): see model_runner.PROMPT_ROWS_AS_DECODES.
+        # (LlamaForCausalLM.stack_applies): see ModelRunner._stack_takes_chunks.
         self.prompt_rows_as_decodes = False
 
     def build_metadata(self, seqs: list[ScheduledSeq], positions: np.ndarray) -> AttentionMetadata:

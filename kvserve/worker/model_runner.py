@@ -45,20 +45,6 @@ from kvserve.worker.shape_buckets import padded_rows
 from kvserve.worker.step_input import RunnerOutput, StepInput
 
 logger = logging.getLogger(__name__)
-# Where the C++ decode stack runs a model (native int4 / int8 projections on the CPU), every
-# prompt chunk reaches it as decode rows: each prompt token one row, attending through the paged
-# decode kernel to its own causal length, so the whole step runs in one C++ call. The reason is
-# batch invariance: a token's attention is then the same arithmetic whether it came in a prompt
-# chunk of any size, beside any other requests, after a preemption or as a decode, and with the
-# projections' per-row results (quant_matmul_cpu.cpp) a greedy request gives the same bits
-# alone or under any load. Until round 38 chunks past 16K (query, key) pairs took SDPA, for the
-# whole step: a short prompt beside a long one, or a preempted request's recomputed tokens,
-# then summed in SDPA's order. That changes last bits only, but the int8 activation codes round
-# on them: logprobs moved by up to ~0.1 and greedy text changed (tests/test_quant_chunks_as_decodes.py).
-# Cost, against SDPA on the AMX host (benchmarks/bench_chunks_as_decodes.py; docs/BENCHMARKS.md
-# issue 16 round 38): 64-token chunks 0.77-1.12x, 512-token ones 1.04x from the prompt's start
-# to 1.58x 1.5K tokens in, a 2K-token prompt's prefill ~1.4x.
-PROMPT_ROWS_AS_DECODES = True
 
 
 class ModelRunner:
@@ -111,13 +97,26 @@ class ModelRunner:
             if self.tp.is_driver and self.pp.is_first:
                 logger.info("layer ops: Triton kernels (RMSNorm, rotary, SiLU-and-multiply)")
         if self._stack_takes_chunks():
-            self.attn_backend.prompt_rows_as_decodes = PROMPT_ROWS_AS_DECODES
+            self.attn_backend.prompt_rows_as_decodes = True
         trim_heap()  # the loader's temporaries and the plain weights packing replaced
 
     def _stack_takes_chunks(self) -> bool:
-        """Whether prompt chunks go to the model as decode rows (PROMPT_ROWS_AS_DECODES):
-        where the C++ decode stack then runs their steps (CPU, native quantized projections,
-        a float32 or int8 cache) and no draft model shares the metadata."""
+        """Whether every prompt chunk goes to the model as decode rows (each prompt token one
+        row, attending through the paged decode kernel to its own causal length, the whole step
+        in one C++ call): where the C++ decode stack runs the model (CPU, native quantized
+        projections, a float32 or int8 cache) and no draft model shares the metadata.
+
+        Why every chunk: batch invariance. A token's attention is then the same arithmetic
+        whether it came in a prompt chunk of any size, beside any requests, after a preemption
+        or as a decode, and the projections give each row the same bits in any batch, so a
+        greedy request gives the same bits alone or under load. Until round 38 chunks past 16K
+        (query, key) pairs took SDPA, for the whole step: a short prompt beside a long one, or
+        a preempted request's recomputed tokens, then summed in SDPA's order, last bits the int8
+        activation codes round on: logprobs moved by up to ~0.1 and greedy text changed
+        (tests/test_quant_chunks_as_decodes.py). Cost against SDPA on the AMX host
+        (benchmarks/bench_chunks_as_decodes.py; docs/BENCHMARKS.md issue 16 round 38): 64-token
+        chunks 0.77-1.12x, 512-token ones 1.04x at the prompt's start to 1.58x 1.5K tokens in,
+        a 2K-token prompt's prefill ~1.4x."""
         return (self.attn_backend.name == "cpu" and self.draft_model is None
                 and self.model.stack_applies(self.kv_cache.dtype))  # fmt: skip
 
