@@ -177,6 +177,46 @@ def test_stream_options_need_stream(server):
     assert '"prompt_tokens"' in chunks and chunks.rstrip().endswith("data: [DONE]")  # the usage chunk
 
 
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"stream": "yes"}, "stream"),  # once read as true
+        ({"max_tokens": "4"}, "max_tokens"),
+        ({"prompt": [True, False]}, "prompt"),  # once token ids 1 and 0
+        ({"temperature": "0"}, "temperature"),
+        ({"stop_token_ids": [1.0]}, "stop_token_ids"),
+    ],
+)
+def test_values_of_the_wrong_json_type_are_400_not_coerced(server, extra, param):
+    assert_400(post(server, {**OK, **extra}), param)
+    assert post(server, {**OK, "temperature": 1, "top_p": 1}).status_code == 200  # an int stands for a float
+
+
+def test_a_tool_result_needs_its_call_id(server):
+    messages = [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "tool_calls": [{"id": "c1", "function": {"name": "w", "arguments": "{}"}}]},
+        {"role": "tool", "content": "sunny"},
+    ]
+    body = {"model": "tiny", "messages": messages, "max_tokens": 2}
+    r = post(server, body, "/v1/chat/completions")
+    assert_400(r, "messages")
+    assert "message 2" in r.json()["error"]["message"] and "tool_call_id" in r.json()["error"]["message"]
+    messages[2]["tool_call_id"] = "c1"
+    assert post(server, body, "/v1/chat/completions").status_code == 200
+
+
+def test_an_embedding_may_fill_the_whole_context(server):
+    """No token is generated for an embedding, so max_model_len (256 here) tokens fit; one more
+    does not, and the error names this endpoint's field, `input`."""
+    r = post(server, {"model": "tiny", "input": [[7] * 256, [7] * 3]}, "/v1/embeddings")
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == 259
+    assert_400(post(server, {"model": "tiny", "input": [7] * 257}, "/v1/embeddings"), "input")
+    assert_400(post(server, {"model": "tiny", "input": []}, "/v1/embeddings"), "input")
+    assert_still_serving(server)
+
+
 def test_readiness_and_openapi_document(server):
     deadline = time.monotonic() + 30
     while httpx.get(f"{server.url}/health/ready").status_code != 200:

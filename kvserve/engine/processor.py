@@ -80,7 +80,10 @@ class InputProcessor:
         n = len(ids)
         if n == 0:
             raise ValueError("prompt: must not be empty")
-        if n >= lim.max_model_len:
+        if params.pooling is not None:  # an embedding: no token is generated, so the whole context fits
+            if n > lim.max_model_len:
+                raise ValueError(f"prompt: {n} tokens exceed max_model_len={lim.max_model_len}")
+        elif n >= lim.max_model_len:
             raise ValueError(
                 f"prompt: {n} tokens leave no room to generate within max_model_len={lim.max_model_len}"
             )
@@ -90,7 +93,7 @@ class InputProcessor:
         max_tokens = params.max_tokens if params.max_tokens is not None else default
         if max_tokens < 1:
             raise ValueError(f"prompt: {n} tokens do not fit the KV pool ({pool_tokens} tokens)")
-        if n + max_tokens > lim.max_model_len:
+        if n + max_tokens > lim.max_model_len and params.pooling is None:
             raise ValueError(
                 f"max_tokens: prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds "
                 f"max_model_len={lim.max_model_len}"

@@ -64,6 +64,9 @@ def _stream(engine, request_id: str, prompt, params) -> str:
 def cmd_generate(args: argparse.Namespace) -> int:
     from kvserve.engine.llm_engine import LLMEngine
 
+    if not args.chat and not args.prompt:  # before the model loads: seconds, for nothing
+        print("error: prompt: give a prompt, or --chat for a conversation", file=sys.stderr)
+        return 2
     try:
         params = _sampling(args)
         engine = LLMEngine(engine_config(args))
@@ -72,9 +75,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 2
     tok = engine.tokenizer
     if not args.chat:
-        if not args.prompt:
-            print("error: prompt: give a prompt, or --chat for a conversation", file=sys.stderr)
-            return 2
         try:
             _stream(engine, "0", args.prompt, params)
         except ValueError as e:

@@ -5,7 +5,8 @@ declared, so SDKs that send them by default work. Informational ones (store, met
 service_tier, ...) are accepted and ignored; ones that change behaviour are honoured or refused
 with a 400 saying why (compat.py). Fields in neither reference are refused (extra="forbid"),
 so a typo is a 400 naming it rather than being silently ignored. Numbers are range-checked
-here (limits.py) and floats must be finite.
+here (limits.py) and floats must be finite. Types are strict, as OpenAI's are: "stream": "yes",
+"max_tokens": "5" or a boolean among token ids is a 400 naming the field, not coerced.
 """
 
 from __future__ import annotations
@@ -28,13 +29,19 @@ from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 from kvserve.structured.spec import check as check_grammar
 
 
-class StreamOptions(BaseModel):
+class OpenAIBody(BaseModel):
+    """Every request body's base: no coercion between JSON types (an int stands for a float)."""
+
+    model_config = ConfigDict(strict=True)
+
+
+class StreamOptions(OpenAIBody):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM: every chunk carries the usage so far
 
 
-class JsonSchemaFormat(BaseModel):
+class JsonSchemaFormat(OpenAIBody):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
     name: str = "response"
     description: str | None = None
@@ -42,7 +49,7 @@ class JsonSchemaFormat(BaseModel):
     strict: bool | None = None  # decoding is always constrained, strict or not
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(OpenAIBody):
     """OpenAI's response_format: text (no constraint), any JSON object, or a JSON schema."""
 
     model_config = ConfigDict(extra="forbid")
@@ -50,7 +57,7 @@ class ResponseFormat(BaseModel):
     json_schema: JsonSchemaFormat | None = None
 
 
-class StructuredOutputs(BaseModel):
+class StructuredOutputs(OpenAIBody):
     """vLLM's `structured_outputs` extra field: exactly one constraint."""
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
@@ -61,7 +68,7 @@ class StructuredOutputs(BaseModel):
     grammar: str | None = None
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(OpenAIBody):
     """Fields shared by chat and completions (OpenAI's plus vLLM's extras)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -178,7 +185,7 @@ class SamplingFields(BaseModel):
         return p
 
 
-class FunctionDefinition(BaseModel):
+class FunctionDefinition(OpenAIBody):
     model_config = ConfigDict(extra="forbid")
     name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
     description: str | None = None
@@ -186,30 +193,30 @@ class FunctionDefinition(BaseModel):
     strict: bool | None = None
 
 
-class ChatTool(BaseModel):
+class ChatTool(OpenAIBody):
     model_config = ConfigDict(extra="forbid")
     type: Literal["function"] = "function"
     function: FunctionDefinition
 
 
-class ToolChoiceFunction(BaseModel):
+class ToolChoiceFunction(OpenAIBody):
     model_config = ConfigDict(extra="forbid")
     name: str
 
 
-class NamedToolChoice(BaseModel):
+class NamedToolChoice(OpenAIBody):
     model_config = ConfigDict(extra="forbid")
     type: Literal["function"] = "function"
     function: ToolChoiceFunction
 
 
-class ToolCallFunction(BaseModel):
+class ToolCallFunction(OpenAIBody):
     model_config = ConfigDict(extra="allow")
     name: str
     arguments: str | dict[str, Any] = "{}"
 
 
-class ToolCall(BaseModel):
+class ToolCall(OpenAIBody):
     """An assistant message's earlier call, sent back in a follow-up conversation."""
 
     model_config = ConfigDict(extra="allow")
@@ -227,7 +234,7 @@ def checked(so: StructuredOutputsParams, field: str) -> StructuredOutputsParams:
     return so
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(OpenAIBody):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None
@@ -277,7 +284,7 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None  # refused unless empty: no fill-in-the-middle (compat.py)
 
 
-class EmbeddingRequest(BaseModel):
+class EmbeddingRequest(OpenAIBody):
     """OpenAI's embeddings body; `pooling` is kvserve's (vLLM sets it per model)."""
 
     model_config = ConfigDict(extra="forbid")
@@ -290,7 +297,7 @@ class EmbeddingRequest(BaseModel):
     priority: Int64 = 0
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(OpenAIBody):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
     prompt: str | None = None
@@ -302,7 +309,7 @@ class TokenizeRequest(BaseModel):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(OpenAIBody):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
     tokens: list[int]

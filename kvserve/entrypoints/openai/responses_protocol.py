@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from kvserve.entrypoints.openai.limits import Int64, NumLogprobs, PositiveInt64
 from kvserve.entrypoints.openai.protocol import (
@@ -22,12 +22,13 @@ from kvserve.entrypoints.openai.protocol import (
     FunctionDefinition,
     JsonSchemaFormat,
     NamedToolChoice,
+    OpenAIBody,
     ResponseFormat,
     ToolChoiceFunction,
 )
 
 
-class FunctionTool(BaseModel):
+class FunctionTool(OpenAIBody):
     model_config = ConfigDict(extra="forbid")
     type: Literal["function"]
     name: str
@@ -36,13 +37,13 @@ class FunctionTool(BaseModel):
     strict: bool | None = None
 
 
-class FunctionChoice(BaseModel):
+class FunctionChoice(OpenAIBody):
     model_config = ConfigDict(extra="forbid")
     type: Literal["function"]
     name: str
 
 
-class TextFormat(BaseModel):
+class TextFormat(OpenAIBody):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
     type: Literal["text", "json_object", "json_schema"] = "text"
     name: str = "response"
@@ -51,13 +52,13 @@ class TextFormat(BaseModel):
     strict: bool | None = None
 
 
-class TextConfig(BaseModel):
+class TextConfig(OpenAIBody):
     model_config = ConfigDict(extra="forbid")
     format: TextFormat | None = None
     verbosity: Literal["low", "medium", "high"] | None = None  # informational
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(OpenAIBody):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model: str | None = None

@@ -563,10 +563,14 @@ class OpenAIServing:
         width = self.embedding_width
         if req.dimensions is not None and req.dimensions != width:
             raise ValueError(f"dimensions: this model's embeddings have {width} dimensions (no truncation)")
-        inputs = self._prompts(req.input)
         params = SamplingParams(temperature=0, max_tokens=1, pooling=req.pooling)
         _, engine_rid = self.response_id("embd", None, raw)
-        streams = await self._start(inputs, params, 1, engine_rid, req.priority, None)
+        try:
+            inputs = self._prompts(req.input)
+            streams = await self._start(inputs, params, 1, engine_rid, req.priority, None)
+        except ValueError as e:  # the shared checks name `prompt`; this endpoint's field is `input`
+            head, sep, rest = str(e).partition(":")
+            raise ValueError(f"input:{rest}" if sep and head == "prompt" else str(e)) from None
         finals = await self._collect(self._merged(streams, self._deadline()), raw)
         data, prompt_tokens = [], 0
         for i in range(len(inputs)):

@@ -86,7 +86,9 @@ def conversation(
     native = "tools" in template or "tool_calls" in template
     developer = "system" if "developer" not in template else "developer"
     messages = []
-    for m in req.messages:
+    for i, m in enumerate(req.messages):
+        if m.role == "tool" and not m.tool_call_id:  # as OpenAI: a tool result answers one call
+            raise ValueError(f"messages: message {i} has role tool but no tool_call_id")
         role = developer if m.role == "developer" else m.role
         msg: dict[str, Any] = {"role": role, "content": m.text()}
         if m.name:

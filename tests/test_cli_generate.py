@@ -1,0 +1,11 @@
+"""`kvserve generate`'s argument errors come before the model loads."""
+
+from __future__ import annotations
+
+from kvserve.entrypoints.cli import main
+
+
+def test_an_empty_prompt_is_refused_before_the_model_loads(tmp_path, capsys):
+    missing = str(tmp_path / "no-such-model")  # loading it would fail with another message
+    assert main(["generate", "", "--model", missing]) == 2
+    assert "error: prompt: give a prompt" in capsys.readouterr().err
