@@ -16,6 +16,7 @@ import litellm
 import numpy as np
 import openai
 import pytest
+from langchain_core.exceptions import ContextOverflowError
 from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI, OpenAIEmbeddings
@@ -271,6 +272,20 @@ def test_litellm_prefixes(server, prefix):
     assert choice.choices[0].message.content in ("yes", "no")  # vLLM's old name, through LiteLLM
     e = litellm.embedding(model=kw["model"], api_base=kw["api_base"], api_key=kw["api_key"], input=["a", "b"])
     assert [d["index"] for d in e.data] == [0, 1] and len(e.data[0]["embedding"]) == 576
+
+
+def test_context_overflow_is_each_librarys_own_error(client, server):
+    """A request past max_model_len is a 400 each library recognises as a context overflow
+    (what LiteLLM's context_window_fallbacks and LangChain's trimming react to)."""
+    too_long = {"model": MODEL, "messages": ASK, "max_tokens": 10**6}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**too_long)
+    assert e.value.code == "context_length_exceeded" and e.value.param == "max_tokens"
+    with pytest.raises(litellm.ContextWindowExceededError):
+        litellm.completion(**{**too_long, "model": f"hosted_vllm/{MODEL}"}, api_base=f"{server.url}/v1",
+                           api_key=server.api_key, num_retries=0)  # fmt: skip
+    with pytest.raises(ContextOverflowError):
+        chat_openai(server, max_tokens=10**6).invoke("hi")
 
 
 # ---- instructor -------------------------------------------------------------------------------

@@ -212,7 +212,12 @@ def test_an_embedding_may_fill_the_whole_context(server):
     r = post(server, {"model": "tiny", "input": [[7] * 256, [7] * 3]}, "/v1/embeddings")
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens"] == 259
-    assert_400(post(server, {"model": "tiny", "input": [7] * 257}, "/v1/embeddings"), "input")
+    r = post(server, {"model": "tiny", "input": [7] * 257}, "/v1/embeddings")
+    assert_400(r, "input")
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+    r = post(server, {**OK, "prompt": [7] * 256})  # a completion needs room for one more token
+    assert_400(r, "prompt")
+    assert r.json()["error"]["code"] == "context_length_exceeded"
     assert_400(post(server, {"model": "tiny", "input": []}, "/v1/embeddings"), "input")
     assert_still_serving(server)
 

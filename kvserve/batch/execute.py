@@ -12,7 +12,7 @@ from starlette.requests import Request as StarletteRequest
 
 from kvserve.engine.async_llm import EngineDeadError, RequestFailedError
 from kvserve.entrypoints.openai.compat import ModelNotFoundError
-from kvserve.entrypoints.openai.errors import param_of
+from kvserve.entrypoints.openai.errors import param_of, value_error_code
 from kvserve.entrypoints.openai.lifecycle import ServerShuttingDownError
 from kvserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from kvserve.entrypoints.openai.serving import OpenAIServing, ServerOverloadedError
@@ -71,7 +71,7 @@ async def execute_line(
     except ModelNotFoundError as e:
         return _error(404, str(e), "invalid_request_error", "model", "model_not_found")
     except ValueError as e:
-        return _error(400, str(e), "invalid_request_error", param_of(str(e)), "invalid_value")
+        return _error(400, str(e), "invalid_request_error", param_of(str(e)), value_error_code(e))
     except RequestFailedError as e:
         return _error(500, str(e), "internal_error", None, "engine_error")
     except TimeoutError as e:

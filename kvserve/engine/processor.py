@@ -18,6 +18,16 @@ from kvserve.structured.spec import check as check_grammar
 from kvserve.tokenizer import Tokenizer
 
 
+class ContextLengthError(ValueError):
+    """A request longer than the model's context. The API reports it as OpenAI does (code
+    context_length_exceeded, "this model's maximum context length is N tokens"), the words
+    client libraries (LangChain, LiteLLM) look for to raise their context-overflow errors."""
+
+    def __init__(self, field: str, max_model_len: int, why: str) -> None:
+        super().__init__(f"{field}: this model's maximum context length is {max_model_len} tokens "
+                         f"(max_model_len); {why}")  # fmt: skip
+
+
 @dataclass(frozen=True)
 class ModelLimits:
     """What a request is checked against; comes from the engine core once it is loaded."""
@@ -82,10 +92,10 @@ class InputProcessor:
             raise ValueError("prompt: must not be empty")
         if params.pooling is not None:  # an embedding: no token is generated, so the whole context fits
             if n > lim.max_model_len:
-                raise ValueError(f"prompt: {n} tokens exceed max_model_len={lim.max_model_len}")
+                raise ContextLengthError("prompt", lim.max_model_len, f"the input has {n} tokens")
         elif n >= lim.max_model_len:
-            raise ValueError(
-                f"prompt: {n} tokens leave no room to generate within max_model_len={lim.max_model_len}"
+            raise ContextLengthError(
+                "prompt", lim.max_model_len, f"the prompt's {n} tokens leave no room to generate"
             )
         pool_tokens = lim.num_blocks * lim.block_size
         # Unset max_tokens: up to max_model_len, but never more than the whole KV pool holds.
@@ -94,10 +104,10 @@ class InputProcessor:
         if max_tokens < 1:
             raise ValueError(f"prompt: {n} tokens do not fit the KV pool ({pool_tokens} tokens)")
         if n + max_tokens > lim.max_model_len and params.pooling is None:
-            raise ValueError(
-                f"max_tokens: prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds "
-                f"max_model_len={lim.max_model_len}"
-            )
+            raise ContextLengthError(
+                "max_tokens", lim.max_model_len,
+                f"the prompt ({n} tokens) + max_tokens ({max_tokens}) exceed it",
+            )  # fmt: skip
         need = -(-(n + max_tokens - 1) // lim.block_size)  # the last sampled token is never cached
         if need > lim.num_blocks:
             raise ValueError(

@@ -21,7 +21,7 @@ from kvserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedErr
 from kvserve.engine.dp_client import DPClient
 from kvserve.entrypoints.draining_server import DrainingServer
 from kvserve.entrypoints.openai.compat import ModelNotFoundError
-from kvserve.entrypoints.openai.errors import error_response, param_of, unreadable_body
+from kvserve.entrypoints.openai.errors import error_response, param_of, unreadable_body, value_error_code
 from kvserve.entrypoints.openai.lifecycle import Lifecycle, ServerShuttingDownError
 from kvserve.entrypoints.openai.middleware import BodySizeLimit, RequestGate
 from kvserve.entrypoints.openai.openapi import openapi_with_400
@@ -133,7 +133,7 @@ def build_app(engine: AsyncLLM | DPClient, cfg: ServerConfig, store: ResponseSto
 
     @app.exception_handler(ValueError)
     async def on_value_error(request: Request, exc: ValueError):
-        return error_response(400, str(exc), param=param_of(str(exc)), code="invalid_value")
+        return error_response(400, str(exc), param=param_of(str(exc)), code=value_error_code(exc))
 
     @app.exception_handler(ModelNotFoundError)
     async def on_model_not_found(request: Request, exc: ModelNotFoundError):

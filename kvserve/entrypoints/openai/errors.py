@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse
 
+from kvserve.engine.processor import ContextLengthError
+
 
 class OpenAIErrorResponse(JSONResponse):
     body_dict: dict
@@ -22,6 +24,11 @@ def param_of(message: str) -> str | None:
     """Our ValueErrors start with the field name ("top_p: must be ..."): report it as param."""
     head, sep, _ = message.partition(":")
     return head.strip() if sep and head.strip().replace("_", "").isalnum() else None
+
+
+def value_error_code(exc: ValueError) -> str:
+    """The code of a 400 raised as a ValueError: OpenAI's for a request past the context."""
+    return "context_length_exceeded" if isinstance(exc, ContextLengthError) else "invalid_value"
 
 
 def unreadable_body(error: dict) -> str | None:

@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
 from kvserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError, RequestStream
+from kvserve.engine.processor import ContextLengthError
 from kvserve.entrypoints.openai.compat import (
     ModelNotFoundError,
     continues_final_message,
@@ -118,10 +119,10 @@ class OpenAIServing:
     def _check_chars(self, field: str, num_chars: int) -> None:
         """Refuse text that cannot fit max_model_len whatever it tokenizes to (before tokenizing)."""
         if num_chars > self.max_prompt_chars:
-            raise ValueError(
-                f"{field}: {num_chars} characters can never fit max_model_len="
-                f"{self.engine.limits.max_model_len} tokens (at most {self.max_prompt_chars} characters)"
-            )
+            raise ContextLengthError(
+                field, self.engine.limits.max_model_len,
+                f"{num_chars} characters can never fit it (at most {self.max_prompt_chars} characters)",
+            )  # fmt: skip
 
     async def _off_loop(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
@@ -570,7 +571,9 @@ class OpenAIServing:
             streams = await self._start(inputs, params, 1, engine_rid, req.priority, None)
         except ValueError as e:  # the shared checks name `prompt`; this endpoint's field is `input`
             head, sep, rest = str(e).partition(":")
-            raise ValueError(f"input:{rest}" if sep and head == "prompt" else str(e)) from None
+            if sep and head == "prompt":
+                e.args = (f"input:{rest}",)  # the same error (its type gives its code), renamed
+            raise
         finals = await self._collect(self._merged(streams, self._deadline()), raw)
         data, prompt_tokens = [], 0
         for i in range(len(inputs)):
