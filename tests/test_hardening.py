@@ -4,11 +4,13 @@ request gets a 4xx naming the field, the server stays healthy, and the others ar
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import socket
 import time
 
 import httpx
+import psutil
 import pytest
 from server_utils import ServerProcess
 
@@ -220,6 +222,29 @@ def test_an_embedding_may_fill_the_whole_context(server):
     assert r.json()["error"]["code"] == "context_length_exceeded"
     assert_400(post(server, {"model": "tiny", "input": []}, "/v1/embeddings"), "input")
     assert_still_serving(server)
+
+
+def test_thousands_of_engine_requests_queue_while_the_core_is_busy(tiny_llama_dir):
+    """One API request fanning out into 3,000 engine requests while the core reads nothing
+    (stopped here; busy with long steps in life): all are queued. The queue to the core once
+    held 1,000, and the next send was reported as a dead engine (a 503 for everyone)."""
+    s = ServerProcess(tiny_llama_dir, *MODEL_ARGS)  # no --max-waiting-requests: no waiting room
+    core = psutil.Process(s.engine_core_pid())
+    try:
+        core.suspend()
+        body = {"model": "tiny", "input": [[5, 6, 7 + i % 50] for i in range(3000)]}
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(post, s, body, "/v1/embeddings")
+            time.sleep(3)  # every add_request has been sent (or refused) by now
+            core.resume()
+            r = pending.result()
+        assert r.status_code == 200, r.text[:300]
+        assert len(r.json()["data"]) == 3000
+        assert_still_serving(s)
+    finally:
+        if core.is_running():
+            core.resume()
+        s.stop()
 
 
 def test_readiness_and_openapi_document(server):

@@ -183,8 +183,11 @@ class AsyncLLM:
         base = os.path.join(tempfile.gettempdir(), f"kvserve-{uuid.uuid4().hex[:12]}")
         self._in_addr, self._out_addr = f"ipc://{base}-in", f"ipc://{base}-out"
         self._in_sync = self._ctx.socket(zmq.PUSH)
+        # No limit on requests queued for the core (one API request may fan out into thousands).
+        # Before bind: the pipe to the core keeps the limit set when it was made, and past the
+        # default 1,000 a send would fail as if the core were dead.
+        self._in_sync.setsockopt(zmq.SNDHWM, 0)
         self._in_sync.bind(self._in_addr)
-        self._in_sync.setsockopt(zmq.SNDHWM, 0)  # never drop or block a request on a full queue
         self._out_sync = self._ctx.socket(zmq.PULL)
         self._out_sync.bind(self._out_addr)
         self._in = zmq.asyncio.Socket.shadow(self._in_sync.underlying)
