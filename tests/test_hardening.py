@@ -247,6 +247,28 @@ def test_thousands_of_engine_requests_queue_while_the_core_is_busy(tiny_llama_di
         s.stop()
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_top_logprobs_under_a_grammar_are_numbers(server, stream):
+    """Tokens the grammar forbids have logprob -inf, which JSON cannot carry: a 400 naming no
+    field once (non-streamed), nulls in the stream. They read -9999.0 (as vLLM's)."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "ok?"}], "max_tokens": 3,
+            "temperature": 0, "logprobs": True, "top_logprobs": 10, "stream": stream,
+            "structured_outputs": {"choice": ["yes", "no"]}}  # fmt: skip
+    r = post(server, body, "/v1/chat/completions")
+    assert r.status_code == 200, r.text
+    if stream:
+        events = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")]
+        entries = [
+            e for ev in events for c in ev["choices"] for e in (c.get("logprobs") or {}).get("content", [])
+        ]
+    else:
+        entries = r.json()["choices"][0]["logprobs"]["content"]
+    tops = [t["logprob"] for e in entries for t in e["top_logprobs"]]
+    assert entries and len(tops) == 10 * len(entries)
+    assert all(isinstance(v, float) and -9999.0 <= v <= 0 for v in tops), tops
+    assert -9999.0 in tops  # the first step allows two tokens at most, not ten
+
+
 def test_readiness_and_openapi_document(server):
     deadline = time.monotonic() + 30
     while httpx.get(f"{server.url}/health/ready").status_code != 200:

@@ -106,13 +106,17 @@ def _mask_top_k_top_p_min_p(logits: torch.Tensor, reqs: list) -> torch.Tensor:
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
+MIN_LOGPROB = -9999.0  # what a token a grammar forbids (-inf) reports: JSON has no infinity (as vLLM)
+
+
 def _entry(raw_logprobs: torch.Tensor, row: int, token: int, k: int) -> dict[int, float]:
-    """The chosen token's logprob plus the top-k, as the API reports them."""
-    entry = {token: raw_logprobs[row, token].item()}
+    """The chosen token's logprob plus the top-k, as the API reports them. Under a grammar
+    fewer than k tokens may be allowed; the rest of the top-k are forbidden ones, at MIN_LOGPROB."""
+    entry = {token: max(raw_logprobs[row, token].item(), MIN_LOGPROB)}
     if k > 0:
         vals, ids = raw_logprobs[row].topk(k)
         for t, v in zip(ids.tolist(), vals.tolist()):
-            entry.setdefault(t, v)
+            entry.setdefault(t, max(v, MIN_LOGPROB))
     return entry
 
 
