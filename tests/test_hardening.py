@@ -269,6 +269,41 @@ def test_top_logprobs_under_a_grammar_are_numbers(server, stream):
     assert -9999.0 in tops  # the first step allows two tokens at most, not ten
 
 
+CHAT = "/v1/chat/completions"
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        (CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages"),
+        (
+            "/tokenize",
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": [1]}]}]},
+            "messages",
+        ),
+        (
+            "/v1/responses",
+            {"input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]},
+            "input",
+        ),
+        ("/v1/completions", {"prompt": "hi \ud800"}, "prompt"),
+        (CHAT, {"messages": [{"role": "user", "content": "hi \udfff there"}]}, "messages"),
+        ("/v1/embeddings", {"input": ["fine", "\ud800"]}, "input"),
+        ("/tokenize", {"prompt": "\ud800"}, "prompt"),
+    ],
+)
+def test_text_that_is_no_text_is_400_and_the_connection_stays_usable(server, path, body, param):
+    """A text part that is not a string and a lone surrogate (valid JSON, no character) were
+    500s with a trace in the log, and the keep-alive connection was dropped after them."""
+    limit = {"max_tokens": 2} if path in (CHAT, "/v1/completions") else {}
+    wire = json.dumps({"model": "tiny", **limit, **body})  # ASCII: the surrogate as \\ud800
+    headers = {**server.headers, "content-type": "application/json"}
+    with httpx.Client(base_url=server.url, headers=headers, timeout=60) as one_connection:
+        r = one_connection.post(path, content=wire)
+        assert_400(r, param)
+        assert one_connection.post("/v1/completions", json=OK).status_code == 200
+
+
 def test_readiness_and_openapi_document(server):
     deadline = time.monotonic() + 30
     while httpx.get(f"{server.url}/health/ready").status_code != 200:

@@ -1,4 +1,5 @@
-"""ASGI middleware that runs before any parsing: the request-size limit and the gate.
+"""ASGI middleware that runs before any parsing: the request-size limit and the gate; and
+around the routes, the answer to an exception no handler took.
 
 A body over `max_bytes` is answered 413 without being read into memory or parsed: at once
 when Content-Length says so, or as soon as a chunked body grows past the limit.
@@ -21,18 +22,51 @@ logger = logging.getLogger("kvserve.server")
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
-def _error_body(message: str, code: str) -> bytes:
-    error = {"message": message, "type": "invalid_request_error", "param": None, "code": code}
+def _error_body(message: str, code: str, type_: str = "invalid_request_error") -> bytes:
+    error = {"message": message, "type": type_, "param": None, "code": code}
     return json.dumps({"error": error}).encode()
 
 
-async def _send_413(send: Send, max_bytes: int) -> None:
-    body = _error_body(
-        f"request body is larger than the server's limit of {max_bytes} bytes", "request_too_large"
-    )
+async def _send_json(send: Send, status: int, body: bytes) -> None:
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": 413, "headers": headers})
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+async def _send_413(send: Send, max_bytes: int) -> None:
+    message = f"request body is larger than the server's limit of {max_bytes} bytes"
+    await _send_json(send, 413, _error_body(message, "request_too_large"))
+
+
+class InternalErrors:
+    """An exception no handler took is kvserve's bug, not the client's: the client gets
+    OpenAI's error shape with a 500, and the trace is logged once. Left to Starlette, the answer
+    is plain text and uvicorn then drops the keep-alive connection, so the client's next request
+    on it fails too. An exception after the response started still ends the connection: the
+    body already sent cannot be taken back."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def noting_start(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, noting_start)
+        except Exception:
+            if started:
+                raise
+            logger.exception("internal error answering %s %s", scope.get("method"), scope["path"])
+            body = _error_body("internal server error (the server log has the details)", "internal_error",
+                               "internal_error")  # fmt: skip
+            await _send_json(send, 500, body)
 
 
 class BodySizeLimit:

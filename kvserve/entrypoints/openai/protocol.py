@@ -250,6 +250,8 @@ class ChatMessage(OpenAIBody):
         for part in self.content:
             if part.get("type") != "text":
                 raise ValueError(f"messages: content part type {part.get('type')!r} is not supported")
+            if not isinstance(part.get("text", ""), str):
+                raise ValueError("messages: a text part's text must be a string")
             parts.append(part.get("text", ""))
         return "".join(parts)
 

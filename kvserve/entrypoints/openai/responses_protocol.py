@@ -99,6 +99,8 @@ def _text_of(content: Any, where: str) -> str:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in ("input_text", "output_text", "text"):
             raise ValueError(f"input: content part type {kind!r} is not supported (text only)")
+        if not isinstance(part.get("text", ""), str):
+            raise ValueError(f"input: {where} has a text part whose text is not a string")
         texts.append(part.get("text", ""))
     return "".join(texts)
 

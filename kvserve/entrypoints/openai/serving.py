@@ -129,7 +129,18 @@ class OpenAIServing:
 
     async def tokenize_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
         self._check_chars("prompt", len(text))
-        return await self._off_loop(self.tokenizer.encode, text, add_special_tokens)
+        return await self._off_loop(self._encode, "prompt", text, add_special_tokens)
+
+    def _encode(self, field: str, text: str, add_special_tokens: bool) -> list[int]:
+        """Tokenized, where a lone surrogate (valid JSON: "\\ud800", but no character) is the
+        client's 400, not the tokenizer's TypeError."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(
+                f"{field}: not valid Unicode: a lone surrogate ({text[e.start]!a}) at character {e.start}"
+            ) from None
+        return self.tokenizer.encode(text, add_special_tokens)
 
     async def render_chat(self, req: ChatCompletionRequest | TokenizeRequest) -> list[int]:
         """The prompt ids of a chat request: tools, developer role and assistant prefill applied
@@ -159,7 +170,7 @@ class OpenAIServing:
                 raise
             except Exception as e:  # template errors (e.g. roles it refuses) are the client's
                 raise ValueError(f"messages: the chat template rejected them: {e}") from None
-            return self.tokenizer.encode(text, add_special_tokens=False)
+            return self._encode("messages", text, False)
 
         return await self._off_loop(render)
 
