@@ -304,6 +304,11 @@ def test_text_that_is_no_text_is_400_and_the_connection_stays_usable(server, pat
         assert one_connection.post("/v1/completions", json=OK).status_code == 200
 
 
+def test_a_bad_query_parameter_is_named(server):
+    r = httpx.get(f"{server.url}/v1/batches", params={"limit": "abc"}, headers=server.headers)
+    assert_400(r, "limit")  # once param "query"
+
+
 def test_readiness_and_openapi_document(server):
     deadline = time.monotonic() + 30
     while httpx.get(f"{server.url}/health/ready").status_code != 200:

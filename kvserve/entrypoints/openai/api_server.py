@@ -125,7 +125,8 @@ def build_app(engine: AsyncLLM | DPClient, cfg: ServerConfig, store: ResponseSto
         body_error = unreadable_body(first)
         if body_error:
             return error_response(400, body_error, code="invalid_json")
-        loc = [str(x) for x in first.get("loc", []) if x != "body"]
+        loc = [str(x) for x in first.get("loc", [])]
+        loc = loc[1:] if loc and loc[0] in ("body", "query", "path") else loc  # where, not which field
         param = loc[0] if loc else None  # the top-level field; deeper parts name union members
         msg = (
             f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid request")
