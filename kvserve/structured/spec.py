@@ -12,6 +12,7 @@ import json
 import re
 
 from kvserve.sampling_params import StructuredOutputsParams
+from kvserve.structured.schema_support import unsupported
 
 # xgrammar's errors start with "[hh:mm:ss] /path/file.cc:123: "; the rest is the message.
 _LOCATION = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*")
@@ -51,6 +52,10 @@ def _check_key(kind: str, text: str, label: str | None) -> None:
     try:
         if kind == "json":
             xgr.Grammar.from_json_schema(text, any_whitespace=False)
+            refused = unsupported(json.loads(text))
+            if refused is not None:
+                key, where, why = refused
+                raise ValueError(f"{key} at {where} is not supported: {why}")
         elif kind == "regex":
             xgr.Grammar.from_regex(text)
         elif kind == "grammar":

@@ -1,0 +1,60 @@
+"""JSON-schema keywords the grammar backend would silently not enforce.
+
+xgrammar (0.2.8) compiles these to a grammar that accepts what they forbid, so an answer could
+break its own schema while reporting finish_reason "stop". Such a schema is refused with a 400
+naming the keyword and where it is, as OpenAI's strict mode refuses keywords it does not
+support (vLLM's xgrammar backend refuses much the same list). tests/test_schema_support.py
+checks xgrammar still ignores each one, so the list shrinks when xgrammar learns them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+# keyword -> why it is refused (what the grammar would do instead)
+UNSUPPORTED = {
+    "not": "a negated schema is not enforced",
+    "if": "conditional schemas (if/then/else) are not enforced",
+    "then": "conditional schemas (if/then/else) are not enforced",
+    "else": "conditional schemas (if/then/else) are not enforced",
+    "contains": "contains is not enforced",
+    "dependentRequired": "dependentRequired is not enforced",
+    "dependentSchemas": "dependentSchemas is not enforced",
+    "dependencies": "dependencies is not enforced",
+}
+_ONE_SCHEMA = ("additionalProperties", "items", "unevaluatedProperties", "unevaluatedItems",
+               "propertyNames", "contains", "not", "if", "then", "else")  # fmt: skip
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def unsupported(schema: Any) -> tuple[str, str, str] | None:
+    """(keyword, JSON pointer of its schema, why) of the first keyword not enforced, or None."""
+    for path, node in _subschemas(schema, ""):
+        for key, why in UNSUPPORTED.items():
+            if key in node:
+                return key, path or "/", why
+        if node.get("uniqueItems") is True:
+            return "uniqueItems", path or "/", "unique items are not enforced"
+        if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+            return "allOf", path or "/", "only the first of several allOf schemas would be enforced"
+    return None
+
+
+def _subschemas(node: Any, path: str) -> Iterator[tuple[str, dict]]:
+    """Every schema object inside `node` (keywords' values, not property names), with its path."""
+    if not isinstance(node, dict):
+        return
+    yield path, node
+    for key in _ONE_SCHEMA:
+        if isinstance(node.get(key), dict):
+            yield from _subschemas(node[key], f"{path}/{key}")
+    for key in _SCHEMA_LISTS:
+        if isinstance(node.get(key), list):
+            for i, sub in enumerate(node[key]):
+                yield from _subschemas(sub, f"{path}/{key}/{i}")
+    for key in _SCHEMA_MAPS:
+        if isinstance(node.get(key), dict):
+            for name, sub in node[key].items():
+                yield from _subschemas(sub, f"{path}/{key}/{name}")

@@ -1,0 +1,67 @@
+"""Schema keywords xgrammar would not enforce are refused (structured/schema_support.py), and
+each refusal is still needed: xgrammar's grammar accepts what the keyword forbids."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import xgrammar as xgr
+from xgrammar.testing import _is_grammar_accept_string as accepts
+
+from kvserve.sampling_params import StructuredOutputsParams
+from kvserve.structured.spec import check
+
+INTS = {"type": "array", "items": {"type": "integer"}}
+# (schema, a JSON text the schema forbids, the keyword, where)
+IGNORED = [
+    ({**INTS, "uniqueItems": True}, "[1, 1]", "uniqueItems", "/"),
+    ({**INTS, "contains": {"minimum": 5}}, "[1]", "contains", "/"),
+    ({"not": {"type": "string"}}, '"x"', "not", "/"),
+    ({"if": {"type": "string"}, "then": {"minLength": 2}}, '"x"', "if", "/"),
+    ({"allOf": [{"type": "integer"}, {"minimum": 5}]}, "1", "allOf", "/"),
+    (
+        {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "dependentRequired": {"a": ["b"]},
+        },
+        '{"a": 1}',
+        "dependentRequired",
+        "/",
+    ),  # fmt: skip
+    (
+        {"type": "object", "properties": {"tags": {**INTS, "uniqueItems": True}}},
+        '{"tags": [1, 1]}',
+        "uniqueItems",
+        "/properties/tags",
+    ),  # fmt: skip
+    (
+        {"$defs": {"N": {"not": {"type": "null"}}}, "anyOf": [{"$ref": "#/$defs/N"}]},
+        "null",
+        "not",
+        "/$defs/N",
+    ),
+]
+
+
+@pytest.mark.parametrize("schema, forbidden, keyword, where", IGNORED)
+def test_a_keyword_xgrammar_ignores_is_refused_naming_it(schema, forbidden, keyword, where):
+    assert accepts(xgr.Grammar.from_json_schema(json.dumps(schema)), forbidden)  # still ignored
+    expected = f"structured_outputs: invalid json schema: {keyword} at {where} is not supported"
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        check(StructuredOutputsParams(json=schema))
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "object", "properties": {"not": {"type": "string"}, "if": {"type": "integer"}}},  # names
+        {"allOf": [{"$ref": "#/$defs/A"}], "$defs": {"A": {"type": "integer"}}},  # one allOf schema
+        {**INTS, "uniqueItems": False, "minItems": 1, "maxItems": 3},
+        {"type": "string", "pattern": "^a+$", "minLength": 2, "format": "date-time"},
+    ],
+)
+def test_what_xgrammar_enforces_is_accepted(schema):
+    check(StructuredOutputsParams(json=schema))
