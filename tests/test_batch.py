@@ -203,6 +203,18 @@ def test_cancel_mid_way_keeps_finished_lines(client):
     assert client.batches.cancel(b.id).status == "cancelled"  # idempotent once final
 
 
+def test_custom_id_with_a_lone_surrogate_is_an_error_line_naming_it(client):
+    """A custom_id holding a lone surrogate ("\\ud800": valid JSON, not UTF-8) is refused alone."""
+    bad = json.dumps({"custom_id": "x-\ud800", "method": "POST", "url": CHAT, "body": {}})
+    b = client.batches.create(input_file_id=upload(client, [line(0), bad, line(2)]).id, endpoint=CHAT,
+                              completion_window="24h")  # fmt: skip
+    b = wait_final(client, b.id)
+    assert b.status == "completed" and (b.request_counts.completed, b.request_counts.failed) == (2, 1)
+    (err,) = read_lines(client, b.error_file_id)
+    assert err["error"]["code"] == "invalid_custom_id" and err["error"]["message"].startswith("custom_id:")
+    assert sorted(o["custom_id"] for o in read_lines(client, b.output_file_id)) == ["req-0", "req-2"]
+
+
 def _error(exc: openai.APIStatusError) -> dict:
     return exc.response.json()["error"]
 
