@@ -194,6 +194,11 @@ def test_cancel_mid_way_keeps_finished_lines(client):
     while client.batches.retrieve(b.id).request_counts.completed < 5:
         assert time.monotonic() < deadline
         time.sleep(0.2)
+    queued = client.batches.create(input_file_id=upload(client, [line(0)]).id, endpoint=CHAT,
+                                   completion_window="24h")  # fmt: skip
+    q = client.batches.cancel(queued.id)  # waits behind b: cancelled at once, not after b
+    assert q.status == "cancelled" and q.cancelled_at and q.request_counts.completed == 0
+    assert client.batches.retrieve(b.id).status == "in_progress"
     assert client.batches.cancel(b.id).status == "cancelling"
     b = wait_final(client, b.id)
     assert b.status == "cancelled" and b.cancelling_at and b.cancelled_at
