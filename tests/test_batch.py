@@ -194,6 +194,11 @@ def test_cancel_mid_way_keeps_finished_lines(client):
     while client.batches.retrieve(b.id).request_counts.completed < 5:
         assert time.monotonic() < deadline
         time.sleep(0.2)
+    queued = client.batches.create(input_file_id=upload(client, [line(0)]).id, endpoint=CHAT,
+                                   completion_window="24h")  # fmt: skip
+    q = client.batches.cancel(queued.id)  # waits behind b: cancelled at once, not after b
+    assert q.status == "cancelled" and q.cancelled_at and q.request_counts.completed == 0
+    assert client.batches.retrieve(b.id).status == "in_progress"
     assert client.batches.cancel(b.id).status == "cancelling"
     b = wait_final(client, b.id)
     assert b.status == "cancelled" and b.cancelling_at and b.cancelled_at
@@ -201,6 +206,18 @@ def test_cancel_mid_way_keeps_finished_lines(client):
     assert 5 <= len(out) == b.request_counts.completed < 300
     assert len({o["custom_id"] for o in out}) == len(out)
     assert client.batches.cancel(b.id).status == "cancelled"  # idempotent once final
+
+
+def test_custom_id_with_a_lone_surrogate_is_an_error_line_naming_it(client):
+    """A custom_id holding a lone surrogate ("\\ud800": valid JSON, not UTF-8) is refused alone."""
+    bad = json.dumps({"custom_id": "x-\ud800", "method": "POST", "url": CHAT, "body": {}})
+    b = client.batches.create(input_file_id=upload(client, [line(0), bad, line(2)]).id, endpoint=CHAT,
+                              completion_window="24h")  # fmt: skip
+    b = wait_final(client, b.id)
+    assert b.status == "completed" and (b.request_counts.completed, b.request_counts.failed) == (2, 1)
+    (err,) = read_lines(client, b.error_file_id)
+    assert err["error"]["code"] == "invalid_custom_id" and err["error"]["message"].startswith("custom_id:")
+    assert sorted(o["custom_id"] for o in read_lines(client, b.output_file_id)) == ["req-0", "req-2"]
 
 
 def _error(exc: openai.APIStatusError) -> dict:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import socket
 import statistics
 import subprocess
@@ -179,6 +180,36 @@ def test_datasets(tiny_tok, tmp_path):
     assert [r.output_len for r in js] == [7, 9, 7] and js[1].messages and js[0].text == "hello world"
     with pytest.raises(ValueError, match="dataset-path"):
         build_dataset(tiny_tok, DatasetConfig("jsonl", 3))
+
+
+def test_jsonl_dataset_errors_name_the_file_and_line(tiny_tok, tmp_path):
+    def build(path):
+        return build_dataset(tiny_tok, DatasetConfig("jsonl", 2, path=str(path)))
+
+    with pytest.raises(ValueError, match="dataset-path: .* is not a file"):
+        build(tmp_path)  # was an IsADirectoryError
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "hi"}\nnot json\n')
+    with pytest.raises(ValueError, match=re.escape(f"dataset-path: {bad} line 2 is not valid JSON")):
+        build(bad)
+    bad.write_text('{"messages": "hi"}\n')
+    with pytest.raises(ValueError, match="line 1: 'messages' must be a non-empty list"):
+        build(bad)  # was an AttributeError in the chat template
+
+
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("--save-result", "{tmp}/no-dir/x.json", "'{tmp}/no-dir/x.json': no such directory"),
+        ("--max-concurrency", "-1", "must be >= 1, got -1"),  # was "Semaphore initial value must be >= 0"
+    ],
+)
+def test_serve_arguments_are_checked_before_the_run(flag, value, message, tmp_path, capsys):
+    url = "http://127.0.0.1:1"  # nothing listens: a run would fail differently
+    with pytest.raises(SystemExit) as e:
+        kvserve_main(["bench", "serve", "--base-url", url, flag, value.format(tmp=tmp_path)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"error: argument {flag}: {message.format(tmp=tmp_path)}" in err
 
 
 def test_trace_dataset_replays_arrivals(instant_stub, tiny_tok, tmp_path):

@@ -310,3 +310,22 @@ def test_gpu_budget_is_the_engine_rule():
     one = memory_breakdown(spec, prec, h100, max_model_len=8192)
     assert one.kv_cache_bytes == gpu_kv_budget(h100.memory_bytes, 0.9, one.weight_bytes, 0.3) > 0
     assert gpu_kv_budget(80 * 2**30, 0.9, 100 * 2**30) == 0  # weights do not fit: no KV at all
+
+
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("--max-model-len", "-5", "must be >= 1, got -5"),  # was a ZeroDivisionError
+        ("--context-len", "-5", "must be >= 1, got -5"),
+        ("--max-model-len", "0", "must be >= 1, got 0"),  # was silently the model's context
+        ("--max-num-seqs", "-1", "must be >= 1, got -1"),  # was a negative capacity
+        ("--price-per-hour", "-3", "must be >= 0, got -3"),  # was a negative cost
+    ],
+)
+def test_cli_refuses_non_positive_sizes_naming_the_flag(flag, value, message, capsys):
+    from kvserve.planner.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["Llama-3.1-8B", flag, value])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"error: argument {flag}: {message}" in err and "Traceback" not in err

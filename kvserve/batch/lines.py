@@ -27,6 +27,11 @@ def parse_line(raw: bytes, endpoint: str) -> tuple[str, dict]:
     custom_id = obj.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
         raise LineError("custom_id: required, a non-empty string", "missing_custom_id")
+    if not _is_unicode(custom_id):
+        raise LineError(
+            "custom_id: must be valid Unicode text (it holds a lone surrogate such as \\ud800)",
+            "invalid_custom_id",
+        )
     if obj.get("method", "POST") != "POST":
         raise LineError(f"method: {obj.get('method')!r} is not supported (POST)", "invalid_method", custom_id)
     if obj.get("url") != endpoint:
@@ -41,6 +46,15 @@ def parse_line(raw: bytes, endpoint: str) -> tuple[str, dict]:
     if body.get("stream"):
         raise LineError("body.stream: streaming is not available in a batch", "invalid_body", custom_id)
     return custom_id, body
+
+
+def _is_unicode(text: str) -> bool:
+    """False for a string holding a lone surrogate: valid in JSON ("\\ud800"), not UTF-8."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _req_id() -> str:

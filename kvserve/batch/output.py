@@ -20,7 +20,11 @@ from typing import IO
 
 
 def _line(record: dict) -> bytes:
-    return json.dumps(record, ensure_ascii=False).encode() + b"\n"
+    """One JSON line; escaped as ASCII when a lone surrogate cannot be UTF-8, so no line is lost."""
+    try:
+        return json.dumps(record, ensure_ascii=False).encode() + b"\n"
+    except UnicodeEncodeError:
+        return json.dumps(record).encode() + b"\n"
 
 
 def _open_at(path: Path, size: int) -> IO[bytes]:

@@ -98,18 +98,30 @@ class LineRunner:
                 self.sink.add(line, end, error_record(e), False)
                 return
             request_id = f"{self.request_prefix}-{line}"
-            delay = 0.5
-            while True:
-                try:
-                    status, resp = await self.execute(self.endpoint, body, request_id)
-                    break
-                except TransientError as e:
-                    if self.should_stop():
-                        return
-                    logger.info("batch line %d: %s; retrying in %.1fs", line, e, delay)
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, 10.0)
+            try:
+                result = await self._execute(line, body, request_id)
+            except Exception as e:  # our bug, not the client's: the line still gets its error line
+                logger.exception("batch line %d (%s) failed", line, request_id)
+                message = f"internal error: {type(e).__name__}: {e}"
+                result = 500, {"error": {"message": message, "type": "internal_error", "param": None,
+                                         "code": "internal_error"}}  # fmt: skip
+            if result is None:  # stopped while waiting to retry: the line is done again on resume
+                return
+            status, resp = result
             self.sink.add(line, end, response_record(custom_id, status, request_id, resp), status == 200)
         finally:
             self._since_trim += 1
             self._slots.release()
+
+    async def _execute(self, line: int, body: dict, request_id: str) -> tuple[int, dict] | None:
+        """(status, body) of the line, retried while the engine cannot take it; None once stopped."""
+        delay = 0.5
+        while True:
+            try:
+                return await self.execute(self.endpoint, body, request_id)
+            except TransientError as e:
+                if self.should_stop():
+                    return None
+                logger.info("batch line %d: %s; retrying in %.1fs", line, e, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 10.0)

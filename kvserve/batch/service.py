@@ -32,6 +32,7 @@ class BatchService:
         self._stopping = False
         self._draining = draining
         self._task: asyncio.Task | None = None
+        self._current: str | None = None  # the batch the worker is on
 
     def start(self) -> None:
         for batch_id in self.jobs.active_ids():
@@ -55,10 +56,15 @@ class BatchService:
         self._queue.put_nowait(batch_id)
 
     def cancel(self, batch_id: str) -> dict:
+        """A running batch stops at its next check; one not started yet (queued behind another)
+        is cancelled at once, not when the worker reaches it."""
         obj = self.jobs.raw(batch_id)
         if obj["status"] in ("validating", "in_progress"):
-            self.jobs.set_status(obj, "cancelling")
-            self._cancelled.add(batch_id)
+            obj = self.jobs.set_status(obj, "cancelling")
+            if obj["in_progress_at"] is None and batch_id != self._current:
+                self._finalize(obj)
+            else:
+                self._cancelled.add(batch_id)
         return self.jobs.get(batch_id)
 
     async def _work(self) -> None:
@@ -66,6 +72,7 @@ class BatchService:
             batch_id = await self._queue.get()
             if batch_id is None or self._halted():
                 return
+            self._current = batch_id
             try:
                 await self._process(batch_id)
             except asyncio.CancelledError:
@@ -74,6 +81,8 @@ class BatchService:
                 logger.exception("batch %s failed", batch_id)
                 obj = self.jobs.raw(batch_id)
                 self.jobs.set_status(obj, "failed", errors=_errors("internal_error", str(e)))
+            finally:
+                self._current = None
 
     async def _process(self, batch_id: str) -> None:
         obj = self.jobs.raw(batch_id)

@@ -39,7 +39,8 @@ def custom_id_of(raw: bytes) -> str | None:
 
 
 def _digest(cid: str) -> bytes:
-    return hashlib.blake2b(cid.encode(), digest_size=8).digest()
+    # surrogatepass: a lone surrogate ("\ud800" is valid JSON) hashes too; its line is refused later
+    return hashlib.blake2b(cid.encode("utf-8", "surrogatepass"), digest_size=8).digest()
 
 
 def scan_input(path: str | Path) -> Scan:

@@ -6,6 +6,7 @@ import argparse
 import math
 
 from kvserve.bench.datasets import DATASETS
+from kvserve.entrypoints.argtypes import positive_int
 
 
 def add_dataset_args(p: argparse.ArgumentParser) -> None:
@@ -36,7 +37,7 @@ def add_serve_args(p: argparse.ArgumentParser, single_url: bool = True) -> None:
     p.add_argument("--extra-body", default=None, help="JSON merged into every request body")
     p.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (inf: all at once)")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrivals (1: Poisson)")
-    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--max-concurrency", type=positive_int, default=None)
     p.add_argument("--warmup", type=int, default=0, help="untimed requests sent first")
     p.add_argument("--slo", default=None, help="goodput SLOs in ms, e.g. ttft:500,tpot:50")
     p.add_argument("--disable-tqdm", action="store_true")

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from kvserve.bench.args import add_offline_args, add_serve_args
+from kvserve.entrypoints.argtypes import writable_file
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -62,7 +63,9 @@ def register(subparsers) -> None:
 
     serve = sub.add_parser("serve", help="load-test one OpenAI-compatible server")
     add_serve_args(serve)
-    serve.add_argument("--save-result", default=None, help="write the result as JSON (docs/BENCH.md)")
+    serve.add_argument(
+        "--save-result", type=writable_file, default=None, help="write the result as JSON (docs/BENCH.md)"
+    )
     serve.add_argument("--save-detailed", action="store_true", help="include per-request timings in JSON")
     serve.set_defaults(func=cmd_serve)
 
@@ -73,11 +76,11 @@ def register(subparsers) -> None:
     sweep.add_argument("--rates", default=None, help="requests/s, e.g. 1,2,4,inf")
     sweep.add_argument("--plot", default="bench_sweep.png", help="PNG path")
     sweep.add_argument("--title", default=None)
-    sweep.add_argument("--save-result", default=None, help="all runs as JSON")
+    sweep.add_argument("--save-result", type=writable_file, default=None, help="all runs as JSON")
     add_serve_args(sweep, single_url=False)
     sweep.set_defaults(func=cmd_sweep)
 
     off = sub.add_parser("offline", help="engine throughput in-process (no HTTP)")
     add_offline_args(off)
-    off.add_argument("--save-result", default=None)
+    off.add_argument("--save-result", type=writable_file, default=None)
     off.set_defaults(func=cmd_offline)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 from dataclasses import dataclass, field
 from typing import Any
@@ -131,19 +132,38 @@ def _chat_request(tok, messages: list[dict[str, str]], output_len: int) -> Bench
     return BenchRequest(text, tok.encode(text, add_special_tokens=False), output_len, messages)
 
 
+def _check_row(row, where: str) -> None:
+    """A jsonl row's shape, so a wrong one is named with its line, not a traceback mid-build."""
+    if not isinstance(row, dict) or ("prompt" not in row and "messages" not in row):
+        raise ValueError(f"{where} needs a 'prompt' or 'messages' field")
+    if "messages" in row:
+        msgs = row["messages"]
+        if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):
+            raise ValueError(f"{where}: 'messages' must be a non-empty list of message objects")
+    elif not isinstance(row["prompt"], str):
+        raise ValueError(f"{where}: 'prompt' must be a string")
+    n_out = row.get("output_len", row.get("max_tokens"))
+    if n_out is not None and (not isinstance(n_out, int) or isinstance(n_out, bool) or n_out < 1):
+        raise ValueError(f"{where}: 'output_len' / 'max_tokens' must be an integer >= 1")
+
+
 def jsonl_dataset(tok, cfg: DatasetConfig) -> list[BenchRequest]:
     """One JSON object a line: {"prompt": str} or {"messages": [...]}, optionally "output_len"
     (or "max_tokens"); cycled if the file has fewer lines than num_prompts."""
     if not cfg.path:
         raise ValueError("dataset-path: the jsonl dataset needs a file")
+    if not os.path.isfile(cfg.path):
+        raise ValueError(f"dataset-path: {cfg.path!r} is not a file")
     rows = []
     with open(cfg.path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            row = json.loads(line)
-            if not isinstance(row, dict) or ("prompt" not in row and "messages" not in row):
-                raise ValueError(f"dataset-path: line {n} needs a 'prompt' or 'messages' field")
+            try:
+                row = json.loads(line)
+            except ValueError as e:
+                raise ValueError(f"dataset-path: {cfg.path} line {n} is not valid JSON: {e}") from None
+            _check_row(row, f"dataset-path: {cfg.path} line {n}")
             rows.append(row)
     if not rows:
         raise ValueError(f"dataset-path: {cfg.path} has no prompts")

@@ -9,6 +9,7 @@ import sys
 from dataclasses import fields
 
 from kvserve.config import EngineConfig
+from kvserve.entrypoints.argtypes import finite_float
 from kvserve.entrypoints.openai.server_config import ServerConfig
 from kvserve.routing.registry import SERVE_POLICIES
 
@@ -165,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="interactive chat with the model's template")
     gen.add_argument("--system", default=None, help="system message for --chat")
     gen.add_argument("--max-tokens", type=int, default=256)
-    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--temperature", type=finite_float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")

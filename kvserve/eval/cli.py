@@ -38,6 +38,7 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
 
 
 def register(sub) -> None:
+    from kvserve.entrypoints.argtypes import positive_int, readable_file, writable_file
     from kvserve.entrypoints.cli import add_engine_args
 
     ev = sub.add_parser("eval", help="quality evaluation through the engine")
@@ -47,10 +48,14 @@ def register(sub) -> None:
         help="perplexity on the shipped English corpus (Persuasion, ch. 1-8) via prompt logprobs",
     )
     p.add_argument("model", nargs="?", default="smollm2-135m", help="alias, .gguf file or HF directory")
-    p.add_argument("--corpus", default=None, help="a UTF-8 text file instead of the shipped corpus")
-    p.add_argument("--max-tokens", type=int, default=None, help="score only the first N corpus tokens")
+    p.add_argument(
+        "--corpus", type=readable_file, default=None, help="a UTF-8 text file instead of the shipped corpus"
+    )
+    p.add_argument(
+        "--max-tokens", type=positive_int, default=None, help="score only the first N corpus tokens"
+    )
     p.add_argument("--window", type=int, default=1024, help="tokens per scored window (non-overlapping)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--json", default=None, help="also write the result to this JSON file")
+    p.add_argument("--json", type=writable_file, default=None, help="also write the result to this JSON file")
     add_engine_args(p)
     p.set_defaults(func=cmd_perplexity)

@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 
+from kvserve.entrypoints.argtypes import non_negative_float, positive_int
 from kvserve.planner import simulate_cli
 from kvserve.planner.gpus import DEFAULT_GPU, GPUS
 from kvserve.planner.plan import WEIGHT_BYTES, PlanRequest, make_plan
@@ -58,21 +59,31 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         help="KV cache element type (auto = the compute dtype)",
     )
     kv = p.add_argument_group("KV cache and load")
-    kv.add_argument("--max-model-len", type=int, help="prompt + output limit (default: model context)")
+    kv.add_argument(
+        "--max-model-len", type=positive_int, help="prompt + output limit (default: model context)"
+    )
     kv.add_argument("--concurrency", type=int, default=1, help="sequences of max-model-len to serve at once")
     kv.add_argument(
         "--kv-cache-memory", help='fixed KV budget per GPU, e.g. "2GiB": shows the pool the engine allocates'
     )
     kv.add_argument("--block-size", type=int, default=16, help="tokens per KV block (16)")
     kv.add_argument(
-        "--context-len", type=int, help="average context per decoding sequence (min(2048, max-model-len))"
+        "--context-len",
+        type=positive_int,
+        help="average context per decoding sequence (min(2048, max-model-len))",
     )
-    kv.add_argument("--max-num-seqs", type=int, default=256, help="scheduler cap on the decode batch (256)")
+    kv.add_argument(
+        "--max-num-seqs", type=positive_int, default=256, help="scheduler cap on the decode batch (256)"
+    )
     cost = p.add_argument_group("cost (USD)")
-    cost.add_argument("--price-per-hour", type=float, help="per GPU-hour (default: catalogue price)")
-    cost.add_argument("--api-price-in", type=float, help="API price per 1M input tokens")
-    cost.add_argument("--api-price-out", type=float, help="API price per 1M output tokens")
-    cost.add_argument("--tokens-per-day", type=float, help="expected input+output tokens per day")
+    cost.add_argument(
+        "--price-per-hour", type=non_negative_float, help="per GPU-hour (default: catalogue price)"
+    )
+    cost.add_argument("--api-price-in", type=non_negative_float, help="API price per 1M input tokens")
+    cost.add_argument("--api-price-out", type=non_negative_float, help="API price per 1M output tokens")
+    cost.add_argument(
+        "--tokens-per-day", type=non_negative_float, help="expected input+output tokens per day"
+    )
     cost.add_argument(
         "--input-share",
         type=fraction,

@@ -1,0 +1,51 @@
+"""The batch line runner's bookkeeping, without the engine: whatever a line's handler does,
+the line ends as exactly one output or error line, and the counts and the resume point add up."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+from kvserve.batch.db import open_db
+from kvserve.batch.jobs import JobStore
+from kvserve.batch.output import DurableSink
+from kvserve.batch.runner import LineRunner
+
+CHAT = "/v1/chat/completions"
+
+
+def _line(custom_id: str, content: str) -> str:
+    body = {"messages": [{"role": "user", "content": content}]}
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": CHAT, "body": body})
+
+
+async def _execute(endpoint: str, body: dict, request_id: str) -> tuple[int, dict]:
+    """Stands in for execute_line: a line with a bug in its path raises what we did not expect."""
+    if body["messages"][0]["content"] == "boom":
+        raise TypeError("unsupported operand type(s)")
+    return 200, {"object": "chat.completion"}
+
+
+def test_a_line_whose_handler_raises_becomes_an_internal_error_line(tmp_path, caplog):
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join([_line("a", "hi"), _line("b", "boom"), _line("c", "hi")]) + "\n")
+    conn = open_db(tmp_path / "store")
+    jobs = JobStore(conn)
+    batch_id = jobs.create("file-x", CHAT, "24h", None)["id"]
+    out, err = tmp_path / "out.jsonl", tmp_path / "err.jsonl"
+    sink = DurableSink(conn, batch_id, out, err, jobs.resume_point(batch_id))
+    runner = LineRunner(CHAT, _execute, sink, window=2, should_stop=lambda: False, request_prefix=batch_id)
+    with caplog.at_level(logging.ERROR, logger="kvserve.batch"):
+        assert asyncio.run(runner.run(str(src)))
+    sink.close()
+    assert [json.loads(x)["custom_id"] for x in out.read_text().splitlines()] == ["a", "c"]
+    (bad,) = [json.loads(x) for x in err.read_text().splitlines()]
+    assert bad["custom_id"] == "b" and bad["response"]["status_code"] == 500
+    error = bad["response"]["body"]["error"]
+    assert error["code"] == "internal_error" and "TypeError" in error["message"]
+    counts = jobs.raw(batch_id)["request_counts"]
+    assert (counts["completed"], counts["failed"]) == (2, 1)
+    assert jobs.resume_point(batch_id)[0] == 3  # the watermark passed every line
+    logged = [r for r in caplog.records if r.exc_info]
+    assert len(logged) == 1 and "line 1" in logged[0].getMessage()  # once, with the stack trace
