@@ -170,6 +170,15 @@ def test_list_routes_page_and_clamp(client, server):
     rest = get("/v1/batches", limit=100, after=first["last_id"])
     assert [b["id"] for b in rest["data"]] == everything[2:] and rest["has_more"] is False
     assert len(get("/v1/batches", limit=0)["data"]) == 1  # clamped to [1, 100]
-    files = get("/v1/files", limit=1, purpose="batch")
-    assert len(files["data"]) == 1 and files["has_more"] is False  # the files list does not paginate
+    more = [upload(client, [line("y")]).id for _ in range(2)]
+    newest = [f["id"] for f in get("/v1/files", purpose="batch")["data"]]
+    assert {fid, *more} <= set(newest) and get("/v1/files")["has_more"] is False
+    page = get("/v1/files", limit=1, purpose="batch")
+    assert [f["id"] for f in page["data"]] == newest[:1] and page["has_more"] is True  # once always False
+    assert [f["id"] for f in get("/v1/files", limit=2, after=page["last_id"])["data"]] == newest[1:3]
+    oldest = [f["id"] for f in get("/v1/files", order="asc", purpose="batch")["data"]]
+    assert oldest == newest[::-1]
+    assert [f.id for f in client.files.list(limit=1, purpose="batch")] == newest  # the SDK pages on
     assert len(get("/v1/files", limit=-5)["data"]) == 1
+    r = httpx.get(f"{server.url}/v1/files", headers=server.headers, params={"after": "file-nope"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "after"

@@ -73,13 +73,25 @@ class FileStore:
             raise not_found("file", file_id, param)
         return _file_obj(row)
 
-    def list(self, purpose: str | None = None, limit: int = 10000) -> list[dict]:
-        q = "SELECT id, bytes, created_at, filename, purpose FROM files"
-        args: tuple = ()
+    def list(
+        self, purpose: str | None = None, limit: int = 10000, after: str | None = None, order: str = "desc"
+    ) -> list[dict]:
+        """Newest first (order "desc", OpenAI's default) or oldest first; `after` is the last id
+        of the previous page (a cursor over (created_at, id), so equal times never repeat a file)."""
+        where, args = [], []
         if purpose is not None:
-            q, args = q + " WHERE purpose = ?", (purpose,)
-        rows = self.conn.execute(q + " ORDER BY created_at DESC, id LIMIT ?", (*args, limit)).fetchall()
-        return [_file_obj(r) for r in rows]
+            where, args = ["purpose = ?"], [purpose]
+        if after is not None:
+            row = self.conn.execute("SELECT created_at FROM files WHERE id = ?", (after,)).fetchone()
+            if row is None:
+                raise not_found("file", after, "after")
+            where.append(f"(created_at, id) {'<' if order == 'desc' else '>'} (?, ?)")
+            args += [row[0], after]
+        way = "DESC" if order == "desc" else "ASC"
+        q = "SELECT id, bytes, created_at, filename, purpose FROM files"
+        q += " WHERE " + " AND ".join(where) if where else ""
+        q += f" ORDER BY created_at {way}, id {way} LIMIT ?"
+        return [_file_obj(r) for r in self.conn.execute(q, (*args, limit)).fetchall()]
 
     def delete(self, file_id: str) -> dict:
         self.get(file_id)

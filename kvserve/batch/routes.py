@@ -4,6 +4,7 @@ in OpenAI's error shape naming the field."""
 from __future__ import annotations
 
 import functools
+from typing import Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse
@@ -42,18 +43,16 @@ def _openai_errors(fn):
     return wrapper
 
 
-def _page(data: list[dict], has_more: bool = False) -> dict:
+def _page(data: list[dict], has_more: bool) -> dict:
     first = data[0]["id"] if data else None
     last = data[-1]["id"] if data else None
     return {"object": "list", "data": data, "first_id": first, "last_id": last, "has_more": has_more}
 
 
-def _listing(fetch, limit: int, most: int, paginated: bool) -> dict:
-    """One list page, shared by the list routes: `limit` clamped to [1, most]; a paginated list
-    fetches one row more than it returns, to tell has_more."""
+def _listing(fetch, limit: int, most: int) -> dict:
+    """One list page, shared by the list routes: `limit` clamped to [1, most]; one row more than
+    the page is fetched, to tell has_more."""
     limit = max(1, min(limit, most))
-    if not paginated:
-        return _page(fetch(limit))
     data = fetch(limit + 1)
     return _page(data[:limit], has_more=len(data) > limit)
 
@@ -92,8 +91,11 @@ def batch_router(files: FileStore, jobs: JobStore, service: BatchService) -> API
 
     @router.get("/v1/files")
     @_openai_errors
-    async def list_files(purpose: str | None = None, limit: int = 10000):
-        return _listing(lambda n: files.list(purpose, n), limit, 10000, paginated=False)
+    async def list_files(
+        purpose: str | None = None, limit: int = 10000, after: str | None = None,
+        order: Literal["asc", "desc"] = "desc",
+    ):  # fmt: skip
+        return _listing(lambda n: files.list(purpose, n, after, order), limit, 10000)
 
     @router.get("/v1/files/{file_id}")
     @_openai_errors
@@ -127,7 +129,7 @@ def batch_router(files: FileStore, jobs: JobStore, service: BatchService) -> API
     @router.get("/v1/batches")
     @_openai_errors
     async def list_batches(limit: int = 20, after: str | None = None):
-        return _listing(lambda n: jobs.list(n, after), limit, 100, paginated=True)
+        return _listing(lambda n: jobs.list(n, after), limit, 100)
 
     @router.get("/v1/batches/{batch_id}")
     @_openai_errors
