@@ -309,6 +309,21 @@ def test_a_bad_query_parameter_is_named(server):
     assert_400(r, "limit")  # once param "query"
 
 
+@pytest.mark.parametrize(
+    "body, param, words",
+    [
+        ({"input": [{"type": "function_call", "call_id": "c1", "arguments": "{}"}]}, "input", "needs name"),
+        ({"input": [{"type": "function_call_output", "output": "x"}]}, "input", "needs call_id"),
+        ({"input": "hi", "tools": [{"type": "function", "name": "no spaces"}]}, "tools", "pattern"),
+    ],
+)
+def test_responses_items_missing_their_fields_say_which(server, body, param, words):
+    """Once a pydantic dump of an internal model, with param null."""
+    r = post(server, {"model": "tiny", **body}, "/v1/responses")
+    assert_400(r, param)
+    assert words in r.json()["error"]["message"] and "\n" not in r.json()["error"]["message"]
+
+
 def test_readiness_and_openapi_document(server):
     deadline = time.monotonic() + 30
     while httpx.get(f"{server.url}/health/ready").status_code != 200:

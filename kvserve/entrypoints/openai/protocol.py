@@ -185,9 +185,12 @@ class SamplingFields(OpenAIBody):
         return p
 
 
+FunctionName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]  # as OpenAI's
+
+
 class FunctionDefinition(OpenAIBody):
     model_config = ConfigDict(extra="forbid")
-    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    name: FunctionName
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None

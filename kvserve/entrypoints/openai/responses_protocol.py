@@ -20,6 +20,7 @@ from kvserve.entrypoints.openai.protocol import (
     ChatMessage,
     ChatTool,
     FunctionDefinition,
+    FunctionName,
     JsonSchemaFormat,
     NamedToolChoice,
     OpenAIBody,
@@ -31,7 +32,7 @@ from kvserve.entrypoints.openai.protocol import (
 class FunctionTool(OpenAIBody):
     model_config = ConfigDict(extra="forbid")
     type: Literal["function"]
-    name: str
+    name: FunctionName
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
@@ -120,19 +121,27 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                 raise ValueError(f"input: item {i} has role {role!r}")
             messages.append({"role": role, "content": _text_of(item.get("content"), f"item {i}")})
         elif kind == "function_call":
-            fn = {"name": item.get("name"), "arguments": item.get("arguments", "{}")}
+            _require_strings(item, i, ("name", "call_id"))
+            fn = {"name": item["name"], "arguments": item.get("arguments", "{}")}
             call = {"id": item.get("call_id"), "type": "function", "function": fn}
             if messages and messages[-1]["role"] == "assistant" and messages[-1].get("tool_calls"):
                 messages[-1]["tool_calls"].append(call)  # parallel calls: one assistant turn
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
+            _require_strings(item, i, ("call_id",))
             output = item.get("output")
             text = output if isinstance(output, str) else json.dumps(output)
             messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": text})
         else:
             raise ValueError(f"input: item type {kind!r} is not supported")
     return messages
+
+
+def _require_strings(item: dict[str, Any], index: int, keys: tuple[str, ...]) -> None:
+    for key in keys:
+        if not isinstance(item.get(key), str) or not item[key]:
+            raise ValueError(f"input: item {index} ({item['type']}) needs {key}, a non-empty string")
 
 
 def to_chat(req: ResponsesRequest, history: list[dict[str, Any]]) -> ChatCompletionRequest:
