@@ -28,7 +28,9 @@ class ModelArch:
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool = False
+    attention_bias: bool = False  # q, k, v (Qwen2; Llama's attention_bias)
+    o_proj_bias: bool = False  # Llama's attention_bias biases o_proj too (Qwen2's does not)
+    mlp_bias: bool = False  # Llama's mlp_bias: gate, up and down
     rope_scaling: dict[str, Any] = field(default_factory=dict)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -64,6 +66,8 @@ class ModelArch:
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            o_proj_bias=model_type == "llama" and bool(cfg.get("attention_bias", False)),
+            mlp_bias=model_type == "llama" and bool(cfg.get("mlp_bias", False)),
             rope_scaling=rope,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=tuple(dict.fromkeys(eos_ids + eos_extra)),

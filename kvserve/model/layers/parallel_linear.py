@@ -146,19 +146,20 @@ class QKVParallelLinear(ColumnParallelLinear):
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Fused gate|up: the same run of the intermediate dimension from each."""
 
-    def __init__(self, hidden: int, intermediate: int) -> None:
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
         tp = get_tp_group()
         a, b = even_shard(intermediate, tp.size, tp.rank)
-        super().__init__(2 * (b - a), hidden)
+        super().__init__(2 * (b - a), hidden, bias)
         self.row_runs = [(a, b, intermediate)] * 2
 
 
 class RowParallelLinear(ParallelLinear):
     """Input columns [start, stop) of `full_in`; partial outputs are summed over the ranks (in
-    float32, as one matmul would accumulate them)."""
+    float32, as one matmul would accumulate them). A bias is whole on every rank, added once
+    after the sum."""
 
-    def __init__(self, start: int, stop: int, full_in: int, out_features: int) -> None:
-        super().__init__(out_features, stop - start)
+    def __init__(self, start: int, stop: int, full_in: int, out_features: int, bias: bool = False) -> None:
+        super().__init__(out_features, stop - start, bias)
         self.cols = (start, stop, full_in)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -167,13 +168,15 @@ class RowParallelLinear(ParallelLinear):
             y = self.tp.all_reduce(y.float()).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
-    def load(self, w: Weight, method: str | None, device) -> None:
+    def load(self, w: Weight, method: str | None, device, bias: torch.Tensor | None = None) -> None:
         a, b, n = self.cols
         if isinstance(w, QWeight) and w.method != method:
             w = w.dequantize(self.weight.dtype)
         if method is not None and not isinstance(w, QWeight):
             w = quantize_weight(w, method)  # whole, before slicing (see the module docstring)
         self.set_weight(take_cols(w, a, b, n), device)
+        if bias is not None:
+            self.bias.data = bias
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -89,11 +89,11 @@ class DecoderLayer(nn.Module):
         self.num_heads, self.num_kv_heads = shard.num_q, shard.num_kv
         self.q_size, self.kv_size = shard.num_q * hd, shard.num_kv * hd
         q_cols = (shard.q_start * hd, (shard.q_start + shard.num_q) * hd)
-        self.o_proj = RowParallelLinear(*q_cols, arch.num_heads * hd, h)
-        self.gate_up_proj = MergedColumnParallelLinear(h, arch.intermediate_size)
+        self.o_proj = RowParallelLinear(*q_cols, arch.num_heads * hd, h, arch.o_proj_bias)
+        self.gate_up_proj = MergedColumnParallelLinear(h, arch.intermediate_size, arch.mlp_bias)
         tp = get_tp_group()
         self.down_proj = RowParallelLinear(*even_shard(arch.intermediate_size, tp.size, tp.rank),
-                                           arch.intermediate_size, h)  # fmt: skip
+                                           arch.intermediate_size, h, arch.mlp_bias)  # fmt: skip
         self.input_norm = nn.Parameter(torch.empty(h), requires_grad=False)
         self.post_attn_norm = nn.Parameter(torch.empty(h), requires_grad=False)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, hd)
@@ -468,22 +468,32 @@ class LlamaForCausalLM(nn.Module):
         "post_attention_layernorm.weight",
     )
     _BIAS_KEYS = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
+    _O_BIAS_KEYS = ("self_attn.o_proj.bias",)
+    _MLP_BIAS_KEYS = ("mlp.gate_proj.bias", "mlp.up_proj.bias", "mlp.down_proj.bias")
 
     def _maybe_finish_layer(self, idx: int, pending: dict[int, dict[str, torch.Tensor]]) -> None:
         p = pending[idx]
-        keys = self._LAYER_KEYS + (self._BIAS_KEYS if self.arch.attention_bias else ())
+        a = self.arch
+        keys = self._LAYER_KEYS + (self._BIAS_KEYS if a.attention_bias else ())
+        keys += (self._O_BIAS_KEYS if a.o_proj_bias else ()) + (self._MLP_BIAS_KEYS if a.mlp_bias else ())
         if not all(k in p for k in keys):
             return
+        unused = sorted(set(p) - set(keys))
+        if unused:  # e.g. biases the config does not declare: dropped silently, they would change logits
+            where = f"model.layers.{idx + self.start_layer}"
+            raise ValueError(f"{where}: tensors this model's config does not use: {unused}")
         layer: DecoderLayer = self.layers[idx]
         method, dev = self.quantization, self.quant_device
         qkv = [p["self_attn.q_proj.weight"], p["self_attn.k_proj.weight"], p["self_attn.v_proj.weight"]]
         biases = None
-        if self.arch.attention_bias:
+        if a.attention_bias:
             biases = [p["self_attn.q_proj.bias"], p["self_attn.k_proj.bias"], p["self_attn.v_proj.bias"]]
         layer.qkv_proj.load(qkv, method, dev, biases)
-        layer.o_proj.load(p["self_attn.o_proj.weight"], method, dev)
-        layer.gate_up_proj.load([p["mlp.gate_proj.weight"], p["mlp.up_proj.weight"]], method, dev)
-        layer.down_proj.load(p["mlp.down_proj.weight"], method, dev)
+        layer.o_proj.load(p["self_attn.o_proj.weight"], method, dev, p.get("self_attn.o_proj.bias"))
+        gate_up = [p["mlp.gate_proj.weight"], p["mlp.up_proj.weight"]]
+        mlp_biases = [p["mlp.gate_proj.bias"], p["mlp.up_proj.bias"]] if a.mlp_bias else None
+        layer.gate_up_proj.load(gate_up, method, dev, mlp_biases)
+        layer.down_proj.load(p["mlp.down_proj.weight"], method, dev, p.get("mlp.down_proj.bias"))
         layer.input_norm.data = p["input_layernorm.weight"]
         layer.post_attn_norm.data = p["post_attention_layernorm.weight"]
         del pending[idx]
