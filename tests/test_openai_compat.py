@@ -278,6 +278,37 @@ def test_responses_stream_reassembles_to_the_non_streamed_text(client):
     assert [e.sequence_number for e in events] == list(range(len(events)))
 
 
+def test_responses_stream_helper_accumulates_what_was_sent(client):
+    """client.responses.stream() adds each delta to the item that output_item.added carried,
+    so that item must come empty (OpenAI's order), or the helper's text doubles."""
+    kw = {"model": "smol", "input": "Say just the word: hello", "max_output_tokens": 16, "temperature": 0}
+    with client.responses.stream(**kw) as st:
+        events = list(st)
+        final = st.get_final_response()
+    snapshots = [e.snapshot for e in events if e.type == "response.output_text.delta"]
+    assert final.output_text and snapshots[-1] == final.output_text
+    added = next(e for e in events if e.type == "response.output_item.added")
+    assert added.item.content == []
+    kinds = [e.type for e in events if not e.type.endswith(".delta")]
+    assert kinds[2:-1] == [
+        "response.output_item.added", "response.content_part.added", "response.output_text.done",
+        "response.content_part.done", "response.output_item.done",
+    ]  # fmt: skip
+    city = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    tools = [{"type": "function", "name": "get_weather", "parameters": city}]
+    with client.responses.stream(
+        model="smol", input="What is the weather in Paris?", tools=tools, tool_choice="required",
+        max_output_tokens=40, temperature=0,
+    ) as st:  # fmt: skip
+        events = list(st)
+        final = st.get_final_response()
+    call = next(item for item in final.output if item.type == "function_call")
+    snapshots = [e.snapshot for e in events if e.type == "response.function_call_arguments.delta"]
+    assert len(snapshots) > 1 and snapshots[-1] == call.arguments and "city" in json.loads(call.arguments)
+    added = next(e for e in events if e.type == "response.output_item.added")
+    assert added.item.arguments == ""
+
+
 def test_embeddings_batch_order_and_formats(client, server):
     texts = [f"document number {i} about {'cats' if i % 2 else 'ships'}" for i in range(64)]
     batch = client.embeddings.create(model="smol", input=texts)
