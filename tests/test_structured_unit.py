@@ -108,6 +108,39 @@ def test_conversation_without_native_tool_support():
     assert messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
 
 
+def test_conversation_with_legacy_function_turns():
+    """A `functions` conversation round-trips: the assistant's function_call renders as a tool
+    call and the `function` message as a tool result carrying its name."""
+    ask = {"role": "user", "content": "weather?"}
+    call = {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    legacy = ChatCompletionRequest(
+        messages=[ask, {"role": "assistant", "content": None, "function_call": call},
+                  {"role": "function", "name": "get_weather", "content": "12C"}],
+        functions=[TOOLS[0]["function"]],
+    )  # fmt: skip
+    tools = ChatCompletionRequest(
+        messages=[ask, {"role": "assistant", "content": None,
+                        "tool_calls": [{"id": "c1", "type": "function", "function": call}]},
+                  {"role": "tool", "tool_call_id": "c1", "content": "12C"}],
+    )  # fmt: skip
+    for template in ("{{ m['content'] }}", "{% for t in tools %}{% endfor %}"):
+        messages, _ = conversation(legacy, template)
+        want, _ = conversation(tools, template)
+        assert messages[2] == {"role": "tool", "content": "12C", "name": "get_weather"}
+        if "tool_calls" in want[1]:  # native: the same call, less the id a legacy call lacks
+            want[1]["tool_calls"][0]["id"] = None
+        assert messages[1] == want[1] and "Oslo" in json.dumps(messages[1])
+    nameless = ChatCompletionRequest(messages=[ask, {"role": "function", "content": "12C"}])
+    with pytest.raises(ValueError, match="message 1 has role function but no name"):
+        conversation(nameless, "")
+    both = ChatCompletionRequest(
+        messages=[{"role": "assistant", "function_call": call,
+                   "tool_calls": [{"id": "c1", "type": "function", "function": call}]}],
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="both tool_calls and function_call"):
+        conversation(both, "")
+
+
 @pytest.mark.parametrize(
     "text, content, calls",
     [
