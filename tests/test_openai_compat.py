@@ -85,7 +85,7 @@ def test_unknown_model_is_404_and_models_retrieve(client, server):
     assert r.model == "smol-alias"
 
 
-def test_legacy_functions_map_onto_tools(client):
+def test_legacy_functions_map_onto_tools(client, server):
     fn = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                                  "required": ["city"]}}  # fmt: skip
     messages = [{"role": "user", "content": "Weather in Paris?"}]
@@ -101,6 +101,16 @@ def test_legacy_functions_map_onto_tools(client):
                    if ch.choices and ch.choices[0].delta.function_call)  # fmt: skip
     assert json.loads(args) == json.loads(c.message.function_call.arguments)
     assert chunks[-1].choices[0].finish_reason == "function_call"
+    # the legacy follow-up: the call and its `function` result are both in the prompt
+    turn = {"role": "assistant", "content": None, "function_call": c.message.function_call.model_dump()}
+    result = {"role": "function", "name": "get_weather", "content": "sunny, 21 C"}
+    count = {k: post(server, "/tokenize", {"messages": m}).json()["count"]
+             for k, m in {"call": [turn], "none": [{**turn, "function_call": None}]}.items()}  # fmt: skip
+    assert count["call"] > count["none"] + 5
+    follow = client.chat.completions.create(
+        model="smol", messages=[*messages, turn, result], functions=[fn], max_tokens=8, temperature=0
+    )
+    assert follow.usage.prompt_tokens > r.usage.prompt_tokens + count["call"] - count["none"]
 
 
 def test_guided_aliases_work_with_a_deprecation_warning(server):
