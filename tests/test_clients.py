@@ -148,6 +148,22 @@ def test_openai_tools_with_streamed_deltas(client, choice, parallel):
     assert streamed == calls and finish == r.finish_reason
 
 
+def test_openai_auto_json_answer_naming_no_tool_is_content(client):
+    """With tools declared, a json_schema answer {"name": "John", ...} is the answer, not a
+    call to an undeclared function "John"."""
+    person = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"]}  # fmt: skip
+    schema = {"type": "json_schema", "json_schema": {"name": "p", "schema": person}}
+    kw = {"model": MODEL, "messages": [{"role": "user", "content": "A JSON person with name and age."}],
+          "tools": [TIME], "max_tokens": 40, "temperature": 0, "response_format": schema}  # fmt: skip
+    r = client.chat.completions.create(**kw).choices[0]
+    assert r.message.tool_calls is None and r.finish_reason != "tool_calls"
+    assert isinstance(json.loads(r.message.content)["name"], str)
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == r.message.content
+    assert _calls(chunks) == ([], r.finish_reason)
+
+
 def test_openai_best_of_returns_the_most_likely_samples(client):
     """best_of=k draws the same k samples as n=k (same seed) and returns the one of highest
     cumulative logprob; every sample is billed."""

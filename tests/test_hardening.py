@@ -206,6 +206,14 @@ def test_a_tool_result_needs_its_call_id(server):
     assert "message 2" in r.json()["error"]["message"] and "tool_call_id" in r.json()["error"]["message"]
     messages[2]["tool_call_id"] = "c1"
     assert post(server, body, "/v1/chat/completions").status_code == 200
+    # a legacy `function` result has no id but names its function
+    messages[1:] = [{"role": "assistant", "function_call": {"name": "w", "arguments": "{}"}},
+                    {"role": "function", "content": "sunny"}]  # fmt: skip
+    r = post(server, body, "/v1/chat/completions")
+    assert_400(r, "messages")
+    assert "message 2" in r.json()["error"]["message"] and "name" in r.json()["error"]["message"]
+    messages[2]["name"] = "w"
+    assert post(server, body, "/v1/chat/completions").status_code == 200
 
 
 def test_an_embedding_may_fill_the_whole_context(server):

@@ -85,7 +85,7 @@ def test_unknown_model_is_404_and_models_retrieve(client, server):
     assert r.model == "smol-alias"
 
 
-def test_legacy_functions_map_onto_tools(client):
+def test_legacy_functions_map_onto_tools(client, server):
     fn = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                                  "required": ["city"]}}  # fmt: skip
     messages = [{"role": "user", "content": "Weather in Paris?"}]
@@ -101,6 +101,16 @@ def test_legacy_functions_map_onto_tools(client):
                    if ch.choices and ch.choices[0].delta.function_call)  # fmt: skip
     assert json.loads(args) == json.loads(c.message.function_call.arguments)
     assert chunks[-1].choices[0].finish_reason == "function_call"
+    # the legacy follow-up: the call and its `function` result are both in the prompt
+    turn = {"role": "assistant", "content": None, "function_call": c.message.function_call.model_dump()}
+    result = {"role": "function", "name": "get_weather", "content": "sunny, 21 C"}
+    count = {k: post(server, "/tokenize", {"messages": m}).json()["count"]
+             for k, m in {"call": [turn], "none": [{**turn, "function_call": None}]}.items()}  # fmt: skip
+    assert count["call"] > count["none"] + 5
+    follow = client.chat.completions.create(
+        model="smol", messages=[*messages, turn, result], functions=[fn], max_tokens=8, temperature=0
+    )
+    assert follow.usage.prompt_tokens > r.usage.prompt_tokens + count["call"] - count["none"]
 
 
 def test_guided_aliases_work_with_a_deprecation_warning(server):
@@ -276,6 +286,37 @@ def test_responses_stream_reassembles_to_the_non_streamed_text(client):
     assert text == plain.output_text
     assert events[-1].response.output_text == text
     assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_responses_stream_helper_accumulates_what_was_sent(client):
+    """client.responses.stream() adds each delta to the item that output_item.added carried,
+    so that item must come empty (OpenAI's order), or the helper's text doubles."""
+    kw = {"model": "smol", "input": "Say just the word: hello", "max_output_tokens": 16, "temperature": 0}
+    with client.responses.stream(**kw) as st:
+        events = list(st)
+        final = st.get_final_response()
+    snapshots = [e.snapshot for e in events if e.type == "response.output_text.delta"]
+    assert final.output_text and snapshots[-1] == final.output_text
+    added = next(e for e in events if e.type == "response.output_item.added")
+    assert added.item.content == []
+    kinds = [e.type for e in events if not e.type.endswith(".delta")]
+    assert kinds[2:-1] == [
+        "response.output_item.added", "response.content_part.added", "response.output_text.done",
+        "response.content_part.done", "response.output_item.done",
+    ]  # fmt: skip
+    city = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    tools = [{"type": "function", "name": "get_weather", "parameters": city}]
+    with client.responses.stream(
+        model="smol", input="What is the weather in Paris?", tools=tools, tool_choice="required",
+        max_output_tokens=40, temperature=0,
+    ) as st:  # fmt: skip
+        events = list(st)
+        final = st.get_final_response()
+    call = next(item for item in final.output if item.type == "function_call")
+    snapshots = [e.snapshot for e in events if e.type == "response.function_call_arguments.delta"]
+    assert len(snapshots) > 1 and snapshots[-1] == call.arguments and "city" in json.loads(call.arguments)
+    added = next(e for e in events if e.type == "response.output_item.added")
+    assert added.item.arguments == ""
 
 
 def test_embeddings_batch_order_and_formats(client, server):

@@ -4,6 +4,7 @@ the tool-call parser and its streamed deltas."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -107,6 +108,39 @@ def test_conversation_without_native_tool_support():
     assert messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
 
 
+def test_conversation_with_legacy_function_turns():
+    """A `functions` conversation round-trips: the assistant's function_call renders as a tool
+    call and the `function` message as a tool result carrying its name."""
+    ask = {"role": "user", "content": "weather?"}
+    call = {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    legacy = ChatCompletionRequest(
+        messages=[ask, {"role": "assistant", "content": None, "function_call": call},
+                  {"role": "function", "name": "get_weather", "content": "12C"}],
+        functions=[TOOLS[0]["function"]],
+    )  # fmt: skip
+    tools = ChatCompletionRequest(
+        messages=[ask, {"role": "assistant", "content": None,
+                        "tool_calls": [{"id": "c1", "type": "function", "function": call}]},
+                  {"role": "tool", "tool_call_id": "c1", "content": "12C"}],
+    )  # fmt: skip
+    for template in ("{{ m['content'] }}", "{% for t in tools %}{% endfor %}"):
+        messages, _ = conversation(legacy, template)
+        want, _ = conversation(tools, template)
+        assert messages[2] == {"role": "tool", "content": "12C", "name": "get_weather"}
+        if "tool_calls" in want[1]:  # native: the same call, less the id a legacy call lacks
+            want[1]["tool_calls"][0]["id"] = None
+        assert messages[1] == want[1] and "Oslo" in json.dumps(messages[1])
+    nameless = ChatCompletionRequest(messages=[ask, {"role": "function", "content": "12C"}])
+    with pytest.raises(ValueError, match="message 1 has role function but no name"):
+        conversation(nameless, "")
+    both = ChatCompletionRequest(
+        messages=[{"role": "assistant", "function_call": call,
+                   "tool_calls": [{"id": "c1", "type": "function", "function": call}]}],
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="both tool_calls and function_call"):
+        conversation(both, "")
+
+
 @pytest.mark.parametrize(
     "text, content, calls",
     [
@@ -119,8 +153,22 @@ def test_conversation_without_native_tool_support():
     ],
 )  # fmt: skip
 def test_auto_parsing(text, content, calls):
-    got_content, got = parse_calls(text, "auto")
+    got_content, got = parse_calls(text, "auto", declared={"f", "g"})
     assert got_content == content and [(c.name, c.arguments) for c in got] == calls
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"name": "John", "age": 3}',  # a json_schema answer, with tools declared
+        '<tool_call>{"name": "h", "arguments": {}}</tool_call>',
+        'Both: <tool_call>[{"name": "f", "arguments": {}}, {"name": "John"}]</tool_call>',
+        '{"name": {"first": "f"}}',
+    ],
+)
+def test_auto_calls_only_declared_tools(text):
+    """A name that is no declared tool makes the text an answer, not a call."""
+    assert parse_calls(text, "auto", declared={"f", "g"}) == (text, [])
 
 
 def test_required_array_parsing_and_prefixes():
@@ -143,18 +191,50 @@ def test_streamed_deltas_reassemble(mode):
         "named": '{"city": "Paris"}',
         "auto": 'Let me check. <tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>',
     }[mode]
-    stream = ToolCallStream(mode, "get_weather")
+    pieces = [text[i : i + 3] for i in range(0, len(text), 3)]
+    content, calls = _streamed(ToolCallStream(mode, "get_weather", declared={"f", "g"}), pieces)
+    want_content, want = parse_calls(text, mode, "get_weather", {"f", "g"})
+    assert [(c["name"], c["arguments"]) for c in calls] == [(c.name, c.arguments) for c in want] != []
+    assert all(c["id"].startswith("call_") for c in calls)
+    assert content == (want_content or "")
+
+
+def _streamed(stream: ToolCallStream, pieces: list[str]) -> tuple[str, list[dict]]:
+    """The content and calls that a client reassembles from the stream's deltas."""
     content, calls = "", {}
-    for i in range(0, len(text), 3):
-        piece = text[i : i + 3]
-        c, deltas = stream.feed(piece, i + 3 >= len(text))
+    for i, piece in enumerate(pieces):
+        c, deltas = stream.feed(piece, i == len(pieces) - 1)
         content += c
         for d in deltas:
             entry = calls.setdefault(d["index"], {"id": d.get("id"), "name": "", "arguments": ""})
             assert "id" not in d or entry["id"] == d["id"]
             entry["name"] += d["function"].get("name") or ""
             entry["arguments"] += d["function"]["arguments"]
-    want_content, want = parse_calls(text, mode, "get_weather")
-    assert [(c["name"], c["arguments"]) for c in calls.values()] == [(c.name, c.arguments) for c in want]
-    assert all(c["id"].startswith("call_") for c in calls.values())
-    assert content.strip() == (want_content or "")
+    return content, list(calls.values())
+
+
+CALL = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        f"Sure!\n{CALL}\nDone.",  # text after the call
+        f"  Checking.  {CALL}  and  {CALL.replace('f', 'g')}  done  ",  # between, and spaces
+        f"{CALL}\n\n",
+        "  Just an answer, <tool_ no call.\n",
+        f"First {CALL} then <tool_call>{{broken",  # a block that is no call: all is content
+        f"Ask {CALL.replace('f', 'h')} later",  # h is no declared tool
+        '{"name": "John", "age": 3}',
+        ' {"name": "g", "parameters": {"b": 2}} ',
+    ],
+)
+@pytest.mark.parametrize("split", ["chars", "words"])
+def test_auto_stream_matches_the_whole_text(text, split):
+    """Streamed or not, "auto" makes the same content and calls of the same text."""
+    pieces = list(text) if split == "chars" else re.findall(r"\s+|\w+|[^\w\s]+", text)
+    assert "".join(pieces) == text
+    content, calls = _streamed(ToolCallStream("auto", declared={"f", "g"}), pieces)
+    want_content, want = parse_calls(text, "auto", declared={"f", "g"})
+    assert content == (want_content or "")
+    assert [(c["name"], c["arguments"]) for c in calls] == [(c.name, c.arguments) for c in want]

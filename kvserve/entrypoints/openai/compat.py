@@ -100,4 +100,5 @@ def continues_final_message(req: ChatCompletionRequest) -> bool:
     if req.continue_final_message:
         return True
     explicit = "add_generation_prompt" in req.model_fields_set and req.add_generation_prompt
-    return last.role == "assistant" and not last.tool_calls and bool(last.text()) and not explicit
+    called = last.tool_calls or last.function_call
+    return last.role == "assistant" and not called and bool(last.text()) and not explicit

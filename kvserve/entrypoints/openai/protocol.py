@@ -239,11 +239,12 @@ def checked(so: StructuredOutputsParams, field: str) -> StructuredOutputsParams:
 
 class ChatMessage(OpenAIBody):
     model_config = ConfigDict(extra="allow")
-    role: Literal["system", "user", "assistant", "developer", "tool"]
+    role: Literal["system", "user", "assistant", "developer", "tool", "function"]  # function: legacy tool
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    function_call: ToolCallFunction | None = None  # legacy: an assistant's one call
 
     def text(self) -> str:
         """Content as plain text; only text parts are supported."""

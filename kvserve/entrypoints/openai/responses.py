@@ -10,6 +10,7 @@ continue it with previous_response_id, in a bounded store (response_store.py).
 
 from __future__ import annotations
 
+import copy
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -27,9 +28,15 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def _message_item(text: str, status: str = "completed") -> dict:
-    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-    return {"type": "message", "id": _new_id("msg"), "status": status, "role": "assistant", "content": [part]}
+def _text_part(text: str) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _message_item(text: str | None, status: str = "completed") -> dict:
+    """A message item; text None gives the empty `content` that OpenAI's stream starts one with."""
+    content = [] if text is None else [_text_part(text)]
+    return {"type": "message", "id": _new_id("msg"), "status": status, "role": "assistant",
+            "content": content}  # fmt: skip
 
 
 def _call_item(call_id: str, name: str, arguments: str, status: str = "completed") -> dict:
@@ -122,8 +129,8 @@ class ResponsesServing:
     ) -> AsyncIterator[dict]:
         """Chat chunks -> Responses stream events."""
         out = _EventBuilder()
-        yield out.event("response.created", response=dict(response))
-        yield out.event("response.in_progress", response=dict(response))
+        yield out.event("response.created", response=response)
+        yield out.event("response.in_progress", response=response)
         finish, usage = None, None
         async for chunk in chunks:
             usage = chunk.get("usage") or usage
@@ -145,7 +152,9 @@ class ResponsesServing:
 
 
 class _EventBuilder:
-    """The output items of one streamed response, and the events that build them (numbered)."""
+    """The output items of one streamed response, and the events that build them (numbered),
+    in OpenAI's order: an item is added empty, then its part, deltas, dones. Each event holds
+    a copy of the item as it stood then: clients add the deltas to what `added` carried."""
 
     def __init__(self) -> None:
         self.seq = 0
@@ -155,41 +164,42 @@ class _EventBuilder:
 
     def event(self, kind: str, **fields: Any) -> dict:
         self.seq += 1
-        return {"type": kind, "sequence_number": self.seq - 1, **fields}
+        return copy.deepcopy({"type": kind, "sequence_number": self.seq - 1, **fields})
 
     def _at(self, item: dict) -> dict:
         return {"output_index": self.output.index(item), "item_id": item["id"], "content_index": 0}
+
+    def _add(self, item: dict) -> dict:
+        self.output.append(item)
+        return self.event("response.output_item.added", output_index=len(self.output) - 1, item=item)
 
     def text(self, delta: str) -> list[dict]:
         if not delta:
             return []
         events = []
         if self.message is None:
-            self.message = _message_item("", "in_progress")
-            self.output.append(self.message)
-            index = len(self.output) - 1
-            events.append(self.event("response.output_item.added", output_index=index, item=self.message))
-            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            self.message = _message_item(None, "in_progress")
+            events.append(self._add(self.message))
+            self.message["content"].append(_text_part(""))
+            part = self.message["content"][0]
             events.append(self.event("response.content_part.added", **self._at(self.message), part=part))
+        events.append(
+            self.event("response.output_text.delta", **self._at(self.message), delta=delta, logprobs=[])
+        )
         self.message["content"][0]["text"] += delta
-        events.append(self.event("response.output_text.delta", **self._at(self.message), delta=delta))
         return events
 
     def call(self, tc: dict) -> list[dict]:
         events = []
         item = self.calls.get(tc["index"])
         if item is None:
-            item = _call_item(tc["id"], tc["function"]["name"], "", "in_progress")
-            self.calls[tc["index"]] = item
-            self.output.append(item)
-            events.append(
-                self.event("response.output_item.added", output_index=len(self.output) - 1, item=item)
-            )
+            item = self.calls[tc["index"]] = _call_item(tc["id"], tc["function"]["name"], "", "in_progress")
+            events.append(self._add(item))
         args = tc["function"].get("arguments") or ""
         if args:
-            item["arguments"] += args
             at = {"item_id": item["id"], "output_index": self.output.index(item)}
             events.append(self.event("response.function_call_arguments.delta", **at, delta=args))
+            item["arguments"] += args
         return events
 
     def close(self) -> list[dict]:
@@ -198,7 +208,9 @@ class _EventBuilder:
             item["status"] = "completed"
             if item["type"] == "message":
                 part = item["content"][0]
-                events.append(self.event("response.output_text.done", **self._at(item), text=part["text"]))
+                events.append(
+                    self.event("response.output_text.done", **self._at(item), text=part["text"], logprobs=[])
+                )
                 events.append(self.event("response.content_part.done", **self._at(item), part=part))
             else:
                 at = {"item_id": item["id"], "output_index": index}

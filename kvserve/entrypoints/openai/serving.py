@@ -505,7 +505,7 @@ class OpenAIServing:
         a request in the legacy `functions` form gets its call back as `function_call`."""
         if mode == "none":
             return {"role": "assistant", "content": text}, finish
-        content, calls = parse_calls(text, mode, _named(req))
+        content, calls = parse_calls(text, mode, _named(req), _declared(req))
         calls = calls if req.parallel_tool_calls else calls[:1]
         if not calls:
             return {"role": "assistant", "content": content}, finish
@@ -548,7 +548,7 @@ class OpenAIServing:
             finish = c.finish_reason if out.finished else None
             if mode != "none":  # tool calls: content and call deltas come from the parser
                 ts = tool_streams.setdefault(
-                    index, ToolCallStream(mode, _named(req), req.parallel_tool_calls)
+                    index, ToolCallStream(mode, _named(req), req.parallel_tool_calls, _declared(req))
                 )
                 content, calls = ts.feed(c.delta_text, out.finished)
                 delta = {"content": content} if content else {}
@@ -792,6 +792,11 @@ def _best(finals: dict[int, RequestOutput], samples: int, n: int) -> dict[int, R
 
 def _named(req: ChatCompletionRequest) -> str | None:
     return req.tool_choice.function.name if isinstance(req.tool_choice, NamedToolChoice) else None
+
+
+def _declared(req: ChatCompletionRequest) -> set[str]:
+    """The tool names a call may have ("auto" leaves JSON naming any other as the answer)."""
+    return {t.function.name for t in req.tools or []}
 
 
 def _err_body(message: str, type_: str, code: int) -> dict:

@@ -3,8 +3,10 @@
 `parse_calls` reads the text as it stands (possibly cut short): forced modes produce JSON
 we constrained, "auto" looks for the chat template's formats — `<tool_call>{...}</tool_call>`
 blocks (Hermes / Qwen2 / SmolLM2, a list inside one block is accepted too) or a bare JSON
-call as Llama 3 writes it ({"name", "parameters"}). `ToolCallStream` turns the growing text
-into OpenAI's streamed tool-call deltas; concatenated, they equal the non-streamed calls.
+call as Llama 3 writes it ({"name", "parameters"}). In "auto" only a call to a declared tool
+counts (a JSON answer with a "name" key is an answer), and the content is the text outside
+the calls, trimmed. `ToolCallStream` turns the growing text into OpenAI's streamed content
+and tool-call deltas; concatenated, they equal the non-streamed content and calls.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass
 
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
@@ -29,13 +32,15 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def parse_calls(text: str, mode: str, named: str | None = None) -> tuple[str | None, list[ParsedCall]]:
-    """(content, calls) for this mode's output so far."""
+def parse_calls(
+    text: str, mode: str, named: str | None = None, declared: Collection[str] = ()
+) -> tuple[str | None, list[ParsedCall]]:
+    """(content, calls) for this mode's output so far; `declared`: the request's tool names."""
     if mode == "named":
         return None, [ParsedCall(named or "", text)]
     if mode == "required":
         return None, _parse_array(text)
-    return _parse_auto(text)
+    return _parse_auto(text, declared)
 
 
 def _parse_array(text: str) -> list[ParsedCall]:
@@ -83,11 +88,12 @@ def json_value_end(text: str, start: int) -> int | None:
     return None
 
 
-def _calls_from_json(obj) -> list[ParsedCall]:
+def _calls_from_json(obj, declared: Collection[str]) -> list[ParsedCall]:
+    """The calls in a parsed block, or [] unless every item calls a declared tool."""
     items = obj if isinstance(obj, list) else [obj]
     calls = []
     for it in items:
-        if not isinstance(it, dict) or not isinstance(it.get("name"), str):
+        if not isinstance(it, dict) or not isinstance(it.get("name"), str) or it["name"] not in declared:
             return []
         args = it.get("arguments", it.get("parameters", {}))
         calls.append(
@@ -96,25 +102,23 @@ def _calls_from_json(obj) -> list[ParsedCall]:
     return calls
 
 
-def _parse_auto(text: str) -> tuple[str | None, list[ParsedCall]]:
+def _parse_auto(text: str, declared: Collection[str]) -> tuple[str | None, list[ParsedCall]]:
+    """Calls and the text around them; any block that is not a call leaves all as content."""
     if _TAG_OPEN in text:
-        calls = []
-        for m in _BLOCK.finditer(text):
-            try:
-                calls += _calls_from_json(json.loads(m.group(1)))
-            except ValueError:
-                return text, []
-        content = _BLOCK.sub("", text).strip()
-        return (content or None), calls
-    body = text.strip()
-    if body.startswith(("{", "[")):
+        bodies = [m.group(1) for m in _BLOCK.finditer(text)]
+        content = _BLOCK.sub("", text).strip() or None
+    else:
+        bodies, content = [text.strip()], None  # a bare JSON call, as Llama 3 writes it
+    calls = []
+    for body in bodies:
         try:
-            calls = _calls_from_json(json.loads(body))
+            found = _calls_from_json(json.loads(body), declared)
         except ValueError:
-            calls = []
-        if calls:
-            return None, calls
-    return text, []
+            found = []
+        if not found:
+            return text.strip(), []
+        calls += found
+    return content, calls
 
 
 def auto_hold_from(text: str) -> int:
@@ -133,10 +137,12 @@ def auto_hold_from(text: str) -> int:
 class ToolCallStream:
     """Feeds on a choice's growing text; yields content and tool-call deltas in OpenAI's shape."""
 
-    def __init__(self, mode: str, named: str | None = None, parallel: bool = True) -> None:
-        self.mode, self.named, self.parallel = mode, named, parallel
+    def __init__(
+        self, mode: str, named: str | None = None, parallel: bool = True, declared: Collection[str] = ()
+    ) -> None:
+        self.mode, self.named, self.parallel, self.declared = mode, named, parallel, declared
         self.text = ""
-        self.content_sent = 0
+        self.content_sent = 0  # characters of the content (not of the text) sent
         self.ids: list[str] = []
         self.args_sent: list[int] = []
 
@@ -149,22 +155,17 @@ class ToolCallStream:
         return "", self._deltas(calls)
 
     def _feed_auto(self, finished: bool) -> tuple[str, list[dict]]:
-        if not finished:
-            hold = auto_hold_from(self.text)
-            content = self.text[self.content_sent : max(hold, self.content_sent)]
-            self.content_sent += len(content)
-            return content, []
-        content, calls = _parse_auto(self.text)
-        calls = calls if self.parallel else calls[:1]
-        if not calls:
-            rest = self.text[self.content_sent :]
-            self.content_sent = len(self.text)
-            return rest, []
-        # Content before the first call that is still held back goes out now.
-        start = self.text.find(_TAG_OPEN)
-        rest = self.text[self.content_sent : start] if start > self.content_sent else ""
-        self.content_sent = len(self.text)
-        return rest.rstrip(), self._deltas(calls)
+        """Text before anything that may become a call goes out as it comes, less the
+        whitespace at its ends (trimmed from the final content if nothing else follows);
+        the rest waits for the finished text, parsed as `parse_calls` parses it."""
+        if finished:
+            content, calls = _parse_auto(self.text, self.declared)
+            deltas = self._deltas(calls if self.parallel else calls[:1])
+        else:
+            content, deltas = self.text[: auto_hold_from(self.text)].strip(), []
+        new = (content or "")[self.content_sent :]
+        self.content_sent += len(new)
+        return new, deltas
 
     def _deltas(self, calls: list[ParsedCall]) -> list[dict]:
         deltas = []

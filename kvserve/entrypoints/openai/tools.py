@@ -15,6 +15,7 @@ from kvserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     NamedToolChoice,
     TokenizeRequest,
+    ToolCall,
     checked,
 )
 from kvserve.sampling_params import StructuredOutputsParams
@@ -82,26 +83,33 @@ def conversation(
     """(messages, extra template kwargs). A template that uses `tools` gets them natively;
     otherwise tools go into the system prompt and earlier calls into the assistant text.
     `developer` (OpenAI's newer name for the system role) is rendered as `system` unless the
-    template knows the role, so it replaces the template's default system prompt."""
+    template knows the role, so it replaces the template's default system prompt. The legacy
+    `functions` turns (an assistant's `function_call`, a `function` message with its `name`)
+    render as a tool call and a tool result, which have no id to tie them."""
     native = "tools" in template or "tool_calls" in template
     developer = "system" if "developer" not in template else "developer"
     messages = []
     for i, m in enumerate(req.messages):
         if m.role == "tool" and not m.tool_call_id:  # as OpenAI: a tool result answers one call
             raise ValueError(f"messages: message {i} has role tool but no tool_call_id")
-        role = developer if m.role == "developer" else m.role
+        if m.role == "function" and not m.name:  # as OpenAI: the legacy result names its function
+            raise ValueError(f"messages: message {i} has role function but no name")
+        if m.tool_calls and m.function_call:
+            raise ValueError(f"messages: message {i} has both tool_calls and function_call")
+        role = {"developer": developer, "function": "tool"}.get(m.role, m.role)
         msg: dict[str, Any] = {"role": role, "content": m.text()}
         if m.name:
             msg["name"] = m.name
         if m.tool_call_id:
             msg["tool_call_id"] = m.tool_call_id
-        if m.tool_calls:
+        tool_calls = m.tool_calls or ([ToolCall(function=m.function_call)] if m.function_call else [])
+        if tool_calls:
             calls = [
-                {"name": c.function.name, "arguments": _as_object(c.function.arguments)} for c in m.tool_calls
+                {"name": c.function.name, "arguments": _as_object(c.function.arguments)} for c in tool_calls
             ]
             if native:
                 msg["tool_calls"] = [
-                    {"id": c.id, "type": "function", "function": f} for c, f in zip(m.tool_calls, calls)
+                    {"id": c.id, "type": "function", "function": f} for c, f in zip(tool_calls, calls)
                 ]
             else:
                 text = "\n".join(
