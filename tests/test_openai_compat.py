@@ -288,6 +288,22 @@ def test_responses_stream_reassembles_to_the_non_streamed_text(client):
     assert [e.sequence_number for e in events] == list(range(len(events)))
 
 
+def test_responses_logprobs_streamed_and_not(client):
+    """top_logprobs (with OpenAI's include flag) gives output_text.logprobs: once always []."""
+    kw = {"model": "smol", "input": "Name a color.", "max_output_tokens": 6, "temperature": 0,
+          "top_logprobs": 2, "include": ["message.output_text.logprobs"]}  # fmt: skip
+    plain = client.responses.create(**kw)
+    part = plain.output[0].content[0]
+    assert "".join(lp.token for lp in part.logprobs) == part.text == plain.output_text
+    assert all(len(lp.top_logprobs) == 2 and lp.logprob <= 0 for lp in part.logprobs)
+    events = list(client.responses.create(**kw, stream=True))
+    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert [lp.token for lp in streamed] == [lp.token for lp in part.logprobs]
+    assert all(abs(a.logprob - b.logprob) < 1e-4 for a, b in zip(streamed, part.logprobs))  # two runs
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert len(done.logprobs) == len(streamed)
+
+
 def test_responses_stream_helper_accumulates_what_was_sent(client):
     """client.responses.stream() adds each delta to the item that output_item.added carried,
     so that item must come empty (OpenAI's order), or the helper's text doubles."""

@@ -28,13 +28,15 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def _text_part(text: str) -> dict:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _text_part(text: str, logprobs: list[dict] | None = None) -> dict:
+    """`logprobs`: the chat path's per-token entries (token, logprob, bytes, top_logprobs), the
+    shape the Responses API gives them too; [] unless the request set top_logprobs."""
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
-def _message_item(text: str | None, status: str = "completed") -> dict:
+def _message_item(text: str | None, status: str = "completed", logprobs: list[dict] | None = None) -> dict:
     """A message item; text None gives the empty `content` that OpenAI's stream starts one with."""
-    content = [] if text is None else [_text_part(text)]
+    content = [] if text is None else [_text_part(text, logprobs)]
     return {"type": "message", "id": _new_id("msg"), "status": status, "role": "assistant",
             "content": content}  # fmt: skip
 
@@ -116,7 +118,8 @@ class ResponsesServing:
         message = choice["message"]
         output = []
         if message.get("content") or not message.get("tool_calls"):
-            output.append(_message_item(message.get("content") or ""))
+            logprobs = (choice.get("logprobs") or {}).get("content")
+            output.append(_message_item(message.get("content") or "", logprobs=logprobs))
         for tc in message.get("tool_calls") or []:
             output.append(_call_item(tc["id"], tc["function"]["name"], tc["function"]["arguments"]))
         self._finish(response, output, choice["finish_reason"], run.body["usage"])
@@ -136,7 +139,7 @@ class ResponsesServing:
             usage = chunk.get("usage") or usage
             for choice in chunk.get("choices", []):
                 delta = choice["delta"]
-                for e in out.text(delta.get("content") or ""):
+                for e in out.text(delta.get("content") or "", (choice.get("logprobs") or {}).get("content")):
                     yield e
                 for tc in delta.get("tool_calls") or []:
                     for e in out.call(tc):
@@ -173,7 +176,7 @@ class _EventBuilder:
         self.output.append(item)
         return self.event("response.output_item.added", output_index=len(self.output) - 1, item=item)
 
-    def text(self, delta: str) -> list[dict]:
+    def text(self, delta: str, logprobs: list[dict] | None = None) -> list[dict]:
         if not delta:
             return []
         events = []
@@ -183,10 +186,12 @@ class _EventBuilder:
             self.message["content"].append(_text_part(""))
             part = self.message["content"][0]
             events.append(self.event("response.content_part.added", **self._at(self.message), part=part))
+        logprobs = logprobs or []
         events.append(
-            self.event("response.output_text.delta", **self._at(self.message), delta=delta, logprobs=[])
+            self.event("response.output_text.delta", **self._at(self.message), delta=delta, logprobs=logprobs)
         )
         self.message["content"][0]["text"] += delta
+        self.message["content"][0]["logprobs"] += logprobs
         return events
 
     def call(self, tc: dict) -> list[dict]:
@@ -209,7 +214,12 @@ class _EventBuilder:
             if item["type"] == "message":
                 part = item["content"][0]
                 events.append(
-                    self.event("response.output_text.done", **self._at(item), text=part["text"], logprobs=[])
+                    self.event(
+                        "response.output_text.done",
+                        **self._at(item),
+                        text=part["text"],
+                        logprobs=part["logprobs"],
+                    )
                 )
                 events.append(self.event("response.content_part.done", **self._at(item), part=part))
             else:

@@ -177,7 +177,7 @@ def to_chat(req: ResponsesRequest, history: list[dict[str, Any]]) -> ChatComplet
         temperature=req.temperature,
         top_p=req.top_p,
         seed=req.seed,
-        logprobs=req.top_logprobs is not None,
+        logprobs=req.top_logprobs is not None or "message.output_text.logprobs" in (req.include or []),
         top_logprobs=req.top_logprobs,
         tools=tools,
         tool_choice=choice,
