@@ -317,6 +317,14 @@ def test_a_bad_query_parameter_is_named(server):
     assert_400(r, "limit")  # once param "query"
 
 
+def test_unknown_routes_and_methods_have_string_codes(server):
+    """error.code is a string everywhere (these two once carried the status, an int)."""
+    r = httpx.get(f"{server.url}/v1/nothing-here", headers=server.headers)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    r = httpx.get(f"{server.url}/v1/completions", headers=server.headers)
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+
+
 @pytest.mark.parametrize(
     "body, param, words",
     [

@@ -176,7 +176,9 @@ def build_app(engine: AsyncLLM | DPClient, cfg: ServerConfig, store: ResponseSto
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return error_response(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}", kind)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request")
+        message = f"{exc.detail}: {request.method} {request.url.path}"
+        return error_response(exc.status_code, message, kind, code=code)
 
     app.include_router(batch.router)
 

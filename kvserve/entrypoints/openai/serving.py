@@ -698,13 +698,13 @@ class OpenAIServing:
                     yield self._sse(chunk)
                     stall.sent()
             except EngineDeadError as e:
-                yield self._sse({"error": _err_body(str(e), "engine_dead", 503)})
+                yield self._sse({"error": _err_body(str(e), "engine_dead", 503, "engine_dead")})
             except ServerShuttingDownError as e:
-                yield self._sse({"error": _err_body(str(e), "server_shutting_down", 503)})
+                yield self._sse({"error": _err_body(str(e), "server_shutting_down", 503, "shutting_down")})
             except RequestFailedError as e:
-                yield self._sse({"error": _err_body(str(e), "internal_error", 500)})
+                yield self._sse({"error": _err_body(str(e), "internal_error", 500, "engine_error")})
             except TimeoutError as e:
-                yield self._sse({"error": _err_body(str(e), "timeout", 504)})
+                yield self._sse({"error": _err_body(str(e), "timeout", 504, "timeout")})
             finally:
                 stall.stop()
                 await gen.aclose()
@@ -799,5 +799,6 @@ def _declared(req: ChatCompletionRequest) -> set[str]:
     return {t.function.name for t in req.tools or []}
 
 
-def _err_body(message: str, type_: str, code: int) -> dict:
-    return error_response(code, message, type_).body_dict
+def _err_body(message: str, type_: str, status: int, code: str) -> dict:
+    """An error event inside a stream: the body (and code) its non-streamed response would have."""
+    return error_response(status, message, type_, code=code).body_dict
