@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import math
 
+from kvserve.argtypes import positive_int
 from kvserve.bench.datasets import DATASETS
-from kvserve.entrypoints.argtypes import positive_int
 
 
 def add_dataset_args(p: argparse.ArgumentParser) -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kvserve.argtypes import writable_file
 from kvserve.bench.args import add_offline_args, add_serve_args
-from kvserve.entrypoints.argtypes import writable_file
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -8,8 +8,8 @@ import logging
 import sys
 from dataclasses import fields
 
+from kvserve.argtypes import finite_float
 from kvserve.config import EngineConfig
-from kvserve.entrypoints.argtypes import finite_float
 from kvserve.entrypoints.openai.server_config import ServerConfig
 from kvserve.routing.registry import SERVE_POLICIES
 

@@ -38,7 +38,7 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
 
 
 def register(sub) -> None:
-    from kvserve.entrypoints.argtypes import positive_int, readable_file, writable_file
+    from kvserve.argtypes import positive_int, readable_file, writable_file
     from kvserve.entrypoints.cli import add_engine_args
 
     ev = sub.add_parser("eval", help="quality evaluation through the engine")

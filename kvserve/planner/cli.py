@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from kvserve.entrypoints.argtypes import non_negative_float, positive_int
+from kvserve.argtypes import non_negative_float, positive_int
 from kvserve.planner import simulate_cli
 from kvserve.planner.gpus import DEFAULT_GPU, GPUS
 from kvserve.planner.plan import WEIGHT_BYTES, PlanRequest, make_plan
