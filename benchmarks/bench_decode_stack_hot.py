@@ -73,8 +73,9 @@ def hot_stack(model):
     first = model.layers[0]
     stack = model.ops.DecodeStack(first.num_heads, first.num_kv_heads, first.head_dim, first.eps)
     calls = [p.quant.native_matmul() for p in first.projections().values()]
+    biases = [p.bias for p in first.projections().values()]
     for layer in model.layers:
-        add_stack_layer(stack, first.input_norm, first.post_attn_norm, calls, layer.attn.kv_scales)
+        add_stack_layer(stack, first.input_norm, first.post_attn_norm, calls, biases, layer.attn.kv_scales)
     stack.set_overlap_rows(OVERLAP_MAX_ROWS)
     return stack
 

@@ -40,8 +40,10 @@ def _tiny_tokenizer():
     return hf
 
 
-def _save_tiny(path: str, kind: str, num_kv_heads: int = 2, **shape) -> str:
-    """A tiny random model and tokenizer in `path`; `shape` overrides config fields."""
+def _save_tiny(path: str, kind: str, num_kv_heads: int = 2, random_biases: bool = False, **shape) -> str:
+    """A tiny random model and tokenizer in `path`; `shape` overrides config fields. With
+    `random_biases`, every bias is drawn from N(0, 0.5): transformers starts them at zero,
+    which would hide a bias that was dropped."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
@@ -71,6 +73,11 @@ def _save_tiny(path: str, kind: str, num_kv_heads: int = 2, **shape) -> str:
     else:
         cfg = Qwen2Config(**common, tie_word_embeddings=True, rope_theta=10000.0)
         model = Qwen2ForCausalLM(cfg)
+    if random_biases:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(".bias"):
+                    p.normal_(0, 0.5)
     model.save_pretrained(path)
     _tiny_tokenizer().save_pretrained(path)
     return path
@@ -99,6 +106,17 @@ def tiny_long_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory) -> str:
     return _save_tiny(str(tmp_path_factory.mktemp("tiny-qwen2")), "qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_biased_dirs(tmp_path_factory) -> dict[str, str]:
+    """Qwen2 (biased q, k, v) and Llama with attention_bias and mlp_bias (every projection
+    biased), the biases random rather than transformers' zeros."""
+
+    def save(kind: str, **shape) -> str:
+        return _save_tiny(str(tmp_path_factory.mktemp(f"biased-{kind}")), kind, random_biases=True, **shape)
+
+    return {"qwen2": save("qwen2"), "llama": save("llama", attention_bias=True, mlp_bias=True)}
 
 
 @pytest.fixture(scope="session")

@@ -66,6 +66,14 @@ inline void touch_lines(const char* p, int64_t bytes) {
   for (int64_t i = 0; i < bytes; i += 64) (void)*reinterpret_cast<const volatile char*>(p + i);
 }
 
+// A projection's bias added to its output rows [r0, r1) of width n, as Python's y + bias (the
+// same float adds, so the same bits); nothing where it has none.
+inline void add_bias(float* y, const float* bias, int64_t n, int64_t r0, int64_t r1) {
+  if (bias == nullptr) return;
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t j = 0; j < n; ++j) y[r * n + j] += bias[j];
+}
+
 // Thread t's panels of a projection whose first `lead` panels are thread 0's (all of them
 // where the region got one thread); the rest split evenly between threads 1 .. T-1.
 inline std::pair<int64_t, int64_t> share(int64_t panels, int64_t lead, int t, int threads) {
@@ -167,7 +175,8 @@ void OverlappedStack::prepare(const std::vector<Layer>& layers, const Head* head
                   "int8 cache scales: contiguous bfloat16 [blocks, kv_heads, block_size]");
     layer_ptrs_.push_back({norm(l.input_norm), norm(l.post_norm),
                            l.int8_cache ? l.k_scales.data_ptr<at::BFloat16>() : nullptr,
-                           l.int8_cache ? l.v_scales.data_ptr<at::BFloat16>() : nullptr});
+                           l.int8_cache ? l.v_scales.data_ptr<at::BFloat16>() : nullptr,
+                           {l.qkv.bias_ptr(), l.o.bias_ptr(), l.gate_up.bias_ptr(), l.down.bias_ptr()}});
   }
   if (head != nullptr) {
     add(head->lm_head);
@@ -364,10 +373,12 @@ at::Tensor OverlappedStack::forward(const std::vector<Layer>& layers, const Head
       }
     };
 
+    // Each projection's bias goes into its output in the serial part of the stage that reads it.
     for (int64_t i = 0; i < n_layers; ++i) {
       const LayerPtrs& l = layer_ptrs_[i];
       run_stage(4 * i, yp[0], normed_.data(), [&](int64_t r0, int64_t r1) {
         // the previous layer's MLP output into the residual stream, then the input norm
+        if (i > 0) add_bias(yp[3], layer_ptrs_[i - 1].bias[3], hidden, r0, r1);
         raw::add_rms_norm(xp + r0 * hidden, hidden, i > 0 ? yp[3] + r0 * hidden : nullptr, hidden, l.input_norm,
                           normed_.data() + r0 * hidden, r1 - r0, hidden, static_cast<float>(s.eps));
       }, nullptr);
@@ -375,6 +386,7 @@ at::Tensor OverlappedStack::forward(const std::vector<Layer>& layers, const Head
       const int64_t w = first.qkv.n;  // a row of qkv: q | k | v
       char *const k_cache = kv_base + 2 * i * cache_bytes, *const v_cache = k_cache + cache_bytes;
       run_stage(4 * i + 1, yp[1], attn_.data(), [&](int64_t r0, int64_t r1) {
+        add_bias(qkv, l.bias[0], w, r0, r1);
         float* const row = qkv + r0 * w;
         const float *const c = cp + r0 * s.head_dim, *const sn = sp + r0 * s.head_dim;
         raw::rotary(row, r1 - r0, s.heads, s.head_dim, w, s.head_dim, c, sn);
@@ -392,16 +404,19 @@ at::Tensor OverlappedStack::forward(const std::vector<Layer>& layers, const Head
                                     item, item + 1);
       });
       run_stage(4 * i + 2, yp[2], normed_.data(), [&](int64_t r0, int64_t r1) {
+        add_bias(yp[1], l.bias[1], hidden, r0, r1);
         raw::add_rms_norm(xp + r0 * hidden, hidden, yp[1] + r0 * hidden, hidden, l.post_norm,
                           normed_.data() + r0 * hidden, r1 - r0, hidden, static_cast<float>(s.eps));
       }, nullptr);
       run_stage(4 * i + 3, yp[3], act_.data(), [&](int64_t r0, int64_t r1) {
+        add_bias(yp[2], l.bias[2], first.gate_up.n, r0, r1);
         raw::silu_mul(yp[2] + r0 * first.gate_up.n, first.gate_up.n, act_.data() + r0 * inter, r1 - r0, inter);
       }, nullptr);
       if (failed.load(std::memory_order_relaxed)) break;  // read after the stage's barrier: all agree
     }
     if (head != nullptr && !failed.load(std::memory_order_relaxed))
       run_stage(n_stages - 1, yp[4], normed_.data(), [&](int64_t r0, int64_t r1) {
+        add_bias(yp[3], layer_ptrs_[n_layers - 1].bias[3], hidden, r0, r1);
         raw::add_rms_norm(xp + r0 * hidden, hidden, yp[3] + r0 * hidden, hidden, final_norm,
                           normed_.data() + r0 * hidden, r1 - r0, hidden, static_cast<float>(s.eps));
       }, nullptr);
@@ -409,6 +424,7 @@ at::Tensor OverlappedStack::forward(const std::vector<Layer>& layers, const Head
   if (error) std::rethrow_exception(error);
   ++steps_;
   if (head != nullptr) return logits;
+  add_bias(yp[3], layer_ptrs_[n_layers - 1].bias[3], hidden, 0, rows);
   for (int64_t i = 0; i < rows * hidden; ++i) xp[i] += yp[3][i];  // the last MLP output, as x.add_
   return x;
 }

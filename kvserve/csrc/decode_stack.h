@@ -25,7 +25,12 @@ struct Projection {
   PanelsFn panels;  // null where the module has no panel-range form
   at::Tensor codes, scales;
   int64_t n;
-  at::Tensor operator()(const at::Tensor& x) const { return fn(x, codes, scales, n); }
+  at::Tensor bias;  // float32 [n], or undefined: added to each row after the matmul, as Python's y + bias
+  at::Tensor operator()(const at::Tensor& x) const {
+    at::Tensor y = fn(x, codes, scales, n);
+    return bias.defined() ? y.add_(bias) : y;
+  }
+  const float* bias_ptr() const { return bias.defined() ? bias.data_ptr<float>() : nullptr; }
   int64_t num_panels() const { return codes.size(0); }
   int64_t k() const { return codes.size(1) * (codes.scalar_type() == at::kByte ? 8 : 4); }  // int4: 2 a byte
   int64_t codes_per_panel() const { return codes.size(1) * codes.size(2); }  // bytes
@@ -93,6 +98,7 @@ class OverlappedStack {
   struct LayerPtrs {
     const float *input_norm, *post_norm;
     at::BFloat16 *k_scales, *v_scales;  // null for a float cache
+    const float* bias[4];               // per projection (qkv, o, gate_up, down), null for none
   };
   void prepare(const std::vector<Layer>& layers, const Head* head, const StackShape& s, int64_t hidden);
   std::vector<Stage> stages_;

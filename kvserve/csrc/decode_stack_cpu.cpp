@@ -47,16 +47,21 @@ class DecodeStack {
   // One layer, in order. fns: the four projections' matmuls as addresses (qkv, o, gate_up,
   // down); weights: their (codes, scales) pairs in the same order; ns: their output rows;
   // panel_fns: their panel-range forms (or empty) and quantize the module's activation
-  // quantizer (or 0), which the overlapped path needs.
+  // quantizer (or 0), which the overlapped path needs; biases: their biases (float32 [n], or
+  // empty for none: Qwen2's qkv, Llama's attention_bias and mlp_bias).
   void add_layer(at::Tensor input_norm, at::Tensor post_norm, std::vector<int64_t> fns,
                  std::vector<at::Tensor> weights, std::vector<int64_t> ns, at::Tensor k_scales, at::Tensor v_scales,
-                 std::vector<int64_t> panel_fns, int64_t quantize) {
-    TORCH_CHECK(fns.size() == 4 && weights.size() == 8 && ns.size() == 4, "four projections");
+                 std::vector<int64_t> panel_fns, int64_t quantize, std::vector<at::Tensor> biases) {
+    TORCH_CHECK(fns.size() == 4 && weights.size() == 8 && ns.size() == 4 && biases.size() == 4, "four projections");
     TORCH_CHECK(panel_fns.empty() || panel_fns.size() == 4, "four panel-range forms, or none");
     Projection p[4];
     for (int i = 0; i < 4; ++i) {
       PanelsFn panels = panel_fns.empty() ? nullptr : reinterpret_cast<PanelsFn>(panel_fns[i]);
-      p[i] = {reinterpret_cast<MatmulFn>(fns[i]), panels, weights[2 * i], weights[2 * i + 1], ns[i]};
+      const at::Tensor& b = biases[i];
+      TORCH_CHECK(b.numel() == 0 || (b.scalar_type() == at::kFloat && b.is_contiguous() && b.numel() == ns[i]),
+                  "a bias: contiguous float32 [out_features]");
+      p[i] = {reinterpret_cast<MatmulFn>(fns[i]), panels, weights[2 * i], weights[2 * i + 1], ns[i],
+              b.numel() > 0 ? b : at::Tensor()};
     }
     const bool int8_cache = k_scales.numel() > 0;
     layers_.push_back({input_norm, post_norm, k_scales, v_scales, p[0], p[1], p[2], p[3], int8_cache});

@@ -55,20 +55,23 @@ OVERLAP_MAX_ROWS = 64
 # here up, outweighs the weight loading it overlaps (at 8 rows either way, round 30).
 SPLIT_ROWS = 8
 STACK_KV_DTYPES = (torch.float32, torch.int8)  # the KV caches the decode stack's attention reads
+NO_BIAS = torch.empty(0)  # what the decode stack is given for a projection without a bias
 
 
 def add_stack_layer(stack, input_norm: torch.Tensor, post_norm: torch.Tensor, calls: list[NativeMatmul],
+                    biases: list[torch.Tensor | None],
                     kv_scales: tuple[torch.Tensor, torch.Tensor] | None) -> None:  # fmt: skip
     """One decoder layer into a C++ DecodeStack: its norms, its four projections (qkv, o,
-    gate_up, down) and its int8 KV cache's scales, if any."""
+    gate_up, down) with their biases (None: none), and its int8 KV cache's scales, if any."""
     ks, vs = kv_scales or (NO_SCALES, NO_SCALES)
+    biases = [NO_BIAS if b is None else b.detach() for b in biases]
     weights = [t for c in calls for t in (c.codes, c.scales)]
     panels = [c.panels for c in calls]
     quantize = calls[0].quantize if all(panels) and len({c.quantize for c in calls}) == 1 else 0
     if not quantize:
         panels = []  # the overlapped path needs every projection's panel-range form from one module
     addresses, rows = [c.address for c in calls], [c.out_features for c in calls]
-    stack.add_layer(input_norm, post_norm, addresses, weights, rows, ks, vs, panels, quantize)
+    stack.add_layer(input_norm, post_norm, addresses, weights, rows, ks, vs, panels, quantize, biases)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -249,7 +252,7 @@ class LlamaForCausalLM(nn.Module):
         """The C++ decode stack (csrc/decode_stack_cpu.cpp) for this step, or None to run the
         layers from Python: it takes pure-decode steps (prompt rows too, where the CPU backend
         laid small chunks out as decode rows) of float32 rows on the CPU, every
-        projection native int4 / int8 without bias, one tensor-parallel rank, a float32 or int8
+        projection native int4 / int8 (biased or not), one tensor-parallel rank, a float32 or int8
         KV cache. It computes exactly what the fused Python path does, without the ~35 us of
         interpreter per layer."""
         if not self.use_decode_stack or self.ops is None or type(meta) is not AttentionMetadata:
@@ -268,13 +271,14 @@ class LlamaForCausalLM(nn.Module):
 
     def _stack_calls(self) -> list[list[NativeMatmul]] | None:
         """Each layer's four projections as the stack calls them, or None where the stack
-        cannot run this model (a float or biased projection, tensor parallelism, no kernels)."""
+        cannot run this model (a float projection, tensor parallelism, no kernels). A bias is
+        the stack's to add (add_stack_layer)."""
         if not hasattr(self.ops, "DecodeStack") or get_tp_group().size > 1:
             return None
         out = []
         for layer in self.layers:
-            calls = [p.quant.native_matmul() if p.quant is not None and p.bias is None else None
-                     for p in layer.projections().values()]  # fmt: skip
+            quants = [p.quant for p in layer.projections().values()]
+            calls = [q.native_matmul() if q is not None else None for q in quants]
             if any(c is None for c in calls):
                 return None
             out.append(calls)
@@ -293,7 +297,9 @@ class LlamaForCausalLM(nn.Module):
         first = self.layers[0]
         stack = self.ops.DecodeStack(first.num_heads, first.num_kv_heads, first.head_dim, first.eps)
         for layer, calls in zip(self.layers, layer_calls):
-            add_stack_layer(stack, layer.input_norm, layer.post_attn_norm, calls, layer.attn.kv_scales)
+            biases = [p.bias for p in layer.projections().values()]
+            norms = (layer.input_norm, layer.post_attn_norm)
+            add_stack_layer(stack, *norms, calls, biases, layer.attn.kv_scales)
         head = self.lm_head.quant.native_matmul() if self.lm_head is not None and self.lm_head.quant else None
         if head is not None:  # decode_logits: the final norm and the lm_head in the same call
             stack.set_head(self.norm, head.address, head.codes, head.scales, head.out_features, head.panels,
