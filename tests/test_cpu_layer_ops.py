@@ -81,7 +81,8 @@ def test_kv_write_rejects_a_slot_outside_the_pool(ops):
 @pytest.mark.parametrize("hd", [64, 40])  # 40: not a multiple of 16, the scalar loop everywhere
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("round_trip", [False, True])
-def test_kv_write_int8_equals_quantize_kv(ops, dtype, round_trip, hd):
+@pytest.mark.parametrize("codes", [torch.int8, torch.float8_e4m3fn])
+def test_kv_write_codes_equals_quantize_kv(ops, dtype, round_trip, hd, codes):
     """Codes and scales exactly as kv_quant computes them (halves rounded to even: bfloat16
     inputs hit exact halves often; a float32 row is made of them), padding rows untouched,
     and with round_trip the rows as the cache gives them back. k is a strided view, as the
@@ -99,19 +100,46 @@ def test_kv_write_int8_equals_quantize_kv(ops, dtype, round_trip, hd):
     k, v = qkv[:, :kv_heads], qkv[:, kv_heads:]
     before = qkv.clone()
     kc, vc = (
-        torch.zeros(blocks, kv_heads, bs, hd, dtype=torch.int8),
-        torch.zeros(blocks, kv_heads, bs, hd, dtype=torch.int8),
+        torch.zeros(blocks, kv_heads, bs, hd, dtype=codes),
+        torch.zeros(blocks, kv_heads, bs, hd, dtype=codes),
     )
     ks, vs = (
         torch.ones(blocks, kv_heads, bs, dtype=torch.bfloat16),
         torch.ones(blocks, kv_heads, bs, dtype=torch.bfloat16),
     )
-    ops.kv_write_int8(kc, vc, ks, vs, k, v, sb, so, round_trip)
+    ops.kv_write_codes(kc, vc, ks, vs, k, v, sb, so, round_trip)
     for x, cache, scales, old in ((k, kc, ks, before[:, :kv_heads]), (v, vc, vs, before[:, kv_heads:])):
-        codes, s = quantize_kv(old[:n], torch.int8)
-        assert torch.equal(cache[sb, :, so], codes) and torch.equal(scales[sb, :, so], s)
-        want = dequantize_kv(codes, s, dtype) if round_trip else old[:n]
+        want_codes, s = quantize_kv(old[:n], codes)
+        assert _same_bits(cache[sb, :, so], want_codes) and torch.equal(scales[sb, :, so], s)
+        want = dequantize_kv(want_codes, s, dtype) if round_trip else old[:n]
         assert torch.equal(x[:n], want) and torch.equal(x[n:], old[n:])
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal to the bit (float8 has no torch.equal on the CPU)."""
+    return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("round_trip", [False, True])
+def test_fp8_codes_round_as_torch_does(ops, round_trip):
+    """The kernel's own float -> float8_e4m3fn conversion (c10's is not inlined where the write
+    is compiled) against torch's .to(float8_e4m3fn): every code's value, every midpoint between
+    neighbours (ties: half to even, subnormals included) and one float step either side of it,
+    in one head vector whose maximum is 448 (scale 1: the values reach the conversion as they
+    are), both signs."""
+    values = torch.arange(127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # 0 .. 448, no NaN
+    mids = (values[1:] + values[:-1]) / 2
+    up, down = torch.nextafter(mids, torch.tensor(1e9)), torch.nextafter(mids, torch.tensor(-1e9))
+    row = torch.cat([torch.tensor([448.0]), values, mids, up, down])
+    row = torch.cat([row, -row[1:]])
+    hd = row.numel()
+    kc, vc = torch.zeros(2, 1, 1, 1, hd, dtype=torch.float8_e4m3fn)
+    ks, vs = torch.zeros(2, 1, 1, 1, dtype=torch.bfloat16)
+    k, v = row.view(1, 1, hd).clone(), row.view(1, 1, hd).clone()
+    ops.kv_write_codes(kc, vc, ks, vs, k, v, torch.tensor([0]), torch.tensor([0]), round_trip)
+    assert ks.item() == 1.0
+    assert _same_bits(kc.view(hd), row.to(torch.float8_e4m3fn))
+    assert torch.equal(k.view(hd), row.to(torch.float8_e4m3fn).float() if round_trip else row)
 
 
 @pytest.mark.parametrize("n", ROWS)

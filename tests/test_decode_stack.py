@@ -51,7 +51,8 @@ def _assert_identical(stacked: list, plain: list) -> None:
 
 
 @pytest.mark.parametrize(
-    ("quantization", "kv_cache_dtype"), [("int4", "auto"), ("int8", "auto"), ("int4", "int8")]
+    ("quantization", "kv_cache_dtype"),
+    [("int4", "auto"), ("int8", "auto"), ("int4", "int8"), ("int8", "fp8_e4m3")],
 )
 def test_stack_equals_the_python_layers(tiny_llama_dir, quantization, kv_cache_dtype, torch_threads):
     torch_threads(2)
@@ -95,7 +96,9 @@ def test_biased_projections_run_in_the_stack_with_the_same_bits(
 
 
 @pytest.mark.parametrize("threads", [2, 3])
-@pytest.mark.parametrize(("quantization", "kv_cache_dtype"), [("int4", "auto"), ("int8", "int8")])
+@pytest.mark.parametrize(
+    ("quantization", "kv_cache_dtype"), [("int4", "auto"), ("int8", "int8"), ("int4", "fp8_e4m3")]
+)
 def test_overlapped_stack_equals_the_python_layers(tiny_llama_dir, quantization, kv_cache_dtype, threads):
     """Steps of up to OVERLAP_MAX_ROWS rows (one and two here) run the whole stack in one
     parallel region (thread 0 the serial work, the others loading their share of the next

@@ -157,18 +157,21 @@ LONG = [(11 * j + 5) % 300 + 2 for j in range(300)]  # one 300-token chunk: 45K 
 
 
 @needs_kernels
-@pytest.mark.parametrize("model", ["llama", "biased qwen2"])
+@pytest.mark.parametrize(
+    ("model", "kv_cache_dtype"), [("llama", "int8"), ("biased qwen2", "int8"), ("llama", "fp8_e4m3")]
+)
 def test_greedy_results_are_the_same_bits_alone_beside_a_long_prompt_and_preempted(
-    request, tiny_llama_dir, model
+    request, tiny_llama_dir, model, kv_cache_dtype
 ):
     """Batch invariance of the stack path (int4 weights, int8 KV): short prompts alone and in
     their first step beside a 300-token prompt chunk; 200-token prompts alone and, in a pool of
     27 blocks, preempted and recomputed in one chunk. Before every chunk went as decode
     rows, chunks past 16K (query, key) pairs took SDPA (for the whole step): the short prompts'
     logprobs moved, and so did the recomputed decodes'. Before round 40 a biased model (Qwen2's
-    q, k, v) kept the Python layers and SDPA for every chunk, and moved the same way."""
+    q, k, v) and an fp8 cache kept the Python layers and SDPA for every chunk, and moved the
+    same way."""
     path = tiny_llama_dir if model == "llama" else request.getfixturevalue("tiny_biased_dirs")["qwen2"]
-    engine = dict(quantization="int4", kv_cache_dtype="int8", enable_prefix_caching=False)
+    engine = dict(quantization="int4", kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=False)
     llm = LLM(path, kv_cache_memory="16MiB", **engine)
     alone = [_greedy(llm, [p])[0] for p in PROMPTS]
     assert _greedy(llm, [LONG] + PROMPTS)[1:] == alone

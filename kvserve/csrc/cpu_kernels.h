@@ -11,9 +11,9 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor w
 void rotary_inplace(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 void kv_write(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, torch::Tensor v,
               torch::Tensor slot_blocks, torch::Tensor slot_offsets);
-void kv_write_int8(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k_scales, torch::Tensor v_scales,
-                   torch::Tensor k, torch::Tensor v, torch::Tensor slot_blocks, torch::Tensor slot_offsets,
-                   bool round_trip);
+void kv_write_codes(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k_scales, torch::Tensor v_scales,
+                    torch::Tensor k, torch::Tensor v, torch::Tensor slot_blocks, torch::Tensor slot_offsets,
+                    bool round_trip);
 torch::Tensor silu_mul(torch::Tensor gate_up);
 torch::Tensor row_argmax(torch::Tensor x);
 
@@ -42,14 +42,16 @@ struct KvSlots {
 };
 // Raises unless every slot lies in caches of `blocks` blocks (what the writes below assume).
 void check_slots(const KvSlots& slots, int64_t blocks);
-// kv_write / kv_write_int8 (without the round trip) of k and v rows at strides (sk0, sk1), (sv0, sv1).
+// kv_write / kv_write_codes (without the round trip; fp8: float8_e4m3fn codes, else int8) of k
+// and v rows at strides (sk0, sk1), (sv0, sv1).
 void kv_write(float* k_cache, float* v_cache, const float* k, int64_t sk0, int64_t sk1, const float* v,
               int64_t sv0, int64_t sv1, const KvSlots& slots);
-void kv_write_int8(int8_t* k_cache, int8_t* v_cache, at::BFloat16* k_scales, at::BFloat16* v_scales, float* k,
-                   int64_t sk0, int64_t sk1, float* v, int64_t sv0, int64_t sv1, const KvSlots& slots);
+void kv_write_codes(void* k_cache, void* v_cache, bool fp8, at::BFloat16* k_scales, at::BFloat16* v_scales, float* k,
+                    int64_t sk0, int64_t sk1, float* v, int64_t sv0, int64_t sv1, const KvSlots& slots);
 
 // paged_decode_attention of float32 q rows (row stride q_stride) into out [seqs, heads,
-// head_dim], a float32 cache or an int8 one with its scales (k_scales non-null). Given a range,
+// head_dim], a float32 cache or a 1-byte one with its scales (k_scales non-null: int8 codes, or
+// float8_e4m3fn ones where fp8). Given a range,
 // only work items [begin, end) (item = sequence * kv_heads + kv head: one KV head's group of
 // query heads), each computed as a whole call computes it: threads may share one attention.
 struct PagedDecode {
@@ -58,6 +60,7 @@ struct PagedDecode {
   float* out;
   const void *k_cache, *v_cache;  // [blocks, kv_heads, block_size, head_dim]
   const at::BFloat16 *k_scales, *v_scales;  // [blocks, kv_heads, block_size], or null: a float cache
+  bool fp8;  // with scales: float8_e4m3fn codes (else int8)
   const int64_t* block_tables;  // [seqs, max_blocks]
   int64_t max_blocks;
   const int64_t* seq_lens;

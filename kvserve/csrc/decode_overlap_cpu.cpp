@@ -167,15 +167,15 @@ void OverlappedStack::prepare(const std::vector<Layer>& layers, const Head* head
   };
   for (const Layer& l : layers) {
     for (int j = 0; j < 4; ++j) add(l.projection(j));
-    TORCH_CHECK(l.int8_cache == first.int8_cache, "every layer's cache of one type");
-    if (l.int8_cache)
+    TORCH_CHECK(l.coded_cache == first.coded_cache, "every layer's cache of one type");
+    if (l.coded_cache)
       TORCH_CHECK(l.k_scales.scalar_type() == at::kBFloat16 && l.k_scales.is_contiguous() &&
                       l.v_scales.scalar_type() == at::kBFloat16 && l.v_scales.is_contiguous() &&
                       l.v_scales.numel() == l.k_scales.numel() && l.k_scales.numel() == first.k_scales.numel(),
-                  "int8 cache scales: contiguous bfloat16 [blocks, kv_heads, block_size]");
+                  "1-byte cache scales: contiguous bfloat16 [blocks, kv_heads, block_size]");
     layer_ptrs_.push_back({norm(l.input_norm), norm(l.post_norm),
-                           l.int8_cache ? l.k_scales.data_ptr<at::BFloat16>() : nullptr,
-                           l.int8_cache ? l.v_scales.data_ptr<at::BFloat16>() : nullptr,
+                           l.coded_cache ? l.k_scales.data_ptr<at::BFloat16>() : nullptr,
+                           l.coded_cache ? l.v_scales.data_ptr<at::BFloat16>() : nullptr,
                            {l.qkv.bias_ptr(), l.o.bias_ptr(), l.gate_up.bias_ptr(), l.down.bias_ptr()}});
   }
   if (head != nullptr) {
@@ -215,12 +215,14 @@ at::Tensor OverlappedStack::forward(const std::vector<Layer>& layers, const Head
                   sin.is_contiguous() && cos.numel() == rows * s.head_dim && sin.numel() == cos.numel(),
               "cos/sin: contiguous float32 [rows, head_dim]");
   TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() == 6 && kv_cache.size(1) == 2 && kv_cache.size(3) == s.kv_heads &&
-                  kv_cache.size(5) == s.head_dim && (kv_cache.scalar_type() == at::kFloat || kv_cache.scalar_type() == at::kChar),
-              "kv_cache: contiguous float32 or int8 [layers, 2, blocks, kv_heads, block_size, head_dim]");
-  const bool int8_cache = kv_cache.scalar_type() == at::kChar;
-  TORCH_CHECK(first.int8_cache == int8_cache, "an int8 cache comes with its scales");
-  if (int8_cache)
-    TORCH_CHECK(first.k_scales.numel() * s.head_dim == kv_cache.stride(1), "one int8 cache scale a K / V vector");
+                  kv_cache.size(5) == s.head_dim &&
+                  (kv_cache.scalar_type() == at::kFloat || kv_cache.scalar_type() == at::kChar ||
+                   kv_cache.scalar_type() == at::kFloat8_e4m3fn),
+              "kv_cache: contiguous float32, int8 or float8_e4m3fn [layers, 2, blocks, kv_heads, block_size, head_dim]");
+  const bool fp8 = kv_cache.scalar_type() == at::kFloat8_e4m3fn, coded = fp8 || kv_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(first.coded_cache == coded, "a 1-byte cache comes with its scales");
+  if (coded)
+    TORCH_CHECK(first.k_scales.numel() * s.head_dim == kv_cache.stride(1), "one cache scale a K / V vector");
   const int64_t blocks = kv_cache.size(2), block_size = kv_cache.size(4), n_slots = slot_blocks.numel();
   TORCH_CHECK(slot_blocks.scalar_type() == at::kLong && slot_offsets.scalar_type() == at::kLong &&
                   slot_blocks.is_contiguous() && slot_offsets.is_contiguous() && slot_offsets.numel() == n_slots &&
@@ -392,14 +394,14 @@ at::Tensor OverlappedStack::forward(const std::vector<Layer>& layers, const Head
         raw::rotary(row, r1 - r0, s.heads, s.head_dim, w, s.head_dim, c, sn);
         raw::rotary(row + q_size, r1 - r0, s.kv_heads, s.head_dim, w, s.head_dim, c, sn);
         const raw::KvSlots part = slots_of(r0, r1);
-        if (int8_cache)
-          raw::kv_write_int8(reinterpret_cast<int8_t*>(k_cache), reinterpret_cast<int8_t*>(v_cache), l.k_scales,
-                             l.v_scales, row + q_size, w, s.head_dim, row + q_size + kv_size, w, s.head_dim, part);
+        if (coded)
+          raw::kv_write_codes(k_cache, v_cache, fp8, l.k_scales, l.v_scales, row + q_size, w, s.head_dim,
+                              row + q_size + kv_size, w, s.head_dim, part);
         else
           raw::kv_write(reinterpret_cast<float*>(k_cache), reinterpret_cast<float*>(v_cache), row + q_size, w,
                         s.head_dim, row + q_size + kv_size, w, s.head_dim, part);
       }, [&](int64_t item) {  // the attention, its (sequence, KV head) items shared by the threads
-        raw::paged_decode_attention({qkv, w, attn_.data(), k_cache, v_cache, l.k_scales, l.v_scales, tables,
+        raw::paged_decode_attention({qkv, w, attn_.data(), k_cache, v_cache, l.k_scales, l.v_scales, fp8, tables,
                                      max_blocks, lens, seqs, s.heads, s.kv_heads, block_size, s.head_dim, scale},
                                     item, item + 1);
       });

@@ -38,9 +38,9 @@ struct Projection {
 };
 
 struct Layer {
-  at::Tensor input_norm, post_norm, k_scales, v_scales;  // scales: empty unless the cache is int8
+  at::Tensor input_norm, post_norm, k_scales, v_scales;  // scales: empty unless the cache is 1-byte codes
   Projection qkv, o, gate_up, down;
-  bool int8_cache;
+  bool coded_cache;  // int8 or float8_e4m3fn codes with their scales
   // The j-th projection in the order a layer runs them.
   const Projection& projection(int j) const { return j == 0 ? qkv : j == 1 ? o : j == 2 ? gate_up : down; }
 };

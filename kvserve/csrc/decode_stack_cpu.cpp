@@ -28,7 +28,7 @@ at::Tensor attend(const Layer& l, const StackShape& s, int64_t i, const at::Tens
   rotary_inplace(q, cos, sin);
   rotary_inplace(k, cos, sin);
   at::Tensor kc = kv_cache.select(0, i).select(0, 0), vc = kv_cache.select(0, i).select(0, 1);
-  if (l.int8_cache) kv_write_int8(kc, vc, l.k_scales, l.v_scales, k, v, slot_blocks, slot_offsets, false);
+  if (l.coded_cache) kv_write_codes(kc, vc, l.k_scales, l.v_scales, k, v, slot_blocks, slot_offsets, false);
   else kv_write(kc, vc, k, v, slot_blocks, slot_offsets);
   const at::Tensor &ks = l.k_scales, &vs = l.v_scales;  // empty for a float cache, as the kernel takes it
   if (nd == rows) return paged_decode_attention(q.contiguous(), kc, vc, ks, vs, block_tables, seq_lens, scale);
@@ -63,8 +63,8 @@ class DecodeStack {
       p[i] = {reinterpret_cast<MatmulFn>(fns[i]), panels, weights[2 * i], weights[2 * i + 1], ns[i],
               b.numel() > 0 ? b : at::Tensor()};
     }
-    const bool int8_cache = k_scales.numel() > 0;
-    layers_.push_back({input_norm, post_norm, k_scales, v_scales, p[0], p[1], p[2], p[3], int8_cache});
+    const bool coded_cache = k_scales.numel() > 0;
+    layers_.push_back({input_norm, post_norm, k_scales, v_scales, p[0], p[1], p[2], p[3], coded_cache});
     const QuantizeFn q = reinterpret_cast<QuantizeFn>(quantize);
     const bool before = layers_.size() == 1 || overlap_usable_;
     overlap_usable_ = before && overlapped_.accepts(layers_.front(), layers_.back(), q);

@@ -278,28 +278,69 @@ void kv_write(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, tor
   });
 }
 
-// kv_write for an int8 cache: each K and V head vector of the first len(slot_blocks) rows
-// becomes int8 codes plus one bfloat16 scale (max|x| / 127, at least 1e-8), exactly as
-// kv_quant.quantize_kv computes them, stored at (block, offset); the scales go to
-// k_scales / v_scales [blocks, kv_heads, block_size]. With round_trip, those rows of k and v
-// are replaced by what the cache gives back (codes x scale), so a prefill chunk attends to the
-// same values later decodes read. One pass where the torch path dispatches ~15 ops a layer.
+// kv_write for a 1-byte cache: each K and V head vector of the first len(slot_blocks) rows
+// becomes codes plus one bfloat16 scale (max|x| / qmax, at least 1e-8; qmax 127 for int8
+// codes, 448 for float8_e4m3fn ones), exactly as kv_quant.quantize_kv computes them, stored at
+// (block, offset); the scales go to k_scales / v_scales [blocks, kv_heads, block_size]. With
+// round_trip, those rows of k and v are replaced by what the cache gives back (codes x scale),
+// so a prefill chunk attends to the same values later decodes read. One pass where the torch
+// path dispatches ~15 ops a layer.
 // Compiled without -ffast-math: its reciprocal division moved a code by one now and then. For
 // the same reason nothing here calls an inline helper from outside the pragma (GCC will not
 // inline across the changed options, and a call per element cost ~4 us a row: ~10% of a
-// 32-sequence step at 2 threads). float32 head vectors of a multiple of 16 take 16-lane
-// registers where the CPU has AVX-512: the same IEEE division and round-half-to-even per
-// element, so the same codes.
+// 32-sequence step at 2 threads), c10's float8 conversions included: fp8 has its own below.
+// float32 head vectors of a multiple of 16 take 16-lane registers where the CPU has AVX-512
+// (int8 codes): the same IEEE division and round-half-to-even per element, so the same codes.
 #pragma GCC push_options
 #pragma GCC optimize("no-fast-math")
 namespace {
 
+// float8_e4m3fn's code for f, |f| <= 448 (clamped before): round to nearest even, subnormals
+// too, as c10::Float8_e4m3fn(float) and so torch's .to(float8_e4m3fn) round it
+// (tests/test_cpu_layer_ops.py compares the two over every code's neighbourhood).
+inline uint8_t fp8_e4m3_code(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  const uint32_t sign = bits & 0x80000000u;
+  bits ^= sign;
+  uint8_t code;
+  if (bits < (121u << 23)) {  // below 2^-6: e4m3's subnormals, rounded by a float addition of 2^14
+    constexpr uint32_t kDenormBits = 141u << 23;
+    float bias, sum;
+    std::memcpy(&bias, &kDenormBits, 4);
+    std::memcpy(&sum, &bits, 4);
+    sum += bias;
+    std::memcpy(&bits, &sum, 4);
+    code = static_cast<uint8_t>(bits - kDenormBits);
+  } else {  // rebias the exponent (127 -> 7), round the 20 dropped mantissa bits half to even
+    const uint32_t odd = (bits >> 20) & 1u;
+    bits += (static_cast<uint32_t>(7 - 127) << 23) + 0x7FFFFu + odd;
+    code = static_cast<uint8_t>(bits >> 20);
+  }
+  return code | static_cast<uint8_t>(sign >> 24);
+}
+
+// The value of a float8_e4m3fn code (not NaN: the writes never make one).
+inline float fp8_e4m3_value(uint8_t code) {
+  const uint32_t exp = (code >> 3) & 0xFu, mant = code & 7u;
+  float m;
+  if (exp == 0) {
+    m = static_cast<float>(mant) * 0.001953125f;  // mant / 8 * 2^-6, exact
+  } else {
+    const uint32_t bits = ((exp + 120u) << 23) | (mant << 20);
+    std::memcpy(&m, &bits, 4);
+  }
+  return code & 0x80u ? -m : m;
+}
+
 // One head vector x[0, hd) -> codes c and the returned scale; x rewritten as codes x scale
-// when round_trip.
-template <typename T>
-at::BFloat16 quantize_head_int8(T* x, int64_t hd, int8_t* c, bool round_trip) {
+// when round_trip. C: int8_t, or uint8_t for float8_e4m3fn's bits.
+template <typename T, typename C>
+at::BFloat16 quantize_head(T* x, int64_t hd, C* c, bool round_trip) {
+  constexpr bool fp8 = std::is_same_v<C, uint8_t>;
+  constexpr float qmax = fp8 ? 448.f : 127.f;
 #if defined(__AVX512F__)
-  if constexpr (std::is_same_v<T, float>) {
+  if constexpr (std::is_same_v<T, float> && !fp8) {
     if (hd % 16 == 0) {
       __m512 amax = _mm512_setzero_ps();
       for (int64_t i = 0; i < hd; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
@@ -323,49 +364,63 @@ at::BFloat16 quantize_head_int8(T* x, int64_t hd, int8_t* c, bool round_trip) {
     const float m = a < 0.f ? -a : a;
     amax = m > amax ? m : amax;
   }
-  const float r = amax / 127.f;
+  const float r = amax / qmax;
   const at::BFloat16 s(r > 1e-8f ? r : 1e-8f);  // rounded as torch's .to(bfloat16)
   const float sf = static_cast<float>(s);
   for (int64_t i = 0; i < hd; ++i) {
     float y = static_cast<float>(x[i]) / sf;
-    y = y < -127.f ? -127.f : (y > 127.f ? 127.f : y);
-    const float q = std::nearbyint(y);  // half to even
-    c[i] = static_cast<int8_t>(q);
+    y = y < -qmax ? -qmax : (y > qmax ? qmax : y);
+    float q;
+    if constexpr (fp8) {
+      c[i] = fp8_e4m3_code(y);
+      q = fp8_e4m3_value(c[i]);
+    } else {
+      q = std::nearbyint(y);  // half to even
+      c[i] = static_cast<int8_t>(q);
+    }
     if (round_trip) x[i] = static_cast<T>(q * sf);
   }
   return s;
 }
 
-// One side (K or V) of kv_write_int8: its head vectors (row and head strides) and the cache's
+// One side (K or V) of kv_write_codes: its head vectors (row and head strides) and the cache's
 // codes and scales.
-template <typename T>
-struct Int8Side {
+template <typename T, typename C>
+struct CodedSide {
   T* x;
   int64_t s0, s1;
-  int8_t* codes;
+  C* codes;
   at::BFloat16* scales;
 };
 
-template <typename T>
-void kv_write_int8_rows(const Int8Side<T> (&sides)[2], const raw::KvSlots& slots, int64_t a, int64_t b,
-                        bool round_trip) {
+template <typename T, typename C>
+void kv_write_codes_rows(const CodedSide<T, C> (&sides)[2], const raw::KvSlots& slots, int64_t a, int64_t b,
+                         bool round_trip) {
   const int64_t kvh = slots.kv_heads, bs = slots.block_size, hd = slots.head_dim;
   for (int64_t t = a; t < b; ++t)
-    for (const Int8Side<T>& side : sides)
+    for (const CodedSide<T, C>& side : sides)
       for (int64_t h = 0; h < kvh; ++h) {
         const int64_t slot = (slots.blk[t] * kvh + h) * bs + slots.off[t];
-        side.scales[slot] = quantize_head_int8(side.x + t * side.s0 + h * side.s1, hd, side.codes + slot * hd, round_trip);
+        side.scales[slot] = quantize_head(side.x + t * side.s0 + h * side.s1, hd, side.codes + slot * hd, round_trip);
       }
+}
+
+// fn(C{}) for the cache's codes: int8_t, or uint8_t for float8_e4m3fn's bits.
+template <typename Fn>
+void dispatch_codes(bool fp8, Fn&& fn) {
+  if (fp8) fn(uint8_t{});
+  else fn(int8_t{});
 }
 
 }  // namespace
 
-void kv_write_int8(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k_scales, torch::Tensor v_scales,
-                   torch::Tensor k, torch::Tensor v, torch::Tensor slot_blocks, torch::Tensor slot_offsets,
-                   bool round_trip) {
-  TORCH_CHECK(k_cache.scalar_type() == torch::kChar && v_cache.scalar_type() == torch::kChar &&
+void kv_write_codes(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k_scales, torch::Tensor v_scales,
+                    torch::Tensor k, torch::Tensor v, torch::Tensor slot_blocks, torch::Tensor slot_offsets,
+                    bool round_trip) {
+  const auto kind = k_cache.scalar_type();
+  TORCH_CHECK((kind == torch::kChar || kind == torch::kFloat8_e4m3fn) && v_cache.scalar_type() == kind &&
                   k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "contiguous int8 caches");
+              "contiguous int8 or float8_e4m3fn caches");
   TORCH_CHECK(k_scales.scalar_type() == torch::kBFloat16 && v_scales.scalar_type() == torch::kBFloat16 &&
                   k_scales.is_contiguous() && v_scales.is_contiguous() &&
                   k_scales.numel() * k_cache.size(3) == k_cache.numel() && v_scales.numel() == k_scales.numel(),
@@ -384,18 +439,27 @@ void kv_write_int8(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k
   raw::check_slots(slots, nblocks);
   dispatch(k, [&](auto tag) {
     using T = decltype(tag);
-    const Int8Side<T> sides[2] = {
-        {k.data_ptr<T>(), k.stride(0), k.stride(1), k_cache.data_ptr<int8_t>(), k_scales.data_ptr<at::BFloat16>()},
-        {v.data_ptr<T>(), v.stride(0), v.stride(1), v_cache.data_ptr<int8_t>(), v_scales.data_ptr<at::BFloat16>()}};
-    at::parallel_for(0, n, kRowGrain * 4,
-                     [&](int64_t a, int64_t b) { kv_write_int8_rows(sides, slots, a, b, round_trip); });
+    dispatch_codes(kind == torch::kFloat8_e4m3fn, [&](auto code_tag) {
+      using C = decltype(code_tag);
+      const CodedSide<T, C> sides[2] = {
+          {k.data_ptr<T>(), k.stride(0), k.stride(1), static_cast<C*>(k_cache.data_ptr()),
+           k_scales.data_ptr<at::BFloat16>()},
+          {v.data_ptr<T>(), v.stride(0), v.stride(1), static_cast<C*>(v_cache.data_ptr()),
+           v_scales.data_ptr<at::BFloat16>()}};
+      at::parallel_for(0, n, kRowGrain * 4,
+                       [&](int64_t a, int64_t b) { kv_write_codes_rows(sides, slots, a, b, round_trip); });
+    });
   });
 }
 
-void raw::kv_write_int8(int8_t* k_cache, int8_t* v_cache, at::BFloat16* k_scales, at::BFloat16* v_scales, float* k,
-                        int64_t sk0, int64_t sk1, float* v, int64_t sv0, int64_t sv1, const KvSlots& slots) {
-  const Int8Side<float> sides[2] = {{k, sk0, sk1, k_cache, k_scales}, {v, sv0, sv1, v_cache, v_scales}};
-  kv_write_int8_rows(sides, slots, 0, slots.n, false);
+void raw::kv_write_codes(void* k_cache, void* v_cache, bool fp8, at::BFloat16* k_scales, at::BFloat16* v_scales,
+                         float* k, int64_t sk0, int64_t sk1, float* v, int64_t sv0, int64_t sv1, const KvSlots& slots) {
+  dispatch_codes(fp8, [&](auto code_tag) {
+    using C = decltype(code_tag);
+    const CodedSide<float, C> sides[2] = {{k, sk0, sk1, static_cast<C*>(k_cache), k_scales},
+                                          {v, sv0, sv1, static_cast<C*>(v_cache), v_scales}};
+    kv_write_codes_rows(sides, slots, 0, slots.n, false);
+  });
 }
 #pragma GCC pop_options
 

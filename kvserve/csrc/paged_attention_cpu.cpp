@@ -600,6 +600,7 @@ void raw::paged_decode_attention(const PagedDecode& p, int64_t begin, int64_t en
                              p.block_size, p.head_dim, p.scale};
     with_head_dim(p.head_dim, [&](auto hd) { decode_items<float, C, decltype(hd)::value>(a, begin, end, scratch); });
   };
-  if (p.k_scales != nullptr) run(int8_t{});
-  else run(float{});
+  if (p.k_scales == nullptr) run(float{});
+  else if (p.fp8) run(c10::Float8_e4m3fn{});
+  else run(int8_t{});
 }

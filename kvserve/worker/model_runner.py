@@ -104,7 +104,7 @@ class ModelRunner:
         """Whether every prompt chunk goes to the model as decode rows (each prompt token one
         row, attending through the paged decode kernel to its own causal length, the whole step
         in one C++ call): where the C++ decode stack runs the model (CPU, native quantized
-        projections, a float32 or int8 cache) and no draft model shares the metadata.
+        projections, a float32, int8 or fp8 cache) and no draft model shares the metadata.
 
         Why every chunk: batch invariance. A token's attention is then the same arithmetic
         whether it came in a prompt chunk of any size, beside any requests, after a preemption

@@ -146,9 +146,9 @@ class PagedAttention:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store codes and scales; return K/V as the cache will give them back."""
         blocks, offsets = meta.slot_blocks, meta.slot_offsets
-        if self.kernels is not None and k_cache.dtype == torch.int8 and k.device.type == "cpu":
+        if self.kernels is not None and k.device.type == "cpu":  # int8 or fp8 codes, quantize_kv's bits
             ks, vs = self.kv_scales
-            self.kernels.kv_write_int8(k_cache, v_cache, ks, vs, k, v, blocks, offsets, bool(meta.prefills))
+            self.kernels.kv_write_codes(k_cache, v_cache, ks, vs, k, v, blocks, offsets, bool(meta.prefills))
             return k, v  # rounded in place where a prefill attends to them
         out = []
         for x, cache, scales in ((k, k_cache, self.kv_scales[0]), (v, v_cache, self.kv_scales[1])):

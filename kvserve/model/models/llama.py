@@ -54,7 +54,7 @@ OVERLAP_MAX_ROWS = 64
 # writes, activation quantization) between the threads by rows: it grows with the rows and, from
 # here up, outweighs the weight loading it overlaps (at 8 rows either way, round 30).
 SPLIT_ROWS = 8
-STACK_KV_DTYPES = (torch.float32, torch.int8)  # the KV caches the decode stack's attention reads
+STACK_KV_DTYPES = (torch.float32, torch.int8, torch.float8_e4m3fn)  # the caches the decode stack reads
 NO_BIAS = torch.empty(0)  # what the decode stack is given for a projection without a bias
 
 
@@ -62,7 +62,7 @@ def add_stack_layer(stack, input_norm: torch.Tensor, post_norm: torch.Tensor, ca
                     biases: list[torch.Tensor | None],
                     kv_scales: tuple[torch.Tensor, torch.Tensor] | None) -> None:  # fmt: skip
     """One decoder layer into a C++ DecodeStack: its norms, its four projections (qkv, o,
-    gate_up, down) with their biases (None: none), and its int8 KV cache's scales, if any."""
+    gate_up, down) with their biases (None: none), and its 1-byte KV cache's scales, if any."""
     ks, vs = kv_scales or (NO_SCALES, NO_SCALES)
     biases = [NO_BIAS if b is None else b.detach() for b in biases]
     weights = [t for c in calls for t in (c.codes, c.scales)]
@@ -252,7 +252,7 @@ class LlamaForCausalLM(nn.Module):
         """The C++ decode stack (csrc/decode_stack_cpu.cpp) for this step, or None to run the
         layers from Python: it takes pure-decode steps (prompt rows too, where the CPU backend
         laid small chunks out as decode rows) of float32 rows on the CPU, every
-        projection native int4 / int8 (biased or not), one tensor-parallel rank, a float32 or int8
+        projection native int4 / int8 (biased or not), one tensor-parallel rank, a float32, int8 or fp8
         KV cache. It computes exactly what the fused Python path does, without the ~35 us of
         interpreter per layer."""
         if not self.use_decode_stack or self.ops is None or type(meta) is not AttentionMetadata:
