@@ -158,7 +158,8 @@ LONG = [(11 * j + 5) % 300 + 2 for j in range(300)]  # one 300-token chunk: 45K 
 
 @needs_kernels
 @pytest.mark.parametrize(
-    ("model", "kv_cache_dtype"), [("llama", "int8"), ("biased qwen2", "int8"), ("llama", "fp8_e4m3")]
+    ("model", "kv_cache_dtype"),
+    [("llama", "int8"), ("biased qwen2", "int8"), ("llama", "fp8_e4m3"), ("llama with a draft", "int8")],
 )
 def test_greedy_results_are_the_same_bits_alone_beside_a_long_prompt_and_preempted(
     request, tiny_llama_dir, model, kv_cache_dtype
@@ -168,13 +169,18 @@ def test_greedy_results_are_the_same_bits_alone_beside_a_long_prompt_and_preempt
     27 blocks, preempted and recomputed in one chunk. Before every chunk went as decode
     rows, chunks past 16K (query, key) pairs took SDPA (for the whole step): the short prompts'
     logprobs moved, and so did the recomputed decodes'. Before round 40 a biased model (Qwen2's
-    q, k, v) and an fp8 cache kept the Python layers and SDPA for every chunk, and moved the
-    same way."""
-    path = tiny_llama_dir if model == "llama" else request.getfixturevalue("tiny_biased_dirs")["qwen2"]
+    q, k, v), an fp8 cache and a draft model (its float layers sharing the step's metadata) kept
+    SDPA for every chunk, and moved the same way."""
+    path = request.getfixturevalue("tiny_biased_dirs")["qwen2"] if "qwen2" in model else tiny_llama_dir
     engine = dict(quantization="int4", kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=False)
+    if "draft" in model:  # the float model drafting for its int4 self: most drafts accepted
+        engine |= dict(speculative_method="draft", speculative_model=tiny_llama_dir)
     llm = LLM(path, kv_cache_memory="16MiB", **engine)
     alone = [_greedy(llm, [p])[0] for p in PROMPTS]
     assert _greedy(llm, [LONG] + PROMPTS)[1:] == alone
+    if "draft" in model:  # verify rows are decode rows: the same bits as without speculation
+        plain = {k: v for k, v in engine.items() if not k.startswith("speculative")}
+        assert _greedy(LLM(path, kv_cache_memory="16MiB", **plain), PROMPTS) == alone
 
     longer = [LONG[i : i + 200] for i in range(0, 80, 20)]
     alone = [_greedy(llm, [p])[0] for p in longer]

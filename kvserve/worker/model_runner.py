@@ -104,7 +104,8 @@ class ModelRunner:
         """Whether every prompt chunk goes to the model as decode rows (each prompt token one
         row, attending through the paged decode kernel to its own causal length, the whole step
         in one C++ call): where the C++ decode stack runs the model (CPU, native quantized
-        projections, a float32, int8 or fp8 cache) and no draft model shares the metadata.
+        projections, a float32, int8 or fp8 cache). A draft model gets the same metadata: its
+        layers (float, from Python) read prompt rows through the decode kernel too.
 
         Why every chunk: batch invariance. A token's attention is then the same arithmetic
         whether it came in a prompt chunk of any size, beside any requests, after a preemption
@@ -117,8 +118,7 @@ class ModelRunner:
         (benchmarks/bench_chunks_as_decodes.py; docs/BENCHMARKS.md issue 16 round 38): 64-token
         chunks 0.77-1.12x, 512-token ones 1.04x at the prompt's start to 1.58x 1.5K tokens in,
         a 2K-token prompt's prefill ~1.4x."""
-        return (self.attn_backend.name == "cpu" and self.draft_model is None
-                and self.model.stack_applies(self.kv_cache.dtype))  # fmt: skip
+        return self.attn_backend.name == "cpu" and self.model.stack_applies(self.kv_cache.dtype)
 
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Capture the decode forward at each graph size (CUDA + Triton backend only)."""
