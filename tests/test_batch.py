@@ -307,6 +307,53 @@ def test_kill_9_and_sigterm_mid_batch_then_resume(tiny_llama_dir, tmp_path):
         s.stop()
 
 
+def test_resumed_batch_queued_behind_another_is_cancelled_at_once(tiny_llama_dir, tmp_path):
+    """Two batches a stopped server left in progress: on restart the older one runs, the other
+    waits behind it; cancelling that one finishes it at once (it stayed `cancelling` until the
+    worker reached it), keeping the lines it had committed and none written after."""
+    from kvserve.batch.db import open_db
+    from kvserve.batch.files import FileStore, new_file_id
+    from kvserve.batch.jobs import JobStore
+    from kvserve.batch.output import DurableSink
+
+    store = tmp_path / "store"
+    conn = open_db(store)
+    files, jobs = FileStore(conn, store, 2**20), JobStore(conn)
+    ids = []
+    for n, tokens in ((300, 48), (3, 2)):
+        fid = new_file_id()
+        files.path(fid).write_text(
+            "\n".join(line(i, max_tokens=tokens, ignore_eos=True) for i in range(n)) + "\n"
+        )
+        files.register(fid, "in.jsonl", "batch")
+        b = jobs.raw(jobs.create(fid, CHAT, "24h", None)["id"])
+        jobs.set_total(b["id"], n)
+        jobs.set_status(b, "in_progress")
+        ids.append(b["id"])
+    first, resumed = ids
+    conn.execute("UPDATE batches SET created_at = created_at - 10 WHERE id = ?", (first,))  # runs first
+    obj = jobs.raw(resumed)
+    out_path = files.path(obj["_output_path_id"])
+    sink = DurableSink(conn, resumed, out_path, files.path(obj["_error_path_id"]), jobs.resume_point(resumed))
+    body = {"status_code": 200, "request_id": "x", "body": {}}
+    for i in range(2):
+        sink.add(i, 0, {"id": f"r{i}", "custom_id": f"req-{i}", "response": body, "error": None}, True)
+    sink.close()
+    with open(out_path, "ab") as f:  # written after the last commit, then the server was killed
+        f.write(b'{"custom_id": "req-2"')
+    conn.close()
+    s = ServerProcess(tiny_llama_dir, *MODEL_ARGS, "--max-num-seqs", "4", "--batch-storage-dir", str(store))
+    try:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key=s.api_key, max_retries=0)
+        q = c.batches.cancel(resumed)
+        assert q.status == "cancelled" and q.cancelled_at and q.request_counts.completed == 2
+        assert [o["custom_id"] for o in read_lines(c, q.output_file_id)] == ["req-0", "req-1"]
+        assert c.batches.retrieve(first).status == "in_progress"  # still on the long one
+        assert wait_final(c, c.batches.cancel(first).id).status == "cancelled"
+    finally:
+        s.stop()
+
+
 def _wait_gone(pid: int, timeout: float = 20) -> None:
     import psutil
 
