@@ -5,6 +5,7 @@ starts, instead of a traceback, a silent default or a nonsense result later."""
 from __future__ import annotations
 
 import argparse
+import codecs
 import math
 import os
 
@@ -41,6 +42,31 @@ def readable_file(text: str) -> str:
     if not os.path.isfile(text):
         what = "is a directory" if os.path.isdir(text) else "no such file"
         raise argparse.ArgumentTypeError(f"{text!r}: {what}")
+    return text
+
+
+def utf8_text_file(text: str) -> str:
+    """A readable file that decodes as UTF-8: checked before the model loads, so a bad file
+    is one line naming the flag and where the bad byte is, not a bare codec error after it."""
+    readable_file(text)
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
+    try:
+        with open(text, "rb") as f:
+            while chunk := f.read(1 << 20):
+                try:
+                    decoder.decode(chunk)
+                except UnicodeDecodeError as e:  # e.object: bytes held from the last chunk + this one
+                    at = offset - (len(e.object) - len(chunk)) + e.start
+                    raise argparse.ArgumentTypeError(
+                        f"{text!r}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {at})"
+                    ) from None
+                offset += len(chunk)
+            decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        raise argparse.ArgumentTypeError(f"{text!r}: not UTF-8 text (it ends inside a character)") from None
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e.strerror or e}") from None
     return text
 
 

@@ -38,7 +38,7 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
 
 
 def register(sub) -> None:
-    from kvserve.argtypes import positive_int, readable_file, writable_file
+    from kvserve.argtypes import positive_int, utf8_text_file, writable_file
     from kvserve.entrypoints.cli import add_engine_args
 
     ev = sub.add_parser("eval", help="quality evaluation through the engine")
@@ -49,7 +49,7 @@ def register(sub) -> None:
     )
     p.add_argument("model", nargs="?", default="smollm2-135m", help="alias, .gguf file or HF directory")
     p.add_argument(
-        "--corpus", type=readable_file, default=None, help="a UTF-8 text file instead of the shipped corpus"
+        "--corpus", type=utf8_text_file, default=None, help="a UTF-8 text file instead of the shipped corpus"
     )
     p.add_argument(
         "--max-tokens", type=positive_int, default=None, help="score only the first N corpus tokens"
