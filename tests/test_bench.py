@@ -202,6 +202,12 @@ def test_jsonl_dataset_errors_name_the_file_and_line(tiny_tok, tmp_path):
     [
         ("--save-result", "{tmp}/no-dir/x.json", "'{tmp}/no-dir/x.json': no such directory"),
         ("--max-concurrency", "-1", "must be >= 1, got -1"),  # was "Semaphore initial value must be >= 0"
+        # these were silently changed: a length of 0 ran as 1, a negative warm-up as none
+        ("--output-len", "0", "must be >= 1, got 0"),
+        ("--input-len", "-4", "must be >= 1, got -4"),
+        ("--warmup", "-1", "must be >= 0, got -1"),
+        ("--extra-body", "nope", "not valid JSON"),  # a bare JSON error naming no flag, after the setup
+        ("--extra-body", "[1]", "must be a JSON object"),
     ],
 )
 def test_serve_arguments_are_checked_before_the_run(flag, value, message, tmp_path, capsys):
@@ -210,6 +216,32 @@ def test_serve_arguments_are_checked_before_the_run(flag, value, message, tmp_pa
         kvserve_main(["bench", "serve", "--base-url", url, flag, value.format(tmp=tmp_path)])
     err = capsys.readouterr().err
     assert e.value.code == 2 and f"error: argument {flag}: {message.format(tmp=tmp_path)}" in err
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        # a sweep ran in full, then its plot was a FileNotFoundError traceback
+        (["sweep", "--concurrencies", "1", "--plot", "{tmp}/no-dir/s.png"], "argument --plot: "),
+        (
+            ["offline", "--max-num-seqs", "0"],
+            "argument --max-num-seqs: must be >= 1, got 0",
+        ),  # ran as default
+        # inf was an OverflowError traceback; 0.5 ran with no cap, recorded as concurrency 0.5
+        (["sweep", "--concurrencies", "inf"], "concurrencies: 'inf' must be whole numbers >= 1"),
+        (["sweep", "--concurrencies", "1,0.5"], "concurrencies: '1,0.5' must be whole numbers >= 1"),
+    ],
+)
+def test_sweep_and_offline_arguments_are_checked_before_the_run(
+    args, message, tiny_llama_dir, tmp_path, capsys
+):
+    url = ["--base-url", "http://127.0.0.1:1"] if args[0] == "sweep" else ["--model", str(tmp_path / "none")]
+    argv = ["bench", *[a.format(tmp=tmp_path) for a in args], *url, "--tokenizer", tiny_llama_dir]
+    try:
+        rc = kvserve_main(argv + ["--num-prompts", "1", "--disable-tqdm"] * (args[0] == "sweep"))
+    except SystemExit as e:
+        rc = e.code
+    assert rc == 2 and message.format(tmp=tmp_path) in capsys.readouterr().err
 
 
 def test_trace_dataset_replays_arrivals(instant_stub, tiny_tok, tmp_path):

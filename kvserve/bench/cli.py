@@ -74,7 +74,7 @@ def register(subparsers) -> None:
     sweep.add_argument("--label", action="append", help="legend name per --base-url")
     sweep.add_argument("--concurrencies", default=None, help="e.g. 1,8,32 (all prompts sent at once)")
     sweep.add_argument("--rates", default=None, help="requests/s, e.g. 1,2,4,inf")
-    sweep.add_argument("--plot", default="bench_sweep.png", help="PNG path")
+    sweep.add_argument("--plot", type=writable_file, default="bench_sweep.png", help="PNG path")
     sweep.add_argument("--title", default=None)
     sweep.add_argument("--save-result", type=writable_file, default=None, help="all runs as JSON")
     add_serve_args(sweep, single_url=False)

@@ -22,7 +22,9 @@ def run_offline(args: argparse.Namespace) -> dict[str, Any]:
 
     knobs = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
              "dtype": args.dtype}  # fmt: skip
-    llm = LLM(args.model, kv_cache_memory=args.kv_cache_memory, **{k: v for k, v in knobs.items() if v})
+    llm = LLM(
+        args.model, kv_cache_memory=args.kv_cache_memory, **{k: v for k, v in knobs.items() if v is not None}
+    )
     if args.tokenizer and args.tokenizer != args.model:
         from kvserve.bench.datasets import load_bench_tokenizer
 

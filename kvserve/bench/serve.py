@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
-import json
 import math
 from dataclasses import asdict
 from typing import Any
@@ -25,9 +24,7 @@ def dataset_config(args: argparse.Namespace) -> DatasetConfig:
 
 
 def load_config(args: argparse.Namespace, base_url: str) -> LoadConfig:
-    extra = json.loads(args.extra_body) if args.extra_body else {}
-    if not isinstance(extra, dict):
-        raise ValueError("extra-body: must be a JSON object")
+    extra = args.extra_body or {}  # parsed and checked by argtypes.json_object
     return LoadConfig(
         base_url=base_url, model=args.model, endpoint=args.endpoint, request_rate=args.request_rate,
         burstiness=args.burstiness, max_concurrency=args.max_concurrency, ignore_eos=args.ignore_eos,
