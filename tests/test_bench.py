@@ -326,6 +326,15 @@ def test_bench_against_real_server(engine, tiny_llama_dir, tiny_tok, tmp_path):
         assert chat["metrics"]["completed"] == 4 and chat["metrics"]["total_output_tokens"] > 0
         ids = _bench_serve(server.url, tiny_llama_dir, tmp_path, "--prompt-format", "ids")
         assert ids["metrics"]["total_input_tokens"] == m["total_input_tokens"]
+        if engine == "kvserve":  # the end-of-sequence token first: an answer with no text, not a failure
+            eos_first = LoadConfig(
+                server.url, tiny_llama_dir, extra_body={"logit_bias": {"2": 100}}, progress=False
+            )
+            empty, _ = _run(eos_first, prompts[:2])
+            assert [(r.success, r.text, r.output_tokens) for r in empty] == [(True, "", 1)] * 2, empty[
+                0
+            ].error
+            assert all(0 < r.ttft <= r.latency for r in empty)
         # a refused request comes back as a failed result naming the server's answer
         refused, _ = _run(LoadConfig(server.url, "no-such-model", progress=False), prompts[:2])
         assert [r.success for r in refused] == [False, False]
