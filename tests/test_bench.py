@@ -244,6 +244,21 @@ def test_sweep_and_offline_arguments_are_checked_before_the_run(
     assert rc == 2 and message.format(tmp=tmp_path) in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        # --model is what the server answers to; the error said only "model: 'tiny' not found"
+        ([], "error: tokenizer: --model 'tiny' is no local model"),
+        (["--tokenizer", "nope"], "error: tokenizer: 'nope' not found"),  # was "model: 'nope' ..."
+    ],
+)
+def test_a_missing_tokenizer_names_the_tokenizer_flag(extra, message, capsys):
+    argv = ["bench", "serve", "--base-url", "http://127.0.0.1:1", "--model", "tiny", "--num-prompts", "1"]
+    assert kvserve_main(argv + extra) == 2
+    err = capsys.readouterr().err
+    assert message in err and ("--tokenizer" in err or extra)
+
+
 def test_trace_dataset_replays_arrivals(instant_stub, tiny_tok, tmp_path):
     """--dataset trace: the planner's trace format, each line once at its time, lengths as given."""
     path = tmp_path / "t.jsonl"

@@ -35,7 +35,17 @@ def load_config(args: argparse.Namespace, base_url: str) -> LoadConfig:
 
 def prepare(args: argparse.Namespace) -> tuple[Any, list[BenchRequest]]:
     """The tokenizer and the dataset (built once, reused by every run of a sweep)."""
-    tok = load_bench_tokenizer(args.tokenizer or args.model)
+    try:
+        tok = load_bench_tokenizer(args.tokenizer or args.model)
+    except FileNotFoundError as e:
+        if args.tokenizer:  # the loader's message starts "model:", a flag of its own here
+            raise FileNotFoundError(f"tokenizer: {str(e).partition(': ')[2]}") from e
+        # --model is the name the server answers to, which often is no local model: say which
+        # flag names the tokenizer, rather than only that "model" was not found
+        raise FileNotFoundError(
+            f"tokenizer: --model {args.model!r} is no local model (alias, .gguf file or Hugging Face "
+            "directory) to build the prompts with; pass --tokenizer"
+        ) from e
     return tok, build_dataset(tok, dataset_config(args))
 
 
