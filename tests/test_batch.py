@@ -378,3 +378,28 @@ def test_run_batch_offline(tiny_llama_dir, tmp_path):
     out = [json.loads(x) for x in dst.read_text().splitlines()]
     assert sorted(o["custom_id"] for o in out if o["response"]) == sorted(f"req-{i}" for i in range(12))
     assert sum(o["error"] is not None for o in out) == 1
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["-i", "{tmp}/none.jsonl"], "argument -i/--input: '{tmp}/none.jsonl': no such file"),
+        # after the model had loaded: "[Errno 2] No such file or directory", naming no flag
+        (
+            ["-o", "{tmp}/no-dir/out.jsonl"],
+            "argument -o/--output: '{tmp}/no-dir/out.jsonl': no such directory",
+        ),
+        (["--window", "-1"], "argument --window: must be >= 1, got -1"),  # "Semaphore initial value ..."
+    ],
+)
+def test_run_batch_arguments_are_checked_before_the_model_loads(args, message, tmp_path, capsys):
+    from kvserve.entrypoints.cli import main
+
+    (tmp_path / "in.jsonl").write_text(line(0) + "\n")
+    base = {"-i": str(tmp_path / "in.jsonl"), "-o": str(tmp_path / "out.jsonl")}
+    base.update(dict(zip(args[::2], args[1::2])))
+    argv = [x.format(tmp=tmp_path) for kv in base.items() for x in kv]
+    with pytest.raises(SystemExit) as e:
+        main(["run-batch", *argv, "--model", str(tmp_path / "no-such-model")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "error: " + message.format(tmp=tmp_path) in err
