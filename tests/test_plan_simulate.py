@@ -100,3 +100,20 @@ def test_decoding_sequences_cost_their_own_rate():
     assert two.makespan_s == pytest.approx(0.224 + 3 * 0.018 + 0.014)
     same = ReplicaModel(8, 256, step_overhead_s=0.01, token_s=0.001)
     assert same.decode_s == 0.001
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        # the model and --gpu changed nothing in a simulation, unsaid
+        (
+            ["Llama-3.1-8B", "--gpu", "L4", "--simulate", "bursty:duration=30"],
+            "MODEL, --gpu: not used by --simulate",
+        ),
+        # and the autoscaler's flags nothing in a sizing plan
+        (["Llama-3.1-8B", "--max-replicas", "3"], "--max-replicas: only used with --simulate TRACE"),
+    ],
+)
+def test_options_of_the_other_mode_are_refused(args, message, capsys):
+    assert main(args) == 2
+    assert f"kvserve plan: error: {message}" in capsys.readouterr().err
