@@ -56,11 +56,11 @@ def run_serve(
     slo = parse_slo(args.slo)
     if cfg.prompt_format == "ids" and cfg.endpoint == "chat":
         raise ValueError("prompt-format: ids only works with the completions endpoint")
-    spec_before = scrape_spec_counters(base_url)
+    spec_before = scrape_spec_counters(base_url, cfg.api_key)
     results, duration = asyncio.run(
         run_load(cfg, requests, lambda s: len(tok.encode(s, add_special_tokens=False)), args.warmup)
     )
-    spec = spec_decode_summary(spec_before, scrape_spec_counters(base_url))
+    spec = spec_decode_summary(spec_before, scrape_spec_counters(base_url, cfg.api_key))
     out: dict[str, Any] = {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "base_url": base_url,
