@@ -68,6 +68,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not args.chat and not args.prompt:  # before the model loads: seconds, for nothing
         print("error: prompt: give a prompt, or --chat for a conversation", file=sys.stderr)
         return 2
+    # each was silently dropped: --system without --chat, the prompt with it
+    if args.system is not None and not args.chat:
+        print("error: system: --system is for --chat (a plain prompt has no chat template)", file=sys.stderr)
+        return 2
+    if args.chat and args.prompt:
+        print("error: prompt: --chat reads the conversation from stdin; drop the prompt", file=sys.stderr)
+        return 2
     try:
         params = _sampling(args)
         engine = LLMEngine(engine_config(args))
