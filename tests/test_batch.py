@@ -198,6 +198,9 @@ def test_cancel_mid_way_keeps_finished_lines(client):
                                    completion_window="24h")  # fmt: skip
     q = client.batches.cancel(queued.id)  # waits behind b: cancelled at once, not after b
     assert q.status == "cancelled" and q.cancelled_at and q.request_counts.completed == 0
+    gone = upload(client, [line(0)])  # its input deleted while it waits behind b
+    orphan = client.batches.create(input_file_id=gone.id, endpoint=CHAT, completion_window="24h")
+    client.files.delete(gone.id)
     assert client.batches.retrieve(b.id).status == "in_progress"
     assert client.batches.cancel(b.id).status == "cancelling"
     b = wait_final(client, b.id)
@@ -206,6 +209,10 @@ def test_cancel_mid_way_keeps_finished_lines(client):
     assert 5 <= len(out) == b.request_counts.completed < 300
     assert len({o["custom_id"] for o in out}) == len(out)
     assert client.batches.cancel(b.id).status == "cancelled"  # idempotent once final
+    orphan = wait_final(client, orphan.id)
+    (err,) = orphan.errors.data
+    assert orphan.status == "failed" and err.code == "file_unreadable" and err.param == "input_file_id"
+    assert err.message == f"input_file_id: {gone.id} cannot be read (it was deleted)"  # not the server's path
 
 
 def test_custom_id_with_a_lone_surrogate_is_an_error_line_naming_it(client):

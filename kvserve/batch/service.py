@@ -96,9 +96,11 @@ class BatchService:
             path = self.files.dir / obj["input_file_id"]
             try:
                 scan = await asyncio.to_thread(scan_input, path)
-            except OSError as e:
+            except OSError as e:  # str(e) would show the server's storage path to the client
+                why = "it was deleted" if isinstance(e, FileNotFoundError) else e.strerror or type(e).__name__
+                message = f"input_file_id: {obj['input_file_id']} cannot be read ({why})"
                 self.jobs.set_status(
-                    obj, "failed", errors=_errors("file_unreadable", str(e), "input_file_id")
+                    obj, "failed", errors=_errors("file_unreadable", message, "input_file_id")
                 )
                 return
             total = scan.total
