@@ -259,6 +259,13 @@ def test_a_missing_tokenizer_names_the_tokenizer_flag(extra, message, capsys):
     assert message in err and ("--tokenizer" in err or extra)
 
 
+def test_save_detailed_without_save_result_is_refused(capsys):
+    """--save-detailed alone ran the benchmark and wrote the per-request timings nowhere."""
+    argv = ["bench", "serve", "--base-url", "http://127.0.0.1:1", "--model", "tiny", "--save-detailed"]
+    assert kvserve_main(argv) == 2
+    assert "error: save-detailed: needs --save-result" in capsys.readouterr().err
+
+
 def test_trace_dataset_replays_arrivals(instant_stub, tiny_tok, tmp_path):
     """--dataset trace: the planner's trace format, each line once at its time, lengths as given."""
     path = tmp_path / "t.jsonl"

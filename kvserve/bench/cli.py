@@ -13,6 +13,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvserve.bench.report import format_table, save_json
     from kvserve.bench.serve import prepare, run_serve
 
+    if args.save_detailed and not args.save_result:  # the timings go into that file only
+        print(
+            "error: save-detailed: needs --save-result FILE to write the per-request timings to",
+            file=sys.stderr,
+        )
+        return 2
     try:
         tok, requests = prepare(args)
         res = run_serve(args, args.base_url, tok, requests, detailed=args.save_detailed)
