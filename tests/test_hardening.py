@@ -448,3 +448,21 @@ def test_stalled_reader_is_aborted(long_server):
     assert m["kvserve:generation_tokens_total"] < 8 * 3000  # stopped long before the end
     sock.close()
     assert_still_serving(s)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--api-key", ""], "api-key: must not be empty"),  # "Authorization: Bearer " then passed
+        (["--engine", "naive", "--api-key", "k"], "api-key: --engine naive"),  # served with no key check
+        (["--metrics-require-key"], "metrics-require-key: needs --api-key"),  # /metrics stayed open
+    ],
+)
+def test_key_settings_that_would_leave_the_server_open_are_refused(
+    args, message, tmp_path, monkeypatch, capsys
+):
+    from kvserve.entrypoints.cli import main
+
+    monkeypatch.delenv("KVSERVE_API_KEY", raising=False)
+    assert main(["serve", str(tmp_path / "no-such-model"), "--port", "1", *args]) == 2
+    assert f"error: {message}" in capsys.readouterr().err

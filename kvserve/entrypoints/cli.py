@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from dataclasses import fields
 
@@ -113,7 +114,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
         turn += 1
 
 
+def _auth_error(args: argparse.Namespace) -> str | None:
+    """Key settings that would leave the server more open than asked, each once silent: an
+    empty --api-key (then 'Authorization: Bearer ' with nothing after it passed), a key for
+    the naive baseline (which checks none), --metrics-require-key with no key to require."""
+    if args.api_key and not all(args.api_key):
+        return "api-key: must not be empty"
+    if args.engine == "naive" and (args.api_key or args.metrics_require_key):
+        return (
+            "api-key: --engine naive (the transformers baseline) does not check keys; serve it locally only"
+        )
+    if args.metrics_require_key and not (args.api_key or os.environ.get("KVSERVE_API_KEY")):
+        return "metrics-require-key: needs --api-key (or KVSERVE_API_KEY); /metrics would stay open"
+    return None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
+    problem = _auth_error(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     if args.engine == "naive":
         from kvserve.entrypoints.naive_server import serve_naive
 
