@@ -413,6 +413,10 @@ def test_bench_offline(tiny_llama_dir, tmp_path):
         "bench", "offline", "--model", tiny_llama_dir, "--kv-cache-memory", "64MiB", "--num-prompts", "4",
         "--input-len", "16", "--output-len", "8", "--ignore-eos", "--save-result", str(out),
     ])  # fmt: skip
-    m = json.loads(out.read_text())["metrics"]
+    res = json.loads(out.read_text())
+    m = res["metrics"]
     assert rc == 0 and (m["completed"], m["total_output_tokens"]) == (4, 32)
+    # the engine settings the numbers came from (defaults resolved) are in the file
+    assert res["engine"] == {"kv_cache_memory": "64MiB", "max_num_seqs": 128, "max_num_batched_tokens": 512,
+                             "dtype": "float32", "ignore_eos": True, "temperature": 0.0}  # fmt: skip
     assert m["output_throughput"] > 0 and m["ttft_ms"]["mean"] > 0
