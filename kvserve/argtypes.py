@@ -60,6 +60,25 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def positive_float(text: str) -> float:
+    value = finite_float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value:g}")
+    return value
+
+
+def rate(text: str) -> float:
+    """Events per second: a positive number, or inf (all at once). NaN is refused: as a rate
+    it sent everything at once and wrote NaN, which is not JSON, into the result file."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number or inf, got {text!r}") from None
+    if math.isnan(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 (or inf), got {text!r}")
+    return value
+
+
 def readable_file(text: str) -> str:
     """An existing regular file (a directory fails here, not in open() after the model loads)."""
     if not os.path.isfile(text):

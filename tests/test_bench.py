@@ -208,6 +208,12 @@ def test_jsonl_dataset_errors_name_the_file_and_line(tiny_tok, tmp_path):
         ("--warmup", "-1", "must be >= 0, got -1"),
         ("--extra-body", "nope", "not valid JSON"),  # a bare JSON error naming no flag, after the setup
         ("--extra-body", "[1]", "must be a JSON object"),
+        # NaN: --burstiness hung (random.gammavariate(nan) never returns), --request-rate sent all
+        # at once and wrote NaN (not JSON) into the result, --temperature went as null (1.0)
+        ("--burstiness", "nan", "must be a finite number, got 'nan'"),
+        ("--request-rate", "nan", "must be > 0 (or inf), got 'nan'"),
+        ("--temperature", "nan", "must be a finite number, got 'nan'"),
+        ("--range-ratio", "-0.5", "must be >= 0, got -0.5"),  # was "empty range for randrange()"
     ],
 )
 def test_serve_arguments_are_checked_before_the_run(flag, value, message, tmp_path, capsys):

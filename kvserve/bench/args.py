@@ -5,7 +5,14 @@ from __future__ import annotations
 import argparse
 import math
 
-from kvserve.argtypes import json_object, non_negative_int, positive_int
+from kvserve.argtypes import (
+    json_object,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    rate,
+)
 from kvserve.bench.datasets import DATASETS
 
 
@@ -18,7 +25,9 @@ def add_dataset_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-prompts", type=positive_int, default=100)
     g.add_argument("--input-len", type=positive_int, default=128, help="prompt tokens (chat: the median)")
     g.add_argument("--output-len", type=positive_int, default=128, help="max_tokens (chat: the median)")
-    g.add_argument("--range-ratio", type=float, default=0.0, help="random/prefix lengths in len*(1±r)")
+    g.add_argument(
+        "--range-ratio", type=non_negative_float, default=0.0, help="random/prefix lengths in len*(1±r)"
+    )
     g.add_argument(
         "--prefix-len", type=non_negative_int, default=256, help="prefix dataset: shared prefix tokens"
     )
@@ -37,10 +46,12 @@ def add_serve_args(p: argparse.ArgumentParser, single_url: bool = True) -> None:
                    help="completions prompt as text or token ids")  # fmt: skip
     p.add_argument("--api-key", default=None)
     p.add_argument("--ignore-eos", action="store_true", help="fixed output lengths (server extension)")
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--temperature", type=non_negative_float, default=0.0)
     p.add_argument("--extra-body", type=json_object, default=None, help="JSON merged into every request body")
-    p.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (inf: all at once)")
-    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrivals (1: Poisson)")
+    p.add_argument("--request-rate", type=rate, default=math.inf, help="requests/s (inf: all at once)")
+    p.add_argument(
+        "--burstiness", type=positive_float, default=1.0, help="gamma shape of arrivals (1: Poisson)"
+    )
     p.add_argument("--max-concurrency", type=positive_int, default=None)
     p.add_argument("--warmup", type=non_negative_int, default=0, help="untimed requests sent first")
     p.add_argument("--slo", default=None, help="goodput SLOs in ms, e.g. ttft:500,tpot:50")
@@ -55,5 +66,5 @@ def add_offline_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--ignore-eos", action="store_true", help="fixed output lengths")
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--temperature", type=non_negative_float, default=0.0)
     add_dataset_args(p)

@@ -21,7 +21,7 @@ def parse_points(spec: str, whole: bool = False) -> list[float]:
         points = [float(x) for x in spec.split(",") if x.strip()]
     except ValueError:
         raise ValueError(f"points: {spec!r} must be comma-separated numbers") from None
-    if not points or any(p <= 0 for p in points):
+    if not points or any(math.isnan(p) or p <= 0 for p in points):
         raise ValueError("points: give at least one positive value")
     if whole and not all(math.isfinite(p) and p == int(p) for p in points):
         raise ValueError(f"concurrencies: {spec!r} must be whole numbers >= 1")
