@@ -20,6 +20,18 @@ def positive_int(text: str) -> int:
     return value
 
 
+def port(text: str) -> int:
+    """A TCP port, 0-65535: uvicorn took --port 70000 and listened on 4464 (70000 mod 65536)
+    while the log said 70000."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number in 0-65535, got {value}")
+    return value
+
+
 def non_negative_int(text: str) -> int:
     try:
         value = int(text)

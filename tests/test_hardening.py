@@ -466,3 +466,14 @@ def test_key_settings_that_would_leave_the_server_open_are_refused(
     monkeypatch.delenv("KVSERVE_API_KEY", raising=False)
     assert main(["serve", str(tmp_path / "no-such-model"), "--port", "1", *args]) == 2
     assert f"error: {message}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["serve", "gateway", "pd-proxy"])
+def test_a_port_out_of_range_is_refused(command, capsys):
+    """uvicorn took --port 70000 and listened on 4464 (70000 mod 65536), logging 70000."""
+    from kvserve.entrypoints.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main([command, "--port", "70000"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "argument --port: must be a port number in 0-65535, got 70000" in err

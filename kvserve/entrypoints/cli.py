@@ -9,7 +9,7 @@ import os
 import sys
 from dataclasses import fields
 
-from kvserve.argtypes import finite_float
+from kvserve.argtypes import finite_float, port
 from kvserve.config import EngineConfig
 from kvserve.entrypoints.openai.server_config import ServerConfig
 from kvserve.routing.registry import SERVE_POLICIES
@@ -203,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     srv.add_argument("model", nargs="?", default="smollm2-135m", help="alias, .gguf file or HF directory")
     srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--port", type=port, default=8000)
     srv.add_argument("--api-key", action="append", default=None,
                      help="require this bearer key (repeat for several; or set KVSERVE_API_KEY)")  # fmt: skip
     srv.add_argument("--metrics-require-key", action="store_true", help="/metrics needs an API key too")
@@ -268,7 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     gw = sub.add_parser("gateway", help="one OpenAI endpoint over many backends (keys, limits, budgets)")
     gw.add_argument("--config", required=True, help="gateway YAML (see docs/GATEWAY.md)")
     gw.add_argument("--host", default="127.0.0.1")
-    gw.add_argument("--port", type=int, default=4000)
+    gw.add_argument("--port", type=port, default=4000)
     gw.add_argument("--disable-web-ui", action="store_true", help="no chat at / and no /dashboard")
     gw.set_defaults(func=cmd_gateway)
 
@@ -276,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("--prefill", nargs="+", required=True, help="base URL(s) of kv_producer servers")
     pd.add_argument("--decode", nargs="+", required=True, help="base URL(s) of kv_consumer servers")
     pd.add_argument("--host", default="127.0.0.1")
-    pd.add_argument("--port", type=int, default=8100)
+    pd.add_argument("--port", type=port, default=8100)
     pd.set_defaults(func=cmd_pd_proxy)
 
     from kvserve.planner.cli import register as register_plan
