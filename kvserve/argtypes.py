@@ -5,6 +5,7 @@ starts, instead of a traceback, a silent default or a nonsense result later."""
 from __future__ import annotations
 
 import argparse
+import codecs
 import math
 import os
 
@@ -16,6 +17,41 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def port(text: str) -> int:
+    """A TCP port, 0-65535: uvicorn took --port 70000 and listened on 4464 (70000 mod 65536)
+    while the log said 70000."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number in 0-65535, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def json_object(text: str) -> dict:
+    """A JSON object given on the command line (parsed now, so a typo names its flag)."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
     return value
 
 
@@ -36,11 +72,55 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def positive_float(text: str) -> float:
+    value = finite_float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value:g}")
+    return value
+
+
+def rate(text: str) -> float:
+    """Events per second: a positive number, or inf (all at once). NaN is refused: as a rate
+    it sent everything at once and wrote NaN, which is not JSON, into the result file."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number or inf, got {text!r}") from None
+    if math.isnan(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 (or inf), got {text!r}")
+    return value
+
+
 def readable_file(text: str) -> str:
     """An existing regular file (a directory fails here, not in open() after the model loads)."""
     if not os.path.isfile(text):
         what = "is a directory" if os.path.isdir(text) else "no such file"
         raise argparse.ArgumentTypeError(f"{text!r}: {what}")
+    return text
+
+
+def utf8_text_file(text: str) -> str:
+    """A readable file that decodes as UTF-8: checked before the model loads, so a bad file
+    is one line naming the flag and where the bad byte is, not a bare codec error after it."""
+    readable_file(text)
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
+    try:
+        with open(text, "rb") as f:
+            while chunk := f.read(1 << 20):
+                try:
+                    decoder.decode(chunk)
+                except UnicodeDecodeError as e:  # e.object: bytes held from the last chunk + this one
+                    at = offset - (len(e.object) - len(chunk)) + e.start
+                    raise argparse.ArgumentTypeError(
+                        f"{text!r}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {at})"
+                    ) from None
+                offset += len(chunk)
+            decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        raise argparse.ArgumentTypeError(f"{text!r}: not UTF-8 text (it ends inside a character)") from None
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e.strerror or e}") from None
     return text
 
 

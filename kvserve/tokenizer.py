@@ -16,6 +16,17 @@ _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte fallback
 _RELEASE_GIL_CHARS = 4096  # longer texts are encoded without holding the GIL (server threads)
 
 
+def lone_surrogate(text: str) -> int | None:
+    """Index of the first lone surrogate in `text`, or None. JSON may carry one ("\\ud800") and
+    Python keeps it, but it is no character: it cannot be UTF-8, so the tokenizer (a TypeError)
+    and the JSON lines written back (UnicodeEncodeError) would fail on it. Callers refuse it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return e.start
+    return None
+
+
 class Tokenizer:
     def __init__(self, hf_tokenizer: Any, add_bos: bool = False) -> None:
         self.hf = hf_tokenizer

@@ -198,6 +198,9 @@ def test_cancel_mid_way_keeps_finished_lines(client):
                                    completion_window="24h")  # fmt: skip
     q = client.batches.cancel(queued.id)  # waits behind b: cancelled at once, not after b
     assert q.status == "cancelled" and q.cancelled_at and q.request_counts.completed == 0
+    gone = upload(client, [line(0)])  # its input deleted while it waits behind b
+    orphan = client.batches.create(input_file_id=gone.id, endpoint=CHAT, completion_window="24h")
+    client.files.delete(gone.id)
     assert client.batches.retrieve(b.id).status == "in_progress"
     assert client.batches.cancel(b.id).status == "cancelling"
     b = wait_final(client, b.id)
@@ -206,6 +209,10 @@ def test_cancel_mid_way_keeps_finished_lines(client):
     assert 5 <= len(out) == b.request_counts.completed < 300
     assert len({o["custom_id"] for o in out}) == len(out)
     assert client.batches.cancel(b.id).status == "cancelled"  # idempotent once final
+    orphan = wait_final(client, orphan.id)
+    (err,) = orphan.errors.data
+    assert orphan.status == "failed" and err.code == "file_unreadable" and err.param == "input_file_id"
+    assert err.message == f"input_file_id: {gone.id} cannot be read (it was deleted)"  # not the server's path
 
 
 def test_custom_id_with_a_lone_surrogate_is_an_error_line_naming_it(client):
@@ -307,6 +314,53 @@ def test_kill_9_and_sigterm_mid_batch_then_resume(tiny_llama_dir, tmp_path):
         s.stop()
 
 
+def test_resumed_batch_queued_behind_another_is_cancelled_at_once(tiny_llama_dir, tmp_path):
+    """Two batches a stopped server left in progress: on restart the older one runs, the other
+    waits behind it; cancelling that one finishes it at once (it stayed `cancelling` until the
+    worker reached it), keeping the lines it had committed and none written after."""
+    from kvserve.batch.db import open_db
+    from kvserve.batch.files import FileStore, new_file_id
+    from kvserve.batch.jobs import JobStore
+    from kvserve.batch.output import DurableSink
+
+    store = tmp_path / "store"
+    conn = open_db(store)
+    files, jobs = FileStore(conn, store, 2**20), JobStore(conn)
+    ids = []
+    for n, tokens in ((300, 48), (3, 2)):
+        fid = new_file_id()
+        files.path(fid).write_text(
+            "\n".join(line(i, max_tokens=tokens, ignore_eos=True) for i in range(n)) + "\n"
+        )
+        files.register(fid, "in.jsonl", "batch")
+        b = jobs.raw(jobs.create(fid, CHAT, "24h", None)["id"])
+        jobs.set_total(b["id"], n)
+        jobs.set_status(b, "in_progress")
+        ids.append(b["id"])
+    first, resumed = ids
+    conn.execute("UPDATE batches SET created_at = created_at - 10 WHERE id = ?", (first,))  # runs first
+    obj = jobs.raw(resumed)
+    out_path = files.path(obj["_output_path_id"])
+    sink = DurableSink(conn, resumed, out_path, files.path(obj["_error_path_id"]), jobs.resume_point(resumed))
+    body = {"status_code": 200, "request_id": "x", "body": {}}
+    for i in range(2):
+        sink.add(i, 0, {"id": f"r{i}", "custom_id": f"req-{i}", "response": body, "error": None}, True)
+    sink.close()
+    with open(out_path, "ab") as f:  # written after the last commit, then the server was killed
+        f.write(b'{"custom_id": "req-2"')
+    conn.close()
+    s = ServerProcess(tiny_llama_dir, *MODEL_ARGS, "--max-num-seqs", "4", "--batch-storage-dir", str(store))
+    try:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key=s.api_key, max_retries=0)
+        q = c.batches.cancel(resumed)
+        assert q.status == "cancelled" and q.cancelled_at and q.request_counts.completed == 2
+        assert [o["custom_id"] for o in read_lines(c, q.output_file_id)] == ["req-0", "req-1"]
+        assert c.batches.retrieve(first).status == "in_progress"  # still on the long one
+        assert wait_final(c, c.batches.cancel(first).id).status == "cancelled"
+    finally:
+        s.stop()
+
+
 def _wait_gone(pid: int, timeout: float = 20) -> None:
     import psutil
 
@@ -331,3 +385,28 @@ def test_run_batch_offline(tiny_llama_dir, tmp_path):
     out = [json.loads(x) for x in dst.read_text().splitlines()]
     assert sorted(o["custom_id"] for o in out if o["response"]) == sorted(f"req-{i}" for i in range(12))
     assert sum(o["error"] is not None for o in out) == 1
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["-i", "{tmp}/none.jsonl"], "argument -i/--input: '{tmp}/none.jsonl': no such file"),
+        # after the model had loaded: "[Errno 2] No such file or directory", naming no flag
+        (
+            ["-o", "{tmp}/no-dir/out.jsonl"],
+            "argument -o/--output: '{tmp}/no-dir/out.jsonl': no such directory",
+        ),
+        (["--window", "-1"], "argument --window: must be >= 1, got -1"),  # "Semaphore initial value ..."
+    ],
+)
+def test_run_batch_arguments_are_checked_before_the_model_loads(args, message, tmp_path, capsys):
+    from kvserve.entrypoints.cli import main
+
+    (tmp_path / "in.jsonl").write_text(line(0) + "\n")
+    base = {"-i": str(tmp_path / "in.jsonl"), "-o": str(tmp_path / "out.jsonl")}
+    base.update(dict(zip(args[::2], args[1::2])))
+    argv = [x.format(tmp=tmp_path) for kv in base.items() for x in kv]
+    with pytest.raises(SystemExit) as e:
+        main(["run-batch", *argv, "--model", str(tmp_path / "no-such-model")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "error: " + message.format(tmp=tmp_path) in err

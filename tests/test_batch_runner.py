@@ -49,3 +49,17 @@ def test_a_line_whose_handler_raises_becomes_an_internal_error_line(tmp_path, ca
     assert jobs.resume_point(batch_id)[0] == 3  # the watermark passed every line
     logged = [r for r in caplog.records if r.exc_info]
     assert len(logged) == 1 and "line 1" in logged[0].getMessage()  # once, with the stack trace
+
+
+def test_one_lone_surrogate_check_for_prompts_and_custom_ids():
+    """The check the API (prompt / messages) and batch lines (custom_id) share: where the first
+    lone surrogate is, None when the text is UTF-8 (astral characters are not surrogates)."""
+    import pytest
+
+    from kvserve.batch.lines import LineError, parse_line
+    from kvserve.tokenizer import lone_surrogate
+
+    assert lone_surrogate("ok 🙂 é") is None and lone_surrogate("ab\udc00c\ud800") == 2
+    with pytest.raises(LineError, match="custom_id: must be valid Unicode") as e:
+        parse_line(_line("x-\ud800", "hi").encode(), CHAT)
+    assert e.value.code == "invalid_custom_id"

@@ -202,6 +202,18 @@ def test_jsonl_dataset_errors_name_the_file_and_line(tiny_tok, tmp_path):
     [
         ("--save-result", "{tmp}/no-dir/x.json", "'{tmp}/no-dir/x.json': no such directory"),
         ("--max-concurrency", "-1", "must be >= 1, got -1"),  # was "Semaphore initial value must be >= 0"
+        # these were silently changed: a length of 0 ran as 1, a negative warm-up as none
+        ("--output-len", "0", "must be >= 1, got 0"),
+        ("--input-len", "-4", "must be >= 1, got -4"),
+        ("--warmup", "-1", "must be >= 0, got -1"),
+        ("--extra-body", "nope", "not valid JSON"),  # a bare JSON error naming no flag, after the setup
+        ("--extra-body", "[1]", "must be a JSON object"),
+        # NaN: --burstiness hung (random.gammavariate(nan) never returns), --request-rate sent all
+        # at once and wrote NaN (not JSON) into the result, --temperature went as null (1.0)
+        ("--burstiness", "nan", "must be a finite number, got 'nan'"),
+        ("--request-rate", "nan", "must be > 0 (or inf), got 'nan'"),
+        ("--temperature", "nan", "must be a finite number, got 'nan'"),
+        ("--range-ratio", "-0.5", "must be >= 0, got -0.5"),  # was "empty range for randrange()"
     ],
 )
 def test_serve_arguments_are_checked_before_the_run(flag, value, message, tmp_path, capsys):
@@ -210,6 +222,54 @@ def test_serve_arguments_are_checked_before_the_run(flag, value, message, tmp_pa
         kvserve_main(["bench", "serve", "--base-url", url, flag, value.format(tmp=tmp_path)])
     err = capsys.readouterr().err
     assert e.value.code == 2 and f"error: argument {flag}: {message.format(tmp=tmp_path)}" in err
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        # a sweep ran in full, then its plot was a FileNotFoundError traceback
+        (["sweep", "--concurrencies", "1", "--plot", "{tmp}/no-dir/s.png"], "argument --plot: "),
+        (
+            ["offline", "--max-num-seqs", "0"],
+            "argument --max-num-seqs: must be >= 1, got 0",
+        ),  # ran as default
+        # inf was an OverflowError traceback; 0.5 ran with no cap, recorded as concurrency 0.5
+        (["sweep", "--concurrencies", "inf"], "concurrencies: 'inf' must be whole numbers >= 1"),
+        (["sweep", "--concurrencies", "1,0.5"], "concurrencies: '1,0.5' must be whole numbers >= 1"),
+    ],
+)
+def test_sweep_and_offline_arguments_are_checked_before_the_run(
+    args, message, tiny_llama_dir, tmp_path, capsys
+):
+    url = ["--base-url", "http://127.0.0.1:1"] if args[0] == "sweep" else ["--model", str(tmp_path / "none")]
+    argv = ["bench", *[a.format(tmp=tmp_path) for a in args], *url, "--tokenizer", tiny_llama_dir]
+    try:
+        rc = kvserve_main(argv + ["--num-prompts", "1", "--disable-tqdm"] * (args[0] == "sweep"))
+    except SystemExit as e:
+        rc = e.code
+    assert rc == 2 and message.format(tmp=tmp_path) in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        # --model is what the server answers to; the error said only "model: 'tiny' not found"
+        ([], "error: tokenizer: --model 'tiny' is no local model"),
+        (["--tokenizer", "nope"], "error: tokenizer: 'nope' not found"),  # was "model: 'nope' ..."
+    ],
+)
+def test_a_missing_tokenizer_names_the_tokenizer_flag(extra, message, capsys):
+    argv = ["bench", "serve", "--base-url", "http://127.0.0.1:1", "--model", "tiny", "--num-prompts", "1"]
+    assert kvserve_main(argv + extra) == 2
+    err = capsys.readouterr().err
+    assert message in err and ("--tokenizer" in err or extra)
+
+
+def test_save_detailed_without_save_result_is_refused(capsys):
+    """--save-detailed alone ran the benchmark and wrote the per-request timings nowhere."""
+    argv = ["bench", "serve", "--base-url", "http://127.0.0.1:1", "--model", "tiny", "--save-detailed"]
+    assert kvserve_main(argv) == 2
+    assert "error: save-detailed: needs --save-result" in capsys.readouterr().err
 
 
 def test_trace_dataset_replays_arrivals(instant_stub, tiny_tok, tmp_path):
@@ -294,6 +354,15 @@ def test_bench_against_real_server(engine, tiny_llama_dir, tiny_tok, tmp_path):
         assert chat["metrics"]["completed"] == 4 and chat["metrics"]["total_output_tokens"] > 0
         ids = _bench_serve(server.url, tiny_llama_dir, tmp_path, "--prompt-format", "ids")
         assert ids["metrics"]["total_input_tokens"] == m["total_input_tokens"]
+        if engine == "kvserve":  # the end-of-sequence token first: an answer with no text, not a failure
+            eos_first = LoadConfig(
+                server.url, tiny_llama_dir, extra_body={"logit_bias": {"2": 100}}, progress=False
+            )
+            empty, _ = _run(eos_first, prompts[:2])
+            assert [(r.success, r.text, r.output_tokens) for r in empty] == [(True, "", 1)] * 2, empty[
+                0
+            ].error
+            assert all(0 < r.ttft <= r.latency for r in empty)
         # a refused request comes back as a failed result naming the server's answer
         refused, _ = _run(LoadConfig(server.url, "no-such-model", progress=False), prompts[:2])
         assert [r.success for r in refused] == [False, False]
@@ -350,6 +419,10 @@ def test_bench_offline(tiny_llama_dir, tmp_path):
         "bench", "offline", "--model", tiny_llama_dir, "--kv-cache-memory", "64MiB", "--num-prompts", "4",
         "--input-len", "16", "--output-len", "8", "--ignore-eos", "--save-result", str(out),
     ])  # fmt: skip
-    m = json.loads(out.read_text())["metrics"]
+    res = json.loads(out.read_text())
+    m = res["metrics"]
     assert rc == 0 and (m["completed"], m["total_output_tokens"]) == (4, 32)
+    # the engine settings the numbers came from (defaults resolved) are in the file
+    assert res["engine"] == {"kv_cache_memory": "64MiB", "max_num_seqs": 128, "max_num_batched_tokens": 512,
+                             "dtype": "float32", "ignore_eos": True, "temperature": 0.0}  # fmt: skip
     assert m["output_throughput"] > 0 and m["ttft_ms"]["mean"] > 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from kvserve.entrypoints.cli import main
@@ -11,13 +13,31 @@ from kvserve.entrypoints.cli import main
     "args, message",
     [
         (["--max-tokens", "-5"], "argument --max-tokens: must be >= 1, got -5"),  # ran the whole corpus
+        (["--window", "1"], "argument --window: must be >= 2, got 1"),  # once found after the model loaded
         (["--corpus", "{tmp}"], "argument --corpus: '{tmp}': is a directory"),  # IsADirectoryError
         (["--json", "{tmp}/no-dir/x.json"], "argument --json: '{tmp}/no-dir/x.json': no such directory"),
+        # a bare codec error naming no flag, after the model had loaded
+        (
+            ["--corpus", "{tmp}/latin1.txt"],
+            "argument --corpus: '{tmp}/latin1.txt': not UTF-8 text (byte 0xe9 at offset 3)",
+        ),
     ],
 )
 def test_bad_arguments_name_the_flag_before_the_model_loads(args, message, tmp_path, capsys):
     missing = str(tmp_path / "no-such-model")  # loading it would fail with another message
+    (tmp_path / "latin1.txt").write_bytes("café au lait".encode("latin-1"))
     with pytest.raises(SystemExit) as e:
         main(["eval", "perplexity", missing, *(a.format(tmp=tmp_path) for a in args)])
     err = capsys.readouterr().err
     assert e.value.code == 2 and "error: " + message.format(tmp=tmp_path) in err and "Traceback" not in err
+
+
+def test_json_records_the_window_as_run(tiny_llama_dir, tmp_path, capsys):
+    """A window past what the model holds is cut to max_model_len - 1: the JSON and the line
+    say so (the JSON had no window at all, so results of different windows looked alike)."""
+    out = tmp_path / "ppl.json"
+    args = ["--max-tokens", "40", "--window", "4096", "--kv-cache-memory", "16MiB", "--no-progress"]
+    assert main(["eval", "perplexity", tiny_llama_dir, *args, "--json", str(out)]) == 0
+    row = json.loads(out.read_text())
+    assert (row["window"], row["windows"], row["tokens"]) == (511, 1, 39)
+    assert "windows of 511 (--window 4096 is more than the model holds)" in capsys.readouterr().out

@@ -208,6 +208,9 @@ def test_auth_and_model_errors(gw):
     assert r.status_code == 400 and r.json()["error"]["param"] == "model"
     ids = [m.id for m in client(gw, "sk-limited").models.list().data]
     assert ids == ["okgroup"]
+    assert client(gw, "sk-limited").models.retrieve("okgroup").id == "okgroup"  # was a route 404
+    r = httpx.get(gw.url + "/v1/models/retry500", headers={"Authorization": "Bearer sk-limited"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"  # not this key's
 
 
 def test_key_rpm_limit_gives_429_with_headers(gw):

@@ -294,6 +294,7 @@ CHAT = "/v1/chat/completions"
             {"input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]},
             "input",
         ),
+        ("/v1/responses", {"input": "hi", "instructions": "\ud800"}, "instructions"),  # was "messages"
         ("/v1/completions", {"prompt": "hi \ud800"}, "prompt"),
         (CHAT, {"messages": [{"role": "user", "content": "hi \udfff there"}]}, "messages"),
         ("/v1/embeddings", {"input": ["fine", "\ud800"]}, "input"),
@@ -310,6 +311,22 @@ def test_text_that_is_no_text_is_400_and_the_connection_stays_usable(server, pat
         r = one_connection.post(path, content=wire)
         assert_400(r, param)
         assert one_connection.post("/v1/completions", json=OK).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"max_output_tokens": 1000}, "max_output_tokens"),  # past the 256-token context
+        ({"input": "word " * 400}, "input"),
+        ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}}, "text"),
+    ],
+)
+def test_responses_errors_name_the_responses_field(server, body, param):
+    """The Responses API runs as a chat request; its errors named the chat fields (max_tokens,
+    prompt, response_format), which this request does not have."""
+    r = post(server, {"model": "tiny", "input": "hi", "max_output_tokens": 4, **body}, "/v1/responses")
+    assert_400(r, param)
+    assert "max_tokens" not in r.json()["error"]["message"]
 
 
 def test_a_bad_query_parameter_is_named(server):
@@ -431,3 +448,32 @@ def test_stalled_reader_is_aborted(long_server):
     assert m["kvserve:generation_tokens_total"] < 8 * 3000  # stopped long before the end
     sock.close()
     assert_still_serving(s)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--api-key", ""], "api-key: must not be empty"),  # "Authorization: Bearer " then passed
+        (["--engine", "naive", "--api-key", "k"], "api-key: --engine naive"),  # served with no key check
+        (["--metrics-require-key"], "metrics-require-key: needs --api-key"),  # /metrics stayed open
+    ],
+)
+def test_key_settings_that_would_leave_the_server_open_are_refused(
+    args, message, tmp_path, monkeypatch, capsys
+):
+    from kvserve.entrypoints.cli import main
+
+    monkeypatch.delenv("KVSERVE_API_KEY", raising=False)
+    assert main(["serve", str(tmp_path / "no-such-model"), "--port", "1", *args]) == 2
+    assert f"error: {message}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["serve", "gateway", "pd-proxy"])
+def test_a_port_out_of_range_is_refused(command, capsys):
+    """uvicorn took --port 70000 and listened on 4464 (70000 mod 65536), logging 70000."""
+    from kvserve.entrypoints.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main([command, "--port", "70000"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "argument --port: must be a port number in 0-65535, got 70000" in err

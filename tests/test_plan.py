@@ -329,3 +329,26 @@ def test_cli_refuses_non_positive_sizes_naming_the_flag(flag, value, message, ca
         main(["Llama-3.1-8B", flag, value])
     err = capsys.readouterr().err
     assert e.value.code == 2 and f"error: argument {flag}: {message}" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        # --dtype fp8 is fp8 weights: --quantization int4 silently won and the fp8 was dropped
+        (
+            ["--dtype", "fp8", "--quantization", "int4"],
+            "dtype fp8 means fp8 weights, but quantization is int4",
+        ),
+        # a context longer than a sequence may hold was cut to max-model-len unsaid
+        (
+            ["--context-len", "8192", "--max-model-len", "4096"],
+            "context_len 8192 is more than max_model_len 4096",
+        ),
+    ],
+)
+def test_cli_refuses_options_it_would_silently_override(args, message, capsys):
+    from kvserve.planner.cli import main
+
+    assert main(["Llama-3.1-8B", *args]) == 2
+    assert f"kvserve plan: error: {message}" in capsys.readouterr().err
+    assert main(["Llama-3.1-8B", "--dtype", "fp8", "--quantization", "fp8", "--context-len", "4096"]) == 0

@@ -100,3 +100,41 @@ def test_decoding_sequences_cost_their_own_rate():
     assert two.makespan_s == pytest.approx(0.224 + 3 * 0.018 + 0.014)
     same = ReplicaModel(8, 256, step_overhead_s=0.01, token_s=0.001)
     assert same.decode_s == 0.001
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        # the model and --gpu changed nothing in a simulation, unsaid
+        (
+            ["Llama-3.1-8B", "--gpu", "L4", "--simulate", "bursty:duration=30"],
+            "MODEL, --gpu: not used by --simulate",
+        ),
+        # and the autoscaler's flags nothing in a sizing plan
+        (["Llama-3.1-8B", "--max-replicas", "3"], "--max-replicas: only used with --simulate TRACE"),
+    ],
+)
+def test_options_of_the_other_mode_are_refused(args, message, capsys):
+    assert main(args) == 2
+    assert f"kvserve plan: error: {message}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        # each of these ran for ever (an infinite or NaN step time, rate or duration)
+        (["--step-overhead-ms", "inf"], "argument --step-overhead-ms: must be a finite number, got 'inf'"),
+        (["--simulate", "bursty:duration=inf"], "--simulate: duration: must be finite"),
+        (["--simulate", "bursty:rate=nan"], "--simulate: rate: must be finite"),
+        # a NaN step time simulated 0 tokens/s; a negative output length was "math domain error"
+        (["--token-ms", "nan"], "argument --token-ms: must be a finite number, got 'nan'"),
+        (["--simulate", "bursty:output=-5"], "--simulate: prompt and output must be >= 1"),
+    ],
+)
+def test_non_finite_simulation_inputs_are_refused(args, message, capsys):
+    argv = args if "--simulate" in args else ["--simulate", "bursty:duration=30", *args]
+    try:
+        rc = main(argv)
+    except SystemExit as e:
+        rc = e.code
+    assert rc == 2 and message in capsys.readouterr().err

@@ -156,6 +156,10 @@ def test_logprobs_and_echo(client):
         ({"tools": []}, "tools"),
         ({"logit_bias": {"999999": 5}}, "logit_bias"),
         ({"max_tokens": 255}, "max_tokens"),
+        # a grammar or regex that matches no text: refused before generation (was 200 with "")
+        ({"structured_outputs": {"grammar": "root ::= root"}}, "structured_outputs"),
+        ({"guided_grammar": "root ::= a\na ::= root"}, "structured_outputs"),
+        ({"structured_outputs": {"regex": "[^\\x00-\\U0010FFFF]"}}, "structured_outputs"),
     ],
 )
 def test_bad_requests_are_400(server, body, param):

@@ -245,13 +245,16 @@ def test_server_with_ngram_speculation(tiny_llama_dir):
     expected = plain.generate([prompt], SamplingParams(temperature=0, max_tokens=50), use_tqdm=False)[0]
     s = ServerProcess(
         tiny_llama_dir, "--kv-cache-memory", "16MiB", "--served-model-name", "tiny",
-        "--speculative-method", "ngram", "--speculative-ngram-min", "1",
+        "--speculative-method", "ngram", "--speculative-ngram-min", "1", "--metrics-require-key",
     )  # fmt: skip
     try:
         client = openai.OpenAI(base_url=f"{s.url}/v1", api_key=s.api_key, max_retries=0)
         body = dict(model="tiny", prompt=prompt, max_tokens=50, temperature=0)
-        before = scrape_spec_counters(s.url)
+        before = scrape_spec_counters(s.url, s.api_key)
         assert before == {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
+        # a --base-url ending in /v1 (which bench accepts) and a key-protected /metrics gave none
+        assert scrape_spec_counters(f"{s.url}/v1/", s.api_key) == before
+        assert scrape_spec_counters(s.url) is None  # 401 without the key
         full = client.completions.create(**body)
         assert full.choices[0].text == expected.outputs[0].text
         assert full.usage.completion_tokens == len(expected.outputs[0].token_ids)
@@ -264,7 +267,7 @@ def test_server_with_ngram_speculation(tiny_llama_dir):
         per_pos = m["kvserve:spec_decode_num_accepted_tokens_per_pos_total"]  # summed over positions
         assert per_pos == accepted
         # What `kvserve bench serve` reports for the run.
-        summary = spec_decode_summary(before, scrape_spec_counters(s.url))
+        summary = spec_decode_summary(before, scrape_spec_counters(s.url, s.api_key))
         assert summary["accepted_tokens"] == accepted
         assert summary["mean_acceptance_length"] == 1 + accepted / summary["drafts"]
     finally:

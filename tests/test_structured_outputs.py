@@ -17,6 +17,7 @@ from server_utils import ServerProcess
 
 from kvserve import LLM, SamplingParams, StructuredOutputsParams
 from kvserve.bench.json_schemas import varied_schemas
+from kvserve.structured.spec import check
 
 ARITH = 'root ::= num (op num){0,4}\nnum ::= [1-9] [0-9]{0,2}\nop ::= "+" | "-" | "*"'
 ARITH_RE = re.compile(r"[1-9][0-9]{0,2}([-+*][1-9][0-9]{0,2}){0,4}")
@@ -69,6 +70,18 @@ def test_offline_invalid_grammar_is_refused(tiny_llm):
         tiny_llm.generate(
             ["Hi"], SamplingParams(structured_outputs=StructuredOutputsParams(regex="a{2,1")), use_tqdm=False
         )
+
+
+@pytest.mark.parametrize("so", [dict(grammar="root ::= root"), dict(regex="[^\\x00-\\U0010FFFF]")])
+def test_grammar_matching_no_text_is_refused(tiny_llm, so):
+    """xgrammar parses these, but its matcher allows no first token and cannot end: refused
+    before generation (was an empty answer and a warning per request)."""
+    with pytest.raises(ValueError, match="matches no text"):
+        tiny_llm.generate(
+            ["Hi"], SamplingParams(structured_outputs=StructuredOutputsParams(**so)), use_tqdm=False
+        )
+    for ok in ('root ::= "a" | root', 'root ::= ""'):  # a usable alternative, the empty text
+        check(StructuredOutputsParams(grammar=ok))
 
 
 def test_abort_while_compiling(tiny_llm):

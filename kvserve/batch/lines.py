@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import secrets
 
+from kvserve.tokenizer import lone_surrogate
+
 
 class LineError(ValueError):
     """A line that cannot be run; it becomes an error line, the batch goes on."""
@@ -27,7 +29,7 @@ def parse_line(raw: bytes, endpoint: str) -> tuple[str, dict]:
     custom_id = obj.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
         raise LineError("custom_id: required, a non-empty string", "missing_custom_id")
-    if not _is_unicode(custom_id):
+    if lone_surrogate(custom_id) is not None:
         raise LineError(
             "custom_id: must be valid Unicode text (it holds a lone surrogate such as \\ud800)",
             "invalid_custom_id",
@@ -46,15 +48,6 @@ def parse_line(raw: bytes, endpoint: str) -> tuple[str, dict]:
     if body.get("stream"):
         raise LineError("body.stream: streaming is not available in a batch", "invalid_body", custom_id)
     return custom_id, body
-
-
-def _is_unicode(text: str) -> bool:
-    """False for a string holding a lone surrogate: valid in JSON ("\\ud800"), not UTF-8."""
-    try:
-        text.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _req_id() -> str:

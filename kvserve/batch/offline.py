@@ -87,13 +87,24 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
 
 
 def register(sub, add_engine_args) -> None:
+    # Checked while parsing, before the model loads: a missing input, an output in a missing
+    # directory or a window below 1 ('Semaphore initial value must be >= 0') once surfaced after.
+    from kvserve.argtypes import positive_int, readable_file, writable_file
+
     p = sub.add_parser("run-batch", help="run an OpenAI batch file offline (no server)")
-    p.add_argument("-i", "--input", required=True, help="input .jsonl (one request per line)")
-    p.add_argument("-o", "--output", required=True, help="output .jsonl (results and error lines)")
+    p.add_argument(
+        "-i", "--input", type=readable_file, required=True, help="input .jsonl (one request per line)"
+    )
+    p.add_argument(
+        "-o", "--output", type=writable_file, required=True, help="output .jsonl (results and error lines)"
+    )
     p.add_argument("--model", default="smollm2-135m", help="alias, .gguf file or HF directory")
     p.add_argument("--served-model-name", default=None, help="the model name lines may use")
     p.add_argument(
-        "--window", type=int, default=None, help="requests in the engine at once (default max-num-seqs)"
+        "--window",
+        type=positive_int,
+        default=None,
+        help="requests in the engine at once (default max-num-seqs)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_engine_args(p)

@@ -34,6 +34,15 @@ def _open_at(path: Path, size: int) -> IO[bytes]:
     return f
 
 
+def truncate_uncommitted(path: Path, size: int) -> None:
+    """Drop what was written to a batch's file after its last commit (when the file exists)."""
+    try:
+        with open(path, "r+b") as f:
+            f.truncate(size)
+    except FileNotFoundError:
+        pass
+
+
 class DurableSink:
     def __init__(
         self, conn: sqlite3.Connection, batch_id: str, out_path: Path, err_path: Path, resume: tuple

@@ -10,7 +10,7 @@ import time
 from kvserve.batch.execute import execute_line
 from kvserve.batch.files import FileStore
 from kvserve.batch.jobs import JobStore
-from kvserve.batch.output import DurableSink
+from kvserve.batch.output import DurableSink, truncate_uncommitted
 from kvserve.batch.runner import LineRunner
 from kvserve.batch.validate import duplicate_errors, scan_input
 
@@ -56,12 +56,18 @@ class BatchService:
         self._queue.put_nowait(batch_id)
 
     def cancel(self, batch_id: str) -> dict:
-        """A running batch stops at its next check; one not started yet (queued behind another)
-        is cancelled at once, not when the worker reaches it."""
+        """A running batch stops at its next check; one the worker is not on (queued behind
+        another, never started or resumed after a restart) is cancelled at once, not when the
+        worker reaches it."""
         obj = self.jobs.raw(batch_id)
         if obj["status"] in ("validating", "in_progress"):
             obj = self.jobs.set_status(obj, "cancelling")
-            if obj["in_progress_at"] is None and batch_id != self._current:
+            if batch_id != self._current:
+                # A resumed batch's files may hold lines written after its last commit (a
+                # kill -9): cut them back as a resume would, so only recorded lines are kept.
+                _, _, out_bytes, err_bytes, _ = self.jobs.resume_point(batch_id)
+                truncate_uncommitted(self.files.path(obj["_output_path_id"]), out_bytes)
+                truncate_uncommitted(self.files.path(obj["_error_path_id"]), err_bytes)
                 self._finalize(obj)
             else:
                 self._cancelled.add(batch_id)
@@ -90,9 +96,11 @@ class BatchService:
             path = self.files.dir / obj["input_file_id"]
             try:
                 scan = await asyncio.to_thread(scan_input, path)
-            except OSError as e:
+            except OSError as e:  # str(e) would show the server's storage path to the client
+                why = "it was deleted" if isinstance(e, FileNotFoundError) else e.strerror or type(e).__name__
+                message = f"input_file_id: {obj['input_file_id']} cannot be read ({why})"
                 self.jobs.set_status(
-                    obj, "failed", errors=_errors("file_unreadable", str(e), "input_file_id")
+                    obj, "failed", errors=_errors("file_unreadable", message, "input_file_id")
                 )
                 return
             total = scan.total

@@ -5,7 +5,14 @@ from __future__ import annotations
 import argparse
 import math
 
-from kvserve.argtypes import positive_int
+from kvserve.argtypes import (
+    json_object,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    rate,
+)
 from kvserve.bench.datasets import DATASETS
 
 
@@ -15,12 +22,18 @@ def add_dataset_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dataset-path", default=None,
                    help="jsonl: a JSONL file; trace: a JSONL trace or bursty:... spec")  # fmt: skip
     g.add_argument("--tokenizer", default=None, help="alias, .gguf or HF directory (default: --model)")
-    g.add_argument("--num-prompts", type=int, default=100)
-    g.add_argument("--input-len", type=int, default=128, help="prompt tokens (chat: the median)")
-    g.add_argument("--output-len", type=int, default=128, help="max_tokens (chat: the median)")
-    g.add_argument("--range-ratio", type=float, default=0.0, help="random/prefix lengths in len*(1±r)")
-    g.add_argument("--prefix-len", type=int, default=256, help="prefix dataset: shared prefix tokens")
-    g.add_argument("--num-prefix-groups", type=int, default=4, help="prefix dataset: distinct prefixes")
+    g.add_argument("--num-prompts", type=positive_int, default=100)
+    g.add_argument("--input-len", type=positive_int, default=128, help="prompt tokens (chat: the median)")
+    g.add_argument("--output-len", type=positive_int, default=128, help="max_tokens (chat: the median)")
+    g.add_argument(
+        "--range-ratio", type=non_negative_float, default=0.0, help="random/prefix lengths in len*(1±r)"
+    )
+    g.add_argument(
+        "--prefix-len", type=non_negative_int, default=256, help="prefix dataset: shared prefix tokens"
+    )
+    g.add_argument(
+        "--num-prefix-groups", type=positive_int, default=4, help="prefix dataset: distinct prefixes"
+    )
     g.add_argument("--seed", type=int, default=0)
 
 
@@ -33,12 +46,14 @@ def add_serve_args(p: argparse.ArgumentParser, single_url: bool = True) -> None:
                    help="completions prompt as text or token ids")  # fmt: skip
     p.add_argument("--api-key", default=None)
     p.add_argument("--ignore-eos", action="store_true", help="fixed output lengths (server extension)")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--extra-body", default=None, help="JSON merged into every request body")
-    p.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (inf: all at once)")
-    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrivals (1: Poisson)")
+    p.add_argument("--temperature", type=non_negative_float, default=0.0)
+    p.add_argument("--extra-body", type=json_object, default=None, help="JSON merged into every request body")
+    p.add_argument("--request-rate", type=rate, default=math.inf, help="requests/s (inf: all at once)")
+    p.add_argument(
+        "--burstiness", type=positive_float, default=1.0, help="gamma shape of arrivals (1: Poisson)"
+    )
     p.add_argument("--max-concurrency", type=positive_int, default=None)
-    p.add_argument("--warmup", type=int, default=0, help="untimed requests sent first")
+    p.add_argument("--warmup", type=non_negative_int, default=0, help="untimed requests sent first")
     p.add_argument("--slo", default=None, help="goodput SLOs in ms, e.g. ttft:500,tpot:50")
     p.add_argument("--disable-tqdm", action="store_true")
     add_dataset_args(p)
@@ -47,9 +62,9 @@ def add_serve_args(p: argparse.ArgumentParser, single_url: bool = True) -> None:
 def add_offline_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="alias, .gguf file or HF directory")
     p.add_argument("--kv-cache-memory", default="2GiB")
-    p.add_argument("--max-num-seqs", type=int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=positive_int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--ignore-eos", action="store_true", help="fixed output lengths")
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--temperature", type=non_negative_float, default=0.0)
     add_dataset_args(p)

@@ -13,6 +13,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvserve.bench.report import format_table, save_json
     from kvserve.bench.serve import prepare, run_serve
 
+    if args.save_detailed and not args.save_result:  # the timings go into that file only
+        print(
+            "error: save-detailed: needs --save-result FILE to write the per-request timings to",
+            file=sys.stderr,
+        )
+        return 2
     try:
         tok, requests = prepare(args)
         res = run_serve(args, args.base_url, tok, requests, detailed=args.save_detailed)
@@ -74,7 +80,7 @@ def register(subparsers) -> None:
     sweep.add_argument("--label", action="append", help="legend name per --base-url")
     sweep.add_argument("--concurrencies", default=None, help="e.g. 1,8,32 (all prompts sent at once)")
     sweep.add_argument("--rates", default=None, help="requests/s, e.g. 1,2,4,inf")
-    sweep.add_argument("--plot", default="bench_sweep.png", help="PNG path")
+    sweep.add_argument("--plot", type=writable_file, default="bench_sweep.png", help="PNG path")
     sweep.add_argument("--title", default=None)
     sweep.add_argument("--save-result", type=writable_file, default=None, help="all runs as JSON")
     add_serve_args(sweep, single_url=False)

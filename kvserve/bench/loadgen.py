@@ -24,6 +24,7 @@ import msgspec
 
 from kvserve.bench.datasets import BenchRequest
 
+_ANSWERED = ("stop", "length", "tool_calls")  # finish reasons of a complete answer (not an abort)
 _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder().encode
 
@@ -95,6 +96,7 @@ async def send_one(
     chat = cfg.endpoint == "chat"
     times: list[float] = []
     pieces: list[str] = []
+    finished: float | None = None  # when a choice's finish_reason came (an answer may have no text)
     usage = None
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else None
     t0 = time.perf_counter()
@@ -128,17 +130,21 @@ async def send_one(
                         if text:
                             times.append(now)
                             pieces.append(text)
+                        if c.get("finish_reason") in _ANSWERED and finished is None:
+                            finished = now
                     if obj.get("usage"):
                         usage = obj["usage"]
     except (aiohttp.ClientError, asyncio.TimeoutError, msgspec.DecodeError, OSError) as e:
         res.error = f"{type(e).__name__}: {e}"
         return res
     end = time.perf_counter()
-    if not times:
+    if not times and finished is None:
         res.error = "no text was streamed"
         return res
+    # An answer that ended with no text (the model's end-of-sequence first, a stop string at
+    # once) is an answer, as in vLLM's benchmark: its first token arrived with the finish.
     res.text = "".join(pieces)
-    res.ttft = times[0] - t0
+    res.ttft = (times[0] if times else finished) - t0
     res.latency = end - t0
     res.itl = [b - a for a, b in zip(times, times[1:])]
     if usage and usage.get("completion_tokens") is not None:

@@ -1,9 +1,10 @@
 """Turn per-request timings into the serving metrics users compare stacks by.
 
-TTFT: request sent -> first chunk with text. ITL: gap between consecutive text chunks (a chunk
-may carry several tokens; that is what a user sees). TPOT: (e2e - TTFT) / (output tokens - 1),
-per request. Throughputs divide by the wall time of the whole run, first send to last byte.
-Goodput counts only requests that met every SLO given (milliseconds).
+TTFT: request sent -> first chunk with text (for an answer with none, the chunk that ends it).
+ITL: gap between consecutive text chunks (a chunk may carry several tokens; that is what a user
+sees). TPOT: (e2e - TTFT) / (output tokens - 1), per request. Throughputs divide by the wall
+time of the whole run, first send to last byte. Goodput counts only requests that met every SLO
+given (milliseconds).
 """
 
 from __future__ import annotations

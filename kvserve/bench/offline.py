@@ -22,7 +22,9 @@ def run_offline(args: argparse.Namespace) -> dict[str, Any]:
 
     knobs = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
              "dtype": args.dtype}  # fmt: skip
-    llm = LLM(args.model, kv_cache_memory=args.kv_cache_memory, **{k: v for k, v in knobs.items() if v})
+    llm = LLM(
+        args.model, kv_cache_memory=args.kv_cache_memory, **{k: v for k, v in knobs.items() if v is not None}
+    )
     if args.tokenizer and args.tokenizer != args.model:
         from kvserve.bench.datasets import load_bench_tokenizer
 
@@ -43,10 +45,18 @@ def run_offline(args: argparse.Namespace) -> dict[str, Any]:
     in_tok = sum(len(p) for p in prompts)
     out_tok = sum(len(o.outputs[0].token_ids) for o in outs)
     ttfts = [t for o in outs if (t := o.metrics.time_to_first_token) is not None]
+    cfg = llm.llm_engine.config
     return {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "model": args.model,
         "dataset": {k: v for k, v in asdict(dataset_config(args)).items() if k != "extra"},
+        # what the run used (defaults resolved), as bench serve's "load": throughput without it
+        # cannot be compared or reproduced
+        "engine": {
+            "kv_cache_memory": args.kv_cache_memory, "max_num_seqs": cfg.max_num_seqs,
+            "max_num_batched_tokens": cfg.max_num_batched_tokens, "dtype": cfg.dtype,
+            "ignore_eos": args.ignore_eos, "temperature": args.temperature,
+        },
         "metrics": {
             "completed": len(outs), "duration_s": duration, "total_input_tokens": in_tok,
             "total_output_tokens": out_tok, "request_throughput": len(outs) / duration,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
-import json
 import math
 from dataclasses import asdict
 from typing import Any
@@ -25,9 +24,7 @@ def dataset_config(args: argparse.Namespace) -> DatasetConfig:
 
 
 def load_config(args: argparse.Namespace, base_url: str) -> LoadConfig:
-    extra = json.loads(args.extra_body) if args.extra_body else {}
-    if not isinstance(extra, dict):
-        raise ValueError("extra-body: must be a JSON object")
+    extra = args.extra_body or {}  # parsed and checked by argtypes.json_object
     return LoadConfig(
         base_url=base_url, model=args.model, endpoint=args.endpoint, request_rate=args.request_rate,
         burstiness=args.burstiness, max_concurrency=args.max_concurrency, ignore_eos=args.ignore_eos,
@@ -38,7 +35,17 @@ def load_config(args: argparse.Namespace, base_url: str) -> LoadConfig:
 
 def prepare(args: argparse.Namespace) -> tuple[Any, list[BenchRequest]]:
     """The tokenizer and the dataset (built once, reused by every run of a sweep)."""
-    tok = load_bench_tokenizer(args.tokenizer or args.model)
+    try:
+        tok = load_bench_tokenizer(args.tokenizer or args.model)
+    except FileNotFoundError as e:
+        if args.tokenizer:  # the loader's message starts "model:", a flag of its own here
+            raise FileNotFoundError(f"tokenizer: {str(e).partition(': ')[2]}") from e
+        # --model is the name the server answers to, which often is no local model: say which
+        # flag names the tokenizer, rather than only that "model" was not found
+        raise FileNotFoundError(
+            f"tokenizer: --model {args.model!r} is no local model (alias, .gguf file or Hugging Face "
+            "directory) to build the prompts with; pass --tokenizer"
+        ) from e
     return tok, build_dataset(tok, dataset_config(args))
 
 
@@ -49,11 +56,11 @@ def run_serve(
     slo = parse_slo(args.slo)
     if cfg.prompt_format == "ids" and cfg.endpoint == "chat":
         raise ValueError("prompt-format: ids only works with the completions endpoint")
-    spec_before = scrape_spec_counters(base_url)
+    spec_before = scrape_spec_counters(base_url, cfg.api_key)
     results, duration = asyncio.run(
         run_load(cfg, requests, lambda s: len(tok.encode(s, add_special_tokens=False)), args.warmup)
     )
-    spec = spec_decode_summary(spec_before, scrape_spec_counters(base_url))
+    spec = spec_decode_summary(spec_before, scrape_spec_counters(base_url, cfg.api_key))
     out: dict[str, Any] = {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "base_url": base_url,

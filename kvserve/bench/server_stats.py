@@ -12,10 +12,16 @@ from prometheus_client.parser import text_string_to_metric_families
 _COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 
 
-def scrape_spec_counters(base_url: str) -> dict[str, float] | None:
+def scrape_spec_counters(base_url: str, api_key: str | None = None) -> dict[str, float] | None:
+    """/metrics at the server root: `--base-url` may end in /v1 (as the requests accept), and
+    a server with --metrics-require-key wants the key (else 401, and no summary, unsaid)."""
+    root = base_url.rstrip("/").removesuffix("/v1")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     try:
-        text = httpx.get(f"{base_url.rstrip('/')}/metrics", timeout=5).text
-        families = list(text_string_to_metric_families(text))
+        r = httpx.get(f"{root}/metrics", headers=headers, timeout=5)
+        if r.status_code != 200:
+            return None
+        families = list(text_string_to_metric_families(r.text))
     except (httpx.HTTPError, ValueError):
         return None
     totals: dict[str, float] = {}

@@ -14,14 +14,17 @@ from typing import Any
 from kvserve.bench.serve import prepare, run_serve
 
 
-def parse_points(spec: str) -> list[float]:
-    """'1,8,32' -> [1.0, 8.0, 32.0]; 'inf' allowed for rates."""
+def parse_points(spec: str, whole: bool = False) -> list[float]:
+    """'1,8,32' -> [1.0, 8.0, 32.0]; 'inf' allowed for rates. whole: concurrencies, which must
+    be whole numbers (0.5 ran with no cap at all, inf was an OverflowError after the setup)."""
     try:
         points = [float(x) for x in spec.split(",") if x.strip()]
     except ValueError:
         raise ValueError(f"points: {spec!r} must be comma-separated numbers") from None
-    if not points or any(p <= 0 for p in points):
+    if not points or any(math.isnan(p) or p <= 0 for p in points):
         raise ValueError("points: give at least one positive value")
+    if whole and not all(math.isfinite(p) and p == int(p) for p in points):
+        raise ValueError(f"concurrencies: {spec!r} must be whole numbers >= 1")
     return points
 
 
@@ -33,7 +36,7 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
     if labels and len(labels) != len(args.base_url):
         raise ValueError("label: give one --label per --base-url")
     kind = "max_concurrency" if args.concurrencies else "request_rate"
-    points = parse_points(args.concurrencies or args.rates)
+    points = parse_points(args.concurrencies or args.rates, whole=kind == "max_concurrency")
     tok, requests = prepare(args)
     series = []
     for i, url in enumerate(args.base_url):

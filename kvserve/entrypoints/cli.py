@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from dataclasses import fields
 
-from kvserve.argtypes import finite_float
+from kvserve.argtypes import finite_float, port
 from kvserve.config import EngineConfig
 from kvserve.entrypoints.openai.server_config import ServerConfig
 from kvserve.routing.registry import SERVE_POLICIES
@@ -68,6 +69,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not args.chat and not args.prompt:  # before the model loads: seconds, for nothing
         print("error: prompt: give a prompt, or --chat for a conversation", file=sys.stderr)
         return 2
+    # each was silently dropped: --system without --chat, the prompt with it
+    if args.system is not None and not args.chat:
+        print("error: system: --system is for --chat (a plain prompt has no chat template)", file=sys.stderr)
+        return 2
+    if args.chat and args.prompt:
+        print("error: prompt: --chat reads the conversation from stdin; drop the prompt", file=sys.stderr)
+        return 2
     try:
         params = _sampling(args)
         engine = LLMEngine(engine_config(args))
@@ -106,7 +114,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
         turn += 1
 
 
+def _auth_error(args: argparse.Namespace) -> str | None:
+    """Key settings that would leave the server more open than asked, each once silent: an
+    empty --api-key (then 'Authorization: Bearer ' with nothing after it passed), a key for
+    the naive baseline (which checks none), --metrics-require-key with no key to require."""
+    if args.api_key and not all(args.api_key):
+        return "api-key: must not be empty"
+    if args.engine == "naive" and (args.api_key or args.metrics_require_key):
+        return (
+            "api-key: --engine naive (the transformers baseline) does not check keys; serve it locally only"
+        )
+    if args.metrics_require_key and not (args.api_key or os.environ.get("KVSERVE_API_KEY")):
+        return "metrics-require-key: needs --api-key (or KVSERVE_API_KEY); /metrics would stay open"
+    return None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
+    problem = _auth_error(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     if args.engine == "naive":
         from kvserve.entrypoints.naive_server import serve_naive
 
@@ -176,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     srv.add_argument("model", nargs="?", default="smollm2-135m", help="alias, .gguf file or HF directory")
     srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--port", type=port, default=8000)
     srv.add_argument("--api-key", action="append", default=None,
                      help="require this bearer key (repeat for several; or set KVSERVE_API_KEY)")  # fmt: skip
     srv.add_argument("--metrics-require-key", action="store_true", help="/metrics needs an API key too")
@@ -241,7 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     gw = sub.add_parser("gateway", help="one OpenAI endpoint over many backends (keys, limits, budgets)")
     gw.add_argument("--config", required=True, help="gateway YAML (see docs/GATEWAY.md)")
     gw.add_argument("--host", default="127.0.0.1")
-    gw.add_argument("--port", type=int, default=4000)
+    gw.add_argument("--port", type=port, default=4000)
     gw.add_argument("--disable-web-ui", action="store_true", help="no chat at / and no /dashboard")
     gw.set_defaults(func=cmd_gateway)
 
@@ -249,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("--prefill", nargs="+", required=True, help="base URL(s) of kv_producer servers")
     pd.add_argument("--decode", nargs="+", required=True, help="base URL(s) of kv_consumer servers")
     pd.add_argument("--host", default="127.0.0.1")
-    pd.add_argument("--port", type=int, default=8100)
+    pd.add_argument("--port", type=port, default=8100)
     pd.set_defaults(func=cmd_pd_proxy)
 
     from kvserve.planner.cli import register as register_plan

@@ -24,21 +24,33 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
         f"model {args.model}  dtype {cfg.dtype}  quantization {cfg.quantization or 'none'}  "
         f"kv-cache {cfg.kv_cache_dtype}"
     )
+    cut = f" (--window {args.window} is more than the model holds)" if res.window < args.window else ""
     print(
-        f"perplexity {res.perplexity:.4f}  ({res.num_tokens} tokens scored in {res.num_windows} windows, "
-        f"{res.tokens_per_s:.1f} tokens/s)"
+        f"perplexity {res.perplexity:.4f}  ({res.num_tokens} tokens scored in {res.num_windows} windows "
+        f"of {res.window}{cut}, {res.tokens_per_s:.1f} tokens/s)"
     )
-    if args.json:
+    if args.json:  # the window and corpus too: a perplexity means little without them
         row = {"model": args.model, "dtype": cfg.dtype, "quantization": cfg.quantization,
                "kv_cache_dtype": cfg.kv_cache_dtype, "perplexity": res.perplexity, "nll": res.nll,
-               "tokens": res.num_tokens, "windows": res.num_windows, "seconds": res.seconds}  # fmt: skip
+               "tokens": res.num_tokens, "windows": res.num_windows, "window": res.window,
+               "corpus": args.corpus or "persuasion_ch1-8 (shipped)", "seconds": res.seconds}  # fmt: skip
         with open(args.json, "w") as f:
             json.dump(row, f, indent=2)
     return 0
 
 
+def _window(text: str) -> int:
+    """At least 2 tokens (the first of a window is not scored): checked before the model loads."""
+    from kvserve.argtypes import positive_int
+
+    value = positive_int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"must be >= 2, got {value}")
+    return value
+
+
 def register(sub) -> None:
-    from kvserve.argtypes import positive_int, readable_file, writable_file
+    from kvserve.argtypes import positive_int, utf8_text_file, writable_file
     from kvserve.entrypoints.cli import add_engine_args
 
     ev = sub.add_parser("eval", help="quality evaluation through the engine")
@@ -49,12 +61,14 @@ def register(sub) -> None:
     )
     p.add_argument("model", nargs="?", default="smollm2-135m", help="alias, .gguf file or HF directory")
     p.add_argument(
-        "--corpus", type=readable_file, default=None, help="a UTF-8 text file instead of the shipped corpus"
+        "--corpus", type=utf8_text_file, default=None, help="a UTF-8 text file instead of the shipped corpus"
     )
     p.add_argument(
         "--max-tokens", type=positive_int, default=None, help="score only the first N corpus tokens"
     )
-    p.add_argument("--window", type=int, default=1024, help="tokens per scored window (non-overlapping)")
+    p.add_argument(
+        "--window", type=_window, default=1024, help="tokens per scored window (non-overlapping, >= 2)"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", type=writable_file, default=None, help="also write the result to this JSON file")
     add_engine_args(p)

@@ -28,6 +28,7 @@ class PerplexityResult:
     num_tokens: int  # tokens scored
     num_windows: int
     seconds: float
+    window: int = 0  # tokens per window as run (the one asked for, cut to what the engine holds)
 
     @property
     def tokens_per_s(self) -> float:
@@ -71,4 +72,4 @@ def perplexity(
     bar.close()
     seconds = time.perf_counter() - t0
     nll = total_nll / scored
-    return PerplexityResult(math.exp(nll), nll, scored, len(windows), seconds)
+    return PerplexityResult(math.exp(nll), nll, scored, len(windows), seconds, window)

@@ -123,12 +123,24 @@ def build_app(cfg: GatewayConfig, web_ui: bool = True) -> FastAPI:
         s.refuse_if_draining()
         return await s.gateway.handle(request, "/completions", s.authenticate(request))
 
+    def model_card(alias: str) -> dict:
+        return {"id": alias, "object": "model", "created": 0, "owned_by": "kvserve-gateway"}
+
     @app.get("/v1/models")
     async def models(request: Request):
         s = st()
         allowed = s.gateway.allowed_models(s.authenticate(request))
-        data = [{"id": a, "object": "model", "created": 0, "owned_by": "kvserve-gateway"} for a in allowed]
-        return {"object": "list", "data": data}
+        return {"object": "list", "data": [model_card(a) for a in allowed]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str):
+        """OpenAI's models.retrieve (was a route 404); an alias this key may not use is not found."""
+        s = st()
+        if model_id not in s.gateway.allowed_models(s.authenticate(request)):
+            raise GatewayError(
+                404, f"model: {model_id!r} does not exist", code="model_not_found", param="model"
+            )
+        return model_card(model_id)
 
     @app.get("/health")
     async def health():

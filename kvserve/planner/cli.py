@@ -101,8 +101,46 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     simulate_cli.add_arguments(p)
 
 
+# Options of one mode only (--max-num-seqs and --json are shared): given in the other mode they
+# were silently ignored (a model and --gpu did not change a --simulate run at all).
+PLAN_ONLY = (
+    "gpu", "num_gpus", "gpu_memory_utilization", "overhead", "dtype", "quantization", "kv_cache_dtype",
+    "max_model_len", "concurrency", "kv_cache_memory", "block_size", "context_len", "price_per_hour",
+    "api_price_in", "api_price_out", "tokens_per_day", "input_share", "utilization",
+)  # fmt: skip
+SIMULATE_ONLY = (
+    "step_overhead_ms", "token_ms", "decode_token_ms", "max_num_batched_tokens", "min_replicas",
+    "max_replicas", "target_saturation", "scale_interval", "cold_start", "scale_down_delay", "slo_ttft",
+    "slo_target",
+)  # fmt: skip
+
+
+def _set_options(args: argparse.Namespace, dests: tuple[str, ...]) -> list[str]:
+    """The flags among `dests` given a value other than their default."""
+    defaults = argparse.ArgumentParser()
+    _add_arguments(defaults)
+    return ["--" + d.replace("_", "-") for d in dests if getattr(args, d) != defaults.get_default(d)]
+
+
+def _mode_error(args: argparse.Namespace) -> str | None:
+    if args.simulate:
+        extra = (["MODEL"] if args.model else []) + _set_options(args, PLAN_ONLY)
+        if extra:
+            return (
+                f"{', '.join(extra)}: not used by --simulate (a replica is modelled by its step times: "
+                "--step-overhead-ms, --token-ms, --decode-token-ms); run the sizing plan separately"
+            )
+    elif extra := _set_options(args, SIMULATE_ONLY):
+        return f"{', '.join(extra)}: only used with --simulate TRACE"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     """Make the plan and print it; exit 1 when the model does not fit, 2 on bad input."""
+    problem = _mode_error(args)
+    if problem:
+        print(f"kvserve plan: error: {problem}", file=sys.stderr)
+        return 2
     if args.simulate:
         return simulate_cli.run(args)
     if args.model is None:

@@ -76,6 +76,10 @@ def resolve_precision(
     follows the compute dtype unless `--kv-cache-dtype` says otherwise (as vLLM)."""
     compute = canonical_dtype(dtype)
     if compute in QUANTIZED:
+        if quantization and canonical_dtype(quantization) != compute:  # one would be ignored
+            raise ValueError(
+                f"dtype {dtype} means {compute} weights, but quantization is {quantization}: give one of them"
+            )
         quantization, compute = quantization or compute, "bf16"
     quant = canonical_dtype(quantization) if quantization else "none"
     if quant not in QUANTIZED + ("none",):
@@ -520,6 +524,10 @@ def make_plan(req: PlanRequest, spec: ModelSpec | None = None) -> Plan:
     spec = spec or load_model_spec(req.model)
     prec = resolve_precision(req.dtype, req.quantization, req.kv_cache_dtype)
     max_len = req.max_model_len or spec.max_context
+    if req.context_len is not None and req.context_len > max_len:  # was cut to max_len unsaid
+        raise ValueError(
+            f"context_len {req.context_len} is more than max_model_len {max_len}: no sequence holds that much"
+        )
     ctx = min(req.context_len or 2048, max_len)
     kv_budget = None if req.kv_cache_memory is None else parse_memory_size(req.kv_cache_memory)
     gpu = get_gpu(req.gpu) if req.gpu else (None if kv_budget is not None else get_gpu(DEFAULT_GPU))

@@ -7,6 +7,7 @@ import argparse
 import json
 import sys
 
+from kvserve.argtypes import non_negative_float, positive_float, positive_int
 from kvserve.planner.simulate import (
     ReplicaModel,
     Result,
@@ -19,25 +20,40 @@ from kvserve.planner.trace import load_trace
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    # Finite numbers only: NaN step times simulated 0 tokens/s and an infinite one never ended.
     s = p.add_argument_group("autoscaling simulation (--simulate; docs/PLAN.md)")
     s.add_argument(
         "--simulate",
         metavar="TRACE",
         help="JSONL trace ({t, prompt_tokens, output_tokens} a line) or bursty[:k=v,...]",
     )
-    s.add_argument("--step-overhead-ms", type=float, default=20.0, help="per engine step, measured (20)")
-    s.add_argument("--token-ms", type=float, default=0.2, help="per prompt token computed in a step (0.2)")
-    s.add_argument("--decode-token-ms", type=float, default=None,
+    s.add_argument(
+        "--step-overhead-ms", type=non_negative_float, default=20.0, help="per engine step, measured (20)"
+    )
+    s.add_argument(
+        "--token-ms", type=non_negative_float, default=0.2, help="per prompt token computed in a step (0.2)"
+    )
+    s.add_argument("--decode-token-ms", type=non_negative_float, default=None,
                    help="per decoding sequence in a step, measured (default: --token-ms)")  # fmt: skip
-    s.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step (2048)")
-    s.add_argument("--min-replicas", type=int, default=1)
-    s.add_argument("--max-replicas", type=int, default=8)
-    s.add_argument("--target-saturation", type=float, default=0.8, help="the HPA's kvserve:saturation target")
-    s.add_argument("--scale-interval", type=float, default=15.0, help="seconds between autoscaler decisions")
-    s.add_argument("--cold-start", type=float, default=60.0, help="seconds from scale-up to serving")
-    s.add_argument("--scale-down-delay", type=float, default=300.0, help="stabilization window (s)")
-    s.add_argument("--slo-ttft", type=float, default=2.0, help="time-to-first-token SLO in seconds")
-    s.add_argument("--slo-target", type=float, default=0.99, help="share of requests that must meet it")
+    s.add_argument("--max-num-batched-tokens", type=positive_int, default=2048, help="tokens per step (2048)")
+    s.add_argument("--min-replicas", type=positive_int, default=1)
+    s.add_argument("--max-replicas", type=positive_int, default=8)
+    s.add_argument(
+        "--target-saturation", type=positive_float, default=0.8, help="the HPA's kvserve:saturation target"
+    )
+    s.add_argument(
+        "--scale-interval", type=positive_float, default=15.0, help="seconds between autoscaler decisions"
+    )
+    s.add_argument(
+        "--cold-start", type=non_negative_float, default=60.0, help="seconds from scale-up to serving"
+    )
+    s.add_argument(
+        "--scale-down-delay", type=non_negative_float, default=300.0, help="stabilization window (s)"
+    )
+    s.add_argument("--slo-ttft", type=positive_float, default=2.0, help="time-to-first-token SLO in seconds")
+    s.add_argument(
+        "--slo-target", type=positive_float, default=0.99, help="share of requests that must meet it"
+    )
     # --max-num-seqs and --json are shared with the sizing plan
 
 

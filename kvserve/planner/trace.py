@@ -40,8 +40,13 @@ def bursty(spec: str) -> list[Arrival]:
             opts[key.strip()] = float(value)
         except ValueError:
             raise ValueError(f"--simulate: {key}={value!r} is not a number") from None
+    bad = [k for k, v in opts.items() if not math.isfinite(v)]  # inf/nan: the loop never ended
+    if bad:
+        raise ValueError(f"--simulate: {', '.join(bad)}: must be finite")
     if opts["duration"] <= 0 or opts["rate"] < 0 or opts["burst_rate"] < 0 or opts["burst_every"] <= 0:
         raise ValueError("--simulate: duration and burst_every must be > 0, rates >= 0")
+    if opts["prompt"] < 1 or opts["output"] < 1 or opts["burst_len"] < 0:
+        raise ValueError("--simulate: prompt and output must be >= 1 (tokens), burst_len >= 0")
     rng = random.Random(int(opts["seed"]))
     out, t = [], 0.0
     peak = max(opts["rate"], opts["burst_rate"], 1e-9)
@@ -73,8 +78,8 @@ def load_trace(source: str) -> list[Arrival]:
                     raise ValueError(
                         f'{source}:{n}: expected {{"t", "prompt_tokens", "output_tokens"}} ({e})'
                     ) from None
-                if a.t < 0 or a.prompt_tokens < 1 or a.output_tokens < 1:
-                    raise ValueError(f"{source}:{n}: t must be >= 0 and token counts >= 1")
+                if not a.t >= 0 or math.isinf(a.t) or a.prompt_tokens < 1 or a.output_tokens < 1:
+                    raise ValueError(f"{source}:{n}: t must be finite and >= 0, token counts >= 1")
                 out.append(a)
     except OSError as e:
         raise ValueError(f"{source}: {e.strerror}") from None

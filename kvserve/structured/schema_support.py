@@ -39,7 +39,35 @@ def unsupported(schema: Any) -> tuple[str, str, str] | None:
             return "uniqueItems", path or "/", "unique items are not enforced"
         if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
             return "allOf", path or "/", "only the first of several allOf schemas would be enforced"
+        if isinstance(node.get("pattern"), str) and _has_lookaround(node["pattern"]):
+            return (
+                "pattern",
+                path or "/",
+                "lookahead and lookbehind assertions ((?=, (?!, (?<=, (?<!) are not enforced",
+            )
     return None
+
+
+def _has_lookaround(pattern: str) -> bool:
+    """Whether a regex holds a lookaround group; escaped characters and [...] classes, where
+    `(?=` is literal text, are skipped. xgrammar drops such a group with a log warning."""
+    i, in_class = 0, False
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+            if pattern.startswith("]", i + 1) or pattern.startswith("^]", i + 1):  # a literal ] first
+                i += 2 if pattern[i + 1] == "]" else 3
+                continue
+        elif pattern.startswith(("(?=", "(?!", "(?<=", "(?<!"), i):
+            return True
+        i += 1
+    return False
 
 
 def _subschemas(node: Any, path: str) -> Iterator[tuple[str, dict]]:

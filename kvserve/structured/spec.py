@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+import threading
 
 from kvserve.sampling_params import StructuredOutputsParams
 from kvserve.structured.schema_support import unsupported
@@ -57,11 +58,43 @@ def _check_key(kind: str, text: str, label: str | None) -> None:
                 key, where, why = refused
                 raise ValueError(f"{key} at {where} is not supported: {why}")
         elif kind == "regex":
-            xgr.Grammar.from_regex(text)
+            _refuse_if_empty(xgr.Grammar.from_regex(text))
         elif kind == "grammar":
-            xgr.Grammar.from_ebnf(text)
+            _refuse_if_empty(xgr.Grammar.from_ebnf(text))
     except (RuntimeError, ValueError, TypeError) as e:
         raise ValueError(f"structured_outputs: invalid {label}: {clean_error(e)}") from None
+
+
+_byte_compiler = None
+_byte_lock = threading.Lock()
+_STOP = 256  # the byte vocabulary's stop token
+
+
+def _refuse_if_empty(grammar) -> None:
+    """Raise ValueError when the grammar matches no text at all (e.g. `root ::= root`).
+
+    xgrammar parses such a grammar, and its matcher then allows no first token and cannot
+    end: every token the model samples is refused, so the request would answer empty text and
+    log a warning. Compiled against a vocabulary of the 256 single bytes plus a stop token (a
+    few milliseconds, independent of the model), a grammar that matches some text allows its
+    first byte, or the stop token when it matches the empty text; one that matches none allows
+    nothing. JSON schemas are not checked here: xgrammar refuses the empty ones itself
+    (`false`, an empty enum, minimum above maximum), and a large schema compiles slowly.
+    """
+    import xgrammar as xgr
+
+    global _byte_compiler
+    with _byte_lock:  # the API process's threads share one compiler
+        if _byte_compiler is None:
+            vocab = [bytes([b]) for b in range(256)] + [b"</s>"]
+            info = xgr.TokenizerInfo(vocab, vocab_type=xgr.VocabType.RAW, stop_token_ids=[_STOP])
+            _byte_compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        compiled = _byte_compiler.compile_grammar(grammar)
+    matcher = xgr.GrammarMatcher(compiled)
+    bitmask = xgr.allocate_token_bitmask(1, _STOP + 1)
+    matcher.fill_next_token_bitmask(bitmask)
+    if not bool(bitmask.any()):
+        raise ValueError("it matches no text (no first character is allowed and it cannot end)")
 
 
 def clean_error(e: Exception) -> str:

@@ -23,6 +23,25 @@ from kvserve.entrypoints.openai.response_store import ResponseNotFoundError, Res
 from kvserve.entrypoints.openai.responses_protocol import ResponsesRequest, input_messages, to_chat
 from kvserve.entrypoints.openai.serving import OpenAIServing
 
+# The chat request's fields that a Responses request calls otherwise: an error raised on the
+# chat path names the field this request sent (OpenAI's param), not the chat one.
+_CHAT_TO_RESPONSES = {
+    "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
+    "response_format": "text", "messages": "input", "prompt": "input",
+}  # fmt: skip
+
+
+def _name_responses_fields(e: ValueError) -> None:
+    """Rename, in place (so its class, and the error code it gives, stay), the chat field an
+    error starts with: 'max_tokens: ... + max_tokens (9000) exceed it' -> 'max_output_tokens:
+    ... + max_output_tokens (9000) exceed it'."""
+    if e.args and isinstance(e.args[0], str):
+        head, sep, rest = e.args[0].partition(":")
+        if sep and head in _CHAT_TO_RESPONSES:
+            if head == "max_tokens":  # the context-length message repeats it
+                rest = rest.replace("max_tokens (", "max_output_tokens (")
+            e.args = (f"{_CHAT_TO_RESPONSES[head]}:{rest}", *e.args[1:])
+
 
 def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
@@ -106,8 +125,12 @@ class ResponsesServing:
                 _, history = self.store.get(req.previous_response_id)
             except ResponseNotFoundError as e:
                 raise ValueError(f"previous_response_id: {e}") from None
-        chat_req = to_chat(req, history)
-        run = await self.serving.chat_run(chat_req, raw)
+        try:
+            chat_req = to_chat(req, history)
+            run = await self.serving.chat_run(chat_req, raw)
+        except ValueError as e:
+            _name_responses_fields(e)
+            raise
         rid = _new_id("resp")
         response = self._skeleton(req, rid, req.model or self.serving.model_names[0])
         conversation = history + input_messages(req.input)

@@ -27,6 +27,7 @@ from kvserve.entrypoints.openai.protocol import (
     ResponseFormat,
     ToolChoiceFunction,
 )
+from kvserve.tokenizer import lone_surrogate
 
 
 class FunctionTool(OpenAIBody):
@@ -150,6 +151,10 @@ def to_chat(req: ResponsesRequest, history: list[dict[str, Any]]) -> ChatComplet
     if req.background:
         raise ValueError("background: background responses are not supported; use stream=true")
     messages = list(history)
+    at = lone_surrogate(req.instructions or "")
+    if at is not None:  # found in the rendered prompt it would be named input, a field it is not in
+        bad = req.instructions[at]
+        raise ValueError(f"instructions: not valid Unicode: a lone surrogate ({bad!a}) at character {at}")
     if req.instructions:  # instructions apply to this turn only (they are not carried forward)
         messages = [{"role": "system", "content": req.instructions}, *messages]
     messages += input_messages(req.input)

@@ -50,6 +50,7 @@ from kvserve.entrypoints.sse_json import sse_json
 from kvserve.model.loader import load_arch
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
+from kvserve.tokenizer import lone_surrogate
 
 # apply_chat_template's own parameters: chat_template_kwargs may not set them
 RESERVED_TEMPLATE_KWARGS = frozenset(
@@ -134,12 +135,9 @@ class OpenAIServing:
     def _encode(self, field: str, text: str, add_special_tokens: bool) -> list[int]:
         """Tokenized, where a lone surrogate (valid JSON: "\\ud800", but no character) is the
         client's 400, not the tokenizer's TypeError."""
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise ValueError(
-                f"{field}: not valid Unicode: a lone surrogate ({text[e.start]!a}) at character {e.start}"
-            ) from None
+        at = lone_surrogate(text)
+        if at is not None:
+            raise ValueError(f"{field}: not valid Unicode: a lone surrogate ({text[at]!a}) at character {at}")
         return self.tokenizer.encode(text, add_special_tokens)
 
     async def render_chat(self, req: ChatCompletionRequest | TokenizeRequest) -> list[int]:
