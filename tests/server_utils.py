@@ -28,8 +28,11 @@ class ServerProcess:
         log_path: str | None = None,
         env: dict[str, str] | None = None,
         cwd: str | None = None,
+        new_session: bool = False,
     ) -> None:
-        """`cwd` also picks the kvserve tree that runs (`python -m` imports from there first)."""
+        """`cwd` also picks the kvserve tree that runs (`python -m` imports from there first);
+        `new_session`: the server and its children in a process group of their own (its id the
+        server's pid), as a service manager or `setsid` starts them."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
@@ -47,8 +50,9 @@ class ServerProcess:
             cmd += ["--api-key", api_key]
         self.log = open(log_path or os.devnull, "w")
         self.proc = subprocess.Popen(
-            cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, cwd=cwd
-        )
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, cwd=cwd,
+            start_new_session=new_session,
+        )  # fmt: skip
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -117,9 +117,15 @@ def test_restart_limit_zero_leaves_the_engine_down(tiny_llama_dir):
         s.stop()
 
 
-def test_sigterm_drains_in_flight_streams(tiny_llama_dir):
+@pytest.mark.parametrize("to", ["server", "group"])
+def test_sigterm_drains_in_flight_streams(tiny_llama_dir, to):
+    """SIGTERM to the server alone, or to its whole process group as `timeout`, a terminal or a
+    service manager sends it: the engine core (and any rank) ignores it, so the drain finishes
+    the streams. Sent to the group, it once killed the core too: the server restarted it in the
+    middle of the drain and the streams failed."""
     before = ipc_files()
-    s = ServerProcess(tiny_llama_dir, *MODEL_ARGS, "--max-num-seqs", "8", "--shutdown-timeout", "20")
+    args = (*MODEL_ARGS, "--max-num-seqs", "8", "--shutdown-timeout", "20")
+    s = ServerProcess(tiny_llama_dir, *args, new_session=to == "group")
     try:
         children = psutil.Process(s.proc.pid).children(recursive=True)
 
@@ -129,7 +135,10 @@ def test_sigterm_drains_in_flight_streams(tiny_llama_dir):
                 streams = [asyncio.create_task(read_stream(http, s, LONG, started)) for _ in range(8)]
                 while len(started) < 8:
                     await asyncio.sleep(0.01)
-                s.proc.send_signal(signal.SIGTERM)
+                if to == "group":
+                    os.killpg(s.proc.pid, signal.SIGTERM)
+                else:
+                    s.proc.send_signal(signal.SIGTERM)
                 sent = time.monotonic()
                 await asyncio.sleep(0.05)
                 late = await http.post(f"{s.url}/v1/completions", json=LONG, headers=s.headers)

@@ -443,11 +443,8 @@ class AsyncLLM:
         self._unlisten()
         if self._watch_task is not None:
             self._watch_task.cancel()
-        if self.proc.is_alive():
-            self.proc.terminate()
+        if self.proc.is_alive():  # SIGKILL: the core ignores SIGTERM (core_proc.ignore_stop_signals)
+            self.proc.kill()
             self.proc.join(5)
-            if self.proc.is_alive():
-                self.proc.kill()
-                self.proc.join(5)
         self._close_sockets()
         self._ctx.term()

@@ -79,6 +79,16 @@ def _die_with_parent() -> None:
     threading.Thread(target=watch, daemon=True, name="parent-watch").start()
 
 
+def ignore_stop_signals() -> None:
+    """SIGINT and SIGTERM are the API process's to act on: a terminal's Ctrl-C, `timeout`, or
+    systemd's stop reach every process of the group (or cgroup), and a core that died of them
+    would be restarted in the middle of the drain they start, failing the requests it was
+    finishing. The API process stops the core with SIGKILL (AsyncLLM.shutdown), and the kernel
+    does when the API process dies (PR_SET_PDEATHSIG)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def run_engine_core(
     config: EngineConfig,
     input_addr: str,
@@ -93,7 +103,7 @@ def run_engine_core(
         import torch
 
         torch.set_num_threads(num_threads)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process decides when we stop
+    ignore_stop_signals()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s [core]: %(message)s")
     ctx = zmq.Context()
     inp = ctx.socket(zmq.PULL)

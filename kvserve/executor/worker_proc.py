@@ -37,6 +37,10 @@ def _die_with_parent() -> None:
 
 def run_rank(cfg_bytes: bytes, rank: int, step_addr: str, result_addr: str, parent_pid: int) -> None:
     _die_with_parent()
+    # The engine stops its ranks (SHUTDOWN, then SIGKILL): a signal to the whole group (Ctrl-C,
+    # `timeout`, systemd's stop) is the API process's to drain on, not a rank's to die of.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     import torch
 
     torch.set_num_threads(1)
