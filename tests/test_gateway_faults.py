@@ -103,6 +103,7 @@ def test_death_mid_stream_gives_an_sse_error_and_no_retry(gw, fault):
         for chunk in client(gw).chat.completions.create(model="die", messages=MSG, max_tokens=8, stream=True):
             text += chunk.choices[0].delta.content or "" if chunk.choices else ""
     assert "mid-stream" in str(e.value)
+    assert e.value.body["code"] == "upstream_error"  # a string code, as outside a stream
     assert text == " tok tok"  # what arrived before the death, then the error — not a silent end
     assert fault.count("die") == before_die + 1 and fault.count("ok") == before_ok
 
@@ -208,6 +209,27 @@ def test_auth_and_model_errors(gw):
     assert r.status_code == 400 and r.json()["error"]["param"] == "model"
     ids = [m.id for m in client(gw, "sk-limited").models.list().data]
     assert ids == ["okgroup"]
+
+
+def test_gateway_errors_have_string_codes(gw):
+    """error.code is a string everywhere, as kvserve serve answers (these carried the HTTP
+    status, an int)."""
+    h = {"Authorization": f"Bearer {KEY}"}
+    r = post(gw, "retry500", key="sk-limited")
+    assert r.status_code == 403 and r.json()["error"]["code"] == "permission_denied"
+    r = httpx.post(gw.url + "/v1/chat/completions", content=b"{nope", headers=h)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    r = httpx.post(gw.url + "/v1/chat/completions", json={"messages": MSG}, headers=h)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request"
+    r = httpx.get(gw.url + "/v1/nothing-here", headers=h)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", r.text
+    assert "/v1/nothing-here" in r.json()["error"]["message"]
+    r = httpx.get(gw.url + "/v1/chat/completions", headers=h)
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+    r = httpx.post(
+        gw.url + "/admin/keys", json={"rpm": "lots"}, headers={"Authorization": f"Bearer {MASTER}"}
+    )
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_value"
 
 
 def test_key_rpm_limit_gives_429_with_headers(gw):

@@ -105,11 +105,11 @@ def build_app(cfg: GatewayConfig, web_ui: bool = True) -> FastAPI:
     async def _validation(_: Request, e: RequestValidationError):
         err = e.errors()[0]
         loc = ".".join(str(p) for p in err["loc"][1:]) or "body"
-        return GatewayError(400, f"{loc}: {err['msg']}").response()
+        return GatewayError(400, f"{loc}: {err['msg']}", code="invalid_value").response()
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, e: StarletteHTTPException):
-        return GatewayError(e.status_code, str(e.detail), code=e.status_code).response()
+    async def _http(request: Request, e: StarletteHTTPException):
+        return GatewayError(e.status_code, f"{e.detail}: {request.method} {request.url.path}").response()
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):

@@ -503,9 +503,9 @@ async def _json_body(request: Request) -> dict:
     try:
         body = json.loads(raw)
     except ValueError:
-        raise GatewayError(400, "body: not valid JSON") from None
+        raise GatewayError(400, "body: not valid JSON", code="invalid_json") from None
     if not isinstance(body, dict):
-        raise GatewayError(400, "body: expected a JSON object")
+        raise GatewayError(400, "body: expected a JSON object", code="invalid_json")
     return body
 
 

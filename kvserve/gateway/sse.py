@@ -55,6 +55,8 @@ class SSERelay:
         return ev
 
 
-def error_event(message: str, code: int = 502) -> bytes:
+def error_event(message: str, code: str = "upstream_error") -> bytes:
+    """The final event of a stream whose deployment failed after its first byte (a string
+    code, as the error would carry outside a stream)."""
     body = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
     return b"data: " + json.dumps(body).encode() + b"\n\n"
