@@ -33,7 +33,7 @@ def _base(fault, tmp, **router) -> dict:
             deployment("die", u, "die"), deployment("ctx", u, "ctx-400"), deployment("big", u, "ok"),
             deployment("small", u, "ok", max_context=5), deployment("bad", u, "bad-400"),
             deployment("r429", u, "fail-429"), deployment("slow", u, "slow"),
-            deployment("hold", u, "hold-1"),
+            deployment("hold", u, "hold-1"), deployment("crlf", u, "crlf"),
             {"model_name": "deprpm", "id": "deprpm-a", "backend": {"base_url": u, "model": "ok", "rpm": 1}},
             {"model_name": "deprpm", "id": "deprpm-b", "backend": {"base_url": u, "model": "ok", "rpm": 1}},
             {"model_name": "priced", "backend": {"base_url": u, "model": "ok", "input_cost_per_token": 0.5,
@@ -191,6 +191,19 @@ def test_usage_chunk_only_when_the_client_asked(gw):
     assert chunks[-1].usage.completion_tokens == 3 and chunks[-1].usage.prompt_tokens == 3
 
 
+def test_a_backend_writing_crlf_events_streams_through(gw):
+    """SSE allows CRLF line ends (sse-starlette, behind many OpenAI-style servers, writes
+    them); the gateway looked for LF LF only, read the whole stream without finding a first
+    event and failed it as a closed connection (502 after retries)."""
+    c = client(gw)
+    chunks = list(c.chat.completions.create(model="crlf", messages=MSG, max_tokens=3, stream=True))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == " tok tok tok"
+    assert all(ch.usage is None for ch in chunks)  # the usage the gateway asked for is hidden again
+    chunks = list(c.chat.completions.create(model="crlf", messages=MSG, max_tokens=3, stream=True,
+                                            stream_options={"include_usage": True}))  # fmt: skip
+    assert chunks[-1].usage.completion_tokens == 3
+
+
 def test_auth_and_model_errors(gw):
     r = httpx.post(gw.url + "/v1/chat/completions", json={"model": "okgroup", "messages": MSG})
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
@@ -314,7 +327,7 @@ def test_admin_keys_create_use_revoke(gw):
 def test_health_readiness_and_metrics(gw):
     assert httpx.get(gw.url + "/health").json() == {"status": "ok"}
     ready = httpx.get(gw.url + "/health/readiness").json()
-    assert ready["status"] == "ready" and len(ready["deployments"]) == 16
+    assert ready["status"] == "ready" and len(ready["deployments"]) == 17
     text = httpx.get(gw.url + "/metrics").text
     assert "kvserve_gateway_requests_total" in text and "kvserve_gateway_attempts_total" in text
 

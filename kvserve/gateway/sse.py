@@ -18,6 +18,8 @@ class SSERelay:
     def feed(self, chunk: bytes) -> bytes:
         """Bytes to send on for this upstream chunk (whole events only)."""
         self._buf += chunk
+        if b"\r\n" in self._buf:  # CRLF line ends (sse-starlette's default) are valid SSE too
+            self._buf = self._buf.replace(b"\r\n", b"\n")  # (a trailing CR waits for its LF)
         if b"\n\n" not in self._buf:
             return b""
         *events, self._buf = self._buf.split(b"\n\n")
