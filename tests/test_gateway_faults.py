@@ -289,6 +289,25 @@ def test_a_request_dearer_than_the_whole_budget_is_a_400_that_says_why(gw):
     assert "26.5" in err["message"] and "whole budget of 5" in err["message"], err
 
 
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"prompt": ["a", "b"]},  # ~3 tokens (estimated): 1.5 + 8 x 0.25 = 3.5 a prompt, 5.5 for both
+        {"prompt": [[1, 2], [3, 4]]},  # ~5 tokens: 2.5 + 2.0 = 4.5 a prompt, 6.5 for both
+        {"prompt": "one two three", "best_of": 2},  # 3 tokens: 1.5 + 2.0 = 3.5 a sample, 5.5 for two
+    ],
+)
+def test_a_batch_or_best_of_reserves_every_sequence_it_may_draw(gw, extra):
+    """A completions batch draws max_tokens for each prompt, and best_of draws (and bills)
+    every sample; the reservation counted n only, so such a request could cost several times
+    what was reserved, and concurrent ones overspend the budget. (sk-budget: 5.0)"""
+    body = {"model": "priced", "max_tokens": 8, **extra}
+    r = httpx.post(gw.url + "/v1/completions", json=body, headers={"Authorization": "Bearer sk-budget"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "budget_exceeded" and "x 2 sequences" in err["message"], err
+
+
 def test_budget_reserves_then_settles_and_the_admin_api_reports_spend(gw):
     # each request reserves and costs 3 words * 0.5 + 2 tokens * 0.25 = 2.0; the budget is 5.0
     codes = [post(gw, "priced", key="sk-budget").status_code for _ in range(3)]

@@ -17,7 +17,7 @@ from fastapi.responses import Response, StreamingResponse
 from kvserve.disagg.prefill import run_prefill
 from kvserve.disagg.split import decode_body, disaggregates
 from kvserve.gateway.backends import BackendPool
-from kvserve.gateway.budgets import completion_budget, cost, max_cost
+from kvserve.gateway.budgets import completion_budget, cost, max_cost, sequences
 from kvserve.gateway.config import Deployment, GatewayConfig
 from kvserve.gateway.degrade import HEADER as DEGRADED_HEADER
 from kvserve.gateway.degrade import Degrader
@@ -189,7 +189,7 @@ class Gateway:
         counting = needs_tokens(probe) or any(d.backend.tpm or d.backend.max_context for d in deps)
         if counting:
             ctx.prompt_tokens = await self.pool.count_prompt_tokens(first, ctx.body)
-        n = ctx.body.get("n") if isinstance(ctx.body.get("n"), int) else 1
+        n = sequences(ctx.body)  # n x best_of x prompts: reserve less and concurrent requests overspend
         completion = completion_budget(ctx.body, ctx.prompt_tokens, first.backend.max_context)
         ctx.reserved_money = max_cost([d.backend for d in deps], ctx.prompt_tokens, completion, n)
         ctx.checks = tenant_checks(
@@ -203,8 +203,8 @@ class Gateway:
                 raise GatewayError(
                     400,
                     f"max_tokens: this request may cost up to {c.amount:.6g} ({ctx.prompt_tokens} prompt "
-                    f"tokens + {completion} completion tokens x n={n}), more than {who} whole budget of "
-                    f"{c.limit:g}; set a lower max_tokens",
+                    f"tokens + {completion} completion tokens x {n} sequences), more than {who} whole "
+                    f"budget of {c.limit:g}; set a lower max_tokens",
                     "invalid_request_error",
                     "budget_exceeded",
                     param="max_tokens",
