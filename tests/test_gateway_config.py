@@ -151,3 +151,24 @@ def test_cli_exits_nonzero_with_one_line(tmp_path):
     path.write_text("model_list: [\n")
     with pytest.raises(ConfigError, match=r"gw.yaml: line \d+: not valid YAML"):
         load_config(str(path))
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (
+            {"database": "/nonexistent/dir/gw.db"},
+            "error: general_settings.database: /nonexistent/dir/gw.db: unable",
+        ),
+        ({"state": "redis://127.0.0.1:notaport/0"}, "error: general_settings.state: Port could not be cast"),
+    ],
+)
+def test_cli_names_a_database_or_state_url_it_cannot_open(tmp_path, settings, message):
+    """These passed validation and then failed opening with a traceback (exit status 1)."""
+    path = tmp_path / "gw.yaml"
+    path.write_text(yaml.safe_dump({**OK, "general_settings": settings}))
+    p = subprocess.run([sys.executable, "-m", "kvserve.entrypoints.cli", "gateway", "--config", str(path)],
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(message), p.stderr

@@ -146,7 +146,11 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         return 2
     from kvserve.gateway.app import serve
 
-    return serve(cfg, args.host, args.port, web_ui=not args.disable_web_ui)
+    try:
+        return serve(cfg, args.host, args.port, web_ui=not args.disable_web_ui)
+    except ConfigError as e:  # found opening what the config names (database, state store)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 def cmd_pd_proxy(args: argparse.Namespace) -> int:

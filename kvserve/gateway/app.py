@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import sqlite3
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -16,7 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvserve.entrypoints.draining_server import DrainingServer
 from kvserve.gateway.admin import admin_router
 from kvserve.gateway.backends import BackendPool
-from kvserve.gateway.config import GatewayConfig
+from kvserve.gateway.config import ConfigError, GatewayConfig
 from kvserve.gateway.errors import GatewayError, unauthorized
 from kvserve.gateway.handler import Gateway
 from kvserve.gateway.keys import KeyRecord, KeyStore, open_database
@@ -34,9 +35,16 @@ class GatewayState:
 
     def __init__(self, cfg: GatewayConfig) -> None:
         self.cfg = cfg
-        self.store = open_store(cfg.general_settings.state)
-        self.keys = KeyStore(cfg, open_database(cfg.general_settings.database))
-        self.spend = SpendLog(open_database(cfg.general_settings.database))
+        gs = cfg.general_settings
+        try:  # a path or URL that cannot be opened: one line naming the setting, not a traceback
+            self.store = open_store(gs.state)
+        except ValueError as e:
+            raise ConfigError(f"general_settings.state: {e}") from None
+        try:
+            self.keys = KeyStore(cfg, open_database(gs.database))
+            self.spend = SpendLog(open_database(gs.database))
+        except sqlite3.Error as e:
+            raise ConfigError(f"general_settings.database: {gs.database}: {e}") from None
         self.pool = BackendPool(cfg)
         self.metrics = GatewayMetrics()
         self.gateway = Gateway(cfg, self.store, self.pool, self.spend, self.metrics)
@@ -168,6 +176,7 @@ def build_app(cfg: GatewayConfig, web_ui: bool = True) -> FastAPI:
 def serve(cfg: GatewayConfig, host: str, port: int, web_ui: bool = True) -> int:
     import uvicorn
 
+    app = build_app(cfg, web_ui)  # raises ConfigError for a database or state URL it cannot open
     log.info(
         "kvserve gateway on http://%s:%d: %d deployments, state %s",
         host,
@@ -175,7 +184,6 @@ def serve(cfg: GatewayConfig, host: str, port: int, web_ui: bool = True) -> int:
         len(cfg.model_list),
         cfg.general_settings.state.split("@")[-1],
     )
-    app = build_app(cfg, web_ui)
     uv = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
     DrainingServer(uv, app.state.gateway.lifecycle).run()
     return 0
