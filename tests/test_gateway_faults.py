@@ -34,6 +34,7 @@ def _base(fault, tmp, **router) -> dict:
             deployment("small", u, "ok", max_context=5), deployment("bad", u, "bad-400"),
             deployment("r429", u, "fail-429"), deployment("slow", u, "slow"),
             deployment("hold", u, "hold-1"), deployment("crlf", u, "crlf"),
+            deployment("pd400", u, "bad-400", prefill_url=u, max_parallel_requests=1),
             {"model_name": "deprpm", "id": "deprpm-a", "backend": {"base_url": u, "model": "ok", "rpm": 1}},
             {"model_name": "deprpm", "id": "deprpm-b", "backend": {"base_url": u, "model": "ok", "rpm": 1}},
             {"model_name": "priced", "backend": {"base_url": u, "model": "ok", "input_cost_per_token": 0.5,
@@ -131,6 +132,15 @@ def test_a_prompt_too_long_everywhere_names_its_field(gw, path, field):
     err = r.json()["error"]
     assert err["code"] == "context_length_exceeded" and err["param"] == field, err
     assert err["message"].startswith(f"{field}: the prompt"), err
+
+
+def test_a_prefill_engines_400_frees_the_deployments_slot(gw):
+    """A pd deployment whose kv_producer refuses the request passes its 400 on; the slot the
+    attempt took of the deployment's max_parallel_requests (1) was never given back, so the
+    deployment refused everything after (429) until the reservation expired (timeout + 30 s)."""
+    for _ in range(3):
+        r = post(gw, "pd400")
+        assert r.status_code == 400 and r.json()["error"]["param"] == "temperature", r.text
 
 
 def test_backend_4xx_is_passed_through_and_not_retried(gw, fault):
@@ -346,7 +356,7 @@ def test_admin_keys_create_use_revoke(gw):
 def test_health_readiness_and_metrics(gw):
     assert httpx.get(gw.url + "/health").json() == {"status": "ok"}
     ready = httpx.get(gw.url + "/health/readiness").json()
-    assert ready["status"] == "ready" and len(ready["deployments"]) == 17
+    assert ready["status"] == "ready" and len(ready["deployments"]) == 18
     text = httpx.get(gw.url + "/metrics").text
     assert "kvserve_gateway_requests_total" in text and "kvserve_gateway_attempts_total" in text
 

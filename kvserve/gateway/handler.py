@@ -270,14 +270,17 @@ class Gateway:
                         continue
                 if group_attempts:
                     same = dep.id == failed_id
-                    await asyncio.sleep(
-                        backoff(
-                            group_attempts,
-                            self.rs.retry_backoff_base,
-                            self.rs.retry_backoff_cap,
-                            retry_after if same else None,
-                        )
+                    pause = backoff(
+                        group_attempts,
+                        self.rs.retry_backoff_base,
+                        self.rs.retry_backoff_cap,
+                        retry_after if same else None,
                     )
+                    try:
+                        await asyncio.sleep(pause)
+                    except BaseException:  # the client left: the deployment's slot is not used
+                        await asyncio.shield(self._release(arid, dchecks, 0))
+                        raise
                 group_attempts += 1
                 ctx.attempts += 1
                 tried.add(dep.id)
@@ -334,8 +337,13 @@ class Gateway:
         body = ctx.body
         if dep.backend.prefill_url and disaggregates(body):  # pd deployment: the prompt on its kv_producer
             url, prefill = dep.backend.prefill_url + ctx.path, dict(body, model=dep.backend.model)
-            pre = await run_prefill(self.pool.client(dep), url, prefill, self.pool.headers(dep))
-            if pre.refused_status is not None:
+            try:
+                pre = await run_prefill(self.pool.client(dep), url, prefill, self.pool.headers(dep))
+            except BaseException:  # the client left during the prefill
+                await asyncio.shield(self._release(arid, dchecks, 0))
+                raise
+            if pre.refused_status is not None:  # the client's mistake: the deployment's slot is free again
+                await self._release(arid, dchecks, 0)
                 return await self._pass_through(
                     ctx, dep, Outcome("final", pre.refused_status, pre.refused_content)
                 )
