@@ -35,6 +35,10 @@ def _base(fault, tmp, **router) -> dict:
             deployment("r429", u, "fail-429"), deployment("slow", u, "slow"),
             deployment("hold", u, "hold-1"), deployment("crlf", u, "crlf"),
             deployment("pd400", u, "bad-400", prefill_url=u, max_parallel_requests=1),
+            {"model_name": "pdmix", "id": "pdmix-pd",
+             "backend": {"base_url": u, "model": "fail-500", "prefill_url": u, "weight": 1000}},
+            {"model_name": "pdmix", "id": "pdmix-plain",
+             "backend": {"base_url": u, "model": "ok", "weight": 0.001}},
             {"model_name": "deprpm", "id": "deprpm-a", "backend": {"base_url": u, "model": "ok", "rpm": 1}},
             {"model_name": "deprpm", "id": "deprpm-b", "backend": {"base_url": u, "model": "ok", "rpm": 1}},
             {"model_name": "priced", "backend": {"base_url": u, "model": "ok", "input_cost_per_token": 0.5,
@@ -141,6 +145,14 @@ def test_a_prefill_engines_400_frees_the_deployments_slot(gw):
     for _ in range(3):
         r = post(gw, "pd400")
         assert r.status_code == 400 and r.json()["error"]["param"] == "temperature", r.text
+
+
+def test_x_kvserve_pd_describes_the_attempt_that_answered(gw):
+    """A pd deployment failed (its prefill and its decode: 500), the retry went to a plain
+    deployment of the group; its answer still said x-kvserve-pd: fallback."""
+    r = post(gw, "pdmix")
+    assert r.status_code == 200 and r.headers["x-kvserve-attempts"] == "2", r.text
+    assert r.headers["x-kvserve-deployment"] == "pdmix-plain" and "x-kvserve-pd" not in r.headers
 
 
 def test_backend_4xx_is_passed_through_and_not_retried(gw, fault):
@@ -356,7 +368,7 @@ def test_admin_keys_create_use_revoke(gw):
 def test_health_readiness_and_metrics(gw):
     assert httpx.get(gw.url + "/health").json() == {"status": "ok"}
     ready = httpx.get(gw.url + "/health/readiness").json()
-    assert ready["status"] == "ready" and len(ready["deployments"]) == 18
+    assert ready["status"] == "ready" and len(ready["deployments"]) == 20
     text = httpx.get(gw.url + "/metrics").text
     assert "kvserve_gateway_requests_total" in text and "kvserve_gateway_attempts_total" in text
 

@@ -334,7 +334,7 @@ class Gateway:
 
     async def _one(self, ctx: Ctx, dep: Deployment, arid: str, dchecks: list[Check]) -> Response | Outcome:
         """One attempt; a Response when it is the answer, else the failed Outcome."""
-        body = ctx.body
+        body, ctx.pd = ctx.body, None  # x-kvserve-pd describes this attempt, not an earlier one
         if dep.backend.prefill_url and disaggregates(body):  # pd deployment: the prompt on its kv_producer
             url, prefill = dep.backend.prefill_url + ctx.path, dict(body, model=dep.backend.model)
             try:
