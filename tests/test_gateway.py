@@ -166,6 +166,24 @@ def test_a_refused_body_does_not_turn_token_counting_off(replicas, tmp_path):
     assert "Traceback" not in g.logs()
 
 
+def test_embeddings_through_the_gateway(via, direct, gw, replicas):
+    """POST /v1/embeddings was a 404 at the gateway; now routed like the other calls, with the
+    key's tpm counted on the input (no completion tokens reserved)."""
+    a = via.embeddings.create(model="tiny", input=["The quick brown fox", "jumps"])
+    b = direct.embeddings.create(model="tiny", input=["The quick brown fox", "jumps"])
+    assert [d.embedding for d in a.data] == [d.embedding for d in b.data] and len(a.data) == 2
+    assert a.usage.prompt_tokens == b.usage.prompt_tokens > 0
+    count = httpx.post(
+        replicas[0].url + "/tokenize", json={"prompt": "The quick brown fox"}, headers=replicas[0].headers
+    ).json()["count"]
+    body = {"model": "tiny", "input": "The quick brown fox"}
+    r = httpx.post(
+        gw.url + "/v1/embeddings", json=body, headers={"Authorization": "Bearer sk-tpm"}, timeout=60
+    )
+    assert r.status_code == 200 and r.json()["data"][0]["embedding"] == b.data[0].embedding
+    assert int(r.headers["x-ratelimit-remaining-tokens"]) <= 100000 - count
+
+
 def _running(replicas) -> float:
     return sum(r.metrics()["kvserve:num_requests_running"] for r in replicas)
 

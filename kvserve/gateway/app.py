@@ -131,6 +131,12 @@ def build_app(cfg: GatewayConfig, web_ui: bool = True) -> FastAPI:
         s.refuse_if_draining()
         return await s.gateway.handle(request, "/completions", s.authenticate(request))
 
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request):
+        s = st()
+        s.refuse_if_draining()
+        return await s.gateway.handle(request, "/embeddings", s.authenticate(request))
+
     @app.get("/v1/models")
     async def models(request: Request):
         s = st()

@@ -17,7 +17,7 @@ def estimate_tokens(body: dict) -> int:
     if "messages" in body:
         msgs = messages_of(body)
         return sum(4 + len(json.dumps(m.get("content") if isinstance(m, dict) else m)) // 4 for m in msgs) + 2
-    prompt = body.get("prompt", "")
+    prompt = body.get("prompt", body.get("input", ""))  # input: /v1/embeddings
     if isinstance(prompt, list) and prompt and all(isinstance(x, int) for x in prompt):
         return len(prompt)
     return len(json.dumps(prompt)) // 4 + 1
@@ -31,8 +31,9 @@ def _tokenize_payload(dep: Deployment, body: dict) -> dict | None:
                 return None
             msgs.append({"role": m.get("role", "user"), "content": content_text(m.get("content"))})
         return {"model": dep.backend.model, "messages": msgs} if msgs else None
-    if isinstance(body.get("prompt"), str):
-        return {"model": dep.backend.model, "prompt": body["prompt"]}
+    text = body.get("prompt", body.get("input"))  # input: /v1/embeddings
+    if isinstance(text, str):
+        return {"model": dep.backend.model, "prompt": text}
     return None
 
 

@@ -38,6 +38,7 @@ from kvserve.gateway.state.base import EPS
 from kvserve.routing import RequestInfo
 
 log = logging.getLogger("kvserve.gateway")
+EMBEDDINGS = "/embeddings"  # no completion tokens, no stream, no prefill/decode split
 
 
 @dataclass
@@ -107,7 +108,7 @@ class Gateway:
             raise GatewayError(
                 403, f"model: this key may not use {alias!r}", "permission_denied", param="model"
             )
-        stream = body.get("stream") is True
+        stream = body.get("stream") is True and path != EMBEDDINGS
         so = body.get("stream_options")
         ctx = Ctx(
             uuid.uuid4().hex,
@@ -190,7 +191,11 @@ class Gateway:
         if counting:
             ctx.prompt_tokens = await self.pool.count_prompt_tokens(first, ctx.body)
         n = sequences(ctx.body)  # n x best_of x prompts: reserve less and concurrent requests overspend
-        completion = completion_budget(ctx.body, ctx.prompt_tokens, first.backend.max_context)
+        completion = (
+            0
+            if ctx.path == EMBEDDINGS
+            else completion_budget(ctx.body, ctx.prompt_tokens, first.backend.max_context)
+        )
         ctx.reserved_money = max_cost([d.backend for d in deps], ctx.prompt_tokens, completion, n)
         ctx.checks = tenant_checks(
             key.scope, key.spec, team_name, team, ctx.prompt_tokens, ctx.reserved_money
@@ -246,10 +251,7 @@ class Gateway:
                 dep = await self.router.pick(alias, excluded, tried, ctx.route)
                 if dep is None:
                     break
-                if (
-                    dep.backend.max_context
-                    and ctx.prompt_tokens + _min_new(ctx.body) > dep.backend.max_context
-                ):
+                if dep.backend.max_context and ctx.prompt_tokens + _min_new(ctx) > dep.backend.max_context:
                     excluded.add(dep.id)
                     too_long = True
                     continue
@@ -335,7 +337,9 @@ class Gateway:
     async def _one(self, ctx: Ctx, dep: Deployment, arid: str, dchecks: list[Check]) -> Response | Outcome:
         """One attempt; a Response when it is the answer, else the failed Outcome."""
         body, ctx.pd = ctx.body, None  # x-kvserve-pd describes this attempt, not an earlier one
-        if dep.backend.prefill_url and disaggregates(body):  # pd deployment: the prompt on its kv_producer
+        if (
+            dep.backend.prefill_url and ctx.path != EMBEDDINGS and disaggregates(body)
+        ):  # pd deployment: the prompt on its kv_producer
             url, prefill = dep.backend.prefill_url + ctx.path, dict(body, model=dep.backend.model)
             try:
                 pre = await run_prefill(self.pool.client(dep), url, prefill, self.pool.headers(dep))
@@ -501,8 +505,11 @@ class Gateway:
         )
 
 
-def _min_new(body: dict) -> int:
-    n = body.get("max_completion_tokens") or body.get("max_tokens")
+def _min_new(ctx: Ctx) -> int:
+    """Tokens the answer needs room for past the prompt (an embedding: none)."""
+    if ctx.path == EMBEDDINGS:
+        return 0
+    n = ctx.body.get("max_completion_tokens") or ctx.body.get("max_tokens")
     return n if isinstance(n, int) and n > 0 else 1
 
 
