@@ -244,6 +244,10 @@ def test_auth_and_model_errors(gw):
     assert r.status_code == 400 and r.json()["error"]["param"] == "model"
     ids = [m.id for m in client(gw, "sk-limited").models.list().data]
     assert ids == ["okgroup"]
+    assert client(gw, "sk-limited").models.retrieve("okgroup").id == "okgroup"  # was a 404
+    with pytest.raises(openai.NotFoundError) as e:  # a model the key may not use is not shown
+        client(gw, "sk-limited").models.retrieve("retry500")
+    assert e.value.body["code"] == "model_not_found"
 
 
 def test_gateway_errors_have_string_codes(gw):

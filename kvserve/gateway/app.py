@@ -144,6 +144,14 @@ def build_app(cfg: GatewayConfig, web_ui: bool = True) -> FastAPI:
         data = [{"id": a, "object": "model", "created": 0, "owned_by": "kvserve-gateway"} for a in allowed]
         return {"object": "list", "data": data}
 
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str, request: Request):
+        """One alias the calling key may use (the official client's models.retrieve)."""
+        s = st()
+        if model not in s.gateway.allowed_models(s.authenticate(request)):
+            raise GatewayError(404, f"model: {model!r} does not exist", code="model_not_found", param="model")
+        return {"id": model, "object": "model", "created": 0, "owned_by": "kvserve-gateway"}
+
     @app.get("/health")
     async def health():
         """Liveness: the process answers (a backend being down is readiness's business)."""
