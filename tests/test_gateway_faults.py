@@ -57,7 +57,8 @@ def _base(fault, tmp, **router) -> dict:
             {"key": "sk-team-a", "team": "t"}, {"key": "sk-team-b", "team": "t"},
         ],
         "teams": {"t": {"rpm": 1}},
-        "general_settings": {"master_key": MASTER, "database": str(tmp / "gw.db")},
+        "general_settings": {"master_key": MASTER, "database": str(tmp / "gw.db"),
+                             "max_request_bytes": 65536},
     }  # fmt: skip
 
 
@@ -248,6 +249,19 @@ def test_auth_and_model_errors(gw):
     with pytest.raises(openai.NotFoundError) as e:  # a model the key may not use is not shown
         client(gw, "sk-limited").models.retrieve("retry500")
     assert e.value.body["code"] == "model_not_found"
+
+
+def test_a_body_over_max_request_bytes_is_a_413(gw, fault):
+    """The gateway read any body whole into memory (kvserve serve refuses past its limit)."""
+    before = fault.count("ok")
+    body = {"model": "okgroup", "messages": [{"role": "user", "content": "x" * 70000}], "max_tokens": 2}
+    r = httpx.post(gw.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+    chunked = (json.dumps(body).encode()[i : i + 8192] for i in range(0, 80000, 8192))  # no content-length
+    r = httpx.post(
+        gw.url + "/v1/chat/completions", content=chunked, headers={"Authorization": f"Bearer {KEY}"}
+    )
+    assert r.status_code == 413 and fault.count("ok") == before
 
 
 def test_gateway_errors_have_string_codes(gw):

@@ -15,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvserve.entrypoints.draining_server import DrainingServer
+from kvserve.entrypoints.openai.middleware import BodySizeLimit
 from kvserve.gateway.admin import admin_router
 from kvserve.gateway.backends import BackendPool
 from kvserve.gateway.config import ConfigError, GatewayConfig
@@ -95,6 +96,8 @@ def build_app(cfg: GatewayConfig, web_ui: bool = True) -> FastAPI:
 
     app = FastAPI(title="kvserve gateway", lifespan=lifespan)
     app.state.gateway = state
+    # the handler reads whole bodies: without a bound one client's upload takes the memory
+    app.add_middleware(BodySizeLimit, max_bytes=cfg.general_settings.max_request_bytes)
     app.include_router(admin_router(state))
 
     def st() -> GatewayState:

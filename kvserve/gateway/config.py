@@ -150,6 +150,9 @@ class GeneralSettings(_Strict):
     database: str = "kvserve_gateway.db"
     reservation_ttl: float | None = Field(None, gt=0, description="default: longest timeout + 30 s")
     shutdown_timeout: float = Field(30.0, ge=0, description="SIGTERM: seconds in-flight requests may finish")
+    max_request_bytes: int = Field(
+        16 * 2**20, ge=1024, description="a larger body is refused (413) before it is read into memory"
+    )
 
     @field_validator("state")
     @classmethod
