@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import time
 
 import httpx
@@ -416,3 +418,35 @@ def test_cooldown_after_allowed_fails(fault, tmp_path):
         assert rows["sick"]["cooling_down"] and not rows["well"]["cooling_down"]
     finally:
         g.stop()
+
+
+def test_tokens_are_counted_on_a_deployment_not_cooling_down(fault, tmp_path):
+    """A key with tpm counts the prompt with the group's first deployment's /tokenize. When that
+    one hung (here SIGSTOPped), every request waited its connect_timeout (5 s by default) and
+    then fell back to the ~4-characters estimate, even with the deployment in cooldown; the
+    count now comes from a deployment that is not cooling down."""
+    hung = FaultBackend()
+    os.kill(hung.proc.pid, signal.SIGSTOP)
+    u = fault.url + "/v1"
+    cfg = {
+        "model_list": [
+            {"model_name": "g", "id": "hung", "backend": {"base_url": hung.url + "/v1", "model": "ok",
+                                                          "weight": 1000, "connect_timeout": 1,
+                                                          "first_byte_timeout": 1}},
+            {"model_name": "g", "id": "well", "backend": {"base_url": u, "model": "ok", "weight": 0.001}},
+        ],
+        "router_settings": {"allowed_fails": 1, "cooldown_time": 600, "retry_backoff_base": 0.01},
+        "keys": [{"key": "sk-tpm", "tpm": 100000}], "general_settings": {"database": str(tmp_path / "gw.db")},
+    }  # fmt: skip
+    g = GatewayProcess(cfg, str(tmp_path))
+    try:
+        r = post(g, "g", key="sk-tpm")  # "hung" fails its attempt and cools down; "well" answers
+        assert r.status_code == 200 and r.headers["x-kvserve-deployment"] == "well", r.text
+        assert r.json()["usage"]["total_tokens"] == 5  # 3 words + max_tokens 2, settled in the window
+        r = post(g, "g", key="sk-tpm")
+        assert r.status_code == 200
+        # 3 tokens by well's /tokenize (words), not the 9 of the estimate after hung's timeout
+        assert int(r.headers["x-ratelimit-remaining-tokens"]) == 100000 - 5 - 3
+    finally:
+        g.stop()
+        hung.stop()

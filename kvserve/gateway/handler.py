@@ -188,8 +188,10 @@ class Gateway:
         probe = tenant_checks(key.scope, key.spec, team_name, team, 0, 0.0)
         first = self.router.deployments(ctx.alias)[0]
         counting = needs_tokens(probe) or any(d.backend.tpm or d.backend.max_context for d in deps)
-        if counting:
-            ctx.prompt_tokens = await self.pool.count_prompt_tokens(first, ctx.body)
+        if counting:  # on a deployment not cooling down: a hung one cost every request its timeout
+            cooling = await self.store.cooling([d.id for d in self.router.deployments(ctx.alias)])
+            counter = next((d for d in self.router.deployments(ctx.alias) if d.id not in cooling), first)
+            ctx.prompt_tokens = await self.pool.count_prompt_tokens(counter, ctx.body)
         n = sequences(ctx.body)  # n x best_of x prompts: reserve less and concurrent requests overspend
         completion = (
             0
