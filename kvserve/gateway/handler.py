@@ -339,9 +339,8 @@ class Gateway:
     async def _one(self, ctx: Ctx, dep: Deployment, arid: str, dchecks: list[Check]) -> Response | Outcome:
         """One attempt; a Response when it is the answer, else the failed Outcome."""
         body, ctx.pd = ctx.body, None  # x-kvserve-pd describes this attempt, not an earlier one
-        if (
-            dep.backend.prefill_url and ctx.path != EMBEDDINGS and disaggregates(body)
-        ):  # pd deployment: the prompt on its kv_producer
+        split = bool(dep.backend.prefill_url) and ctx.path != EMBEDDINGS and disaggregates(body)
+        if split:  # pd deployment: the prompt on its kv_producer first
             url, prefill = dep.backend.prefill_url + ctx.path, dict(body, model=dep.backend.model)
             try:
                 pre = await run_prefill(self.pool.client(dep), url, prefill, self.pool.headers(dep))
