@@ -15,7 +15,7 @@ import time
 import httpx
 import openai
 import pytest
-from gateway_utils import FaultBackend
+from gateway_utils import FaultBackend, leave_mid_body, wait_for_log
 from server_utils import ServerProcess, free_port, stop_process
 
 PROMPT = (
@@ -242,6 +242,8 @@ def test_proxy_reports_a_dead_or_dying_decode_engine_in_openai_shape(tmp_path):
             assert err["code"] == "upstream_error" and dead in err["message"], err
             r = httpx.get(proxy.url + "/v1/models", timeout=30)
             assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_error"
+            leave_mid_body(proxy.url, "/v1/completions")  # a ClientDisconnect: 499, no traceback
+            wait_for_log(log_path.read_text, "the client left while sending its body")
         finally:
             proxy.stop()
         fault = FaultBackend()  # its model "die" streams two events, then drops the connection

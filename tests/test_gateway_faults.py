@@ -13,7 +13,7 @@ import time
 import httpx
 import openai
 import pytest
-from gateway_utils import FaultBackend, GatewayProcess, deployment
+from gateway_utils import FaultBackend, GatewayProcess, deployment, leave_mid_body, wait_for_log
 
 KEY, MASTER = "sk-test", "sk-master"
 MSG = [{"role": "user", "content": "one two three"}]
@@ -264,6 +264,15 @@ def test_a_body_over_max_request_bytes_is_a_413(gw, fault):
         gw.url + "/v1/chat/completions", content=chunked, headers={"Authorization": f"Bearer {KEY}"}
     )
     assert r.status_code == 413 and fault.count("ok") == before
+
+
+def test_a_client_leaving_mid_body_is_a_499_not_a_traceback(gw):
+    """Starlette raises ClientDisconnect reading the body of a client that hung up; the gateway
+    logged it as an unhandled exception with a traceback."""
+    leave_mid_body(gw.url, "/v1/chat/completions", f"Authorization: Bearer {KEY}\r\n")
+    logs = wait_for_log(gw.logs, "the client left while sending its body")
+    assert "/chat/completions: the client left while sending its body (499)" in logs
+    assert "Traceback" not in logs and post(gw, "okgroup").status_code == 200
 
 
 def test_gateway_errors_have_string_codes(gw):

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from kvserve.disagg.prefill import PrefillResult, run_prefill
 from kvserve.disagg.split import decode_body, disaggregates
@@ -127,6 +128,12 @@ def _unreachable(url: str, e: httpx.HTTPError, headers: dict | None = None) -> J
 def build_app(proxy: PDProxy) -> FastAPI:
     app = FastAPI(title="kvserve pd-proxy")
     app.state.proxy = proxy
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_left(raw: Request, _: ClientDisconnect) -> Response:
+        """The client went away before its body arrived: its doing, not a traceback in our log."""
+        logger.info("%s %s: the client left while sending its body (499)", raw.method, raw.url.path)
+        return Response(status_code=499)
 
     for path in ROUTES:
 

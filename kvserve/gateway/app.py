@@ -13,6 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from kvserve.entrypoints.draining_server import DrainingServer
 from kvserve.entrypoints.openai.middleware import BodySizeLimit
@@ -111,6 +112,12 @@ def build_app(cfg: GatewayConfig, web_ui: bool = True) -> FastAPI:
     async def _store_down(_: Request, e: StoreUnavailable):
         log.warning("%s", e)
         return GatewayError(503, str(e), "server_error", "state_store_unavailable").response()
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_left(request: Request, _: ClientDisconnect):
+        """The client went away before its body arrived: its doing, not a traceback in our log."""
+        log.info("%s %s: the client left while sending its body (499)", request.method, request.url.path)
+        return Response(status_code=499)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, e: RequestValidationError):
