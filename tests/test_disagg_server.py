@@ -258,5 +258,25 @@ def test_proxy_reports_a_dead_or_dying_decode_engine_in_openai_shape(tmp_path):
             assert text == " tok tok"
         finally:
             proxy.stop()
+        proxy = Proxy(dead + "/v1", fault.url + "/v1/", log)  # as the gateway's URLs are written
+        try:  # the proxy asked .../v1/v1/completions: the client got that 404 as its own error
+            r = httpx.post(proxy.url + "/v1/completions", json={"model": "ok", "prompt": "a"}, timeout=30)
+            assert r.status_code == 200 and r.headers["x-kvserve-pd"] == "fallback", r.text
+        finally:
+            proxy.stop()
             fault.stop()
     assert "Traceback" not in log_path.read_text()
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvserve.entrypoints.cli",
+        "pd-proxy",
+        "--prefill",
+        "localhost:1",
+        "--decode",
+        dead,
+    ]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and p.stderr.strip().splitlines()[-1] == (
+        "error: --prefill: 'localhost:1' must start with http:// or https://"
+    ), p.stderr

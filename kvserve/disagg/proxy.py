@@ -33,8 +33,8 @@ class PDProxy:
     def __init__(self, prefill: list[str], decode: list[str], timeout_s: float = 600.0) -> None:
         if not prefill or not decode:
             raise ValueError("pd-proxy: needs at least one --prefill and one --decode URL")
-        self.prefill = [u.rstrip("/") for u in prefill]
-        self.decode = [u.rstrip("/") for u in decode]
+        self.prefill = [_base_url("--prefill", u) for u in prefill]
+        self.decode = [_base_url("--decode", u) for u in decode]
         self._p, self._d = itertools.cycle(self.prefill), itertools.cycle(self.decode)
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
         self.num_fallbacks = 0
@@ -95,6 +95,15 @@ class PDProxy:
 
     async def aclose(self) -> None:
         await self.client.aclose()
+
+
+def _base_url(flag: str, url: str) -> str:
+    """A server's root URL. One given with /v1 (as the gateway's base_url and prefill_url are
+    written) is taken without it: the proxy adds /v1/... itself, and /v1/v1/... was a 404 the
+    client got as its own error."""
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"{flag}: {url!r} must start with http:// or https://")
+    return url.rstrip("/").removesuffix("/v1")
 
 
 async def _relay(resp: httpx.Response, url: str) -> AsyncIterator[bytes]:

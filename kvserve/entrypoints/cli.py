@@ -157,7 +157,11 @@ def cmd_pd_proxy(args: argparse.Namespace) -> int:
     from kvserve.disagg.proxy import serve
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    return serve(args.prefill, args.decode, args.host, args.port)
+    try:
+        return serve(args.prefill, args.decode, args.host, args.port)
+    except ValueError as e:  # a bad --prefill / --decode URL: one line, before anything starts
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 def build_parser() -> argparse.ArgumentParser:
