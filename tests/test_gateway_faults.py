@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import signal
+import sqlite3
 import time
 
 import httpx
@@ -459,3 +460,36 @@ def test_tokens_are_counted_on_a_deployment_not_cooling_down(fault, tmp_path):
     finally:
         g.stop()
         hung.stop()
+
+
+def test_a_failed_spend_write_is_retried_not_the_end_of_the_spend_log(fault, tmp_path):
+    """One failed batch (SQLite locked past its busy timeout, disk full; here a trigger that
+    aborts inserts) ended the spend log's writer task: that batch was lost and nothing was
+    written in the background again (other instances sharing the file saw no rows)."""
+    db_path = str(tmp_path / "gw.db")
+    db = sqlite3.connect(db_path, timeout=10)
+    db.execute(
+        "CREATE TABLE spend (ts REAL, request_id TEXT, key_hash TEXT, key_alias TEXT, team TEXT, model TEXT,"
+        " deployment TEXT, prompt_tokens INTEGER, completion_tokens INTEGER, cost REAL, status INTEGER)"
+    )
+    db.execute("CREATE TRIGGER full BEFORE INSERT ON spend BEGIN SELECT RAISE(ABORT, 'disk full'); END")
+    db.commit()
+    cfg = {
+        "model_list": [deployment("okgroup", fault.url + "/v1", "ok")],
+        "keys": [{"key": KEY}],
+        "general_settings": {"database": db_path},
+    }
+    g = GatewayProcess(cfg, str(tmp_path))
+    try:
+        assert post(g, "okgroup").status_code == 200
+        assert "disk full" in wait_for_log(g.logs, "spend log: writing")
+        db.execute("DROP TRIGGER full")
+        db.commit()
+        assert post(g, "okgroup").status_code == 200
+        deadline = time.monotonic() + 30
+        while db.execute("SELECT COUNT(*) FROM spend").fetchone()[0] < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert db.execute("SELECT COUNT(*) FROM spend").fetchone()[0] == 2  # both requests, none lost
+    finally:
+        g.stop()
+        db.close()
