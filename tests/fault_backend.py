@@ -5,7 +5,7 @@ failure tests. The backend model name picks the behaviour:
     fail-500  500          fail-429  429 + Retry-After: 1      bad-400  a plain 400
     ctx-400   400 "maximum context length"                      hang     no first byte (60 s)
     die       streams 2 events, then drops the connection       slow     one event every 0.1 s
-    hold-N    answers after N seconds
+    hold-N    answers after N seconds                           crlf     as ok, SSE lines end in CRLF
 
 GET /stats gives requests per model and how many streams and holds the client cancelled.
 
@@ -89,7 +89,10 @@ async def _answer(request: Request, chat: bool):
                 return JSONResponse({}, 499)
             await asyncio.sleep(0.05)
     if body.get("stream"):
-        return StreamingResponse(_events(body, chat, mode), media_type="text/event-stream")
+        events = _events(body, chat, mode)
+        if mode == "crlf":  # as sse-starlette writes them (its default separator)
+            events = (e.replace(b"\n", b"\r\n") async for e in events)
+        return StreamingResponse(events, media_type="text/event-stream")
     n = int(body.get("max_tokens") or 4)
     usage = {"prompt_tokens": words(body), "completion_tokens": n, "total_tokens": words(body) + n}
     text = " tok" * n

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -126,3 +127,20 @@ class GatewayProcess:
 
 def deployment(alias: str, base_url: str, model: str, **backend) -> dict:
     return {"model_name": alias, "backend": {"base_url": base_url, "model": model, **backend}}
+
+
+def leave_mid_body(url: str, path: str, headers: str = "") -> None:
+    """Send a request's headers and half its declared body, then hang up."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\n{headers}Content-Type: application/json\r\n"
+                  "Content-Length: 1000\r\n\r\n{\"model\": ".encode())  # fmt: skip
+        time.sleep(0.2)  # (lets the server start reading the body; not an assertion)
+
+
+def wait_for_log(logs, text: str, timeout: float = 30) -> str:
+    """The log (`logs()`) once `text` is in it, or as it is after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while text not in logs() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return logs()

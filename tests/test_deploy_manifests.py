@@ -140,7 +140,7 @@ def test_services_select_their_pods(server, gateway):
 def test_gateway_replicas_share_redis_and_reach_the_servers(server, gateway, monkeypatch, tmp_path):
     cfg_doc = gateway_config(gateway)
     for var in re.findall(r"env:(\w+)", yaml.safe_dump(cfg_doc)):
-        monkeypatch.setenv(var, "sk-test")
+        monkeypatch.setenv(var, f"sk-test-{var.lower()}")  # distinct: a key may not be the master key
     cfg = parse_config(cfg_doc)  # the gateway's own validation
     gw = next(d for d in by_kind(gateway, "Deployment") if d["metadata"]["name"] == "kvserve-gateway")
     assert gw["spec"]["replicas"] >= 2

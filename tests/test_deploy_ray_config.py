@@ -47,6 +47,11 @@ def test_autoscaling_config_is_serves():
         ({"autoscaling": {"min_replicas": 3, "max_replicas": 2}}, "autoscaling: max_replicas (2) is below"),
         ({"autoscaling": {"min_replicas": 0}}, "autoscaling.min_replicas: "),
         ({"engine": {"kv_cache_mem": "1GiB"}}, "engine: 'kv_cache_mem' is not an engine setting"),
+        # engine values: these passed and then failed every replica's start
+        ({"engine": {"max_num_seqs": "many"}}, "engine.max_num_seqs: 'many' is not a valid int"),
+        ({"engine": {"kv_cache_memory": "lots"}}, "engine.kv_cache_memory: invalid memory size 'lots'"),
+        ({"engine": {"max_num_seqs": 0}}, "engine.max_num_seqs: must be >= 1"),
+        ({"engine": {"enforce_eager": "yes"}}, "engine.enforce_eager: 'yes' is not a valid bool"),
         ({"routing": {"policy": "fastest"}}, "routing.policy: 'fastest' is not one of"),
         ({"routing": {"cache_aware": {"tau": 1}}}, "routing.cache_aware: 'tau' is not one of"),
         ({"replica": {"cpus": 1}}, "replica.cpus: unknown key"),

@@ -15,6 +15,7 @@ import time
 import httpx
 import openai
 import pytest
+from gateway_utils import FaultBackend, leave_mid_body, wait_for_log
 from server_utils import ServerProcess, free_port, stop_process
 
 PROMPT = (
@@ -35,12 +36,12 @@ def _server(model: str, role: str | None = None, **extra) -> ServerProcess:
 
 
 class Proxy:
-    def __init__(self, prefill: str, decode: str) -> None:
+    def __init__(self, prefill: str, decode: str, log=None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "kvserve.entrypoints.cli", "pd-proxy", "--prefill", prefill,
                "--decode", decode, "--port", str(self.port)]  # fmt: skip
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, stdout=log or subprocess.DEVNULL, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             try:
@@ -224,3 +225,58 @@ def test_killed_prefill_engine_means_recompute_not_failure(pd):
     finally:
         proxy.stop()
     _wait_for(lambda: _settled(cons), 2, "the consumer's pool is empty")
+
+
+def test_proxy_reports_a_dead_or_dying_decode_engine_in_openai_shape(tmp_path):
+    """No engines needed. A decode engine that cannot be reached was a bare 500 (text/plain,
+    a traceback in the proxy's log), and one that died mid-stream cut the stream off; now a
+    502 naming the engine, and a final SSE error event the official client raises."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    log_path = tmp_path / "proxy.log"
+    with open(log_path, "w") as log:
+        proxy = Proxy(dead, dead, log)
+        try:
+            r = httpx.post(proxy.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=30)
+            assert r.status_code == 502 and r.headers["x-kvserve-pd"] == "fallback", r.text
+            err = r.json()["error"]
+            assert err["code"] == "upstream_error" and dead in err["message"], err
+            r = httpx.get(proxy.url + "/v1/models", timeout=30)
+            assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_error"
+            leave_mid_body(proxy.url, "/v1/completions")  # a ClientDisconnect: 499, no traceback
+            wait_for_log(log_path.read_text, "the client left while sending its body")
+        finally:
+            proxy.stop()
+        fault = FaultBackend()  # its model "die" streams two events, then drops the connection
+        proxy = Proxy(dead, fault.url, log)
+        try:
+            c = openai.OpenAI(base_url=proxy.url + "/v1", api_key="none", max_retries=0, timeout=30)
+            text = ""
+            with pytest.raises(openai.APIError) as e:
+                for chunk in c.completions.create(model="die", prompt="a b", max_tokens=8, stream=True):
+                    text += chunk.choices[0].text if chunk.choices else ""
+            assert "mid-stream" in str(e.value) and e.value.body["code"] == "upstream_error"
+            assert text == " tok tok"
+        finally:
+            proxy.stop()
+        proxy = Proxy(dead + "/v1", fault.url + "/v1/", log)  # as the gateway's URLs are written
+        try:  # the proxy asked .../v1/v1/completions: the client got that 404 as its own error
+            r = httpx.post(proxy.url + "/v1/completions", json={"model": "ok", "prompt": "a"}, timeout=30)
+            assert r.status_code == 200 and r.headers["x-kvserve-pd"] == "fallback", r.text
+        finally:
+            proxy.stop()
+            fault.stop()
+    assert "Traceback" not in log_path.read_text()
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvserve.entrypoints.cli",
+        "pd-proxy",
+        "--prefill",
+        "localhost:1",
+        "--decode",
+        dead,
+    ]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and p.stderr.strip().splitlines()[-1] == (
+        "error: --prefill: 'localhost:1' must start with http:// or https://"
+    ), p.stderr

@@ -120,6 +120,70 @@ def test_tpm_counts_with_the_replicas_tokenizer(gw, replicas):
     assert r.headers["x-kvserve-deployment"] in ("replica-0", "replica-1")
 
 
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"messages": 5}, "messages"),  # the key counts tokens: the gateway read messages as a list
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages"),
+        ({"messages": MSG, "stream": True, "stream_options": 5}, "stream_options"),
+    ],
+)
+def test_a_malformed_body_gets_the_replicas_400_not_a_500(gw, body, param):
+    """The gateway reads text from bodies to count, route and cache by; a body of the wrong
+    shape once crashed it there (500, text/plain, a traceback in its log) before the replica
+    could name the mistake."""
+    h = {"Authorization": "Bearer sk-tpm"}
+    r = httpx.post(gw.url + "/v1/chat/completions", json={"model": "tiny", **body}, headers=h, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_refused_body_does_not_turn_token_counting_off(replicas, tmp_path):
+    """The first /tokenize of a deployment finds out whether it is a kvserve replica; a 400
+    there (the replica's verdict on that body) once switched the deployment to ~4-characters
+    estimates for good, so every later tpm count was off."""
+    r0 = replicas[0]
+    cfg = {
+        "model_list": [{"model_name": "tiny", "backend": {"base_url": r0.url + "/v1", "model": "tiny",
+                                                          "api_key": r0.api_key}}],
+        "keys": [{"key": "sk-tpm", "tpm": 100000}],
+        "general_settings": {"database": str(tmp_path / "gw.db")},
+    }  # fmt: skip
+    g = GatewayProcess(cfg, str(tmp_path))
+    try:
+        h = {"Authorization": "Bearer sk-tpm"}
+        bad = [{"role": "bogus", "content": "hi"}]
+        r = httpx.post(g.url + "/v1/chat/completions", json={"model": "tiny", "messages": bad}, headers=h)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+        msgs = [{"role": "user", "content": "The quick brown fox jumps over the lazy dog " * 8}]
+        count = httpx.post(r0.url + "/tokenize", json={"messages": msgs}, headers=r0.headers).json()["count"]
+        body = {"model": "tiny", "messages": msgs, "max_tokens": 1}
+        r = httpx.post(g.url + "/v1/chat/completions", json=body, headers=h, timeout=60)
+        assert r.status_code == 200
+        assert int(r.headers["x-ratelimit-remaining-tokens"]) == 100000 - count
+    finally:
+        g.stop()
+    assert "Traceback" not in g.logs()
+
+
+def test_embeddings_through_the_gateway(via, direct, gw, replicas):
+    """POST /v1/embeddings was a 404 at the gateway; now routed like the other calls, with the
+    key's tpm counted on the input (no completion tokens reserved)."""
+    a = via.embeddings.create(model="tiny", input=["The quick brown fox", "jumps"])
+    b = direct.embeddings.create(model="tiny", input=["The quick brown fox", "jumps"])
+    assert [d.embedding for d in a.data] == [d.embedding for d in b.data] and len(a.data) == 2
+    assert a.usage.prompt_tokens == b.usage.prompt_tokens > 0
+    count = httpx.post(
+        replicas[0].url + "/tokenize", json={"prompt": "The quick brown fox"}, headers=replicas[0].headers
+    ).json()["count"]
+    body = {"model": "tiny", "input": "The quick brown fox"}
+    r = httpx.post(
+        gw.url + "/v1/embeddings", json=body, headers={"Authorization": "Bearer sk-tpm"}, timeout=60
+    )
+    assert r.status_code == 200 and r.json()["data"][0]["embedding"] == b.data[0].embedding
+    assert int(r.headers["x-ratelimit-remaining-tokens"]) <= 100000 - count
+
+
 def _running(replicas) -> float:
     return sum(r.metrics()["kvserve:num_requests_running"] for r in replicas)
 

@@ -62,6 +62,8 @@ def _with(path: str, value) -> dict:
             [{"key": "env:KVSERVE_NO_SUCH_VAR"}],
             "keys.0.key: environment variable KVSERVE_NO_SUCH_VAR",
         ),
+        ("keys", [{"key_hash": "3f1c..."}], "keys.0.key_hash: not a SHA-256 (64 hex digits)"),
+        ("keys", [{"key": "a"}, {"key_hash": hash_key("a").upper()}], "keys.1: the same key as keys.0"),
         ("general_settings.state", "memcached://x", "general_settings.state: Value error, must be 'memory'"),
         ("model_list", [], "model_list: List should have at least 1 item"),
         (
@@ -124,6 +126,19 @@ def test_keys_are_kept_hashed(tmp_path):
     assert store.revoke(rec.key_hash) and store.lookup(key) is None
 
 
+def test_a_key_hash_is_checked_and_normalized_and_keys_are_unique(tmp_path):
+    """A key_hash in upper case never matched (hash_key writes lower case), and a key given
+    twice or equal to the master key loaded silently with one entry's limits never applied."""
+    from kvserve.gateway.keys import KeyStore, open_database
+
+    cfg = parse_config({**OK, "keys": [{"key_hash": hash_key("sk-h").upper(), "alias": "h"}]})
+    assert KeyStore(cfg, open_database(str(tmp_path / "k.db"))).lookup("sk-h").spec.alias == "h"
+    master = {"master_key": "sk-m", "database": str(tmp_path / "k.db")}
+    with pytest.raises(ConfigError) as e:
+        parse_config({**OK, "keys": [{"key": "sk-m", "rpm": 1}], "general_settings": master})
+    assert str(e.value) == "keys.0: the same key as general_settings.master_key"
+
+
 def test_cli_exits_nonzero_with_one_line(tmp_path):
     path = tmp_path / "gw.yaml"
     path.write_text(yaml.safe_dump(_with("model_list.0.backend.weight", -1)))
@@ -136,3 +151,24 @@ def test_cli_exits_nonzero_with_one_line(tmp_path):
     path.write_text("model_list: [\n")
     with pytest.raises(ConfigError, match=r"gw.yaml: line \d+: not valid YAML"):
         load_config(str(path))
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (
+            {"database": "/nonexistent/dir/gw.db"},
+            "error: general_settings.database: /nonexistent/dir/gw.db: unable",
+        ),
+        ({"state": "redis://127.0.0.1:notaport/0"}, "error: general_settings.state: Port could not be cast"),
+    ],
+)
+def test_cli_names_a_database_or_state_url_it_cannot_open(tmp_path, settings, message):
+    """These passed validation and then failed opening with a traceback (exit status 1)."""
+    path = tmp_path / "gw.yaml"
+    path.write_text(yaml.safe_dump({**OK, "general_settings": settings}))
+    p = subprocess.run([sys.executable, "-m", "kvserve.entrypoints.cli", "gateway", "--config", str(path)],
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(message), p.stderr

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import sqlite3
 import time
 
 import httpx
 import openai
 import pytest
-from gateway_utils import FaultBackend, GatewayProcess, deployment
+from gateway_utils import FaultBackend, GatewayProcess, deployment, leave_mid_body, wait_for_log
 
 KEY, MASTER = "sk-test", "sk-master"
 MSG = [{"role": "user", "content": "one two three"}]
@@ -33,7 +36,12 @@ def _base(fault, tmp, **router) -> dict:
             deployment("die", u, "die"), deployment("ctx", u, "ctx-400"), deployment("big", u, "ok"),
             deployment("small", u, "ok", max_context=5), deployment("bad", u, "bad-400"),
             deployment("r429", u, "fail-429"), deployment("slow", u, "slow"),
-            deployment("hold", u, "hold-1"),
+            deployment("hold", u, "hold-1"), deployment("crlf", u, "crlf"),
+            deployment("pd400", u, "bad-400", prefill_url=u, max_parallel_requests=1),
+            {"model_name": "pdmix", "id": "pdmix-pd",
+             "backend": {"base_url": u, "model": "fail-500", "prefill_url": u, "weight": 1000}},
+            {"model_name": "pdmix", "id": "pdmix-plain",
+             "backend": {"base_url": u, "model": "ok", "weight": 0.001}},
             {"model_name": "deprpm", "id": "deprpm-a", "backend": {"base_url": u, "model": "ok", "rpm": 1}},
             {"model_name": "deprpm", "id": "deprpm-b", "backend": {"base_url": u, "model": "ok", "rpm": 1}},
             {"model_name": "priced", "backend": {"base_url": u, "model": "ok", "input_cost_per_token": 0.5,
@@ -52,7 +60,8 @@ def _base(fault, tmp, **router) -> dict:
             {"key": "sk-team-a", "team": "t"}, {"key": "sk-team-b", "team": "t"},
         ],
         "teams": {"t": {"rpm": 1}},
-        "general_settings": {"master_key": MASTER, "database": str(tmp / "gw.db")},
+        "general_settings": {"master_key": MASTER, "database": str(tmp / "gw.db"),
+                             "max_request_bytes": 65536},
     }  # fmt: skip
 
 
@@ -103,6 +112,7 @@ def test_death_mid_stream_gives_an_sse_error_and_no_retry(gw, fault):
         for chunk in client(gw).chat.completions.create(model="die", messages=MSG, max_tokens=8, stream=True):
             text += chunk.choices[0].delta.content or "" if chunk.choices else ""
     assert "mid-stream" in str(e.value)
+    assert e.value.body["code"] == "upstream_error"  # a string code, as outside a stream
     assert text == " tok tok"  # what arrived before the death, then the error — not a silent end
     assert fault.count("die") == before_die + 1 and fault.count("ok") == before_ok
 
@@ -130,6 +140,23 @@ def test_a_prompt_too_long_everywhere_names_its_field(gw, path, field):
     err = r.json()["error"]
     assert err["code"] == "context_length_exceeded" and err["param"] == field, err
     assert err["message"].startswith(f"{field}: the prompt"), err
+
+
+def test_a_prefill_engines_400_frees_the_deployments_slot(gw):
+    """A pd deployment whose kv_producer refuses the request passes its 400 on; the slot the
+    attempt took of the deployment's max_parallel_requests (1) was never given back, so the
+    deployment refused everything after (429) until the reservation expired (timeout + 30 s)."""
+    for _ in range(3):
+        r = post(gw, "pd400")
+        assert r.status_code == 400 and r.json()["error"]["param"] == "temperature", r.text
+
+
+def test_x_kvserve_pd_describes_the_attempt_that_answered(gw):
+    """A pd deployment failed (its prefill and its decode: 500), the retry went to a plain
+    deployment of the group; its answer still said x-kvserve-pd: fallback."""
+    r = post(gw, "pdmix")
+    assert r.status_code == 200 and r.headers["x-kvserve-attempts"] == "2", r.text
+    assert r.headers["x-kvserve-deployment"] == "pdmix-plain" and "x-kvserve-pd" not in r.headers
 
 
 def test_backend_4xx_is_passed_through_and_not_retried(gw, fault):
@@ -190,6 +217,19 @@ def test_usage_chunk_only_when_the_client_asked(gw):
     assert chunks[-1].usage.completion_tokens == 3 and chunks[-1].usage.prompt_tokens == 3
 
 
+def test_a_backend_writing_crlf_events_streams_through(gw):
+    """SSE allows CRLF line ends (sse-starlette, behind many OpenAI-style servers, writes
+    them); the gateway looked for LF LF only, read the whole stream without finding a first
+    event and failed it as a closed connection (502 after retries)."""
+    c = client(gw)
+    chunks = list(c.chat.completions.create(model="crlf", messages=MSG, max_tokens=3, stream=True))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == " tok tok tok"
+    assert all(ch.usage is None for ch in chunks)  # the usage the gateway asked for is hidden again
+    chunks = list(c.chat.completions.create(model="crlf", messages=MSG, max_tokens=3, stream=True,
+                                            stream_options={"include_usage": True}))  # fmt: skip
+    assert chunks[-1].usage.completion_tokens == 3
+
+
 def test_auth_and_model_errors(gw):
     r = httpx.post(gw.url + "/v1/chat/completions", json={"model": "okgroup", "messages": MSG})
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
@@ -208,9 +248,53 @@ def test_auth_and_model_errors(gw):
     assert r.status_code == 400 and r.json()["error"]["param"] == "model"
     ids = [m.id for m in client(gw, "sk-limited").models.list().data]
     assert ids == ["okgroup"]
-    assert client(gw, "sk-limited").models.retrieve("okgroup").id == "okgroup"  # was a route 404
-    r = httpx.get(gw.url + "/v1/models/retry500", headers={"Authorization": "Bearer sk-limited"})
-    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"  # not this key's
+    assert client(gw, "sk-limited").models.retrieve("okgroup").id == "okgroup"  # was a 404
+    with pytest.raises(openai.NotFoundError) as e:  # a model the key may not use is not shown
+        client(gw, "sk-limited").models.retrieve("retry500")
+    assert e.value.body["code"] == "model_not_found"
+
+
+def test_a_body_over_max_request_bytes_is_a_413(gw, fault):
+    """The gateway read any body whole into memory (kvserve serve refuses past its limit)."""
+    before = fault.count("ok")
+    body = {"model": "okgroup", "messages": [{"role": "user", "content": "x" * 70000}], "max_tokens": 2}
+    r = httpx.post(gw.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+    chunked = (json.dumps(body).encode()[i : i + 8192] for i in range(0, 80000, 8192))  # no content-length
+    r = httpx.post(
+        gw.url + "/v1/chat/completions", content=chunked, headers={"Authorization": f"Bearer {KEY}"}
+    )
+    assert r.status_code == 413 and fault.count("ok") == before
+
+
+def test_a_client_leaving_mid_body_is_a_499_not_a_traceback(gw):
+    """Starlette raises ClientDisconnect reading the body of a client that hung up; the gateway
+    logged it as an unhandled exception with a traceback."""
+    leave_mid_body(gw.url, "/v1/chat/completions", f"Authorization: Bearer {KEY}\r\n")
+    logs = wait_for_log(gw.logs, "the client left while sending its body")
+    assert "/chat/completions: the client left while sending its body (499)" in logs
+    assert "Traceback" not in logs and post(gw, "okgroup").status_code == 200
+
+
+def test_gateway_errors_have_string_codes(gw):
+    """error.code is a string everywhere, as kvserve serve answers (these carried the HTTP
+    status, an int)."""
+    h = {"Authorization": f"Bearer {KEY}"}
+    r = post(gw, "retry500", key="sk-limited")
+    assert r.status_code == 403 and r.json()["error"]["code"] == "permission_denied"
+    r = httpx.post(gw.url + "/v1/chat/completions", content=b"{nope", headers=h)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    r = httpx.post(gw.url + "/v1/chat/completions", json={"messages": MSG}, headers=h)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request"
+    r = httpx.get(gw.url + "/v1/nothing-here", headers=h)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", r.text
+    assert "/v1/nothing-here" in r.json()["error"]["message"]
+    r = httpx.get(gw.url + "/v1/chat/completions", headers=h)
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+    r = httpx.post(
+        gw.url + "/admin/keys", json={"rpm": "lots"}, headers={"Authorization": f"Bearer {MASTER}"}
+    )
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_value"
 
 
 def test_key_rpm_limit_gives_429_with_headers(gw):
@@ -257,6 +341,25 @@ def test_a_request_dearer_than_the_whole_budget_is_a_400_that_says_why(gw):
     assert "26.5" in err["message"] and "whole budget of 5" in err["message"], err
 
 
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"prompt": ["a", "b"]},  # ~3 tokens (estimated): 1.5 + 8 x 0.25 = 3.5 a prompt, 5.5 for both
+        {"prompt": [[1, 2], [3, 4]]},  # ~5 tokens: 2.5 + 2.0 = 4.5 a prompt, 6.5 for both
+        {"prompt": "one two three", "best_of": 2},  # 3 tokens: 1.5 + 2.0 = 3.5 a sample, 5.5 for two
+    ],
+)
+def test_a_batch_or_best_of_reserves_every_sequence_it_may_draw(gw, extra):
+    """A completions batch draws max_tokens for each prompt, and best_of draws (and bills)
+    every sample; the reservation counted n only, so such a request could cost several times
+    what was reserved, and concurrent ones overspend the budget. (sk-budget: 5.0)"""
+    body = {"model": "priced", "max_tokens": 8, **extra}
+    r = httpx.post(gw.url + "/v1/completions", json=body, headers={"Authorization": "Bearer sk-budget"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "budget_exceeded" and "x 2 sequences" in err["message"], err
+
+
 def test_budget_reserves_then_settles_and_the_admin_api_reports_spend(gw):
     # each request reserves and costs 3 words * 0.5 + 2 tokens * 0.25 = 2.0; the budget is 5.0
     codes = [post(gw, "priced", key="sk-budget").status_code for _ in range(3)]
@@ -295,7 +398,7 @@ def test_admin_keys_create_use_revoke(gw):
 def test_health_readiness_and_metrics(gw):
     assert httpx.get(gw.url + "/health").json() == {"status": "ok"}
     ready = httpx.get(gw.url + "/health/readiness").json()
-    assert ready["status"] == "ready" and len(ready["deployments"]) == 16
+    assert ready["status"] == "ready" and len(ready["deployments"]) == 20
     text = httpx.get(gw.url + "/metrics").text
     assert "kvserve_gateway_requests_total" in text and "kvserve_gateway_attempts_total" in text
 
@@ -325,3 +428,68 @@ def test_cooldown_after_allowed_fails(fault, tmp_path):
         assert rows["sick"]["cooling_down"] and not rows["well"]["cooling_down"]
     finally:
         g.stop()
+
+
+def test_tokens_are_counted_on_a_deployment_not_cooling_down(fault, tmp_path):
+    """A key with tpm counts the prompt with the group's first deployment's /tokenize. When that
+    one hung (here SIGSTOPped), every request waited its connect_timeout (5 s by default) and
+    then fell back to the ~4-characters estimate, even with the deployment in cooldown; the
+    count now comes from a deployment that is not cooling down."""
+    hung = FaultBackend()
+    os.kill(hung.proc.pid, signal.SIGSTOP)
+    u = fault.url + "/v1"
+    cfg = {
+        "model_list": [
+            {"model_name": "g", "id": "hung", "backend": {"base_url": hung.url + "/v1", "model": "ok",
+                                                          "weight": 1000, "connect_timeout": 1,
+                                                          "first_byte_timeout": 1}},
+            {"model_name": "g", "id": "well", "backend": {"base_url": u, "model": "ok", "weight": 0.001}},
+        ],
+        "router_settings": {"allowed_fails": 1, "cooldown_time": 600, "retry_backoff_base": 0.01},
+        "keys": [{"key": "sk-tpm", "tpm": 100000}], "general_settings": {"database": str(tmp_path / "gw.db")},
+    }  # fmt: skip
+    g = GatewayProcess(cfg, str(tmp_path))
+    try:
+        r = post(g, "g", key="sk-tpm")  # "hung" fails its attempt and cools down; "well" answers
+        assert r.status_code == 200 and r.headers["x-kvserve-deployment"] == "well", r.text
+        assert r.json()["usage"]["total_tokens"] == 5  # 3 words + max_tokens 2, settled in the window
+        r = post(g, "g", key="sk-tpm")
+        assert r.status_code == 200
+        # 3 tokens by well's /tokenize (words), not the 9 of the estimate after hung's timeout
+        assert int(r.headers["x-ratelimit-remaining-tokens"]) == 100000 - 5 - 3
+    finally:
+        g.stop()
+        hung.stop()
+
+
+def test_a_failed_spend_write_is_retried_not_the_end_of_the_spend_log(fault, tmp_path):
+    """One failed batch (SQLite locked past its busy timeout, disk full; here a trigger that
+    aborts inserts) ended the spend log's writer task: that batch was lost and nothing was
+    written in the background again (other instances sharing the file saw no rows)."""
+    db_path = str(tmp_path / "gw.db")
+    db = sqlite3.connect(db_path, timeout=10)
+    db.execute(
+        "CREATE TABLE spend (ts REAL, request_id TEXT, key_hash TEXT, key_alias TEXT, team TEXT, model TEXT,"
+        " deployment TEXT, prompt_tokens INTEGER, completion_tokens INTEGER, cost REAL, status INTEGER)"
+    )
+    db.execute("CREATE TRIGGER full BEFORE INSERT ON spend BEGIN SELECT RAISE(ABORT, 'disk full'); END")
+    db.commit()
+    cfg = {
+        "model_list": [deployment("okgroup", fault.url + "/v1", "ok")],
+        "keys": [{"key": KEY}],
+        "general_settings": {"database": db_path},
+    }
+    g = GatewayProcess(cfg, str(tmp_path))
+    try:
+        assert post(g, "okgroup").status_code == 200
+        assert "disk full" in wait_for_log(g.logs, "spend log: writing")
+        db.execute("DROP TRIGGER full")
+        db.commit()
+        assert post(g, "okgroup").status_code == 200
+        deadline = time.monotonic() + 30
+        while db.execute("SELECT COUNT(*) FROM spend").fetchone()[0] < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert db.execute("SELECT COUNT(*) FROM spend").fetchone()[0] == 2  # both requests, none lost
+    finally:
+        g.stop()
+        db.close()

@@ -304,3 +304,30 @@ def test_gateway_router_cache_aware_and_session():
     assert asyncio.run(picks(router, [{"prompt": "x"}], {"x-session-id": "u1"})) == ids[:1]
     info = request_info({"messages": [system, {"role": "user", "content": "hi"}]}, {})
     assert info.text.startswith("system:You are") and info.text.endswith("user:hi\n")
+
+
+def test_latency_based_probes_a_target_after_a_failure():
+    """One failure (a 10 s penalty in the moving average) kept a deployment out for good: only
+    a request sent there could lower its average again. Now it is probed every `probe_every`
+    choices, and, being the faster one, wins the traffic back."""
+
+    class T:
+        def __init__(self, i: str) -> None:
+            self.id, self.weight = i, 1.0
+
+    a, b = T("a"), T("b")
+    s = make_strategy("latency-based")
+    latency = {"a": 0.5, "b": 0.4}
+    for _ in range(10):
+        t = s.choose([a, b])
+        s.started(t.id)
+        s.finished(t.id, latency[t.id])
+    s.started("b")
+    s.finished("b", None)  # one failure
+    picks = []
+    for _ in range(1000):  # about 14 probes bring b's average (2.3 s after the failure) under a's
+        t = s.choose([a, b])
+        s.started(t.id)
+        s.finished(t.id, latency[t.id])
+        picks.append(t.id)
+    assert "b" in picks[:60] and picks[-100:].count("b") >= 95, picks.count("b")

@@ -150,11 +150,33 @@ def parse_config(data: object) -> RayDeployConfig:
     if not isinstance(data, dict):
         raise DeployConfigError("(top level): expected a mapping with model, autoscaling, replica, ...")
     try:
-        return RayDeployConfig.model_validate(data)
+        cfg = RayDeployConfig.model_validate(data)
     except ValidationError as e:
         err = e.errors()[0]
         msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"].removeprefix("Value error, ")
         raise DeployConfigError(f"{_loc(err['loc'])}: {msg}") from None
+    _check_engine_values(cfg)
+    return cfg
+
+
+def _check_engine_values(cfg: RayDeployConfig) -> None:
+    """The engine values too, as the replicas' `kvserve serve` will read them: a bad one
+    (max_num_seqs: many, kv_cache_memory: lots) passed here and then failed every replica's start."""
+    kwargs = {}
+    for key, value in cfg.engine.items():
+        typ = str(_ENGINE_FIELDS[key].type).split(" |")[0]
+        if (typ == "bool") != isinstance(value, bool):
+            raise DeployConfigError(f"engine.{key}: {value!r} is not a valid {typ}")
+        try:
+            kwargs[key] = {"int": int, "float": float}.get(typ, lambda v: v)(value)
+        except (TypeError, ValueError):
+            raise DeployConfigError(f"engine.{key}: {value!r} is not a valid {typ}") from None
+        if typ == "int" and isinstance(value, float) and kwargs[key] != value:
+            raise DeployConfigError(f"engine.{key}: {value!r} is not a valid int")
+    try:
+        EngineConfig(model=cfg.model, **kwargs)  # checks the values only; the model is not opened
+    except (TypeError, ValueError) as e:  # its messages start with the field's name
+        raise DeployConfigError(f"engine.{e}") from None
 
 
 def load_config(path: str) -> RayDeployConfig:

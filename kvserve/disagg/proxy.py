@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 from collections.abc import AsyncIterator
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from kvserve.disagg.prefill import PrefillResult, run_prefill
 from kvserve.disagg.split import decode_body, disaggregates
@@ -31,8 +33,8 @@ class PDProxy:
     def __init__(self, prefill: list[str], decode: list[str], timeout_s: float = 600.0) -> None:
         if not prefill or not decode:
             raise ValueError("pd-proxy: needs at least one --prefill and one --decode URL")
-        self.prefill = [u.rstrip("/") for u in prefill]
-        self.decode = [u.rstrip("/") for u in decode]
+        self.prefill = [_base_url("--prefill", u) for u in prefill]
+        self.decode = [_base_url("--decode", u) for u in decode]
         self._p, self._d = itertools.cycle(self.prefill), itertools.cycle(self.decode)
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
         self.num_fallbacks = 0
@@ -72,36 +74,75 @@ class PDProxy:
             how = "disaggregated" if params else "fallback"
             self.num_fallbacks += params is None
         headers = {"x-kvserve-pd": how}
+        url = next(self._d)
         req = self.client.build_request(
-            "POST", next(self._d) + path, json=decode_body(body, params), headers=self._headers(raw)
+            "POST", url + path, json=decode_body(body, params), headers=self._headers(raw)
         )
-        resp = await self.client.send(req, stream=True)
+        try:
+            resp = await self.client.send(req, stream=True)
+        except httpx.HTTPError as e:  # the decode engine is down: say so in OpenAI's shape
+            return _unreachable(url, e, headers)
         if not body.get("stream") or resp.status_code != 200:
-            content = await resp.aread()
-            await resp.aclose()
+            try:
+                content = await resp.aread()
+            except httpx.HTTPError as e:
+                return _unreachable(url, e, headers)
+            finally:
+                await resp.aclose()
             media = resp.headers.get("content-type", "application/json")
             return Response(content, status_code=resp.status_code, media_type=media, headers=headers)
-        return StreamingResponse(_relay(resp), media_type="text/event-stream", headers=headers)
+        return StreamingResponse(_relay(resp, url), media_type="text/event-stream", headers=headers)
 
     async def aclose(self) -> None:
         await self.client.aclose()
 
 
-async def _relay(resp: httpx.Response) -> AsyncIterator[bytes]:
+def _base_url(flag: str, url: str) -> str:
+    """A server's root URL. One given with /v1 (as the gateway's base_url and prefill_url are
+    written) is taken without it: the proxy adds /v1/... itself, and /v1/v1/... was a 404 the
+    client got as its own error."""
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"{flag}: {url!r} must start with http:// or https://")
+    return url.rstrip("/").removesuffix("/v1")
+
+
+async def _relay(resp: httpx.Response, url: str) -> AsyncIterator[bytes]:
     try:
         async for chunk in resp.aiter_raw():
             yield chunk
+    except httpx.HTTPError as e:  # the decode engine died mid-stream: an error event, not a cut
+        reason = f"{e.__class__.__name__}: {e}".strip(": ")
+        logger.warning("decode engine %s failed mid-stream (%s)", url, reason)
+        err = _error(f"decode engine {url} failed mid-stream ({reason}); the answer is incomplete",
+                     None, "server_error", "upstream_error")  # fmt: skip
+        yield b"\n\ndata: " + json.dumps(err).encode() + b"\n\n"
     finally:
         await resp.aclose()  # the client left (or the stream ended): the decode engine aborts
 
 
-def _error(message: str, param: str | None) -> dict:
-    return {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": None}}
+def _error(
+    message: str, param: str | None, type_: str = "invalid_request_error", code: str = "invalid_json"
+) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def _unreachable(url: str, e: httpx.HTTPError, headers: dict | None = None) -> JSONResponse:
+    """502 when an engine the proxy needs cannot be reached (was a bare 500 and a traceback)."""
+    reason = f"{e.__class__.__name__}: {e}".strip(": ")
+    logger.warning("%s failed (%s)", url, reason)
+    err = _error(f"engine {url} is unreachable ({reason})", None, "server_error", "upstream_error")
+    return JSONResponse(err, status_code=502, headers=headers)
 
 
 def build_app(proxy: PDProxy) -> FastAPI:
     app = FastAPI(title="kvserve pd-proxy")
     app.state.proxy = proxy
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_left(raw: Request, _: ClientDisconnect) -> Response:
+        """The client went away before its body arrived: its doing, not a traceback in our log."""
+        logger.info("%s %s: the client left while sending its body (499)", raw.method, raw.url.path)
+        return Response(status_code=499)
 
     for path in ROUTES:
 
@@ -112,7 +153,10 @@ def build_app(proxy: PDProxy) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(raw: Request) -> Response:
-        resp = await proxy.client.get(proxy.decode[0] + "/v1/models", headers=proxy._headers(raw))
+        try:
+            resp = await proxy.client.get(proxy.decode[0] + "/v1/models", headers=proxy._headers(raw))
+        except httpx.HTTPError as e:
+            return _unreachable(proxy.decode[0], e)
         return Response(resp.content, status_code=resp.status_code, media_type="application/json")
 
     @app.get("/health")

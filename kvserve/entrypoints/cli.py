@@ -173,14 +173,22 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         return 2
     from kvserve.gateway.app import serve
 
-    return serve(cfg, args.host, args.port, web_ui=not args.disable_web_ui)
+    try:
+        return serve(cfg, args.host, args.port, web_ui=not args.disable_web_ui)
+    except ConfigError as e:  # found opening what the config names (database, state store)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 def cmd_pd_proxy(args: argparse.Namespace) -> int:
     from kvserve.disagg.proxy import serve
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    return serve(args.prefill, args.decode, args.host, args.port)
+    try:
+        return serve(args.prefill, args.decode, args.host, args.port)
+    except ValueError as e:  # a bad --prefill / --decode URL: one line, before anything starts
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -6,17 +6,20 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import sqlite3
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from kvserve.entrypoints.draining_server import DrainingServer
+from kvserve.entrypoints.openai.middleware import BodySizeLimit
 from kvserve.gateway.admin import admin_router
 from kvserve.gateway.backends import BackendPool
-from kvserve.gateway.config import GatewayConfig
+from kvserve.gateway.config import ConfigError, GatewayConfig
 from kvserve.gateway.errors import GatewayError, unauthorized
 from kvserve.gateway.handler import Gateway
 from kvserve.gateway.keys import KeyRecord, KeyStore, open_database
@@ -34,9 +37,16 @@ class GatewayState:
 
     def __init__(self, cfg: GatewayConfig) -> None:
         self.cfg = cfg
-        self.store = open_store(cfg.general_settings.state)
-        self.keys = KeyStore(cfg, open_database(cfg.general_settings.database))
-        self.spend = SpendLog(open_database(cfg.general_settings.database))
+        gs = cfg.general_settings
+        try:  # a path or URL that cannot be opened: one line naming the setting, not a traceback
+            self.store = open_store(gs.state)
+        except ValueError as e:
+            raise ConfigError(f"general_settings.state: {e}") from None
+        try:
+            self.keys = KeyStore(cfg, open_database(gs.database))
+            self.spend = SpendLog(open_database(gs.database))
+        except sqlite3.Error as e:
+            raise ConfigError(f"general_settings.database: {gs.database}: {e}") from None
         self.pool = BackendPool(cfg)
         self.metrics = GatewayMetrics()
         self.gateway = Gateway(cfg, self.store, self.pool, self.spend, self.metrics)
@@ -87,6 +97,8 @@ def build_app(cfg: GatewayConfig, web_ui: bool = True) -> FastAPI:
 
     app = FastAPI(title="kvserve gateway", lifespan=lifespan)
     app.state.gateway = state
+    # the handler reads whole bodies: without a bound one client's upload takes the memory
+    app.add_middleware(BodySizeLimit, max_bytes=cfg.general_settings.max_request_bytes)
     app.include_router(admin_router(state))
 
     def st() -> GatewayState:
@@ -101,15 +113,21 @@ def build_app(cfg: GatewayConfig, web_ui: bool = True) -> FastAPI:
         log.warning("%s", e)
         return GatewayError(503, str(e), "server_error", "state_store_unavailable").response()
 
+    @app.exception_handler(ClientDisconnect)
+    async def _client_left(request: Request, _: ClientDisconnect):
+        """The client went away before its body arrived: its doing, not a traceback in our log."""
+        log.info("%s %s: the client left while sending its body (499)", request.method, request.url.path)
+        return Response(status_code=499)
+
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, e: RequestValidationError):
         err = e.errors()[0]
         loc = ".".join(str(p) for p in err["loc"][1:]) or "body"
-        return GatewayError(400, f"{loc}: {err['msg']}").response()
+        return GatewayError(400, f"{loc}: {err['msg']}", code="invalid_value").response()
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, e: StarletteHTTPException):
-        return GatewayError(e.status_code, str(e.detail), code=e.status_code).response()
+    async def _http(request: Request, e: StarletteHTTPException):
+        return GatewayError(e.status_code, f"{e.detail}: {request.method} {request.url.path}").response()
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -125,6 +143,12 @@ def build_app(cfg: GatewayConfig, web_ui: bool = True) -> FastAPI:
 
     def model_card(alias: str) -> dict:
         return {"id": alias, "object": "model", "created": 0, "owned_by": "kvserve-gateway"}
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request):
+        s = st()
+        s.refuse_if_draining()
+        return await s.gateway.handle(request, "/embeddings", s.authenticate(request))
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -180,6 +204,7 @@ def build_app(cfg: GatewayConfig, web_ui: bool = True) -> FastAPI:
 def serve(cfg: GatewayConfig, host: str, port: int, web_ui: bool = True) -> int:
     import uvicorn
 
+    app = build_app(cfg, web_ui)  # raises ConfigError for a database or state URL it cannot open
     log.info(
         "kvserve gateway on http://%s:%d: %d deployments, state %s",
         host,
@@ -187,7 +212,6 @@ def serve(cfg: GatewayConfig, host: str, port: int, web_ui: bool = True) -> int:
         len(cfg.model_list),
         cfg.general_settings.state.split("@")[-1],
     )
-    app = build_app(cfg, web_ui)
     uv = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
     DrainingServer(uv, app.state.gateway.lifecycle).run()
     return 0

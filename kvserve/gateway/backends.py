@@ -7,6 +7,7 @@ import json
 
 import httpx
 
+from kvserve.gateway.body import content_text, messages_of
 from kvserve.gateway.config import Deployment, GatewayConfig
 
 
@@ -14,9 +15,9 @@ def estimate_tokens(body: dict) -> int:
     """~4 characters a token plus a few per message: close enough for admission, corrected by
     the usage the backend reports."""
     if "messages" in body:
-        msgs = body.get("messages") or []
+        msgs = messages_of(body)
         return sum(4 + len(json.dumps(m.get("content") if isinstance(m, dict) else m)) // 4 for m in msgs) + 2
-    prompt = body.get("prompt", "")
+    prompt = body.get("prompt", body.get("input", ""))  # input: /v1/embeddings
     if isinstance(prompt, list) and prompt and all(isinstance(x, int) for x in prompt):
         return len(prompt)
     return len(json.dumps(prompt)) // 4 + 1
@@ -25,16 +26,14 @@ def estimate_tokens(body: dict) -> int:
 def _tokenize_payload(dep: Deployment, body: dict) -> dict | None:
     if "messages" in body:
         msgs = []
-        for m in body.get("messages") or []:
-            if not isinstance(m, dict):
+        for m in messages_of(body):
+            if not isinstance(m, dict) or not isinstance(m.get("role", "user"), str):
                 return None
-            content = m.get("content") or ""
-            if isinstance(content, list):
-                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-            msgs.append({"role": m.get("role", "user"), "content": content})
-        return {"model": dep.backend.model, "messages": msgs}
-    if isinstance(body.get("prompt"), str):
-        return {"model": dep.backend.model, "prompt": body["prompt"]}
+            msgs.append({"role": m.get("role", "user"), "content": content_text(m.get("content"))})
+        return {"model": dep.backend.model, "messages": msgs} if msgs else None
+    text = body.get("prompt", body.get("input"))  # input: /v1/embeddings
+    if isinstance(text, str):
+        return {"model": dep.backend.model, "prompt": text}
     return None
 
 
@@ -98,8 +97,9 @@ class BackendPool:
         if isinstance(count, int):
             self.tokenizer[dep.id] = "kvserve"
             return count
-        if mode == "auto" and r.status_code < 500:  # no kvserve /tokenize there: stop asking
-            self.tokenizer[dep.id] = "estimate"
+        if mode == "auto" and r.status_code < 500 and r.status_code not in (400, 422):
+            self.tokenizer[dep.id] = "estimate"  # no kvserve /tokenize there: stop asking (a 400
+            # is kvserve's verdict on this body, and must not turn counting off for the others)
         return estimate_tokens(body)
 
     async def probe(self, dep: Deployment) -> bool:

@@ -18,6 +18,15 @@ def completion_budget(body: dict, prompt_tokens: int, max_context: int | None) -
     return DEFAULT_MAX_TOKENS
 
 
+def sequences(body: dict) -> int:
+    """Completions one request can draw, each up to max_tokens and each billed: n, or best_of
+    when larger, for every prompt of a completions batch (a list of strings or of token lists)."""
+    n, best_of, prompt = body.get("n"), body.get("best_of"), body.get("prompt")
+    per_prompt = max(x if isinstance(x, int) and not isinstance(x, bool) else 1 for x in (n, best_of))
+    batch = isinstance(prompt, list) and bool(prompt) and not all(isinstance(x, int) for x in prompt)
+    return max(per_prompt, 1) * (len(prompt) if batch else 1)
+
+
 def max_cost(backends: list[Backend], prompt_tokens: int, completion_tokens: int, n: int = 1) -> float:
     """Reservation: the dearest backend the request could reach, at its full length."""
     return max(

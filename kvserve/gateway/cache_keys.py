@@ -18,6 +18,8 @@ import hashlib
 import json
 import re
 
+from kvserve.gateway.body import content_text
+
 # fields that never change the answer (transport, bookkeeping)
 _TRANSPORT = ("model", "stream", "stream_options", "user", "metadata", "store", "priority")
 _TEXT = ("messages", "prompt")
@@ -39,7 +41,7 @@ def exact_key(alias: str, path: str, body: dict) -> str:
 
 def _content(c: object) -> str:
     if isinstance(c, list):  # content parts: their text
-        return "".join(p.get("text", "") for p in c if isinstance(p, dict))
+        return content_text(c)
     return c if isinstance(c, str) else json.dumps(c, sort_keys=True) if c is not None else ""
 
 

@@ -6,6 +6,7 @@ A mistake stops start-up with one line naming the key path (``model_list.1.backe
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 from typing import Literal
@@ -149,6 +150,9 @@ class GeneralSettings(_Strict):
     database: str = "kvserve_gateway.db"
     reservation_ttl: float | None = Field(None, gt=0, description="default: longest timeout + 30 s")
     shutdown_timeout: float = Field(30.0, ge=0, description="SIGTERM: seconds in-flight requests may finish")
+    max_request_bytes: int = Field(
+        16 * 2**20, ge=1024, description="a larger body is refused (413) before it is read into memory"
+    )
 
     @field_validator("state")
     @classmethod
@@ -257,6 +261,25 @@ def _check_references(cfg: GatewayConfig) -> None:
                 raise ConfigError(f"keys.{i}.models: unknown model_name {m!r}")
     gs = cfg.general_settings
     gs.master_key = _secret(gs.master_key, "general_settings.master_key")
+    _check_key_hashes(cfg)
+
+
+def _check_key_hashes(cfg: GatewayConfig) -> None:
+    """A key_hash that is no SHA-256, or a key given twice (or equal to the master key), would
+    load silently and then never match or never apply: the first entry or the master wins."""
+    seen: dict[str, str] = {}
+    master = cfg.general_settings.master_key
+    if master:
+        seen[hashlib.sha256(master.encode()).hexdigest()] = "general_settings.master_key"
+    for i, k in enumerate(cfg.keys):
+        if k.key_hash is not None:
+            if not re.fullmatch(r"[0-9a-fA-F]{64}", k.key_hash):
+                raise ConfigError(f"keys.{i}.key_hash: not a SHA-256 (64 hex digits) of a key")
+            k.key_hash = k.key_hash.lower()  # as hash_key writes it
+        h = k.key_hash or hashlib.sha256((k.key or "").encode()).hexdigest()
+        if h in seen:
+            raise ConfigError(f"keys.{i}: the same key as {seen[h]}")
+        seen[h] = f"keys.{i}"
 
 
 def parse_config(data: object) -> GatewayConfig:

@@ -17,7 +17,7 @@ from fastapi.responses import Response, StreamingResponse
 from kvserve.disagg.prefill import run_prefill
 from kvserve.disagg.split import decode_body, disaggregates
 from kvserve.gateway.backends import BackendPool
-from kvserve.gateway.budgets import completion_budget, cost, max_cost
+from kvserve.gateway.budgets import completion_budget, cost, max_cost, sequences
 from kvserve.gateway.config import Deployment, GatewayConfig
 from kvserve.gateway.degrade import HEADER as DEGRADED_HEADER
 from kvserve.gateway.degrade import Degrader
@@ -38,6 +38,7 @@ from kvserve.gateway.state.base import EPS
 from kvserve.routing import RequestInfo
 
 log = logging.getLogger("kvserve.gateway")
+EMBEDDINGS = "/embeddings"  # no completion tokens, no stream, no prefill/decode split
 
 
 @dataclass
@@ -107,7 +108,7 @@ class Gateway:
             raise GatewayError(
                 403, f"model: this key may not use {alias!r}", "permission_denied", param="model"
             )
-        stream = body.get("stream") is True
+        stream = body.get("stream") is True and path != EMBEDDINGS
         so = body.get("stream_options")
         ctx = Ctx(
             uuid.uuid4().hex,
@@ -187,10 +188,16 @@ class Gateway:
         probe = tenant_checks(key.scope, key.spec, team_name, team, 0, 0.0)
         first = self.router.deployments(ctx.alias)[0]
         counting = needs_tokens(probe) or any(d.backend.tpm or d.backend.max_context for d in deps)
-        if counting:
-            ctx.prompt_tokens = await self.pool.count_prompt_tokens(first, ctx.body)
-        n = ctx.body.get("n") if isinstance(ctx.body.get("n"), int) else 1
-        completion = completion_budget(ctx.body, ctx.prompt_tokens, first.backend.max_context)
+        if counting:  # on a deployment not cooling down: a hung one cost every request its timeout
+            cooling = await self.store.cooling([d.id for d in self.router.deployments(ctx.alias)])
+            counter = next((d for d in self.router.deployments(ctx.alias) if d.id not in cooling), first)
+            ctx.prompt_tokens = await self.pool.count_prompt_tokens(counter, ctx.body)
+        n = sequences(ctx.body)  # n x best_of x prompts: reserve less and concurrent requests overspend
+        completion = (
+            0
+            if ctx.path == EMBEDDINGS
+            else completion_budget(ctx.body, ctx.prompt_tokens, first.backend.max_context)
+        )
         ctx.reserved_money = max_cost([d.backend for d in deps], ctx.prompt_tokens, completion, n)
         ctx.checks = tenant_checks(
             key.scope, key.spec, team_name, team, ctx.prompt_tokens, ctx.reserved_money
@@ -203,8 +210,8 @@ class Gateway:
                 raise GatewayError(
                     400,
                     f"max_tokens: this request may cost up to {c.amount:.6g} ({ctx.prompt_tokens} prompt "
-                    f"tokens + {completion} completion tokens x n={n}), more than {who} whole budget of "
-                    f"{c.limit:g}; set a lower max_tokens",
+                    f"tokens + {completion} completion tokens x {n} sequences), more than {who} whole "
+                    f"budget of {c.limit:g}; set a lower max_tokens",
                     "invalid_request_error",
                     "budget_exceeded",
                     param="max_tokens",
@@ -246,10 +253,7 @@ class Gateway:
                 dep = await self.router.pick(alias, excluded, tried, ctx.route)
                 if dep is None:
                     break
-                if (
-                    dep.backend.max_context
-                    and ctx.prompt_tokens + _min_new(ctx.body) > dep.backend.max_context
-                ):
+                if dep.backend.max_context and ctx.prompt_tokens + _min_new(ctx) > dep.backend.max_context:
                     excluded.add(dep.id)
                     too_long = True
                     continue
@@ -270,14 +274,17 @@ class Gateway:
                         continue
                 if group_attempts:
                     same = dep.id == failed_id
-                    await asyncio.sleep(
-                        backoff(
-                            group_attempts,
-                            self.rs.retry_backoff_base,
-                            self.rs.retry_backoff_cap,
-                            retry_after if same else None,
-                        )
+                    pause = backoff(
+                        group_attempts,
+                        self.rs.retry_backoff_base,
+                        self.rs.retry_backoff_cap,
+                        retry_after if same else None,
                     )
+                    try:
+                        await asyncio.sleep(pause)
+                    except BaseException:  # the client left: the deployment's slot is not used
+                        await asyncio.shield(self._release(arid, dchecks, 0))
+                        raise
                 group_attempts += 1
                 ctx.attempts += 1
                 tried.add(dep.id)
@@ -331,11 +338,17 @@ class Gateway:
 
     async def _one(self, ctx: Ctx, dep: Deployment, arid: str, dchecks: list[Check]) -> Response | Outcome:
         """One attempt; a Response when it is the answer, else the failed Outcome."""
-        body = ctx.body
-        if dep.backend.prefill_url and disaggregates(body):  # pd deployment: the prompt on its kv_producer
+        body, ctx.pd = ctx.body, None  # x-kvserve-pd describes this attempt, not an earlier one
+        split = bool(dep.backend.prefill_url) and ctx.path != EMBEDDINGS and disaggregates(body)
+        if split:  # pd deployment: the prompt on its kv_producer first
             url, prefill = dep.backend.prefill_url + ctx.path, dict(body, model=dep.backend.model)
-            pre = await run_prefill(self.pool.client(dep), url, prefill, self.pool.headers(dep))
-            if pre.refused_status is not None:
+            try:
+                pre = await run_prefill(self.pool.client(dep), url, prefill, self.pool.headers(dep))
+            except BaseException:  # the client left during the prefill
+                await asyncio.shield(self._release(arid, dchecks, 0))
+                raise
+            if pre.refused_status is not None:  # the client's mistake: the deployment's slot is free again
+                await self._release(arid, dchecks, 0)
                 return await self._pass_through(
                     ctx, dep, Outcome("final", pre.refused_status, pre.refused_content)
                 )
@@ -493,8 +506,11 @@ class Gateway:
         )
 
 
-def _min_new(body: dict) -> int:
-    n = body.get("max_completion_tokens") or body.get("max_tokens")
+def _min_new(ctx: Ctx) -> int:
+    """Tokens the answer needs room for past the prompt (an embedding: none)."""
+    if ctx.path == EMBEDDINGS:
+        return 0
+    n = ctx.body.get("max_completion_tokens") or ctx.body.get("max_tokens")
     return n if isinstance(n, int) and n > 0 else 1
 
 
@@ -503,9 +519,9 @@ async def _json_body(request: Request) -> dict:
     try:
         body = json.loads(raw)
     except ValueError:
-        raise GatewayError(400, "body: not valid JSON") from None
+        raise GatewayError(400, "body: not valid JSON", code="invalid_json") from None
     if not isinstance(body, dict):
-        raise GatewayError(400, "body: expected a JSON object")
+        raise GatewayError(400, "body: expected a JSON object", code="invalid_json")
     return body
 
 

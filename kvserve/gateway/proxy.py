@@ -41,8 +41,9 @@ class Outcome:
 
 def upstream_body(body: dict, dep: Deployment, stream: bool) -> bytes:
     out = dict(body, model=dep.backend.model)
-    if stream:  # ask for usage so the gateway can settle budgets and tpm
-        out["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+    so = body.get("stream_options")
+    if stream and (so is None or isinstance(so, dict)):  # ask for usage to settle budgets and tpm
+        out["stream_options"] = {**(so or {}), "include_usage": True}  # (else the backend's 400)
     return json.dumps(out).encode()
 
 

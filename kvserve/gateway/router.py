@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+from kvserve.gateway.body import content_text
 from kvserve.gateway.config import Deployment, GatewayConfig
 from kvserve.gateway.state import StateStore
 from kvserve.routing import RequestInfo, RoutingStrategy, make_strategy
@@ -18,10 +19,8 @@ def request_info(body: dict, headers) -> RequestInfo:
     if isinstance(body.get("messages"), list):
         parts = []
         for m in body["messages"]:
-            c = m.get("content") if isinstance(m, dict) else None
-            if isinstance(c, list):  # content parts: their text only
-                c = "".join(p.get("text", "") for p in c if isinstance(p, dict))
-            parts.append(f"{m.get('role', '')}:{c or ''}\n" if isinstance(m, dict) else "")
+            c = content_text(m.get("content")) if isinstance(m, dict) else ""  # parts: their text only
+            parts.append(f"{m.get('role', '')}:{c}\n" if isinstance(m, dict) else "")
         text = "".join(parts)
     elif isinstance(body.get("prompt"), str):
         text = body["prompt"]

@@ -4,10 +4,12 @@ logging never adds latency; every instance sharing the file sees every row."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import sqlite3
 import threading
 from dataclasses import astuple, dataclass
 
+log = logging.getLogger("kvserve.gateway")
 GROUPS = {"key": "key_hash", "team": "team", "model": "model", "deployment": "deployment"}
 
 
@@ -46,20 +48,31 @@ class SpendLog:
 
     def _write(self, rows: list[SpendRow]) -> None:
         with self.lock:
-            self.db.executemany(
-                "INSERT INTO spend VALUES (?,?,?,?,?,?,?,?,?,?,?)", [astuple(r) for r in rows]
-            )
-            self.db.commit()
+            try:
+                self.db.executemany(
+                    "INSERT INTO spend VALUES (?,?,?,?,?,?,?,?,?,?,?)", [astuple(r) for r in rows]
+                )
+                self.db.commit()
+            except sqlite3.Error:
+                self.db.rollback()  # else the failed insert's transaction keeps the file locked
+                raise
 
     async def flush(self) -> None:
         rows, self.pending = self.pending, []
         if rows:
-            await asyncio.to_thread(self._write, rows)
+            try:
+                await asyncio.to_thread(self._write, rows)
+            except sqlite3.Error:
+                self.pending[:0] = rows  # kept for the next flush, not lost with this one
+                raise
 
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(self.flush_every)
-            await self.flush()
+            try:
+                await self.flush()
+            except sqlite3.Error as e:  # locked past the busy timeout, disk full, ...: try again later
+                log.warning("spend log: writing %d rows failed (%s); retrying", len(self.pending), e)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())

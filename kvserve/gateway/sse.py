@@ -18,6 +18,8 @@ class SSERelay:
     def feed(self, chunk: bytes) -> bytes:
         """Bytes to send on for this upstream chunk (whole events only)."""
         self._buf += chunk
+        if b"\r\n" in self._buf:  # CRLF line ends (sse-starlette's default) are valid SSE too
+            self._buf = self._buf.replace(b"\r\n", b"\n")  # (a trailing CR waits for its LF)
         if b"\n\n" not in self._buf:
             return b""
         *events, self._buf = self._buf.split(b"\n\n")
@@ -55,6 +57,8 @@ class SSERelay:
         return ev
 
 
-def error_event(message: str, code: int = 502) -> bytes:
+def error_event(message: str, code: str = "upstream_error") -> bytes:
+    """The final event of a stream whose deployment failed after its first byte (a string
+    code, as the error would carry outside a stream)."""
     body = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
     return b"data: " + json.dumps(body).encode() + b"\n\n"

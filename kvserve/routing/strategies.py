@@ -86,18 +86,28 @@ class LeastBusy(RoutingStrategy):
 
 class LatencyBased(RoutingStrategy):
     """Lowest moving average of time to first byte; untried targets first, failures count as
-    slow so a sick target is probed rather than hammered."""
+    slow so a sick target is probed rather than hammered: one not chosen in `probe_every`
+    choices gets the next request, so its average follows what it does now. (Without the probe
+    one failure put a target's average above the others' for good, since only a request sent
+    there could lower it again: a recovered, faster deployment got no traffic at all.)"""
 
-    def __init__(self, alpha: float = 0.2, failure_penalty: float = 10.0) -> None:
+    def __init__(self, alpha: float = 0.2, failure_penalty: float = 10.0, probe_every: int = 50) -> None:
         super().__init__()
-        self.alpha, self.penalty = alpha, failure_penalty
+        self.alpha, self.penalty, self.probe_every = alpha, failure_penalty, probe_every
         self.ewma: dict[str, float] = {}
+        self.choices = 0  # choose() calls so far
+        self.last_chosen: dict[str, int] = {}  # target id -> the choice that last picked it
 
     def choose(self, candidates: Sequence[Target], request: RequestInfo | None = None) -> Target:
+        self.choices += 1
         untried = [c for c in candidates if c.id not in self.ewma]
         if untried:
-            return random.choice(untried)
-        return min(candidates, key=lambda c: self.ewma[c.id])
+            pick = random.choice(untried)
+        else:
+            stale = [c for c in candidates if self.choices - self.last_chosen.get(c.id, 0) > self.probe_every]
+            pick = min(stale or candidates, key=lambda c: self.ewma[c.id])
+        self.last_chosen[pick.id] = self.choices
+        return pick
 
     def finished(self, target_id: str, latency: float | None, request: RequestInfo | None = None) -> None:
         super().finished(target_id, latency, request)
