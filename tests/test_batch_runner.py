@@ -63,3 +63,15 @@ def test_one_lone_surrogate_check_for_prompts_and_custom_ids():
     with pytest.raises(LineError, match="custom_id: must be valid Unicode") as e:
         parse_line(_line("x-\ud800", "hi").encode(), CHAT)
     assert e.value.code == "invalid_custom_id"
+
+
+def test_an_output_line_is_one_line_for_splitlines():
+    """A model's text may hold U+2028, U+2029 or U+0085, which json.dumps leaves raw and
+    str.splitlines() (how many readers split a JSONL file) ends a line at: a random model's
+    answer once cut an output line in two (tests/test_batch.py). They are written escaped."""
+    from kvserve.batch.output import _line
+
+    record = {"custom_id": "a", "response": {"body": {"content": "x\u2028y\u2029z\x85w é"}}}
+    text = _line(record).decode()
+    assert text.endswith("\n") and len(text.splitlines()) == 1
+    assert json.loads(text) == record and "é" in text  # the rest still UTF-8, not escaped

@@ -19,10 +19,16 @@ from pathlib import Path
 from typing import IO
 
 
+# Characters that end a line for str.splitlines() (what many readers of a JSONL file split it
+# with) and that json.dumps leaves raw in a string: escaped, so such a reader gets whole lines.
+# A random model's text held one (tests/test_batch.py, round 40).
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def _line(record: dict) -> bytes:
     """One JSON line; escaped as ASCII when a lone surrogate cannot be UTF-8, so no line is lost."""
     try:
-        return json.dumps(record, ensure_ascii=False).encode() + b"\n"
+        return json.dumps(record, ensure_ascii=False).translate(_LINE_BREAKS).encode() + b"\n"
     except UnicodeEncodeError:
         return json.dumps(record).encode() + b"\n"
 
