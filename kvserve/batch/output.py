@@ -18,7 +18,6 @@ import sqlite3
 from pathlib import Path
 from typing import IO
 
-
 # Characters that end a line for str.splitlines() (what many readers of a JSONL file split it
 # with) and that json.dumps leaves raw in a string: escaped, so such a reader gets whole lines.
 # A random model's text held one (tests/test_batch.py, round 40).
