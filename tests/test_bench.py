@@ -24,7 +24,7 @@ from kvserve.bench.metrics import compute_metrics, parse_slo
 from kvserve.entrypoints.cli import main as kvserve_main
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-TTFT_MS, ITL_MS = 200.0, 20.0  # a localhost round trip costs 1-3 ms: well inside 5%
+TTFT_MS, ITL_MS = 200.0, 20.0  # the stub's sleeps: each time the client sees is at least this
 
 
 class Stub:
@@ -85,6 +85,19 @@ def _close(measured: float, truth: float, tol: float = 0.05) -> bool:
     return abs(measured - truth) <= tol * truth
 
 
+def _timed(measured: float, truth: float, early: float = 0.02, late: float = 0.5) -> bool:
+    """A time the client measured against the stub's sleep: never much earlier, and later by up
+    to `late` (a loaded 2-core CI host delays a stream by tens of ms; the quantities told apart
+    here, 0 / 20 / 200 / 580 ms, differ by far more)."""
+    return truth * (1 - early) <= measured <= truth * (1 + late)
+
+
+def _sent_on_time(start: float, due: float) -> bool:
+    """A request sent at its due time (seconds from the run's start): not before it, and late by
+    less than a loaded host's scheduling delay, far less than the gaps these tests space them."""
+    return due - 0.02 <= start <= due + 0.15
+
+
 # ---- metrics against known timings -----------------------------------------------------------
 
 
@@ -99,14 +112,16 @@ def test_metrics_match_stub_timings(timed_stub, tiny_tok, endpoint):
     per_request_s = (TTFT_MS + (out_len - 1) * ITL_MS) / 1000
     assert m["completed"] == n and m["failed"] == 0
     assert m["total_output_tokens"] == n * out_len  # from the usage chunk
-    assert _close(m["ttft_ms"]["mean"], TTFT_MS) and _close(m["ttft_ms"]["p50"], TTFT_MS)
-    assert _close(m["itl_ms"]["mean"], ITL_MS) and _close(m["itl_ms"]["p50"], ITL_MS)
-    assert _close(m["tpot_ms"]["mean"], ITL_MS)
-    assert _close(m["e2el_ms"]["mean"], per_request_s * 1000)
+    assert _timed(m["ttft_ms"]["mean"], TTFT_MS) and _timed(m["ttft_ms"]["p50"], TTFT_MS), m["ttft_ms"]
+    # a token the client reads late shortens the gap after it: gaps may read early too
+    assert _timed(m["itl_ms"]["mean"], ITL_MS, early=0.25) and _timed(m["itl_ms"]["p50"], ITL_MS, early=0.25)
+    assert _timed(m["tpot_ms"]["mean"], ITL_MS, early=0.25), m["tpot_ms"]
+    assert _timed(m["e2el_ms"]["mean"], per_request_s * 1000), m["e2el_ms"]
     assert len([x for r in results for x in r.itl]) == n * (out_len - 1)
+    # the stub's timings bound the rates from above; load only lowers them
     truth_tput = n * out_len / (n / conc * per_request_s)
-    assert _close(m["output_throughput"], truth_tput), (m["output_throughput"], truth_tput)
-    assert _close(m["request_throughput"], n / (n / conc * per_request_s))
+    assert _timed(truth_tput, m["output_throughput"]), (m["output_throughput"], truth_tput)
+    assert _timed(n / (n / conc * per_request_s), m["request_throughput"]), m["request_throughput"]
     assert m["good_requests"] == n  # every request meets 250 ms TTFT and 25 ms TPOT
     assert compute_metrics(results, duration, parse_slo("ttft:150"))["good_requests"] == 0
 
@@ -137,7 +152,7 @@ def test_request_rate_spreads_sends(instant_stub, tiny_tok):
     results, duration = _run(cfg, _requests(tiny_tok, 10, 4))
     starts = [r.start for r in results]
     gaps = arrival_gaps(10, 20.0, 1.0, 0)
-    assert all(abs(s - sum(gaps[: i + 1])) < 0.02 for i, s in enumerate(starts))
+    assert all(_sent_on_time(s, sum(gaps[: i + 1])) for i, s in enumerate(starts)), (starts, gaps)
 
 
 def test_metrics_summary_and_slo_parsing():
@@ -289,7 +304,7 @@ def test_trace_dataset_replays_arrivals(instant_stub, tiny_tok, tmp_path):
     assert schedule(reqs, cfg) == pytest.approx([0.0, 0.2, 0.5])
     results, _ = _run(cfg, reqs)
     starts = [r.start for r in results]
-    assert all(abs(s - t) < 0.05 for s, t in zip(starts, [0.0, 0.2, 0.7])), starts
+    assert all(_sent_on_time(s, t) for s, t in zip(starts, [0.0, 0.2, 0.7])), starts
     assert len(build_dataset(tiny_tok, DatasetConfig("trace", path="bursty:duration=20,seed=1"))) > 5
     with pytest.raises(ValueError, match="dataset-path"):
         build_dataset(tiny_tok, DatasetConfig("trace"))
@@ -313,7 +328,9 @@ def test_sweep_plots_one_line_per_server(timed_stub, instant_stub, tiny_llama_di
     timed = res["series"][0]["runs"]
     assert [r["max_concurrency"] for r in timed] == [1, 4]
     one, four = (r["metrics"]["output_throughput"] for r in timed)
-    assert _close(four / one, 4.0, 0.1)  # 4 streams at once: 4x the tokens in the same time
+    # 4 streams at once: 4x the tokens in the same time (a loaded host loses some of it; one at a
+    # time, as a sweep that ignored its concurrency would run, gives 1x)
+    assert 2.5 <= four / one <= 4.2, four / one
 
 
 # ---- against real servers ---------------------------------------------------------------------
