@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 import gguf
+import numpy as np
 import torch
 
 from kvserve.model.loader import gguf_file, load_arch, load_tokenizer, load_weights_only, resolve_model
@@ -13,13 +14,13 @@ from kvserve.model.loader import gguf_file, load_arch, load_tokenizer, load_weig
 
 def test_one_parse_per_load_then_released(monkeypatch):
     parses = []
-    real = gguf.GGUFReader
+    real = gguf.GGUFReader.__init__
 
-    def counting(path, *args, **kwargs):
+    def counting(self, path, *args, **kwargs):
         parses.append(path)
-        return real(path, *args, **kwargs)
+        real(self, path, *args, **kwargs)
 
-    monkeypatch.setattr(gguf, "GGUFReader", counting)
+    monkeypatch.setattr(gguf.GGUFReader, "__init__", counting)
     source = resolve_model("smollm2-135m")
     gguf_file.release_gguf_reader(source.path)  # whatever an earlier test left
     arch = load_arch(source)
@@ -62,3 +63,31 @@ def test_at_most_two_readers_oldest_dropped_first(tmp_path):
     assert [_cached(p) for p in paths] == [False, True, True]
     for path in paths:
         gguf_file.release_gguf_reader(path)
+
+
+def test_the_reader_gives_gguf_s_own_fields_and_tensors(tmp_path):
+    """The plain-view reader (a faster parse) reads what `gguf.GGUFReader` reads: every field's
+    parts and every tensor's name, type, shape and bytes, strings and string arrays included."""
+    path = str(tmp_path / "m.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_name("plain views")
+    w.add_token_list(["<s>", "hello", "wörld", ""])
+    w.add_array("test.floats", [0.5, -2.0])
+    w.add_tensor("a.weight", np.arange(48, dtype=np.float32).reshape(6, 8))
+    w.add_tensor("b.weight", np.arange(64, dtype=np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ours, theirs = gguf_file.gguf_reader(path), gguf.GGUFReader(path)
+    gguf_file.release_gguf_reader(path)
+    assert type(ours) is not gguf.GGUFReader and list(ours.fields) == list(theirs.fields)
+    for name, field in theirs.fields.items():
+        mine = ours.fields[name]
+        assert (mine.types, mine.data) == (field.types, field.data), name
+        assert [bytes(p) for p in mine.parts] == [bytes(p) for p in field.parts], name
+    assert ours.fields["tokenizer.ggml.tokens"].contents() == ["<s>", "hello", "wörld", ""]
+    assert len(ours.tensors) == len(theirs.tensors) == 2
+    for mine, t in zip(ours.tensors, theirs.tensors):
+        assert (mine.name, mine.tensor_type, list(mine.shape)) == (t.name, t.tensor_type, list(t.shape))
+        assert np.array_equal(mine.data, t.data) and mine.data.dtype == t.data.dtype

@@ -8,16 +8,42 @@ reader until the weights have been read from it; then it is dropped, so its memo
 not outlive the load. A process that never loads the weights (the API server) keeps its
 reader, whose map only had its metadata pages touched; at most `MAX_READERS` are kept (a
 model and its draft), the oldest dropped first.
+
+The parse itself runs on plain ndarray views of the file's map (`_PlainViewReader`): gguf
+slices its map a few times per string, and a `numpy.memmap` slice runs Python code per view
+(1.2 million `__array_finalize__` calls for the default model); a plain view does not, which
+makes the parse 2.6-3.4x faster (4.4-6.7 s to 1.7-1.9 s on the host of round 41, loaded).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 
 MAX_READERS = 2
 _readers: dict[tuple[str, int, int], object] = {}  # in the order they were parsed
 _lock = threading.Lock()
+
+
+@functools.cache
+def _reader_class():
+    """`gguf.GGUFReader` whose map is read through a plain ndarray view: the same bytes, the
+    same fields and tensors (their `.data` are plain ndarrays over the same pages), parsed
+    without numpy.memmap's per-view Python hook. The view keeps the map open as its base."""
+    import gguf
+    import numpy as np
+
+    class _PlainViewReader(gguf.GGUFReader):
+        @property
+        def data(self) -> np.ndarray:
+            return self._plain
+
+        @data.setter
+        def data(self, mapped: np.ndarray) -> None:
+            self._plain = mapped.view(np.ndarray)
+
+    return _PlainViewReader
 
 
 def _key(path: str) -> tuple[str, int, int]:
@@ -32,11 +58,9 @@ def gguf_reader(path: str):
     with _lock:
         reader = _readers.get(key)
         if reader is None:
-            import gguf
-
             while len(_readers) >= MAX_READERS:
                 del _readers[next(iter(_readers))]
-            reader = _readers[key] = gguf.GGUFReader(path)
+            reader = _readers[key] = _reader_class()(path)
         return reader
 
 
