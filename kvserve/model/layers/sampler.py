@@ -171,7 +171,12 @@ class Sampler:
             if len(r.output_token_ids) < r.params.min_tokens:
                 banned = list(r.eos_token_ids | r.stop_token_ids)
                 if banned:
+                    kept = logits[i, banned].clone()
                     logits[i, banned] = float("-inf")
+                    # A grammar that is complete allows only its end: it outranks min_tokens
+                    # (a row with nothing left would draw a token the grammar refuses).
+                    if torch.isneginf(logits[i]).all():
+                        logits[i, banned] = kept
         return raw_logprobs
 
     @staticmethod
