@@ -71,6 +71,19 @@ def test_n_samples_use_consecutive_seeds(tiny_llama_dir):
         assert c.token_ids == gen(llm, PROMPT, single)[0].token_ids
 
 
+def test_n_samples_seeds_wrap_inside_64_bits(tiny_llama_dir):
+    """The n samples of a seed at the top of the range wrap as the server's do (torch reads
+    seeds modulo 2**64); seed + 1 was refused as past 64 bits."""
+    llm = make_llm(tiny_llama_dir)
+    top = 2**64 - 1
+    out = llm.generate(PROMPT, SamplingParams(n=2, temperature=1.0, seed=top, max_tokens=6), use_tqdm=False)[
+        0
+    ]
+    for c, seed in zip(out.outputs, (top, 0)):
+        single = SamplingParams(temperature=1.0, seed=seed, max_tokens=6)
+        assert c.token_ids == gen(llm, PROMPT, single)[0].token_ids
+
+
 # ---- filters that reduce to greedy ---------------------------------------------------------------
 @pytest.mark.parametrize(
     "params",
