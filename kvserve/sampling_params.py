@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json as _json
+import math
+import numbers
 from dataclasses import dataclass
 
 
@@ -83,6 +85,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         # Not a dataclass field, so it is not serialized; rebuilt wherever params are made.
         self.stop_list = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        self._check_types()
         if self.top_k == -1:
             self.top_k = 0
         _check(self.n >= 1, "n", f"must be >= 1, got {self.n}")
@@ -127,6 +130,23 @@ class SamplingParams:
         if self.use_beam_search:
             self._check_beam_search()
 
+    def _check_types(self) -> None:
+        """Counts and token ids are integers and weights finite numbers: a float top_k or a
+        string logit_bias key would otherwise fail inside the engine's step (an "engine failed"
+        error), and an infinite temperature or a NaN bias silently sample garbage."""
+        for name in ("n", "top_k", "min_tokens", "max_tokens", "seed", "logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or _is_int(value), name, f"must be an integer, got {value!r}")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty", "length_penalty"):  # fmt: skip
+            value = getattr(self, name)
+            _check(_is_finite(value), name, f"must be a finite number, got {value!r}")
+        for tok, bias in (self.logit_bias or {}).items():
+            _check(_is_int(tok), "logit_bias", f"keys must be integer token ids, got {tok!r}")
+            _check(_is_finite(bias), "logit_bias", f"values must be finite numbers, got {bias!r}")
+        for tok in self.stop_token_ids or ():
+            _check(_is_int(tok), "stop_token_ids", f"must be integer token ids, got {tok!r}")
+
     def _check_beam_search(self) -> None:
         """What beam search cannot honour is refused, naming the field."""
         _check(
@@ -156,6 +176,14 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_finite(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _check(ok: bool, name: str, why: str) -> None:

@@ -180,3 +180,42 @@ def test_llama_biases_everywhere_match_transformers(tmp_path):
         ValueError, match=r"model\.layers\.0: tensors this model's config does not use: .*mlp"
     ):
         LLM(str(tmp_path), kv_cache_memory="4MiB")
+
+
+def test_sliding_window_caps_the_context(tmp_path):
+    """A Mistral whose layers slide over 16 positions: kvserve attends to every position, the
+    model's attention only while a sequence fits the window, so the context stops there (it
+    was the full 512, and greedy output left transformers' past position 16)."""
+    from conftest import _tiny_tokenizer
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from kvserve.model.arch import ModelArch
+
+    torch.manual_seed(0)
+    cfg = MistralConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                        initializer_range=0.2, bos_token_id=1, eos_token_id=2, sliding_window=16)  # fmt: skip
+    ref = MistralForCausalLM(cfg).eval()
+    ref.save_pretrained(tmp_path)
+    _tiny_tokenizer().save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), kv_cache_memory="4MiB")
+    assert llm.llm_engine.max_model_len == 16
+    _check_against_reference(llm, ref, [list(range(3, 13))], SamplingParams(temperature=0, max_tokens=6))
+    with pytest.raises(ValueError, match="prompt: this model's maximum context length is 16"):
+        llm.generate([list(range(3, 30))], GREEDY, use_tqdm=False)
+    llm.llm_engine.core.shutdown()
+    with pytest.raises(ValueError, match="max_model_len: 32 exceeds the model's sliding attention window 16"):
+        LLM(str(tmp_path), kv_cache_memory="4MiB", max_model_len=32)
+
+    # Which configs slide, as transformers reads them.
+    base = dict(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=4, num_attention_heads=2)
+    cases = [
+        (dict(model_type="mistral", sliding_window=None), None),
+        (dict(model_type="qwen2", sliding_window=32, use_sliding_window=False), None),
+        (dict(model_type="qwen2", sliding_window=32, use_sliding_window=True, max_window_layers=2), 32),
+        (dict(model_type="qwen2", sliding_window=32, use_sliding_window=True, max_window_layers=4), None),
+        (dict(model_type="qwen2", sliding_window=32, layer_types=["full_attention"] * 4), None),
+        (dict(model_type="llama", sliding_window=32), None),
+    ]
+    for extra, window in cases:
+        assert ModelArch.from_hf_config({**base, **extra}).sliding_window == window, extra

@@ -70,3 +70,27 @@ def test_poison_while_others_decode(engine, monkeypatch):
     final = run(engine, {"poison-late": PROMPTS[2]})
     assert final["poison-late"].finish_reason == "error"
     assert final["ok"].token_ids == reference["ref"].token_ids
+
+
+def test_seeded_neighbours_draw_as_without_the_failure(engine, monkeypatch):
+    """Finding the culprit runs each request of the failed step alone, sampling included; a
+    seeded survivor's generator is put back after, so its tokens are the ones it gets alone
+    (they differed: its generator had advanced in the probe)."""
+    seeded = [SamplingParams(temperature=1.0, seed=7 + i, max_tokens=12, ignore_eos=True) for i in range(3)]
+
+    def run_seeded(requests: dict[str, tuple[str, SamplingParams]]) -> dict:
+        for rid, (prompt, params) in requests.items():
+            engine.add_request(rid, prompt, params)
+        final = {}
+        while engine.has_unfinished_requests():
+            final.update({o.request_id: o.outputs[0] for o in engine.step() if o.finished})
+        return final
+
+    reference = run_seeded({f"alone{i}": (PROMPTS[i], p) for i, p in enumerate(seeded)})
+    monkeypatch.setenv(FAULT_INJECTION_ENV, "poison")
+    batch = {"poison-seeded": (PROMPTS[3], GREEDY)}
+    batch.update({f"s{i}": (PROMPTS[i], p) for i, p in enumerate(seeded)})
+    final = run_seeded(batch)
+    assert final["poison-seeded"].finish_reason == "error"
+    for i in range(len(seeded)):
+        assert final[f"s{i}"].token_ids == reference[f"alone{i}"].token_ids, i

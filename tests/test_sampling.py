@@ -71,6 +71,44 @@ def test_n_samples_use_consecutive_seeds(tiny_llama_dir):
         assert c.token_ids == gen(llm, PROMPT, single)[0].token_ids
 
 
+def test_n_samples_seeds_wrap_inside_64_bits(tiny_llama_dir):
+    """The n samples of a seed at the top of the range wrap as the server's do (torch reads
+    seeds modulo 2**64); seed + 1 was refused as past 64 bits."""
+    llm = make_llm(tiny_llama_dir)
+    top = 2**64 - 1
+    out = llm.generate(PROMPT, SamplingParams(n=2, temperature=1.0, seed=top, max_tokens=6), use_tqdm=False)[
+        0
+    ]
+    for c, seed in zip(out.outputs, (top, 0)):
+        single = SamplingParams(temperature=1.0, seed=seed, max_tokens=6)
+        assert c.token_ids == gen(llm, PROMPT, single)[0].token_ids
+
+
+@pytest.mark.parametrize(
+    "kw, words",
+    [
+        (dict(logit_bias={"5": 3.0}), "logit_bias: keys must be integer token ids"),
+        (dict(logit_bias={5: float("nan")}), "logit_bias: values must be finite"),
+        (dict(logit_bias={5: float("inf")}), "logit_bias: values must be finite"),
+        (dict(stop_token_ids=["5"]), "stop_token_ids: must be integer token ids"),
+        (dict(temperature=float("inf")), "temperature: must be a finite number"),
+        (dict(repetition_penalty=float("inf")), "repetition_penalty: must be a finite number"),
+        (dict(top_k=2.5), "top_k: must be an integer"),
+        (dict(logprobs=2.5), "logprobs: must be an integer"),
+        (dict(max_tokens=3.5), "max_tokens: must be an integer"),
+        (dict(seed=1.5), "seed: must be an integer"),
+        (dict(n=True), "n: must be an integer"),
+    ],
+)
+def test_mistyped_params_are_refused_naming_the_field(kw, words):
+    """Offline callers get no pydantic in front: a wrong type or a non-finite weight is a
+    ValueError at construction. They were an "engine failed" error from inside the step (a
+    string bias key, a float logprobs), or silently ignored or sampled garbage (a string stop
+    id, a NaN or infinite bias: token 0 every step, an infinite temperature)."""
+    with pytest.raises(ValueError, match=words):
+        SamplingParams(**kw)
+
+
 # ---- filters that reduce to greedy ---------------------------------------------------------------
 @pytest.mark.parametrize(
     "params",

@@ -111,6 +111,27 @@ def test_speculation_with_penalties_logprobs_min_tokens_and_stop(tiny_llama_dir)
     _assert_no_leak(spec)
 
 
+def test_seeded_samples_are_the_same_with_speculation_preemption_and_chunking(tiny_llama_dir):
+    """A seeded sampled request gives the tokens it gives without speculation, token for
+    token, also when preemption and a small token budget change which drafts it verifies
+    (each position draws from its own generator exactly as a step without drafts does)."""
+    plain = LLM(tiny_llama_dir, kv_cache_memory="16MiB")
+    block_bytes = plain.llm_engine.pool_size.block_bytes * 2  # the draft's KV too
+    spec = LLM(
+        tiny_llama_dir, kv_cache_memory=14 * block_bytes, max_num_batched_tokens=9,
+        speculative_method="draft", speculative_model=tiny_llama_dir,  # greedy drafts: many accepted
+    )  # fmt: skip
+    prompts = _prompts(plain.tokenizer)
+    params = [SamplingParams(temperature=0.3, seed=10 + i, max_tokens=30) for i in range(len(prompts))]
+    base = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)]
+    stats = _spec(spec)
+    assert spec.llm_engine.scheduler.num_preemptions_total > 0
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
+    assert got == base
+    _assert_no_leak(spec)
+
+
 def _chi_square_p(a: list[int], b: list[int]) -> float:
     """p-value of a chi-square homogeneity test of two samples of token ids (rare tokens pooled)."""
     tokens = sorted(set(a) | set(b))

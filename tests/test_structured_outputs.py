@@ -9,6 +9,7 @@ import json
 import re
 import statistics
 import time
+from dataclasses import replace
 
 import jsonschema
 import openai
@@ -63,6 +64,22 @@ def test_length_cut_and_ignore_eos_and_mixed_batch(tiny_llm):
     cut = outs[1].outputs[0]
     assert cut.finish_reason == "length" and len(cut.token_ids) == 8 and cut.text.startswith("[")
     assert outs[2].outputs[0].finish_reason == "stop" and outs[2].outputs[0].text in ("yes", "no")
+
+
+@pytest.mark.parametrize("temperature", [0, 1.0])
+def test_grammar_completed_before_min_tokens_ends_with_eos(tiny_llm, temperature):
+    """When the grammar allows only its end before min_tokens is reached, the end wins: the
+    output is the one without min_tokens (it was a token the grammar refuses, 0 here)."""
+    cases = [StructuredOutputsParams(choice=["red", "blue"]), StructuredOutputsParams(regex="ab")]
+    params = [
+        SamplingParams(temperature=temperature, seed=1, max_tokens=12, structured_outputs=so) for so in cases
+    ]
+    base = tiny_llm.generate(["hello"] * 2, params, use_tqdm=False)
+    held = [replace(p, min_tokens=8) for p in params]
+    for b, out in zip(base, tiny_llm.generate(["hello"] * 2, held, use_tqdm=False)):
+        assert out.outputs[0].token_ids == b.outputs[0].token_ids
+        assert out.outputs[0].token_ids[-1] == 2 and out.outputs[0].finish_reason == "stop"
+        assert out.outputs[0].text in ("red", "blue", "ab")
 
 
 def test_offline_invalid_grammar_is_refused(tiny_llm):

@@ -81,11 +81,19 @@ class EngineCore:
         context = arch.max_position_embeddings
         if draft_arch is not None:
             context = min(context, draft_arch.max_position_embeddings)
+        window = arch.sliding_window
+        if window is not None and window < context:
+            context = window  # past the window full attention is no longer the model's attention
         self.max_model_len = config.max_model_len or context
         if self.max_model_len > arch.max_position_embeddings:
             raise ValueError(
                 f"max_model_len: {self.max_model_len} exceeds the model's context length "
                 f"{arch.max_position_embeddings}"
+            )
+        if window is not None and self.max_model_len > window:
+            raise ValueError(
+                f"max_model_len: {self.max_model_len} exceeds the model's sliding attention window "
+                f"{window}, which kvserve does not implement (beyond it outputs would not be the model's)"
             )
         pp = config.pipeline_parallel_size
         if pp > arch.num_layers:

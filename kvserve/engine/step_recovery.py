@@ -4,9 +4,10 @@ A step that raises has changed nothing the scheduler relies on: `Scheduler.updat
 so every request's `num_computed_tokens` is what it was, and re-running a request's part of
 the step recomputes the same KV into the same slots. So the engine re-runs each scheduled
 request on its own to find the ones that fail alone, ends those with finish_reason "error"
-and the exception's message, and lets the rest run again in the next step (greedy results
-are unchanged; a seeded sampled request may draw differently, as its generator advanced in
-the probe). If no request fails alone, the failure needs the combination, and every request
+and the exception's message, and lets the rest run again in the next step. The probes sample,
+so the seeded requests' generators (and their waiting n > 1 siblings') are put back as they
+were: a survivor's tokens, greedy or seeded, are those it gives without the failure. If no
+request fails alone, the failure needs the combination, and every request
 of that step is failed instead: the engine keeps serving everyone else.
 
 Blocks are registered in the prefix cache when a step is scheduled, before it computes, so
@@ -47,6 +48,8 @@ def recover_failed_step(
     if is_unrecoverable(error):
         raise error
     scheduled = list(sched.scheduled)
+    seeded = [r for req, _ in scheduled for r in (req, *req.followers) if r.generator is not None]
+    rng_states = [(r.generator, r.generator.get_state()) for r in seeded]
     culprits = {}
     if len(scheduled) == 1:
         culprits[scheduled[0][0].request_id] = error
@@ -58,6 +61,8 @@ def recover_failed_step(
                 if is_unrecoverable(e):
                     raise
                 culprits[req.request_id] = e
+        for generator, state in rng_states:  # the probes drew: the real step must draw the same
+            generator.set_state(state)
     if not culprits:
         culprits = {req.request_id: error for req, _ in scheduled}
     logger.error(

@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from kvserve.config import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine
+from kvserve.entrypoints.openai.limits import sample_seed
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 
@@ -60,7 +61,7 @@ class LLM:
                     # Each of the n samples is its own sequence sharing the prompt's KV blocks;
                     # seeds stay distinct per sample. With beam search the n requests are one
                     # search's result slots (engine/beam_search.py), n beams wide.
-                    seed = None if p.seed is None else p.seed + j
+                    seed = None if p.seed is None else sample_seed(p.seed, j)  # as the server's n
                     rid = f"{next(self._ids)}"
                     one = replace(p, n=p.n if p.use_beam_search else 1, seed=seed)
                     try:

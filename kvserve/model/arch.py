@@ -34,6 +34,10 @@ class ModelArch:
     rope_scaling: dict[str, Any] = field(default_factory=dict)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    sliding_window: int | None = None
+    """Some layers attend to only this many latest positions (Mistral v0.1, Qwen2 with
+    use_sliding_window). kvserve attends to all of them, which is the same attention while a
+    sequence is at most this long: the engine caps max_model_len here."""
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any], eos_extra: tuple[int, ...] = ()) -> ModelArch:
@@ -71,4 +75,23 @@ class ModelArch:
             rope_scaling=rope,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=tuple(dict.fromkeys(eos_ids + eos_extra)),
+            sliding_window=_sliding_window(cfg, model_type),
         )
+
+
+def _sliding_window(cfg: dict[str, Any], model_type: str) -> int | None:
+    """The window of the layers that slide, as transformers decides which do: `layer_types`
+    where the config lists them, else every Mistral layer when sliding_window is set, and
+    Qwen2's layers from max_window_layers on when use_sliding_window is true."""
+    window = cfg.get("sliding_window")
+    if not window:
+        return None
+    types = cfg.get("layer_types")
+    if types is not None:
+        return window if "sliding_attention" in types else None
+    if model_type == "mistral":
+        return window
+    if model_type == "qwen2" and cfg.get("use_sliding_window"):
+        first = cfg.get("max_window_layers", 0)
+        return window if first < cfg["num_hidden_layers"] else None
+    return None

@@ -171,7 +171,12 @@ class Sampler:
             if len(r.output_token_ids) < r.params.min_tokens:
                 banned = list(r.eos_token_ids | r.stop_token_ids)
                 if banned:
+                    kept = logits[i, banned].clone()
                     logits[i, banned] = float("-inf")
+                    # A grammar that is complete allows only its end: it outranks min_tokens
+                    # (a row with nothing left would draw a token the grammar refuses).
+                    if torch.isneginf(logits[i]).all():
+                        logits[i, banned] = kept
         return raw_logprobs
 
     @staticmethod
@@ -210,11 +215,14 @@ class Sampler:
         """Score k proposed tokens with the target's k + 1 rows of logits; returns the tokens
         to emit: the accepted prefix of `drafts` plus one token from the target.
 
-        Greedy: accept while a draft equals the target's argmax. Sampling: accept draft i with
-        probability min(1, p_i(d) / q_i(d)); on rejection draw from max(0, p_i - q_i),
-        renormalised; if all pass, draw a bonus token from p_k. The proposers here are
-        deterministic (q is one-hot on the draft), so acceptance is p_i(d) and the residual is
-        p_i without d. Either way the emitted tokens follow the target's distribution exactly.
+        Greedy: accept while a draft equals the target's argmax. Sampling: draw position i's
+        token from p_i exactly as a step without speculation would (one race, the same noise
+        from the same generator), emit it, and go on to position i + 1 only if it equals the
+        draft. The proposers here are deterministic (q is one-hot on the draft), for which this
+        is the rejection sampler: draft i survives with probability p_i(d), and a rejected
+        position's token follows p_i without d. Drawing per position, and only for positions
+        reached, keeps a seeded request's tokens those of the same request without
+        speculation, whatever was proposed (which depends on the batch and on preemption).
         """
         k = len(drafts)
         rows = [Lookahead(req, drafts[:i]) for i in range(k + 1)]
@@ -227,17 +235,11 @@ class Sampler:
             tokens = drafts[:n] + [targets[n]]
         else:
             probs = self._probs(logits, rows)
-            gen = req.generator or self.generator
-            p_draft = probs[torch.arange(k), torch.tensor(drafts, dtype=torch.long)]
-            uniform = torch.rand(k, generator=gen)
-            accepted = (uniform < p_draft).tolist()
-            n = accepted.index(False) if False in accepted else k
-            last = probs[n : n + 1].clone()
-            if n < k:
-                last[0, drafts[n]] = 0.0  # residual max(0, p - q) for a one-hot q
-                if last.sum() == 0:  # p was one-hot on the draft up to rounding: keep it
-                    last[0, drafts[n]] = 1.0
-            tokens = drafts[:n] + self._race(last, rows[n : n + 1]).tolist()
+            tokens = []
+            for i in range(k + 1):
+                tokens.append(int(self._race(probs[i : i + 1], rows[i : i + 1])[0]))
+                if i == k or tokens[i] != drafts[i]:
+                    break
         logprobs: list[dict[int, float] | None] = [None] * len(tokens)
         if req.params.logprobs is not None:
             logprobs = [_entry(raw_logprobs, i, t, req.params.logprobs) for i, t in enumerate(tokens)]
