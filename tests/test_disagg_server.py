@@ -36,11 +36,12 @@ def _server(model: str, role: str | None = None, **extra) -> ServerProcess:
 
 
 class Proxy:
-    def __init__(self, prefill: str, decode: str, log=None) -> None:
+    def __init__(self, prefill: str, decode: str | list[str], log=None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        decodes = [decode] if isinstance(decode, str) else decode
         cmd = [sys.executable, "-m", "kvserve.entrypoints.cli", "pd-proxy", "--prefill", prefill,
-               "--decode", decode, "--port", str(self.port)]  # fmt: skip
+               "--decode", *decodes, "--port", str(self.port)]  # fmt: skip
         self.proc = subprocess.Popen(cmd, stdout=log or subprocess.DEVNULL, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -280,3 +281,29 @@ def test_proxy_reports_a_dead_or_dying_decode_engine_in_openai_shape(tmp_path):
     assert p.returncode == 2 and p.stderr.strip().splitlines()[-1] == (
         "error: --prefill: 'localhost:1' must start with http:// or https://"
     ), p.stderr
+
+
+@pytest.fixture(scope="module")
+def fault():
+    fb = FaultBackend()
+    yield fb
+    fb.stop()
+
+
+def test_a_client_leaving_a_non_streamed_request_aborts_its_decode(fault, tmp_path):
+    """No engines needed. A streamed request's decode was aborted when the client left, but a
+    non-streamed one's went on to its end on the decode engine (here a 20 s hold), its KV and
+    compute spent for nobody; now the proxy closes the decode request as the client goes."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    log_path = tmp_path / "proxy.log"
+    with open(log_path, "w") as log:
+        proxy = Proxy(dead, fault.url, log)
+        try:
+            before = fault.stats()["cancelled_holds"]
+            body = {"model": "hold-20", "prompt": "a b", "max_tokens": 2, "n": 2}  # n 2: decode only
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(proxy.url + "/v1/completions", json=body, timeout=0.5)
+            _wait_for(lambda: fault.stats()["cancelled_holds"] == before + 1, 15, "the decode is aborted")
+        finally:
+            proxy.stop()
+    assert "Traceback" not in log_path.read_text()

@@ -5,8 +5,8 @@ through to the client (SSE event for event when streaming).
 Failure semantics (disagg/prefill.py): a prefill engine that errors, times out or answers without parameters
 only costs time: the decode engine is asked without them and computes the prompt itself
 (`x-kvserve-pd: fallback` on the response). A client that goes away during the prefill
-cancels it (the prefill engine aborts the request); during the decode, the closed stream
-aborts it on the decode engine, which releases the producer's lease.
+cancels it (the prefill engine aborts the request); during the decode, streamed or not, the
+closed decode request aborts it on the decode engine, which releases the producer's lease.
 """
 
 from __future__ import annotations
@@ -74,21 +74,37 @@ class PDProxy:
             how = "disaggregated" if params else "fallback"
             self.num_fallbacks += params is None
         headers = {"x-kvserve-pd": how}
+        work = asyncio.ensure_future(self._decode(path, decode_body(body, params), bool(body.get("stream")),
+                                                  raw, headers))  # fmt: skip
+        gone = asyncio.ensure_future(_disconnected(raw))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            work.cancel()
+            raise
+        finally:
+            gone.cancel()
+        if work.done():
+            return work.result()
+        work.cancel()  # the client left before the answer: closing the request aborts the decode
+        await asyncio.gather(work, return_exceptions=True)
+        return Response(status_code=499)
+
+    async def _decode(self, path: str, body: dict, stream: bool, raw: Request, headers: dict) -> Response:
+        """The decode engine's answer: whole, or (a stream) passed through as it comes."""
         url = next(self._d)
-        req = self.client.build_request(
-            "POST", url + path, json=decode_body(body, params), headers=self._headers(raw)
-        )
+        req = self.client.build_request("POST", url + path, json=body, headers=self._headers(raw))
         try:
             resp = await self.client.send(req, stream=True)
         except httpx.HTTPError as e:  # the decode engine is down: say so in OpenAI's shape
             return _unreachable(url, e, headers)
-        if not body.get("stream") or resp.status_code != 200:
+        if not stream or resp.status_code != 200:
             try:
                 content = await resp.aread()
             except httpx.HTTPError as e:
                 return _unreachable(url, e, headers)
             finally:
-                await resp.aclose()
+                await asyncio.shield(resp.aclose())  # also when cancelled: the engine aborts
             media = resp.headers.get("content-type", "application/json")
             return Response(content, status_code=resp.status_code, media_type=media, headers=headers)
         return StreamingResponse(_relay(resp, url), media_type="text/event-stream", headers=headers)
@@ -104,6 +120,12 @@ def _base_url(flag: str, url: str) -> str:
     if not url.startswith(("http://", "https://")):
         raise ValueError(f"{flag}: {url!r} must start with http:// or https://")
     return url.rstrip("/").removesuffix("/v1")
+
+
+async def _disconnected(raw: Request) -> None:
+    """Returns when the client has gone away (its body is read: only a disconnect can come)."""
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _relay(resp: httpx.Response, url: str) -> AsyncIterator[bytes]:
