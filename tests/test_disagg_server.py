@@ -284,26 +284,45 @@ def test_proxy_reports_a_dead_or_dying_decode_engine_in_openai_shape(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def fault():
-    fb = FaultBackend()
-    yield fb
-    fb.stop()
-
-
-def test_a_client_leaving_a_non_streamed_request_aborts_its_decode(fault, tmp_path):
-    """No engines needed. A streamed request's decode was aborted when the client left, but a
-    non-streamed one's went on to its end on the decode engine (here a 20 s hold), its KV and
-    compute spent for nobody; now the proxy closes the decode request as the client goes."""
-    dead = f"http://127.0.0.1:{free_port()}"
-    log_path = tmp_path / "proxy.log"
+def fault_proxy(tmp_path_factory):
+    """No engines needed: a proxy whose prefill engine is gone and whose decode engines are one
+    that refuses connections and the fault backend (tests/fault_backend.py)."""
+    fault, dead = FaultBackend(), f"http://127.0.0.1:{free_port()}"
+    log_path = tmp_path_factory.mktemp("pd-fault") / "proxy.log"
     with open(log_path, "w") as log:
-        proxy = Proxy(dead, fault.url, log)
-        try:
-            before = fault.stats()["cancelled_holds"]
-            body = {"model": "hold-20", "prompt": "a b", "max_tokens": 2, "n": 2}  # n 2: decode only
-            with pytest.raises(httpx.ReadTimeout):
-                httpx.post(proxy.url + "/v1/completions", json=body, timeout=0.5)
-            _wait_for(lambda: fault.stats()["cancelled_holds"] == before + 1, 15, "the decode is aborted")
-        finally:
-            proxy.stop()
+        proxy = Proxy(dead, [dead, fault.url], log)
+        yield fault, proxy, dead
+        proxy.stop()
+        fault.stop()
     assert "Traceback" not in log_path.read_text()
+
+
+def test_a_client_leaving_a_non_streamed_request_aborts_its_decode(fault_proxy):
+    """A streamed request's decode was aborted when the client left, but a non-streamed one's
+    went on to its end on the decode engine (here a 20 s hold), its KV and compute spent for
+    nobody; now the proxy closes the decode request as the client goes."""
+    fault, proxy, _ = fault_proxy
+    before = fault.stats()["cancelled_holds"]
+    body = {"model": "hold-20", "prompt": "a b", "max_tokens": 2, "n": 2}  # n 2: decode only
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(proxy.url + "/v1/completions", json=body, timeout=0.5)
+    _wait_for(lambda: fault.stats()["cancelled_holds"] == before + 1, 15, "the decode is aborted")
+
+
+def test_a_decode_engine_failing_before_its_first_byte_is_retried_on_another(fault_proxy):
+    """With several --decode engines, one refusing connections (or answering 5xx) failed the
+    request though another could have answered it; now each is tried once, and when all fail
+    the 502 names every engine and why."""
+    fault, proxy, dead = fault_proxy
+    c = openai.OpenAI(base_url=proxy.url + "/v1", api_key="none", max_retries=0, timeout=30)
+    for _ in range(2):  # each engine first in turn
+        assert c.completions.create(model="ok", prompt="a b", max_tokens=2).choices[0].text == " tok tok"
+        chunks = c.completions.create(model="ok", prompt="a b", max_tokens=2, stream=True)
+        assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == " tok tok"
+    before = fault.count("fail-500")
+    with pytest.raises(openai.APIStatusError) as e:
+        c.completions.create(model="fail-500", prompt="a b", max_tokens=2)
+    assert e.value.status_code == 502 and e.value.body["code"] == "upstream_error", e.value.body
+    msg = e.value.body["message"]
+    assert dead in msg and fault.url in msg and "injected failure" in msg, msg
+    assert fault.count("fail-500") == before + 1

@@ -13,15 +13,16 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
-from collections.abc import AsyncIterator
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 
+from kvserve.disagg.decode import decode
+from kvserve.disagg.errors import error as _error
+from kvserve.disagg.errors import unreachable as _unreachable
 from kvserve.disagg.prefill import PrefillResult, run_prefill
 from kvserve.disagg.split import decode_body, disaggregates
 
@@ -35,7 +36,7 @@ class PDProxy:
             raise ValueError("pd-proxy: needs at least one --prefill and one --decode URL")
         self.prefill = [_base_url("--prefill", u) for u in prefill]
         self.decode = [_base_url("--decode", u) for u in decode]
-        self._p, self._d = itertools.cycle(self.prefill), itertools.cycle(self.decode)
+        self._p, self._next_decode = itertools.cycle(self.prefill), 0
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
         self.num_fallbacks = 0
 
@@ -90,24 +91,15 @@ class PDProxy:
         await asyncio.gather(work, return_exceptions=True)
         return Response(status_code=499)
 
+    def _decode_order(self) -> list[str]:
+        """Every decode engine, each request starting at the next (round robin)."""
+        i, self._next_decode = self._next_decode, (self._next_decode + 1) % len(self.decode)
+        return self.decode[i:] + self.decode[:i]
+
     async def _decode(self, path: str, body: dict, stream: bool, raw: Request, headers: dict) -> Response:
-        """The decode engine's answer: whole, or (a stream) passed through as it comes."""
-        url = next(self._d)
-        req = self.client.build_request("POST", url + path, json=body, headers=self._headers(raw))
-        try:
-            resp = await self.client.send(req, stream=True)
-        except httpx.HTTPError as e:  # the decode engine is down: say so in OpenAI's shape
-            return _unreachable(url, e, headers)
-        if not stream or resp.status_code != 200:
-            try:
-                content = await resp.aread()
-            except httpx.HTTPError as e:
-                return _unreachable(url, e, headers)
-            finally:
-                await asyncio.shield(resp.aclose())  # also when cancelled: the engine aborts
-            media = resp.headers.get("content-type", "application/json")
-            return Response(content, status_code=resp.status_code, media_type=media, headers=headers)
-        return StreamingResponse(_relay(resp, url), media_type="text/event-stream", headers=headers)
+        return await decode(
+            self.client, self._decode_order(), path, body, stream, self._headers(raw), headers
+        )
 
     async def aclose(self) -> None:
         await self.client.aclose()
@@ -126,34 +118,6 @@ async def _disconnected(raw: Request) -> None:
     """Returns when the client has gone away (its body is read: only a disconnect can come)."""
     while (await raw.receive())["type"] != "http.disconnect":
         pass
-
-
-async def _relay(resp: httpx.Response, url: str) -> AsyncIterator[bytes]:
-    try:
-        async for chunk in resp.aiter_raw():
-            yield chunk
-    except httpx.HTTPError as e:  # the decode engine died mid-stream: an error event, not a cut
-        reason = f"{e.__class__.__name__}: {e}".strip(": ")
-        logger.warning("decode engine %s failed mid-stream (%s)", url, reason)
-        err = _error(f"decode engine {url} failed mid-stream ({reason}); the answer is incomplete",
-                     None, "server_error", "upstream_error")  # fmt: skip
-        yield b"\n\ndata: " + json.dumps(err).encode() + b"\n\n"
-    finally:
-        await resp.aclose()  # the client left (or the stream ended): the decode engine aborts
-
-
-def _error(
-    message: str, param: str | None, type_: str = "invalid_request_error", code: str = "invalid_json"
-) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-def _unreachable(url: str, e: httpx.HTTPError, headers: dict | None = None) -> JSONResponse:
-    """502 when an engine the proxy needs cannot be reached (was a bare 500 and a traceback)."""
-    reason = f"{e.__class__.__name__}: {e}".strip(": ")
-    logger.warning("%s failed (%s)", url, reason)
-    err = _error(f"engine {url} is unreachable ({reason})", None, "server_error", "upstream_error")
-    return JSONResponse(err, status_code=502, headers=headers)
 
 
 def build_app(proxy: PDProxy) -> FastAPI:
@@ -175,11 +139,13 @@ def build_app(proxy: PDProxy) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(raw: Request) -> Response:
-        try:
-            resp = await proxy.client.get(proxy.decode[0] + "/v1/models", headers=proxy._headers(raw))
-        except httpx.HTTPError as e:
-            return _unreachable(proxy.decode[0], e)
-        return Response(resp.content, status_code=resp.status_code, media_type="application/json")
+        for url in proxy.decode:  # the first decode engine that can be reached says
+            try:
+                resp = await proxy.client.get(url + "/v1/models", headers=proxy._headers(raw))
+                return Response(resp.content, status_code=resp.status_code, media_type="application/json")
+            except httpx.HTTPError as e:
+                down = _unreachable(url, e)
+        return down
 
     @app.get("/health")
     async def health() -> Response:
