@@ -6,6 +6,7 @@ failure tests. The backend model name picks the behaviour:
     ctx-400   400 "maximum context length"                      hang     no first byte (60 s)
     die       streams 2 events, then drops the connection       slow     one event every 0.1 s
     hold-N    answers after N seconds                           crlf     as ok, SSE lines end in CRLF
+    ping-hang streams an SSE comment (": ping"), then nothing (60 s)
 
 GET /stats gives requests per model and how many streams and holds the client cancelled.
 
@@ -65,6 +66,12 @@ async def _events(body: dict, chat: bool, mode: str):
         raise
 
 
+async def _ping_then_hang():
+    yield b": ping\n\n"
+    await asyncio.sleep(60)
+    yield b"data: [DONE]\n\n"
+
+
 async def _answer(request: Request, chat: bool):
     body = await request.json()
     mode = str(body.get("model"))
@@ -80,6 +87,8 @@ async def _answer(request: Request, chat: bool):
         return JSONResponse({"error": {"message": msg, "code": "context_length_exceeded"}}, 400)
     if mode == "hang":
         await asyncio.sleep(60)
+    if mode == "ping-hang" and body.get("stream"):
+        return StreamingResponse(_ping_then_hang(), media_type="text/event-stream")
     if mode.startswith("hold-"):  # answer after N seconds unless the client leaves first
         loop = asyncio.get_running_loop()
         end = loop.time() + float(mode[5:])

@@ -47,9 +47,11 @@ def _base(fault, tmp, **router) -> dict:
             {"model_name": "priced", "backend": {"base_url": u, "model": "ok", "input_cost_per_token": 0.5,
                                                  "output_cost_per_token": 0.25}},
             deployment("narrow", u, "ok", max_context=5),  # no context_window_fallbacks
+            deployment("pinghang", u, "ping-hang", first_byte_timeout=0.5),
         ],
         "router_settings": {"num_retries": 1, "retry_backoff_base": 0.01, "allowed_fails": 100,
-                            "fallbacks": {"hang": ["okgroup"], "die": ["okgroup"], "bad": ["okgroup"]},
+                            "fallbacks": {"hang": ["okgroup"], "pinghang": ["okgroup"], "die": ["okgroup"],
+                                          "bad": ["okgroup"]},
                             "context_window_fallbacks": {"ctx": ["big"], "small": ["big"]}, **router},
         "keys": [
             {"key": KEY, "alias": "tester"},
@@ -103,6 +105,21 @@ def test_hang_hits_first_byte_timeout_and_falls_back(gw, fault):
     assert r.headers["x-kvserve-attempts"] == "3"  # two hung attempts (1 retry) then the fallback
     assert fault.count("hang") == before + 2
     assert time.monotonic() - t0 < 30  # did not wait for the 60 s hang
+
+
+def test_an_sse_comment_is_not_the_first_byte(gw, fault):
+    """A backend that sends only an SSE comment (": ping", a keep-alive) and then nothing had
+    'answered': the gateway committed the stream to it (no first-byte timeout, no retry, no
+    fallback) and the client waited out the total timeout. Only a data event counts now."""
+    before = fault.count("ping-hang")
+    body = {"model": "pinghang", "messages": MSG, "max_tokens": 2, "stream": True}
+    with httpx.stream("POST", gw.url + "/v1/chat/completions", json=body,
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as r:  # fmt: skip
+        assert r.status_code == 200 and r.headers["x-kvserve-deployment"] == "okgroup-3", r.headers
+        assert r.headers["x-kvserve-attempts"] == "3"  # two silent attempts (1 retry), then the fallback
+        text = "".join(json.loads(x[6:])["choices"][0]["delta"].get("content") or ""
+                       for x in r.iter_lines() if x.startswith("data: {"))  # fmt: skip
+    assert text == " tok tok" and fault.count("ping-hang") == before + 2
 
 
 def test_death_mid_stream_gives_an_sse_error_and_no_retry(gw, fault):
@@ -398,7 +415,7 @@ def test_admin_keys_create_use_revoke(gw):
 def test_health_readiness_and_metrics(gw):
     assert httpx.get(gw.url + "/health").json() == {"status": "ok"}
     ready = httpx.get(gw.url + "/health/readiness").json()
-    assert ready["status"] == "ready" and len(ready["deployments"]) == 20
+    assert ready["status"] == "ready" and len(ready["deployments"]) == 21
     text = httpx.get(gw.url + "/metrics").text
     assert "kvserve_gateway_requests_total" in text and "kvserve_gateway_attempts_total" in text
 

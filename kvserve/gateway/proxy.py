@@ -1,6 +1,7 @@
 """One upstream attempt. Nothing reaches the client until the backend has answered with a status
-and (for streams) a first event, so every failure before that can still be retried elsewhere;
-after it, the stream is passed through event for event and a failure becomes an SSE error."""
+and (for streams) a first data event (an SSE comment such as `: ping` is not one), so every
+failure before that can still be retried elsewhere; after it, the stream is passed through
+event for event and a failure becomes an SSE error."""
 
 from __future__ import annotations
 
@@ -67,9 +68,9 @@ async def attempt(
                 return _classify(resp, content, t0)
             relay = SSERelay(client_wants_usage)
             chunks = resp.aiter_raw()
-            first = b""
-            while not first:
-                first = relay.feed(await chunks.__anext__())
+            first = b""  # (comments before it, keep-alive pings, go out with it)
+            while not relay.data_events:  # a ping is not an answer: the timeout and retries still apply
+                first += relay.feed(await chunks.__anext__())
         return Outcome(
             "ok",
             200,

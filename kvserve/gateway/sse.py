@@ -13,6 +13,7 @@ class SSERelay:
         self.strip = not client_wants_usage
         self.usage: dict | None = None
         self.events = 0
+        self.data_events = 0  # events with data: comments (": ping") and bare fields are not an answer
         self._buf = b""
 
     def feed(self, chunk: bytes) -> bytes:
@@ -30,6 +31,7 @@ class SSERelay:
                 if ev is None:
                     continue
             self.events += 1
+            self.data_events += _has_data(ev)
             out.append(ev + b"\n\n")
         return b"".join(out)
 
@@ -55,6 +57,10 @@ class SSERelay:
                 obj.pop("usage")
                 return b"data: " + json.dumps(obj, separators=(",", ":")).encode()
         return ev
+
+
+def _has_data(ev: bytes) -> bool:
+    return any(line == b"data" or line.startswith(b"data:") for line in ev.split(b"\n"))
 
 
 def error_event(message: str, code: str = "upstream_error") -> bytes:
