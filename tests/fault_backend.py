@@ -7,6 +7,7 @@ failure tests. The backend model name picks the behaviour:
     die       streams 2 events, then drops the connection       slow     one event every 0.1 s
     hold-N    answers after N seconds                           crlf     as ok, SSE lines end in CRLF
     ping-hang streams an SSE comment (": ping"), then nothing (60 s)
+    stop-400  400 "stop: sequence too long" (a 400 about something else than the context)
 
 GET /stats gives requests per model and how many streams and holds the client cancelled.
 
@@ -82,6 +83,9 @@ async def _answer(request: Request, chat: bool):
         return JSONResponse({"error": {"message": "slow down"}}, 429, headers={"retry-after": "1"})
     if mode == "bad-400":
         return JSONResponse({"error": {"message": "temperature: must be <= 2", "param": "temperature"}}, 400)
+    if mode == "stop-400":
+        msg = "stop: each sequence must be at most 64 characters; this one is too long"
+        return JSONResponse({"error": {"message": msg, "param": "stop", "code": "invalid_value"}}, 400)
     if mode == "ctx-400":
         msg = "This model's maximum context length is 8 tokens; your prompt is longer"
         return JSONResponse({"error": {"message": msg, "code": "context_length_exceeded"}}, 400)

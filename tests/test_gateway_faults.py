@@ -48,11 +48,13 @@ def _base(fault, tmp, **router) -> dict:
                                                  "output_cost_per_token": 0.25}},
             deployment("narrow", u, "ok", max_context=5),  # no context_window_fallbacks
             deployment("pinghang", u, "ping-hang", first_byte_timeout=0.5),
+            deployment("stoplong", u, "stop-400"),
         ],
         "router_settings": {"num_retries": 1, "retry_backoff_base": 0.01, "allowed_fails": 100,
                             "fallbacks": {"hang": ["okgroup"], "pinghang": ["okgroup"], "die": ["okgroup"],
                                           "bad": ["okgroup"]},
-                            "context_window_fallbacks": {"ctx": ["big"], "small": ["big"]}, **router},
+                            "context_window_fallbacks": {"ctx": ["big"], "small": ["big"],
+                                                         "stoplong": ["big"]}, **router},
         "keys": [
             {"key": KEY, "alias": "tester"},
             {"key": "sk-limited", "models": ["okgroup"]},
@@ -138,6 +140,39 @@ def test_backend_context_400_goes_to_context_window_fallback(gw):
     r = post(gw, "ctx")
     assert r.status_code == 200, r.text
     assert r.headers["x-kvserve-deployment"] == "big-6"
+
+
+def test_a_400_about_something_else_being_too_long_is_not_a_context_error(gw, fault):
+    """Any 400 with "too long" in it counted as the prompt exceeding the context: a backend's
+    "stop: ... too long" went to the context_window_fallbacks (another model answered a request
+    the client must fix). Only the context-length error does now; this one is passed through."""
+    before, big = fault.count("stop-400"), fault.count("ok")
+    r = post(gw, "stoplong")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop", r.text
+    assert fault.count("stop-400") == before + 1 and fault.count("ok") == big
+
+
+@pytest.mark.parametrize(
+    "message, code",
+    [
+        ("This model's maximum context length is 8 tokens; your prompt is longer", None),  # OpenAI, vLLM
+        ("whatever the words", "context_length_exceeded"),
+        ("'max_tokens' or 'max_completion_tokens' is too large: 100. This model's maximum context "
+         "length is 64 tokens and your request has 60 input tokens", None),  # newer vLLM
+        ("The decoder prompt (length 600) is longer than the maximum model length of 512.", None),  # vLLM
+        ("The input (600 tokens) is longer than the model's context length (512 tokens).", None),  # SGLang
+        ("the request exceeds the available context size, try increasing it", None),  # llama.cpp
+        ("prompt: this model's maximum context length is 512 tokens and the prompt has 600", None),  # kvserve
+    ],
+)  # fmt: skip
+def test_context_errors_are_told_by_code_or_their_known_phrasings(message, code):
+    from kvserve.gateway.retries import is_context_error
+
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "code": code}})
+    assert is_context_error(400, body.encode())
+    for other in ("stop: sequence too long", "user: name too long", "logit_bias: too long a list"):
+        assert not is_context_error(400, json.dumps({"error": {"message": other}}).encode())
+    assert not is_context_error(500, body.encode())
 
 
 def test_prompt_over_max_context_goes_to_context_window_fallback(gw):
@@ -415,7 +450,7 @@ def test_admin_keys_create_use_revoke(gw):
 def test_health_readiness_and_metrics(gw):
     assert httpx.get(gw.url + "/health").json() == {"status": "ok"}
     ready = httpx.get(gw.url + "/health/readiness").json()
-    assert ready["status"] == "ready" and len(ready["deployments"]) == 21
+    assert ready["status"] == "ready" and len(ready["deployments"]) == 22
     text = httpx.get(gw.url + "/metrics").text
     assert "kvserve_gateway_requests_total" in text and "kvserve_gateway_attempts_total" in text
 
