@@ -49,6 +49,12 @@ def _base(fault, tmp, **router) -> dict:
             deployment("narrow", u, "ok", max_context=5),  # no context_window_fallbacks
             deployment("pinghang", u, "ping-hang", first_byte_timeout=0.5),
             deployment("stoplong", u, "stop-400"),
+            {"model_name": "ctxmix", "id": "ctxmix-short",
+             "backend": {"base_url": u, "model": "ok", "max_context": 10, "weight": 1000,
+                         "input_cost_per_token": 0.5, "output_cost_per_token": 0.25}},
+            {"model_name": "ctxmix", "id": "ctxmix-long",
+             "backend": {"base_url": u, "model": "ok", "max_context": 100, "weight": 0.001,
+                         "input_cost_per_token": 0.5, "output_cost_per_token": 0.25}},
         ],
         "router_settings": {"num_retries": 1, "retry_backoff_base": 0.01, "allowed_fails": 100,
                             "fallbacks": {"hang": ["okgroup"], "pinghang": ["okgroup"], "die": ["okgroup"],
@@ -412,6 +418,19 @@ def test_a_batch_or_best_of_reserves_every_sequence_it_may_draw(gw, extra):
     assert err["code"] == "budget_exceeded" and "x 2 sequences" in err["message"], err
 
 
+def test_a_request_without_max_tokens_reserves_for_the_longest_context_it_may_reach(gw):
+    """Without max_tokens the reservation assumed the group's first deployment's context (10:
+    1.5 + 7 x 0.25 = 3.25 of the 5.0 budget), but the request may be routed to the other (100:
+    up to 1.5 + 97 x 0.25 = 25.75), so it could cost several times what was reserved."""
+    body = {"model": "ctxmix", "messages": MSG}
+    r = httpx.post(gw.url + "/v1/chat/completions", json=body, headers={"Authorization": "Bearer sk-budget"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (
+        err["code"] == "budget_exceeded" and "25.75" in err["message"] and "97 completion" in err["message"]
+    )
+
+
 def test_budget_reserves_then_settles_and_the_admin_api_reports_spend(gw):
     # each request reserves and costs 3 words * 0.5 + 2 tokens * 0.25 = 2.0; the budget is 5.0
     codes = [post(gw, "priced", key="sk-budget").status_code for _ in range(3)]
@@ -450,7 +469,7 @@ def test_admin_keys_create_use_revoke(gw):
 def test_health_readiness_and_metrics(gw):
     assert httpx.get(gw.url + "/health").json() == {"status": "ok"}
     ready = httpx.get(gw.url + "/health/readiness").json()
-    assert ready["status"] == "ready" and len(ready["deployments"]) == 22
+    assert ready["status"] == "ready" and len(ready["deployments"]) == 24
     text = httpx.get(gw.url + "/metrics").text
     assert "kvserve_gateway_requests_total" in text and "kvserve_gateway_attempts_total" in text
 

@@ -27,12 +27,18 @@ def sequences(body: dict) -> int:
     return max(per_prompt, 1) * (len(prompt) if batch else 1)
 
 
-def max_cost(backends: list[Backend], prompt_tokens: int, completion_tokens: int, n: int = 1) -> float:
-    """Reservation: the dearest backend the request could reach, at its full length."""
-    return max(
-        (b.input_cost_per_token * prompt_tokens + b.output_cost_per_token * completion_tokens * n)
-        for b in backends
-    )
+def max_cost(backends: list[Backend], body: dict, prompt_tokens: int, n: int = 1,
+             completion: bool = True) -> tuple[float, int]:  # fmt: skip
+    """Reservation: the dearest any backend the request could reach could make it, each at its
+    own longest answer (without max_tokens, its own context less the prompt: the router picks
+    after admission, so the first deployment's context may be far shorter than the one that
+    answers); and that backend's completion budget."""
+    best = (0.0, 0)
+    for b in backends:
+        tokens = completion_budget(body, prompt_tokens, b.max_context) if completion else 0
+        money = b.input_cost_per_token * prompt_tokens + b.output_cost_per_token * tokens * n
+        best = max(best, (money, tokens))
+    return best
 
 
 def cost(backend: Backend, usage: dict | None) -> float | None:

@@ -17,7 +17,7 @@ from fastapi.responses import Response, StreamingResponse
 from kvserve.disagg.prefill import run_prefill
 from kvserve.disagg.split import decode_body, disaggregates
 from kvserve.gateway.backends import BackendPool
-from kvserve.gateway.budgets import completion_budget, cost, max_cost, sequences
+from kvserve.gateway.budgets import cost, max_cost, sequences
 from kvserve.gateway.config import Deployment, GatewayConfig
 from kvserve.gateway.degrade import HEADER as DEGRADED_HEADER
 from kvserve.gateway.degrade import Degrader
@@ -193,12 +193,10 @@ class Gateway:
             counter = next((d for d in self.router.deployments(ctx.alias) if d.id not in cooling), first)
             ctx.prompt_tokens = await self.pool.count_prompt_tokens(counter, ctx.body)
         n = sequences(ctx.body)  # n x best_of x prompts: reserve less and concurrent requests overspend
-        completion = (
-            0
-            if ctx.path == EMBEDDINGS
-            else completion_budget(ctx.body, ctx.prompt_tokens, first.backend.max_context)
+        backends = [d.backend for d in deps]
+        ctx.reserved_money, completion = max_cost(
+            backends, ctx.body, ctx.prompt_tokens, n, completion=ctx.path != EMBEDDINGS
         )
-        ctx.reserved_money = max_cost([d.backend for d in deps], ctx.prompt_tokens, completion, n)
         ctx.checks = tenant_checks(
             key.scope, key.spec, team_name, team, ctx.prompt_tokens, ctx.reserved_money
         )
