@@ -49,6 +49,8 @@ def _base(fault, tmp, **router) -> dict:
             deployment("narrow", u, "ok", max_context=5),  # no context_window_fallbacks
             deployment("pinghang", u, "ping-hang", first_byte_timeout=0.5),
             deployment("stoplong", u, "stop-400"),
+            {"model_name": "pricedie", "backend": {"base_url": u, "model": "die", "input_cost_per_token": 0.5,
+                                                   "output_cost_per_token": 0.25}},
             {"model_name": "ctxmix", "id": "ctxmix-short",
              "backend": {"base_url": u, "model": "ok", "max_context": 10, "weight": 1000,
                          "input_cost_per_token": 0.5, "output_cost_per_token": 0.25}},
@@ -66,7 +68,8 @@ def _base(fault, tmp, **router) -> dict:
             {"key": "sk-limited", "models": ["okgroup"]},
             {"key": "sk-rpm2", "rpm": 2},
             {"key": "sk-par1", "max_parallel_requests": 1},
-            {"key": "sk-budget", "max_budget": 5.0},  # priced: 3 words * 0.5 + 2 tokens * 0.25 = 2.0
+            {"key": "sk-budget", "max_budget": 5.0},
+            {"key": "sk-budget-die", "max_budget": 100.0},  # priced: 3 words * 0.5 + 2 tokens * 0.25 = 2.0
             {"key": "sk-team-a", "team": "t"}, {"key": "sk-team-b", "team": "t"},
         ],
         "teams": {"t": {"rpm": 1}},
@@ -140,6 +143,27 @@ def test_death_mid_stream_gives_an_sse_error_and_no_retry(gw, fault):
     assert e.value.body["code"] == "upstream_error"  # a string code, as outside a stream
     assert text == " tok tok"  # what arrived before the death, then the error — not a silent end
     assert fault.count("die") == before_die + 1 and fault.count("ok") == before_ok
+
+
+def test_a_stream_cut_mid_way_is_charged_what_it_delivered(gw):
+    """A deployment dying mid-stream sends no usage; the key was charged its whole reservation
+    (3 x 0.5 + 40 x 0.25 = 11.5) for the two tokens it got. Now the tokens delivered are
+    counted: 3 x 0.5 + 2 x 0.25 = 2.0, and the spend log has the counts."""
+    with pytest.raises(openai.APIError):
+        for _ in client(gw, "sk-budget-die").chat.completions.create(
+            model="pricedie", messages=MSG, max_tokens=40, stream=True
+        ):
+            pass
+    m = {"Authorization": f"Bearer {MASTER}"}
+    rows = []
+    for _ in range(100):  # the spend log is written in the background
+        rows = httpx.get(gw.url + "/admin/spend", params={"group_by": "model"}, headers=m).json()["data"]
+        rows = [r for r in rows if r["model"] == "pricedie"]
+        if rows:
+            break
+        time.sleep(0.1)
+    assert rows == [{"model": "pricedie", "requests": 1, "prompt_tokens": 3, "completion_tokens": 2,
+                     "spend": 2.0}], rows  # fmt: skip
 
 
 def test_backend_context_400_goes_to_context_window_fallback(gw):
@@ -469,7 +493,7 @@ def test_admin_keys_create_use_revoke(gw):
 def test_health_readiness_and_metrics(gw):
     assert httpx.get(gw.url + "/health").json() == {"status": "ok"}
     ready = httpx.get(gw.url + "/health/readiness").json()
-    assert ready["status"] == "ready" and len(ready["deployments"]) == 24
+    assert ready["status"] == "ready" and len(ready["deployments"]) == 25
     text = httpx.get(gw.url + "/metrics").text
     assert "kvserve_gateway_requests_total" in text and "kvserve_gateway_attempts_total" in text
 

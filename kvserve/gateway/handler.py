@@ -16,7 +16,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from kvserve.disagg.prefill import run_prefill
 from kvserve.disagg.split import decode_body, disaggregates
-from kvserve.gateway.backends import BackendPool
+from kvserve.gateway.backends import BackendPool, estimate_tokens
 from kvserve.gateway.budgets import cost, max_cost, sequences
 from kvserve.gateway.config import Deployment, GatewayConfig
 from kvserve.gateway.degrade import HEADER as DEGRADED_HEADER
@@ -437,7 +437,9 @@ class Gateway:
         await out.response.aclose()
         self.router.strategy.finished(dep.id, out.first_byte_s if failure is None else None, ctx.route)
         usage = out.relay.usage
-        await self._release(arid, dchecks, (usage or {}).get("total_tokens", ctx.prompt_tokens))
+        if usage is None:  # cut short (the backend died, the client left) or never reported:
+            usage = out.relay.delivered_usage(ctx.prompt_tokens or estimate_tokens(ctx.body))  # what went out
+        await self._release(arid, dchecks, usage["total_tokens"])
         self.metrics.attempts.labels(dep.id, "ok" if failure is None else "failed_mid_stream").inc()
         if failure is not None and await self.router.failed(dep):
             self.metrics.cooldowns.labels(dep.id).inc()
