@@ -557,34 +557,61 @@ def test_tokens_are_counted_on_a_deployment_not_cooling_down(fault, tmp_path):
         hung.stop()
 
 
-def test_a_failed_spend_write_is_retried_not_the_end_of_the_spend_log(fault, tmp_path):
+@pytest.fixture(scope="module")
+def db_gw(fault, tmp_path_factory):
+    """A gateway whose database the test reaches into (to break it as a disk or an operator
+    would)."""
+    tmp = tmp_path_factory.mktemp("gw-db")
+    db_path = str(tmp / "gw.db")
+    cfg = {"model_list": [deployment("okgroup", fault.url + "/v1", "ok")], "keys": [{"key": KEY}],
+           "general_settings": {"database": db_path, "master_key": MASTER}}  # fmt: skip
+    g = GatewayProcess(cfg, str(tmp))
+    db = sqlite3.connect(db_path, timeout=10)
+    yield g, db
+    g.stop()
+    db.close()
+
+
+def test_an_unexpected_failure_is_a_500_in_openai_shape_logged_once(db_gw):
+    """A fault the gateway has no answer for (here its database lost the keys table under it,
+    met when a key is not one of the config's) was Starlette's text/plain 'Internal Server
+    Error' with uvicorn's traceback; now OpenAI's error shape without the details, the trace in
+    the log once, and the gateway goes on serving."""
+    g, db = db_gw
+    db.execute("ALTER TABLE keys RENAME TO keys_lost")
+    db.commit()
+    try:
+        r = post(g, "okgroup", key="sk-not-in-the-config")
+        assert r.status_code == 500 and r.headers["content-type"] == "application/json", r.text
+        err = r.json()["error"]
+        assert err["code"] == "internal_error" and "keys" not in err["message"], err
+        assert post(g, "okgroup").status_code == 200
+        logs = wait_for_log(g.logs, "no such table: keys")
+        assert logs.count("Traceback") == 1 and "no such table: keys" in logs, logs
+    finally:
+        db.execute("ALTER TABLE keys_lost RENAME TO keys")
+        db.commit()
+    assert post(g, "okgroup", key="sk-not-in-the-config").status_code == 401
+
+
+def test_a_failed_spend_write_is_retried_not_the_end_of_the_spend_log(db_gw):
     """One failed batch (SQLite locked past its busy timeout, disk full; here a trigger that
     aborts inserts) ended the spend log's writer task: that batch was lost and nothing was
     written in the background again (other instances sharing the file saw no rows)."""
-    db_path = str(tmp_path / "gw.db")
-    db = sqlite3.connect(db_path, timeout=10)
-    db.execute(
-        "CREATE TABLE spend (ts REAL, request_id TEXT, key_hash TEXT, key_alias TEXT, team TEXT, model TEXT,"
-        " deployment TEXT, prompt_tokens INTEGER, completion_tokens INTEGER, cost REAL, status INTEGER)"
-    )
+    g, db = db_gw
+    m = {"Authorization": f"Bearer {MASTER}"}
+    assert (
+        httpx.get(g.url + "/admin/spend", params={"group_by": "key"}, headers=m).status_code == 200
+    )  # flushed
+    before = db.execute("SELECT COUNT(*) FROM spend").fetchone()[0]
     db.execute("CREATE TRIGGER full BEFORE INSERT ON spend BEGIN SELECT RAISE(ABORT, 'disk full'); END")
     db.commit()
-    cfg = {
-        "model_list": [deployment("okgroup", fault.url + "/v1", "ok")],
-        "keys": [{"key": KEY}],
-        "general_settings": {"database": db_path},
-    }
-    g = GatewayProcess(cfg, str(tmp_path))
-    try:
-        assert post(g, "okgroup").status_code == 200
-        assert "disk full" in wait_for_log(g.logs, "spend log: writing")
-        db.execute("DROP TRIGGER full")
-        db.commit()
-        assert post(g, "okgroup").status_code == 200
-        deadline = time.monotonic() + 30
-        while db.execute("SELECT COUNT(*) FROM spend").fetchone()[0] < 2 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert db.execute("SELECT COUNT(*) FROM spend").fetchone()[0] == 2  # both requests, none lost
-    finally:
-        g.stop()
-        db.close()
+    assert post(g, "okgroup").status_code == 200
+    assert "disk full" in wait_for_log(g.logs, "spend log: writing")
+    db.execute("DROP TRIGGER full")
+    db.commit()
+    assert post(g, "okgroup").status_code == 200
+    deadline = time.monotonic() + 30
+    while db.execute("SELECT COUNT(*) FROM spend").fetchone()[0] < before + 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert db.execute("SELECT COUNT(*) FROM spend").fetchone()[0] == before + 2  # both requests, none lost
