@@ -241,6 +241,17 @@ def test_x_kvserve_pd_describes_the_attempt_that_answered(gw):
     assert r.headers["x-kvserve-deployment"] == "pdmix-plain" and "x-kvserve-pd" not in r.headers
 
 
+def test_numbers_too_big_for_a_float_are_the_backends_or_the_budgets_400_not_a_500(gw):
+    """max_tokens or n past a float's range (10**400: JSON has no limit) made the reservation's
+    arithmetic raise OverflowError: a 500 for a client's mistake. Now the reservation is bounded:
+    a budget refuses it naming max_tokens, else the backend gives its verdict."""
+    r = post(gw, "bad", max_tokens=10**400)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature", r.text  # the backend's
+    for field in ("max_tokens", "n"):
+        r = post(gw, "priced", key="sk-budget", **{field: 10**400})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "budget_exceeded", r.text
+
+
 def test_backend_4xx_is_passed_through_and_not_retried(gw, fault):
     before = fault.count("bad-400")
     r = post(gw, "bad")
