@@ -252,6 +252,16 @@ def test_numbers_too_big_for_a_float_are_the_backends_or_the_budgets_400_not_a_5
         assert r.status_code == 400 and r.json()["error"]["code"] == "budget_exceeded", r.text
 
 
+def test_a_lone_surrogate_in_a_prompt_is_counted_not_a_500(gw):
+    """A prompt with an unpaired surrogate (valid JSON: "\\ud800") crashed the token count
+    (httpx encodes JSON as strict UTF-8) on a deployment with max_context: a 500. It is sent
+    escaped, as the request itself is."""
+    body = {"model": "small", "messages": [{"role": "user", "content": "a \ud800"}], "max_tokens": 2}
+    h = {"Authorization": f"Bearer {KEY}", "content-type": "application/json"}
+    r = httpx.post(gw.url + "/v1/chat/completions", content=json.dumps(body), headers=h)
+    assert r.status_code == 200 and r.headers["x-kvserve-deployment"] == "small-7", r.text
+
+
 def test_backend_4xx_is_passed_through_and_not_retried(gw, fault):
     before = fault.count("bad-400")
     r = post(gw, "bad")
