@@ -326,3 +326,13 @@ def test_a_decode_engine_failing_before_its_first_byte_is_retried_on_another(fau
     msg = e.value.body["message"]
     assert dead in msg and fault.url in msg and "injected failure" in msg, msg
     assert fault.count("fail-500") == before + 1
+
+
+def test_a_lone_surrogate_in_a_prompt_is_sent_on_escaped(fault_proxy):
+    """A prompt with an unpaired surrogate ("\\ud800", valid JSON) crashed the proxy (and a
+    gateway's pd deployment) re-encoding the body for the engines: httpx's json= is strict
+    UTF-8. A 500 text/plain for a valid request; now the engines get it escaped."""
+    fault, proxy, _ = fault_proxy
+    body = json.dumps({"model": "ok", "prompt": "a \ud800", "max_tokens": 2})
+    r = httpx.post(proxy.url + "/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == " tok tok", r.text

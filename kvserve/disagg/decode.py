@@ -15,6 +15,7 @@ import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvserve.disagg.errors import error, reason
+from kvserve.disagg.split import JSON_HEADER, json_content
 
 logger = logging.getLogger("kvserve.disagg.proxy")
 
@@ -41,8 +42,9 @@ async def decode(
     busy: 503 or 429)."""
     failures: list[str] = []
     busy, retry_after = True, None
+    payload, send_headers = json_content(body), {**send_headers, **JSON_HEADER}
     for url in urls:
-        req = client.build_request("POST", url + path, json=body, headers=send_headers)
+        req = client.build_request("POST", url + path, content=payload, headers=send_headers)
         try:
             resp = await client.send(req, stream=True)
         except httpx.HTTPError as e:

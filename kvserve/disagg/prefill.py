@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from kvserve.disagg.split import prefill_body
+from kvserve.disagg.split import JSON_HEADER, json_content, prefill_body
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +26,9 @@ class PrefillResult:
 async def run_prefill(client: httpx.AsyncClient, url: str, body: dict, headers: dict) -> PrefillResult:
     """POST the prefill body to `url`; any failure of the prefill engine means a fallback."""
     try:
-        resp = await client.post(url, json=prefill_body(body), headers=headers)
+        resp = await client.post(
+            url, content=json_content(prefill_body(body)), headers={**headers, **JSON_HEADER}
+        )
     except httpx.HTTPError as e:
         logger.warning("prefill at %s failed (%s); the decode engine computes the prompt", url, e)
         return PrefillResult()
