@@ -336,3 +336,14 @@ def test_a_lone_surrogate_in_a_prompt_is_sent_on_escaped(fault_proxy):
     body = json.dumps({"model": "ok", "prompt": "a \ud800", "max_tokens": 2})
     r = httpx.post(proxy.url + "/v1/completions", content=body, headers={"content-type": "application/json"})
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == " tok tok", r.text
+
+
+def test_a_body_over_the_limit_is_a_413_before_it_is_read(fault_proxy):
+    """The proxy read any body whole into memory (kvserve serve and the gateway refuse one past
+    16 MiB): one client's upload could take the proxy's memory."""
+    fault, proxy, _ = fault_proxy
+    before = fault.count("ok")
+    body = json.dumps({"model": "ok", "prompt": "a" * (17 * 2**20), "max_tokens": 2})
+    r = httpx.post(proxy.url + "/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+    assert fault.count("ok") == before

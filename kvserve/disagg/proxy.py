@@ -25,9 +25,11 @@ from kvserve.disagg.errors import error as _error
 from kvserve.disagg.errors import unreachable as _unreachable
 from kvserve.disagg.prefill import PrefillResult, run_prefill
 from kvserve.disagg.split import decode_body, disaggregates
+from kvserve.entrypoints.openai.middleware import BodySizeLimit
 
 logger = logging.getLogger(__name__)
 ROUTES = ("/v1/chat/completions", "/v1/completions")
+DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20  # as kvserve serve's and the gateway's
 
 
 class PDProxy:
@@ -120,9 +122,11 @@ async def _disconnected(raw: Request) -> None:
         pass
 
 
-def build_app(proxy: PDProxy) -> FastAPI:
+def build_app(proxy: PDProxy, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     app = FastAPI(title="kvserve pd-proxy")
     app.state.proxy = proxy
+    # bodies are read whole: without a bound one client's upload takes the memory (413 first)
+    app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
 
     @app.exception_handler(ClientDisconnect)
     async def client_left(raw: Request, _: ClientDisconnect) -> Response:
@@ -167,10 +171,15 @@ def build_app(proxy: PDProxy) -> FastAPI:
     return app
 
 
-def serve(prefill: list[str], decode: list[str], host: str, port: int) -> int:
+def serve(
+    prefill: list[str], decode: list[str], host: str, port: int,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+) -> int:  # fmt: skip
     import uvicorn
 
     proxy = PDProxy(prefill, decode)
     logger.info("pd-proxy on %s:%d: prefill %s, decode %s", host, port, proxy.prefill, proxy.decode)
-    uvicorn.run(build_app(proxy), host=host, port=port, log_level="warning", access_log=False)
+    uvicorn.run(
+        build_app(proxy, max_request_bytes), host=host, port=port, log_level="warning", access_log=False
+    )
     return 0
