@@ -511,6 +511,23 @@ def test_admin_keys_create_use_revoke(gw):
     assert r.status_code == 200 and r.json()["data"]
 
 
+@pytest.mark.parametrize(
+    "body, field",
+    [('{"max_budget": Infinity}', "max_budget"), ('{"max_budget": NaN}', "max_budget"),
+     ('{"rpm": 1' + "0" * 400 + "}", "rpm"), ('{"alias": "a \\ud800"}', "alias")],
+)  # fmt: skip
+def test_admin_refuses_a_key_it_could_not_store_or_use(gw, body, field):
+    """An infinite budget failed serializing the answer (500, after the key was stored: a key
+    nobody was told); an rpm past a float's range was stored and then every request with the
+    key was a 500; a lone surrogate in the alias could not be stored (500). Now 400s naming
+    the field, and nothing is created."""
+    m = {"Authorization": f"Bearer {MASTER}", "content-type": "application/json"}
+    before = len(httpx.get(gw.url + "/admin/keys", headers=m).json()["data"])
+    r = httpx.post(gw.url + "/admin/keys", content=body, headers=m)
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith(f"{field}:"), r.text
+    assert len(httpx.get(gw.url + "/admin/keys", headers=m).json()["data"]) == before
+
+
 def test_health_readiness_and_metrics(gw):
     assert httpx.get(gw.url + "/health").json() == {"status": "ok"}
     ready = httpx.get(gw.url + "/health/readiness").json()
