@@ -8,6 +8,7 @@ failure tests. The backend model name picks the behaviour:
     hold-N    answers after N seconds                           crlf     as ok, SSE lines end in CRLF
     ping-hang streams an SSE comment (": ping"), then nothing (60 s)
     stop-400  400 "stop: sequence too long" (a 400 about something else than the context)
+    late-body not streamed: status and the first bytes of the JSON at once, the rest after 1 s
 
 GET /stats gives requests per model and how many streams and holds the client cancelled.
 
@@ -67,6 +68,16 @@ async def _events(body: dict, chat: bool, mode: str):
         raise
 
 
+async def _late_body(chat: bool):
+    text = {"role": "assistant", "content": " tok"} if chat else " tok"
+    choice = {"index": 0, "finish_reason": "length", **({"message": text} if chat else {"text": text})}
+    answer = json.dumps({"id": "fault", "object": "chat.completion" if chat else "text_completion",
+                         "created": 0, "model": "late-body", "choices": [choice]})  # fmt: skip
+    yield answer[:10].encode()
+    await asyncio.sleep(1)
+    yield answer[10:].encode()
+
+
 async def _ping_then_hang():
     yield b": ping\n\n"
     await asyncio.sleep(60)
@@ -91,6 +102,8 @@ async def _answer(request: Request, chat: bool):
         return JSONResponse({"error": {"message": msg, "code": "context_length_exceeded"}}, 400)
     if mode == "hang":
         await asyncio.sleep(60)
+    if mode == "late-body" and not body.get("stream"):
+        return StreamingResponse(_late_body(chat), media_type="application/json")
     if mode == "ping-hang" and body.get("stream"):
         return StreamingResponse(_ping_then_hang(), media_type="text/event-stream")
     if mode.startswith("hold-"):  # answer after N seconds unless the client leaves first

@@ -49,6 +49,7 @@ def _base(fault, tmp, **router) -> dict:
             deployment("narrow", u, "ok", max_context=5),  # no context_window_fallbacks
             deployment("pinghang", u, "ping-hang", first_byte_timeout=0.5),
             deployment("stoplong", u, "stop-400"),
+            deployment("latebody", u, "late-body", first_byte_timeout=0.5),
             {"model_name": "pricedie", "backend": {"base_url": u, "model": "die", "input_cost_per_token": 0.5,
                                                    "output_cost_per_token": 0.25}},
             {"model_name": "ctxmix", "id": "ctxmix-short",
@@ -131,6 +132,16 @@ def test_an_sse_comment_is_not_the_first_byte(gw, fault):
         text = "".join(json.loads(x[6:])["choices"][0]["delta"].get("content") or ""
                        for x in r.iter_lines() if x.startswith("data: {"))  # fmt: skip
     assert text == " tok tok" and fault.count("ping-hang") == before + 2
+
+
+def test_a_body_after_the_first_byte_has_the_total_timeout_not_the_first_byte_one(gw, fault):
+    """A deployment that answered at once (status, first bytes) and sent the rest of a
+    non-streamed body later was cut off by first_byte_timeout (0.5 s here), which still ran
+    over the body's read, and retried: the total timeout is what bounds the body."""
+    before = fault.count("late-body")
+    r = post(gw, "latebody")
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == " tok", r.text
+    assert r.headers["x-kvserve-attempts"] == "1" and fault.count("late-body") == before + 1
 
 
 def test_death_mid_stream_gives_an_sse_error_and_no_retry(gw, fault):
@@ -531,7 +542,7 @@ def test_admin_refuses_a_key_it_could_not_store_or_use(gw, body, field):
 def test_health_readiness_and_metrics(gw):
     assert httpx.get(gw.url + "/health").json() == {"status": "ok"}
     ready = httpx.get(gw.url + "/health/readiness").json()
-    assert ready["status"] == "ready" and len(ready["deployments"]) == 25
+    assert ready["status"] == "ready" and len(ready["deployments"]) == 26
     text = httpx.get(gw.url + "/metrics").text
     assert "kvserve_gateway_requests_total" in text and "kvserve_gateway_attempts_total" in text
 
