@@ -347,3 +347,12 @@ def test_a_body_over_the_limit_is_a_413_before_it_is_read(fault_proxy):
     r = httpx.post(proxy.url + "/v1/completions", content=body, headers={"content-type": "application/json"})
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
     assert fault.count("ok") == before
+
+
+def test_health_is_ok_while_some_decode_engine_can_answer(fault_proxy):
+    """With the decode engines tried in turn, one of two being down (and the prefill engine:
+    the decode engine computes the prompt) costs time, not answers; /health said 503, so a
+    load balancer took a working proxy out. It is 503 only when no decode engine answers."""
+    _, proxy, _ = fault_proxy
+    r = httpx.get(proxy.url + "/health", timeout=30)
+    assert r.status_code == 200 and r.json() == {"prefill": [False], "decode": [False, True]}, r.text

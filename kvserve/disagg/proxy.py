@@ -160,7 +160,9 @@ def build_app(proxy: PDProxy, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
                 return False
 
         states = await asyncio.gather(*(ok(u) for u in proxy.prefill + proxy.decode))
-        up = all(states[len(proxy.prefill) :]) and any(states[: len(proxy.prefill)])
+        # one decode engine answering is enough: the others are tried in turn, and without a prefill
+        # engine the decode engine computes the prompt (slower, still an answer)
+        up = any(states[len(proxy.prefill) :])
         return JSONResponse({"prefill": states[: len(proxy.prefill)], "decode": states[len(proxy.prefill) :]},
                             status_code=200 if up else 503)  # fmt: skip
 
