@@ -36,12 +36,12 @@ def _server(model: str, role: str | None = None, **extra) -> ServerProcess:
 
 
 class Proxy:
-    def __init__(self, prefill: str, decode: str | list[str], log=None) -> None:
+    def __init__(self, prefill: str, decode: str | list[str], log=None, *extra: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         decodes = [decode] if isinstance(decode, str) else decode
         cmd = [sys.executable, "-m", "kvserve.entrypoints.cli", "pd-proxy", "--prefill", prefill,
-               "--decode", *decodes, "--port", str(self.port)]  # fmt: skip
+               "--decode", *decodes, "--port", str(self.port), *extra]  # fmt: skip
         self.proc = subprocess.Popen(cmd, stdout=log or subprocess.DEVNULL, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -356,3 +356,22 @@ def test_health_is_ok_while_some_decode_engine_can_answer(fault_proxy):
     _, proxy, _ = fault_proxy
     r = httpx.get(proxy.url + "/health", timeout=30)
     assert r.status_code == 200 and r.json() == {"prefill": [False], "decode": [False, True]}, r.text
+
+
+def test_a_hung_prefill_engine_costs_the_prefill_timeout_not_the_request(fault_proxy):
+    """A prefill engine that accepts the connection and never answers (here SIGSTOPped) held
+    every request for the proxy's 600 s read timeout before the decode engine computed the
+    prompt; --prefill-timeout (60 s by default, 1 s here) bounds it."""
+    fault, _, _ = fault_proxy
+    hung = FaultBackend()
+    os.kill(hung.proc.pid, signal.SIGSTOP)
+    proxy = Proxy(hung.url, fault.url, None, "--prefill-timeout", "1")
+    try:
+        r = httpx.post(proxy.url + "/v1/completions", json={"model": "ok", "prompt": "a b", "max_tokens": 2},
+                       timeout=30)  # fmt: skip
+        assert r.status_code == 200 and r.headers["x-kvserve-pd"] == "fallback", r.text
+        assert r.json()["choices"][0]["text"] == " tok tok"
+    finally:
+        proxy.stop()
+        os.kill(hung.proc.pid, signal.SIGCONT)
+        hung.stop()

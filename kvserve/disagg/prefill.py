@@ -23,11 +23,15 @@ class PrefillResult:
     refused_content: bytes = b""
 
 
-async def run_prefill(client: httpx.AsyncClient, url: str, body: dict, headers: dict) -> PrefillResult:
-    """POST the prefill body to `url`; any failure of the prefill engine means a fallback."""
+async def run_prefill(
+    client: httpx.AsyncClient, url: str, body: dict, headers: dict, timeout: float | None = None
+) -> PrefillResult:
+    """POST the prefill body to `url`; any failure of the prefill engine means a fallback, a
+    silent one after `timeout` seconds (None: the client's own timeouts)."""
+    limit = httpx.USE_CLIENT_DEFAULT if timeout is None else httpx.Timeout(timeout, connect=min(timeout, 5.0))
     try:
         resp = await client.post(
-            url, content=json_content(prefill_body(body)), headers={**headers, **JSON_HEADER}
+            url, content=json_content(prefill_body(body)), headers={**headers, **JSON_HEADER}, timeout=limit
         )
     except httpx.HTTPError as e:
         logger.warning("prefill at %s failed (%s); the decode engine computes the prompt", url, e)

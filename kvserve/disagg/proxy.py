@@ -30,10 +30,14 @@ from kvserve.entrypoints.openai.middleware import BodySizeLimit
 logger = logging.getLogger(__name__)
 ROUTES = ("/v1/chat/completions", "/v1/completions")
 DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20  # as kvserve serve's and the gateway's
+DEFAULT_PREFILL_TIMEOUT = 60.0  # as the gateway's first_byte_timeout
 
 
 class PDProxy:
-    def __init__(self, prefill: list[str], decode: list[str], timeout_s: float = 600.0) -> None:
+    def __init__(
+        self, prefill: list[str], decode: list[str], timeout_s: float = 600.0,
+        prefill_timeout_s: float = DEFAULT_PREFILL_TIMEOUT,
+    ) -> None:  # fmt: skip
         if not prefill or not decode:
             raise ValueError("pd-proxy: needs at least one --prefill and one --decode URL")
         self.prefill = [_base_url("--prefill", u) for u in prefill]
@@ -41,6 +45,7 @@ class PDProxy:
         self._p, self._next_decode = itertools.cycle(self.prefill), 0
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
         self.num_fallbacks = 0
+        self.prefill_timeout_s = prefill_timeout_s  # a hung prefill engine costs this, then a fallback
 
     @staticmethod
     def _headers(raw: Request) -> dict:
@@ -49,7 +54,8 @@ class PDProxy:
 
     async def _prefill(self, path: str, body: dict, raw: Request) -> PrefillResult | None:
         """The prefill engine's answer; None if the client left meanwhile (it is cancelled)."""
-        call = asyncio.ensure_future(run_prefill(self.client, next(self._p) + path, body, self._headers(raw)))
+        url, headers = next(self._p) + path, self._headers(raw)
+        call = asyncio.ensure_future(run_prefill(self.client, url, body, headers, self.prefill_timeout_s))
         while not call.done():
             await asyncio.wait([call], timeout=0.5)
             if not call.done() and await raw.is_disconnected():
@@ -175,11 +181,11 @@ def build_app(proxy: PDProxy, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
 def serve(
     prefill: list[str], decode: list[str], host: str, port: int,
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, prefill_timeout_s: float = DEFAULT_PREFILL_TIMEOUT,
 ) -> int:  # fmt: skip
     import uvicorn
 
-    proxy = PDProxy(prefill, decode)
+    proxy = PDProxy(prefill, decode, prefill_timeout_s=prefill_timeout_s)
     logger.info("pd-proxy on %s:%d: prefill %s, decode %s", host, port, proxy.prefill, proxy.decode)
     uvicorn.run(
         build_app(proxy, max_request_bytes), host=host, port=port, log_level="warning", access_log=False
