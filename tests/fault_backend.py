@@ -1,7 +1,8 @@
 """A small real OpenAI-compatible HTTP backend that misbehaves on request, for the gateway's
 failure tests. The backend model name picks the behaviour:
 
-    ok        answers (usage: prompt = words in the prompt, completion = max_tokens)
+    ok        answers (usage: prompt = words in the prompt, completion = max_tokens); a prefill
+              request (kv_transfer_params.do_remote_decode) gets kv_transfer_params as a kv_producer's
     fail-500  500          fail-429  429 + Retry-After: 1      bad-400  a plain 400
     ctx-400   400 "maximum context length"                      hang     no first byte (60 s)
     die       streams 2 events, then drops the connection       slow     one event every 0.1 s
@@ -122,6 +123,10 @@ async def _answer(request: Request, chat: bool):
     n = int(body.get("max_tokens") or 4)
     usage = {"prompt_tokens": words(body), "completion_tokens": n, "total_tokens": words(body) + n}
     text = " tok" * n
+    kv = body.get("kv_transfer_params")
+    if isinstance(kv, dict) and kv.get("do_remote_decode"):  # a prefill request: answer as a kv_producer
+        return {"id": "fault", "object": "text_completion", "created": 0, "model": mode, "choices": [],
+                "kv_transfer_params": {"do_remote_prefill": True, "remote_request_id": "fault"}}  # fmt: skip
     if chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
     else:

@@ -40,7 +40,7 @@ class Proxy:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         decodes = [decode] if isinstance(decode, str) else decode
-        cmd = [sys.executable, "-m", "kvserve.entrypoints.cli", "pd-proxy", "--prefill", prefill,
+        cmd = [sys.executable, "-m", "kvserve.entrypoints.cli", "pd-proxy", "--prefill", *prefill.split(),
                "--decode", *decodes, "--port", str(self.port), *extra]  # fmt: skip
         self.proc = subprocess.Popen(cmd, stdout=log or subprocess.DEVNULL, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
@@ -285,12 +285,12 @@ def test_proxy_reports_a_dead_or_dying_decode_engine_in_openai_shape(tmp_path):
 
 @pytest.fixture(scope="module")
 def fault_proxy(tmp_path_factory):
-    """No engines needed: a proxy whose prefill engine is gone and whose decode engines are one
-    that refuses connections and the fault backend (tests/fault_backend.py)."""
+    """No engines needed: a proxy whose prefill and decode engines are each one that refuses
+    connections and the fault backend (tests/fault_backend.py)."""
     fault, dead = FaultBackend(), f"http://127.0.0.1:{free_port()}"
     log_path = tmp_path_factory.mktemp("pd-fault") / "proxy.log"
     with open(log_path, "w") as log:
-        proxy = Proxy(dead, [dead, fault.url], log)
+        proxy = Proxy(f"{dead} {fault.url}", [dead, fault.url], log)
         yield fault, proxy, dead
         proxy.stop()
         fault.stop()
@@ -321,7 +321,7 @@ def test_a_decode_engine_failing_before_its_first_byte_is_retried_on_another(fau
         assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == " tok tok"
     before = fault.count("fail-500")
     with pytest.raises(openai.APIStatusError) as e:
-        c.completions.create(model="fail-500", prompt="a b", max_tokens=2)
+        c.completions.create(model="fail-500", prompt="a b", max_tokens=2, n=2)  # n 2: decode only
     assert e.value.status_code == 502 and e.value.body["code"] == "upstream_error", e.value.body
     msg = e.value.body["message"]
     assert dead in msg and fault.url in msg and "injected failure" in msg, msg
@@ -355,7 +355,7 @@ def test_health_is_ok_while_some_decode_engine_can_answer(fault_proxy):
     load balancer took a working proxy out. It is 503 only when no decode engine answers."""
     _, proxy, _ = fault_proxy
     r = httpx.get(proxy.url + "/health", timeout=30)
-    assert r.status_code == 200 and r.json() == {"prefill": [False], "decode": [False, True]}, r.text
+    assert r.status_code == 200 and r.json() == {"prefill": [False, True], "decode": [False, True]}, r.text
 
 
 def test_a_hung_prefill_engine_costs_the_prefill_timeout_not_the_request(fault_proxy):
@@ -375,3 +375,14 @@ def test_a_hung_prefill_engine_costs_the_prefill_timeout_not_the_request(fault_p
         proxy.stop()
         os.kill(hung.proc.pid, signal.SIGCONT)
         hung.stop()
+
+
+def test_a_prefill_engine_that_cannot_be_reached_is_passed_over_for_another(fault_proxy):
+    """With several --prefill engines, a request whose turn fell on one that refused the
+    connection had the decode engine compute its prompt (x-kvserve-pd: fallback) though another
+    prefill engine was up; now the next one is asked."""
+    _, proxy, _ = fault_proxy
+    body = {"model": "ok", "prompt": "a b", "max_tokens": 2}
+    for _ in range(2):  # each prefill engine first in turn
+        r = httpx.post(proxy.url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 200 and r.headers["x-kvserve-pd"] == "disaggregated", r.text

@@ -21,6 +21,7 @@ class PrefillResult:
     params: dict | None = None
     refused_status: int | None = None
     refused_content: bytes = b""
+    failed: bool = False  # the engine could not be reached or failed (another may answer)
 
 
 async def run_prefill(
@@ -34,15 +35,13 @@ async def run_prefill(
             url, content=json_content(prefill_body(body)), headers={**headers, **JSON_HEADER}, timeout=limit
         )
     except httpx.HTTPError as e:
-        logger.warning("prefill at %s failed (%s); the decode engine computes the prompt", url, e)
-        return PrefillResult()
+        logger.warning("prefill at %s failed (%s)", url, e)
+        return PrefillResult(failed=True)
     if 400 <= resp.status_code < 500 and resp.status_code not in (408, 429):
         return PrefillResult(refused_status=resp.status_code, refused_content=resp.content)
     if resp.status_code != 200:
-        logger.warning(
-            "prefill at %s answered %d; the decode engine computes the prompt", url, resp.status_code
-        )
-        return PrefillResult()
+        logger.warning("prefill at %s answered %d", url, resp.status_code)
+        return PrefillResult(failed=True)
     try:
         params = resp.json().get("kv_transfer_params")
     except ValueError:

@@ -12,7 +12,6 @@ closed decode request aborts it on the decode engine, which releases the produce
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 
 import httpx
@@ -42,7 +41,7 @@ class PDProxy:
             raise ValueError("pd-proxy: needs at least one --prefill and one --decode URL")
         self.prefill = [_base_url("--prefill", u) for u in prefill]
         self.decode = [_base_url("--decode", u) for u in decode]
-        self._p, self._next_decode = itertools.cycle(self.prefill), 0
+        self._next_prefill = self._next_decode = 0
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
         self.num_fallbacks = 0
         self.prefill_timeout_s = prefill_timeout_s  # a hung prefill engine costs this, then a fallback
@@ -52,10 +51,20 @@ class PDProxy:
         keep = ("authorization", "x-request-id")
         return {k: v for k, v in raw.headers.items() if k.lower() in keep}
 
+    async def _prefill_any(self, path: str, body: dict, headers: dict) -> PrefillResult:
+        """The first prefill engine's answer that is not a failure (the engines in turn, each
+        request starting at the next); after all failed, the decode engine computes the prompt."""
+        i, self._next_prefill = self._next_prefill, (self._next_prefill + 1) % len(self.prefill)
+        for url in self.prefill[i:] + self.prefill[:i]:
+            result = await run_prefill(self.client, url + path, body, headers, self.prefill_timeout_s)
+            if not result.failed:
+                return result
+        logger.warning("no prefill engine answered; the decode engine computes the prompt")
+        return result
+
     async def _prefill(self, path: str, body: dict, raw: Request) -> PrefillResult | None:
-        """The prefill engine's answer; None if the client left meanwhile (it is cancelled)."""
-        url, headers = next(self._p) + path, self._headers(raw)
-        call = asyncio.ensure_future(run_prefill(self.client, url, body, headers, self.prefill_timeout_s))
+        """The prefill engines' answer; None if the client left meanwhile (it is cancelled)."""
+        call = asyncio.ensure_future(self._prefill_any(path, body, self._headers(raw)))
         while not call.done():
             await asyncio.wait([call], timeout=0.5)
             if not call.done() and await raw.is_disconnected():
