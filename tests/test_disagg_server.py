@@ -386,3 +386,17 @@ def test_a_prefill_engine_that_cannot_be_reached_is_passed_over_for_another(faul
     for _ in range(2):  # each prefill engine first in turn
         r = httpx.post(proxy.url + "/v1/completions", json=body, timeout=30)
         assert r.status_code == 200 and r.headers["x-kvserve-pd"] == "disaggregated", r.text
+
+
+def test_a_non_ascii_header_is_passed_on_as_it_came(fault_proxy):
+    """HTTP header values are bytes (Latin-1 as Starlette reads them); the proxy passed the
+    client's Authorization and X-Request-Id on as str, which httpx encodes as ASCII: a key
+    with a byte past 0x7f was a text/plain 500 and a traceback. They go on as the same bytes."""
+    _, proxy, _ = fault_proxy
+    h = {"authorization": b"Bearer sk-\xe9", "x-request-id": b"r\xe9"}
+    for path, body in (
+        ("/v1/completions", {"model": "ok", "prompt": "a", "max_tokens": 2}),
+        ("/v1/models", None),
+    ):
+        r = httpx.request("POST" if body else "GET", proxy.url + path, json=body, headers=h, timeout=30)
+        assert r.status_code == 200, r.text

@@ -48,8 +48,10 @@ class PDProxy:
 
     @staticmethod
     def _headers(raw: Request) -> dict:
-        keep = ("authorization", "x-request-id")
-        return {k: v for k, v in raw.headers.items() if k.lower() in keep}
+        """The client's headers the engines need, as the bytes that came (httpx encodes a str as
+        ASCII: a Latin-1 byte in a key raised)."""
+        keep = (b"authorization", b"x-request-id")
+        return {k: v for k, v in raw.headers.raw if k.lower() in keep}
 
     async def _prefill_any(self, path: str, body: dict, headers: dict) -> PrefillResult:
         """The first prefill engine's answer that is not a failure (the engines in turn, each
