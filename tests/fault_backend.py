@@ -1,11 +1,15 @@
 """A small real OpenAI-compatible HTTP backend that misbehaves on request, for the gateway's
 failure tests. The backend model name picks the behaviour:
 
-    ok        answers (usage: prompt = words in the prompt, completion = max_tokens)
+    ok        answers (usage: prompt = words in the prompt, completion = max_tokens); a prefill
+              request (kv_transfer_params.do_remote_decode) gets kv_transfer_params as a kv_producer's
     fail-500  500          fail-429  429 + Retry-After: 1      bad-400  a plain 400
     ctx-400   400 "maximum context length"                      hang     no first byte (60 s)
     die       streams 2 events, then drops the connection       slow     one event every 0.1 s
     hold-N    answers after N seconds                           crlf     as ok, SSE lines end in CRLF
+    ping-hang streams an SSE comment (": ping"), then nothing (60 s)
+    stop-400  400 "stop: sequence too long" (a 400 about something else than the context)
+    late-body not streamed: status and the first bytes of the JSON at once, the rest after 1 s
 
 GET /stats gives requests per model and how many streams and holds the client cancelled.
 
@@ -65,6 +69,22 @@ async def _events(body: dict, chat: bool, mode: str):
         raise
 
 
+async def _late_body(chat: bool):
+    text = {"role": "assistant", "content": " tok"} if chat else " tok"
+    choice = {"index": 0, "finish_reason": "length", **({"message": text} if chat else {"text": text})}
+    answer = json.dumps({"id": "fault", "object": "chat.completion" if chat else "text_completion",
+                         "created": 0, "model": "late-body", "choices": [choice]})  # fmt: skip
+    yield answer[:10].encode()
+    await asyncio.sleep(1)
+    yield answer[10:].encode()
+
+
+async def _ping_then_hang():
+    yield b": ping\n\n"
+    await asyncio.sleep(60)
+    yield b"data: [DONE]\n\n"
+
+
 async def _answer(request: Request, chat: bool):
     body = await request.json()
     mode = str(body.get("model"))
@@ -75,11 +95,18 @@ async def _answer(request: Request, chat: bool):
         return JSONResponse({"error": {"message": "slow down"}}, 429, headers={"retry-after": "1"})
     if mode == "bad-400":
         return JSONResponse({"error": {"message": "temperature: must be <= 2", "param": "temperature"}}, 400)
+    if mode == "stop-400":
+        msg = "stop: each sequence must be at most 64 characters; this one is too long"
+        return JSONResponse({"error": {"message": msg, "param": "stop", "code": "invalid_value"}}, 400)
     if mode == "ctx-400":
         msg = "This model's maximum context length is 8 tokens; your prompt is longer"
         return JSONResponse({"error": {"message": msg, "code": "context_length_exceeded"}}, 400)
     if mode == "hang":
         await asyncio.sleep(60)
+    if mode == "late-body" and not body.get("stream"):
+        return StreamingResponse(_late_body(chat), media_type="application/json")
+    if mode == "ping-hang" and body.get("stream"):
+        return StreamingResponse(_ping_then_hang(), media_type="text/event-stream")
     if mode.startswith("hold-"):  # answer after N seconds unless the client leaves first
         loop = asyncio.get_running_loop()
         end = loop.time() + float(mode[5:])
@@ -96,6 +123,10 @@ async def _answer(request: Request, chat: bool):
     n = int(body.get("max_tokens") or 4)
     usage = {"prompt_tokens": words(body), "completion_tokens": n, "total_tokens": words(body) + n}
     text = " tok" * n
+    kv = body.get("kv_transfer_params")
+    if isinstance(kv, dict) and kv.get("do_remote_decode"):  # a prefill request: answer as a kv_producer
+        return {"id": "fault", "object": "text_completion", "created": 0, "model": mode, "choices": [],
+                "kv_transfer_params": {"do_remote_prefill": True, "remote_request_id": "fault"}}  # fmt: skip
     if chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
     else:

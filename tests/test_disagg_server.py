@@ -36,11 +36,12 @@ def _server(model: str, role: str | None = None, **extra) -> ServerProcess:
 
 
 class Proxy:
-    def __init__(self, prefill: str, decode: str, log=None) -> None:
+    def __init__(self, prefill: str, decode: str | list[str], log=None, *extra: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "kvserve.entrypoints.cli", "pd-proxy", "--prefill", prefill,
-               "--decode", decode, "--port", str(self.port)]  # fmt: skip
+        decodes = [decode] if isinstance(decode, str) else decode
+        cmd = [sys.executable, "-m", "kvserve.entrypoints.cli", "pd-proxy", "--prefill", *prefill.split(),
+               "--decode", *decodes, "--port", str(self.port), *extra]  # fmt: skip
         self.proc = subprocess.Popen(cmd, stdout=log or subprocess.DEVNULL, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -280,3 +281,122 @@ def test_proxy_reports_a_dead_or_dying_decode_engine_in_openai_shape(tmp_path):
     assert p.returncode == 2 and p.stderr.strip().splitlines()[-1] == (
         "error: --prefill: 'localhost:1' must start with http:// or https://"
     ), p.stderr
+
+
+@pytest.fixture(scope="module")
+def fault_proxy(tmp_path_factory):
+    """No engines needed: a proxy whose prefill and decode engines are each one that refuses
+    connections and the fault backend (tests/fault_backend.py)."""
+    fault, dead = FaultBackend(), f"http://127.0.0.1:{free_port()}"
+    log_path = tmp_path_factory.mktemp("pd-fault") / "proxy.log"
+    with open(log_path, "w") as log:
+        proxy = Proxy(f"{dead} {fault.url}", [dead, fault.url], log)
+        yield fault, proxy, dead
+        proxy.stop()
+        fault.stop()
+    assert "Traceback" not in log_path.read_text()
+
+
+def test_a_client_leaving_a_non_streamed_request_aborts_its_decode(fault_proxy):
+    """A streamed request's decode was aborted when the client left, but a non-streamed one's
+    went on to its end on the decode engine (here a 20 s hold), its KV and compute spent for
+    nobody; now the proxy closes the decode request as the client goes."""
+    fault, proxy, _ = fault_proxy
+    before = fault.stats()["cancelled_holds"]
+    body = {"model": "hold-20", "prompt": "a b", "max_tokens": 2, "n": 2}  # n 2: decode only
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(proxy.url + "/v1/completions", json=body, timeout=0.5)
+    _wait_for(lambda: fault.stats()["cancelled_holds"] == before + 1, 15, "the decode is aborted")
+
+
+def test_a_decode_engine_failing_before_its_first_byte_is_retried_on_another(fault_proxy):
+    """With several --decode engines, one refusing connections (or answering 5xx) failed the
+    request though another could have answered it; now each is tried once, and when all fail
+    the 502 names every engine and why."""
+    fault, proxy, dead = fault_proxy
+    c = openai.OpenAI(base_url=proxy.url + "/v1", api_key="none", max_retries=0, timeout=30)
+    for _ in range(2):  # each engine first in turn
+        assert c.completions.create(model="ok", prompt="a b", max_tokens=2).choices[0].text == " tok tok"
+        chunks = c.completions.create(model="ok", prompt="a b", max_tokens=2, stream=True)
+        assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == " tok tok"
+    before = fault.count("fail-500")
+    with pytest.raises(openai.APIStatusError) as e:
+        c.completions.create(model="fail-500", prompt="a b", max_tokens=2, n=2)  # n 2: decode only
+    assert e.value.status_code == 502 and e.value.body["code"] == "upstream_error", e.value.body
+    msg = e.value.body["message"]
+    assert dead in msg and fault.url in msg and "injected failure" in msg, msg
+    assert fault.count("fail-500") == before + 1
+
+
+def test_a_lone_surrogate_in_a_prompt_is_sent_on_escaped(fault_proxy):
+    """A prompt with an unpaired surrogate ("\\ud800", valid JSON) crashed the proxy (and a
+    gateway's pd deployment) re-encoding the body for the engines: httpx's json= is strict
+    UTF-8. A 500 text/plain for a valid request; now the engines get it escaped."""
+    fault, proxy, _ = fault_proxy
+    body = json.dumps({"model": "ok", "prompt": "a \ud800", "max_tokens": 2})
+    r = httpx.post(proxy.url + "/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == " tok tok", r.text
+
+
+def test_a_body_over_the_limit_is_a_413_before_it_is_read(fault_proxy):
+    """The proxy read any body whole into memory (kvserve serve and the gateway refuse one past
+    16 MiB): one client's upload could take the proxy's memory."""
+    fault, proxy, _ = fault_proxy
+    before = fault.count("ok")
+    body = json.dumps({"model": "ok", "prompt": "a" * (17 * 2**20), "max_tokens": 2})
+    r = httpx.post(proxy.url + "/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+    assert fault.count("ok") == before
+
+
+def test_health_is_ok_while_some_decode_engine_can_answer(fault_proxy):
+    """With the decode engines tried in turn, one of two being down (and the prefill engine:
+    the decode engine computes the prompt) costs time, not answers; /health said 503, so a
+    load balancer took a working proxy out. It is 503 only when no decode engine answers."""
+    _, proxy, _ = fault_proxy
+    r = httpx.get(proxy.url + "/health", timeout=30)
+    assert r.status_code == 200 and r.json() == {"prefill": [False, True], "decode": [False, True]}, r.text
+
+
+def test_a_hung_prefill_engine_costs_the_prefill_timeout_not_the_request(fault_proxy):
+    """A prefill engine that accepts the connection and never answers (here SIGSTOPped) held
+    every request for the proxy's 600 s read timeout before the decode engine computed the
+    prompt; --prefill-timeout (60 s by default, 1 s here) bounds it."""
+    fault, _, _ = fault_proxy
+    hung = FaultBackend()
+    os.kill(hung.proc.pid, signal.SIGSTOP)
+    proxy = Proxy(hung.url, fault.url, None, "--prefill-timeout", "1")
+    try:
+        r = httpx.post(proxy.url + "/v1/completions", json={"model": "ok", "prompt": "a b", "max_tokens": 2},
+                       timeout=30)  # fmt: skip
+        assert r.status_code == 200 and r.headers["x-kvserve-pd"] == "fallback", r.text
+        assert r.json()["choices"][0]["text"] == " tok tok"
+    finally:
+        proxy.stop()
+        os.kill(hung.proc.pid, signal.SIGCONT)
+        hung.stop()
+
+
+def test_a_prefill_engine_that_cannot_be_reached_is_passed_over_for_another(fault_proxy):
+    """With several --prefill engines, a request whose turn fell on one that refused the
+    connection had the decode engine compute its prompt (x-kvserve-pd: fallback) though another
+    prefill engine was up; now the next one is asked."""
+    _, proxy, _ = fault_proxy
+    body = {"model": "ok", "prompt": "a b", "max_tokens": 2}
+    for _ in range(2):  # each prefill engine first in turn
+        r = httpx.post(proxy.url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 200 and r.headers["x-kvserve-pd"] == "disaggregated", r.text
+
+
+def test_a_non_ascii_header_is_passed_on_as_it_came(fault_proxy):
+    """HTTP header values are bytes (Latin-1 as Starlette reads them); the proxy passed the
+    client's Authorization and X-Request-Id on as str, which httpx encodes as ASCII: a key
+    with a byte past 0x7f was a text/plain 500 and a traceback. They go on as the same bytes."""
+    _, proxy, _ = fault_proxy
+    h = {"authorization": b"Bearer sk-\xe9", "x-request-id": b"r\xe9"}
+    for path, body in (
+        ("/v1/completions", {"model": "ok", "prompt": "a", "max_tokens": 2}),
+        ("/v1/models", None),
+    ):
+        r = httpx.request("POST" if body else "GET", proxy.url + path, json=body, headers=h, timeout=30)
+        assert r.status_code == 200, r.text

@@ -20,6 +20,12 @@ def test_exact_key_ignores_transport_and_keeps_what_changes_the_answer():
     assert exact_key("n", "/chat/completions", BODY) != k and exact_key("m", "/completions", BODY) != k
 
 
+def test_a_lone_surrogate_has_a_key():
+    """Valid JSON ("\\ud800") but not encodable as UTF-8: the key's digest raised (a 500)."""
+    body = {**BODY, "messages": [{"role": "user", "content": "a \ud800"}]}
+    assert exact_key("m", "/p", body) != exact_key("m", "/p", BODY)
+
+
 def test_bucket_is_everything_but_the_text_and_text_is_the_whole_conversation():
     other = {**BODY, "messages": [{"role": "user", "content": "hello there"}]}
     assert bucket_key("m", "/p", BODY) == bucket_key("m", "/p", other)

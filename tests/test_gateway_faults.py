@@ -47,16 +47,30 @@ def _base(fault, tmp, **router) -> dict:
             {"model_name": "priced", "backend": {"base_url": u, "model": "ok", "input_cost_per_token": 0.5,
                                                  "output_cost_per_token": 0.25}},
             deployment("narrow", u, "ok", max_context=5),  # no context_window_fallbacks
+            deployment("pinghang", u, "ping-hang", first_byte_timeout=0.5),
+            deployment("stoplong", u, "stop-400"),
+            deployment("latebody", u, "late-body", first_byte_timeout=0.5),
+            {"model_name": "pricedie", "backend": {"base_url": u, "model": "die", "input_cost_per_token": 0.5,
+                                                   "output_cost_per_token": 0.25}},
+            {"model_name": "ctxmix", "id": "ctxmix-short",
+             "backend": {"base_url": u, "model": "ok", "max_context": 10, "weight": 1000,
+                         "input_cost_per_token": 0.5, "output_cost_per_token": 0.25}},
+            {"model_name": "ctxmix", "id": "ctxmix-long",
+             "backend": {"base_url": u, "model": "ok", "max_context": 100, "weight": 0.001,
+                         "input_cost_per_token": 0.5, "output_cost_per_token": 0.25}},
         ],
         "router_settings": {"num_retries": 1, "retry_backoff_base": 0.01, "allowed_fails": 100,
-                            "fallbacks": {"hang": ["okgroup"], "die": ["okgroup"], "bad": ["okgroup"]},
-                            "context_window_fallbacks": {"ctx": ["big"], "small": ["big"]}, **router},
+                            "fallbacks": {"hang": ["okgroup"], "pinghang": ["okgroup"], "die": ["okgroup"],
+                                          "bad": ["okgroup"]},
+                            "context_window_fallbacks": {"ctx": ["big"], "small": ["big"],
+                                                         "stoplong": ["big"]}, **router},
         "keys": [
             {"key": KEY, "alias": "tester"},
             {"key": "sk-limited", "models": ["okgroup"]},
             {"key": "sk-rpm2", "rpm": 2},
             {"key": "sk-par1", "max_parallel_requests": 1},
-            {"key": "sk-budget", "max_budget": 5.0},  # priced: 3 words * 0.5 + 2 tokens * 0.25 = 2.0
+            {"key": "sk-budget", "max_budget": 5.0},
+            {"key": "sk-budget-die", "max_budget": 100.0},  # priced: 3 words * 0.5 + 2 tokens * 0.25 = 2.0
             {"key": "sk-team-a", "team": "t"}, {"key": "sk-team-b", "team": "t"},
         ],
         "teams": {"t": {"rpm": 1}},
@@ -105,6 +119,31 @@ def test_hang_hits_first_byte_timeout_and_falls_back(gw, fault):
     assert time.monotonic() - t0 < 30  # did not wait for the 60 s hang
 
 
+def test_an_sse_comment_is_not_the_first_byte(gw, fault):
+    """A backend that sends only an SSE comment (": ping", a keep-alive) and then nothing had
+    'answered': the gateway committed the stream to it (no first-byte timeout, no retry, no
+    fallback) and the client waited out the total timeout. Only a data event counts now."""
+    before = fault.count("ping-hang")
+    body = {"model": "pinghang", "messages": MSG, "max_tokens": 2, "stream": True}
+    with httpx.stream("POST", gw.url + "/v1/chat/completions", json=body,
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as r:  # fmt: skip
+        assert r.status_code == 200 and r.headers["x-kvserve-deployment"] == "okgroup-3", r.headers
+        assert r.headers["x-kvserve-attempts"] == "3"  # two silent attempts (1 retry), then the fallback
+        text = "".join(json.loads(x[6:])["choices"][0]["delta"].get("content") or ""
+                       for x in r.iter_lines() if x.startswith("data: {"))  # fmt: skip
+    assert text == " tok tok" and fault.count("ping-hang") == before + 2
+
+
+def test_a_body_after_the_first_byte_has_the_total_timeout_not_the_first_byte_one(gw, fault):
+    """A deployment that answered at once (status, first bytes) and sent the rest of a
+    non-streamed body later was cut off by first_byte_timeout (0.5 s here), which still ran
+    over the body's read, and retried: the total timeout is what bounds the body."""
+    before = fault.count("late-body")
+    r = post(gw, "latebody")
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == " tok", r.text
+    assert r.headers["x-kvserve-attempts"] == "1" and fault.count("late-body") == before + 1
+
+
 def test_death_mid_stream_gives_an_sse_error_and_no_retry(gw, fault):
     before_die, before_ok = fault.count("die"), fault.count("ok")
     text = ""
@@ -117,10 +156,64 @@ def test_death_mid_stream_gives_an_sse_error_and_no_retry(gw, fault):
     assert fault.count("die") == before_die + 1 and fault.count("ok") == before_ok
 
 
+def test_a_stream_cut_mid_way_is_charged_what_it_delivered(gw):
+    """A deployment dying mid-stream sends no usage; the key was charged its whole reservation
+    (3 x 0.5 + 40 x 0.25 = 11.5) for the two tokens it got. Now the tokens delivered are
+    counted: 3 x 0.5 + 2 x 0.25 = 2.0, and the spend log has the counts."""
+    with pytest.raises(openai.APIError):
+        for _ in client(gw, "sk-budget-die").chat.completions.create(
+            model="pricedie", messages=MSG, max_tokens=40, stream=True
+        ):
+            pass
+    m = {"Authorization": f"Bearer {MASTER}"}
+    rows = []
+    for _ in range(100):  # the spend log is written in the background
+        rows = httpx.get(gw.url + "/admin/spend", params={"group_by": "model"}, headers=m).json()["data"]
+        rows = [r for r in rows if r["model"] == "pricedie"]
+        if rows:
+            break
+        time.sleep(0.1)
+    assert rows == [{"model": "pricedie", "requests": 1, "prompt_tokens": 3, "completion_tokens": 2,
+                     "spend": 2.0}], rows  # fmt: skip
+
+
 def test_backend_context_400_goes_to_context_window_fallback(gw):
     r = post(gw, "ctx")
     assert r.status_code == 200, r.text
     assert r.headers["x-kvserve-deployment"] == "big-6"
+
+
+def test_a_400_about_something_else_being_too_long_is_not_a_context_error(gw, fault):
+    """Any 400 with "too long" in it counted as the prompt exceeding the context: a backend's
+    "stop: ... too long" went to the context_window_fallbacks (another model answered a request
+    the client must fix). Only the context-length error does now; this one is passed through."""
+    before, big = fault.count("stop-400"), fault.count("ok")
+    r = post(gw, "stoplong")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop", r.text
+    assert fault.count("stop-400") == before + 1 and fault.count("ok") == big
+
+
+@pytest.mark.parametrize(
+    "message, code",
+    [
+        ("This model's maximum context length is 8 tokens; your prompt is longer", None),  # OpenAI, vLLM
+        ("whatever the words", "context_length_exceeded"),
+        ("'max_tokens' or 'max_completion_tokens' is too large: 100. This model's maximum context "
+         "length is 64 tokens and your request has 60 input tokens", None),  # newer vLLM
+        ("The decoder prompt (length 600) is longer than the maximum model length of 512.", None),  # vLLM
+        ("The input (600 tokens) is longer than the model's context length (512 tokens).", None),  # SGLang
+        ("the request exceeds the available context size, try increasing it", None),  # llama.cpp
+        ("prompt: this model's maximum context length is 512 tokens and the prompt has 600", None),  # kvserve
+    ],
+)  # fmt: skip
+def test_context_errors_are_told_by_code_or_their_known_phrasings(message, code):
+    from kvserve.gateway.retries import is_context_error
+
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "code": code}})
+    assert is_context_error(400, body.encode())
+    for other in ("stop: sequence too long", "user: name too long", "logit_bias: too long a list"):
+        assert not is_context_error(400, json.dumps({"error": {"message": other}}).encode())
+    assert not is_context_error(500, body.encode())
 
 
 def test_prompt_over_max_context_goes_to_context_window_fallback(gw):
@@ -157,6 +250,27 @@ def test_x_kvserve_pd_describes_the_attempt_that_answered(gw):
     r = post(gw, "pdmix")
     assert r.status_code == 200 and r.headers["x-kvserve-attempts"] == "2", r.text
     assert r.headers["x-kvserve-deployment"] == "pdmix-plain" and "x-kvserve-pd" not in r.headers
+
+
+def test_numbers_too_big_for_a_float_are_the_backends_or_the_budgets_400_not_a_500(gw):
+    """max_tokens or n past a float's range (10**400: JSON has no limit) made the reservation's
+    arithmetic raise OverflowError: a 500 for a client's mistake. Now the reservation is bounded:
+    a budget refuses it naming max_tokens, else the backend gives its verdict."""
+    r = post(gw, "bad", max_tokens=10**400)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature", r.text  # the backend's
+    for field in ("max_tokens", "n"):
+        r = post(gw, "priced", key="sk-budget", **{field: 10**400})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "budget_exceeded", r.text
+
+
+def test_a_lone_surrogate_in_a_prompt_is_counted_not_a_500(gw):
+    """A prompt with an unpaired surrogate (valid JSON: "\\ud800") crashed the token count
+    (httpx encodes JSON as strict UTF-8) on a deployment with max_context: a 500. It is sent
+    escaped, as the request itself is."""
+    body = {"model": "small", "messages": [{"role": "user", "content": "a \ud800"}], "max_tokens": 2}
+    h = {"Authorization": f"Bearer {KEY}", "content-type": "application/json"}
+    r = httpx.post(gw.url + "/v1/chat/completions", content=json.dumps(body), headers=h)
+    assert r.status_code == 200 and r.headers["x-kvserve-deployment"] == "small-7", r.text
 
 
 def test_backend_4xx_is_passed_through_and_not_retried(gw, fault):
@@ -360,6 +474,19 @@ def test_a_batch_or_best_of_reserves_every_sequence_it_may_draw(gw, extra):
     assert err["code"] == "budget_exceeded" and "x 2 sequences" in err["message"], err
 
 
+def test_a_request_without_max_tokens_reserves_for_the_longest_context_it_may_reach(gw):
+    """Without max_tokens the reservation assumed the group's first deployment's context (10:
+    1.5 + 7 x 0.25 = 3.25 of the 5.0 budget), but the request may be routed to the other (100:
+    up to 1.5 + 97 x 0.25 = 25.75), so it could cost several times what was reserved."""
+    body = {"model": "ctxmix", "messages": MSG}
+    r = httpx.post(gw.url + "/v1/chat/completions", json=body, headers={"Authorization": "Bearer sk-budget"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (
+        err["code"] == "budget_exceeded" and "25.75" in err["message"] and "97 completion" in err["message"]
+    )
+
+
 def test_budget_reserves_then_settles_and_the_admin_api_reports_spend(gw):
     # each request reserves and costs 3 words * 0.5 + 2 tokens * 0.25 = 2.0; the budget is 5.0
     codes = [post(gw, "priced", key="sk-budget").status_code for _ in range(3)]
@@ -395,10 +522,27 @@ def test_admin_keys_create_use_revoke(gw):
     assert r.status_code == 200 and r.json()["data"]
 
 
+@pytest.mark.parametrize(
+    "body, field",
+    [('{"max_budget": Infinity}', "max_budget"), ('{"max_budget": NaN}', "max_budget"),
+     ('{"rpm": 1' + "0" * 400 + "}", "rpm"), ('{"alias": "a \\ud800"}', "alias")],
+)  # fmt: skip
+def test_admin_refuses_a_key_it_could_not_store_or_use(gw, body, field):
+    """An infinite budget failed serializing the answer (500, after the key was stored: a key
+    nobody was told); an rpm past a float's range was stored and then every request with the
+    key was a 500; a lone surrogate in the alias could not be stored (500). Now 400s naming
+    the field, and nothing is created."""
+    m = {"Authorization": f"Bearer {MASTER}", "content-type": "application/json"}
+    before = len(httpx.get(gw.url + "/admin/keys", headers=m).json()["data"])
+    r = httpx.post(gw.url + "/admin/keys", content=body, headers=m)
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith(f"{field}:"), r.text
+    assert len(httpx.get(gw.url + "/admin/keys", headers=m).json()["data"]) == before
+
+
 def test_health_readiness_and_metrics(gw):
     assert httpx.get(gw.url + "/health").json() == {"status": "ok"}
     ready = httpx.get(gw.url + "/health/readiness").json()
-    assert ready["status"] == "ready" and len(ready["deployments"]) == 20
+    assert ready["status"] == "ready" and len(ready["deployments"]) == 26
     text = httpx.get(gw.url + "/metrics").text
     assert "kvserve_gateway_requests_total" in text and "kvserve_gateway_attempts_total" in text
 
@@ -462,34 +606,61 @@ def test_tokens_are_counted_on_a_deployment_not_cooling_down(fault, tmp_path):
         hung.stop()
 
 
-def test_a_failed_spend_write_is_retried_not_the_end_of_the_spend_log(fault, tmp_path):
+@pytest.fixture(scope="module")
+def db_gw(fault, tmp_path_factory):
+    """A gateway whose database the test reaches into (to break it as a disk or an operator
+    would)."""
+    tmp = tmp_path_factory.mktemp("gw-db")
+    db_path = str(tmp / "gw.db")
+    cfg = {"model_list": [deployment("okgroup", fault.url + "/v1", "ok")], "keys": [{"key": KEY}],
+           "general_settings": {"database": db_path, "master_key": MASTER}}  # fmt: skip
+    g = GatewayProcess(cfg, str(tmp))
+    db = sqlite3.connect(db_path, timeout=10)
+    yield g, db
+    g.stop()
+    db.close()
+
+
+def test_an_unexpected_failure_is_a_500_in_openai_shape_logged_once(db_gw):
+    """A fault the gateway has no answer for (here its database lost the keys table under it,
+    met when a key is not one of the config's) was Starlette's text/plain 'Internal Server
+    Error' with uvicorn's traceback; now OpenAI's error shape without the details, the trace in
+    the log once, and the gateway goes on serving."""
+    g, db = db_gw
+    db.execute("ALTER TABLE keys RENAME TO keys_lost")
+    db.commit()
+    try:
+        r = post(g, "okgroup", key="sk-not-in-the-config")
+        assert r.status_code == 500 and r.headers["content-type"] == "application/json", r.text
+        err = r.json()["error"]
+        assert err["code"] == "internal_error" and "keys" not in err["message"], err
+        assert post(g, "okgroup").status_code == 200
+        logs = wait_for_log(g.logs, "no such table: keys")
+        assert logs.count("Traceback") == 1 and "no such table: keys" in logs, logs
+    finally:
+        db.execute("ALTER TABLE keys_lost RENAME TO keys")
+        db.commit()
+    assert post(g, "okgroup", key="sk-not-in-the-config").status_code == 401
+
+
+def test_a_failed_spend_write_is_retried_not_the_end_of_the_spend_log(db_gw):
     """One failed batch (SQLite locked past its busy timeout, disk full; here a trigger that
     aborts inserts) ended the spend log's writer task: that batch was lost and nothing was
     written in the background again (other instances sharing the file saw no rows)."""
-    db_path = str(tmp_path / "gw.db")
-    db = sqlite3.connect(db_path, timeout=10)
-    db.execute(
-        "CREATE TABLE spend (ts REAL, request_id TEXT, key_hash TEXT, key_alias TEXT, team TEXT, model TEXT,"
-        " deployment TEXT, prompt_tokens INTEGER, completion_tokens INTEGER, cost REAL, status INTEGER)"
-    )
+    g, db = db_gw
+    m = {"Authorization": f"Bearer {MASTER}"}
+    assert (
+        httpx.get(g.url + "/admin/spend", params={"group_by": "key"}, headers=m).status_code == 200
+    )  # flushed
+    before = db.execute("SELECT COUNT(*) FROM spend").fetchone()[0]
     db.execute("CREATE TRIGGER full BEFORE INSERT ON spend BEGIN SELECT RAISE(ABORT, 'disk full'); END")
     db.commit()
-    cfg = {
-        "model_list": [deployment("okgroup", fault.url + "/v1", "ok")],
-        "keys": [{"key": KEY}],
-        "general_settings": {"database": db_path},
-    }
-    g = GatewayProcess(cfg, str(tmp_path))
-    try:
-        assert post(g, "okgroup").status_code == 200
-        assert "disk full" in wait_for_log(g.logs, "spend log: writing")
-        db.execute("DROP TRIGGER full")
-        db.commit()
-        assert post(g, "okgroup").status_code == 200
-        deadline = time.monotonic() + 30
-        while db.execute("SELECT COUNT(*) FROM spend").fetchone()[0] < 2 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert db.execute("SELECT COUNT(*) FROM spend").fetchone()[0] == 2  # both requests, none lost
-    finally:
-        g.stop()
-        db.close()
+    assert post(g, "okgroup").status_code == 200
+    assert "disk full" in wait_for_log(g.logs, "spend log: writing")
+    db.execute("DROP TRIGGER full")
+    db.commit()
+    assert post(g, "okgroup").status_code == 200
+    deadline = time.monotonic() + 30
+    while db.execute("SELECT COUNT(*) FROM spend").fetchone()[0] < before + 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert db.execute("SELECT COUNT(*) FROM spend").fetchone()[0] == before + 2  # both requests, none lost

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from kvserve.disagg.split import prefill_body
+from kvserve.disagg.split import JSON_HEADER, json_content, prefill_body
 
 logger = logging.getLogger(__name__)
 
@@ -21,22 +21,27 @@ class PrefillResult:
     params: dict | None = None
     refused_status: int | None = None
     refused_content: bytes = b""
+    failed: bool = False  # the engine could not be reached or failed (another may answer)
 
 
-async def run_prefill(client: httpx.AsyncClient, url: str, body: dict, headers: dict) -> PrefillResult:
-    """POST the prefill body to `url`; any failure of the prefill engine means a fallback."""
+async def run_prefill(
+    client: httpx.AsyncClient, url: str, body: dict, headers: dict, timeout: float | None = None
+) -> PrefillResult:
+    """POST the prefill body to `url`; any failure of the prefill engine means a fallback, a
+    silent one after `timeout` seconds (None: the client's own timeouts)."""
+    limit = httpx.USE_CLIENT_DEFAULT if timeout is None else httpx.Timeout(timeout, connect=min(timeout, 5.0))
     try:
-        resp = await client.post(url, json=prefill_body(body), headers=headers)
+        resp = await client.post(
+            url, content=json_content(prefill_body(body)), headers={**headers, **JSON_HEADER}, timeout=limit
+        )
     except httpx.HTTPError as e:
-        logger.warning("prefill at %s failed (%s); the decode engine computes the prompt", url, e)
-        return PrefillResult()
+        logger.warning("prefill at %s failed (%s)", url, e)
+        return PrefillResult(failed=True)
     if 400 <= resp.status_code < 500 and resp.status_code not in (408, 429):
         return PrefillResult(refused_status=resp.status_code, refused_content=resp.content)
     if resp.status_code != 200:
-        logger.warning(
-            "prefill at %s answered %d; the decode engine computes the prompt", url, resp.status_code
-        )
-        return PrefillResult()
+        logger.warning("prefill at %s answered %d", url, resp.status_code)
+        return PrefillResult(failed=True)
     try:
         params = resp.json().get("kv_transfer_params")
     except ValueError:

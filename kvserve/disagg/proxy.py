@@ -5,48 +5,68 @@ through to the client (SSE event for event when streaming).
 Failure semantics (disagg/prefill.py): a prefill engine that errors, times out or answers without parameters
 only costs time: the decode engine is asked without them and computes the prompt itself
 (`x-kvserve-pd: fallback` on the response). A client that goes away during the prefill
-cancels it (the prefill engine aborts the request); during the decode, the closed stream
-aborts it on the decode engine, which releases the producer's lease.
+cancels it (the prefill engine aborts the request); during the decode, streamed or not, the
+closed decode request aborts it on the decode engine, which releases the producer's lease.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
-import json
 import logging
-from collections.abc import AsyncIterator
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 
+from kvserve.disagg.decode import decode
+from kvserve.disagg.errors import error as _error
+from kvserve.disagg.errors import unreachable as _unreachable
 from kvserve.disagg.prefill import PrefillResult, run_prefill
 from kvserve.disagg.split import decode_body, disaggregates
+from kvserve.entrypoints.openai.middleware import BodySizeLimit
 
 logger = logging.getLogger(__name__)
 ROUTES = ("/v1/chat/completions", "/v1/completions")
+DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20  # as kvserve serve's and the gateway's
+DEFAULT_PREFILL_TIMEOUT = 60.0  # as the gateway's first_byte_timeout
 
 
 class PDProxy:
-    def __init__(self, prefill: list[str], decode: list[str], timeout_s: float = 600.0) -> None:
+    def __init__(
+        self, prefill: list[str], decode: list[str], timeout_s: float = 600.0,
+        prefill_timeout_s: float = DEFAULT_PREFILL_TIMEOUT,
+    ) -> None:  # fmt: skip
         if not prefill or not decode:
             raise ValueError("pd-proxy: needs at least one --prefill and one --decode URL")
         self.prefill = [_base_url("--prefill", u) for u in prefill]
         self.decode = [_base_url("--decode", u) for u in decode]
-        self._p, self._d = itertools.cycle(self.prefill), itertools.cycle(self.decode)
+        self._next_prefill = self._next_decode = 0
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
         self.num_fallbacks = 0
+        self.prefill_timeout_s = prefill_timeout_s  # a hung prefill engine costs this, then a fallback
 
     @staticmethod
     def _headers(raw: Request) -> dict:
-        keep = ("authorization", "x-request-id")
-        return {k: v for k, v in raw.headers.items() if k.lower() in keep}
+        """The client's headers the engines need, as the bytes that came (httpx encodes a str as
+        ASCII: a Latin-1 byte in a key raised)."""
+        keep = (b"authorization", b"x-request-id")
+        return {k: v for k, v in raw.headers.raw if k.lower() in keep}
+
+    async def _prefill_any(self, path: str, body: dict, headers: dict) -> PrefillResult:
+        """The first prefill engine's answer that is not a failure (the engines in turn, each
+        request starting at the next); after all failed, the decode engine computes the prompt."""
+        i, self._next_prefill = self._next_prefill, (self._next_prefill + 1) % len(self.prefill)
+        for url in self.prefill[i:] + self.prefill[:i]:
+            result = await run_prefill(self.client, url + path, body, headers, self.prefill_timeout_s)
+            if not result.failed:
+                return result
+        logger.warning("no prefill engine answered; the decode engine computes the prompt")
+        return result
 
     async def _prefill(self, path: str, body: dict, raw: Request) -> PrefillResult | None:
-        """The prefill engine's answer; None if the client left meanwhile (it is cancelled)."""
-        call = asyncio.ensure_future(run_prefill(self.client, next(self._p) + path, body, self._headers(raw)))
+        """The prefill engines' answer; None if the client left meanwhile (it is cancelled)."""
+        call = asyncio.ensure_future(self._prefill_any(path, body, self._headers(raw)))
         while not call.done():
             await asyncio.wait([call], timeout=0.5)
             if not call.done() and await raw.is_disconnected():
@@ -74,24 +94,31 @@ class PDProxy:
             how = "disaggregated" if params else "fallback"
             self.num_fallbacks += params is None
         headers = {"x-kvserve-pd": how}
-        url = next(self._d)
-        req = self.client.build_request(
-            "POST", url + path, json=decode_body(body, params), headers=self._headers(raw)
-        )
+        work = asyncio.ensure_future(self._decode(path, decode_body(body, params), bool(body.get("stream")),
+                                                  raw, headers))  # fmt: skip
+        gone = asyncio.ensure_future(_disconnected(raw))
         try:
-            resp = await self.client.send(req, stream=True)
-        except httpx.HTTPError as e:  # the decode engine is down: say so in OpenAI's shape
-            return _unreachable(url, e, headers)
-        if not body.get("stream") or resp.status_code != 200:
-            try:
-                content = await resp.aread()
-            except httpx.HTTPError as e:
-                return _unreachable(url, e, headers)
-            finally:
-                await resp.aclose()
-            media = resp.headers.get("content-type", "application/json")
-            return Response(content, status_code=resp.status_code, media_type=media, headers=headers)
-        return StreamingResponse(_relay(resp, url), media_type="text/event-stream", headers=headers)
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            work.cancel()
+            raise
+        finally:
+            gone.cancel()
+        if work.done():
+            return work.result()
+        work.cancel()  # the client left before the answer: closing the request aborts the decode
+        await asyncio.gather(work, return_exceptions=True)
+        return Response(status_code=499)
+
+    def _decode_order(self) -> list[str]:
+        """Every decode engine, each request starting at the next (round robin)."""
+        i, self._next_decode = self._next_decode, (self._next_decode + 1) % len(self.decode)
+        return self.decode[i:] + self.decode[:i]
+
+    async def _decode(self, path: str, body: dict, stream: bool, raw: Request, headers: dict) -> Response:
+        return await decode(
+            self.client, self._decode_order(), path, body, stream, self._headers(raw), headers
+        )
 
     async def aclose(self) -> None:
         await self.client.aclose()
@@ -106,37 +133,17 @@ def _base_url(flag: str, url: str) -> str:
     return url.rstrip("/").removesuffix("/v1")
 
 
-async def _relay(resp: httpx.Response, url: str) -> AsyncIterator[bytes]:
-    try:
-        async for chunk in resp.aiter_raw():
-            yield chunk
-    except httpx.HTTPError as e:  # the decode engine died mid-stream: an error event, not a cut
-        reason = f"{e.__class__.__name__}: {e}".strip(": ")
-        logger.warning("decode engine %s failed mid-stream (%s)", url, reason)
-        err = _error(f"decode engine {url} failed mid-stream ({reason}); the answer is incomplete",
-                     None, "server_error", "upstream_error")  # fmt: skip
-        yield b"\n\ndata: " + json.dumps(err).encode() + b"\n\n"
-    finally:
-        await resp.aclose()  # the client left (or the stream ended): the decode engine aborts
+async def _disconnected(raw: Request) -> None:
+    """Returns when the client has gone away (its body is read: only a disconnect can come)."""
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
 
 
-def _error(
-    message: str, param: str | None, type_: str = "invalid_request_error", code: str = "invalid_json"
-) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-def _unreachable(url: str, e: httpx.HTTPError, headers: dict | None = None) -> JSONResponse:
-    """502 when an engine the proxy needs cannot be reached (was a bare 500 and a traceback)."""
-    reason = f"{e.__class__.__name__}: {e}".strip(": ")
-    logger.warning("%s failed (%s)", url, reason)
-    err = _error(f"engine {url} is unreachable ({reason})", None, "server_error", "upstream_error")
-    return JSONResponse(err, status_code=502, headers=headers)
-
-
-def build_app(proxy: PDProxy) -> FastAPI:
+def build_app(proxy: PDProxy, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     app = FastAPI(title="kvserve pd-proxy")
     app.state.proxy = proxy
+    # bodies are read whole: without a bound one client's upload takes the memory (413 first)
+    app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
 
     @app.exception_handler(ClientDisconnect)
     async def client_left(raw: Request, _: ClientDisconnect) -> Response:
@@ -153,11 +160,13 @@ def build_app(proxy: PDProxy) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(raw: Request) -> Response:
-        try:
-            resp = await proxy.client.get(proxy.decode[0] + "/v1/models", headers=proxy._headers(raw))
-        except httpx.HTTPError as e:
-            return _unreachable(proxy.decode[0], e)
-        return Response(resp.content, status_code=resp.status_code, media_type="application/json")
+        for url in proxy.decode:  # the first decode engine that can be reached says
+            try:
+                resp = await proxy.client.get(url + "/v1/models", headers=proxy._headers(raw))
+                return Response(resp.content, status_code=resp.status_code, media_type="application/json")
+            except httpx.HTTPError as e:
+                down = _unreachable(url, e)
+        return down
 
     @app.get("/health")
     async def health() -> Response:
@@ -168,7 +177,9 @@ def build_app(proxy: PDProxy) -> FastAPI:
                 return False
 
         states = await asyncio.gather(*(ok(u) for u in proxy.prefill + proxy.decode))
-        up = all(states[len(proxy.prefill) :]) and any(states[: len(proxy.prefill)])
+        # one decode engine answering is enough: the others are tried in turn, and without a prefill
+        # engine the decode engine computes the prompt (slower, still an answer)
+        up = any(states[len(proxy.prefill) :])
         return JSONResponse({"prefill": states[: len(proxy.prefill)], "decode": states[len(proxy.prefill) :]},
                             status_code=200 if up else 503)  # fmt: skip
 
@@ -179,10 +190,15 @@ def build_app(proxy: PDProxy) -> FastAPI:
     return app
 
 
-def serve(prefill: list[str], decode: list[str], host: str, port: int) -> int:
+def serve(
+    prefill: list[str], decode: list[str], host: str, port: int,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, prefill_timeout_s: float = DEFAULT_PREFILL_TIMEOUT,
+) -> int:  # fmt: skip
     import uvicorn
 
-    proxy = PDProxy(prefill, decode)
+    proxy = PDProxy(prefill, decode, prefill_timeout_s=prefill_timeout_s)
     logger.info("pd-proxy on %s:%d: prefill %s, decode %s", host, port, proxy.prefill, proxy.decode)
-    uvicorn.run(build_app(proxy), host=host, port=port, log_level="warning", access_log=False)
+    uvicorn.run(
+        build_app(proxy, max_request_bytes), host=host, port=port, log_level="warning", access_log=False
+    )
     return 0

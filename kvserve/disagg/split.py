@@ -8,6 +8,10 @@ not, as if it had computed the prompt itself.
 
 from __future__ import annotations
 
+import json
+
+JSON_HEADER = {"content-type": "application/json"}
+
 _DROP_FOR_PREFILL = ("stream_options", "n", "best_of", "logprobs", "top_logprobs", "max_completion_tokens")
 
 
@@ -34,3 +38,10 @@ def decode_body(body: dict, kv_transfer_params: dict | None) -> dict:
     if kv_transfer_params:
         out["kv_transfer_params"] = kv_transfer_params
     return out
+
+
+def json_content(body: dict) -> bytes:
+    """A body for an engine as the client's own was: ASCII JSON with escapes, so a lone
+    surrogate ("\\ud800", valid JSON) goes on escaped; httpx's json= encodes strict UTF-8 and
+    raised on it."""
+    return json.dumps(body).encode()

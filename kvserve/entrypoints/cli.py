@@ -185,7 +185,9 @@ def cmd_pd_proxy(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        return serve(args.prefill, args.decode, args.host, args.port)
+        return serve(
+            args.prefill, args.decode, args.host, args.port, args.max_request_bytes, args.prefill_timeout
+        )
     except ValueError as e:  # a bad --prefill / --decode URL: one line, before anything starts
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -285,6 +287,14 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("--decode", nargs="+", required=True, help="base URL(s) of kv_consumer servers")
     pd.add_argument("--host", default="127.0.0.1")
     pd.add_argument("--port", type=port, default=8100)
+    pd.add_argument("--max-request-bytes", type=int, default=16 * 2**20,
+                    help="a larger request body is a 413 before it is read (default 16 MiB)")  # fmt: skip
+    pd.add_argument(
+        "--prefill-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a prefill engine may take, then the decode engine computes the prompt",
+    )
     pd.set_defaults(func=cmd_pd_proxy)
 
     from kvserve.planner.cli import register as register_plan

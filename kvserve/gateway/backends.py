@@ -11,6 +11,15 @@ from kvserve.gateway.body import content_text, messages_of
 from kvserve.gateway.config import Deployment, GatewayConfig
 
 
+def json_content(obj: object) -> bytes:
+    """A JSON body as the client's own was: ASCII with escapes, so a lone surrogate ("\\ud800",
+    valid JSON) goes on escaped; httpx's json= encodes strict UTF-8 and raised on it."""
+    return json.dumps(obj).encode()
+
+
+JSON_HEADER = {"content-type": "application/json"}
+
+
 def estimate_tokens(body: dict) -> int:
     """~4 characters a token plus a few per message: close enough for admission, corrected by
     the usage the backend reports."""
@@ -84,8 +93,8 @@ class BackendPool:
         try:
             r = await self.client(dep).post(
                 root + "/tokenize",
-                json=payload,
-                headers=self.headers(dep),
+                content=json_content(payload),
+                headers={**self.headers(dep), **JSON_HEADER},
                 timeout=dep.backend.connect_timeout,
             )
         except httpx.HTTPError:

@@ -31,7 +31,7 @@ _NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
 
 def _digest(obj: object) -> str:
     raw = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
-    return hashlib.sha256(raw.encode()).hexdigest()
+    return hashlib.sha256(raw.encode("utf-8", "surrogatepass")).hexdigest()  # a lone surrogate is valid JSON
 
 
 def exact_key(alias: str, path: str, body: dict) -> str:

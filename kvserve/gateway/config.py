@@ -33,13 +33,18 @@ def _secret(value: str | None, path: str) -> str | None:
     return os.environ[name]
 
 
+_MAX_LIMIT = 10**15
+
+
 class Limits(_Strict):
     """Limits shared by keys and teams; None means unlimited."""
 
-    rpm: int | None = Field(None, ge=1)
-    tpm: int | None = Field(None, ge=1)
-    max_parallel_requests: int | None = Field(None, ge=1)
-    max_budget: float | None = Field(None, ge=0)
+    # bounded, finite: an rpm of 10**400 was stored and then each request's float arithmetic
+    # raised; an infinite budget could not be written as JSON
+    rpm: int | None = Field(None, ge=1, le=_MAX_LIMIT)
+    tpm: int | None = Field(None, ge=1, le=_MAX_LIMIT)
+    max_parallel_requests: int | None = Field(None, ge=1, le=_MAX_LIMIT)
+    max_budget: float | None = Field(None, ge=0, allow_inf_nan=False)
     budget_duration: str | None = None
 
     @field_validator("budget_duration")
@@ -138,6 +143,17 @@ class KeySpec(Limits):
     alias: str | None = None
     models: list[str] | None = None
     team: str | None = None
+
+    @field_validator("alias", "team", "models")
+    @classmethod
+    def _text(cls, v: str | list[str] | None) -> str | list[str] | None:
+        """Text that can be stored (UTF-8): a lone surrogate ("\\ud800") is valid JSON but not."""
+        for t in [v] if isinstance(v, str) else v or []:
+            try:
+                t.encode()
+            except UnicodeEncodeError:
+                raise ValueError("not valid text (an unpaired surrogate)") from None
+        return v
 
 
 class TeamSpec(Limits):

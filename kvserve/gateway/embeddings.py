@@ -7,7 +7,7 @@ import math
 
 import httpx
 
-from kvserve.gateway.backends import BackendPool
+from kvserve.gateway.backends import JSON_HEADER, BackendPool, json_content
 from kvserve.gateway.router import Router
 
 
@@ -25,8 +25,8 @@ async def embed(pool: BackendPool, router: Router, alias: str, text: str, poolin
     try:
         r = await pool.client(dep).post(
             dep.backend.base_url + "/embeddings",
-            json=body,
-            headers=pool.headers(dep),
+            content=json_content(body),
+            headers={**pool.headers(dep), **JSON_HEADER},
             timeout=dep.backend.timeout,
         )
         vec = r.json()["data"][0]["embedding"] if r.status_code == 200 else None

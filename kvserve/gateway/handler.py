@@ -16,8 +16,8 @@ from fastapi.responses import Response, StreamingResponse
 
 from kvserve.disagg.prefill import run_prefill
 from kvserve.disagg.split import decode_body, disaggregates
-from kvserve.gateway.backends import BackendPool
-from kvserve.gateway.budgets import completion_budget, cost, max_cost, sequences
+from kvserve.gateway.backends import BackendPool, estimate_tokens
+from kvserve.gateway.budgets import cost, max_cost, sequences
 from kvserve.gateway.config import Deployment, GatewayConfig
 from kvserve.gateway.degrade import HEADER as DEGRADED_HEADER
 from kvserve.gateway.degrade import Degrader
@@ -193,12 +193,10 @@ class Gateway:
             counter = next((d for d in self.router.deployments(ctx.alias) if d.id not in cooling), first)
             ctx.prompt_tokens = await self.pool.count_prompt_tokens(counter, ctx.body)
         n = sequences(ctx.body)  # n x best_of x prompts: reserve less and concurrent requests overspend
-        completion = (
-            0
-            if ctx.path == EMBEDDINGS
-            else completion_budget(ctx.body, ctx.prompt_tokens, first.backend.max_context)
+        backends = [d.backend for d in deps]
+        ctx.reserved_money, completion = max_cost(
+            backends, ctx.body, ctx.prompt_tokens, n, completion=ctx.path != EMBEDDINGS
         )
-        ctx.reserved_money = max_cost([d.backend for d in deps], ctx.prompt_tokens, completion, n)
         ctx.checks = tenant_checks(
             key.scope, key.spec, team_name, team, ctx.prompt_tokens, ctx.reserved_money
         )
@@ -439,7 +437,9 @@ class Gateway:
         await out.response.aclose()
         self.router.strategy.finished(dep.id, out.first_byte_s if failure is None else None, ctx.route)
         usage = out.relay.usage
-        await self._release(arid, dchecks, (usage or {}).get("total_tokens", ctx.prompt_tokens))
+        if usage is None:  # cut short (the backend died, the client left) or never reported:
+            usage = out.relay.delivered_usage(ctx.prompt_tokens or estimate_tokens(ctx.body))  # what went out
+        await self._release(arid, dchecks, usage["total_tokens"])
         self.metrics.attempts.labels(dep.id, "ok" if failure is None else "failed_mid_stream").inc()
         if failure is not None and await self.router.failed(dep):
             self.metrics.cooldowns.labels(dep.id).inc()

@@ -1,6 +1,7 @@
 """One upstream attempt. Nothing reaches the client until the backend has answered with a status
-and (for streams) a first event, so every failure before that can still be retried elsewhere;
-after it, the stream is passed through event for event and a failure becomes an SSE error."""
+and (for streams) a first data event (an SSE comment such as `: ping` is not one), so every
+failure before that can still be retried elsewhere; after it, the stream is passed through
+event for event and a failure becomes an SSE error."""
 
 from __future__ import annotations
 
@@ -57,19 +58,23 @@ async def attempt(
     )
     t0 = time.monotonic()
     resp: httpx.Response | None = None
+    reading_body = False
     try:
         async with asyncio.timeout(b.first_byte_timeout):
             resp = await client.send(req, stream=True)
-            if resp.status_code >= 300 or not stream:
-                async with asyncio.timeout(max(b.timeout - (time.monotonic() - t0), 0.001)):
-                    content = await resp.aread()
-                await resp.aclose()
-                return _classify(resp, content, t0)
-            relay = SSERelay(client_wants_usage)
-            chunks = resp.aiter_raw()
-            first = b""
-            while not first:
-                first = relay.feed(await chunks.__anext__())
+            whole = resp.status_code >= 300 or not stream
+            if not whole:
+                relay = SSERelay(client_wants_usage)
+                chunks = resp.aiter_raw()
+                first = b""  # (comments before it, keep-alive pings, go out with it)
+                while not relay.data_events:  # a ping is not an answer: the timeout and retries still apply
+                    first += relay.feed(await chunks.__anext__())
+        if whole:  # the rest of the body has the attempt's total timeout (the first byte came)
+            reading_body = True
+            async with asyncio.timeout(max(b.timeout - (time.monotonic() - t0), 0.001)):
+                content = await resp.aread()
+            await resp.aclose()
+            return _classify(resp, content, t0)
         return Outcome(
             "ok",
             200,
@@ -82,6 +87,8 @@ async def attempt(
         )
     except TimeoutError:
         reason, status = f"no first byte within {b.first_byte_timeout:g} s", 504
+        if reading_body:
+            reason = f"the answer did not end within the total timeout of {b.timeout:g} s"
     except httpx.ConnectError as e:
         reason, status = f"connect error ({e.__class__.__name__})", 503
     except httpx.TimeoutException as e:

@@ -3,6 +3,7 @@ retrying gateways do not synchronise), never shorter than a backend's Retry-Afte
 
 from __future__ import annotations
 
+import json
 import random
 
 RETRYABLE_STATUS = frozenset({408, 429}) | frozenset(range(500, 600))
@@ -29,22 +30,35 @@ def parse_retry_after(value: str | None) -> float | None:
         return None  # an HTTP date: rare from model servers; fall back to our own backoff
 
 
+# how servers say a prompt (with max_tokens) exceeds the model's context, lowercased: OpenAI,
+# vLLM and kvserve ("maximum context length"), vLLM's "maximum model length", SGLang's "model's
+# context length", llama.cpp's "available context size"; a bare "too long" is not one of them
+# ("stop: sequence too long" is about the stop field, and another model would not fix it)
+_CONTEXT_PHRASES = (
+    "maximum context length",
+    "maximum model length",
+    "model's context length",
+    "exceeds the available context size",
+    "exceeds the context window",
+)
+_CONTEXT_CODES = ("context_length_exceeded", "exceed_context_size_error")
+
+
 def is_context_error(status: int, body: bytes) -> bool:
-    """A backend's 'prompt too long' 400 (OpenAI, vLLM, llama.cpp and kvserve word it alike)."""
+    """A backend's 400 saying the prompt exceeds the model's context: OpenAI's code (or
+    llama.cpp's type), else one of the known phrasings in the error's message."""
     if status != 400:
         return False
-    text = body[:4000].lower()
-    return any(
-        s in text
-        for s in (
-            b"context_length_exceeded",
-            b"context length",
-            b"maximum context",
-            b"max_model_len",
-            b"too long",
-            b"exceeds the context",
-        )
-    )
+    try:
+        err = json.loads(body)["error"]
+        fields = (err.get("code"), err.get("type"))
+        message = str(err.get("message") or "")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        fields, message = (), body[:4000].decode("utf-8", "replace")
+    if any(isinstance(f, str) and f.lower() in _CONTEXT_CODES for f in fields):
+        return True
+    text = message.lower()
+    return any(p in text for p in _CONTEXT_PHRASES)
 
 
 MAX_RETRY_AFTER = 30.0  # a backend asking for a longer pause is skipped for this request instead

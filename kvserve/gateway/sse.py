@@ -13,6 +13,8 @@ class SSERelay:
         self.strip = not client_wants_usage
         self.usage: dict | None = None
         self.events = 0
+        self.data_events = 0  # events with data: comments (": ping") and bare fields are not an answer
+        self._chunks = self._chars = 0  # of the completion text passed on (usage when none came)
         self._buf = b""
 
     def feed(self, chunk: bytes) -> bytes:
@@ -30,8 +32,30 @@ class SSERelay:
                 if ev is None:
                     continue
             self.events += 1
+            self.data_events += _has_data(ev)
+            if b'"choices"' in ev:
+                self._count(ev)
             out.append(ev + b"\n\n")
         return b"".join(out)
+
+    def _count(self, ev: bytes) -> None:
+        try:
+            obj = json.loads(ev[ev.index(b"{") :])
+            choices = obj["choices"]
+        except (ValueError, KeyError, TypeError):
+            return
+        for c in choices if isinstance(choices, list) else []:
+            text = _text(c) if isinstance(c, dict) else ""
+            self._chunks += bool(text)
+            self._chars += len(text)
+
+    def delivered_usage(self, prompt_tokens: int) -> dict:
+        """Usage for a stream that ended without the backend's (cut short, or a backend that
+        does not report it): the completion tokens that reached the client, counted as one a
+        chunk or ~4 characters a token, whichever is more."""
+        completion = max(self._chunks, -(-self._chars // 4))
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                "total_tokens": prompt_tokens + completion}  # fmt: skip
 
     def tail(self) -> bytes:
         rest, self._buf = self._buf, b""
@@ -55,6 +79,24 @@ class SSERelay:
                 obj.pop("usage")
                 return b"data: " + json.dumps(obj, separators=(",", ":")).encode()
         return ev
+
+
+def _text(choice: dict) -> str:
+    """A chunk's completion text: completions' text, chat's content / reasoning / tool-call
+    arguments."""
+    delta = choice.get("delta")
+    if not isinstance(delta, dict):
+        return choice.get("text") if isinstance(choice.get("text"), str) else ""
+    parts = [delta.get("content"), delta.get("reasoning_content")]
+    calls = delta.get("tool_calls")
+    for call in calls if isinstance(calls, list) else []:
+        fn = call.get("function") if isinstance(call, dict) else None
+        parts.append(fn.get("arguments") if isinstance(fn, dict) else None)
+    return "".join(p for p in parts if isinstance(p, str))
+
+
+def _has_data(ev: bytes) -> bool:
+    return any(line == b"data" or line.startswith(b"data:") for line in ev.split(b"\n"))
 
 
 def error_event(message: str, code: str = "upstream_error") -> bytes:

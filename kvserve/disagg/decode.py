@@ -1,0 +1,99 @@
+"""The decode half of a pd-proxy request: the decode engines are asked in turn until one
+answers. A failure before the engine has sent anything (no connection, a 5xx, 408 or 429, a
+connection lost before the first byte) costs only time: the next engine is asked, as the
+gateway retries on another deployment. Once a byte has gone to the client the answer is that
+engine's; a death mid-stream ends the stream with an SSE error event."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+
+import httpx
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvserve.disagg.errors import error, reason
+from kvserve.disagg.split import JSON_HEADER, json_content
+
+logger = logging.getLogger("kvserve.disagg.proxy")
+
+
+def _retryable(status: int) -> bool:
+    return status >= 500 or status in (408, 429)
+
+
+def _engine_message(content: bytes) -> str:
+    """The engine's own error message (what the client would have read), short."""
+    try:
+        msg = json.loads(content)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        msg = content.decode("utf-8", "replace")
+    return str(msg)[:200]
+
+
+async def decode(
+    client: httpx.AsyncClient, urls: list[str], path: str, body: dict, stream: bool, send_headers: dict,
+    headers: dict,
+) -> Response:  # fmt: skip
+    """The first answer of `urls` (in order) that is not a failure before its first byte; a
+    502 naming each engine and its failure when none gives one (503 when every one answered
+    busy: 503 or 429)."""
+    failures: list[str] = []
+    busy, retry_after = True, None
+    payload, send_headers = json_content(body), {**send_headers, **JSON_HEADER}
+    for url in urls:
+        req = client.build_request("POST", url + path, content=payload, headers=send_headers)
+        try:
+            resp = await client.send(req, stream=True)
+        except httpx.HTTPError as e:
+            failures.append(f"{url}: {reason(e)}")
+            busy = False
+            logger.warning("decode engine %s failed (%s)", url, reason(e))
+            continue
+        relaying = False
+        try:
+            if stream and resp.status_code == 200:
+                chunks = resp.aiter_raw()
+                first = await anext(chunks, b"")  # a failure before it: another engine can answer
+                relaying = True
+                return StreamingResponse(_relay(resp, url, first, chunks), media_type="text/event-stream",
+                                         headers=headers)  # fmt: skip
+            content = await resp.aread()
+        except httpx.HTTPError as e:
+            failures.append(f"{url}: lost before its first byte ({reason(e)})")
+            busy = False
+            logger.warning("decode engine %s failed before its first byte (%s)", url, reason(e))
+            continue
+        finally:
+            if not relaying:  # (also when cancelled: the client left; the engine aborts)
+                await asyncio.shield(resp.aclose())
+        if _retryable(resp.status_code):
+            failures.append(f"{url}: answered {resp.status_code} ({_engine_message(content)})")
+            busy = busy and resp.status_code in (429, 503)
+            retry_after = resp.headers.get("retry-after") or retry_after
+            logger.warning("decode engine %s answered %d", url, resp.status_code)
+            continue
+        media = resp.headers.get("content-type", "application/json")
+        return Response(content, status_code=resp.status_code, media_type=media, headers=headers)
+    message = f"no decode engine could answer: {'; '.join(failures)}"
+    out = dict(headers, **({"retry-after": retry_after} if busy and retry_after else {}))
+    return JSONResponse(error(message, None, "server_error", "upstream_error"), 503 if busy else 502, out)
+
+
+async def _relay(
+    resp: httpx.Response, url: str, first: bytes, chunks: AsyncIterator[bytes]
+) -> AsyncIterator[bytes]:
+    try:
+        if first:
+            yield first
+        async for chunk in chunks:
+            yield chunk
+    except httpx.HTTPError as e:  # the decode engine died mid-stream: an error event, not a cut
+        logger.warning("decode engine %s failed mid-stream (%s)", url, reason(e))
+        err = error(f"decode engine {url} failed mid-stream ({reason(e)}); the answer is incomplete",
+                    None, "server_error", "upstream_error")  # fmt: skip
+        yield b"\n\ndata: " + json.dumps(err).encode() + b"\n\n"
+    finally:
+        await resp.aclose()  # the client left (or the stream ended): the decode engine aborts
