@@ -551,7 +551,8 @@ def test_cooldown_after_allowed_fails(fault, tmp_path):
     u = fault.url + "/v1"
     cfg = {
         "model_list": [{"model_name": "cool", "id": "sick", "backend": {"base_url": u, "model": "fail-500"}},
-                       {"model_name": "cool", "id": "well", "backend": {"base_url": u, "model": "ok"}}],
+                       {"model_name": "cool", "id": "well", "backend": {"base_url": u, "model": "ok"}},
+                       {"model_name": "solo", "id": "one", "backend": {"base_url": u, "model": "fail-500"}}],
         "router_settings": {"allowed_fails": 2, "cooldown_time": 120, "retry_backoff_base": 0.01},
         "keys": [{"key": KEY}], "general_settings": {"database": str(tmp_path / "gw.db")},
     }  # fmt: skip
@@ -568,8 +569,15 @@ def test_cooldown_after_allowed_fails(fault, tmp_path):
             r = post(g, "cool")
             assert r.status_code == 200 and r.headers["x-kvserve-deployment"] == "well"
         assert fault.count("fail-500") == cooled_at  # zero requests during the cooldown
+        # A group's only deployment is never cooled: each request still reaches it (a cooled one
+        # would answer 503 for 120 s without asking, however soon the backend recovered).
+        for _ in range(3):
+            before = fault.count("fail-500")
+            assert post(g, "solo").status_code != 503
+            assert fault.count("fail-500") > before
         rows = {d["id"]: d for d in httpx.get(g.url + "/health/readiness").json()["deployments"]}
         assert rows["sick"]["cooling_down"] and not rows["well"]["cooling_down"]
+        assert not rows["one"]["cooling_down"]
     finally:
         g.stop()
 

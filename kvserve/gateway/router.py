@@ -75,7 +75,14 @@ class Router:
         return self.strategy.choose(fresh or live, request).dep
 
     async def failed(self, dep: Deployment) -> bool:
-        """Count a failure; True when the deployment went into cooldown because of it."""
+        """Count a failure; True when the deployment went into cooldown because of it.
+
+        A group's only deployment is never cooled (LiteLLM's rule too): cooling it would answer
+        every request of the group 503 for `cooldown_time`, however soon the backend recovers,
+        and a few bodies that make it fail were enough to start that. Its requests keep trying
+        it, and its fallbacks take over each one that fails."""
+        if len(self.groups.get(dep.model_name, ())) < 2:
+            return False
         cooled = await self.store.record_failure(dep.id, self.rs.allowed_fails, self.rs.cooldown_time)
         if cooled:
             log.warning("deployment %s cooling down for %.0f s", dep.id, self.rs.cooldown_time)
