@@ -133,6 +133,20 @@ def test_hf_config_dir(tmp_path):
     assert spec.active_params == PRESETS["Mixtral-8x7B"].active_params
 
 
+def test_a_sliding_window_caps_the_planned_context():
+    """Mistral v0.1 slides a 4096 window over a 32768 context; the engine serves at most 4096
+    (model/arch.py), so the plan does too, and a max_model_len the engine refuses is refused."""
+    cfg = {"model_type": "mistral", "num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
+           "num_key_value_heads": 8, "vocab_size": 32000, "intermediate_size": 14336,
+           "max_position_embeddings": 32768, "sliding_window": 4096}  # fmt: skip
+    assert from_hf_config(cfg).max_context == 4096
+    assert from_hf_config({**cfg, "sliding_window": None}).max_context == 32768
+    spec = from_hf_config(cfg)
+    assert make_plan(PlanRequest(model="m", gpu="A100-80GB"), spec).max_model_len == 4096
+    with pytest.raises(ValueError, match="max_model_len 8192 is more than the model's context 4096"):
+        make_plan(PlanRequest(model="m", gpu="A100-80GB", max_model_len=8192), spec)
+
+
 def test_mla_kv_cache_is_one_latent_per_layer():
     spec = from_hf_config(
         {

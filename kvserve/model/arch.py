@@ -75,11 +75,11 @@ class ModelArch:
             rope_scaling=rope,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=tuple(dict.fromkeys(eos_ids + eos_extra)),
-            sliding_window=_sliding_window(cfg, model_type),
+            sliding_window=sliding_window_of(cfg, model_type),
         )
 
 
-def _sliding_window(cfg: dict[str, Any], model_type: str) -> int | None:
+def sliding_window_of(cfg: dict[str, Any], model_type: str) -> int | None:
     """The window of the layers that slide, as transformers decides which do: `layer_types`
     where the config lists them, else every Mistral layer when sliding_window is set, and
     Qwen2's layers from max_window_layers on when use_sliding_window is true."""

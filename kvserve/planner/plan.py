@@ -523,6 +523,11 @@ def make_plan(req: PlanRequest, spec: ModelSpec | None = None) -> Plan:
     _check(req)
     spec = spec or load_model_spec(req.model)
     prec = resolve_precision(req.dtype, req.quantization, req.kv_cache_dtype)
+    if req.max_model_len is not None and req.max_model_len > spec.max_context:  # the engine refuses it
+        raise ValueError(
+            f"max_model_len {req.max_model_len} is more than the model's context {spec.max_context} "
+            "(max_position_embeddings, or its sliding attention window where it has one)"
+        )
     max_len = req.max_model_len or spec.max_context
     if req.context_len is not None and req.context_len > max_len:  # was cut to max_len unsaid
         raise ValueError(

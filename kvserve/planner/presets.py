@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvserve.model.arch import sliding_window_of
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -200,7 +202,7 @@ def from_hf_config(cfg: dict[str, Any], name: str = "hf") -> ModelSpec:
         head_dim=(cfg.get("qk_nope_head_dim") if mla else cfg.get("head_dim")) or h // n,
         vocab_size=cfg["vocab_size"],
         intermediate_size=cfg["intermediate_size"],
-        max_context=cfg.get("max_position_embeddings") or 4096,
+        max_context=_context(cfg),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=bool(cfg.get("attention_bias") or cfg.get("model_type", "").startswith("qwen2")),
         num_experts=experts,
@@ -214,6 +216,14 @@ def from_hf_config(cfg: dict[str, Any], name: str = "hf") -> ModelSpec:
         v_head_dim=cfg.get("v_head_dim") or 0,
         source="config.json",
     )
+
+
+def _context(cfg: dict[str, Any]) -> int:
+    """The longest sequence the engine serves: max_position_embeddings, cut to a sliding
+    attention window where the model has one (the engine stops there too, model/arch.py)."""
+    context = cfg.get("max_position_embeddings") or 4096
+    window = sliding_window_of(cfg, cfg.get("model_type", ""))
+    return min(context, window) if window else context
 
 
 def from_gguf(path: str | Path) -> ModelSpec:
