@@ -50,6 +50,7 @@ def _base(fault, tmp, **router) -> dict:
             deployment("pinghang", u, "ping-hang", first_byte_timeout=0.5),
             deployment("stoplong", u, "stop-400"),
             deployment("latebody", u, "late-body", first_byte_timeout=0.5),
+            deployment("holdlong", u, "hold-1", first_byte_timeout=0.5),
             {"model_name": "pricedie", "backend": {"base_url": u, "model": "die", "input_cost_per_token": 0.5,
                                                    "output_cost_per_token": 0.25}},
             {"model_name": "ctxmix", "id": "ctxmix-short",
@@ -111,12 +112,25 @@ def test_500_is_retried_on_the_other_deployment(gw, fault):
 def test_hang_hits_first_byte_timeout_and_falls_back(gw, fault):
     before = fault.count("hang")
     t0 = time.monotonic()
-    r = post(gw, "hang")
-    assert r.status_code == 200, r.text
-    assert r.headers["x-kvserve-deployment"] == "okgroup-3"
-    assert r.headers["x-kvserve-attempts"] == "3"  # two hung attempts (1 retry) then the fallback
+    body = {"model": "hang", "messages": MSG, "max_tokens": 2, "stream": True}
+    with httpx.stream("POST", gw.url + "/v1/chat/completions", json=body,
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as r:  # fmt: skip
+        assert r.status_code == 200, r.read()
+        assert r.headers["x-kvserve-deployment"] == "okgroup-3"
+        assert r.headers["x-kvserve-attempts"] == "3"  # two hung attempts (1 retry) then the fallback
+        assert any(line == "data: [DONE]" for line in r.iter_lines())
     assert fault.count("hang") == before + 2
     assert time.monotonic() - t0 < 30  # did not wait for the 60 s hang
+
+
+def test_a_non_streamed_answer_is_not_cut_by_first_byte_timeout(gw, fault):
+    """kvserve and vLLM send a non-streamed answer's status line with the finished answer, so
+    first_byte_timeout (0.5 s here) cut every generation longer than it, retried it and lost
+    its work twice; only the total timeout bounds a non-streamed attempt now."""
+    before = fault.count("hold-1")
+    r = post(gw, "holdlong")  # answers after 1 s
+    assert r.status_code == 200 and r.headers["x-kvserve-attempts"] == "1", (r.status_code, r.headers)
+    assert fault.count("hold-1") == before + 1
 
 
 def test_an_sse_comment_is_not_the_first_byte(gw, fault):
@@ -542,7 +556,7 @@ def test_admin_refuses_a_key_it_could_not_store_or_use(gw, body, field):
 def test_health_readiness_and_metrics(gw):
     assert httpx.get(gw.url + "/health").json() == {"status": "ok"}
     ready = httpx.get(gw.url + "/health/readiness").json()
-    assert ready["status"] == "ready" and len(ready["deployments"]) == 26
+    assert ready["status"] == "ready" and len(ready["deployments"]) == 27
     text = httpx.get(gw.url + "/metrics").text
     assert "kvserve_gateway_requests_total" in text and "kvserve_gateway_attempts_total" in text
 
@@ -594,7 +608,7 @@ def test_tokens_are_counted_on_a_deployment_not_cooling_down(fault, tmp_path):
         "model_list": [
             {"model_name": "g", "id": "hung", "backend": {"base_url": hung.url + "/v1", "model": "ok",
                                                           "weight": 1000, "connect_timeout": 1,
-                                                          "first_byte_timeout": 1}},
+                                                          "first_byte_timeout": 1, "timeout": 1}},
             {"model_name": "g", "id": "well", "backend": {"base_url": u, "model": "ok", "weight": 0.001}},
         ],
         "router_settings": {"allowed_fails": 1, "cooldown_time": 600, "retry_backoff_base": 0.01},

@@ -59,8 +59,12 @@ async def attempt(
     t0 = time.monotonic()
     resp: httpx.Response | None = None
     reading_body = False
+    # A stream must start within first_byte_timeout. A non-streamed answer's status line comes
+    # with the finished answer from kvserve and vLLM, so only the total timeout bounds it (as
+    # LiteLLM's `timeout`): a long generation is not cut off and retried, its work lost twice.
+    first_byte = b.first_byte_timeout if stream else b.timeout
     try:
-        async with asyncio.timeout(b.first_byte_timeout):
+        async with asyncio.timeout(first_byte):
             resp = await client.send(req, stream=True)
             whole = resp.status_code >= 300 or not stream
             if not whole:
@@ -86,7 +90,7 @@ async def attempt(
             first=first,
         )
     except TimeoutError:
-        reason, status = f"no first byte within {b.first_byte_timeout:g} s", 504
+        reason, status = f"no first byte within {first_byte:g} s", 504
         if reading_body:
             reason = f"the answer did not end within the total timeout of {b.timeout:g} s"
     except httpx.ConnectError as e:
