@@ -160,6 +160,10 @@ def test_auth_schemes_and_keys(server):
         (b'{"model": "tiny", "prompt": [', "not valid JSON (Expecting value at character 29)"),
         (b"", "the request body is missing"),
         (b"[1, 2]", "the body must be a JSON object"),
+        # these three were "There was an error parsing the body", naming no problem
+        (b'{"prompt": "\xff"}', "not valid JSON (not UTF-8: byte 0xff at offset 12)"),
+        (b"[" * 100_000 + b"]" * 100_000, "not valid JSON (arrays or objects nested too deeply)"),
+        (b'{"max_tokens": ' + b"9" * 5000 + b"}", "not valid JSON (a number with too many digits)"),
     ],
 )
 def test_a_body_that_is_no_json_object_says_so(server, body, message):

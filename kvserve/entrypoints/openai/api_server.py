@@ -21,7 +21,13 @@ from kvserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedErr
 from kvserve.engine.dp_client import DPClient
 from kvserve.entrypoints.draining_server import DrainingServer
 from kvserve.entrypoints.openai.compat import ModelNotFoundError
-from kvserve.entrypoints.openai.errors import error_response, param_of, unreadable_body, value_error_code
+from kvserve.entrypoints.openai.errors import (
+    error_response,
+    param_of,
+    unparsable_body,
+    unreadable_body,
+    value_error_code,
+)
 from kvserve.entrypoints.openai.lifecycle import Lifecycle, ServerShuttingDownError
 from kvserve.entrypoints.openai.middleware import BodySizeLimit, InternalErrors, RequestGate
 from kvserve.entrypoints.openai.openapi import openapi_with_400
@@ -175,6 +181,8 @@ def build_app(engine: AsyncLLM | DPClient, cfg: ServerConfig, store: ResponseSto
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 400 and (body_error := unparsable_body(exc)):
+            return error_response(400, body_error, code="invalid_json")
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request")
         message = f"{exc.detail}: {request.method} {request.url.path}"

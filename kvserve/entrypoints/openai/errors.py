@@ -43,3 +43,18 @@ def unreadable_body(error: dict) -> str | None:
     if loc == ("body",):
         return "the request body is missing" if kind == "missing" else "the body must be a JSON object"
     return None
+
+
+def unparsable_body(exc: BaseException) -> str | None:
+    """The message for a body FastAPI could not decode for a reason other than a JSON syntax
+    error (it says only "There was an error parsing the body"), from the error behind it;
+    None when the cause is not one of these."""
+    cause = exc.__cause__
+    if isinstance(cause, UnicodeDecodeError):
+        byte = cause.object[cause.start : cause.start + 1].hex()
+        return f"the request body is not valid JSON (not UTF-8: byte 0x{byte} at offset {cause.start})"
+    if isinstance(cause, RecursionError):
+        return "the request body is not valid JSON (arrays or objects nested too deeply)"
+    if isinstance(cause, ValueError) and "digits" in str(cause):
+        return "the request body is not valid JSON (a number with too many digits)"
+    return None
