@@ -177,6 +177,16 @@ def test_a_body_that_is_no_json_object_says_so(server, body, message):
     assert_still_serving(server)
 
 
+def test_a_union_field_reports_the_member_the_value_broke(server):
+    """stop is a string or a list of at most 32: 33 strings were "Input should be a valid string"."""
+    r = post(server, {**OK, "stop": [str(i) for i in range(33)]})
+    assert_400(r, "stop")
+    assert r.json()["error"]["message"] == "stop: List should have at most 32 items after validation, not 33"
+    assert (
+        post(server, {**OK, "stop": 5}).json()["error"]["message"] == "stop: Input should be a valid string"
+    )
+
+
 def test_stream_options_need_stream(server):
     assert_400(post(server, {**OK, "stream_options": {"include_usage": True}}), "stream_options")
     chunks = post(server, {**OK, "stream": True, "stream_options": {"include_usage": True}}).text

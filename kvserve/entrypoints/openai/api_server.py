@@ -24,6 +24,7 @@ from kvserve.entrypoints.openai.compat import ModelNotFoundError
 from kvserve.entrypoints.openai.errors import (
     error_response,
     param_of,
+    specific_error,
     unparsable_body,
     unreadable_body,
     value_error_code,
@@ -127,7 +128,7 @@ def build_app(engine: AsyncLLM | DPClient, cfg: ServerConfig, store: ResponseSto
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
+        first = specific_error(list(exc.errors()))
         body_error = unreadable_body(first)
         if body_error:
             return error_response(400, body_error, code="invalid_json")

@@ -31,6 +31,21 @@ def value_error_code(exc: ValueError) -> str:
     return "context_length_exceeded" if isinstance(exc, ContextLengthError) else "invalid_value"
 
 
+def specific_error(errors: list[dict]) -> dict:
+    """The error to report of FastAPI's list: for a union field (stop: a string or a list) each
+    member reports one, the first usually "Input should be a valid string" even when the value
+    was a list that broke the list member's limit; the first error of the same field that is
+    not a type mismatch says what is wrong."""
+    if not errors:
+        return {}
+    first = errors[0]
+    field = tuple(first.get("loc", ()))[:2]
+    for error in errors:
+        if tuple(error.get("loc", ()))[:2] == field and not str(error.get("type", "")).endswith("_type"):
+            return error
+    return first
+
+
 def unreadable_body(error: dict) -> str | None:
     """The message for a body that is not a JSON object at all (FastAPI's first validation
     error for it), else None: its location is a character offset or the body itself, not a
