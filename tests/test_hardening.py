@@ -187,6 +187,26 @@ def test_a_union_field_reports_the_member_the_value_broke(server):
     )
 
 
+def test_null_for_a_nullable_openai_field_means_its_default(server):
+    """OpenAI's reference declares n, stream, the penalties, logprobs, echo nullable with a
+    default, and the openai client sends null for an argument given as None: each was a 400."""
+    nulls = dict.fromkeys(("n", "stream", "presence_penalty", "frequency_penalty", "logprobs", "echo"))
+    r = post(server, {**OK, **nulls})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 1 and r.json()["choices"][0]["logprobs"] is None
+    chat = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 2,
+        "temperature": 0,
+    }
+    chat_nulls = {**nulls, "parallel_tool_calls": None}
+    del chat_nulls["echo"]
+    r = post(server, {**chat, **chat_nulls}, "/v1/chat/completions")
+    assert r.status_code == 200 and r.json()["object"] == "chat.completion", r.text  # not a stream
+    assert_400(post(server, {**OK, "n": 0}), "n")  # a value still has to be valid
+
+
 def test_stream_options_need_stream(server):
     assert_400(post(server, {**OK, "stream_options": {"include_usage": True}}), "stream_options")
     chunks = post(server, {**OK, "stream": True, "stream_options": {"include_usage": True}}).text

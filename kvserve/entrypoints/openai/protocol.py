@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvserve.entrypoints.openai.limits import (
     MAX_STOP_STRINGS,
@@ -68,10 +68,24 @@ class StructuredOutputs(OpenAIBody):
     grammar: str | None = None
 
 
+# Fields OpenAI's reference declares nullable with a default ("n": null is n = 1): null
+# means the default, as there, rather than a 400 (the client sends null for a None argument).
+NULL_MEANS_DEFAULT = frozenset(
+    {"n", "stream", "presence_penalty", "frequency_penalty", "logprobs", "echo", "parallel_tool_calls"}
+)
+
+
 class SamplingFields(OpenAIBody):
     """Fields shared by chat and completions (OpenAI's plus vLLM's extras)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, data: Any) -> Any:
+        if isinstance(data, dict) and any(data.get(k, 0) is None for k in NULL_MEANS_DEFAULT):
+            return {k: v for k, v in data.items() if not (v is None and k in NULL_MEANS_DEFAULT)}
+        return data
 
     model: str | None = None
     max_tokens: PositiveInt64 | None = None
