@@ -188,8 +188,10 @@ def test_a_union_field_reports_the_member_the_value_broke(server):
 
 
 def test_null_for_a_nullable_openai_field_means_its_default(server):
-    """OpenAI's reference declares n, stream, the penalties, logprobs, echo nullable with a
-    default, and the openai client sends null for an argument given as None: each was a 400."""
+    """OpenAI's reference declares n, stream, the penalties, logprobs, echo (and the Responses
+    API's stream, store, parallel_tool_calls, background, the embeddings' encoding_format)
+    nullable with a default, and the openai client sends null for an argument given as None:
+    each was a 400."""
     nulls = dict.fromkeys(("n", "stream", "presence_penalty", "frequency_penalty", "logprobs", "echo"))
     r = post(server, {**OK, **nulls})
     assert r.status_code == 200, r.text
@@ -205,6 +207,12 @@ def test_null_for_a_nullable_openai_field_means_its_default(server):
     r = post(server, {**chat, **chat_nulls}, "/v1/chat/completions")
     assert r.status_code == 200 and r.json()["object"] == "chat.completion", r.text  # not a stream
     assert_400(post(server, {**OK, "n": 0}), "n")  # a value still has to be valid
+    responses = {"model": "tiny", "input": "hi", "max_output_tokens": 2, "temperature": 0}
+    nulls = dict.fromkeys(("stream", "store", "parallel_tool_calls", "background"))
+    r = post(server, {**responses, **nulls}, "/v1/responses")
+    assert r.status_code == 200 and r.json()["object"] == "response", r.text
+    r = post(server, {"model": "tiny", "input": "hi", "encoding_format": None}, "/v1/embeddings")
+    assert r.status_code == 200 and isinstance(r.json()["data"][0]["embedding"], list), r.text
 
 
 def test_stream_options_need_stream(server):
