@@ -270,6 +270,10 @@ def test_an_embedding_may_fill_the_whole_context(server):
     r = post(server, {**OK, "prompt": [7] * 256})  # a completion needs room for one more token
     assert_400(r, "prompt")
     assert r.json()["error"]["code"] == "context_length_exceeded"
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi " * 300}], "max_tokens": 1}
+    r = post(server, chat, "/v1/chat/completions")  # the field a chat request sent (was `prompt`)
+    assert_400(r, "messages")
+    assert r.json()["error"]["code"] == "context_length_exceeded"
     assert_400(post(server, {"model": "tiny", "input": []}, "/v1/embeddings"), "input")
     assert_still_serving(server)
 
