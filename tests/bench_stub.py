@@ -3,7 +3,8 @@
 Raw asyncio HTTP/1.1 (keep-alive, chunked SSE) so the stub itself costs almost nothing: every
 streamed request sends its first token `--ttft-ms` after the request arrived and then one token
 every `--itl-ms`, on an absolute schedule (no drift); 0/0 streams as fast as it can. Each
-token is one SSE event with the text " tok"; the final event carries usage.
+token is one SSE event with the text " tok" (with `n`, one per choice at the same moment); the
+final event carries usage, counting every choice's tokens.
 
     python tests/bench_stub.py --port 8123 --ttft-ms 50 --itl-ms 10
 """
@@ -28,8 +29,10 @@ async def _stream(writer: asyncio.StreamWriter, body: dict, chat: bool, ttft: fl
     loop = asyncio.get_running_loop()
     t0 = loop.time()
     n = int(body.get("max_tokens") or 16)
+    choices = int(body.get("n") or 1)  # each token time, one event per choice (index 0, 1, ...)
     writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
-    token = _frame(_CHAT if chat else _COMPLETION)
+    event = _CHAT if chat else _COMPLETION
+    token = b"".join(_frame(event.replace(b'"index":0', b'"index":%d' % j)) for j in range(choices))
     for i in range(n):
         delay = t0 + ttft + i * itl - loop.time()
         if delay > 0:
@@ -37,8 +40,9 @@ async def _stream(writer: asyncio.StreamWriter, body: dict, chat: bool, ttft: fl
         writer.write(token)
         if i % 64 == 63:
             await writer.drain()
-    usage = {"prompt_tokens": 7, "completion_tokens": n, "total_tokens": 7 + n}
-    writer.write(_frame(json.dumps({"id": "stub", "choices": [], "usage": usage}).encode()))
+    usage = {"prompt_tokens": 7, "completion_tokens": n * choices, "total_tokens": 7 + n * choices}
+    if (body.get("stream_options") or {}).get("include_usage", True):  # as a server without it
+        writer.write(_frame(json.dumps({"id": "stub", "choices": [], "usage": usage}).encode()))
     writer.write(_frame(b"[DONE]") + b"0\r\n\r\n")
     await writer.drain()
 

@@ -317,7 +317,11 @@ def test_kill_9_and_sigterm_mid_batch_then_resume(tiny_llama_dir, tmp_path):
 def test_resumed_batch_queued_behind_another_is_cancelled_at_once(tiny_llama_dir, tmp_path):
     """Two batches a stopped server left in progress: on restart the older one runs, the other
     waits behind it; cancelling that one finishes it at once (it stayed `cancelling` until the
-    worker reached it), keeping the lines it had committed and none written after."""
+    worker reached it), keeping the lines it had committed and none written after.
+
+    A third, oldest one's input file was deleted while the server was down: it fails naming
+    the file, keeping its committed line (was `internal_error` with the server's path), and
+    the worker goes on to the others."""
     from kvserve.batch.db import open_db
     from kvserve.batch.files import FileStore, new_file_id
     from kvserve.batch.jobs import JobStore
@@ -339,6 +343,10 @@ def test_resumed_batch_queued_behind_another_is_cancelled_at_once(tiny_llama_dir
         ids.append(b["id"])
     first, resumed = ids
     conn.execute("UPDATE batches SET created_at = created_at - 10 WHERE id = ?", (first,))  # runs first
+    orphan = _in_progress_batch_with_one_line_done(files, jobs, conn)
+    orphan_input = jobs.raw(orphan)["input_file_id"]
+    files.delete(orphan_input)
+    conn.execute("UPDATE batches SET created_at = created_at - 20 WHERE id = ?", (orphan,))  # before all
     obj = jobs.raw(resumed)
     out_path = files.path(obj["_output_path_id"])
     sink = DurableSink(conn, resumed, out_path, files.path(obj["_error_path_id"]), jobs.resume_point(resumed))
@@ -352,6 +360,12 @@ def test_resumed_batch_queued_behind_another_is_cancelled_at_once(tiny_llama_dir
     s = ServerProcess(tiny_llama_dir, *MODEL_ARGS, "--max-num-seqs", "4", "--batch-storage-dir", str(store))
     try:
         c = openai.OpenAI(base_url=s.url + "/v1", api_key=s.api_key, max_retries=0)
+        gone = wait_final(c, orphan, timeout=60)
+        assert gone.status == "failed" and gone.failed_at and len(gone.errors.data) == 1
+        err = gone.errors.data[0]
+        assert (err.code, err.param) == ("file_unreadable", "input_file_id")
+        assert err.message == f"input_file_id: {orphan_input} cannot be read (it was deleted)"
+        assert [o["custom_id"] for o in read_lines(c, gone.output_file_id)] == ["req-0"]
         q = c.batches.cancel(resumed)
         assert q.status == "cancelled" and q.cancelled_at and q.request_counts.completed == 2
         assert [o["custom_id"] for o in read_lines(c, q.output_file_id)] == ["req-0", "req-1"]
@@ -359,6 +373,24 @@ def test_resumed_batch_queued_behind_another_is_cancelled_at_once(tiny_llama_dir
         assert wait_final(c, c.batches.cancel(first).id).status == "cancelled"
     finally:
         s.stop()
+
+
+def _in_progress_batch_with_one_line_done(files, jobs, conn) -> str:
+    from kvserve.batch.files import new_file_id
+    from kvserve.batch.output import DurableSink
+
+    fid = new_file_id()
+    files.path(fid).write_text("\n".join(line(i) for i in range(3)) + "\n")
+    files.register(fid, "in.jsonl", "batch")
+    b = jobs.raw(jobs.create(fid, CHAT, "24h", None)["id"])
+    jobs.set_total(b["id"], 3)
+    jobs.set_status(b, "in_progress")
+    paths = files.path(b["_output_path_id"]), files.path(b["_error_path_id"])
+    sink = DurableSink(conn, b["id"], *paths, jobs.resume_point(b["id"]))
+    body = {"status_code": 200, "request_id": "x", "body": {}}
+    sink.add(0, 0, {"id": "r0", "custom_id": "req-0", "response": body, "error": None}, True)
+    sink.close()
+    return b["id"]
 
 
 def _wait_gone(pid: int, timeout: float = 20) -> None:

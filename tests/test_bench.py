@@ -75,10 +75,10 @@ def _requests(tok, n: int, output_len: int, name: str = "random"):
     return build_dataset(tok, DatasetConfig(name=name, num_prompts=n, input_len=16, output_len=output_len))
 
 
-def _run(cfg: LoadConfig, requests, warmup: int = 0):
+def _run(cfg: LoadConfig, requests, warmup: int = 0, count_tokens=None):
     import asyncio
 
-    return asyncio.run(run_load(cfg, requests, warmup=warmup))
+    return asyncio.run(run_load(cfg, requests, warmup=warmup, count_tokens=count_tokens))
 
 
 def _close(measured: float, truth: float, tol: float = 0.05) -> bool:
@@ -124,6 +124,24 @@ def test_metrics_match_stub_timings(timed_stub, tiny_tok, endpoint):
     assert _timed(n / (n / conc * per_request_s), m["request_throughput"]), m["request_throughput"]
     assert m["good_requests"] == n  # every request meets 250 ms TTFT and 25 ms TPOT
     assert compute_metrics(results, duration, parse_slo("ttft:150"))["good_requests"] == 0
+
+
+def test_several_choices_are_separate_itl_series(timed_stub, tiny_tok):
+    """n = 2: both choices' tokens arrive together every 20 ms. Each choice is its own series
+    (the gap between choice 0's token and choice 1's, ~0 ms, is nobody's latency: it halved
+    the ITL), every choice's tokens count, and TPOT is per choice."""
+    n, out_len = 2, 10
+    cfg = LoadConfig(timed_stub.url, "stub", max_concurrency=2, progress=False, extra_body={"n": 2})
+    results, duration = _run(cfg, _requests(tiny_tok, n, out_len))
+    m = compute_metrics(results, duration)
+    assert m["completed"] == n and m["total_output_tokens"] == n * 2 * out_len
+    assert [len(r.itl) for r in results] == [2 * (out_len - 1)] * n  # was 2 * out_len - 1
+    assert m["itl_ms"]["p50"] > ITL_MS / 2 and m["tpot_ms"]["mean"] > ITL_MS / 2
+    assert [r.choices for r in results] == [2] * n
+    # with no usage chunk, each choice's text is counted (here by words: 10 each)
+    cfg.extra_body["stream_options"] = {"include_usage": False}
+    results, duration = _run(cfg, _requests(tiny_tok, n, out_len), count_tokens=lambda t: len(t.split()))
+    assert [r.output_tokens for r in results] == [2 * out_len] * n
 
 
 def test_client_sustains_5000_tokens_per_second(instant_stub, tiny_tok):

@@ -32,12 +32,22 @@ def test_bad_arguments_name_the_flag_before_the_model_loads(args, message, tmp_p
     assert e.value.code == 2 and "error: " + message.format(tmp=tmp_path) in err and "Traceback" not in err
 
 
-def test_json_records_the_window_as_run(tiny_llama_dir, tmp_path, capsys):
+def test_json_records_the_window_and_dtypes_as_run(tiny_llama_dir, tmp_path, capsys, monkeypatch):
     """A window past what the model holds is cut to max_model_len - 1: the JSON and the line
-    say so (the JSON had no window at all, so results of different windows looked alike)."""
+    say so (the JSON had no window at all, so results of different windows looked alike).
+    The dtypes are the ones the run used: bfloat16 on a CPU without native bf16 computes in
+    float32, and the KV cache's "auto" is that dtype (both were recorded as asked:
+    "bfloat16" and "auto")."""
+    from kvserve.platform import cpu_isa as isa_mod
+    from kvserve.platform.cpu_isa import CpuIsa
+
+    monkeypatch.setattr(isa_mod, "cpu_isa", lambda: CpuIsa(frozenset({"avx2", "fma"})))
     out = tmp_path / "ppl.json"
     args = ["--max-tokens", "40", "--window", "4096", "--kv-cache-memory", "16MiB", "--no-progress"]
-    assert main(["eval", "perplexity", tiny_llama_dir, *args, "--json", str(out)]) == 0
+    assert main(["eval", "perplexity", tiny_llama_dir, *args, "--dtype", "bfloat16", "--json", str(out)]) == 0
     row = json.loads(out.read_text())
     assert (row["window"], row["windows"], row["tokens"]) == (511, 1, 39)
-    assert "windows of 511 (--window 4096 is more than the model holds)" in capsys.readouterr().out
+    assert (row["dtype"], row["kv_cache_dtype"]) == ("float32", "float32")
+    printed = capsys.readouterr().out
+    assert "windows of 511 (--window 4096 is more than the model holds)" in printed
+    assert "dtype float32  quantization none  kv-cache float32" in printed

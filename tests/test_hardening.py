@@ -160,6 +160,10 @@ def test_auth_schemes_and_keys(server):
         (b'{"model": "tiny", "prompt": [', "not valid JSON (Expecting value at character 29)"),
         (b"", "the request body is missing"),
         (b"[1, 2]", "the body must be a JSON object"),
+        # these three were "There was an error parsing the body", naming no problem
+        (b'{"prompt": "\xff"}', "not valid JSON (not UTF-8: byte 0xff at offset 12)"),
+        (b"[" * 100_000 + b"]" * 100_000, "not valid JSON (arrays or objects nested too deeply)"),
+        (b'{"max_tokens": ' + b"9" * 5000 + b"}", "not valid JSON (a number with too many digits)"),
     ],
 )
 def test_a_body_that_is_no_json_object_says_so(server, body, message):
@@ -171,6 +175,44 @@ def test_a_body_that_is_no_json_object_says_so(server, body, message):
     err = r.json()["error"]
     assert message in err["message"] and err["param"] is None, err  # no offset posing as a field
     assert_still_serving(server)
+
+
+def test_a_union_field_reports_the_member_the_value_broke(server):
+    """stop is a string or a list of at most 32: 33 strings were "Input should be a valid string"."""
+    r = post(server, {**OK, "stop": [str(i) for i in range(33)]})
+    assert_400(r, "stop")
+    assert r.json()["error"]["message"] == "stop: List should have at most 32 items after validation, not 33"
+    assert (
+        post(server, {**OK, "stop": 5}).json()["error"]["message"] == "stop: Input should be a valid string"
+    )
+
+
+def test_null_for_a_nullable_openai_field_means_its_default(server):
+    """OpenAI's reference declares n, stream, the penalties, logprobs, echo (and the Responses
+    API's stream, store, parallel_tool_calls, background, the embeddings' encoding_format)
+    nullable with a default, and the openai client sends null for an argument given as None:
+    each was a 400."""
+    nulls = dict.fromkeys(("n", "stream", "presence_penalty", "frequency_penalty", "logprobs", "echo"))
+    r = post(server, {**OK, **nulls})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 1 and r.json()["choices"][0]["logprobs"] is None
+    chat = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 2,
+        "temperature": 0,
+    }
+    chat_nulls = {**nulls, "parallel_tool_calls": None}
+    del chat_nulls["echo"]
+    r = post(server, {**chat, **chat_nulls}, "/v1/chat/completions")
+    assert r.status_code == 200 and r.json()["object"] == "chat.completion", r.text  # not a stream
+    assert_400(post(server, {**OK, "n": 0}), "n")  # a value still has to be valid
+    responses = {"model": "tiny", "input": "hi", "max_output_tokens": 2, "temperature": 0}
+    nulls = dict.fromkeys(("stream", "store", "parallel_tool_calls", "background"))
+    r = post(server, {**responses, **nulls}, "/v1/responses")
+    assert r.status_code == 200 and r.json()["object"] == "response", r.text
+    r = post(server, {"model": "tiny", "input": "hi", "encoding_format": None}, "/v1/embeddings")
+    assert r.status_code == 200 and isinstance(r.json()["data"][0]["embedding"], list), r.text
 
 
 def test_stream_options_need_stream(server):
@@ -227,6 +269,10 @@ def test_an_embedding_may_fill_the_whole_context(server):
     assert r.json()["error"]["code"] == "context_length_exceeded"
     r = post(server, {**OK, "prompt": [7] * 256})  # a completion needs room for one more token
     assert_400(r, "prompt")
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi " * 300}], "max_tokens": 1}
+    r = post(server, chat, "/v1/chat/completions")  # the field a chat request sent (was `prompt`)
+    assert_400(r, "messages")
     assert r.json()["error"]["code"] == "context_length_exceeded"
     assert_400(post(server, {"model": "tiny", "input": []}, "/v1/embeddings"), "input")
     assert_still_serving(server)

@@ -138,3 +138,45 @@ def test_non_finite_simulation_inputs_are_refused(args, message, capsys):
     except SystemExit as e:
         rc = e.code
     assert rc == 2 and message in capsys.readouterr().err
+
+
+HUGE_OUTPUT = '{"t": 0, "prompt_tokens": 10, "output_tokens": 1000000000000}'
+LONG_SPAN = (
+    '{"t": 0, "prompt_tokens": 1, "output_tokens": 1}\n{"t": 1e9, "prompt_tokens": 1, "output_tokens": 1}'
+)
+BILLION = ["--min-replicas", "1000000000", "--max-replicas", "1000000000"]
+
+
+@pytest.mark.parametrize(
+    "trace, args, message",
+    [
+        # each of these ran out of memory or for ever (killed after 60 s)
+        ("/dev/zero", [], "/dev/zero:1: line longer than 4096 characters"),
+        ("bursty:duration=1e9", [], "duration x the peak rate is 10,000,000,000 arrivals; at most 1,000,000"),
+        ("bursty:duration=30", BILLION, "--min-replicas and --max-replicas must be <= 1024"),
+        (
+            HUGE_OUTPUT,
+            [],
+            "has 1,000,000,000,010 prompt + output tokens; at most 1,073,741,824 are simulated",
+        ),
+        (LONG_SPAN, [], "spans 1,000,000,000 s, 66,666,667 autoscaler decisions at --scale-interval 15"),
+    ],
+)
+def test_simulation_size_is_bounded(trace, args, message, tmp_path, capsys):
+    if trace.startswith("{"):
+        (tmp_path / "t.jsonl").write_text(trace + "\n")
+        trace = str(tmp_path / "t.jsonl")
+    assert main(["--simulate", trace, *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_trace_file_request_count_is_bounded(tmp_path, monkeypatch):
+    import kvserve.planner.trace as trace_mod
+
+    monkeypatch.setattr(trace_mod, "MAX_REQUESTS", 3)
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"t": 0, "prompt_tokens": 1, "output_tokens": 1}\n' * 3)
+    assert len(load_trace(str(path))) == 3
+    path.write_text('{"t": 0, "prompt_tokens": 1, "output_tokens": 1}\n' * 4)
+    with pytest.raises(ValueError, match="more than 3 requests; at most that many are simulated"):
+        load_trace(str(path))

@@ -160,6 +160,20 @@ def test_logprobs_and_echo(client):
         ({"structured_outputs": {"grammar": "root ::= root"}}, "structured_outputs"),
         ({"guided_grammar": "root ::= a\na ::= root"}, "structured_outputs"),
         ({"structured_outputs": {"regex": "[^\\x00-\\U0010FFFF]"}}, "structured_outputs"),
+        # every derivation recurses forever: refused (was generated until max_tokens)
+        ({"guided_grammar": 'root ::= "a" root'}, "structured_outputs"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "loop",
+                        "schema": {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]},
+                    },
+                }
+            },
+            "response_format",
+        ),
     ],
 )
 def test_bad_requests_are_400(server, body, param):

@@ -101,6 +101,48 @@ def test_grammar_matching_no_text_is_refused(tiny_llm, so):
         check(StructuredOutputsParams(grammar=ok))
 
 
+ENDLESS = [
+    'root ::= "a" root',  # allows a first byte, never ends
+    'root ::= x+\nx ::= "b" x',
+    'root ::= x{1,3}\nx ::= "b" x',
+    'root ::= "q" r\nr ::= r "a"',
+    'root ::= ("(" root ")")+',
+    'root ::= a\na ::= "y" b\nb ::= "y" a | "z" a',
+    'root ::= "a" [^\\x00-\\U0010FFFF]',  # a class that admits no character, after a byte
+]
+FINITE = [
+    'root ::= ("a" root)*',  # zero repetitions end it
+    'root ::= x?\nx ::= "b" x',
+    'root ::= x{0,3}\nx ::= "b" x',
+    'root ::= [a-z]+ | "q" r\nr ::= r "a"',  # one alternative ends
+    'root ::= "a" | root "b"',
+    'root ::= [^a]* "x"{2,3}',
+    'root ::= a\na ::= "x" | b\nb ::= "y" a',
+]
+
+
+@pytest.mark.parametrize("grammar", ENDLESS)
+def test_grammar_that_never_ends_is_refused(grammar):
+    """No derivation terminates: the request could only stop at max_tokens with text the
+    grammar never accepts (was accepted: the first-byte check passes these)."""
+    with pytest.raises(ValueError, match="structured_outputs: invalid grammar: it matches no finite text"):
+        check(StructuredOutputsParams(grammar=grammar))
+
+
+@pytest.mark.parametrize("grammar", FINITE)
+def test_recursive_grammar_with_an_exit_is_accepted(grammar):
+    check(StructuredOutputsParams(grammar=grammar))
+
+
+def test_json_schema_with_a_required_self_reference_is_refused():
+    loop = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+    with pytest.raises(ValueError, match="invalid json schema: it matches no finite text"):
+        check(StructuredOutputsParams(json=json.dumps(loop)))
+    optional = {"type": "object", "properties": {"a": {"$ref": "#"}}}
+    for ok in (optional, {"type": "array", "items": {"$ref": "#"}}):
+        check(StructuredOutputsParams(json=json.dumps(ok)))
+
+
 def test_abort_while_compiling(tiny_llm):
     engine = tiny_llm.llm_engine
     so = StructuredOutputsParams(json=_expensive_schema(200, "abort"))

@@ -63,11 +63,7 @@ class BatchService:
         if obj["status"] in ("validating", "in_progress"):
             obj = self.jobs.set_status(obj, "cancelling")
             if batch_id != self._current:
-                # A resumed batch's files may hold lines written after its last commit (a
-                # kill -9): cut them back as a resume would, so only recorded lines are kept.
-                _, _, out_bytes, err_bytes, _ = self.jobs.resume_point(batch_id)
-                truncate_uncommitted(self.files.path(obj["_output_path_id"]), out_bytes)
-                truncate_uncommitted(self.files.path(obj["_error_path_id"]), err_bytes)
+                self._cut_uncommitted(obj)
                 self._finalize(obj)
             else:
                 self._cancelled.add(batch_id)
@@ -92,16 +88,12 @@ class BatchService:
 
     async def _process(self, batch_id: str) -> None:
         obj = self.jobs.raw(batch_id)
+        path = self.files.dir / obj["input_file_id"]
         if obj["status"] == "validating":
-            path = self.files.dir / obj["input_file_id"]
             try:
                 scan = await asyncio.to_thread(scan_input, path)
-            except OSError as e:  # str(e) would show the server's storage path to the client
-                why = "it was deleted" if isinstance(e, FileNotFoundError) else e.strerror or type(e).__name__
-                message = f"input_file_id: {obj['input_file_id']} cannot be read ({why})"
-                self.jobs.set_status(
-                    obj, "failed", errors=_errors("file_unreadable", message, "input_file_id")
-                )
+            except OSError as e:
+                self._fail_unreadable(obj, e)
                 return
             total = scan.total
             if scan.duplicates:  # as OpenAI: the batch fails, each repeat named with its line
@@ -116,6 +108,12 @@ class BatchService:
             if obj["status"] == "validating":
                 obj = self.jobs.set_status(obj, "in_progress")
         if obj["status"] == "in_progress":
+            try:  # a batch resumed after a restart: its input may have been deleted meanwhile
+                await asyncio.to_thread(_check_readable, path)
+            except OSError as e:
+                self._cut_uncommitted(obj)
+                self._fail_unreadable(obj, e)
+                return
             await self._run(obj)
             obj = self.jobs.raw(batch_id)
         if obj["status"] in ("finalizing", "cancelling") or (
@@ -147,15 +145,30 @@ class BatchService:
         if finished:
             self.jobs.set_status(self.jobs.raw(batch_id), "finalizing")
 
-    def _finalize(self, obj: dict) -> None:
+    def _cut_uncommitted(self, obj: dict) -> None:
+        """A resumed batch's files may hold lines written after its last commit (a kill -9):
+        cut them back as a resume would, so only recorded lines are kept."""
+        _, _, out_bytes, err_bytes, _ = self.jobs.resume_point(obj["id"])
+        truncate_uncommitted(self.files.path(obj["_output_path_id"]), out_bytes)
+        truncate_uncommitted(self.files.path(obj["_error_path_id"]), err_bytes)
+
+    def _fail_unreadable(self, obj: dict, e: OSError) -> None:
+        """The batch fails naming its input file; lines it already finished stay readable."""
+        why = "it was deleted" if isinstance(e, FileNotFoundError) else e.strerror or type(e).__name__
+        message = f"input_file_id: {obj['input_file_id']} cannot be read ({why})"  # not str(e): a server path
+        logger.warning("batch %s failed: %s", obj["id"], message)
+        self._finalize(obj, "failed", errors=_errors("file_unreadable", message, "input_file_id"))
+
+    def _finalize(self, obj: dict, status: str | None = None, **extra) -> None:
         """Register the output and error files, then the final status, in one transaction."""
-        status = {"finalizing": "completed", "cancelling": "cancelled", "in_progress": "expired"}[
-            obj["status"]
-        ]
+        if status is None:
+            status = {"finalizing": "completed", "cancelling": "cancelled", "in_progress": "expired"}[
+                obj["status"]
+            ]
         conn = self.jobs.conn
         conn.execute("BEGIN")
         try:
-            fields = {}
+            fields = dict(extra)
             for key, path_key, name in (("output_file_id", "_output_path_id", "output"),
                                         ("error_file_id", "_error_path_id", "errors")):  # fmt: skip
                 file_id = obj[path_key]
@@ -171,6 +184,11 @@ class BatchService:
             raise
         self._cancelled.discard(obj["id"])
         logger.info("batch %s %s: %s", obj["id"], status, self.jobs.get(obj["id"])["request_counts"])
+
+
+def _check_readable(path) -> None:
+    with open(path, "rb"):
+        pass
 
 
 def _errors(code: str, message: str, param: str | None = None) -> dict:

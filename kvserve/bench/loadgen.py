@@ -58,8 +58,9 @@ class RequestResult:
     start: float = 0.0
     ttft: float = 0.0
     latency: float = 0.0
-    itl: list[float] = field(default_factory=list)  # gaps between text-carrying chunks
-    text: str = ""
+    itl: list[float] = field(default_factory=list)  # gaps between a choice's text-carrying chunks
+    text: str = ""  # the choices' texts, one after the other
+    choices: int = 1  # choices that streamed (n > 1: several per request)
 
 
 def _body(cfg: LoadConfig, req: BenchRequest) -> dict[str, Any]:
@@ -94,8 +95,10 @@ async def send_one(
     """Stream one request; never raises (failures come back with success=False)."""
     res = RequestResult(prompt_len=req.prompt_len)
     chat = cfg.endpoint == "chat"
-    times: list[float] = []
-    pieces: list[str] = []
+    # Per choice index: with n > 1 the choices' chunks interleave, and a gap between one
+    # choice's token and another's is no inter-token latency anyone sees.
+    times: dict[int, list[float]] = {}
+    pieces: dict[int, list[str]] = {}
     finished: float | None = None  # when a choice's finish_reason came (an answer may have no text)
     usage = None
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else None
@@ -123,13 +126,12 @@ async def send_one(
                         err = obj["error"]
                         res.error = str(err.get("message", err) if isinstance(err, dict) else err)
                         return res
-                    choices = obj.get("choices")
-                    if choices:
-                        c = choices[0]
+                    for c in obj.get("choices") or ():
                         text = (c.get("delta") or {}).get("content") if chat else c.get("text")
                         if text:
-                            times.append(now)
-                            pieces.append(text)
+                            index = c.get("index") or 0
+                            times.setdefault(index, []).append(now)
+                            pieces.setdefault(index, []).append(text)
                         if c.get("finish_reason") in _ANSWERED and finished is None:
                             finished = now
                     if obj.get("usage"):
@@ -143,15 +145,19 @@ async def send_one(
         return res
     # An answer that ended with no text (the model's end-of-sequence first, a stop string at
     # once) is an answer, as in vLLM's benchmark: its first token arrived with the finish.
-    res.text = "".join(pieces)
-    res.ttft = (times[0] if times else finished) - t0
+    texts = ["".join(pieces[i]) for i in sorted(pieces)]
+    res.text = "".join(texts)
+    res.choices = max(1, len(times))
+    res.ttft = (min(ts[0] for ts in times.values()) if times else finished) - t0
     res.latency = end - t0
-    res.itl = [b - a for a, b in zip(times, times[1:])]
-    if usage and usage.get("completion_tokens") is not None:
+    res.itl = [b - a for ts in times.values() for a, b in zip(ts, ts[1:])]
+    if usage and usage.get("completion_tokens") is not None:  # every choice's tokens, as OpenAI's
         res.output_tokens = int(usage["completion_tokens"])
         res.prompt_len = int(usage.get("prompt_tokens") or res.prompt_len)
+    elif count_tokens:
+        res.output_tokens = sum(count_tokens(t) for t in texts)
     else:
-        res.output_tokens = count_tokens(res.text) if count_tokens else len(times)
+        res.output_tokens = sum(len(ts) for ts in times.values())
     res.success = True
     return res
 

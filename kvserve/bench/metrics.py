@@ -1,8 +1,9 @@
 """Turn per-request timings into the serving metrics users compare stacks by.
 
 TTFT: request sent -> first chunk with text (for an answer with none, the chunk that ends it).
-ITL: gap between consecutive text chunks (a chunk may carry several tokens; that is what a user
-sees). TPOT: (e2e - TTFT) / (output tokens - 1), per request. Throughputs divide by the wall
+ITL: gap between consecutive text chunks of one choice (a chunk may carry several tokens; that
+is what a user sees; with n > 1 each choice is its own series). TPOT: (e2e - TTFT) / (output
+tokens per choice - 1), per request; output tokens count every choice. Throughputs divide by the wall
 time of the whole run, first send to last byte. Goodput counts only requests that met every SLO
 given (milliseconds).
 """
@@ -39,7 +40,9 @@ def parse_slo(spec: str | None) -> dict[str, float]:
 
 
 def tpot(r: RequestResult) -> float | None:
-    return (r.latency - r.ttft) / (r.output_tokens - 1) if r.output_tokens > 1 else None
+    """Per choice: with n > 1 the choices decode side by side, each at this pace."""
+    per_choice = r.output_tokens / max(1, r.choices)
+    return (r.latency - r.ttft) / (per_choice - 1) if per_choice > 1 else None
 
 
 def summary_ms(values_s: list[float]) -> dict[str, float | None]:

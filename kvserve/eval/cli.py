@@ -19,10 +19,11 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    cfg = engine.config
+    cfg = engine.core.config  # as run: bfloat16 on a CPU without native bf16 computed in float32
+    kv_dtype = cfg.dtype if cfg.kv_cache_dtype == "auto" else cfg.kv_cache_dtype  # "auto": the compute dtype
     print(
         f"model {args.model}  dtype {cfg.dtype}  quantization {cfg.quantization or 'none'}  "
-        f"kv-cache {cfg.kv_cache_dtype}"
+        f"kv-cache {kv_dtype}"
     )
     cut = f" (--window {args.window} is more than the model holds)" if res.window < args.window else ""
     print(
@@ -31,7 +32,7 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
     )
     if args.json:  # the window and corpus too: a perplexity means little without them
         row = {"model": args.model, "dtype": cfg.dtype, "quantization": cfg.quantization,
-               "kv_cache_dtype": cfg.kv_cache_dtype, "perplexity": res.perplexity, "nll": res.nll,
+               "kv_cache_dtype": kv_dtype, "perplexity": res.perplexity, "nll": res.nll,
                "tokens": res.num_tokens, "windows": res.num_windows, "window": res.window,
                "corpus": args.corpus or "persuasion_ch1-8 (shipped)", "seconds": res.seconds}  # fmt: skip
         with open(args.json, "w") as f:

@@ -8,6 +8,7 @@ import json
 import sys
 
 from kvserve.argtypes import non_negative_float, positive_float, positive_int
+from kvserve.planner.sim_limits import check_replicas, check_trace
 from kvserve.planner.simulate import (
     ReplicaModel,
     Result,
@@ -84,7 +85,9 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("times must be >= 0 (--scale-interval > 0)")
         if not 0 < args.target_saturation or not 0 < args.slo_target <= 1:
             raise ValueError("--target-saturation must be > 0 and --slo-target in (0, 1]")
+        check_replicas(args.min_replicas, args.max_replicas)
         trace = load_trace(args.simulate)
+        check_trace(trace, args.scale_interval)
         model = ReplicaModel(args.max_num_seqs, args.max_num_batched_tokens, args.step_overhead_ms / 1000,
                              args.token_ms / 1000, decode_ms / 1000)  # fmt: skip
         policy = ScalingPolicy(args.min_replicas, args.max_replicas, args.target_saturation,

@@ -14,6 +14,8 @@ import math
 import random
 from dataclasses import dataclass
 
+from kvserve.planner.sim_limits import MAX_LINE_CHARS, MAX_REQUESTS
+
 
 @dataclass(frozen=True)
 class Arrival:
@@ -50,6 +52,11 @@ def bursty(spec: str) -> list[Arrival]:
     rng = random.Random(int(opts["seed"]))
     out, t = [], 0.0
     peak = max(opts["rate"], opts["burst_rate"], 1e-9)
+    if opts["duration"] * peak > MAX_REQUESTS:  # the loop draws that many arrivals before thinning
+        raise ValueError(
+            f"--simulate: duration x the peak rate is {opts['duration'] * peak:,.0f} arrivals; "
+            f"at most {MAX_REQUESTS:,} are simulated"
+        )
     while True:  # thinning: a Poisson process at the peak rate, kept with probability rate(t) / peak
         t += rng.expovariate(peak)
         if t >= opts["duration"]:
@@ -68,9 +75,15 @@ def load_trace(source: str) -> list[Arrival]:
     out = []
     try:
         with open(source) as f:
-            for n, line in enumerate(f, 1):
+            for n, line in enumerate(iter(lambda: f.readline(MAX_LINE_CHARS + 1), ""), 1):
+                if len(line) > MAX_LINE_CHARS and not line.endswith("\n"):  # not read whole: no newline
+                    raise ValueError(f"{source}:{n}: line longer than {MAX_LINE_CHARS} characters")
                 if not line.strip():
                     continue
+                if len(out) == MAX_REQUESTS:
+                    raise ValueError(
+                        f"{source}: more than {MAX_REQUESTS:,} requests; at most that many are simulated"
+                    )
                 try:
                     row = json.loads(line)
                     a = Arrival(float(row["t"]), int(row["prompt_tokens"]), int(row["output_tokens"]))
@@ -81,6 +94,8 @@ def load_trace(source: str) -> list[Arrival]:
                 if not a.t >= 0 or math.isinf(a.t) or a.prompt_tokens < 1 or a.output_tokens < 1:
                     raise ValueError(f"{source}:{n}: t must be finite and >= 0, token counts >= 1")
                 out.append(a)
+    except UnicodeDecodeError:
+        raise ValueError(f"{source}: not UTF-8 text") from None
     except OSError as e:
         raise ValueError(f"{source}: {e.strerror}") from None
     if not out:

@@ -13,6 +13,7 @@ import re
 import threading
 
 from kvserve.sampling_params import StructuredOutputsParams
+from kvserve.structured.productive import unproductive_root
 from kvserve.structured.schema_support import unsupported
 
 # xgrammar's errors start with "[hh:mm:ss] /path/file.cc:123: "; the rest is the message.
@@ -52,7 +53,7 @@ def _check_key(kind: str, text: str, label: str | None) -> None:
     label = label or {"json": "json schema", "regex": "regex", "grammar": "grammar"}.get(kind, kind)
     try:
         if kind == "json":
-            xgr.Grammar.from_json_schema(text, any_whitespace=False)
+            _refuse_if_endless(xgr.Grammar.from_json_schema(text, any_whitespace=False))
             refused = unsupported(json.loads(text))
             if refused is not None:
                 key, where, why = refused
@@ -60,7 +61,9 @@ def _check_key(kind: str, text: str, label: str | None) -> None:
         elif kind == "regex":
             _refuse_if_empty(xgr.Grammar.from_regex(text))
         elif kind == "grammar":
-            _refuse_if_empty(xgr.Grammar.from_ebnf(text))
+            grammar = xgr.Grammar.from_ebnf(text)
+            _refuse_if_empty(grammar)
+            _refuse_if_endless(grammar)
     except (RuntimeError, ValueError, TypeError) as e:
         raise ValueError(f"structured_outputs: invalid {label}: {clean_error(e)}") from None
 
@@ -95,6 +98,17 @@ def _refuse_if_empty(grammar) -> None:
     matcher.fill_next_token_bitmask(bitmask)
     if not bool(bitmask.any()):
         raise ValueError("it matches no text (no first character is allowed and it cannot end)")
+
+
+def _refuse_if_endless(grammar) -> None:
+    """Raise ValueError when every derivation recurses forever (e.g. `root ::= "a" root`).
+
+    Such a grammar allows a first byte, so `_refuse_if_empty` passes it, but no text ever
+    completes it: the request could only stop at max_tokens, with output the schema or grammar
+    never accepts. A required self-reference in a JSON schema is the same case.
+    """
+    if unproductive_root(grammar):
+        raise ValueError("it matches no finite text (every derivation of root recurses forever)")
 
 
 def clean_error(e: Exception) -> str:

@@ -21,7 +21,14 @@ from kvserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedErr
 from kvserve.engine.dp_client import DPClient
 from kvserve.entrypoints.draining_server import DrainingServer
 from kvserve.entrypoints.openai.compat import ModelNotFoundError
-from kvserve.entrypoints.openai.errors import error_response, param_of, unreadable_body, value_error_code
+from kvserve.entrypoints.openai.errors import (
+    error_response,
+    param_of,
+    specific_error,
+    unparsable_body,
+    unreadable_body,
+    value_error_code,
+)
 from kvserve.entrypoints.openai.lifecycle import Lifecycle, ServerShuttingDownError
 from kvserve.entrypoints.openai.middleware import BodySizeLimit, InternalErrors, RequestGate
 from kvserve.entrypoints.openai.openapi import openapi_with_400
@@ -121,7 +128,7 @@ def build_app(engine: AsyncLLM | DPClient, cfg: ServerConfig, store: ResponseSto
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
+        first = specific_error(list(exc.errors()))
         body_error = unreadable_body(first)
         if body_error:
             return error_response(400, body_error, code="invalid_json")
@@ -175,6 +182,8 @@ def build_app(engine: AsyncLLM | DPClient, cfg: ServerConfig, store: ResponseSto
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 400 and (body_error := unparsable_body(exc)):
+            return error_response(400, body_error, code="invalid_json")
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request")
         message = f"{exc.detail}: {request.method} {request.url.path}"

@@ -31,6 +31,21 @@ def value_error_code(exc: ValueError) -> str:
     return "context_length_exceeded" if isinstance(exc, ContextLengthError) else "invalid_value"
 
 
+def specific_error(errors: list[dict]) -> dict:
+    """The error to report of FastAPI's list: for a union field (stop: a string or a list) each
+    member reports one, the first usually "Input should be a valid string" even when the value
+    was a list that broke the list member's limit; the first error of the same field that is
+    not a type mismatch says what is wrong."""
+    if not errors:
+        return {}
+    first = errors[0]
+    field = tuple(first.get("loc", ()))[:2]
+    for error in errors:
+        if tuple(error.get("loc", ()))[:2] == field and not str(error.get("type", "")).endswith("_type"):
+            return error
+    return first
+
+
 def unreadable_body(error: dict) -> str | None:
     """The message for a body that is not a JSON object at all (FastAPI's first validation
     error for it), else None: its location is a character offset or the body itself, not a
@@ -42,4 +57,19 @@ def unreadable_body(error: dict) -> str | None:
         return f"the request body is not valid JSON ({why}{where})"
     if loc == ("body",):
         return "the request body is missing" if kind == "missing" else "the body must be a JSON object"
+    return None
+
+
+def unparsable_body(exc: BaseException) -> str | None:
+    """The message for a body FastAPI could not decode for a reason other than a JSON syntax
+    error (it says only "There was an error parsing the body"), from the error behind it;
+    None when the cause is not one of these."""
+    cause = exc.__cause__
+    if isinstance(cause, UnicodeDecodeError):
+        byte = cause.object[cause.start : cause.start + 1].hex()
+        return f"the request body is not valid JSON (not UTF-8: byte 0x{byte} at offset {cause.start})"
+    if isinstance(cause, RecursionError):
+        return "the request body is not valid JSON (arrays or objects nested too deeply)"
+    if isinstance(cause, ValueError) and "digits" in str(cause):
+        return "the request body is not valid JSON (a number with too many digits)"
     return None

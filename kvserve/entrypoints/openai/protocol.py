@@ -11,9 +11,9 @@ here (limits.py) and floats must be finite. Types are strict, as OpenAI's are: "
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvserve.entrypoints.openai.limits import (
     MAX_STOP_STRINGS,
@@ -33,6 +33,17 @@ class OpenAIBody(BaseModel):
     """Every request body's base: no coercion between JSON types (an int stands for a float)."""
 
     model_config = ConfigDict(strict=True)
+    # Fields OpenAI's reference declares nullable with a default ("n": null is n = 1): null
+    # means the default there, and the openai client sends null for an argument given as None.
+    null_means_default: ClassVar[frozenset[str]] = frozenset()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, data: Any) -> Any:
+        nullable = cls.null_means_default
+        if isinstance(data, dict) and any(data.get(k, 0) is None for k in nullable):
+            return {k: v for k, v in data.items() if not (v is None and k in nullable)}
+        return data
 
 
 class StreamOptions(OpenAIBody):
@@ -72,6 +83,10 @@ class SamplingFields(OpenAIBody):
     """Fields shared by chat and completions (OpenAI's plus vLLM's extras)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    null_means_default: ClassVar[frozenset[str]] = frozenset(
+        {"n", "stream", "presence_penalty", "frequency_penalty", "logprobs", "echo", "parallel_tool_calls"}
+    )
 
     model: str | None = None
     max_tokens: PositiveInt64 | None = None
@@ -294,6 +309,7 @@ class EmbeddingRequest(OpenAIBody):
     """OpenAI's embeddings body; `pooling` is kvserve's (vLLM sets it per model)."""
 
     model_config = ConfigDict(extra="forbid")
+    null_means_default: ClassVar[frozenset[str]] = frozenset({"encoding_format"})
     model: str | None = None
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"

@@ -10,7 +10,7 @@ response ended. Keeping one engine path means the Responses API gets every chat 
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import ConfigDict, Field
 
@@ -62,6 +62,9 @@ class TextConfig(OpenAIBody):
 
 class ResponsesRequest(OpenAIBody):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    null_means_default: ClassVar[frozenset[str]] = frozenset(
+        {"parallel_tool_calls", "stream", "store", "background"}
+    )
 
     model: str | None = None
     input: str | list[dict[str, Any]]

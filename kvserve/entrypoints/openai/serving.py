@@ -474,7 +474,11 @@ class OpenAIServing:
         if forced is not None:
             params = replace(params, structured_outputs=forced)
         echo = req.messages[-1].text() if req.echo and continues_final_message(req) else ""
-        launched = await self._launch("chatcmpl", req, [prompt], params, raw)
+        try:
+            launched = await self._launch("chatcmpl", req, [prompt], params, raw)
+        except ValueError as e:  # the shared checks name `prompt`; a chat request sent `messages`
+            rename_field(e, "prompt", "messages")
+            raise
         run = Run(launched.gen, launched.streams, warnings)
         if req.stream:
             run.chunks = self._chat_chunks(launched, req, mode, top, echo)
@@ -579,9 +583,7 @@ class OpenAIServing:
             inputs = self._prompts(req.input)
             streams = await self._start(inputs, params, 1, engine_rid, req.priority, None)
         except ValueError as e:  # the shared checks name `prompt`; this endpoint's field is `input`
-            head, sep, rest = str(e).partition(":")
-            if sep and head == "prompt":
-                e.args = (f"input:{rest}",)  # the same error (its type gives its code), renamed
+            rename_field(e, "prompt", "input")
             raise
         finals = await self._collect(self._merged(streams, self._deadline()), raw)
         data, prompt_tokens = [], 0
@@ -800,3 +802,11 @@ def _declared(req: ChatCompletionRequest) -> set[str]:
 def _err_body(message: str, type_: str, status: int, code: str) -> dict:
     """An error event inside a stream: the body (and code) its non-streamed response would have."""
     return error_response(status, message, type_, code=code).body_dict
+
+
+def rename_field(e: ValueError, old: str, new: str) -> None:
+    """Rename, in place (its class, and so its error code, stay), the field an error starts
+    with: the engine's checks name `prompt` whatever the endpoint called it."""
+    head, sep, rest = str(e).partition(":")
+    if sep and head == old:
+        e.args = (f"{new}:{rest}",)

@@ -1,0 +1,44 @@
+"""How large a `kvserve plan --simulate` run may be, checked before it starts.
+
+The simulator holds the whole trace and steps every request token by token, and the CLI
+replays the trace up to 2 x --max-replicas + 2 times; without bounds a large trace file (or
+/dev/zero), a huge bursty duration, one request of 10^12 tokens, a trace spanning years of
+15-second autoscaler ticks or --min-replicas 10^9 exhausted memory or ran for ever. The
+limits sit far above a realistic capacity study (a day at 10 requests/s is 864,000 requests).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvserve.planner.trace import Arrival
+
+MAX_REQUESTS = 1_000_000  # trace lines or bursty arrivals
+MAX_LINE_CHARS = 4096  # one JSONL trace line
+MAX_TOKENS = 1 << 30  # prompt + output tokens over the whole trace
+MAX_TICKS = 1_000_000  # autoscaler decisions over the trace's span
+MAX_REPLICAS = 1024  # --min-replicas / --max-replicas
+
+
+def check_replicas(min_replicas: int, max_replicas: int) -> None:
+    if max(min_replicas, max_replicas) > MAX_REPLICAS:
+        raise ValueError(f"--min-replicas and --max-replicas must be <= {MAX_REPLICAS}")
+
+
+def check_trace(trace: list[Arrival], scale_interval_s: float) -> None:
+    """ValueError naming the limit a loaded trace goes past (its length was checked on load)."""
+    tokens = sum(a.prompt_tokens + a.output_tokens for a in trace)
+    if tokens > MAX_TOKENS:
+        raise ValueError(
+            f"--simulate: the trace has {tokens:,} prompt + output tokens; "
+            f"at most {MAX_TOKENS:,} are simulated"
+        )
+    span = max(a.t for a in trace) if trace else 0.0
+    ticks = span / scale_interval_s
+    if ticks > MAX_TICKS:
+        raise ValueError(
+            f"--simulate: the trace spans {span:,.0f} s, {ticks:,.0f} autoscaler decisions at "
+            f"--scale-interval {scale_interval_s:g}; at most {MAX_TICKS:,} (raise --scale-interval "
+            "or shorten the trace)"
+        )
