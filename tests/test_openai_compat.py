@@ -224,6 +224,22 @@ def test_logprob_bytes_are_the_tokens_own_and_cover_only_the_content(server):
     assert joined == c["message"]["content"]  # multi-byte pieces rejoin; no end-of-turn token
 
 
+def test_completion_logprobs_leave_out_a_cut_stop_string(server):
+    """A stop string cut from the text is not in the logprobs either (they listed ' ', '8' after
+    the text ' 6, 7,'). Streamed, a token sent before the stop string was complete (the ' '
+    here) stays sent, as in chat; the rest of the stop string is not."""
+    body = {"prompt": "1, 2, 3, 4, 5,", "max_tokens": 12, "temperature": 0, "logprobs": 1, "stop": [" 8"]}
+    c = post(server, "/v1/completions", body).json()["choices"][0]
+    assert c["finish_reason"] == "stop" and c["text"] == " 6, 7,", c
+    lp = c["logprobs"]
+    assert "".join(lp["tokens"]) == c["text"] and len(lp["token_logprobs"]) == len(lp["tokens"])
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True},
+                      headers=server.headers) as r:  # fmt: skip
+        chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+    tokens = [t for ch in chunks for t in (ch["choices"][0]["logprobs"] or {}).get("tokens", [])]
+    assert tokens[: len(lp["tokens"])] == lp["tokens"] and " 8" not in "".join(tokens), tokens
+
+
 def test_continuous_usage_stats(server):
     body = {"prompt": "Count: 1, 2,", "max_tokens": 4, "stream": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip

@@ -642,15 +642,25 @@ class OpenAIServing:
             return ""
         return out.prompt if out.prompt is not None else self.tokenizer.decode(out.prompt_token_ids)
 
+    def _stop_string_cut(self, c, req: CompletionRequest) -> int | None:
+        """How many of a completion's tokens make its text when a stop string cut it (the
+        stop string's tokens are not the answer's, as OpenAI reports them); None otherwise. An
+        end-of-text token keeps its logprob, as in OpenAI's legacy completions."""
+        if c.finish_reason != "stop" or not isinstance(c.stop_reason, str):
+            return None
+        return self._content_tokens(c.token_ids, c.text, req.skip_special_tokens)
+
     def _choice_logprobs(self, req: CompletionRequest, out: RequestOutput) -> dict | None:
         if req.logprobs is None:
             return None
         c = out.outputs[0]
+        cut = self._stop_string_cut(c, req)
+        token_ids, logprobs = c.token_ids[:cut], list(c.logprobs)[:cut]
         if req.echo:
-            ids = out.prompt_token_ids + c.token_ids
-            lps = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids)) + list(c.logprobs)
+            ids = out.prompt_token_ids + token_ids
+            lps = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids)) + logprobs
         else:
-            ids, lps = c.token_ids, c.logprobs
+            ids, lps = token_ids, logprobs
         return self._completion_logprobs(ids, lps, req.logprobs, 0, req.return_tokens_as_token_ids)
 
     def _completion_chunks(self, run: Launched, req: CompletionRequest) -> AsyncIterator[dict]:
@@ -659,6 +669,10 @@ class OpenAIServing:
         def choice(index: int, out: RequestOutput) -> dict | None:
             c = out.outputs[0]
             text, ids, lps = c.delta_text, list(c.delta_token_ids), list(c.delta_logprobs or [])
+            cut = self._stop_string_cut(c, req) if out.finished and req.logprobs is not None else None
+            if cut is not None:  # the stop string's tokens are not sent (those before it were)
+                keep = max(0, cut - (len(c.token_ids) - len(ids)))
+                ids, lps = ids[:keep], lps[:keep]
             if index not in offsets:
                 offsets[index] = 0
                 text = self._echo_text(req, out) + text
