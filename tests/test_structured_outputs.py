@@ -171,6 +171,8 @@ def test_grammar_state_accept_and_rollback(tiny_llm):
     assert state.num_accepted == len(ids)  # the refused call left no trace
     state.rollback(len(ids))
     assert state.num_accepted == 0 and state.accept_tokens(ids)
+    assert state.valid_prefix([*ids[-1:], z, *ids[-1:]]) == 1  # the 'b', not the 'z' after it
+    assert state.valid_prefix([z]) == 0 and state.num_accepted == len(ids)  # state as it was
     bitmask = xgr.allocate_token_bitmask(2, engine.arch.vocab_size)
     state.fill_bitmask(bitmask, 1)
     allowed = lambda t: bool((bitmask[1, t // 32] >> (t % 32)) & 1)  # noqa: E731

@@ -34,6 +34,18 @@ class GrammarState:
         self.num_accepted += len(token_ids)
         return True
 
+    def valid_prefix(self, token_ids: list[int]) -> int:
+        """How many leading tokens the grammar would accept next (the state is left as it was):
+        a speculative proposal is cut there, since verification rejects the rest anyway."""
+        n = 0
+        for tok in token_ids:
+            if self.matcher.is_terminated() or not self.matcher.accept_token(tok):
+                break
+            n += 1
+        if n:
+            self.matcher.rollback(n)
+        return n
+
     def accept_sampled(self, token_id: int) -> None:
         """Advance over a sampled token; a refused one ends the request (logged)."""
         if not self.accept_tokens([token_id]):
