@@ -325,9 +325,9 @@ def test_speculation_with_structured_outputs(proposer, tiny_llama_dir):
         assert x.outputs[0].token_ids == y.outputs[0].token_ids
     assert arith_re.fullmatch(b[0].outputs[0].text), b[0].outputs[0].text
     stats = _spec(spec)
-    if proposer == "draft":  # the target drafting for itself, its drafts cut where the grammar
-        # refuses them, agrees with its own constrained choices (unconstrained: none accepted)
-        assert 0 < stats.num_accepted_tokens == stats.num_draft_tokens, stats
+    if proposer == "draft":  # the target drafting for itself within the grammar agrees with its
+        # own constrained choices (unconstrained: 1 of 62 accepted; cut at the grammar: 3 drafted)
+        assert 20 < stats.num_accepted_tokens == stats.num_draft_tokens, stats
     sampled = [
         SamplingParams(temperature=1.0, seed=s, max_tokens=40, structured_outputs=cases[0]) for s in range(8)
     ]
