@@ -26,6 +26,7 @@ every step's tokens, then proposes the next drafts a token at a time.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -300,7 +301,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def propose_with_draft(
-        self, items: list[tuple[str, int, int, int]], block_tables: dict[str, list[int]], mask=None
+        self,
+        items: list[tuple[str, int, int, int]],
+        block_tables: dict[str, list[int]],
+        mask: Callable[[list[str], dict[str, list[int]], torch.Tensor], None] | None = None,
     ) -> dict[str, list[int]]:
         """Greedy drafts of up to k tokens per (req_id, last token, num_tokens, k), one batched
         draft decode per token; `mask(req_ids, drafts, logits)`, if given, constrains each
