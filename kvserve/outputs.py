@@ -56,6 +56,11 @@ class CompletionOutput:
     delta_token_ids: list[int] = field(default_factory=list)
     delta_logprobs: list[dict[int, float]] | None = None
     """Logprobs of delta_token_ids only (a snapshot; `logprobs` keeps growing while streaming)."""
+    text_token_ids: list[int] = field(default_factory=list)
+    """The tokens whose text delta_text released (what a stream shows with it): a token held
+    back as a possible stop string's start waits, and one a stop string cut is never here."""
+    text_logprobs: list[dict[int, float]] | None = None
+    """Logprobs of text_token_ids."""
 
 
 @dataclass

@@ -109,6 +109,29 @@ def test_stop_string_across_token_boundaries(tok, text, stop, include):
     assert d.num_tokens == n_needed
 
 
+@pytest.mark.parametrize("stop", ["own fo", "dog.", "over t", "n f"])
+@pytest.mark.parametrize("include", [False, True])
+def test_tokens_are_released_with_their_text(tok, stop, include):
+    """A token goes out only once its text has (not while it may start a stop string), and at
+    the end exactly the tokens whose text starts before the cut: what a whole answer reports."""
+    ids = ids_of(tok, FOX)
+    d = IncrementalDetokenizer(tok, SamplingParams(stop=[stop], include_stop_str_in_output=include))
+    shown, released = "", []
+    for n in range(1, len(ids) + 1):
+        found = d.update(ids[:n])
+        shown += d.release(found is not None)
+        a, b = d.release_tokens(found is not None)
+        assert a == len(released)
+        released += ids[a:b]
+        if found is None:
+            assert shown.startswith(tok.decode(released)), (shown, released)
+        else:
+            break
+    assert shown == d.text
+    content = next(m for m in range(len(ids) + 1) if len(tok.decode(ids[:m])) >= len(d.text))
+    assert released == ids[:content], (tok.decode(released), d.text)
+
+
 @pytest.mark.parametrize("chunks", [None, [2, 3, 1, 4, 2, 5, 1, 1, 3], [100]])
 def test_streamed_deltas_never_show_the_stop_string(tok, chunks):
     stop = "over the"

@@ -224,20 +224,43 @@ def test_logprob_bytes_are_the_tokens_own_and_cover_only_the_content(server):
     assert joined == c["message"]["content"]  # multi-byte pieces rejoin; no end-of-turn token
 
 
+def _streamed(server, path: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", f"{server.url}{path}", json={**body, "stream": True},
+                      headers=server.headers, timeout=180) as r:  # fmt: skip
+        return [json.loads(x[6:])["choices"][0] for x in r.iter_lines() if x.startswith("data: {")]
+
+
 def test_completion_logprobs_leave_out_a_cut_stop_string(server):
     """A stop string cut from the text is not in the logprobs either (they listed ' ', '8' after
-    the text ' 6, 7,'). Streamed, a token sent before the stop string was complete (the ' '
-    here) stays sent, as in chat; the rest of the stop string is not."""
+    the text ' 6, 7,'). Streamed, a token's logprob goes out with its text, so the ' ' held back
+    as a possible start of ' 8' was not sent before the match cut it: the stream's text and
+    logprobs are the whole answer's."""
     body = {"prompt": "1, 2, 3, 4, 5,", "max_tokens": 12, "temperature": 0, "logprobs": 1, "stop": [" 8"]}
     c = post(server, "/v1/completions", body).json()["choices"][0]
     assert c["finish_reason"] == "stop" and c["text"] == " 6, 7,", c
     lp = c["logprobs"]
     assert "".join(lp["tokens"]) == c["text"] and len(lp["token_logprobs"]) == len(lp["tokens"])
-    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True},
-                      headers=server.headers) as r:  # fmt: skip
-        chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
-    tokens = [t for ch in chunks for t in (ch["choices"][0]["logprobs"] or {}).get("tokens", [])]
-    assert tokens[: len(lp["tokens"])] == lp["tokens"] and " 8" not in "".join(tokens), tokens
+    chunks = _streamed(server, "/v1/completions", body)
+    sent = [ch["logprobs"] for ch in chunks if ch["logprobs"]]
+    assert "".join(ch["text"] for ch in chunks) == c["text"]
+    assert [t for s in sent for t in s["tokens"]] == lp["tokens"]
+    assert [x for s in sent for x in s["token_logprobs"]] == lp["token_logprobs"]
+    assert [x for s in sent for x in s["text_offset"]] == lp["text_offset"]
+
+
+def test_chat_streamed_logprobs_leave_out_a_cut_stop_string(server):
+    """Chat as completions: a stop string of several tokens whose first was generated before
+    the match completed is in neither the streamed text nor the streamed logprobs."""
+    body = {"messages": [{"role": "user", "content": "Count from 1 to 10, comma-separated."}],
+            "max_tokens": 30, "temperature": 0, "logprobs": True, "stop": [", 5"]}  # fmt: skip
+    c = post(server, "/v1/chat/completions", body).json()["choices"][0]
+    assert c["finish_reason"] == "stop" and c["message"]["content"].endswith("4"), c
+    whole = [(e["token"], e["logprob"]) for e in c["logprobs"]["content"]]
+    assert "".join(t for t, _ in whole) == c["message"]["content"]
+    chunks = _streamed(server, "/v1/chat/completions", body)
+    assert "".join(ch["delta"].get("content") or "" for ch in chunks) == c["message"]["content"]
+    sent = [(e["token"], e["logprob"]) for ch in chunks if ch["logprobs"] for e in ch["logprobs"]["content"]]
+    assert sent == whole
 
 
 def test_continuous_usage_stats(server):

@@ -154,8 +154,10 @@ def test_abort_while_compiling(tiny_llm):
     assert not engine.has_unfinished_requests()
 
 
-def test_grammar_state_accept_and_rollback(tiny_llm):
-    """The hooks speculative decoding needs: all-or-nothing accept, rollback, per-row masks."""
+def test_grammar_state_accept_and_rollback(tiny_llm, capfd):
+    """The hooks speculative decoding needs: all-or-nothing accept, rollback, a proposal's
+    valid prefix (a padding id past the tokenizer's refused without xgrammar's logged
+    warning), per-row masks."""
     import xgrammar as xgr
 
     from kvserve.structured.backend import GrammarCompiler
@@ -171,6 +173,10 @@ def test_grammar_state_accept_and_rollback(tiny_llm):
     assert state.num_accepted == len(ids)  # the refused call left no trace
     state.rollback(len(ids))
     assert state.num_accepted == 0 and state.accept_tokens(ids)
+    assert state.valid_prefix([*ids[-1:], z, *ids[-1:]]) == 1  # the 'b', not the 'z' after it
+    assert state.valid_prefix([z]) == 0 and state.num_accepted == len(ids)  # state as it was
+    assert state.valid_prefix([*ids[-1:], engine.arch.vocab_size - 1]) == 1
+    assert "cannot accept" not in capfd.readouterr().err
     bitmask = xgr.allocate_token_bitmask(2, engine.arch.vocab_size)
     state.fill_bitmask(bitmask, 1)
     allowed = lambda t: bool((bitmask[1, t // 32] >> (t % 32)) & 1)  # noqa: E731

@@ -281,7 +281,10 @@ class EngineCore:
             logger.exception("the speculative proposer failed; these requests decode without proposals")
             return
         for rid, tokens in proposals.items():
-            self.scheduler.requests[rid].spec_token_ids = tokens
+            req = self.scheduler.requests[rid]
+            if req.grammar is not None and tokens:  # [structured outputs] no draft it refuses
+                tokens = tokens[: req.grammar.valid_prefix(tokens)]
+            req.spec_token_ids = tokens
 
     def _kv_budget(self, device) -> int:
         if self.config.kv_cache_memory is not None:

@@ -9,6 +9,8 @@ string any more, so a stop string is never streamed to the client.
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
+
 from tokenizers.decoders import DecodeStream
 
 from kvserve.sampling_params import SamplingParams
@@ -25,6 +27,9 @@ class IncrementalDetokenizer:
         self.text = ""
         self.num_released = 0
         self.num_tokens = 0
+        self.token_ends: list[int] = []  # per token: where its text ends in self.text
+        self.num_tokens_released = 0
+        self.cut = False  # a stop string cut the text
 
     def update(self, token_ids: list[int], check_stops: bool = True) -> str | None:
         """Add new tokens; returns the stop string that matched, if one did (text is cut there).
@@ -36,6 +41,7 @@ class IncrementalDetokenizer:
             piece = self.stream.step(self.tokenizer.backend, t)
             if piece:
                 self.text += piece
+            self.token_ends.append(len(self.text))
         self.num_tokens = len(token_ids)
         if not self.stops or not check_stops or len(self.text) == before:
             return None
@@ -49,6 +55,7 @@ class IncrementalDetokenizer:
             return None
         i, s = best
         self.text = self.text[: i + len(s)] if self.include_stop else self.text[:i]
+        self.cut = True
         return s
 
     def release(self, finished: bool) -> str:
@@ -57,3 +64,17 @@ class IncrementalDetokenizer:
         delta = self.text[self.num_released : end]
         self.num_released = end
         return delta
+
+    def release_tokens(self, finished: bool) -> tuple[int, int]:
+        """The range of tokens newly released with the text (call after `release`): those whose
+        text is all out; once finished, every token but those wholly in a cut stop string."""
+        if not finished:
+            n = bisect_right(self.token_ends, self.num_released)
+        elif self.cut:  # a token counts if its text starts before the cut
+            end = len(self.text)
+            n = min(len(self.token_ends), bisect_left(self.token_ends, end) + 1) if end else 0
+        else:
+            n = len(self.token_ends)
+        start = self.num_tokens_released
+        self.num_tokens_released = max(start, n)
+        return start, self.num_tokens_released

@@ -36,6 +36,8 @@ class RequestState:
         self, new_token_ids: list[int], new_logprobs: list[dict[int, float]] | None = None
     ) -> RequestOutput:
         finished = self.finish_reason is not None
+        delta_text = self.detok.release(finished)
+        a, b = self.detok.release_tokens(finished)
         completion = CompletionOutput(
             index=0,
             text=self.detok.text,
@@ -43,9 +45,11 @@ class RequestState:
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
             logprobs=self.logprobs,
-            delta_text=self.detok.release(finished),
+            delta_text=delta_text,
             delta_token_ids=new_token_ids,
             delta_logprobs=new_logprobs if self.logprobs is not None else None,
+            text_token_ids=self.token_ids[a:b],
+            text_logprobs=self.logprobs[a:b] if self.logprobs is not None else None,
         )
         return RequestOutput(
             self.request_id, self.prompt, self.prompt_token_ids, [completion], finished, self.metrics,

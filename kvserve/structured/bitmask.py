@@ -59,7 +59,8 @@ def apply_grammar_bitmask_to_drafts(logits: torch.Tensor, req: Request, drafts: 
     what the grammar allows after drafts[:j]. The matcher advances over the drafts to fill
     each row and is rolled back afterwards (Scheduler.update advances it over the tokens that
     are actually emitted). A draft the grammar refuses is masked out in its own row, so it is
-    always rejected; the rows after it cannot be reached and repeat that row's mask."""
+    always rejected; the rows after it cannot be reached and repeat that row's mask. So do the
+    rows after a draft that ends the grammar (its stop token): the matcher has no next mask."""
     import xgrammar as xgr
 
     vocab = logits.shape[-1]
@@ -67,6 +68,9 @@ def apply_grammar_bitmask_to_drafts(logits: torch.Tensor, req: Request, drafts: 
     grammar = req.grammar
     advanced = 0
     for j in range(len(drafts) + 1):
+        if j and grammar.is_terminated():  # the request ends at the draft before: this row is unused
+            bitmask[j] = bitmask[j - 1]
+            continue
         grammar.fill_bitmask(bitmask, j)
         if (
             j == advanced < len(drafts)

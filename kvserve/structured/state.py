@@ -23,6 +23,8 @@ class GrammarState:
         )  # xgrammar 0.2 keeps all history: rollback is unbounded
         self.num_accepted = 0
         self.failed = False  # a token the grammar refuses was sampled (should not happen)
+        self._compiled = compiled_grammar
+        self._special: frozenset[int] | None = None  # refused with a logged warning: not asked
 
     def accept_tokens(self, token_ids: list[int]) -> bool:
         """Advance over all of token_ids, or over none of them (returns False, state unchanged)."""
@@ -33,6 +35,21 @@ class GrammarState:
                 return False
         self.num_accepted += len(token_ids)
         return True
+
+    def valid_prefix(self, token_ids: list[int]) -> int:
+        """How many leading tokens the grammar would accept next (the state is left as it was):
+        a speculative proposal is cut there, since verification rejects the rest anyway."""
+        if self._special is None:  # padding ids past the tokenizer's, control tokens (xgrammar's)
+            info = self._compiled.tokenizer_info
+            self._special = frozenset(info.special_token_ids) - frozenset(info.stop_token_ids)
+        n = 0
+        for tok in token_ids:
+            if tok in self._special or self.matcher.is_terminated() or not self.matcher.accept_token(tok):
+                break
+            n += 1
+        if n:
+            self.matcher.rollback(n)
+        return n
 
     def accept_sampled(self, token_id: int) -> None:
         """Advance over a sampled token; a refused one ends the request (logged)."""

@@ -26,6 +26,7 @@ every step's tokens, then proposes the next drafts a token at a time.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -300,10 +301,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def propose_with_draft(
-        self, items: list[tuple[str, int, int, int]], block_tables: dict[str, list[int]]
+        self,
+        items: list[tuple[str, int, int, int]],
+        block_tables: dict[str, list[int]],
+        mask: Callable[[list[str], dict[str, list[int]], torch.Tensor], None] | None = None,
     ) -> dict[str, list[int]]:
         """Greedy drafts of up to k tokens per (req_id, last token, num_tokens, k), one batched
-        draft decode per token.
+        draft decode per token; `mask(req_ids, drafts, logits)`, if given, constrains each
+        round's logits first (spec_decode/grammar_mask.py).
 
         Each request's last token is not in the draft's KV yet: round j feeds the token at
         position num_tokens - 1 + j (the last token, then the drafts so far) and writes its KV
@@ -322,7 +327,10 @@ class ModelRunner:
                 torch.tensor(ids + [0] * pad, device=self.device),
                 torch.from_numpy(np.pad(positions, (0, pad))).to(self.device), meta, self.draft_kv_cache,
             )  # fmt: skip
-            next_ids = row_argmax(self._logits(self.draft_model, hidden, list(range(len(ids))))).tolist()
+            logits = self._logits(self.draft_model, hidden, list(range(len(ids))))
+            if mask is not None:
+                mask([rid for rid, _, _ in active], drafts, logits)
+            next_ids = row_argmax(logits).tolist()
             for (rid, _, _), t in zip(active, next_ids):
                 drafts[rid].append(t)
         return drafts

@@ -537,14 +537,15 @@ class OpenAIServing:
         legacy = req.functions is not None
         as_ids = req.return_tokens_as_token_ids
         tool_streams: dict[int, ToolCallStream] = {}
+        sent: dict[int, int] = {}  # tokens whose logprobs went out, per choice
 
         def choice(index: int, out: RequestOutput) -> dict | None:
             c = out.outputs[0]
-            lp_ids, lps = c.delta_token_ids, c.delta_logprobs
+            lp_ids, lps = c.text_token_ids, c.text_logprobs  # in step with the text released
             if req.logprobs and out.finished and c.finish_reason == "stop":  # not the end-of-turn token
-                sent = len(c.token_ids) - len(lp_ids)
-                keep = max(0, self._content_tokens(c.token_ids, c.text, req.skip_special_tokens) - sent)
-                lp_ids, lps = lp_ids[:keep], lps[:keep]
+                keep = self._content_tokens(c.token_ids, c.text, req.skip_special_tokens) - sent.get(index, 0)
+                lp_ids, lps = lp_ids[: max(0, keep)], lps[: max(0, keep)]
+            sent[index] = sent.get(index, 0) + len(lp_ids)
             with_logprobs = req.logprobs and lp_ids
             delta: dict = {"content": c.delta_text} if c.delta_text else {}
             finish = c.finish_reason if out.finished else None
@@ -668,11 +669,8 @@ class OpenAIServing:
 
         def choice(index: int, out: RequestOutput) -> dict | None:
             c = out.outputs[0]
-            text, ids, lps = c.delta_text, list(c.delta_token_ids), list(c.delta_logprobs or [])
-            cut = self._stop_string_cut(c, req) if out.finished and req.logprobs is not None else None
-            if cut is not None:  # the stop string's tokens are not sent (those before it were)
-                keep = max(0, cut - (len(c.token_ids) - len(ids)))
-                ids, lps = ids[:keep], lps[:keep]
+            # Tokens go out with their text: none held back as a stop string's start, none cut.
+            text, ids, lps = c.delta_text, list(c.text_token_ids), list(c.text_logprobs or [])
             if index not in offsets:
                 offsets[index] = 0
                 text = self._echo_text(req, out) + text
