@@ -53,6 +53,9 @@ def _base(fault, tmp, **router) -> dict:
             deployment("holdlong", u, "hold-1", first_byte_timeout=0.5),
             {"model_name": "pricedie", "backend": {"base_url": u, "model": "die", "input_cost_per_token": 0.5,
                                                    "output_cost_per_token": 0.25}},
+            {"model_name": "pricedhold", "backend": {"base_url": u, "model": "hold-20",
+                                                     "input_cost_per_token": 0.5,
+                                                     "output_cost_per_token": 0.25}},
             {"model_name": "ctxmix", "id": "ctxmix-short",
              "backend": {"base_url": u, "model": "ok", "max_context": 10, "weight": 1000,
                          "input_cost_per_token": 0.5, "output_cost_per_token": 0.25}},
@@ -71,7 +74,8 @@ def _base(fault, tmp, **router) -> dict:
             {"key": "sk-rpm2", "rpm": 2},
             {"key": "sk-par1", "max_parallel_requests": 1},
             {"key": "sk-budget", "max_budget": 5.0},
-            {"key": "sk-budget-die", "max_budget": 100.0},  # priced: 3 words * 0.5 + 2 tokens * 0.25 = 2.0
+            {"key": "sk-budget-die", "max_budget": 100.0},
+            {"key": "sk-budget-hold", "max_budget": 20.0},  # priced: 3 words * 0.5 + 2 tokens * 0.25 = 2.0
             {"key": "sk-team-a", "team": "t"}, {"key": "sk-team-b", "team": "t"},
         ],
         "teams": {"t": {"rpm": 1}},
@@ -189,6 +193,34 @@ def test_a_stream_cut_mid_way_is_charged_what_it_delivered(gw):
         time.sleep(0.1)
     assert rows == [{"model": "pricedie", "requests": 1, "prompt_tokens": 3, "completion_tokens": 2,
                      "spend": 2.0}], rows  # fmt: skip
+
+
+def test_hanging_up_on_a_non_streamed_request_is_charged_its_reservation(gw, fault):
+    """A client that left while a non-streamed request was on its deployment was charged 0
+    (and logged no spend): work for free by hanging up. The backend is stopped (its KV freed),
+    and as how far it got cannot be known, the reservation on that deployment is charged:
+    3 x 0.5 + 40 x 0.25 = 11.5 of a budget of 20, so a second such request no longer fits."""
+    before = fault.stats()["cancelled_holds"]
+    with pytest.raises(httpx.ReadTimeout):
+        body = {"model": "pricedhold", "messages": MSG, "max_tokens": 40}
+        httpx.post(gw.url + "/v1/chat/completions", json=body,
+                   headers={"Authorization": "Bearer sk-budget-hold"}, timeout=0.5)  # fmt: skip
+    m = {"Authorization": f"Bearer {MASTER}"}
+    rows = []
+    for _ in range(150):  # settled once the gateway sees the client gone; logged in the background
+        rows = httpx.get(gw.url + "/admin/spend", params={"group_by": "model"}, headers=m).json()["data"]
+        rows = [r for r in rows if r["model"] == "pricedhold"]
+        if rows:
+            break
+        time.sleep(0.1)
+    assert rows == [{"model": "pricedhold", "requests": 1, "prompt_tokens": 3, "completion_tokens": 40,
+                     "spend": 11.5}], rows  # fmt: skip
+    deadline = time.monotonic() + 15
+    while fault.stats()["cancelled_holds"] == before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert fault.stats()["cancelled_holds"] == before + 1  # the backend's work was still stopped
+    r = post(gw, "pricedhold", key="sk-budget-hold", max_tokens=40)
+    assert r.status_code == 429 and r.json()["error"]["code"] == "budget_exceeded", r.text
 
 
 def test_backend_context_400_goes_to_context_window_fallback(gw):
@@ -556,7 +588,7 @@ def test_admin_refuses_a_key_it_could_not_store_or_use(gw, body, field):
 def test_health_readiness_and_metrics(gw):
     assert httpx.get(gw.url + "/health").json() == {"status": "ok"}
     ready = httpx.get(gw.url + "/health/readiness").json()
-    assert ready["status"] == "ready" and len(ready["deployments"]) == 27
+    assert ready["status"] == "ready" and len(ready["deployments"]) == 28
     text = httpx.get(gw.url + "/metrics").text
     assert "kvserve_gateway_requests_total" in text and "kvserve_gateway_attempts_total" in text
 

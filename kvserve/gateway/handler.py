@@ -17,7 +17,7 @@ from fastapi.responses import Response, StreamingResponse
 from kvserve.disagg.prefill import run_prefill
 from kvserve.disagg.split import decode_body, disaggregates
 from kvserve.gateway.backends import BackendPool, estimate_tokens
-from kvserve.gateway.budgets import cost, max_cost, sequences
+from kvserve.gateway.budgets import completion_budget, cost, max_cost, sequences
 from kvserve.gateway.config import Deployment, GatewayConfig
 from kvserve.gateway.degrade import HEADER as DEGRADED_HEADER
 from kvserve.gateway.degrade import Degrader
@@ -65,6 +65,8 @@ class Ctx:
     degraded_to: str | None = None  # the fallback alias tried first: the group is saturated
     cache: Lookup | None = None  # set when the response cache applies to this request
     pd: str | None = None  # pd deployments: "disaggregated" or "fallback" (the last attempt's)
+    client_left: bool = False  # the client hung up (the request is being cancelled)
+    abandoned: str | None = None  # it left with work on served_by: "prefill" or "answer"
 
 
 class Gateway:
@@ -133,6 +135,7 @@ class Gateway:
             watcher.cancel()
         if work in done:
             return work.result()
+        ctx.client_left = True
         work.cancel()  # the client went away: stop the upstream request (frees its KV blocks)
         return Response(status_code=499)
 
@@ -342,8 +345,9 @@ class Gateway:
             url, prefill = dep.backend.prefill_url + ctx.path, dict(body, model=dep.backend.model)
             try:
                 pre = await run_prefill(self.pool.client(dep), url, prefill, self.pool.headers(dep))
-            except BaseException:  # the client left during the prefill
-                await asyncio.shield(self._release(arid, dchecks, 0))
+            except BaseException:  # the client left during the prefill: its prompt was computed
+                self._abandon(ctx, dep, "prefill")
+                await asyncio.shield(self._release(arid, dchecks, ctx.prompt_tokens if ctx.abandoned else 0))
                 raise
             if pre.refused_status is not None:  # the client's mistake: the deployment's slot is free again
                 await self._release(arid, dchecks, 0)
@@ -355,9 +359,10 @@ class Gateway:
         strategy.started(dep.id, ctx.route)
         try:
             out = await attempt(self.pool, dep, ctx.path, body, ctx.stream, ctx.client_usage)
-        except BaseException:
+        except BaseException:  # the client left while the deployment worked: it is charged
             strategy.finished(dep.id, None, ctx.route)
-            await asyncio.shield(self._release(arid, dchecks, 0))
+            self._abandon(ctx, dep, "prefill" if ctx.stream else "answer")
+            await asyncio.shield(self._release(arid, dchecks, ctx.prompt_tokens if ctx.abandoned else 0))
             raise
         if out.kind == "ok" and out.response is not None:  # a live stream: finished when it ends
             return self._stream(ctx, dep, arid, dchecks, out)
@@ -376,6 +381,15 @@ class Gateway:
             await self.cache.save(ctx.cache, out.content)
             headers[CACHE_HEADER] = "miss"
         return Response(out.content, out.status, headers=headers, media_type=out.media_type)
+
+    @staticmethod
+    def _abandon(ctx: Ctx, dep: Deployment, done: str) -> None:
+        """When the client left while `dep` worked on its request, note what it is charged for
+        (GATEWAY.md, Budgets): a stream nothing of which was sent, its prompt; a non-streamed
+        answer, its reservation on `dep`: how far the backend got before it was stopped cannot
+        be known, and hanging up must not make work free."""
+        if ctx.client_left:
+            ctx.served_by, ctx.abandoned = dep, done
 
     def _headers(self, ctx: Ctx, dep: Deployment) -> dict[str, str]:
         h = {
@@ -460,6 +474,8 @@ class Gateway:
         ctx.settled = True
         dep = ctx.served_by
         money = 0.0
+        if ctx.abandoned and dep is not None:
+            usage, ok = _abandoned_usage(ctx, dep), True
         if ok and dep is not None:
             c = cost(dep.backend, usage)
             money = ctx.reserved_money if c is None else c  # no usage reported: charge the reservation
@@ -504,6 +520,15 @@ class Gateway:
             ctx.attempts,
             (time.monotonic() - ctx.t0) * 1000,
         )
+
+
+def _abandoned_usage(ctx: Ctx, dep: Deployment) -> dict:
+    """What a request the client left is charged as, on the deployment that had it."""
+    prompt = ctx.prompt_tokens or estimate_tokens(ctx.body)
+    completion = 0
+    if ctx.abandoned == "answer" and ctx.path != EMBEDDINGS:
+        completion = completion_budget(ctx.body, prompt, dep.backend.max_context) * sequences(ctx.body)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def _min_new(ctx: Ctx) -> int:
