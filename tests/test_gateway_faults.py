@@ -457,6 +457,16 @@ def test_gateway_errors_have_string_codes(gw):
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_value"
 
 
+def test_a_body_nested_too_deeply_to_parse_is_a_400_not_a_500(gw):
+    """JSON nested past the parser's recursion limit raised RecursionError, not ValueError: a
+    500 and a traceback for the client's mistake (chat and the admin API). Now a 400."""
+    deep = b"[" * 20_000  # (under the fixture's max_request_bytes)
+    for path, key in (("/v1/chat/completions", KEY), ("/admin/keys", MASTER)):
+        r = httpx.post(gw.url + path, content=deep, headers={"Authorization": f"Bearer {key}"}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
+    assert "RecursionError" not in gw.logs()
+
+
 def test_key_rpm_limit_gives_429_with_headers(gw):
     assert [post(gw, "okgroup", key="sk-rpm2").status_code for _ in range(2)] == [200, 200]
     r = post(gw, "okgroup", key="sk-rpm2")

@@ -26,7 +26,7 @@ def admin_router(state) -> APIRouter:
         state.require_master(request)
         try:
             body = await request.json()
-        except ValueError:
+        except (ValueError, RecursionError):  # (nested too deeply to parse: the caller's mistake too)
             raise GatewayError(400, "body: not valid JSON", code="invalid_json") from None
         if not isinstance(body, dict):
             raise GatewayError(400, "body: expected a JSON object", code="invalid_json")

@@ -545,6 +545,8 @@ async def _json_body(request: Request) -> dict:
         body = json.loads(raw)
     except ValueError:
         raise GatewayError(400, "body: not valid JSON", code="invalid_json") from None
+    except RecursionError:  # the client's mistake: a 400, not a 500 and a traceback
+        raise GatewayError(400, "body: not valid JSON (nested too deeply)", code="invalid_json") from None
     if not isinstance(body, dict):
         raise GatewayError(400, "body: expected a JSON object", code="invalid_json")
     return body
