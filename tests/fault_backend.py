@@ -10,6 +10,7 @@ failure tests. The backend model name picks the behaviour:
     ping-hang streams an SSE comment (": ping"), then nothing (60 s)
     stop-400  400 "stop: sequence too long" (a 400 about something else than the context)
     late-body not streamed: status and the first bytes of the JSON at once, the rest after 1 s
+    no-total  as ok, its usage without total_tokens (prompt and completion tokens only)
 
 GET /stats gives requests per model and how many streams and holds the client cancelled.
 
@@ -50,6 +51,13 @@ def _chunk(chat: bool, text: str | None, finish: str | None = None) -> bytes:
     return b"data: " + json.dumps({**obj, "choices": [choice]}).encode() + b"\n\n"
 
 
+def _usage(body: dict, n: int, mode: str) -> dict:
+    usage = {"prompt_tokens": words(body), "completion_tokens": n, "total_tokens": words(body) + n}
+    if mode == "no-total":
+        del usage["total_tokens"]
+    return usage
+
+
 async def _events(body: dict, chat: bool, mode: str):
     n = int(body.get("max_tokens") or 4)
     try:
@@ -61,7 +69,7 @@ async def _events(body: dict, chat: bool, mode: str):
                 raise ConnectionError("fault backend: dying mid-stream")
         yield _chunk(chat, None, "length")
         if (body.get("stream_options") or {}).get("include_usage"):
-            usage = {"prompt_tokens": words(body), "completion_tokens": n, "total_tokens": words(body) + n}
+            usage = _usage(body, n, mode)
             yield b"data: " + json.dumps({"id": "fault", "choices": [], "usage": usage}).encode() + b"\n\n"
         yield b"data: [DONE]\n\n"
     except asyncio.CancelledError:
@@ -121,7 +129,7 @@ async def _answer(request: Request, chat: bool):
             events = (e.replace(b"\n", b"\r\n") async for e in events)
         return StreamingResponse(events, media_type="text/event-stream")
     n = int(body.get("max_tokens") or 4)
-    usage = {"prompt_tokens": words(body), "completion_tokens": n, "total_tokens": words(body) + n}
+    usage = _usage(body, n, mode)
     text = " tok" * n
     kv = body.get("kv_transfer_params")
     if isinstance(kv, dict) and kv.get("do_remote_decode"):  # a prefill request: answer as a kv_producer

@@ -56,6 +56,9 @@ def _base(fault, tmp, **router) -> dict:
             {"model_name": "pricedhold", "backend": {"base_url": u, "model": "hold-20",
                                                      "input_cost_per_token": 0.5,
                                                      "output_cost_per_token": 0.25}},
+            {"model_name": "nototal", "backend": {"base_url": u, "model": "no-total",
+                                                  "input_cost_per_token": 0.5,
+                                                  "output_cost_per_token": 0.25}},
             {"model_name": "ctxmix", "id": "ctxmix-short",
              "backend": {"base_url": u, "model": "ok", "max_context": 10, "weight": 1000,
                          "input_cost_per_token": 0.5, "output_cost_per_token": 0.25}},
@@ -74,8 +77,9 @@ def _base(fault, tmp, **router) -> dict:
             {"key": "sk-rpm2", "rpm": 2},
             {"key": "sk-par1", "max_parallel_requests": 1},
             {"key": "sk-budget", "max_budget": 5.0},
-            {"key": "sk-budget-die", "max_budget": 100.0},
-            {"key": "sk-budget-hold", "max_budget": 20.0},  # priced: 3 words * 0.5 + 2 tokens * 0.25 = 2.0
+            {"key": "sk-budget-die", "max_budget": 100.0},  # priced: 3 words * 0.5 + 2 tokens * 0.25 = 2.0
+            {"key": "sk-budget-hold", "max_budget": 20.0},
+            {"key": "sk-par1-nototal", "max_parallel_requests": 1, "max_budget": 100.0},
             {"key": "sk-team-a", "team": "t"}, {"key": "sk-team-b", "team": "t"},
         ],
         "teams": {"t": {"rpm": 1}},
@@ -221,6 +225,32 @@ def test_hanging_up_on_a_non_streamed_request_is_charged_its_reservation(gw, fau
     assert fault.stats()["cancelled_holds"] == before + 1  # the backend's work was still stopped
     r = post(gw, "pricedhold", key="sk-budget-hold", max_tokens=40)
     assert r.status_code == 429 and r.json()["error"]["code"] == "budget_exceeded", r.text
+
+
+def test_usage_without_total_tokens_is_settled_and_frees_the_keys_slot(gw):
+    """A backend whose usage has no total_tokens (prompt and completion only) made the end of
+    a stream fail silently: nothing was settled or logged, the key's parallel slot and its
+    reservation stayed held until the TTL (the second stream of a max_parallel_requests 1 key
+    was refused), and the gateway counted the stream in flight forever. Now the total is the
+    sum, each stream is charged (3 x 0.5 + 2 x 0.25 = 2.0) and frees its slot."""
+    c = client(gw, "sk-par1-nototal")
+    for stream in (True, True, False):
+        if stream:
+            chunks = c.chat.completions.create(model="nototal", messages=MSG, max_tokens=2, stream=True)
+            assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == " tok tok"
+        else:
+            answer = c.chat.completions.create(model="nototal", messages=MSG, max_tokens=2)
+            assert answer.choices[0].message.content == " tok tok"
+    m = {"Authorization": f"Bearer {MASTER}"}
+    rows = []
+    for _ in range(100):  # the spend log is written in the background
+        rows = httpx.get(gw.url + "/admin/spend", params={"group_by": "model"}, headers=m).json()["data"]
+        rows = [r for r in rows if r["model"] == "nototal"]
+        if rows and rows[0]["requests"] == 3:
+            break
+        time.sleep(0.1)
+    assert rows == [{"model": "nototal", "requests": 3, "prompt_tokens": 9, "completion_tokens": 6,
+                     "spend": 6.0}], rows  # fmt: skip
 
 
 def test_backend_context_400_goes_to_context_window_fallback(gw):
@@ -598,7 +628,7 @@ def test_admin_refuses_a_key_it_could_not_store_or_use(gw, body, field):
 def test_health_readiness_and_metrics(gw):
     assert httpx.get(gw.url + "/health").json() == {"status": "ok"}
     ready = httpx.get(gw.url + "/health/readiness").json()
-    assert ready["status"] == "ready" and len(ready["deployments"]) == 28
+    assert ready["status"] == "ready" and len(ready["deployments"]) == 29
     text = httpx.get(gw.url + "/metrics").text
     assert "kvserve_gateway_requests_total" in text and "kvserve_gateway_attempts_total" in text
 

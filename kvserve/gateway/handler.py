@@ -433,8 +433,10 @@ class Gateway:
                 done = asyncio.ensure_future(self._end_stream(ctx, dep, arid, dchecks, out, status, failure))
                 try:
                     await asyncio.shield(done)
-                except BaseException:
-                    pass
+                except asyncio.CancelledError:
+                    pass  # (the client left: the settlement goes on, shielded)
+                except Exception:  # a bug: said once, not swallowed (it left the key's slots held)
+                    log.exception("settling the stream of %s failed", ctx.rid)
 
         return StreamingResponse(relay(), media_type="text/event-stream", headers=self._headers(ctx, dep))
 

@@ -17,6 +17,7 @@ from kvserve.gateway.backends import BackendPool
 from kvserve.gateway.config import Deployment
 from kvserve.gateway.retries import is_context_error, is_retryable, parse_retry_after
 from kvserve.gateway.sse import SSERelay
+from kvserve.gateway.usage import normalized
 
 
 @dataclass
@@ -115,8 +116,8 @@ def _classify(resp: httpx.Response, content: bytes, t0: float) -> Outcome:
     if status < 300:
         usage = None
         try:
-            usage = json.loads(content).get("usage")
-        except (ValueError, AttributeError):
+            usage = normalized(json.loads(content).get("usage"))
+        except (ValueError, AttributeError, RecursionError):
             pass
         return Outcome("ok", status, content, media, usage=usage, first_byte_s=elapsed)
     if is_retryable(status):
