@@ -11,6 +11,7 @@ failure tests. The backend model name picks the behaviour:
     stop-400  400 "stop: sequence too long" (a 400 about something else than the context)
     late-body not streamed: status and the first bytes of the JSON at once, the rest after 1 s
     no-total  as ok, its usage without total_tokens (prompt and completion tokens only)
+    list-kv   as ok, but a prefill request is answered with a JSON list, not an object
 
 GET /stats gives requests per model and how many streams and holds the client cancelled.
 
@@ -132,6 +133,8 @@ async def _answer(request: Request, chat: bool):
     usage = _usage(body, n, mode)
     text = " tok" * n
     kv = body.get("kv_transfer_params")
+    if isinstance(kv, dict) and kv.get("do_remote_decode") and mode == "list-kv":
+        return JSONResponse([{"kv_transfer_params": {"do_remote_prefill": True}}])
     if isinstance(kv, dict) and kv.get("do_remote_decode"):  # a prefill request: answer as a kv_producer
         return {"id": "fault", "object": "text_completion", "created": 0, "model": mode, "choices": [],
                 "kv_transfer_params": {"do_remote_prefill": True, "remote_request_id": "fault"}}  # fmt: skip

@@ -433,3 +433,15 @@ def test_an_unexpected_failure_or_a_bad_path_is_answered_in_openai_shape(caplog)
     err = broken.json()["error"]
     assert err["code"] == "internal_error" and err["type"] == "internal_error", err
     assert [r.exc_info is not None for r in caplog.records if r.levelno >= logging.ERROR] == [True]
+
+
+def test_a_prefill_answer_that_is_not_a_json_object_means_recompute(fault_proxy):
+    """A prefill engine answering 200 with a JSON list (not an object) raised AttributeError
+    reading its kv_transfer_params: a 500 for the client (in the proxy and in a gateway's pd
+    deployment). It is a failed prefill like any other: the decode engine computes the prompt."""
+    fault, proxy, _ = fault_proxy
+    body = {"model": "list-kv", "prompt": "a b", "max_tokens": 2}
+    for _ in range(2):  # each prefill engine first in turn (one refuses connections)
+        r = httpx.post(proxy.url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 200 and r.headers["x-kvserve-pd"] == "fallback", r.text
+        assert r.json()["choices"][0]["text"] == " tok tok"
