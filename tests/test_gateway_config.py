@@ -94,6 +94,22 @@ def _with(path: str, value) -> dict:
         ),
         ("response_cache", {"ttl": -1}, "response_cache.ttl: Input should be greater than 0"),
         ("general_settings.shutdown_timeout", -1, "general_settings.shutdown_timeout: Input should be"),
+        # these started and then failed each request (a reservation TTL or a limit past what
+        # Redis and the cost arithmetic take, a weight random.choices refuses)
+        (
+            "model_list.0.backend.timeout",
+            float("inf"),
+            "model_list.0.backend.timeout: Input should be a finite",
+        ),
+        ("model_list.0.backend.timeout", 1e308, "model_list.0.backend.timeout: Input should be less than"),
+        (
+            "model_list.0.backend.weight",
+            float("inf"),
+            "model_list.0.backend.weight: Input should be a finite",
+        ),
+        ("model_list.0.backend.rpm", 10**400, "model_list.0.backend.rpm: Input should be less than"),
+        ("model_list.0.backend.max_context", 10**400, "model_list.0.backend.max_context: Input should be"),
+        ("general_settings.reservation_ttl", 1e308, "general_settings.reservation_ttl: Input should be less"),
     ],
 )
 def test_bad_config_names_the_key_path(path, value, message):
