@@ -12,6 +12,7 @@ failure tests. The backend model name picks the behaviour:
     late-body not streamed: status and the first bytes of the JSON at once, the rest after 1 s
     no-total  as ok, its usage without total_tokens (prompt and completion tokens only)
     list-kv   as ok, but a prefill request is answered with a JSON list, not an object
+    429-nan   429 + Retry-After: nan
 
 GET /stats gives requests per model and how many streams and holds the client cancelled.
 
@@ -102,6 +103,8 @@ async def _answer(request: Request, chat: bool):
         return JSONResponse({"error": {"message": "injected failure", "type": "server_error"}}, 500)
     if mode == "fail-429":
         return JSONResponse({"error": {"message": "slow down"}}, 429, headers={"retry-after": "1"})
+    if mode == "429-nan":
+        return JSONResponse({"error": {"message": "slow down"}}, 429, headers={"retry-after": "nan"})
     if mode == "bad-400":
         return JSONResponse({"error": {"message": "temperature: must be <= 2", "param": "temperature"}}, 400)
     if mode == "stop-400":

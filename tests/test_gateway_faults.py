@@ -36,6 +36,7 @@ def _base(fault, tmp, **router) -> dict:
             deployment("die", u, "die"), deployment("ctx", u, "ctx-400"), deployment("big", u, "ok"),
             deployment("small", u, "ok", max_context=5), deployment("bad", u, "bad-400"),
             deployment("r429", u, "fail-429"), deployment("slow", u, "slow"),
+            deployment("r429nan", u, "429-nan"),
             deployment("hold", u, "hold-1"), deployment("crlf", u, "crlf"),
             deployment("pd400", u, "bad-400", prefill_url=u, max_parallel_requests=1),
             {"model_name": "pdmix", "id": "pdmix-pd",
@@ -367,6 +368,16 @@ def test_429_retry_after_is_honoured(gw, fault):
     assert time.monotonic() - t0 >= 1.0  # after the backend's Retry-After: 1
 
 
+def test_a_retry_after_that_is_not_a_finite_number_is_ignored_not_a_500(gw, fault):
+    """Retry-After: nan (or inf) parsed as a float: the gateway's own Retry-After for the final
+    429 was int(nan) and the client got a 500 internal_error. Such a header is now ignored
+    (the gateway's backoff applies), and the client gets the backend's 429."""
+    before = fault.count("429-nan")
+    r = post(gw, "r429nan")
+    assert r.status_code == 429 and r.json()["error"]["code"] == "upstream_error", r.text
+    assert "retry-after" not in r.headers and fault.count("429-nan") == before + 2  # retried once
+
+
 def test_client_disconnect_cancels_the_upstream_stream(gw, fault):
     before = fault.stats()["cancelled_streams"]
     body = {"model": "slow", "messages": MSG, "max_tokens": 200, "stream": True}
@@ -628,7 +639,7 @@ def test_admin_refuses_a_key_it_could_not_store_or_use(gw, body, field):
 def test_health_readiness_and_metrics(gw):
     assert httpx.get(gw.url + "/health").json() == {"status": "ok"}
     ready = httpx.get(gw.url + "/health/readiness").json()
-    assert ready["status"] == "ready" and len(ready["deployments"]) == 29
+    assert ready["status"] == "ready" and len(ready["deployments"]) == 30
     text = httpx.get(gw.url + "/metrics").text
     assert "kvserve_gateway_requests_total" in text and "kvserve_gateway_attempts_total" in text
 

@@ -4,6 +4,7 @@ retrying gateways do not synchronise), never shorter than a backend's Retry-Afte
 from __future__ import annotations
 
 import json
+import math
 import random
 
 RETRYABLE_STATUS = frozenset({408, 429}) | frozenset(range(500, 600))
@@ -25,9 +26,11 @@ def parse_retry_after(value: str | None) -> float | None:
     if not value:
         return None
     try:
-        return max(float(value), 0.0)
+        seconds = float(value)
     except ValueError:
         return None  # an HTTP date: rare from model servers; fall back to our own backoff
+    # float() also reads "nan" and "inf": the final 429's own Retry-After was int() of it, a 500
+    return max(seconds, 0.0) if math.isfinite(seconds) else None
 
 
 # how servers say a prompt (with max_tokens) exceeds the model's context, lowercased: OpenAI,
