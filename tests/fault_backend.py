@@ -13,6 +13,7 @@ failure tests. The backend model name picks the behaviour:
     no-total  as ok, its usage without total_tokens (prompt and completion tokens only)
     list-kv   as ok, but a prefill request is answered with a JSON list, not an object
     429-nan   429 + Retry-After: nan
+    auth-401  401 invalid_api_key (as kvserve serve answers a wrong --api-key)
 
 GET /stats gives requests per model and how many streams and holds the client cancelled.
 
@@ -103,6 +104,9 @@ async def _answer(request: Request, chat: bool):
         return JSONResponse({"error": {"message": "injected failure", "type": "server_error"}}, 500)
     if mode == "fail-429":
         return JSONResponse({"error": {"message": "slow down"}}, 429, headers={"retry-after": "1"})
+    if mode == "auth-401":
+        err = {"message": "invalid or missing API key", "code": "invalid_api_key"}
+        return JSONResponse({"error": err}, 401)
     if mode == "429-nan":
         return JSONResponse({"error": {"message": "slow down"}}, 429, headers={"retry-after": "nan"})
     if mode == "bad-400":

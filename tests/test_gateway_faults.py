@@ -43,6 +43,11 @@ def _base(fault, tmp, **router) -> dict:
              "backend": {"base_url": u, "model": "fail-500", "prefill_url": u, "weight": 1000}},
             {"model_name": "pdmix", "id": "pdmix-plain",
              "backend": {"base_url": u, "model": "ok", "weight": 0.001}},
+            {"model_name": "authmix", "id": "authmix-bad",
+             "backend": {"base_url": u, "model": "auth-401", "weight": 1000}},
+            {"model_name": "authmix", "id": "authmix-ok",
+             "backend": {"base_url": u, "model": "ok", "weight": 0.001}},
+            deployment("authbad", u, "auth-401"),
             {"model_name": "deprpm", "id": "deprpm-a", "backend": {"base_url": u, "model": "ok", "rpm": 1}},
             {"model_name": "deprpm", "id": "deprpm-b", "backend": {"base_url": u, "model": "ok", "rpm": 1}},
             {"model_name": "priced", "backend": {"base_url": u, "model": "ok", "input_cost_per_token": 0.5,
@@ -350,6 +355,20 @@ def test_a_lone_surrogate_in_a_prompt_is_counted_not_a_500(gw):
     assert r.status_code == 200 and r.headers["x-kvserve-deployment"] == "small-7", r.text
 
 
+def test_a_backend_refusing_the_deployments_api_key_is_retried_elsewhere_not_blamed_on_the_client(gw, fault):
+    """The gateway sends a backend the deployment's api_key, never the client's; a backend's 401
+    (a deployment set up with a wrong key) was passed through: the client was told its own key
+    was invalid, and the group's other deployment was never tried. Now it is retried there, and
+    with no other deployment the client gets a 502 naming the deployment."""
+    before = fault.count("auth-401")
+    r = post(gw, "authmix")
+    assert r.status_code == 200 and r.headers["x-kvserve-deployment"] == "authmix-ok", r.text
+    assert r.headers["x-kvserve-attempts"] == "2" and fault.count("auth-401") == before + 1
+    r = post(gw, "authbad")
+    assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_error", r.text
+    assert "authbad" in r.json()["error"]["message"] and "api_key" in r.json()["error"]["message"]
+
+
 def test_backend_4xx_is_passed_through_and_not_retried(gw, fault):
     before = fault.count("bad-400")
     r = post(gw, "bad")
@@ -639,7 +658,7 @@ def test_admin_refuses_a_key_it_could_not_store_or_use(gw, body, field):
 def test_health_readiness_and_metrics(gw):
     assert httpx.get(gw.url + "/health").json() == {"status": "ok"}
     ready = httpx.get(gw.url + "/health/readiness").json()
-    assert ready["status"] == "ready" and len(ready["deployments"]) == 30
+    assert ready["status"] == "ready" and len(ready["deployments"]) == 33
     text = httpx.get(gw.url + "/metrics").text
     assert "kvserve_gateway_requests_total" in text and "kvserve_gateway_attempts_total" in text
 

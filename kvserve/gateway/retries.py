@@ -8,6 +8,11 @@ import math
 import random
 
 RETRYABLE_STATUS = frozenset({408, 429}) | frozenset(range(500, 600))
+# The gateway sends the backend its own credentials (the deployment's api_key), never the
+# client's: a 401 or 403 is a deployment set up wrong, not the client's mistake. Passed
+# through, it told the client its own key was bad, and the group's other deployments were
+# never tried; now it is retried elsewhere, counts towards the cooldown, and ends as a 502.
+CREDENTIALS_STATUS = frozenset({401, 403})
 
 
 def is_retryable(status: int) -> bool:
