@@ -15,6 +15,7 @@ failure tests. The backend model name picks the behaviour:
     429-nan   429 + Retry-After: nan
     auth-401  401 invalid_api_key (as kvserve serve answers a wrong --api-key)
 
+POST /deny/v1/... answers 401 whatever the model (a server whose API key the caller lacks).
 GET /stats gives requests per model and how many streams and holds the client cancelled.
 
     python tests/fault_backend.py --port 8124
@@ -151,6 +152,13 @@ async def _answer(request: Request, chat: bool):
         choice = {"index": 0, "text": text, "finish_reason": "length"}
     return {"id": "fault", "object": "chat.completion" if chat else "text_completion", "created": 0,
             "model": mode, "choices": [choice], "usage": usage}  # fmt: skip
+
+
+@app.post("/deny/v1/chat/completions")
+@app.post("/deny/v1/completions")
+async def deny():
+    """A server whose --api-key the caller does not have (as kvserve serve answers it)."""
+    return JSONResponse({"error": {"message": "invalid or missing API key", "code": "invalid_api_key"}}, 401)
 
 
 @app.post("/v1/chat/completions")

@@ -48,6 +48,7 @@ def _base(fault, tmp, **router) -> dict:
             {"model_name": "authmix", "id": "authmix-ok",
              "backend": {"base_url": u, "model": "ok", "weight": 0.001}},
             deployment("authbad", u, "auth-401"),
+            deployment("pdauth", u, "ok", prefill_url=fault.url + "/deny/v1"),
             {"model_name": "deprpm", "id": "deprpm-a", "backend": {"base_url": u, "model": "ok", "rpm": 1}},
             {"model_name": "deprpm", "id": "deprpm-b", "backend": {"base_url": u, "model": "ok", "rpm": 1}},
             {"model_name": "priced", "backend": {"base_url": u, "model": "ok", "input_cost_per_token": 0.5,
@@ -369,6 +370,14 @@ def test_a_backend_refusing_the_deployments_api_key_is_retried_elsewhere_not_bla
     assert "authbad" in r.json()["error"]["message"] and "api_key" in r.json()["error"]["message"]
 
 
+def test_a_prefill_engine_refusing_the_deployments_api_key_means_recompute_not_a_401(gw):
+    """A pd deployment whose prefill engine refused the deployment's api_key passed that 401 on
+    as the client's mistake; now the decode engine computes the prompt (x-kvserve-pd: fallback)."""
+    r = post(gw, "pdauth")
+    assert r.status_code == 200 and r.headers["x-kvserve-pd"] == "fallback", r.text
+    assert r.json()["choices"][0]["message"]["content"] == " tok tok"
+
+
 def test_backend_4xx_is_passed_through_and_not_retried(gw, fault):
     before = fault.count("bad-400")
     r = post(gw, "bad")
@@ -658,7 +667,7 @@ def test_admin_refuses_a_key_it_could_not_store_or_use(gw, body, field):
 def test_health_readiness_and_metrics(gw):
     assert httpx.get(gw.url + "/health").json() == {"status": "ok"}
     ready = httpx.get(gw.url + "/health/readiness").json()
-    assert ready["status"] == "ready" and len(ready["deployments"]) == 33
+    assert ready["status"] == "ready" and len(ready["deployments"]) == 34
     text = httpx.get(gw.url + "/metrics").text
     assert "kvserve_gateway_requests_total" in text and "kvserve_gateway_attempts_total" in text
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from kvserve.disagg.prefill import run_prefill
+from kvserve.disagg.prefill import PrefillResult, run_prefill
 from kvserve.disagg.split import decode_body, disaggregates
 from kvserve.gateway.backends import BackendPool, estimate_tokens
 from kvserve.gateway.budgets import completion_budget, cost, max_cost, sequences
@@ -28,7 +28,7 @@ from kvserve.gateway.metrics import GatewayMetrics
 from kvserve.gateway.proxy import Outcome, attempt
 from kvserve.gateway.response_cache import HEADER as CACHE_HEADER
 from kvserve.gateway.response_cache import Lookup, ResponseCache
-from kvserve.gateway.retries import MAX_RETRY_AFTER, backoff
+from kvserve.gateway.retries import CREDENTIALS_STATUS, MAX_RETRY_AFTER, backoff
 from kvserve.gateway.router import Router, request_info
 from kvserve.gateway.saturation import SaturationMonitor
 from kvserve.gateway.spend import SpendLog, SpendRow
@@ -349,6 +349,9 @@ class Gateway:
                 self._abandon(ctx, dep, "prefill")
                 await asyncio.shield(self._release(arid, dchecks, ctx.prompt_tokens if ctx.abandoned else 0))
                 raise
+            if pre.refused_status in CREDENTIALS_STATUS:  # the deployment's key, not the client's:
+                log.warning("prefill at %s refused the deployment's api_key (%d)", url, pre.refused_status)
+                pre = PrefillResult(failed=True)  # the decode engine computes the prompt
             if pre.refused_status is not None:  # the client's mistake: the deployment's slot is free again
                 await self._release(arid, dchecks, 0)
                 return await self._pass_through(
