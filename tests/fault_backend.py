@@ -156,6 +156,7 @@ async def _answer(request: Request, chat: bool):
 
 @app.post("/deny/v1/chat/completions")
 @app.post("/deny/v1/completions")
+@app.get("/deny/v1/models")
 async def deny():
     """A server whose --api-key the caller does not have (as kvserve serve answers it)."""
     return JSONResponse({"error": {"message": "invalid or missing API key", "code": "invalid_api_key"}}, 401)

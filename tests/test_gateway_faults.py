@@ -49,6 +49,7 @@ def _base(fault, tmp, **router) -> dict:
              "backend": {"base_url": u, "model": "ok", "weight": 0.001}},
             deployment("authbad", u, "auth-401"),
             deployment("pdauth", u, "ok", prefill_url=fault.url + "/deny/v1"),
+            deployment("denied", fault.url + "/deny/v1", "ok"),
             {"model_name": "deprpm", "id": "deprpm-a", "backend": {"base_url": u, "model": "ok", "rpm": 1}},
             {"model_name": "deprpm", "id": "deprpm-b", "backend": {"base_url": u, "model": "ok", "rpm": 1}},
             {"model_name": "priced", "backend": {"base_url": u, "model": "ok", "input_cost_per_token": 0.5,
@@ -667,7 +668,10 @@ def test_admin_refuses_a_key_it_could_not_store_or_use(gw, body, field):
 def test_health_readiness_and_metrics(gw):
     assert httpx.get(gw.url + "/health").json() == {"status": "ok"}
     ready = httpx.get(gw.url + "/health/readiness").json()
-    assert ready["status"] == "ready" and len(ready["deployments"]) == 34
+    assert ready["status"] == "ready" and len(ready["deployments"]) == 35
+    # a backend refusing the deployment's api_key cannot answer anything: not up (was: it answered)
+    assert [d["up"] for d in ready["deployments"] if d["model_name"] == "denied"] == [False]
+    assert all(d["up"] for d in ready["deployments"] if d["model_name"] != "denied")
     text = httpx.get(gw.url + "/metrics").text
     assert "kvserve_gateway_requests_total" in text and "kvserve_gateway_attempts_total" in text
 
