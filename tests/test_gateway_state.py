@@ -91,3 +91,32 @@ def test_cooldown_after_allowed_fails(run):
         assert await s.cooling(["d1"]) == set()
 
     run(scenario)
+
+
+def test_a_budget_survives_redis_evicting_under_memory_pressure(redis_url):
+    """A periodic budget's hash had a TTL (twice its period), so under the shipped manifest's
+    maxmemory-policy volatile-lru Redis could evict it like a cached answer once the response
+    cache filled its memory: the key's spend this period was forgotten and its budget began
+    again. Budget hashes now have no TTL (the period index inside them resets them), so only
+    expiring state (cache, windows, reservations) is evicted."""
+
+    async def scenario():
+        s = open_store(redis_url)
+        await s.redis.flushdb()
+        await s.redis.config_set("maxmemory", "4mb")
+        await s.redis.config_set("maxmemory-policy", "volatile-lru")
+        try:
+            b = lambda amount: Check("budget", "k", 10.0, amount, 30 * 86400)  # noqa: E731
+            assert (await s.admit("a", [b(9.0)], 30)).ok
+            await s.settle("a", [b(9.0)], [9.0])
+            for i in range(400):  # ~25 MB of cached answers into 4 MB: Redis evicts
+                await s.cache_set(f"answer-{i}", b"x" * 65536, 600)
+            assert await s.redis.dbsize() < 400  # (it did evict)
+            return (await s.admit("b", [b(2.0)], 30)).ok  # 9 spent + 2 > 10
+        finally:
+            await s.redis.config_set("maxmemory", "0")
+            await s.redis.config_set("maxmemory-policy", "noeviction")
+            await s.redis.flushdb()
+            await s.close()
+
+    assert asyncio.run(scenario()) is False

@@ -45,8 +45,10 @@ for i, c in ipairs(checks) do
     if c.period > 0 then idx = math.floor(now / c.period) end
     if tonumber(redis.call('HGET', b, 'period') or '-1') ~= idx then
       redis.call('HSET', b, 'period', idx, 'spent', 0)
-      if c.period > 0 then redis.call('PEXPIRE', b, 2 * c.period) end
     end
+    -- No TTL: a volatile key is one Redis may evict under maxmemory (volatile-lru), and an
+    -- evicted budget forgot the period's spend; the period index above resets it instead.
+    redis.call('PERSIST', b)  -- (a hash an earlier version wrote with a TTL)
     local expired = redis.call('ZRANGEBYSCORE', z, '-inf', now)
     if #expired > 0 then
       redis.call('ZREMRANGEBYSCORE', z, '-inf', now)

@@ -25,7 +25,7 @@ for i = 1, n do
     if period > 0 then idx = math.floor(now / period) end
     if tonumber(redis.call('HGET', b, 'period') or '-1') ~= idx then
       redis.call('HSET', b, 'period', idx, 'spent', 0)
-      if period > 0 then redis.call('PEXPIRE', b, 2 * period) end
+      redis.call('PERSIST', b)  -- no TTL: see admit.lua
     end
     redis.call('HINCRBYFLOAT', b, 'spent', actual)
   end
