@@ -120,3 +120,25 @@ def test_a_budget_survives_redis_evicting_under_memory_pressure(redis_url):
             await s.close()
 
     assert asyncio.run(scenario()) is False
+
+
+def test_tokens_a_request_did_not_use_come_off_its_own_bucket():
+    """tpm was corrected in the bucket of the second a request settled in: one admitted at 0
+    for 90 tokens that failed at 30 s put -90 in bucket 30, so from 60 s (bucket 0 gone) to
+    90 s the window held -90 and admitted 150 tokens against a limit of 100. The unused tokens
+    now come off the reservation's own bucket (the store's clock here; Redis's runs
+    settle.lua the same way, covered within one window by the test above)."""
+    from kvserve.gateway.state.memory import MemoryStore
+
+    now = [0.0]
+    s = MemoryStore(clock=lambda: now[0])
+    tpm = lambda n: Check("tpm", "k", 100, n)  # noqa: E731
+
+    async def scenario() -> bool:
+        assert (await s.admit("a", [tpm(90)], 30)).ok
+        now[0] = 30.0
+        await s.settle("a", [tpm(90)], [0])  # failed: none of its 90 tokens were used
+        now[0] = 61.0
+        return (await s.admit("b", [tpm(150)], 30)).ok
+
+    assert asyncio.run(scenario()) is False
