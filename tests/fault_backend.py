@@ -10,7 +10,12 @@ failure tests. The backend model name picks the behaviour:
     ping-hang streams an SSE comment (": ping"), then nothing (60 s)
     stop-400  400 "stop: sequence too long" (a 400 about something else than the context)
     late-body not streamed: status and the first bytes of the JSON at once, the rest after 1 s
+    no-total  as ok, its usage without total_tokens (prompt and completion tokens only)
+    list-kv   as ok, but a prefill request is answered with a JSON list, not an object
+    429-nan   429 + Retry-After: nan
+    auth-401  401 invalid_api_key (as kvserve serve answers a wrong --api-key)
 
+POST /deny/v1/... answers 401 whatever the model (a server whose API key the caller lacks).
 GET /stats gives requests per model and how many streams and holds the client cancelled.
 
     python tests/fault_backend.py --port 8124
@@ -50,6 +55,13 @@ def _chunk(chat: bool, text: str | None, finish: str | None = None) -> bytes:
     return b"data: " + json.dumps({**obj, "choices": [choice]}).encode() + b"\n\n"
 
 
+def _usage(body: dict, n: int, mode: str) -> dict:
+    usage = {"prompt_tokens": words(body), "completion_tokens": n, "total_tokens": words(body) + n}
+    if mode == "no-total":
+        del usage["total_tokens"]
+    return usage
+
+
 async def _events(body: dict, chat: bool, mode: str):
     n = int(body.get("max_tokens") or 4)
     try:
@@ -61,7 +73,7 @@ async def _events(body: dict, chat: bool, mode: str):
                 raise ConnectionError("fault backend: dying mid-stream")
         yield _chunk(chat, None, "length")
         if (body.get("stream_options") or {}).get("include_usage"):
-            usage = {"prompt_tokens": words(body), "completion_tokens": n, "total_tokens": words(body) + n}
+            usage = _usage(body, n, mode)
             yield b"data: " + json.dumps({"id": "fault", "choices": [], "usage": usage}).encode() + b"\n\n"
         yield b"data: [DONE]\n\n"
     except asyncio.CancelledError:
@@ -93,6 +105,11 @@ async def _answer(request: Request, chat: bool):
         return JSONResponse({"error": {"message": "injected failure", "type": "server_error"}}, 500)
     if mode == "fail-429":
         return JSONResponse({"error": {"message": "slow down"}}, 429, headers={"retry-after": "1"})
+    if mode == "auth-401":
+        err = {"message": "invalid or missing API key", "code": "invalid_api_key"}
+        return JSONResponse({"error": err}, 401)
+    if mode == "429-nan":
+        return JSONResponse({"error": {"message": "slow down"}}, 429, headers={"retry-after": "nan"})
     if mode == "bad-400":
         return JSONResponse({"error": {"message": "temperature: must be <= 2", "param": "temperature"}}, 400)
     if mode == "stop-400":
@@ -121,9 +138,11 @@ async def _answer(request: Request, chat: bool):
             events = (e.replace(b"\n", b"\r\n") async for e in events)
         return StreamingResponse(events, media_type="text/event-stream")
     n = int(body.get("max_tokens") or 4)
-    usage = {"prompt_tokens": words(body), "completion_tokens": n, "total_tokens": words(body) + n}
+    usage = _usage(body, n, mode)
     text = " tok" * n
     kv = body.get("kv_transfer_params")
+    if isinstance(kv, dict) and kv.get("do_remote_decode") and mode == "list-kv":
+        return JSONResponse([{"kv_transfer_params": {"do_remote_prefill": True}}])
     if isinstance(kv, dict) and kv.get("do_remote_decode"):  # a prefill request: answer as a kv_producer
         return {"id": "fault", "object": "text_completion", "created": 0, "model": mode, "choices": [],
                 "kv_transfer_params": {"do_remote_prefill": True, "remote_request_id": "fault"}}  # fmt: skip
@@ -133,6 +152,14 @@ async def _answer(request: Request, chat: bool):
         choice = {"index": 0, "text": text, "finish_reason": "length"}
     return {"id": "fault", "object": "chat.completion" if chat else "text_completion", "created": 0,
             "model": mode, "choices": [choice], "usage": usage}  # fmt: skip
+
+
+@app.post("/deny/v1/chat/completions")
+@app.post("/deny/v1/completions")
+@app.get("/deny/v1/models")
+async def deny():
+    """A server whose --api-key the caller does not have (as kvserve serve answers it)."""
+    return JSONResponse({"error": {"message": "invalid or missing API key", "code": "invalid_api_key"}}, 401)
 
 
 @app.post("/v1/chat/completions")

@@ -58,6 +58,14 @@ def test_autoscaling_config_is_serves():
         ({"http": {"port": "eighty"}}, "http.port: "),
         ({"route_prefix": "v1"}, "route_prefix: must start with '/'"),
         ([1, 2], "(top level): expected a mapping"),
+        # these passed and then failed later: a traceback, every replica's start, or every request
+        ({"engine": {"max_num_seqs": float("inf")}}, "engine.max_num_seqs: inf is not a finite number"),
+        ({"autoscaling": {"target_ongoing_requests": float("inf")}}, "autoscaling.target_ongoing_requests: "),
+        ({"routing": {"cache_aware": {"recent_work_tau": 0}}}, "routing.cache_aware: recent_work_tau: must"),
+        ({"routing": {"cache_aware": {"balance_rel_threshold": float("nan")}}}, "routing.cache_aware."),
+        ({"routing": {"cache_aware": {"cache_threshold": 2}}}, "routing.cache_aware: cache_threshold: must"),
+        ({"server_args": ["--port", "9000"]}, "server_args: --port is set by each replica"),
+        ({"server_args": ["--host=0.0.0.0"]}, "server_args: --host is set by each replica"),
     ],
 )
 def test_bad_config_names_the_key(doc, message):

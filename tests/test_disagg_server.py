@@ -400,3 +400,48 @@ def test_a_non_ascii_header_is_passed_on_as_it_came(fault_proxy):
     ):
         r = httpx.request("POST" if body else "GET", proxy.url + path, json=body, headers=h, timeout=30)
         assert r.status_code == 200, r.text
+
+
+def test_an_unexpected_failure_or_a_bad_path_is_answered_in_openai_shape(caplog):
+    """The proxy had no answer for an exception no handler took (here its engine client closed
+    under it): Starlette's text/plain 500 with uvicorn's traceback; a body nested too deeply for
+    the JSON parser (a client's mistake) was that same 500 and trace; an unknown path was
+    FastAPI's {"detail": ...}. Now a 500 in OpenAI's shape with the trace logged once, a 400
+    naming the body with nothing logged, and a 404 in OpenAI's shape."""
+    import asyncio
+    import logging
+
+    from kvserve.disagg.proxy import PDProxy, build_app
+
+    proxy = PDProxy(["http://127.0.0.1:1"], ["http://127.0.0.1:1"])
+    app = build_app(proxy)
+
+    async def run() -> list[httpx.Response]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://pd") as c:
+            deep = await c.post("/v1/completions", content=b"[" * 100_000)
+            missing = await c.post("/v1/nothing", json={})
+            with caplog.at_level(logging.ERROR):
+                assert not caplog.records  # the client's mistakes logged no error
+                await proxy.aclose()  # every engine request now raises RuntimeError
+                broken = await c.post("/v1/completions", json={"model": "m", "prompt": "a", "max_tokens": 1})
+        return [deep, missing, broken]
+
+    deep, missing, broken = asyncio.run(run())
+    assert deep.status_code == 400 and "nested too deeply" in deep.json()["error"]["message"], deep.text
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found", missing.text
+    assert broken.status_code == 500, broken.text
+    err = broken.json()["error"]
+    assert err["code"] == "internal_error" and err["type"] == "internal_error", err
+    assert [r.exc_info is not None for r in caplog.records if r.levelno >= logging.ERROR] == [True]
+
+
+def test_a_prefill_answer_that_is_not_a_json_object_means_recompute(fault_proxy):
+    """A prefill engine answering 200 with a JSON list (not an object) raised AttributeError
+    reading its kv_transfer_params: a 500 for the client (in the proxy and in a gateway's pd
+    deployment). It is a failed prefill like any other: the decode engine computes the prompt."""
+    fault, proxy, _ = fault_proxy
+    body = {"model": "list-kv", "prompt": "a b", "max_tokens": 2}
+    for _ in range(2):  # each prefill engine first in turn (one refuses connections)
+        r = httpx.post(proxy.url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 200 and r.headers["x-kvserve-pd"] == "fallback", r.text
+        assert r.json()["choices"][0]["text"] == " tok tok"

@@ -57,3 +57,13 @@ def test_saturation_formula_and_page_parsing():
           'kvserve:saturation{engine="total",model_name="m"} 0.5\n')  # fmt: skip
     assert parse_saturation(one) == 0.75 and parse_saturation(dp) == 0.5
     assert parse_saturation("# nothing here\n") is None
+
+
+def test_a_page_that_is_not_prometheus_text_is_no_reading():
+    """A backend answering /metrics with a page that is not Prometheus text (an HTML page, a
+    bad value) raised ValueError out of the gateway's whole poll, so every group's saturation
+    stayed frozen at its last reading. It is now no reading for that backend alone; so is a
+    gauge that is not a finite number (a mean with NaN in it never degraded)."""
+    assert parse_saturation("<html><body>Not here</body></html>") is None
+    assert parse_saturation("# TYPE kvserve:saturation gauge\nkvserve:saturation abc\n") is None
+    assert parse_saturation("# TYPE kvserve:saturation gauge\nkvserve:saturation NaN\n") is None

@@ -8,7 +8,7 @@ import sys
 import pytest
 import yaml
 
-from kvserve.gateway.config import ConfigError, load_config, parse_config
+from kvserve.gateway.config import ConfigError, KeySpec, load_config, parse_config
 from kvserve.gateway.keys import hash_key
 
 OK = {"model_list": [{"model_name": "m", "backend": {"base_url": "http://127.0.0.1:1/v1", "model": "x"}}]}
@@ -94,6 +94,22 @@ def _with(path: str, value) -> dict:
         ),
         ("response_cache", {"ttl": -1}, "response_cache.ttl: Input should be greater than 0"),
         ("general_settings.shutdown_timeout", -1, "general_settings.shutdown_timeout: Input should be"),
+        # these started and then failed each request (a reservation TTL or a limit past what
+        # Redis and the cost arithmetic take, a weight random.choices refuses)
+        (
+            "model_list.0.backend.timeout",
+            float("inf"),
+            "model_list.0.backend.timeout: Input should be a finite",
+        ),
+        ("model_list.0.backend.timeout", 1e308, "model_list.0.backend.timeout: Input should be less than"),
+        (
+            "model_list.0.backend.weight",
+            float("inf"),
+            "model_list.0.backend.weight: Input should be a finite",
+        ),
+        ("model_list.0.backend.rpm", 10**400, "model_list.0.backend.rpm: Input should be less than"),
+        ("model_list.0.backend.max_context", 10**400, "model_list.0.backend.max_context: Input should be"),
+        ("general_settings.reservation_ttl", 1e308, "general_settings.reservation_ttl: Input should be less"),
     ],
 )
 def test_bad_config_names_the_key_path(path, value, message):
@@ -172,3 +188,36 @@ def test_cli_names_a_database_or_state_url_it_cannot_open(tmp_path, settings, me
     assert p.returncode == 2, p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(message), p.stderr
+
+
+def test_a_virtual_key_is_looked_up_off_the_event_loop_and_a_revoke_counts_at_once(tmp_path):
+    """Every request with an admin-made key read SQLite on the event loop: a slow disk or a
+    database locked by another instance (up to its 10 s busy timeout) stalled every request of
+    the instance. Now the database is read in a worker thread, each time (a revoke on any
+    instance counts at once)."""
+    import asyncio
+    import threading
+
+    import httpx
+
+    from kvserve.gateway.app import build_app
+
+    gs = {"master_key": "sk-m", "database": str(tmp_path / "k.db")}
+    app = build_app(parse_config({**OK, "general_settings": gs}), web_ui=False)
+    keys = app.state.gateway.keys
+    key, rec = keys.create(KeySpec(alias="run"))
+    threads: list[int] = []
+    keys.db.set_trace_callback(lambda sql: threads.append(threading.get_ident()) if " keys" in sql else None)
+
+    async def run() -> tuple[int, list[httpx.Response]]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as c:
+            user, master = {"Authorization": f"Bearer {key}"}, {"Authorization": "Bearer sk-m"}
+            out = [await c.get("/v1/models", headers=user)]
+            out.append(await c.post(f"/admin/keys/{rec.key_hash}/revoke", headers=master))
+            out.append(await c.get("/v1/models", headers=user))
+        return threading.get_ident(), out
+
+    loop_thread, (ok, revoked, gone) = asyncio.run(run())
+    assert ok.status_code == 200 and revoked.status_code == 200 and gone.status_code == 401, gone.text
+    assert len(threads) == 3 and loop_thread not in threads  # every key query ran in a worker thread

@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import sqlite3
 import time
 
@@ -36,12 +37,20 @@ def _base(fault, tmp, **router) -> dict:
             deployment("die", u, "die"), deployment("ctx", u, "ctx-400"), deployment("big", u, "ok"),
             deployment("small", u, "ok", max_context=5), deployment("bad", u, "bad-400"),
             deployment("r429", u, "fail-429"), deployment("slow", u, "slow"),
+            deployment("r429nan", u, "429-nan"),
             deployment("hold", u, "hold-1"), deployment("crlf", u, "crlf"),
             deployment("pd400", u, "bad-400", prefill_url=u, max_parallel_requests=1),
             {"model_name": "pdmix", "id": "pdmix-pd",
              "backend": {"base_url": u, "model": "fail-500", "prefill_url": u, "weight": 1000}},
             {"model_name": "pdmix", "id": "pdmix-plain",
              "backend": {"base_url": u, "model": "ok", "weight": 0.001}},
+            {"model_name": "authmix", "id": "authmix-bad",
+             "backend": {"base_url": u, "model": "auth-401", "weight": 1000}},
+            {"model_name": "authmix", "id": "authmix-ok",
+             "backend": {"base_url": u, "model": "ok", "weight": 0.001}},
+            deployment("authbad", u, "auth-401"),
+            deployment("pdauth", u, "ok", prefill_url=fault.url + "/deny/v1"),
+            deployment("denied", fault.url + "/deny/v1", "ok"),
             {"model_name": "deprpm", "id": "deprpm-a", "backend": {"base_url": u, "model": "ok", "rpm": 1}},
             {"model_name": "deprpm", "id": "deprpm-b", "backend": {"base_url": u, "model": "ok", "rpm": 1}},
             {"model_name": "priced", "backend": {"base_url": u, "model": "ok", "input_cost_per_token": 0.5,
@@ -53,6 +62,12 @@ def _base(fault, tmp, **router) -> dict:
             deployment("holdlong", u, "hold-1", first_byte_timeout=0.5),
             {"model_name": "pricedie", "backend": {"base_url": u, "model": "die", "input_cost_per_token": 0.5,
                                                    "output_cost_per_token": 0.25}},
+            {"model_name": "pricedhold", "backend": {"base_url": u, "model": "hold-20",
+                                                     "input_cost_per_token": 0.5,
+                                                     "output_cost_per_token": 0.25}},
+            {"model_name": "nototal", "backend": {"base_url": u, "model": "no-total",
+                                                  "input_cost_per_token": 0.5,
+                                                  "output_cost_per_token": 0.25}},
             {"model_name": "ctxmix", "id": "ctxmix-short",
              "backend": {"base_url": u, "model": "ok", "max_context": 10, "weight": 1000,
                          "input_cost_per_token": 0.5, "output_cost_per_token": 0.25}},
@@ -72,6 +87,8 @@ def _base(fault, tmp, **router) -> dict:
             {"key": "sk-par1", "max_parallel_requests": 1},
             {"key": "sk-budget", "max_budget": 5.0},
             {"key": "sk-budget-die", "max_budget": 100.0},  # priced: 3 words * 0.5 + 2 tokens * 0.25 = 2.0
+            {"key": "sk-budget-hold", "max_budget": 20.0},
+            {"key": "sk-par1-nototal", "max_parallel_requests": 1, "max_budget": 100.0},
             {"key": "sk-team-a", "team": "t"}, {"key": "sk-team-b", "team": "t"},
         ],
         "teams": {"t": {"rpm": 1}},
@@ -191,6 +208,66 @@ def test_a_stream_cut_mid_way_is_charged_what_it_delivered(gw):
                      "spend": 2.0}], rows  # fmt: skip
 
 
+def test_hanging_up_on_a_non_streamed_request_is_charged_its_reservation(gw, fault):
+    """A client that left while a non-streamed request was on its deployment was charged 0
+    (and logged no spend): work for free by hanging up. The backend is stopped (its KV freed),
+    and as how far it got cannot be known, the reservation on that deployment is charged:
+    3 x 0.5 + 40 x 0.25 = 11.5 of a budget of 20, so a second such request no longer fits."""
+    before, sent = fault.stats()["cancelled_holds"], fault.count("hold-20")
+    body = json.dumps({"model": "pricedhold", "messages": MSG, "max_tokens": 40}).encode()
+    host, port = gw.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as s:
+        head = "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-budget-hold\r\n"
+        head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        s.sendall(head.encode() + body)
+        deadline = time.monotonic() + 30
+        while fault.count("hold-20") == sent and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert fault.count("hold-20") == sent + 1  # the backend has it; now the client hangs up
+    m = {"Authorization": f"Bearer {MASTER}"}
+    rows = []
+    for _ in range(150):  # settled once the gateway sees the client gone; logged in the background
+        rows = httpx.get(gw.url + "/admin/spend", params={"group_by": "model"}, headers=m).json()["data"]
+        rows = [r for r in rows if r["model"] == "pricedhold"]
+        if rows:
+            break
+        time.sleep(0.1)
+    assert rows == [{"model": "pricedhold", "requests": 1, "prompt_tokens": 3, "completion_tokens": 40,
+                     "spend": 11.5}], rows  # fmt: skip
+    deadline = time.monotonic() + 15
+    while fault.stats()["cancelled_holds"] == before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert fault.stats()["cancelled_holds"] == before + 1  # the backend's work was still stopped
+    r = post(gw, "pricedhold", key="sk-budget-hold", max_tokens=40)
+    assert r.status_code == 429 and r.json()["error"]["code"] == "budget_exceeded", r.text
+
+
+def test_usage_without_total_tokens_is_settled_and_frees_the_keys_slot(gw):
+    """A backend whose usage has no total_tokens (prompt and completion only) made the end of
+    a stream fail silently: nothing was settled or logged, the key's parallel slot and its
+    reservation stayed held until the TTL (the second stream of a max_parallel_requests 1 key
+    was refused), and the gateway counted the stream in flight forever. Now the total is the
+    sum, each stream is charged (3 x 0.5 + 2 x 0.25 = 2.0) and frees its slot."""
+    c = client(gw, "sk-par1-nototal")
+    for stream in (True, True, False):
+        if stream:
+            chunks = c.chat.completions.create(model="nototal", messages=MSG, max_tokens=2, stream=True)
+            assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == " tok tok"
+        else:
+            answer = c.chat.completions.create(model="nototal", messages=MSG, max_tokens=2)
+            assert answer.choices[0].message.content == " tok tok"
+    m = {"Authorization": f"Bearer {MASTER}"}
+    rows = []
+    for _ in range(100):  # the spend log is written in the background
+        rows = httpx.get(gw.url + "/admin/spend", params={"group_by": "model"}, headers=m).json()["data"]
+        rows = [r for r in rows if r["model"] == "nototal"]
+        if rows and rows[0]["requests"] == 3:
+            break
+        time.sleep(0.1)
+    assert rows == [{"model": "nototal", "requests": 3, "prompt_tokens": 9, "completion_tokens": 6,
+                     "spend": 6.0}], rows  # fmt: skip
+
+
 def test_backend_context_400_goes_to_context_window_fallback(gw):
     r = post(gw, "ctx")
     assert r.status_code == 200, r.text
@@ -287,6 +364,28 @@ def test_a_lone_surrogate_in_a_prompt_is_counted_not_a_500(gw):
     assert r.status_code == 200 and r.headers["x-kvserve-deployment"] == "small-7", r.text
 
 
+def test_a_backend_refusing_the_deployments_api_key_is_retried_elsewhere_not_blamed_on_the_client(gw, fault):
+    """The gateway sends a backend the deployment's api_key, never the client's; a backend's 401
+    (a deployment set up with a wrong key) was passed through: the client was told its own key
+    was invalid, and the group's other deployment was never tried. Now it is retried there, and
+    with no other deployment the client gets a 502 naming the deployment."""
+    before = fault.count("auth-401")
+    r = post(gw, "authmix")
+    assert r.status_code == 200 and r.headers["x-kvserve-deployment"] == "authmix-ok", r.text
+    assert r.headers["x-kvserve-attempts"] == "2" and fault.count("auth-401") == before + 1
+    r = post(gw, "authbad")
+    assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_error", r.text
+    assert "authbad" in r.json()["error"]["message"] and "api_key" in r.json()["error"]["message"]
+
+
+def test_a_prefill_engine_refusing_the_deployments_api_key_means_recompute_not_a_401(gw):
+    """A pd deployment whose prefill engine refused the deployment's api_key passed that 401 on
+    as the client's mistake; now the decode engine computes the prompt (x-kvserve-pd: fallback)."""
+    r = post(gw, "pdauth")
+    assert r.status_code == 200 and r.headers["x-kvserve-pd"] == "fallback", r.text
+    assert r.json()["choices"][0]["message"]["content"] == " tok tok"
+
+
 def test_backend_4xx_is_passed_through_and_not_retried(gw, fault):
     before = fault.count("bad-400")
     r = post(gw, "bad")
@@ -303,6 +402,16 @@ def test_429_retry_after_is_honoured(gw, fault):
     assert r.headers["retry-after"] == "1" and r.headers["x-kvserve-attempts"] == "2"
     assert fault.count("fail-429") == before + 2  # retried once, on the same (only) deployment
     assert time.monotonic() - t0 >= 1.0  # after the backend's Retry-After: 1
+
+
+def test_a_retry_after_that_is_not_a_finite_number_is_ignored_not_a_500(gw, fault):
+    """Retry-After: nan (or inf) parsed as a float: the gateway's own Retry-After for the final
+    429 was int(nan) and the client got a 500 internal_error. Such a header is now ignored
+    (the gateway's backoff applies), and the client gets the backend's 429."""
+    before = fault.count("429-nan")
+    r = post(gw, "r429nan")
+    assert r.status_code == 429 and r.json()["error"]["code"] == "upstream_error", r.text
+    assert "retry-after" not in r.headers and fault.count("429-nan") == before + 2  # retried once
 
 
 def test_client_disconnect_cancels_the_upstream_stream(gw, fault):
@@ -423,6 +532,16 @@ def test_gateway_errors_have_string_codes(gw):
         gw.url + "/admin/keys", json={"rpm": "lots"}, headers={"Authorization": f"Bearer {MASTER}"}
     )
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_value"
+
+
+def test_a_body_nested_too_deeply_to_parse_is_a_400_not_a_500(gw):
+    """JSON nested past the parser's recursion limit raised RecursionError, not ValueError: a
+    500 and a traceback for the client's mistake (chat and the admin API). Now a 400."""
+    deep = b"[" * 20_000  # (under the fixture's max_request_bytes)
+    for path, key in (("/v1/chat/completions", KEY), ("/admin/keys", MASTER)):
+        r = httpx.post(gw.url + path, content=deep, headers={"Authorization": f"Bearer {key}"}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
+    assert "RecursionError" not in gw.logs()
 
 
 def test_key_rpm_limit_gives_429_with_headers(gw):
@@ -556,7 +675,10 @@ def test_admin_refuses_a_key_it_could_not_store_or_use(gw, body, field):
 def test_health_readiness_and_metrics(gw):
     assert httpx.get(gw.url + "/health").json() == {"status": "ok"}
     ready = httpx.get(gw.url + "/health/readiness").json()
-    assert ready["status"] == "ready" and len(ready["deployments"]) == 27
+    assert ready["status"] == "ready" and len(ready["deployments"]) == 35
+    # a backend refusing the deployment's api_key cannot answer anything: not up (was: it answered)
+    assert [d["up"] for d in ready["deployments"] if d["model_name"] == "denied"] == [False]
+    assert all(d["up"] for d in ready["deployments"] if d["model_name"] != "denied")
     text = httpx.get(gw.url + "/metrics").text
     assert "kvserve_gateway_requests_total" in text and "kvserve_gateway_attempts_total" in text
 

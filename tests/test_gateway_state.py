@@ -91,3 +91,54 @@ def test_cooldown_after_allowed_fails(run):
         assert await s.cooling(["d1"]) == set()
 
     run(scenario)
+
+
+def test_a_budget_survives_redis_evicting_under_memory_pressure(redis_url):
+    """A periodic budget's hash had a TTL (twice its period), so under the shipped manifest's
+    maxmemory-policy volatile-lru Redis could evict it like a cached answer once the response
+    cache filled its memory: the key's spend this period was forgotten and its budget began
+    again. Budget hashes now have no TTL (the period index inside them resets them), so only
+    expiring state (cache, windows, reservations) is evicted."""
+
+    async def scenario():
+        s = open_store(redis_url)
+        await s.redis.flushdb()
+        await s.redis.config_set("maxmemory", "4mb")
+        await s.redis.config_set("maxmemory-policy", "volatile-lru")
+        try:
+            b = lambda amount: Check("budget", "k", 10.0, amount, 30 * 86400)  # noqa: E731
+            assert (await s.admit("a", [b(9.0)], 30)).ok
+            await s.settle("a", [b(9.0)], [9.0])
+            for i in range(400):  # ~25 MB of cached answers into 4 MB: Redis evicts
+                await s.cache_set(f"answer-{i}", b"x" * 65536, 600)
+            assert await s.redis.dbsize() < 400  # (it did evict)
+            return (await s.admit("b", [b(2.0)], 30)).ok  # 9 spent + 2 > 10
+        finally:
+            await s.redis.config_set("maxmemory", "0")
+            await s.redis.config_set("maxmemory-policy", "noeviction")
+            await s.redis.flushdb()
+            await s.close()
+
+    assert asyncio.run(scenario()) is False
+
+
+def test_tokens_a_request_did_not_use_come_off_its_own_bucket():
+    """tpm was corrected in the bucket of the second a request settled in: one admitted at 0
+    for 90 tokens that failed at 30 s put -90 in bucket 30, so from 60 s (bucket 0 gone) to
+    90 s the window held -90 and admitted 150 tokens against a limit of 100. The unused tokens
+    now come off the reservation's own bucket (the store's clock here; Redis's runs
+    settle.lua the same way, covered within one window by the test above)."""
+    from kvserve.gateway.state.memory import MemoryStore
+
+    now = [0.0]
+    s = MemoryStore(clock=lambda: now[0])
+    tpm = lambda n: Check("tpm", "k", 100, n)  # noqa: E731
+
+    async def scenario() -> bool:
+        assert (await s.admit("a", [tpm(90)], 30)).ok
+        now[0] = 30.0
+        await s.settle("a", [tpm(90)], [0])  # failed: none of its 90 tokens were used
+        now[0] = 61.0
+        return (await s.admit("b", [tpm(150)], 30)).ok
+
+    assert asyncio.run(scenario()) is False

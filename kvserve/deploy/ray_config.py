@@ -4,7 +4,9 @@ a typo costs no cluster start."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import fields
+from typing import Annotated
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -18,7 +20,8 @@ class DeployConfigError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # (inf and nan are floats too: `.inf` passed every gt=0 bound and reached Serve and the router)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class HttpConfig(_Strict):
@@ -83,14 +86,30 @@ class RoutingConfig(_Strict):
     @field_validator("cache_aware")
     @classmethod
     def _thresholds(cls, v: dict[str, float]) -> dict[str, float]:
-        known = ("balance_abs_threshold", "balance_rel_threshold", "load_weight", "cache_threshold",
-                 "recent_work_tau", "recent_abs_threshold")  # fmt: skip
-        for key in v:
-            if key not in known:
-                raise ValueError(f"{key!r} is not one of {', '.join(known)}")
+        for key, value in v.items():
+            if key not in _THRESHOLDS:
+                raise ValueError(f"{key!r} is not one of {', '.join(_THRESHOLDS)}")
+            low, high, strict = _THRESHOLDS[key]
+            if value < low or (strict and value == low) or (high is not None and value > high):
+                bound = f"{'>' if strict else '>='} {low:g}"
+                bound += f" and <= {high:g}" if high is not None else ""
+                raise ValueError(f"{key}: must be {bound}, got {value:g}")
         return v
 
 
+# CacheAware's thresholds: (lowest, highest or None, lowest excluded). A recent_work_tau of 0
+# divided by zero in every routing decision after the first: each request failed in the router.
+_THRESHOLDS = {
+    "balance_abs_threshold": (0, None, False),
+    "balance_rel_threshold": (1, None, False),
+    "load_weight": (0, None, False),
+    "cache_threshold": (0, 1, False),
+    "recent_work_tau": (0, None, True),
+    "recent_abs_threshold": (0, None, False),
+}
+
+
+_AnyFloat = Annotated[float, Field(allow_inf_nan=True)]  # engine values: checked one by one below
 _ENGINE_FIELDS = {f.name: f for f in fields(EngineConfig) if f.name != "model"}
 
 
@@ -100,7 +119,7 @@ class RayDeployConfig(_Strict):
     route_prefix: str = "/"
     address: str | None = Field(None, description="Ray address; --address overrides")
     served_model_name: list[str] | None = None
-    engine: dict[str, str | int | float | bool] = Field(
+    engine: dict[str, str | int | _AnyFloat | bool] = Field(
         default_factory=dict, description="EngineConfig fields, as `kvserve serve` flags without --"
     )
     server_args: list[str] = Field(default_factory=list, description="more `kvserve serve` flags, verbatim")
@@ -116,6 +135,17 @@ class RayDeployConfig(_Strict):
             if key.replace("-", "_") not in _ENGINE_FIELDS:
                 raise ValueError(f"{key!r} is not an engine setting (see `kvserve serve --help`)")
         return {k.replace("-", "_"): val for k, val in v.items()}
+
+    @field_validator("server_args")
+    @classmethod
+    def _not_owned(cls, v: list[str]) -> list[str]:
+        """--host and --port are the replica's own (it polls the server there): given again here
+        they won (the last flag counts), and every replica waited out startup_timeout_s."""
+        for arg in v:
+            flag = arg.split("=", 1)[0]
+            if flag in ("--host", "--port"):
+                raise ValueError(f"{flag} is set by each replica (it picks a free local port)")
+        return v
 
     @field_validator("route_prefix")
     @classmethod
@@ -165,6 +195,8 @@ def _check_engine_values(cfg: RayDeployConfig) -> None:
     kwargs = {}
     for key, value in cfg.engine.items():
         typ = str(_ENGINE_FIELDS[key].type).split(" |")[0]
+        if isinstance(value, float) and not math.isfinite(value):  # (int(.inf) raised OverflowError)
+            raise DeployConfigError(f"engine.{key}: {value!r} is not a finite number")
         if (typ == "bool") != isinstance(value, bool):
             raise DeployConfigError(f"engine.{key}: {value!r} is not a valid {typ}")
         try:

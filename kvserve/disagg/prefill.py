@@ -43,8 +43,11 @@ async def run_prefill(
         logger.warning("prefill at %s answered %d", url, resp.status_code)
         return PrefillResult(failed=True)
     try:
-        params = resp.json().get("kv_transfer_params")
-    except ValueError:
+        answer = resp.json()
+    except (ValueError, RecursionError):
+        answer = None
+    params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+    if not isinstance(params, dict):  # (an engine answering anything else: it computes the prompt)
         params = None
     if not params:
         logger.warning("prefill at %s answered without kv_transfer_params (not a kv_producer?)", url)

@@ -17,6 +17,7 @@ import logging
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from kvserve.disagg.decode import decode
@@ -24,7 +25,7 @@ from kvserve.disagg.errors import error as _error
 from kvserve.disagg.errors import unreachable as _unreachable
 from kvserve.disagg.prefill import PrefillResult, run_prefill
 from kvserve.disagg.split import decode_body, disaggregates
-from kvserve.entrypoints.openai.middleware import BodySizeLimit
+from kvserve.entrypoints.openai.middleware import BodySizeLimit, InternalErrors
 
 logger = logging.getLogger(__name__)
 ROUTES = ("/v1/chat/completions", "/v1/completions")
@@ -80,6 +81,9 @@ class PDProxy:
             body = await raw.json()
         except ValueError:
             return JSONResponse(_error("request body: not valid JSON", None), status_code=400)
+        except RecursionError:  # the client's mistake, not the proxy's: no 500, no traceback
+            msg = "request body: not valid JSON (arrays or objects nested too deeply)"
+            return JSONResponse(_error(msg, None), status_code=400)
         if not isinstance(body, dict):
             return JSONResponse(_error("request body: must be a JSON object", None), status_code=400)
         params, how = None, "decode-only"
@@ -142,6 +146,9 @@ async def _disconnected(raw: Request) -> None:
 def build_app(proxy: PDProxy, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     app = FastAPI(title="kvserve pd-proxy")
     app.state.proxy = proxy
+    # an exception no handler took is the proxy's bug: a 500 in OpenAI's shape, the trace logged
+    # once (was Starlette's text/plain 'Internal Server Error' and uvicorn's traceback)
+    app.add_middleware(InternalErrors)
     # bodies are read whole: without a bound one client's upload takes the memory (413 first)
     app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
 
@@ -150,6 +157,13 @@ def build_app(proxy: PDProxy, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
         """The client went away before its body arrived: its doing, not a traceback in our log."""
         logger.info("%s %s: the client left while sending its body (499)", raw.method, raw.url.path)
         return Response(status_code=499)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(raw: Request, e: StarletteHTTPException) -> Response:
+        """An unknown path or method: OpenAI's shape (was FastAPI's {"detail": ...})."""
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "invalid_request")
+        err = _error(f"{e.detail}: {raw.method} {raw.url.path}", None, code=code)
+        return JSONResponse(err, status_code=e.status_code, headers=getattr(e, "headers", None))
 
     for path in ROUTES:
 

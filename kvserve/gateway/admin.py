@@ -26,7 +26,7 @@ def admin_router(state) -> APIRouter:
         state.require_master(request)
         try:
             body = await request.json()
-        except ValueError:
+        except (ValueError, RecursionError):  # (nested too deeply to parse: the caller's mistake too)
             raise GatewayError(400, "body: not valid JSON", code="invalid_json") from None
         if not isinstance(body, dict):
             raise GatewayError(400, "body: expected a JSON object", code="invalid_json")
@@ -45,20 +45,20 @@ def admin_router(state) -> APIRouter:
                 )
         if spec.team is not None and spec.team not in state.cfg.teams:
             raise GatewayError(400, f"team: unknown team {spec.team!r}", param="team")
-        key, rec = state.keys.create(spec)
+        key, rec = await state.keys.create_async(spec)
         return {"key": key, **rec.public()}
 
     @r.get("/keys")
     async def list_keys(request: Request):
         state.require_master(request)
-        return {"data": [k.public() for k in state.keys.list()]}
+        return {"data": [k.public() for k in await state.keys.list_async()]}
 
     @r.post("/keys/{key_hash}/revoke")
     async def revoke_key(key_hash: str, request: Request):
         state.require_master(request)
         if key_hash in state.keys.config_keys:
             raise GatewayError(400, "key_hash: this key is defined in the config file; remove it there")
-        if not state.keys.revoke(key_hash):
+        if not await state.keys.revoke_async(key_hash):
             raise GatewayError(404, f"key_hash: no live key {key_hash[:16]}...", code="key_not_found")
         return {"key_hash": key_hash, "revoked": True}
 

@@ -61,12 +61,12 @@ class GatewayState:
                 503, "the gateway is shutting down", "server_error", "shutting_down", headers=retry
             )
 
-    def authenticate(self, request: Request) -> KeyRecord:
+    async def authenticate(self, request: Request) -> KeyRecord:
         auth = request.headers.get("authorization", "")
         scheme, _, token = auth.partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             raise unauthorized("Authorization: missing; send 'Authorization: Bearer <virtual key>'")
-        rec = self.keys.lookup(token.strip())
+        rec = await self.keys.find(token.strip())
         if rec is None:
             raise unauthorized("Authorization: unknown or revoked key")
         return rec
@@ -136,13 +136,13 @@ def build_app(cfg: GatewayConfig, web_ui: bool = True) -> FastAPI:
     async def chat(request: Request):
         s = st()
         s.refuse_if_draining()
-        return await s.gateway.handle(request, "/chat/completions", s.authenticate(request))
+        return await s.gateway.handle(request, "/chat/completions", await s.authenticate(request))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         s = st()
         s.refuse_if_draining()
-        return await s.gateway.handle(request, "/completions", s.authenticate(request))
+        return await s.gateway.handle(request, "/completions", await s.authenticate(request))
 
     def model_card(alias: str) -> dict:
         return {"id": alias, "object": "model", "created": 0, "owned_by": "kvserve-gateway"}
@@ -151,19 +151,19 @@ def build_app(cfg: GatewayConfig, web_ui: bool = True) -> FastAPI:
     async def embeddings(request: Request):
         s = st()
         s.refuse_if_draining()
-        return await s.gateway.handle(request, "/embeddings", s.authenticate(request))
+        return await s.gateway.handle(request, "/embeddings", await s.authenticate(request))
 
     @app.get("/v1/models")
     async def models(request: Request):
         s = st()
-        allowed = s.gateway.allowed_models(s.authenticate(request))
+        allowed = s.gateway.allowed_models(await s.authenticate(request))
         return {"object": "list", "data": [model_card(a) for a in allowed]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(request: Request, model_id: str):
         """OpenAI's models.retrieve (was a route 404); an alias this key may not use is not found."""
         s = st()
-        if model_id not in s.gateway.allowed_models(s.authenticate(request)):
+        if model_id not in s.gateway.allowed_models(await s.authenticate(request)):
             raise GatewayError(
                 404, f"model: {model_id!r} does not exist", code="model_not_found", param="model"
             )

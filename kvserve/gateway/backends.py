@@ -9,6 +9,7 @@ import httpx
 
 from kvserve.gateway.body import content_text, messages_of
 from kvserve.gateway.config import Deployment, GatewayConfig
+from kvserve.gateway.retries import CREDENTIALS_STATUS
 
 
 def json_content(obj: object) -> bytes:
@@ -112,12 +113,14 @@ class BackendPool:
         return estimate_tokens(body)
 
     async def probe(self, dep: Deployment) -> bool:
-        """Readiness: does the backend answer GET /models?"""
+        """Readiness: does the backend answer GET /models? (A 404 is an answer: not every server
+        has the route; a 401/403 refuses the deployment's api_key, so it would refuse every
+        request too.)"""
         try:
             r = await self.client(dep).get(
                 dep.backend.base_url + "/models", headers=self.headers(dep), timeout=2.0
             )
-            return r.status_code < 500
+            return r.status_code < 500 and r.status_code not in CREDENTIALS_STATUS
         except httpx.HTTPError:
             return False
 

@@ -20,7 +20,10 @@ class ConfigError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # .inf and .nan are floats too: an infinite timeout made every reservation's TTL infinite,
+    # which Redis could not be sent (OverflowError: a 500 for each request); an infinite weight
+    # or price broke routing and budgets the same way
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 def _secret(value: str | None, path: str) -> str | None:
@@ -34,6 +37,7 @@ def _secret(value: str | None, path: str) -> str | None:
 
 
 _MAX_LIMIT = 10**15
+_MAX_SECONDS = 10**6  # (~12 days) a bound on times, so a TTL in milliseconds stays an integer
 
 
 class Limits(_Strict):
@@ -59,18 +63,21 @@ class Backend(_Strict):
     base_url: str
     api_key: str | None = None
     model: str
-    timeout: float = Field(600.0, gt=0, description="total seconds for one attempt")
-    connect_timeout: float = Field(5.0, gt=0)
-    first_byte_timeout: float = Field(60.0, gt=0)
-    idle_timeout: float = Field(60.0, gt=0, description="seconds between two chunks of a stream")
-    rpm: int | None = Field(None, ge=1)
-    tpm: int | None = Field(None, ge=1)
-    max_parallel_requests: int | None = Field(None, ge=1)
+    timeout: float = Field(600.0, gt=0, le=_MAX_SECONDS, description="total seconds for one attempt")
+    connect_timeout: float = Field(5.0, gt=0, le=_MAX_SECONDS)
+    first_byte_timeout: float = Field(60.0, gt=0, le=_MAX_SECONDS)
+    idle_timeout: float = Field(
+        60.0, gt=0, le=_MAX_SECONDS, description="seconds between two chunks of a stream"
+    )
+    # bounded as a key's limits are: 10**400 passed and then each request's float arithmetic raised
+    rpm: int | None = Field(None, ge=1, le=_MAX_LIMIT)
+    tpm: int | None = Field(None, ge=1, le=_MAX_LIMIT)
+    max_parallel_requests: int | None = Field(None, ge=1, le=_MAX_LIMIT)
     max_connections: int = Field(256, ge=1)
     weight: float = Field(1.0, gt=0)
     input_cost_per_token: float = Field(0.0, ge=0)
     output_cost_per_token: float = Field(0.0, ge=0)
-    max_context: int | None = Field(None, ge=1)
+    max_context: int | None = Field(None, ge=1, le=_MAX_LIMIT)
     tokenizer: Literal["auto", "kvserve", "estimate"] = "auto"
     prefill_url: str | None = Field(
         None,
@@ -164,7 +171,9 @@ class GeneralSettings(_Strict):
     master_key: str | None = None
     state: str = "memory"
     database: str = "kvserve_gateway.db"
-    reservation_ttl: float | None = Field(None, gt=0, description="default: longest timeout + 30 s")
+    reservation_ttl: float | None = Field(
+        None, gt=0, le=_MAX_SECONDS, description="default: longest timeout + 30 s"
+    )
     shutdown_timeout: float = Field(30.0, ge=0, description="SIGTERM: seconds in-flight requests may finish")
     max_request_bytes: int = Field(
         16 * 2**20, ge=1024, description="a larger body is refused (413) before it is read into memory"

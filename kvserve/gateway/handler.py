@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from kvserve.disagg.prefill import run_prefill
+from kvserve.disagg.prefill import PrefillResult, run_prefill
 from kvserve.disagg.split import decode_body, disaggregates
 from kvserve.gateway.backends import BackendPool, estimate_tokens
-from kvserve.gateway.budgets import cost, max_cost, sequences
+from kvserve.gateway.budgets import completion_budget, cost, max_cost, sequences
 from kvserve.gateway.config import Deployment, GatewayConfig
 from kvserve.gateway.degrade import HEADER as DEGRADED_HEADER
 from kvserve.gateway.degrade import Degrader
@@ -28,7 +28,7 @@ from kvserve.gateway.metrics import GatewayMetrics
 from kvserve.gateway.proxy import Outcome, attempt
 from kvserve.gateway.response_cache import HEADER as CACHE_HEADER
 from kvserve.gateway.response_cache import Lookup, ResponseCache
-from kvserve.gateway.retries import MAX_RETRY_AFTER, backoff
+from kvserve.gateway.retries import CREDENTIALS_STATUS, MAX_RETRY_AFTER, backoff
 from kvserve.gateway.router import Router, request_info
 from kvserve.gateway.saturation import SaturationMonitor
 from kvserve.gateway.spend import SpendLog, SpendRow
@@ -65,6 +65,8 @@ class Ctx:
     degraded_to: str | None = None  # the fallback alias tried first: the group is saturated
     cache: Lookup | None = None  # set when the response cache applies to this request
     pd: str | None = None  # pd deployments: "disaggregated" or "fallback" (the last attempt's)
+    client_left: bool = False  # the client hung up (the request is being cancelled)
+    abandoned: str | None = None  # it left with work on served_by: "prefill" or "answer"
 
 
 class Gateway:
@@ -133,6 +135,7 @@ class Gateway:
             watcher.cancel()
         if work in done:
             return work.result()
+        ctx.client_left = True
         work.cancel()  # the client went away: stop the upstream request (frees its KV blocks)
         return Response(status_code=499)
 
@@ -342,9 +345,13 @@ class Gateway:
             url, prefill = dep.backend.prefill_url + ctx.path, dict(body, model=dep.backend.model)
             try:
                 pre = await run_prefill(self.pool.client(dep), url, prefill, self.pool.headers(dep))
-            except BaseException:  # the client left during the prefill
-                await asyncio.shield(self._release(arid, dchecks, 0))
+            except BaseException:  # the client left during the prefill: its prompt was computed
+                self._abandon(ctx, dep, "prefill")
+                await asyncio.shield(self._release(arid, dchecks, ctx.prompt_tokens if ctx.abandoned else 0))
                 raise
+            if pre.refused_status in CREDENTIALS_STATUS:  # the deployment's key, not the client's:
+                log.warning("prefill at %s refused the deployment's api_key (%d)", url, pre.refused_status)
+                pre = PrefillResult(failed=True)  # the decode engine computes the prompt
             if pre.refused_status is not None:  # the client's mistake: the deployment's slot is free again
                 await self._release(arid, dchecks, 0)
                 return await self._pass_through(
@@ -355,9 +362,10 @@ class Gateway:
         strategy.started(dep.id, ctx.route)
         try:
             out = await attempt(self.pool, dep, ctx.path, body, ctx.stream, ctx.client_usage)
-        except BaseException:
+        except BaseException:  # the client left while the deployment worked: it is charged
             strategy.finished(dep.id, None, ctx.route)
-            await asyncio.shield(self._release(arid, dchecks, 0))
+            self._abandon(ctx, dep, "prefill" if ctx.stream else "answer")
+            await asyncio.shield(self._release(arid, dchecks, ctx.prompt_tokens if ctx.abandoned else 0))
             raise
         if out.kind == "ok" and out.response is not None:  # a live stream: finished when it ends
             return self._stream(ctx, dep, arid, dchecks, out)
@@ -376,6 +384,15 @@ class Gateway:
             await self.cache.save(ctx.cache, out.content)
             headers[CACHE_HEADER] = "miss"
         return Response(out.content, out.status, headers=headers, media_type=out.media_type)
+
+    @staticmethod
+    def _abandon(ctx: Ctx, dep: Deployment, done: str) -> None:
+        """When the client left while `dep` worked on its request, note what it is charged for
+        (GATEWAY.md, Budgets): a stream nothing of which was sent, its prompt; a non-streamed
+        answer, its reservation on `dep`: how far the backend got before it was stopped cannot
+        be known, and hanging up must not make work free."""
+        if ctx.client_left:
+            ctx.served_by, ctx.abandoned = dep, done
 
     def _headers(self, ctx: Ctx, dep: Deployment) -> dict[str, str]:
         h = {
@@ -419,8 +436,10 @@ class Gateway:
                 done = asyncio.ensure_future(self._end_stream(ctx, dep, arid, dchecks, out, status, failure))
                 try:
                     await asyncio.shield(done)
-                except BaseException:
-                    pass
+                except asyncio.CancelledError:
+                    pass  # (the client left: the settlement goes on, shielded)
+                except Exception:  # a bug: said once, not swallowed (it left the key's slots held)
+                    log.exception("settling the stream of %s failed", ctx.rid)
 
         return StreamingResponse(relay(), media_type="text/event-stream", headers=self._headers(ctx, dep))
 
@@ -460,6 +479,8 @@ class Gateway:
         ctx.settled = True
         dep = ctx.served_by
         money = 0.0
+        if ctx.abandoned and dep is not None:
+            usage, ok = _abandoned_usage(ctx, dep), True
         if ok and dep is not None:
             c = cost(dep.backend, usage)
             money = ctx.reserved_money if c is None else c  # no usage reported: charge the reservation
@@ -506,6 +527,15 @@ class Gateway:
         )
 
 
+def _abandoned_usage(ctx: Ctx, dep: Deployment) -> dict:
+    """What a request the client left is charged as, on the deployment that had it."""
+    prompt = ctx.prompt_tokens or estimate_tokens(ctx.body)
+    completion = 0
+    if ctx.abandoned == "answer" and ctx.path != EMBEDDINGS:
+        completion = completion_budget(ctx.body, prompt, dep.backend.max_context) * sequences(ctx.body)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
 def _min_new(ctx: Ctx) -> int:
     """Tokens the answer needs room for past the prompt (an embedding: none)."""
     if ctx.path == EMBEDDINGS:
@@ -520,6 +550,8 @@ async def _json_body(request: Request) -> dict:
         body = json.loads(raw)
     except ValueError:
         raise GatewayError(400, "body: not valid JSON", code="invalid_json") from None
+    except RecursionError:  # the client's mistake: a 400, not a 500 and a traceback
+        raise GatewayError(400, "body: not valid JSON (nested too deeply)", code="invalid_json") from None
     if not isinstance(body, dict):
         raise GatewayError(400, "body: expected a JSON object", code="invalid_json")
     return body

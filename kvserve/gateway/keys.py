@@ -1,12 +1,18 @@
 """Virtual keys. Only a key's SHA-256 is kept (config keys are hashed at load; keys made through
-the admin API are shown once and stored hashed in SQLite, shared by every instance)."""
+the admin API are shown once and stored hashed in SQLite, shared by every instance).
+
+SQLite calls block: the routes use the async methods, which run them in a worker thread, so a
+slow disk or a database another instance holds locked never stalls the event loop (every other
+request). Each call reads the file, so a key made or revoked on any instance counts at once."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import secrets
 import sqlite3
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -50,6 +56,7 @@ class KeyRecord:
 class KeyStore:
     def __init__(self, cfg: GatewayConfig, db: sqlite3.Connection) -> None:
         self.db = db
+        self.lock = threading.Lock()  # one connection, used from worker threads in turn
         db.execute(
             "CREATE TABLE IF NOT EXISTS keys (key_hash TEXT PRIMARY KEY, spec TEXT NOT NULL,"
             " created REAL NOT NULL, revoked REAL)"
@@ -62,41 +69,80 @@ class KeyStore:
         master = cfg.general_settings.master_key
         self.master_hash = hash_key(master) if master else None
 
-    def lookup(self, key: str) -> KeyRecord | None:
-        """The live record for a presented key, or None (unknown or revoked)."""
-        h = hash_key(key)
+    def _known(self, h: str) -> KeyRecord | None:
+        """The master key's or a config key's record (no database involved)."""
         if h == self.master_hash:
             return KeyRecord(h, KeySpec(alias="master"), "master")
-        if h in self.config_keys:
-            return self.config_keys[h]
-        row = self.db.execute("SELECT spec, created, revoked FROM keys WHERE key_hash = ?", (h,)).fetchone()
+        return self.config_keys.get(h)
+
+    def _stored(self, h: str) -> KeyRecord | None:
+        with self.lock:
+            row = self.db.execute(
+                "SELECT spec, created, revoked FROM keys WHERE key_hash = ?", (h,)
+            ).fetchone()
         if row is None or row[2] is not None:
             return None
         return KeyRecord(h, KeySpec.model_validate_json(row[0]), "database", row[1])
 
+    def lookup(self, key: str) -> KeyRecord | None:
+        """The live record for a presented key, or None (unknown or revoked)."""
+        h = hash_key(key)
+        return self._known(h) or self._stored(h)
+
+    async def find(self, key: str) -> KeyRecord | None:
+        """lookup() for the event loop: the database is read in a worker thread."""
+        h = hash_key(key)
+        return self._known(h) or await _off_loop(self._stored, h)
+
     def create(self, spec: KeySpec) -> tuple[str, KeyRecord]:
         key = "sk-kvgw-" + secrets.token_urlsafe(24)
         rec = KeyRecord(hash_key(key), spec.model_copy(update={"key": None, "key_hash": None}), "database")
-        self.db.execute(
-            "INSERT INTO keys (key_hash, spec, created) VALUES (?, ?, ?)",
-            (rec.key_hash, rec.spec.model_dump_json(exclude_none=True), rec.created),
-        )
-        self.db.commit()
+        with self.lock:
+            try:
+                self.db.execute(
+                    "INSERT INTO keys (key_hash, spec, created) VALUES (?, ?, ?)",
+                    (rec.key_hash, rec.spec.model_dump_json(exclude_none=True), rec.created),
+                )
+                self.db.commit()
+            except sqlite3.Error:
+                self.db.rollback()  # else the failed write's transaction keeps the file locked
+                raise
         return key, rec
 
+    async def create_async(self, spec: KeySpec) -> tuple[str, KeyRecord]:
+        return await _off_loop(self.create, spec)
+
     def revoke(self, key_hash: str) -> bool:
-        cur = self.db.execute(
-            "UPDATE keys SET revoked = ? WHERE key_hash = ? AND revoked IS NULL", (time.time(), key_hash)
-        )
-        self.db.commit()
+        with self.lock:
+            try:
+                cur = self.db.execute(
+                    "UPDATE keys SET revoked = ? WHERE key_hash = ? AND revoked IS NULL",
+                    (time.time(), key_hash),
+                )
+                self.db.commit()
+            except sqlite3.Error:
+                self.db.rollback()
+                raise
         return cur.rowcount == 1
 
+    async def revoke_async(self, key_hash: str) -> bool:
+        return await _off_loop(self.revoke, key_hash)
+
     def list(self) -> list[KeyRecord]:
-        rows = self.db.execute(
-            "SELECT key_hash, spec, created, revoked FROM keys ORDER BY created"
-        ).fetchall()
+        with self.lock:
+            rows = self.db.execute(
+                "SELECT key_hash, spec, created, revoked FROM keys ORDER BY created"
+            ).fetchall()
         db_keys = [KeyRecord(h, KeySpec.model_validate_json(s), "database", c, r) for h, s, c, r in rows]
         return [*self.config_keys.values(), *db_keys]
+
+    async def list_async(self) -> list[KeyRecord]:
+        return await _off_loop(self.list)
+
+
+async def _off_loop(fn, *args):
+    """fn(*args) in a worker thread (a database failure propagates: the app's 500)."""
+    return await asyncio.to_thread(fn, *args)
 
 
 def open_database(path: str) -> sqlite3.Connection:

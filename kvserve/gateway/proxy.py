@@ -15,8 +15,9 @@ import httpx
 
 from kvserve.gateway.backends import BackendPool
 from kvserve.gateway.config import Deployment
-from kvserve.gateway.retries import is_context_error, is_retryable, parse_retry_after
+from kvserve.gateway.retries import CREDENTIALS_STATUS, is_context_error, is_retryable, parse_retry_after
 from kvserve.gateway.sse import SSERelay
+from kvserve.gateway.usage import normalized
 
 
 @dataclass
@@ -115,13 +116,25 @@ def _classify(resp: httpx.Response, content: bytes, t0: float) -> Outcome:
     if status < 300:
         usage = None
         try:
-            usage = json.loads(content).get("usage")
-        except (ValueError, AttributeError):
+            usage = normalized(json.loads(content).get("usage"))
+        except (ValueError, AttributeError, RecursionError):
             pass
         return Outcome("ok", status, content, media, usage=usage, first_byte_s=elapsed)
     if is_retryable(status):
         retry_after = parse_retry_after(resp.headers.get("retry-after"))
         return Outcome("retry", status, content, media, retry_after, f"upstream answered {status}")
+    if status in CREDENTIALS_STATUS:
+        reason = f"upstream refused the deployment's api_key ({status} {_message(content)})"
+        return Outcome("retry", status, content, media, reason=reason)
     if is_context_error(status, content):
         return Outcome("context", status, content, media, reason="prompt longer than the backend's context")
     return Outcome("final", status, content, media, reason=f"upstream answered {status}")
+
+
+def _message(content: bytes) -> str:
+    """The backend's error message, short (for the gateway's own error and log)."""
+    try:
+        msg = json.loads(content)["error"]["message"]
+    except (ValueError, KeyError, TypeError, RecursionError):
+        msg = content[:200].decode("utf-8", "replace")
+    return str(msg)[:200]

@@ -4,9 +4,15 @@ retrying gateways do not synchronise), never shorter than a backend's Retry-Afte
 from __future__ import annotations
 
 import json
+import math
 import random
 
 RETRYABLE_STATUS = frozenset({408, 429}) | frozenset(range(500, 600))
+# The gateway sends the backend its own credentials (the deployment's api_key), never the
+# client's: a 401 or 403 is a deployment set up wrong, not the client's mistake. Passed
+# through, it told the client its own key was bad, and the group's other deployments were
+# never tried; now it is retried elsewhere, counts towards the cooldown, and ends as a 502.
+CREDENTIALS_STATUS = frozenset({401, 403})
 
 
 def is_retryable(status: int) -> bool:
@@ -25,9 +31,11 @@ def parse_retry_after(value: str | None) -> float | None:
     if not value:
         return None
     try:
-        return max(float(value), 0.0)
+        seconds = float(value)
     except ValueError:
         return None  # an HTTP date: rare from model servers; fall back to our own backoff
+    # float() also reads "nan" and "inf": the final 429's own Retry-After was int() of it, a 500
+    return max(seconds, 0.0) if math.isfinite(seconds) else None
 
 
 # how servers say a prompt (with max_tokens) exceeds the model's context, lowercased: OpenAI,

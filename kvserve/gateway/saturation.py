@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -26,15 +27,22 @@ METRIC = "kvserve:saturation"
 
 def parse_saturation(text: str) -> float | None:
     """The replica's saturation from a /metrics page: the `engine="total"` series when the
-    server has data-parallel replicas, else its one series; None if the gauge is absent."""
+    server has data-parallel replicas, else its one series; None if the gauge is absent, not
+    a finite number, or the page is not Prometheus text. (A page that failed to parse raised
+    out of the whole poll: one backend answering /metrics with an HTML page froze every
+    group's saturation at its last reading, and degradation went on acting on it.)"""
     values: list[float] = []
-    for family in text_string_to_metric_families(text):
-        if family.name != METRIC:
-            continue
-        for sample in family.samples:
-            if sample.labels.get("engine") == "total":
-                return sample.value
-            values.append(sample.value)
+    try:
+        for family in text_string_to_metric_families(text):
+            if family.name != METRIC:
+                continue
+            for sample in family.samples:
+                if sample.labels.get("engine") == "total":
+                    return sample.value if math.isfinite(sample.value) else None
+                values.append(sample.value)
+    except ValueError:
+        return None
+    values = [v for v in values if math.isfinite(v)]
     return max(values) if values else None
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+from kvserve.gateway.usage import normalized
+
 _NULL_USAGE = (b',"usage":null', b', "usage": null')
 
 
@@ -42,7 +44,7 @@ class SSERelay:
         try:
             obj = json.loads(ev[ev.index(b"{") :])
             choices = obj["choices"]
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):
             return
         for c in choices if isinstance(choices, list) else []:
             text = _text(c) if isinstance(c, dict) else ""
@@ -69,10 +71,10 @@ class SSERelay:
             return ev
         try:
             obj = json.loads(ev[5:])
-        except ValueError:
+        except (ValueError, RecursionError):
             return ev
         if isinstance(obj, dict) and isinstance(obj.get("usage"), dict):
-            self.usage = obj["usage"]
+            self.usage = normalized(obj["usage"])  # (the client gets the backend's own, as it came)
             if self.strip:
                 if not obj.get("choices"):
                     return None

@@ -1,5 +1,6 @@
 -- Admit a request against every check or none, in one atomic step (Redis runs a script alone).
--- KEYS, per check: rpm|tpm -> window hash (second -> amount); parallel -> slot zset (request ->
+-- KEYS, per check: rpm -> window hash (second -> amount); tpm -> that, and a hash request -> the
+-- second it was admitted in (settle.lua corrects that bucket); parallel -> slot zset (request ->
 -- expiry ms); budget -> budget hash {period, spent}, reservation zset, reservation amounts hash.
 -- ARGV: request_id, ttl_ms, n, then per check: kind, limit, amount, period_ms.
 -- Returns {1, remaining...} or {0, failed check index, retry_after_ms}.
@@ -13,7 +14,7 @@ for i = 1, n do
   local c = {kind = ARGV[ai], limit = tonumber(ARGV[ai + 1]), amount = tonumber(ARGV[ai + 2]),
              period = tonumber(ARGV[ai + 3]), k = ki}
   ai = ai + 4
-  if c.kind == 'budget' then ki = ki + 3 else ki = ki + 1 end
+  if c.kind == 'budget' then ki = ki + 3 elseif c.kind == 'tpm' then ki = ki + 2 else ki = ki + 1 end
   checks[i] = c
 end
 for i, c in ipairs(checks) do
@@ -45,8 +46,10 @@ for i, c in ipairs(checks) do
     if c.period > 0 then idx = math.floor(now / c.period) end
     if tonumber(redis.call('HGET', b, 'period') or '-1') ~= idx then
       redis.call('HSET', b, 'period', idx, 'spent', 0)
-      if c.period > 0 then redis.call('PEXPIRE', b, 2 * c.period) end
     end
+    -- No TTL: a volatile key is one Redis may evict under maxmemory (volatile-lru), and an
+    -- evicted budget forgot the period's spend; the period index above resets it instead.
+    redis.call('PERSIST', b)  -- (a hash an earlier version wrote with a TTL)
     local expired = redis.call('ZRANGEBYSCORE', z, '-inf', now)
     if #expired > 0 then
       redis.call('ZREMRANGEBYSCORE', z, '-inf', now)
@@ -69,6 +72,10 @@ for i, c in ipairs(checks) do
   if c.kind == 'rpm' or c.kind == 'tpm' then
     redis.call('HINCRBY', KEYS[c.k], sec, c.amount)
     redis.call('PEXPIRE', KEYS[c.k], 61000)
+    if c.kind == 'tpm' then
+      redis.call('HSET', KEYS[c.k + 1], rid, sec)
+      redis.call('PEXPIRE', KEYS[c.k + 1], 61000)
+    end
   elseif c.kind == 'parallel' then
     redis.call('ZADD', KEYS[c.k], now + ttl, rid)
     redis.call('PEXPIRE', KEYS[c.k], ttl + 1000)

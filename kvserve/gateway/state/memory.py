@@ -6,13 +6,16 @@ from __future__ import annotations
 import math
 import time
 from collections import defaultdict
+from collections.abc import Callable
 
 from kvserve.gateway.state.base import EPS, FAIL_WINDOW_S, WINDOW_S, Admission, Check, StateStore
 
 
 class MemoryStore(StateStore):
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self.clock = clock  # windows and budgets (tests pass their own to go past a window)
         self._windows: dict[str, dict[int, float]] = defaultdict(dict)  # scope:kind -> second -> amount
+        self._tpm_at: dict[str, dict[str, int]] = defaultdict(dict)  # scope -> request -> its second
         self._slots: dict[str, dict[str, float]] = defaultdict(dict)  # scope -> request -> expiry
         self._budgets: dict[str, list[float]] = {}  # scope -> [period index, spent]
         self._reserved: dict[str, dict[str, tuple[float, float]]] = defaultdict(dict)  # -> (expiry, amt)
@@ -60,7 +63,7 @@ class MemoryStore(StateStore):
         return b[1] + sum(a for _, a in res.values()), retry
 
     async def admit(self, request_id: str, checks: list[Check], ttl: float) -> Admission:
-        now = time.time()
+        now = self.clock()
         used = []
         for c in checks:
             u, retry = self._measure(c, now)
@@ -71,6 +74,11 @@ class MemoryStore(StateStore):
             if c.kind in ("rpm", "tpm"):
                 buckets = self._windows[f"{c.scope}:{c.kind}"]
                 buckets[int(now)] = buckets.get(int(now), 0) + c.amount
+                if c.kind == "tpm":
+                    at = self._tpm_at[c.scope]
+                    while at and next(iter(at.values())) <= int(now) - WINDOW_S:  # (never settled)
+                        del at[next(iter(at))]
+                    at[request_id] = int(now)
             elif c.kind == "parallel":
                 self._slots[c.scope][request_id] = now + ttl
             else:
@@ -78,11 +86,15 @@ class MemoryStore(StateStore):
         return Admission(True, [c.limit - u - c.amount for c, u in zip(checks, used)])
 
     async def settle(self, request_id: str, checks: list[Check], actual: list[float]) -> None:
-        now = time.time()
+        now = self.clock()
         for c, a in zip(checks, actual):
-            if c.kind == "tpm":
-                buckets = self._windows[f"{c.scope}:tpm"]
-                buckets[int(now)] = buckets.get(int(now), 0) + (a - c.amount)
+            if c.kind == "tpm":  # as settle.lua: fewer tokens come off the reservation's own bucket
+                buckets, delta = self._windows[f"{c.scope}:tpm"], a - c.amount
+                at = self._tpm_at[c.scope].pop(request_id, None)
+                if delta > 0:
+                    buckets[int(now)] = buckets.get(int(now), 0) + delta
+                elif delta < 0 and at is not None and at > int(now) - WINDOW_S and at in buckets:
+                    buckets[at] += delta
             elif c.kind == "parallel":
                 self._slots[c.scope].pop(request_id, None)
             elif c.kind == "budget":

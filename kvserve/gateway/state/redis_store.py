@@ -18,8 +18,10 @@ PREFIX = "kvgw:"
 
 
 def _keys(c: Check) -> list[str]:
-    if c.kind in ("rpm", "tpm"):
-        return [f"{PREFIX}w:{c.scope}:{c.kind}"]
+    if c.kind == "rpm":
+        return [f"{PREFIX}w:{c.scope}:rpm"]
+    if c.kind == "tpm":  # the window, and when each request in it was admitted
+        return [f"{PREFIX}w:{c.scope}:tpm", f"{PREFIX}ta:{c.scope}"]
     if c.kind == "parallel":
         return [f"{PREFIX}p:{c.scope}"]
     return [f"{PREFIX}b:{c.scope}", f"{PREFIX}rz:{c.scope}", f"{PREFIX}ra:{c.scope}"]

@@ -10,10 +10,17 @@ for i = 1, n do
   local kind, reserved, actual, period = ARGV[ai], tonumber(ARGV[ai + 1]), ARGV[ai + 2], tonumber(ARGV[ai + 3])
   ai = ai + 4
   if kind == 'tpm' then
+    -- More tokens than reserved count now; fewer come off the bucket the reservation is in, if
+    -- it is still in the window (taken off the current one, the window went below what it
+    -- held once that bucket left it, and admitted more than the limit for that long).
     local delta = math.floor(tonumber(actual) - reserved)
-    if delta ~= 0 then
+    local at = redis.call('HGET', KEYS[ki + 1], rid)
+    redis.call('HDEL', KEYS[ki + 1], rid)
+    if delta > 0 then
       redis.call('HINCRBY', KEYS[ki], sec, delta)
       redis.call('PEXPIRE', KEYS[ki], 61000)
+    elseif delta < 0 and at and tonumber(at) > sec - 60 and redis.call('HEXISTS', KEYS[ki], at) == 1 then
+      redis.call('HINCRBY', KEYS[ki], at, delta)
     end
   elseif kind == 'parallel' then
     redis.call('ZREM', KEYS[ki], rid)
@@ -25,10 +32,10 @@ for i = 1, n do
     if period > 0 then idx = math.floor(now / period) end
     if tonumber(redis.call('HGET', b, 'period') or '-1') ~= idx then
       redis.call('HSET', b, 'period', idx, 'spent', 0)
-      if period > 0 then redis.call('PEXPIRE', b, 2 * period) end
+      redis.call('PERSIST', b)  -- no TTL: see admit.lua
     end
     redis.call('HINCRBYFLOAT', b, 'spent', actual)
   end
-  if kind == 'budget' then ki = ki + 3 else ki = ki + 1 end
+  if kind == 'budget' then ki = ki + 3 elseif kind == 'tpm' then ki = ki + 2 else ki = ki + 1 end
 end
 return 1
