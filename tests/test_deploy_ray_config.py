@@ -95,3 +95,26 @@ def test_cli_bad_config_exits_2_with_one_line(tmp_path):
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert out.returncode == 2 and "No such file" in out.stderr
+
+
+@pytest.mark.parametrize(
+    "body, says", [(b"[" * 100_000, "nested too deeply"), (b"{", "not valid JSON"), (b"[1]", "a JSON object")]
+)
+def test_front_answers_a_body_it_cannot_use_with_a_400(body, says):
+    """The Ray Serve ingress parses each body itself: one nested past the parser's recursion
+    limit raised RecursionError, not ValueError, and was a 500 with a traceback."""
+    import asyncio
+    import json
+
+    pytest.importorskip("ray.serve")
+    from starlette.requests import Request
+
+    from kvserve.deploy.front import Front
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}
+    resp = asyncio.run(Front.post(None, "chat/completions", Request(scope, receive)))
+    err = json.loads(resp.body)["error"]
+    assert resp.status_code == 400 and err["code"] == "invalid_json" and says in err["message"], err

@@ -39,6 +39,8 @@ class Front:
             body = json.loads(await request.body())
         except ValueError:
             return _error(400, "the body is not valid JSON", "invalid_json")
+        except RecursionError:  # the client's mistake too: a 400, not a 500 and a traceback
+            return _error(400, "the body is not valid JSON (nested too deeply)", "invalid_json")
         if not isinstance(body, dict):
             return _error(400, "the body must be a JSON object", "invalid_json")
         gen = self.replicas.options(stream=True).forward.remote(f"/v1/{path}", body, _headers(request))
