@@ -34,7 +34,7 @@ from kvserve.entrypoints.openai.compat import (
 )
 from kvserve.entrypoints.openai.errors import error_response
 from kvserve.entrypoints.openai.lifecycle import ServerShuttingDownError
-from kvserve.entrypoints.openai.limits import sample_seed
+from kvserve.entrypoints.openai.limits import check_fan_out, sample_seed
 from kvserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -392,6 +392,7 @@ class OpenAIServing:
         self, prefix: str, req: SamplingFields, prompts: list, params: SamplingParams, raw: Request
     ) -> Launched:
         """Name the response, queue its engine requests and merge their streams."""
+        check_fan_out(len(prompts), req.n, req.best_of)
         samples = max(req.n, req.best_of or 0)  # best_of > n: rank them by cumulative logprob
         if samples > req.n and params.logprobs is None:
             params = replace(params, logprobs=0)  # the ranking needs them; the reply shows them only if asked
