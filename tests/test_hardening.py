@@ -365,6 +365,11 @@ def test_text_that_is_no_text_is_400_and_the_connection_stays_usable(server, pat
         ({"max_output_tokens": 1000}, "max_output_tokens"),  # past the 256-token context
         ({"input": "word " * 400}, "input"),
         ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}}, "text"),
+        ({"max_tool_calls": -1}, "max_tool_calls"),
+        (
+            {"max_tool_calls": 0, "tools": [{"type": "function", "name": "f"}], "tool_choice": "required"},
+            "max_tool_calls",
+        ),  # fmt: skip
     ],
 )
 def test_responses_errors_name_the_responses_field(server, body, param):
@@ -373,6 +378,23 @@ def test_responses_errors_name_the_responses_field(server, body, param):
     r = post(server, {"model": "tiny", "input": "hi", "max_output_tokens": 4, **body}, "/v1/responses")
     assert_400(r, param)
     assert "max_tokens" not in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"conversation": "conv_1"}, "conversation"),
+        ({"conversation": {"id": "conv_1"}}, "conversation"),
+        ({"prompt": {"id": "pmpt_1", "variables": {"city": "Paris"}}}, "prompt"),
+    ],
+)
+def test_responses_server_side_state_is_refused_saying_so(server, body, param):
+    """OpenAI's conversations and stored prompt templates need state this server does not
+    keep: refused with the reason (were "Extra inputs are not permitted"); prompt is not
+    renamed input as the chat path's prompt errors are."""
+    r = post(server, {"model": "tiny", "input": "hi", "max_output_tokens": 4, **body}, "/v1/responses")
+    assert_400(r, param)
+    assert "not supported by this server" in r.json()["error"]["message"]
 
 
 def test_a_bad_query_parameter_is_named(server):
@@ -494,6 +516,38 @@ def test_stalled_reader_is_aborted(long_server):
     assert m["kvserve:generation_tokens_total"] < 8 * 3000  # stopped long before the end
     sock.close()
     assert_still_serving(s)
+
+
+NO_ARGS = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+def test_responses_max_tool_calls_keeps_that_many_calls(long_server):
+    """max_tool_calls (once refused as an unknown field) bounds the function calls a response
+    holds, streamed or not; 0 leaves the tools out, so the model answers in text."""
+    s = long_server
+    tools = [{"type": "function", "name": "f", "parameters": NO_ARGS}]
+    base = {"model": "tiny", "input": "hi", "tools": tools, "tool_choice": "required",
+            "max_output_tokens": 200, "temperature": 1.0}  # fmt: skip
+
+    def calls(body: dict) -> list[dict]:
+        r = post(s, body, "/v1/responses")
+        assert r.status_code == 200, r.text
+        return [o for o in r.json()["output"] if o["type"] == "function_call"]
+
+    # a seed whose forced array holds 3 or more calls (most do with this random model)
+    seed = next(seed for seed in range(20) if len(calls({**base, "seed": seed})) >= 3)
+    body = {**base, "seed": seed, "max_tool_calls": 2}
+    r = post(s, body, "/v1/responses")
+    assert r.json()["max_tool_calls"] == 2
+    assert [o["type"] for o in r.json()["output"]] == ["function_call"] * 2
+    with httpx.stream("POST", f"{s.url}/v1/responses", json={**body, "stream": True}, headers=s.headers) as r:
+        events = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+    added = [e for e in events if e["type"] == "response.output_item.added"]
+    assert len(added) == 2 and events[-1]["type"] == "response.completed"
+    assert [o["type"] for o in events[-1]["response"]["output"]] == ["function_call"] * 2
+    assert len(calls({**body, "max_tool_calls": 1})) == 1
+    r = post(s, {**base, "tool_choice": "auto", "max_tool_calls": 0, "max_output_tokens": 4}, "/v1/responses")
+    assert r.status_code == 200 and [o["type"] for o in r.json()["output"]] == ["message"]
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import ConfigDict, Field
 
-from kvserve.entrypoints.openai.limits import Int64, NumLogprobs, PositiveInt64
+from kvserve.entrypoints.openai.limits import Int64, NonNegInt64, NumLogprobs, PositiveInt64
 from kvserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -81,7 +81,8 @@ class ResponsesRequest(OpenAIBody):
     stream: bool = False
     store: bool = True
     previous_response_id: str | None = None
-    # informational, or features refused with a reason (see to_chat)
+    max_tool_calls: NonNegInt64 | None = None  # function calls kept in the output (responses.py)
+    # informational, or features refused with a reason (see refuse_unsupported)
     metadata: dict[str, str] | None = None
     user: str | None = None
     service_tier: str | None = None
@@ -91,6 +92,10 @@ class ResponsesRequest(OpenAIBody):
     reasoning: dict[str, Any] | None = None
     include: list[str] | None = None
     background: bool = False
+    # OpenAI's server-side state that kvserve does not keep: declared so that they are refused
+    # with the reason (refuse_unsupported), not as unknown fields
+    conversation: Any = None
+    prompt: Any = None
 
 
 def _text_of(content: Any, where: str) -> str:
@@ -148,11 +153,30 @@ def _require_strings(item: dict[str, Any], index: int, keys: tuple[str, ...]) ->
             raise ValueError(f"input: item {index} ({item['type']}) needs {key}, a non-empty string")
 
 
+def refuse_unsupported(req: ResponsesRequest) -> None:
+    """A 400 saying why for the features that need state this server does not keep. Checked
+    before to_chat: the chat path's errors naming `prompt` are renamed to `input`, this one not."""
+    if req.background:
+        raise ValueError("background: background responses are not supported; use stream=true")
+    if req.conversation is not None:
+        raise ValueError(
+            "conversation: conversations are not supported by this server; "
+            "continue a response with previous_response_id instead"
+        )
+    if req.prompt is not None:
+        raise ValueError(
+            "prompt: stored prompt templates are not supported by this server; send input and instructions"
+        )
+
+
 def to_chat(req: ResponsesRequest, history: list[dict[str, Any]]) -> ChatCompletionRequest:
     """The chat request this response runs as; `history` is the stored conversation of the
     previous response (its input and output), [] when there is none."""
-    if req.background:
-        raise ValueError("background: background responses are not supported; use stream=true")
+    choice = req.tool_choice
+    if req.max_tool_calls == 0 and req.tools:  # no call may be kept: the model answers in text
+        if choice not in (None, "auto", "none"):
+            raise ValueError("max_tool_calls: 0 allows no call, but tool_choice requires one")
+        choice = "none"
     messages = list(history)
     at = lone_surrogate(req.instructions or "")
     if at is not None:  # found in the rendered prompt it would be named input, a field it is not in
@@ -172,7 +196,6 @@ def to_chat(req: ResponsesRequest, history: list[dict[str, Any]]) -> ChatComplet
         if fmt.type == "json_schema" and schema is None:
             raise ValueError("text: format.schema is required for type json_schema")
         response_format = ResponseFormat(type=fmt.type, json_schema=schema)
-    choice = req.tool_choice
     if isinstance(choice, FunctionChoice):
         choice = NamedToolChoice(function=ToolChoiceFunction(name=choice.name))
     tools = None
@@ -189,7 +212,7 @@ def to_chat(req: ResponsesRequest, history: list[dict[str, Any]]) -> ChatComplet
         top_logprobs=req.top_logprobs,
         tools=tools,
         tool_choice=choice,
-        parallel_tool_calls=req.parallel_tool_calls,
+        parallel_tool_calls=req.parallel_tool_calls and req.max_tool_calls != 1,
         response_format=response_format,
         stream=req.stream,
         stream_options={"include_usage": True} if req.stream else None,
