@@ -386,6 +386,8 @@ def test_responses_errors_name_the_responses_field(server, body, param):
         ({"conversation": "conv_1"}, "conversation"),
         ({"conversation": {"id": "conv_1"}}, "conversation"),
         ({"prompt": {"id": "pmpt_1", "variables": {"city": "Paris"}}}, "prompt"),
+        ({"context_management": [{"type": "compaction", "compact_threshold": 1000}]}, "context_management"),
+        ({"moderation": {"model": "omni-moderation-latest"}}, "moderation"),
     ],
 )
 def test_responses_server_side_state_is_refused_saying_so(server, body, param):
@@ -395,6 +397,21 @@ def test_responses_server_side_state_is_refused_saying_so(server, body, param):
     r = post(server, {"model": "tiny", "input": "hi", "max_output_tokens": 4, **body}, "/v1/responses")
     assert_400(r, param)
     assert "not supported by this server" in r.json()["error"]["message"]
+
+
+def test_responses_stream_and_cache_options_are_accepted(server):
+    """OpenAI's stream_options (include_obfuscation) and prompt-cache settings were refused as
+    unknown fields; they are accepted (no obfuscation is sent), stream_options only streaming."""
+    body = {"model": "tiny", "input": "hi", "max_output_tokens": 2, "prompt_cache_retention": "24h",
+            "prompt_cache_options": {"mode": "implicit", "ttl": "30m"}}  # fmt: skip
+    opts = {"stream_options": {"include_obfuscation": False}}
+    with httpx.stream("POST", f"{server.url}/v1/responses", json={**body, **opts, "stream": True},
+                      headers=server.headers, timeout=60) as r:  # fmt: skip
+        assert r.status_code == 200
+        kinds = [json.loads(x[6:])["type"] for x in r.iter_lines() if x.startswith("data: {")]
+    assert kinds[0] == "response.created" and kinds[-1] in ("response.completed", "response.incomplete")
+    assert_400(post(server, {**body, **opts}, "/v1/responses"), "stream_options")
+    assert post(server, body, "/v1/responses").status_code == 200
 
 
 def test_a_bad_query_parameter_is_named(server):

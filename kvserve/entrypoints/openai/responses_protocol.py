@@ -60,6 +60,11 @@ class TextConfig(OpenAIBody):
     verbosity: Literal["low", "medium", "high"] | None = None  # informational
 
 
+class ResponsesStreamOptions(OpenAIBody):
+    model_config = ConfigDict(extra="forbid")
+    include_obfuscation: bool = True  # no obfuscation field is sent either way: informational
+
+
 class ResponsesRequest(OpenAIBody):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     null_means_default: ClassVar[frozenset[str]] = frozenset(
@@ -79,6 +84,7 @@ class ResponsesRequest(OpenAIBody):
     top_logprobs: NumLogprobs | None = None
     seed: Int64 | None = None
     stream: bool = False
+    stream_options: ResponsesStreamOptions | None = None
     store: bool = True
     previous_response_id: str | None = None
     max_tool_calls: NonNegInt64 | None = None  # function calls kept in the output (responses.py)
@@ -87,6 +93,8 @@ class ResponsesRequest(OpenAIBody):
     user: str | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    prompt_cache_options: dict[str, Any] | None = None
     safety_identifier: str | None = None
     truncation: Literal["auto", "disabled"] | None = None
     reasoning: dict[str, Any] | None = None
@@ -96,6 +104,8 @@ class ResponsesRequest(OpenAIBody):
     # with the reason (refuse_unsupported), not as unknown fields
     conversation: Any = None
     prompt: Any = None
+    context_management: Any = None
+    moderation: Any = None
 
 
 def _text_of(content: Any, where: str) -> str:
@@ -154,7 +164,7 @@ def _require_strings(item: dict[str, Any], index: int, keys: tuple[str, ...]) ->
 
 
 def refuse_unsupported(req: ResponsesRequest) -> None:
-    """A 400 saying why for the features that need state this server does not keep. Checked
+    """A 400 saying why for the features that need state or models this server does not have. Checked
     before to_chat: the chat path's errors naming `prompt` are renamed to `input`, this one not."""
     if req.background:
         raise ValueError("background: background responses are not supported; use stream=true")
@@ -167,6 +177,12 @@ def refuse_unsupported(req: ResponsesRequest) -> None:
         raise ValueError(
             "prompt: stored prompt templates are not supported by this server; send input and instructions"
         )
+    if req.context_management:
+        raise ValueError("context_management: compaction is not supported by this server")
+    if req.moderation is not None:
+        raise ValueError("moderation: moderation is not supported by this server")
+    if req.stream_options is not None and not req.stream:  # as the chat path answers it
+        raise ValueError("stream_options: only allowed when stream is true")
 
 
 def to_chat(req: ResponsesRequest, history: list[dict[str, Any]]) -> ChatCompletionRequest:
