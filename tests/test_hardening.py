@@ -59,6 +59,7 @@ def assert_400(r: httpx.Response, param: str) -> None:
         ({"logit_bias": {"99999999999999999999": 1}}, "logit_bias"),
         ({"n": 128}, "n"),  # more samples than the 8 seats: could never run
         ({"n": 9}, "n"),
+        ({"best_of": 9}, "best_of"),  # was named n, which the request left at 1
         ({"prompt": ["a", "b", "c", "d", "e"], "n": 4}, "n"),  # 20 sequences > 16 waiting seats
         ({"logprobs": 21}, "logprobs"),
     ],

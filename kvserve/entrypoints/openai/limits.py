@@ -37,15 +37,18 @@ def sample_seed(seed: int, index: int) -> int:
     return (seed + index - INT64_MIN) % 2**64 + INT64_MIN
 
 
-def check_fan_out(num_prompts: int, n: int, best_of: int | None) -> None:
+def check_fan_out(num_prompts: int, n: int, best_of: int | None, seats: int) -> None:
     """Refuse a request whose prompts x max(n, best_of) would queue more than MAX_SEQUENCES
     engine requests: each holds memory from the moment it is queued, so one body of a
-    million short prompts could otherwise exhaust the server. ValueError names the field."""
+    million short prompts could otherwise exhaust the server. Nor may one prompt's samples
+    outnumber the `seats` (max_num_seqs): they run together. ValueError names the field."""
     if num_prompts > MAX_PROMPTS:
         raise ValueError(f"prompt: {num_prompts} prompts in one request; at most {MAX_PROMPTS}")
     samples = max(n, best_of or 0)
+    field = "best_of" if samples > n else "n"
+    if samples > seats:
+        raise ValueError(f"{field}: {samples} samples can never run at once here (max_num_seqs={seats})")
     if num_prompts * samples > MAX_SEQUENCES:
-        field = "best_of" if samples > n else "n"
         raise ValueError(
             f"{field}: {num_prompts} prompt(s) x {field}={samples} is {num_prompts * samples} sequences; "
             f"at most {MAX_SEQUENCES} in one request (send the prompts in several requests)"

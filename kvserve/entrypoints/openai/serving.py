@@ -191,9 +191,6 @@ class OpenAIServing:
         (503 + Retry-After). Queuing is all or nothing: if one engine request cannot be added,
         the ones already added are aborted.
         """
-        seats = self.engine.config.max_num_seqs
-        if n > seats:
-            raise ValueError(f"n: {n} samples can never run at once here (max_num_seqs={seats})")
         total = len(prompts) * n
         # Batch lines (background) are outside the waiting room: the batch runner bounds them with
         # its window, and the scheduler runs them only when no interactive request waits.
@@ -392,7 +389,7 @@ class OpenAIServing:
         self, prefix: str, req: SamplingFields, prompts: list, params: SamplingParams, raw: Request
     ) -> Launched:
         """Name the response, queue its engine requests and merge their streams."""
-        check_fan_out(len(prompts), req.n, req.best_of)
+        check_fan_out(len(prompts), req.n, req.best_of, self.engine.config.max_num_seqs)
         samples = max(req.n, req.best_of or 0)  # best_of > n: rank them by cumulative logprob
         if samples > req.n and params.logprobs is None:
             params = replace(params, logprobs=0)  # the ranking needs them; the reply shows them only if asked
