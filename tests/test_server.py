@@ -204,6 +204,14 @@ def test_fan_out_past_the_sequence_bound_is_400(server, path, body, param):
     assert r.status_code == 200 and len(r.json()["choices"]) == 16 * payload.get("n", 1)
 
 
+def test_embeddings_past_2048_inputs_is_400(server, client):
+    """As OpenAI's: each input is an engine request, so a 16 MB body of short inputs once queued
+    millions of them."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.embeddings.create(model="tiny", input=[[5]] * 2049)
+    assert e.value.body["param"] == "input" and "at most 2048" in e.value.body["message"]
+
+
 def test_openai_client_errors(server, client):
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="tiny", messages=[], max_tokens=3)

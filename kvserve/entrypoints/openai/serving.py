@@ -34,7 +34,7 @@ from kvserve.entrypoints.openai.compat import (
 )
 from kvserve.entrypoints.openai.errors import error_response
 from kvserve.entrypoints.openai.lifecycle import ServerShuttingDownError
-from kvserve.entrypoints.openai.limits import check_fan_out, sample_seed
+from kvserve.entrypoints.openai.limits import MAX_PROMPTS, check_fan_out, sample_seed
 from kvserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -579,6 +579,8 @@ class OpenAIServing:
         _, engine_rid = self.response_id("embd", None, raw)
         try:
             inputs = self._prompts(req.input)
+            if len(inputs) > MAX_PROMPTS:  # each is an engine request, held from the moment it is queued
+                raise ValueError(f"input: {len(inputs)} inputs in one request; at most {MAX_PROMPTS}")
             streams = await self._start(inputs, params, 1, engine_rid, req.priority, None)
         except ValueError as e:  # the shared checks name `prompt`; this endpoint's field is `input`
             rename_field(e, "prompt", "input")
