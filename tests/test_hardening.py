@@ -61,6 +61,7 @@ def assert_400(r: httpx.Response, param: str) -> None:
         ({"n": 9}, "n"),
         ({"best_of": 9}, "best_of"),  # was named n, which the request left at 1
         ({"prompt": ["a", "b", "c", "d", "e"], "n": 4}, "n"),  # 20 sequences > 16 waiting seats
+        ({"prompt": ["a"] * 17}, "prompt"),  # was named n, which the request left at 1
         ({"logprobs": 21}, "logprobs"),
     ],
 )
@@ -276,6 +277,7 @@ def test_an_embedding_may_fill_the_whole_context(server):
     assert_400(r, "messages")
     assert r.json()["error"]["code"] == "context_length_exceeded"
     assert_400(post(server, {"model": "tiny", "input": []}, "/v1/embeddings"), "input")
+    assert_400(post(server, {"model": "tiny", "input": ["a"] * 17}, "/v1/embeddings"), "input")  # 16 seats
     assert_still_serving(server)
 
 

@@ -196,8 +196,9 @@ class OpenAIServing:
         # its window, and the scheduler runs them only when no interactive request waits.
         limited = self.max_waiting is not None and not background
         if limited and total > self.max_waiting:
+            field = "n" if n > 1 else "prompt"  # prompt: renamed input or messages by the endpoint
             raise ValueError(
-                f"n: {total} sequences ({len(prompts)} prompt(s) x n={n}) exceed the waiting room "
+                f"{field}: {total} sequences ({len(prompts)} prompt(s) x n={n}) exceed the waiting room "
                 f"(max_waiting_requests={self.max_waiting}); this request could never be admitted"
             )
         ids = [await self.tokenize_text(p) if isinstance(p, str) else p for p in prompts]
