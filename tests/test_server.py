@@ -155,6 +155,9 @@ def test_logprobs_and_echo(client):
         ({"suffix": "x"}, "suffix"),
         ({"tools": []}, "tools"),
         ({"logit_bias": {"999999": 5}}, "logit_bias"),
+        ({"logit_bias": {"\u0663": 5}}, "logit_bias"),  # an Arabic-Indic 3: once a bias on token 3
+        ({"logit_bias": {"1_0": 5}}, "logit_bias"),  # once token 10
+        ({"logit_bias": {" 5": 5}}, "logit_bias"),
         ({"max_tokens": 255}, "max_tokens"),
         # a grammar or regex that matches no text: refused before generation (was 200 with "")
         ({"structured_outputs": {"grammar": "root ::= root"}}, "structured_outputs"),
