@@ -260,6 +260,17 @@ def test_a_tool_result_needs_its_call_id(server):
     assert post(server, body, "/v1/chat/completions").status_code == 200
 
 
+def test_a_tool_call_whose_arguments_are_no_json_says_so(server):
+    """The arguments were a string; the error said they "must be a JSON string"."""
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"city": "Par'}}
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]  # fmt: skip
+    r = post(server, {"model": "tiny", "messages": messages, "max_tokens": 2}, "/v1/chat/completions")
+    assert_400(r, "messages")
+    message = r.json()["error"]["message"]
+    assert "not valid JSON" in message and '{"city": "Par' in message
+
+
 def test_an_embedding_may_fill_the_whole_context(server):
     """No token is generated for an embedding, so max_model_len (256 here) tokens fit; one more
     does not, and the error names this endpoint's field, `input`."""
