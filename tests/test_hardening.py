@@ -179,6 +179,17 @@ def test_a_body_that_is_no_json_object_says_so(server, body, message):
     assert_still_serving(server)
 
 
+@pytest.mark.parametrize("content_type", ["application/x-www-form-urlencoded", "text/plain", None])
+def test_a_json_body_sent_as_another_type_names_the_content_type(server, content_type):
+    """`curl -d '{...}'` sends a form's Content-Type: the JSON object it carried was answered
+    "the body must be a JSON object"."""
+    headers = {**server.headers, **({"content-type": content_type} if content_type else {})}
+    r = httpx.post(f"{server.url}/v1/completions", content=json.dumps(OK).encode(), headers=headers)
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert "Content-Type: application/json" in message and (content_type or "no Content-Type") in message
+
+
 def test_a_union_field_reports_the_member_the_value_broke(server):
     """stop is a string or a list of at most 32: 33 strings were "Input should be a valid string"."""
     r = post(server, {**OK, "stop": [str(i) for i in range(33)]})
