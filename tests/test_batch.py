@@ -23,6 +23,7 @@ from kvserve.request import BACKGROUND_PRIORITY
 
 MODEL_ARGS = ("--kv-cache-memory", "32MiB", "--max-model-len", "256", "--served-model-name", "tiny")
 CHAT = "/v1/chat/completions"
+CMPL = "/v1/completions"
 FINAL = ("completed", "failed", "cancelled", "expired")
 
 
@@ -155,13 +156,18 @@ def test_completions_endpoint_and_request_errors_become_error_lines(client):
     ]
     lines.append(json.dumps({"custom_id": "bad-temp", "method": "POST", "url": "/v1/completions",
                              "body": {"model": "tiny", "prompt": "hi", "temperature": -1}}))  # fmt: skip
+    # a line fanning out past the per-request bound (OpenAI's 2,048 prompts) is refused as over HTTP
+    fan_out = {"model": "tiny", "prompt": [[5]] * 2049, "max_tokens": 1}
+    lines.append(json.dumps({"custom_id": "fan-out", "method": "POST", "url": CMPL, "body": fan_out}))
     b = client.batches.create(input_file_id=upload(client, lines).id, endpoint="/v1/completions",
                               completion_window="24h")  # fmt: skip
     b = wait_final(client, b.id)
-    assert b.status == "completed" and b.request_counts.completed == 3 and b.request_counts.failed == 1
-    (err,) = read_lines(client, b.error_file_id)
-    assert err["custom_id"] == "bad-temp" and err["response"]["status_code"] == 400
-    assert err["response"]["body"]["error"]["param"] == "temperature"
+    assert b.status == "completed" and b.request_counts.completed == 3 and b.request_counts.failed == 2
+    errors = {e["custom_id"]: e["response"] for e in read_lines(client, b.error_file_id)}
+    assert errors["bad-temp"]["status_code"] == 400
+    assert errors["bad-temp"]["body"]["error"]["param"] == "temperature"
+    assert errors["fan-out"]["status_code"] == 400
+    assert errors["fan-out"]["body"]["error"]["param"] == "prompt"
     assert all(
         o["response"]["body"]["object"] == "text_completion" for o in read_lines(client, b.output_file_id)
     )

@@ -9,6 +9,7 @@ import logging
 
 from kvserve.batch.db import open_db
 from kvserve.batch.jobs import JobStore
+from kvserve.batch.lines import sequences
 from kvserve.batch.output import DurableSink
 from kvserve.batch.runner import LineRunner
 
@@ -75,3 +76,40 @@ def test_an_output_line_is_one_line_for_splitlines():
     text = _line(record).decode()
     assert text.endswith("\n") and len(text.splitlines()) == 1
     assert json.loads(text) == record and "é" in text  # the rest still UTF-8, not escaped
+
+
+def test_the_window_counts_engine_requests_not_lines(tmp_path):
+    """A line weighs what it fans out to (prompts x max(n, best_of)): with a window of 8, lines
+    of n=8 once ran 8 at a time, 64 engine requests in flight; now one at a time."""
+    lines = [json.dumps({"custom_id": f"n{i}", "method": "POST", "url": CHAT,
+                         "body": {"messages": [{"role": "user", "content": "hi"}], "n": 8 if i % 2 else 1,
+                                  **({"best_of": 3} if i % 3 == 0 else {})}})
+             for i in range(12)]  # fmt: skip
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    conn = open_db(tmp_path / "store")
+    jobs = JobStore(conn)
+    batch_id = jobs.create("file-x", CHAT, "24h", None)["id"]
+    sink = DurableSink(
+        conn, batch_id, tmp_path / "out.jsonl", tmp_path / "err.jsonl", jobs.resume_point(batch_id)
+    )
+    in_flight, most = 0, 0
+
+    async def execute(endpoint: str, body: dict, request_id: str) -> tuple[int, dict]:
+        nonlocal in_flight, most
+        weight = max(body.get("n", 1), body.get("best_of", 1))
+        in_flight += weight
+        most = max(most, in_flight)
+        for _ in range(3):  # the other lines' tasks run meanwhile
+            await asyncio.sleep(0)
+        in_flight -= weight
+        return 200, {"object": "chat.completion"}
+
+    runner = LineRunner(CHAT, execute, sink, window=8, should_stop=lambda: False, request_prefix=batch_id)
+    assert asyncio.run(runner.run(str(src)))
+    sink.close()
+    assert most == 8 and jobs.raw(batch_id)["request_counts"]["completed"] == 12
+    assert sequences({"prompt": ["a", "b", "c"], "n": 2}) == 6 and sequences({"prompt": [5, 6]}) == 1
+    assert (
+        sequences({"prompt": [[5], [6]], "best_of": 4}) == 8 and sequences({"n": "8", "best_of": True}) == 1
+    )

@@ -247,6 +247,7 @@ def test_jsonl_dataset_errors_name_the_file_and_line(tiny_tok, tmp_path):
         ("--request-rate", "nan", "must be > 0 (or inf), got 'nan'"),
         ("--temperature", "nan", "must be a finite number, got 'nan'"),
         ("--range-ratio", "-0.5", "must be >= 0, got -0.5"),  # was "empty range for randrange()"
+        ("--range-ratio", "1.5", "must be < 1"),  # lengths below 1 were raised to 1: skewed, not spread
     ],
 )
 def test_serve_arguments_are_checked_before_the_run(flag, value, message, tmp_path, capsys):

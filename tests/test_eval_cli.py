@@ -14,6 +14,9 @@ from kvserve.entrypoints.cli import main
     [
         (["--max-tokens", "-5"], "argument --max-tokens: must be >= 1, got -5"),  # ran the whole corpus
         (["--window", "1"], "argument --window: must be >= 2, got 1"),  # once found after the model loaded
+        # these two were "token_ids: need at least 2 tokens to score", after the model had loaded
+        (["--max-tokens", "1"], "argument --max-tokens: must be >= 2, got 1"),
+        (["--corpus", "{tmp}/blank.txt"], "argument --corpus: '{tmp}/blank.txt': no text to score"),
         (["--corpus", "{tmp}"], "argument --corpus: '{tmp}': is a directory"),  # IsADirectoryError
         (["--json", "{tmp}/no-dir/x.json"], "argument --json: '{tmp}/no-dir/x.json': no such directory"),
         # a bare codec error naming no flag, after the model had loaded
@@ -26,6 +29,7 @@ from kvserve.entrypoints.cli import main
 def test_bad_arguments_name_the_flag_before_the_model_loads(args, message, tmp_path, capsys):
     missing = str(tmp_path / "no-such-model")  # loading it would fail with another message
     (tmp_path / "latin1.txt").write_bytes("café au lait".encode("latin-1"))
+    (tmp_path / "blank.txt").write_text("\n  \n")
     with pytest.raises(SystemExit) as e:
         main(["eval", "perplexity", missing, *(a.format(tmp=tmp_path) for a in args)])
     err = capsys.readouterr().err

@@ -59,7 +59,9 @@ def assert_400(r: httpx.Response, param: str) -> None:
         ({"logit_bias": {"99999999999999999999": 1}}, "logit_bias"),
         ({"n": 128}, "n"),  # more samples than the 8 seats: could never run
         ({"n": 9}, "n"),
+        ({"best_of": 9}, "best_of"),  # was named n, which the request left at 1
         ({"prompt": ["a", "b", "c", "d", "e"], "n": 4}, "n"),  # 20 sequences > 16 waiting seats
+        ({"prompt": ["a"] * 17}, "prompt"),  # was named n, which the request left at 1
         ({"logprobs": 21}, "logprobs"),
     ],
 )
@@ -177,6 +179,17 @@ def test_a_body_that_is_no_json_object_says_so(server, body, message):
     assert_still_serving(server)
 
 
+@pytest.mark.parametrize("content_type", ["application/x-www-form-urlencoded", "text/plain", None])
+def test_a_json_body_sent_as_another_type_names_the_content_type(server, content_type):
+    """`curl -d '{...}'` sends a form's Content-Type: the JSON object it carried was answered
+    "the body must be a JSON object"."""
+    headers = {**server.headers, **({"content-type": content_type} if content_type else {})}
+    r = httpx.post(f"{server.url}/v1/completions", content=json.dumps(OK).encode(), headers=headers)
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert "Content-Type: application/json" in message and (content_type or "no Content-Type") in message
+
+
 def test_a_union_field_reports_the_member_the_value_broke(server):
     """stop is a string or a list of at most 32: 33 strings were "Input should be a valid string"."""
     r = post(server, {**OK, "stop": [str(i) for i in range(33)]})
@@ -258,6 +271,17 @@ def test_a_tool_result_needs_its_call_id(server):
     assert post(server, body, "/v1/chat/completions").status_code == 200
 
 
+def test_a_tool_call_whose_arguments_are_no_json_says_so(server):
+    """The arguments were a string; the error said they "must be a JSON string"."""
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"city": "Par'}}
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]  # fmt: skip
+    r = post(server, {"model": "tiny", "messages": messages, "max_tokens": 2}, "/v1/chat/completions")
+    assert_400(r, "messages")
+    message = r.json()["error"]["message"]
+    assert "not valid JSON" in message and '{"city": "Par' in message
+
+
 def test_an_embedding_may_fill_the_whole_context(server):
     """No token is generated for an embedding, so max_model_len (256 here) tokens fit; one more
     does not, and the error names this endpoint's field, `input`."""
@@ -275,25 +299,26 @@ def test_an_embedding_may_fill_the_whole_context(server):
     assert_400(r, "messages")
     assert r.json()["error"]["code"] == "context_length_exceeded"
     assert_400(post(server, {"model": "tiny", "input": []}, "/v1/embeddings"), "input")
+    assert_400(post(server, {"model": "tiny", "input": ["a"] * 17}, "/v1/embeddings"), "input")  # 16 seats
     assert_still_serving(server)
 
 
 def test_thousands_of_engine_requests_queue_while_the_core_is_busy(tiny_llama_dir):
-    """One API request fanning out into 3,000 engine requests while the core reads nothing
+    """One API request fanning out into 2,048 engine requests while the core reads nothing
     (stopped here; busy with long steps in life): all are queued. The queue to the core once
     held 1,000, and the next send was reported as a dead engine (a 503 for everyone)."""
     s = ServerProcess(tiny_llama_dir, *MODEL_ARGS)  # no --max-waiting-requests: no waiting room
     core = psutil.Process(s.engine_core_pid())
     try:
         core.suspend()
-        body = {"model": "tiny", "input": [[5, 6, 7 + i % 50] for i in range(3000)]}
+        body = {"model": "tiny", "input": [[5, 6, 7 + i % 50] for i in range(2048)]}  # OpenAI's most
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             pending = pool.submit(post, s, body, "/v1/embeddings")
             time.sleep(3)  # every add_request has been sent (or refused) by now
             core.resume()
             r = pending.result()
         assert r.status_code == 200, r.text[:300]
-        assert len(r.json()["data"]) == 3000
+        assert len(r.json()["data"]) == 2048
         assert_still_serving(s)
     finally:
         if core.is_running():
@@ -365,6 +390,11 @@ def test_text_that_is_no_text_is_400_and_the_connection_stays_usable(server, pat
         ({"max_output_tokens": 1000}, "max_output_tokens"),  # past the 256-token context
         ({"input": "word " * 400}, "input"),
         ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}}, "text"),
+        ({"max_tool_calls": -1}, "max_tool_calls"),
+        (
+            {"max_tool_calls": 0, "tools": [{"type": "function", "name": "f"}], "tool_choice": "required"},
+            "max_tool_calls",
+        ),  # fmt: skip
     ],
 )
 def test_responses_errors_name_the_responses_field(server, body, param):
@@ -373,6 +403,40 @@ def test_responses_errors_name_the_responses_field(server, body, param):
     r = post(server, {"model": "tiny", "input": "hi", "max_output_tokens": 4, **body}, "/v1/responses")
     assert_400(r, param)
     assert "max_tokens" not in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"conversation": "conv_1"}, "conversation"),
+        ({"conversation": {"id": "conv_1"}}, "conversation"),
+        ({"prompt": {"id": "pmpt_1", "variables": {"city": "Paris"}}}, "prompt"),
+        ({"context_management": [{"type": "compaction", "compact_threshold": 1000}]}, "context_management"),
+        ({"moderation": {"model": "omni-moderation-latest"}}, "moderation"),
+    ],
+)
+def test_responses_server_side_state_is_refused_saying_so(server, body, param):
+    """OpenAI's conversations and stored prompt templates need state this server does not
+    keep: refused with the reason (were "Extra inputs are not permitted"); prompt is not
+    renamed input as the chat path's prompt errors are."""
+    r = post(server, {"model": "tiny", "input": "hi", "max_output_tokens": 4, **body}, "/v1/responses")
+    assert_400(r, param)
+    assert "not supported by this server" in r.json()["error"]["message"]
+
+
+def test_responses_stream_and_cache_options_are_accepted(server):
+    """OpenAI's stream_options (include_obfuscation) and prompt-cache settings were refused as
+    unknown fields; they are accepted (no obfuscation is sent), stream_options only streaming."""
+    body = {"model": "tiny", "input": "hi", "max_output_tokens": 2, "prompt_cache_retention": "24h",
+            "prompt_cache_options": {"mode": "implicit", "ttl": "30m"}}  # fmt: skip
+    opts = {"stream_options": {"include_obfuscation": False}}
+    with httpx.stream("POST", f"{server.url}/v1/responses", json={**body, **opts, "stream": True},
+                      headers=server.headers, timeout=60) as r:  # fmt: skip
+        assert r.status_code == 200
+        kinds = [json.loads(x[6:])["type"] for x in r.iter_lines() if x.startswith("data: {")]
+    assert kinds[0] == "response.created" and kinds[-1] in ("response.completed", "response.incomplete")
+    assert_400(post(server, {**body, **opts}, "/v1/responses"), "stream_options")
+    assert post(server, body, "/v1/responses").status_code == 200
 
 
 def test_a_bad_query_parameter_is_named(server):
@@ -494,6 +558,38 @@ def test_stalled_reader_is_aborted(long_server):
     assert m["kvserve:generation_tokens_total"] < 8 * 3000  # stopped long before the end
     sock.close()
     assert_still_serving(s)
+
+
+NO_ARGS = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+def test_responses_max_tool_calls_keeps_that_many_calls(long_server):
+    """max_tool_calls (once refused as an unknown field) bounds the function calls a response
+    holds, streamed or not; 0 leaves the tools out, so the model answers in text."""
+    s = long_server
+    tools = [{"type": "function", "name": "f", "parameters": NO_ARGS}]
+    base = {"model": "tiny", "input": "hi", "tools": tools, "tool_choice": "required",
+            "max_output_tokens": 200, "temperature": 1.0}  # fmt: skip
+
+    def calls(body: dict) -> list[dict]:
+        r = post(s, body, "/v1/responses")
+        assert r.status_code == 200, r.text
+        return [o for o in r.json()["output"] if o["type"] == "function_call"]
+
+    # a seed whose forced array holds 3 or more calls (most do with this random model)
+    seed = next(seed for seed in range(20) if len(calls({**base, "seed": seed})) >= 3)
+    body = {**base, "seed": seed, "max_tool_calls": 2}
+    r = post(s, body, "/v1/responses")
+    assert r.json()["max_tool_calls"] == 2
+    assert [o["type"] for o in r.json()["output"]] == ["function_call"] * 2
+    with httpx.stream("POST", f"{s.url}/v1/responses", json={**body, "stream": True}, headers=s.headers) as r:
+        events = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+    added = [e for e in events if e["type"] == "response.output_item.added"]
+    assert len(added) == 2 and events[-1]["type"] == "response.completed"
+    assert [o["type"] for o in events[-1]["response"]["output"]] == ["function_call"] * 2
+    assert len(calls({**body, "max_tool_calls": 1})) == 1
+    r = post(s, {**base, "tool_choice": "auto", "max_tool_calls": 0, "max_output_tokens": 4}, "/v1/responses")
+    assert r.status_code == 200 and [o["type"] for o in r.json()["output"]] == ["message"]
 
 
 @pytest.mark.parametrize(

@@ -155,6 +155,9 @@ def test_logprobs_and_echo(client):
         ({"suffix": "x"}, "suffix"),
         ({"tools": []}, "tools"),
         ({"logit_bias": {"999999": 5}}, "logit_bias"),
+        ({"logit_bias": {"\u0663": 5}}, "logit_bias"),  # an Arabic-Indic 3: once a bias on token 3
+        ({"logit_bias": {"1_0": 5}}, "logit_bias"),  # once token 10
+        ({"logit_bias": {" 5": 5}}, "logit_bias"),
         ({"max_tokens": 255}, "max_tokens"),
         # a grammar or regex that matches no text: refused before generation (was 200 with "")
         ({"structured_outputs": {"grammar": "root ::= root"}}, "structured_outputs"),
@@ -182,6 +185,34 @@ def test_bad_requests_are_400(server, body, param):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and param in err["message"] and err["param"] == param
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/completions", {"prompt": [[5]] * 2049}, "prompt"),  # OpenAI's cap on the list
+        ("/v1/completions", {"prompt": [[5]] * 17, "n": 128}, "n"),  # 2,176 sequences
+        ("/v1/completions", {"prompt": [[5]] * 17, "n": 1, "best_of": 128}, "best_of"),
+    ],
+)
+def test_fan_out_past_the_sequence_bound_is_400(server, path, body, param):
+    """prompts x max(n, best_of) is bounded before anything is tokenized or queued: one body
+    of a million short prompts once queued a million engine requests."""
+    payload = {"model": "tiny", "max_tokens": 1, **body}
+    r = httpx.post(f"{server.url}{path}", json=payload, headers=server.headers, timeout=60)
+    assert r.status_code == 400, r.text[:300]
+    err = r.json()["error"]
+    assert err["param"] == param and "at most 2048" in err["message"], err
+    r = httpx.post(f"{server.url}{path}", json={**payload, "prompt": [[5]] * 16}, headers=server.headers)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 16 * payload.get("n", 1)
+
+
+def test_embeddings_past_2048_inputs_is_400(server, client):
+    """As OpenAI's: each input is an engine request, so a 16 MB body of short inputs once queued
+    millions of them."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.embeddings.create(model="tiny", input=[[5]] * 2049)
+    assert e.value.body["param"] == "input" and "at most 2048" in e.value.body["message"]
 
 
 def test_openai_client_errors(server, client):

@@ -1,9 +1,11 @@
 """Feed a batch file's lines to the engine, a bounded window at a time.
 
-The input is read one line at a time and at most `window` lines are in flight, so memory
-does not grow with the file; each finished line goes to the sink at once, and the sink is
-committed every `commit_every` seconds. Stopping (cancel, expiry, shutdown) aborts the lines
-in flight; they were never recorded, so a resumed run does them again.
+The input is read one line at a time and at most `window` engine requests are in flight (a
+line weighs what it fans out to: prompts x max(n, best_of), up to the whole window), so memory
+grows neither with the file nor with what its lines ask for; each finished line goes to the
+sink at once, and the sink is committed every `commit_every` seconds. Stopping (cancel,
+expiry, shutdown) aborts the lines in flight; they were never recorded, so a resumed run does
+them again.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from kvserve.batch.execute import TransientError
-from kvserve.batch.lines import LineError, error_record, parse_line, response_record
+from kvserve.batch.lines import LineError, error_record, parse_line, response_record, sequences
 from kvserve.platform.memory import trim_heap
 
 logger = logging.getLogger("kvserve.batch")
@@ -35,7 +37,7 @@ class LineRunner:
         self.should_stop = should_stop
         self.request_prefix = request_prefix
         self.commit_every = commit_every
-        self._slots = asyncio.Semaphore(window)
+        self._in_flight = 0  # engine requests of the lines running (each line's weight)
         self._tasks: set[asyncio.Task] = set()
         self._last_commit = time.monotonic()
         self._since_trim = 0  # lines finished since the heap was last trimmed
@@ -59,12 +61,17 @@ class LineRunner:
                 if self.sink.is_done(line) or not raw.strip():
                     self.sink.add(line, end, None, True)
                 else:
-                    while self._slots.locked() and not self.should_stop():  # window full: wait for a line
-                        await self._wait_some()
+                    try:
+                        parsed: tuple[str, dict] | LineError = parse_line(raw, self.endpoint)
+                        weight = min(sequences(parsed[1]), self.window)
+                    except LineError as e:
+                        parsed, weight = e, 1
+                    while self._in_flight + weight > self.window and not self.should_stop():
+                        await self._wait_some()  # window full: wait for a line
                     if self.should_stop():
                         return False
-                    await self._slots.acquire()
-                    task = asyncio.create_task(self._one(line, end, raw))
+                    self._in_flight += weight
+                    task = asyncio.create_task(self._one(line, end, parsed, weight))
                     self._tasks.add(task)
                     task.add_done_callback(self._tasks.discard)
                     self._maybe_commit()
@@ -90,13 +97,12 @@ class LineRunner:
                 self._since_trim = 0
                 trim_heap()
 
-    async def _one(self, line: int, end: int, raw: bytes) -> None:
+    async def _one(self, line: int, end: int, parsed: tuple[str, dict] | LineError, weight: int) -> None:
         try:
-            try:
-                custom_id, body = parse_line(raw, self.endpoint)
-            except LineError as e:
-                self.sink.add(line, end, error_record(e), False)
+            if isinstance(parsed, LineError):
+                self.sink.add(line, end, error_record(parsed), False)
                 return
+            custom_id, body = parsed
             request_id = f"{self.request_prefix}-{line}"
             try:
                 result = await self._execute(line, body, request_id)
@@ -111,7 +117,7 @@ class LineRunner:
             self.sink.add(line, end, response_record(custom_id, status, request_id, resp), status == 200)
         finally:
             self._since_trim += 1
-            self._slots.release()
+            self._in_flight -= weight
 
     async def _execute(self, line: int, body: dict, request_id: str) -> tuple[int, dict] | None:
         """(status, body) of the line, retried while the engine cannot take it; None once stopped."""

@@ -16,6 +16,15 @@ from kvserve.argtypes import (
 from kvserve.bench.datasets import DATASETS
 
 
+def range_ratio(text: str) -> float:
+    """In [0, 1): at 1 or more the lower bound len*(1-r) is 0 or below and was raised to 1, so
+    lengths were no longer spread around len (most prompts 1 token at r=3)."""
+    value = non_negative_float(text)
+    if value >= 1:
+        raise argparse.ArgumentTypeError(f"must be < 1 (lengths spread over len*(1±r)), got {value:g}")
+    return value
+
+
 def add_dataset_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("dataset")
     g.add_argument("--dataset", choices=DATASETS, default="random")
@@ -25,9 +34,7 @@ def add_dataset_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-prompts", type=positive_int, default=100)
     g.add_argument("--input-len", type=positive_int, default=128, help="prompt tokens (chat: the median)")
     g.add_argument("--output-len", type=positive_int, default=128, help="max_tokens (chat: the median)")
-    g.add_argument(
-        "--range-ratio", type=non_negative_float, default=0.0, help="random/prefix lengths in len*(1±r)"
-    )
+    g.add_argument("--range-ratio", type=range_ratio, default=0.0, help="random/prefix lengths in len*(1±r)")
     g.add_argument(
         "--prefix-len", type=non_negative_int, default=256, help="prefix dataset: shared prefix tokens"
     )

@@ -40,7 +40,7 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
     return 0
 
 
-def _window(text: str) -> int:
+def _at_least_two(text: str) -> int:
     """At least 2 tokens (the first of a window is not scored): checked before the model loads."""
     from kvserve.argtypes import positive_int
 
@@ -50,8 +50,20 @@ def _window(text: str) -> int:
     return value
 
 
+def _corpus(text: str) -> str:
+    """A UTF-8 text file with some text in it: an empty one was found only after the model had
+    loaded, as "token_ids: need at least 2 tokens to score"."""
+    from kvserve.argtypes import utf8_text_file
+
+    utf8_text_file(text)
+    with open(text, encoding="utf-8") as f:
+        if not any(line.strip() for line in f):
+            raise argparse.ArgumentTypeError(f"{text!r}: no text to score (the file is empty or blank)")
+    return text
+
+
 def register(sub) -> None:
-    from kvserve.argtypes import positive_int, utf8_text_file, writable_file
+    from kvserve.argtypes import writable_file
     from kvserve.entrypoints.cli import add_engine_args
 
     ev = sub.add_parser("eval", help="quality evaluation through the engine")
@@ -62,13 +74,13 @@ def register(sub) -> None:
     )
     p.add_argument("model", nargs="?", default="smollm2-135m", help="alias, .gguf file or HF directory")
     p.add_argument(
-        "--corpus", type=utf8_text_file, default=None, help="a UTF-8 text file instead of the shipped corpus"
+        "--corpus", type=_corpus, default=None, help="a UTF-8 text file instead of the shipped corpus"
     )
     p.add_argument(
-        "--max-tokens", type=positive_int, default=None, help="score only the first N corpus tokens"
+        "--max-tokens", type=_at_least_two, default=None, help="score only the first N corpus tokens (>= 2)"
     )
     p.add_argument(
-        "--window", type=_window, default=1024, help="tokens per scored window (non-overlapping, >= 2)"
+        "--window", type=_at_least_two, default=1024, help="tokens per scored window (non-overlapping, >= 2)"
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", type=writable_file, default=None, help="also write the result to this JSON file")

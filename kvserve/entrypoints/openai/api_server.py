@@ -129,7 +129,7 @@ def build_app(engine: AsyncLLM | DPClient, cfg: ServerConfig, store: ResponseSto
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError):
         first = specific_error(list(exc.errors()))
-        body_error = unreadable_body(first)
+        body_error = unreadable_body(first, request.headers.get("content-type", ""))
         if body_error:
             return error_response(400, body_error, code="invalid_json")
         loc = [str(x) for x in first.get("loc", [])]

@@ -46,17 +46,24 @@ def specific_error(errors: list[dict]) -> dict:
     return first
 
 
-def unreadable_body(error: dict) -> str | None:
+def unreadable_body(error: dict, content_type: str | None = None) -> str | None:
     """The message for a body that is not a JSON object at all (FastAPI's first validation
     error for it), else None: its location is a character offset or the body itself, not a
-    field, so the usual "field: message" would name no field (or a number)."""
+    field, so the usual "field: message" would name no field (or a number). A body sent with
+    another Content-Type (curl -d sends a form's) is never read as JSON: that is what to say."""
     kind, loc = error.get("type"), tuple(error.get("loc", ()))
     if kind == "json_invalid":
         why = error.get("ctx", {}).get("error", "decode error")
         where = f" at character {loc[1]}" if len(loc) > 1 else ""
         return f"the request body is not valid JSON ({why}{where})"
     if loc == ("body",):
-        return "the request body is missing" if kind == "missing" else "the body must be a JSON object"
+        if kind == "missing":
+            return "the request body is missing"
+        media = (content_type or "").split(";")[0].strip().lower()
+        if content_type is not None and not (media == "application/json" or media.endswith("+json")):
+            sent = f"Content-Type {content_type!r}" if content_type else "no Content-Type"
+            return f"the body must be JSON sent with Content-Type: application/json (this one had {sent})"
+        return "the body must be a JSON object"
     return None
 
 

@@ -21,6 +21,8 @@ INT64_MAX = 2**63 - 1
 MAX_N = 128  # choices per request (and never more than the server's --max-num-seqs)
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI documents
 MAX_STOP_STRINGS = 32
+MAX_PROMPTS = 2048  # entries of a completions prompt list or an embeddings input list, as OpenAI documents
+MAX_SEQUENCES = 2048  # engine requests one chat / completions request may queue: prompts x samples
 
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 NonNegInt64 = Annotated[int, Field(ge=0, le=INT64_MAX)]
@@ -33,3 +35,21 @@ NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
 def sample_seed(seed: int, index: int) -> int:
     """The seed of the index-th sample of a request seeded with `seed`, kept inside int64."""
     return (seed + index - INT64_MIN) % 2**64 + INT64_MIN
+
+
+def check_fan_out(num_prompts: int, n: int, best_of: int | None, seats: int) -> None:
+    """Refuse a request whose prompts x max(n, best_of) would queue more than MAX_SEQUENCES
+    engine requests: each holds memory from the moment it is queued, so one body of a
+    million short prompts could otherwise exhaust the server. Nor may one prompt's samples
+    outnumber the `seats` (max_num_seqs): they run together. ValueError names the field."""
+    if num_prompts > MAX_PROMPTS:
+        raise ValueError(f"prompt: {num_prompts} prompts in one request; at most {MAX_PROMPTS}")
+    samples = max(n, best_of or 0)
+    field = "best_of" if samples > n else "n"
+    if samples > seats:
+        raise ValueError(f"{field}: {samples} samples can never run at once here (max_num_seqs={seats})")
+    if num_prompts * samples > MAX_SEQUENCES:
+        raise ValueError(
+            f"{field}: {num_prompts} prompt(s) x {field}={samples} is {num_prompts * samples} sequences; "
+            f"at most {MAX_SEQUENCES} in one request (send the prompts in several requests)"
+        )

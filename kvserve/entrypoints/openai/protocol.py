@@ -11,6 +11,7 @@ here (limits.py) and floats must be finite. Types are strict, as OpenAI's are: "
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -162,10 +163,11 @@ class SamplingFields(OpenAIBody):
             raise ValueError("stream_options: only allowed when stream is true")
         bias = None
         if self.logit_bias:
-            try:
-                bias = {int(k): v for k, v in self.logit_bias.items()}
-            except ValueError:
-                raise ValueError("logit_bias: keys must be token ids") from None
+            # int() would also take " 5", "1_0" and other scripts' digits ("٣" is 3): not token ids
+            bad = [k for k in self.logit_bias if not re.fullmatch(r"-?[0-9]+", k)]
+            if bad:
+                raise ValueError(f"logit_bias: keys must be token ids (decimal digits), got {bad[0]!r}")
+            bias = {int(k): v for k, v in self.logit_bias.items()}
         return SamplingParams(
             n=self.n if self.use_beam_search else 1,  # beam search: each of the n requests is n wide
             temperature=1.0 if self.temperature is None else self.temperature,

@@ -20,7 +20,12 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from kvserve.entrypoints.openai.response_store import ResponseNotFoundError, ResponseStore
-from kvserve.entrypoints.openai.responses_protocol import ResponsesRequest, input_messages, to_chat
+from kvserve.entrypoints.openai.responses_protocol import (
+    ResponsesRequest,
+    input_messages,
+    refuse_unsupported,
+    to_chat,
+)
 from kvserve.entrypoints.openai.serving import OpenAIServing
 
 # The chat request's fields that a Responses request calls otherwise: an error raised on the
@@ -101,7 +106,8 @@ class ResponsesServing:
             "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
             "tool_choice": req.tool_choice if isinstance(req.tool_choice, str) or req.tool_choice is None
             else req.tool_choice.model_dump(),
-            "parallel_tool_calls": req.parallel_tool_calls, "previous_response_id": req.previous_response_id,
+            "parallel_tool_calls": req.parallel_tool_calls, "max_tool_calls": req.max_tool_calls,
+            "previous_response_id": req.previous_response_id,
             "text": {"format": (req.text.format.model_dump(by_alias=True, exclude_none=True)
                                 if req.text and req.text.format else {"type": "text"})},
             "metadata": req.metadata or {}, "store": req.store, "truncation": req.truncation or "disabled",
@@ -119,6 +125,7 @@ class ResponsesServing:
         return response
 
     async def create(self, req: ResponsesRequest, raw: Request):
+        refuse_unsupported(req)
         history: list[dict] = []
         if req.previous_response_id is not None:
             try:
@@ -135,7 +142,7 @@ class ResponsesServing:
         response = self._skeleton(req, rid, req.model or self.serving.model_names[0])
         conversation = history + input_messages(req.input)
         if req.stream:
-            events = self._events(run.chunks, response, conversation, req.store)
+            events = self._events(run.chunks, response, conversation, req.store, req.max_tool_calls)
             return self.serving.sse_response(run.gen, events, run.streams)
         choice = run.body["choices"][0]
         message = choice["message"]
@@ -143,7 +150,7 @@ class ResponsesServing:
         if message.get("content") or not message.get("tool_calls"):
             logprobs = (choice.get("logprobs") or {}).get("content")
             output.append(_message_item(message.get("content") or "", logprobs=logprobs))
-        for tc in message.get("tool_calls") or []:
+        for tc in (message.get("tool_calls") or [])[: req.max_tool_calls]:  # the rest are ignored
             output.append(_call_item(tc["id"], tc["function"]["name"], tc["function"]["arguments"]))
         self._finish(response, output, choice["finish_reason"], run.body["usage"])
         if req.store:
@@ -151,9 +158,10 @@ class ResponsesServing:
         return JSONResponse(response)
 
     async def _events(
-        self, chunks: AsyncIterator[dict], response: dict, conversation: list[dict], store: bool
-    ) -> AsyncIterator[dict]:
-        """Chat chunks -> Responses stream events."""
+        self, chunks: AsyncIterator[dict], response: dict, conversation: list[dict], store: bool,
+        max_calls: int | None,
+    ) -> AsyncIterator[dict]:  # fmt: skip
+        """Chat chunks -> Responses stream events (calls past max_calls are left out)."""
         out = _EventBuilder()
         yield out.event("response.created", response=response)
         yield out.event("response.in_progress", response=response)
@@ -165,6 +173,8 @@ class ResponsesServing:
                 for e in out.text(delta.get("content") or "", (choice.get("logprobs") or {}).get("content")):
                     yield e
                 for tc in delta.get("tool_calls") or []:
+                    if max_calls is not None and tc["index"] >= max_calls:
+                        continue
                     for e in out.call(tc):
                         yield e
                 finish = choice.get("finish_reason") or finish

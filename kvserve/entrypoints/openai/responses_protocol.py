@@ -14,7 +14,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import ConfigDict, Field
 
-from kvserve.entrypoints.openai.limits import Int64, NumLogprobs, PositiveInt64
+from kvserve.entrypoints.openai.limits import Int64, NonNegInt64, NumLogprobs, PositiveInt64
 from kvserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -60,6 +60,11 @@ class TextConfig(OpenAIBody):
     verbosity: Literal["low", "medium", "high"] | None = None  # informational
 
 
+class ResponsesStreamOptions(OpenAIBody):
+    model_config = ConfigDict(extra="forbid")
+    include_obfuscation: bool = True  # no obfuscation field is sent either way: informational
+
+
 class ResponsesRequest(OpenAIBody):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     null_means_default: ClassVar[frozenset[str]] = frozenset(
@@ -79,18 +84,28 @@ class ResponsesRequest(OpenAIBody):
     top_logprobs: NumLogprobs | None = None
     seed: Int64 | None = None
     stream: bool = False
+    stream_options: ResponsesStreamOptions | None = None
     store: bool = True
     previous_response_id: str | None = None
-    # informational, or features refused with a reason (see to_chat)
+    max_tool_calls: NonNegInt64 | None = None  # function calls kept in the output (responses.py)
+    # informational, or features refused with a reason (see refuse_unsupported)
     metadata: dict[str, str] | None = None
     user: str | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    prompt_cache_options: dict[str, Any] | None = None
     safety_identifier: str | None = None
     truncation: Literal["auto", "disabled"] | None = None
     reasoning: dict[str, Any] | None = None
     include: list[str] | None = None
     background: bool = False
+    # OpenAI's server-side state that kvserve does not keep: declared so that they are refused
+    # with the reason (refuse_unsupported), not as unknown fields
+    conversation: Any = None
+    prompt: Any = None
+    context_management: Any = None
+    moderation: Any = None
 
 
 def _text_of(content: Any, where: str) -> str:
@@ -148,11 +163,36 @@ def _require_strings(item: dict[str, Any], index: int, keys: tuple[str, ...]) ->
             raise ValueError(f"input: item {index} ({item['type']}) needs {key}, a non-empty string")
 
 
+def refuse_unsupported(req: ResponsesRequest) -> None:
+    """A 400 saying why for the features that need state or models this server does not have. Checked
+    before to_chat: the chat path's errors naming `prompt` are renamed to `input`, this one not."""
+    if req.background:
+        raise ValueError("background: background responses are not supported; use stream=true")
+    if req.conversation is not None:
+        raise ValueError(
+            "conversation: conversations are not supported by this server; "
+            "continue a response with previous_response_id instead"
+        )
+    if req.prompt is not None:
+        raise ValueError(
+            "prompt: stored prompt templates are not supported by this server; send input and instructions"
+        )
+    if req.context_management:
+        raise ValueError("context_management: compaction is not supported by this server")
+    if req.moderation is not None:
+        raise ValueError("moderation: moderation is not supported by this server")
+    if req.stream_options is not None and not req.stream:  # as the chat path answers it
+        raise ValueError("stream_options: only allowed when stream is true")
+
+
 def to_chat(req: ResponsesRequest, history: list[dict[str, Any]]) -> ChatCompletionRequest:
     """The chat request this response runs as; `history` is the stored conversation of the
     previous response (its input and output), [] when there is none."""
-    if req.background:
-        raise ValueError("background: background responses are not supported; use stream=true")
+    choice = req.tool_choice
+    if req.max_tool_calls == 0 and req.tools:  # no call may be kept: the model answers in text
+        if choice not in (None, "auto", "none"):
+            raise ValueError("max_tool_calls: 0 allows no call, but tool_choice requires one")
+        choice = "none"
     messages = list(history)
     at = lone_surrogate(req.instructions or "")
     if at is not None:  # found in the rendered prompt it would be named input, a field it is not in
@@ -172,7 +212,6 @@ def to_chat(req: ResponsesRequest, history: list[dict[str, Any]]) -> ChatComplet
         if fmt.type == "json_schema" and schema is None:
             raise ValueError("text: format.schema is required for type json_schema")
         response_format = ResponseFormat(type=fmt.type, json_schema=schema)
-    choice = req.tool_choice
     if isinstance(choice, FunctionChoice):
         choice = NamedToolChoice(function=ToolChoiceFunction(name=choice.name))
     tools = None
@@ -189,7 +228,7 @@ def to_chat(req: ResponsesRequest, history: list[dict[str, Any]]) -> ChatComplet
         top_logprobs=req.top_logprobs,
         tools=tools,
         tool_choice=choice,
-        parallel_tool_calls=req.parallel_tool_calls,
+        parallel_tool_calls=req.parallel_tool_calls and req.max_tool_calls != 1,
         response_format=response_format,
         stream=req.stream,
         stream_options={"include_usage": True} if req.stream else None,

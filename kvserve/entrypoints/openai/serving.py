@@ -34,7 +34,7 @@ from kvserve.entrypoints.openai.compat import (
 )
 from kvserve.entrypoints.openai.errors import error_response
 from kvserve.entrypoints.openai.lifecycle import ServerShuttingDownError
-from kvserve.entrypoints.openai.limits import sample_seed
+from kvserve.entrypoints.openai.limits import MAX_PROMPTS, check_fan_out, sample_seed
 from kvserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -191,16 +191,14 @@ class OpenAIServing:
         (503 + Retry-After). Queuing is all or nothing: if one engine request cannot be added,
         the ones already added are aborted.
         """
-        seats = self.engine.config.max_num_seqs
-        if n > seats:
-            raise ValueError(f"n: {n} samples can never run at once here (max_num_seqs={seats})")
         total = len(prompts) * n
         # Batch lines (background) are outside the waiting room: the batch runner bounds them with
         # its window, and the scheduler runs them only when no interactive request waits.
         limited = self.max_waiting is not None and not background
         if limited and total > self.max_waiting:
+            field = "n" if n > 1 else "prompt"  # prompt: renamed input or messages by the endpoint
             raise ValueError(
-                f"n: {total} sequences ({len(prompts)} prompt(s) x n={n}) exceed the waiting room "
+                f"{field}: {total} sequences ({len(prompts)} prompt(s) x n={n}) exceed the waiting room "
                 f"(max_waiting_requests={self.max_waiting}); this request could never be admitted"
             )
         ids = [await self.tokenize_text(p) if isinstance(p, str) else p for p in prompts]
@@ -392,6 +390,7 @@ class OpenAIServing:
         self, prefix: str, req: SamplingFields, prompts: list, params: SamplingParams, raw: Request
     ) -> Launched:
         """Name the response, queue its engine requests and merge their streams."""
+        check_fan_out(len(prompts), req.n, req.best_of, self.engine.config.max_num_seqs)
         samples = max(req.n, req.best_of or 0)  # best_of > n: rank them by cumulative logprob
         if samples > req.n and params.logprobs is None:
             params = replace(params, logprobs=0)  # the ranking needs them; the reply shows them only if asked
@@ -582,6 +581,8 @@ class OpenAIServing:
         _, engine_rid = self.response_id("embd", None, raw)
         try:
             inputs = self._prompts(req.input)
+            if len(inputs) > MAX_PROMPTS:  # each is an engine request, held from the moment it is queued
+                raise ValueError(f"input: {len(inputs)} inputs in one request; at most {MAX_PROMPTS}")
             streams = await self._start(inputs, params, 1, engine_rid, req.priority, None)
         except ValueError as e:  # the shared checks name `prompt`; this endpoint's field is `input`
             rename_field(e, "prompt", "input")

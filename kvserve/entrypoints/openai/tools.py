@@ -136,4 +136,5 @@ def _as_object(arguments: str | dict) -> Any:
     try:
         return json.loads(arguments)
     except ValueError:
-        raise ValueError("messages: tool_calls arguments must be a JSON string") from None
+        shown = arguments if len(arguments) <= 40 else arguments[:40] + "..."
+        raise ValueError(f"messages: tool_calls arguments are not valid JSON: {shown!r}") from None
