@@ -43,6 +43,23 @@ IGNORED = [
         "not",
         "/$defs/N",
     ),
+    # a required name that properties does not define is left out: {} was answered
+    (
+        {"type": "object", "properties": {}, "required": ["a"], "additionalProperties": False},
+        "{}",
+        "required",
+        "/",
+    ),
+    ({"type": "object", "required": ["a"]}, "{}", "required", "/"),
+    (
+        {
+            "type": "object",
+            "properties": {"p": {"type": "object", "properties": {"b": INTS}, "required": ["a"]}},
+        },
+        '{"p": {"b": [1]}}',
+        "required",
+        "/properties/p",
+    ),  # fmt: skip
     # a lookahead group in a pattern is dropped (with a log warning): "a" was answered
     ({"type": "string", "pattern": "^(?!a)[a-z]$"}, '"a"', "pattern", "/"),
     (
@@ -70,6 +87,13 @@ def test_a_keyword_xgrammar_ignores_is_refused_naming_it(schema, forbidden, keyw
         {**INTS, "uniqueItems": False, "minItems": 1, "maxItems": 3},
         {"type": "string", "pattern": "^a+$", "minLength": 2, "format": "date-time"},
         {"type": "string", "pattern": "^[(?=]+(?:x)$"},  # literal "(?=" in a class; a non-capturing group
+        {"type": "object", "properties": {"a": INTS}, "required": ["a"]},
+        {
+            "type": "object",
+            "patternProperties": {"^a$": INTS},
+            "required": ["a"],
+            "additionalProperties": False,
+        },
     ],
 )
 def test_what_xgrammar_enforces_is_accepted(schema):

@@ -9,6 +9,7 @@ checks xgrammar still ignores each one, so the list shrinks when xgrammar learns
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -39,6 +40,14 @@ def unsupported(schema: Any) -> tuple[str, str, str] | None:
             return "uniqueItems", path or "/", "unique items are not enforced"
         if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
             return "allOf", path or "/", "only the first of several allOf schemas would be enforced"
+        name = _undefined_required(node)
+        if name is not None:
+            return (
+                "required",
+                path or "/",
+                f"the required property {name!r} is not defined in properties, so the answer may leave it "
+                "out; define it under properties",
+            )
         if isinstance(node.get("pattern"), str) and _has_lookaround(node["pattern"]):
             return (
                 "pattern",
@@ -46,6 +55,27 @@ def unsupported(schema: Any) -> tuple[str, str, str] | None:
                 "lookahead and lookbehind assertions ((?=, (?!, (?<=, (?<!) are not enforced",
             )
     return None
+
+
+def _undefined_required(node: dict) -> str | None:
+    """A required name that neither `properties` nor a `patternProperties` pattern defines:
+    xgrammar leaves it out of the grammar (`{}` answers `{"required": ["a"]}`)."""
+    required, props = node.get("required"), node.get("properties")
+    if not isinstance(required, list):
+        return None
+    props = props if isinstance(props, dict) else {}
+    patterns = node.get("patternProperties") if isinstance(node.get("patternProperties"), dict) else {}
+    for name in required:
+        if isinstance(name, str) and name not in props and not any(_matches(p, name) for p in patterns):
+            return name
+    return None
+
+
+def _matches(pattern: str, name: str) -> bool:
+    try:
+        return re.search(pattern, name) is not None
+    except (re.error, TypeError):
+        return False
 
 
 def _has_lookaround(pattern: str) -> bool:
