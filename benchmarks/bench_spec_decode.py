@@ -1,20 +1,24 @@
 """N-gram speculative decoding vs plain decoding, one request at a time (default model).
 
-Two workloads, each request run alone through the offline engine, plain and speculative
+Three workloads, each request run alone through the offline engine, plain and speculative
 engines in the same process, interleaved prompt by prompt:
 - copy-heavy: rewrite a ~300-token passage with small edits, and continue a list / code
   snippet that repeats (the output re-uses long runs of its input);
-- open-ended: short creative prompts (little to copy).
+- open-ended: short creative prompts (little to copy);
+- json: the passage and the checklist turned into JSON under a schema (structured outputs:
+  every draft is checked against the request's grammar, and one it refuses is cut there).
 Decode tokens/s is (output tokens - 1) / (finish - first token), so prefill is excluded.
 Greedy outputs must be identical (checked). Prints the speedup per workload and the
 acceptance rate and mean acceptance length (tokens per verified step) of the drafts.
 
-    python benchmarks/bench_spec_decode.py [--k 4] [--max-tokens 256] [--json out.json]
+    python benchmarks/bench_spec_decode.py [--k 4] [--max-tokens 256] [--workloads copy,open,json]
+        [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -23,7 +27,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import machine  # noqa: E402
-from kvserve import LLM, SamplingParams  # noqa: E402
+from kvserve import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
 
 PASSAGE = (
     "The harbour town of Kelmouth wakes before the sun. By four in the morning the bakers on "
@@ -77,6 +81,43 @@ OPEN_TASKS = [
     [{"role": "user", "content": "Explain how a bicycle works to a ten-year-old."}],
 ]
 
+PEOPLE = {
+    "type": "array",
+    "maxItems": 12,
+    "items": {
+        "type": "object",
+        "required": ["name", "kind", "detail"],
+        "additionalProperties": False,
+        "properties": {
+            "name": {"type": "string", "maxLength": 40},
+            "kind": {"enum": ["person", "place", "business"]},
+            "detail": {"type": "string", "maxLength": 120},
+        },
+    },
+}
+CHECKS = {
+    "type": "array",
+    "minItems": 6,
+    "maxItems": 6,
+    "items": {
+        "type": "object",
+        "required": ["item", "part", "unit", "steps"],
+        "additionalProperties": False,
+        "properties": {
+            "item": {"type": "integer"},
+            "part": {"type": "string", "maxLength": 20},
+            "unit": {"type": "integer"},
+            "steps": {"type": "array", "maxItems": 3, "items": {"type": "string", "maxLength": 40}},
+        },
+    },
+}
+JSON_TASKS = [
+    ([{"role": "user", "content": "List every person, place and business in this passage as JSON "
+       "(name, kind, and a detail copied from the text):\n\n" + PASSAGE}], PEOPLE),
+    ([{"role": "user", "content": "Turn this checklist into JSON: item number, part, unit and the "
+       "three steps of each line.\n\n" + LIST}], CHECKS),
+]  # fmt: skip
+
 
 def decode_rate(out) -> tuple[int, float]:
     m = out.metrics
@@ -88,10 +129,14 @@ def run(plain: LLM, spec: LLM, tasks: list, params: SamplingParams) -> dict:
     before = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
     tokens = {"plain": 0, "spec": 0}
     secs = {"plain": 0.0, "spec": 0.0}
-    for msgs in tasks:
+    for task in tasks:
+        msgs, p = task, params
+        if isinstance(task, tuple):  # (messages, JSON schema)
+            msgs, schema = task
+            p = dataclasses.replace(params, structured_outputs=StructuredOutputsParams(json=schema))
         outs = {}
         for name, llm in (("plain", plain), ("spec", spec)):
-            out = llm.chat([msgs], params, use_tqdm=False)[0]
+            out = llm.chat([msgs], p, use_tqdm=False)[0]
             n, s = decode_rate(out)
             tokens[name] += n
             secs[name] += s
@@ -118,8 +163,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--workloads", default="copy,open,json", help="comma-separated: copy, open, json")
     ap.add_argument("--json", help="write results here")
     args = ap.parse_args()
+    workloads = {"copy": COPY_TASKS, "open": OPEN_TASKS, "json": JSON_TASKS}
+    names = args.workloads.split(",")
+    if not names or any(n not in workloads for n in names):
+        ap.error(f"--workloads: choose from {', '.join(workloads)}")
     common = dict(kv_cache_memory="256MiB", max_num_seqs=1)
     plain = LLM("smollm2-135m", **common)
     spec = LLM("smollm2-135m", speculative_method="ngram", num_speculative_tokens=args.k, **common)
@@ -129,10 +179,9 @@ def main() -> None:
         "date": datetime.date.today().isoformat(),
         "machine": machine(),
         "k": args.k,
-        "copy": run(plain, spec, COPY_TASKS, params),
-        "open": run(plain, spec, OPEN_TASKS, params),
+        **{name: run(plain, spec, workloads[name], params) for name in names},
     }
-    for name in ("copy", "open"):
+    for name in names:
         r = results[name]
         print(
             f"{name:>5}: plain {r['plain_decode_tok_per_s']:6.1f} tok/s, "
