@@ -62,6 +62,7 @@ def assert_400(r: httpx.Response, param: str) -> None:
         ({"best_of": 9}, "best_of"),  # was named n, which the request left at 1
         ({"prompt": ["a", "b", "c", "d", "e"], "n": 4}, "n"),  # 20 sequences > 16 waiting seats
         ({"prompt": ["a"] * 17}, "prompt"),  # was named n, which the request left at 1
+        ({"prompt": ["a", "b", "c", "d", "e"], "best_of": 4}, "best_of"),  # was named n too
         ({"logprobs": 21}, "logprobs"),
     ],
 )

@@ -182,6 +182,7 @@ class OpenAIServing:
         salt: str | None,
         session: str | None = None,
         background: bool = False,
+        samples_field: str = "n",
     ) -> list[RequestStream]:
         """Validate every prompt, apply admission control, then queue all engine requests of
         this API request at once (choice index = prompt index * n + sample index).
@@ -189,17 +190,17 @@ class OpenAIServing:
         One bad prompt fails the whole request before anything is queued; a request that could
         never be admitted is a 400; past max_waiting_requests the request is refused at once
         (503 + Retry-After). Queuing is all or nothing: if one engine request cannot be added,
-        the ones already added are aborted.
+        the ones already added are aborted. `samples_field` names what set `n` (n or best_of).
         """
         total = len(prompts) * n
         # Batch lines (background) are outside the waiting room: the batch runner bounds them with
         # its window, and the scheduler runs them only when no interactive request waits.
         limited = self.max_waiting is not None and not background
         if limited and total > self.max_waiting:
-            field = "n" if n > 1 else "prompt"  # prompt: renamed input or messages by the endpoint
+            field = samples_field if n > 1 else "prompt"  # prompt: renamed input or messages by the endpoint
             raise ValueError(
-                f"{field}: {total} sequences ({len(prompts)} prompt(s) x n={n}) exceed the waiting room "
-                f"(max_waiting_requests={self.max_waiting}); this request could never be admitted"
+                f"{field}: {total} sequences ({len(prompts)} prompt(s) x {samples_field}={n}) exceed the "
+                f"waiting room (max_waiting_requests={self.max_waiting}); the request could never be admitted"
             )
         ids = [await self.tokenize_text(p) if isinstance(p, str) else p for p in prompts]
         for p in ids:
@@ -400,8 +401,9 @@ class OpenAIServing:
         deadline = self._deadline()
         session, batch_line = session_key(raw, req.user), getattr(raw.state, "batch_line", False)
         streams = await self._start(
-            prompts, params, samples, engine_rid, req.priority, req.cache_salt, session, batch_line
-        )
+            prompts, params, samples, engine_rid, req.priority, req.cache_salt, session, batch_line,
+            "best_of" if samples > req.n else "n",
+        )  # fmt: skip
         return Launched(rid, created, model, streams, self._merged(streams, deadline), samples)
 
     async def _body(
