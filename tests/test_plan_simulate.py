@@ -4,6 +4,7 @@ scale-up and drain on a burst, the SLO search, traces and the CLI. Pure Python, 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -72,6 +73,15 @@ def test_traces(tmp_path):
     bad.write_text('{"t": 0, "prompt_tokens": 3, "output_tokens": 1}\n{"t": 1}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2: expected"):
         load_trace(str(bad))
+    for row, says in [
+        ('{"t": 0, "prompt_tokens": 10.5, "output_tokens": 1}', "prompt_tokens: 10.5 is not a whole number"),
+        ('{"t": 0, "prompt_tokens": 3, "output_tokens": true}', "output_tokens: True is not a whole number"),
+        ('{"t": 0, "prompt_tokens": "3", "output_tokens": 1}', "prompt_tokens: '3' is not a whole number"),
+        ('{"t": "0", "prompt_tokens": 3, "output_tokens": 1}', "t: '0' is not a number"),
+    ]:  # were read as 10, 1, 3 and 0
+        bad.write_text(row + "\n")
+        with pytest.raises(ValueError, match=re.escape(says)):
+            load_trace(str(bad))
     with pytest.raises(ValueError, match="rate"):
         bursty("bursty:rat=2")
 

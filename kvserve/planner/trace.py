@@ -68,6 +68,20 @@ def bursty(spec: str) -> list[Arrival]:
             out.append(Arrival(t, p, o))
 
 
+def _number(v: object) -> float:
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise TypeError(f"t: {v!r} is not a number")
+    return float(v)
+
+
+def _count(row: dict, key: str) -> int:
+    """A token count as written: 10.5, true or "10" are refused, not read as 10, 1 and 10."""
+    v = row[key]
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"{key}: {v!r} is not a whole number")
+    return v
+
+
 def load_trace(source: str) -> list[Arrival]:
     """A bursty spec or a JSONL path; errors name the line."""
     if source == "bursty" or source.startswith("bursty:"):
@@ -86,7 +100,7 @@ def load_trace(source: str) -> list[Arrival]:
                     )
                 try:
                     row = json.loads(line)
-                    a = Arrival(float(row["t"]), int(row["prompt_tokens"]), int(row["output_tokens"]))
+                    a = Arrival(_number(row["t"]), _count(row, "prompt_tokens"), _count(row, "output_tokens"))
                 except (ValueError, KeyError, TypeError) as e:
                     raise ValueError(
                         f'{source}:{n}: expected {{"t", "prompt_tokens", "output_tokens"}} ({e})'
