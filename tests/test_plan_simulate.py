@@ -170,6 +170,11 @@ BILLION = ["--min-replicas", "1000000000", "--max-replicas", "1000000000"]
             "has 1,000,000,000,010 prompt + output tokens; at most 1,073,741,824 are simulated",
         ),
         (LONG_SPAN, [], "spans 1,000,000,000 s, 66,666,667 autoscaler decisions at --scale-interval 15"),
+        (
+            LONG_SPAN.replace("1e9", "1e308"),
+            [],
+            "spans 1e+308 s, 6.67e+306 autoscaler decisions",
+        ),  # not 309 digits
     ],
 )
 def test_simulation_size_is_bounded(trace, args, message, tmp_path, capsys):

@@ -38,7 +38,12 @@ def check_trace(trace: list[Arrival], scale_interval_s: float) -> None:
     ticks = span / scale_interval_s
     if ticks > MAX_TICKS:
         raise ValueError(
-            f"--simulate: the trace spans {span:,.0f} s, {ticks:,.0f} autoscaler decisions at "
+            f"--simulate: the trace spans {_count(span)} s, {_count(ticks)} autoscaler decisions at "
             f"--scale-interval {scale_interval_s:g}; at most {MAX_TICKS:,} (raise --scale-interval "
             "or shorten the trace)"
         )
+
+
+def _count(x: float) -> str:
+    """1,000,000,000 as written; 1e+308 in short rather than as 309 digits."""
+    return f"{x:,.0f}" if x < 1e15 else f"{x:.3g}"
