@@ -187,6 +187,20 @@ def test_death_mid_stream_gives_an_sse_error_and_no_retry(gw, fault):
     assert fault.count("die") == before_die + 1 and fault.count("ok") == before_ok
 
 
+def _spend_rows(gw, model: str, requests: int = 1, tries: int = 100) -> list[dict]:
+    """The spend log's rows for `model`, polled until they count `requests` (the log is written
+    in the background) or `tries` polls 0.1 s apart have passed."""
+    m = {"Authorization": f"Bearer {MASTER}"}
+    rows: list[dict] = []
+    for _ in range(tries):
+        rows = httpx.get(gw.url + "/admin/spend", params={"group_by": "model"}, headers=m).json()["data"]
+        rows = [r for r in rows if r["model"] == model]
+        if rows and rows[0]["requests"] >= requests:
+            break
+        time.sleep(0.1)
+    return rows
+
+
 def test_a_stream_cut_mid_way_is_charged_what_it_delivered(gw):
     """A deployment dying mid-stream sends no usage; the key was charged its whole reservation
     (3 x 0.5 + 40 x 0.25 = 11.5) for the two tokens it got. Now the tokens delivered are
@@ -196,14 +210,7 @@ def test_a_stream_cut_mid_way_is_charged_what_it_delivered(gw):
             model="pricedie", messages=MSG, max_tokens=40, stream=True
         ):
             pass
-    m = {"Authorization": f"Bearer {MASTER}"}
-    rows = []
-    for _ in range(100):  # the spend log is written in the background
-        rows = httpx.get(gw.url + "/admin/spend", params={"group_by": "model"}, headers=m).json()["data"]
-        rows = [r for r in rows if r["model"] == "pricedie"]
-        if rows:
-            break
-        time.sleep(0.1)
+    rows = _spend_rows(gw, "pricedie")
     assert rows == [{"model": "pricedie", "requests": 1, "prompt_tokens": 3, "completion_tokens": 2,
                      "spend": 2.0}], rows  # fmt: skip
 
@@ -224,14 +231,7 @@ def test_hanging_up_on_a_non_streamed_request_is_charged_its_reservation(gw, fau
         while fault.count("hold-20") == sent and time.monotonic() < deadline:
             time.sleep(0.05)
         assert fault.count("hold-20") == sent + 1  # the backend has it; now the client hangs up
-    m = {"Authorization": f"Bearer {MASTER}"}
-    rows = []
-    for _ in range(150):  # settled once the gateway sees the client gone; logged in the background
-        rows = httpx.get(gw.url + "/admin/spend", params={"group_by": "model"}, headers=m).json()["data"]
-        rows = [r for r in rows if r["model"] == "pricedhold"]
-        if rows:
-            break
-        time.sleep(0.1)
+    rows = _spend_rows(gw, "pricedhold", tries=150)  # settled once the gateway sees the client gone
     assert rows == [{"model": "pricedhold", "requests": 1, "prompt_tokens": 3, "completion_tokens": 40,
                      "spend": 11.5}], rows  # fmt: skip
     deadline = time.monotonic() + 15
@@ -256,14 +256,7 @@ def test_usage_without_total_tokens_is_settled_and_frees_the_keys_slot(gw):
         else:
             answer = c.chat.completions.create(model="nototal", messages=MSG, max_tokens=2)
             assert answer.choices[0].message.content == " tok tok"
-    m = {"Authorization": f"Bearer {MASTER}"}
-    rows = []
-    for _ in range(100):  # the spend log is written in the background
-        rows = httpx.get(gw.url + "/admin/spend", params={"group_by": "model"}, headers=m).json()["data"]
-        rows = [r for r in rows if r["model"] == "nototal"]
-        if rows and rows[0]["requests"] == 3:
-            break
-        time.sleep(0.1)
+    rows = _spend_rows(gw, "nototal", requests=3)
     assert rows == [{"model": "nototal", "requests": 3, "prompt_tokens": 9, "completion_tokens": 6,
                      "spend": 6.0}], rows  # fmt: skip
 
