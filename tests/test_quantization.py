@@ -217,16 +217,16 @@ def test_quantized_prefill_sees_what_decode_reads(tiny_llama_dir):
 
 
 def test_pool_holds_about_twice_the_tokens_and_the_planner_agrees():
-    import gguf
-
     from kvserve.engine.core import kv_pool_for
+    from kvserve.model.loader.gguf_file import gguf_reader
     from kvserve.model.loader.gguf_loader import gguf_arch
     from kvserve.model.loader.resolve import default_model_file
     from kvserve.planner.plan import PlanRequest, make_plan
     from kvserve.planner.presets import load_model_spec
 
     path = default_model_file()
-    arch = gguf_arch(gguf.GGUFReader(path))
+    arch = gguf_arch(gguf_reader(path))
+    spec = load_model_spec(path)
     budget = 64 * 2**20
     for compute, plan_dtype in (("float32", "float32"), ("bfloat16", "bf16")):
         auto = kv_pool_for(EngineConfig(dtype=compute), arch, budget)
@@ -234,8 +234,7 @@ def test_pool_holds_about_twice_the_tokens_and_the_planner_agrees():
             pool = kv_pool_for(EngineConfig(dtype=compute, kv_cache_dtype=kv), arch, budget)
             assert pool.num_tokens >= 1.9 * auto.num_tokens, (compute, kv)
             plan = make_plan(
-                PlanRequest(model=path, dtype=plan_dtype, kv_cache_dtype=kv, kv_cache_memory=budget),
-                load_model_spec(path),
+                PlanRequest(model=path, dtype=plan_dtype, kv_cache_dtype=kv, kv_cache_memory=budget), spec
             )
             assert plan.kv_pool == pool
 
