@@ -74,15 +74,17 @@ def _base(fault, tmp, **router) -> dict:
             {"model_name": "ctxmix", "id": "ctxmix-long",
              "backend": {"base_url": u, "model": "ok", "max_context": 100, "weight": 0.001,
                          "input_cost_per_token": 0.5, "output_cost_per_token": 0.25}},
+            deployment("down", u, "fail-500"),
         ],
         "router_settings": {"num_retries": 1, "retry_backoff_base": 0.01, "allowed_fails": 100,
                             "fallbacks": {"hang": ["okgroup"], "pinghang": ["okgroup"], "die": ["okgroup"],
-                                          "bad": ["okgroup"]},
+                                          "bad": ["okgroup"], "down": ["okgroup"]},
                             "context_window_fallbacks": {"ctx": ["big"], "small": ["big"],
                                                          "stoplong": ["big"]}, **router},
         "keys": [
             {"key": KEY, "alias": "tester"},
             {"key": "sk-limited", "models": ["okgroup"]},
+            {"key": "sk-no-fallbacks", "models": ["down", "small", "ctx"]},
             {"key": "sk-rpm2", "rpm": 2},
             {"key": "sk-par1", "max_parallel_requests": 1},
             {"key": "sk-budget", "max_budget": 5.0},
@@ -484,6 +486,44 @@ def test_auth_and_model_errors(gw):
     assert e.value.body["code"] == "model_not_found"
 
 
+def test_fallbacks_go_only_to_models_the_key_may_use(gw, fault):
+    """A key limited to `models` got answers from a fallback group it may not call (the
+    configured fallbacks and context_window_fallbacks were followed for every key). Now a
+    fallback the key may not use is skipped, and the original error stands."""
+    ok, ctx400 = fault.count("ok"), fault.count("ctx-400")
+    r = post(gw, "down", key="sk-no-fallbacks")  # fallbacks: down -> okgroup
+    assert r.status_code == 500 and r.json()["error"]["code"] == "upstream_error", r.text
+    assert r.headers["x-kvserve-attempts"] == "2"  # its own retries, no fallback
+    r = post(gw, "small", key="sk-no-fallbacks", messages=[{"role": "user", "content": "a b c d e f g"}])
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    r = post(gw, "ctx", key="sk-no-fallbacks")  # the backend's own context 400 is passed through
+    assert r.status_code == 400 and "maximum context length" in r.text, r.text
+    assert fault.count("ok") == ok and fault.count("ctx-400") == ctx400 + 1
+    r = post(gw, "down")  # a key that may use okgroup still falls back
+    assert r.status_code == 200 and r.headers["x-kvserve-model-group"] == "okgroup", r.text
+
+
+def test_a_degradation_fallback_only_for_keys_that_may_use_it():
+    """The saturation fallback sent any key's requests to the fallback alias, also a key not
+    allowed it; such a key's requests stay on their own group (and do not use up the share)."""
+    from kvserve.gateway.backends import BackendPool
+    from kvserve.gateway.config import parse_config
+    from kvserve.gateway.degrade import Degrader
+    from kvserve.gateway.metrics import GatewayMetrics
+    from kvserve.gateway.saturation import SaturationMonitor
+
+    u = "http://127.0.0.1:9/v1"
+    rule = {"threshold": 1.0, "action": "fallback", "fallback": "small", "share": 0.5}
+    cfg = parse_config({"model_list": [deployment("big", u, "m"), deployment("small", u, "m")],
+                        "router_settings": {"degradation": {"big": rule}}})  # fmt: skip
+    metrics = GatewayMetrics()
+    monitor = SaturationMonitor(cfg, BackendPool(cfg), ["big"], metrics)
+    monitor.readings["big-0"] = 2.0  # (as a poll of a saturated backend sets it)
+    d = Degrader(cfg, monitor, metrics)
+    assert [d.decide("big", {}, {"big"}) for _ in range(4)] == [None] * 4
+    assert [d.decide("big", {}, {"big", "small"}) for _ in range(2)] == [None, "small"]
+
+
 def test_a_body_over_max_request_bytes_is_a_413(gw, fault):
     """The gateway read any body whole into memory (kvserve serve refuses past its limit)."""
     before = fault.count("ok")
@@ -668,7 +708,7 @@ def test_admin_refuses_a_key_it_could_not_store_or_use(gw, body, field):
 def test_health_readiness_and_metrics(gw):
     assert httpx.get(gw.url + "/health").json() == {"status": "ok"}
     ready = httpx.get(gw.url + "/health/readiness").json()
-    assert ready["status"] == "ready" and len(ready["deployments"]) == 35
+    assert ready["status"] == "ready" and len(ready["deployments"]) == 36
     # a backend refusing the deployment's api_key cannot answer anything: not up (was: it answered)
     assert [d["up"] for d in ready["deployments"] if d["model_name"] == "denied"] == [False]
     assert all(d["up"] for d in ready["deployments"] if d["model_name"] != "denied")

@@ -9,6 +9,8 @@ in `x-kvserve-degraded`.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from kvserve.gateway.config import GatewayConfig
 from kvserve.gateway.errors import GatewayError
 from kvserve.gateway.metrics import GatewayMetrics
@@ -23,10 +25,11 @@ class Degrader:
         self.monitor, self.metrics = monitor, metrics
         self._owed: dict[str, float] = {}  # alias -> fallback share accumulated, not yet sent
 
-    def decide(self, alias: str, body: dict) -> str | None:
-        """None (serve normally) or the fallback alias to try first; raises the shed 503."""
+    def decide(self, alias: str, body: dict, allowed: Collection[str]) -> str | None:
+        """None (serve normally) or the fallback alias to try first; raises the shed 503. A key
+        that may not use the fallback (`allowed`: the aliases it may) is served by its own group."""
         rule = self.rules.get(alias)
-        if rule is None:
+        if rule is None or (rule.action == "fallback" and rule.fallback not in allowed):
             return None
         sat = self.monitor.group(alias)
         if sat is None or sat < rule.threshold:

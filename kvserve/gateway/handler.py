@@ -67,6 +67,7 @@ class Ctx:
     pd: str | None = None  # pd deployments: "disaggregated" or "fallback" (the last attempt's)
     client_left: bool = False  # the client hung up (the request is being cancelled)
     abandoned: str | None = None  # it left with work on served_by: "prefill" or "answer"
+    allowed: frozenset[str] = frozenset()  # the aliases this key (and its team) may use
 
 
 class Gateway:
@@ -106,7 +107,8 @@ class Gateway:
             )
         if alias not in self.router.groups:
             raise GatewayError(404, f"model: {alias!r} does not exist", code="model_not_found", param="model")
-        if alias not in self.allowed_models(key):
+        allowed = frozenset(self.allowed_models(key))
+        if alias not in allowed:
             raise GatewayError(
                 403, f"model: this key may not use {alias!r}", "permission_denied", param="model"
             )
@@ -122,7 +124,7 @@ class Gateway:
             stream and isinstance(so, dict) and so.get("include_usage") is True,
             time.monotonic(),
         )
-        ctx.request = request
+        ctx.request, ctx.allowed = request, allowed
         ctx.route = request_info(body, request.headers if request is not None else {})
         work = asyncio.ensure_future(self._run(ctx))
         watcher = asyncio.ensure_future(_disconnected(request))
@@ -146,7 +148,7 @@ class Gateway:
             await self._admit(ctx)
             resp = await self._from_cache(ctx)  # a cached answer even when the group is saturated
             if resp is None:
-                ctx.degraded_to = self.degrader.decide(ctx.alias, ctx.body)  # or raises the shed 503
+                ctx.degraded_to = self.degrader.decide(ctx.alias, ctx.body, ctx.allowed)  # or the shed 503
                 resp = await self._attempts(ctx)
         except BaseException as e:
             status = (
@@ -176,16 +178,22 @@ class Gateway:
     # ---- admission -------------------------------------------------------------------------
     def _chain(self, ctx: Ctx) -> list[str]:
         """The groups to try in order: a degradation fallback first, then the alias and its
-        configured fallbacks."""
+        configured fallbacks (those the key may use)."""
         first = [ctx.degraded_to] if ctx.degraded_to else []
-        return list(dict.fromkeys([*first, ctx.alias, *self.rs.fallbacks.get(ctx.alias, [])]))
+        return list(dict.fromkeys([*first, ctx.alias, *self._permitted(ctx, self.rs.fallbacks)]))
+
+    @staticmethod
+    def _permitted(ctx: Ctx, fallbacks: dict[str, list[str]]) -> list[str]:
+        """The alias's fallbacks the key may use: a fallback is no way around a key's `models`
+        (a key limited to one group got another group's answers once the first failed)."""
+        return [a for a in fallbacks.get(ctx.alias, []) if a in ctx.allowed]
 
     async def _admit(self, ctx: Ctx) -> None:
         key, team_name = ctx.key, ctx.key.spec.team
         team = self.cfg.teams.get(team_name or "")
-        reachable = self._chain(ctx) + self.rs.context_window_fallbacks.get(ctx.alias, [])
+        reachable = self._chain(ctx) + self._permitted(ctx, self.rs.context_window_fallbacks)
         rule = self.rs.degradation.get(ctx.alias)
-        if rule is not None and rule.fallback:  # decided after admission: reserve for it too
+        if rule is not None and rule.fallback in ctx.allowed:  # decided after admission: reserve for it too
             reachable.append(rule.fallback)
         deps = [d for a in dict.fromkeys(reachable) for d in self.router.deployments(a)]
         probe = tenant_checks(key.scope, key.spec, team_name, team, 0, 0.0)
@@ -312,7 +320,7 @@ class Gateway:
                     last.headers["retry-after"] = str(int(out.retry_after + 0.999))
             if too_long and not context_switched:
                 context_switched, gi = True, 0
-                groups = self.rs.context_window_fallbacks.get(ctx.alias, [])
+                groups = self._permitted(ctx, self.rs.context_window_fallbacks)
                 if not groups and context_answer:  # nowhere bigger to go: the backend's answer stands
                     return await self._pass_through(ctx, *context_answer)
                 field = "messages" if "messages" in ctx.body else "prompt"
