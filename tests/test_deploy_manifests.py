@@ -130,7 +130,8 @@ def test_server_probes_prestop_and_hpa(server):
 
 def test_services_select_their_pods(server, gateway):
     for docs in (server, gateway):
-        pods = [d["spec"]["template"]["metadata"]["labels"] for d in by_kind(docs, "Deployment")]
+        workloads = by_kind(docs, "Deployment") + by_kind(docs, "StatefulSet")
+        pods = [d["spec"]["template"]["metadata"]["labels"] for d in workloads]
         for svc in by_kind(docs, "Service"):
             sel = svc["spec"]["selector"]
             matches = [p for p in pods if sel.items() <= p.items()]
@@ -148,6 +149,7 @@ def test_gateway_replicas_share_redis_and_reach_the_servers(server, gateway, mon
     svc = {d["metadata"]["name"]: d for d in by_kind(gateway, "Service")}
     assert redis.scheme == "redis" and redis.hostname in svc
     assert redis.port == svc[redis.hostname]["spec"]["ports"][0]["port"]
+    _check_redis(gateway, svc, redis.hostname, cfg.response_cache.store)
     backend = urlparse(cfg.model_list[0].backend.base_url)
     kvserve_svc = by_kind(server, "Service")[0]
     name, ns = kvserve_svc["metadata"]["name"], kvserve_svc["metadata"]["namespace"]
@@ -162,6 +164,32 @@ def test_gateway_replicas_share_redis_and_reach_the_servers(server, gateway, mon
     cfg.general_settings.database = str(tmp_path / "gw.db")
     routes = {getattr(r, "path", None) for r in build_app(cfg, web_ui=False).routes}
     assert set(_probe_paths(gw).values()) <= routes
+
+
+def _redis_behind(docs: list[dict], service: dict) -> tuple[dict, dict]:
+    """The workload a Service selects, and its redis-server flags as a dict."""
+    sel = service["spec"]["selector"]
+    workloads = by_kind(docs, "Deployment") + by_kind(docs, "StatefulSet")
+    w = next(d for d in workloads if sel.items() <= d["spec"]["template"]["metadata"]["labels"].items())
+    args = _containers(w)[0]["args"]
+    return w, dict(zip(args[::2], args[1::2]))
+
+
+def _check_redis(docs: list[dict], services: dict, state_host: str, cache_url: str | None) -> None:
+    """The state store's Redis persists (append-only file on a claimed volume: a restart kept no
+    budget spend) and never evicts (a dropped window resets a rate limit); the response cache
+    has a Redis of its own with a memory cap (its answers evicted the state store's windows)."""
+    state, flags = _redis_behind(docs, services[state_host])
+    assert state["kind"] == "StatefulSet" and flags["--appendonly"] == "yes"
+    mount = next(m for m in _containers(state)[0]["volumeMounts"] if m["mountPath"] == flags["--dir"])
+    claims = {c["metadata"]["name"] for c in state["spec"]["volumeClaimTemplates"]}
+    assert mount["name"] in claims
+    assert flags["--maxmemory-policy"] == "noeviction"
+    cache = urlparse(cache_url or "")
+    assert cache.scheme == "redis" and cache.hostname in services and cache.hostname != state_host
+    assert cache.port == services[cache.hostname]["spec"]["ports"][0]["port"]
+    _, flags = _redis_behind(docs, services[cache.hostname])
+    assert flags["--maxmemory"] and flags["--maxmemory-policy"].startswith("allkeys-")
 
 
 def test_dockerfile_cpu_image():

@@ -65,6 +65,7 @@ def _with(path: str, value) -> dict:
         ("keys", [{"key_hash": "3f1c..."}], "keys.0.key_hash: not a SHA-256 (64 hex digits)"),
         ("keys", [{"key": "a"}, {"key_hash": hash_key("a").upper()}], "keys.1: the same key as keys.0"),
         ("general_settings.state", "memcached://x", "general_settings.state: Value error, must be 'memory'"),
+        ("response_cache.store", "memcached://x", "response_cache.store: Value error, must be 'memory'"),
         ("model_list", [], "model_list: List should have at least 1 item"),
         (
             "router_settings.degradation",

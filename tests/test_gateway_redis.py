@@ -25,13 +25,21 @@ def redis_server():
 
 
 @pytest.fixture(scope="module")
+def cache_redis():
+    """The response cache's own Redis (response_cache.store)."""
+    r = RedisServer()
+    yield r
+    r.stop()
+
+
+@pytest.fixture(scope="module")
 def fault():
     fb = FaultBackend()
     yield fb
     fb.stop()
 
 
-def _config(fault, redis_server, db: str, **general) -> dict:
+def _config(fault, redis_server, db: str, cache_url: str | None = None, **general) -> dict:
     u = fault.url + "/v1"
     return {
         "model_list": [
@@ -42,15 +50,16 @@ def _config(fault, redis_server, db: str, **general) -> dict:
         ],
         "router_settings": {"allowed_fails": 2, "cooldown_time": 120, "retry_backoff_base": 0.01},
         "keys": [{"key": "sk-rpm50", "rpm": 50}, {"key": "sk-budget", "max_budget": 2.0 * K},
-                 {"key": "sk-kill", "max_budget": 2.0}, {"key": "sk-any"}],
+                 {"key": "sk-kill", "max_budget": 2.0}, {"key": "sk-any"}, {"key": "sk-rpm3", "rpm": 3}],
         "general_settings": {"master_key": "sk-master", "state": redis_server.url, "database": db, **general},
+        **({"response_cache": {"store": cache_url, "ttl": 600}} if cache_url else {}),
     }  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def gws(fault, redis_server, tmp_path_factory):
+def gws(fault, redis_server, cache_redis, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gw-redis")
-    cfg = _config(fault, redis_server, str(tmp / "shared.db"))
+    cfg = _config(fault, redis_server, str(tmp / "shared.db"), cache_redis.url)
     gs = [GatewayProcess(cfg, str(tmp), f"gw{i}", wait=False) for i in range(3)]
     for g in gs:
         g.wait()
@@ -167,3 +176,33 @@ def test_reservation_of_a_killed_instance_expires(fault, redis_server, tmp_path)
     finally:
         victim.stop()
         survivor.stop()
+
+
+def test_cached_answers_in_their_own_redis_never_evict_rate_limit_windows(gws, redis_server, cache_redis):
+    """The response cache lived in the state store's Redis: under maxmemory (the shipped
+    manifest's volatile-lru) its answers, which have TTLs, made Redis evict rate-limit windows,
+    which have TTLs too, and a key's rpm began again. With `response_cache.store` the answers
+    fill a Redis of their own (evicting only each other there) and the limit holds."""
+    state, cache = redis_server.client, cache_redis.client
+    state.config_set("maxmemory", "2mb")
+    state.config_set("maxmemory-policy", "volatile-lru")
+    cache.config_set("maxmemory", "2mb")
+    cache.config_set("maxmemory-policy", "allkeys-lru")
+    chat = lambda key, text, n: httpx.post(  # noqa: E731
+        gws[0].url + "/v1/chat/completions", headers={"Authorization": f"Bearer {key}"}, timeout=30,
+        json={"model": "ok", "messages": [{"role": "user", "content": text}], "max_tokens": n,
+              "temperature": 0},
+    )  # fmt: skip
+    try:
+        assert [chat("sk-rpm3", f"limited {i}", 2).status_code for i in range(3)] == [200] * 3
+        for i in range(25):  # ~200 KB answers: ~5 MB into 2 MB
+            r = chat("sk-any", f"filler {i}", 50_000)
+            assert r.status_code == 200 and r.headers["x-kvserve-cache"] == "miss", r.text
+        assert cache.dbsize() < 25  # (the cache's Redis did evict)
+        assert state.keys("kvgw:rc:*") == []  # nothing cached in the state store
+        r = chat("sk-rpm3", "limited 3", 2)
+        assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded", r.text
+    finally:
+        for client in (state, cache):
+            client.config_set("maxmemory", "0")
+            client.config_set("maxmemory-policy", "noeviction")

@@ -42,6 +42,18 @@ class GatewayState:
             self.store = open_store(gs.state)
         except ValueError as e:
             raise ConfigError(f"general_settings.state: {e}") from None
+        self.cache_store = self.store
+        rc = cfg.response_cache
+        if rc is not None and rc.store is not None and rc.store != gs.state:
+            try:
+                self.cache_store = open_store(rc.store)
+            except ValueError as e:
+                raise ConfigError(f"response_cache.store: {e}") from None
+        elif rc is not None and gs.state != "memory":
+            log.warning(
+                "response_cache shares the state store's Redis: under maxmemory its answers can evict "
+                "rate-limit windows, or fill it; give it a Redis of its own (response_cache.store)"
+            )
         try:
             self.keys = KeyStore(cfg, open_database(gs.database))
             self.spend = SpendLog(open_database(gs.database))
@@ -49,7 +61,7 @@ class GatewayState:
             raise ConfigError(f"general_settings.database: {gs.database}: {e}") from None
         self.pool = BackendPool(cfg)
         self.metrics = GatewayMetrics()
-        self.gateway = Gateway(cfg, self.store, self.pool, self.spend, self.metrics)
+        self.gateway = Gateway(cfg, self.store, self.pool, self.spend, self.metrics, self.cache_store)
         self.lifecycle = GatewayLifecycle(
             cfg.general_settings.shutdown_timeout, lambda: self.gateway.num_in_flight
         )
@@ -94,6 +106,8 @@ def build_app(cfg: GatewayConfig, web_ui: bool = True) -> FastAPI:
         await state.spend.stop()
         await state.pool.close()
         await state.store.close()
+        if state.cache_store is not state.store:
+            await state.cache_store.close()
 
     app = FastAPI(title="kvserve gateway", lifespan=lifespan)
     app.state.gateway = state

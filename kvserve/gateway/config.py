@@ -36,6 +36,13 @@ def _secret(value: str | None, path: str) -> str | None:
     return os.environ[name]
 
 
+def _store_url(v: str) -> str:
+    """A state or cache store: 'memory' or a Redis URL."""
+    if v != "memory" and not v.startswith(("redis://", "rediss://", "unix://")):
+        raise ValueError("must be 'memory' or a redis:// URL")
+    return v
+
+
 _MAX_LIMIT = 10**15
 _MAX_SECONDS = 10**6  # (~12 days) a bound on times, so a TTL in milliseconds stays an integer
 
@@ -182,9 +189,7 @@ class GeneralSettings(_Strict):
     @field_validator("state")
     @classmethod
     def _state(cls, v: str) -> str:
-        if v != "memory" and not v.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError("must be 'memory' or a redis:// URL")
-        return v
+        return _store_url(v)
 
 
 class SemanticCache(_Strict):
@@ -200,12 +205,20 @@ class SemanticCache(_Strict):
 
 
 class ResponseCache(_Strict):
-    """Exact-match response cache kept in the state store (shared by N gateways with Redis)."""
+    """Exact-match response cache, shared by N gateways through Redis. `store` gives it a Redis
+    of its own: large answers with TTLs in the state store's Redis made it evict rate-limit
+    windows (which have TTLs too) under maxmemory, silently resetting limits."""
 
+    store: str | None = Field(None, description="'memory' or a redis:// URL (default: the state store)")
     ttl: float = Field(600.0, gt=0, description="seconds an answer is kept")
     models: list[str] | None = Field(None, description="model_names cached (None: all)")
     any_temperature: bool = Field(False, description="also cache requests with temperature > 0")
     semantic: SemanticCache | None = None
+
+    @field_validator("store")
+    @classmethod
+    def _store(cls, v: str | None) -> str | None:
+        return v if v is None else _store_url(v)
 
 
 class GatewayConfig(_Strict):

@@ -78,6 +78,7 @@ class Gateway:
         pool: BackendPool,
         spend: SpendLog,
         metrics: GatewayMetrics,
+        cache_store: StateStore | None = None,
     ) -> None:
         self.cfg, self.store, self.pool, self.spend, self.metrics = cfg, store, pool, spend, metrics
         self.router = Router(cfg, store)
@@ -86,7 +87,7 @@ class Gateway:
         self.ttl = gs.reservation_ttl or max(d.backend.timeout for d in cfg.model_list) + 30.0
         self.monitor = SaturationMonitor(cfg, pool, list(self.rs.degradation), metrics)
         self.degrader = Degrader(cfg, self.monitor, metrics)
-        self.cache = ResponseCache(cfg, store, pool, self.router)
+        self.cache = ResponseCache(cfg, cache_store or store, pool, self.router)
         self.num_in_flight = 0  # client requests not yet settled (streams until they end): the drain waits
 
     # ---- entry -----------------------------------------------------------------------------
