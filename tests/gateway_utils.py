@@ -43,8 +43,12 @@ class RedisServer:
             raise RuntimeError("redis-server not found: apt-get install -y redis-server (make test does)")
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.exe = exe
+        self.start()
+
+    def start(self) -> None:
         self.proc = subprocess.Popen(
-            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+            [self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
         import redis
@@ -61,6 +65,11 @@ class RedisServer:
                     raise RuntimeError("redis-server did not start") from None
                 time.sleep(0.05)
         self.client = client
+
+    def restart(self) -> None:
+        """Stop and start again on the same port: without persistence it comes back empty."""
+        self.stop()
+        self.start()
 
     def stop(self) -> None:
         if self.proc.poll() is None:

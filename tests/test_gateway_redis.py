@@ -50,7 +50,8 @@ def _config(fault, redis_server, db: str, cache_url: str | None = None, **genera
         ],
         "router_settings": {"allowed_fails": 2, "cooldown_time": 120, "retry_backoff_base": 0.01},
         "keys": [{"key": "sk-rpm50", "rpm": 50}, {"key": "sk-budget", "max_budget": 2.0 * K},
-                 {"key": "sk-kill", "max_budget": 2.0}, {"key": "sk-any"}, {"key": "sk-rpm3", "rpm": 3}],
+                 {"key": "sk-kill", "max_budget": 2.0}, {"key": "sk-any"}, {"key": "sk-rpm3", "rpm": 3},
+                 {"key": "sk-restart", "alias": "restart", "max_budget": 5.0, "budget_duration": "30d"}],
         "general_settings": {"master_key": "sk-master", "state": redis_server.url, "database": db, **general},
         **({"response_cache": {"store": cache_url, "ttl": 600}} if cache_url else {}),
     }  # fmt: skip
@@ -136,6 +137,26 @@ def test_keys_made_on_one_instance_work_and_die_on_the_others(gws):
     assert httpx.post(gws[1].url + "/v1/chat/completions", json=body, headers=h).status_code == 200
     assert httpx.post(gws[2].url + f"/admin/keys/{made['key_hash']}/revoke", headers=m).status_code == 200
     assert httpx.post(gws[1].url + "/v1/chat/completions", json=body, headers=h).status_code == 401
+
+
+def test_a_budget_is_rebuilt_from_the_spend_log_when_redis_comes_back_empty(gws, redis_server):
+    """Budget spend lived only in Redis: a Redis restarted without persistence (an operator's,
+    or the manifest's before it had a volume) came back with every key's spend at 0, and each
+    key could spend its whole budget again. The gateway now rebuilds a budget it finds missing
+    from the spend log (the shared database), once, and says so in its log."""
+    h = {"Authorization": "Bearer sk-restart"}
+    body = {"model": "priced", "messages": MSG, "max_tokens": 2}  # 2.0 each
+    chat = lambda g: httpx.post(g.url + "/v1/chat/completions", json=body, headers=h, timeout=30)  # noqa: E731
+    assert [chat(gws[0]).status_code for _ in range(2)] == [200, 200]  # 4.0 of 5.0 spent
+    redis_server.restart()  # persistence off: it comes back empty
+    for g in (gws[0], gws[1]):  # the rebuilding instance, then another one
+        r = chat(g)
+        for _ in range(3):  # (a pooled connection to the old server fails once: 503, nothing admitted)
+            if r.status_code != 503:
+                break
+            r = chat(g)
+        assert r.status_code == 429 and r.json()["error"]["code"] == "budget_exceeded", r.text
+    assert "budget of key restart" in gws[0].logs() and "rebuilt from the spend log" in gws[0].logs()
 
 
 def test_reservation_of_a_killed_instance_expires(fault, redis_server, tmp_path):

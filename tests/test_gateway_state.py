@@ -10,6 +10,7 @@ import pytest
 from gateway_utils import RedisServer
 
 from kvserve.gateway.state import Check, open_store
+from kvserve.gateway.state.base import period_index
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +57,7 @@ def test_all_or_nothing(run):
 def test_budget_reserve_settle_and_expire(run):
     async def scenario(s):
         b = lambda amount: Check("budget", "k", 10.0, amount)  # noqa: E731
+        await s.seed_budget(b(0), 0, 0.0)
         assert (await s.admit("a", [b(6.0)], 30)).ok
         assert not (await s.admit("b", [b(6.0)], 30)).ok  # 6 reserved + 6 > 10
         await s.settle("a", [b(6.0)], [1.5])  # it cost less than reserved
@@ -93,6 +95,30 @@ def test_cooldown_after_allowed_fails(run):
     run(scenario)
 
 
+def test_a_budget_the_store_does_not_hold_is_seeded_once_before_admission(run):
+    """A Redis restarted without persistence (or a gateway restarted on the memory store) held
+    no budget spend: admission began each key's budget again from 0. A budget the store never
+    seeded is now reported (nothing applied) so the gateway can give it its spend from the
+    spend log; the first seed wins, and spend settled into that period meanwhile counts."""
+
+    async def scenario(s):
+        rpm, b = Check("rpm", "k", 5), lambda amount: Check("budget", "k", 10.0, amount, 3600)  # noqa: E731
+        adm = await s.admit("a", [rpm, b(2.0)], 30)
+        assert not adm.ok and adm.unseeded == 1 and adm.failed is None and adm.now > 1e9
+        period = period_index(adm.now, 3600)
+        await s.settle("x", [b(3.0)], [3.0])  # a request admitted before the restart settles after it
+        assert await s.seed_budget(b(0), period, 7.0)  # the spend log's 7 (> the 3 settled)
+        assert not await s.seed_budget(b(0), period, 0.5)  # another gateway's rebuild: too late
+        assert (await s.admit("a", [rpm, b(3.0)], 30)).remaining == [4, 0]  # 7 spent + 3 = 10
+        assert not (await s.admit("b", [b(0.5)], 30)).ok
+        other = Check("budget", "k2", 10.0, 1.0, 3600)
+        await s.settle("y", [other], [4.0])
+        assert await s.seed_budget(other, period, 1.0)  # the settled 4 is more than the log's 1
+        assert (await s.admit("c", [other], 30)).remaining == [5.0]
+
+    run(scenario)
+
+
 def test_a_budget_survives_redis_evicting_under_memory_pressure(redis_url):
     """A periodic budget's hash had a TTL (twice its period), so under the shipped manifest's
     maxmemory-policy volatile-lru Redis could evict it like a cached answer once the response
@@ -107,6 +133,8 @@ def test_a_budget_survives_redis_evicting_under_memory_pressure(redis_url):
         await s.redis.config_set("maxmemory-policy", "volatile-lru")
         try:
             b = lambda amount: Check("budget", "k", 10.0, amount, 30 * 86400)  # noqa: E731
+            assert (adm := await s.admit("a", [b(9.0)], 30)).unseeded == 0
+            await s.seed_budget(b(0), period_index(adm.now, 30 * 86400), 0.0)
             assert (await s.admit("a", [b(9.0)], 30)).ok
             await s.settle("a", [b(9.0)], [9.0])
             for i in range(400):  # ~25 MB of cached answers into 4 MB: Redis evicts

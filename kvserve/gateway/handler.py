@@ -17,6 +17,7 @@ from fastapi.responses import Response, StreamingResponse
 from kvserve.disagg.prefill import PrefillResult, run_prefill
 from kvserve.disagg.split import decode_body, disaggregates
 from kvserve.gateway.backends import BackendPool, estimate_tokens
+from kvserve.gateway.budget_rebuild import BudgetRebuild
 from kvserve.gateway.budgets import completion_budget, cost, max_cost, sequences
 from kvserve.gateway.config import Deployment, GatewayConfig
 from kvserve.gateway.degrade import HEADER as DEGRADED_HEADER
@@ -89,6 +90,7 @@ class Gateway:
         self.degrader = Degrader(cfg, self.monitor, metrics)
         self.cache = ResponseCache(cfg, cache_store or store, pool, self.router)
         self.num_in_flight = 0  # client requests not yet settled (streams until they end): the drain waits
+        self.budgets = BudgetRebuild(store, spend)  # admission, after a lost budget is rebuilt
 
     # ---- entry -----------------------------------------------------------------------------
     def allowed_models(self, key: KeyRecord) -> list[str]:
@@ -227,7 +229,7 @@ class Gateway:
                     param="max_tokens",
                     headers=ctx.headers,
                 )
-        adm = await self.store.admit(ctx.rid, ctx.checks, self.ttl)
+        adm = await self.budgets.admit(ctx.rid, ctx.checks, self.ttl, ctx.key)
         ctx.headers.update(ratelimit_headers(ctx.checks, adm))
         if not adm.ok:
             ctx.checks = []  # nothing was applied, nothing to settle

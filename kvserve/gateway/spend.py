@@ -41,6 +41,8 @@ class SpendLog:
             " cost REAL, status INTEGER)"
         )
         db.execute("CREATE INDEX IF NOT EXISTS spend_ts ON spend (ts)")
+        for col in ("key_hash", "team"):  # a budget rebuilt (spent) reads one key's or team's rows
+            db.execute(f"CREATE INDEX IF NOT EXISTS spend_{col}_ts ON spend ({col}, ts)")
         db.commit()
 
     def record(self, row: SpendRow) -> None:
@@ -81,6 +83,19 @@ class SpendLog:
         if self._task:
             self._task.cancel()
         await self.flush()
+
+    async def spent(self, since: float, key_hash: str | None = None, team: str | None = None) -> float:
+        """What a key (or a team) was charged from `since` on: a budget's spend rebuilt when the
+        state store lost it (every instance's rows, where they share the file)."""
+        await self.flush()
+        col, value = ("key_hash", key_hash) if key_hash is not None else ("team", team)
+
+        def query():
+            with self.lock:
+                sql = f"SELECT SUM(cost) FROM spend WHERE {col} = ? AND ts >= ?"
+                return self.db.execute(sql, (value, since)).fetchone()[0]
+
+        return float(await asyncio.to_thread(query) or 0.0)
 
     async def report(self, group_by: str, start: float | None, end: float | None) -> list[dict]:
         await self.flush()

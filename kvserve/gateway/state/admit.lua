@@ -3,7 +3,8 @@
 -- second it was admitted in (settle.lua corrects that bucket); parallel -> slot zset (request ->
 -- expiry ms); budget -> budget hash {period, spent}, reservation zset, reservation amounts hash.
 -- ARGV: request_id, ttl_ms, n, then per check: kind, limit, amount, period_ms.
--- Returns {1, remaining...} or {0, failed check index, retry_after_ms}.
+-- Returns {1, remaining...} or {0, failed check index, retry_after_ms}, or {-1, check index,
+-- now_ms} for a budget hash never seeded from the spend log (seed.lua), changing nothing.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local sec = math.floor(now / 1000)
@@ -42,6 +43,9 @@ for i, c in ipairs(checks) do
     c.used = redis.call('ZCARD', KEYS[c.k])
   else
     local b, z, a = KEYS[c.k], KEYS[c.k + 1], KEYS[c.k + 2]
+    -- A budget without 'seeded' is one this Redis never held, or lost (restarted without
+    -- persistence): a spend of 0 would let the key spend its whole budget again.
+    if redis.call('HGET', b, 'seeded') ~= '1' then return {-1, i, now} end
     local idx = 0
     if c.period > 0 then idx = math.floor(now / c.period) end
     if tonumber(redis.call('HGET', b, 'period') or '-1') ~= idx then

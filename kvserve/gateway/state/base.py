@@ -27,18 +27,35 @@ class Check:
     period: float = 0
 
 
+def period_index(now: float, period: float) -> int:
+    """Which budget period `now` (seconds) falls in; 0 for a budget that never resets. Integer
+    milliseconds, as the Lua scripts count, so both sides agree at a boundary."""
+    period_ms = int(period * 1000)
+    return int(now * 1000) // period_ms if period_ms > 0 else 0
+
+
 @dataclass
 class Admission:
     ok: bool
     remaining: list[float]  # per check, after this request (when ok)
     failed: Check | None = None
     retry_after: float = 0.0  # seconds (when not ok)
+    # not ok, nothing applied: checks[unseeded] is a budget whose spend the store does not hold
+    # (a fresh store, or Redis restarted without persistence): seed_budget it, then admit again
+    unseeded: int | None = None
+    now: float = 0.0  # the store's clock (seconds) when unseeded was found
 
 
 class StateStore:
     async def admit(self, request_id: str, checks: list[Check], ttl: float) -> Admission:
         """Admit against every check or none; parallel slots and budget reservations expire after
         ttl seconds so a gateway that dies mid-request leaks nothing for long."""
+        raise NotImplementedError
+
+    async def seed_budget(self, check: Check, period: int, spent: float) -> bool:
+        """Give a budget the spend the store did not hold (rebuilt from the spend log) for period
+        index `period`; what it holds for that period already (a request settled since) counts
+        if larger. False when another gateway seeded it first (nothing changed)."""
         raise NotImplementedError
 
     async def settle(self, request_id: str, checks: list[Check], actual: list[float]) -> None:

@@ -3,12 +3,19 @@ inside, so each method is atomic without locks."""
 
 from __future__ import annotations
 
-import math
 import time
 from collections import defaultdict
 from collections.abc import Callable
 
-from kvserve.gateway.state.base import EPS, FAIL_WINDOW_S, WINDOW_S, Admission, Check, StateStore
+from kvserve.gateway.state.base import (
+    EPS,
+    FAIL_WINDOW_S,
+    WINDOW_S,
+    Admission,
+    Check,
+    StateStore,
+    period_index,
+)
 
 
 class MemoryStore(StateStore):
@@ -18,6 +25,7 @@ class MemoryStore(StateStore):
         self._tpm_at: dict[str, dict[str, int]] = defaultdict(dict)  # scope -> request -> its second
         self._slots: dict[str, dict[str, float]] = defaultdict(dict)  # scope -> request -> expiry
         self._budgets: dict[str, list[float]] = {}  # scope -> [period index, spent]
+        self._seeded: set[str] = set()  # budgets given their spend from the log (a restart lost it)
         self._reserved: dict[str, dict[str, tuple[float, float]]] = defaultdict(dict)  # -> (expiry, amt)
         self._fails: dict[str, list[float]] = defaultdict(list)
         self._cool_until: dict[str, float] = {}
@@ -31,7 +39,7 @@ class MemoryStore(StateStore):
         return sum(buckets.values()), buckets
 
     def _budget(self, scope: str, period: float, now: float) -> list[float]:
-        idx = math.floor(now / period) if period > 0 else 0
+        idx = period_index(now, period)
         b = self._budgets.get(scope)
         if b is None or b[0] != idx:
             b = self._budgets[scope] = [idx, 0.0]
@@ -64,6 +72,9 @@ class MemoryStore(StateStore):
 
     async def admit(self, request_id: str, checks: list[Check], ttl: float) -> Admission:
         now = self.clock()
+        for i, c in enumerate(checks):
+            if c.kind == "budget" and c.scope not in self._seeded:
+                return Admission(False, [], unseeded=i, now=now)
         used = []
         for c in checks:
             u, retry = self._measure(c, now)
@@ -84,6 +95,15 @@ class MemoryStore(StateStore):
             else:
                 self._reserved[c.scope][request_id] = (now + ttl, c.amount)
         return Admission(True, [c.limit - u - c.amount for c, u in zip(checks, used)])
+
+    async def seed_budget(self, check: Check, period: int, spent: float) -> bool:
+        if check.scope in self._seeded:
+            return False
+        b = self._budgets.get(check.scope)
+        held = b[1] if b is not None and b[0] == period else 0.0
+        self._budgets[check.scope] = [period, max(spent, held)]
+        self._seeded.add(check.scope)
+        return True
 
     async def settle(self, request_id: str, checks: list[Check], actual: list[float]) -> None:
         now = self.clock()

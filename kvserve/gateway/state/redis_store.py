@@ -47,6 +47,7 @@ class RedisStore(StateStore):
         self.redis = aioredis.Redis(connection_pool=pool)
         load = lambda name: self.redis.register_script((_HERE / name).read_text())  # noqa: E731
         self._admit, self._settle, self._fail = load("admit.lua"), load("settle.lua"), load("fail.lua")
+        self._seed = load("seed.lua")
 
     @_guarded
     async def admit(self, request_id: str, checks: list[Check], ttl: float) -> Admission:
@@ -59,7 +60,14 @@ class RedisStore(StateStore):
         out = await self._admit(keys=keys, args=args)
         if int(out[0]) == 1:
             return Admission(True, [float(x) for x in out[1:]])
+        if int(out[0]) == -1:
+            return Admission(False, [], unseeded=int(out[1]) - 1, now=int(out[2]) / 1000)
         return Admission(False, [], checks[int(out[1]) - 1], int(out[2]) / 1000)
+
+    @_guarded
+    async def seed_budget(self, check: Check, period: int, spent: float) -> bool:
+        out = await self._seed(keys=_keys(check)[:1], args=[period, repr(float(spent))])
+        return int(out) == 1
 
     @_guarded
     async def settle(self, request_id: str, checks: list[Check], actual: list[float]) -> None:

@@ -1,0 +1,12 @@
+-- Give a budget the spend this Redis does not hold (rebuilt by the gateway from its spend log),
+-- once: the first gateway to get here seeds it, the others change nothing. Spend settled into
+-- the same period since (a request in flight across a restart) counts if it is larger.
+-- KEYS: the budget hash. ARGV: period index, spent.
+local b, idx, spent = KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[2])
+if redis.call('HGET', b, 'seeded') == '1' then return 0 end
+if tonumber(redis.call('HGET', b, 'period') or '-1') == idx then
+  spent = math.max(spent, tonumber(redis.call('HGET', b, 'spent') or '0'))
+end
+redis.call('HSET', b, 'period', ARGV[1], 'spent', tostring(spent), 'seeded', '1')
+redis.call('PERSIST', b)  -- no TTL: see admit.lua
+return 1
