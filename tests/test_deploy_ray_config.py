@@ -118,3 +118,34 @@ def test_front_answers_a_body_it_cannot_use_with_a_400(body, says):
     resp = asyncio.run(Front.post(None, "chat/completions", Request(scope, receive)))
     err = json.loads(resp.body)["error"]
     assert resp.status_code == 400 and err["code"] == "invalid_json" and says in err["message"], err
+
+
+def test_a_replica_relays_a_lone_surrogate_and_a_latin1_header_as_they_came():
+    """KVServeReplica.forward sent the body with httpx's json= (strict UTF-8: a lone surrogate,
+    valid JSON, raised UnicodeEncodeError) and header values as str (encoded as ASCII: an
+    'é' raised): an exception in the replica, a 500 with a traceback for the client. Sent to a
+    real HTTP server (the fault backend), both now arrive."""
+    import asyncio
+    import json
+
+    import httpx
+    from gateway_utils import FaultBackend
+
+    from kvserve.deploy.replica import KVServeReplica
+
+    fb = FaultBackend()
+    try:
+        replica = object.__new__(KVServeReplica)  # (no `kvserve serve` child: the relay alone)
+        replica.client, replica.replica_id = None, "r0"
+        body = json.loads('{"model": "ok", "prompt": "a \\ud800 b", "max_tokens": 2}')
+        headers = {"authorization": "Bearer caf\u00e9", "content-type": "application/json"}
+
+        async def relay() -> list:
+            async with httpx.AsyncClient(base_url=fb.url) as replica.client:
+                return [part async for part in replica.forward("/v1/completions", body, headers)]
+
+        meta, *chunks = asyncio.run(relay())
+        assert meta["status"] == 200, b"".join(chunks)
+        assert json.loads(b"".join(chunks))["usage"]["prompt_tokens"] == 3
+    finally:
+        fb.stop()

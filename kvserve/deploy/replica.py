@@ -19,6 +19,7 @@ The price is one more localhost HTTP hop per request (not measured against a bar
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -84,7 +85,13 @@ class KVServeReplica:
         """Stream one POST through: first {status, content_type, replica}, then the body's bytes
         as they arrive (SSE events for streams). Cancelled by Serve when the client leaves,
         which closes the connection, which aborts the request in the engine."""
-        async with self.client.stream("POST", path, json=body, headers=headers) as resp:
+        # As the client sent them: JSON with escapes (httpx's json= encodes strict UTF-8 and
+        # raised on a lone surrogate, valid JSON) and header values as their Latin-1 bytes (a str
+        # is encoded as ASCII): either was an exception in the replica, a 500 for the client.
+        content = json.dumps(body).encode()
+        raw = {k: v.encode("latin-1") for k, v in headers.items() if k != "content-type"}
+        raw["content-type"] = b"application/json"
+        async with self.client.stream("POST", path, content=content, headers=raw) as resp:
             yield {
                 "status": resp.status_code,
                 "content_type": resp.headers.get("content-type", "application/json"),
