@@ -170,3 +170,31 @@ def test_tokens_a_request_did_not_use_come_off_its_own_bucket():
         return (await s.admit("b", [tpm(150)], 30)).ok
 
     assert asyncio.run(scenario()) is False
+
+
+def test_the_memory_stores_cached_answers_are_bounded_in_bytes(tmp_path):
+    """The memory store kept every cached answer until its TTL (600 s by default): a gateway
+    answering many distinct greedy requests grew by each one's size, without a bound. Now
+    response_cache.max_bytes bounds them; the least recently used answers go first."""
+    from kvserve.gateway.app import build_app
+    from kvserve.gateway.config import parse_config
+    from kvserve.gateway.state.memory import MemoryStore
+
+    s = MemoryStore(cache_max_bytes=1000)
+
+    async def scenario():
+        for i in range(10):
+            await s.cache_set(f"k{i}", b"x" * 100, 600)
+        assert await s.cache_get("k0") is not None  # (k0 is now the most recently used)
+        for i in range(10, 15):
+            await s.cache_set(f"k{i}", b"x" * 100, 600)
+        kept = [i for i in range(15) if await s.cache_get(f"k{i}") is not None]
+        await s.cache_set("huge", b"x" * 1001, 600)
+        return kept, await s.cache_get("huge")
+
+    kept, huge = asyncio.run(scenario())
+    assert kept == [0, *range(6, 15)] and huge is None
+    dep = {"model_name": "m", "backend": {"base_url": "http://x/v1", "model": "m"}}
+    cfg = parse_config({"model_list": [dep], "response_cache": {"max_bytes": 4096},
+                        "general_settings": {"database": str(tmp_path / "gw.db")}})  # fmt: skip
+    assert build_app(cfg, web_ui=False).state.gateway.cache_store.cache_max_bytes == 4096

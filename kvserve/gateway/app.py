@@ -38,15 +38,16 @@ class GatewayState:
     def __init__(self, cfg: GatewayConfig) -> None:
         self.cfg = cfg
         gs = cfg.general_settings
+        rc = cfg.response_cache
+        cache_bytes = rc.max_bytes if rc is not None else None
         try:  # a path or URL that cannot be opened: one line naming the setting, not a traceback
-            self.store = open_store(gs.state)
+            self.store = open_store(gs.state, cache_bytes)
         except ValueError as e:
             raise ConfigError(f"general_settings.state: {e}") from None
         self.cache_store = self.store
-        rc = cfg.response_cache
         if rc is not None and rc.store is not None and rc.store != gs.state:
             try:
-                self.cache_store = open_store(rc.store)
+                self.cache_store = open_store(rc.store, cache_bytes)
             except ValueError as e:
                 raise ConfigError(f"response_cache.store: {e}") from None
         elif rc is not None and gs.state != "memory":

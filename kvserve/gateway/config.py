@@ -210,6 +210,11 @@ class ResponseCache(_Strict):
     windows (which have TTLs too) under maxmemory, silently resetting limits."""
 
     store: str | None = Field(None, description="'memory' or a redis:// URL (default: the state store)")
+    max_bytes: int = Field(
+        256 * 2**20,
+        ge=1,
+        description="a memory store's answers at most (least recently used go); Redis: its maxmemory",
+    )
     ttl: float = Field(600.0, gt=0, description="seconds an answer is kept")
     models: list[str] | None = Field(None, description="model_names cached (None: all)")
     any_temperature: bool = Field(False, description="also cache requests with temperature > 0")

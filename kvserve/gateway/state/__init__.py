@@ -6,12 +6,13 @@ from __future__ import annotations
 from kvserve.gateway.state.base import Admission, Check, StateStore, StoreUnavailable
 
 
-def open_store(url: str) -> StateStore:
-    """'memory' or a redis:// URL."""
+def open_store(url: str, cache_max_bytes: int | None = None) -> StateStore:
+    """'memory' or a redis:// URL. cache_max_bytes bounds the memory store's cached answers (a
+    Redis is bounded by its own maxmemory)."""
     if url == "memory":
-        from kvserve.gateway.state.memory import MemoryStore
+        from kvserve.gateway.state.memory import DEFAULT_CACHE_BYTES, MemoryStore
 
-        return MemoryStore()
+        return MemoryStore(cache_max_bytes=cache_max_bytes or DEFAULT_CACHE_BYTES)
     from kvserve.gateway.state.redis_store import RedisStore
 
     return RedisStore(url)

@@ -4,7 +4,7 @@ inside, so each method is atomic without locks."""
 from __future__ import annotations
 
 import time
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 
 from kvserve.gateway.state.base import (
@@ -17,9 +17,13 @@ from kvserve.gateway.state.base import (
     period_index,
 )
 
+DEFAULT_CACHE_BYTES = 256 * 2**20
+
 
 class MemoryStore(StateStore):
-    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, clock: Callable[[], float] = time.time, cache_max_bytes: int = DEFAULT_CACHE_BYTES
+    ) -> None:
         self.clock = clock  # windows and budgets (tests pass their own to go past a window)
         self._windows: dict[str, dict[int, float]] = defaultdict(dict)  # scope:kind -> second -> amount
         self._tpm_at: dict[str, dict[str, int]] = defaultdict(dict)  # scope -> request -> its second
@@ -29,7 +33,10 @@ class MemoryStore(StateStore):
         self._reserved: dict[str, dict[str, tuple[float, float]]] = defaultdict(dict)  # -> (expiry, amt)
         self._fails: dict[str, list[float]] = defaultdict(list)
         self._cool_until: dict[str, float] = {}
-        self._cache: dict[str, tuple[float, bytes]] = {}  # key -> (expiry, answer)
+        # key -> (expiry, answer), least recently used first; at most cache_max_bytes of answers
+        # (bounded by the TTL alone, a busy gateway held every distinct answer of the last ttl)
+        self._cache: OrderedDict[str, tuple[float, bytes]] = OrderedDict()
+        self.cache_max_bytes, self._cache_bytes = cache_max_bytes, 0
         self._buckets: dict[str, tuple[float, list[bytes]]] = {}  # bucket -> (expiry, entries)
 
     def _window_used(self, key: str, now: float) -> tuple[float, dict[int, float]]:
@@ -138,7 +145,7 @@ class MemoryStore(StateStore):
     def _sweep(self, now: float) -> None:
         """Drop expired answers and buckets (called on every 256th store, so memory stays bounded)."""
         for k in [k for k, (exp, _) in self._cache.items() if exp <= now]:
-            del self._cache[k]
+            self._cache_bytes -= len(self._cache.pop(k)[1])
         for k in [k for k, (exp, _) in self._buckets.items() if exp <= now]:
             del self._buckets[k]
 
@@ -146,13 +153,21 @@ class MemoryStore(StateStore):
         hit = self._cache.get(key)
         if hit is None or hit[0] <= time.monotonic():
             return None
+        self._cache.move_to_end(key)
         return hit[1]
 
     async def cache_set(self, key: str, value: bytes, ttl: float) -> None:
         now = time.monotonic()
         if len(self._cache) % 256 == 0:
             self._sweep(now)
+        old = self._cache.pop(key, None)
+        self._cache_bytes -= len(old[1]) if old is not None else 0
+        if len(value) > self.cache_max_bytes:
+            return  # (one answer bigger than the whole cache: not kept)
         self._cache[key] = (now + ttl, value)
+        self._cache_bytes += len(value)
+        while self._cache_bytes > self.cache_max_bytes:  # the least recently used answers go
+            self._cache_bytes -= len(self._cache.popitem(last=False)[1][1])
 
     async def cache_add(self, bucket: str, entry: bytes, ttl: float, max_entries: int) -> None:
         now = time.monotonic()
