@@ -149,3 +149,29 @@ def test_a_replica_relays_a_lone_surrogate_and_a_latin1_header_as_they_came():
         assert json.loads(b"".join(chunks))["usage"]["prompt_tokens"] == 3
     finally:
         fb.stop()
+
+
+@pytest.mark.parametrize(
+    "server_args, says",
+    [
+        (["--max-nm-seqs", "4"], "server_args: unrecognized arguments: --max-nm-seqs 4"),
+        (["--kv-cache-memory"], "server_args: argument --kv-cache-memory: expected one argument"),
+    ],
+)
+def test_replica_flags_kvserve_serve_would_refuse_stop_the_deploy(tmp_path, capsys, server_args, says):
+    """server_args went to every replica's `kvserve serve` unchecked: a misspelled flag passed
+    `kvserve deploy ray`, then every replica exited at start once the cluster was up. They are
+    now parsed with serve's own parser first: exit 2, one line, no Ray started."""
+    import yaml
+
+    from kvserve.deploy.cli import check_server_flags
+    from kvserve.entrypoints.cli import build_parser, main
+
+    serve_parser = build_parser().parse_args(["deploy", "ray", "--config", "-"]).serve_parser
+    assert check_server_flags(parse_config({"server_args": server_args}), serve_parser) == says
+    assert check_server_flags(parse_config({"server_args": ["--max-num-seqs", "4"]}), serve_parser) is None
+    path = tmp_path / "deploy.yaml"
+    path.write_text(yaml.safe_dump({"server_args": server_args}))
+    assert main(["deploy", "ray", "--config", str(path)]) == 2  # (before Ray is imported)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {says}"], err

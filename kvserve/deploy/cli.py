@@ -4,7 +4,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvserve.deploy.ray_config import RayDeployConfig
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -17,7 +23,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                           "new local one), local, or HOST:PORT / ray://HOST:PORT")  # fmt: skip
     ray.add_argument("--detach", action="store_true",
                      help="return once the application is RUNNING (it stays on the cluster)")  # fmt: skip
-    ray.set_defaults(func=run_ray)
+    # the replicas' own parser (registered before this one): their flags are checked here
+    ray.set_defaults(func=run_ray, serve_parser=subparsers.choices.get("serve"))
+
+
+def check_server_flags(cfg: RayDeployConfig, serve_parser: argparse.ArgumentParser | None) -> str | None:
+    """What `kvserve serve` would say of a replica's flags, or None when it would start: a
+    misspelled or bad flag in server_args passed the config's validation and then stopped
+    every replica at start, after the cluster had come up."""
+    if serve_parser is None:
+        return None
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said):
+            _, unknown = serve_parser.parse_known_args(cfg.server_argv(8000)[1:])
+    except SystemExit:
+        lines = said.getvalue().strip().splitlines() or ["not valid"]
+        return "server_args: " + lines[-1].split(" error: ", 1)[-1]
+    return f"server_args: unrecognized arguments: {' '.join(unknown)}" if unknown else None
 
 
 def run_ray(args: argparse.Namespace) -> int:
@@ -29,6 +52,10 @@ def run_ray(args: argparse.Namespace) -> int:
         cfg = load_config(args.config)
     except DeployConfigError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    problem = check_server_flags(cfg, getattr(args, "serve_parser", None))
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     try:
         import ray.serve  # noqa: F401
