@@ -14,6 +14,8 @@ failure tests. The backend model name picks the behaviour:
     list-kv   as ok, but a prefill request is answered with a JSON list, not an object
     429-nan   429 + Retry-After: nan
     auth-401  401 invalid_api_key (as kvserve serve answers a wrong --api-key)
+    unterminated  as ok, but a stream's last event (data: [DONE]) ends at the end of the body,
+              without its blank line
 
 POST /deny/v1/... answers 401 whatever the model (a server whose API key the caller lacks).
 GET /stats gives requests per model and how many streams and holds the client cancelled.
@@ -136,6 +138,8 @@ async def _answer(request: Request, chat: bool):
         events = _events(body, chat, mode)
         if mode == "crlf":  # as sse-starlette writes them (its default separator)
             events = (e.replace(b"\n", b"\r\n") async for e in events)
+        if mode == "unterminated":
+            events = (e.removesuffix(b"\n\n") if e == b"data: [DONE]\n\n" else e async for e in events)
         return StreamingResponse(events, media_type="text/event-stream")
     n = int(body.get("max_tokens") or 4)
     usage = _usage(body, n, mode)

@@ -74,7 +74,7 @@ def _base(fault, tmp, **router) -> dict:
             {"model_name": "ctxmix", "id": "ctxmix-long",
              "backend": {"base_url": u, "model": "ok", "max_context": 100, "weight": 0.001,
                          "input_cost_per_token": 0.5, "output_cost_per_token": 0.25}},
-            deployment("down", u, "fail-500"),
+            deployment("down", u, "fail-500"), deployment("unterminated", u, "unterminated"),
         ],
         "router_settings": {"num_retries": 1, "retry_backoff_base": 0.01, "allowed_fails": 100,
                             "fallbacks": {"hang": ["okgroup"], "pinghang": ["okgroup"], "die": ["okgroup"],
@@ -462,6 +462,18 @@ def test_a_backend_writing_crlf_events_streams_through(gw):
     assert chunks[-1].usage.completion_tokens == 3
 
 
+def test_a_last_event_without_its_blank_line_still_reaches_the_client(gw):
+    """A backend whose body ended with an event but not the blank line after it (the openai
+    client reads such an event): the gateway held it back as incomplete and never sent it, so
+    the client's stream ended without its [DONE]."""
+    body = {"model": "unterminated", "messages": MSG, "max_tokens": 2, "stream": True}
+    with httpx.stream("POST", gw.url + "/v1/chat/completions", json=body,
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as r:  # fmt: skip
+        events = [e for e in r.read().decode().split("\n\n") if e.strip()]
+    assert r.status_code == 200 and events[-1] == "data: [DONE]", events[-2:]
+    assert len(events) == 4 and all('"usage"' not in e for e in events)  # 2 tokens, the finish, [DONE]
+
+
 def test_auth_and_model_errors(gw):
     r = httpx.post(gw.url + "/v1/chat/completions", json={"model": "okgroup", "messages": MSG})
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
@@ -708,7 +720,7 @@ def test_admin_refuses_a_key_it_could_not_store_or_use(gw, body, field):
 def test_health_readiness_and_metrics(gw):
     assert httpx.get(gw.url + "/health").json() == {"status": "ok"}
     ready = httpx.get(gw.url + "/health/readiness").json()
-    assert ready["status"] == "ready" and len(ready["deployments"]) == 36
+    assert ready["status"] == "ready" and len(ready["deployments"]) == 37
     # a backend refusing the deployment's api_key cannot answer anything: not up (was: it answered)
     assert [d["up"] for d in ready["deployments"] if d["model_name"] == "denied"] == [False]
     assert all(d["up"] for d in ready["deployments"] if d["model_name"] != "denied")

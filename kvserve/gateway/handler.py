@@ -436,6 +436,9 @@ class Gateway:
                         yield data
                     if time.monotonic() > deadline:
                         raise TimeoutError(f"stream exceeded the total timeout of {dep.backend.timeout:g} s")
+                last = out.relay.finish()
+                if last:
+                    yield last
                 status = 200
             except Exception as e:  # httpx read errors, idle and total timeouts
                 status, failure = 502, f"{e.__class__.__name__}: {e}".strip(": ")

@@ -59,9 +59,10 @@ class SSERelay:
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
                 "total_tokens": prompt_tokens + completion}  # fmt: skip
 
-    def tail(self) -> bytes:
-        rest, self._buf = self._buf, b""
-        return rest
+    def finish(self) -> bytes:
+        """At the end of the upstream body: its last event when that ended without the blank
+        line (held back as incomplete, it was never sent: the client missed its [DONE])."""
+        return self.feed(b"\n\n") if self._buf.strip() else b""
 
     def _usage(self, ev: bytes) -> bytes | None:
         for null in _NULL_USAGE:
