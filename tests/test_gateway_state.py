@@ -198,3 +198,27 @@ def test_the_memory_stores_cached_answers_are_bounded_in_bytes(tmp_path):
     cfg = parse_config({"model_list": [dep], "response_cache": {"max_bytes": 4096},
                         "general_settings": {"database": str(tmp_path / "gw.db")}})  # fmt: skip
     assert build_app(cfg, web_ui=False).state.gateway.cache_store.cache_max_bytes == 4096
+
+
+def test_a_budgets_rebuilt_spend_counts_rows_the_spend_log_could_not_write_yet():
+    """The spend a lost budget is rebuilt with: the rows written, and this instance's rows a
+    failing write (a full disk) left pending; the failed write is no error for the request."""
+    import sqlite3
+
+    from kvserve.gateway.spend import SpendLog, SpendRow
+
+    log = SpendLog(sqlite3.connect(":memory:", check_same_thread=False))
+
+    def row(key: str, team: str, cost: float, ts: float = 100.0) -> SpendRow:
+        return SpendRow(ts, "r", key, None, team, "m", "d", 1, 1, cost, 200)
+
+    async def scenario():
+        log.record(row("k1", "t", 1.5))
+        log.record(row("k1", "t", 2.0, ts=10.0))  # before the period
+        await log.flush()
+        log.db.execute("CREATE TRIGGER full BEFORE INSERT ON spend BEGIN SELECT RAISE(ABORT, 'full'); END")
+        log.record(row("k1", "t", 0.25))
+        log.record(row("k2", "t", 4.0))
+        return await log.spent(50.0, key_hash="k1"), await log.spent(50.0, team="t"), len(log.pending)
+
+    assert asyncio.run(scenario()) == (1.75, 5.75, 2)

@@ -86,8 +86,12 @@ class SpendLog:
 
     async def spent(self, since: float, key_hash: str | None = None, team: str | None = None) -> float:
         """What a key (or a team) was charged from `since` on: a budget's spend rebuilt when the
-        state store lost it (every instance's rows, where they share the file)."""
-        await self.flush()
+        state store lost it (every instance's rows, where they share the file; this one's not
+        yet written counted from memory)."""
+        try:
+            await self.flush()
+        except sqlite3.Error:  # (a full disk: the rows stay pending, counted below; retried later)
+            pass
         col, value = ("key_hash", key_hash) if key_hash is not None else ("team", team)
 
         def query():
@@ -95,7 +99,9 @@ class SpendLog:
                 sql = f"SELECT SUM(cost) FROM spend WHERE {col} = ? AND ts >= ?"
                 return self.db.execute(sql, (value, since)).fetchone()[0]
 
-        return float(await asyncio.to_thread(query) or 0.0)
+        written = await asyncio.to_thread(query) or 0.0
+        mine = (r.cost for r in self.pending if getattr(r, col) == value and r.ts >= since)
+        return float(written + sum(mine))
 
     async def report(self, group_by: str, start: float | None, end: float | None) -> list[dict]:
         await self.flush()
