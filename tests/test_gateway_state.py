@@ -222,3 +222,27 @@ def test_a_budgets_rebuilt_spend_counts_rows_the_spend_log_could_not_write_yet()
         return await log.spent(50.0, key_hash="k1"), await log.spent(50.0, team="t"), len(log.pending)
 
     assert asyncio.run(scenario()) == (1.75, 5.75, 2)
+
+
+@pytest.mark.parametrize(
+    "state, cache, warned",
+    [
+        ("redis://127.0.0.1:1/0", None, True),
+        ("redis://127.0.0.1:1/0", "redis://127.0.0.1:1/1", True),  # another db: the same memory
+        ("redis://127.0.0.1:1/0", "redis://127.0.0.1:2/0", False),
+        ("redis://127.0.0.1:1/0", "memory", False),
+        ("memory", None, False),
+    ],
+)
+def test_a_cache_on_the_state_stores_redis_server_is_warned_about(tmp_path, caplog, state, cache, warned):
+    """A response cache given another db number on the state store's Redis server was taken as
+    a Redis of its own (no warning), yet it shares that server's memory and eviction."""
+    from kvserve.gateway.app import build_app
+    from kvserve.gateway.config import parse_config
+
+    dep = {"model_name": "m", "backend": {"base_url": "http://x/v1", "model": "m"}}
+    rc, gs = {"store": cache} if cache else {}, {"state": state, "database": str(tmp_path / "gw.db")}
+    cfg = parse_config({"model_list": [dep], "response_cache": rc, "general_settings": gs})
+    with caplog.at_level("WARNING", "kvserve.gateway"):
+        build_app(cfg, web_ui=False)  # (connects to nothing yet)
+    assert ("shares the state store's Redis server" in caplog.text) is warned, caplog.text

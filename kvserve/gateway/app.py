@@ -26,7 +26,7 @@ from kvserve.gateway.keys import KeyRecord, KeyStore, open_database
 from kvserve.gateway.lifecycle import GatewayLifecycle
 from kvserve.gateway.metrics import GatewayMetrics
 from kvserve.gateway.spend import SpendLog
-from kvserve.gateway.state import StoreUnavailable, open_store
+from kvserve.gateway.state import StoreUnavailable, open_store, same_redis_server
 from kvserve.web import add_web_ui
 
 log = logging.getLogger("kvserve.gateway")
@@ -50,10 +50,11 @@ class GatewayState:
                 self.cache_store = open_store(rc.store, cache_bytes)
             except ValueError as e:
                 raise ConfigError(f"response_cache.store: {e}") from None
-        elif rc is not None and gs.state != "memory":
+        if rc is not None and same_redis_server(gs.state, rc.store or gs.state):
             log.warning(
-                "response_cache shares the state store's Redis: under maxmemory its answers can evict "
-                "rate-limit windows, or fill it; give it a Redis of its own (response_cache.store)"
+                "response_cache shares the state store's Redis server: under maxmemory its answers can "
+                "evict rate-limit windows, or fill it; give it a Redis of its own (response_cache.store; "
+                "another db number on the same server shares its memory)"
             )
         try:
             self.keys = KeyStore(cfg, open_database(gs.database))

@@ -3,6 +3,8 @@ in process memory for a single instance, or Redis for N instances that must beha
 
 from __future__ import annotations
 
+from urllib.parse import urlparse
+
 from kvserve.gateway.state.base import Admission, Check, StateStore, StoreUnavailable
 
 
@@ -18,4 +20,15 @@ def open_store(url: str, cache_max_bytes: int | None = None) -> StateStore:
     return RedisStore(url)
 
 
-__all__ = ["Admission", "Check", "StateStore", "StoreUnavailable", "open_store"]
+def same_redis_server(a: str, b: str) -> bool:
+    """Whether two store URLs name one Redis server: another db number on it shares its memory
+    (and its maxmemory eviction) all the same."""
+    if "memory" in (a, b):
+        return False
+    ua, ub = urlparse(a), urlparse(b)
+    if "unix" in (ua.scheme, ub.scheme):
+        return ua.scheme == ub.scheme and ua.path == ub.path
+    return (ua.hostname, ua.port or 6379) == (ub.hostname, ub.port or 6379)
+
+
+__all__ = ["Admission", "Check", "StateStore", "StoreUnavailable", "open_store", "same_redis_server"]
