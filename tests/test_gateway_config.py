@@ -222,3 +222,36 @@ def test_a_virtual_key_is_looked_up_off_the_event_loop_and_a_revoke_counts_at_on
     loop_thread, (ok, revoked, gone) = asyncio.run(run())
     assert ok.status_code == 200 and revoked.status_code == 200 and gone.status_code == 401, gone.text
     assert len(threads) == 3 and loop_thread not in threads  # every key query ran in a worker thread
+
+
+def test_a_key_whose_team_left_the_config_may_use_nothing(tmp_path):
+    """A key made through the admin API for a team, after the team was removed from the config:
+    read as a key without a team it lost the team's `models` and limits, so it could call every
+    model with no team budget. It may now use no model, and says why."""
+    import asyncio
+
+    import httpx
+
+    from kvserve.gateway.app import build_app
+
+    gs = {"master_key": "sk-m", "database": str(tmp_path / "k.db")}
+    teams = {"t": {"models": ["m"], "max_budget": 1}}
+    before = build_app(parse_config({**OK, "teams": teams, "general_settings": gs}), web_ui=False)
+    key, _ = before.state.gateway.keys.create(KeySpec(alias="member", team="t"))
+    app = build_app(parse_config({**OK, "general_settings": gs}), web_ui=False)  # the team removed
+    h, body = (
+        {"Authorization": f"Bearer {key}"},
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+    )
+
+    async def run() -> list[httpx.Response]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
+            return [
+                await c.get("/v1/models", headers=h),
+                await c.post("/v1/chat/completions", json=body, headers=h),
+            ]
+
+    models, chat = asyncio.run(run())
+    assert models.status_code == 200 and models.json()["data"] == []
+    err = chat.json()["error"]
+    assert chat.status_code == 403 and err["type"] == "permission_denied" and "'t'" in err["message"], err

@@ -94,6 +94,8 @@ class Gateway:
 
     # ---- entry -----------------------------------------------------------------------------
     def allowed_models(self, key: KeyRecord) -> list[str]:
+        if _team_gone(self.cfg, key):  # its team's models and limits cannot be applied: nothing
+            return []
         allowed = self.cfg.aliases()
         team = self.cfg.teams.get(key.spec.team or "")
         for restriction in (key.spec.models, team.models if team else None):
@@ -110,6 +112,12 @@ class Gateway:
             )
         if alias not in self.router.groups:
             raise GatewayError(404, f"model: {alias!r} does not exist", code="model_not_found", param="model")
+        if _team_gone(self.cfg, key):
+            raise GatewayError(
+                403,
+                f"key: its team {key.spec.team!r} is no longer in the gateway's config: it may use no model",
+                "permission_denied",
+            )
         allowed = frozenset(self.allowed_models(key))
         if alias not in allowed:
             raise GatewayError(
@@ -539,6 +547,12 @@ class Gateway:
             ctx.attempts,
             (time.monotonic() - ctx.t0) * 1000,
         )
+
+
+def _team_gone(cfg: GatewayConfig, key: KeyRecord) -> bool:
+    """A key made through the admin API for a team the config no longer has: read as a key
+    without a team, it lost the team's `models` and limits (widened access, no team budget)."""
+    return key.spec.team is not None and key.spec.team not in cfg.teams
 
 
 def _abandoned_usage(ctx: Ctx, dep: Deployment) -> dict:
