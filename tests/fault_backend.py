@@ -16,6 +16,9 @@ failure tests. The backend model name picks the behaviour:
     auth-401  401 invalid_api_key (as kvserve serve answers a wrong --api-key)
     unterminated  as ok, but a stream's last event (data: [DONE]) ends at the end of the body,
               without its blank line
+    role-hang streams chat's opening chunk (the role, no content), then nothing (60 s)
+    role-error streams chat's opening chunk, then an error event and [DONE] (as kvserve serve
+              when its engine dies before the first token)
 
 POST /deny/v1/... answers 401 whatever the model (a server whose API key the caller lacks).
 GET /stats gives requests per model and how many streams and holds the client cancelled.
@@ -99,6 +102,17 @@ async def _ping_then_hang():
     yield b"data: [DONE]\n\n"
 
 
+async def _role_then(what: str):
+    opening = {"id": "fault", "object": "chat.completion.chunk", "created": 0, "model": "fault",
+               "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                            "finish_reason": None}]}  # fmt: skip
+    yield b"data: " + json.dumps(opening).encode() + b"\n\n"
+    if what == "hang":
+        await asyncio.sleep(60)
+    err = {"error": {"message": "engine died", "type": "engine_dead", "param": None, "code": "engine_dead"}}
+    yield b"data: " + json.dumps(err).encode() + b"\n\ndata: [DONE]\n\n"
+
+
 async def _answer(request: Request, chat: bool):
     body = await request.json()
     mode = str(body.get("model"))
@@ -126,6 +140,8 @@ async def _answer(request: Request, chat: bool):
         return StreamingResponse(_late_body(chat), media_type="application/json")
     if mode == "ping-hang" and body.get("stream"):
         return StreamingResponse(_ping_then_hang(), media_type="text/event-stream")
+    if mode in ("role-hang", "role-error") and body.get("stream"):
+        return StreamingResponse(_role_then(mode[5:]), media_type="text/event-stream")
     if mode.startswith("hold-"):  # answer after N seconds unless the client leaves first
         loop = asyncio.get_running_loop()
         end = loop.time() + float(mode[5:])

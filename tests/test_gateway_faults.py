@@ -75,10 +75,15 @@ def _base(fault, tmp, **router) -> dict:
              "backend": {"base_url": u, "model": "ok", "max_context": 100, "weight": 0.001,
                          "input_cost_per_token": 0.5, "output_cost_per_token": 0.25}},
             deployment("down", u, "fail-500"), deployment("unterminated", u, "unterminated"),
+            deployment("rolehang", u, "role-hang", first_byte_timeout=0.5, idle_timeout=1),
+            {"model_name": "roleerr", "id": "roleerr-bad", "backend": {"base_url": u, "model": "role-error",
+                                                                       "weight": 1000}},
+            {"model_name": "roleerr", "id": "roleerr-ok", "backend": {"base_url": u, "model": "ok",
+                                                                      "weight": 0.001}},
         ],
         "router_settings": {"num_retries": 1, "retry_backoff_base": 0.01, "allowed_fails": 100,
                             "fallbacks": {"hang": ["okgroup"], "pinghang": ["okgroup"], "die": ["okgroup"],
-                                          "bad": ["okgroup"], "down": ["okgroup"]},
+                                          "bad": ["okgroup"], "down": ["okgroup"], "rolehang": ["okgroup"]},
                             "context_window_fallbacks": {"ctx": ["big"], "small": ["big"],
                                                          "stoplong": ["big"]}, **router},
         "keys": [
@@ -165,6 +170,27 @@ def test_an_sse_comment_is_not_the_first_byte(gw, fault):
         text = "".join(json.loads(x[6:])["choices"][0]["delta"].get("content") or ""
                        for x in r.iter_lines() if x.startswith("data: {"))  # fmt: skip
     assert text == " tok tok" and fault.count("ping-hang") == before + 2
+
+
+def _streamed_text(r: httpx.Response) -> str:
+    return "".join(json.loads(x[6:])["choices"][0]["delta"].get("content") or ""
+                   for x in r.iter_lines() if x.startswith("data: {"))  # fmt: skip
+
+
+def test_chats_opening_chunk_is_not_the_first_byte(gw, fault):
+    """kvserve serve and vLLM open a chat stream with the role (no content) before the model
+    has produced anything: the gateway committed the stream to a deployment on that chunk, so
+    a hung one was never cut by first_byte_timeout nor retried or fallen back from, and one
+    whose engine died before the first token sent the client an error. Both move on now."""
+    before = fault.count("role-hang"), fault.count("role-error")
+    for model, served_by, attempts in (("rolehang", "okgroup-3", "3"), ("roleerr", "roleerr-ok", "2")):
+        body = {"model": model, "messages": MSG, "max_tokens": 2, "stream": True}
+        with httpx.stream("POST", gw.url + "/v1/chat/completions", json=body,
+                          headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as r:  # fmt: skip
+            assert r.status_code == 200 and r.headers["x-kvserve-deployment"] == served_by, r.headers
+            assert r.headers["x-kvserve-attempts"] == attempts
+            assert _streamed_text(r) == " tok tok"
+    assert (fault.count("role-hang"), fault.count("role-error")) == (before[0] + 2, before[1] + 1)
 
 
 def test_a_body_after_the_first_byte_has_the_total_timeout_not_the_first_byte_one(gw, fault):
@@ -720,7 +746,7 @@ def test_admin_refuses_a_key_it_could_not_store_or_use(gw, body, field):
 def test_health_readiness_and_metrics(gw):
     assert httpx.get(gw.url + "/health").json() == {"status": "ok"}
     ready = httpx.get(gw.url + "/health/readiness").json()
-    assert ready["status"] == "ready" and len(ready["deployments"]) == 37
+    assert ready["status"] == "ready" and len(ready["deployments"]) == 40
     # a backend refusing the deployment's api_key cannot answer anything: not up (was: it answered)
     assert [d["up"] for d in ready["deployments"] if d["model_name"] == "denied"] == [False]
     assert all(d["up"] for d in ready["deployments"] if d["model_name"] != "denied")

@@ -1,6 +1,7 @@
 """One upstream attempt. Nothing reaches the client until the backend has answered with a status
-and (for streams) a first data event (an SSE comment such as `: ping` is not one), so every
-failure before that can still be retried elsewhere; after it, the stream is passed through
+and (for streams) the answer's first event (an SSE comment such as `: ping` is not one, nor
+chat's opening chunk with only the role; an error event is a failure), so every failure
+before that can still be retried elsewhere; after it, the stream is passed through
 event for event and a failure becomes an SSE error."""
 
 from __future__ import annotations
@@ -71,9 +72,14 @@ async def attempt(
             if not whole:
                 relay = SSERelay(client_wants_usage)
                 chunks = resp.aiter_raw()
-                first = b""  # (comments before it, keep-alive pings, go out with it)
-                while not relay.data_events:  # a ping is not an answer: the timeout and retries still apply
+                first = b""  # (comments and chat's opening chunk before it go out with it)
+                while not relay.answered:  # a ping or a role is not an answer: timeout and retries apply
                     first += relay.feed(await chunks.__anext__())
+                if relay.error_first is not None:  # the client has nothing yet: another can answer
+                    await resp.aclose()
+                    return Outcome(
+                        "retry", 502, reason=f"the stream began with an error ({relay.error_first})"
+                    )
         if whole:  # the rest of the body has the attempt's total timeout (the first byte came)
             reading_body = True
             async with asyncio.timeout(max(b.timeout - (time.monotonic() - t0), 0.001)):

@@ -16,6 +16,10 @@ class SSERelay:
         self.usage: dict | None = None
         self.events = 0
         self.data_events = 0  # events with data: comments (": ping") and bare fields are not an answer
+        # the first event that is the answer's: not a comment, nor chat's opening chunk (the role,
+        # no content), which kvserve and vLLM send before the model has produced anything
+        self.answered = False
+        self.error_first: str | None = None  # that event's message when it was an error
         self._chunks = self._chars = 0  # of the completion text passed on (usage when none came)
         self._buf = b""
 
@@ -35,10 +39,25 @@ class SSERelay:
                     continue
             self.events += 1
             self.data_events += _has_data(ev)
+            if not self.answered and _has_data(ev):
+                self._first_answer(ev)
             if b'"choices"' in ev:
                 self._count(ev)
             out.append(ev + b"\n\n")
         return b"".join(out)
+
+    def _first_answer(self, ev: bytes) -> None:
+        try:
+            obj = json.loads(ev[ev.index(b"{") :])
+        except (ValueError, RecursionError):
+            obj = None  # ([DONE], or anything else: an answer)
+        if _opening(obj):
+            return
+        self.answered = True
+        err = obj.get("error") if isinstance(obj, dict) else None
+        if err is not None:
+            msg = err.get("message") if isinstance(err, dict) else err
+            self.error_first = str(msg)[:200]
 
     def _count(self, ev: bytes) -> None:
         try:
@@ -96,6 +115,23 @@ def _text(choice: dict) -> str:
         fn = call.get("function") if isinstance(call, dict) else None
         parts.append(fn.get("arguments") if isinstance(fn, dict) else None)
     return "".join(p for p in parts if isinstance(p, str))
+
+
+def _opening(obj: object) -> bool:
+    """Chat's opening chunk: every choice only a role (other fields empty), nothing finished."""
+    choices = obj.get("choices") if isinstance(obj, dict) else None
+    if not isinstance(choices, list) or not choices or obj.get("error") is not None:
+        return False
+    usage = obj.get("usage")
+    if isinstance(usage, dict) and usage.get("completion_tokens"):  # (continuous usage: 0 so far)
+        return False
+    for c in choices:
+        delta = c.get("delta") if isinstance(c, dict) else None
+        if not isinstance(delta, dict) or c.get("finish_reason") is not None or c.get("logprobs"):
+            return False
+        if any(k != "role" and v for k, v in delta.items()):  # (OpenAI's also has "refusal": null)
+            return False
+    return True
 
 
 def _has_data(ev: bytes) -> bool:
