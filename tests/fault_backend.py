@@ -16,6 +16,7 @@ failure tests. The backend model name picks the behaviour:
     auth-401  401 invalid_api_key (as kvserve serve answers a wrong --api-key)
     unterminated  as ok, but a stream's last event (data: [DONE]) ends at the end of the body,
               without its blank line
+    html-200  200 with an HTML page (a load balancer's maintenance page), not a JSON answer
     role-hang streams chat's opening chunk (the role, no content), then nothing (60 s)
     role-error streams chat's opening chunk, then an error event and [DONE] (as kvserve serve
               when its engine dies before the first token)
@@ -35,7 +36,7 @@ from collections import Counter
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 
 app = FastAPI()
 counts: Counter = Counter()
@@ -136,6 +137,8 @@ async def _answer(request: Request, chat: bool):
         return JSONResponse({"error": {"message": msg, "code": "context_length_exceeded"}}, 400)
     if mode == "hang":
         await asyncio.sleep(60)
+    if mode == "html-200":
+        return HTMLResponse("<html><body>Down for maintenance</body></html>")
     if mode == "late-body" and not body.get("stream"):
         return StreamingResponse(_late_body(chat), media_type="application/json")
     if mode == "ping-hang" and body.get("stream"):

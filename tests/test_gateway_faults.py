@@ -80,6 +80,10 @@ def _base(fault, tmp, **router) -> dict:
                                                                        "weight": 1000}},
             {"model_name": "roleerr", "id": "roleerr-ok", "backend": {"base_url": u, "model": "ok",
                                                                       "weight": 0.001}},
+            {"model_name": "htmlmix", "id": "htmlmix-page", "backend": {"base_url": u, "model": "html-200",
+                                                                        "weight": 1000}},
+            {"model_name": "htmlmix", "id": "htmlmix-ok", "backend": {"base_url": u, "model": "ok",
+                                                                      "weight": 0.001}},
         ],
         "router_settings": {"num_retries": 1, "retry_backoff_base": 0.01, "allowed_fails": 100,
                             "fallbacks": {"hang": ["okgroup"], "pinghang": ["okgroup"], "die": ["okgroup"],
@@ -405,6 +409,18 @@ def test_a_prefill_engine_refusing_the_deployments_api_key_means_recompute_not_a
     r = post(gw, "pdauth")
     assert r.status_code == 200 and r.headers["x-kvserve-pd"] == "fallback", r.text
     assert r.json()["choices"][0]["message"]["content"] == " tok tok"
+
+
+def test_a_200_that_is_no_json_answer_is_a_failed_attempt(gw, fault):
+    """A deployment answering 200 with something that is no JSON object (a load balancer's
+    maintenance page) was passed to the client as the answer, and charged its reservation;
+    it is a failed attempt now: the group's next deployment answers."""
+    before = fault.count("html-200")
+    r = post(gw, "htmlmix")
+    assert r.status_code == 200 and r.headers["x-kvserve-deployment"] == "htmlmix-ok", r.text
+    assert r.headers["x-kvserve-attempts"] == "2"
+    assert r.json()["choices"][0]["message"]["content"] == " tok tok"
+    assert fault.count("html-200") == before + 1
 
 
 def test_backend_4xx_is_passed_through_and_not_retried(gw, fault):
@@ -746,7 +762,7 @@ def test_admin_refuses_a_key_it_could_not_store_or_use(gw, body, field):
 def test_health_readiness_and_metrics(gw):
     assert httpx.get(gw.url + "/health").json() == {"status": "ok"}
     ready = httpx.get(gw.url + "/health/readiness").json()
-    assert ready["status"] == "ready" and len(ready["deployments"]) == 40
+    assert ready["status"] == "ready" and len(ready["deployments"]) == 42
     # a backend refusing the deployment's api_key cannot answer anything: not up (was: it answered)
     assert [d["up"] for d in ready["deployments"] if d["model_name"] == "denied"] == [False]
     assert all(d["up"] for d in ready["deployments"] if d["model_name"] != "denied")

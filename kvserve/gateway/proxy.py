@@ -120,11 +120,14 @@ def _classify(resp: httpx.Response, content: bytes, t0: float) -> Outcome:
     media = resp.headers.get("content-type", "application/json")
     elapsed = time.monotonic() - t0
     if status < 300:
-        usage = None
         try:
-            usage = normalized(json.loads(content).get("usage"))
-        except (ValueError, AttributeError, RecursionError):
-            pass
+            answer = json.loads(content)
+        except (ValueError, RecursionError):
+            answer = None
+        if not isinstance(answer, dict):  # (a proxy's HTML page, a truncated body): not an answer
+            what = content[:80].decode("utf-8", "replace").strip() or "an empty body"
+            return Outcome("retry", 502, reason=f"upstream answered {status} with no JSON object ({what!r})")
+        usage = normalized(answer.get("usage"))
         return Outcome("ok", status, content, media, usage=usage, first_byte_s=elapsed)
     if is_retryable(status):
         retry_after = parse_retry_after(resp.headers.get("retry-after"))
