@@ -66,6 +66,9 @@ def _with(path: str, value) -> dict:
         ("keys", [{"key": "a"}, {"key_hash": hash_key("a").upper()}], "keys.1: the same key as keys.0"),
         ("general_settings.state", "memcached://x", "general_settings.state: Value error, must be 'memory'"),
         ("response_cache.store", "memcached://x", "response_cache.store: Value error, must be 'memory'"),
+        # an answer's TTL in milliseconds past what Redis takes: every store failed, with a warning
+        ("response_cache.ttl", 1e300, "response_cache.ttl: Input should be less than or equal to 1000000"),
+        ("router_settings.cooldown_time", 1e300, "router_settings.cooldown_time: Input should be less than"),
         ("model_list", [], "model_list: List should have at least 1 item"),
         (
             "router_settings.degradation",

@@ -144,7 +144,7 @@ class RouterSettings(_Strict):
     retry_backoff_base: float = Field(0.1, ge=0)
     retry_backoff_cap: float = Field(5.0, ge=0)
     allowed_fails: int = Field(3, ge=1)
-    cooldown_time: float = Field(30.0, ge=0)
+    cooldown_time: float = Field(30.0, ge=0, le=_MAX_SECONDS)  # (milliseconds Redis can take)
     fallbacks: dict[str, list[str]] = Field(default_factory=dict)
     context_window_fallbacks: dict[str, list[str]] = Field(default_factory=dict)
     degradation: dict[str, Degradation] = Field(default_factory=dict)
@@ -215,7 +215,7 @@ class ResponseCache(_Strict):
         ge=1,
         description="a memory store's answers at most (least recently used go); Redis: its maxmemory",
     )
-    ttl: float = Field(600.0, gt=0, description="seconds an answer is kept")
+    ttl: float = Field(600.0, gt=0, le=_MAX_SECONDS, description="seconds an answer is kept")
     models: list[str] | None = Field(None, description="model_names cached (None: all)")
     any_temperature: bool = Field(False, description="also cache requests with temperature > 0")
     semantic: SemanticCache | None = None
