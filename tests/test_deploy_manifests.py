@@ -205,3 +205,25 @@ def test_dockerfile_cpu_image():
     both = render(os.path.join(K8S, "kvserve")) + render(os.path.join(K8S, "kvserve-gateway"))
     images = {c["image"] for d in by_kind(both, "Deployment") for c in _containers(d) if c["name"] != "redis"}
     assert images == {"kvserve:0.1.0-cpu"}
+
+
+def test_the_documented_setup_creates_every_secret_the_manifests_read(server, gateway):
+    """DEPLOYMENT.md's commands created the gateway's secret only: the servers' (their
+    --api-key, an optional reference) was never made, so they accepted any caller in the
+    cluster while the gateway sent them a key."""
+    refs = set()
+
+    def walk(node) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                if k in ("secretKeyRef", "secretRef") and isinstance(v, dict):
+                    refs.add(v["name"])
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    walk(server + gateway)
+    with open(os.path.join(ROOT, "docs", "DEPLOYMENT.md")) as f:
+        created = set(re.findall(r"create secret generic ([\w-]+)", f.read()))
+    assert refs and refs <= created, refs - created
