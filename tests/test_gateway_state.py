@@ -246,3 +246,25 @@ def test_a_cache_on_the_state_stores_redis_server_is_warned_about(tmp_path, capl
     with caplog.at_level("WARNING", "kvserve.gateway"):
         build_app(cfg, web_ui=False)  # (connects to nothing yet)
     assert ("shares the state store's Redis server" in caplog.text) is warned, caplog.text
+
+
+def test_a_redis_restart_costs_no_request_its_answer():
+    """A pooled connection to a Redis that restarted failed at its next use: every gateway
+    request that met one was a 503 state_store_unavailable although Redis was back. The
+    command now goes again on a new connection (once, and only after a connection error)."""
+    r = RedisServer()
+
+    async def scenario() -> tuple[bool, bool]:
+        s = open_store(r.url)
+        try:
+            rpm = Check("rpm", "k", 100)
+            first = (await s.admit("a", [rpm], 30)).ok
+            r.restart()
+            return first, (await s.admit("b", [rpm], 30)).ok
+        finally:
+            await s.close()
+
+    try:
+        assert asyncio.run(scenario()) == (True, True)
+    finally:
+        r.stop()

@@ -9,6 +9,9 @@ import uuid
 from pathlib import Path
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from kvserve.gateway.state.base import Admission, Check, StateStore, StoreUnavailable
@@ -40,10 +43,14 @@ def _guarded(fn):
 
 class RedisStore(StateStore):
     def __init__(self, url: str, max_connections: int = 64) -> None:
-        # A blocking pool: a burst waits for a free connection instead of failing.
+        # A blocking pool: a burst waits for a free connection instead of failing. A pooled
+        # connection to a Redis that restarted (or failed over) fails once, at its next use: that
+        # command goes again on a new connection (each request met one and was a 503). Only a
+        # ConnectionError, not a timeout: a command that may have run is not sent twice.
         pool = aioredis.BlockingConnectionPool.from_url(
-            url, max_connections=max_connections, timeout=10, socket_timeout=5, socket_connect_timeout=5
-        )
+            url, max_connections=max_connections, timeout=10, socket_timeout=5, socket_connect_timeout=5,
+            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+        )  # fmt: skip
         self.redis = aioredis.Redis(connection_pool=pool)
         load = lambda name: self.redis.register_script((_HERE / name).read_text())  # noqa: E731
         self._admit, self._settle, self._fail = load("admit.lua"), load("settle.lua"), load("fail.lua")
