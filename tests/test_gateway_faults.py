@@ -772,10 +772,13 @@ def test_health_readiness_and_metrics(gw):
 
 def test_cooldown_after_allowed_fails(fault, tmp_path):
     u = fault.url + "/v1"
+    sick = {"base_url": u, "model": "fail-500"}
     cfg = {
         "model_list": [{"model_name": "cool", "id": "sick", "backend": {"base_url": u, "model": "fail-500"}},
                        {"model_name": "cool", "id": "well", "backend": {"base_url": u, "model": "ok"}},
-                       {"model_name": "solo", "id": "one", "backend": {"base_url": u, "model": "fail-500"}}],
+                       {"model_name": "solo", "id": "one", "backend": {"base_url": u, "model": "fail-500"}},
+                       {"model_name": "allsick", "id": "sick-a", "backend": sick},
+                       {"model_name": "allsick", "id": "sick-b", "backend": sick}],
         "router_settings": {"allowed_fails": 2, "cooldown_time": 120, "retry_backoff_base": 0.01},
         "keys": [{"key": KEY}], "general_settings": {"database": str(tmp_path / "gw.db")},
     }  # fmt: skip
@@ -801,6 +804,11 @@ def test_cooldown_after_allowed_fails(fault, tmp_path):
         rows = {d["id"]: d for d in httpx.get(g.url + "/health/readiness").json()["deployments"]}
         assert rows["sick"]["cooling_down"] and not rows["well"]["cooling_down"]
         assert not rows["one"]["cooling_down"]
+        # a group whose deployments all cool down: 503 with when the first comes back (had none)
+        codes = [post(g, "allsick") for _ in range(3)]
+        r = codes[-1]
+        assert r.status_code == 503 and r.json()["error"]["code"] == "no_deployment", [c.text for c in codes]
+        assert 100 <= int(r.headers["retry-after"]) <= 120
     finally:
         g.stop()
 

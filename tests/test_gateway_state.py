@@ -87,10 +87,12 @@ def test_cooldown_after_allowed_fails(run):
         assert not await s.record_failure("d1", 3, 60)
         assert not await s.record_failure("d1", 3, 60)
         assert await s.cooling(["d1", "d2"]) == set()
+        assert await s.cooldown_left(["d1", "d2"]) == 0
         assert await s.record_failure("d1", 3, 0.4)
         assert await s.cooling(["d1", "d2"]) == {"d1"}
+        assert 0 < await s.cooldown_left(["d1", "d2"]) <= 0.4  # when the first comes back
         await asyncio.sleep(0.7)
-        assert await s.cooling(["d1"]) == set()
+        assert await s.cooling(["d1"]) == set() and await s.cooldown_left(["d1"]) == 0
 
     run(scenario)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -344,11 +345,20 @@ class Gateway:
                 )
                 continue
             gi += 1
-        err = last or GatewayError(
-            503, f"{ctx.alias}: no deployment available (all cooling down)", "server_error", "no_deployment"
-        )
+        err = last or await self._all_cooling(ctx.alias)
         err.headers.update({**ctx.headers, "x-kvserve-attempts": str(ctx.attempts)})
         raise err
+
+    async def _all_cooling(self, alias: str) -> GatewayError:
+        """The 503 of a group whose deployments all cool down, with when the first comes back
+        (Retry-After: the official clients wait that long before they try again)."""
+        left = await self.store.cooldown_left([d.id for d in self.router.deployments(alias)])
+        err = GatewayError(
+            503, f"{alias}: no deployment available (all cooling down)", "server_error", "no_deployment"
+        )
+        if left > 0:
+            err.headers["retry-after"] = str(max(1, math.ceil(left)))
+        return err
 
     async def _pass_through(self, ctx: Ctx, dep: Deployment, out: Outcome) -> Response:
         ctx.served_by = dep

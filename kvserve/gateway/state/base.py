@@ -71,6 +71,10 @@ class StateStore:
         """The deployments among these that are cooling down now."""
         raise NotImplementedError
 
+    async def cooldown_left(self, deployments: list[str]) -> float:
+        """Seconds until the first of these that is cooling down comes back (0: none is)."""
+        raise NotImplementedError
+
     # ---- the response cache (kvserve/gateway/response_cache.py) ----------------------------
     async def cache_get(self, key: str) -> bytes | None:
         """A cached answer, or None (absent or past its TTL)."""

@@ -142,6 +142,11 @@ class MemoryStore(StateStore):
         now = time.monotonic()
         return {d for d in deployments if self._cool_until.get(d, 0) > now}
 
+    async def cooldown_left(self, deployments: list[str]) -> float:
+        now = time.monotonic()
+        left = [self._cool_until.get(d, 0) - now for d in deployments]
+        return min((x for x in left if x > 0), default=0.0)
+
     def _sweep(self, now: float) -> None:
         """Drop expired answers and buckets (called on every 256th store, so memory stays bounded)."""
         for k in [k for k, (exp, _) in self._cache.items() if exp <= now]:

@@ -101,6 +101,14 @@ class RedisStore(StateStore):
         return {d for d, v in zip(deployments, vals) if v is not None}
 
     @_guarded
+    async def cooldown_left(self, deployments: list[str]) -> float:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for d in deployments:
+                pipe.pttl(f"{PREFIX}c:{d}")
+            left = await pipe.execute()
+        return min((ms / 1000 for ms in left if ms > 0), default=0.0)
+
+    @_guarded
     async def cache_get(self, key: str) -> bytes | None:
         return await self.redis.get(f"{PREFIX}rc:{key}")
 
