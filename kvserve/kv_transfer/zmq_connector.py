@@ -26,6 +26,7 @@ from kvserve.kv_transfer.block_io import KVBlockIO
 from kvserve.kv_transfer.config import KVTransferConfig
 from kvserve.kv_transfer.connector import KVConnector
 from kvserve.kv_transfer.params import prompt_digest, remote_prefill
+from kvserve.kv_transfer.peers import allowed
 from kvserve.request import Request
 
 logger = logging.getLogger(__name__)
@@ -109,6 +110,8 @@ class ZmqConnector(KVConnector):
             self._send_async(rp, Release(rp.request_id))
 
     def _connect(self, rp) -> zmq.Socket:
+        if not allowed(self.config.producer_peers, rp.host, rp.port):  # the processor refused it already
+            raise ValueError(f"{rp.host}:{rp.port} is not in kv_producers")
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(f"tcp://{rp.host}:{rp.port}")
