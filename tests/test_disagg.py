@@ -305,3 +305,39 @@ def test_what_the_proxy_sends_each_engine():
     assert disaggregates(body)
     for extra in ({"n": 2}, {"best_of": 3}, {"use_beam_search": True}, {"prompt_logprobs": 1}):
         assert not disaggregates({**body, **extra}), extra
+
+
+def test_a_shm_reply_naming_another_file_is_neither_read_nor_removed(tmp_path):
+    """A producer's shm reply names the payload file the consumer reads and removes: one that
+    names any other file (a rogue or broken peer) fails the pull and leaves the file alone."""
+    import threading
+    from types import SimpleNamespace
+
+    import msgspec
+    import zmq
+
+    from kvserve.kv_transfer.zmq_connector import Reply, ZmqConnector
+
+    victim = tmp_path / "precious"
+    victim.write_bytes(b"x" * 8)
+    ctx = zmq.Context.instance()
+    rogue = ctx.socket(zmq.ROUTER)
+    port = rogue.bind_to_random_port("tcp://127.0.0.1")
+
+    def answer() -> None:
+        ident, _ = rogue.recv_multipart()
+        rogue.send_multipart([ident, msgspec.msgpack.encode(Reply(True, path=str(victim), sizes=[8]))])
+
+    t = threading.Thread(target=answer, daemon=True)
+    t.start()
+    cfg = parse_kv_transfer_config({"kv_connector": "shm", "kv_role": "kv_consumer"})
+    conn = ZmqConnector(cfg, SimpleNamespace(layout="L"), 16)
+    req = SimpleNamespace(params=SimpleNamespace(kv_transfer_params=_pull_params("127.0.0.1", port)))
+    try:
+        with pytest.raises(RuntimeError, match="is not a KV payload file"):
+            conn._fetch(req, 0, 1)
+    finally:
+        t.join(5)
+        rogue.close(0)
+        conn.shutdown()
+    assert victim.read_bytes() == b"x" * 8

@@ -31,6 +31,7 @@ from kvserve.request import Request
 
 logger = logging.getLogger(__name__)
 SHM_DIR = "/dev/shm"
+SHM_PREFIX = "kvserve-kv-"  # a payload file's name; a consumer reads and removes no other
 
 
 class Pull(msgspec.Struct, tag=True):
@@ -143,6 +144,8 @@ class ZmqConnector(KVConnector):
             raise RuntimeError(reply.error)
         if not reply.path:
             return [f.buffer for f in frames[1:]]
+        if os.path.dirname(reply.path) != SHM_DIR or not os.path.basename(reply.path).startswith(SHM_PREFIX):
+            raise RuntimeError(f"{reply.path!r} is not a KV payload file: not read, not removed")
         try:  # shm: read the parts and remove the file
             data = np.fromfile(reply.path, dtype=np.uint8)
         finally:
@@ -197,7 +200,7 @@ class ZmqConnector(KVConnector):
             self.leases.release(lease.blocks)
         if self.name == "tcp":
             return [_encoder.encode(Reply(True)), *(p.numpy() for p in parts)]
-        path = os.path.join(SHM_DIR, f"kvserve-kv-{uuid.uuid4().hex}")
+        path = os.path.join(SHM_DIR, SHM_PREFIX + uuid.uuid4().hex)
         with open(path, "wb") as f:
             for p in parts:
                 f.write(p.numpy().data)
