@@ -118,8 +118,22 @@ class ModelRunner:
         (tests/test_quant_chunks_as_decodes.py). Cost against SDPA on the AMX host
         (benchmarks/bench_chunks_as_decodes.py; docs/BENCHMARKS.md issue 16 round 38): 64-token
         chunks 0.77-1.12x, 512-token ones 1.04x at the prompt's start to 1.58x 1.5K tokens in,
-        a 2K-token prompt's prefill ~1.4x."""
-        return self.attn_backend.name == "cpu" and self.model.stack_applies(self.kv_cache.dtype)
+        a 2K-token prompt's prefill ~1.4x.
+
+        A float model with a 1-byte (int8 / fp8) cache and the C++ kernels lays its prompt rows
+        out the same way, for the same reason: SDPA over a fresh chunk and over one after cached
+        blocks differ in the last bits, and a K/V value that lands at a code's rounding edge
+        then takes the next code, a step of up to 1/16 of the vector's range for fp8. On the
+        default model (float32, fp8 cache) with this and a lone row's projections
+        (shape_buckets.py) apart, logprobs moved by up to 0.27 between a prompt alone and
+        beside others, and greedy text changed (tests/test_fidelity.py)."""
+        if self.attn_backend.name != "cpu":
+            return False
+        if self.model.stack_applies(self.kv_cache.dtype):
+            return True
+        return is_quantized(self.kv_cache.dtype) and any(
+            la.attn.kernels is not None for la in self.model.layers
+        )
 
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Capture the decode forward at each graph size (CUDA + Triton backend only)."""
