@@ -147,16 +147,28 @@ def _greedy_bits(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], li
     return [(c.token_ids, [lp[t] for lp, t in zip(c.logprobs, c.token_ids)]) for c in outs]
 
 
+@pytest.fixture(scope="module")
+def tiny_wide_mlp_dir(tmp_path_factory) -> str:
+    """The tiny Llama with a 1536-wide MLP: a down projection long enough (K >= ~1536) that
+    oneDNN's float32 kernel for one row sums in another order than for several."""
+    from conftest import _save_tiny
+
+    return _save_tiny(str(tmp_path_factory.mktemp("tiny-wide-mlp")), "llama", intermediate_size=1536)
+
+
 @pytest.mark.skipif(load_cpu_kernels() is None, reason="C++ kernels not built here")
-def test_float_model_with_an_fp8_cache_gives_the_same_bits_in_any_batch(tiny_llama_dir):
+@pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_wide_mlp_dir"])
+def test_float_model_with_an_fp8_cache_gives_the_same_bits_in_any_batch(request, model):
     """float32 weights, an fp8 KV cache: each prompt alone, then all together (their cached
     blocks hit), then in 7-token chunks in a pool so small requests are preempted: the same
     tokens and logprobs to the bit. A prompt's attention over a fresh SDPA chunk and over one
     after cached blocks differed in the last bits (now prompt rows go as decode rows,
     ModelRunner._stack_takes_chunks), and fp8 codes at a rounding edge turn such bits into
     steps of up to 1/16 of a vector's range: on the default model logprobs moved by up to 0.27,
-    and greedy text changed at a top-2 gap of 0.02."""
-    path = tiny_llama_dir
+    and greedy text changed at a top-2 gap of 0.02. With a 1536-wide MLP a lone decode row's
+    down projection differed too (oneDNN's one-row kernel): now one row runs as two
+    (worker/shape_buckets.py)."""
+    path = request.getfixturevalue(model)
     llm = LLM(path, kv_cache_memory="16MiB", kv_cache_dtype="fp8_e4m3")
     assert llm.llm_engine.model_runner.attn_backend.prompt_rows_as_decodes
     prompts = _prompts(llm.tokenizer, [3, 17, 33, 70])

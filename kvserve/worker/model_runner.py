@@ -99,6 +99,9 @@ class ModelRunner:
                 logger.info("layer ops: Triton kernels (RMSNorm, rotary, SiLU-and-multiply)")
         if self._stack_takes_chunks():
             self.attn_backend.prompt_rows_as_decodes = True
+        # float projections: a lone row runs as two, oneDNN's one-row kernel sums in another
+        # order (shape_buckets.py); the decode stack's own kernels give any row the same bits
+        self.min_rows = 1 if self.model.stack_applies(self.kv_cache.dtype) else 2
         trim_heap()  # the loader's temporaries and the plain weights packing replaced
 
     def _stack_takes_chunks(self) -> bool:
@@ -169,7 +172,7 @@ class ModelRunner:
         return self.model(ids_t, pos_t, meta, self.kv_cache, hidden_in)
 
     def _padded_inputs(self, ids: list[int], positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        pad = padded_rows(len(ids)) - len(ids)  # rows past the slot mapping: computed, never stored
+        pad = padded_rows(len(ids), self.min_rows) - len(ids)  # rows past the slot mapping: never stored
         ids_t = torch.tensor(ids + [0] * pad if pad else ids, device=self.device)
         # (np.pad costs ~30 us even with nothing to add: a decode step's per-token overhead)
         return ids_t, torch.from_numpy(np.pad(positions, (0, pad)) if pad else positions).to(self.device)
@@ -309,7 +312,7 @@ class ModelRunner:
 
     def _logits(self, model: LlamaForCausalLM, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor | None:
         """Logits of these rows of `hidden`, computed over a bucket-sized batch (shape_buckets.py)."""
-        index = rows + rows[:1] * (padded_rows(len(rows)) - len(rows))
+        index = rows + rows[:1] * (padded_rows(len(rows), self.min_rows) - len(rows))
         logits = model.compute_logits(hidden[torch.tensor(index, device=self.device)])
         return None if logits is None else logits[: len(rows)]
 
@@ -336,7 +339,7 @@ class ModelRunner:
                 ScheduledSeq(int(p), 1, block_tables[rid], True) for (rid, _, _), p in zip(active, positions)
             ]
             meta = self.attn_backend.build_metadata(seqs, positions)
-            pad = padded_rows(len(ids)) - len(ids)
+            pad = padded_rows(len(ids), self.min_rows) - len(ids)
             hidden = self.draft_model(
                 torch.tensor(ids + [0] * pad, device=self.device),
                 torch.from_numpy(np.pad(positions, (0, pad))).to(self.device), meta, self.draft_kv_cache,
