@@ -267,7 +267,7 @@ def _pull_params(host: str, port: int) -> dict:
 
 def test_a_consumer_pulls_only_from_the_producers_it_was_given(tiny_llama_dir):
     """A client's kv_transfer_params cannot make the consumer connect anywhere (SSRF): by default
-    only this host's loopback producers, otherwise only those in kv_producers; others are refused
+    only producers on this host, otherwise only those in kv_producers; others are refused
     naming remote_host, and the engine serves on."""
     kt = {"kv_connector": "tcp", "kv_role": "kv_consumer", "kv_producers": ["10.0.0.0/8", "prefill.svc:7000"]}
     cons = LLMEngine(
@@ -286,7 +286,7 @@ def test_a_consumer_pulls_only_from_the_producers_it_was_given(tiny_llama_dir):
     finally:
         cons.core.shutdown()
     assert [allowed(peers, h, p) for peers in [default.producer_peers, cons.config.kv_transfer.producer_peers]
-            for h, p in [("127.0.0.1", 5), ("localhost", 5), ("10.9.8.7", 5), ("prefill.svc", 7000)]] == [
+            for h, p in [("127.0.0.1", 5), ("0.0.0.0", 5), ("10.9.8.7", 5), ("prefill.svc", 7000)]] == [
         True, True, False, False, False, False, True, True]  # fmt: skip
 
 

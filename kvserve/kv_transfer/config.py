@@ -7,7 +7,7 @@ import functools
 import json
 from dataclasses import dataclass, fields
 
-from kvserve.kv_transfer.peers import LOOPBACK, Peer, parse_peer
+from kvserve.kv_transfer.peers import THIS_HOST, Peer, parse_peer
 
 CONNECTORS = ("tcp", "shm", "disk")
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
@@ -23,7 +23,7 @@ class KVTransferConfig:
     lease_s: float = 30.0  # a producer frees blocks nobody pulled after this long
     transfer_timeout_s: float = 5.0  # a consumer gives up on a silent producer after this long
     engine_id: str | None = None  # names this engine in kv_transfer_params (default: random)
-    kv_producers: tuple[str, ...] = LOOPBACK  # tcp / shm: whom a consumer pulls from (peers.py)
+    kv_producers: tuple[str, ...] = THIS_HOST  # tcp / shm: whom a consumer pulls from (peers.py)
 
     @property
     def is_producer(self) -> bool:
@@ -74,7 +74,7 @@ def parse_kv_transfer_config(value: str | dict | KVTransferConfig | None) -> KVT
         v = value.get(key, 1.0)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 3600:
             _fail(key, f"must be a number of seconds in (0, 3600], got {v!r}")
-    producers = value.get("kv_producers", list(LOOPBACK))
+    producers = value.get("kv_producers", list(THIS_HOST))
     if not isinstance(producers, list):
         _fail("kv_producers", 'must be a list of hosts, "host:port"s or networks (CIDR)')
     for entry in producers:

@@ -3,9 +3,10 @@
 A consumer is told where a prompt's KV is by the request's `kv_transfer_params`, which come in
 the client's body. Connecting wherever they say would let any client make the server open
 connections to any address (SSRF), so a consumer only pulls from producers it was given at
-start: by default this host's loopback addresses, otherwise the listed hosts, `host:port`s
-and networks (CIDR). Hosts are matched as written (no name lookups): a name in the list
-matches that name only, an address also its other spellings.
+start: by default this host (its loopback addresses, and 0.0.0.0 / :: which a producer bound
+to every interface names), otherwise the listed hosts, `host:port`s and networks (CIDR).
+Hosts are matched as written (no name lookups): a name in the list matches that name only, an
+address also its other spellings.
 """
 
 from __future__ import annotations
@@ -13,7 +14,13 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass
 
-LOOPBACK = ("127.0.0.1", "::1", "localhost")
+THIS_HOST = (
+    "127.0.0.1",
+    "::1",
+    "localhost",
+    "0.0.0.0",
+    "::",
+)  # 0.0.0.0 / ::: a producer bound to every interface
 _Net = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
