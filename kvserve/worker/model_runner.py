@@ -129,7 +129,11 @@ class ModelRunner:
         then takes the next code, a step of up to 1/16 of the vector's range for fp8. On the
         default model (float32, fp8 cache) with this and a lone row's projections
         (shape_buckets.py) apart, logprobs moved by up to 0.27 between a prompt alone and
-        beside others, and greedy text changed (tests/test_fidelity.py)."""
+        beside others, and greedy text changed (tests/test_fidelity.py). This costs more than
+        the stack's: the decode kernel dequantizes every key for every prompt row (default
+        model, fp8 cache, this 2-core host: a 256-token prefill 0.41 -> 0.50 s, a 1,500-token
+        one 2.3 -> 12 s); sharing a block's dequantized keys between a request's rows would
+        take most of it back."""
         if self.attn_backend.name != "cpu":
             return False
         if self.model.stack_applies(self.kv_cache.dtype):
