@@ -14,13 +14,7 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass
 
-THIS_HOST = (
-    "127.0.0.1",
-    "::1",
-    "localhost",
-    "0.0.0.0",
-    "::",
-)  # 0.0.0.0 / ::: a producer bound to every interface
+THIS_HOST = ("127.0.0.1", "::1", "localhost", "0.0.0.0", "::")  # the default kv_producers
 _Net = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
