@@ -225,3 +225,68 @@ def test_engine_stream_deltas_with_stop_string(llm):
                 final = out.outputs[0]
     assert final is not None and final.finish_reason == "stop" and final.stop_reason == stop
     assert shown == final.text == full[0].outputs[0].text[:i]
+
+
+# ---- the end of a request while the stream holds part of a character ------------------------------
+def _partial_token(tok: Tokenizer) -> int:
+    """A token that is only the first bytes of a character: alone it decodes to U+FFFD."""
+    return next(i for i in ids_of(tok, "日本") if tok.decode([i]) == "\ufffd")
+
+
+@pytest.mark.parametrize("then", ["eos", "stop_token", "length", "abort"])
+def test_held_bytes_end_the_text_as_the_full_decode_shows_them(tok, then):
+    """A request ending right after a token that starts a character (EOS, a stop token id, max
+    tokens, an abort) ends with what transformers' decode shows for the same tokens (U+FFFD),
+    streamed or whole; the held token goes out with it, and the finish reason is kept."""
+    from kvserve.engine.messages import EngineCoreOutput, EngineCoreRequest
+    from kvserve.engine.output_processor import OutputProcessor
+
+    hf = transformers.AutoTokenizer.from_pretrained(tok.hf.name_or_path)
+    part = _partial_token(tok)
+    head = ids_of(tok, "Hello")
+    steps = {"eos": [*head, part, tok.eos_token_id], "stop_token": [*head, part], "length": [*head, part]}
+    ids = steps.get(then, [*head, part])
+    params = SamplingParams(max_tokens=len(ids), stop_token_ids=[part] if then == "stop_token" else None)
+    proc = OutputProcessor(tok)
+    proc.add_request(EngineCoreRequest("r", [1], params, len(ids), 0.0))
+    shown, streamed_ids, final = "", [], None
+    for j, t in enumerate(ids):
+        last = j == len(ids) - 1 and then != "abort"
+        reason = {"eos": "stop", "stop_token": "stop", "length": "length"}[then] if last else None
+        stop_reason = part if last and then == "stop_token" else None
+        (out,), _ = proc.process([EngineCoreOutput("r", [t], reason, stop_reason)])
+        shown += out.outputs[0].delta_text
+        streamed_ids += out.outputs[0].text_token_ids
+        final = out
+    if then == "abort":
+        final = proc.abort("r")
+        shown += final.outputs[0].delta_text
+        streamed_ids += final.outputs[0].text_token_ids
+    c = final.outputs[0]
+    expected = hf.decode(ids, skip_special_tokens=True)
+    assert expected.endswith("\ufffd")
+    assert c.text == shown == expected
+    assert streamed_ids == ids and c.token_ids == ids
+    assert c.finish_reason == {"eos": "stop", "stop_token": "stop"}.get(then, then)
+    assert c.stop_reason == (part if then == "stop_token" else None)
+
+
+def test_generate_keeps_held_bytes_at_a_stop_token(llm):
+    """End to end: a forced partial-character token that is also a stop token id, and max_tokens
+    reached on one; text, streamed deltas and completion token count agree with the full decode."""
+    tok = llm.tokenizer
+    part = _partial_token(tok)
+    for extra in ({"stop_token_ids": [part]}, {"max_tokens": 3}):
+        params = SamplingParams(temperature=0, logit_bias={part: 100.0}, **{"max_tokens": 8, **extra})
+        c = llm.generate("Hello", params, use_tqdm=False)[0].outputs[0]
+        assert c.text == tok.decode(c.token_ids) and c.text.endswith("\ufffd")
+        assert c.finish_reason == ("stop" if "stop_token_ids" in extra else "length")
+        assert len(c.token_ids) == (1 if "stop_token_ids" in extra else 3)
+        e = llm.llm_engine
+        e.add_request("held", "Hello", params)
+        shown = ""
+        while e.has_unfinished_requests():
+            for out in e.step():
+                shown += out.outputs[0].delta_text
+        assert shown == c.text
+    assert e.kv_cache_manager.num_free_blocks == e.kv_cache_manager.num_blocks

@@ -15,6 +15,7 @@ from kvserve.config import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.kv_transfer.config import parse_kv_transfer_config
 from kvserve.kv_transfer.params import check_kv_transfer_params
+from kvserve.kv_transfer.peers import allowed
 from kvserve.sampling_params import SamplingParams
 
 TEXT = (
@@ -198,6 +199,19 @@ def test_disk_tier_survives_a_restart(tmp_path, tiny_llama_dir):
         ('{"kv_connector": "disk", "kv_role": "kv_both"}', "kv_path: required"),
         ('{"kv_connector": "tcp", "kv_role": "kv_both", "kv_port": 70000}', "kv_port: must be"),
         ('{"kv_connector": "tcp", "kv_role": "kv_both", "lease": 3}', "lease: unknown key"),
+        (
+            '{"kv_connector": "tcp", "kv_role": "kv_consumer", "kv_producers": "h"}',
+            "kv_producers: must be a list",
+        ),
+        (
+            '{"kv_connector": "tcp", "kv_role": "kv_consumer", "kv_producers": ["10.0.0.0/33"]}',
+            "not a network",
+        ),
+        (
+            '{"kv_connector": "tcp", "kv_role": "kv_consumer", "kv_producers": ["h:0"]}',
+            "port must be in 1-65535",
+        ),
+        ('{"kv_connector": "tcp", "kv_role": "kv_consumer", "kv_producers": ["a;b"]}', "not a host name"),
     ],
 )
 def test_bad_kv_transfer_config_names_the_key(value, message):
@@ -246,6 +260,36 @@ def test_engine_without_config_refuses_transfer_params(tiny_llama_dir):
         )
 
 
+def _pull_params(host: str, port: int) -> dict:
+    return {"do_remote_prefill": True, "remote_request_id": "x", "prompt_digest": "d", "kv_connector": "tcp",
+            "remote_num_tokens": 2, "remote_host": host, "remote_port": port}  # fmt: skip
+
+
+def test_a_consumer_pulls_only_from_the_producers_it_was_given(tiny_llama_dir):
+    """A client's kv_transfer_params cannot make the consumer connect anywhere (SSRF): by default
+    only producers on this host, otherwise only those in kv_producers; others are refused
+    naming remote_host, and the engine serves on."""
+    kt = {"kv_connector": "tcp", "kv_role": "kv_consumer", "kv_producers": ["10.0.0.0/8", "prefill.svc:7000"]}
+    cons = LLMEngine(
+        EngineConfig(model=tiny_llama_dir, kv_cache_memory="16MiB", kv_transfer_config=json.dumps(kt))
+    )
+    default = parse_kv_transfer_config('{"kv_connector": "tcp", "kv_role": "kv_consumer"}')
+    try:
+        for host, port in [("169.254.169.254", 80), ("127.0.0.1", 6379), ("11.0.0.1", 5555),
+                           ("prefill.svc", 7001), ("x;10.0.0.1", 5555)]:  # fmt: skip
+            params = SamplingParams(max_tokens=2, kv_transfer_params=_pull_params(host, port))
+            with pytest.raises(ValueError, match=f"remote_host: {host}:{port} is not a producer this engine"):
+                cons.add_request("r", [5, 6, 7], params)
+        assert not cons.has_unfinished_requests()
+        out = _run(cons, "ok", [5, 6, 7], SamplingParams(temperature=0, max_tokens=2))
+        assert out.outputs[0].finish_reason == "length"
+    finally:
+        cons.core.shutdown()
+    assert [allowed(peers, h, p) for peers in [default.producer_peers, cons.config.kv_transfer.producer_peers]
+            for h, p in [("127.0.0.1", 5), ("0.0.0.0", 5), ("10.9.8.7", 5), ("prefill.svc", 7000)]] == [
+        True, True, False, False, False, False, True, True]  # fmt: skip
+
+
 def test_what_the_proxy_sends_each_engine():
     from kvserve.disagg.split import decode_body, disaggregates, prefill_body
 
@@ -261,3 +305,39 @@ def test_what_the_proxy_sends_each_engine():
     assert disaggregates(body)
     for extra in ({"n": 2}, {"best_of": 3}, {"use_beam_search": True}, {"prompt_logprobs": 1}):
         assert not disaggregates({**body, **extra}), extra
+
+
+def test_a_shm_reply_naming_another_file_is_neither_read_nor_removed(tmp_path):
+    """A producer's shm reply names the payload file the consumer reads and removes: one that
+    names any other file (a rogue or broken peer) fails the pull and leaves the file alone."""
+    import threading
+    from types import SimpleNamespace
+
+    import msgspec
+    import zmq
+
+    from kvserve.kv_transfer.zmq_connector import Reply, ZmqConnector
+
+    victim = tmp_path / "precious"
+    victim.write_bytes(b"x" * 8)
+    ctx = zmq.Context.instance()
+    rogue = ctx.socket(zmq.ROUTER)
+    port = rogue.bind_to_random_port("tcp://127.0.0.1")
+
+    def answer() -> None:
+        ident, _ = rogue.recv_multipart()
+        rogue.send_multipart([ident, msgspec.msgpack.encode(Reply(True, path=str(victim), sizes=[8]))])
+
+    t = threading.Thread(target=answer, daemon=True)
+    t.start()
+    cfg = parse_kv_transfer_config({"kv_connector": "shm", "kv_role": "kv_consumer"})
+    conn = ZmqConnector(cfg, SimpleNamespace(layout="L"), 16)
+    req = SimpleNamespace(params=SimpleNamespace(kv_transfer_params=_pull_params("127.0.0.1", port)))
+    try:
+        with pytest.raises(RuntimeError, match="is not a KV payload file"):
+            conn._fetch(req, 0, 1)
+    finally:
+        t.join(5)
+        rogue.close(0)
+        conn.shutdown()
+    assert victim.read_bytes() == b"x" * 8

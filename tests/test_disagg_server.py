@@ -154,6 +154,20 @@ def test_unclaimed_lease_expires(pd):
         ({"kv_transfer_params": {"do_remote_prefill": True}}, "remote_request_id: required"),
         ({"kv_transfer_params": "yes"}, "kv_transfer_params"),
         ({"kv_transfer_params": {"do_remote_decode": True}, "n": 2}, "needs n = 1"),
+        (
+            {
+                "kv_transfer_params": {
+                    "do_remote_prefill": True,
+                    "remote_request_id": "x",
+                    "prompt_digest": "d",
+                    "kv_connector": "tcp",
+                    "remote_num_tokens": 1,
+                    "remote_host": "169.254.169.254",
+                    "remote_port": 80,
+                }
+            },
+            "remote_host: 169.254.169.254:80 is not a producer this engine pulls from",
+        ),  # fmt: skip
     ],
 )
 def test_bad_transfer_params_are_400s_naming_the_field(pd, extra, param):

@@ -15,6 +15,7 @@ from kvserve.worker.shape_buckets import all_buckets, padded_rows
 
 def test_buckets_are_exact_when_small_and_at_most_an_eighth_padding():
     assert [padded_rows(n) for n in range(1, 17)] == list(range(1, 17))
+    assert [padded_rows(n, min_rows=2) for n in range(4)] == [0, 2, 2, 3]
     for n in range(1, 5000):
         b = padded_rows(n)
         assert n <= b <= n * 1.125, n
@@ -43,6 +44,7 @@ def test_every_matmul_runs_on_a_bucket_and_tokens_match_the_reference(tiny_llama
     buckets = set(all_buckets(96))
     assert seen and seen <= buckets, sorted(seen - buckets)
     assert any(n not in range(1, 17) for n in seen)  # prefills were padded, not only decodes
+    assert 1 not in seen  # float projections run a lone row as two (oneDNN's one-row kernel)
     ref = load_reference(tiny_llama_dir)
     for p, sp, o in zip(prompts, params, outs):
         expected = reference_greedy(ref, p, sp.max_tokens, None)

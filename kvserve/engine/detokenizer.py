@@ -4,7 +4,10 @@ Text is produced token by token with `tokenizers`' DecodeStream, which holds bac
 an unfinished UTF-8 character and handles BPE merges across token boundaries. Stop strings
 are searched in the text, so one that spans several tokens is still found. For streaming,
 the last (longest stop string - 1) characters are held back until they cannot start a stop
-string any more, so a stop string is never streamed to the client.
+string any more, so a stop string is never streamed to the client. At the end, bytes the
+stream still holds (a character the last tokens left unfinished) are not dropped: the final
+text is what decoding all the output tokens gives, U+FFFD for such bytes, as transformers'
+`decode` shows them.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from kvserve.tokenizer import Tokenizer
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, params: SamplingParams) -> None:
         self.tokenizer = tokenizer
-        self.stream = DecodeStream(skip_special_tokens=params.skip_special_tokens)
+        self.skip_special = params.skip_special_tokens
+        self.stream = DecodeStream(skip_special_tokens=self.skip_special)
         self.stops = params.stop_list
         self.include_stop = params.include_stop_str_in_output
         self.holdback = max((len(s) for s in self.stops), default=1) - 1
@@ -30,6 +34,7 @@ class IncrementalDetokenizer:
         self.token_ends: list[int] = []  # per token: where its text ends in self.text
         self.num_tokens_released = 0
         self.cut = False  # a stop string cut the text
+        self.held = False  # the stream holds bytes of an unfinished character
 
     def update(self, token_ids: list[int], check_stops: bool = True) -> str | None:
         """Add new tokens; returns the stop string that matched, if one did (text is cut there).
@@ -41,6 +46,9 @@ class IncrementalDetokenizer:
             piece = self.stream.step(self.tokenizer.backend, t)
             if piece:
                 self.text += piece
+                self.held = False
+            elif not (self.skip_special and t in self.tokenizer.all_special_ids):
+                self.held = True
             self.token_ends.append(len(self.text))
         self.num_tokens = len(token_ids)
         if not self.stops or not check_stops or len(self.text) == before:
@@ -57,6 +65,16 @@ class IncrementalDetokenizer:
         self.text = self.text[: i + len(s)] if self.include_stop else self.text[:i]
         self.cut = True
         return s
+
+    def finish(self, token_ids: list[int]) -> None:
+        """Let out the bytes the stream still holds, as the full decode of the output shows them
+        (U+FFFD for an unfinished character)."""
+        if self.cut or not self.held:
+            return
+        self.held = False
+        full = self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special)
+        if full != self.text:
+            self.text = full if full.startswith(self.text) else self.text + "\ufffd"
 
     def release(self, finished: bool) -> str:
         """New text that is safe to show (all of it once the request is finished)."""

@@ -36,6 +36,8 @@ class RequestState:
         self, new_token_ids: list[int], new_logprobs: list[dict[int, float]] | None = None
     ) -> RequestOutput:
         finished = self.finish_reason is not None
+        if finished:
+            self.detok.finish(self.token_ids)
         delta_text = self.detok.release(finished)
         a, b = self.detok.release_tokens(finished)
         completion = CompletionOutput(

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from kvserve.engine.messages import EngineCoreRequest
 from kvserve.kv_transfer.config import KVTransferConfig
 from kvserve.kv_transfer.params import check_kv_transfer_params
+from kvserve.kv_transfer.peers import allowed
 from kvserve.sampling_params import SamplingParams
 from kvserve.structured.spec import check as check_grammar
 from kvserve.tokenizer import Tokenizer
@@ -61,6 +62,13 @@ class InputProcessor:
             raise ValueError(
                 f"kv_transfer_params: do_remote_prefill needs a kv_consumer engine, this is {kt.kv_role}"
             )
+        host, port = p.get("remote_host"), p.get("remote_port")
+        if p.get("do_remote_prefill") and host is not None:  # the connector would connect there
+            if not allowed(kt.producer_peers, str(host), port):
+                raise ValueError(
+                    f"kv_transfer_params: remote_host: {host}:{port} is not a producer this engine pulls "
+                    "from (kv_producers in its --kv-transfer-config)"
+                )
         if params.use_beam_search:
             raise ValueError("kv_transfer_params: cannot be combined with use_beam_search")
 

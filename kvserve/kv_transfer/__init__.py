@@ -9,6 +9,7 @@ expired lease, a mismatched layout or prompt) makes the consumer compute the pro
 slower, never wrong, never stuck.
 
   config.py      --kv-transfer-config (connector, role, addresses, timeouts)
+  peers.py       kv_producers: the only producers a consumer connects to (not the client's pick)
   params.py      the per-request kv_transfer_params, both directions
   block_io.py    a rank's KV blocks as flat tensors and back (layout checked on both sides)
   leases.py      the producer's held blocks, each with an expiry

@@ -3,8 +3,11 @@ start with the key that is wrong."""
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, fields
+
+from kvserve.kv_transfer.peers import THIS_HOST, Peer, parse_peer
 
 CONNECTORS = ("tcp", "shm", "disk")
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
@@ -20,6 +23,7 @@ class KVTransferConfig:
     lease_s: float = 30.0  # a producer frees blocks nobody pulled after this long
     transfer_timeout_s: float = 5.0  # a consumer gives up on a silent producer after this long
     engine_id: str | None = None  # names this engine in kv_transfer_params (default: random)
+    kv_producers: tuple[str, ...] = THIS_HOST  # tcp / shm: whom a consumer pulls from (peers.py)
 
     @property
     def is_producer(self) -> bool:
@@ -28,6 +32,10 @@ class KVTransferConfig:
     @property
     def is_consumer(self) -> bool:
         return self.kv_role in ("kv_consumer", "kv_both")
+
+    @functools.cached_property
+    def producer_peers(self) -> tuple[Peer, ...]:
+        return tuple(parse_peer(e) for e in self.kv_producers)
 
 
 def _fail(key: str, why: str) -> None:
@@ -66,6 +74,15 @@ def parse_kv_transfer_config(value: str | dict | KVTransferConfig | None) -> KVT
         v = value.get(key, 1.0)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 3600:
             _fail(key, f"must be a number of seconds in (0, 3600], got {v!r}")
+    producers = value.get("kv_producers", list(THIS_HOST))
+    if not isinstance(producers, list):
+        _fail("kv_producers", 'must be a list of hosts, "host:port"s or networks (CIDR)')
+    for entry in producers:
+        try:
+            parse_peer(entry)
+        except ValueError as e:
+            _fail("kv_producers", str(e))
+    value = {**value, "kv_producers": tuple(producers)}
     if value["kv_connector"] == "disk" and not value.get("kv_path"):
         _fail("kv_path", "required with kv_connector 'disk' (the directory both engines share)")
     return KVTransferConfig(**value)

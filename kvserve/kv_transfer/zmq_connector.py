@@ -26,10 +26,12 @@ from kvserve.kv_transfer.block_io import KVBlockIO
 from kvserve.kv_transfer.config import KVTransferConfig
 from kvserve.kv_transfer.connector import KVConnector
 from kvserve.kv_transfer.params import prompt_digest, remote_prefill
+from kvserve.kv_transfer.peers import allowed
 from kvserve.request import Request
 
 logger = logging.getLogger(__name__)
 SHM_DIR = "/dev/shm"
+SHM_PREFIX = "kvserve-kv-"  # a payload file's name; a consumer reads and removes no other
 
 
 class Pull(msgspec.Struct, tag=True):
@@ -109,6 +111,8 @@ class ZmqConnector(KVConnector):
             self._send_async(rp, Release(rp.request_id))
 
     def _connect(self, rp) -> zmq.Socket:
+        if not allowed(self.config.producer_peers, rp.host, rp.port):  # the processor refused it already
+            raise ValueError(f"{rp.host}:{rp.port} is not in kv_producers")
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(f"tcp://{rp.host}:{rp.port}")
@@ -140,6 +144,8 @@ class ZmqConnector(KVConnector):
             raise RuntimeError(reply.error)
         if not reply.path:
             return [f.buffer for f in frames[1:]]
+        if os.path.dirname(reply.path) != SHM_DIR or not os.path.basename(reply.path).startswith(SHM_PREFIX):
+            raise RuntimeError(f"{reply.path!r} is not a KV payload file: not read, not removed")
         try:  # shm: read the parts and remove the file
             data = np.fromfile(reply.path, dtype=np.uint8)
         finally:
@@ -194,7 +200,7 @@ class ZmqConnector(KVConnector):
             self.leases.release(lease.blocks)
         if self.name == "tcp":
             return [_encoder.encode(Reply(True)), *(p.numpy() for p in parts)]
-        path = os.path.join(SHM_DIR, f"kvserve-kv-{uuid.uuid4().hex}")
+        path = os.path.join(SHM_DIR, SHM_PREFIX + uuid.uuid4().hex)
         with open(path, "wb") as f:
             for p in parts:
                 f.write(p.numpy().data)

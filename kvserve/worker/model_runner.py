@@ -99,6 +99,9 @@ class ModelRunner:
                 logger.info("layer ops: Triton kernels (RMSNorm, rotary, SiLU-and-multiply)")
         if self._stack_takes_chunks():
             self.attn_backend.prompt_rows_as_decodes = True
+        # float projections: a lone row runs as two, oneDNN's one-row kernel sums in another
+        # order (shape_buckets.py); the decode stack's own kernels give any row the same bits
+        self.min_rows = 1 if self.model.stack_applies(self.kv_cache.dtype) else 2
         trim_heap()  # the loader's temporaries and the plain weights packing replaced
 
     def _stack_takes_chunks(self) -> bool:
@@ -118,8 +121,26 @@ class ModelRunner:
         (tests/test_quant_chunks_as_decodes.py). Cost against SDPA on the AMX host
         (benchmarks/bench_chunks_as_decodes.py; docs/BENCHMARKS.md issue 16 round 38): 64-token
         chunks 0.77-1.12x, 512-token ones 1.04x at the prompt's start to 1.58x 1.5K tokens in,
-        a 2K-token prompt's prefill ~1.4x."""
-        return self.attn_backend.name == "cpu" and self.model.stack_applies(self.kv_cache.dtype)
+        a 2K-token prompt's prefill ~1.4x.
+
+        A float model with a 1-byte (int8 / fp8) cache and the C++ kernels lays its prompt rows
+        out the same way, for the same reason: SDPA over a fresh chunk and over one after cached
+        blocks differ in the last bits, and a K/V value that lands at a code's rounding edge
+        then takes the next code, a step of up to 1/16 of the vector's range for fp8. On the
+        default model (float32, fp8 cache) with this and a lone row's projections
+        (shape_buckets.py) apart, logprobs moved by up to 0.27 between a prompt alone and
+        beside others, and greedy text changed (tests/test_fidelity.py). This costs more than
+        the stack's: the decode kernel dequantizes every key for every prompt row (default
+        model, fp8 cache, this 2-core host: a 256-token prefill 0.41 -> 0.50 s, a 1,500-token
+        one 2.3 -> 12 s); sharing a block's dequantized keys between a request's rows would
+        take most of it back."""
+        if self.attn_backend.name != "cpu":
+            return False
+        if self.model.stack_applies(self.kv_cache.dtype):
+            return True
+        return is_quantized(self.kv_cache.dtype) and any(
+            la.attn.kernels is not None for la in self.model.layers
+        )
 
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Capture the decode forward at each graph size (CUDA + Triton backend only)."""
@@ -155,7 +176,7 @@ class ModelRunner:
         return self.model(ids_t, pos_t, meta, self.kv_cache, hidden_in)
 
     def _padded_inputs(self, ids: list[int], positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        pad = padded_rows(len(ids)) - len(ids)  # rows past the slot mapping: computed, never stored
+        pad = padded_rows(len(ids), self.min_rows) - len(ids)  # rows past the slot mapping: never stored
         ids_t = torch.tensor(ids + [0] * pad if pad else ids, device=self.device)
         # (np.pad costs ~30 us even with nothing to add: a decode step's per-token overhead)
         return ids_t, torch.from_numpy(np.pad(positions, (0, pad)) if pad else positions).to(self.device)
@@ -295,7 +316,7 @@ class ModelRunner:
 
     def _logits(self, model: LlamaForCausalLM, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor | None:
         """Logits of these rows of `hidden`, computed over a bucket-sized batch (shape_buckets.py)."""
-        index = rows + rows[:1] * (padded_rows(len(rows)) - len(rows))
+        index = rows + rows[:1] * (padded_rows(len(rows), self.min_rows) - len(rows))
         logits = model.compute_logits(hidden[torch.tensor(index, device=self.device)])
         return None if logits is None else logits[: len(rows)]
 
@@ -322,7 +343,7 @@ class ModelRunner:
                 ScheduledSeq(int(p), 1, block_tables[rid], True) for (rid, _, _), p in zip(active, positions)
             ]
             meta = self.attn_backend.build_metadata(seqs, positions)
-            pad = padded_rows(len(ids)) - len(ids)
+            pad = padded_rows(len(ids), self.min_rows) - len(ids)
             hidden = self.draft_model(
                 torch.tensor(ids + [0] * pad, device=self.device),
                 torch.from_numpy(np.pad(positions, (0, pad))).to(self.device), meta, self.draft_kv_cache,

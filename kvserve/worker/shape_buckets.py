@@ -9,6 +9,14 @@ eight sizes per doubling: at most 12.5% padding) keeps that set finite, like the
 of CUDA graphs in vLLM, and small enough that the capped caches (platform/onednn_cache.py,
 32 kernels) mostly hit. Rows are independent in every
 projection and norm, so padding rows never change a real row's result.
+
+Float projections run one row as two (`min_rows`, set by the model runner). For a single row
+oneDNN takes another float32 kernel (a matrix-vector product) that sums a long dot product
+(K >= ~1536: the default model's down projection) in another order than for two rows or
+more, so a request decoding alone got other last bits than beside others; with a 1-byte KV
+cache those bits decide codes at a rounding edge and greedy text changed. The second row
+costs nothing measurable (the step reads the weights either way: 576x1536 float32, 254 us
+for one row, 257 us for two).
 """
 
 from __future__ import annotations
@@ -17,10 +25,11 @@ EXACT_UP_TO = 16
 STEPS_PER_DOUBLING = 8
 
 
-def padded_rows(n: int) -> int:
-    """The bucket holding n rows: n itself up to 16, else n rounded up to 1/8 of its power of two."""
+def padded_rows(n: int, min_rows: int = 1) -> int:
+    """The bucket holding n rows: n itself (at least `min_rows`) up to 16, else n rounded up to
+    1/8 of its power of two."""
     if n <= EXACT_UP_TO:
-        return n
+        return max(n, min_rows) if n else n
     granule = (1 << (n.bit_length() - 1)) // STEPS_PER_DOUBLING
     return -(-n // granule) * granule
 
