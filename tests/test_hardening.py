@@ -10,6 +10,7 @@ import socket
 import time
 
 import httpx
+import openai
 import psutil
 import pytest
 from server_utils import ServerProcess
@@ -17,6 +18,7 @@ from server_utils import ServerProcess
 MODEL_ARGS = ("--kv-cache-memory", "32MiB", "--max-model-len", "256", "--served-model-name", "tiny")
 LIMITS = ("--max-num-seqs", "8", "--max-waiting-requests", "16")
 OK = {"model": "tiny", "prompt": "hi", "max_tokens": 4, "temperature": 0}
+CHAT = "/v1/chat/completions"
 
 
 @pytest.fixture(scope="module")
@@ -283,6 +285,60 @@ def test_a_tool_call_whose_arguments_are_no_json_says_so(server):
     assert "not valid JSON" in message and '{"city": "Par' in message
 
 
+FN = {"name": "w", "arguments": "{}"}
+CALL = {"id": "c1", "type": "function", "function": FN}
+
+
+@pytest.mark.parametrize(
+    "message, words",
+    [
+        ({"role": "user", "content": "hi", "tool_calls": [CALL]}, "(user) may not have tool_calls"),
+        ({"role": "system", "content": "be brief", "tool_calls": [CALL]}, "(system) may not have tool_calls"),
+        (
+            {"role": "developer", "content": "d", "function_call": FN},
+            "may not have function_call",
+        ),
+        ({"role": "user", "content": "hi", "tool_call_id": "c1"}, "(user) may not have tool_call_id"),
+        ({"role": "user"}, "(user) needs content"),
+        ({"role": "user", "content": None}, "content is null"),
+        ({"role": "assistant"}, "(assistant) needs content"),
+        ({"role": "tool", "tool_call_id": "c1"}, "(tool) needs content"),
+        ({"role": "user", "content": []}, "empty content list"),
+        ({"role": "user", "content": [{"type": "text"}]}, "content[0] (text) needs text"),
+        ({"role": "system", "content": [{"type": "refusal", "refusal": "no"}]}, "system messages take text"),
+    ],
+)
+def test_a_message_missing_or_misusing_a_field_is_400_naming_it(server, message, words):
+    """A user message with tool_calls (rendered as calls the user made) or with no content was
+    served; OpenAI refuses each, naming the message and the field."""
+    messages = [{"role": "user", "content": "hi"}, message]
+    r = post(server, {"model": "tiny", "messages": messages, "max_tokens": 2}, CHAT)
+    assert_400(r, "messages")
+    assert "message 1" in r.json()["error"]["message"] and words in r.json()["error"]["message"]
+
+
+def test_every_message_shape_openai_accepts_is_served(server):
+    """What OpenAI's reference (and so its client's typed params) allows still passes: names, text
+    parts for every role, an assistant's refusal (field or part), audio id, null content beside
+    tool_calls or a function_call, and a legacy function result with null content."""
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=server.api_key, max_retries=0)
+    parts, refused = [{"type": "text", "text": "a"}], {"type": "refusal", "refusal": "no"}
+    conversations = [
+        [{"role": "system", "content": parts, "name": "s"},
+         {"role": "developer", "content": parts, "name": "d"},
+         {"role": "user", "content": parts, "name": "b"}],
+        [{"role": "user", "content": ""}, {"role": "assistant", "content": None, "tool_calls": [CALL]},
+         {"role": "tool", "tool_call_id": "c1", "content": parts}],
+        [{"role": "user", "content": "u"}, {"role": "assistant", "content": None, "refusal": "I can't"},
+         {"role": "assistant", "content": [*parts, refused], "audio": {"id": "1"}},
+         {"role": "user", "content": "u"}],
+        [{"role": "user", "content": "u"}, {"role": "assistant", "content": None, "function_call": FN},
+         {"role": "function", "name": "w", "content": None}],
+    ]  # fmt: skip
+    for messages in conversations:
+        assert client.chat.completions.create(model="tiny", messages=messages, max_tokens=2).choices
+
+
 def test_an_embedding_may_fill_the_whole_context(server):
     """No token is generated for an embedding, so max_model_len (256 here) tokens fit; one more
     does not, and the error names this endpoint's field, `input`."""
@@ -347,9 +403,6 @@ def test_top_logprobs_under_a_grammar_are_numbers(server, stream):
     assert entries and len(tops) == 10 * len(entries)
     assert all(isinstance(v, float) and -9999.0 <= v <= 0 for v in tops), tops
     assert -9999.0 in tops  # the first step allows two tokens at most, not ten
-
-
-CHAT = "/v1/chat/completions"
 
 
 @pytest.mark.parametrize(
@@ -458,6 +511,7 @@ def test_unknown_routes_and_methods_have_string_codes(server):
     [
         ({"input": [{"type": "function_call", "call_id": "c1", "arguments": "{}"}]}, "input", "needs name"),
         ({"input": [{"type": "function_call_output", "output": "x"}]}, "input", "needs call_id"),
+        ({"input": [{"type": "message", "role": "user"}]}, "input", "item 0 (message) needs content"),
         ({"input": "hi", "tools": [{"type": "function", "name": "no spaces"}]}, "tools", "pattern"),
     ],
 )

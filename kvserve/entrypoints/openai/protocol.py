@@ -25,6 +25,7 @@ from kvserve.entrypoints.openai.limits import (
     PositiveInt64,
     TopK,
 )
+from kvserve.entrypoints.openai.message_rules import READABLE
 from kvserve.kv_transfer.params import check_kv_transfer_params
 from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 from kvserve.structured.spec import check as check_grammar
@@ -264,16 +265,15 @@ class ChatMessage(OpenAIBody):
     function_call: ToolCallFunction | None = None  # legacy: an assistant's one call
 
     def text(self) -> str:
-        """Content as plain text; only text parts are supported."""
+        """Content as plain text: text parts, and an assistant's refusal parts."""
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
         parts = []
-        for part in self.content:
-            if part.get("type") != "text":
+        for part in self.content:  # checked by message_rules before the template renders them
+            key = READABLE.get(part.get("type"))
+            if key is None or not isinstance(part.get(key), str):
                 raise ValueError(f"messages: content part type {part.get('type')!r} is not supported")
-            if not isinstance(part.get("text", ""), str):
-                raise ValueError("messages: a text part's text must be a string")
-            parts.append(part.get("text", ""))
+            parts.append(part[key])
         return "".join(parts)
 
 

@@ -138,7 +138,9 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
                 raise ValueError(f"input: item {i} has role {role!r}")
-            messages.append({"role": role, "content": _text_of(item.get("content"), f"item {i}")})
+            if item.get("content") is None:  # as OpenAI: a message item carries its content
+                raise ValueError(f"input: item {i} (message) needs content, a string or a list of parts")
+            messages.append({"role": role, "content": _text_of(item["content"], f"item {i}")})
         elif kind == "function_call":
             _require_strings(item, i, ("name", "call_id"))
             fn = {"name": item["name"], "arguments": item.get("arguments", "{}")}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from kvserve.entrypoints.openai.message_rules import check_message
 from kvserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     NamedToolChoice,
@@ -90,12 +91,7 @@ def conversation(
     developer = "system" if "developer" not in template else "developer"
     messages = []
     for i, m in enumerate(req.messages):
-        if m.role == "tool" and not m.tool_call_id:  # as OpenAI: a tool result answers one call
-            raise ValueError(f"messages: message {i} has role tool but no tool_call_id")
-        if m.role == "function" and not m.name:  # as OpenAI: the legacy result names its function
-            raise ValueError(f"messages: message {i} has role function but no name")
-        if m.tool_calls and m.function_call:
-            raise ValueError(f"messages: message {i} has both tool_calls and function_call")
+        check_message(i, m)
         role = {"developer": developer, "function": "tool"}.get(m.role, m.role)
         msg: dict[str, Any] = {"role": role, "content": m.text()}
         if m.name:
