@@ -143,6 +143,7 @@ def test_openai_client_round_trip(client):
         body = o["response"]["body"]
         assert body["object"] == "chat.completion" and body["usage"]["completion_tokens"] <= 2
     assert b.id in [x.id for x in client.batches.list()]
+    assert_not_cancellable(client, b.id, "completed")
     assert client.files.delete(f.id).deleted
     with pytest.raises(openai.NotFoundError):
         client.files.retrieve(f.id)
@@ -204,6 +205,7 @@ def test_cancel_mid_way_keeps_finished_lines(client):
                                    completion_window="24h")  # fmt: skip
     q = client.batches.cancel(queued.id)  # waits behind b: cancelled at once, not after b
     assert q.status == "cancelled" and q.cancelled_at and q.request_counts.completed == 0
+    assert_not_cancellable(client, queued.id, "cancelled")
     gone = upload(client, [line(0)])  # its input deleted while it waits behind b
     orphan = client.batches.create(input_file_id=gone.id, endpoint=CHAT, completion_window="24h")
     client.files.delete(gone.id)
@@ -214,11 +216,21 @@ def test_cancel_mid_way_keeps_finished_lines(client):
     out = read_lines(client, b.output_file_id)
     assert 5 <= len(out) == b.request_counts.completed < 300
     assert len({o["custom_id"] for o in out}) == len(out)
-    assert client.batches.cancel(b.id).status == "cancelled"  # idempotent once final
+    assert_not_cancellable(client, b.id, "cancelled")
     orphan = wait_final(client, orphan.id)
     (err,) = orphan.errors.data
     assert orphan.status == "failed" and err.code == "file_unreadable" and err.param == "input_file_id"
     assert err.message == f"input_file_id: {gone.id} cannot be read (it was deleted)"  # not the server's path
+    assert_not_cancellable(client, orphan.id, "failed")
+
+
+def assert_not_cancellable(client: openai.OpenAI, batch_id: str, status: str) -> None:
+    """A final batch cannot be cancelled: OpenAI's 409 naming its status (was a 200), unchanged."""
+    with pytest.raises(openai.ConflictError) as e:
+        client.batches.cancel(batch_id)
+    err = e.value.response.json()["error"]
+    assert err["type"] == "invalid_request_error" and f"status {status!r}" in err["message"], err
+    assert client.batches.retrieve(batch_id).status == status
 
 
 def test_custom_id_with_a_lone_surrogate_is_an_error_line_naming_it(client):

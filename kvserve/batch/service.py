@@ -7,6 +7,7 @@ import asyncio
 import logging
 import time
 
+from kvserve.batch.errors import BatchAPIError
 from kvserve.batch.execute import execute_line
 from kvserve.batch.files import FileStore
 from kvserve.batch.jobs import JobStore
@@ -15,6 +16,7 @@ from kvserve.batch.runner import LineRunner
 from kvserve.batch.validate import duplicate_errors, scan_input
 
 logger = logging.getLogger("kvserve.batch")
+CANCELLABLE = ("validating", "in_progress", "cancelling")
 
 
 class BatchService:
@@ -58,8 +60,14 @@ class BatchService:
     def cancel(self, batch_id: str) -> dict:
         """A running batch stops at its next check; one the worker is not on (queued behind
         another, never started or resumed after a restart) is cancelled at once, not when the
-        worker reaches it."""
+        worker reaches it. Cancelling one already cancelling returns it as it is; one that is
+        finalizing or final can no longer be cancelled."""
         obj = self.jobs.raw(batch_id)
+        if obj["status"] not in CANCELLABLE:  # as OpenAI: 409 naming the status
+            raise BatchAPIError(
+                409, f"batch_id: cannot cancel a batch with status {obj['status']!r}", "batch_id",
+                code="batch_not_cancellable",
+            )  # fmt: skip
         if obj["status"] in ("validating", "in_progress"):
             obj = self.jobs.set_status(obj, "cancelling")
             if batch_id != self._current:
