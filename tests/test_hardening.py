@@ -512,6 +512,7 @@ def test_unknown_routes_and_methods_have_string_codes(server):
         ({"input": [{"type": "function_call", "call_id": "c1", "arguments": "{}"}]}, "input", "needs name"),
         ({"input": [{"type": "function_call_output", "output": "x"}]}, "input", "needs call_id"),
         ({"input": [{"type": "message", "role": "user"}]}, "input", "item 0 (message) needs content"),
+        ({"input": [{"type": "function_call_output", "call_id": "c1"}]}, "input", "needs output"),
         ({"input": "hi", "tools": [{"type": "function", "name": "no spaces"}]}, "tools", "pattern"),
     ],
 )
@@ -520,6 +521,22 @@ def test_responses_items_missing_their_fields_say_which(server, body, param, wor
     r = post(server, {"model": "tiny", **body}, "/v1/responses")
     assert_400(r, param)
     assert words in r.json()["error"]["message"] and "\n" not in r.json()["error"]["message"]
+
+
+def test_a_function_call_output_given_as_parts_is_read_as_their_text(server):
+    """OpenAI's function_call_output takes its output as a string or as a list of input_text
+    parts; the list reached the model as its JSON dump, type keys and all."""
+
+    def input_tokens(output) -> int:
+        call = {"type": "function_call", "call_id": "c1", "name": "w", "arguments": "{}"}
+        items = [{"role": "user", "content": "weather?"}, call,
+                 {"type": "function_call_output", "call_id": "c1", "output": output}]  # fmt: skip
+        r = post(server, {"model": "tiny", "input": items, "max_output_tokens": 1}, "/v1/responses")
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["input_tokens"]
+
+    parts = [{"type": "input_text", "text": "sunny, "}, {"type": "input_text", "text": "21 C"}]
+    assert input_tokens(parts) == input_tokens("sunny, 21 C")
 
 
 def test_readiness_and_openapi_document(server):

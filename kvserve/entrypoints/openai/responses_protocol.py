@@ -151,12 +151,25 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
             _require_strings(item, i, ("call_id",))
-            output = item.get("output")
-            text = output if isinstance(output, str) else json.dumps(output)
+            text = _output_text(item.get("output"), i)
             messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": text})
         else:
             raise ValueError(f"input: item type {kind!r} is not supported")
     return messages
+
+
+def _output_text(output: Any, index: int) -> str:
+    """A function_call_output's output as the tool message's text: a string, or (OpenAI's other
+    form) a list of content parts read as their text; another JSON value as its JSON."""
+    if output is None:
+        raise ValueError(
+            f"input: item {index} (function_call_output) needs output (a string or a list of parts)"
+        )
+    if isinstance(output, str):
+        return output
+    if isinstance(output, list):
+        return _text_of(output, f"item {index} output")
+    return json.dumps(output)
 
 
 def _require_strings(item: dict[str, Any], index: int, keys: tuple[str, ...]) -> None:
