@@ -7,6 +7,10 @@ import math
 import numbers
 from dataclasses import dataclass
 
+# Beam search divides by generated_length ** length_penalty: past this a long beam's power
+# leaves the float range (2 ** 1024 already does); transformers' usual values are 0.5-2.
+MAX_LENGTH_PENALTY = 20
+
 
 @dataclass
 class StructuredOutputsParams:
@@ -152,10 +156,10 @@ class SamplingParams:
         _check(
             self.early_stopping in (True, False, "never"), "early_stopping", "must be true, false or never"
         )
-        _check(
-            self.length_penalty == self.length_penalty and abs(self.length_penalty) != float("inf"),
+        _check(  # a finite but large one overflowed `length ** length_penalty` and ended the engine core
+            abs(self.length_penalty) <= MAX_LENGTH_PENALTY,
             "length_penalty",
-            "must be finite",
+            f"must be within [-{MAX_LENGTH_PENALTY}, {MAX_LENGTH_PENALTY}], got {self.length_penalty!r}",
         )
         unsupported = {
             "logprobs": self.logprobs is not None,

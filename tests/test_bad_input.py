@@ -69,6 +69,10 @@ BAD_REQUESTS = {
     "frequency_penalty=3": (lambda e: SamplingParams(frequency_penalty=3), r"frequency_penalty"),
     "empty-stop-string": (lambda e: SamplingParams(stop=["ok", ""]), r"stop"),
     "logprobs=-1": (lambda e: SamplingParams(logprobs=-1), r"logprobs"),
+    "length_penalty-overflows": (
+        lambda e: SamplingParams(n=2, use_beam_search=True, length_penalty=1e308),
+        r"length_penalty",
+    ),
     # Values that once passed validation and then broke a step (issue: hardening).
     "top_k>vocab": (lambda e: e.add_request("bad", [5], SamplingParams(top_k=2**63)), r"top_k"),
     "seed-past-64-bits": (lambda e: e.add_request("bad", [5], SamplingParams(seed=2**70)), r"seed"),

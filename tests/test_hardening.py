@@ -66,6 +66,8 @@ def assert_400(r: httpx.Response, param: str) -> None:
         ({"prompt": ["a"] * 17}, "prompt"),  # was named n, which the request left at 1
         ({"prompt": ["a", "b", "c", "d", "e"], "best_of": 4}, "best_of"),  # was named n too
         ({"logprobs": 21}, "logprobs"),
+        # beam search: length ** 1e308 overflowed in the core process and ended it (all requests failed)
+        ({"use_beam_search": True, "n": 2, "length_penalty": 1e308}, "length_penalty"),
     ],
 )
 def test_out_of_range_values_are_400(server, extra, param):
