@@ -341,6 +341,17 @@ def test_every_message_shape_openai_accepts_is_served(server):
         assert client.chat.completions.create(model="tiny", messages=messages, max_tokens=2).choices
 
 
+@pytest.mark.parametrize("kwargs", [{"return_assistant_tokens_mask": True}, {"self": 1}, {"tools": []}])
+def test_template_call_parameters_in_chat_template_kwargs_are_named(server, kwargs):
+    """return_assistant_tokens_mask came back as transformers' own error with param null, and
+    `self` as "the chat template rejected them" under messages: neither named the field."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    r = post(server, {**body, "chat_template_kwargs": kwargs}, CHAT)
+    assert_400(r, "chat_template_kwargs")
+    assert next(iter(kwargs)) in r.json()["error"]["message"]
+    assert post(server, {**body, "chat_template_kwargs": {"enable_thinking": False}}, CHAT).status_code == 200
+
+
 def test_an_embedding_may_fill_the_whole_context(server):
     """No token is generated for an embedding, so max_model_len (256 here) tokens fit; one more
     does not, and the error names this endpoint's field, `input`."""

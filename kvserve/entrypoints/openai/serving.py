@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import functools
+import inspect
 import secrets
 import time
 import uuid
@@ -52,11 +53,22 @@ from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.tokenizer import lone_surrogate
 
-# apply_chat_template's own parameters: chat_template_kwargs may not set them
-RESERVED_TEMPLATE_KWARGS = frozenset(
-    {"conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message", "return_dict",
-     "tools", "documents", "chat_template"}
-)  # fmt: skip
+
+def _template_call_parameters() -> frozenset[str]:
+    """apply_chat_template's own parameters (transformers' and Tokenizer's): chat_template_kwargs
+    may not set them. They are no template variables: one such as return_assistant_tokens_mask
+    made transformers raise an error that named no field, and `self` a TypeError."""
+    from transformers import PreTrainedTokenizerBase
+
+    params = inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters
+    named = {name for name, p in params.items() if p.kind is not inspect.Parameter.VAR_KEYWORD}
+    return frozenset(named) | {
+        "self", "conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
+        "return_dict", "tools", "documents", "chat_template",
+    }  # fmt: skip
+
+
+RESERVED_TEMPLATE_KWARGS = _template_call_parameters()
 
 
 class ClientDisconnectedError(Exception):
@@ -147,7 +159,10 @@ class OpenAIServing:
         extra = dict(req.chat_template_kwargs or {})
         reserved = sorted(RESERVED_TEMPLATE_KWARGS & extra.keys())
         if reserved:
-            raise ValueError(f"chat_template_kwargs: {', '.join(reserved)} is set by the server")
+            raise ValueError(
+                f"chat_template_kwargs: {', '.join(reserved)} cannot be set (a parameter of the server's "
+                "template call, not a template variable)"
+            )
         prefill = continues_final_message(req)
         if prefill:
             template_kwargs["continue_final_message"] = True
