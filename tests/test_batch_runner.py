@@ -113,3 +113,14 @@ def test_the_window_counts_engine_requests_not_lines(tmp_path):
     assert (
         sequences({"prompt": [[5], [6]], "best_of": 4}) == 8 and sequences({"n": "8", "best_of": True}) == 1
     )
+
+
+def test_a_line_body_the_schema_refuses_names_the_path_as_http_does():
+    """A batch line's validation error named only its top-level field ("messages: Field
+    required"); it names the path, as the HTTP handler does, before the engine is involved."""
+    from kvserve.batch.execute import execute_line
+
+    body = {"messages": [{"role": "user", "content": "hi"}, {"content": "x"}]}
+    status, resp = asyncio.run(execute_line(None, CHAT, body, "r-1"))
+    assert status == 400 and resp["error"]["param"] == "messages"
+    assert resp["error"]["message"] == "messages[1].role: Field required"

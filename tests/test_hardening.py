@@ -205,6 +205,29 @@ def test_a_union_field_reports_the_member_the_value_broke(server):
     )
 
 
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({"messages": [{"role": "user", "content": "hi"}, {}]}, "messages[1].role: Field required"),
+        (
+            {"messages": [{"role": "assistant", "tool_calls": [{"id": "c1", "function": {}}]}]},
+            "messages[0].tool_calls[0].function.name: Field required",
+        ),
+        ({"tools": [{"type": "function", "function": {}}]}, "tools[0].function.name: Field required"),
+        ({"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage: Input should be"),
+        ({"stop": 5}, "stop: Input should be a valid string"),  # a union member (str) is no field
+    ],
+)
+def test_a_validation_error_names_the_path_to_the_field(server, extra, message):
+    """FastAPI's errors were reported by their top-level field only: "messages: Field required"
+    named neither the message nor the field it lacked. The message gives the path; param stays
+    the top-level field."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra}
+    r = post(server, body, CHAT)
+    assert_400(r, next(iter(extra)))
+    assert r.json()["error"]["message"].startswith(message), r.json()
+
+
 def test_null_for_a_nullable_openai_field_means_its_default(server):
     """OpenAI's reference declares n, stream, the penalties, logprobs, echo (and the Responses
     API's stream, store, parallel_tool_calls, background, the embeddings' encoding_format)

@@ -12,7 +12,7 @@ from starlette.requests import Request as StarletteRequest
 
 from kvserve.engine.async_llm import EngineDeadError, RequestFailedError
 from kvserve.entrypoints.openai.compat import ModelNotFoundError
-from kvserve.entrypoints.openai.errors import param_of, value_error_code
+from kvserve.entrypoints.openai.errors import field_path, param_of, specific_error, value_error_code
 from kvserve.entrypoints.openai.lifecycle import ServerShuttingDownError
 from kvserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from kvserve.entrypoints.openai.serving import OpenAIServing, ServerOverloadedError
@@ -52,10 +52,11 @@ async def execute_line(
     try:
         req = BODIES[endpoint].model_validate(body)
     except ValidationError as e:
-        first = e.errors()[0] if e.errors() else {}
-        loc = [str(x) for x in first.get("loc", [])]
-        param = loc[0] if loc else None
-        return _error(400, f"{param}: {first.get('msg', 'invalid value')}", "invalid_request_error", param,
+        first = specific_error(list(e.errors()))  # as the HTTP handler reports it
+        loc = list(first.get("loc", []))
+        param = str(loc[0]) if loc else None
+        where = field_path(loc) if loc else "body"
+        return _error(400, f"{where}: {first.get('msg', 'invalid value')}", "invalid_request_error", param,
                       "invalid_value")  # fmt: skip
     req.priority = BACKGROUND_PRIORITY  # a batch line never competes with a waiting human
     raw = synthetic_request(endpoint, request_id)

@@ -23,6 +23,7 @@ from kvserve.entrypoints.draining_server import DrainingServer
 from kvserve.entrypoints.openai.compat import ModelNotFoundError
 from kvserve.entrypoints.openai.errors import (
     error_response,
+    field_path,
     param_of,
     specific_error,
     unparsable_body,
@@ -132,11 +133,13 @@ def build_app(engine: AsyncLLM | DPClient, cfg: ServerConfig, store: ResponseSto
         body_error = unreadable_body(first, request.headers.get("content-type", ""))
         if body_error:
             return error_response(400, body_error, code="invalid_json")
-        loc = [str(x) for x in first.get("loc", [])]
+        loc = list(first.get("loc", []))
         loc = loc[1:] if loc and loc[0] in ("body", "query", "path") else loc  # where, not which field
-        param = loc[0] if loc else None  # the top-level field; deeper parts name union members
+        param = str(loc[0]) if loc else None  # the top-level field; the message names the path in it
         msg = (
-            f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid request")
+            f"{field_path(loc)}: {first.get('msg', 'invalid value')}"
+            if param
+            else first.get("msg", "invalid request")
         )
         return error_response(400, msg, param=param, code="invalid_value")
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
+
 from fastapi.responses import JSONResponse
 
 from kvserve.engine.processor import ContextLengthError
@@ -24,6 +27,25 @@ def param_of(message: str) -> str | None:
     """Our ValueErrors start with the field name ("top_p: must be ..."): report it as param."""
     head, sep, _ = message.partition(":")
     return head.strip() if sep and head.strip().replace("_", "").isalnum() else None
+
+
+# What pydantic puts in an error's location for a union's member rather than a field.
+_MEMBER_TAGS = frozenset({"str", "int", "float", "bool", "none", "dict", "list", "bytes"})
+
+
+def field_path(loc: Sequence[str | int]) -> str:
+    """A validation error's field as a client writes it ("messages[1].tool_calls[0].function.name"),
+    up to the first part that names a union member (str, list[str], NamedToolChoice, ...), not a
+    field: a bare "messages: Field required" named neither the message nor the field."""
+    path = str(loc[0])
+    for part in loc[1:]:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif re.fullmatch(r"[a-z_][a-z0-9_]*", part) and part not in _MEMBER_TAGS:
+            path += f".{part}"
+        else:
+            break
+    return path
 
 
 def value_error_code(exc: ValueError) -> str:
