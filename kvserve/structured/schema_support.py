@@ -38,6 +38,9 @@ def unsupported(schema: Any) -> tuple[str, str, str] | None:
                 return key, path or "/", why
         if node.get("uniqueItems") is True:
             return "uniqueItems", path or "/", "unique items are not enforced"
+        for key in ("anyOf", "oneOf"):  # no alternative: xgrammar accepts an empty answer instead
+            if node.get(key) == []:
+                return key, path or "/", f"an empty {key} matches no value; give at least one schema"
         if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
             return "allOf", path or "/", "only the first of several allOf schemas would be enforced"
         name = _undefined_required(node)
