@@ -727,3 +727,27 @@ def test_a_port_out_of_range_is_refused(command, capsys):
         main([command, "--port", "70000"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and "argument --port: must be a port number in 0-65535, got 70000" in err
+
+
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("--max-waiting-requests", "0", "must be >= 1"),  # every request "could never be admitted"
+        ("--request-timeout", "0", "must be > 0"),  # every request timed out at once
+        ("--request-timeout", "nan", "must be a finite number"),
+        ("--max-request-bytes", "0", "must be >= 1"),  # every body a 413
+        ("--stream-stall-timeout", "-1", "must be >= 0"),
+        ("--shutdown-timeout", "nan", "must be a finite number"),
+        ("--engine-restart-limit", "-1", "must be >= 0"),
+        ("--max-upload-size", "0", "must be >= 1"),
+        ("--batch-window", "0", "must be >= 1"),
+        ("--response-store-size", "-5", "must be >= 1"),
+    ],
+)
+def test_serve_settings_that_would_leave_it_useless_are_refused_at_parse(flag, value, message, capsys):
+    """These were taken, and the server started only to refuse or time out every request."""
+    from kvserve.entrypoints.cli import build_parser
+
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["serve", flag, value])
+    assert e.value.code == 2 and f"argument {flag}: {message}" in capsys.readouterr().err

@@ -9,7 +9,14 @@ import os
 import sys
 from dataclasses import fields
 
-from kvserve.argtypes import finite_float, port
+from kvserve.argtypes import (
+    finite_float,
+    non_negative_float,
+    non_negative_int,
+    port,
+    positive_float,
+    positive_int,
+)
 from kvserve.config import EngineConfig
 from kvserve.entrypoints.openai.server_config import ServerConfig
 from kvserve.routing.registry import SERVE_POLICIES
@@ -227,24 +234,26 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--allow-credentials", action="store_true", help="CORS: allow cookies / auth headers")
     srv.add_argument("--response-store", default="memory",
                      help="Responses API store: memory | sqlite:PATH (survives restarts)")  # fmt: skip
-    srv.add_argument("--response-store-size", type=int, default=1024,
+    srv.add_argument("--response-store-size", type=positive_int, default=1024,
                      help="Responses API: stored responses kept (least recently used dropped)")  # fmt: skip
     srv.add_argument("--metrics-compat", choices=("vllm",), default=None,
                      help="also expose each kvserve:* series as vLLM's vllm:* (dashboards)")  # fmt: skip
     srv.add_argument(
-        "--request-timeout", type=float, default=None, help="seconds before a request is aborted"
+        "--request-timeout", type=positive_float, default=None, help="seconds before a request is aborted"
     )
     srv.add_argument(
-        "--max-waiting-requests", type=int, default=None,
+        "--max-waiting-requests", type=positive_int, default=None,
         help="past this many requests without a first token, answer 503 + Retry-After at once",
     )  # fmt: skip
-    srv.add_argument("--max-request-bytes", type=int, default=ServerConfig.max_request_bytes,
+    srv.add_argument("--max-request-bytes", type=positive_int, default=ServerConfig.max_request_bytes,
                      help="bodies larger than this get 413 before parsing (default 16 MiB)")  # fmt: skip
-    srv.add_argument("--shutdown-timeout", type=float, default=ServerConfig.shutdown_timeout,
+    srv.add_argument("--shutdown-timeout", type=non_negative_float, default=ServerConfig.shutdown_timeout,
                      help="on SIGTERM/SIGINT, seconds in-flight requests may take to finish")  # fmt: skip
-    srv.add_argument("--stream-stall-timeout", type=float, default=ServerConfig.stream_stall_timeout,
+    srv.add_argument("--stream-stall-timeout", type=non_negative_float,
+                     default=ServerConfig.stream_stall_timeout,
                      help="abort a stream whose client has not read for this long (0: never)")  # fmt: skip
-    srv.add_argument("--engine-restart-limit", type=int, default=ServerConfig.engine_restart_limit,
+    srv.add_argument("--engine-restart-limit", type=non_negative_int,
+                     default=ServerConfig.engine_restart_limit,
                      help="restart a dead engine core up to this many times in a row (0: never)")  # fmt: skip
     srv.add_argument("--routing-policy", choices=SERVE_POLICIES, default=ServerConfig.routing_policy,
                      help="how --data-parallel-size replicas share requests")  # fmt: skip
@@ -256,13 +265,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     srv.add_argument(
         "--max-upload-size",
-        type=int,
+        type=positive_int,
         default=ServerConfig.max_upload_size,
         help="Batch API: largest file POST /v1/files accepts, in bytes (default 200 MiB)",
     )
     srv.add_argument(
         "--batch-window",
-        type=int,
+        type=positive_int,
         default=None,
         help="Batch API: a batch's requests in the engine at once (default --max-num-seqs)",
     )
