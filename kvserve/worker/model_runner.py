@@ -99,9 +99,13 @@ class ModelRunner:
                 logger.info("layer ops: Triton kernels (RMSNorm, rotary, SiLU-and-multiply)")
         if self._stack_takes_chunks():
             self.attn_backend.prompt_rows_as_decodes = True
-        # float projections: a lone row runs as two, oneDNN's one-row kernel sums in another
-        # order (shape_buckets.py); the decode stack's own kernels give any row the same bits
-        self.min_rows = 1 if self.model.stack_applies(self.kv_cache.dtype) else 2
+        # Float projections with a 1-byte cache: a lone row runs as two, oneDNN's one-row kernel
+        # sums in another order (shape_buckets.py) and the cache's codes turn those last bits
+        # into steps. With a float cache the bits stay ~1e-6 apart (the near-tie rule), not worth
+        # the second row: 1.06-1.10x the time of a float32 token at one stream. The decode
+        # stack's own kernels give any row the same bits.
+        kv = self.kv_cache.dtype
+        self.min_rows = 2 if is_quantized(kv) and not self.model.stack_applies(kv) else 1
         trim_heap()  # the loader's temporaries and the plain weights packing replaced
 
     def _stack_takes_chunks(self) -> bool:
@@ -129,11 +133,11 @@ class ModelRunner:
         then takes the next code, a step of up to 1/16 of the vector's range for fp8. On the
         default model (float32, fp8 cache) with this and a lone row's projections
         (shape_buckets.py) apart, logprobs moved by up to 0.27 between a prompt alone and
-        beside others, and greedy text changed (tests/test_fidelity.py). This costs more than
-        the stack's: the decode kernel dequantizes every key for every prompt row (default
-        model, fp8 cache, this 2-core host: a 256-token prefill 0.41 -> 0.50 s, a 1,500-token
-        one 2.3 -> 12 s); sharing a block's dequantized keys between a request's rows would
-        take most of it back."""
+        beside others, and greedy text changed (tests/test_fidelity.py). With an int8 cache
+        this costs about what the stack's layout does (default model, AMX host: a 1,500-token
+        prefill 1.8-1.9 -> 2.0-2.1 s); with fp8 more, as the decode kernel dequantizes every
+        key through its table once per prompt row (2.0-2.4 -> 6.2 s). Sharing a block's
+        dequantized keys between a request's rows would take much of that back."""
         if self.attn_backend.name != "cpu":
             return False
         if self.model.stack_applies(self.kv_cache.dtype):
