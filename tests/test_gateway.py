@@ -72,6 +72,18 @@ def test_chat_and_completions_identical(via, direct):
     assert a.choices[0].text == b.choices[0].text and _tokens(a) == _tokens(b)
 
 
+def test_head_answers_as_get_without_a_body(gw):
+    """Monitors probe the gateway with HEAD too (was 405)."""
+    for path, headers in (
+        ("/health", {}),
+        ("/health/ready", {}),
+        ("/v1/models", {"Authorization": f"Bearer {KEY}"}),
+    ):
+        head = httpx.head(gw.url + path, headers=headers)
+        assert head.status_code == 200 and head.content == b"", path
+    assert httpx.head(gw.url + "/v1/models").status_code == 401
+
+
 def _tokens(r) -> tuple[int, int]:
     """Token counts (cached-token details differ with which replica's prefix cache was warm)."""
     return r.usage.prompt_tokens, r.usage.completion_tokens

@@ -47,6 +47,19 @@ def test_models_health_version(server, client):
     assert "version" in httpx.get(f"{server.url}/version").json()
 
 
+def test_head_answers_as_get_without_a_body(server):
+    """Uptime monitors and load balancers probe with HEAD: each GET route answers it with the
+    GET's status and headers and no body (was 405); a POST-only route still refuses it."""
+    auth = {"Authorization": f"Bearer {server.api_key}"}
+    for path in ("/health", "/health/ready", "/v1/models", "/metrics", "/", "/v1/batches"):
+        get, head = httpx.get(server.url + path, headers=auth), httpx.head(server.url + path, headers=auth)
+        assert (head.status_code, get.status_code) == (200, 200), path
+        same_type = head.headers.get("content-type") == get.headers.get("content-type")
+        assert head.content == b"" and same_type, path
+    assert httpx.head(server.url + "/v1/models").status_code == 401  # the key is still checked
+    assert httpx.head(server.url + "/v1/completions", headers=auth).status_code == 405
+
+
 def test_chat_completion_shape(client):
     r = client.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "Hello world"}], max_tokens=12, temperature=0

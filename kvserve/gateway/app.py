@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from kvserve.entrypoints.draining_server import DrainingServer
-from kvserve.entrypoints.openai.middleware import BodySizeLimit, InternalErrors
+from kvserve.entrypoints.openai.middleware import BodySizeLimit, HeadAsGet, InternalErrors
 from kvserve.gateway.admin import admin_router
 from kvserve.gateway.backends import BackendPool
 from kvserve.gateway.config import ConfigError, GatewayConfig
@@ -115,6 +115,7 @@ def build_app(cfg: GatewayConfig, web_ui: bool = True) -> FastAPI:
     app.state.gateway = state
     # an exception no handler took is the gateway's bug: a 500 in OpenAI's shape, the trace
     # logged once (Starlette's was text/plain, with uvicorn's trace, and the connection closed)
+    app.add_middleware(HeadAsGet)  # monitors probe /health with HEAD (middleware.py)
     app.add_middleware(InternalErrors)
     # the handler reads whole bodies: without a bound one client's upload takes the memory
     app.add_middleware(BodySizeLimit, max_bytes=cfg.general_settings.max_request_bytes)

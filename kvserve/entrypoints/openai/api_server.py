@@ -31,7 +31,7 @@ from kvserve.entrypoints.openai.errors import (
     value_error_code,
 )
 from kvserve.entrypoints.openai.lifecycle import Lifecycle, ServerShuttingDownError
-from kvserve.entrypoints.openai.middleware import BodySizeLimit, InternalErrors, RequestGate
+from kvserve.entrypoints.openai.middleware import BodySizeLimit, HeadAsGet, InternalErrors, RequestGate
 from kvserve.entrypoints.openai.openapi import openapi_with_400
 from kvserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -116,7 +116,8 @@ def build_app(engine: AsyncLLM | DPClient, cfg: ServerConfig, store: ResponseSto
             return resp
         return None
 
-    app.add_middleware(InternalErrors)  # innermost: the gate logs its 500 and adds X-Request-Id
+    app.add_middleware(HeadAsGet)  # innermost: the gate and the request log see HEAD
+    app.add_middleware(InternalErrors)  # the gate logs its 500 and adds X-Request-Id
     app.add_middleware(RequestGate, gate=gate)
     # before any parsing
     app.add_middleware(BodySizeLimit, max_bytes=cfg.max_request_bytes, overrides=batch.body_limits)

@@ -69,6 +69,31 @@ class InternalErrors:
             await _send_json(send, 500, body)
 
 
+class HeadAsGet:
+    """HEAD is answered as GET would be, without the body: uptime monitors and load balancers
+    probe `/health` and `/v1/models` with HEAD, and FastAPI's routes take only the methods
+    they name (405 before). The GET's headers go out as they are (Content-Length included, as
+    HTTP has it for HEAD); routes without GET still answer 405."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            return await self.app(scope, receive, send)
+        ended = False
+
+        async def headers_only(message: Message) -> None:
+            nonlocal ended
+            if message["type"] != "http.response.body":
+                await send(message)
+            elif not ended:  # one empty body ends the response; the rest of the GET's is dropped
+                ended = True
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        await self.app({**scope, "method": "GET"}, receive, headers_only)
+
+
 class BodySizeLimit:
     """`overrides` gives some paths their own limit for chunked bodies; a declared length there
     is left to the route, which refuses it naming its field (file uploads)."""
