@@ -243,6 +243,8 @@ def test_tokenize_detokenize(server):
     assert r["count"] == len(r["tokens"]) > 0
     d = httpx.post(f"{server.url}/detokenize", json={"tokens": r["tokens"]}, headers=server.headers).json()
     assert d["prompt"].endswith("Hello world")
+    bad = httpx.post(f"{server.url}/detokenize", json={"tokens": [1, 10**6]}, headers=server.headers)
+    assert bad.status_code == 400 and bad.json()["error"]["message"].startswith("tokens: ids must be in [0, ")
 
 
 def test_http_greedy_equals_offline(server, client, tiny_llama_dir):

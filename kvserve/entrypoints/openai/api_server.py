@@ -279,9 +279,7 @@ def build_app(engine: AsyncLLM | DPClient, cfg: ServerConfig, store: ResponseSto
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
         serving.check_model(req.model)
-        if any(not 0 <= t < engine.limits.vocab_size for t in req.tokens):
-            raise ValueError(f"tokens: ids must be in [0, {engine.limits.vocab_size})")
-        return {"prompt": engine.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+        return {"prompt": await serving.detokenize(req.tokens)}
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache():

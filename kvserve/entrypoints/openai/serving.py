@@ -140,6 +140,17 @@ class OpenAIServing:
     async def _off_loop(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
+    async def detokenize(self, ids: list[int]) -> str:
+        """/detokenize's text, checked and decoded on the serving pool: a body may hold millions
+        of ids, seconds of work that on the event loop would stall every other request."""
+        return await self._off_loop(self._decode_ids, ids)
+
+    def _decode_ids(self, ids: list[int]) -> str:
+        vocab = self.engine.limits.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise ValueError(f"tokens: ids must be in [0, {vocab})")
+        return self.engine.tokenizer.decode(ids, skip_special_tokens=False)
+
     async def tokenize_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
         self._check_chars("prompt", len(text))
         return await self._off_loop(self._encode, "prompt", text, add_special_tokens)
