@@ -77,6 +77,14 @@ def positive_float(text: str) -> float:
     return value
 
 
+def model_name(text: str) -> str:
+    """A name clients send as `model` and see in /v1/models and every answer: an empty or blank
+    one was taken as it came."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"must be a non-empty name, got {text!r}")
+    return text
+
+
 def rate(text: str) -> float:
     """Events per second: a positive number, or inf (all at once). NaN is refused: as a rate
     it sent everything at once and wrote NaN, which is not JSON, into the result file."""

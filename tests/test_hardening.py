@@ -742,6 +742,8 @@ def test_a_port_out_of_range_is_refused(command, capsys):
         ("--max-upload-size", "0", "must be >= 1"),
         ("--batch-window", "0", "must be >= 1"),
         ("--response-store-size", "-5", "must be >= 1"),
+        ("--served-model-name", "", "must be a non-empty name, got ''"),
+        ("--served-model-name", "  ", "must be a non-empty name, got '  '"),
     ],
 )
 def test_serve_settings_that_would_leave_it_useless_are_refused_at_parse(flag, value, message, capsys):

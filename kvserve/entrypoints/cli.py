@@ -11,6 +11,7 @@ from dataclasses import fields
 
 from kvserve.argtypes import (
     finite_float,
+    model_name,
     non_negative_float,
     non_negative_int,
     port,
@@ -224,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--api-key", action="append", default=None,
                      help="require this bearer key (repeat for several; or set KVSERVE_API_KEY)")  # fmt: skip
     srv.add_argument("--metrics-require-key", action="store_true", help="/metrics needs an API key too")
-    srv.add_argument("--served-model-name", nargs="+", default=None,
+    srv.add_argument("--served-model-name", nargs="+", type=model_name, default=None,
                      help="name(s) clients use, each listed and echoed back; the first names the model "
                           "in logs")  # fmt: skip
     srv.add_argument("--allowed-origins", nargs="*", default=[],
