@@ -393,6 +393,55 @@ def test_resumed_batch_queued_behind_another_is_cancelled_at_once(tiny_llama_dir
         s.stop()
 
 
+@pytest.mark.anyio
+@pytest.mark.parametrize("content", ["", "dup"])
+async def test_a_batch_cancelled_while_its_file_is_read_ends_cancelled(tmp_path, monkeypatch, content):
+    """cancel() while the worker reads a validating batch's input, which then turns out empty
+    or to repeat a custom_id: the batch ends `cancelled` (was marked `failed` over
+    `cancelling` from the object read before the scan, its id left in the cancelled set)."""
+    import asyncio
+    import threading
+
+    from kvserve.batch import service as service_mod
+    from kvserve.batch.db import open_db
+    from kvserve.batch.files import FileStore, new_file_id
+    from kvserve.batch.jobs import JobStore
+
+    store = tmp_path / "store"
+    conn = open_db(store)
+    files, jobs = FileStore(conn, store, 2**20), JobStore(conn)
+    fid = new_file_id()
+    files.path(fid).write_text("" if content == "" else line(0) + "\n" + line(0) + "\n")
+    files.register(fid, "in.jsonl", "batch")
+    batch_id = jobs.create(fid, CHAT, "24h", None)["id"]
+    reading, cancelled = threading.Event(), threading.Event()
+    real_scan = service_mod.scan_input
+
+    def held_scan(path):  # the worker's thread: holds the scan until cancel() has run
+        reading.set()
+        assert cancelled.wait(10)
+        return real_scan(path)
+
+    monkeypatch.setattr(service_mod, "scan_input", held_scan)
+    svc = service_mod.BatchService(files, jobs, serving=None, window=4)  # no line reaches serving
+    svc.start()
+    svc.submit(batch_id)
+    try:
+        assert await asyncio.to_thread(reading.wait, 10)
+        assert svc.cancel(batch_id)["status"] == "cancelling"
+        cancelled.set()
+        for _ in range(200):
+            if jobs.get(batch_id)["status"] not in ("validating", "cancelling"):
+                break
+            await asyncio.sleep(0.05)
+        got = jobs.get(batch_id)
+        assert got["status"] == "cancelled" and got["cancelled_at"] and got["failed_at"] is None, got
+        assert batch_id not in svc._cancelled
+    finally:
+        await svc.stop()
+        conn.close()
+
+
 def _in_progress_batch_with_one_line_done(files, jobs, conn) -> str:
     from kvserve.batch.files import new_file_id
     from kvserve.batch.output import DurableSink

@@ -99,9 +99,15 @@ class BatchService:
         path = self.files.dir / obj["input_file_id"]
         if obj["status"] == "validating":
             try:
-                scan = await asyncio.to_thread(scan_input, path)
+                scan, unreadable = await asyncio.to_thread(scan_input, path), None
             except OSError as e:
-                self._fail_unreadable(obj, e)
+                scan, unreadable = None, e
+            obj = self.jobs.raw(batch_id)  # cancel() may have run while the file was read
+            if obj["status"] == "cancelling":  # cancelled first: not failed over it, no line run
+                self._finalize(obj)
+                return
+            if unreadable is not None:
+                self._fail_unreadable(obj, unreadable)
                 return
             total = scan.total
             if scan.duplicates:  # as OpenAI: the batch fails, each repeat named with its line
