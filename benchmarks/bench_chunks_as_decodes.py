@@ -2,7 +2,9 @@
 
 Where the C++ decode stack runs the model (int4 / int8 weights), every prompt chunk runs whole
 in the stack, every prompt token a decode row (the same arithmetic as a decode: batch
-invariance); the other path runs the layers in Python with SDPA per chunk. Both paths run in
+invariance); the other path runs the layers in Python with SDPA per chunk. With float32
+weights and a 1-byte cache (`--weights float32`, since round 43) the layers run in Python either
+way and the prompt rows go through the paged decode kernel instead of SDPA. Both paths run in
 one process, the backend's switch flipped between them (the machine is shared: an
 alternating A/B in one run is the only fair comparison):
 1. chunks: one `--prompt-len` prompt prefilled in chunks of each of `--chunks` tokens, the
@@ -14,6 +16,7 @@ alternating A/B in one run is the only fair comparison):
    steps as a control (the same path both ways).
 
     python benchmarks/bench_chunks_as_decodes.py [--chunks 16,64,256] [--prompt-len 1024] [--rounds 4]
+        [--weights int4|int8|float32] [--kv-cache-dtype int8|fp8_e4m3]
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from benchmarks.common import make_prompts, run_header  # noqa: E402
 from kvserve import LLM, SamplingParams  # noqa: E402
 
 ON, OFF = True, False  # every chunk as decode rows / none
-ENGINE = {"quantization": "int4", "kv_cache_dtype": "int8", "enable_prefix_caching": False}
+ENGINE = {"quantization": "int4", "kv_cache_dtype": "int8", "enable_prefix_caching": False}  # main() sets
 
 
 def attended_pairs(start: int, n: int) -> int:
@@ -120,9 +123,19 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--c32-rounds", type=int, default=3, help="passes of the c=32 load (0: skip it)")
+    ap.add_argument(
+        "--weights",
+        choices=("int4", "int8", "float32"),
+        default="int4",
+        help="float32: the float model with a 1-byte cache, laid out the same way since round 43",
+    )
+    ap.add_argument("--kv-cache-dtype", choices=("int8", "fp8_e4m3"), default="int8")
     args = ap.parse_args()
+    ENGINE.update(quantization=None if args.weights == "float32" else args.weights,
+                  kv_cache_dtype=args.kv_cache_dtype)  # fmt: skip
     print(run_header())
-    print("default model, int4 weights, int8 KV; the engine lays every prompt chunk out as decode rows\n")
+    print(f"default model, {args.weights} weights, {args.kv_cache_dtype} KV; the engine lays every prompt "
+          "chunk out as decode rows\n")  # fmt: skip
     print("| chunk | cached before | attended pairs | SDPA ms (best) | as decode rows ms (best) | ratio |")
     print("|---|---|---|---|---|---|")
     for chunk in (int(c) for c in args.chunks.split(",")):
