@@ -575,6 +575,22 @@ def test_a_function_call_output_given_as_parts_is_read_as_their_text(server):
     assert input_tokens(parts) == input_tokens("sunny, 21 C")
 
 
+def test_an_assistant_refusal_reaches_the_model_as_its_text(server):
+    """A reply that refused comes back with content null and the text as `refusal`; sent back
+    in the history, the model read an empty turn."""
+
+    def prompt_tokens(assistant: dict) -> int:
+        messages = [{"role": "user", "content": "help me"}, {"role": "assistant", **assistant},
+                    {"role": "user", "content": "why not?"}]  # fmt: skip
+        r = post(server, {"model": "tiny", "messages": messages}, "/tokenize")
+        assert r.status_code == 200, r.text
+        return r.json()["count"]
+
+    said = "I can't help with that."
+    assert prompt_tokens({"content": None, "refusal": said}) == prompt_tokens({"content": said})
+    assert prompt_tokens({"content": None, "refusal": said}) > prompt_tokens({"content": ""})
+
+
 def test_readiness_and_openapi_document(server):
     deadline = time.monotonic() + 30
     while httpx.get(f"{server.url}/health/ready").status_code != 200:

@@ -14,6 +14,7 @@ from typing import Any
 from kvserve.entrypoints.openai.message_rules import check_message
 from kvserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
+    ChatMessage,
     NamedToolChoice,
     TokenizeRequest,
     ToolCall,
@@ -93,7 +94,7 @@ def conversation(
     for i, m in enumerate(req.messages):
         check_message(i, m)
         role = {"developer": developer, "function": "tool"}.get(m.role, m.role)
-        msg: dict[str, Any] = {"role": role, "content": m.text()}
+        msg: dict[str, Any] = {"role": role, "content": m.text() or _refusal(m)}
         if m.name:
             msg["name"] = m.name
         if m.tool_call_id:
@@ -124,6 +125,13 @@ def conversation(
     else:
         messages.insert(0, {"role": "system", "content": prompt})
     return messages, {}
+
+
+def _refusal(m: ChatMessage) -> str:
+    """A reply that refused comes back with content null and its text as `refusal` (as the API
+    answers it): the model reads that text as the turn's, not an empty turn."""
+    text = getattr(m, "refusal", None)
+    return text if m.role == "assistant" and isinstance(text, str) else ""
 
 
 def _as_object(arguments: str | dict) -> Any:
