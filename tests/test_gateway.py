@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import hashlib
 import json
+import sqlite3
 import time
 
 import httpx
@@ -17,6 +19,7 @@ from server_utils import ServerProcess
 
 MODEL_ARGS = ("--kv-cache-memory", "64MiB", "--max-model-len", "2048", "--served-model-name", "tiny")
 KEY = "sk-gw"
+RESP_KEY = "sk-responses"  # the Responses API test's own: its spend rows are only that test's
 MSG = [{"role": "user", "content": "The quick brown fox"}]
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 TOOLS = [
@@ -41,9 +44,10 @@ def gw(replicas, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gw")
     cfg = {
         "model_list": [{"model_name": "tiny", "id": f"replica-{i}",
-                        "backend": {"base_url": r.url + "/v1", "model": "tiny", "api_key": r.api_key}}
+                        "backend": {"base_url": r.url + "/v1", "model": "tiny", "api_key": r.api_key,
+                                    "input_cost_per_token": 1e-6, "output_cost_per_token": 2e-6}}
                        for i, r in enumerate(replicas)],
-        "keys": [{"key": KEY}, {"key": "sk-tpm", "tpm": 100000}],
+        "keys": [{"key": KEY}, {"key": "sk-tpm", "tpm": 100000}, {"key": RESP_KEY, "tpm": 10**6}],
         "general_settings": {"database": str(tmp / "gw.db")},
     }  # fmt: skip
     g = GatewayProcess(cfg, str(tmp))
@@ -230,3 +234,71 @@ def test_models_lists_aliases(via):
     with pytest.raises(openai.NotFoundError) as e:
         via.chat.completions.create(model="gpt-9", messages=MSG)
     assert json.loads(e.value.response.text)["error"]["code"] == "model_not_found"
+
+
+def _spend_rows(gw, key: str, n: int) -> list[tuple]:
+    """The key's spend rows once `n` are written (the log is flushed in batches)."""
+    db = gw.config_path.replace("gw.yaml", "gw.db")
+    h = hashlib.sha256(key.encode()).hexdigest()
+    deadline = time.monotonic() + 30
+    while True:
+        with sqlite3.connect(db) as c:
+            rows = c.execute(
+                "SELECT deployment, prompt_tokens, completion_tokens, cost FROM spend WHERE key_hash = ?",
+                (h,),
+            ).fetchall()
+        if len(rows) >= n or time.monotonic() > deadline:
+            return rows
+        time.sleep(0.1)
+
+
+def test_responses_api_through_the_gateway(gw):
+    """POST /v1/responses was a 404 at the gateway. Now proxied like chat: usage (input/output
+    tokens, streamed from the final event) is spent, and a follow-up with previous_response_id
+    reaches the replica that stored the conversation (the other one would answer not found)."""
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key=RESP_KEY, max_retries=0, timeout=60)
+    raw = client.responses.with_raw_response.create(
+        model="tiny", input="The quick brown fox", max_output_tokens=6, temperature=0
+    )
+    first, dep = raw.parse(), raw.headers["x-kvserve-deployment"]
+    assert (
+        first.output_text and first.usage.output_tokens > 0 and "x-ratelimit-remaining-tokens" in raw.headers
+    )
+    answers, prev = [first], first
+    for _ in range(3):  # (a router spreading them would send one of three to the other replica)
+        raw = client.responses.with_raw_response.create(
+            model="tiny", input="and then?", previous_response_id=prev.id, max_output_tokens=4, temperature=0
+        )
+        nxt = raw.parse()
+        assert raw.headers["x-kvserve-deployment"] == dep and nxt.previous_response_id == prev.id
+        assert nxt.usage.input_tokens > prev.usage.input_tokens + prev.usage.output_tokens  # the history
+        answers.append(nxt)
+        prev = nxt
+    events = list(
+        client.responses.create(
+            model="tiny", input="go on", previous_response_id=prev.id, max_output_tokens=4, stream=True
+        )
+    )
+    last = events[-1].response
+    assert events[0].type == "response.created" and events[-1].type in (
+        "response.completed",
+        "response.incomplete",
+    )
+    assert events[0].response.id == last.id and last.previous_response_id == prev.id
+    assert last.usage.input_tokens > prev.usage.input_tokens
+    answers.append(last)
+    got = client.responses.retrieve(last.id)
+    assert got.id == last.id and got.output_text == last.output_text
+    rows = _spend_rows(gw, RESP_KEY, len(answers))
+    assert sorted(r[1:3] for r in rows) == sorted(
+        (a.usage.input_tokens, a.usage.output_tokens) for a in answers
+    )
+    assert {r[0] for r in rows} == {dep}
+    for r in rows:
+        assert r[3] == pytest.approx(r[1] * 1e-6 + r[2] * 2e-6)
+    client.responses.delete(last.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(last.id)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="tiny", input="hi", previous_response_id="resp_0123456789abcdef")
+    assert json.loads(e.value.response.text)["error"]["code"] == "previous_response_not_found"

@@ -27,6 +27,7 @@ from kvserve.gateway.lifecycle import GatewayLifecycle
 from kvserve.gateway.metrics import GatewayMetrics
 from kvserve.gateway.spend import SpendLog
 from kvserve.gateway.state import StoreUnavailable, open_store, same_redis_server
+from kvserve.gateway.stored_responses import stored_response
 from kvserve.web import add_web_ui
 
 log = logging.getLogger("kvserve.gateway")
@@ -160,6 +161,20 @@ def build_app(cfg: GatewayConfig, web_ui: bool = True) -> FastAPI:
         s = st()
         s.refuse_if_draining()
         return await s.gateway.handle(request, "/completions", await s.authenticate(request))
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        s = st()
+        s.refuse_if_draining()
+        return await s.gateway.handle(request, "/responses", await s.authenticate(request))
+
+    @app.get("/v1/responses/{response_id}")
+    @app.delete("/v1/responses/{response_id}")
+    async def stored(request: Request, response_id: str):
+        s = st()
+        s.refuse_if_draining()
+        key = await s.authenticate(request)
+        return await stored_response(s.gateway, key, request.method, response_id, request.url.query)
 
     def model_card(alias: str) -> dict:
         return {"id": alias, "object": "model", "created": 0, "owned_by": "kvserve-gateway"}

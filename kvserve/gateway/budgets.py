@@ -18,7 +18,7 @@ def _count(x: object) -> int | None:
 
 def completion_budget(body: dict, prompt_tokens: int, max_context: int | None) -> int:
     """The most completion tokens this request can produce."""
-    n = _count(body.get("max_completion_tokens") or body.get("max_tokens"))
+    n = _count(body.get("max_completion_tokens") or body.get("max_tokens") or body.get("max_output_tokens"))
     if n is not None:
         return n
     if max_context:

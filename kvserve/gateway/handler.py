@@ -30,6 +30,7 @@ from kvserve.gateway.metrics import GatewayMetrics
 from kvserve.gateway.proxy import Outcome, attempt
 from kvserve.gateway.response_cache import HEADER as CACHE_HEADER
 from kvserve.gateway.response_cache import Lookup, ResponseCache
+from kvserve.gateway.responses_ids import RESPONSES, decode_id
 from kvserve.gateway.retries import CREDENTIALS_STATUS, MAX_RETRY_AFTER, backoff
 from kvserve.gateway.router import Router, request_info
 from kvserve.gateway.saturation import SaturationMonitor
@@ -70,6 +71,7 @@ class Ctx:
     client_left: bool = False  # the client hung up (the request is being cancelled)
     abandoned: str | None = None  # it left with work on served_by: "prefill" or "answer"
     allowed: frozenset[str] = frozenset()  # the aliases this key (and its team) may use
+    pinned: Deployment | None = None  # the deployment holding previous_response_id's conversation
 
 
 class Gateway:
@@ -137,6 +139,8 @@ class Gateway:
             time.monotonic(),
         )
         ctx.request, ctx.allowed = request, allowed
+        if path == RESPONSES:
+            self._pin(ctx)
         ctx.route = request_info(body, request.headers if request is not None else {})
         work = asyncio.ensure_future(self._run(ctx))
         watcher = asyncio.ensure_future(_disconnected(request))
@@ -153,6 +157,31 @@ class Gateway:
         work.cancel()  # the client went away: stop the upstream request (frees its KV blocks)
         return Response(status_code=499)
 
+    def _pin(self, ctx: Ctx) -> None:
+        """A Responses request continuing a stored one goes where it is stored: the deployment
+        named in the gateway's id (responses_ids.py), with the backend's own id."""
+        prev = ctx.body.get("previous_response_id")
+        if prev is None:
+            return
+        where = decode_id(prev)
+        dep = self.router.by_id.get(where[0]) if where else None
+        if dep is None or dep.model_name not in ctx.allowed:
+            raise GatewayError(
+                400,
+                f"previous_response_id: response {str(prev)[:200]!r} not found (not made through this "
+                "gateway, or its deployment is no longer configured)",
+                code="previous_response_not_found",
+                param="previous_response_id",
+            )
+        if dep.model_name not in self._chain(ctx):
+            raise GatewayError(
+                400,
+                f"previous_response_id: that response was answered by model {dep.model_name!r}, whose "
+                f"deployment holds the conversation; continue it with model {dep.model_name!r}",
+                param="previous_response_id",
+            )
+        ctx.pinned, ctx.body = dep, dict(ctx.body, previous_response_id=where[1])
+
     async def _run(self, ctx: Ctx) -> Response:
         self.metrics.in_flight.inc()
         self.num_in_flight += 1
@@ -160,7 +189,8 @@ class Gateway:
             await self._admit(ctx)
             resp = await self._from_cache(ctx)  # a cached answer even when the group is saturated
             if resp is None:
-                ctx.degraded_to = self.degrader.decide(ctx.alias, ctx.body, ctx.allowed)  # or the shed 503
+                if ctx.pinned is None:  # (a continued conversation cannot move to another group)
+                    ctx.degraded_to = self.degrader.decide(ctx.alias, ctx.body, ctx.allowed)  # or shed 503
                 resp = await self._attempts(ctx)
         except BaseException as e:
             status = (
@@ -175,6 +205,8 @@ class Gateway:
 
     async def _from_cache(self, ctx: Ctx) -> Response | None:
         headers = ctx.request.headers if ctx.request is not None else None
+        if ctx.path == RESPONSES:  # each answer is a stored response of its own, with its own id
+            return None
         if not self.cache.applies(ctx.alias, ctx.body, headers):
             return None
         ctx.cache = await self.cache.lookup(ctx.alias, ctx.path, ctx.body)
@@ -263,7 +295,7 @@ class Gateway:
 
     # ---- attempts --------------------------------------------------------------------------
     async def _attempts(self, ctx: Ctx) -> Response:
-        groups, context_switched = self._chain(ctx), False
+        groups, context_switched = [ctx.pinned.model_name] if ctx.pinned else self._chain(ctx), False
         context_answer: tuple[Deployment, Outcome] | None = None  # a backend's own "too long" 400
         last: GatewayError | None = None
         gi = 0
@@ -271,7 +303,10 @@ class Gateway:
             alias, excluded, tried, too_long = groups[gi], set(), set(), False
             group_attempts, failed_id, retry_after = 0, None, None
             while group_attempts <= self.rs.num_retries:
-                dep = await self.router.pick(alias, excluded, tried, ctx.route)
+                if ctx.pinned is not None:  # its only deployment, even cooling down: none other has it
+                    dep = None if ctx.pinned.id in excluded else ctx.pinned
+                else:
+                    dep = await self.router.pick(alias, excluded, tried, ctx.route)
                 if dep is None:
                     break
                 if dep.backend.max_context and ctx.prompt_tokens + _min_new(ctx) > dep.backend.max_context:
@@ -332,7 +367,7 @@ class Gateway:
                     last.headers["retry-after"] = str(int(out.retry_after + 0.999))
             if too_long and not context_switched:
                 context_switched, gi = True, 0
-                groups = self._permitted(ctx, self.rs.context_window_fallbacks)
+                groups = [] if ctx.pinned else self._permitted(ctx, self.rs.context_window_fallbacks)
                 if not groups and context_answer:  # nowhere bigger to go: the backend's answer stands
                     return await self._pass_through(ctx, *context_answer)
                 field = "messages" if "messages" in ctx.body else "prompt"
@@ -369,7 +404,9 @@ class Gateway:
     async def _one(self, ctx: Ctx, dep: Deployment, arid: str, dchecks: list[Check]) -> Response | Outcome:
         """One attempt; a Response when it is the answer, else the failed Outcome."""
         body, ctx.pd = ctx.body, None  # x-kvserve-pd describes this attempt, not an earlier one
-        split = bool(dep.backend.prefill_url) and ctx.path != EMBEDDINGS and disaggregates(body)
+        # (a Responses request runs whole on the decode engine: only it holds stored conversations)
+        whole = ctx.path in (EMBEDDINGS, RESPONSES)
+        split = bool(dep.backend.prefill_url) and not whole and disaggregates(body)
         if split:  # pd deployment: the prompt on its kv_producer first
             url, prefill = dep.backend.prefill_url + ctx.path, dict(body, model=dep.backend.model)
             try:
@@ -578,7 +615,8 @@ def _min_new(ctx: Ctx) -> int:
     """Tokens the answer needs room for past the prompt (an embedding: none)."""
     if ctx.path == EMBEDDINGS:
         return 0
-    n = ctx.body.get("max_completion_tokens") or ctx.body.get("max_tokens")
+    b = ctx.body
+    n = b.get("max_completion_tokens") or b.get("max_tokens") or b.get("max_output_tokens")
     return n if isinstance(n, int) and n > 0 else 1
 
 

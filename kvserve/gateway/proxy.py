@@ -16,6 +16,7 @@ import httpx
 
 from kvserve.gateway.backends import BackendPool
 from kvserve.gateway.config import Deployment
+from kvserve.gateway.responses_ids import RESPONSES, public_body, public_error, public_event
 from kvserve.gateway.retries import CREDENTIALS_STATUS, is_context_error, is_retryable, parse_retry_after
 from kvserve.gateway.sse import SSERelay
 from kvserve.gateway.usage import normalized
@@ -42,10 +43,12 @@ class Outcome:
     extra: dict = field(default_factory=dict)
 
 
-def upstream_body(body: dict, dep: Deployment, stream: bool) -> bytes:
+def upstream_body(body: dict, dep: Deployment, stream: bool, path: str = "/chat/completions") -> bytes:
     out = dict(body, model=dep.backend.model)
     so = body.get("stream_options")
-    if stream and (so is None or isinstance(so, dict)):  # ask for usage to settle budgets and tpm
+    # ask for usage to settle budgets and tpm (a Responses stream always ends with its usage, and
+    # its stream_options has no include_usage)
+    if stream and path != RESPONSES and (so is None or isinstance(so, dict)):
         out["stream_options"] = {**(so or {}), "include_usage": True}  # (else the backend's 400)
     return json.dumps(out).encode()
 
@@ -56,8 +59,9 @@ async def attempt(
     b = dep.backend
     client = pool.client(dep)
     req = client.build_request(
-        "POST", b.base_url + path, content=upstream_body(body, dep, stream), headers=pool.headers(dep)
+        "POST", b.base_url + path, content=upstream_body(body, dep, stream, path), headers=pool.headers(dep)
     )
+    responses = path == RESPONSES
     t0 = time.monotonic()
     resp: httpx.Response | None = None
     reading_body = False
@@ -70,7 +74,8 @@ async def attempt(
             resp = await client.send(req, stream=True)
             whole = resp.status_code >= 300 or not stream
             if not whole:
-                relay = SSERelay(client_wants_usage)
+                rewrite = (lambda ev: public_event(ev, dep.id)) if responses else None
+                relay = SSERelay(client_wants_usage or responses, rewrite)
                 chunks = resp.aiter_raw()
                 first = b""  # (comments and chat's opening chunk before it go out with it)
                 while not relay.answered:  # a ping or a role is not an answer: timeout and retries apply
@@ -85,7 +90,10 @@ async def attempt(
             async with asyncio.timeout(max(b.timeout - (time.monotonic() - t0), 0.001)):
                 content = await resp.aread()
             await resp.aclose()
-            return _classify(resp, content, t0)
+            out = _classify(resp, content, t0)
+            if responses:  # the ids a follow-up names must lead back to this deployment
+                out.content = (public_body if out.kind == "ok" else public_error)(out.content, dep.id, body)
+            return out
         return Outcome(
             "ok",
             200,

@@ -24,6 +24,8 @@ def request_info(body: dict, headers) -> RequestInfo:
         text = "".join(parts)
     elif isinstance(body.get("prompt"), str):
         text = body["prompt"]
+    elif isinstance(body.get("input"), str):  # the Responses API's (and embeddings') text
+        text = body["input"]
     user = body.get("user") if isinstance(body.get("user"), str) else None
     salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
     return RequestInfo(text=text, session=headers.get("x-session-id") or user, cache_salt=salt)

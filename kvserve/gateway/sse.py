@@ -1,18 +1,25 @@
 """Pass an upstream SSE stream through event for event while watching for the usage chunk the
-gateway asked for (include_usage), and hide it again when the client did not ask."""
+gateway asked for (include_usage), and hide it again when the client did not ask. A Responses
+API stream carries its usage in the response.completed event, and its ids are rewritten as
+they pass (`rewrite`)."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 from kvserve.gateway.usage import normalized
 
 _NULL_USAGE = (b',"usage":null', b', "usage": null')
+# a Responses stream's events before the model has produced anything (as chat's role chunk)
+_OPENING_TYPES = frozenset({"response.created", "response.in_progress", "response.queued"})
+_DELTA_TYPES = frozenset({"response.output_text.delta", "response.function_call_arguments.delta"})
 
 
 class SSERelay:
-    def __init__(self, client_wants_usage: bool) -> None:
+    def __init__(self, client_wants_usage: bool, rewrite: Callable[[bytes], bytes] | None = None) -> None:
         self.strip = not client_wants_usage
+        self.rewrite = rewrite  # applied to each whole event passed on
         self.usage: dict | None = None
         self.events = 0
         self.data_events = 0  # events with data: comments (": ping") and bare fields are not an answer
@@ -43,6 +50,10 @@ class SSERelay:
                 self._first_answer(ev)
             if b'"choices"' in ev:
                 self._count(ev)
+            elif b'.delta"' in ev:
+                self._count_delta(ev)
+            if self.rewrite is not None:
+                ev = self.rewrite(ev)
             out.append(ev + b"\n\n")
         return b"".join(out)
 
@@ -55,6 +66,9 @@ class SSERelay:
             return
         self.answered = True
         err = obj.get("error") if isinstance(obj, dict) else None
+        if err is None and isinstance(obj, dict) and obj.get("type") in ("error", "response.failed"):
+            response = obj.get("response") if isinstance(obj.get("response"), dict) else {}
+            err = obj.get("message") or response.get("error") or obj["type"]  # (the Responses API's)
         if err is not None:
             msg = err.get("message") if isinstance(err, dict) else err
             self.error_first = str(msg)[:200]
@@ -69,6 +83,13 @@ class SSERelay:
             text = _text(c) if isinstance(c, dict) else ""
             self._chunks += bool(text)
             self._chars += len(text)
+
+    def _count_delta(self, ev: bytes) -> None:
+        """A Responses stream's text or arguments delta."""
+        obj = _data_json(ev)
+        if isinstance(obj, dict) and obj.get("type") in _DELTA_TYPES and isinstance(obj.get("delta"), str):
+            self._chunks += bool(obj["delta"])
+            self._chars += len(obj["delta"])
 
     def delivered_usage(self, prompt_tokens: int) -> dict:
         """Usage for a stream that ended without the backend's (cut short, or a backend that
@@ -87,6 +108,11 @@ class SSERelay:
         for null in _NULL_USAGE:
             if null in ev:
                 return ev.replace(null, b"") if self.strip else ev
+        obj = _data_json(ev)
+        response = obj.get("response") if isinstance(obj, dict) else None
+        if isinstance(response, dict) and isinstance(response.get("usage"), dict):  # response.completed
+            self.usage = normalized(response["usage"])
+            return ev
         if not ev.startswith(b"data:"):
             return ev
         try:
@@ -118,7 +144,10 @@ def _text(choice: dict) -> str:
 
 
 def _opening(obj: object) -> bool:
-    """Chat's opening chunk: every choice only a role (other fields empty), nothing finished."""
+    """Chat's opening chunk: every choice only a role (other fields empty), nothing finished; a
+    Responses stream's response.created / .in_progress."""
+    if isinstance(obj, dict) and obj.get("type") in _OPENING_TYPES and obj.get("error") is None:
+        return True
     choices = obj.get("choices") if isinstance(obj, dict) else None
     if not isinstance(choices, list) or not choices or obj.get("error") is not None:
         return False
@@ -132,6 +161,17 @@ def _opening(obj: object) -> bool:
         if any(k != "role" and v for k, v in delta.items()):  # (OpenAI's also has "refusal": null)
             return False
     return True
+
+
+def _data_json(ev: bytes) -> object:
+    """The JSON of an event's data line (after an `event:` line, if any); None if none parses."""
+    for line in ev.split(b"\n"):
+        if line.startswith(b"data:"):
+            try:
+                return json.loads(line[5:])
+            except (ValueError, RecursionError):
+                return None
+    return None
 
 
 def _has_data(ev: bytes) -> bool:

@@ -16,10 +16,11 @@ def _tokens(x: object) -> int | None:
 
 def normalized(usage: object) -> dict | None:
     """prompt, completion and total tokens as ints (a missing or unusable count is 0; a total
-    missing or short of prompt + completion is their sum); None when it is not an object."""
+    missing or short of prompt + completion is their sum); None when it is not an object. The
+    Responses API's input_tokens / output_tokens are the same counts by other names."""
     if not isinstance(usage, dict):
         return None
-    p = _tokens(usage.get("prompt_tokens")) or 0
-    c = _tokens(usage.get("completion_tokens")) or 0
+    p = _tokens(usage.get("prompt_tokens", usage.get("input_tokens"))) or 0
+    c = _tokens(usage.get("completion_tokens", usage.get("output_tokens"))) or 0
     t = _tokens(usage.get("total_tokens"))
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": max(t or 0, p + c)}

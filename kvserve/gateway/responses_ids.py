@@ -1,0 +1,87 @@
+"""Responses API ids as the gateway hands them out: the backend's own id with the deployment
+that stored it, so a follow-up (previous_response_id, GET, DELETE) reaches that deployment.
+
+A stored response (and the conversation previous_response_id continues) lives only on the
+backend that answered; the id is the only thing every gateway instance sees again, with no
+shared table to lose or expire, so the deployment rides in it: `resp_` + base64url of
+`kvgw1:<deployment id>:<backend id>`. Ids the gateway did not make do not decode."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+
+RESPONSES = "/responses"
+_TAG = "kvgw1"
+
+
+def encode_id(dep_id: str, backend_id: str) -> str:
+    raw = f"{_TAG}:{len(dep_id)}:{dep_id}{backend_id}".encode()
+    return "resp_" + base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def decode_id(public_id: object) -> tuple[str, str] | None:
+    """(deployment id, backend id), or None for an id this gateway did not hand out."""
+    if not isinstance(public_id, str) or not public_id.startswith("resp_"):
+        return None
+    b64 = public_id[5:]
+    try:
+        raw = base64.urlsafe_b64decode(b64 + "=" * (-len(b64) % 4)).decode()
+    except (binascii.Error, ValueError):
+        return None
+    tag, _, rest = raw.partition(":")
+    size, _, ids = rest.partition(":")
+    if tag != _TAG or not size.isdigit() or int(size) > len(ids):
+        return None
+    dep_id, backend_id = ids[: int(size)], ids[int(size) :]
+    return (dep_id, backend_id) if dep_id and backend_id else None
+
+
+def public_response(obj: dict, dep_id: str) -> dict:
+    """A Response object with its ids (its own and previous_response_id) as the gateway's."""
+    for field in ("id", "previous_response_id"):
+        if isinstance(obj.get(field), str) and obj[field]:
+            obj[field] = encode_id(dep_id, obj[field])
+    return obj
+
+
+def public_body(content: bytes, dep_id: str, body: dict | None = None) -> bytes:
+    """A backend's JSON answer (a Response, or DELETE's {"id", "deleted"}) with public ids;
+    anything that is no JSON object goes on as it came."""
+    try:
+        obj = json.loads(content)
+    except (ValueError, RecursionError):
+        return content
+    if not isinstance(obj, dict):
+        return content
+    return json.dumps(public_response(obj, dep_id)).encode()
+
+
+def public_error(content: bytes, dep_id: str, body: dict | None) -> bytes:
+    """A backend's error about the request's previous_response_id names the id the client sent
+    (the backend knows only its own)."""
+    prev = (body or {}).get("previous_response_id")
+    if not isinstance(prev, str) or not prev or prev.encode() not in content:
+        return content
+    return content.replace(prev.encode(), encode_id(dep_id, prev).encode())
+
+
+def public_event(ev: bytes, dep_id: str) -> bytes:
+    """One SSE event of a Responses stream: the Response it carries (response.created,
+    .in_progress, .completed, ...) with public ids; other events as they came (an `event:`
+    line, which OpenAI's and vLLM's streams have, stays)."""
+    if b'"response"' not in ev:
+        return ev
+    lines = ev.split(b"\n")
+    for i, line in enumerate(lines):
+        if not line.startswith(b"data:"):
+            continue
+        try:
+            obj = json.loads(line[5:])
+        except (ValueError, RecursionError):
+            continue
+        if isinstance(obj, dict) and isinstance(obj.get("response"), dict):
+            public_response(obj["response"], dep_id)
+            lines[i] = b"data: " + json.dumps(obj).encode()
+    return b"\n".join(lines)
