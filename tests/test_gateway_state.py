@@ -5,6 +5,9 @@ reservation expiry, cooldowns."""
 from __future__ import annotations
 
 import asyncio
+import select
+import socket
+import threading
 
 import pytest
 from gateway_utils import RedisServer
@@ -270,3 +273,77 @@ def test_a_redis_restart_costs_no_request_its_answer():
         assert asyncio.run(scenario()) == (True, True)
     finally:
         r.stop()
+
+
+class _ReplyDropper:
+    """A TCP proxy to Redis that, once armed, passes the next EVALSHA on and then closes the
+    client's connection in place of its reply: the script ran, the client never heard back."""
+
+    def __init__(self, redis_port: int) -> None:
+        self.redis_port, self.armed, self.dropped = redis_port, threading.Event(), 0
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.url = f"redis://127.0.0.1:{self.server.getsockname()[1]}/0"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._pump, args=(client,), daemon=True).start()
+
+    def _pump(self, client: socket.socket) -> None:
+        upstream, drop = socket.create_connection(("127.0.0.1", self.redis_port)), False
+        with client, upstream:
+            while True:
+                ready, _, _ = select.select([client, upstream], [], [])
+                if client in ready:
+                    data = client.recv(65536)
+                    if not data:
+                        return
+                    if self.armed.is_set() and b"EVALSHA" in data.upper():
+                        self.armed.clear()
+                        drop = True
+                    upstream.sendall(data)
+                if upstream in ready:
+                    data = upstream.recv(65536)
+                    if not data:
+                        return
+                    if drop:  # the reply is lost with the connection
+                        self.dropped += 1
+                        return
+                    client.sendall(data)
+
+    def close(self) -> None:
+        self.server.close()
+
+
+def test_a_lost_reply_does_not_count_a_request_or_charge_it_twice(redis_url):
+    """The store sends a command again after a ConnectionError; one raised after the command
+    reached Redis (its reply lost with the connection) ran admit.lua or settle.lua twice: two
+    requests in the rpm window, and the budget charged twice for one answer."""
+    proxy = _ReplyDropper(int(redis_url.rsplit(":", 1)[1].split("/")[0]))
+
+    async def scenario() -> tuple[float, float]:
+        s = open_store(proxy.url)
+        try:
+            await s.redis.flushdb()
+            rpm, budget = Check("rpm", "lost", 100), Check("budget", "lost", 10.0, 1.0)
+            await s.seed_budget(budget, 0, 0.0)
+            assert (await s.admit("warm", [rpm], 30)).ok  # (the scripts loaded: EVALSHA from here on)
+            proxy.armed.set()
+            adm = await s.admit("r", [rpm, budget], 30)
+            assert adm.ok and adm.remaining[0] == 98 and proxy.dropped == 1
+            proxy.armed.set()
+            await s.settle("r", [rpm, budget], [0, 1.5])
+            assert proxy.dropped == 2
+            window = sum(float(v) for v in (await s.redis.hvals("kvgw:w:lost:rpm")))
+            return window, float(await s.redis.hget("kvgw:b:lost", "spent"))
+        finally:
+            await s.close()
+
+    try:
+        assert asyncio.run(scenario()) == (2.0, 1.5)
+    finally:
+        proxy.close()

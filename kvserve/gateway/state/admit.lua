@@ -5,6 +5,11 @@
 -- ARGV: request_id, ttl_ms, n, then per check: kind, limit, amount, period_ms.
 -- Returns {1, remaining...} or {0, failed check index, retry_after_ms}, or {-1, check index,
 -- now_ms} for a budget hash never seeded from the spend log (seed.lua), changing nothing.
+-- The last KEY records an admission for a minute: the same request admitted again (the client
+-- resent the script after a connection lost its reply) gets that answer and counts nothing twice.
+local memo = KEYS[#KEYS]
+local seen = redis.call('GET', memo)
+if seen then return cjson.decode(seen) end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local sec = math.floor(now / 1000)
@@ -91,4 +96,5 @@ for i, c in ipairs(checks) do
   end
   out[#out + 1] = tostring(c.limit - c.used - c.amount)
 end
+redis.call('SET', memo, cjson.encode(out), 'PX', 60000)
 return out

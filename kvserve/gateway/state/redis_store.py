@@ -46,7 +46,9 @@ class RedisStore(StateStore):
         # A blocking pool: a burst waits for a free connection instead of failing. A pooled
         # connection to a Redis that restarted (or failed over) fails once, at its next use: that
         # command goes again on a new connection (each request met one and was a 503). Only a
-        # ConnectionError, not a timeout: a command that may have run is not sent twice.
+        # ConnectionError, not a timeout. A connection lost after the command was sent and before
+        # its reply also raises one, so the command may have run: admit and settle are sent again
+        # safely because their scripts remember the request id (admit.lua, settle.lua).
         pool = aioredis.BlockingConnectionPool.from_url(
             url, max_connections=max_connections, timeout=10, socket_timeout=5, socket_connect_timeout=5,
             retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
@@ -60,7 +62,7 @@ class RedisStore(StateStore):
     async def admit(self, request_id: str, checks: list[Check], ttl: float) -> Admission:
         if not checks:
             return Admission(True, [])
-        keys = [k for c in checks for k in _keys(c)]
+        keys = [k for c in checks for k in _keys(c)] + [f"{PREFIX}ad:{request_id}"]
         args: list = [request_id, int(ttl * 1000), len(checks)]
         for c in checks:
             args += [c.kind, repr(float(c.limit)), repr(float(c.amount)), int(c.period * 1000)]
@@ -81,7 +83,7 @@ class RedisStore(StateStore):
         todo = [(c, a) for c, a in zip(checks, actual) if c.kind != "rpm"]
         if not todo:
             return
-        keys = [k for c, _ in todo for k in _keys(c)]
+        keys = [k for c, _ in todo for k in _keys(c)] + [f"{PREFIX}st:{request_id}"]
         args: list = [request_id, len(todo)]
         for c, a in todo:
             args += [c.kind, repr(float(c.amount)), repr(float(a)), int(c.period * 1000)]

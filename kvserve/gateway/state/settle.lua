@@ -1,6 +1,9 @@
 -- Settle a finished (or failed) request atomically: release parallel slots, move budget
 -- reservations to spend at the actual cost, correct tpm by (actual - reserved) tokens.
--- KEYS as in admit.lua. ARGV: request_id, n, then per check: kind, reserved, actual, period_ms.
+-- KEYS as in admit.lua, then one that marks the request settled for a minute: a settlement sent
+-- again (after a connection lost the first one's reply) changes nothing, so spend is charged once.
+-- ARGV: request_id, n, then per check: kind, reserved, actual, period_ms.
+if not redis.call('SET', KEYS[#KEYS], '1', 'NX', 'PX', 60000) then return 0 end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local sec = math.floor(now / 1000)
