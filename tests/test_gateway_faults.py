@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 from gateway_utils import FaultBackend, GatewayProcess, deployment, leave_mid_body, wait_for_log
+from server_utils import free_port
 
 KEY, MASTER = "sk-test", "sk-master"
 MSG = [{"role": "user", "content": "one two three"}]
@@ -771,14 +772,20 @@ def test_health_readiness_and_metrics(gw):
 
 
 def test_cooldown_after_allowed_fails(fault, tmp_path):
+    """A deployment cools down after allowed_fails of its own faults; a request every
+    deployment answers with a 500 (a poison request, sent again by the client's retries) once
+    cooled the whole group for everyone else, and now counts against none of them."""
     u = fault.url + "/v1"
     sick = {"base_url": u, "model": "fail-500"}
+    down = {"base_url": f"http://127.0.0.1:{free_port()}/v1", "model": "ok"}  # connection refused
     cfg = {
         "model_list": [{"model_name": "cool", "id": "sick", "backend": {"base_url": u, "model": "fail-500"}},
                        {"model_name": "cool", "id": "well", "backend": {"base_url": u, "model": "ok"}},
                        {"model_name": "solo", "id": "one", "backend": {"base_url": u, "model": "fail-500"}},
-                       {"model_name": "allsick", "id": "sick-a", "backend": sick},
-                       {"model_name": "allsick", "id": "sick-b", "backend": sick}],
+                       {"model_name": "poison", "id": "poison-a", "backend": sick},
+                       {"model_name": "poison", "id": "poison-b", "backend": sick},
+                       {"model_name": "alldown", "id": "down-a", "backend": down},
+                       {"model_name": "alldown", "id": "down-b", "backend": down}],
         "router_settings": {"allowed_fails": 2, "cooldown_time": 120, "retry_backoff_base": 0.01},
         "keys": [{"key": KEY}], "general_settings": {"database": str(tmp_path / "gw.db")},
     }  # fmt: skip
@@ -804,8 +811,13 @@ def test_cooldown_after_allowed_fails(fault, tmp_path):
         rows = {d["id"]: d for d in httpx.get(g.url + "/health/readiness").json()["deployments"]}
         assert rows["sick"]["cooling_down"] and not rows["well"]["cooling_down"]
         assert not rows["one"]["cooling_down"]
+        for _ in range(3):  # the request, not the deployments: answered 500 by both, each time
+            r = post(g, "poison")
+            assert r.status_code == 500 and r.json()["error"]["code"] == "upstream_error"
+        rows = {d["id"]: d for d in httpx.get(g.url + "/health/readiness").json()["deployments"]}
+        assert not rows["poison-a"]["cooling_down"] and not rows["poison-b"]["cooling_down"]
         # a group whose deployments all cool down: 503 with when the first comes back (had none)
-        codes = [post(g, "allsick") for _ in range(3)]
+        codes = [post(g, "alldown") for _ in range(3)]
         r = codes[-1]
         assert r.status_code == 503 and r.json()["error"]["code"] == "no_deployment", [c.text for c in codes]
         assert 100 <= int(r.headers["retry-after"]) <= 120

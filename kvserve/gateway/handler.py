@@ -18,6 +18,7 @@ from fastapi.responses import Response, StreamingResponse
 from kvserve.disagg.prefill import PrefillResult, run_prefill
 from kvserve.disagg.split import decode_body, disaggregates
 from kvserve.gateway.backends import BackendPool, estimate_tokens
+from kvserve.gateway.blame import Blame
 from kvserve.gateway.budget_rebuild import BudgetRebuild
 from kvserve.gateway.budgets import completion_budget, cost, max_cost, sequences
 from kvserve.gateway.config import Deployment, GatewayConfig
@@ -301,6 +302,7 @@ class Gateway:
         gi = 0
         while gi < len(groups):
             alias, excluded, tried, too_long = groups[gi], set(), set(), False
+            blame = Blame()
             group_attempts, failed_id, retry_after = 0, None, None
             while group_attempts <= self.rs.num_retries:
                 if ctx.pinned is not None:  # its only deployment, even cooling down: none other has it
@@ -346,14 +348,19 @@ class Gateway:
                 tried.add(dep.id)
                 out = await self._one(ctx, dep, arid, dchecks)
                 if out is not None and not isinstance(out, Outcome):
+                    blame.answered_by(dep)  # (a 4xx passed through: the backend's verdict on the request)
+                    await self._count_failures(blame.to_count(succeeded=out.status_code < 300))
                     return out
                 if out.kind == "context":
                     too_long, context_answer = True, (dep, out)
                     excluded.add(dep.id)
+                    blame.answered_by(dep)
                     continue
                 self.metrics.attempts.labels(dep.id, f"failed_{out.status}").inc()
-                if await self.router.failed(dep):
-                    self.metrics.cooldowns.labels(dep.id).inc()
+                if out.answered_error:
+                    blame.hold(dep)
+                else:
+                    await self._count_failures([dep])
                 failed_id, retry_after = dep.id, out.retry_after
                 if retry_after and retry_after > MAX_RETRY_AFTER:
                     excluded.add(dep.id)
@@ -365,6 +372,7 @@ class Gateway:
                 )
                 if out.status == 429 and out.retry_after:
                     last.headers["retry-after"] = str(int(out.retry_after + 0.999))
+            await self._count_failures(blame.to_count(succeeded=False))
             if too_long and not context_switched:
                 context_switched, gi = True, 0
                 groups = [] if ctx.pinned else self._permitted(ctx, self.rs.context_window_fallbacks)
@@ -383,6 +391,11 @@ class Gateway:
         err = last or await self._all_cooling(ctx.alias)
         err.headers.update({**ctx.headers, "x-kvserve-attempts": str(ctx.attempts)})
         raise err
+
+    async def _count_failures(self, deps: list[Deployment]) -> None:
+        for dep in deps:
+            if await self.router.failed(dep):
+                self.metrics.cooldowns.labels(dep.id).inc()
 
     async def _all_cooling(self, alias: str) -> GatewayError:
         """The 503 of a group whose deployments all cool down, with when the first comes back

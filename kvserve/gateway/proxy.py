@@ -41,6 +41,9 @@ class Outcome:
     relay: SSERelay | None = None
     first: bytes = b""
     extra: dict = field(default_factory=dict)
+    # the backend itself answered with an error (a 500, or a stream whose first event is one):
+    # maybe this request's doing, not the deployment's (handler.py decides whether it counts)
+    answered_error: bool = False
 
 
 def upstream_body(body: dict, dep: Deployment, stream: bool, path: str = "/chat/completions") -> bytes:
@@ -83,7 +86,10 @@ async def attempt(
                 if relay.error_first is not None:  # the client has nothing yet: another can answer
                     await resp.aclose()
                     return Outcome(
-                        "retry", 502, reason=f"the stream began with an error ({relay.error_first})"
+                        "retry",
+                        502,
+                        reason=f"the stream began with an error ({relay.error_first})",
+                        answered_error=True,
                     )
         if whole:  # the rest of the body has the attempt's total timeout (the first byte came)
             reading_body = True
@@ -139,7 +145,8 @@ def _classify(resp: httpx.Response, content: bytes, t0: float) -> Outcome:
         return Outcome("ok", status, content, media, usage=usage, first_byte_s=elapsed)
     if is_retryable(status):
         retry_after = parse_retry_after(resp.headers.get("retry-after"))
-        return Outcome("retry", status, content, media, retry_after, f"upstream answered {status}")
+        reason = f"upstream answered {status}"
+        return Outcome("retry", status, content, media, retry_after, reason, answered_error=status == 500)
     if status in CREDENTIALS_STATUS:
         reason = f"upstream refused the deployment's api_key ({status} {_message(content)})"
         return Outcome("retry", status, content, media, reason=reason)
