@@ -24,6 +24,9 @@ PROMPT = (
 ) * 3
 
 
+MSG_PD = [{"role": "user", "content": "a b"}]
+
+
 def _kv(role: str, **extra) -> str:
     return json.dumps({"kv_connector": "tcp", "kv_role": role, **extra})
 
@@ -136,6 +139,29 @@ def test_abort_during_transfer_frees_blocks_on_both_engines(pd):
         os.kill(core, signal.SIGCONT)
     _wait_for(lambda: _settled(prod), 2, "the producer frees the lease")
     assert prod.metrics().get("kvserve:kv_leases_expired_total", 0) == 0  # released, not expired
+
+
+@pytest.mark.parametrize(
+    "path, extra, param",
+    [
+        ("/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "min_tokens": 5}, "min_tokens"),
+        ("/v1/completions", {"prompt": PROMPT, "logprobs": 99}, "logprobs"),
+        ("/v1/completions", {"prompt": PROMPT, "stream_options": {"include_usage": True}}, "stream_options"),
+        ("/v1/chat/completions", {"messages": MSG_PD, "max_completion_tokens": 0}, "max_completion_tokens"),
+    ],
+)  # fmt: skip
+def test_a_request_the_decode_engine_refuses_is_not_prefilled(pd, path, extra, param):
+    """The prefill body leaves out fields only the decode engine checks: a bad value there was
+    prefilled, the decode engine refused it, and the producer held its KV for nobody until
+    lease_s. Now the proxy answers the decode engine's 400 before any prefill."""
+    prod, cons, proxy = pd
+    before = prod.metrics()["kvserve:prompt_tokens_total"]
+    r = httpx.post(proxy.url + path, json={"model": cons_model(cons), **extra}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    direct = httpx.post(cons.url + path, json={"model": cons_model(cons), **extra}, timeout=60)
+    assert direct.status_code == 400 and direct.json()["error"]["param"] == param  # (its own verdict)
+    assert prod.metrics()["kvserve:prompt_tokens_total"] == before  # nothing prefilled
+    assert prod.metrics()["kvserve:kv_cache_usage_perc"] == 0  # nothing leased
 
 
 def test_unclaimed_lease_expires(pd):

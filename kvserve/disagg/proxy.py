@@ -25,6 +25,7 @@ from kvserve.disagg.errors import error as _error
 from kvserve.disagg.errors import unreachable as _unreachable
 from kvserve.disagg.prefill import PrefillResult, run_prefill
 from kvserve.disagg.split import decode_body, disaggregates
+from kvserve.disagg.validate import decode_refusal
 from kvserve.entrypoints.openai.middleware import BodySizeLimit, InternalErrors
 
 logger = logging.getLogger(__name__)
@@ -88,6 +89,9 @@ class PDProxy:
             return JSONResponse(_error("request body: must be a JSON object", None), status_code=400)
         params, how = None, "decode-only"
         if disaggregates(body):
+            refused = decode_refusal(path, body)
+            if refused is not None:  # (prefilled, its KV would be leased for a decode that refuses it)
+                return JSONResponse(refused, status_code=400)
             pre = await self._prefill(path, body, raw)
             if pre is None or await raw.is_disconnected():
                 return Response(status_code=499)

@@ -17,6 +17,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from kvserve.disagg.prefill import PrefillResult, run_prefill
 from kvserve.disagg.split import decode_body, disaggregates
+from kvserve.disagg.validate import decode_refusal
 from kvserve.gateway.backends import BackendPool, estimate_tokens
 from kvserve.gateway.blame import Blame
 from kvserve.gateway.budget_rebuild import BudgetRebuild
@@ -420,6 +421,10 @@ class Gateway:
         # (a Responses request runs whole on the decode engine: only it holds stored conversations)
         whole = ctx.path in (EMBEDDINGS, RESPONSES)
         split = bool(dep.backend.prefill_url) and not whole and disaggregates(body)
+        refused = decode_refusal(ctx.path, body) if split else None
+        if refused is not None:  # the decode engine's 400, without a prefill leasing KV for nobody
+            await self._release(arid, dchecks, 0)
+            return await self._pass_through(ctx, dep, Outcome("final", 400, json.dumps(refused).encode()))
         if split:  # pd deployment: the prompt on its kv_producer first
             url, prefill = dep.backend.prefill_url + ctx.path, dict(body, model=dep.backend.model)
             try:
