@@ -330,7 +330,7 @@ def fault_proxy(tmp_path_factory):
     fault, dead = FaultBackend(), f"http://127.0.0.1:{free_port()}"
     log_path = tmp_path_factory.mktemp("pd-fault") / "proxy.log"
     with open(log_path, "w") as log:
-        proxy = Proxy(f"{dead} {fault.url}", [dead, fault.url], log)
+        proxy = Proxy(f"{dead} {fault.url}", [dead, fault.url], log, "--decode-first-byte-timeout", "0.5")
         yield fault, proxy, dead
         proxy.stop()
         fault.stop()
@@ -366,6 +366,24 @@ def test_a_decode_engine_failing_before_its_first_byte_is_retried_on_another(fau
     msg = e.value.body["message"]
     assert dead in msg and fault.url in msg and "injected failure" in msg, msg
     assert fault.count("fail-500") == before + 1
+
+
+@pytest.mark.parametrize(
+    "mode, why", [("role-hang", "no first event within 0.5 s"), ("ping-hang", "no first event within 0.5 s"),
+                  ("role-error", "the stream began with an error (engine died)")],
+)  # fmt: skip
+def test_a_decode_stream_is_committed_at_its_first_real_event_within_a_timeout(fault_proxy, mode, why):
+    """The decode stream was passed on at its first bytes, chat's opening role chunk or a
+    comment, with no timeout but the 600 s total: an engine that hung after them held the
+    client, and one whose first event was an error could not be passed over. Now, as in the
+    gateway, the stream is the engine's at its answer's first event, within
+    --decode-first-byte-timeout; before it the next engine is asked."""
+    fault, proxy, dead = fault_proxy
+    body = {"model": mode, "messages": MSG_PD, "max_tokens": 2, "stream": True, "n": 2}  # n 2: decode only
+    r = httpx.post(proxy.url + "/v1/chat/completions", json=body, timeout=20)
+    assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_error", r.text
+    msg = r.json()["error"]["message"]
+    assert f"{fault.url}: {why}" in msg and dead in msg, msg
 
 
 def test_a_lone_surrogate_in_a_prompt_is_sent_on_escaped(fault_proxy):

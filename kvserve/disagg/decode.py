@@ -1,8 +1,10 @@
 """The decode half of a pd-proxy request: the decode engines are asked in turn until one
 answers. A failure before the engine has sent anything (no connection, a 5xx, 408 or 429, a
 connection lost before the first byte) costs only time: the next engine is asked, as the
-gateway retries on another deployment. Once a byte has gone to the client the answer is that
-engine's; a death mid-stream ends the stream with an SSE error event."""
+gateway retries on another deployment. A stream is the engine's once its answer's first event
+has come (stream_start.py: not a comment nor chat's opening role chunk), within
+`first_byte_timeout` as the gateway's; a stream whose first event is an error is a failure
+too. From then on a death mid-stream ends the stream with an SSE error event."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvserve.disagg.errors import error, reason
 from kvserve.disagg.split import JSON_HEADER, json_content
+from kvserve.disagg.stream_start import StreamStart
 
 logger = logging.getLogger("kvserve.disagg.proxy")
 
@@ -33,9 +36,21 @@ def _engine_message(content: bytes) -> str:
     return str(msg)[:200]
 
 
+async def _first_event(chunks: AsyncIterator[bytes], timeout: float) -> tuple[bytes, str | None]:
+    """The stream's bytes up to its answer's first event, and that event's error if it is one;
+    TimeoutError past `timeout`, StopAsyncIteration if the stream ended before it."""
+    start, first = StreamStart(), b""
+    async with asyncio.timeout(timeout):
+        while not start.answered:
+            chunk = await anext(chunks)
+            first += chunk
+            start.feed(chunk)
+    return first, start.error
+
+
 async def decode(
     client: httpx.AsyncClient, urls: list[str], path: str, body: dict, stream: bool, send_headers: dict,
-    headers: dict,
+    headers: dict, first_byte_timeout: float = 60.0,
 ) -> Response:  # fmt: skip
     """The first answer of `urls` (in order) that is not a failure before its first byte; a
     502 naming each engine and its failure when none gives one (503 when every one answered
@@ -56,7 +71,21 @@ async def decode(
         try:
             if stream and resp.status_code == 200:
                 chunks = resp.aiter_raw()
-                first = await anext(chunks, b"")  # a failure before it: another engine can answer
+                try:  # a failure before it: another engine can answer
+                    first, err = await _first_event(chunks, first_byte_timeout)
+                except (TimeoutError, StopAsyncIteration) as e:
+                    why = "the stream ended before its first event"
+                    if isinstance(e, TimeoutError):
+                        why = f"no first event within {first_byte_timeout:g} s"
+                    failures.append(f"{url}: {why}")
+                    busy = False
+                    logger.warning("decode engine %s: %s", url, why)
+                    continue
+                if err is not None:
+                    failures.append(f"{url}: the stream began with an error ({err})")
+                    busy = False
+                    logger.warning("decode engine %s: the stream began with an error (%s)", url, err)
+                    continue
                 relaying = True
                 return StreamingResponse(_relay(resp, url, first, chunks), media_type="text/event-stream",
                                          headers=headers)  # fmt: skip

@@ -32,12 +32,14 @@ logger = logging.getLogger(__name__)
 ROUTES = ("/v1/chat/completions", "/v1/completions")
 DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20  # as kvserve serve's and the gateway's
 DEFAULT_PREFILL_TIMEOUT = 60.0  # as the gateway's first_byte_timeout
+DEFAULT_DECODE_FIRST_BYTE_TIMEOUT = 60.0  # a stream's first event (the gateway's first_byte_timeout)
 
 
 class PDProxy:
     def __init__(
         self, prefill: list[str], decode: list[str], timeout_s: float = 600.0,
         prefill_timeout_s: float = DEFAULT_PREFILL_TIMEOUT,
+        decode_first_byte_timeout_s: float = DEFAULT_DECODE_FIRST_BYTE_TIMEOUT,
     ) -> None:  # fmt: skip
         if not prefill or not decode:
             raise ValueError("pd-proxy: needs at least one --prefill and one --decode URL")
@@ -47,6 +49,7 @@ class PDProxy:
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
         self.num_fallbacks = 0
         self.prefill_timeout_s = prefill_timeout_s  # a hung prefill engine costs this, then a fallback
+        self.decode_first_byte_timeout_s = decode_first_byte_timeout_s  # then the next decode engine
 
     @staticmethod
     def _headers(raw: Request) -> dict:
@@ -125,8 +128,9 @@ class PDProxy:
 
     async def _decode(self, path: str, body: dict, stream: bool, raw: Request, headers: dict) -> Response:
         return await decode(
-            self.client, self._decode_order(), path, body, stream, self._headers(raw), headers
-        )
+            self.client, self._decode_order(), path, body, stream, self._headers(raw), headers,
+            self.decode_first_byte_timeout_s,
+        )  # fmt: skip
 
     async def aclose(self) -> None:
         await self.client.aclose()
@@ -211,10 +215,12 @@ def build_app(proxy: PDProxy, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 def serve(
     prefill: list[str], decode: list[str], host: str, port: int,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, prefill_timeout_s: float = DEFAULT_PREFILL_TIMEOUT,
+    decode_first_byte_timeout_s: float = DEFAULT_DECODE_FIRST_BYTE_TIMEOUT,
 ) -> int:  # fmt: skip
     import uvicorn
 
-    proxy = PDProxy(prefill, decode, prefill_timeout_s=prefill_timeout_s)
+    proxy = PDProxy(prefill, decode, prefill_timeout_s=prefill_timeout_s,
+                    decode_first_byte_timeout_s=decode_first_byte_timeout_s)  # fmt: skip
     logger.info("pd-proxy on %s:%d: prefill %s, decode %s", host, port, proxy.prefill, proxy.decode)
     uvicorn.run(
         build_app(proxy, max_request_bytes), host=host, port=port, log_level="warning", access_log=False

@@ -194,8 +194,9 @@ def cmd_pd_proxy(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         return serve(
-            args.prefill, args.decode, args.host, args.port, args.max_request_bytes, args.prefill_timeout
-        )
+            args.prefill, args.decode, args.host, args.port, args.max_request_bytes, args.prefill_timeout,
+            args.decode_first_byte_timeout,
+        )  # fmt: skip
     except ValueError as e:  # a bad --prefill / --decode URL: one line, before anything starts
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -304,6 +305,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=60.0,
         help="seconds a prefill engine may take, then the decode engine computes the prompt",
+    )
+    pd.add_argument(
+        "--decode-first-byte-timeout",
+        type=positive_float,
+        default=60.0,
+        help="seconds a decode engine's stream may take to its first event (not a comment nor the role "
+        "chunk), then the next decode engine is asked (as the gateway's first_byte_timeout)",
     )
     pd.set_defaults(func=cmd_pd_proxy)
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
+from kvserve.disagg.stream_start import event_error, has_data, is_opening
 from kvserve.gateway.usage import normalized
 
 _NULL_USAGE = (b',"usage":null', b', "usage": null')
 # a Responses stream's events before the model has produced anything (as chat's role chunk)
-_OPENING_TYPES = frozenset({"response.created", "response.in_progress", "response.queued"})
 _DELTA_TYPES = frozenset({"response.output_text.delta", "response.function_call_arguments.delta"})
 
 
@@ -45,8 +45,8 @@ class SSERelay:
                 if ev is None:
                     continue
             self.events += 1
-            self.data_events += _has_data(ev)
-            if not self.answered and _has_data(ev):
+            self.data_events += has_data(ev)
+            if not self.answered and has_data(ev):
                 self._first_answer(ev)
             if b'"choices"' in ev:
                 self._count(ev)
@@ -62,16 +62,10 @@ class SSERelay:
             obj = json.loads(ev[ev.index(b"{") :])
         except (ValueError, RecursionError):
             obj = None  # ([DONE], or anything else: an answer)
-        if _opening(obj):
+        if is_opening(obj):
             return
         self.answered = True
-        err = obj.get("error") if isinstance(obj, dict) else None
-        if err is None and isinstance(obj, dict) and obj.get("type") in ("error", "response.failed"):
-            response = obj.get("response") if isinstance(obj.get("response"), dict) else {}
-            err = obj.get("message") or response.get("error") or obj["type"]  # (the Responses API's)
-        if err is not None:
-            msg = err.get("message") if isinstance(err, dict) else err
-            self.error_first = str(msg)[:200]
+        self.error_first = event_error(obj)
 
     def _count(self, ev: bytes) -> None:
         try:
@@ -143,26 +137,6 @@ def _text(choice: dict) -> str:
     return "".join(p for p in parts if isinstance(p, str))
 
 
-def _opening(obj: object) -> bool:
-    """Chat's opening chunk: every choice only a role (other fields empty), nothing finished; a
-    Responses stream's response.created / .in_progress."""
-    if isinstance(obj, dict) and obj.get("type") in _OPENING_TYPES and obj.get("error") is None:
-        return True
-    choices = obj.get("choices") if isinstance(obj, dict) else None
-    if not isinstance(choices, list) or not choices or obj.get("error") is not None:
-        return False
-    usage = obj.get("usage")
-    if isinstance(usage, dict) and usage.get("completion_tokens"):  # (continuous usage: 0 so far)
-        return False
-    for c in choices:
-        delta = c.get("delta") if isinstance(c, dict) else None
-        if not isinstance(delta, dict) or c.get("finish_reason") is not None or c.get("logprobs"):
-            return False
-        if any(k != "role" and v for k, v in delta.items()):  # (OpenAI's also has "refusal": null)
-            return False
-    return True
-
-
 def _data_json(ev: bytes) -> object:
     """The JSON of an event's data line (after an `event:` line, if any); None if none parses."""
     for line in ev.split(b"\n"):
@@ -172,10 +146,6 @@ def _data_json(ev: bytes) -> object:
             except (ValueError, RecursionError):
                 return None
     return None
-
-
-def _has_data(ev: bytes) -> bool:
-    return any(line == b"data" or line.startswith(b"data:") for line in ev.split(b"\n"))
 
 
 def error_event(message: str, code: str = "upstream_error") -> bytes:
