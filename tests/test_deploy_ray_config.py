@@ -54,6 +54,11 @@ def test_autoscaling_config_is_serves():
         ({"engine": {"enforce_eager": "yes"}}, "engine.enforce_eager: 'yes' is not a valid bool"),
         ({"routing": {"policy": "fastest"}}, "routing.policy: 'fastest' is not one of"),
         ({"routing": {"cache_aware": {"tau": 1}}}, "routing.cache_aware: 'tau' is not one of"),
+        # thresholds with another policy were dropped without a word
+        (
+            {"routing": {"policy": "round-robin", "cache_aware": {"balance_abs_threshold": 1}}},
+            "routing: cache_aware: thresholds apply only to policy 'cache-aware', not 'round-robin'",
+        ),
         ({"replica": {"cpus": 1}}, "replica.cpus: unknown key"),
         ({"http": {"port": "eighty"}}, "http.port: "),
         ({"route_prefix": "v1"}, "route_prefix: must start with '/'"),

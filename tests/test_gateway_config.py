@@ -114,6 +114,12 @@ def _with(path: str, value) -> dict:
         ("model_list.0.backend.rpm", 10**400, "model_list.0.backend.rpm: Input should be less than"),
         ("model_list.0.backend.max_context", 10**400, "model_list.0.backend.max_context: Input should be"),
         ("general_settings.reservation_ttl", 1e308, "general_settings.reservation_ttl: Input should be less"),
+        # taken and then dropped without a word: the strategy is not cache-aware
+        (
+            "router_settings.balance_abs_threshold",
+            10,
+            "router_settings: Value error, balance_abs_threshold: applies only to routing_strategy 'cache-",
+        ),
     ],
 )
 def test_bad_config_names_the_key_path(path, value, message):

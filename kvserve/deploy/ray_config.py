@@ -96,6 +96,17 @@ class RoutingConfig(_Strict):
                 raise ValueError(f"{key}: must be {bound}, got {value:g}")
         return v
 
+    @model_validator(mode="after")
+    def _only_for_cache_aware(self) -> RoutingConfig:
+        """Thresholds with another policy were dropped without a word: the operator believed
+        them in force."""
+        if self.cache_aware and self.policy != "cache-aware":
+            raise ValueError(
+                f"cache_aware: thresholds apply only to policy 'cache-aware', not {self.policy!r}; "
+                "remove them or set policy: cache-aware"
+            )
+        return self
+
 
 # CacheAware's thresholds: (lowest, highest or None, lowest excluded). A recent_work_tau of 0
 # divided by zero in every routing decision after the first: each request failed in the router.

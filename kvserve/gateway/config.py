@@ -12,7 +12,7 @@ import re
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -149,6 +149,17 @@ class RouterSettings(_Strict):
     context_window_fallbacks: dict[str, list[str]] = Field(default_factory=dict)
     degradation: dict[str, Degradation] = Field(default_factory=dict)
     saturation_poll_interval: float = Field(1.0, gt=0, description="seconds between /metrics polls")
+
+    @model_validator(mode="after")
+    def _thresholds_for_cache_aware(self) -> RouterSettings:
+        """The balance thresholds, set with another strategy, were dropped without a word."""
+        given = sorted({"balance_abs_threshold", "balance_rel_threshold"} & self.model_fields_set)
+        if given and self.routing_strategy != "cache-aware":
+            raise ValueError(
+                f"{given[0]}: applies only to routing_strategy 'cache-aware', not {self.routing_strategy!r}; "
+                "remove it or set routing_strategy: cache-aware"
+            )
+        return self
 
 
 class KeySpec(Limits):
