@@ -205,6 +205,29 @@ def test_the_memory_stores_cached_answers_are_bounded_in_bytes(tmp_path):
     assert build_app(cfg, web_ui=False).state.gateway.cache_store.cache_max_bytes == 4096
 
 
+def test_the_memory_stores_semantic_buckets_count_towards_its_bytes():
+    """Semantic-cache buckets (each up to max_entries embeddings, one bucket per model and
+    parameter set) were bounded by the TTL alone, outside response_cache.max_bytes. Now
+    answers and buckets share that bound, the least recently used going first."""
+    from kvserve.gateway.state.memory import MemoryStore
+
+    s = MemoryStore(cache_max_bytes=1000)
+
+    async def scenario():
+        for i in range(5):
+            await s.cache_set(f"k{i}", b"a" * 100, 600)
+        for i in range(10):
+            for _ in range(2):  # two 50-byte entries a bucket
+                await s.cache_add(f"b{i}", b"e" * 50, 600, max_entries=8)
+        answers = [i for i in range(5) if await s.cache_get(f"k{i}") is not None]
+        buckets = [i for i in range(10) if await s.cache_entries(f"b{i}")]
+        await s.cache_add("huge", b"e" * 1001, 600, max_entries=8)
+        return answers, buckets, await s.cache_entries("huge"), s._cache_bytes
+
+    answers, buckets, huge, used = asyncio.run(scenario())
+    assert answers == [] and buckets == list(range(10)) and huge == [] and used == 1000
+
+
 def test_a_budgets_rebuilt_spend_counts_rows_the_spend_log_could_not_write_yet():
     """The spend a lost budget is rebuilt with: the rows written, and this instance's rows a
     failing write (a full disk) left pending; the failed write is no error for the request."""

@@ -224,7 +224,8 @@ class ResponseCache(_Strict):
     max_bytes: int = Field(
         256 * 2**20,
         ge=1,
-        description="a memory store's answers at most (least recently used go); Redis: its maxmemory",
+        description="a memory store's answers and semantic buckets at most (least recently used go); "
+        "Redis: its maxmemory",
     )
     ttl: float = Field(600.0, gt=0, le=_MAX_SECONDS, description="seconds an answer is kept")
     models: list[str] | None = Field(None, description="model_names cached (None: all)")

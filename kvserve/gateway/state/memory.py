@@ -33,11 +33,11 @@ class MemoryStore(StateStore):
         self._reserved: dict[str, dict[str, tuple[float, float]]] = defaultdict(dict)  # -> (expiry, amt)
         self._fails: dict[str, list[float]] = defaultdict(list)
         self._cool_until: dict[str, float] = {}
-        # key -> (expiry, answer), least recently used first; at most cache_max_bytes of answers
-        # (bounded by the TTL alone, a busy gateway held every distinct answer of the last ttl)
-        self._cache: OrderedDict[str, tuple[float, bytes]] = OrderedDict()
+        # "a:" key -> (expiry, answer) and "b:" bucket -> (expiry, semantic entries), least
+        # recently used first; at most cache_max_bytes of both (bounded by the TTL alone, a busy
+        # gateway held every distinct answer of the last ttl, and every bucket's embeddings)
+        self._cache: OrderedDict[str, tuple[float, bytes | list[bytes]]] = OrderedDict()
         self.cache_max_bytes, self._cache_bytes = cache_max_bytes, 0
-        self._buckets: dict[str, tuple[float, list[bytes]]] = {}  # bucket -> (expiry, entries)
 
     def _window_used(self, key: str, now: float) -> tuple[float, dict[int, float]]:
         buckets = self._windows[key]
@@ -150,36 +150,44 @@ class MemoryStore(StateStore):
     def _sweep(self, now: float) -> None:
         """Drop expired answers and buckets (called on every 256th store, so memory stays bounded)."""
         for k in [k for k, (exp, _) in self._cache.items() if exp <= now]:
-            self._cache_bytes -= len(self._cache.pop(k)[1])
-        for k in [k for k, (exp, _) in self._buckets.items() if exp <= now]:
-            del self._buckets[k]
+            self._cache_bytes -= _size(self._cache.pop(k)[1])
 
-    async def cache_get(self, key: str) -> bytes | None:
+    def _get(self, key: str) -> bytes | list[bytes] | None:
         hit = self._cache.get(key)
         if hit is None or hit[0] <= time.monotonic():
             return None
         self._cache.move_to_end(key)
         return hit[1]
 
-    async def cache_set(self, key: str, value: bytes, ttl: float) -> None:
+    def _put(self, key: str, value: bytes | list[bytes], ttl: float) -> None:
         now = time.monotonic()
         if len(self._cache) % 256 == 0:
             self._sweep(now)
         old = self._cache.pop(key, None)
-        self._cache_bytes -= len(old[1]) if old is not None else 0
-        if len(value) > self.cache_max_bytes:
-            return  # (one answer bigger than the whole cache: not kept)
+        self._cache_bytes -= _size(old[1]) if old is not None else 0
+        if _size(value) > self.cache_max_bytes:
+            return  # (one answer, or one bucket, bigger than the whole cache: not kept)
         self._cache[key] = (now + ttl, value)
-        self._cache_bytes += len(value)
-        while self._cache_bytes > self.cache_max_bytes:  # the least recently used answers go
-            self._cache_bytes -= len(self._cache.popitem(last=False)[1][1])
+        self._cache_bytes += _size(value)
+        while self._cache_bytes > self.cache_max_bytes:  # the least recently used go
+            self._cache_bytes -= _size(self._cache.popitem(last=False)[1][1])
+
+    async def cache_get(self, key: str) -> bytes | None:
+        hit = self._get("a:" + key)
+        return hit if isinstance(hit, bytes) else None
+
+    async def cache_set(self, key: str, value: bytes, ttl: float) -> None:
+        self._put("a:" + key, value, ttl)
 
     async def cache_add(self, bucket: str, entry: bytes, ttl: float, max_entries: int) -> None:
-        now = time.monotonic()
-        exp, entries = self._buckets.get(bucket, (0.0, []))
-        entries = ([entry] + entries if exp > now else [entry])[:max_entries]
-        self._buckets[bucket] = (now + ttl, entries)
+        old = self._get("b:" + bucket)
+        entries = [entry, *old] if isinstance(old, list) else [entry]
+        self._put("b:" + bucket, entries[:max_entries], ttl)
 
     async def cache_entries(self, bucket: str) -> list[bytes]:
-        exp, entries = self._buckets.get(bucket, (0.0, []))
-        return list(entries) if exp > time.monotonic() else []
+        entries = self._get("b:" + bucket)
+        return list(entries) if isinstance(entries, list) else []
+
+
+def _size(value: bytes | list[bytes]) -> int:
+    return len(value) if isinstance(value, bytes) else sum(len(e) for e in value)
