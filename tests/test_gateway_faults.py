@@ -915,3 +915,54 @@ def test_a_failed_spend_write_is_retried_not_the_end_of_the_spend_log(db_gw):
     while db.execute("SELECT COUNT(*) FROM spend").fetchone()[0] < before + 2 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert db.execute("SELECT COUNT(*) FROM spend").fetchone()[0] == before + 2  # both requests, none lost
+
+
+def test_a_client_gone_before_its_stream_starts_is_still_settled(fault, tmp_path):
+    """A client that left between the first event's arrival and the response's start (the
+    server's send raising, as uvicorn's does for a closed connection) left the stream's relay
+    never started, so its settlement never ran: the key's parallel slot held until the
+    reservation TTL, the request counted in flight for ever (a SIGTERM drain waited out its
+    whole timeout), the upstream response left open."""
+    from starlette.requests import ClientDisconnect
+
+    from kvserve.gateway.app import build_app
+    from kvserve.gateway.config import parse_config
+
+    dep = {"model_name": "g", "id": "g-0", "backend": {"base_url": fault.url + "/v1", "model": "ok"}}
+    cfg = parse_config({
+        "model_list": [dep],
+        "keys": [{"key": "sk-par", "max_parallel_requests": 1}],
+        "general_settings": {"database": str(tmp_path / "gw.db")},
+    })  # fmt: skip
+    body = json.dumps({"model": "g", "messages": MSG, "max_tokens": 2, "stream": True}).encode()
+    scope = {
+        "type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
+        "method": "POST", "scheme": "http", "path": "/v1/chat/completions",
+        "raw_path": b"/v1/chat/completions",
+        "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2),
+        "headers": [(b"authorization", b"Bearer sk-par"), (b"content-type", b"application/json")],
+    }  # fmt: skip
+
+    async def scenario():
+        app = build_app(cfg, web_ui=False)
+        gw = app.state.gateway.gateway
+        pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive():
+            if pending:
+                return pending.pop(0)
+            await asyncio.Event().wait()  # (the disconnect is seen by send, as uvicorn's)
+
+        async def send(message):
+            if message["type"] == "http.response.start":
+                raise OSError("the client closed the connection")
+
+        with pytest.raises((OSError, ClientDisconnect, RuntimeError)):  # (however the server says it)
+            await app(scope, receive, send)
+        await asyncio.sleep(0)  # (a settlement scheduled by the close runs)
+        try:
+            return gw.num_in_flight, gw.router.strategy.in_flight["g-0"]
+        finally:
+            await app.state.gateway.pool.close()
+
+    assert asyncio.run(scenario()) == (0, 0)

@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from kvserve.disagg.prefill import PrefillResult, run_prefill
 from kvserve.disagg.split import decode_body, disaggregates
@@ -40,6 +40,7 @@ from kvserve.gateway.spend import SpendLog, SpendRow
 from kvserve.gateway.sse import error_event
 from kvserve.gateway.state import Check, StateStore, StoreUnavailable
 from kvserve.gateway.state.base import EPS
+from kvserve.gateway.stream_response import SettledStream
 from kvserve.routing import RequestInfo
 
 log = logging.getLogger("kvserve.gateway")
@@ -495,6 +496,22 @@ class Gateway:
         ctx.served_by = dep
         self.metrics.latency.labels(ctx.alias).observe(time.monotonic() - ctx.t0)
         deadline = time.monotonic() - (out.first_byte_s or 0) + dep.backend.timeout
+        settling: list[asyncio.Future] = []
+
+        async def settle(status: int, failure: str | None) -> None:
+            """Once: by the relay when it ends, else when the response closes (stream_response.py)."""
+            first = not settling
+            if first:
+                settling.append(
+                    asyncio.ensure_future(self._end_stream(ctx, dep, arid, dchecks, out, status, failure))
+                )
+            try:
+                await asyncio.shield(settling[0])
+            except asyncio.CancelledError:
+                pass  # (the client left: the settlement goes on, shielded)
+            except Exception:  # a bug: said once, not swallowed (it left the key's slots held)
+                if first:
+                    log.exception("settling the stream of %s failed", ctx.rid)
 
         async def relay():
             status, failure = 499, None  # 499 unless the stream ends or fails
@@ -520,15 +537,14 @@ class Gateway:
                 )
             finally:
                 gone.cancel()
-                done = asyncio.ensure_future(self._end_stream(ctx, dep, arid, dchecks, out, status, failure))
-                try:
-                    await asyncio.shield(done)
-                except asyncio.CancelledError:
-                    pass  # (the client left: the settlement goes on, shielded)
-                except Exception:  # a bug: said once, not swallowed (it left the key's slots held)
-                    log.exception("settling the stream of %s failed", ctx.rid)
+                await settle(status, failure)
 
-        return StreamingResponse(relay(), media_type="text/event-stream", headers=self._headers(ctx, dep))
+        return SettledStream(
+            relay(),
+            lambda: settle(499, None),
+            media_type="text/event-stream",
+            headers=self._headers(ctx, dep),
+        )
 
     async def _end_stream(
         self,
