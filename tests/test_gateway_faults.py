@@ -50,6 +50,11 @@ def _base(fault, tmp, **router) -> dict:
             {"model_name": "authmix", "id": "authmix-ok",
              "backend": {"base_url": u, "model": "ok", "weight": 0.001}},
             deployment("authbad", u, "auth-401"),
+            {"model_name": "nfmix", "id": "nfmix-bad",
+             "backend": {"base_url": fault.url + "/nope/v1", "model": "ok", "weight": 1000}},
+            {"model_name": "nfmix", "id": "nfmix-ok",
+             "backend": {"base_url": u, "model": "ok", "weight": 0.001}},
+            deployment("nfbad", fault.url + "/nope/v1", "ok"),
             deployment("pdauth", u, "ok", prefill_url=fault.url + "/deny/v1"),
             deployment("denied", fault.url + "/deny/v1", "ok"),
             {"model_name": "deprpm", "id": "deprpm-a", "backend": {"base_url": u, "model": "ok", "rpm": 1}},
@@ -402,6 +407,19 @@ def test_a_backend_refusing_the_deployments_api_key_is_retried_elsewhere_not_bla
     r = post(gw, "authbad")
     assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_error", r.text
     assert "authbad" in r.json()["error"]["message"] and "api_key" in r.json()["error"]["message"]
+
+
+def test_a_backends_404_is_the_deployments_fault_not_the_clients(gw):
+    """A backend's 404 to a chat request (the deployment's model is not the backend's, or its
+    base_url misses the route) was passed through: the client read "not found" for an alias the
+    gateway lists, and the group's other deployment was never tried. As in LiteLLM, it is now
+    a deployment failure: retried elsewhere, counted towards the cooldown, else a 502."""
+    r = post(gw, "nfmix")
+    assert r.status_code == 200 and r.headers["x-kvserve-deployment"] == "nfmix-ok", r.text
+    assert r.headers["x-kvserve-attempts"] == "2"
+    r = post(gw, "nfbad")
+    assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_error", r.text
+    assert "nfbad" in r.json()["error"]["message"] and "404" in r.json()["error"]["message"]
 
 
 def test_a_prefill_engine_refusing_the_deployments_api_key_means_recompute_not_a_401(gw):
@@ -763,7 +781,7 @@ def test_admin_refuses_a_key_it_could_not_store_or_use(gw, body, field):
 def test_health_readiness_and_metrics(gw):
     assert httpx.get(gw.url + "/health").json() == {"status": "ok"}
     ready = httpx.get(gw.url + "/health/readiness").json()
-    assert ready["status"] == "ready" and len(ready["deployments"]) == 42
+    assert ready["status"] == "ready" and len(ready["deployments"]) == 45
     # a backend refusing the deployment's api_key cannot answer anything: not up (was: it answered)
     assert [d["up"] for d in ready["deployments"] if d["model_name"] == "denied"] == [False]
     assert all(d["up"] for d in ready["deployments"] if d["model_name"] != "denied")

@@ -96,7 +96,7 @@ async def attempt(
             async with asyncio.timeout(max(b.timeout - (time.monotonic() - t0), 0.001)):
                 content = await resp.aread()
             await resp.aclose()
-            out = _classify(resp, content, t0)
+            out = _classify(resp, content, t0, path)
             if responses:  # the ids a follow-up names must lead back to this deployment
                 out.content = (public_body if out.kind == "ok" else public_error)(out.content, dep.id, body)
             return out
@@ -129,7 +129,7 @@ async def attempt(
     return Outcome("retry", status, reason=reason)
 
 
-def _classify(resp: httpx.Response, content: bytes, t0: float) -> Outcome:
+def _classify(resp: httpx.Response, content: bytes, t0: float, path: str) -> Outcome:
     status = resp.status_code
     media = resp.headers.get("content-type", "application/json")
     elapsed = time.monotonic() - t0
@@ -149,6 +149,9 @@ def _classify(resp: httpx.Response, content: bytes, t0: float) -> Outcome:
         return Outcome("retry", status, content, media, retry_after, reason, answered_error=status == 500)
     if status in CREDENTIALS_STATUS:
         reason = f"upstream refused the deployment's api_key ({status} {_message(content)})"
+        return Outcome("retry", status, content, media, reason=reason)
+    if status == 404 and path != RESPONSES:  # (LiteLLM's rule too; a Responses 404 may be the request's)
+        reason = f"upstream answered 404: the deployment's model or route is not there ({_message(content)})"
         return Outcome("retry", status, content, media, reason=reason)
     if is_context_error(status, content):
         return Outcome("context", status, content, media, reason="prompt longer than the backend's context")

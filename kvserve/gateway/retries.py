@@ -13,6 +13,9 @@ RETRYABLE_STATUS = frozenset({408, 429}) | frozenset(range(500, 600))
 # through, it told the client its own key was bad, and the group's other deployments were
 # never tried; now it is retried elsewhere, counts towards the cooldown, and ends as a 502.
 CREDENTIALS_STATUS = frozenset({401, 403})
+# A 404 to a chat, completions or embeddings request is a deployment set up wrong too (its
+# `model` is not the backend's, or its base_url misses the route: the alias the client named
+# exists); passed through, the client read "model not found" for a model the gateway lists.
 
 
 def is_retryable(status: int) -> bool:
