@@ -55,6 +55,7 @@ def _base(fault, tmp, **router) -> dict:
             {"model_name": "nfmix", "id": "nfmix-ok",
              "backend": {"base_url": u, "model": "ok", "weight": 0.001}},
             deployment("nfbad", fault.url + "/nope/v1", "ok"),
+            deployment("pd404", u, "ok", prefill_url=fault.url + "/nope/v1"),
             deployment("pdauth", u, "ok", prefill_url=fault.url + "/deny/v1"),
             deployment("denied", fault.url + "/deny/v1", "ok"),
             {"model_name": "deprpm", "id": "deprpm-a", "backend": {"base_url": u, "model": "ok", "rpm": 1}},
@@ -420,6 +421,8 @@ def test_a_backends_404_is_the_deployments_fault_not_the_clients(gw):
     r = post(gw, "nfbad")
     assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_error", r.text
     assert "nfbad" in r.json()["error"]["message"] and "404" in r.json()["error"]["message"]
+    r = post(gw, "pd404")  # a prefill engine's 404 (prefill_url set up wrong): the decode engine computes
+    assert r.status_code == 200 and r.headers["x-kvserve-pd"] == "fallback", r.text
 
 
 def test_a_prefill_engine_refusing_the_deployments_api_key_means_recompute_not_a_401(gw):
@@ -781,7 +784,7 @@ def test_admin_refuses_a_key_it_could_not_store_or_use(gw, body, field):
 def test_health_readiness_and_metrics(gw):
     assert httpx.get(gw.url + "/health").json() == {"status": "ok"}
     ready = httpx.get(gw.url + "/health/readiness").json()
-    assert ready["status"] == "ready" and len(ready["deployments"]) == 45
+    assert ready["status"] == "ready" and len(ready["deployments"]) == 46
     # a backend refusing the deployment's api_key cannot answer anything: not up (was: it answered)
     assert [d["up"] for d in ready["deployments"] if d["model_name"] == "denied"] == [False]
     assert all(d["up"] for d in ready["deployments"] if d["model_name"] != "denied")

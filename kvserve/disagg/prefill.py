@@ -37,6 +37,9 @@ async def run_prefill(
     except httpx.HTTPError as e:
         logger.warning("prefill at %s failed (%s)", url, e)
         return PrefillResult(failed=True)
+    if resp.status_code == 404:  # the route or model is not there: the engine set up wrong, not the request
+        logger.warning("prefill at %s answered 404 (no such route or model)", url)
+        return PrefillResult(failed=True)
     if 400 <= resp.status_code < 500 and resp.status_code not in (408, 429):
         return PrefillResult(refused_status=resp.status_code, refused_content=resp.content)
     if resp.status_code != 200:
