@@ -12,7 +12,7 @@ from kvserve.disagg.stream_start import event_error, has_data, is_opening
 from kvserve.gateway.usage import normalized
 
 _NULL_USAGE = (b',"usage":null', b', "usage": null')
-# a Responses stream's events before the model has produced anything (as chat's role chunk)
+# a Responses stream's events that carry output (counted for a stream that ends without usage)
 _DELTA_TYPES = frozenset({"response.output_text.delta", "response.function_call_arguments.delta"})
 
 
@@ -102,9 +102,9 @@ class SSERelay:
         for null in _NULL_USAGE:
             if null in ev:
                 return ev.replace(null, b"") if self.strip else ev
-        obj = _data_json(ev)
+        obj = _data_json(ev) if b'"response"' in ev else None  # (a Responses stream's final event)
         response = obj.get("response") if isinstance(obj, dict) else None
-        if isinstance(response, dict) and isinstance(response.get("usage"), dict):  # response.completed
+        if isinstance(response, dict) and isinstance(response.get("usage"), dict):
             self.usage = normalized(response["usage"])
             return ev
         if not ev.startswith(b"data:"):
