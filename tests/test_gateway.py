@@ -302,3 +302,37 @@ def test_responses_api_through_the_gateway(gw):
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model="tiny", input="hi", previous_response_id="resp_0123456789abcdef")
     assert json.loads(e.value.response.text)["error"]["code"] == "previous_response_not_found"
+
+
+def test_a_responses_stream_is_committed_at_its_first_output_not_at_response_created():
+    """The gateway commits a stream (no retry elsewhere, first-byte timeout over) at its
+    answer's first event. A Responses stream opens with response.created and .in_progress
+    before the model has produced anything: taken as the answer, a backend that hung or
+    failed right after them could not be passed over, as chat's role chunk can."""
+    from kvserve.gateway.responses_ids import decode_id, public_event
+    from kvserve.gateway.sse import SSERelay
+
+    def event(obj: dict) -> bytes:
+        return b"event: " + obj["type"].encode() + b"\ndata: " + json.dumps(obj).encode() + b"\n\n"
+
+    resp = {"id": "resp_abc", "object": "response", "status": "in_progress", "usage": None}
+    relay = SSERelay(True, lambda ev: ev)
+    relay.feed(event({"type": "response.created", "response": resp}))
+    relay.feed(event({"type": "response.in_progress", "response": resp}))
+    assert not relay.answered
+    relay.feed(event({"type": "response.output_item.added", "output_index": 0, "item": {"type": "message"}}))
+    assert relay.answered and relay.error_first is None
+    failed = SSERelay(True)
+    failed.feed(event({"type": "response.created", "response": resp}))
+    failed.feed(event({"type": "error", "code": "server_error", "message": "engine died"}))
+    assert failed.answered and failed.error_first == "engine died"
+    done = {
+        **resp,
+        "status": "completed",
+        "usage": {"input_tokens": 7, "output_tokens": 3, "total_tokens": 10},
+    }
+    out = SSERelay(True, lambda ev: public_event(ev, "dep-1"))
+    sent = out.feed(event({"type": "response.completed", "response": done}))
+    assert out.usage == {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
+    sent_id = json.loads(sent.split(b"data: ")[1])["response"]["id"]
+    assert decode_id(sent_id) == ("dep-1", "resp_abc") and sent.startswith(b"event: response.completed\n")
