@@ -805,6 +805,8 @@ def test_cooldown_after_allowed_fails(fault, tmp_path):
                        {"model_name": "solo", "id": "one", "backend": {"base_url": u, "model": "fail-500"}},
                        {"model_name": "poison", "id": "poison-a", "backend": sick},
                        {"model_name": "poison", "id": "poison-b", "backend": sick},
+                       {"model_name": "dying", "id": "dying-a", "backend": {**sick, "model": "role-error"}},
+                       {"model_name": "dying", "id": "dying-b", "backend": {**sick, "model": "role-error"}},
                        {"model_name": "alldown", "id": "down-a", "backend": down},
                        {"model_name": "alldown", "id": "down-b", "backend": down}],
         "router_settings": {"allowed_fails": 2, "cooldown_time": 120, "retry_backoff_base": 0.01},
@@ -837,6 +839,10 @@ def test_cooldown_after_allowed_fails(fault, tmp_path):
             assert r.status_code == 500 and r.json()["error"]["code"] == "upstream_error"
         rows = {d["id"]: d for d in httpx.get(g.url + "/health/readiness").json()["deployments"]}
         assert not rows["poison-a"]["cooling_down"] and not rows["poison-b"]["cooling_down"]
+        for _ in range(2):  # streams whose first event says the engine died: the deployments' fault
+            assert post(g, "dying", stream=True).status_code == 502
+        rows = {d["id"]: d for d in httpx.get(g.url + "/health/readiness").json()["deployments"]}
+        assert rows["dying-a"]["cooling_down"] and rows["dying-b"]["cooling_down"]
         # a group whose deployments all cool down: 503 with when the first comes back (had none)
         codes = [post(g, "alldown") for _ in range(3)]
         r = codes[-1]

@@ -35,6 +35,22 @@ def has_data(ev: bytes) -> bool:
     return any(line == b"data" or line.startswith(b"data:") for line in ev.split(b"\n"))
 
 
+# error codes of a stream's error event that say the engine itself is gone or going (kvserve's,
+# as its non-streamed 503s / 504 say it), not that this request failed
+ENGINE_GONE_CODES = frozenset({"engine_dead", "shutting_down", "timeout"})
+
+
+def event_code(obj: object) -> str | None:
+    """An error event's code (OpenAI's {"error": {"code"}} or the Responses API's `code`)."""
+    if not isinstance(obj, dict):
+        return None
+    err = obj.get("error")
+    code = err.get("code") if isinstance(err, dict) else None
+    if code is None and obj.get("type") == "error":
+        code = obj.get("code")
+    return code if isinstance(code, str) else None
+
+
 def event_error(obj: object) -> str | None:
     """The message of an event that is an error (OpenAI's {"error": ...}, or the Responses
     API's `error` / `response.failed` events), short; None for any other event."""

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from kvserve.disagg.stream_start import ENGINE_GONE_CODES
 from kvserve.gateway.backends import BackendPool
 from kvserve.gateway.config import Deployment
 from kvserve.gateway.responses_ids import RESPONSES, public_body, public_error, public_event
@@ -89,7 +90,7 @@ async def attempt(
                         "retry",
                         502,
                         reason=f"the stream began with an error ({relay.error_first})",
-                        answered_error=True,
+                        answered_error=relay.error_code not in ENGINE_GONE_CODES,  # (those: the deployment's)
                     )
         if whole:  # the rest of the body has the attempt's total timeout (the first byte came)
             reading_body = True

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
-from kvserve.disagg.stream_start import event_error, has_data, is_opening
+from kvserve.disagg.stream_start import event_code, event_error, has_data, is_opening
 from kvserve.gateway.usage import normalized
 
 _NULL_USAGE = (b',"usage":null', b', "usage": null')
@@ -27,6 +27,7 @@ class SSERelay:
         # no content), which kvserve and vLLM send before the model has produced anything
         self.answered = False
         self.error_first: str | None = None  # that event's message when it was an error
+        self.error_code: str | None = None  # and its code
         self._chunks = self._chars = 0  # of the completion text passed on (usage when none came)
         self._buf = b""
 
@@ -65,7 +66,7 @@ class SSERelay:
         if is_opening(obj):
             return
         self.answered = True
-        self.error_first = event_error(obj)
+        self.error_first, self.error_code = event_error(obj), event_code(obj)
 
     def _count(self, ev: bytes) -> None:
         try:
