@@ -329,6 +329,8 @@ CALL = {"id": "c1", "type": "function", "function": FN}
         ({"role": "assistant"}, "(assistant) needs content"),
         ({"role": "tool", "tool_call_id": "c1"}, "(tool) needs content"),
         ({"role": "user", "content": []}, "empty content list"),
+        ({"role": "assistant", "content": "x", "tool_calls": []}, "messages[1].tool_calls takes at least"),
+        ({"role": "assistant", "content": None, "tool_calls": []}, "tool_calls takes at least one"),
         ({"role": "user", "content": [{"type": "text"}]}, "content[0] (text) needs text"),
         ({"role": "system", "content": [{"type": "refusal", "refusal": "no"}]}, "system messages take text"),
     ],

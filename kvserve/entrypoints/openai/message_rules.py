@@ -41,6 +41,11 @@ def check_message(i: int, m: Any) -> None:
         raise ValueError(f"{where} needs tool_call_id, the id of the call it answers")
     if m.role == "function" and not m.name:
         raise ValueError(f"{where} needs name, the function it answers")
+    if m.tool_calls == []:  # OpenAI refuses it (empty_array) rather than reading it as no calls
+        raise ValueError(
+            f"{where} has tool_calls [] (messages[{i}].tool_calls takes at least one call; leave it out "
+            "when there are none)"
+        )
     if m.tool_calls and m.function_call:
         raise ValueError(f"{where} has both tool_calls and function_call")
     _check_content(where, m)
