@@ -299,6 +299,24 @@ def test_a_tool_result_needs_its_call_id(server):
     assert post(server, body, "/v1/chat/completions").status_code == 200
 
 
+@pytest.mark.parametrize(
+    "extra, says",
+    [
+        ({"structured_outputs": {"json": "{x"}}, "structured_outputs: invalid json schema: the schema"),
+        ({"guided_json": '{"type": "number", "minimum": NaN}'}, "guided_json: invalid json schema: the"),
+        ({"structured_outputs": {"json": "[1, 2]"}}, "a schema is a JSON object (or true / false), not an"),
+        ({"guided_regex": "[z-a]"}, "guided_regex: invalid regex: Invalid character class"),
+    ],
+)
+def test_a_constraint_given_as_text_is_400_in_the_clients_terms(server, extra, says):
+    """A schema string that is no JSON was answered with xgrammar's failed internal assertion,
+    which echoed the whole schema back, and a guided_* field's error named structured_outputs."""
+    r = post(server, {**OK, **extra})
+    assert_400(r, next(iter(extra)))
+    message = r.json()["error"]["message"]
+    assert says in message and "Check failed" not in message and "JSON string is" not in message
+
+
 def test_a_tool_call_whose_arguments_are_no_json_says_so(server):
     """The arguments were a string; the error said they "must be a JSON string"."""
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"city": "Par'}}

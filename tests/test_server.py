@@ -174,10 +174,10 @@ def test_logprobs_and_echo(client):
         ({"max_tokens": 255}, "max_tokens"),
         # a grammar or regex that matches no text: refused before generation (was 200 with "")
         ({"structured_outputs": {"grammar": "root ::= root"}}, "structured_outputs"),
-        ({"guided_grammar": "root ::= a\na ::= root"}, "structured_outputs"),
+        ({"guided_grammar": "root ::= a\na ::= root"}, "guided_grammar"),  # the field sent
         ({"structured_outputs": {"regex": "[^\\x00-\\U0010FFFF]"}}, "structured_outputs"),
         # every derivation recurses forever: refused (was generated until max_tokens)
-        ({"guided_grammar": 'root ::= "a" root'}, "structured_outputs"),
+        ({"guided_grammar": 'root ::= "a" root'}, "guided_grammar"),
         (
             {
                 "response_format": {

@@ -8,6 +8,7 @@ import re
 
 import pytest
 
+from kvserve.entrypoints.openai.compat import normalize_chat
 from kvserve.entrypoints.openai.protocol import ChatCompletionRequest
 from kvserve.entrypoints.openai.tool_parser import ToolCallStream, json_value_end, parse_calls
 from kvserve.entrypoints.openai.tools import call_constraint, conversation, tool_mode
@@ -33,6 +34,46 @@ def test_invalid_grammars_name_the_problem(so, words):
     with pytest.raises(ValueError) as e:
         check(so)
     assert str(e.value).startswith("structured_outputs: ") and all(w in str(e.value) for w in words)
+
+
+@pytest.mark.parametrize(
+    "so, says",
+    [
+        (S(json="{not json"), "(Expecting property name enclosed in double quotes at line 1 column 2)"),
+        (S(json=""), "the schema is not valid JSON (Expecting value at line 1 column 1)"),
+        (S(json='{"type": "number", "minimum": NaN}'), "the schema is not valid JSON (NaN is not JSON)"),
+        (S(json={"type": "number", "maximum": float("inf")}), "not valid JSON (Infinity is not JSON)"),
+        (S(json="1" * 5000), "the schema is not valid JSON (a number with too many digits)"),
+        (S(json="[1, 2]"), "a schema is a JSON object (or true / false), not an array"),
+        (S(json='"object"'), "a schema is a JSON object (or true / false), not a string"),
+        (S(regex="[z-a]"), "invalid regex: Invalid character class: lower bound is larger than upper bound"),
+        (S(regex="a{5,2}"), "invalid regex: Lower bound is larger than upper bound: 5 > 2"),
+    ],
+)  # fmt: skip
+def test_a_constraint_given_as_text_says_what_is_wrong_in_the_clients_terms(so, says):
+    """A schema string that is no JSON came back as xgrammar's failed internal assertion
+    ("Check failed: (error.empty()) is false: ... The JSON string is: <the whole schema>"), and
+    a regex's error pointed at a line and column of the EBNF xgrammar writes for it."""
+    with pytest.raises(ValueError) as e:
+        check(so)
+    message = str(e.value)
+    assert message.startswith("structured_outputs: ") and message.endswith(says), message
+    assert "Check failed" not in message and "JSON string is" not in message and "EBNF" not in message
+
+
+def test_a_deprecated_guided_field_is_named_in_its_error():
+    """guided_json's invalid schema was reported as structured_outputs', a field never sent."""
+    base = {"messages": [{"role": "user", "content": "x"}]}
+    for field, value, says in [
+        ("guided_json", "[1,", "guided_json: invalid json schema: the schema is not valid JSON"),
+        ("guided_regex", "(", "guided_regex: invalid regex: Regex parsing error"),
+        ("guided_grammar", "root ::= nope", "guided_grammar: invalid grammar: EBNF parser error at line 1"),
+        ("guided_choice", [], "guided_choice: choice must be a non-empty list"),
+    ]:
+        with pytest.raises(ValueError) as e:
+            normalize_chat(ChatCompletionRequest(**base, **{field: value}))
+        assert str(e.value).startswith(says), str(e.value)
+    assert normalize_chat(ChatCompletionRequest(**base, guided_regex="a+"))  # a Warning, no error
 
 
 def test_params_need_exactly_one_constraint():

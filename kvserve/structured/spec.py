@@ -18,6 +18,11 @@ from kvserve.structured.schema_support import unsupported
 
 # xgrammar's errors start with "[hh:mm:ss] /path/file.cc:123: "; the rest is the message.
 _LOCATION = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*")
+# Its failed internal assertions add "Check failed: (error.empty()) is false: ": not the client's.
+_ASSERTION = re.compile(r"Check failed: \(.*?\) is false:\s*")
+# A regex is parsed as the EBNF xgrammar writes for it: a line and column there point at no text
+# the client sent.
+_EBNF_PLACE = re.compile(r"^EBNF (?:parser|lexer) error at line \d+, column \d+:\s*")
 
 GrammarKey = tuple[str, str]
 
@@ -53,19 +58,51 @@ def _check_key(kind: str, text: str, label: str | None) -> None:
     label = label or {"json": "json schema", "regex": "regex", "grammar": "grammar"}.get(kind, kind)
     try:
         if kind == "json":
+            schema = parse_schema(text)
             _refuse_if_endless(xgr.Grammar.from_json_schema(text, any_whitespace=False))
-            refused = unsupported(json.loads(text))
+            refused = unsupported(schema)
             if refused is not None:
                 key, where, why = refused
                 raise ValueError(f"{key} at {where} is not supported: {why}")
         elif kind == "regex":
-            _refuse_if_empty(xgr.Grammar.from_regex(text))
+            try:
+                grammar = xgr.Grammar.from_regex(text)
+            except RuntimeError as e:
+                raise ValueError(_EBNF_PLACE.sub("", clean_error(e))) from None
+            _refuse_if_empty(grammar)
         elif kind == "grammar":
             grammar = xgr.Grammar.from_ebnf(text)
             _refuse_if_empty(grammar)
             _refuse_if_endless(grammar)
     except (RuntimeError, ValueError, TypeError) as e:
         raise ValueError(f"structured_outputs: invalid {label}: {clean_error(e)}") from None
+
+
+def parse_schema(text: str):
+    """The schema a string holds; ValueError saying why it is none (xgrammar's own message for
+    text that is no JSON is an internal assertion that echoes the whole text back)."""
+    try:
+        schema = json.loads(text, parse_constant=_no_constant)
+    except json.JSONDecodeError as e:
+        where = f"line {e.lineno} column {e.colno}"
+        raise ValueError(f"the schema is not valid JSON ({e.msg} at {where})") from None
+    except ValueError as e:  # NaN / Infinity, or an integer past Python's digit limit
+        why = str(e) if str(e).endswith("is not JSON") else "a number with too many digits"
+        raise ValueError(f"the schema is not valid JSON ({why})") from None
+    except RecursionError:
+        raise ValueError("the schema is not valid JSON (arrays or objects nested too deeply)") from None
+    if not isinstance(schema, (dict, bool)):
+        raise ValueError(f"a schema is a JSON object (or true / false), not {_json_type(schema)}")
+    return schema
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _json_type(value) -> str:
+    names = {list: "an array", str: "a string", int: "a number", float: "a number", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
 
 
 _byte_compiler = None
@@ -112,5 +149,5 @@ def _refuse_if_endless(grammar) -> None:
 
 
 def clean_error(e: Exception) -> str:
-    lines = [_LOCATION.sub("", ln).strip() for ln in str(e).splitlines()]
+    lines = [_ASSERTION.sub("", _LOCATION.sub("", ln)).strip() for ln in str(e).splitlines()]
     return " ".join(ln for ln in lines if ln) or type(e).__name__
