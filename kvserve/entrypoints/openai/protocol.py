@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from kvserve.entrypoints.openai.limits import (
     MAX_STOP_STRINGS,
@@ -135,6 +135,16 @@ class SamplingFields(OpenAIBody):
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
+    # The field structured_outputs came from, for its errors (compat.py maps guided_* onto it).
+    _constraint_field: str = PrivateAttr(default="structured_outputs")
+
+    @property
+    def constraint_field(self) -> str:
+        return self._constraint_field
+
+    @constraint_field.setter
+    def constraint_field(self, name: str) -> None:
+        self._constraint_field = name
 
     def output_constraint(self) -> StructuredOutputsParams | None:
         """response_format or structured_outputs as engine params; ValueError names the field."""
@@ -142,13 +152,15 @@ class SamplingFields(OpenAIBody):
         if rf is not None and rf.type != "text" and so is not None:
             raise ValueError("response_format: cannot be combined with structured_outputs")
         if so is not None:
-            return checked(
-                StructuredOutputsParams(
+            field = self._constraint_field
+            try:
+                params = StructuredOutputsParams(
                     json=so.json_, json_object=bool(so.json_object), regex=so.regex, choice=so.choice,
                     grammar=so.grammar,
-                ),
-                "structured_outputs",
-            )  # fmt: skip
+                )  # fmt: skip
+            except ValueError as e:
+                raise ValueError(f"{field}:{str(e).partition(':')[2]}") from None
+            return checked(params, field)
         if rf is None or rf.type == "text":
             return None
         if rf.type == "json_object":

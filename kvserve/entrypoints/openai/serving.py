@@ -496,10 +496,7 @@ class OpenAIServing:
         if req.top_logprobs is not None and not req.logprobs:
             raise ValueError("top_logprobs: requires logprobs=true")
         max_tokens = req.max_completion_tokens or req.max_tokens
-        params = req.sampling_params(max_tokens, top if req.logprobs else None, req.prompt_logprobs)
-        forced = call_constraint(req, mode)
-        if forced is not None:
-            params = replace(params, structured_outputs=forced)
+        params = await self._off_loop(self._chat_params, req, mode, max_tokens, top if req.logprobs else None)
         echo = req.messages[-1].text() if req.echo and continues_final_message(req) else ""
         try:
             launched = await self._launch("chatcmpl", req, [prompt], params, raw)
@@ -527,6 +524,14 @@ class OpenAIServing:
         if req.prompt_logprobs is not None:
             run.body["prompt_logprobs"] = self._prompt_logprobs(finals[0], req.prompt_logprobs)
         return run
+
+    @staticmethod
+    def _chat_params(req: ChatCompletionRequest, mode: str, max_tokens: int | None, top: int | None):
+        """The engine params, run on the serving pool: a schema, regex or grammar (the client's or
+        the forced tool call's) is parsed and checked here, seconds for a large one."""
+        params = req.sampling_params(max_tokens, top, req.prompt_logprobs)
+        forced = call_constraint(req, mode)
+        return params if forced is None else replace(params, structured_outputs=forced)
 
     @staticmethod
     def _chat_message(text: str, finish: str | None, req: ChatCompletionRequest, mode: str):
@@ -647,7 +652,8 @@ class OpenAIServing:
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
         wanted = [req.prompt_logprobs, req.logprobs if req.echo else None]
         prompt_lp = max((k for k in wanted if k is not None), default=None)
-        params = req.sampling_params(max_tokens, req.logprobs, prompt_lp)
+        # off the loop: a schema, regex or grammar is parsed and checked (seconds for a large one)
+        params = await self._off_loop(req.sampling_params, max_tokens, req.logprobs, prompt_lp)
         launched = await self._launch("cmpl", req, prompts, params, raw)
         run = Run(launched.gen, launched.streams, warnings)
         if req.stream:
