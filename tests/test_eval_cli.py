@@ -55,3 +55,18 @@ def test_json_records_the_window_and_dtypes_as_run(tiny_llama_dir, tmp_path, cap
     printed = capsys.readouterr().out
     assert "windows of 511 (--window 4096 is more than the model holds)" in printed
     assert "dtype float32  quantization none  kv-cache float32" in printed
+
+
+def test_a_corpus_of_one_token_names_the_file_and_what_it_needs(tiny_llama_dir, tmp_path, capsys):
+    """A one-character file passes the check for text but is one token: the run ended with
+    "token_ids: need at least 2 tokens to score", naming neither the corpus nor what to do."""
+    corpus = tmp_path / "one.txt"
+    corpus.write_text("a")
+    args = ["--corpus", str(corpus), "--kv-cache-memory", "16MiB", "--no-progress"]
+    assert main(["eval", "perplexity", tiny_llama_dir, *args]) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"error: corpus: {str(corpus)!r} is 1 token for this model's tokenizer; perplexity needs at least 2"
+        in err
+    )
+    assert "give a longer text" in err and "Traceback" not in err

@@ -36,9 +36,16 @@ class PerplexityResult:
 
 
 def load_corpus(engine: LLMEngine, path: str = CORPUS, max_tokens: int | None = None) -> list[int]:
-    """The corpus as token ids (no special tokens), cut to `max_tokens` if given."""
+    """The corpus as token ids (no special tokens), cut to `max_tokens` if given. ValueError
+    naming the file when it holds fewer than the 2 tokens a score needs (the first token of a
+    window is only context): a one-character file passes the CLI's check for text."""
     with open(path, encoding="utf-8") as f:
         ids = engine.tokenizer.encode(f.read(), add_special_tokens=False)
+    if len(ids) < 2:
+        raise ValueError(
+            f"corpus: {path!r} is {len(ids)} token{'s' * (len(ids) != 1)} for this model's tokenizer; "
+            "perplexity needs at least 2 (each is scored given the ones before it): give a longer text"
+        )
     return ids[:max_tokens] if max_tokens else ids
 
 
