@@ -247,6 +247,24 @@ def test_tokenize_detokenize(server):
     assert bad.status_code == 400 and bad.json()["error"]["message"].startswith("tokens: ids must be in [0, ")
 
 
+def test_detokenize_refuses_a_body_past_its_own_limit(server):
+    """/detokenize took the server's 16 MiB: 4M ids, whose JSON is parsed on the event loop
+    (half a second with every stream held). Its limit is a context's worth of ids, at least
+    1 MiB (this 256-token model): past it, 413 in OpenAI's shape, declared or chunked."""
+    body = b'{"tokens": [' + b"5, " * 400_000 + b"5]}"  # 1.2 MB
+    for content in (body, iter([body[: len(body) // 2], body[len(body) // 2 :]])):  # chunked
+        r = httpx.post(f"{server.url}/detokenize", content=content, headers=server.headers, timeout=60)
+        assert r.status_code == 413, r.text
+        assert r.json()["error"]["code"] == "request_too_large"
+        assert r.json()["error"]["message"] == (
+            "/detokenize takes a body of at most 1048576 bytes (room for this model's 256-token "
+            "context); send the ids in several requests"
+        )
+    ok = httpx.post(f"{server.url}/detokenize", json={"tokens": [5] * 200_000}, headers=server.headers)
+    assert ok.status_code == 200 and ok.json()["prompt"]  # 600 kB: under the limit
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
 def test_http_greedy_equals_offline(server, client, tiny_llama_dir):
     prompts = ["Hello world", "A paged KV cache stores keys", "The quick brown fox jumps"]
     llm = LLM(tiny_llama_dir, kv_cache_memory="32MiB", max_model_len=256)

@@ -65,6 +65,18 @@ def key_matches(header: str, keys: list[str]) -> bool:
     return ok and scheme.lower() == "bearer"
 
 
+def detokenize_limit(max_model_len: int) -> tuple[int, str]:
+    """/detokenize's own body limit and its 413 message: room for a context's worth of ids (16
+    bytes each, whitespace included), at least 1 MiB. Its body is parsed on the event loop, and
+    16 MiB of ids (4M) held every stream for half a second."""
+    limit = max(2**20, 16 * max_model_len + 2**16)
+    message = (
+        f"/detokenize takes a body of at most {limit} bytes (room for this model's "
+        f"{max_model_len}-token context); send the ids in several requests"
+    )
+    return limit, message
+
+
 def engine_dead_response(exc: EngineDeadError) -> Response:
     """503; with Retry-After while the supervisor is restarting the core."""
     resp = error_response(503, str(exc), "engine_dead", code="engine_dead")
@@ -120,7 +132,10 @@ def build_app(engine: AsyncLLM | DPClient, cfg: ServerConfig, store: ResponseSto
     app.add_middleware(InternalErrors)  # the gate logs its 500 and adds X-Request-Id
     app.add_middleware(RequestGate, gate=gate)
     # before any parsing
-    app.add_middleware(BodySizeLimit, max_bytes=cfg.max_request_bytes, overrides=batch.body_limits)
+    app.add_middleware(
+        BodySizeLimit, max_bytes=cfg.max_request_bytes, overrides=batch.body_limits,
+        limits={"/detokenize": detokenize_limit(engine.limits.max_model_len)},
+    )  # fmt: skip
     if cfg.allowed_origins:  # outermost: a preflight carries no API key and must not reach the gate
         app.add_middleware(
             CORSMiddleware, allow_origins=cfg.allowed_origins, allow_methods=cfg.allowed_methods,
