@@ -362,6 +362,37 @@ def test_a_message_missing_or_misusing_a_field_is_400_naming_it(server, message,
     assert "message 1" in r.json()["error"]["message"] and words in r.json()["error"]["message"]
 
 
+def test_a_tool_message_must_answer_a_call_before_it(server):
+    """A tool result with no call before it, or naming a call that turn did not make, was
+    rendered as the result of a call the model never made; OpenAI refuses both."""
+    ask, call2 = {"role": "user", "content": "hi"}, {**CALL, "id": "c2"}
+    calls = {"role": "assistant", "content": None, "tool_calls": [CALL, call2]}
+    for messages, words in [
+        ([ask, {"role": "tool", "tool_call_id": "c1", "content": "x"}], "message 1 (tool) answers no call"),
+        (
+            [ask, calls, {"role": "tool", "tool_call_id": "c1", "content": "x"}, ask,
+             {"role": "tool", "tool_call_id": "c2", "content": "y"}],
+            "message 4 (tool) answers no call",
+        ),
+        (
+            [ask, calls, {"role": "tool", "tool_call_id": "c9", "content": "x"}],
+            "message 2 (tool) has tool_call_id 'c9', which is not among the tool_calls of the assistant "
+            "message before it ('c1', 'c2')",
+        ),
+    ]:  # fmt: skip
+        r = post(server, {"model": "tiny", "messages": messages, "max_tokens": 2}, CHAT)
+        assert_400(r, "messages")
+        assert words in r.json()["error"]["message"], r.json()
+    answered = [ask, calls, {"role": "tool", "tool_call_id": "c2", "content": "y"},
+                {"role": "tool", "tool_call_id": "c1", "content": "x"}]  # fmt: skip
+    assert post(server, {"model": "tiny", "messages": answered, "max_tokens": 2}, CHAT).status_code == 200
+    # the Responses API: the item is named, and a call of the previous response is answerable
+    output = {"type": "function_call_output", "call_id": "c9", "output": "x"}
+    r = post(server, {"model": "tiny", "input": [ask, output], "max_output_tokens": 2}, "/v1/responses")
+    assert_400(r, "input")
+    assert "item 1 (function_call_output) has call_id 'c9', which no function_call before it has" in r.text
+
+
 def test_every_message_shape_openai_accepts_is_served(server):
     """What OpenAI's reference (and so its client's typed params) allows still passes: names, text
     parts for every role, an assistant's refusal (field or part), audio id, null content beside

@@ -51,6 +51,30 @@ def check_message(i: int, m: Any) -> None:
     _check_content(where, m)
 
 
+def check_tool_turns(messages: list[Any]) -> None:
+    """Raise ValueError for a tool message that answers no call, as OpenAI does: each follows the
+    assistant message whose tool_calls it answers (or another tool message answering it), and
+    names one of those calls by id. The model would otherwise read a result of a call it never
+    made. Calls sent without an id (not OpenAI's) are answered by any id."""
+    calls: list[str | None] | None = None  # the ids the next tool message may answer; None: none
+    for i, m in enumerate(messages):
+        if m.role == "assistant" and m.tool_calls:
+            calls = [c.id for c in m.tool_calls]
+        elif m.role != "tool":
+            calls = None
+        elif calls is None:
+            raise ValueError(
+                f"messages: message {i} (tool) answers no call: a tool message follows the assistant "
+                "message with the tool_calls it answers (or another tool message)"
+            )
+        elif None not in calls and m.tool_call_id not in calls:
+            ids = ", ".join(repr(c) for c in calls)
+            raise ValueError(
+                f"messages: message {i} (tool) has tool_call_id {m.tool_call_id!r}, which is not among the "
+                f"tool_calls of the assistant message before it ({ids})"
+            )
+
+
 def _owner(field: str) -> str:
     owners = [role for role, fields in ALLOWED.items() if field in fields]
     return f" (only {' and '.join(owners)} messages do)"

@@ -140,7 +140,7 @@ class ResponsesServing:
             raise
         rid = _new_id("resp")
         response = self._skeleton(req, rid, req.model or self.serving.model_names[0])
-        conversation = history + input_messages(req.input)
+        conversation = history + input_messages(req.input, history)
         if req.stream:
             events = self._events(run.chunks, response, conversation, req.store, req.max_tool_calls)
             return self.serving.sse_response(run.gen, events, run.streams)

@@ -125,10 +125,13 @@ def _text_of(content: Any, where: str) -> str:
     return "".join(texts)
 
 
-def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Response input items -> chat messages (function calls and their outputs included)."""
+def input_messages(items: str | list[dict[str, Any]], history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Response input items -> chat messages (function calls and their outputs included). A
+    function_call_output answers a function_call before it, in `items` or the previous
+    response's `history` (OpenAI's rule, checked here to name the item)."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
+    called = {c.get("id") for m in history for c in m.get("tool_calls") or []}
     messages: list[dict[str, Any]] = []
     for i, item in enumerate(items):
         if not isinstance(item, dict):
@@ -145,6 +148,7 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             _require_strings(item, i, ("name", "call_id"))
             fn = {"name": item["name"], "arguments": item.get("arguments", "{}")}
             call = {"id": item.get("call_id"), "type": "function", "function": fn}
+            called.add(item["call_id"])
             if messages and messages[-1]["role"] == "assistant" and messages[-1].get("tool_calls"):
                 messages[-1]["tool_calls"].append(call)  # parallel calls: one assistant turn
             else:
@@ -152,6 +156,11 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
         elif kind == "function_call_output":
             _require_strings(item, i, ("call_id",))
             text = _output_text(item.get("output"), i)
+            if item["call_id"] not in called:
+                raise ValueError(
+                    f"input: item {i} (function_call_output) has call_id {item['call_id']!r}, which no "
+                    "function_call before it has (in input, or in the previous response's output)"
+                )
             messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": text})
         else:
             raise ValueError(f"input: item type {kind!r} is not supported")
@@ -215,7 +224,7 @@ def to_chat(req: ResponsesRequest, history: list[dict[str, Any]]) -> ChatComplet
         raise ValueError(f"instructions: not valid Unicode: a lone surrogate ({bad!a}) at character {at}")
     if req.instructions:  # instructions apply to this turn only (they are not carried forward)
         messages = [{"role": "system", "content": req.instructions}, *messages]
-    messages += input_messages(req.input)
+    messages += input_messages(req.input, history)
     if not messages:
         raise ValueError("input: must not be empty")
     fmt = req.text.format if req.text else None

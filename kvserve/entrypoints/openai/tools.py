@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kvserve.entrypoints.openai.message_rules import check_message
+from kvserve.entrypoints.openai.message_rules import check_message, check_tool_turns
 from kvserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -114,6 +114,7 @@ def conversation(
                 )
                 msg["content"] = f"{msg['content']}\n{text}" if msg["content"] else text
         messages.append(msg)
+    check_tool_turns(req.messages)
     if not req.tools or getattr(req, "tool_choice", None) == "none":
         return messages, {}
     specs = [t.model_dump(exclude_none=True) for t in req.tools]
