@@ -447,6 +447,20 @@ def test_an_embedding_may_fill_the_whole_context(server):
     assert_still_serving(server)
 
 
+def test_a_limit_set_by_max_completion_tokens_names_that_field(server):
+    """max_completion_tokens (OpenAI's name now) past the context was refused naming
+    max_tokens, a field the request did not send; the Responses API's max_output_tokens too."""
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 1000}
+    r = post(server, chat, CHAT)
+    assert_400(r, "max_completion_tokens")
+    message = r.json()["error"]["message"]
+    assert "+ max_completion_tokens (1000) exceed it" in message and "max_tokens" not in message
+    assert_400(post(server, {**chat, "max_completion_tokens": None, "max_tokens": 1000}, CHAT), "max_tokens")
+    r = post(server, {"model": "tiny", "input": "hi", "max_output_tokens": 1000}, "/v1/responses")
+    assert_400(r, "max_output_tokens")
+    assert "+ max_output_tokens (1000) exceed it" in r.json()["error"]["message"]
+
+
 def test_thousands_of_engine_requests_queue_while_the_core_is_busy(tiny_llama_dir):
     """One API request fanning out into 2,048 engine requests while the core reads nothing
     (stopped here; busy with long steps in life): all are queued. The queue to the core once

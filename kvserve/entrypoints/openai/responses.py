@@ -43,8 +43,8 @@ def _name_responses_fields(e: ValueError) -> None:
     if e.args and isinstance(e.args[0], str):
         head, sep, rest = e.args[0].partition(":")
         if sep and head in _CHAT_TO_RESPONSES:
-            if head == "max_tokens":  # the context-length message repeats it
-                rest = rest.replace("max_tokens (", "max_output_tokens (")
+            if head in ("max_tokens", "max_completion_tokens"):  # the context-length message repeats it
+                rest = rest.replace(f"{head} (", "max_output_tokens (")
             e.args = (f"{_CHAT_TO_RESPONSES[head]}:{rest}", *e.args[1:])
 
 

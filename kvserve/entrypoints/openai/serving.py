@@ -502,6 +502,8 @@ class OpenAIServing:
             launched = await self._launch("chatcmpl", req, [prompt], params, raw)
         except ValueError as e:  # the shared checks name `prompt`; a chat request sent `messages`
             rename_field(e, "prompt", "messages")
+            if req.max_completion_tokens:  # and `max_tokens`, for the limit that came from this field
+                rename_field(e, "max_tokens", "max_completion_tokens", in_text=True)
             raise
         run = Run(launched.gen, launched.streams, warnings)
         if req.stream:
@@ -851,9 +853,10 @@ def _err_body(message: str, type_: str, status: int, code: str) -> dict:
     return error_response(status, message, type_, code=code).body_dict
 
 
-def rename_field(e: ValueError, old: str, new: str) -> None:
+def rename_field(e: ValueError, old: str, new: str, in_text: bool = False) -> None:
     """Rename, in place (its class, and so its error code, stay), the field an error starts
-    with: the engine's checks name `prompt` whatever the endpoint called it."""
+    with: the engine's checks name `prompt` whatever the endpoint called it. `in_text`: also
+    where the message names it with its value ("+ max_tokens (9000) exceed it")."""
     head, sep, rest = str(e).partition(":")
     if sep and head == old:
-        e.args = (f"{new}:{rest}",)
+        e.args = (f"{new}:{rest.replace(f'{old} (', f'{new} (') if in_text else rest}",)
