@@ -248,6 +248,9 @@ def test_jsonl_dataset_errors_name_the_file_and_line(tiny_tok, tmp_path):
         ("--temperature", "nan", "must be a finite number, got 'nan'"),
         ("--range-ratio", "-0.5", "must be >= 0, got -0.5"),  # was "empty range for randrange()"
         ("--range-ratio", "1.5", "must be < 1"),  # lengths below 1 were raised to 1: skewed, not spread
+        # ran, every request failing with aiohttp's NonHttpUrlClientError, then a report of dashes
+        ("--base-url", "localhost:8000", "'localhost:8000' is not an http:// or https:// URL (did you mean"),
+        ("--base-url", "ftp://host/v1", "'ftp://host/v1' is not an http:// or https:// URL"),
     ],
 )
 def test_serve_arguments_are_checked_before_the_run(flag, value, message, tmp_path, capsys):
@@ -270,6 +273,7 @@ def test_serve_arguments_are_checked_before_the_run(flag, value, message, tmp_pa
         # inf was an OverflowError traceback; 0.5 ran with no cap, recorded as concurrency 0.5
         (["sweep", "--concurrencies", "inf"], "concurrencies: 'inf' must be whole numbers >= 1"),
         (["sweep", "--concurrencies", "1,0.5"], "concurrencies: '1,0.5' must be whole numbers >= 1"),
+        (["sweep", "--base-url", "127.0.0.1:9"], "argument --base-url: '127.0.0.1:9' is not an http:// or"),
     ],
 )
 def test_sweep_and_offline_arguments_are_checked_before_the_run(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from urllib.parse import urlsplit
 
 from kvserve.argtypes import (
     json_object,
@@ -23,6 +24,16 @@ def range_ratio(text: str) -> float:
     if value >= 1:
         raise argparse.ArgumentTypeError(f"must be < 1 (lengths spread over len*(1±r)), got {value:g}")
     return value
+
+
+def base_url(text: str) -> str:
+    """An http(s) URL with a host: "localhost:8000" was taken, and the run then failed every
+    request with aiohttp's NonHttpUrlClientError and printed a report of dashes."""
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        hint = f" (did you mean 'http://{text}'?)" if "://" not in text else ""
+        raise argparse.ArgumentTypeError(f"{text!r} is not an http:// or https:// URL{hint}")
+    return text
 
 
 def add_dataset_args(p: argparse.ArgumentParser) -> None:
@@ -46,7 +57,9 @@ def add_dataset_args(p: argparse.ArgumentParser) -> None:
 
 def add_serve_args(p: argparse.ArgumentParser, single_url: bool = True) -> None:
     if single_url:
-        p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (or .../v1)")
+        p.add_argument(
+            "--base-url", type=base_url, default="http://127.0.0.1:8000", help="server root (or .../v1)"
+        )
     p.add_argument("--model", default="smollm2-135m", help="model name sent in requests")
     p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
     p.add_argument("--prompt-format", choices=("text", "ids"), default="text",

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from kvserve.argtypes import writable_file
-from kvserve.bench.args import add_offline_args, add_serve_args
+from kvserve.bench.args import add_offline_args, add_serve_args, base_url
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -76,7 +76,9 @@ def register(subparsers) -> None:
     serve.set_defaults(func=cmd_serve)
 
     sweep = sub.add_parser("sweep", help="bench serve over concurrencies or rates, plot the curve")
-    sweep.add_argument("--base-url", action="append", required=True, help="repeat to compare servers")
+    sweep.add_argument(
+        "--base-url", type=base_url, action="append", required=True, help="repeat to compare servers"
+    )
     sweep.add_argument("--label", action="append", help="legend name per --base-url")
     sweep.add_argument("--concurrencies", default=None, help="e.g. 1,8,32 (all prompts sent at once)")
     sweep.add_argument("--rates", default=None, help="requests/s, e.g. 1,2,4,inf")
