@@ -334,6 +334,14 @@ def test_gpu_budget_is_the_engine_rule():
         ("--max-model-len", "0", "must be >= 1, got 0"),  # was silently the model's context
         ("--max-num-seqs", "-1", "must be >= 1, got -1"),  # was a negative capacity
         ("--price-per-hour", "-3", "must be >= 0, got -3"),  # was a negative cost
+        # these named every field of their kind ("concurrency, block_size and num_gpus must be >= 1")
+        ("--num-gpus", "0", "must be >= 1, got 0"),
+        ("--block-size", "0", "must be >= 1, got 0"),
+        ("--gpu-memory-utilization", "1.5", "must be in (0, 1], got '1.5'"),
+        ("--utilization", "nan", "must be in (0, 1], got 'nan'"),
+        ("--overhead", "100%", "must be in [0, 1), got '100%'"),
+        ("--input-share", "2", "must be in [0, 1], got '2'"),
+        ("--input-share", "most", "must be a share such as 0.3 or 30%, got 'most'"),  # was "invalid fraction"
     ],
 )
 def test_cli_refuses_non_positive_sizes_naming_the_flag(flag, value, message, capsys):

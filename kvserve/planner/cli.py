@@ -26,6 +26,31 @@ def fraction(text: str) -> float:
     return float(text[:-1]) / 100 if text.endswith("%") else float(text)
 
 
+def _share_in(low: float, high: float, low_in: bool, high_in: bool):
+    """A share ("30%" or "0.3") in a range, checked at parse so the error names the flag: the
+    plan's own check named all the fields of a kind ("gpu_memory_utilization and utilization
+    must be in (0, 1]") whichever one was wrong."""
+    shown = f"{'[' if low_in else '('}{low:g}, {high:g}{']' if high_in else ')'}"
+
+    def parse(text: str) -> float:
+        try:
+            value = fraction(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a share such as 0.3 or 30%, got {text!r}") from None
+        above = value >= low if low_in else value > low
+        below = value <= high if high_in else value < high
+        if not (above and below):  # NaN fails both
+            raise argparse.ArgumentTypeError(f"must be in {shown}, got {text!r}")
+        return value
+
+    return parse
+
+
+USED_SHARE = _share_in(0, 1, low_in=False, high_in=True)  # some of it, up to all
+HELD_SHARE = _share_in(0, 1, low_in=True, high_in=False)  # none of it, up to not all
+SHARE = _share_in(0, 1, low_in=True, high_in=True)
+
+
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "model",
@@ -36,13 +61,13 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     hw.add_argument(
         "--gpu", help=f"one of {', '.join(GPUS)} (default {DEFAULT_GPU}; none with --kv-cache-memory)"
     )
-    hw.add_argument("--num-gpus", type=int, help="GPUs you have; default: as many as the plan needs")
+    hw.add_argument("--num-gpus", type=positive_int, help="GPUs you have; default: as many as the plan needs")
     hw.add_argument(
-        "--gpu-memory-utilization", type=float, default=0.9, help="share of GPU memory used (0.9)"
+        "--gpu-memory-utilization", type=USED_SHARE, default=0.9, help="share of GPU memory used (0.9)"
     )
     hw.add_argument(
         "--overhead",
-        type=fraction,
+        type=HELD_SHARE,
         default=0.3,
         help="share of the memory left after weights held back for activations, CUDA graphs and "
         "fragmentation; the rest is KV cache (default 30%%)",
@@ -62,11 +87,13 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     kv.add_argument(
         "--max-model-len", type=positive_int, help="prompt + output limit (default: model context)"
     )
-    kv.add_argument("--concurrency", type=int, default=1, help="sequences of max-model-len to serve at once")
+    kv.add_argument(
+        "--concurrency", type=positive_int, default=1, help="sequences of max-model-len to serve at once"
+    )
     kv.add_argument(
         "--kv-cache-memory", help='fixed KV budget per GPU, e.g. "2GiB": shows the pool the engine allocates'
     )
-    kv.add_argument("--block-size", type=int, default=16, help="tokens per KV block (16)")
+    kv.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block (16)")
     kv.add_argument(
         "--context-len",
         type=positive_int,
@@ -86,13 +113,13 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     )
     cost.add_argument(
         "--input-share",
-        type=fraction,
+        type=SHARE,
         default=0.75,
         help="input share of all tokens, for blended prices and capacity (default 0.75 = 3 in : 1 out)",
     )
     cost.add_argument(
         "--utilization",
-        type=fraction,
+        type=USED_SHARE,
         default=0.5,
         help="average busy share of the saturated throughput; capacity = saturated tokens/s x 86400 x this "
         "(default 0.5)",
