@@ -139,6 +139,8 @@ def test_options_of_the_other_mode_are_refused(args, message, capsys):
         # a NaN step time simulated 0 tokens/s; a negative output length was "math domain error"
         (["--token-ms", "nan"], "argument --token-ms: must be a finite number, got 'nan'"),
         (["--simulate", "bursty:output=-5"], "--simulate: prompt and output must be >= 1"),
+        # named --target-saturation too, which was fine
+        (["--slo-target", "2"], "argument --slo-target: must be in (0, 1], got '2'"),
     ],
 )
 def test_non_finite_simulation_inputs_are_refused(args, message, capsys):

@@ -8,6 +8,7 @@ import json
 import sys
 
 from kvserve.argtypes import non_negative_float, positive_float, positive_int
+from kvserve.planner.shares import USED_SHARE
 from kvserve.planner.sim_limits import check_replicas, check_trace
 from kvserve.planner.simulate import (
     ReplicaModel,
@@ -52,9 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--scale-down-delay", type=non_negative_float, default=300.0, help="stabilization window (s)"
     )
     s.add_argument("--slo-ttft", type=positive_float, default=2.0, help="time-to-first-token SLO in seconds")
-    s.add_argument(
-        "--slo-target", type=positive_float, default=0.99, help="share of requests that must meet it"
-    )
+    s.add_argument("--slo-target", type=USED_SHARE, default=0.99, help="share of requests that must meet it")
     # --max-num-seqs and --json are shared with the sizing plan
 
 
