@@ -577,6 +577,11 @@ def test_responses_server_side_state_is_refused_saying_so(server, body, param):
     r = post(server, {"model": "tiny", "input": "hi", "max_output_tokens": 4, **body}, "/v1/responses")
     assert_400(r, param)
     assert "not supported by this server" in r.json()["error"]["message"]
+    if param == "prompt":  # a stored prompt stands for input, so it comes alone: once "input: Field required"
+        r = post(server, {"model": "tiny", "max_output_tokens": 4, **body}, "/v1/responses")
+        assert_400(r, param)
+        assert "not supported by this server" in r.json()["error"]["message"]
+        assert_400(post(server, {"model": "tiny"}, "/v1/responses"), "input")
 
 
 def test_responses_stream_and_cache_options_are_accepted(server):

@@ -72,7 +72,9 @@ class ResponsesRequest(OpenAIBody):
     )
 
     model: str | None = None
-    input: str | list[dict[str, Any]]
+    # OpenAI's is optional (a stored prompt can stand for it); this server needs it (to_chat), but
+    # refuses the prompt first, saying so, rather than reporting input missing
+    input: str | list[dict[str, Any]] | None = None
     instructions: str | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
@@ -212,6 +214,8 @@ def refuse_unsupported(req: ResponsesRequest) -> None:
 def to_chat(req: ResponsesRequest, history: list[dict[str, Any]]) -> ChatCompletionRequest:
     """The chat request this response runs as; `history` is the stored conversation of the
     previous response (its input and output), [] when there is none."""
+    if req.input is None:
+        raise ValueError("input: Field required (a string, or a list of input items)")
     choice = req.tool_choice
     if req.max_tool_calls == 0 and req.tools:  # no call may be kept: the model answers in text
         if choice not in (None, "auto", "none"):
