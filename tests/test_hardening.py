@@ -786,6 +786,44 @@ def test_responses_max_tool_calls_keeps_that_many_calls(long_server):
     assert r.status_code == 200 and [o["type"] for o in r.json()["output"]] == ["message"]
 
 
+def test_responses_item_cut_by_max_output_tokens_is_incomplete_and_not_carried(long_server):
+    """The item max_output_tokens cut was "completed" in an "incomplete" response, a call's
+    half-written arguments included; continuing that response was then refused as "input:
+    tool_calls arguments are not valid JSON", arguments the client never sent."""
+    s = long_server
+    city = {"type": "string", "minLength": 500}  # 60 tokens end inside it, past the call's name
+    tools = [{"type": "function", "name": "f", "parameters": {"type": "object", "properties": {
+        "city": city}, "required": ["city"]}}]  # fmt: skip
+    cut = {"model": "tiny", "input": "hi", "tools": tools, "tool_choice": "required", "max_output_tokens": 60}
+    r = post(s, cut, "/v1/responses").json()
+    assert r["status"] == "incomplete" and [(o["type"], o["status"]) for o in r["output"]] == [
+        ("function_call", "incomplete")
+    ]
+    with httpx.stream("POST", f"{s.url}/v1/responses", json={**cut, "stream": True}, headers=s.headers) as sr:
+        events = [json.loads(x[6:]) for x in sr.iter_lines() if x.startswith("data: {")]
+    done = [e["item"]["status"] for e in events if e["type"] == "response.output_item.done"]
+    assert done == ["incomplete"] and events[-1]["response"]["output"][0]["status"] == "incomplete"
+    text = post(s, {"model": "tiny", "input": "hi", "max_output_tokens": 2}, "/v1/responses").json()
+    assert text["status"] == "incomplete" and text["output"][0]["status"] == "incomplete"
+    # calls of no arguments, as many as 30 tokens hold: a call cut before its arguments is left
+    # out by the parser, so the last one kept is whole, and stays "completed"
+    many = {
+        **cut,
+        "tools": [{"type": "function", "name": "g", "parameters": NO_ARGS}],
+        "max_output_tokens": 30,
+    }
+    r2 = post(s, {**many, "temperature": 0}, "/v1/responses").json()
+    assert r2["status"] == "incomplete" and r2["output"], r2
+    assert all(o["status"] == "completed" for o in r2["output"]), r2["output"]
+    on = post(s, {"model": "tiny", "previous_response_id": r["id"], "input": "go on", "max_output_tokens": 2},
+              "/v1/responses")  # fmt: skip
+    assert on.status_code == 200, on.text
+    answer = {"type": "function_call_output", "call_id": r["output"][0]["call_id"], "output": "x"}
+    bad = post(s, {"model": "tiny", "previous_response_id": r["id"], "input": [answer]}, "/v1/responses")
+    assert_400(bad, "input")
+    assert "complete in the previous response's output" in bad.json()["error"]["message"]
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

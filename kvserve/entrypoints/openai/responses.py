@@ -11,6 +11,7 @@ continue it with previous_response_id, in a bounded store (response_store.py).
 from __future__ import annotations
 
 import copy
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -82,13 +83,35 @@ def _usage(chat_usage: dict | None) -> dict | None:
     }
 
 
+def _close_items(output: list[dict], cut: bool) -> None:
+    """Each item's final status: the one max_output_tokens cut (the last, when `cut`) is
+    "incomplete", as OpenAI marks it; every item was "completed", a cut call's half-written
+    arguments included. A last call whose arguments are whole JSON was not cut: the parser
+    leaves out a call cut before its arguments began."""
+    for i, item in enumerate(output):
+        was_cut = cut and i == len(output) - 1 and not _whole_call(item)
+        item["status"] = "incomplete" if was_cut else "completed"
+
+
+def _whole_call(item: dict) -> bool:
+    if item["type"] != "function_call":
+        return False
+    try:
+        json.loads(item["arguments"])
+    except ValueError:
+        return False
+    return True
+
+
 def _assistant_turn(output: list[dict]) -> list[dict]:
-    """The output items as chat messages, to carry into the next turn."""
+    """The output items as chat messages, to carry into the next turn. A call cut off by
+    max_output_tokens is left out: its arguments are no JSON (the next turn was refused as
+    "input: tool_calls arguments are not valid JSON"), and it is no call to answer."""
     text = "".join(p["text"] for item in output if item["type"] == "message" for p in item["content"])
     calls = [
         {"id": i["call_id"], "type": "function", "function": {"name": i["name"], "arguments": i["arguments"]}}
         for i in output
-        if i["type"] == "function_call"
+        if i["type"] == "function_call" and i["status"] != "incomplete"
     ]
     return [{"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}]
 
@@ -150,8 +173,11 @@ class ResponsesServing:
         if message.get("content") or not message.get("tool_calls"):
             logprobs = (choice.get("logprobs") or {}).get("content")
             output.append(_message_item(message.get("content") or "", logprobs=logprobs))
-        for tc in (message.get("tool_calls") or [])[: req.max_tool_calls]:  # the rest are ignored
+        calls = message.get("tool_calls") or []
+        for tc in calls[: req.max_tool_calls]:  # the rest are ignored
             output.append(_call_item(tc["id"], tc["function"]["name"], tc["function"]["arguments"]))
+        kept_last = req.max_tool_calls is None or len(calls) <= req.max_tool_calls  # the cut item is kept
+        _close_items(output, choice["finish_reason"] == "length" and kept_last)
         self._finish(response, output, choice["finish_reason"], run.body["usage"])
         if req.store:
             self.store.put(response, conversation + _assistant_turn(output))
@@ -165,7 +191,7 @@ class ResponsesServing:
         out = _EventBuilder()
         yield out.event("response.created", response=response)
         yield out.event("response.in_progress", response=response)
-        finish, usage = None, None
+        finish, usage, dropped = None, None, False
         async for chunk in chunks:
             usage = chunk.get("usage") or usage
             for choice in chunk.get("choices", []):
@@ -174,11 +200,12 @@ class ResponsesServing:
                     yield e
                 for tc in delta.get("tool_calls") or []:
                     if max_calls is not None and tc["index"] >= max_calls:
+                        dropped = True
                         continue
                     for e in out.call(tc):
                         yield e
                 finish = choice.get("finish_reason") or finish
-        for e in out.close():
+        for e in out.close(cut=finish == "length" and not dropped):
             yield e
         self._finish(response, out.output, finish, usage)
         if store:
@@ -240,10 +267,11 @@ class _EventBuilder:
             item["arguments"] += args
         return events
 
-    def close(self) -> list[dict]:
+    def close(self, cut: bool) -> list[dict]:
+        """The done events; `cut`: max_output_tokens ended the last item."""
         events = []
+        _close_items(self.output, cut)
         for index, item in enumerate(self.output):
-            item["status"] = "completed"
             if item["type"] == "message":
                 part = item["content"][0]
                 events.append(

@@ -161,7 +161,7 @@ def input_messages(items: str | list[dict[str, Any]], history: list[dict[str, An
             if item["call_id"] not in called:
                 raise ValueError(
                     f"input: item {i} (function_call_output) has call_id {item['call_id']!r}, which no "
-                    "function_call before it has (in input, or in the previous response's output)"
+                    "function_call before it has (in input, or complete in the previous response's output)"
                 )
             messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": text})
         else:
