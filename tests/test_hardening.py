@@ -824,6 +824,32 @@ def test_responses_item_cut_by_max_output_tokens_is_incomplete_and_not_carried(l
     assert "complete in the previous response's output" in bad.json()["error"]["message"]
 
 
+def test_allowed_tools_restricts_the_calls_to_the_tools_it_names(long_server):
+    """OpenAI's allowed_tools tool_choice (chat's nested form, the Responses API's flat one) was
+    refused as "tool_choice: Input should be 'none', 'auto' or 'required'"."""
+    s = long_server
+    tools = [{"type": "function", "function": {"name": n, "parameters": NO_ARGS}} for n in ("a", "b")]
+    only_b = {"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [
+        {"type": "function", "function": {"name": "b"}}]}}  # fmt: skip
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tools": tools,
+            "tool_choice": only_b, "max_tokens": 40, "temperature": 0}  # fmt: skip
+    r = post(s, chat, CHAT)
+    assert r.status_code == 200, r.text
+    calls = r.json()["choices"][0]["message"]["tool_calls"]
+    assert calls and {c["function"]["name"] for c in calls} == {"b"}
+    flat = {"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "a"}]}
+    body = {"model": "tiny", "input": "hi", "tools": [{"type": "function", **t["function"]} for t in tools],
+            "tool_choice": flat, "max_output_tokens": 40, "temperature": 0}  # fmt: skip
+    r = post(s, body, "/v1/responses")
+    assert r.status_code == 200, r.text
+    assert {o["name"] for o in r.json()["output"] if o["type"] == "function_call"} == {"a"}
+    assert r.json()["tool_choice"] == flat
+    only_b["allowed_tools"]["tools"] = [{"type": "function", "function": {"name": "zz"}}]
+    r = post(s, chat, CHAT)
+    assert_400(r, "tool_choice")
+    assert "allowed_tools names 'zz', which is not among the tools" in r.json()["error"]["message"]
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

@@ -20,6 +20,7 @@ from kvserve.entrypoints.openai.protocol import (
     SamplingFields,
     StructuredOutputs,
 )
+from kvserve.entrypoints.openai.tools import restrict_to_allowed
 
 logger = logging.getLogger("kvserve.server")
 
@@ -77,6 +78,7 @@ def normalize_chat(req: ChatCompletionRequest) -> list[str]:
         req.tool_choice = fc if fc is None or isinstance(fc, str) else NamedToolChoice(function=fc)
         req.parallel_tool_calls = False  # a legacy reply holds one function_call
         warnings.append('299 kvserve "functions and function_call deprecated: use tools and tool_choice"')
+    restrict_to_allowed(req)  # allowed_tools: the tools it names, in its mode
     if req.continue_final_message and req.messages[-1].role != "assistant":
         raise ValueError("continue_final_message: the last message must be the assistant's")
     explicit_prompt = req.add_generation_prompt and "add_generation_prompt" in req.model_fields_set

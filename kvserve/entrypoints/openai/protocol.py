@@ -243,6 +243,20 @@ class NamedToolChoice(OpenAIBody):
     function: ToolChoiceFunction
 
 
+class AllowedTools(OpenAIBody):
+    """OpenAI's allowed_tools choice: calls restricted to these of the tools, in `mode`."""
+
+    model_config = ConfigDict(extra="forbid")
+    mode: Literal["auto", "required"]
+    tools: list[NamedToolChoice]
+
+
+class AllowedToolsChoice(OpenAIBody):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["allowed_tools"]
+    allowed_tools: AllowedTools
+
+
 class ToolCallFunction(OpenAIBody):
     model_config = ConfigDict(extra="allow")
     name: str
@@ -299,7 +313,7 @@ class ChatCompletionRequest(SamplingFields):
     echo: bool = False  # vLLM: the reply starts with the continued assistant message
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM: extra variables for the template
     tools: list[ChatTool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | AllowedToolsChoice | None = None
     parallel_tool_calls: bool = True
     functions: list[FunctionDefinition] | None = None  # legacy: mapped onto tools
     function_call: Literal["none", "auto"] | ToolChoiceFunction | None = None  # legacy tool_choice

@@ -16,6 +16,8 @@ from pydantic import ConfigDict, Field
 
 from kvserve.entrypoints.openai.limits import Int64, NonNegInt64, NumLogprobs, PositiveInt64
 from kvserve.entrypoints.openai.protocol import (
+    AllowedTools,
+    AllowedToolsChoice,
     ChatCompletionRequest,
     ChatMessage,
     ChatTool,
@@ -43,6 +45,15 @@ class FunctionChoice(OpenAIBody):
     model_config = ConfigDict(extra="forbid")
     type: Literal["function"]
     name: str
+
+
+class AllowedFunctions(OpenAIBody):
+    """OpenAI's allowed_tools choice in the Responses API's (flat) form."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["allowed_tools"]
+    mode: Literal["auto", "required"]
+    tools: list[FunctionChoice]
 
 
 class TextFormat(OpenAIBody):
@@ -77,7 +88,7 @@ class ResponsesRequest(OpenAIBody):
     input: str | list[dict[str, Any]] | None = None
     instructions: str | None = None
     tools: list[FunctionTool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | AllowedFunctions | None = None
     parallel_tool_calls: bool = True
     text: TextConfig | None = None
     max_output_tokens: PositiveInt64 | None = None
@@ -218,7 +229,8 @@ def to_chat(req: ResponsesRequest, history: list[dict[str, Any]]) -> ChatComplet
         raise ValueError("input: Field required (a string, or a list of input items)")
     choice = req.tool_choice
     if req.max_tool_calls == 0 and req.tools:  # no call may be kept: the model answers in text
-        if choice not in (None, "auto", "none"):
+        mode = choice.mode if isinstance(choice, AllowedFunctions) else choice
+        if mode not in (None, "auto", "none"):
             raise ValueError("max_tool_calls: 0 allows no call, but tool_choice requires one")
         choice = "none"
     messages = list(history)
@@ -242,6 +254,11 @@ def to_chat(req: ResponsesRequest, history: list[dict[str, Any]]) -> ChatComplet
         response_format = ResponseFormat(type=fmt.type, json_schema=schema)
     if isinstance(choice, FunctionChoice):
         choice = NamedToolChoice(function=ToolChoiceFunction(name=choice.name))
+    elif isinstance(choice, AllowedFunctions):
+        named = [NamedToolChoice(function=ToolChoiceFunction(name=t.name)) for t in choice.tools]
+        choice = AllowedToolsChoice(
+            type="allowed_tools", allowed_tools=AllowedTools(mode=choice.mode, tools=named)
+        )
     tools = None
     if req.tools:
         tools = [ChatTool(function=FunctionDefinition(**t.model_dump(exclude={"type"}))) for t in req.tools]

@@ -13,6 +13,7 @@ from typing import Any
 
 from kvserve.entrypoints.openai.message_rules import check_message, check_tool_turns
 from kvserve.entrypoints.openai.protocol import (
+    AllowedToolsChoice,
     ChatCompletionRequest,
     ChatMessage,
     NamedToolChoice,
@@ -34,6 +35,23 @@ TOOLS_SYSTEM_PROMPT = (
     '<tool_call></tool_call> XML tags:\n<tool_call>\n{{"name": <function-name>, "arguments": '
     "<args-json-object>}}\n</tool_call>"
 )
+
+
+def restrict_to_allowed(req: ChatCompletionRequest) -> None:
+    """An allowed_tools choice as the plain one it means: the tools cut to those it names, and
+    its mode ("auto" or "required") as tool_choice. Its names must be among the tools."""
+    choice = req.tool_choice
+    if not isinstance(choice, AllowedToolsChoice):
+        return
+    names = [t.function.name for t in choice.allowed_tools.tools]
+    if not names:
+        raise ValueError("tool_choice: allowed_tools.tools is empty; name at least one of the tools")
+    declared = {t.function.name for t in req.tools or []}
+    missing = [n for n in names if n not in declared]
+    if missing:
+        raise ValueError(f"tool_choice: allowed_tools names {missing[0]!r}, which is not among the tools")
+    req.tools = [t for t in req.tools or [] if t.function.name in names]
+    req.tool_choice = choice.allowed_tools.mode
 
 
 def tool_mode(req: ChatCompletionRequest) -> str:
