@@ -229,9 +229,14 @@ def test_markdown_is_rendered_and_escaped(offline, server):
     page.goto(server.url + "/ui/chat.html")
     source = "\n".join(
         ["# Title", "Some **bold** and `x<y`", "", "```python", 'print("<b>")', "```", "- one", "- two"]
-        + ["<script>x</script>"]
+        + ["<script>x</script>", "", "see [the docs](https://example.com/_drafts_/x) \u00000\u0000"]
     )
     html = page.evaluate("async (s) => (await import('/ui/markdown.js')).renderMarkdown(s)", source)
+    # a URL's underscores were read as emphasis: href="https://example.com/<em>drafts</em>/x"
+    assert (
+        '<a href="https://example.com/_drafts_/x" rel="noopener noreferrer">the docs</a> \ufffd0\ufffd'
+        in html
+    )
     assert "<strong>bold</strong>" in html and "<code>x&lt;y</code>" in html
     assert '<pre data-lang="python"><code>print(&quot;&lt;b&gt;&quot;)</code></pre>' in html
     assert "<ul><li>one</li><li>two</li></ul>" in html

@@ -5,16 +5,27 @@
 const ESCAPES = { "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" };
 const escapeHtml = (s) => s.replace(/[&<>"']/g, (c) => ESCAPES[c]);
 
+const emphasis = (s) =>
+  s
+    .replace(/\*\*([^*\n]+)\*\*/g, "<strong>$1</strong>")
+    .replace(/(^|[^*\w])[*_]([^*_\n]+)[*_](?![*\w])/g, "$1<em>$2</em>");
+
+// Code spans and links are set aside (as \u0000n\u0000 and \u0001n\u0001) before emphasis, so
+// a URL's underscores or asterisks (https://x.org/a_b_c) are not read as emphasis inside its
+// href; the model's own \u0000 / \u0001 are shown as U+FFFD, never taken for a placeholder.
 function inline(text) {
   const codes = [];
-  let s = escapeHtml(text).replace(/`([^`\n]+)`/g, (_, code) => {
-    codes.push(code);
-    return `\u0000${codes.length - 1}\u0000`;
-  });
-  s = s
-    .replace(/\*\*([^*\n]+)\*\*/g, "<strong>$1</strong>")
-    .replace(/(^|[^*\w])[*_]([^*_\n]+)[*_](?![*\w])/g, "$1<em>$2</em>")
-    .replace(/\[([^\]\n]+)\]\((https?:\/\/[^\s)]+)\)/g, '<a href="$2" rel="noopener noreferrer">$1</a>');
+  const links = [];
+  let s = escapeHtml(text.replace(/[\u0000\u0001]/g, "\ufffd"))
+    .replace(/`([^`\n]+)`/g, (_, code) => {
+      codes.push(code);
+      return `\u0000${codes.length - 1}\u0000`;
+    })
+    .replace(/\[([^\]\n]+)\]\((https?:\/\/[^\s)]+)\)/g, (_, label, url) => {
+      links.push(`<a href="${url}" rel="noopener noreferrer">${emphasis(label)}</a>`);
+      return `\u0001${links.length - 1}\u0001`;
+    });
+  s = emphasis(s).replace(/\u0001(\d+)\u0001/g, (_, i) => links[Number(i)]);
   return s.replace(/\u0000(\d+)\u0000/g, (_, i) => `<code>${codes[Number(i)]}</code>`);
 }
 
