@@ -243,6 +243,20 @@ def test_markdown_is_rendered_and_escaped(offline, server):
     assert "<script>" not in html and "&lt;script&gt;" in html
 
 
+def test_a_histograms_infinite_bucket_is_a_bound(offline, server):
+    """le="+Inf" was read as NaN (Number("+Inf")): a quantile past the last finite bound showed
+    as "p90 ≤ NaN s", and the bucket's place in the sort was up to chance."""
+    page = offline.page()
+    page.goto(server.url + "/ui/chat.html")
+    text = 'h_bucket{le="0.1"} 1\nh_bucket{le="+Inf"} 10\nh_bucket{le="0.5"} 3\nh_count 10\n'
+    les, p90, p20 = page.evaluate(
+        """async (t) => { const p = await import('/ui/prom.js'); const h = p.histogram(p.parseProm(t), 'h');
+        return [h.buckets.map((b) => b.le), p.quantile(h, 0.9), p.quantile(h, 0.2)]; }""",
+        text,
+    )
+    assert les == [0.1, 0.5, float("inf")] and p90 == float("inf") and p20 == 0.5
+
+
 def _load(server: ServerProcess, stop: threading.Event) -> None:
     body = {"model": "tiny", "messages": [{"role": "user", "content": "fox"}], "max_tokens": 200}
     with httpx.Client(base_url=server.url, headers=server.headers, timeout=60) as client:

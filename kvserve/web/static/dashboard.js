@@ -67,7 +67,15 @@ function rate(cur, dt, name, match = {}) {
 function histPanel(id, samples, name, match) {
   const hist = histogram(samples, name, match);
   drawHistogram($(`c-${id}`), hist);
-  show(id, hist.count ? `p50 ≤ ${ms(quantile(hist, 0.5))} · p90 ≤ ${ms(quantile(hist, 0.9))} · n=${hist.count}` : "no data");
+  show(id, hist.count ? `p50 ${upTo(hist, 0.5)} · p90 ${upTo(hist, 0.9)} · n=${hist.count}` : "no data");
+}
+
+/** "≤ bound" of the q-quantile's bucket; past the last finite bound (the +Inf bucket) "> it". */
+function upTo(hist, q) {
+  const le = quantile(hist, q);
+  if (le !== Infinity) return `≤ ${ms(le)}`;
+  const finite = hist.buckets.filter((b) => Number.isFinite(b.le));
+  return finite.length ? `> ${ms(finite.at(-1).le)}` : "—";
 }
 
 function engineView(samples, dt) {

@@ -2,6 +2,8 @@
 // few questions the dashboard asks of them.
 
 const LINE = /^([a-zA-Z_:][\w:]*)(?:\{(.*)\})?\s+(\S+)/;
+/** A number as the format writes it: "+Inf" and "-Inf" too (Number("+Inf") is NaN). */
+const number = (v) => (v === "+Inf" ? Infinity : v === "-Inf" ? -Infinity : Number(v));
 const LABEL = /([a-zA-Z_]\w*)="((?:[^"\\]|\\.)*)"/g;
 
 /** [{name, labels: {k: v}, value}] for every sample line (comments skipped). */
@@ -13,7 +15,7 @@ export function parseProm(text) {
     if (!m) continue;
     const labels = {};
     for (const [, k, v] of (m[2] || "").matchAll(LABEL)) labels[k] = v.replace(/\\(.)/g, (_, c) => (c === "n" ? "\n" : c));
-    samples.push({ name: m[1], labels, value: Number(m[3]) });
+    samples.push({ name: m[1], labels, value: number(m[3]) });
   }
   return samples;
 }
@@ -40,13 +42,14 @@ export function labelValues(samples, name, label) {
 export function histogram(samples, name, match = {}) {
   const cumulative = samples
     .filter((s) => s.name === `${name}_bucket` && Object.entries(match).every(([k, v]) => s.labels[k] === v))
-    .map((s) => ({ le: Number(s.labels.le), count: s.value }))
+    .map((s) => ({ le: number(s.labels.le), count: s.value }))
     .sort((a, b) => a.le - b.le);
   const buckets = cumulative.map((b, i) => ({ le: b.le, count: b.count - (i ? cumulative[i - 1].count : 0) }));
   return { buckets, count: cumulative.at(-1)?.count ?? 0 };
 }
 
-/** The q-quantile's bucket bound (the smallest `le` holding q of the observations). */
+/** The q-quantile's bucket bound (the smallest `le` holding q of the observations): Infinity
+ * when they lie past the last finite bound. */
 export function quantile(hist, q) {
   if (!hist.count) return null;
   let seen = 0;
