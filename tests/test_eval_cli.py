@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -17,6 +18,8 @@ from kvserve.entrypoints.cli import main
         # these two were "token_ids: need at least 2 tokens to score", after the model had loaded
         (["--max-tokens", "1"], "argument --max-tokens: must be >= 2, got 1"),
         (["--corpus", "{tmp}/blank.txt"], "argument --corpus: '{tmp}/blank.txt': no text to score"),
+        # a byte-order mark and a newline (an empty file saved by Windows' Notepad) was scored
+        (["--corpus", "{tmp}/bom.txt"], "argument --corpus: '{tmp}/bom.txt': no text to score"),
         (["--corpus", "{tmp}"], "argument --corpus: '{tmp}': is a directory"),  # IsADirectoryError
         (["--json", "{tmp}/no-dir/x.json"], "argument --json: '{tmp}/no-dir/x.json': no such directory"),
         # a bare codec error naming no flag, after the model had loaded
@@ -30,6 +33,7 @@ def test_bad_arguments_name_the_flag_before_the_model_loads(args, message, tmp_p
     missing = str(tmp_path / "no-such-model")  # loading it would fail with another message
     (tmp_path / "latin1.txt").write_bytes("café au lait".encode("latin-1"))
     (tmp_path / "blank.txt").write_text("\n  \n")
+    (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbf\r\n")
     with pytest.raises(SystemExit) as e:
         main(["eval", "perplexity", missing, *(a.format(tmp=tmp_path) for a in args)])
     err = capsys.readouterr().err
@@ -70,3 +74,16 @@ def test_a_corpus_of_one_token_names_the_file_and_what_it_needs(tiny_llama_dir, 
         in err
     )
     assert "give a longer text" in err and "Traceback" not in err
+
+
+def test_a_byte_order_mark_is_not_scored(tiny_llama_dir, tmp_path):
+    """A corpus saved with a byte-order mark had it scored as the first tokens of the text."""
+    from kvserve.eval.perplexity import load_corpus
+    from kvserve.model.loader import load_tokenizer, resolve_model
+
+    engine = SimpleNamespace(tokenizer=load_tokenizer(resolve_model(tiny_llama_dir)))  # all load_corpus reads
+    plain, marked = tmp_path / "plain.txt", tmp_path / "marked.txt"
+    plain.write_text("The quick brown fox jumps over the lazy dog.", encoding="utf-8")
+    marked.write_text("The quick brown fox jumps over the lazy dog.", encoding="utf-8-sig")
+    assert marked.read_bytes().startswith(b"\xef\xbb\xbf")
+    assert load_corpus(engine, str(marked)) == load_corpus(engine, str(plain))

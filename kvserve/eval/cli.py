@@ -56,7 +56,7 @@ def _corpus(text: str) -> str:
     from kvserve.argtypes import utf8_text_file
 
     utf8_text_file(text)
-    with open(text, encoding="utf-8") as f:
+    with open(text, encoding="utf-8-sig") as f:  # a byte-order mark alone is no text either
         if not any(line.strip() for line in f):
             raise argparse.ArgumentTypeError(f"{text!r}: no text to score (the file is empty or blank)")
     return text

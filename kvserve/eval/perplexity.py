@@ -39,7 +39,7 @@ def load_corpus(engine: LLMEngine, path: str = CORPUS, max_tokens: int | None = 
     """The corpus as token ids (no special tokens), cut to `max_tokens` if given. ValueError
     naming the file when it holds fewer than the 2 tokens a score needs (the first token of a
     window is only context): a one-character file passes the CLI's check for text."""
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:  # a byte-order mark is no text to score
         ids = engine.tokenizer.encode(f.read(), add_special_tokens=False)
     if len(ids) < 2:
         raise ValueError(
