@@ -4,7 +4,8 @@ that stored it, so a follow-up (previous_response_id, GET, DELETE) reaches that 
 A stored response (and the conversation previous_response_id continues) lives only on the
 backend that answered; the id is the only thing every gateway instance sees again, with no
 shared table to lose or expire, so the deployment rides in it: `resp_` + base64url of
-`kvgw1:<deployment id>:<backend id>`. Ids the gateway did not make do not decode."""
+`kvgw1:<length of the deployment id>:<deployment id><backend id>`. Ids the gateway did not
+make do not decode."""
 
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def public_response(obj: dict, dep_id: str) -> dict:
     return obj
 
 
-def public_body(content: bytes, dep_id: str, body: dict | None = None) -> bytes:
+def public_body(content: bytes, dep_id: str) -> bytes:
     """A backend's JSON answer (a Response, or DELETE's {"id", "deleted"}) with public ids;
     anything that is no JSON object goes on as it came."""
     try:
