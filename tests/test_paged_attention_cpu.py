@@ -1,11 +1,13 @@
 """The CPU paged decode attention kernel (csrc/paged_attention_cpu.cpp) against attention
-computed with torch over the same cache: float32 and int8 caches (a bfloat16 scale per token
-and kv head), query heads per kv head that take the 16-lane loops and ones that do not, head
+computed with torch over the same cache: float32, int8 and fp8 e4m3 caches (a bfloat16 scale
+per token and kv head), query heads per kv head that take the 16-lane loops and ones that do not, head
 sizes the kernel specializes and one it does not, partial blocks, and sequences of very
 different lengths in one call. The threads split the sequences by work, so the result must
 not depend on how many there are: one thread and two give the same bits. The extension is built
 for the CPU at hand (-march=native); on an AVX-512 machine a build for AVX2 alone runs the same
 cases, so the 8-lane loops an AVX2-only CPU takes are checked everywhere that can run them.
+A prompt's rows laid out as decode rows (each a row of its own causal length over the same
+blocks) share their dequantized fp8 blocks, and each row must still get the bits it gets alone.
 No timing here (benchmarks/bench_paged_attention.py)."""
 
 from __future__ import annotations
@@ -24,26 +26,38 @@ pytestmark = pytest.mark.skipif(KERNELS is None, reason="no C++ toolchain here")
 CASES = [(9, 3, 64, 16), (4, 1, 64, 16), (5, 1, 64, 8), (8, 8, 128, 16), (6, 2, 80, 16)]
 
 
-def _case(heads: int, kv_heads: int, head_dim: int, block: int, lens: list[int], int8: bool, seed: int):
-    """q, caches, scales and block tables of a decode step over `lens` (blocks scattered)."""
+KINDS = ["fp32", "int8", "fp8"]
+
+
+def _codes(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A 1-byte cache's codes of x and their bfloat16 scales, one per row."""
+    top = 127 if kind == "int8" else 448
+    scale = (x.abs().amax(-1) / top).bfloat16()
+    y = x / scale.float().unsqueeze(-1)
+    if kind == "int8":
+        return y.round().clamp(-127, 127).to(torch.int8), scale
+    return y.clamp(-448, 448).to(torch.float8_e4m3fn), scale
+
+
+def _case(heads: int, kv_heads: int, head_dim: int, block: int, lens: list[int], kind: str, seed: int,
+          shared: bool = False):  # fmt: skip
+    """q, caches, scales and block tables of a decode step over `lens` (blocks scattered; with
+    `shared`, every sequence reads the same blocks: a prompt's rows)."""
     g = torch.Generator().manual_seed(seed)
     per_seq = [-(-n // block) for n in lens]
-    pool = sum(per_seq) + 7
+    pool = (max(per_seq) if shared else sum(per_seq)) + 7
     order = torch.randperm(pool, generator=g)
     tables = torch.zeros(len(lens), max(per_seq), dtype=torch.long)
     at = 0
     for i, n in enumerate(per_seq):
         tables[i, :n] = order[at : at + n]
-        at += n
+        at += 0 if shared else n
     shape = (pool, kv_heads, block, head_dim)
     k, v = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
-    if int8:
-        ks = (k.abs().amax(-1) / 127).bfloat16()
-        vs = (v.abs().amax(-1) / 127).bfloat16()
-        k = (k / ks.float().unsqueeze(-1)).round().clamp(-127, 127).to(torch.int8)
-        v = (v / vs.float().unsqueeze(-1)).round().clamp(-127, 127).to(torch.int8)
-    else:
+    if kind == "fp32":
         ks = vs = torch.empty(0, dtype=torch.bfloat16)
+    else:
+        (k, ks), (v, vs) = _codes(k, kind), _codes(v, kind)
     q = torch.randn(len(lens), heads, head_dim, generator=g)
     return q, k, v, ks, vs, tables, torch.tensor(lens, dtype=torch.long)
 
@@ -64,10 +78,10 @@ def _reference(q, k, v, ks, vs, tables, lens, scale: float) -> torch.Tensor:
     return out
 
 
-def _check(module, int8: bool, heads: int, kv_heads: int, head_dim: int, block: int) -> None:
+def _check(module, kind: str, heads: int, kv_heads: int, head_dim: int, block: int) -> None:
     # long decodes first, then a prompt chunk's short rows (a served step), odd lengths throughout
     lens = [203, 190, 177, 41] + list(range(1, 30, 3))
-    case = _case(heads, kv_heads, head_dim, block, lens, int8, seed=heads * 100 + head_dim + block)
+    case = _case(heads, kv_heads, head_dim, block, lens, kind, seed=heads * 100 + head_dim + block)
     scale = head_dim**-0.5
     threads = torch.get_num_threads()
     try:
@@ -77,14 +91,40 @@ def _check(module, int8: bool, heads: int, kv_heads: int, head_dim: int, block: 
         one = module.paged_decode_attention(*case, scale)
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(one, two), (int8, heads, kv_heads, head_dim, block)
+    assert torch.equal(one, two), (kind, heads, kv_heads, head_dim, block)
     torch.testing.assert_close(two, _reference(*case, scale), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("int8", [False, True], ids=["fp32", "int8"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block", CASES)
-def test_kernel_matches_torch_and_any_thread_count(int8, heads, kv_heads, head_dim, block):
-    _check(KERNELS, int8, heads, kv_heads, head_dim, block)
+def test_kernel_matches_torch_and_any_thread_count(kind, heads, kv_heads, head_dim, block):
+    _check(KERNELS, kind, heads, kv_heads, head_dim, block)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block", CASES[:2] + CASES[3:])
+def test_a_prompts_rows_get_the_bits_each_gets_alone(kind, heads, kv_heads, head_dim, block):
+    """60 rows of one prompt over the same blocks (a long decode before them, another sequence
+    between), in one call with one or two threads: each row equal to the row alone."""
+    lens = [150] + list(range(1, 31)) + [77] + list(range(31, 61))
+    q, k, v, ks, vs, tables, lens_t = _case(heads, kv_heads, head_dim, block, lens, kind, seed=7, shared=True)
+    tables[0] = tables[0].flip(0)  # the long decode and the middle one read the blocks in another order
+    tables[31] = tables[31].roll(1)
+    scale = head_dim**-0.5
+
+    def attend(rows: slice) -> torch.Tensor:
+        return KERNELS.paged_decode_attention(q[rows], k, v, ks, vs, tables[rows], lens_t[rows], scale)
+
+    alone = torch.cat([attend(slice(i, i + 1)) for i in range(len(lens))])
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            assert torch.equal(attend(slice(None)), alone), n
+    finally:
+        torch.set_num_threads(threads)
+    reference = _reference(q, k, v, ks, vs, tables, lens_t, scale)
+    torch.testing.assert_close(alone, reference, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.skipif(not (cpu_isa().avx2 and cpu_isa().avx512), reason="the native build is AVX2's, or none")
@@ -102,6 +142,6 @@ def test_an_avx2_only_build_matches_torch_too(tmp_path):
     hashed = b"".join(pathlib.Path(p).read_bytes() for p in (source, binding, cpu_kernels.HEADERS[0]))
     name = cpu_kernels.extension_name("kvserve_paged_attention_avx2", hashed, flags)
     module = cpu_kernels.build_extension(name, [source, str(binding)], flags, cpu_kernels.HEADERS[:1])
-    for int8 in (False, True):
+    for kind in KINDS:
         for shape in CASES:
-            _check(module, int8, *shape)
+            _check(module, kind, *shape)

@@ -135,9 +135,10 @@ class ModelRunner:
         (shape_buckets.py) apart, logprobs moved by up to 0.27 between a prompt alone and
         beside others, and greedy text changed (tests/test_fidelity.py). With an int8 cache
         this costs about what the stack's layout does (default model, AMX host: a 1,500-token
-        prefill 1.8-1.9 -> 2.0-2.1 s); with fp8 more, as the decode kernel dequantizes every
-        key through its table once per prompt row (2.0-2.4 -> 6.2 s). Sharing a block's
-        dequantized keys between a request's rows would take much of that back."""
+        prefill 1.8-1.9 -> 2.0-2.1 s); with fp8 it was 3x, the decode kernel dequantizing every
+        key through its table once per prompt row (2.0-2.4 -> 6.2 s); since round 44 a prompt's
+        rows share each block's dequantized keys and values (csrc/paged_attention_cpu.cpp,
+        BlockMemo): the kernel 0.25x its time on 512 rows 1,024 tokens in."""
         if self.attn_backend.name != "cpu":
             return False
         if self.model.stack_applies(self.kv_cache.dtype):
