@@ -11,6 +11,8 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.model.layers.linear import linear, onednn_pack
+from kvserve.model.layers.quantization import quantize_weight
+from kvserve.model.layers.quantized_linear import QuantizedLinear
 
 
 @pytest.mark.parametrize("packed", [True, False])
@@ -25,6 +27,16 @@ def test_a_bf16_row_has_the_same_bits_in_any_batch(packed):
     for m in (2, 32, 33, 40, 64, 80):
         assert torch.equal(linear(x[:m], w, None, p), alone[:m]), f"{m} rows"
     assert torch.equal(linear(x.view(8, 10, 576), w, None, p), alone.view(8, 10, -1))
+
+
+def test_an_fp8_projection_on_the_cpu_too():
+    """fp8 weights on the CPU multiply in bf16 (QuantizedLinear): the same rule."""
+    g = torch.Generator().manual_seed(1)
+    layer = QuantizedLinear(quantize_weight(torch.randn(960, 576, generator=g) * 0.05, "fp8"), "cpu")
+    x = torch.randn(80, 576, generator=g)
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(len(x))])
+    for m in (33, 40, 80):
+        assert torch.equal(layer(x[:m]), alone[:m]), f"{m} rows"
 
 
 def test_a_bf16_model_gives_the_same_greedy_bits_alone_and_beside_40_others(tmp_path):

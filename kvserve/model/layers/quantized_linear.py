@@ -29,10 +29,10 @@ import sys
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvserve.model.layers import quant_kernels
+from kvserve.model.layers.linear import linear
 from kvserve.model.layers.quant_batched import (
     INT4_DYNAMIC_MIN_ROWS,
     INT8_BF16_MIN_ROWS,
@@ -143,10 +143,11 @@ class QuantizedLinear(nn.Module):
             )
         elif self.use_scaled_mm:
             y = self._scaled_mm(x2)
-        elif self.method == "fp8":
-            y = F.linear(x2.to(COMPUTE_DTYPE), self.qweight.to(COMPUTE_DTYPE)).float() * self.scales.float()
+        elif self.method == "fp8":  # `linear`: bf16 rows in runs that give each row the same bits
+            y = linear(x2.to(COMPUTE_DTYPE), self.qweight.to(COMPUTE_DTYPE), None, None)
+            y = y.float() * self.scales.float()
         else:
-            y = F.linear(x2.to(COMPUTE_DTYPE), self.dequantize(COMPUTE_DTYPE))
+            y = linear(x2.to(COMPUTE_DTYPE), self.dequantize(COMPUTE_DTYPE), None, None)
         y = y.to(x.dtype).reshape(*lead, self.out_features)
         return y if bias is None else y + bias
 
