@@ -48,6 +48,22 @@ def test_constraints_hold_on_a_random_model(tiny_llm):
     assert tiny_llm.llm_engine.kv_cache_manager.num_free_blocks == tiny_llm.llm_engine.pool_size.num_blocks
 
 
+def test_json_strings_never_hold_a_raw_control_character(tiny_llm):
+    """xgrammar 0.2.8 writes a length-bounded string as any character but a quote, a backslash,
+    CR or LF, so the tiny tokenizer's byte tokens 0x00-0x1f passed the mask and outputs such as
+    '{"b": "ep\\x19Cat"}' came back, which json.loads refuses (json_controls.py)."""
+    string = {"type": "string", "maxLength": 6}
+    schema = {"type": "object", "properties": {"b": string}, "required": ["b"], "additionalProperties": False}
+    prompts = [[(3 * j + 5 * i) % 300 + 3 for j in range(5 + 9 * i)] for i in range(6)]
+    so = StructuredOutputsParams(json=schema)
+    params = SamplingParams(n=4, temperature=1.0, seed=4, max_tokens=20, structured_outputs=so)
+    done = [c for o in tiny_llm.generate(prompts, params, use_tqdm=False) for c in o.outputs]
+    done = [c for c in done if c.finish_reason == "stop"]
+    assert len(done) >= 12
+    for c in done:
+        assert set(json.loads(c.text)) == {"b"}, c.text
+
+
 def test_length_cut_and_ignore_eos_and_mixed_batch(tiny_llm):
     so = StructuredOutputsParams(json={"type": "array", "items": {"type": "integer"}, "minItems": 50})
     plain = SamplingParams(temperature=0, max_tokens=12)

@@ -43,7 +43,8 @@ class CompilingRequests:
                 logger.error("request %s: grammar compilation failed: %s", rid, fut.exception())
                 failed.append(req)
             else:
-                req.grammar = GrammarState(fut.result(), rid)
+                kind = grammar_key(req.params.structured_outputs)[0]
+                req.grammar = GrammarState(fut.result(), rid, json_text=kind in ("json", "json_object"))
                 ready.append(req)
         return ready, failed
 

@@ -10,11 +10,15 @@ import logging
 
 import torch
 
+from kvserve.structured.json_controls import control_tokens, keep_mask
+
 logger = logging.getLogger(__name__)
 
 
 class GrammarState:
-    def __init__(self, compiled_grammar, request_id: str = "") -> None:
+    def __init__(self, compiled_grammar, request_id: str = "", json_text: bool = False) -> None:
+        """`json_text`: the grammar is a JSON one, whose output never holds a raw control
+        character (json_controls.py: xgrammar lets some through)."""
         import xgrammar as xgr
 
         self.request_id = request_id
@@ -25,6 +29,8 @@ class GrammarState:
         self.failed = False  # a token the grammar refuses was sampled (should not happen)
         self._compiled = compiled_grammar
         self._special: frozenset[int] | None = None  # refused with a logged warning: not asked
+        self._json = json_text
+        self._keep: torch.Tensor | None = None  # json_text: the mask's words with control tokens cleared
 
     def accept_tokens(self, token_ids: list[int]) -> bool:
         """Advance over all of token_ids, or over none of them (returns False, state unchanged)."""
@@ -42,6 +48,8 @@ class GrammarState:
         if self._special is None:  # padding ids past the tokenizer's, control tokens (xgrammar's)
             info = self._compiled.tokenizer_info
             self._special = frozenset(info.special_token_ids) - frozenset(info.stop_token_ids)
+            if self._json:
+                self._special |= frozenset(control_tokens(info))
         n = 0
         for tok in token_ids:
             if tok in self._special or self.matcher.is_terminated() or not self.matcher.accept_token(tok):
@@ -69,6 +77,10 @@ class GrammarState:
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed-next-token bits into bitmask[row] (int32, 32 tokens per word)."""
         self.matcher.fill_next_token_bitmask(bitmask, row)
+        if self._json:
+            if self._keep is None or self._keep.numel() != bitmask.shape[-1]:
+                self._keep = keep_mask(self._compiled.tokenizer_info, bitmask.shape[-1])
+            bitmask[row] &= self._keep.to(bitmask.device)
 
     def is_terminated(self) -> bool:
         """The grammar is complete and its stop token was accepted, or it refused a token."""
