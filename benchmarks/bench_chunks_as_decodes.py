@@ -16,7 +16,7 @@ alternating A/B in one run is the only fair comparison):
    steps as a control (the same path both ways).
 
     python benchmarks/bench_chunks_as_decodes.py [--chunks 16,64,256] [--prompt-len 1024] [--rounds 4]
-        [--weights int4|int8|float32] [--kv-cache-dtype int8|fp8_e4m3]
+        [--weights int4|int8|float32|bfloat16] [--kv-cache-dtype int8|fp8_e4m3|auto]
 """
 
 from __future__ import annotations
@@ -125,14 +125,16 @@ def main() -> int:
     ap.add_argument("--c32-rounds", type=int, default=3, help="passes of the c=32 load (0: skip it)")
     ap.add_argument(
         "--weights",
-        choices=("int4", "int8", "float32"),
+        choices=("int4", "int8", "float32", "bfloat16"),
         default="int4",
-        help="float32: the float model with a 1-byte cache, laid out the same way since round 43",
+        help="float32: the float model with a 1-byte cache, laid out the same way since round 43; "
+        "bfloat16 (with --kv-cache-dtype auto): what a bf16 cache's prompt rows would cost so",
     )
-    ap.add_argument("--kv-cache-dtype", choices=("int8", "fp8_e4m3"), default="int8")
+    ap.add_argument("--kv-cache-dtype", choices=("int8", "fp8_e4m3", "auto"), default="int8")
     args = ap.parse_args()
-    ENGINE.update(quantization=None if args.weights == "float32" else args.weights,
-                  kv_cache_dtype=args.kv_cache_dtype)  # fmt: skip
+    floats = {"float32": "float32", "bfloat16": "bfloat16"}
+    ENGINE.update(quantization=None if args.weights in floats else args.weights,
+                  dtype=floats.get(args.weights, "auto"), kv_cache_dtype=args.kv_cache_dtype)  # fmt: skip
     print(run_header())
     print(f"default model, {args.weights} weights, {args.kv_cache_dtype} KV; the engine lays every prompt "
           "chunk out as decode rows\n")  # fmt: skip

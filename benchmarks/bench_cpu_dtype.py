@@ -15,7 +15,7 @@ Figures are CPU microseconds per call with one torch thread, the best of `--reps
 (benchmarks/common.py `cpu_us`: on a shared machine wall time measures the scheduler);
 ratios are against fp32 in the same process.
 
-    python benchmarks/bench_cpu_dtype.py [--reps 30]
+    python benchmarks/bench_cpu_dtype.py [--reps 30] [--rows 1,32,64,256]
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from kvserve.model.layers.linear import float_kernel_name, linear, onednn_pack, 
 from kvserve.platform.cpu_isa import cpu_isa  # noqa: E402
 
 SHAPES = {"qkv": (960, 576), "gate_up": (3072, 576), "down": (576, 1536)}
-ROWS = (1, 32)
+ROWS = "1,32,64,256"  # 64 and more: oneDNN bf16 runs in 32-row runs (model/layers/linear.py)
 AVX2_ENV = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
 
 
@@ -58,16 +58,16 @@ def one_shape(n: int, k: int, m: int, reps: int) -> dict:
 
 
 @torch.inference_mode()
-def measure(reps: int) -> list[dict]:
+def measure(reps: int, rows: list[int]) -> list[dict]:
     torch.manual_seed(0)
     torch.set_num_threads(1)
     return [{"shape": f"{name} {n}x{k}", "M": m, **one_shape(n, k, m, reps)}
-            for name, (n, k) in SHAPES.items() for m in ROWS]  # fmt: skip
+            for name, (n, k) in SHAPES.items() for m in rows]  # fmt: skip
 
 
-def child(reps: int) -> dict:
+def child(reps: int, rows: list[int]) -> dict:
     return {"isa": cpu_isa().describe(), "capability": torch.backends.cpu.get_cpu_capability(),
-            "rows": measure(reps)}  # fmt: skip
+            "rows": measure(reps, rows)}  # fmt: skip
 
 
 def table(title: str, res: dict) -> None:
@@ -86,15 +86,17 @@ def table(title: str, res: dict) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--rows", default=ROWS, help="row counts (M) to time, comma-separated")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    rows = [int(m) for m in args.rows.split(",")]
     if args.child:
-        print(json.dumps(child(args.reps)))
+        print(json.dumps(child(args.reps, rows)))
         return 0
-    native = child(args.reps)
+    native = child(args.reps, rows)
     env = {**os.environ, **AVX2_ENV}
-    out = subprocess.run([sys.executable, __file__, "--child", "--reps", str(args.reps)], env=env,
-                         capture_output=True, text=True, check=True)  # fmt: skip
+    argv = [sys.executable, __file__, "--child", "--reps", str(args.reps), "--rows", args.rows]
+    out = subprocess.run(argv, env=env, capture_output=True, text=True, check=True)
     emulated = json.loads(out.stdout.strip().splitlines()[-1])
     print(f"{machine()}; CPU flags: {cpu_flags()}; load average {os.getloadavg()[0]:.2f}")
     table("this CPU", native)

@@ -156,26 +156,44 @@ def tiny_wide_mlp_dir(tmp_path_factory) -> str:
     return _save_tiny(str(tmp_path_factory.mktemp("tiny-wide-mlp")), "llama", intermediate_size=1536)
 
 
+@pytest.fixture(scope="module")
+def tiny_wide_bf16_dir(tmp_path_factory) -> str:
+    """A 512-wide Llama with an 8,192-token head: shapes where bf16 rounding shows (a 64-wide one
+    gave the same bf16 bits either way)."""
+    from conftest import _save_tiny
+
+    return _save_tiny(str(tmp_path_factory.mktemp("tiny-wide-bf16")), "llama", hidden_size=512,
+                      intermediate_size=1024, num_attention_heads=8, vocab_size=8192)  # fmt: skip
+
+
 @pytest.mark.skipif(load_cpu_kernels() is None, reason="C++ kernels not built here")
-@pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_wide_mlp_dir"])
-def test_float_model_with_an_fp8_cache_gives_the_same_bits_in_any_batch(request, model):
-    """float32 weights, an fp8 KV cache: each prompt alone, then all together (their cached
-    blocks hit), then in 7-token chunks in a pool so small requests are preempted: the same
-    tokens and logprobs to the bit. A prompt's attention over a fresh SDPA chunk and over one
-    after cached blocks differed in the last bits (now prompt rows go as decode rows,
-    ModelRunner._stack_takes_chunks), and fp8 codes at a rounding edge turn such bits into
-    steps of up to 1/16 of a vector's range: on the default model logprobs moved by up to 0.27,
-    and greedy text changed at a top-2 gap of 0.02. With a 1536-wide MLP a lone decode row's
-    down projection differed too (oneDNN's one-row kernel): now one row runs as two
-    (worker/shape_buckets.py)."""
+@pytest.mark.parametrize(
+    ("model", "engine"),
+    [
+        ("tiny_llama_dir", {"kv_cache_dtype": "fp8_e4m3"}),
+        ("tiny_wide_mlp_dir", {"kv_cache_dtype": "fp8_e4m3"}),
+        ("tiny_wide_bf16_dir", {"dtype": "bfloat16"}),
+    ],
+)
+def test_float_model_with_a_coarse_cache_gives_the_same_bits_in_any_batch(request, model, engine):
+    """float32 weights and an fp8 KV cache, or bf16 weights and cache: each prompt alone, then all
+    together (their cached blocks hit), then in 7-token chunks in a pool so small requests are
+    preempted: the same tokens and logprobs to the bit. A prompt's attention over a fresh SDPA chunk
+    and over one after cached blocks differed in the last bits (now prompt rows go as decode rows,
+    ModelRunner._stack_takes_chunks), and fp8 codes at a rounding edge turn such bits into steps of
+    up to 1/16 of a vector's range: on the default model logprobs moved by up to 0.27, and greedy
+    text changed at a top-2 gap of 0.02. With a 1536-wide MLP a lone decode row's down projection
+    differed too (oneDNN's one-row kernel): now one row runs as two (worker/shape_buckets.py). bf16
+    weights with their bf16 cache: SDPA's output rounded to bf16 after a chunk's cached blocks moved
+    logprobs by up to 0.10 against one fresh chunk."""
     path = request.getfixturevalue(model)
-    llm = LLM(path, kv_cache_memory="16MiB", kv_cache_dtype="fp8_e4m3")
+    llm = LLM(path, kv_cache_memory="16MiB", **engine)
     assert llm.llm_engine.model_runner.attn_backend.prompt_rows_as_decodes
     prompts = _prompts(llm.tokenizer, [3, 17, 33, 70])
     alone = [_greedy_bits(llm, [p])[0] for p in prompts]
     assert _greedy_bits(llm, prompts) == alone
     block_bytes = llm.llm_engine.pool_size.block_bytes
-    small = LLM(path, kv_cache_memory=7 * block_bytes, kv_cache_dtype="fp8_e4m3", max_num_batched_tokens=7)
+    small = LLM(path, kv_cache_memory=7 * block_bytes, max_num_batched_tokens=7, **engine)
     assert _greedy_bits(small, prompts) == alone
     assert small.llm_engine.scheduler.num_preemptions_total > 0
     for e in (llm.llm_engine, small.llm_engine):

@@ -138,14 +138,18 @@ class ModelRunner:
         prefill 1.8-1.9 -> 2.0-2.1 s); with fp8 it was 3x, the decode kernel dequantizing every
         key through its table once per prompt row (2.0-2.4 -> 6.2 s); since round 44 a prompt's
         rows share each block's dequantized keys and values (csrc/paged_attention_cpu.cpp,
-        BlockMemo): the kernel 0.25x its time on 512 rows 1,024 tokens in."""
+        BlockMemo): the kernel 0.25x its time on 512 rows 1,024 tokens in. A bf16 cache (a bf16
+        model's own) too since round 44: SDPA's output, rounded to bf16, moved logprobs by up to
+        0.10 between a prompt in one chunk and in 7-token ones. That costs 1.7-2.9x SDPA's time on
+        512-token chunks (a 1,536-token prefill ~2.4x, 1.2x fp32's time on the AMX host: bf16
+        keeps its memory, not its prefill speed; c=32 steps 0.94-1.01x;
+        benchmarks/bench_chunks_as_decodes.py)."""
         if self.attn_backend.name != "cpu":
             return False
         if self.model.stack_applies(self.kv_cache.dtype):
             return True
-        return is_quantized(self.kv_cache.dtype) and any(
-            la.attn.kernels is not None for la in self.model.layers
-        )
+        coarse = is_quantized(self.kv_cache.dtype) or self.kv_cache.dtype == torch.bfloat16
+        return coarse and any(la.attn.kernels is not None for la in self.model.layers)
 
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Capture the decode forward at each graph size (CUDA + Triton backend only)."""
