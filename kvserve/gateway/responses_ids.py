@@ -47,9 +47,10 @@ def public_response(obj: dict, dep_id: str) -> dict:
     return obj
 
 
-def public_body(content: bytes, dep_id: str) -> bytes:
+def public_body(content: bytes, dep_id: str, body: dict | None = None) -> bytes:
     """A backend's JSON answer (a Response, or DELETE's {"id", "deleted"}) with public ids;
-    anything that is no JSON object goes on as it came."""
+    anything that is no JSON object goes on as it came. (`body`, unused, gives it
+    public_error's signature: the proxy calls one or the other.)"""
     try:
         obj = json.loads(content)
     except (ValueError, RecursionError):
