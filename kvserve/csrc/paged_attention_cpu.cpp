@@ -351,6 +351,16 @@ struct BlockMemo {
     rows[b] = std::max(have, n);
     return slot;
   }
+  // The block's first n rows as floats: the slot's when it holds them, else dequantized into the
+  // slot (`keep`: the next item reads them too) or into `buf`.
+  template <typename C>
+  const float* rows_of(int64_t head, int64_t b, int64_t id, int64_t n, bool keep, const C* codes,
+                       const at::BFloat16* scales, int64_t block_size, int64_t head_dim, float* buf) {
+    if (holds(head, b, id, n)) return data.data() + b * block_size * head_dim;
+    if (keep) return fill(b, id, n, codes, scales, block_size, head_dim);
+    dequantize_rows(codes, scales, n, head_dim, buf);
+    return buf;
+  }
 };
 
 // A thread's buffers, reused across its items.
@@ -463,14 +473,8 @@ void decode_items(const Decode<T, C>& a, int64_t begin, int64_t end, Scratch& sc
         }
       }
       if constexpr (memo) {
-        if (sc.keys.holds(kh, b, table[b], n)) {
-          kb = sc.keys.data.data() + b * block_size * head_dim;
-        } else if (keep) {
-          kb = sc.keys.fill(b, table[b], n, kp + slice * head_dim, ksp + slice, block_size, head_dim);
-        } else {
-          dequantize_rows(kp + slice * head_dim, ksp + slice, n, head_dim, buf.data());
-          kb = buf.data();
-        }
+        kb = sc.keys.rows_of(kh, b, table[b], n, keep, kp + slice * head_dim, ksp + slice, block_size, head_dim,
+                             buf.data());
       } else if constexpr (is_quantized<C>()) {
         dequantize_rows(kp + slice * head_dim, ksp + slice, n, head_dim, buf.data());
         kb = buf.data();
@@ -533,14 +537,8 @@ void decode_items(const Decode<T, C>& a, int64_t begin, int64_t end, Scratch& sc
       }
       const K* vb;
       if constexpr (memo) {
-        if (sc.values.holds(kh, b, table[b], n)) {
-          vb = sc.values.data.data() + b * block_size * head_dim;
-        } else if (keep) {
-          vb = sc.values.fill(b, table[b], n, vp + slice * head_dim, vsp + slice, block_size, head_dim);
-        } else {
-          dequantize_rows(vp + slice * head_dim, vsp + slice, n, head_dim, buf.data());
-          vb = buf.data();
-        }
+        vb = sc.values.rows_of(kh, b, table[b], n, keep, vp + slice * head_dim, vsp + slice, block_size, head_dim,
+                             buf.data());
       } else if constexpr (is_quantized<C>()) {
         dequantize_rows(vp + slice * head_dim, vsp + slice, n, head_dim, buf.data());
         vb = buf.data();
