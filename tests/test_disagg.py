@@ -307,6 +307,21 @@ def test_what_the_proxy_sends_each_engine():
         assert not disaggregates({**body, **extra}), extra
 
 
+def test_the_proxys_decode_check_leaves_output_constraints_to_the_prefill_engine():
+    """The proxy checks, on its event loop, the fields only the decode engine sees. A schema,
+    regex or grammar goes to the prefill engine, which checks it itself (seconds for a large
+    schema): the proxy's check leaves it out, so a bad field beside one is still named."""
+    from kvserve.disagg.validate import decode_refusal
+
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": "{"}}
+    bad = ({"structured_outputs": {"regex": "("}}, {"guided_regex": "("}, {"response_format": schema})
+    for constraint in bad:
+        body = {"model": "m", "prompt": "hi", "max_tokens": 2, "min_tokens": 5, **constraint}
+        refused = decode_refusal("/v1/completions", body)
+        assert refused is not None and refused["error"]["param"] == "min_tokens", (constraint, refused)
+        assert decode_refusal("/v1/completions", {**body, "min_tokens": 1}) is None  # (the prefill's to say)
+
+
 def test_a_shm_reply_naming_another_file_is_neither_read_nor_removed(tmp_path):
     """A producer's shm reply names the payload file the consumer reads and removes: one that
     names any other file (a rogue or broken peer) fails the pull and leaves the file alone."""

@@ -5,13 +5,17 @@ The prefill body leaves out or changes fields only the decode engine then checks
 max_tokens, max_completion_tokens, stream). A bad value there was prefilled and its KV leased
 for a decode that refused it, held until the producer's lease_s. The body is checked here
 with kvserve serve's own request models, as its route does; only a refusal naming one of
-those fields is answered here: any other field the prefill engine checks itself."""
+those fields is answered here: any other field the prefill engine checks itself. So are the
+output constraints (a schema, regex or grammar), left out of this check: checking one takes
+seconds for a large schema, on this event loop, while the prefill engine checks it anyway
+(on its serving pool)."""
 
 from __future__ import annotations
 
 from pydantic import ValidationError
 
 from kvserve.disagg.errors import error
+from kvserve.entrypoints.openai.compat import GUIDED
 from kvserve.entrypoints.openai.errors import field_path, param_of, specific_error
 from kvserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -19,6 +23,7 @@ _UNCHECKED_BY_PREFILL = frozenset(
     {"stream_options", "n", "best_of", "logprobs", "top_logprobs", "min_tokens", "max_tokens",
      "max_completion_tokens", "stream"}
 )  # fmt: skip
+_CONSTRAINTS = frozenset({"response_format", "structured_outputs", *GUIDED})  # the prefill engine's to check
 
 
 def decode_refusal(path: str, body: dict) -> dict | None:
@@ -27,6 +32,7 @@ def decode_refusal(path: str, body: dict) -> dict | None:
     chat = path.endswith("/chat/completions")
     if not chat and not path.endswith("/completions"):
         return None
+    body = {k: v for k, v in body.items() if k not in _CONSTRAINTS}
     try:
         if chat:
             req = ChatCompletionRequest.model_validate(body)
