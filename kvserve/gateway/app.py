@@ -150,23 +150,23 @@ def build_app(cfg: GatewayConfig, web_ui: bool = True) -> FastAPI:
     async def _http(request: Request, e: StarletteHTTPException):
         return GatewayError(e.status_code, f"{e.detail}: {request.method} {request.url.path}").response()
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
+    async def forward(request: Request, path: str):
+        """A model request (the routes below): refused while draining, else the key's, routed."""
         s = st()
         s.refuse_if_draining()
-        return await s.gateway.handle(request, "/chat/completions", await s.authenticate(request))
+        return await s.gateway.handle(request, path, await s.authenticate(request))
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await forward(request, "/chat/completions")
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        s = st()
-        s.refuse_if_draining()
-        return await s.gateway.handle(request, "/completions", await s.authenticate(request))
+        return await forward(request, "/completions")
 
     @app.post("/v1/responses")
     async def responses(request: Request):
-        s = st()
-        s.refuse_if_draining()
-        return await s.gateway.handle(request, "/responses", await s.authenticate(request))
+        return await forward(request, "/responses")
 
     @app.get("/v1/responses/{response_id}")
     @app.delete("/v1/responses/{response_id}")
@@ -181,9 +181,7 @@ def build_app(cfg: GatewayConfig, web_ui: bool = True) -> FastAPI:
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request):
-        s = st()
-        s.refuse_if_draining()
-        return await s.gateway.handle(request, "/embeddings", await s.authenticate(request))
+        return await forward(request, "/embeddings")
 
     @app.get("/v1/models")
     async def models(request: Request):

@@ -54,9 +54,9 @@ def pack_float(weight: torch.Tensor) -> torch.Tensor | None:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None):
     """x @ weight.T + bias, through the packed weight when there is one; a CPU bfloat16 batch
     in runs of 32 rows, so each row's bits are the same in any batch."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if rows > BF16_INVARIANT_ROWS and x.dtype == torch.bfloat16 and x.device.type == "cpu":
-        if packed is None or packed.is_mkldnn:
+    if x.dtype == torch.bfloat16 and x.device.type == "cpu" and (packed is None or packed.is_mkldnn):
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if rows > BF16_INVARIANT_ROWS:
             flat = x.reshape(rows, x.shape[-1])
             parts = [_linear(part, weight, bias, packed) for part in flat.split(BF16_INVARIANT_ROWS)]
             return torch.cat(parts).reshape(*x.shape[:-1], -1)
