@@ -235,6 +235,34 @@ def test_gateway_pd_deployment(pd, tmp_path):
         gw.stop()
 
 
+def test_responses_and_embeddings_through_the_proxy(pd):
+    """A client pointed at the proxy as at `kvserve serve` got 404 for /v1/responses (and GET /
+    DELETE of a stored one) and /v1/embeddings; now they go whole to the decode engine, and a
+    stored response's id (streamed or not) names that engine, so it can be continued, read
+    back and deleted through the proxy."""
+    from kvserve.routing.responses_ids import decode_id
+
+    _, cons, proxy = pd
+    model = cons_model(cons)
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="none")
+    body = {"model": model, "input": "a b", "max_output_tokens": 4, "temperature": 0}
+    first = client.responses.create(**body)
+    assert decode_id(first.id) is not None and first.output_text
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+    with client.responses.create(**body, previous_response_id=first.id, stream=True) as stream:
+        done = [ev for ev in stream if ev.type in ("response.completed", "response.incomplete")][0].response
+    assert done.previous_response_id == first.id and decode_id(done.id) is not None
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError) as e:
+        client.responses.retrieve(first.id)
+    assert first.id in e.value.response.json()["error"]["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(**body, previous_response_id="resp_notfromtheproxy")
+    assert e.value.response.json()["error"]["code"] == "previous_response_not_found"
+    emb = client.embeddings.create(model=model, input=["a b", "c"])
+    assert len(emb.data) == 2 and len(emb.data[0].embedding) > 0
+
+
 def test_killed_prefill_engine_means_recompute_not_failure(pd):
     """The producer's engine dies while the consumer waits on its KV: after the transfer
     timeout (3 s) the consumer computes the prompt and answers exactly as it would alone. A

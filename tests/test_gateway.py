@@ -309,8 +309,8 @@ def test_a_responses_stream_is_committed_at_its_first_output_not_at_response_cre
     answer's first event. A Responses stream opens with response.created and .in_progress
     before the model has produced anything: taken as the answer, a backend that hung or
     failed right after them could not be passed over, as chat's role chunk can."""
-    from kvserve.gateway.responses_ids import decode_id, public_event
     from kvserve.gateway.sse import SSERelay
+    from kvserve.routing.responses_ids import decode_id, public_event
 
     def event(obj: dict) -> bytes:
         return b"event: " + obj["type"].encode() + b"\ndata: " + json.dumps(obj).encode() + b"\n\n"

@@ -331,3 +331,35 @@ def test_latency_based_probes_a_target_after_a_failure():
         s.finished(t.id, latency[t.id])
         picks.append(t.id)
     assert "b" in picks[:60] and picks[-100:].count("b") >= 95, picks.count("b")
+
+
+def test_a_responses_stream_has_its_ids_rewritten_whatever_its_chunking():
+    """The pd-proxy and the Ray Serve replicas pass a Responses stream on chunk by chunk: an id
+    cut between two chunks (or a CRLF event end) must still come out naming the server, and
+    every byte of the other events as it came."""
+    import json
+
+    from kvserve.routing.responses_ids import EventRewriter, decode_id
+
+    resp = {"id": "resp_own", "previous_response_id": "resp_prev", "status": "completed"}
+    created = json.dumps({"type": "response.created", "response": resp}).encode()
+    completed = json.dumps({"type": "response.completed", "response": resp}).encode()
+    delta = b'{"type": "response.output_text.delta", "delta": "hi"}'
+    # (the last event without its blank line: the stream's end ends it)
+    stream = (
+        b"event: response.created\r\ndata: " + created + b"\r\n\r\ndata: " + delta + b"\n\ndata: " + completed
+    )
+    for size in (1, 7, len(stream)):
+        ids = EventRewriter("replica-1")
+        out = b"".join(ids.feed(stream[i : i + size]) for i in range(0, len(stream), size)) + ids.flush()
+        events = [json.loads(line[5:]) for line in out.split(b"\n") if line.startswith(b"data:")]
+        assert [e["type"] for e in events] == [
+            "response.created",
+            "response.output_text.delta",
+            "response.completed",
+        ]
+        for e in (events[0], events[2]):
+            assert decode_id(e["response"]["id"]) == ("replica-1", "resp_own"), size
+            assert decode_id(e["response"]["previous_response_id"]) == ("replica-1", "resp_prev")
+        assert events[1] == {"type": "response.output_text.delta", "delta": "hi"}
+        assert out.startswith(b"event: response.created\n")

@@ -4,14 +4,15 @@ connection lost before the first byte) costs only time: the next engine is asked
 gateway retries on another deployment. A stream is the engine's once its answer's first event
 has come (stream_start.py: not a comment nor chat's opening role chunk), within
 `first_byte_timeout` as the gateway's; a stream whose first event is an error is a failure
-too. From then on a death mid-stream ends the stream with an SSE error event."""
+too. From then on a death mid-stream ends the stream with an SSE error event. A Responses
+request's answer carries ids naming the engine that stores it (`tag`: routing/responses_ids.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -19,6 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kvserve.disagg.errors import error, reason
 from kvserve.disagg.split import JSON_HEADER, json_content
 from kvserve.disagg.stream_start import StreamStart
+from kvserve.routing.responses_ids import EventRewriter, public_body, public_error
 
 logger = logging.getLogger("kvserve.disagg.proxy")
 
@@ -50,11 +52,12 @@ async def _first_event(chunks: AsyncIterator[bytes], timeout: float) -> tuple[by
 
 async def decode(
     client: httpx.AsyncClient, urls: list[str], path: str, body: dict, stream: bool, send_headers: dict,
-    headers: dict, first_byte_timeout: float = 60.0,
+    headers: dict, first_byte_timeout: float = 60.0, tag: Callable[[str], str] | None = None,
 ) -> Response:  # fmt: skip
     """The first answer of `urls` (in order) that is not a failure before its first byte; a
     502 naming each engine and its failure when none gives one (503 when every one answered
-    busy: 503 or 429)."""
+    busy: 503 or 429). With `tag` (a Responses request) the answer's ids name the engine
+    `tag(url)`, so a follow-up finds it."""
     failures: list[str] = []
     busy, retry_after = True, None
     payload, send_headers = json_content(body), {**send_headers, **JSON_HEADER}
@@ -87,8 +90,8 @@ async def decode(
                     logger.warning("decode engine %s: the stream began with an error (%s)", url, err)
                     continue
                 relaying = True
-                return StreamingResponse(_relay(resp, url, first, chunks), media_type="text/event-stream",
-                                         headers=headers)  # fmt: skip
+                relay = _relay(resp, url, first, chunks, EventRewriter(tag(url)) if tag else None)
+                return StreamingResponse(relay, media_type="text/event-stream", headers=headers)
             content = await resp.aread()
         except httpx.HTTPError as e:
             failures.append(f"{url}: lost before its first byte ({reason(e)})")
@@ -104,6 +107,8 @@ async def decode(
             retry_after = resp.headers.get("retry-after") or retry_after
             logger.warning("decode engine %s answered %d", url, resp.status_code)
             continue
+        if tag is not None:
+            content = (public_body if resp.status_code == 200 else public_error)(content, tag(url), body)
         media = resp.headers.get("content-type", "application/json")
         return Response(content, status_code=resp.status_code, media_type=media, headers=headers)
     message = f"no decode engine could answer: {'; '.join(failures)}"
@@ -112,13 +117,18 @@ async def decode(
 
 
 async def _relay(
-    resp: httpx.Response, url: str, first: bytes, chunks: AsyncIterator[bytes]
+    resp: httpx.Response, url: str, first: bytes, chunks: AsyncIterator[bytes], ids: EventRewriter | None
 ) -> AsyncIterator[bytes]:
     try:
-        if first:
-            yield first
+        out = ids.feed(first) if ids else first
+        if out:
+            yield out
         async for chunk in chunks:
-            yield chunk
+            out = ids.feed(chunk) if ids else chunk
+            if out:  # (a Responses event not yet whole waits for its end)
+                yield out
+        if ids is not None and (out := ids.flush()):
+            yield out
     except httpx.HTTPError as e:  # the decode engine died mid-stream: an error event, not a cut
         logger.warning("decode engine %s failed mid-stream (%s)", url, reason(e))
         err = error(f"decode engine {url} failed mid-stream ({reason(e)}); the answer is incomplete",

@@ -7,6 +7,7 @@ only costs time: the decode engine is asked without them and computes the prompt
 (`x-kvserve-pd: fallback` on the response). A client that goes away during the prefill
 cancels it (the prefill engine aborts the request); during the decode, streamed or not, the
 closed decode request aborts it on the decode engine, which releases the producer's lease.
+The Responses API and embeddings go whole to a decode engine (whole.py).
 """
 
 from __future__ import annotations
@@ -26,10 +27,12 @@ from kvserve.disagg.errors import unreachable as _unreachable
 from kvserve.disagg.prefill import PrefillResult, run_prefill
 from kvserve.disagg.split import decode_body, disaggregates
 from kvserve.disagg.validate import decode_refusal
+from kvserve.disagg.whole import StoredResponses, engine_tag
 from kvserve.entrypoints.openai.middleware import BodySizeLimit, InternalErrors
 
 logger = logging.getLogger(__name__)
 ROUTES = ("/v1/chat/completions", "/v1/completions")
+RESPONSES, EMBEDDINGS = "/v1/responses", "/v1/embeddings"  # whole to a decode engine (whole.py)
 DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20  # as kvserve serve's and the gateway's
 DEFAULT_PREFILL_TIMEOUT = 60.0  # as the gateway's first_byte_timeout
 DEFAULT_DECODE_FIRST_BYTE_TIMEOUT = 60.0  # a stream's first event (the gateway's first_byte_timeout)
@@ -45,6 +48,7 @@ class PDProxy:
             raise ValueError("pd-proxy: needs at least one --prefill and one --decode URL")
         self.prefill = [_base_url("--prefill", u) for u in prefill]
         self.decode = [_base_url("--decode", u) for u in decode]
+        self.stored = StoredResponses(self.decode)
         self._next_prefill = self._next_decode = 0
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
         self.num_fallbacks = 0
@@ -90,8 +94,13 @@ class PDProxy:
             return JSONResponse(_error(msg, None), status_code=400)
         if not isinstance(body, dict):
             return JSONResponse(_error("request body: must be a JSON object", None), status_code=400)
-        params, how = None, "decode-only"
-        if disaggregates(body):
+        params, how, urls = None, "decode-only", None
+        if path == RESPONSES and body.get("previous_response_id") is not None:
+            where = self.stored.where(body["previous_response_id"])
+            if where is None:
+                return self.stored.previous_not_found(body["previous_response_id"])
+            urls, body = [where[0]], dict(body, previous_response_id=where[1])  # where it is stored
+        if path in ROUTES and disaggregates(body):
             refused = decode_refusal(path, body)
             if refused is not None:  # (prefilled, its KV would be leased for a decode that refuses it)
                 return JSONResponse(refused, status_code=400)
@@ -106,7 +115,7 @@ class PDProxy:
             self.num_fallbacks += params is None
         headers = {"x-kvserve-pd": how}
         work = asyncio.ensure_future(self._decode(path, decode_body(body, params), bool(body.get("stream")),
-                                                  raw, headers))  # fmt: skip
+                                                  raw, headers, urls))  # fmt: skip
         gone = asyncio.ensure_future(_disconnected(raw))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -126,10 +135,12 @@ class PDProxy:
         i, self._next_decode = self._next_decode, (self._next_decode + 1) % len(self.decode)
         return self.decode[i:] + self.decode[:i]
 
-    async def _decode(self, path: str, body: dict, stream: bool, raw: Request, headers: dict) -> Response:
+    async def _decode(
+        self, path: str, body: dict, stream: bool, raw: Request, headers: dict, urls: list[str] | None
+    ) -> Response:
         return await decode(
-            self.client, self._decode_order(), path, body, stream, self._headers(raw), headers,
-            self.decode_first_byte_timeout_s,
+            self.client, urls or self._decode_order(), path, body, stream, self._headers(raw), headers,
+            self.decode_first_byte_timeout_s, engine_tag if path == RESPONSES else None,
         )  # fmt: skip
 
     async def aclose(self) -> None:
@@ -173,12 +184,19 @@ def build_app(proxy: PDProxy, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
         err = _error(f"{e.detail}: {raw.method} {raw.url.path}", None, code=code)
         return JSONResponse(err, status_code=e.status_code, headers=getattr(e, "headers", None))
 
-    for path in ROUTES:
+    for path in (*ROUTES, RESPONSES, EMBEDDINGS):
 
         async def route(raw: Request, _path: str = path) -> Response:
             return await proxy.handle(_path, raw)
 
         app.add_api_route(path, route, methods=["POST"])
+
+    @app.get("/v1/responses/{response_id}")
+    @app.delete("/v1/responses/{response_id}")
+    async def stored(raw: Request, response_id: str) -> Response:
+        """A stored response, on the decode engine that answered it (its id names it)."""
+        headers = proxy._headers(raw)
+        return await proxy.stored.request(proxy.client, raw.method, response_id, raw.url.query, headers)
 
     @app.get("/v1/models")
     async def models(raw: Request) -> Response:

@@ -32,7 +32,6 @@ from kvserve.gateway.metrics import GatewayMetrics
 from kvserve.gateway.proxy import Outcome, attempt
 from kvserve.gateway.response_cache import HEADER as CACHE_HEADER
 from kvserve.gateway.response_cache import Lookup, ResponseCache
-from kvserve.gateway.responses_ids import RESPONSES, decode_id
 from kvserve.gateway.retries import CREDENTIALS_STATUS, MAX_RETRY_AFTER, backoff
 from kvserve.gateway.router import Router, request_info
 from kvserve.gateway.saturation import SaturationMonitor
@@ -42,6 +41,7 @@ from kvserve.gateway.state import Check, StateStore, StoreUnavailable
 from kvserve.gateway.state.base import EPS
 from kvserve.gateway.stream_response import SettledStream
 from kvserve.routing import RequestInfo
+from kvserve.routing.responses_ids import RESPONSES, decode_id
 
 log = logging.getLogger("kvserve.gateway")
 EMBEDDINGS = "/embeddings"  # no completion tokens, no stream, no prefill/decode split
@@ -162,7 +162,7 @@ class Gateway:
 
     def _pin(self, ctx: Ctx) -> None:
         """A Responses request continuing a stored one goes where it is stored: the deployment
-        named in the gateway's id (responses_ids.py), with the backend's own id."""
+        named in the gateway's id (routing/responses_ids.py), with the backend's own id."""
         prev = ctx.body.get("previous_response_id")
         if prev is None:
             return

@@ -17,10 +17,10 @@ import httpx
 from kvserve.disagg.stream_start import ENGINE_GONE_CODES
 from kvserve.gateway.backends import BackendPool
 from kvserve.gateway.config import Deployment
-from kvserve.gateway.responses_ids import RESPONSES, public_body, public_error, public_event
 from kvserve.gateway.retries import CREDENTIALS_STATUS, is_context_error, is_retryable, parse_retry_after
 from kvserve.gateway.sse import SSERelay
 from kvserve.gateway.usage import normalized
+from kvserve.routing.responses_ids import RESPONSES, public_body, public_error, public_event
 
 
 @dataclass

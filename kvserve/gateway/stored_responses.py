@@ -1,5 +1,5 @@
 """GET and DELETE /v1/responses/{id} through the gateway: to the deployment the id names
-(responses_ids.py), for a key that may use that deployment's model. Reading or deleting a
+(routing/responses_ids.py), for a key that may use that deployment's model. Reading or deleting a
 stored response runs no model, so it is neither rate-limited nor charged."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from fastapi.responses import Response
 from kvserve.gateway.errors import GatewayError
 from kvserve.gateway.handler import Gateway
 from kvserve.gateway.keys import KeyRecord
-from kvserve.gateway.responses_ids import decode_id, public_body
+from kvserve.routing.responses_ids import decode_id, public_body
 
 
 def _not_found(public_id: str) -> GatewayError:

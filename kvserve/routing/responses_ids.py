@@ -1,11 +1,11 @@
-"""Responses API ids as the gateway hands them out: the backend's own id with the deployment
-that stored it, so a follow-up (previous_response_id, GET, DELETE) reaches that deployment.
+"""Responses API ids as a front hands them out (the gateway, the pd-proxy, the Ray Serve front):
+the backend's own id with the server that stored it (a gateway deployment, a decode engine, a
+replica), so a follow-up (previous_response_id, GET, DELETE) reaches that server.
 
 A stored response (and the conversation previous_response_id continues) lives only on the
-backend that answered; the id is the only thing every gateway instance sees again, with no
-shared table to lose or expire, so the deployment rides in it: `resp_` + base64url of
-`kvgw1:<length of the deployment id>:<deployment id><backend id>`. Ids the gateway did not
-make do not decode."""
+server that answered; the id is the only thing every front instance sees again, with no
+shared table to lose or expire, so the server rides in it: `resp_` + base64url of
+`kvgw1:<length of the server id>:<server id><backend id>`. Ids no front made do not decode."""
 
 from __future__ import annotations
 
@@ -87,3 +87,26 @@ def public_event(ev: bytes, dep_id: str) -> bytes:
             public_response(obj["response"], dep_id)
             lines[i] = b"data: " + json.dumps(obj).encode()
     return b"\n".join(lines)
+
+
+class EventRewriter:
+    """A Responses stream's bytes, as they come, cut into whole SSE events each passed through
+    public_event (an id split across two chunks is still rewritten)."""
+
+    def __init__(self, dep_id: str) -> None:
+        self.dep_id = dep_id
+        self._buf = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        self._buf += chunk
+        if b"\r\n" in self._buf:  # CRLF line ends are valid SSE too (a trailing CR waits for its LF)
+            self._buf = self._buf.replace(b"\r\n", b"\n")
+        if b"\n\n" not in self._buf:
+            return b""
+        *events, self._buf = self._buf.split(b"\n\n")
+        return b"".join(public_event(ev, self.dep_id) + b"\n\n" for ev in events)
+
+    def flush(self) -> bytes:
+        """What is left when the stream ends (an event without its blank line) as it came."""
+        rest, self._buf = self._buf, b""
+        return public_event(rest, self.dep_id) if rest else b""
