@@ -146,6 +146,36 @@ class StatusPoller(threading.Thread):
         raise AssertionError(f"{what} within {timeout} s; last states {self.samples[-1:]}")
 
 
+async def responses_stay_on_their_replica(url: str) -> None:
+    """A stored Responses answer lives on its replica only: with two running, a follow-up
+    (previous_response_id), a GET and a DELETE must reach that one (the front had no GET /
+    DELETE, and a follow-up went wherever the router chose)."""
+    from kvserve.routing.responses_ids import decode_id
+
+    body = {"model": "tiny", "input": "a b", "max_output_tokens": 2, "temperature": 0}
+    async with httpx.AsyncClient(base_url=url, timeout=120) as c:
+        first = await c.post("/v1/responses", json=body)
+        assert first.status_code == 200, first.text
+        rid, home = first.json()["id"], first.headers["x-kvserve-replica"]
+        assert decode_id(rid)[0] == home, rid
+        for word in WORDS[:3]:
+            nxt = await c.post("/v1/responses", json={**body, "input": word, "previous_response_id": rid})
+            assert nxt.status_code == 200 and nxt.headers["x-kvserve-replica"] == home, nxt.text
+            assert nxt.json()["previous_response_id"] == rid
+            got = await c.get(f"/v1/responses/{rid}")
+            assert got.status_code == 200 and got.json()["id"] == rid, got.text
+        async with c.stream(
+            "POST", "/v1/responses", json={**body, "previous_response_id": rid, "stream": True}
+        ) as s:
+            events = [json.loads(line[5:]) async for line in s.aiter_lines() if line.startswith("data: {")]
+        assert s.headers["x-kvserve-replica"] == home and decode_id(events[-1]["response"]["id"])[0] == home
+        assert (await c.delete(f"/v1/responses/{rid}")).status_code == 200
+        gone = await c.get(f"/v1/responses/{rid}")
+        assert gone.status_code == 404 and rid in gone.json()["error"]["message"], gone.text
+        bad = await c.post("/v1/responses", json={**body, "previous_response_id": "resp_elsewhere"})
+        assert bad.status_code == 400 and bad.json()["error"]["code"] == "previous_response_not_found"
+
+
 def _servers(tag: str) -> list[psutil.Process]:
     found = []
     for p in psutil.process_iter(["cmdline"]):
@@ -199,6 +229,7 @@ def test_scales_1_to_2_and_back_without_failing_a_request(ray_head, tiny_llama_d
         tasks = [asyncio.create_task(load.worker(64, heavy_stop)) for _ in range(6)]
         t_up = await poller.until(lambda s: s.get("RUNNING") == 2, 150, "scale-up to 2 replicas")
         shared = await same_prefix_replicas(load.url)  # both replicas serve the heavy load meanwhile
+        await responses_stay_on_their_replica(load.url)
         # Light: 2 long streams (seconds each), 1 per replica, half the target -> Serve wants 1.
         tasks += [asyncio.create_task(load.worker(300, light_stop)) for _ in range(2)]
         heavy_stop.set()

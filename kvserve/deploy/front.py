@@ -2,7 +2,9 @@
 small FastAPI ingress (no engine), which passes it to the kvserve replicas through a
 DeploymentHandle, so the replicas' request router (ray_router.py: kvserve's routing policy)
 picks which one. Responses stream through chunk by chunk, status and content type as the
-replica's server answered, with `x-kvserve-replica` naming the replica.
+replica's server answered, with `x-kvserve-replica` naming the replica. A stored Responses
+answer lives on its replica only: its id names the replica (routing/responses_ids.py), and
+previous_response_id, GET and DELETE go there (`pin`), as the gateway sends them to a deployment.
 """
 
 import json
@@ -13,15 +15,22 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from kvserve.deploy.replica import FORWARDED_HEADERS
+from kvserve.routing.responses_ids import decode_id
 
 app = FastAPI(title="kvserve on Ray Serve")
 
 
-def _error(status: int, message: str, code: str) -> JSONResponse:
+def _error(status: int, message: str, code: str, param: str | None = None) -> JSONResponse:
     return JSONResponse(
-        {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}},
+        {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": code}},
         status_code=status,
     )
+
+
+def _not_made_here(public_id: object, param: str | None) -> JSONResponse:
+    what = "previous_response_id: response" if param else "response"
+    msg = f"{what} {str(public_id)[:200]!r} not found (not made through this deployment)"
+    return _error(400 if param else 404, msg, "previous_response_not_found" if param else "not_found", param)
 
 
 def _headers(request: Request) -> dict[str, str]:
@@ -43,7 +52,15 @@ class Front:
             return _error(400, "the body is not valid JSON (nested too deeply)", "invalid_json")
         if not isinstance(body, dict):
             return _error(400, "the body must be a JSON object", "invalid_json")
-        gen = self.replicas.options(stream=True).forward.remote(f"/v1/{path}", body, _headers(request))
+        pin = None
+        if path == "responses" and body.get("previous_response_id") is not None:
+            where = decode_id(body["previous_response_id"])
+            if where is None:
+                return _not_made_here(body["previous_response_id"], "previous_response_id")
+            pin, body = where[0], dict(body, previous_response_id=where[1])
+        gen = self.replicas.options(stream=True).forward.remote(
+            f"/v1/{path}", body, _headers(request), pin=pin
+        )
         meta = await gen.__anext__()
 
         async def rest():
@@ -54,6 +71,20 @@ class Front:
             rest(), status_code=meta["status"], media_type=meta["content_type"],
             headers={"x-kvserve-replica": meta["replica"]},
         )  # fmt: skip
+
+    @app.get("/v1/responses/{response_id}")
+    @app.delete("/v1/responses/{response_id}")
+    async def stored(self, response_id: str, request: Request) -> Response:
+        """A stored response, on the replica that answered it (its id names it)."""
+        where = decode_id(response_id)
+        if where is None:
+            return _not_made_here(response_id, None)
+        call = self.replicas.stored.remote(request.method, where[1], request.url.query, _headers(request),
+                                           pin=where[0])  # fmt: skip
+        status, media_type, content = await call
+        return Response(
+            content, status_code=status, media_type=media_type, headers={"x-kvserve-replica": where[0]}
+        )
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> Response:

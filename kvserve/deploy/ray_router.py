@@ -9,7 +9,9 @@ the prompt text (the router does not tokenize), the session (`x-session-id` or `
 `cache_salt`; its load counts come from what this router sent (`started` when it decides,
 `finished` when Serve reports the request completed). The router lives in each handle's
 process (the front deployment's replicas); with several fronts each keeps its own view,
-as N gateway instances do. Imported by Serve from its class path: imports Ray at the top.
+as N gateway instances do. A call with `pin` (a Responses follow-up: front.py) goes to that
+replica only, which holds the conversation, while it runs. Imported by Serve from its class
+path: imports Ray at the top.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ def prompt_text(body: dict) -> str:
             if isinstance(m, dict):
                 parts.append(f"{m.get('role', '')}\n{m.get('content', '')}\n")
         return "".join(parts)
-    prompt = body.get("prompt", "")
+    prompt = body.get("prompt", body.get("input", ""))  # input: the Responses API's
     return prompt if isinstance(prompt, str) else str(prompt)
 
 
@@ -73,17 +75,23 @@ class KVServeRequestRouter(RequestRouter):
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         key = pending_request.metadata.internal_request_id
         decided = self._decided.get(key)
+        pin = pending_request.kwargs.get("pin")
         if decided is None or decided[0] not in by_id:  # first try, or its replica left
             if decided is not None:
                 self._finish(key)
             info = request_info(list(pending_request.args))
-            choice = self.strategy.choose([_Target(i) for i in sorted(by_id)], info)
-            self.strategy.started(choice.id, info)
-            decided = (choice.id, info, time.monotonic())
+            if pin in by_id:  # the replica holding the response (gone: another says so)
+                chosen = pin
+            else:
+                chosen = self.strategy.choose([_Target(i) for i in sorted(by_id)], info).id
+            self.strategy.started(chosen, info)
+            decided = (chosen, info, time.monotonic())
             self._decided[key] = decided
             while len(self._decided) > MAX_TRACKED:
                 self._finish(next(iter(self._decided)))
         first = by_id[decided[0]]
+        if pin in by_id:  # no other replica can answer it
+            return [[first]]
         rest = [r for r in candidate_replicas if r is not first]
         return [[first], rest] if rest else [[first]]
 

@@ -27,12 +27,16 @@ import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
+from urllib.parse import quote
 
 import httpx
 
 from kvserve.deploy.ray_config import RayDeployConfig
+from kvserve.routing.responses_ids import EventRewriter, encode_id, public_body, public_error
 
 FORWARDED_HEADERS = ("authorization", "x-request-id", "x-session-id", "content-type")
+RESPONSES = "/v1/responses"
 
 
 def free_port() -> int:
@@ -81,10 +85,56 @@ class KVServeReplica:
         with open(self.log.name) as f:
             return "".join(f.readlines()[-lines:])
 
-    async def forward(self, path: str, body: dict, headers: dict[str, str]) -> AsyncIterator:
+    async def forward(
+        self, path: str, body: dict, headers: dict[str, str], pin: str | None = None
+    ) -> AsyncIterator:
         """Stream one POST through: first {status, content_type, replica}, then the body's bytes
         as they arrive (SSE events for streams). Cancelled by Serve when the client leaves,
-        which closes the connection, which aborts the request in the engine."""
+        which closes the connection, which aborts the request in the engine. A Responses
+        answer's ids name this replica (routing/responses_ids.py); `pin` is the replica a
+        previous_response_id names (the router sends it there while it runs)."""
+        if pin is not None and pin != self.replica_id:  # that replica is gone, and its responses
+            yield _gone_meta(self.replica_id)
+            yield _gone(pin, body.get("previous_response_id"), "previous_response_id")
+            return
+        # (aclosing: a client leaving closes the POST now, which aborts the request in the engine)
+        async with aclosing(
+            self._responses(body, headers) if path == RESPONSES else self._post(path, body, headers)
+        ) as parts:
+            async for part in parts:
+                yield part
+
+    async def _responses(self, body: dict, headers: dict[str, str]) -> AsyncIterator:
+        """A Responses answer with public ids: a stream event by event, a body whole."""
+        async with aclosing(self._post(RESPONSES, body, headers)) as parts:
+            meta = await anext(parts)
+            yield meta
+            if meta["status"] == 200 and meta["content_type"].startswith("text/event-stream"):
+                ids = EventRewriter(self.replica_id)
+                async for chunk in parts:
+                    if out := ids.feed(chunk):
+                        yield out
+                if out := ids.flush():
+                    yield out
+                return
+            content = b"".join([chunk async for chunk in parts])
+        yield (public_body if meta["status"] == 200 else public_error)(content, self.replica_id, body)
+
+    async def stored(self, method: str, own_id: str, query: str, headers: dict[str, str], pin: str) -> tuple:
+        """GET or DELETE /v1/responses/{id} of a response this replica stored: (status,
+        content type, body with public ids)."""
+        if pin != self.replica_id:
+            return 404, "application/json", _gone(pin, None, None)
+        path = f"{RESPONSES}/{quote(own_id, safe='')}" + (f"?{query}" if query else "")
+        resp = await self.client.request(method, path, headers=headers)
+        if resp.status_code == 404:  # (the server's message names its own id, not the client's)
+            msg = f"response {encode_id(self.replica_id, own_id)!r} not found (deleted, or no longer stored)"
+            err = {"message": msg, "type": "invalid_request_error", "param": None, "code": "not_found"}
+            return 404, "application/json", json.dumps({"error": err}).encode()
+        content = public_body(resp.content, self.replica_id) if resp.status_code == 200 else resp.content
+        return resp.status_code, resp.headers.get("content-type", "application/json"), content
+
+    async def _post(self, path: str, body: dict, headers: dict[str, str]) -> AsyncIterator:
         # As the client sent them: JSON with escapes (httpx's json= encodes strict UTF-8 and
         # raised on a lone surrogate, valid JSON) and header values as their Latin-1 bytes (a str
         # is encoded as ASCII): either was an exception in the replica, a 500 for the client.
@@ -132,6 +182,20 @@ class KVServeReplica:
         if log is not None:
             log.close()
             os.unlink(log.name)
+
+
+def _gone_meta(replica_id: str) -> dict:
+    return {"status": 400, "content_type": "application/json", "replica": replica_id}
+
+
+def _gone(pin: str, public_id: object, param: str | None) -> bytes:
+    """The answer for a stored response whose replica is no longer running (Serve replaced or
+    removed it: its responses went with it)."""
+    what = "previous_response_id: response" if param else "response"
+    msg = f"{what} not found: replica {pin!r}, which stored it, is no longer running"
+    code = "previous_response_not_found" if param else "not_found"
+    err = {"message": msg, "type": "invalid_request_error", "param": param, "code": code}
+    return json.dumps({"error": err}).encode()
 
 
 def _replica_id() -> str:
