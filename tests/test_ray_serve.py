@@ -199,8 +199,8 @@ def test_scales_1_to_2_and_back_without_failing_a_request(ray_head, tiny_llama_d
         "replica": {"num_cpus": 1, "threads": 1, "max_ongoing_requests": 8, "startup_timeout_s": 150,
                     "graceful_shutdown_wait_loop_s": 0.5, "graceful_shutdown_timeout_s": 60},
         "autoscaling": {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2,
-                        "upscale_delay_s": 1, "downscale_delay_s": 3, "metrics_interval_s": 0.5,
-                        "look_back_period_s": 2},
+                        "upscale_delay_s": 0, "downscale_delay_s": 1, "metrics_interval_s": 0.5,
+                        "look_back_period_s": 1},
         # recent work forgotten within seconds: new prefixes spread by what is in flight now
         "routing": {"policy": "cache-aware", "cache_aware": {"recent_work_tau": 1.0}},
     }  # fmt: skip
