@@ -444,6 +444,16 @@ def test_health_is_ok_while_some_decode_engine_can_answer(fault_proxy):
     assert r.status_code == 200 and r.json() == {"prefill": [False, True], "decode": [False, True]}, r.text
 
 
+def test_head_is_answered_as_get_for_monitors(fault_proxy):
+    """Uptime monitors and load balancers probe /health with HEAD: the proxy answered 405 (as
+    kvserve serve and the gateway did before), so a working proxy was taken out."""
+    _, proxy, _ = fault_proxy
+    for path in ("/health", "/v1/models"):
+        get, head = httpx.get(proxy.url + path, timeout=30), httpx.head(proxy.url + path, timeout=30)
+        assert head.status_code == get.status_code == 200 and head.content == b"", (path, head.status_code)
+    assert httpx.head(proxy.url + "/v1/completions", timeout=30).status_code == 405
+
+
 def test_a_hung_prefill_engine_costs_the_prefill_timeout_not_the_request(fault_proxy):
     """A prefill engine that accepts the connection and never answers (here SIGSTOPped) held
     every request for the proxy's 600 s read timeout before the decode engine computed the

@@ -28,7 +28,7 @@ from kvserve.disagg.prefill import PrefillResult, run_prefill
 from kvserve.disagg.split import decode_body, disaggregates
 from kvserve.disagg.validate import decode_refusal
 from kvserve.disagg.whole import StoredResponses, engine_tag
-from kvserve.entrypoints.openai.middleware import BodySizeLimit, InternalErrors
+from kvserve.entrypoints.openai.middleware import BodySizeLimit, HeadAsGet, InternalErrors
 
 logger = logging.getLogger(__name__)
 ROUTES = ("/v1/chat/completions", "/v1/completions")
@@ -165,6 +165,7 @@ async def _disconnected(raw: Request) -> None:
 def build_app(proxy: PDProxy, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     app = FastAPI(title="kvserve pd-proxy")
     app.state.proxy = proxy
+    app.add_middleware(HeadAsGet)  # monitors probe /health with HEAD (was a 405: taken out as down)
     # an exception no handler took is the proxy's bug: a 500 in OpenAI's shape, the trace logged
     # once (was Starlette's text/plain 'Internal Server Error' and uvicorn's traceback)
     app.add_middleware(InternalErrors)
