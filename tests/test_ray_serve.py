@@ -223,6 +223,11 @@ def test_scales_1_to_2_and_back_without_failing_a_request(ray_head, tiny_llama_d
 
     async def scenario() -> dict:
         await poller.until(lambda s: s == {"RUNNING": 1}, 30, "one replica running after deploy")
+        async with httpx.AsyncClient(
+            base_url=load.url, timeout=30
+        ) as c:  # monitors probe with HEAD (was 405)
+            head = await c.head("/health")
+            assert head.status_code == 200 and head.content == b"", head.status_code
         heavy_stop, light_stop = asyncio.Event(), asyncio.Event()
         # Heavy: 6 streams at once, 3x the target per replica -> Serve wants 3, capped at 2.
         t_load = time.monotonic()

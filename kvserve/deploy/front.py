@@ -15,9 +15,11 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from kvserve.deploy.replica import FORWARDED_HEADERS
+from kvserve.entrypoints.openai.middleware import HeadAsGet
 from kvserve.routing.responses_ids import decode_id
 
 app = FastAPI(title="kvserve on Ray Serve")
+app.add_middleware(HeadAsGet)  # monitors probe /health with HEAD (was a 405: taken out as down)
 
 
 def _error(status: int, message: str, code: str, param: str | None = None) -> JSONResponse:
