@@ -263,6 +263,17 @@ def test_responses_and_embeddings_through_the_proxy(pd):
     assert len(emb.data) == 2 and len(emb.data[0].embedding) > 0
 
 
+def test_a_model_is_retrieved_through_the_proxy(pd):
+    """OpenAI's models.retrieve (GET /v1/models/{id}) was a 404 from the proxy for every model;
+    now the decode engine answers it, a model it does not serve too."""
+    _, cons, proxy = pd
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="none")
+    assert client.models.retrieve(cons_model(cons)).id == cons_model(cons)
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("no-such/model")
+    assert "no-such/model" in e.value.response.json()["error"]["message"]
+
+
 def test_killed_prefill_engine_means_recompute_not_failure(pd):
     """The producer's engine dies while the consumer waits on its KV: after the transfer
     timeout (3 s) the consumer computes the prompt and answers exactly as it would alone. A

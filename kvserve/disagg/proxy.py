@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from urllib.parse import quote
 
 import httpx
 from fastapi import FastAPI, Request
@@ -200,10 +201,12 @@ def build_app(proxy: PDProxy, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
         return await proxy.stored.request(proxy.client, raw.method, response_id, raw.url.query, headers)
 
     @app.get("/v1/models")
+    @app.get("/v1/models/{model_id:path}")  # OpenAI's models.retrieve (was a route 404)
     async def models(raw: Request) -> Response:
+        path = quote(raw.url.path)  # (as it came: a model id may hold a slash)
         for url in proxy.decode:  # the first decode engine that can be reached says
             try:
-                resp = await proxy.client.get(url + "/v1/models", headers=proxy._headers(raw))
+                resp = await proxy.client.get(url + path, headers=proxy._headers(raw))
                 return Response(resp.content, status_code=resp.status_code, media_type="application/json")
             except httpx.HTTPError as e:
                 down = _unreachable(url, e)
