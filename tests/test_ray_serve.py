@@ -228,6 +228,8 @@ def test_scales_1_to_2_and_back_without_failing_a_request(ray_head, tiny_llama_d
         ) as c:  # monitors probe with HEAD (was 405)
             head = await c.head("/health")
             assert head.status_code == 200 and head.content == b"", head.status_code
+            card = await c.get("/v1/models/tiny")  # OpenAI's models.retrieve (was a 405)
+            assert card.status_code == 200 and card.json()["id"] == "tiny", card.text
         heavy_stop, light_stop = asyncio.Event(), asyncio.Event()
         # Heavy: 6 streams at once, 3x the target per replica -> Serve wants 3, capped at 2.
         t_load = time.monotonic()

@@ -8,6 +8,7 @@ previous_response_id, GET and DELETE go there (`pin`), as the gateway sends them
 """
 
 import json
+from urllib.parse import quote
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -91,6 +92,11 @@ class Front:
     @app.get("/v1/models")
     async def models(self, request: Request) -> Response:
         return await self._get("/v1/models", request)
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(self, model_id: str, request: Request) -> Response:
+        """OpenAI's models.retrieve (was a 405: only POST matched the path)."""
+        return await self._get(quote(request.url.path), request)
 
     @app.get("/health")
     async def health(self, request: Request) -> Response:
