@@ -230,6 +230,9 @@ def test_scales_1_to_2_and_back_without_failing_a_request(ray_head, tiny_llama_d
             assert head.status_code == 200 and head.content == b"", head.status_code
             card = await c.get("/v1/models/tiny")  # OpenAI's models.retrieve (was a 405)
             assert card.status_code == 200 and card.json()["id"] == "tiny", card.text
+            for method, path in (("GET", "/v1/nope"), ("DELETE", "/v1/models")):  # was {"detail": ...}
+                r = await c.request(method, path)
+                assert r.status_code in (404, 405) and path in r.json()["error"]["message"], r.text
         heavy_stop, light_stop = asyncio.Event(), asyncio.Event()
         # Heavy: 6 streams at once, 3x the target per replica -> Serve wants 3, capped at 2.
         t_load = time.monotonic()

@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvserve.deploy.replica import FORWARDED_HEADERS
 from kvserve.entrypoints.openai.middleware import HeadAsGet
@@ -34,6 +35,16 @@ def _not_made_here(public_id: object, param: str | None) -> JSONResponse:
     what = "previous_response_id: response" if param else "response"
     msg = f"{what} {str(public_id)[:200]!r} not found (not made through this deployment)"
     return _error(400 if param else 404, msg, "previous_response_not_found" if param else "not_found", param)
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, e: StarletteHTTPException) -> Response:
+    """An unknown path or method: OpenAI's shape (was FastAPI's {"detail": ...})."""
+    code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "invalid_request")
+    err = _error(e.status_code, f"{e.detail}: {request.method} {request.url.path}", code)
+    for k, v in (getattr(e, "headers", None) or {}).items():  # (a 405's Allow)
+        err.headers[k] = v
+    return err
 
 
 def _headers(request: Request) -> dict[str, str]:
