@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -120,9 +121,38 @@ def test_front_answers_a_body_it_cannot_use_with_a_400(body, says):
         return {"type": "http.request", "body": body, "more_body": False}
 
     scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}
-    resp = asyncio.run(Front.post(None, "chat/completions", Request(scope, receive)))
+    front = SimpleNamespace(max_request_bytes=2**20)
+    resp = asyncio.run(Front.post(front, "chat/completions", Request(scope, receive)))
     err = json.loads(resp.body)["error"]
     assert resp.status_code == 400 and err["code"] == "invalid_json" and says in err["message"], err
+
+
+@pytest.mark.parametrize("declared", [True, False])
+def test_front_refuses_a_body_over_its_limit_before_reading_it_whole(declared):
+    """The front read every body whole (then parsed it and copied it to a replica), however
+    large: one upload took its memory. Now past http.max_request_bytes it is a 413, refused from
+    a declared length before reading, or as soon as a chunked body passes the limit."""
+    import asyncio
+    import json
+
+    pytest.importorskip("ray.serve")
+    from starlette.requests import Request
+
+    from kvserve.deploy.front import Front
+
+    chunks = [b'{"prompt": "' + b"a" * 600, b"a" * 600 + b'"}', b"never read"]
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": chunks.pop(0), "more_body": bool(chunks)}
+
+    headers = [(b"content-length", b"5000")] if declared else []
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": headers}
+    resp = asyncio.run(
+        Front.post(SimpleNamespace(max_request_bytes=1000), "completions", Request(scope, receive))
+    )
+    err = json.loads(resp.body)["error"]
+    assert resp.status_code == 413 and err["code"] == "request_too_large" and "1000 bytes" in err["message"]
+    assert len(chunks) == (3 if declared else 1)  # nothing read / not past the limit
 
 
 def test_a_replica_relays_a_lone_surrogate_and_a_latin1_header_as_they_came():

@@ -228,6 +228,9 @@ def test_scales_1_to_2_and_back_without_failing_a_request(ray_head, tiny_llama_d
         ) as c:  # monitors probe with HEAD (was 405)
             head = await c.head("/health")
             assert head.status_code == 200 and head.content == b"", head.status_code
+            big = json.dumps({"model": "tiny", "prompt": "a" * (17 * 2**20)})  # read whole before (no limit)
+            r = await c.post("/v1/completions", content=big, headers={"content-type": "application/json"})
+            assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
             card = await c.get("/v1/models/tiny")  # OpenAI's models.retrieve (was a 405)
             assert card.status_code == 200 and card.json()["id"] == "tiny", card.text
             for method, path in (("GET", "/v1/nope"), ("DELETE", "/v1/models")):  # was {"detail": ...}

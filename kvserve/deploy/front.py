@@ -47,19 +47,37 @@ async def _http_error(request: Request, e: StarletteHTTPException) -> Response:
     return err
 
 
+async def _body(request: Request, limit: int) -> bytes | None:
+    """The body, or None past `limit` bytes (a declared length is refused before reading)."""
+    length = request.headers.get("content-length")
+    if length is not None and (not length.isdigit() or int(length) > limit):
+        return None
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            return None
+    return bytes(body)
+
+
 def _headers(request: Request) -> dict[str, str]:
     return {k: request.headers[k] for k in FORWARDED_HEADERS if k in request.headers}
 
 
 @serve.ingress(app)
 class Front:
-    def __init__(self, replicas: DeploymentHandle) -> None:
+    def __init__(self, replicas: DeploymentHandle, max_request_bytes: int = 16 * 2**20) -> None:
         self.replicas = replicas
+        self.max_request_bytes = max_request_bytes
 
     @app.post("/v1/{path:path}")
     async def post(self, path: str, request: Request) -> Response:
+        raw = await _body(request, self.max_request_bytes)
+        if raw is None:  # (was read whole, however large: one upload took the front's memory)
+            msg = f"request body is larger than the deployment's limit of {self.max_request_bytes} bytes"
+            return _error(413, msg, "request_too_large")
         try:
-            body = json.loads(await request.body())
+            body = json.loads(raw)
         except ValueError:
             return _error(400, "the body is not valid JSON", "invalid_json")
         except RecursionError:  # the client's mistake too: a 400, not a 500 and a traceback

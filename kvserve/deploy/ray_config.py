@@ -27,6 +27,9 @@ class _Strict(BaseModel):
 class HttpConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
+    # the front reads a body whole before a replica sees it: without a bound one upload takes its
+    # memory. kvserve serve's default; raise it with the replicas' --max-request-bytes
+    max_request_bytes: int = Field(16 * 2**20, ge=1, description="a larger body is a 413 at the front")
 
 
 class ReplicaConfig(_Strict):
