@@ -274,6 +274,19 @@ def test_a_model_is_retrieved_through_the_proxy(pd):
     assert "no-such/model" in e.value.response.json()["error"]["message"]
 
 
+def test_both_engines_and_the_client_see_one_request_id(pd):
+    """Each engine made its own X-Request-Id for a request the client sent without one, so its
+    prefill and its decode could not be found together in the engines' logs, and the client got
+    neither (nor its own back); now the proxy sends one id to both and answers with it."""
+    _, cons, proxy = pd
+    body = {"model": cons_model(cons), "prompt": PROMPT, "max_tokens": 2, "temperature": 0}
+    for sent in ({}, {"x-request-id": "trace-7"}):
+        r = httpx.post(proxy.url + "/v1/completions", json=body, headers=sent, timeout=60)
+        rid = r.headers["x-request-id"]
+        assert r.status_code == 200 and r.headers["x-kvserve-pd"] == "disaggregated", r.text
+        assert rid == sent.get("x-request-id", rid) and r.json()["id"].endswith(rid), (rid, r.json()["id"])
+
+
 def test_killed_prefill_engine_means_recompute_not_failure(pd):
     """The producer's engine dies while the consumer waits on its KV: after the transfer
     timeout (3 s) the consumer computes the prompt and answers exactly as it would alone. A

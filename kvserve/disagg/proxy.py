@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from urllib.parse import quote
 
 import httpx
@@ -29,7 +30,7 @@ from kvserve.disagg.prefill import PrefillResult, run_prefill
 from kvserve.disagg.split import decode_body, disaggregates
 from kvserve.disagg.validate import decode_refusal
 from kvserve.disagg.whole import StoredResponses, engine_tag
-from kvserve.entrypoints.openai.middleware import BodySizeLimit, HeadAsGet, InternalErrors
+from kvserve.entrypoints.openai.middleware import _REQUEST_ID, BodySizeLimit, HeadAsGet, InternalErrors
 
 logger = logging.getLogger(__name__)
 ROUTES = ("/v1/chat/completions", "/v1/completions")
@@ -63,6 +64,16 @@ class PDProxy:
         keep = (b"authorization", b"x-request-id")
         return {k: v for k, v in raw.headers.raw if k.lower() in keep}
 
+    @classmethod
+    def _engine_headers(cls, raw: Request) -> tuple[dict, str]:
+        """The headers for both engines, with one X-Request-Id (the client's usable one, else a
+        new one), and that id: each engine made its own before, so the two halves of a request
+        could not be found together in their logs, and the client got neither."""
+        rid = raw.headers.get("x-request-id", "")
+        rid = rid if _REQUEST_ID.fullmatch(rid) else uuid.uuid4().hex
+        headers = {k: v for k, v in cls._headers(raw).items() if k.lower() != b"x-request-id"}
+        return {**headers, b"x-request-id": rid.encode()}, rid
+
     async def _prefill_any(self, path: str, body: dict, headers: dict) -> PrefillResult:
         """The first prefill engine's answer that is not a failure (the engines in turn, each
         request starting at the next); after all failed, the decode engine computes the prompt."""
@@ -74,9 +85,9 @@ class PDProxy:
         logger.warning("no prefill engine answered; the decode engine computes the prompt")
         return result
 
-    async def _prefill(self, path: str, body: dict, raw: Request) -> PrefillResult | None:
+    async def _prefill(self, path: str, body: dict, raw: Request, send: dict) -> PrefillResult | None:
         """The prefill engines' answer; None if the client left meanwhile (it is cancelled)."""
-        call = asyncio.ensure_future(self._prefill_any(path, body, self._headers(raw)))
+        call = asyncio.ensure_future(self._prefill_any(path, body, send))
         while not call.done():
             await asyncio.wait([call], timeout=0.5)
             if not call.done() and await raw.is_disconnected():
@@ -96,6 +107,7 @@ class PDProxy:
         if not isinstance(body, dict):
             return JSONResponse(_error("request body: must be a JSON object", None), status_code=400)
         params, how, urls = None, "decode-only", None
+        send, rid = self._engine_headers(raw)
         if path == RESPONSES and body.get("previous_response_id") is not None:
             where = self.stored.where(body["previous_response_id"])
             if where is None:
@@ -105,7 +117,7 @@ class PDProxy:
             refused = decode_refusal(path, body)
             if refused is not None:  # (prefilled, its KV would be leased for a decode that refuses it)
                 return JSONResponse(refused, status_code=400)
-            pre = await self._prefill(path, body, raw)
+            pre = await self._prefill(path, body, raw, send)
             if pre is None or await raw.is_disconnected():
                 return Response(status_code=499)
             if pre.refused_status is not None:  # the client's mistake: the prefill engine's 4xx stands
@@ -114,9 +126,9 @@ class PDProxy:
             params = pre.params
             how = "disaggregated" if params else "fallback"
             self.num_fallbacks += params is None
-        headers = {"x-kvserve-pd": how}
+        headers = {"x-kvserve-pd": how, "x-request-id": rid}
         work = asyncio.ensure_future(self._decode(path, decode_body(body, params), bool(body.get("stream")),
-                                                  raw, headers, urls))  # fmt: skip
+                                                  send, headers, urls))  # fmt: skip
         gone = asyncio.ensure_future(_disconnected(raw))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -137,10 +149,10 @@ class PDProxy:
         return self.decode[i:] + self.decode[:i]
 
     async def _decode(
-        self, path: str, body: dict, stream: bool, raw: Request, headers: dict, urls: list[str] | None
+        self, path: str, body: dict, stream: bool, send: dict, headers: dict, urls: list[str] | None
     ) -> Response:
         return await decode(
-            self.client, urls or self._decode_order(), path, body, stream, self._headers(raw), headers,
+            self.client, urls or self._decode_order(), path, body, stream, send, headers,
             self.decode_first_byte_timeout_s, engine_tag if path == RESPONSES else None,
         )  # fmt: skip
 
