@@ -88,6 +88,22 @@ def test_head_answers_as_get_without_a_body(gw):
     assert httpx.head(gw.url + "/v1/models").status_code == 401
 
 
+def test_the_client_and_the_backend_see_one_request_id(gw):
+    """The gateway dropped the client's X-Request-Id and returned none: the backend made its own,
+    so a client's report could not be found in the backend's log (nor the gateway's line). Now
+    the client's usable id, else the gateway's, goes to the backend and comes back, errors too."""
+    h = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 1, "temperature": 0}
+    for sent in ({}, {"x-request-id": "trace-42"}, {"x-request-id": "bad id with spaces"}):
+        r = httpx.post(gw.url + "/v1/completions", json=body, headers={**h, **sent}, timeout=60)
+        rid = r.headers["x-request-id"]
+        assert r.status_code == 200 and r.json()["id"] == f"cmpl-{rid}", (rid, r.text)
+        assert rid == "trace-42" if sent.get("x-request-id") == "trace-42" else " " not in rid
+    bad = {**body, "max_tokens": -1}  # the backend's 400, passed through
+    r = httpx.post(gw.url + "/v1/completions", json=bad, headers={**h, "x-request-id": "t-400"}, timeout=60)
+    assert r.status_code == 400 and r.headers["x-request-id"] == "t-400", r.text
+
+
 def _tokens(r) -> tuple[int, int]:
     """Token counts (cached-token details differ with which replica's prefix cache was warm)."""
     return r.usage.prompt_tokens, r.usage.completion_tokens

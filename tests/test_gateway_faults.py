@@ -661,6 +661,7 @@ def test_key_rpm_limit_gives_429_with_headers(gw):
     assert (
         r.headers["x-ratelimit-limit-requests"] == "2" and r.headers["x-ratelimit-remaining-requests"] == "0"
     )
+    assert len(r.headers["x-request-id"]) == 32  # the gateway's own refusals name the request too
 
 
 def test_team_limit_is_shared_by_its_keys(gw):

@@ -18,6 +18,7 @@ from fastapi.responses import Response
 from kvserve.disagg.prefill import PrefillResult, run_prefill
 from kvserve.disagg.split import decode_body, disaggregates
 from kvserve.disagg.validate import decode_refusal
+from kvserve.entrypoints.openai.middleware import _REQUEST_ID
 from kvserve.gateway.backends import BackendPool, estimate_tokens
 from kvserve.gateway.blame import Blame
 from kvserve.gateway.budget_rebuild import BudgetRebuild
@@ -142,6 +143,10 @@ class Gateway:
             time.monotonic(),
         )
         ctx.request, ctx.allowed = request, allowed
+        # one id for the client, every backend call and the log line (not ctx.rid, the state
+        # store's key: a client's id may repeat); each backend made its own before, none returned
+        given = request.headers.get("x-request-id", "") if request is not None else ""
+        ctx.headers["x-request-id"] = given if _REQUEST_ID.fullmatch(given) else ctx.rid
         if path == RESPONSES:
             self._pin(ctx)
         ctx.route = request_info(body, request.headers if request is not None else {})
@@ -202,6 +207,8 @@ class Gateway:
                 else 499 if isinstance(e, asyncio.CancelledError)
                 else 500
             )  # fmt: skip
+            if isinstance(e, GatewayError):  # (its answer names the request as a success does)
+                e.headers.setdefault("x-request-id", ctx.headers["x-request-id"])
             await asyncio.shield(self._finish(ctx, status, None))
             raise
         return resp
@@ -429,7 +436,8 @@ class Gateway:
         if split:  # pd deployment: the prompt on its kv_producer first
             url, prefill = dep.backend.prefill_url + ctx.path, dict(body, model=dep.backend.model)
             try:
-                pre = await run_prefill(self.pool.client(dep), url, prefill, self.pool.headers(dep))
+                send = {**self.pool.headers(dep), "x-request-id": ctx.headers["x-request-id"]}
+                pre = await run_prefill(self.pool.client(dep), url, prefill, send)
             except BaseException:  # the client left during the prefill: its prompt was computed
                 self._abandon(ctx, dep, "prefill")
                 await asyncio.shield(self._release(arid, dchecks, ctx.prompt_tokens if ctx.abandoned else 0))
@@ -446,7 +454,9 @@ class Gateway:
         strategy = self.router.strategy
         strategy.started(dep.id, ctx.route)
         try:
-            out = await attempt(self.pool, dep, ctx.path, body, ctx.stream, ctx.client_usage)
+            out = await attempt(
+                self.pool, dep, ctx.path, body, ctx.stream, ctx.client_usage, ctx.headers["x-request-id"]
+            )
         except BaseException:  # the client left while the deployment worked: it is charged
             strategy.finished(dep.id, None, ctx.route)
             self._abandon(ctx, dep, "prefill" if ctx.stream else "answer")
@@ -619,8 +629,9 @@ class Gateway:
                 )
             )
         log.info(
-            "%s %s key=%s deployment=%s status=%d attempts=%d %.0fms",
+            "%s %s request_id=%s key=%s deployment=%s status=%d attempts=%d %.0fms",
             ctx.path,
+            ctx.headers.get("x-request-id", ctx.rid),
             ctx.alias,
             ctx.key.name,
             dep.id if dep else "-",

@@ -58,12 +58,15 @@ def upstream_body(body: dict, dep: Deployment, stream: bool, path: str = "/chat/
 
 
 async def attempt(
-    pool: BackendPool, dep: Deployment, path: str, body: dict, stream: bool, client_wants_usage: bool
-) -> Outcome:
+    pool: BackendPool, dep: Deployment, path: str, body: dict, stream: bool, client_wants_usage: bool,
+    request_id: str | None = None,
+) -> Outcome:  # fmt: skip
+    """`request_id`: the X-Request-Id the backend gets (the one the client gets back)."""
     b = dep.backend
     client = pool.client(dep)
+    headers = {**pool.headers(dep), **({"x-request-id": request_id} if request_id else {})}
     req = client.build_request(
-        "POST", b.base_url + path, content=upstream_body(body, dep, stream, path), headers=pool.headers(dep)
+        "POST", b.base_url + path, content=upstream_body(body, dep, stream, path), headers=headers
     )
     responses = path == RESPONSES
     t0 = time.monotonic()
