@@ -152,7 +152,7 @@ def test_validation_holds_a_few_bytes_per_line_not_the_file(tmp_path):
     assert peak < 4_000_000, peak
 
 
-def test_list_routes_page_and_clamp(client, server):
+def test_list_routes_page_and_refuse_a_limit_out_of_range(client, server):
     fid = upload(client, [line("x"), line("x")]).id  # fails at validation: no engine work
     for _ in range(3):
         client.batches.create(input_file_id=fid, endpoint=CHAT, completion_window="24h")
@@ -169,7 +169,16 @@ def test_list_routes_page_and_clamp(client, server):
     assert (first["first_id"], first["last_id"]) == (everything[0], everything[1])
     rest = get("/v1/batches", limit=100, after=first["last_id"])
     assert [b["id"] for b in rest["data"]] == everything[2:] and rest["has_more"] is False
-    assert len(get("/v1/batches", limit=0)["data"]) == 1  # clamped to [1, 100]
+    for path, limit, code in [("/v1/batches", 0, "integer_below_min_value"),
+                              ("/v1/batches", 101, "integer_above_max_value"),
+                              ("/v1/files", -5, "integer_below_min_value"),
+                              ("/v1/files", 10_001, "integer_above_max_value")]:  # fmt: skip
+        r = httpx.get(f"{server.url}{path}", headers=server.headers, params={"limit": limit}, timeout=30)
+        error = r.json()["error"]  # as OpenAI's: a 400 naming limit, not a page of another size
+        assert r.status_code == 400 and (error["param"], error["code"]) == ("limit", code), r.text
+        assert f"got {limit} instead" in error["message"]
+    with pytest.raises(openai.BadRequestError, match="limit"):
+        client.batches.list(limit=500)
     more = [upload(client, [line("y")]).id for _ in range(2)]
     newest = [f["id"] for f in get("/v1/files", purpose="batch")["data"]]
     assert {fid, *more} <= set(newest) and get("/v1/files")["has_more"] is False
@@ -179,6 +188,5 @@ def test_list_routes_page_and_clamp(client, server):
     oldest = [f["id"] for f in get("/v1/files", order="asc", purpose="batch")["data"]]
     assert oldest == newest[::-1]
     assert [f.id for f in client.files.list(limit=1, purpose="batch")] == newest  # the SDK pages on
-    assert len(get("/v1/files", limit=-5)["data"]) == 1
     r = httpx.get(f"{server.url}/v1/files", headers=server.headers, params={"after": "file-nope"})
     assert r.status_code == 404 and r.json()["error"]["param"] == "after"

@@ -17,6 +17,7 @@ from kvserve.batch.files import FileStore, new_file_id, too_large
 from kvserve.batch.jobs import JobStore
 from kvserve.batch.service import BatchService
 from kvserve.entrypoints.openai.errors import error_response
+from kvserve.entrypoints.openai.listing import limit_problem, page
 from kvserve.platform.memory import trim_heap
 
 MULTIPART_SLACK = 64 * 1024  # form boundaries and fields around the file itself
@@ -43,18 +44,13 @@ def _openai_errors(fn):
     return wrapper
 
 
-def _page(data: list[dict], has_more: bool) -> dict:
-    first = data[0]["id"] if data else None
-    last = data[-1]["id"] if data else None
-    return {"object": "list", "data": data, "first_id": first, "last_id": last, "has_more": has_more}
-
-
 def _listing(fetch, limit: int, most: int) -> dict:
-    """One list page, shared by the list routes: `limit` clamped to [1, most]; one row more than
-    the page is fetched, to tell has_more."""
-    limit = max(1, min(limit, most))
+    """One list page, shared by the list routes: a `limit` outside [1, most] is refused, as
+    OpenAI refuses it; one row more than the page is fetched, to tell has_more."""
+    if problem := limit_problem(limit, most):
+        raise BatchAPIError(400, problem[0], "limit", problem[1])
     data = fetch(limit + 1)
-    return _page(data[:limit], has_more=len(data) > limit)
+    return page(data[:limit], has_more=len(data) > limit)
 
 
 def _copy_upload(files: FileStore, upload: UploadFile, purpose: str) -> str:
