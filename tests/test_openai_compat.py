@@ -297,6 +297,43 @@ def test_responses_multi_turn_with_previous_response_id(client):
     assert e.value.body["param"] == "previous_response_id"
 
 
+def test_responses_input_items_list_and_page(client, server):
+    """client.responses.input_items.list: the items the request sent, newest first by default,
+    paged by item id (after / before), limit in OpenAI's range [1, 100]."""
+    sent = [
+        {"type": "message", "role": "developer", "content": "Be brief."},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
+        {"type": "message", "role": "assistant", "content": "Hello!"},
+        {"type": "message", "role": "user", "content": "Name a color."},
+    ]
+    r = client.responses.create(model="smol", input=sent, max_output_tokens=2, temperature=0)
+    items = list(client.responses.input_items.list(r.id, order="asc"))
+    assert [(i.type, i.role, i.status) for i in items] == [
+        ("message", m["role"], "completed") for m in sent
+    ]  # fmt: skip
+    assert [i.content[0].text for i in items] == ["Be brief.", "Hi", "Hello!", "Name a color."]
+    assert [i.content[0].type for i in items] == ["input_text", "input_text", "output_text", "input_text"]
+    ids = [i.id for i in items]
+    assert len(set(ids)) == 4
+    newest = client.responses.input_items.list(r.id, limit=2)
+    assert [i.id for i in newest.data] == ids[::-1][:2] and newest.has_more and newest.last_id == ids[2]
+    assert [i.id for i in newest] == ids[::-1]  # the SDK pages on with after=last_id
+    page = client.responses.input_items.list(r.id, order="asc", after=ids[0], extra_query={"before": ids[3]})
+    assert [i.id for i in page.data] == ids[1:3] and not page.has_more
+    short = client.responses.create(model="smol", input="Hi", max_output_tokens=1)
+    one = client.responses.input_items.list(short.id)
+    assert one.data[0].role == "user" and one.data[0].content[0].text == "Hi"
+    bad = [({"limit": 0}, "limit"), ({"limit": 101}, "limit"), ({"after": "msg_nope"}, "after"),
+           ({"order": "up"}, "order"), ({"include": "everything"}, "include")]  # fmt: skip
+    for params, param in bad:
+        got = httpx.get(
+            f"{server.url}/v1/responses/{r.id}/input_items", params=params, headers=server.headers
+        )
+        assert got.status_code == 400 and got.json()["error"]["param"] == param, got.text
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_nope")
+
+
 def test_responses_function_call_round_trip(client):
     city = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
     tools = [

@@ -3,6 +3,9 @@ with `--response-store sqlite:PATH` a conversation that survives a server restar
 
 from __future__ import annotations
 
+import json
+import sqlite3
+
 import openai
 import pytest
 from server_utils import ServerProcess
@@ -46,6 +49,24 @@ def test_sqlite_store_reopens_with_its_contents_and_order(tmp_path):
     again.put(_resp(2), [])  # resp_1 was the least recently used before the restart
     with pytest.raises(ResponseNotFoundError):
         again.get("resp_1")
+
+
+def test_input_items_are_kept_and_an_older_sqlite_file_gains_them(tmp_path):
+    """A file written before input items were kept opens, its responses listing none."""
+    path = str(tmp_path / "old.db")
+    old = sqlite3.connect(path)
+    old.execute("CREATE TABLE responses (id TEXT PRIMARY KEY, used INTEGER NOT NULL, "
+                "response TEXT NOT NULL, conversation TEXT NOT NULL)")  # fmt: skip
+    old.execute("INSERT INTO responses VALUES ('resp_0', 1, ?, '[]')", (json.dumps(_resp(0)),))
+    old.commit()
+    old.close()
+    store = SQLiteResponseStore(path)
+    assert store.input_items("resp_0") == [] and store.get("resp_0") == (_resp(0), [])
+    for kept in (store, MemoryResponseStore()):
+        kept.put(_resp(1), [], [{"id": "msg_1", "type": "message"}])
+        assert kept.input_items("resp_1") == [{"id": "msg_1", "type": "message"}]
+        with pytest.raises(ResponseNotFoundError):
+            kept.input_items("resp_9")
 
 
 @pytest.mark.parametrize("spec, size", [("redis://x", 8), ("sqlite:", 8), ("memory", 0)])

@@ -7,8 +7,9 @@ import logging
 import os
 import time
 from contextlib import asynccontextmanager
+from typing import Annotated, Literal
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
@@ -31,6 +32,7 @@ from kvserve.entrypoints.openai.errors import (
     value_error_code,
 )
 from kvserve.entrypoints.openai.lifecycle import Lifecycle, ServerShuttingDownError
+from kvserve.entrypoints.openai.listing import limit_problem
 from kvserve.entrypoints.openai.middleware import BodySizeLimit, HeadAsGet, InternalErrors, RequestGate
 from kvserve.entrypoints.openai.openapi import openapi_with_400
 from kvserve.entrypoints.openai.protocol import (
@@ -42,7 +44,9 @@ from kvserve.entrypoints.openai.protocol import (
 )
 from kvserve.entrypoints.openai.response_store import ResponseNotFoundError, ResponseStore, open_store
 from kvserve.entrypoints.openai.responses import ResponsesServing
-from kvserve.entrypoints.openai.responses_protocol import ResponsesRequest
+from kvserve.entrypoints.openai.responses_items import MAX_LIMIT as MAX_INPUT_ITEMS
+from kvserve.entrypoints.openai.responses_items import input_items_page
+from kvserve.entrypoints.openai.responses_protocol import Includable, ResponsesRequest
 from kvserve.entrypoints.openai.server_config import ServerConfig
 from kvserve.entrypoints.openai.serving import ClientDisconnectedError, OpenAIServing, ServerOverloadedError
 from kvserve.metrics.prometheus import ServerMetrics, waiting_prefill_tokens
@@ -229,6 +233,17 @@ def build_app(engine: AsyncLLM | DPClient, cfg: ServerConfig, store: ResponseSto
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str):
         return responses.store.get(response_id)[0]
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def list_input_items(
+        response_id: str, after: str | None = None, before: str | None = None, limit: int = 20,
+        order: Literal["asc", "desc"] = "desc", include: Annotated[list[Includable] | None, Query()] = None,
+    ):  # fmt: skip
+        """OpenAI's list of the items a stored response was given; `include` asks for fields
+        this server has none of (images, search results) or always gives: accepted."""
+        if problem := limit_problem(limit, MAX_INPUT_ITEMS):
+            return error_response(400, problem[0], param="limit", code=problem[1])
+        return input_items_page(responses.store.input_items(response_id), after, before, limit, order)
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str):

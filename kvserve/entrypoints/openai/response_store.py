@@ -23,11 +23,15 @@ def _missing(response_id: str) -> ResponseNotFoundError:
 
 
 class ResponseStore(Protocol):
-    """Responses by id, each with the conversation it ended on (chat messages)."""
+    """Responses by id, each with the conversation it ended on (chat messages) and the input
+    items the request sent (as GET /v1/responses/{id}/input_items lists them)."""
 
-    def put(self, response: dict, conversation: list[dict]) -> None: ...
+    def put(self, response: dict, conversation: list[dict], input_items: list[dict] | None = None) -> None:
+        """`input_items`: stored_input_items of the request (none: an empty list)."""
 
     def get(self, response_id: str) -> tuple[dict, list[dict]]: ...
+
+    def input_items(self, response_id: str) -> list[dict]: ...
 
     def delete(self, response_id: str) -> None: ...
 
@@ -37,19 +41,25 @@ class MemoryResponseStore:
 
     def __init__(self, capacity: int = 1024) -> None:
         self.capacity = capacity
-        self._items: OrderedDict[str, tuple[dict, list[dict]]] = OrderedDict()
+        self._items: OrderedDict[str, tuple[dict, list[dict], list[dict]]] = OrderedDict()
 
-    def put(self, response: dict, conversation: list[dict]) -> None:
-        self._items[response["id"]] = (response, conversation)
+    def put(self, response: dict, conversation: list[dict], input_items: list[dict] | None = None) -> None:
+        self._items[response["id"]] = (response, conversation, input_items or [])
         self._items.move_to_end(response["id"])
         while len(self._items) > self.capacity:
             self._items.popitem(last=False)
 
-    def get(self, response_id: str) -> tuple[dict, list[dict]]:
+    def _row(self, response_id: str) -> tuple[dict, list[dict], list[dict]]:
         if response_id not in self._items:
             raise _missing(response_id)
         self._items.move_to_end(response_id)
         return self._items[response_id]
+
+    def get(self, response_id: str) -> tuple[dict, list[dict]]:
+        return self._row(response_id)[:2]
+
+    def input_items(self, response_id: str) -> list[dict]:
+        return self._row(response_id)[2]
 
     def delete(self, response_id: str) -> None:
         self.get(response_id)
@@ -70,6 +80,9 @@ class SQLiteResponseStore:
             "response TEXT NOT NULL, conversation TEXT NOT NULL)"
         )
         self._db.execute("CREATE INDEX IF NOT EXISTS responses_by_use ON responses (used)")
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(responses)")}
+        if "input_items" not in columns:  # a file written before input items were kept
+            self._db.execute("ALTER TABLE responses ADD COLUMN input_items TEXT NOT NULL DEFAULT '[]'")
         self._db.commit()
         (self._clock,) = self._db.execute("SELECT COALESCE(MAX(used), 0) FROM responses").fetchone()
 
@@ -77,27 +90,34 @@ class SQLiteResponseStore:
         self._clock += 1
         return self._clock
 
-    def put(self, response: dict, conversation: list[dict]) -> None:
+    def put(self, response: dict, conversation: list[dict], input_items: list[dict] | None = None) -> None:
         with self._db:
             self._db.execute(
-                "INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?)",
-                (response["id"], self._tick(), json.dumps(response), json.dumps(conversation)),
-            )
+                "INSERT OR REPLACE INTO responses (id, used, response, conversation, input_items) "
+                "VALUES (?, ?, ?, ?, ?)",
+                (response["id"], self._tick(), json.dumps(response), json.dumps(conversation),
+                 json.dumps(input_items or [])),
+            )  # fmt: skip
             self._db.execute(
                 "DELETE FROM responses WHERE used <= "
                 "(SELECT used FROM responses ORDER BY used DESC LIMIT 1 OFFSET ?)",
                 (self.capacity,),
             )
 
-    def get(self, response_id: str) -> tuple[dict, list[dict]]:
-        row = self._db.execute(
-            "SELECT response, conversation FROM responses WHERE id = ?", (response_id,)
-        ).fetchone()
+    def _read(self, response_id: str, columns: str) -> tuple:
+        row = self._db.execute(f"SELECT {columns} FROM responses WHERE id = ?", (response_id,)).fetchone()
         if row is None:
             raise _missing(response_id)
         with self._db:
             self._db.execute("UPDATE responses SET used = ? WHERE id = ?", (self._tick(), response_id))
-        return json.loads(row[0]), json.loads(row[1])
+        return tuple(json.loads(v) for v in row)
+
+    def get(self, response_id: str) -> tuple[dict, list[dict]]:
+        response, conversation = self._read(response_id, "response, conversation")
+        return response, conversation
+
+    def input_items(self, response_id: str) -> list[dict]:
+        return self._read(response_id, "input_items")[0]
 
     def delete(self, response_id: str) -> None:
         with self._db:

@@ -21,6 +21,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from kvserve.entrypoints.openai.response_store import ResponseNotFoundError, ResponseStore
+from kvserve.entrypoints.openai.responses_items import stored_input_items
 from kvserve.entrypoints.openai.responses_protocol import (
     ResponsesRequest,
     input_messages,
@@ -164,8 +165,9 @@ class ResponsesServing:
         rid = _new_id("resp")
         response = self._skeleton(req, rid, req.model or self.serving.model_names[0])
         conversation = history + input_messages(req.input, history)
+        items = stored_input_items(req.input)
         if req.stream:
-            events = self._events(run.chunks, response, conversation, req.store, req.max_tool_calls)
+            events = self._events(run.chunks, response, (conversation, items), req.store, req.max_tool_calls)
             return self.serving.sse_response(run.gen, events, run.streams)
         choice = run.body["choices"][0]
         message = choice["message"]
@@ -180,14 +182,15 @@ class ResponsesServing:
         _close_items(output, choice["finish_reason"] == "length" and kept_last)
         self._finish(response, output, choice["finish_reason"], run.body["usage"])
         if req.store:
-            self.store.put(response, conversation + _assistant_turn(output))
+            self.store.put(response, conversation + _assistant_turn(output), items)
         return JSONResponse(response)
 
     async def _events(
-        self, chunks: AsyncIterator[dict], response: dict, conversation: list[dict], store: bool,
+        self, chunks: AsyncIterator[dict], response: dict, given: tuple[list[dict], list[dict]], store: bool,
         max_calls: int | None,
     ) -> AsyncIterator[dict]:  # fmt: skip
-        """Chat chunks -> Responses stream events (calls past max_calls are left out)."""
+        """Chat chunks -> Responses stream events (calls past max_calls are left out); `given`:
+        the conversation so far and the input items, stored with the response."""
         out = _EventBuilder()
         yield out.event("response.created", response=response)
         yield out.event("response.in_progress", response=response)
@@ -209,7 +212,8 @@ class ResponsesServing:
             yield e
         self._finish(response, out.output, finish, usage)
         if store:
-            self.store.put(response, conversation + _assistant_turn(out.output))
+            conversation, items = given
+            self.store.put(response, conversation + _assistant_turn(out.output), items)
         kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
         yield out.event(kind, response=response)
 

@@ -31,6 +31,13 @@ from kvserve.entrypoints.openai.protocol import (
 )
 from kvserve.tokenizer import lone_surrogate
 
+# OpenAI's `include` values (ResponseIncludable): what GET .../input_items may ask for
+Includable = Literal[
+    "file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
+    "message.input_image.image_url", "computer_call_output.output.image_url", "code_interpreter_call.outputs",
+    "reasoning.encrypted_content", "message.output_text.logprobs",
+]  # fmt: skip
+
 
 class FunctionTool(OpenAIBody):
     model_config = ConfigDict(extra="forbid")

@@ -1,0 +1,53 @@
+"""A response's input items, as GET /v1/responses/{id}/input_items lists them.
+
+They are the items the request sent, each given an id (OpenAI's cursors are item ids) and a
+status, a string input being one user message, and a message's string content being one
+text part; kept with the stored response. Items of earlier responses in a
+previous_response_id chain are listed under those responses' own ids.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from kvserve.entrypoints.openai.listing import page
+
+MAX_LIMIT = 100  # OpenAI's range for this list: 1 to 100, 20 by default
+_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+
+
+def stored_input_items(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The request's `input` (already checked by input_messages) as the items to list."""
+    if isinstance(items, str):
+        items = [{"type": "message", "role": "user", "content": items}]
+    stored = []
+    for item in items:
+        kind = item.get("type", "message")
+        out = {"id": item.get("id") or f"{_ID_PREFIX.get(kind, 'item')}_{uuid.uuid4().hex}", **item}
+        out["type"], out["status"] = kind, item.get("status") or "completed"
+        if kind == "message" and isinstance(out.get("content"), str):
+            part = "output_text" if out.get("role") == "assistant" else "input_text"
+            extra = {"annotations": []} if part == "output_text" else {}
+            out["content"] = [{"type": part, "text": out["content"], **extra}]
+        stored.append(out)
+    return stored
+
+
+def input_items_page(
+    items: list[dict[str, Any]], after: str | None, before: str | None, limit: int, order: str
+) -> dict[str, Any]:
+    """One page of at most `limit` (checked by the caller) in `order` (asc: as sent), starting
+    past `after` and ending before `before`; ValueError naming a cursor not among the items."""
+    ordered = items if order == "asc" else items[::-1]
+    ids = [item["id"] for item in ordered]
+    start, end = 0, len(ordered)
+    for name, cursor in (("after", after), ("before", before)):
+        if cursor is not None and cursor not in ids:
+            raise ValueError(f"{name}: no input item with id {cursor!r} in this response")
+    if after is not None:
+        start = ids.index(after) + 1
+    if before is not None:
+        end = ids.index(before)
+    window = ordered[start:end]
+    return page(window[:limit], has_more=len(window) > limit)
