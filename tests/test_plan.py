@@ -337,6 +337,10 @@ def test_gpu_budget_is_the_engine_rule():
         # these named every field of their kind ("concurrency, block_size and num_gpus must be >= 1")
         ("--num-gpus", "0", "must be >= 1, got 0"),
         ("--block-size", "0", "must be >= 1, got 0"),
+        # the GPU engine's rule (core/block_size.py): the plan sized a pool it would not start with
+        ("--block-size", "7", "block_size must be a power of two >= 16 (16, 32, 64, ...), got 7"),
+        ("--block-size", "8", "block_size must be a power of two >= 16 (16, 32, 64, ...), got 8"),
+        ("--block-size", "48", "block_size must be a power of two >= 16 (16, 32, 64, ...), got 48"),
         ("--gpu-memory-utilization", "1.5", "must be in (0, 1], got '1.5'"),
         ("--utilization", "nan", "must be in (0, 1], got 'nan'"),
         ("--overhead", "100%", "must be in [0, 1), got '100%'"),

@@ -21,6 +21,7 @@ import torch
 
 from kvserve.attention_backends.base import ScheduledSeq
 from kvserve.attention_backends.triton_kernels import require_triton
+from kvserve.core.block_size import gpu_block_size_problem
 
 
 @dataclass
@@ -50,10 +51,8 @@ class TritonAttentionBackend:
 
     def __init__(self, device: torch.device, block_size: int) -> None:
         require_triton()
-        if block_size < 16 or block_size & (block_size - 1):
-            raise ValueError(
-                f"the Triton attention backend needs a power-of-two block_size >= 16, got {block_size}"
-            )
+        if problem := gpu_block_size_problem(block_size):
+            raise ValueError(f"the Triton attention backend: {problem}")
         from kvserve.attention_backends.triton_kernels import kv_write, paged_decode, paged_prefill
 
         self._write, self._decode, self._prefill = (

@@ -11,12 +11,22 @@ import json
 import sys
 
 from kvserve.argtypes import non_negative_float, positive_int
+from kvserve.core.block_size import gpu_block_size_problem
 from kvserve.planner import simulate_cli
 from kvserve.planner.gpus import DEFAULT_GPU, GPUS
 from kvserve.planner.plan import WEIGHT_BYTES, PlanRequest, make_plan
 from kvserve.planner.presets import PRESETS
 from kvserve.planner.report import render_table, to_dict
 from kvserve.planner.shares import HELD_SHARE, SHARE, USED_SHARE
+
+
+def gpu_block_size(text: str) -> int:
+    """A block size the GPU engine starts with (the engine's own rule)."""
+    size = positive_int(text)
+    if problem := gpu_block_size_problem(size):
+        raise argparse.ArgumentTypeError(f"{problem}: the GPU engine refuses another")
+    return size
+
 
 DTYPES = sorted(set(WEIGHT_BYTES) | {"float32", "float16", "bfloat16"})
 
@@ -63,7 +73,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     kv.add_argument(
         "--kv-cache-memory", help='fixed KV budget per GPU, e.g. "2GiB": shows the pool the engine allocates'
     )
-    kv.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block (16)")
+    kv.add_argument(
+        "--block-size", type=gpu_block_size, default=16, help="tokens per KV block (16; a power of two >= 16)"
+    )
     kv.add_argument(
         "--context-len",
         type=positive_int,
