@@ -47,6 +47,19 @@ async def _stream(writer: asyncio.StreamWriter, body: dict, chat: bool, ttft: fl
     await writer.drain()
 
 
+def _models(path: str) -> list[dict]:
+    """/v1/models: one model ("stub-model"); under /several/ two, under /aliases/ two names of one
+    (the same root, as kvserve's --served-model-name lists them)."""
+    if "/several/" in path:
+        return [{"id": "a", "object": "model", "root": "a"}, {"id": "b", "object": "model", "root": "b"}]
+    if "/aliases/" in path:
+        return [
+            {"id": "first", "object": "model", "root": "r"},
+            {"id": "second", "object": "model", "root": "r"},
+        ]
+    return [{"id": "stub-model", "object": "model"}]
+
+
 async def _handle(
     reader: asyncio.StreamReader, writer: asyncio.StreamWriter, ttft: float, itl: float
 ) -> None:
@@ -62,6 +75,11 @@ async def _handle(
             body = json.loads(await reader.readexactly(size)) if size else {}
             if path.endswith("/completions") and body.get("stream"):
                 await _stream(writer, body, path.endswith("/chat/completions"), ttft, itl)
+            elif path.endswith("/v1/models"):
+                models = json.dumps({"object": "list", "data": _models(path)}).encode()
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n")
+                writer.write(b"content-length: %d\r\n\r\n%s" % (len(models), models))
+                await writer.drain()
             else:
                 writer.write(
                     b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\ncontent-type: application/json\r\n\r\n{}"

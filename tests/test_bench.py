@@ -303,6 +303,25 @@ def test_a_missing_tokenizer_names_the_tokenizer_flag(extra, message, capsys):
     assert message in err and ("--tokenizer" in err or extra)
 
 
+def test_without_model_the_servers_own_name_is_sent(instant_stub, tiny_llama_dir, tmp_path, capsys):
+    """No --model: the name /v1/models lists (a fixed default ran against a server serving another
+    name, every request failing with model_not_found); several models: refused, naming them."""
+    out = tmp_path / "r.json"
+    argv = ["bench", "serve", "--tokenizer", tiny_llama_dir, "--num-prompts", "2", "--input-len", "8",
+            "--output-len", "4", "--disable-tqdm"]  # fmt: skip
+    assert kvserve_main([*argv, "--base-url", f"{instant_stub.url}/v1", "--save-result", str(out)]) == 0
+    assert json.loads(out.read_text())["model"] == "stub-model"
+    assert (
+        kvserve_main([*argv, "--base-url", f"{instant_stub.url}/aliases/v1", "--save-result", str(out)]) == 0
+    )
+    assert json.loads(out.read_text())["model"] == "first"  # two names of one model: its first
+    assert kvserve_main([*argv, "--base-url", f"{instant_stub.url}/several/v1"]) == 2
+    err = capsys.readouterr().err
+    assert "error: model: " in err and "serves several models ('a', 'b'); pass --model NAME" in err
+    assert kvserve_main([*argv, "--base-url", f"http://127.0.0.1:{free_port()}"]) == 2
+    assert "could not be asked which model it serves" in capsys.readouterr().err
+
+
 def test_save_detailed_without_save_result_is_refused(capsys):
     """--save-detailed alone ran the benchmark and wrote the per-request timings nowhere."""
     argv = ["bench", "serve", "--base-url", "http://127.0.0.1:1", "--model", "tiny", "--save-detailed"]
@@ -359,10 +378,12 @@ def test_sweep_plots_one_line_per_server(timed_stub, instant_stub, tiny_llama_di
 # ---- against real servers ---------------------------------------------------------------------
 
 
-def _bench_serve(url: str, model: str, tmp_path, *extra: str) -> dict:
+def _bench_serve(url: str, model: str | None, tmp_path, *extra: str) -> dict:
+    """model None: no --model (the server's own name is sent)."""
     out = tmp_path / "r.json"
+    named = ["--model", model] if model else []
     rc = kvserve_main([
-        "bench", "serve", "--base-url", url, "--model", model, "--num-prompts", "4", "--input-len", "16",
+        "bench", "serve", "--base-url", url, *named, "--num-prompts", "4", "--input-len", "16",
         "--output-len", "8", "--ignore-eos", "--max-concurrency", "2", "--disable-tqdm",
         "--save-result", str(out), *extra,
     ])  # fmt: skip
@@ -390,8 +411,9 @@ def test_bench_against_real_server(engine, tiny_llama_dir, tiny_tok, tmp_path):
         assert m["total_input_tokens"] == sum(r.prompt_len for r in prompts)  # server agrees on length
         assert 0 < m["ttft_ms"]["p50"] <= m["e2el_ms"]["p50"] and m["output_throughput"] > 0
         assert res["load"]["max_concurrency"] == 2 and res["dataset"]["name"] == "random"
-        chat = _bench_serve(server.url, tiny_llama_dir, tmp_path, "--endpoint", "chat", "--dataset", "chat")
+        chat = _bench_serve(server.url, None, tmp_path, "--endpoint", "chat", "--dataset", "chat")
         assert chat["metrics"]["completed"] == 4 and chat["metrics"]["total_output_tokens"] > 0
+        assert chat["model"] == httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
         ids = _bench_serve(server.url, tiny_llama_dir, tmp_path, "--prompt-format", "ids")
         assert ids["metrics"]["total_input_tokens"] == m["total_input_tokens"]
         if engine == "kvserve":  # the end-of-sequence token first: an answer with no text, not a failure

@@ -41,7 +41,10 @@ def add_dataset_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dataset", choices=DATASETS, default="random")
     g.add_argument("--dataset-path", default=None,
                    help="jsonl: a JSONL file; trace: a JSONL trace or bursty:... spec")  # fmt: skip
-    g.add_argument("--tokenizer", default=None, help="alias, .gguf or HF directory (default: --model)")
+    g.add_argument(
+        "--tokenizer", default=None,
+        help="alias, .gguf or HF directory (default: --model, or the served model's root)",
+    )  # fmt: skip
     g.add_argument("--num-prompts", type=positive_int, default=100)
     g.add_argument("--input-len", type=positive_int, default=128, help="prompt tokens (chat: the median)")
     g.add_argument("--output-len", type=positive_int, default=128, help="max_tokens (chat: the median)")
@@ -60,7 +63,11 @@ def add_serve_args(p: argparse.ArgumentParser, single_url: bool = True) -> None:
         p.add_argument(
             "--base-url", type=base_url, default="http://127.0.0.1:8000", help="server root (or .../v1)"
         )
-    p.add_argument("--model", default="smollm2-135m", help="model name sent in requests")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="model name sent in requests (default: the one the server's /v1/models lists)",
+    )
     p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
     p.add_argument("--prompt-format", choices=("text", "ids"), default="text",
                    help="completions prompt as text or token ids")  # fmt: skip

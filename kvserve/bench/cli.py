@@ -11,7 +11,7 @@ from kvserve.bench.args import add_offline_args, add_serve_args, base_url
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvserve.bench.report import format_table, save_json
-    from kvserve.bench.serve import prepare, run_serve
+    from kvserve.bench.serve import prepare, resolve_model, run_serve
 
     if args.save_detailed and not args.save_result:  # the timings go into that file only
         print(
@@ -20,6 +20,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
         return 2
     try:
+        resolve_model(args, args.base_url)
         tok, requests = prepare(args)
         res = run_serve(args, args.base_url, tok, requests, detailed=args.save_detailed)
     except (ValueError, FileNotFoundError, RuntimeError) as e:

@@ -12,6 +12,7 @@ from typing import Any
 from kvserve.bench.datasets import BenchRequest, DatasetConfig, build_dataset, load_bench_tokenizer
 from kvserve.bench.loadgen import LoadConfig, run_load
 from kvserve.bench.metrics import compute_metrics, parse_slo
+from kvserve.bench.served_model import served_model
 from kvserve.bench.server_stats import scrape_spec_counters, spec_decode_summary
 
 
@@ -33,10 +34,31 @@ def load_config(args: argparse.Namespace, base_url: str) -> LoadConfig:
     )  # fmt: skip
 
 
+def resolve_model(args: argparse.Namespace, base_url: str) -> None:
+    """Without --model, the name the server serves (and its root, a tokenizer to try)."""
+    if args.model is None:
+        served = served_model(base_url, args.api_key)
+        args.model, args.model_root = served.id, served.root
+
+
+def _tokenizer(args: argparse.Namespace) -> Any:
+    """--tokenizer; else --model, then the served model's root (a server's alias is no local
+    model, but what it was loaded from may be)."""
+    if args.tokenizer:
+        return load_bench_tokenizer(args.tokenizer)
+    root = getattr(args, "model_root", None)
+    try:
+        return load_bench_tokenizer(args.model)
+    except FileNotFoundError:
+        if not root or root == args.model:
+            raise
+    return load_bench_tokenizer(root)
+
+
 def prepare(args: argparse.Namespace) -> tuple[Any, list[BenchRequest]]:
     """The tokenizer and the dataset (built once, reused by every run of a sweep)."""
     try:
-        tok = load_bench_tokenizer(args.tokenizer or args.model)
+        tok = _tokenizer(args)
     except FileNotFoundError as e:
         if args.tokenizer:  # the loader's message starts "model:", a flag of its own here
             raise FileNotFoundError(f"tokenizer: {str(e).partition(': ')[2]}") from e

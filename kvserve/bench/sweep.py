@@ -12,6 +12,7 @@ import math
 from typing import Any
 
 from kvserve.bench.serve import prepare, run_serve
+from kvserve.bench.served_model import served_model
 
 
 def parse_points(spec: str, whole: bool = False) -> list[float]:
@@ -37,12 +38,18 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("label: give one --label per --base-url")
     kind = "max_concurrency" if args.concurrencies else "request_rate"
     points = parse_points(args.concurrencies or args.rates, whole=kind == "max_concurrency")
+    # without --model, each server's own name (two servers may serve the model under two names)
+    served = {url: served_model(url, args.api_key) for url in args.base_url} if args.model is None else {}
+    if served:
+        first = served[args.base_url[0]]
+        args.model, args.model_root = first.id, first.root
     tok, requests = prepare(args)
     series = []
     for i, url in enumerate(args.base_url):
         runs = []
         for p in points:
             a = copy.copy(args)
+            a.model = served[url].id if served else args.model
             if kind == "max_concurrency":
                 a.max_concurrency = int(p)
             else:
