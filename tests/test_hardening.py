@@ -617,6 +617,11 @@ def test_unknown_routes_and_methods_have_string_codes(server):
     [
         ({"input": [{"type": "function_call", "call_id": "c1", "arguments": "{}"}]}, "input", "needs name"),
         ({"input": [{"type": "function_call_output", "output": "x"}]}, "input", "needs call_id"),
+        (
+            {"input": [{"type": "function_call", "call_id": "c1", "name": "f", "arguments": {"a": 1}}]},
+            "input",
+            "item 0 (function_call) arguments must be a string",
+        ),  # fmt: skip
         ({"input": [{"type": "message", "role": "user"}]}, "input", "item 0 (message) needs content"),
         ({"input": [{"type": "function_call_output", "call_id": "c1"}]}, "input", "needs output"),
         ({"input": "hi", "tools": [{"type": "function", "name": "no spaces"}]}, "tools", "pattern"),

@@ -166,6 +166,8 @@ def input_messages(items: str | list[dict[str, Any]], history: list[dict[str, An
             messages.append({"role": role, "content": _text_of(item["content"], f"item {i}")})
         elif kind == "function_call":
             _require_strings(item, i, ("name", "call_id"))
+            if not isinstance(item.get("arguments", "{}"), str):  # reached the chat model as a pydantic dump
+                raise ValueError(f"input: item {i} (function_call) arguments must be a string of JSON")
             fn = {"name": item["name"], "arguments": item.get("arguments", "{}")}
             call = {"id": item.get("call_id"), "type": "function", "function": fn}
             called.add(item["call_id"])
