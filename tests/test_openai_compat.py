@@ -412,6 +412,35 @@ def test_responses_stream_helper_accumulates_what_was_sent(client):
     assert added.item.arguments == ""
 
 
+def test_responses_stream_ends_each_call_before_the_next_begins(client):
+    """OpenAI's order: a function call's done events come before the next call is added (all
+    came at the end of the stream, so a client could not start the first call's work early)."""
+    tools = [
+        {"type": "function", "name": "get_weather",
+         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}},
+        {"type": "function", "name": "get_time", "parameters": {"type": "object", "properties": {}}},
+    ]  # fmt: skip
+    events = list(
+        client.responses.create(
+            model="smol",
+            input="Weather in Paris and the time?",
+            tools=tools,
+            tool_choice="required",
+            max_output_tokens=60,
+            temperature=0,
+            stream=True,
+        )  # fmt: skip
+    )
+    final = events[-1].response
+    assert len(final.output) >= 2 and all(item.type == "function_call" for item in final.output)
+    edges = [(e.type, e.output_index) for e in events if e.type.startswith("response.output_item.")]
+    expected = [("response.output_item." + k, i) for i in range(len(final.output)) for k in ("added", "done")]
+    assert edges == expected
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [(d.status, d.arguments) for d in done] == [("completed", c.arguments) for c in final.output]
+    assert all(isinstance(json.loads(d.arguments), dict) for d in done)
+
+
 def test_embeddings_batch_order_and_formats(client, server):
     texts = [f"document number {i} about {'cats' if i % 2 else 'ships'}" for i in range(64)]
     batch = client.embeddings.create(model="smol", input=texts)

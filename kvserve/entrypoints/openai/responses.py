@@ -228,6 +228,7 @@ class _EventBuilder:
         self.output: list[dict] = []
         self.message: dict | None = None
         self.calls: dict[int, dict] = {}  # chat tool-call index -> its output item
+        self.done: set[str] = set()  # ids of the items whose done events went out
 
     def event(self, kind: str, **fields: Any) -> dict:
         self.seq += 1
@@ -262,6 +263,12 @@ class _EventBuilder:
         events = []
         item = self.calls.get(tc["index"])
         if item is None:
+            # calls are written one after another: the one before is whole, and done now, as
+            # OpenAI's stream has it (a client may run a call before the next is written)
+            for earlier in self.calls.values():
+                if earlier["id"] not in self.done:
+                    earlier["status"] = "completed"
+                    events += self._done(earlier)
             item = self.calls[tc["index"]] = _call_item(tc["id"], tc["function"]["name"], "", "in_progress")
             events.append(self._add(item))
         args = tc["function"].get("arguments") or ""
@@ -271,26 +278,22 @@ class _EventBuilder:
             item["arguments"] += args
         return events
 
+    def _done(self, item: dict) -> list[dict]:
+        """The events that end one item, as it stands."""
+        self.done.add(item["id"])
+        index = self.output.index(item)
+        if item["type"] == "message":
+            part = item["content"][0]
+            text_done = self.event(
+                "response.output_text.done", **self._at(item), text=part["text"], logprobs=part["logprobs"]
+            )
+            events = [text_done, self.event("response.content_part.done", **self._at(item), part=part)]
+        else:
+            at = {"item_id": item["id"], "output_index": index}
+            events = [self.event("response.function_call_arguments.done", **at, arguments=item["arguments"])]
+        return [*events, self.event("response.output_item.done", output_index=index, item=item)]
+
     def close(self, cut: bool) -> list[dict]:
-        """The done events; `cut`: max_output_tokens ended the last item."""
-        events = []
+        """The done events of the items still open; `cut`: max_output_tokens ended the last item."""
         _close_items(self.output, cut)
-        for index, item in enumerate(self.output):
-            if item["type"] == "message":
-                part = item["content"][0]
-                events.append(
-                    self.event(
-                        "response.output_text.done",
-                        **self._at(item),
-                        text=part["text"],
-                        logprobs=part["logprobs"],
-                    )
-                )
-                events.append(self.event("response.content_part.done", **self._at(item), part=part))
-            else:
-                at = {"item_id": item["id"], "output_index": index}
-                events.append(
-                    self.event("response.function_call_arguments.done", **at, arguments=item["arguments"])
-                )
-            events.append(self.event("response.output_item.done", output_index=index, item=item))
-        return events
+        return [e for item in self.output if item["id"] not in self.done for e in self._done(item)]
