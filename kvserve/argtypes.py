@@ -98,9 +98,15 @@ def rate(text: str) -> float:
 
 
 def readable_file(text: str) -> str:
-    """An existing regular file (a directory fails here, not in open() after the model loads)."""
+    """An existing regular file (a directory fails here, not in open() after the model loads).
+    A pipe or device (/dev/null, a shell's <(...)) was said to be no such file; it is refused
+    for what it is: its readers read a file more than once (a validating pass, then the run)."""
     if not os.path.isfile(text):
-        what = "is a directory" if os.path.isdir(text) else "no such file"
+        what = (
+            "is a directory" if os.path.isdir(text)
+            else "not a regular file (a pipe or a device cannot be read twice; save it to a file)"
+            if os.path.exists(text) else "no such file"
+        )  # fmt: skip
         raise argparse.ArgumentTypeError(f"{text!r}: {what}")
     return text
 

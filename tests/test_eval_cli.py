@@ -21,6 +21,7 @@ from kvserve.entrypoints.cli import main
         # a byte-order mark and a newline (an empty file saved by Windows' Notepad) was scored
         (["--corpus", "{tmp}/bom.txt"], "argument --corpus: '{tmp}/bom.txt': no text to score"),
         (["--corpus", "{tmp}"], "argument --corpus: '{tmp}': is a directory"),  # IsADirectoryError
+        (["--corpus", "/dev/null"], "argument --corpus: '/dev/null': not a regular file"),  # "no such file"
         (["--json", "{tmp}/no-dir/x.json"], "argument --json: '{tmp}/no-dir/x.json': no such directory"),
         # a bare codec error naming no flag, after the model had loaded
         (
