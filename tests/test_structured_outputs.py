@@ -13,11 +13,14 @@ from dataclasses import replace
 import jsonschema
 import openai
 import pytest
+import torch
 from server_utils import ServerProcess
 
 from kvserve import LLM, SamplingParams, StructuredOutputsParams
 from kvserve.bench.json_schemas import varied_schemas
+from kvserve.structured.backend import GrammarCompiler
 from kvserve.structured.spec import check
+from kvserve.structured.state import GrammarState
 
 ARITH = 'root ::= num (op num){0,4}\nnum ::= [1-9] [0-9]{0,2}\nop ::= "+" | "-" | "*"'
 ARITH_RE = re.compile(r"[1-9][0-9]{0,2}([-+*][1-9][0-9]{0,2}){0,4}")
@@ -62,6 +65,29 @@ def test_json_strings_never_hold_a_raw_control_character(tiny_llm):
     assert len(done) >= 12
     for c in done:
         assert set(json.loads(c.text)) == {"b"}, c.text
+
+
+@pytest.mark.parametrize("value", ["x\ny", 'a "b"', "a\\b\t", "\u00e9\u0001"])
+def test_a_length_bounded_string_can_hold_escapes(tiny_llm, value):
+    """xgrammar 0.2.8 writes a string with maxLength as characters but a quote, a backslash, CR
+    or LF: a valid answer whose string needs an escape (a newline, a quote) was unreachable.
+    The engine's own compiled grammar now accepts every token of such an answer, its mask
+    allows each one, and it ends there."""
+    engine = tiny_llm.llm_engine
+    schema = {"type": "object", "properties": {"s": {"type": "string", "minLength": 1, "maxLength": 6}},
+              "required": ["s"], "additionalProperties": False}  # fmt: skip
+    answer = json.dumps({"s": value})
+    assert len(json.loads(answer)["s"]) <= 6
+    vocab = engine.core.arch.vocab_size
+    compiler = GrammarCompiler(engine.tokenizer, vocab, sorted(engine.eos_token_ids))
+    state = GrammarState(compiler.submit(("json", json.dumps(schema))).result(), json_text=True)
+    compiler.shutdown()
+    bitmask = torch.zeros((1, (vocab + 31) // 32), dtype=torch.int32)
+    for tok in engine.tokenizer.encode(answer, add_special_tokens=False) + [2]:
+        state.fill_bitmask(bitmask, 0)
+        assert bitmask[0, tok // 32] >> (tok % 32) & 1, (answer, tok)
+        assert state.accept_tokens([tok]), (answer, tok)
+    assert state.is_terminated()
 
 
 def test_length_cut_and_ignore_eos_and_mixed_batch(tiny_llm):

@@ -13,6 +13,7 @@ import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from kvserve.structured.json_strings import json_schema_grammar
 from kvserve.structured.spec import GrammarKey
 from kvserve.tokenizer import Tokenizer
 
@@ -59,8 +60,8 @@ class GrammarCompiler:
     def _compile(self, key: GrammarKey):
         kind, text = key
         c = self._xgr_compiler()
-        if kind == "json":
-            return c.compile_json_schema(text, any_whitespace=False)
+        if kind == "json":  # length-bounded strings rewritten to hold escapes (json_strings.py)
+            return c.compile_grammar(json_schema_grammar(text))
         if kind == "json_object":  # xgrammar's builtin JSON grammar also allows a top-level array
             return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
         if kind == "regex":

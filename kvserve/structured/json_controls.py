@@ -4,7 +4,8 @@ JSON allows them only escaped inside strings and, unescaped, only tab / newline 
 as whitespace, which kvserve's JSON grammars (compiled without `any_whitespace`) never emit.
 xgrammar 0.2.8 writes a string with minLength / maxLength as any character but a quote, a backslash,
 CR or LF, m to n times, so such tokens passed its mask there and a request got text json.loads
-refuses. A JSON request's mask has them cleared (state.GrammarState)."""
+refuses. json_strings.py now rewrites those strings; a JSON request's mask still has them cleared
+(state.GrammarState), whatever grammar xgrammar writes."""
 
 from __future__ import annotations
 
