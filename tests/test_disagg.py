@@ -16,7 +16,7 @@ from kvserve.engine.llm_engine import LLMEngine
 from kvserve.kv_transfer.config import parse_kv_transfer_config
 from kvserve.kv_transfer.params import check_kv_transfer_params
 from kvserve.kv_transfer.peers import allowed
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 TEXT = (
     "In a quiet village by the sea, the fishermen rose before dawn to mend their nets and talk about "
@@ -167,6 +167,40 @@ def test_mismatched_prompt_is_computed_locally_and_frees_the_lease(tiny_llama_di
         assert kv.num_free_blocks == kv.num_blocks
     finally:
         for e in (prod, cons, single):
+            e.core.shutdown()
+
+
+def test_a_lease_the_consumer_will_not_use_is_freed_at_once(tiny_llama_dir):
+    """A consumer that refuses the request (its prompt + max_tokens past its own context), or
+    whose request is aborted while still queued or while its grammar compiles, never pulls: it
+    tells the producer, whose pool is full again long before the lease's 30 s are up."""
+    prod = _engine(tiny_llama_dir, "tcp", "kv_producer")
+    cons = _engine(tiny_llama_dir, "tcp", "kv_consumer", max_model_len=64)
+    kv = prod.kv_cache_manager
+    try:
+        p = [(7 * j) % 500 + 3 for j in range(40)]
+        for i, (max_tokens, extra) in enumerate([(100, {}), (8, {}), (8, {"json": {"type": "object"}})]):
+            first = SamplingParams(temperature=0, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+            params = _run(prod, f"p{i}", p, first).kv_transfer_params
+            assert kv.num_free_blocks < kv.num_blocks  # the lease holds the prompt's blocks
+            so = StructuredOutputsParams(**extra) if extra else None
+            decode = SamplingParams(temperature=0, max_tokens=max_tokens, kv_transfer_params=params,
+                                    structured_outputs=so)  # fmt: skip
+            if max_tokens > 64:
+                with pytest.raises(ValueError, match="maximum context length is 64"):
+                    cons.add_request(f"c{i}", p, decode)
+            else:
+                cons.add_request(f"c{i}", p, decode)
+                cons.abort_request(f"c{i}")
+            for _ in range(1000):  # the release message reaches the producer's transfer thread
+                prod.core.poll_transfers()
+                if kv.num_free_blocks == kv.num_blocks:
+                    break
+                time.sleep(0.005)
+            assert kv.num_free_blocks == kv.num_blocks, f"case {i}: the lease still holds its blocks"
+            assert prod.core.connector.leases.num_expired == 0
+    finally:
+        for e in (prod, cons):
             e.core.shutdown()
 
 

@@ -423,8 +423,9 @@ class Scheduler:
         req.status = status
         if req in self.waiting:
             self.waiting.remove(req)
-        if self.waiting_for_kv.pop(request_id, None) is not None:
-            self.connector.cancel(req)  # the producer frees its lease now
+        pulling = self.waiting_for_kv.pop(request_id, None) is not None
+        if self.connector is not None and (pulling or req.remote_kv is None):
+            self.connector.cancel(req)  # the producer frees its lease now (pulled or not yet asked for)
         self._retire(req)
         return req
 

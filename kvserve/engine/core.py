@@ -342,7 +342,9 @@ class EngineCore:
         for rid in request_ids:
             if self.beams.owns(rid):
                 self.beams.abort(rid)
-            elif not self.compiling.abort(rid) and not self.samples.abort(rid):
+            elif (compiling := self.compiling.abort(rid)) is not None:
+                self._release_unpulled(compiling)
+            elif not self.samples.abort(rid):
                 self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
         self.samples.promote_orphans()
 
@@ -362,7 +364,15 @@ class EngineCore:
         ready, failed = self.compiling.pop_ready()
         for req in ready:
             self.scheduler.add_request(req)
+        for req in failed:
+            self._release_unpulled(req)
         return [EngineCoreOutput(r.request_id, [], finish_reason="abort") for r in failed]
+
+    def _release_unpulled(self, req: Request) -> None:
+        """A request that ends before the scheduler saw it: a producer's lease for its prompt
+        (prefill/decode disaggregation) is freed now, not when it expires."""
+        if self.connector is not None:
+            self.connector.cancel(req)
 
     def enable_kv_events(self) -> None:
         """Publish prefix-cache changes with every step's outputs (for a cache-aware router)."""

@@ -14,6 +14,7 @@ from kvserve.engine.messages import EngineCoreRequest
 from kvserve.kv_transfer.config import KVTransferConfig
 from kvserve.kv_transfer.params import check_kv_transfer_params
 from kvserve.kv_transfer.peers import allowed
+from kvserve.kv_transfer.refused import release_refused
 from kvserve.sampling_params import SamplingParams
 from kvserve.structured.spec import check as check_grammar
 from kvserve.tokenizer import Tokenizer
@@ -92,6 +93,24 @@ class InputProcessor:
         priority: int = 0,
         cache_salt: str | None = None,
         group_id: str | None = None,
+    ) -> EngineCoreRequest:
+        """The request for the core; ValueError naming the field that is wrong. A refused
+        request that another engine prefilled for this one has that engine's lease released."""
+        try:
+            return self._process(request_id, prompt, params, arrival_time, priority, cache_salt, group_id)
+        except ValueError:
+            release_refused(self.kv_transfer, params.kv_transfer_params)
+            raise
+
+    def _process(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        arrival_time: float | None,
+        priority: int,
+        cache_salt: str | None,
+        group_id: str | None,
     ) -> EngineCoreRequest:
         lim = self.limits
         ids = self.tokenize(prompt)

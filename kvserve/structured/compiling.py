@@ -48,8 +48,10 @@ class CompilingRequests:
                 ready.append(req)
         return ready, failed
 
-    def abort(self, request_id: str) -> bool:
-        return self._pending.pop(request_id, None) is not None
+    def abort(self, request_id: str) -> Request | None:
+        """The request, no longer waiting for its grammar; None if it was not."""
+        held = self._pending.pop(request_id, None)
+        return None if held is None else held[0]
 
     def wait(self, timeout: float) -> None:
         """Block (GIL released) until a compilation finishes or timeout; for an otherwise idle engine."""
