@@ -67,21 +67,32 @@ def test_json_strings_never_hold_a_raw_control_character(tiny_llm):
         assert set(json.loads(c.text)) == {"b"}, c.text
 
 
-@pytest.mark.parametrize("value", ["x\ny", 'a "b"', "a\\b\t", "\u00e9\u0001"])
-def test_a_length_bounded_string_can_hold_escapes(tiny_llm, value):
+BOUNDED = {"type": "string", "minLength": 1, "maxLength": 6}
+
+
+@pytest.mark.parametrize(
+    "string, value",
+    [(BOUNDED, "x\ny"), (BOUNDED, 'a "b"'), (BOUNDED, "a\\b\t"), (BOUNDED, "\u00e9\u0001"),
+     ({"type": "string", "pattern": "^.{1,6}$"}, 'a "b"'), ({"type": "string", "pattern": ".-"}, '"-'),
+     ({"type": "string", "pattern": "^[^a]+$"}, "x\\\n"), ({"type": "string", "pattern": 'o"k'}, 'o"k')],
+)  # fmt: skip
+def test_a_length_bounded_or_patterned_string_can_hold_escapes(tiny_llm, string, value):
     """xgrammar 0.2.8 writes a string with maxLength as characters but a quote, a backslash, CR
-    or LF: a valid answer whose string needs an escape (a newline, a quote) was unreachable.
+    or LF, and a pattern's classes without them: a valid answer whose string needs an escape (a
+    newline, a quote) was unreachable (and `o"k` was written unescaped, `.` let a bare quote in).
     The engine's own compiled grammar now accepts every token of such an answer, its mask
-    allows each one, and it ends there."""
+    allows each one, and it ends there; the string unescaped is refused."""
     engine = tiny_llm.llm_engine
-    schema = {"type": "object", "properties": {"s": {"type": "string", "minLength": 1, "maxLength": 6}},
-              "required": ["s"], "additionalProperties": False}  # fmt: skip
+    schema = {"type": "object", "properties": {"s": string}, "required": ["s"], "additionalProperties": False}
     answer = json.dumps({"s": value})
-    assert len(json.loads(answer)["s"]) <= 6
+    jsonschema.validate(json.loads(answer), schema)
     vocab = engine.core.arch.vocab_size
     compiler = GrammarCompiler(engine.tokenizer, vocab, sorted(engine.eos_token_ids))
-    state = GrammarState(compiler.submit(("json", json.dumps(schema))).result(), json_text=True)
+    compiled = compiler.submit(("json", json.dumps(schema))).result()
     compiler.shutdown()
+    unescaped = engine.tokenizer.encode('{"s": "' + value + '"}', add_special_tokens=False)
+    assert not GrammarState(compiled, json_text=True).accept_tokens(unescaped)  # JSON refuses it
+    state = GrammarState(compiled, json_text=True)
     bitmask = torch.zeros((1, (vocab + 31) // 32), dtype=torch.int32)
     for tok in engine.tokenizer.encode(answer, add_special_tokens=False) + [2]:
         state.fill_bitmask(bitmask, 0)

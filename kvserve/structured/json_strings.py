@@ -5,28 +5,93 @@ character but a quote, a backslash, CR or LF: no escape sequence could be writte
 so a valid answer such as {"s": "a\\nb"} or {"s": "say \\"hi\\""} was unreachable, while raw
 control characters, which JSON refuses, were let through. Each such character rule is rewritten
 as one JSON character: an unescaped one (no quote, backslash or control character) or one
-escape sequence, so the bound still counts characters (an escape as one).
+escape sequence, so the bound still counts characters (an escape as one). A string `pattern`
+is swapped for a placeholder before xgrammar converts the schema, and the placeholder's rule
+for json_patterns.py's grammar of the pattern after.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import re
 
+from kvserve.structured.json_patterns import pattern_grammar
+
+logger = logging.getLogger(__name__)
 # The body xgrammar gives a length-bounded string's character rule.
 _BOUNDED_CHAR = re.compile(r'^(\w+) ::= \(\(\[\^\\"\\\\\\r\\n\]\)\)$', re.MULTILINE)
 _ESCAPE_RULE = "kvserve_json_escape"
+_PATTERN_RULE = "kvserve_pattern"
+_DATA = ("const", "enum", "default", "examples")
 
 
 def json_schema_grammar(schema: str):
-    """The xgrammar Grammar of a JSON schema (no free whitespace), strings fixed as above."""
+    """The xgrammar Grammar of a JSON schema (no free whitespace), strings fixed as above and
+    string patterns as json_patterns.py writes them (as xgrammar writes them should that fail)."""
     import xgrammar as xgr
 
-    text = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False))
+    patterns: list[str] = []
+    swapped = _swap_patterns(json.loads(schema), patterns)
+    if patterns:
+        try:
+            return xgr.Grammar.from_ebnf(_with_patterns(_bounded(_ebnf(json.dumps(swapped))), patterns))
+        except (RuntimeError, ValueError, IndexError) as e:
+            logger.warning("a schema's string patterns kept as xgrammar writes them: %s", e)
+    return xgr.Grammar.from_ebnf(_bounded(_ebnf(schema)))
+
+
+def _ebnf(schema: str) -> str:
+    import xgrammar as xgr
+
+    return str(xgr.Grammar.from_json_schema(schema, any_whitespace=False))
+
+
+def _bounded(text: str) -> str:
+    """Length-bounded strings' character rules as one JSON character each."""
     if not _BOUNDED_CHAR.search(text):
-        return xgr.Grammar.from_ebnf(text)
-    escape = _ESCAPE_RULE
-    while re.search(rf"^{escape} ::=", text, re.MULTILINE):  # a name the schema's rules do not use
-        escape += "_"
+        return text
+    escape = _unused(_ESCAPE_RULE, text)
     text = _BOUNDED_CHAR.sub(rf'\1 ::= [^\\0-\\x1f"\\\\] | "\\\\" {escape}', text)
-    text += f'\n{escape} ::= [\\"\\\\/bfnrt] | "u" [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9]\n'
-    return xgr.Grammar.from_ebnf(text)
+    return text + f'\n{escape} ::= [\\"\\\\/bfnrt] | "u" [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9]\n'
+
+
+def _with_patterns(text: str, patterns: list[str]) -> str:
+    """Each placeholder's rule pointing at its pattern's grammar (ValueError: not found)."""
+    for i, pattern in enumerate(patterns):
+        rule = re.compile(rf'^(\w+) ::= Regex\("{_placeholder(i)}", json_string=true\)$', re.MULTILINE)
+        if len(rule.findall(text)) != text.count(_placeholder(i)):
+            raise ValueError(f"pattern {i} is not where it was expected")
+        prefix = _unused(f"{_PATTERN_RULE}{i}", text)
+        text = rule.sub(rf"\1 ::= {prefix}", text) + "\n" + pattern_grammar(pattern, prefix) + "\n"
+    return text
+
+
+def _unused(name: str, text: str) -> str:
+    """`name`, lengthened until no rule of `text` starts with it."""
+    while re.search(rf"^{name}", text, re.MULTILINE):
+        name += "_"
+    return name
+
+
+def _placeholder(i: int) -> str:
+    return f"kvservepattern{i}z"  # letters and digits: xgrammar writes it as Regex("...")
+
+
+def _swap_patterns(node, patterns: list[str]):
+    """The schema with each string `pattern` replaced by a placeholder (appended to patterns);
+    values that are data, not schemas (const, enum, default, examples), left as they are."""
+    if isinstance(node, list):
+        return [_swap_patterns(v, patterns) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for key, value in node.items():
+        if key == "pattern" and isinstance(value, str):
+            patterns.append(value)
+            out[key] = _placeholder(len(patterns) - 1)
+        elif key in _DATA:
+            out[key] = value
+        else:
+            out[key] = _swap_patterns(value, patterns)
+    return out

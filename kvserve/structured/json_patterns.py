@@ -1,0 +1,121 @@
+"""A string `pattern` of a JSON schema as a grammar over the string's JSON text.
+
+xgrammar 0.2.8 writes a pattern either as a regex whose classes leave out a quote, a backslash
+and control characters (a value holding one, e.g. 'say "hi"' for `^.+$`, was unreachable) or,
+for some patterns, as the regex's raw characters (`.` let a bare quote or newline into the
+output, and `a"b` was written unescaped: text json.loads refuses). Here the pattern's own
+grammar (xgrammar's regex conversion, over characters) has each terminal rewritten to the
+characters' JSON spelling: a quote, a backslash or a control character escaped, any other
+character as itself.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+MAX_CODE_POINT = 0x10FFFF
+_SPECIAL = [*range(0x20), 0x22, 0x5C]  # what a JSON string holds only escaped
+_SIMPLE = {
+    "n": "\n",
+    "t": "\t",
+    "r": "\r",
+    "f": "\f",
+    "v": "\v",
+    "0": "\0",
+    "b": "\b",
+    "a": "\a",
+    "e": "\x1b",
+}
+_HEX = {"x": 2, "u": 4, "U": 8}
+
+
+def pattern_grammar(pattern: str, prefix: str) -> str:
+    """EBNF rules (the first named `prefix`) matching the JSON text, without its quotes, of
+    every string `pattern` matches in full."""
+    import xgrammar as xgr
+
+    text = str(xgr.Grammar.from_regex(pattern))
+    text = re.sub(r"\broot((?:_\d+)*)\b", lambda m: prefix + m.group(1), text)
+    return "\n".join(_json_terminals(line) for line in text.splitlines() if line.strip())
+
+
+def _json_terminals(line: str) -> str:
+    """One rule with every string literal and character class respelt for JSON text."""
+    out, i = [], line.index("::=") + 3
+    out.append(line[:i])
+    while i < len(line):
+        c = line[i]
+        if c == '"':
+            chars, i = _read(line, i + 1, '"')
+            out.append(_literal(json.dumps("".join(chars), ensure_ascii=False)[1:-1]))
+        elif c == "[":
+            negated = line.startswith("^", i + 1)
+            chars, i = _read(line, i + 2 if negated else i + 1, "]", ranges=True)
+            out.append(_class(_complement(chars) if negated else chars))
+        else:
+            out.append(c)
+            i += 1
+    return "".join(out)
+
+
+def _read(line: str, i: int, end: str, ranges: bool = False) -> tuple[list, int]:
+    """The characters (or, in a class, (low, high) ranges) up to `end`, and the index past it."""
+    items: list = []
+    while line[i] != end:
+        cp, i = _char(line, i)
+        if ranges and line[i] == "-" and line[i + 1] != "]":
+            high, i = _char(line, i + 1)
+            items.append((cp, high))
+        else:
+            items.append((cp, cp) if ranges else chr(cp))
+    return items, i + 1
+
+
+def _char(line: str, i: int) -> tuple[int, int]:
+    """One (possibly escaped) character of EBNF text: its code point and the index past it."""
+    if line[i] != "\\":
+        return ord(line[i]), i + 1
+    e = line[i + 1]
+    if e in _HEX:
+        n = _HEX[e]
+        return int(line[i + 2 : i + 2 + n], 16), i + 2 + n
+    return ord(_SIMPLE.get(e, e)), i + 2
+
+
+def _complement(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out, start = [], 0
+    for low, high in sorted(ranges):
+        if low > start:
+            out.append((start, low - 1))
+        start = max(start, high + 1)
+    if start <= MAX_CODE_POINT:
+        out.append((start, MAX_CODE_POINT))
+    return out
+
+
+def _class(ranges: list[tuple[int, int]]) -> str:
+    """A class of code points as JSON text: the plain ones as a class, the others escaped."""
+    special = [cp for cp in _SPECIAL if any(low <= cp <= high for low, high in ranges)]
+    plain = _complement([(cp, cp) for cp in _SPECIAL] + _complement(ranges))
+    alts = []
+    if plain:
+        alts.append("[" + "".join(_esc(lo, "]-^") if lo == hi else f"{_esc(lo, '-]^')}-{_esc(hi, '-]^')}"
+                                  for lo, hi in plain) + "]")  # fmt: skip
+    if all(cp in special for cp in range(0x20)):  # every control: any \u00XX, and the short forms
+        special = [cp for cp in special if cp >= 0x20 or json.dumps(chr(cp))[2] != "u"]
+        alts.append('"\\\\u00" [01] [0-9a-fA-F]')
+    alts += [_literal(json.dumps(chr(cp))[1:-1]) for cp in special]
+    return "(" + " | ".join(alts) + ")"
+
+
+def _literal(text: str) -> str:
+    return '"' + "".join(_esc(ord(ch)) for ch in text) + '"'
+
+
+def _esc(cp: int, also: str = "") -> str:
+    """A code point as EBNF text: in a literal (a class escapes `also` too)."""
+    if 0x20 <= cp < 0x7F:
+        ch = chr(cp)
+        return "\\" + ch if ch in '\\"' + also else ch
+    return f"\\u{cp:04x}" if cp <= 0xFFFF else f"\\U{cp:08x}"
