@@ -172,14 +172,16 @@ def test_mismatched_prompt_is_computed_locally_and_frees_the_lease(tiny_llama_di
 
 def test_a_lease_the_consumer_will_not_use_is_freed_at_once(tiny_llama_dir):
     """A consumer that refuses the request (its prompt + max_tokens past its own context), or
-    whose request is aborted while still queued or while its grammar compiles, never pulls: it
-    tells the producer, whose pool is full again long before the lease's 30 s are up."""
+    whose request is aborted while still queued or while its grammar compiles, or that runs
+    another connector (shm, for a tcp producer's lease), never pulls: it tells the producer,
+    whose pool is full again long before the lease's 30 s are up."""
     prod = _engine(tiny_llama_dir, "tcp", "kv_producer")
-    cons = _engine(tiny_llama_dir, "tcp", "kv_consumer", max_model_len=64)
+    cons = _engine(tiny_llama_dir, "shm", "kv_consumer", max_model_len=64)
     kv = prod.kv_cache_manager
     try:
         p = [(7 * j) % 500 + 3 for j in range(40)]
-        for i, (max_tokens, extra) in enumerate([(100, {}), (8, {}), (8, {"json": {"type": "object"}})]):
+        cases = [(100, {}), (8, {}), (8, {"json": {"type": "object"}}), (4, None)]
+        for i, (max_tokens, extra) in enumerate(cases):
             first = SamplingParams(temperature=0, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
             params = _run(prod, f"p{i}", p, first).kv_transfer_params
             assert kv.num_free_blocks < kv.num_blocks  # the lease holds the prompt's blocks
@@ -189,6 +191,8 @@ def test_a_lease_the_consumer_will_not_use_is_freed_at_once(tiny_llama_dir):
             if max_tokens > 64:
                 with pytest.raises(ValueError, match="maximum context length is 64"):
                     cons.add_request(f"c{i}", p, decode)
+            elif extra is None:  # computed here
+                assert _run(cons, f"c{i}", p, decode).outputs[0].finish_reason == "length"
             else:
                 cons.add_request(f"c{i}", p, decode)
                 cons.abort_request(f"c{i}")

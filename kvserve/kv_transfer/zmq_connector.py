@@ -27,6 +27,7 @@ from kvserve.kv_transfer.config import KVTransferConfig
 from kvserve.kv_transfer.connector import KVConnector
 from kvserve.kv_transfer.params import RemotePrefill, prompt_digest, remote_prefill
 from kvserve.kv_transfer.peers import allowed
+from kvserve.kv_transfer.refused import PULLED
 from kvserve.request import Request
 
 logger = logging.getLogger(__name__)
@@ -92,6 +93,8 @@ class ZmqConnector(KVConnector):
         if rp.connector != self.name:
             logger.warning("kv transfer: %s names connector %r, this engine runs %r; computing it here",
                            req.request_id, rp.connector, self.name)  # fmt: skip
+            if rp.connector in PULLED:  # a ZeroMQ producer all the same: its lease is not needed
+                self._send_async(rp, Release(rp.request_id))
             return 0
         n = rp.num_tokens
         if n > req.num_prompt_tokens - 1 or prompt_digest(req.prompt_token_ids[:n]) != rp.digest:
