@@ -63,7 +63,7 @@ class GrammarCompiler:
         if kind == "json":  # length-bounded strings rewritten to hold escapes (json_strings.py)
             return c.compile_grammar(json_schema_grammar(text))
         if kind == "json_object":  # xgrammar's builtin JSON grammar also allows a top-level array
-            return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            return c.compile_grammar(json_schema_grammar('{"type": "object"}'))
         if kind == "regex":
             return c.compile_regex(text)
         return c.compile_grammar(text)

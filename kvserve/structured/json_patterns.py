@@ -15,6 +15,7 @@ import json
 import re
 
 MAX_CODE_POINT = 0x10FFFF
+_SURROGATES = (0xD800, 0xDFFF)  # no UTF-8 holds them: a class's characters leave them out
 _SPECIAL = [*range(0x20), 0x22, 0x5C]  # what a JSON string holds only escaped
 _SIMPLE = {
     "n": "\n",
@@ -97,7 +98,7 @@ def _complement(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
 def _class(ranges: list[tuple[int, int]]) -> str:
     """A class of code points as JSON text: the plain ones as a class, the others escaped."""
     special = [cp for cp in _SPECIAL if any(low <= cp <= high for low, high in ranges)]
-    plain = _complement([(cp, cp) for cp in _SPECIAL] + _complement(ranges))
+    plain = _complement([(cp, cp) for cp in _SPECIAL] + [_SURROGATES] + _complement(ranges))
     alts = []
     if plain:
         alts.append("[" + "".join(_esc(lo, "]-^") if lo == hi else f"{_esc(lo, '-]^')}-{_esc(hi, '-]^')}"

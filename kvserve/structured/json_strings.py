@@ -5,7 +5,8 @@ character but a quote, a backslash, CR or LF: no escape sequence could be writte
 so a valid answer such as {"s": "a\\nb"} or {"s": "say \\"hi\\""} was unreachable, while raw
 control characters, which JSON refuses, were let through. Each such character rule is rewritten
 as one JSON character: an unescaped one (no quote, backslash or control character) or one
-escape sequence, so the bound still counts characters (an escape as one). A string `pattern`
+escape sequence, so the bound still counts characters (an escape as one). No string character
+is a surrogate (U+D800-U+DFFF), which xgrammar took as any other. A string `pattern`
 is swapped for a placeholder before xgrammar converts the schema, and the placeholder's rule
 for json_patterns.py's grammar of the pattern after.
 """
@@ -22,6 +23,8 @@ logger = logging.getLogger(__name__)
 # The body xgrammar gives a length-bounded string's character rule.
 _BOUNDED_CHAR = re.compile(r'^(\w+) ::= \(\(\[\^\\"\\\\\\r\\n\]\)\)$', re.MULTILINE)
 _ESCAPE_RULE = "kvserve_json_escape"
+_ANY_CHAR = r"[^\0-\x1f\"\\\r\n]"  # xgrammar's unbounded string character
+_UNICODE_CHAR = r"[^\0-\x1f\"\\\ud800-\udfff]"  # an unescaped JSON character
 _PATTERN_RULE = "kvserve_pattern"
 _DATA = ("const", "enum", "default", "examples")
 
@@ -48,11 +51,13 @@ def _ebnf(schema: str) -> str:
 
 
 def _bounded(text: str) -> str:
-    """Length-bounded strings' character rules as one JSON character each."""
+    """Length-bounded strings' character rules as one JSON character each; no string character
+    a surrogate (its 3-byte form is no UTF-8: decoded, one character became three U+FFFD)."""
+    text = text.replace(_ANY_CHAR, _UNICODE_CHAR)
     if not _BOUNDED_CHAR.search(text):
         return text
     escape = _unused(_ESCAPE_RULE, text)
-    text = _BOUNDED_CHAR.sub(rf'\1 ::= [^\\0-\\x1f"\\\\] | "\\\\" {escape}', text)
+    text = _BOUNDED_CHAR.sub(lambda m: f'{m.group(1)} ::= {_UNICODE_CHAR} | "\\\\" {escape}', text)
     return text + f'\n{escape} ::= [\\"\\\\/bfnrt] | "u" [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9]\n'
 
 
