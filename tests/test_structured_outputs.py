@@ -103,20 +103,22 @@ def test_a_length_bounded_or_patterned_string_can_hold_escapes(tiny_llm, string,
 
 @pytest.mark.parametrize(
     "key", [("json", json.dumps({"type": "array", "items": s})) for s in
-            (BOUNDED, {"type": "string"}, {"type": "string", "pattern": "^.+$"})] + [("json_object", "")],
+            (BOUNDED, {"type": "string"}, {"type": "string", "pattern": "^.+$"})]
+           + [("json_object", ""), ("regex", '\\["[^a]+'), ("regex", '\\[".{1,4}')],
 )  # fmt: skip
 def test_a_json_string_holds_only_valid_utf8(tiny_llm, key):
-    """xgrammar's string characters took any code point but a few, surrogates too, whose 3-byte
-    forms are no UTF-8: a random model's byte tokens ED BD 8A came back as three U+FFFD, and
-    the string as decoded broke its maxLength. Such bytes are refused; a real character's taken."""
+    """xgrammar's string characters (and a regex's `.` and `[^...]`) took any code point but a
+    few, surrogates too, whose 3-byte forms are no UTF-8: a random model's byte tokens ED BD 8A
+    came back as three U+FFFD, and the string as decoded broke its maxLength. Such bytes are
+    refused; a real character's taken."""
     engine = tiny_llm.llm_engine
     compiler = GrammarCompiler(engine.tokenizer, engine.core.arch.vocab_size, sorted(engine.eos_token_ids))
     compiled = compiler.submit(key).result()
     compiler.shutdown()
     byte_token = {bytes(b): i for i, b in enumerate(compiled.tokenizer_info.decoded_vocab) if len(b) == 1}
-    start = engine.tokenizer.encode('["' if key[0] == "json" else '{"', add_special_tokens=False)
+    start = engine.tokenizer.encode('{"' if key[0] == "json_object" else '["', add_special_tokens=False)
     for text, valid in [(b"\xed\xbd\x8a", False), (b"\xed\x9f\xbf", True), ("é".encode(), True)]:
-        state = GrammarState(compiled, json_text=True)
+        state = GrammarState(compiled, json_text=key[0] != "regex")
         assert state.accept_tokens(start)
         assert state.accept_tokens([byte_token[bytes([b])] for b in text]) == valid, text
 

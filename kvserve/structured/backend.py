@@ -13,6 +13,7 @@ import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from kvserve.structured.json_patterns import regex_grammar
 from kvserve.structured.json_strings import json_schema_grammar
 from kvserve.structured.spec import GrammarKey
 from kvserve.tokenizer import Tokenizer
@@ -64,8 +65,11 @@ class GrammarCompiler:
             return c.compile_grammar(json_schema_grammar(text))
         if kind == "json_object":  # xgrammar's builtin JSON grammar also allows a top-level array
             return c.compile_grammar(json_schema_grammar('{"type": "object"}'))
-        if kind == "regex":
-            return c.compile_regex(text)
+        if kind == "regex":  # classes without surrogates (json_patterns.py); as xgrammar has it else
+            try:
+                return c.compile_grammar(regex_grammar(text))
+            except (RuntimeError, ValueError, IndexError):
+                return c.compile_regex(text)
         return c.compile_grammar(text)
 
     def shutdown(self) -> None:

@@ -38,22 +38,35 @@ def pattern_grammar(pattern: str, prefix: str) -> str:
 
     text = str(xgr.Grammar.from_regex(pattern))
     text = re.sub(r"\broot((?:_\d+)*)\b", lambda m: prefix + m.group(1), text)
-    return "\n".join(_json_terminals(line) for line in text.splitlines() if line.strip())
+    return "\n".join(_terminals(line, True) for line in text.splitlines() if line.strip())
 
 
-def _json_terminals(line: str) -> str:
-    """One rule with every string literal and character class respelt for JSON text."""
+def regex_grammar(pattern: str) -> str:
+    """EBNF of a regex over plain text (a `regex` constraint): xgrammar's, with no character
+    class taking a surrogate, whose 3-byte form is no UTF-8 (`.` and `[^...]` took them)."""
+    import xgrammar as xgr
+
+    text = str(xgr.Grammar.from_regex(pattern))
+    return "\n".join(_terminals(line, False) for line in text.splitlines() if line.strip())
+
+
+def _terminals(line: str, json_text: bool) -> str:
+    """One rule with every character class (and, for JSON text, string literal) respelt."""
     out, i = [], line.index("::=") + 3
     out.append(line[:i])
     while i < len(line):
         c = line[i]
         if c == '"':
+            start = i
             chars, i = _read(line, i + 1, '"')
-            out.append(_literal(json.dumps("".join(chars), ensure_ascii=False)[1:-1]))
+            out.append(
+                _literal(json.dumps("".join(chars), ensure_ascii=False)[1:-1]) if json_text else line[start:i]
+            )
         elif c == "[":
             negated = line.startswith("^", i + 1)
             chars, i = _read(line, i + 2 if negated else i + 1, "]", ranges=True)
-            out.append(_class(_complement(chars) if negated else chars))
+            ranges = _complement(chars) if negated else chars
+            out.append(_class(ranges) if json_text else _plain_class(ranges))
         else:
             out.append(c)
             i += 1
@@ -99,10 +112,7 @@ def _class(ranges: list[tuple[int, int]]) -> str:
     """A class of code points as JSON text: the plain ones as a class, the others escaped."""
     special = [cp for cp in _SPECIAL if any(low <= cp <= high for low, high in ranges)]
     plain = _complement([(cp, cp) for cp in _SPECIAL] + [_SURROGATES] + _complement(ranges))
-    alts = []
-    if plain:
-        alts.append("[" + "".join(_esc(lo, "]-^") if lo == hi else f"{_esc(lo, '-]^')}-{_esc(hi, '-]^')}"
-                                  for lo, hi in plain) + "]")  # fmt: skip
+    alts = [_ranges(plain)] if plain else []
     if all(cp in special for cp in range(0x20)):  # every control: any \u00XX, and the short forms
         special = [cp for cp in special if cp >= 0x20 or json.dumps(chr(cp))[2] != "u"]
         alts.append('"\\\\u00" [01] [0-9a-fA-F]')
@@ -120,3 +130,15 @@ def _esc(cp: int, also: str = "") -> str:
         ch = chr(cp)
         return "\\" + ch if ch in '\\"' + also else ch
     return f"\\u{cp:04x}" if cp <= 0xFFFF else f"\\U{cp:08x}"
+
+
+def _plain_class(ranges: list[tuple[int, int]]) -> str:
+    kept = _complement([_SURROGATES] + _complement(ranges))
+    if not kept:
+        raise ValueError("a character class of surrogates only")
+    return _ranges(kept)
+
+
+def _ranges(ranges: list[tuple[int, int]]) -> str:
+    return "[" + "".join(_esc(lo, "]-^") if lo == hi else f"{_esc(lo, ']-^')}-{_esc(hi, ']-^')}"
+                         for lo, hi in ranges) + "]"  # fmt: skip
