@@ -1,4 +1,5 @@
-"""A string `pattern` of a JSON schema as a grammar over the string's JSON text.
+"""Regex grammars respelt: a JSON schema's string `pattern` over the string's JSON text, and a
+regex constraint's classes without surrogates.
 
 xgrammar 0.2.8 writes a pattern either as a regex whose classes leave out a quote, a backslash
 and control characters (a value holding one, e.g. 'say "hi"' for `^.+$`, was unreachable) or,
@@ -6,7 +7,8 @@ for some patterns, as the regex's raw characters (`.` let a bare quote or newlin
 output, and `a"b` was written unescaped: text json.loads refuses). Here the pattern's own
 grammar (xgrammar's regex conversion, over characters) has each terminal rewritten to the
 characters' JSON spelling: a quote, a backslash or a control character escaped, any other
-character as itself.
+character as itself. No class keeps a surrogate (U+D800-U+DFFF): their 3-byte forms are no
+UTF-8, and decoded each byte became a U+FFFD the pattern never allowed.
 """
 
 from __future__ import annotations
