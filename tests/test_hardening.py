@@ -692,14 +692,23 @@ def test_engine_failure_fails_only_that_request(tiny_llama_dir):
                 calls = [http.post(f"{url}/v1/completions", json=long, headers=h) for _ in range(4)]
                 calls += [http.post(f"{url}/v1/chat/completions", json=chat, headers=h) for _ in range(2)]
                 stream = http.post(f"{url}/v1/chat/completions", json={**chat, "stream": True}, headers=h)
-                return await asyncio.gather(*calls, stream)
+                resp = {"model": "tiny", "input": "hi", "max_output_tokens": 4, "stream": True}
+                stream_r = http.post(f"{url}/v1/responses", json=resp, headers=h)
+                return await asyncio.gather(*calls, stream, stream_r)
 
-        *done, streamed = asyncio.run(scenario())
+        *done, streamed, streamed_r = asyncio.run(scenario())
         assert [r.status_code for r in done] == [200] * 4 + [500] * 2
         assert all(r.json()["choices"][0]["finish_reason"] == "length" for r in done[:4])
         assert "fault injected" in done[4].json()["error"]["message"]
         events = [line[6:] for line in streamed.text.splitlines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]" and "error" in json.loads(events[-2])
+        # the Responses API's stream ends as OpenAI's does: a numbered error event, no [DONE]
+        # (its {"error": ...} form made the official client raise instead of yielding the event)
+        lines = streamed_r.text.splitlines()
+        events = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+        assert [e["type"] for e in events] == ["response.created", "response.in_progress", "error"]
+        assert "event: error" in lines and events[-1]["sequence_number"] == 2
+        assert events[-1]["code"] == "engine_error" and "fault injected" in events[-1]["message"]
         assert_still_serving(s)
     finally:
         s.stop()
@@ -805,7 +814,9 @@ def test_responses_item_cut_by_max_output_tokens_is_incomplete_and_not_carried(l
         ("function_call", "incomplete")
     ]
     with httpx.stream("POST", f"{s.url}/v1/responses", json={**cut, "stream": True}, headers=s.headers) as sr:
-        events = [json.loads(x[6:]) for x in sr.iter_lines() if x.startswith("data: {")]
+        lines = list(sr.iter_lines())
+    events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+    assert "data: [DONE]" not in lines  # OpenAI's Responses stream ends at its last event
     done = [e["item"]["status"] for e in events if e["type"] == "response.output_item.done"]
     assert done == ["incomplete"] and events[-1]["response"]["output"][0]["status"] == "incomplete"
     text = post(

@@ -168,7 +168,7 @@ class ResponsesServing:
         items = stored_input_items(req.input)
         if req.stream:
             events = self._events(run.chunks, response, (conversation, items), req.store, req.max_tool_calls)
-            return self.serving.sse_response(run.gen, events, run.streams)
+            return self.serving.sse_response(run.gen, events, run.streams, responses_api=True)
         choice = run.body["choices"][0]
         message = choice["message"]
         output = []

@@ -729,9 +729,14 @@ class OpenAIServing:
         return self._chunks(run, "text_completion", req, choice)
 
     # ---- streaming ------------------------------------------------------------------------------
-    def sse_response(self, gen, chunks, streams: list[RequestStream]) -> StreamingResponse:
+    def sse_response(
+        self, gen, chunks, streams: list[RequestStream], responses_api: bool = False
+    ) -> StreamingResponse:
         """Stream `chunks` (dicts) as server-sent events, ending with [DONE]; errors become an
-        error event, and whatever has not finished is aborted when the response ends."""
+        error event, and whatever has not finished is aborted when the response ends.
+        `responses_api`: the Responses API's stream, as OpenAI sends it: no [DONE], and an
+        error is its own numbered event ({"type": "error", "code", "message", ...}), which the
+        official client hands to the caller as an event rather than raising."""
 
         async def abort_unfinished() -> None:
             # Runs after the response, also when the client went away mid-stream (Starlette
@@ -739,25 +744,37 @@ class OpenAIServing:
             for st in streams:
                 await st.aclose()
 
+        sent = 0
+
+        def error_event(message: str, type_: str, status: int, code: str) -> bytes:
+            err = _err_body(message, type_, status, code)
+            if responses_api:
+                return self._sse({"type": "error", "code": err["code"], "message": err["message"],
+                                  "param": err["param"], "sequence_number": sent})  # fmt: skip
+            return self._sse({"error": err})
+
         async def body():
+            nonlocal sent
             stall = StallWatch(self.stream_stall_timeout, abort_unfinished)
             try:
                 async for chunk in chunks:
                     stall.sending()
                     yield self._sse(chunk)
+                    sent += 1
                     stall.sent()
             except EngineDeadError as e:
-                yield self._sse({"error": _err_body(str(e), "engine_dead", 503, "engine_dead")})
+                yield error_event(str(e), "engine_dead", 503, "engine_dead")
             except ServerShuttingDownError as e:
-                yield self._sse({"error": _err_body(str(e), "server_shutting_down", 503, "shutting_down")})
+                yield error_event(str(e), "server_shutting_down", 503, "shutting_down")
             except RequestFailedError as e:
-                yield self._sse({"error": _err_body(str(e), "internal_error", 500, "engine_error")})
+                yield error_event(str(e), "internal_error", 500, "engine_error")
             except TimeoutError as e:
-                yield self._sse({"error": _err_body(str(e), "timeout", 504, "timeout")})
+                yield error_event(str(e), "timeout", 504, "timeout")
             finally:
                 stall.stop()
                 await gen.aclose()
-            yield b"data: [DONE]\n\n"
+            if not responses_api:
+                yield b"data: [DONE]\n\n"
 
         return StreamingResponse(
             body(), media_type="text/event-stream", background=BackgroundTask(abort_unfinished)
