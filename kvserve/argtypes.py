@@ -8,6 +8,7 @@ import argparse
 import codecs
 import math
 import os
+from collections.abc import Callable
 
 
 def _integer(text: str) -> int:
@@ -17,11 +18,19 @@ def _integer(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
 
 
-def positive_int(text: str) -> int:
-    value = _integer(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """An integer of at least `minimum`, whose error names that bound."""
+
+    def check(text: str) -> int:
+        value = _integer(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return check
+
+
+positive_int = int_at_least(1)
 
 
 def port(text: str) -> int:

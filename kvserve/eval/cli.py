@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from kvserve.argtypes import int_at_least
+
 
 def cmd_perplexity(args: argparse.Namespace) -> int:
     from kvserve.engine.llm_engine import LLMEngine
@@ -40,14 +42,8 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
     return 0
 
 
-def _at_least_two(text: str) -> int:
-    """At least 2 tokens (the first of a window is not scored): checked before the model loads."""
-    from kvserve.argtypes import positive_int
-
-    value = positive_int(text)
-    if value < 2:
-        raise argparse.ArgumentTypeError(f"must be >= 2, got {value}")
-    return value
+# tokens: the first of a window is not scored (checked before the model loads)
+_AT_LEAST_TWO = int_at_least(2)
 
 
 def _corpus(text: str) -> str:
@@ -77,10 +73,10 @@ def register(sub) -> None:
         "--corpus", type=_corpus, default=None, help="a UTF-8 text file instead of the shipped corpus"
     )
     p.add_argument(
-        "--max-tokens", type=_at_least_two, default=None, help="score only the first N corpus tokens (>= 2)"
+        "--max-tokens", type=_AT_LEAST_TWO, default=None, help="score only the first N corpus tokens (>= 2)"
     )
     p.add_argument(
-        "--window", type=_at_least_two, default=1024, help="tokens per scored window (non-overlapping, >= 2)"
+        "--window", type=_AT_LEAST_TWO, default=1024, help="tokens per scored window (non-overlapping, >= 2)"
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", type=writable_file, default=None, help="also write the result to this JSON file")
