@@ -249,6 +249,8 @@ def test_responses_and_embeddings_through_the_proxy(pd):
     first = client.responses.create(**body)
     assert decode_id(first.id) is not None and first.output_text
     assert client.responses.retrieve(first.id).output_text == first.output_text
+    items = client.responses.input_items.list(first.id)  # (a 404 before: no such route)
+    assert [(i.role, i.content[0].text) for i in items.data] == [("user", "a b")]
     with client.responses.create(**body, previous_response_id=first.id, stream=True) as stream:
         done = [ev for ev in stream if ev.type in ("response.completed", "response.incomplete")][0].response
     assert done.previous_response_id == first.id and decode_id(done.id) is not None

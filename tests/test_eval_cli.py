@@ -15,7 +15,7 @@ from kvserve.entrypoints.cli import main
     [
         (["--max-tokens", "-5"], "argument --max-tokens: must be >= 2, got -5"),  # ran the whole corpus
         (["--window", "1"], "argument --window: must be >= 2, got 1"),  # once found after the model loaded
-        (["--window", "0"], "argument --window: must be >= 2, got 0"),  # said ">= 1", a bound it does not have
+        (["--window", "0"], "argument --window: must be >= 2, got 0"),  # said ">= 1", not its bound
         # these two were "token_ids: need at least 2 tokens to score", after the model had loaded
         (["--max-tokens", "1"], "argument --max-tokens: must be >= 2, got 1"),
         (["--corpus", "{tmp}/blank.txt"], "argument --corpus: '{tmp}/blank.txt': no text to score"),

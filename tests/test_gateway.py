@@ -304,6 +304,8 @@ def test_responses_api_through_the_gateway(gw):
     assert last.usage.input_tokens > prev.usage.input_tokens
     answers.append(last)
     got = client.responses.retrieve(last.id)
+    items = client.responses.input_items.list(last.id)  # (a 404 before: no such route)
+    assert [(i.role, i.content[0].text) for i in items.data] == [("user", "go on")]
     assert got.id == last.id and got.output_text == last.output_text
     rows = _spend_rows(gw, RESP_KEY, len(answers))
     assert sorted(r[1:3] for r in rows) == sorted(

@@ -164,6 +164,8 @@ async def responses_stay_on_their_replica(url: str) -> None:
             assert nxt.json()["previous_response_id"] == rid
             got = await c.get(f"/v1/responses/{rid}")
             assert got.status_code == 200 and got.json()["id"] == rid, got.text
+        items = await c.get(f"/v1/responses/{rid}/input_items")  # (a 404 before: no such route)
+        assert items.status_code == 200 and items.json()["data"][0]["content"][0]["text"] == "a b", items.text
         async with c.stream(
             "POST", "/v1/responses", json={**body, "previous_response_id": rid, "stream": True}
         ) as s:

@@ -108,15 +108,22 @@ class Front:
     @app.delete("/v1/responses/{response_id}")
     async def stored(self, response_id: str, request: Request) -> Response:
         """A stored response, on the replica that answered it (its id names it)."""
+        return await self._stored(response_id, request, "")
+
+    async def _stored(self, response_id: str, request: Request, tail: str) -> Response:
         where = decode_id(response_id)
         if where is None:
             return _not_made_here(response_id, None)
         call = self.replicas.stored.remote(request.method, where[1], request.url.query, _headers(request),
-                                           pin=where[0])  # fmt: skip
+                                           pin=where[0], tail=tail)  # fmt: skip
         status, media_type, content = await call
         return Response(
             content, status_code=status, media_type=media_type, headers={"x-kvserve-replica": where[0]}
         )
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def input_items(self, response_id: str, request: Request) -> Response:
+        return await self._stored(response_id, request, "/input_items")
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> Response:

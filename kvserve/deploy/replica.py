@@ -120,12 +120,14 @@ class KVServeReplica:
             content = b"".join([chunk async for chunk in parts])
         yield (public_body if meta["status"] == 200 else public_error)(content, self.replica_id, body)
 
-    async def stored(self, method: str, own_id: str, query: str, headers: dict[str, str], pin: str) -> tuple:
-        """GET or DELETE /v1/responses/{id} of a response this replica stored: (status,
-        content type, body with public ids)."""
+    async def stored(
+        self, method: str, own_id: str, query: str, headers: dict[str, str], pin: str, tail: str = ""
+    ) -> tuple:
+        """GET or DELETE /v1/responses/{id} (`tail` "/input_items": GET its input items) of a
+        response this replica stored: (status, content type, body with public ids)."""
         if pin != self.replica_id:
             return 404, "application/json", _gone(pin, None, None)
-        path = f"{RESPONSES}/{quote(own_id, safe='')}" + (f"?{query}" if query else "")
+        path = f"{RESPONSES}/{quote(own_id, safe='')}{tail}" + (f"?{query}" if query else "")
         resp = await self.client.request(method, path, headers=headers)
         if resp.status_code == 404:  # (the server's message names its own id, not the client's)
             msg = f"response {encode_id(self.replica_id, own_id)!r} not found (deleted, or no longer stored)"

@@ -212,6 +212,13 @@ def build_app(proxy: PDProxy, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
         headers = proxy._headers(raw)
         return await proxy.stored.request(proxy.client, raw.method, response_id, raw.url.query, headers)
 
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def input_items(raw: Request, response_id: str) -> Response:
+        headers = proxy._headers(raw)
+        return await proxy.stored.request(
+            proxy.client, raw.method, response_id, raw.url.query, headers, "/input_items"
+        )
+
     @app.get("/v1/models")
     @app.get("/v1/models/{model_id:path}")  # OpenAI's models.retrieve (was a route 404)
     async def models(raw: Request) -> Response:

@@ -1,5 +1,5 @@
 """What the pd-proxy sends whole to one decode engine, without a prefill: the Responses API
-(POST /v1/responses, GET and DELETE /v1/responses/{id}) and /v1/embeddings.
+(POST /v1/responses, GET and DELETE /v1/responses/{id}, GET .../input_items) and /v1/embeddings.
 
 A Responses request is an envelope over chat whose stored conversation (store, then
 previous_response_id, GET, DELETE) lives on the engine that answered; split across a prefill
@@ -49,14 +49,16 @@ class StoredResponses:
         return JSONResponse(error(msg, "previous_response_id", code="previous_response_not_found"), 400)
 
     async def request(
-        self, client: httpx.AsyncClient, method: str, public_id: str, query: str, headers: dict
-    ) -> Response:
-        """GET or DELETE on the engine holding the response, with the proxy's ids."""
+        self, client: httpx.AsyncClient, method: str, public_id: str, query: str, headers: dict,
+        tail: str = "",
+    ) -> Response:  # fmt: skip
+        """GET or DELETE on the engine holding the response (`tail`: "/input_items", its input
+        items), with the proxy's ids."""
         where = self.where(public_id)
         if where is None:
             return _not_found(public_id)
         url, own_id = where
-        target = f"{url}/v1/responses/{quote(own_id, safe='')}" + (f"?{query}" if query else "")
+        target = f"{url}/v1/responses/{quote(own_id, safe='')}{tail}" + (f"?{query}" if query else "")
         try:
             r = await client.request(method, target, headers=headers)
         except httpx.HTTPError as e:

@@ -168,13 +168,20 @@ def build_app(cfg: GatewayConfig, web_ui: bool = True) -> FastAPI:
     async def responses(request: Request):
         return await forward(request, "/responses")
 
-    @app.get("/v1/responses/{response_id}")
-    @app.delete("/v1/responses/{response_id}")
-    async def stored(request: Request, response_id: str):
+    async def on_stored(request: Request, response_id: str, tail: str = "") -> Response:
         s = st()
         s.refuse_if_draining()
         key = await s.authenticate(request)
-        return await stored_response(s.gateway, key, request.method, response_id, request.url.query)
+        return await stored_response(s.gateway, key, request.method, response_id, request.url.query, tail)
+
+    @app.get("/v1/responses/{response_id}")
+    @app.delete("/v1/responses/{response_id}")
+    async def stored(request: Request, response_id: str):
+        return await on_stored(request, response_id)
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def input_items(request: Request, response_id: str):
+        return await on_stored(request, response_id, "/input_items")
 
     def model_card(alias: str) -> dict:
         return {"id": alias, "object": "model", "created": 0, "owned_by": "kvserve-gateway"}

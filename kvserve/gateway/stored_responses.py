@@ -1,6 +1,7 @@
-"""GET and DELETE /v1/responses/{id} through the gateway: to the deployment the id names
-(routing/responses_ids.py), for a key that may use that deployment's model. Reading or deleting a
-stored response runs no model, so it is neither rate-limited nor charged."""
+"""GET and DELETE /v1/responses/{id} (and GET .../input_items) through the gateway: to the
+deployment the id names (routing/responses_ids.py), for a key that may use that deployment's
+model. Reading or deleting a stored response runs no model, so it is neither rate-limited nor
+charged."""
 
 from __future__ import annotations
 
@@ -25,15 +26,16 @@ def _not_found(public_id: str) -> GatewayError:
 
 
 async def stored_response(
-    gateway: Gateway, key: KeyRecord, method: str, public_id: str, query: str
+    gateway: Gateway, key: KeyRecord, method: str, public_id: str, query: str, tail: str = ""
 ) -> Response:
-    """The deployment's answer to `method` on the stored response, with the gateway's ids."""
+    """The deployment's answer to `method` on the stored response (`tail`: "/input_items", its
+    input items), with the gateway's ids."""
     where = decode_id(public_id)
     dep = gateway.router.by_id.get(where[0]) if where else None
     if dep is None or dep.model_name not in gateway.allowed_models(key):
         raise _not_found(public_id)  # (another key's model: not said to exist)
     b = dep.backend
-    url = f"{b.base_url}/responses/{quote(where[1], safe='')}" + (f"?{query}" if query else "")
+    url = f"{b.base_url}/responses/{quote(where[1], safe='')}{tail}" + (f"?{query}" if query else "")
     timeout = httpx.Timeout(b.first_byte_timeout, connect=b.connect_timeout)
     try:
         client, headers = gateway.pool.client(dep), gateway.pool.headers(dep)
