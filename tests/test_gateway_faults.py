@@ -763,6 +763,9 @@ def test_admin_keys_create_use_revoke(gw):
     assert r.status_code == 400 and r.json()["error"]["message"].startswith("rpm:")
     r = httpx.get(gw.url + "/admin/spend", params={"group_by": "key", "last": "1h"}, headers=m)
     assert r.status_code == 200 and r.json()["data"]
+    for bound in ("start", "end"):  # nan matched no row: an empty report, as if nothing was spent
+        r = httpx.get(gw.url + "/admin/spend", params={bound: "nan"}, headers=m)
+        assert r.status_code == 400 and r.json()["error"]["param"] == bound, r.text
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,8 @@ or deployment over a time range."""
 
 from __future__ import annotations
 
+import math
+
 from fastapi import APIRouter, Request
 from pydantic import ValidationError
 
@@ -74,6 +76,10 @@ def admin_router(state) -> APIRouter:
         state.require_master(request)
         if group_by not in GROUPS:
             raise GatewayError(400, f"group_by: one of {', '.join(GROUPS)}", param="group_by")
+        for name, value in (("start", start), ("end", end)):
+            if value is not None and not math.isfinite(value):  # (nan matched no row, silently)
+                raise GatewayError(400, f"{name}: must be a finite number of Unix seconds, got {value}",
+                                   param=name)  # fmt: skip
         if last is not None:
             import time
 
