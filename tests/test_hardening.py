@@ -921,3 +921,28 @@ def test_serve_settings_that_would_leave_it_useless_are_refused_at_parse(flag, v
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args(["serve", flag, value])
     assert e.value.code == 2 and f"argument {flag}: {message}" in capsys.readouterr().err
+
+
+def test_responses_truncation_auto_drops_the_oldest_turns(server):
+    """truncation "auto" was taken and ignored: a conversation grown past the context got
+    context_length_exceeded as with "disabled". Now its oldest turns are dropped (from a user
+    message, so no tool output loses its call) until the prompt and max_output_tokens fit."""
+    base = {"model": "tiny", "max_output_tokens": 4, "temperature": 0, "input": "alpha beta gamma " * 12}
+    prev, turns = None, 0
+    while True:  # chain turns until the 256-token context refuses the next one
+        r = post(server, {**base, **({"previous_response_id": prev} if prev else {})}, "/v1/responses")
+        if r.status_code != 200:
+            break
+        prev, turns = r.json()["id"], turns + 1
+        assert turns < 10, "the conversation never outgrew the context"
+    assert turns >= 1 and r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    auto = {**base, "previous_response_id": prev, "truncation": "auto"}
+    r = post(server, auto, "/v1/responses")
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert got["truncation"] == "auto" and got["usage"]["input_tokens"] + 4 <= 256, got["usage"]
+    r = post(server, {**auto, "previous_response_id": got["id"], "stream": True}, "/v1/responses")
+    last = json.loads([x for x in r.text.splitlines() if x.startswith("data: ")][-1][6:])
+    assert last["type"] in ("response.completed", "response.incomplete"), last  # stored whole, cut again
+    r = post(server, {**base, "input": base["input"] * 20, "truncation": "auto"}, "/v1/responses")
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"  # one turn

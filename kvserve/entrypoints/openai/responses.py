@@ -20,6 +20,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from kvserve.engine.processor import ContextLengthError
 from kvserve.entrypoints.openai.response_store import ResponseNotFoundError, ResponseStore
 from kvserve.entrypoints.openai.responses_items import stored_input_items
 from kvserve.entrypoints.openai.responses_protocol import (
@@ -28,7 +29,7 @@ from kvserve.entrypoints.openai.responses_protocol import (
     refuse_unsupported,
     to_chat,
 )
-from kvserve.entrypoints.openai.serving import OpenAIServing
+from kvserve.entrypoints.openai.serving import OpenAIServing, Run
 
 # The chat request's fields that a Responses request calls otherwise: an error raised on the
 # chat path names the field this request sent (OpenAI's param), not the chat one.
@@ -157,8 +158,12 @@ class ResponsesServing:
             except ResponseNotFoundError as e:
                 raise ValueError(f"previous_response_id: {e}") from None
         try:
-            chat_req = to_chat(req, history)
-            run = await self.serving.chat_run(chat_req, raw)
+            try:
+                run = await self.serving.chat_run(to_chat(req, history), raw)
+            except ContextLengthError as e:
+                if req.truncation != "auto":
+                    raise
+                run = await self._run_truncated(req, history, raw, e)
         except ValueError as e:
             _name_responses_fields(e)
             raise
@@ -184,6 +189,23 @@ class ResponsesServing:
         if req.store:
             self.store.put(response, conversation + _assistant_turn(output), items)
         return JSONResponse(response)
+
+    async def _run_truncated(
+        self, req: ResponsesRequest, history: list[dict], raw: Request, error: ContextLengthError
+    ) -> Run:
+        """truncation "auto", as OpenAI's: the conversation's oldest items are dropped until the
+        prompt and max_output_tokens fit the context. It is cut only where a user message
+        starts a turn, so no tool output is left without its call; instructions are kept, and
+        the stored conversation stays whole. Still too long from the last user message: the
+        context-length error, as with "disabled"."""
+        conversation = history + input_messages(req.input, history)
+        rest = req.model_copy(update={"input": []})  # (its input is in `conversation`)
+        for start in (i for i, m in enumerate(conversation) if i > 0 and m.get("role") == "user"):
+            try:
+                return await self.serving.chat_run(to_chat(rest, conversation[start:]), raw)
+            except ContextLengthError as e:
+                error = e
+        raise error
 
     async def _events(
         self, chunks: AsyncIterator[dict], response: dict, given: tuple[list[dict], list[dict]], store: bool,
