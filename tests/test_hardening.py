@@ -625,6 +625,7 @@ def test_unknown_routes_and_methods_have_string_codes(server):
         ({"input": [{"type": "message", "role": "user"}]}, "input", "item 0 (message) needs content"),
         ({"input": [{"type": "function_call_output", "call_id": "c1"}]}, "input", "needs output"),
         ({"input": "hi", "tools": [{"type": "function", "name": "no spaces"}]}, "tools", "pattern"),
+        ({"input": "hi", "include": ["bogus"]}, "include", "'message.output_text.logprobs'"),  # was taken
     ],
 )
 def test_responses_items_missing_their_fields_say_which(server, body, param, words):

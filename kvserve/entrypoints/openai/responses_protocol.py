@@ -118,7 +118,7 @@ class ResponsesRequest(OpenAIBody):
     safety_identifier: str | None = None
     truncation: Literal["auto", "disabled"] | None = None
     reasoning: dict[str, Any] | None = None
-    include: list[str] | None = None
+    include: list[Includable] | None = None  # (an unknown value was taken silently)
     background: bool = False
     # OpenAI's server-side state that kvserve does not keep: declared so that they are refused
     # with the reason (refuse_unsupported), not as unknown fields
