@@ -36,20 +36,22 @@ _HEX = {"x": 2, "u": 4, "U": 8}
 def pattern_grammar(pattern: str, prefix: str) -> str:
     """EBNF rules (the first named `prefix`) matching the JSON text, without its quotes, of
     every string `pattern` matches in full."""
-    import xgrammar as xgr
-
-    text = str(xgr.Grammar.from_regex(pattern))
-    text = re.sub(r"\broot((?:_\d+)*)\b", lambda m: prefix + m.group(1), text)
-    return "\n".join(_terminals(line, True) for line in text.splitlines() if line.strip())
+    text = _respelt(pattern, json_text=True)
+    return re.sub(r"\broot((?:_\d+)*)\b", lambda m: prefix + m.group(1), text)
 
 
 def regex_grammar(pattern: str) -> str:
     """EBNF of a regex over plain text (a `regex` constraint): xgrammar's, with no character
     class taking a surrogate, whose 3-byte form is no UTF-8 (`.` and `[^...]` took them)."""
+    return _respelt(pattern, json_text=False)
+
+
+def _respelt(pattern: str, json_text: bool) -> str:
+    """xgrammar's grammar of the regex, each rule's terminals respelt (_terminals)."""
     import xgrammar as xgr
 
     text = str(xgr.Grammar.from_regex(pattern))
-    return "\n".join(_terminals(line, False) for line in text.splitlines() if line.strip())
+    return "\n".join(_terminals(line, json_text) for line in text.splitlines() if line.strip())
 
 
 def _terminals(line: str, json_text: bool) -> str:

@@ -160,16 +160,17 @@ class ResponsesServing:
         try:
             try:
                 run = await self.serving.chat_run(to_chat(req, history), raw)
+                conversation = history + input_messages(req.input, history)
             except ContextLengthError as e:
                 if req.truncation != "auto":
                     raise
-                run = await self._run_truncated(req, history, raw, e)
+                conversation = history + input_messages(req.input, history)
+                run = await self._run_truncated(req, conversation, raw, e)
         except ValueError as e:
             _name_responses_fields(e)
             raise
         rid = _new_id("resp")
         response = self._skeleton(req, rid, req.model or self.serving.model_names[0])
-        conversation = history + input_messages(req.input, history)
         items = stored_input_items(req.input)
         if req.stream:
             events = self._events(run.chunks, response, (conversation, items), req.store, req.max_tool_calls)
@@ -191,14 +192,13 @@ class ResponsesServing:
         return JSONResponse(response)
 
     async def _run_truncated(
-        self, req: ResponsesRequest, history: list[dict], raw: Request, error: ContextLengthError
+        self, req: ResponsesRequest, conversation: list[dict], raw: Request, error: ContextLengthError
     ) -> Run:
         """truncation "auto", as OpenAI's: the conversation's oldest items are dropped until the
         prompt and max_output_tokens fit the context. It is cut only where a user message
         starts a turn, so no tool output is left without its call; instructions are kept, and
         the stored conversation stays whole. Still too long from the last user message: the
         context-length error, as with "disabled"."""
-        conversation = history + input_messages(req.input, history)
         rest = req.model_copy(update={"input": []})  # (its input is in `conversation`)
         for start in (i for i, m in enumerate(conversation) if i > 0 and m.get("role") == "user"):
             try:
