@@ -7,7 +7,6 @@ import glob
 import json
 import os
 import signal
-import tempfile
 import time
 
 import httpx
@@ -19,8 +18,10 @@ MODEL_ARGS = ("--kv-cache-memory", "32MiB", "--max-model-len", "256", "--served-
 LONG = {"model": "tiny", "prompt": "Go", "max_tokens": 240, "ignore_eos": True}
 
 
-def ipc_files() -> set[str]:
-    return set(glob.glob(os.path.join(tempfile.gettempdir(), "kvserve-*")))
+def ipc_files(tmpdir: str) -> set[str]:
+    """The kvserve IPC files (sockets, shared-memory payloads) under `tmpdir`: the server runs
+    with TMPDIR there, so another server on the host cannot add to them."""
+    return set(glob.glob(os.path.join(tmpdir, "kvserve-*")))
 
 
 async def read_stream(http: httpx.AsyncClient, s: ServerProcess, body: dict, started: list) -> list:
@@ -118,15 +119,15 @@ def test_restart_limit_zero_leaves_the_engine_down(tiny_llama_dir):
 
 
 @pytest.mark.parametrize("to", ["server", "group"])
-def test_sigterm_drains_in_flight_streams(tiny_llama_dir, to):
+def test_sigterm_drains_in_flight_streams(tiny_llama_dir, to, tmp_path):
     """SIGTERM to the server alone, or to its whole process group as `timeout`, a terminal or a
     service manager sends it: the engine core (and any rank) ignores it, so the drain finishes
     the streams. Sent to the group, it once killed the core too: the server restarted it in the
     middle of the drain and the streams failed."""
-    before = ipc_files()
     args = (*MODEL_ARGS, "--max-num-seqs", "8", "--shutdown-timeout", "20")
-    s = ServerProcess(tiny_llama_dir, *args, new_session=to == "group")
+    s = ServerProcess(tiny_llama_dir, *args, new_session=to == "group", env={"TMPDIR": str(tmp_path)})
     try:
+        assert ipc_files(str(tmp_path)), "the server's IPC files are not under its TMPDIR"
         children = psutil.Process(s.proc.pid).children(recursive=True)
 
         async def scenario():
@@ -156,7 +157,7 @@ def test_sigterm_drains_in_flight_streams(tiny_llama_dir, to):
         assert s.proc.returncode == 0
         time.sleep(0.5)
         assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
-        assert ipc_files() <= before
+        assert not ipc_files(str(tmp_path))
     finally:
         s.stop()
 
