@@ -127,6 +127,32 @@ def test_front_answers_a_body_it_cannot_use_with_a_400(body, says):
     assert resp.status_code == 400 and err["code"] == "invalid_json" and says in err["message"], err
 
 
+@pytest.mark.parametrize("prev, kind", [(123, "a number"), ([], "an array"), ({}, "an object")])
+def test_front_answers_a_previous_response_id_that_is_no_string_with_a_400_naming_its_type(prev, kind):
+    """The front looked a previous_response_id of 123 or [] up as an id: a 400
+    previous_response_not_found, where kvserve serve names the field's wrong type."""
+    import asyncio
+    import json
+
+    pytest.importorskip("ray.serve")
+    from starlette.requests import Request
+
+    from kvserve.deploy.front import Front
+
+    body = json.dumps({"model": "m", "input": "hi", "previous_response_id": prev}).encode()
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/responses", "headers": []}
+    front = SimpleNamespace(max_request_bytes=2**20)
+    resp = asyncio.run(Front.post(front, "responses", Request(scope, receive)))
+    err = json.loads(resp.body)["error"]
+    assert resp.status_code == 400 and err["param"] == "previous_response_id", err
+    assert err["code"] == "invalid_value", err
+    assert f"must be a string (a response id), got {kind}" in err["message"], err
+
+
 @pytest.mark.parametrize("declared", [True, False])
 def test_front_refuses_a_body_over_its_limit_before_reading_it_whole(declared):
     """The front read every body whole (then parsed it and copied it to a replica), however

@@ -450,6 +450,24 @@ def test_a_lone_surrogate_in_a_prompt_is_sent_on_escaped(fault_proxy):
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == " tok tok", r.text
 
 
+@pytest.mark.parametrize(
+    "prev, kind", [(123, "a number"), ([], "an array"), ({}, "an object"), (True, "a boolean")]
+)
+def test_a_previous_response_id_that_is_no_string_is_a_400_naming_its_type(fault_proxy, prev, kind):
+    """A previous_response_id that is not a string (123, [], {}) was looked up as an id and
+    answered 400 previous_response_not_found, sending the client looking for a response; kvserve
+    serve and the gateway say the field has the wrong type. Now the proxy does too."""
+    _, proxy, _ = fault_proxy
+    body = {"model": "ok", "input": "hi", "previous_response_id": prev}
+    r = httpx.post(proxy.url + "/v1/responses", json=body, timeout=30)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "previous_response_id", r.text
+    assert err["code"] == "invalid_value", err
+    assert f"must be a string (a response id), got {kind}" in err["message"], err
+    r = httpx.post(proxy.url + "/v1/responses", json={**body, "previous_response_id": "resp_x"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "previous_response_not_found", r.text
+
+
 def test_a_body_over_the_limit_is_a_413_before_it_is_read(fault_proxy):
     """The proxy read any body whole into memory (kvserve serve and the gateway refuse one past
     16 MiB): one client's upload could take the proxy's memory."""

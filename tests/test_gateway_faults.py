@@ -643,6 +643,22 @@ def test_gateway_errors_have_string_codes(gw):
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_value"
 
 
+@pytest.mark.parametrize("prev, kind", [(123, "a number"), ([], "an array"), ({"id": "x"}, "an object")])
+def test_a_previous_response_id_that_is_no_string_is_a_400_naming_its_type(gw, prev, kind):
+    """A previous_response_id that is not a string was looked up as a gateway id and answered
+    previous_response_not_found ("not made through this gateway"); kvserve serve says the
+    field has the wrong type, and so does the gateway now."""
+    h = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": "okgroup", "input": "hi", "previous_response_id": prev}
+    r = httpx.post(gw.url + "/v1/responses", json=body, headers=h, timeout=30)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "previous_response_id", r.text
+    assert err["code"] == "invalid_value", err
+    assert f"must be a string (a response id), got {kind}" in err["message"], err
+    r = httpx.post(gw.url + "/v1/responses", json={**body, "previous_response_id": "resp_x"}, headers=h)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "previous_response_not_found", r.text
+
+
 def test_a_body_nested_too_deeply_to_parse_is_a_400_not_a_500(gw):
     """JSON nested past the parser's recursion limit raised RecursionError, not ValueError: a
     500 and a traceback for the client's mistake (chat and the admin API). Now a 400."""

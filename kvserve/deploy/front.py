@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvserve.deploy.replica import FORWARDED_HEADERS
 from kvserve.entrypoints.openai.middleware import HeadAsGet
-from kvserve.routing.responses_ids import decode_id
+from kvserve.routing.responses_ids import decode_id, previous_id_problem
 
 app = FastAPI(title="kvserve on Ray Serve")
 app.add_middleware(HeadAsGet)  # monitors probe /health with HEAD (was a 405: taken out as down)
@@ -85,6 +85,8 @@ class Front:
         if not isinstance(body, dict):
             return _error(400, "the body must be a JSON object", "invalid_json")
         pin = None
+        if path == "responses" and (wrong := previous_id_problem(body.get("previous_response_id"))):
+            return _error(400, wrong, "invalid_value", "previous_response_id")  # (was "not found")
         if path == "responses" and body.get("previous_response_id") is not None:
             where = decode_id(body["previous_response_id"])
             if where is None:

@@ -31,6 +31,7 @@ from kvserve.disagg.split import decode_body, disaggregates
 from kvserve.disagg.validate import decode_refusal
 from kvserve.disagg.whole import StoredResponses, engine_tag
 from kvserve.entrypoints.openai.middleware import _REQUEST_ID, BodySizeLimit, HeadAsGet, InternalErrors
+from kvserve.routing.responses_ids import previous_id_problem
 
 logger = logging.getLogger(__name__)
 ROUTES = ("/v1/chat/completions", "/v1/completions")
@@ -108,6 +109,8 @@ class PDProxy:
             return JSONResponse(_error("request body: must be a JSON object", None), status_code=400)
         params, how, urls = None, "decode-only", None
         send, rid = self._engine_headers(raw)
+        if path == RESPONSES and (wrong := previous_id_problem(body.get("previous_response_id"))):
+            return JSONResponse(_error(wrong, "previous_response_id", code="invalid_value"), 400)
         if path == RESPONSES and body.get("previous_response_id") is not None:
             where = self.stored.where(body["previous_response_id"])
             if where is None:

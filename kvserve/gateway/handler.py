@@ -42,7 +42,7 @@ from kvserve.gateway.state import Check, StateStore, StoreUnavailable
 from kvserve.gateway.state.base import EPS
 from kvserve.gateway.stream_response import SettledStream
 from kvserve.routing import RequestInfo
-from kvserve.routing.responses_ids import RESPONSES, decode_id
+from kvserve.routing.responses_ids import RESPONSES, decode_id, previous_id_problem
 
 log = logging.getLogger("kvserve.gateway")
 EMBEDDINGS = "/embeddings"  # no completion tokens, no stream, no prefill/decode split
@@ -171,6 +171,9 @@ class Gateway:
         prev = ctx.body.get("previous_response_id")
         if prev is None:
             return
+        wrong = previous_id_problem(prev)
+        if wrong is not None:  # (looked up as an id, 123 was "not found")
+            raise GatewayError(400, wrong, code="invalid_value", param="previous_response_id")
         where = decode_id(prev)
         dep = self.router.by_id.get(where[0]) if where else None
         if dep is None or dep.model_name not in ctx.allowed:

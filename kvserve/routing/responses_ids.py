@@ -39,6 +39,18 @@ def decode_id(public_id: object) -> tuple[str, str] | None:
     return (dep_id, backend_id) if dep_id and backend_id else None
 
 
+def previous_id_problem(value: object) -> str | None:
+    """Why a request's previous_response_id cannot be an id (a number, a list, an object), or
+    None (absent, null or a string). Looked up as an id it was answered "not found", which sent
+    the client looking for a response instead of at its own field; `kvserve serve` answers a 400
+    naming the field's type, so every front says the same."""
+    if value is None or isinstance(value, str):
+        return None
+    kinds = {bool: "a boolean", int: "a number", float: "a number", list: "an array", dict: "an object"}
+    kind = kinds.get(type(value), "another type")
+    return f"previous_response_id: must be a string (a response id), got {kind}"
+
+
 def public_response(obj: dict, dep_id: str) -> dict:
     """A Response object with its ids (its own and previous_response_id) as the gateway's."""
     for field in ("id", "previous_response_id"):
