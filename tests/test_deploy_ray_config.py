@@ -41,6 +41,28 @@ def test_autoscaling_config_is_serves():
     AutoscalingConfig(**got)  # every key is one Serve takes
 
 
+def test_the_front_and_the_replicas_have_one_body_limit():
+    """http.max_request_bytes had to be set by hand beside the replicas' --max-request-bytes:
+    raising only the replicas' (as kvserve serve is raised) left the front's 16 MiB 413 in the
+    way, and raising only the front's left the replicas' 16 MiB. Now one setting is both."""
+    default = parse_config({})
+    assert default.max_request_bytes == 16 * 2**20 and "--max-request-bytes" not in default.server_argv(1)
+    for args in (["--max-request-bytes", "40000000"], ["--max-request-bytes=40000000"]):
+        assert parse_config({"server_args": args}).max_request_bytes == 40_000_000  # the front follows
+    front = parse_config({"http": {"max_request_bytes": 1000}})
+    argv = front.server_argv(1)
+    assert front.max_request_bytes == 1000 and argv[argv.index("--max-request-bytes") + 1] == "1000"
+    same = {"http": {"max_request_bytes": 1000}, "server_args": ["--max-request-bytes", "1000"]}
+    assert parse_config(same).server_argv(1).count("--max-request-bytes") == 1
+    with pytest.raises(DeployConfigError, match=r"^http.max_request_bytes: 1000 differs from server_args"):
+        parse_config({**same, "server_args": ["--max-request-bytes", "2000"]})
+    pytest.importorskip("ray.serve")
+    from kvserve.deploy.ray_serve import build_app
+
+    app = build_app(parse_config({"server_args": ["--max-request-bytes", "40000000"]}))
+    assert app._bound_deployment.init_args[1] == 40_000_000  # the front's own limit
+
+
 @pytest.mark.parametrize(
     "doc, message",
     [

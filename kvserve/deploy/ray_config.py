@@ -24,12 +24,15 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
+DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20  # kvserve serve's --max-request-bytes default
+
+
 class HttpConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     # the front reads a body whole before a replica sees it: without a bound one upload takes its
-    # memory. kvserve serve's default; raise it with the replicas' --max-request-bytes
-    max_request_bytes: int = Field(16 * 2**20, ge=1, description="a larger body is a 413 at the front")
+    # memory. Unset: the replicas' --max-request-bytes (RayDeployConfig.max_request_bytes)
+    max_request_bytes: int | None = Field(None, ge=1, description="a larger body is a 413 at the front")
 
 
 class ReplicaConfig(_Strict):
@@ -161,6 +164,13 @@ class RayDeployConfig(_Strict):
                 raise ValueError(f"{flag} is set by each replica (it picks a free local port)")
         return v
 
+    @property
+    def max_request_bytes(self) -> int:
+        """The body limit of the front and of every replica: http.max_request_bytes, else the
+        replicas' --max-request-bytes in server_args, else kvserve serve's default."""
+        given = self.http.max_request_bytes or _replica_body_limit(self.server_args)
+        return given or DEFAULT_MAX_REQUEST_BYTES
+
     @field_validator("route_prefix")
     @classmethod
     def _prefix(cls, v: str) -> str:
@@ -180,7 +190,23 @@ class RayDeployConfig(_Strict):
                 argv.append(flag if value else "--no-" + flag[2:])
             else:
                 argv += [flag, str(value)]
+        if self.http.max_request_bytes is not None and _replica_body_limit(self.server_args) is None:
+            argv += ["--max-request-bytes", str(self.http.max_request_bytes)]  # (what the front passes)
         return argv + self.server_args
+
+
+def _replica_body_limit(server_args: list[str]) -> int | None:
+    """--max-request-bytes as the replicas' `kvserve serve` reads it from server_args (the last
+    one counts, `--flag N` or `--flag=N`); None when absent or not a positive integer (serve's
+    parser refuses that before Ray starts: deploy/cli.py)."""
+    found = None
+    for i, arg in enumerate(server_args):
+        flag, eq, value = arg.partition("=")
+        if flag != "--max-request-bytes":
+            continue
+        value = value if eq else (server_args[i + 1] if i + 1 < len(server_args) else "")
+        found = int(value) if value.isdigit() and int(value) > 0 else None
+    return found
 
 
 def _loc(loc: tuple) -> str:
@@ -200,7 +226,19 @@ def parse_config(data: object) -> RayDeployConfig:
         msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"].removeprefix("Value error, ")
         raise DeployConfigError(f"{_loc(err['loc'])}: {msg}") from None
     _check_engine_values(cfg)
+    _check_body_limit(cfg)
     return cfg
+
+
+def _check_body_limit(cfg: RayDeployConfig) -> None:
+    """The front's limit and the replicas' are one setting: set apart, the smaller one silently
+    decided (a replica's --max-request-bytes raised alone still met the front's 16 MiB 413)."""
+    front, replicas = cfg.http.max_request_bytes, _replica_body_limit(cfg.server_args)
+    if front is not None and replicas is not None and front != replicas:
+        raise DeployConfigError(
+            f"http.max_request_bytes: {front} differs from server_args' --max-request-bytes {replicas}; "
+            "set one of them (it is the front's limit and the replicas')"
+        )
 
 
 def _check_engine_values(cfg: RayDeployConfig) -> None:

@@ -59,7 +59,7 @@ def build_app(cfg: RayDeployConfig):
         max_ongoing_requests=FRONT_MAX_ONGOING,
         ray_actor_options={"num_cpus": 0},
     )
-    return front.bind(replicas.bind(cfg.model_dump()), cfg.http.max_request_bytes)
+    return front.bind(replicas.bind(cfg.model_dump()), cfg.max_request_bytes)  # (the replicas' too)
 
 
 def connect(address: str | None) -> None:
