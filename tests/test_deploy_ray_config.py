@@ -175,6 +175,68 @@ def test_front_answers_a_previous_response_id_that_is_no_string_with_a_400_namin
     assert f"must be a string (a response id), got {kind}" in err["message"], err
 
 
+class _Handle:
+    """Serve's DeploymentHandle as the front uses it, over replica answers given as parts (a
+    meta dict, byte chunks) where an exception is the replica failing at that point."""
+
+    def __init__(self, *parts) -> None:
+        self.parts = parts
+        self.forward = SimpleNamespace(remote=lambda *a, **k: self._gen())
+
+    def options(self, **_):
+        return self
+
+    async def _gen(self):
+        for part in self.parts:
+            if isinstance(part, Exception):
+                raise part
+            yield part
+
+
+def _front_post(handle, path: str = "chat/completions"):
+    import asyncio
+
+    from starlette.requests import Request
+
+    from kvserve.deploy.front import Front
+
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": true}'
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def run():
+        scope = {"type": "http", "method": "POST", "path": f"/v1/{path}", "headers": []}
+        front = SimpleNamespace(max_request_bytes=2**20, replicas=handle)
+        resp = await Front.post(front, path, Request(scope, receive))
+        if not hasattr(resp, "body_iterator"):
+            return resp, resp.body
+        return resp, b"".join([chunk async for chunk in resp.body_iterator])
+
+    return asyncio.run(run())
+
+
+def test_a_replica_failing_mid_stream_ends_the_stream_with_an_error_event():
+    """A replica whose server died mid-stream raised through the front's relay: the stream was
+    cut with no word (the client read a short answer as a whole one, no error, no [DONE]).
+    Now it ends with an error event in OpenAI's shape, as the gateway's and the pd-proxy's do;
+    and a replica failing before it answered is a 502 in OpenAI's shape, not Serve's 500."""
+    import json
+
+    pytest.importorskip("ray.serve")
+    meta = {"status": 200, "content_type": "text/event-stream; charset=utf-8", "replica": "r1"}
+    first = b'data: {"choices": [{"index": 0, "delta": {"content": "Hel"}}]}\n\n'
+    resp, body = _front_post(_Handle(meta, first, ConnectionError("server gone")))
+    assert resp.status_code == 200 and body.startswith(first), body
+    events = [e for e in body.split(b"\n\n") if e.strip()]
+    err = json.loads(events[-1].removeprefix(b"data: "))["error"]
+    assert err["type"] == "server_error" and err["code"] == "upstream_error", err
+    assert "failed mid-stream" in err["message"] and "server gone" in err["message"]
+    resp, body = _front_post(_Handle(ConnectionError("no server")))
+    err = json.loads(body)["error"]
+    assert resp.status_code == 502 and err["code"] == "upstream_error" and "no server" in err["message"]
+
+
 @pytest.mark.parametrize("declared", [True, False])
 def test_front_refuses_a_body_over_its_limit_before_reading_it_whole(declared):
     """The front read every body whole (then parsed it and copied it to a replica), however

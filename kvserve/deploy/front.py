@@ -8,6 +8,7 @@ previous_response_id, GET and DELETE go there (`pin`), as the gateway sends them
 """
 
 import json
+import logging
 from urllib.parse import quote
 
 from fastapi import FastAPI, Request
@@ -20,15 +21,37 @@ from kvserve.deploy.replica import FORWARDED_HEADERS
 from kvserve.entrypoints.openai.middleware import HeadAsGet
 from kvserve.routing.responses_ids import decode_id, previous_id_problem
 
+logger = logging.getLogger("kvserve.deploy.front")
 app = FastAPI(title="kvserve on Ray Serve")
 app.add_middleware(HeadAsGet)  # monitors probe /health with HEAD (was a 405: taken out as down)
 
 
-def _error(status: int, message: str, code: str, param: str | None = None) -> JSONResponse:
+def _error(
+    status: int, message: str, code: str, param: str | None = None, type_: str = "invalid_request_error"
+) -> JSONResponse:
     return JSONResponse(
-        {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": code}},
-        status_code=status,
+        {"error": {"message": message, "type": type_, "param": param, "code": code}}, status_code=status
     )
+
+
+def _reason(e: BaseException) -> str:
+    return f"{e.__class__.__name__}: {e}".strip(": ")[:300]
+
+
+def _replica_failed(e: Exception) -> JSONResponse:
+    """A replica that failed before it answered (its server died, Serve lost the actor): a 502
+    in OpenAI's shape, where it was Serve's text/plain 500 and a traceback."""
+    logger.warning("a replica failed before answering (%s)", _reason(e))
+    return _error(502, f"the replica failed before answering ({_reason(e)})", "upstream_error",
+                  type_="server_error")  # fmt: skip
+
+
+def _error_event(e: Exception) -> bytes:
+    """The last event of a stream whose replica failed after it began (the blank line first ends
+    an event the failure cut off), as the gateway and the pd-proxy end one."""
+    msg = f"the replica failed mid-stream ({_reason(e)}); the answer is incomplete"
+    err = {"error": {"message": msg, "type": "server_error", "param": None, "code": "upstream_error"}}
+    return b"\n\ndata: " + json.dumps(err).encode() + b"\n\n"
 
 
 def _not_made_here(public_id: object, param: str | None) -> JSONResponse:
@@ -95,11 +118,21 @@ class Front:
         gen = self.replicas.options(stream=True).forward.remote(
             f"/v1/{path}", body, _headers(request), pin=pin
         )
-        meta = await gen.__anext__()
+        try:
+            meta = await gen.__anext__()
+        except Exception as e:
+            return _replica_failed(e)
+        sse = meta["content_type"].startswith("text/event-stream")
 
         async def rest():
-            async for chunk in gen:
-                yield chunk
+            try:
+                async for chunk in gen:
+                    yield chunk
+            except Exception as e:  # (the stream was cut with no word: the client read a short answer)
+                if not sse:
+                    raise  # a JSON body cut short: the connection is broken off, not ended
+                logger.warning("a replica failed mid-stream (%s)", _reason(e))
+                yield _error_event(e)
 
         return StreamingResponse(
             rest(), status_code=meta["status"], media_type=meta["content_type"],
@@ -118,7 +151,10 @@ class Front:
             return _not_made_here(response_id, None)
         call = self.replicas.stored.remote(request.method, where[1], request.url.query, _headers(request),
                                            pin=where[0], tail=tail)  # fmt: skip
-        status, media_type, content = await call
+        try:
+            status, media_type, content = await call
+        except Exception as e:
+            return _replica_failed(e)
         return Response(
             content, status_code=status, media_type=media_type, headers={"x-kvserve-replica": where[0]}
         )
@@ -146,5 +182,8 @@ class Front:
         return await self._get("/health/ready", request)
 
     async def _get(self, path: str, request: Request) -> Response:
-        status, media_type, content = await self.replicas.get.remote(path, _headers(request))
+        try:
+            status, media_type, content = await self.replicas.get.remote(path, _headers(request))
+        except Exception as e:
+            return _replica_failed(e)
         return Response(content, status_code=status, media_type=media_type)
