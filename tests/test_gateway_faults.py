@@ -622,6 +622,17 @@ def test_a_client_leaving_mid_body_is_a_499_not_a_traceback(gw):
     assert "Traceback" not in logs and post(gw, "okgroup").status_code == 200
 
 
+def test_the_log_line_gives_the_request_id_as_request_id(gw):
+    """The request's log line printed the id before `request_id=` and the model after it
+    ("/chat/completions trace-1 request_id=okgroup"): searching the log for request_id=<the id a
+    client reports>, as GATEWAY.md says one does, found nothing."""
+    h = {"Authorization": f"Bearer {KEY}", "x-request-id": "log-line-46"}
+    body = {"model": "okgroup", "messages": MSG, "max_tokens": 2}
+    assert httpx.post(gw.url + "/v1/chat/completions", json=body, headers=h, timeout=30).status_code == 200
+    logs = wait_for_log(gw.logs, "request_id=log-line-46", timeout=10)
+    assert "/chat/completions okgroup request_id=log-line-46 key=" in logs, logs[-2000:]
+
+
 def test_gateway_errors_have_string_codes(gw):
     """error.code is a string everywhere, as kvserve serve answers (these carried the HTTP
     status, an int)."""

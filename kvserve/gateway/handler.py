@@ -634,8 +634,8 @@ class Gateway:
         log.info(
             "%s %s request_id=%s key=%s deployment=%s status=%d attempts=%d %.0fms",
             ctx.path,
-            ctx.headers.get("x-request-id", ctx.rid),
             ctx.alias,
+            ctx.headers.get("x-request-id", ctx.rid),
             ctx.key.name,
             dep.id if dep else "-",
             status,
