@@ -277,8 +277,8 @@ def test_hanging_up_on_a_non_streamed_request_is_charged_its_reservation(gw, fau
     while fault.stats()["cancelled_holds"] == before and time.monotonic() < deadline:
         time.sleep(0.1)
     assert fault.stats()["cancelled_holds"] == before + 1  # the backend's work was still stopped
-    r = post(gw, "pricedhold", key="sk-budget-hold", max_tokens=40)
-    assert r.status_code == 429 and r.json()["error"]["code"] == "budget_exceeded", r.text
+    r = post(gw, "pricedhold", key="sk-budget-hold", max_tokens=40)  # (the budget never resets: a 400)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "budget_exceeded", r.text
 
 
 def test_usage_without_total_tokens_is_settled_and_frees_the_keys_slot(gw):
@@ -760,9 +760,13 @@ def test_a_request_without_max_tokens_reserves_for_the_longest_context_it_may_re
 def test_budget_reserves_then_settles_and_the_admin_api_reports_spend(gw):
     # each request reserves and costs 3 words * 0.5 + 2 tokens * 0.25 = 2.0; the budget is 5.0
     codes = [post(gw, "priced", key="sk-budget").status_code for _ in range(3)]
-    assert codes == [200, 200, 429]
+    assert codes == [200, 200, 400]
+    # spent 4.0 of 5.0, and sk-budget has no budget_duration: this was a 429 "retry after 1 s",
+    # which no retry ever passed (the official clients retried it twice); now a 400 that says so
     r = post(gw, "priced", key="sk-budget")
-    assert r.json()["error"]["code"] == "budget_exceeded"
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "budget_exceeded" and "retry-after" not in r.headers
+    assert "does not reset (no budget_duration)" in err["message"] and "cost of 2" in err["message"], err
     m = {"Authorization": f"Bearer {MASTER}"}
     rows = httpx.get(gw.url + "/admin/spend", params={"group_by": "model"}, headers=m).json()["data"]
     assert {

@@ -100,8 +100,10 @@ def test_rpm_is_exact_across_three_instances(gws):
 def test_budget_is_exact_across_three_instances(gws):
     rs = _burst(gws, "sk-budget", "priced", 10 * K)
     codes = [r.status_code for r in rs]
-    assert codes.count(200) == K and codes.count(429) == 9 * K
-    assert {r.json()["error"]["code"] for r in rs if r.status_code == 429} == {"budget_exceeded"}
+    # refused: 429 while reservations in flight may settle for less, 400 once the spend alone
+    # leaves no room (the budget has no budget_duration: no retry would pass)
+    assert codes.count(200) == K and codes.count(429) + codes.count(400) == 9 * K
+    assert {r.json()["error"]["code"] for r in rs if r.status_code != 200} == {"budget_exceeded"}
     m = {"Authorization": "Bearer sk-master"}
     rows = httpx.get(gws[1].url + "/admin/spend", params={"group_by": "model"}, headers=m).json()["data"]
     spent = sum(r["spend"] for r in rows if r["model"] == "priced")

@@ -74,6 +74,30 @@ def test_budget_reserve_settle_and_expire(run):
     run(scenario)
 
 
+def test_a_spent_budget_that_never_resets_is_told_apart_from_one_that_will_admit(run):
+    """A budget without budget_duration whose spend left no room for a request answered
+    "retry after 1 s", as one waiting for reservations in flight: no retry ever passed. The
+    store now says never (inf); reservations in flight stay 1 s, a periodic budget its reset."""
+
+    async def scenario(s):
+        b = lambda amount, period=0: Check("budget", "k", 10.0, amount, period)  # noqa: E731
+        await s.seed_budget(b(0), 0, 0.0)
+        assert (await s.admit("a", [b(6.0)], 30)).ok
+        waiting = await s.admit("b", [b(6.0)], 30)  # 6 reserved, not spent: it may settle for less
+        assert not waiting.ok and waiting.retry_after == pytest.approx(1.0)
+        await s.settle("a", [b(6.0)], [6.0])
+        spent = await s.admit("c", [b(6.0)], 30)
+        assert not spent.ok and spent.retry_after == float("inf")
+        assert (await s.admit("d", [b(4.0)], 30)).ok  # what is left still admits a cheaper one
+        day = Check("budget", "p", 10.0, 6.0, 86400)
+        adm = await s.admit("e", [day], 30)
+        await s.seed_budget(day, period_index(adm.now, 86400), 9.0)
+        periodic = await s.admit("f", [day], 30)
+        assert not periodic.ok and 0 < periodic.retry_after <= 86400  # until the period's end
+
+    run(scenario)
+
+
 def test_tpm_is_corrected_by_usage(run):
     async def scenario(s):
         t = lambda n: Check("tpm", "k", 100, n)  # noqa: E731

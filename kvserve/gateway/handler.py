@@ -289,6 +289,16 @@ class Gateway:
             ctx.checks = []  # nothing was applied, nothing to settle
             c = adm.failed
             who = "key" if c.scope.startswith("key:") else c.scope
+            if math.isinf(adm.retry_after):  # (was a 429 "retry after 1 s" that no retry ever passed)
+                self.metrics.rate_limited.labels(c.kind).inc()
+                raise GatewayError(
+                    400,
+                    f"{who}: budget {c.limit:g} is spent, with no room for this request's maximum cost "
+                    f"of {c.amount:.6g}, and it does not reset (no budget_duration); no retry admits it",
+                    "invalid_request_error",
+                    "budget_exceeded",
+                    headers=ctx.headers,
+                )
             what = {
                 "rpm": "requests per minute",
                 "tpm": "tokens per minute",

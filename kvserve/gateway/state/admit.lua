@@ -3,7 +3,7 @@
 -- second it was admitted in (settle.lua corrects that bucket); parallel -> slot zset (request ->
 -- expiry ms); budget -> budget hash {period, spent}, reservation zset, reservation amounts hash.
 -- ARGV: request_id, ttl_ms, n, then per check: kind, limit, amount, period_ms.
--- Returns {1, remaining...} or {0, failed check index, retry_after_ms}, or {-1, check index,
+-- Returns {1, remaining...} or {0, failed check index, retry_after_ms (-1: never)}, or {-1, check index,
 -- now_ms} for a budget hash never seeded from the spend log (seed.lua), changing nothing.
 -- The last KEY records an admission for a minute: the same request admitted again (the client
 -- resent the script after a connection lost its reply) gets that answer and counts nothing twice.
@@ -68,11 +68,12 @@ for i, c in ipairs(checks) do
     for _, v in ipairs(redis.call('HVALS', a)) do reserved = reserved + tonumber(v) end
     local spent = tonumber(redis.call('HGET', b, 'spent'))
     c.used = spent + reserved
-    if spent + c.amount > c.limit * (1 + eps) and c.period > 0 then
-      retry = (idx + 1) * c.period - now
+    if spent + c.amount > c.limit * (1 + eps) then  -- the spend alone: only a reset makes room
+      if c.period > 0 then retry = (idx + 1) * c.period - now else retry = -1 end  -- -1: never
     end
   end
   if c.used + c.amount > c.limit * (1 + eps) then
+    if retry < 0 then return {0, i, -1} end
     return {0, i, math.max(math.floor(retry), 1)}
   end
 end

@@ -39,7 +39,9 @@ class Admission:
     ok: bool
     remaining: list[float]  # per check, after this request (when ok)
     failed: Check | None = None
-    retry_after: float = 0.0  # seconds (when not ok)
+    # seconds (when not ok); inf: never, a budget without budget_duration whose spend alone
+    # leaves no room for this request (only raising the budget would admit it)
+    retry_after: float = 0.0
     # not ok, nothing applied: checks[unseeded] is a budget whose spend the store does not hold
     # (a fresh store, or Redis restarted without persistence): seed_budget it, then admit again
     unseeded: int | None = None

@@ -3,6 +3,7 @@ inside, so each method is atomic without locks."""
 
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable
@@ -72,9 +73,9 @@ class MemoryStore(StateStore):
         res = self._reserved[c.scope]
         for rid in [r for r, (exp, _) in res.items() if exp <= now]:
             del res[rid]
-        retry = 1.0
-        if b[1] + c.amount > c.limit * (1 + EPS) and c.period > 0:
-            retry = (b[0] + 1) * c.period - now
+        retry = 1.0  # (reservations in flight: they settle, maybe for less)
+        if b[1] + c.amount > c.limit * (1 + EPS):  # the spend alone: only a reset makes room
+            retry = (b[0] + 1) * c.period - now if c.period > 0 else math.inf
         return b[1] + sum(a for _, a in res.values()), retry
 
     async def admit(self, request_id: str, checks: list[Check], ttl: float) -> Admission:

@@ -5,6 +5,7 @@ the Redis server's clock, so instances on skewed hosts still agree."""
 from __future__ import annotations
 
 import functools
+import math
 import uuid
 from pathlib import Path
 
@@ -71,7 +72,8 @@ class RedisStore(StateStore):
             return Admission(True, [float(x) for x in out[1:]])
         if int(out[0]) == -1:
             return Admission(False, [], unseeded=int(out[1]) - 1, now=int(out[2]) / 1000)
-        return Admission(False, [], checks[int(out[1]) - 1], int(out[2]) / 1000)
+        retry = int(out[2])  # (-1: never, a spent budget that does not reset)
+        return Admission(False, [], checks[int(out[1]) - 1], math.inf if retry < 0 else retry / 1000)
 
     @_guarded
     async def seed_budget(self, check: Check, period: int, spent: float) -> bool:
