@@ -633,6 +633,26 @@ def test_the_log_line_gives_the_request_id_as_request_id(gw):
     assert "/chat/completions okgroup request_id=log-line-46 key=" in logs, logs[-2000:]
 
 
+def test_the_openai_routes_answer_without_v1_as_litellms_proxy_does(gw):
+    """LiteLLM's proxy serves its OpenAI routes with and without /v1, and its docs set clients
+    up with base_url http://host:4000: a client set up that way for this gateway got a 404 for
+    every call. The routes answer without /v1 too, the same way."""
+    c = openai.OpenAI(base_url=gw.url, api_key="sk-limited", max_retries=0, timeout=30)
+    assert [m.id for m in c.models.list()] == ["okgroup"] and c.models.retrieve("okgroup").id == "okgroup"
+    assert c.chat.completions.create(model="okgroup", messages=MSG, max_tokens=2).choices[0].message.content
+    assert c.completions.create(model="okgroup", prompt="one two", max_tokens=2).choices[0].text == " tok tok"
+    chunks = list(c.chat.completions.create(model="okgroup", messages=MSG, max_tokens=2, stream=True))
+    assert chunks[-1].choices[0].finish_reason == "length"
+    with pytest.raises(openai.PermissionDeniedError):  # the key's models apply here as well
+        c.chat.completions.create(model="retry500", messages=MSG, max_tokens=2)
+    h = {"Authorization": "Bearer sk-limited"}
+    r = httpx.post(gw.url + "/responses", json={"model": "okgroup", "input": "hi", "previous_response_id": 1},
+                   headers=h, timeout=30)  # fmt: skip
+    assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id", r.text
+    r = httpx.get(gw.url + "/responses/resp_x", headers=h, timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", r.text
+
+
 def test_gateway_errors_have_string_codes(gw):
     """error.code is a string everywhere, as kvserve serve answers (these carried the HTTP
     status, an int)."""

@@ -156,15 +156,20 @@ def build_app(cfg: GatewayConfig, web_ui: bool = True) -> FastAPI:
         s.refuse_if_draining()
         return await s.gateway.handle(request, path, await s.authenticate(request))
 
+    # each OpenAI route also without /v1, as LiteLLM's proxy serves them: its users' clients are
+    # set up with base_url http://host:4000, and every request of theirs was a 404 here
     @app.post("/v1/chat/completions")
+    @app.post("/chat/completions")
     async def chat(request: Request):
         return await forward(request, "/chat/completions")
 
     @app.post("/v1/completions")
+    @app.post("/completions")
     async def completions(request: Request):
         return await forward(request, "/completions")
 
     @app.post("/v1/responses")
+    @app.post("/responses")
     async def responses(request: Request):
         return await forward(request, "/responses")
 
@@ -176,10 +181,13 @@ def build_app(cfg: GatewayConfig, web_ui: bool = True) -> FastAPI:
 
     @app.get("/v1/responses/{response_id}")
     @app.delete("/v1/responses/{response_id}")
+    @app.get("/responses/{response_id}")
+    @app.delete("/responses/{response_id}")
     async def stored(request: Request, response_id: str):
         return await on_stored(request, response_id)
 
     @app.get("/v1/responses/{response_id}/input_items")
+    @app.get("/responses/{response_id}/input_items")
     async def input_items(request: Request, response_id: str):
         return await on_stored(request, response_id, "/input_items")
 
@@ -187,16 +195,19 @@ def build_app(cfg: GatewayConfig, web_ui: bool = True) -> FastAPI:
         return {"id": alias, "object": "model", "created": 0, "owned_by": "kvserve-gateway"}
 
     @app.post("/v1/embeddings")
+    @app.post("/embeddings")
     async def embeddings(request: Request):
         return await forward(request, "/embeddings")
 
     @app.get("/v1/models")
+    @app.get("/models")
     async def models(request: Request):
         s = st()
         allowed = s.gateway.allowed_models(await s.authenticate(request))
         return {"object": "list", "data": [model_card(a) for a in allowed]}
 
     @app.get("/v1/models/{model_id:path}")
+    @app.get("/models/{model_id:path}")
     async def model(request: Request, model_id: str):
         """OpenAI's models.retrieve (was a route 404); an alias this key may not use is not found."""
         s = st()
