@@ -296,6 +296,39 @@ def test_a_replica_relays_a_lone_surrogate_and_a_latin1_header_as_they_came():
         fb.stop()
 
 
+def test_the_replicas_retry_after_and_request_id_reach_the_client():
+    """The front answered with the replica server's status, type and body but none of its
+    headers: a 503's Retry-After (the engine restarting, the server draining) and the
+    X-Request-Id its log names were lost, which kvserve serve, the gateway and the pd-proxy
+    all return. The replica now relays them and the front sends them on."""
+    import asyncio
+
+    import httpx
+    from gateway_utils import FaultBackend
+
+    from kvserve.deploy.replica import KVServeReplica
+
+    pytest.importorskip("ray.serve")
+    fb = FaultBackend()
+    try:
+        replica = object.__new__(KVServeReplica)  # (no `kvserve serve` child: the relay alone)
+        replica.client, replica.replica_id = None, "r0"
+        body = {"model": "fail-429", "prompt": "a", "max_tokens": 2}
+
+        async def relay() -> list:
+            async with httpx.AsyncClient(base_url=fb.url) as replica.client:
+                return [part async for part in replica.forward("/v1/completions", body, {})]
+
+        meta, *_ = asyncio.run(relay())
+    finally:
+        fb.stop()
+    assert meta["status"] == 429 and meta["headers"] == {"retry-after": "1"}, meta
+    meta["headers"]["x-request-id"] = "req-46"  # (as kvserve serve sends it)
+    resp, _ = _front_post(_Handle(meta, b'{"error": {"message": "slow down"}}'))
+    assert resp.status_code == 429 and resp.headers["retry-after"] == "1", resp.headers
+    assert resp.headers["x-request-id"] == "req-46" and resp.headers["x-kvserve-replica"] == "r0"
+
+
 @pytest.mark.parametrize(
     "server_args, says",
     [

@@ -136,7 +136,7 @@ class Front:
 
         return StreamingResponse(
             rest(), status_code=meta["status"], media_type=meta["content_type"],
-            headers={"x-kvserve-replica": meta["replica"]},
+            headers={**meta.get("headers", {}), "x-kvserve-replica": meta["replica"]},  # (was the id alone)
         )  # fmt: skip
 
     @app.get("/v1/responses/{response_id}")

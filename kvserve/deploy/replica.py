@@ -36,6 +36,9 @@ from kvserve.deploy.ray_config import RayDeployConfig
 from kvserve.routing.responses_ids import EventRewriter, encode_id, public_body, public_error
 
 FORWARDED_HEADERS = ("authorization", "x-request-id", "x-session-id", "content-type")
+# the server's answer headers the client needs too: the request's id (the one its log names),
+# and how long to wait before trying again (a 503 while the engine restarts or drains)
+RELAYED_HEADERS = ("x-request-id", "retry-after")
 RESPONSES = "/v1/responses"
 
 
@@ -88,8 +91,8 @@ class KVServeReplica:
     async def forward(
         self, path: str, body: dict, headers: dict[str, str], pin: str | None = None
     ) -> AsyncIterator:
-        """Stream one POST through: first {status, content_type, replica}, then the body's bytes
-        as they arrive (SSE events for streams). Cancelled by Serve when the client leaves,
+        """Stream one POST through: first {status, content_type, replica, headers}, then the
+        body's bytes as they arrive (SSE events for streams). Cancelled by Serve when the client leaves,
         which closes the connection, which aborts the request in the engine. A Responses
         answer's ids name this replica (routing/responses_ids.py); `pin` is the replica a
         previous_response_id names (the router sends it there while it runs)."""
@@ -148,6 +151,7 @@ class KVServeReplica:
                 "status": resp.status_code,
                 "content_type": resp.headers.get("content-type", "application/json"),
                 "replica": self.replica_id,
+                "headers": {k: resp.headers[k] for k in RELAYED_HEADERS if k in resp.headers},
             }
             async for chunk in resp.aiter_raw():
                 yield chunk
