@@ -468,6 +468,24 @@ def test_a_previous_response_id_that_is_no_string_is_a_400_naming_its_type(fault
     assert r.status_code == 400 and r.json()["error"]["code"] == "previous_response_not_found", r.text
 
 
+def test_the_proxys_refusals_carry_the_request_id_too(fault_proxy):
+    """An answer the decode engine gave carried the request's X-Request-Id, but the proxy's own
+    400s (a body that is no JSON, a value the decode engine would refuse, an unknown
+    previous_response_id) and a prefill engine's 400 had none: the client could not name the
+    request whose prefill the engine's log holds."""
+    _, proxy, _ = fault_proxy
+    cases = [
+        ("/v1/completions", b"{nope"),
+        ("/v1/completions", json.dumps({"model": "ok", "prompt": "a", "max_tokens": -1}).encode()),
+        ("/v1/responses", json.dumps({"model": "ok", "previous_response_id": "resp_x"}).encode()),
+        ("/v1/chat/completions", json.dumps({"model": "bad-400", "messages": MSG_PD}).encode()),  # prefill's
+    ]
+    for i, (path, body) in enumerate(cases):
+        sent = {"x-request-id": f"pd-refused-{i}", "content-type": "application/json"}
+        r = httpx.post(proxy.url + path, content=body, headers=sent, timeout=30)
+        assert r.status_code == 400 and r.headers.get("x-request-id") == f"pd-refused-{i}", (path, r.text)
+
+
 def test_a_body_over_the_limit_is_a_413_before_it_is_read(fault_proxy):
     """The proxy read any body whole into memory (kvserve serve and the gateway refuse one past
     16 MiB): one client's upload could take the proxy's memory."""

@@ -98,6 +98,16 @@ class PDProxy:
         return call.result()
 
     async def handle(self, path: str, raw: Request) -> Response:
+        """The request's answer, which carries its X-Request-Id however it ends (the proxy's own
+        refusals and a prefill engine's 4xx had none: the client could not name the request the
+        engines' logs hold)."""
+        send, rid = self._engine_headers(raw)
+        resp = await self._handle(path, raw, send, rid)
+        if "x-request-id" not in resp.headers:
+            resp.headers["x-request-id"] = rid
+        return resp
+
+    async def _handle(self, path: str, raw: Request, send: dict, rid: str) -> Response:
         try:
             body = await raw.json()
         except ValueError:
@@ -108,7 +118,6 @@ class PDProxy:
         if not isinstance(body, dict):
             return JSONResponse(_error("request body: must be a JSON object", None), status_code=400)
         params, how, urls = None, "decode-only", None
-        send, rid = self._engine_headers(raw)
         if path == RESPONSES and (wrong := previous_id_problem(body.get("previous_response_id"))):
             return JSONResponse(_error(wrong, "previous_response_id", code="invalid_value"), 400)
         if path == RESPONSES and body.get("previous_response_id") is not None:
