@@ -838,6 +838,9 @@ def test_admin_refuses_a_key_it_could_not_store_or_use(gw, body, field):
 
 def test_health_readiness_and_metrics(gw):
     assert httpx.get(gw.url + "/health").json() == {"status": "ok"}
+    # LiteLLM's liveness paths too: a chart made for its proxy probes these (a 404 restarts the pod)
+    for path in ("/health/liveliness", "/health/liveness"):
+        assert httpx.get(gw.url + path).json() == {"status": "ok"}, path
     ready = httpx.get(gw.url + "/health/readiness").json()
     assert ready["status"] == "ready" and len(ready["deployments"]) == 46
     # a backend refusing the deployment's api_key cannot answer anything: not up (was: it answered)

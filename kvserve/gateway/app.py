@@ -218,6 +218,8 @@ def build_app(cfg: GatewayConfig, web_ui: bool = True) -> FastAPI:
         return model_card(model_id)
 
     @app.get("/health")
+    @app.get("/health/liveliness")  # LiteLLM's probe paths: its charts' liveness probes got 404s,
+    @app.get("/health/liveness")  # and a pod answering 404 to its probe is restarted in a loop
     async def health():
         """Liveness: the process answers (a backend being down is readiness's business)."""
         return {"status": "ok"}
