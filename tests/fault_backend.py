@@ -20,6 +20,8 @@ failure tests. The backend model name picks the behaviour:
     role-hang streams chat's opening chunk (the role, no content), then nothing (60 s)
     role-error streams chat's opening chunk, then an error event and [DONE] (as kvserve serve
               when its engine dies before the first token)
+    error-mid streams 2 events, then an engine_dead error event and [DONE] (as kvserve serve
+              when its engine dies mid-answer)
 
 POST /deny/v1/... answers 401 whatever the model (a server whose API key the caller lacks).
 GET /stats gives requests per model and how many streams and holds the client cancelled.
@@ -77,6 +79,10 @@ async def _events(body: dict, chat: bool, mode: str):
             yield _chunk(chat, " tok")
             if mode == "die" and i == 1:
                 raise ConnectionError("fault backend: dying mid-stream")
+            if mode == "error-mid" and i == 1:
+                err = {"message": "engine died", "type": "engine_dead", "param": None, "code": "engine_dead"}
+                yield b"data: " + json.dumps({"error": err}).encode() + b"\n\ndata: [DONE]\n\n"
+                return
         yield _chunk(chat, None, "length")
         if (body.get("stream_options") or {}).get("include_usage"):
             usage = _usage(body, n, mode)

@@ -82,6 +82,7 @@ def _base(fault, tmp, **router) -> dict:
              "backend": {"base_url": u, "model": "ok", "max_context": 100, "weight": 0.001,
                          "input_cost_per_token": 0.5, "output_cost_per_token": 0.25}},
             deployment("down", u, "fail-500"), deployment("unterminated", u, "unterminated"),
+            {"model_name": "errmid", "id": "errmid-only", "backend": {"base_url": u, "model": "error-mid"}},
             deployment("rolehang", u, "role-hang", first_byte_timeout=0.5, idle_timeout=1),
             {"model_name": "roleerr", "id": "roleerr-bad", "backend": {"base_url": u, "model": "role-error",
                                                                        "weight": 1000}},
@@ -238,6 +239,27 @@ def _spend_rows(gw, model: str, requests: int = 1, tries: int = 100) -> list[dic
             break
         time.sleep(0.1)
     return rows
+
+
+def test_an_error_event_mid_stream_is_a_failed_stream_not_a_200(gw):
+    """kvserve serve ends a stream whose engine died mid-answer with an error event (and [DONE]),
+    not a cut connection: the gateway passed it on but logged, counted and billed the request as
+    a 200, and the deployment as having answered. The client still gets the event; the request
+    is now a 502 failed mid-stream (engine_dead, the deployment's fault, counts towards its
+    cooldown), charged what it delivered."""
+    c = openai.OpenAI(base_url=gw.url + "/v1", api_key=KEY, max_retries=0, timeout=30,
+                      default_headers={"x-request-id": "errmid-46"})  # fmt: skip
+    got = []
+    with pytest.raises(openai.APIError, match="engine died"):
+        for chunk in c.chat.completions.create(model="errmid", messages=MSG, max_tokens=4, stream=True):
+            got.append(chunk.choices[0].delta.content if chunk.choices else None)
+    assert got == [" tok", " tok"], got
+    logs = wait_for_log(gw.logs, "request_id=errmid-46", timeout=10)
+    line = next(x for x in logs.splitlines() if "request_id=errmid-46" in x)
+    assert "deployment=errmid-only status=502" in line, line
+    metrics = httpx.get(gw.url + "/metrics").text
+    assert 'deployment="errmid-only",outcome="failed_mid_stream"' in metrics
+    assert 'deployment="errmid-only",outcome="ok"' not in metrics
 
 
 def test_a_stream_cut_mid_way_is_charged_what_it_delivered(gw):
@@ -842,7 +864,7 @@ def test_health_readiness_and_metrics(gw):
     for path in ("/health/liveliness", "/health/liveness"):
         assert httpx.get(gw.url + path).json() == {"status": "ok"}, path
     ready = httpx.get(gw.url + "/health/readiness").json()
-    assert ready["status"] == "ready" and len(ready["deployments"]) == 46
+    assert ready["status"] == "ready" and len(ready["deployments"]) == 47
     # a backend refusing the deployment's api_key cannot answer anything: not up (was: it answered)
     assert [d["up"] for d in ready["deployments"] if d["model_name"] == "denied"] == [False]
     assert all(d["up"] for d in ready["deployments"] if d["model_name"] != "denied")

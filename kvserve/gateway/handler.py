@@ -17,6 +17,7 @@ from fastapi.responses import Response
 
 from kvserve.disagg.prefill import PrefillResult, run_prefill
 from kvserve.disagg.split import decode_body, disaggregates
+from kvserve.disagg.stream_start import ENGINE_GONE_CODES
 from kvserve.disagg.validate import decode_refusal
 from kvserve.entrypoints.openai.middleware import _REQUEST_ID
 from kvserve.gateway.backends import BackendPool, estimate_tokens
@@ -521,12 +522,14 @@ class Gateway:
         deadline = time.monotonic() - (out.first_byte_s or 0) + dep.backend.timeout
         settling: list[asyncio.Future] = []
 
-        async def settle(status: int, failure: str | None) -> None:
+        async def settle(status: int, failure: str | None, blamed: bool = True) -> None:
             """Once: by the relay when it ends, else when the response closes (stream_response.py)."""
             first = not settling
             if first:
                 settling.append(
-                    asyncio.ensure_future(self._end_stream(ctx, dep, arid, dchecks, out, status, failure))
+                    asyncio.ensure_future(
+                        self._end_stream(ctx, dep, arid, dchecks, out, status, failure, blamed)
+                    )
                 )
             try:
                 await asyncio.shield(settling[0])
@@ -537,7 +540,7 @@ class Gateway:
                     log.exception("settling the stream of %s failed", ctx.rid)
 
         async def relay():
-            status, failure = 499, None  # 499 unless the stream ends or fails
+            status, failure, blamed = 499, None, True  # 499 unless the stream ends or fails
             gone = asyncio.ensure_future(_disconnected(ctx.request))  # the client went away
             try:
                 yield out.first
@@ -553,6 +556,10 @@ class Gateway:
                 if last:
                     yield last
                 status = 200
+                if out.relay.error_later is not None:  # (it was logged and counted as a 200)
+                    message, code = out.relay.error_later
+                    status, failure = 502, f"the stream ended with the backend's error ({message})"
+                    blamed = code in ENGINE_GONE_CODES  # the deployment's; another may be the request's
             except Exception as e:  # httpx read errors, idle and total timeouts
                 status, failure = 502, f"{e.__class__.__name__}: {e}".strip(": ")
                 yield error_event(
@@ -560,7 +567,7 @@ class Gateway:
                 )
             finally:
                 gone.cancel()
-                await settle(status, failure)
+                await settle(status, failure, blamed)
 
         return SettledStream(
             relay(),
@@ -578,6 +585,7 @@ class Gateway:
         out: Outcome,
         status: int,
         failure: str | None,
+        blamed: bool = True,
     ) -> None:
         await out.response.aclose()
         self.router.strategy.finished(dep.id, out.first_byte_s if failure is None else None, ctx.route)
@@ -586,7 +594,7 @@ class Gateway:
             usage = out.relay.delivered_usage(ctx.prompt_tokens or estimate_tokens(ctx.body))  # what went out
         await self._release(arid, dchecks, usage["total_tokens"])
         self.metrics.attempts.labels(dep.id, "ok" if failure is None else "failed_mid_stream").inc()
-        if failure is not None and await self.router.failed(dep):
+        if failure is not None and blamed and await self.router.failed(dep):
             self.metrics.cooldowns.labels(dep.id).inc()
         await self._finish(ctx, status, usage, ok=True)
 

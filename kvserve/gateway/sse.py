@@ -28,6 +28,9 @@ class SSERelay:
         self.answered = False
         self.error_first: str | None = None  # that event's message when it was an error
         self.error_code: str | None = None  # and its code
+        # an error event after the answer began (kvserve's engine died mid-answer): its message
+        # and code; the stream goes on to the client as it came, but did not succeed
+        self.error_later: tuple[str, str | None] | None = None
         self._chunks = self._chars = 0  # of the completion text passed on (usage when none came)
         self._buf = b""
 
@@ -49,6 +52,8 @@ class SSERelay:
             self.data_events += has_data(ev)
             if not self.answered and has_data(ev):
                 self._first_answer(ev)
+            elif b'"error"' in ev and self.error_later is None:
+                self._later_error(ev)
             if b'"choices"' in ev:
                 self._count(ev)
             elif b'.delta"' in ev:
@@ -67,6 +72,12 @@ class SSERelay:
             return
         self.answered = True
         self.error_first, self.error_code = event_error(obj), event_code(obj)
+
+    def _later_error(self, ev: bytes) -> None:
+        obj = _data_json(ev)
+        message = event_error(obj)
+        if message is not None:
+            self.error_later = (message, event_code(obj))
 
     def _count(self, ev: bytes) -> None:
         try:
