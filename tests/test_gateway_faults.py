@@ -675,6 +675,33 @@ def test_the_openai_routes_answer_without_v1_as_litellms_proxy_does(gw):
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", r.text
 
 
+def test_a_browser_page_on_an_allowed_origin_may_call_the_gateway(gw, fault, tmp_path):
+    """The gateway had no CORS at all (kvserve serve has --allowed-origins; LiteLLM's proxy
+    allows every origin): a web app's preflight was a 405, so no browser page could call it.
+    general_settings.allowed_origins lets the listed origins in; others stay out."""
+    settings = {"database": str(tmp_path / "gw.db"), "allowed_origins": ["http://app.test"]}
+    cfg = {"model_list": [deployment("okgroup", fault.url + "/v1", "ok")], "keys": [{"key": KEY}],
+           "general_settings": settings}  # fmt: skip
+    g = GatewayProcess(cfg, str(tmp_path), name="cors")
+    try:
+        url = g.url + "/v1/chat/completions"
+        pre = {"origin": "http://app.test", "access-control-request-method": "POST",
+               "access-control-request-headers": "authorization,content-type"}  # fmt: skip
+        r = httpx.options(url, headers=pre, timeout=30)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://app.test"
+        h = {"origin": "http://app.test", "Authorization": f"Bearer {KEY}"}
+        body = {"model": "okgroup", "messages": MSG, "max_tokens": 2}
+        r = httpx.post(url, json=body, headers=h, timeout=30)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://app.test"
+        assert "x-request-id" in r.headers["access-control-expose-headers"]
+        r = httpx.options(url, headers={**pre, "origin": "http://evil.test"}, timeout=30)
+        assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+    finally:
+        g.stop()
+    r = httpx.options(gw.url + "/v1/chat/completions", headers=pre, timeout=30)  # none configured: none
+    assert r.status_code == 405 and "access-control-allow-origin" not in r.headers
+
+
 def test_gateway_errors_have_string_codes(gw):
     """error.code is a string everywhere, as kvserve serve answers (these carried the HTTP
     status, an int)."""

@@ -10,6 +10,7 @@ import sqlite3
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -31,6 +32,11 @@ from kvserve.gateway.stored_responses import stored_response
 from kvserve.web import add_web_ui
 
 log = logging.getLogger("kvserve.gateway")
+# what a page may read of an answer besides the CORS-safelisted headers: the request's id, the
+# rate-limit window, when to retry, who answered
+_EXPOSED = ["x-request-id", "retry-after", "x-ratelimit-limit-requests", "x-ratelimit-remaining-requests",
+            "x-ratelimit-limit-tokens", "x-ratelimit-remaining-tokens", "x-kvserve-deployment",
+            "x-kvserve-model-group", "x-kvserve-attempts"]  # fmt: skip
 
 
 class GatewayState:
@@ -120,6 +126,9 @@ def build_app(cfg: GatewayConfig, web_ui: bool = True) -> FastAPI:
     app.add_middleware(InternalErrors)
     # the handler reads whole bodies: without a bound one client's upload takes the memory
     app.add_middleware(BodySizeLimit, max_bytes=cfg.general_settings.max_request_bytes)
+    if cfg.general_settings.allowed_origins:  # outermost: a preflight is answered before the rest
+        app.add_middleware(CORSMiddleware, allow_origins=cfg.general_settings.allowed_origins,
+                           allow_methods=["*"], allow_headers=["*"], expose_headers=_EXPOSED)  # fmt: skip
     app.include_router(admin_router(state))
 
     def st() -> GatewayState:

@@ -196,6 +196,9 @@ class GeneralSettings(_Strict):
     max_request_bytes: int = Field(
         16 * 2**20, ge=1024, description="a larger body is refused (413) before it is read into memory"
     )
+    # browser pages on these origins may call the gateway (CORS; "*": any), as `kvserve serve
+    # --allowed-origins`; none by default. Without it a web app's preflight was a 405, always
+    allowed_origins: list[str] = Field(default_factory=list)
 
     @field_validator("state")
     @classmethod
