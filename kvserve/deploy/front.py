@@ -35,6 +35,10 @@ def _error(
 
 
 def _reason(e: BaseException) -> str:
+    """The failure, short: a replica's exception reaches the front wrapped in Ray's RayTaskError,
+    whose text is the actor's traceback header (terminal colours, actor ids); its cause says it."""
+    cause = getattr(e, "cause", None)
+    e = cause if isinstance(cause, BaseException) else e
     return f"{e.__class__.__name__}: {e}".strip(": ")[:300]
 
 

@@ -36,9 +36,10 @@ from kvserve.deploy.ray_config import RayDeployConfig
 from kvserve.routing.responses_ids import EventRewriter, encode_id, public_body, public_error
 
 FORWARDED_HEADERS = ("authorization", "x-request-id", "x-session-id", "content-type")
-# the server's answer headers the client needs too: the request's id (the one its log names),
-# and how long to wait before trying again (a 503 while the engine restarts or drains)
-RELAYED_HEADERS = ("x-request-id", "retry-after")
+# the server's answer headers the client needs too: how long to wait before trying again (a 503
+# while the engine restarts or drains). Not x-request-id: Serve's proxy answers with its own
+# request id, which it also hands the server (relayed, the header came twice)
+RELAYED_HEADERS = ("retry-after",)
 RESPONSES = "/v1/responses"
 
 
