@@ -209,6 +209,38 @@ def test_a_lease_the_consumer_will_not_use_is_freed_at_once(tiny_llama_dir):
             e.core.shutdown()
 
 
+def test_a_request_refused_for_its_id_releases_its_lease(tiny_llama_dir):
+    """A consumer request refused because its request id is in use never reached the input
+    processor, so the producer held its prompt's blocks until the lease's 30 s were up; now
+    that lease is released at once, while a resent request naming the live one's own lease
+    leaves it for the live one to pull."""
+    prod = _engine(tiny_llama_dir, "tcp", "kv_producer")
+    cons = _engine(tiny_llama_dir, "tcp", "kv_consumer")
+    leases, kv = prod.core.connector.leases, prod.kv_cache_manager
+    try:
+        p = [(7 * j) % 500 + 3 for j in range(40)]
+        first = SamplingParams(temperature=0, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+        live, other = (_run(prod, f"p{i}", p, first).kv_transfer_params for i in range(2))
+        assert len(leases) == 2
+        cons.add_request("c", p, SamplingParams(temperature=0, max_tokens=4, kv_transfer_params=live))
+        for params in (other, live):
+            again = SamplingParams(temperature=0, max_tokens=4, kv_transfer_params=params)
+            with pytest.raises(ValueError, match="request_id: 'c' is already in use"):
+                cons.add_request("c", p, again)
+        deadline = time.monotonic() + 20  # (the lease's own 30 s: a wide margin on a loaded host)
+        while len(leases) > 1 and time.monotonic() < deadline:  # the release reaches the transfer thread
+            prod.core.poll_transfers()
+            time.sleep(0.005)
+        assert len(leases) == 1, "the refused request's lease still holds its blocks"
+        assert _run(cons, None, None, None).outputs[0].finish_reason == "length"
+        assert cons.core.connector.stats.loads == 1  # the live request pulled its own lease
+        prod.core.poll_transfers()
+        assert kv.num_free_blocks == kv.num_blocks and leases.num_expired == 0
+    finally:
+        for e in (prod, cons):
+            e.core.shutdown()
+
+
 def test_disk_tier_survives_a_restart(tmp_path, tiny_llama_dir):
     """kv_both on disk: blocks written by one engine are loaded by a fresh one (same output)."""
     p = [(5 * j) % 500 + 3 for j in range(100)]

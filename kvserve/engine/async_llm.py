@@ -404,6 +404,8 @@ class AsyncLLM:
             raise self.dead_error()
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._streams:
+            held = self.output_processor.states.get(request_id)
+            self.processor.release_lease(params, held.params if held is not None else None)
             raise ValueError(f"request_id: {request_id!r} is already in use")
         req = self.processor.process(
             request_id, prompt if prompt_token_ids is None else prompt_token_ids, params, None, priority,
@@ -412,10 +414,12 @@ class AsyncLLM:
         try:
             payload = self._encoder.encode(AddRequest(req))
         except (OverflowError, TypeError, ValueError) as e:
+            self.processor.release_lease(params)
             raise ValueError(f"request: a field is out of range ({e})") from None
         try:
             self._in_sync.send(payload, zmq.NOBLOCK)
         except zmq.ZMQError:
+            self.processor.release_lease(params)
             raise self.dead_error() from None
         stream = RequestStream(self, request_id)
         stream.prefill_tokens = len(req.prompt_token_ids)

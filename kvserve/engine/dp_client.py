@@ -175,7 +175,10 @@ class DPClient:
         session: str | None = None,
     ) -> RequestStream:
         """AsyncLLM.add_request on the replica the policy picks (same errors, same stream)."""
-        if request_id is not None and any(request_id in e._streams for e in self.engines):
+        owner = next((e for e in self.engines if request_id is not None and request_id in e._streams), None)
+        if owner is not None:
+            held = owner.output_processor.states.get(request_id)
+            self.processor.release_lease(params, held.params if held is not None else None)
             raise ValueError(f"request_id: {request_id!r} is already in use")
         ids = prompt_token_ids
         if ids is None and not isinstance(prompt, str):

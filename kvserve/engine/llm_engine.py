@@ -50,11 +50,12 @@ class LLMEngine:
         group_id: str | None = None,
     ) -> None:
         """Validate and queue a request; raises ValueError naming the bad field."""
-        if request_id in self.output_processor.states:
+        params = params or SamplingParams()
+        held = self.output_processor.states.get(request_id)
+        if held is not None:
+            self.processor.release_lease(params, held.params)
             raise ValueError(f"request_id: {request_id!r} is already in use")
-        req = self.processor.process(
-            request_id, prompt, params or SamplingParams(), arrival_time, priority, cache_salt, group_id
-        )
+        req = self.processor.process(request_id, prompt, params, arrival_time, priority, cache_salt, group_id)
         self.core.add_request(req)
         self.output_processor.add_request(req, prompt if isinstance(prompt, str) else None)
 

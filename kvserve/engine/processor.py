@@ -14,7 +14,7 @@ from kvserve.engine.messages import EngineCoreRequest
 from kvserve.kv_transfer.config import KVTransferConfig
 from kvserve.kv_transfer.params import check_kv_transfer_params
 from kvserve.kv_transfer.peers import allowed
-from kvserve.kv_transfer.refused import release_refused
+from kvserve.kv_transfer.refused import release_refused, same_lease
 from kvserve.sampling_params import SamplingParams
 from kvserve.structured.spec import check as check_grammar
 from kvserve.tokenizer import Tokenizer
@@ -101,6 +101,13 @@ class InputProcessor:
         except ValueError:
             release_refused(self.kv_transfer, params.kv_transfer_params)
             raise
+
+    def release_lease(self, params: SamplingParams, held: SamplingParams | None = None) -> None:
+        """For a request refused outside `process` (its request id in use, a field that does
+        not encode, the core down): release the lease another engine holds for it, unless
+        `held`, the live request with that id, was given the same lease."""
+        if held is None or not same_lease(params.kv_transfer_params, held.kv_transfer_params):
+            release_refused(self.kv_transfer, params.kv_transfer_params)
 
     def _process(
         self,

@@ -29,3 +29,12 @@ def release_refused(config: KVTransferConfig | None, params: dict | None) -> Non
     from kvserve.kv_transfer.zmq_connector import send_release  # zmq only where it is needed
 
     send_release(rp, config.transfer_timeout_s)
+
+
+def same_lease(params: dict | None, held: dict | None) -> bool:
+    """Whether two requests' kv_transfer_params name one lease (a resent body): the live one
+    pulls it, so refusing the other must not release it."""
+    if not isinstance(params, dict) or not isinstance(held, dict):
+        return False
+    handle = params.get("remote_request_id")
+    return handle is not None and handle == held.get("remote_request_id")
