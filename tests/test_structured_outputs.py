@@ -101,6 +101,43 @@ def test_a_length_bounded_or_patterned_string_can_hold_escapes(tiny_llm, string,
     assert state.is_terminated()
 
 
+def _answers(engine, key: tuple[str, str], text: str) -> bool:
+    """Whether the engine's compiled grammar for `key` lets `text` be written token by token
+    (each token in the mask and accepted) and end there."""
+    vocab = engine.core.arch.vocab_size
+    compiler = GrammarCompiler(engine.tokenizer, vocab, sorted(engine.eos_token_ids))
+    compiled = compiler.submit(key).result()
+    compiler.shutdown()
+    state = GrammarState(compiled, json_text=key[0] == "json")
+    bitmask = torch.zeros((1, (vocab + 31) // 32), dtype=torch.int32)
+    for tok in engine.tokenizer.encode(text, add_special_tokens=False) + [2]:
+        state.fill_bitmask(bitmask, 0)
+        if not bitmask[0, tok // 32] >> (tok % 32) & 1 or not state.accept_tokens([tok]):
+            return False
+    return state.is_terminated()
+
+
+PATTERN_KEYS = {
+    "patternProperties": {"type": "object", "patternProperties": {"^a.b$": {"type": "integer"}},
+                          "additionalProperties": False},
+    "propertyNames": {"type": "object", "propertyNames": {"pattern": "^a.b$"},
+                      "additionalProperties": {"type": "integer"}},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("keyword", PATTERN_KEYS)
+@pytest.mark.parametrize("name", ['a"b', "a\\b", "a\tb", "axb"])
+def test_a_key_under_a_pattern_can_hold_escapes(tiny_llm, keyword, name):
+    """A patternProperties key was written by xgrammar's own pattern grammar, whose classes
+    leave out a quote, a backslash and control characters: {"a\\"b": 1} was unreachable for
+    `^a.b$` though a propertyNames key (and a value) could hold it. Keys are now respelt over
+    their JSON text as values are."""
+    schema = PATTERN_KEYS[keyword]
+    answer = json.dumps({name: 1})
+    jsonschema.validate(json.loads(answer), schema)
+    assert _answers(tiny_llm.llm_engine, ("json", json.dumps(schema)), answer), answer
+
+
 @pytest.mark.parametrize(
     "key", [("json", json.dumps({"type": "array", "items": s})) for s in
             (BOUNDED, {"type": "string"}, {"type": "string", "pattern": "^.+$"})]

@@ -6,9 +6,10 @@ so a valid answer such as {"s": "a\\nb"} or {"s": "say \\"hi\\""} was unreachabl
 control characters, which JSON refuses, were let through. Each such character rule is rewritten
 as one JSON character: an unescaped one (no quote, backslash or control character) or one
 escape sequence, so the bound still counts characters (an escape as one). No string character
-is a surrogate (U+D800-U+DFFF), which xgrammar took as any other. A string `pattern`
-is swapped for a placeholder before xgrammar converts the schema, and the placeholder's rule
-for json_patterns.py's grammar of the pattern after.
+is a surrogate (U+D800-U+DFFF), which xgrammar took as any other. A string `pattern` (a
+value's, a propertyNames one, or a patternProperties key: a key under a pattern could hold no
+escape either) is swapped for a placeholder before xgrammar converts the schema, and the
+placeholder's rule for json_patterns.py's grammar of the pattern after.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ _ANY_CHAR = r"[^\0-\x1f\"\\\r\n]"  # xgrammar's unbounded string character
 _UNICODE_CHAR = r"[^\0-\x1f\"\\\ud800-\udfff]"  # an unescaped JSON character
 _PATTERN_RULE = "kvserve_pattern"
 _DATA = ("const", "enum", "default", "examples")
+_NAMED = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema
 
 
 def json_schema_grammar(schema: str):
@@ -84,8 +86,10 @@ def _placeholder(i: int) -> str:
 
 
 def _swap_patterns(node, patterns: list[str]):
-    """The schema with each string `pattern` replaced by a placeholder (appended to patterns);
-    values that are data, not schemas (const, enum, default, examples), left as they are."""
+    """The schema with each string `pattern` and each patternProperties key (a key's pattern:
+    xgrammar writes it as a value's) replaced by a placeholder (appended to patterns); values
+    that are data, not schemas (const, enum, default, examples), and the names in a map of
+    schemas (a property named "const" or "patternProperties") left as they are."""
     if isinstance(node, list):
         return [_swap_patterns(v, patterns) for v in node]
     if not isinstance(node, dict):
@@ -97,6 +101,13 @@ def _swap_patterns(node, patterns: list[str]):
             out[key] = _placeholder(len(patterns) - 1)
         elif key in _DATA:
             out[key] = value
+        elif key in _NAMED and isinstance(value, dict):
+            out[key] = {}
+            for name, schema in value.items():
+                if key == "patternProperties":  # its keys are patterns too
+                    patterns.append(name)
+                    name = _placeholder(len(patterns) - 1)
+                out[key][name] = _swap_patterns(schema, patterns)
         else:
             out[key] = _swap_patterns(value, patterns)
     return out
