@@ -1,5 +1,5 @@
-"""Regex grammars respelt: a JSON schema's string `pattern` over the string's JSON text, and a
-regex constraint's classes without surrogates.
+"""Regex grammars respelt: a JSON schema's string `pattern` (or a key's) over the string's JSON
+text, and a regex constraint's classes without surrogates.
 
 xgrammar 0.2.8 writes a pattern either as a regex whose classes leave out a quote, a backslash
 and control characters (a value holding one, e.g. 'say "hi"' for `^.+$`, was unreachable) or,
@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import re
+
+from kvserve.structured.regex_dot import ECMA_DOT, PYTHON_DOT, explicit_dots
 
 MAX_CODE_POINT = 0x10FFFF
 _SURROGATES = (0xD800, 0xDFFF)  # no UTF-8 holds them: a class's characters leave them out
@@ -47,10 +49,11 @@ def regex_grammar(pattern: str) -> str:
 
 
 def _respelt(pattern: str, json_text: bool) -> str:
-    """xgrammar's grammar of the regex, each rule's terminals respelt (_terminals)."""
+    """xgrammar's grammar of the regex, its `.` the flavour's (ECMA-262 for a schema, Python's
+    for a regex constraint: regex_dot.py), each rule's terminals respelt (_terminals)."""
     import xgrammar as xgr
 
-    text = str(xgr.Grammar.from_regex(pattern))
+    text = str(xgr.Grammar.from_regex(explicit_dots(pattern, ECMA_DOT if json_text else PYTHON_DOT)))
     return "\n".join(_terminals(line, json_text) for line in text.splitlines() if line.strip())
 
 
