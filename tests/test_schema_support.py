@@ -51,6 +51,13 @@ IGNORED = [
         "/",
     ),
     ({"type": "object", "required": ["a"]}, "{}", "required", "/"),
+    # a name two patterns define would need both schemas at once
+    (
+        {"type": "object", "patternProperties": {"^a": INTS, "a$": INTS}, "required": ["a"]},
+        "{}",
+        "required",
+        "/",
+    ),
     (
         {
             "type": "object",

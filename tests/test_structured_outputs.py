@@ -166,6 +166,24 @@ def test_a_dot_matches_no_line_terminator(tiny_llm, key, text, valid):
     assert _answers(tiny_llm.llm_engine, key, text) == valid, (key, text)
 
 
+PATTERN_REQUIRED = {"type": "object", "properties": {"b": {"type": "boolean"}},
+                    "patternProperties": {"^a$": {"type": "integer"}, "^x[a-z]*$": {"type": "string"}},
+                    "required": ["a"], "additionalProperties": False}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "answer, valid",
+    [("{}", False), ('{"b": true}', False), ('{"a": "x"}', False), ('{"a": 1}', True),
+     ('{"b": false, "a": 2}', True), ('{"a": 3, "xy": "z"}', True)],
+)  # fmt: skip
+def test_a_required_name_only_a_pattern_defines_is_required(tiny_llm, answer, valid):
+    """xgrammar writes every patternProperties key as optional, so a schema requiring "a",
+    which only the pattern ^a$ defines, was answered {} with finish_reason "stop"; the name is
+    now a property of the pattern's schema, which the grammar requires."""
+    assert valid == jsonschema.Draft202012Validator(PATTERN_REQUIRED).is_valid(json.loads(answer))
+    assert _answers(tiny_llm.llm_engine, ("json", json.dumps(PATTERN_REQUIRED)), answer) == valid, answer
+
+
 @pytest.mark.parametrize(
     "key", [("json", json.dumps({"type": "array", "items": s})) for s in
             (BOUNDED, {"type": "string"}, {"type": "string", "pattern": "^.+$"})]

@@ -19,6 +19,7 @@ import logging
 import re
 
 from kvserve.structured.json_patterns import pattern_grammar
+from kvserve.structured.pattern_required import require_pattern_names
 
 logger = logging.getLogger(__name__)
 # The body xgrammar gives a length-bounded string's character rule.
@@ -32,10 +33,12 @@ _NAMED = ("properties", "patternProperties", "$defs", "definitions", "dependentS
 
 
 def json_schema_grammar(schema: str):
-    """The xgrammar Grammar of a JSON schema (no free whitespace), strings fixed as above and
-    string patterns as json_patterns.py writes them (as xgrammar writes them should that fail)."""
+    """The xgrammar Grammar of a JSON schema (no free whitespace), strings fixed as above,
+    string patterns as json_patterns.py writes them (as xgrammar writes them should that fail)
+    and required names only a pattern defines required (pattern_required.py)."""
     import xgrammar as xgr
 
+    schema = json.dumps(require_pattern_names(json.loads(schema)))
     patterns: list[str] = []
     swapped = _swap_patterns(json.loads(schema), patterns)
     if patterns:

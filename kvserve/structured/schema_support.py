@@ -61,24 +61,32 @@ def unsupported(schema: Any) -> tuple[str, str, str] | None:
 
 
 def _undefined_required(node: dict) -> str | None:
-    """A required name that neither `properties` nor a `patternProperties` pattern defines:
-    xgrammar leaves it out of the grammar (`{}` answers `{"required": ["a"]}`)."""
+    """A required name that neither `properties` nor one `patternProperties` pattern defines:
+    xgrammar leaves it out of the grammar (`{}` answers `{"required": ["a"]}`). A name one
+    pattern defines is made a property (pattern_required.py); one that several patterns define
+    would need all their schemas at once, which the grammar cannot say."""
     required, props = node.get("required"), node.get("properties")
     if not isinstance(required, list):
         return None
     props = props if isinstance(props, dict) else {}
     patterns = node.get("patternProperties") if isinstance(node.get("patternProperties"), dict) else {}
     for name in required:
-        if isinstance(name, str) and name not in props and not any(_matches(p, name) for p in patterns):
+        if isinstance(name, str) and name not in props and len(matching_patterns(patterns, name)) != 1:
             return name
     return None
 
 
-def _matches(pattern: str, name: str) -> bool:
-    try:
-        return re.search(pattern, name) is not None
-    except (re.error, TypeError):
-        return False
+def matching_patterns(patterns: dict, name: str) -> list[str]:
+    """The patternProperties keys whose regex finds `name` (JSON Schema's patterns are not
+    anchored)."""
+    found = []
+    for pattern in patterns:
+        try:
+            if re.search(pattern, name) is not None:
+                found.append(pattern)
+        except (re.error, TypeError):
+            pass
+    return found
 
 
 def _has_lookaround(pattern: str) -> bool:
