@@ -166,6 +166,17 @@ def test_a_dot_matches_no_line_terminator(tiny_llm, key, text, valid):
     assert _answers(tiny_llm.llm_engine, key, text) == valid, (key, text)
 
 
+def test_a_property_named_like_a_keyword_keeps_its_pattern(tiny_llm):
+    """A property named "const" (or "enum", "default", "examples") had its schema taken for
+    data, so its string pattern was left as xgrammar writes it: 'x"' for ^x.$ was
+    unreachable. Names in properties are names; their schemas are respelt as any other."""
+    schema = {"type": "object", "properties": {"const": {"type": "string", "pattern": "^x.$"}},
+              "required": ["const"], "additionalProperties": False}  # fmt: skip
+    key = ("json", json.dumps(schema))
+    assert _answers(tiny_llm.llm_engine, key, json.dumps({"const": 'x"'}))
+    assert not _answers(tiny_llm.llm_engine, key, json.dumps({"const": "x\n"}))
+
+
 PATTERN_REQUIRED = {"type": "object", "properties": {"b": {"type": "boolean"}},
                     "patternProperties": {"^a$": {"type": "integer"}, "^x[a-z]*$": {"type": "string"}},
                     "required": ["a"], "additionalProperties": False}  # fmt: skip
