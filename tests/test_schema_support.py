@@ -75,6 +75,19 @@ IGNORED = [
         "oneOf",
         "/properties/a",
     ),  # fmt: skip
+    # multipleOf is enforced on integers only: 1.25 answered a multiple of 0.5
+    ({"type": "number", "multipleOf": 0.5}, "1.25", "multipleOf", "/"),
+    ({"type": "object", "properties": {"n": {"multipleOf": 3}}}, '{"n": 4}', "multipleOf", "/properties/n"),
+    # of a string's format, pattern and length bounds one is enforced: the format, else the pattern
+    ({"type": "string", "pattern": "^a+$", "minLength": 3}, '"a"', "minLength", "/"),
+    ({"type": "string", "pattern": "^a{1,5}$", "maxLength": 2}, '"aaaa"', "maxLength", "/"),
+    ({"type": "string", "format": "date", "maxLength": 3}, '"2024-01-01"', "format", "/"),
+    (
+        {"type": "string", "pattern": "^a+$", "minLength": 2, "format": "date-time"},
+        '"2024-01-01T00:00:00Z"',
+        "format",
+        "/",
+    ),  # fmt: skip
     # a lookahead group in a pattern is dropped (with a log warning): "a" was answered
     ({"type": "string", "pattern": "^(?!a)[a-z]$"}, '"a"', "pattern", "/"),
     (
@@ -100,7 +113,10 @@ def test_a_keyword_xgrammar_ignores_is_refused_naming_it(schema, forbidden, keyw
         {"type": "object", "properties": {"not": {"type": "string"}, "if": {"type": "integer"}}},  # names
         {"allOf": [{"$ref": "#/$defs/A"}], "$defs": {"A": {"type": "integer"}}},  # one allOf schema
         {**INTS, "uniqueItems": False, "minItems": 1, "maxItems": 3},
-        {"type": "string", "pattern": "^a+$", "minLength": 2, "format": "date-time"},
+        {"type": "string", "pattern": "^[A-Z]{2}$", "minLength": 2, "maxLength": 2},  # implied by the pattern
+        {"type": "string", "pattern": "^a+$", "format": "iri"},  # a format xgrammar ignores
+        {"type": "string", "format": "date-time"},
+        {"type": "integer", "multipleOf": 3},
         {"type": "string", "pattern": "^[(?=]+(?:x)$"},  # literal "(?=" in a class; a non-capturing group
         {"type": "object", "properties": {"a": INTS}, "required": ["a"]},
         {

@@ -24,6 +24,11 @@ UNSUPPORTED = {
     "dependentSchemas": "dependentSchemas is not enforced",
     "dependencies": "dependencies is not enforced",
 }
+# The string formats xgrammar 0.2.8 writes a grammar for (others it ignores, keeping the rest).
+ENFORCED_FORMATS = frozenset(
+    ("date-time", "date", "time", "duration", "email", "hostname", "ipv4", "ipv6", "uri", "uri-reference",
+     "uuid", "uri-template", "json-pointer", "relative-json-pointer")
+)  # fmt: skip
 _ONE_SCHEMA = ("additionalProperties", "items", "unevaluatedProperties", "unevaluatedItems",
                "propertyNames", "contains", "not", "if", "then", "else")  # fmt: skip
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
@@ -57,7 +62,37 @@ def unsupported(schema: Any) -> tuple[str, str, str] | None:
                 path or "/",
                 "lookahead and lookbehind assertions ((?=, (?!, (?<=, (?<!) are not enforced",
             )
+        if "multipleOf" in node and node.get("type") != "integer":
+            return "multipleOf", path or "/", 'multipleOf is enforced only with "type": "integer"'
+        refused = _string_rules(node)
+        if refused is not None:
+            return refused[0], path or "/", refused[1]
     return None
+
+
+def _string_rules(node: dict) -> tuple[str, str] | None:
+    """(keyword, why) when a string schema combines rules xgrammar enforces only one of: a
+    format it knows wins over a pattern and length bounds, a pattern over length bounds (a
+    bound the pattern implies, as {2} implies maxLength 2, is kept)."""
+    bounds = [k for k in ("minLength", "maxLength") if k in node]
+    pattern = node.get("pattern") if isinstance(node.get("pattern"), str) else None
+    if node.get("format") in ENFORCED_FORMATS and (pattern is not None or bounds):
+        beside = "pattern" if pattern is not None else bounds[0]
+        return "format", f"a format is enforced alone: the {beside} beside it would not be"
+    if pattern is not None and bounds and not _pattern_implies(pattern, node):
+        return bounds[0], f"{bounds[0]} beside a pattern is not enforced unless the pattern implies it"
+    return None
+
+
+def _pattern_implies(pattern: str, node: dict) -> bool:
+    """Whether every string the pattern matches already meets the node's length bounds (by
+    Python's parse of the regex: its shortest and longest match; False if it cannot say)."""
+    try:
+        low, high = re._parser.parse(pattern).getwidth()
+    except (re.error, AttributeError, OverflowError, RecursionError, ValueError):
+        return False
+    lo, hi = node.get("minLength", 0), node.get("maxLength")
+    return isinstance(lo, int) and low >= lo and (hi is None or (isinstance(hi, int) and high <= hi))
 
 
 def _undefined_required(node: dict) -> str | None:
