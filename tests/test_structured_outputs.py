@@ -166,6 +166,19 @@ def test_a_dot_matches_no_line_terminator(tiny_llm, key, text, valid):
     assert _answers(tiny_llm.llm_engine, key, text) == valid, (key, text)
 
 
+@pytest.mark.parametrize(
+    "regex, text, valid",
+    [(r"\Afoo\Z", "foo", True), (r"\Afoo\Z", "AfooZ", False), (r"(?:\Ax|y\Z)z?", "x", True),
+     (r"\x41b", "Ab", True), (r"\x41b", "\u041b", False), (r"[\x41-\x43]\x2e", "B.", True)],
+)  # fmt: skip
+def test_a_regex_constraint_reads_pythons_escapes(tiny_llm, regex, text, valid):
+    """xgrammar read `\\A` and `\\Z` (Python's anchors) as the letters A and Z, with a logged
+    warning, so the constraint `\\Afoo\\Z` answered "AfooZ", which the regex refuses, and
+    `\\x41b` ("Ab") as U+041B. A regex constraint is now read as Python's re reads it."""
+    assert valid == bool(re.fullmatch(regex, text))
+    assert _answers(tiny_llm.llm_engine, ("regex", regex), text) == valid, (regex, text)
+
+
 def test_a_property_named_like_a_keyword_keeps_its_pattern(tiny_llm):
     """A property named "const" (or "enum", "default", "examples") had its schema taken for
     data, so its string pattern was left as xgrammar writes it: 'x"' for ^x.$ was

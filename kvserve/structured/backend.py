@@ -15,7 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from kvserve.structured.json_patterns import regex_grammar
 from kvserve.structured.json_strings import json_schema_grammar
-from kvserve.structured.regex_dot import PYTHON_DOT, explicit_dots
+from kvserve.structured.regex_flavour import for_xgrammar
 from kvserve.structured.spec import GrammarKey
 from kvserve.tokenizer import Tokenizer
 
@@ -70,7 +70,7 @@ class GrammarCompiler:
             try:
                 return c.compile_grammar(regex_grammar(text))
             except (RuntimeError, ValueError, IndexError):
-                return c.compile_regex(explicit_dots(text, PYTHON_DOT))  # `.` as Python's re has it
+                return c.compile_regex(for_xgrammar(text, python=True))  # read as Python's re reads it
         return c.compile_grammar(text)
 
     def shutdown(self) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import re
 
-from kvserve.structured.regex_dot import ECMA_DOT, PYTHON_DOT, explicit_dots
+from kvserve.structured.regex_flavour import for_xgrammar
 
 MAX_CODE_POINT = 0x10FFFF
 _SURROGATES = (0xD800, 0xDFFF)  # no UTF-8 holds them: a class's characters leave them out
@@ -49,11 +49,11 @@ def regex_grammar(pattern: str) -> str:
 
 
 def _respelt(pattern: str, json_text: bool) -> str:
-    """xgrammar's grammar of the regex, its `.` the flavour's (ECMA-262 for a schema, Python's
-    for a regex constraint: regex_dot.py), each rule's terminals respelt (_terminals)."""
+    """xgrammar's grammar of the regex read in its flavour (ECMA-262 for a schema, Python's
+    for a regex constraint: regex_flavour.py), each rule's terminals respelt (_terminals)."""
     import xgrammar as xgr
 
-    text = str(xgr.Grammar.from_regex(explicit_dots(pattern, ECMA_DOT if json_text else PYTHON_DOT)))
+    text = str(xgr.Grammar.from_regex(for_xgrammar(pattern, python=not json_text)))
     return "\n".join(_terminals(line, json_text) for line in text.splitlines() if line.strip())
 
 

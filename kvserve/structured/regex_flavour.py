@@ -1,0 +1,47 @@
+"""A regex as its flavour reads it, written in the syntax xgrammar 0.2.8 reads alike.
+
+A JSON schema's `pattern` (and a patternProperties or propertyNames key) is an ECMA-262 regex,
+whose `.` matches no line terminator (LF, CR, U+2028, U+2029); a `regex` constraint has
+Python's `re` semantics (vLLM's), whose `.` matches anything but LF. xgrammar writes `.` as
+every code point, so `^a.b$` let `{"s": "a\\nb"}` through, which the schema refuses. It also
+reads Python's anchors `\\A` and `\\Z` as the letters A and Z (a constraint `\\Afoo\\Z` answered
+"AfooZ", which the regex refuses) and `\\x` with every hex digit that follows (`\\x41b`, "Ab"
+in both flavours, was U+041B). Each is written as what it means before xgrammar reads the
+regex: `.` outside a class as the class it stands for, `\\A` / `\\Z` as `^` / `$` (Python only:
+ECMA-262 reads them as letters too), `\\xhh` as `\\u00hh`.
+"""
+
+from __future__ import annotations
+
+ECMA_DOT = r"[^\n\r\u2028\u2029]"
+PYTHON_DOT = r"[^\n]"
+_HEX = frozenset("0123456789abcdefABCDEF")
+
+
+def for_xgrammar(pattern: str, python: bool) -> str:
+    """`pattern` (Python's flavour, else ECMA-262's) with its dots and anchors outside classes
+    and its `\\x` escapes written as above. A class ends at its first unescaped `]`, as xgrammar
+    reads it (`[]` is empty)."""
+    out, i, in_class = [], 0, False
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            esc, hexes = pattern[i : i + 2], pattern[i + 2 : i + 4]
+            if esc == "\\x" and len(hexes) == 2 and all(h in _HEX for h in hexes):
+                out.append("\\u00" + hexes)  # two digits, as both flavours read them
+                i += 4
+                continue
+            if python and not in_class and esc in ("\\A", "\\Z"):
+                esc = "^" if esc == "\\A" else "$"
+            out.append(esc)
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+        elif c == ".":
+            c = PYTHON_DOT if python else ECMA_DOT
+        out.append(c)
+        i += 1
+    return "".join(out)
