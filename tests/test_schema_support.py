@@ -88,6 +88,16 @@ IGNORED = [
         "format",
         "/",
     ),  # fmt: skip
+    # enum and const are written alone: the keywords beside them were not enforced
+    ({"type": "string", "enum": ["aaaa", "b"], "maxLength": 2}, '"aaaa"', "enum", "/"),
+    ({"type": "integer", "enum": [1, "a"]}, '"a"', "enum", "/"),
+    ({"type": "number", "enum": [1, 50], "maximum": 5}, "50", "enum", "/"),
+    (
+        {"type": "object", "properties": {"c": {"const": "x", "pattern": "^y"}}},
+        '{"c": "x"}',
+        "const",
+        "/properties/c",
+    ),
     # a lookahead group in a pattern is dropped (with a log warning): "a" was answered
     ({"type": "string", "pattern": "^(?!a)[a-z]$"}, '"a"', "pattern", "/"),
     (
@@ -117,6 +127,9 @@ def test_a_keyword_xgrammar_ignores_is_refused_naming_it(schema, forbidden, keyw
         {"type": "string", "pattern": "^a+$", "format": "iri"},  # a format xgrammar ignores
         {"type": "string", "format": "date-time"},
         {"type": "integer", "multipleOf": 3},
+        {"type": "string", "enum": ["ab", "c"], "maxLength": 2, "pattern": "^[a-c]+$", "description": "x"},
+        {"type": ["integer", "null"], "enum": [1, None, 2.0], "minimum": 1, "exclusiveMaximum": 3},
+        {"enum": [True, "x", [1, 2]], "minimum": 5, "maxLength": 1},  # bounds for other types
         {"type": "string", "pattern": "^[(?=]+(?:x)$"},  # literal "(?=" in a class; a non-capturing group
         {"type": "object", "properties": {"a": INTS}, "required": ["a"]},
         {

@@ -9,9 +9,12 @@ checks xgrammar still ignores each one, so the list shrinks when xgrammar learns
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 from typing import Any
+
+from kvserve.structured.listed_values import broken_keyword
 
 # keyword -> why it is refused (what the grammar would do instead)
 UNSUPPORTED = {
@@ -64,9 +67,15 @@ def unsupported(schema: Any) -> tuple[str, str, str] | None:
             )
         if "multipleOf" in node and node.get("type") != "integer":
             return "multipleOf", path or "/", 'multipleOf is enforced only with "type": "integer"'
-        refused = _string_rules(node)
+        refused = None if "enum" in node or "const" in node else _string_rules(node)  # (listed: below)
         if refused is not None:
             return refused[0], path or "/", refused[1]
+        broken = broken_keyword(node)
+        if broken is not None:
+            listed = "enum" if isinstance(node.get("enum"), list) else "const"
+            value, key = broken
+            why = f"the listed value {json.dumps(value)} breaks {key} beside it, which would not be enforced"
+            return listed, path or "/", why
     return None
 
 
