@@ -230,6 +230,28 @@ def test_a_json_string_holds_only_valid_utf8(tiny_llm, key):
         assert state.accept_tokens([byte_token[bytes([b])] for b in text]) == valid, text
 
 
+def test_the_reused_bitmask_is_filled_in_and_out_of_inference_mode(tiny_llm):
+    """The step's reused bitmask was made in whichever mode first needed it: made by the driver
+    sampler (under torch.inference_mode), it was an inference tensor, and device sampling's
+    fill outside that mode failed the step on a JSON row's in-place mask clearing ("Inplace
+    update to inference tensor outside InferenceMode"), whenever a host-sampled constrained
+    row had come first in the process."""
+    from types import SimpleNamespace
+
+    from kvserve.structured import bitmask as buffer
+
+    engine = tiny_llm.llm_engine
+    vocab = engine.core.arch.vocab_size
+    compiler = GrammarCompiler(engine.tokenizer, vocab, sorted(engine.eos_token_ids))
+    compiled = compiler.submit(("json", json.dumps({"type": "object"}))).result()
+    compiler.shutdown()
+    rows = [SimpleNamespace(grammar=GrammarState(compiled, json_text=True)) for _ in range(2)]
+    buffer._bitmask = None  # as in a fresh process
+    with torch.inference_mode():
+        buffer.apply_grammar_bitmask(torch.zeros(2, vocab), rows)
+    assert len(buffer.fill_grammar_bitmask(rows, vocab)) == 2 * 4 * ((vocab + 31) // 32)
+
+
 def test_length_cut_and_ignore_eos_and_mixed_batch(tiny_llm):
     so = StructuredOutputsParams(json={"type": "array", "items": {"type": "integer"}, "minItems": 50})
     plain = SamplingParams(temperature=0, max_tokens=12)

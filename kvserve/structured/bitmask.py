@@ -15,12 +15,16 @@ _bitmask: torch.Tensor | None = None  # one buffer, reused across steps; grows t
 
 
 def _reused_bitmask(rows: int, vocab: int) -> torch.Tensor:
+    """The buffer, made outside inference mode: the driver sampler fills it under
+    torch.inference_mode, the step's sender (device sampling) outside it, and an inference
+    tensor refuses in-place writes there (a JSON row's mask clearing failed the step)."""
     import xgrammar as xgr
 
     global _bitmask
     width = xgr.get_bitmask_shape(1, vocab)[1]
     if _bitmask is None or _bitmask.shape[0] < rows or _bitmask.shape[1] != width:
-        _bitmask = xgr.allocate_token_bitmask(rows, vocab)
+        with torch.inference_mode(False):
+            _bitmask = xgr.allocate_token_bitmask(rows, vocab)
     return _bitmask[:rows]
 
 
