@@ -33,6 +33,18 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
 positive_int = int_at_least(1)
 
 
+def positive_int_at_most(limit: int, why: str) -> Callable[[str], int]:
+    """An integer in [1, limit]; `why` says what the bound stands for (see the float one)."""
+
+    def check(text: str) -> int:
+        value = positive_int(text)
+        if value > limit:
+            raise argparse.ArgumentTypeError(f"must be <= {limit:,} ({why}), got {value}")
+        return value
+
+    return check
+
+
 def port(text: str) -> int:
     """A TCP port, 0-65535: uvicorn took --port 70000 and listened on 4464 (70000 mod 65536)
     while the log said 70000."""
@@ -77,6 +89,19 @@ def non_negative_float(text: str) -> float:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value:g}")
     return value
+
+
+def non_negative_float_at_most(limit: float, why: str) -> Callable[[str], float]:
+    """A number in [0, limit]; `why` says what the bound stands for. Past any real use a value
+    is a typo (1e300 for 1e3), and it came back as an answer of hundreds of digits."""
+
+    def check(text: str) -> float:
+        value = non_negative_float(text)
+        if value > limit:
+            raise argparse.ArgumentTypeError(f"must be <= {limit:,.0f} ({why}), got {value:g}")
+        return value
+
+    return check
 
 
 def positive_float(text: str) -> float:

@@ -7,6 +7,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -346,6 +347,17 @@ def test_gpu_budget_is_the_engine_rule():
         ("--overhead", "100%", "must be in [0, 1), got '100%'"),
         ("--input-share", "2", "must be in [0, 1], got '2'"),
         ("--input-share", "most", "must be a share such as 0.3 or 30%, got 'most'"),  # was "invalid fraction"
+        # printed a 300-digit monthly bill and deployment count; 1e309 printed "$inf"
+        ("--tokens-per-day", "1e300", "must be <= 1,000,000,000,000,000 (a quadrillion tokens a day)"),
+        ("--price-per-hour", "1e300", "must be <= 10,000 (USD), got 1e+300"),
+        ("--api-price-in", "1e20", "must be <= 10,000 (USD), got 1e+20"),
+        ("--api-price-out", "20000", "must be <= 10,000 (USD), got 20000"),
+        ("--num-gpus", "10" * 14, "must be <= 1,000,000 (a million GPUs), got " + "10" * 14),
+        (
+            "--concurrency",
+            "1" + "0" * 24,
+            "must be <= 10,000,000 (ten million sequences at once), got 1" + "0" * 24,
+        ),
     ],
 )
 def test_cli_refuses_non_positive_sizes_naming_the_flag(flag, value, message, capsys):
@@ -355,6 +367,18 @@ def test_cli_refuses_non_positive_sizes_naming_the_flag(flag, value, message, ca
         main(["Llama-3.1-8B", flag, value])
     err = capsys.readouterr().err
     assert e.value.code == 2 and f"error: argument {flag}: {message}" in err and "Traceback" not in err
+
+
+def test_cli_prints_the_largest_volumes_it_takes_readably(capsys):
+    """At the bounds (a quadrillion tokens a day, $10,000 prices, 10^7 sequences) the table stays
+    readable."""
+    from kvserve.planner.cli import main
+
+    args = ["--tokens-per-day", "1e15", "--price-per-hour", "1e4", "--api-price-in", "1e4"]
+    args += ["--api-price-out", "1e4", "--concurrency", "10000000"]
+    assert main(["Llama-3.1-8B", "--gpu", "h100", *args]) == 0
+    out = capsys.readouterr().out
+    assert "at 1000.00T tokens/day" in out and not re.search(r"[0-9][0-9,.]{24,}", out), out  # was 300 digits
 
 
 @pytest.mark.parametrize(

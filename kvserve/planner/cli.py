@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from kvserve.argtypes import non_negative_float, positive_int
+from kvserve.argtypes import non_negative_float_at_most, positive_int, positive_int_at_most
 from kvserve.core.block_size import gpu_block_size_problem
 from kvserve.planner import simulate_cli
 from kvserve.planner.gpus import DEFAULT_GPU, GPUS
@@ -28,6 +28,18 @@ def gpu_block_size(text: str) -> int:
     return size
 
 
+# Far past any real deployment, so a value above is a typo (1e300 for 1e3); unbounded, the table
+# printed bills, replica and GPU counts of hundreds of digits (or "$inf"), and a float division
+# gave 10^24 sequences "499999999999999991611392 replicas".
+MAX_TOKENS_PER_DAY = 1e15  # a quadrillion: more than the largest API providers serve in a day
+MAX_PRICE = 10_000.0  # USD per GPU-hour, or per 1M API tokens
+MAX_GPUS = 1_000_000  # more than any one cluster holds
+MAX_CONCURRENCY = 10_000_000  # sequences at once
+TOKENS_PER_DAY = non_negative_float_at_most(MAX_TOKENS_PER_DAY, "a quadrillion tokens a day")
+PRICE = non_negative_float_at_most(MAX_PRICE, "USD")
+NUM_GPUS = positive_int_at_most(MAX_GPUS, "a million GPUs")
+CONCURRENCY = positive_int_at_most(MAX_CONCURRENCY, "ten million sequences at once")
+
 DTYPES = sorted(set(WEIGHT_BYTES) | {"float32", "float16", "bfloat16"})
 
 
@@ -41,7 +53,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     hw.add_argument(
         "--gpu", help=f"one of {', '.join(GPUS)} (default {DEFAULT_GPU}; none with --kv-cache-memory)"
     )
-    hw.add_argument("--num-gpus", type=positive_int, help="GPUs you have; default: as many as the plan needs")
+    hw.add_argument("--num-gpus", type=NUM_GPUS, help="GPUs you have; default: as many as the plan needs")
     hw.add_argument(
         "--gpu-memory-utilization", type=USED_SHARE, default=0.9, help="share of GPU memory used (0.9)"
     )
@@ -68,7 +80,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         "--max-model-len", type=positive_int, help="prompt + output limit (default: model context)"
     )
     kv.add_argument(
-        "--concurrency", type=positive_int, default=1, help="sequences of max-model-len to serve at once"
+        "--concurrency", type=CONCURRENCY, default=1, help="sequences of max-model-len to serve at once"
     )
     kv.add_argument(
         "--kv-cache-memory", help='fixed KV budget per GPU, e.g. "2GiB": shows the pool the engine allocates'
@@ -85,14 +97,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         "--max-num-seqs", type=positive_int, default=256, help="scheduler cap on the decode batch (256)"
     )
     cost = p.add_argument_group("cost (USD)")
-    cost.add_argument(
-        "--price-per-hour", type=non_negative_float, help="per GPU-hour (default: catalogue price)"
-    )
-    cost.add_argument("--api-price-in", type=non_negative_float, help="API price per 1M input tokens")
-    cost.add_argument("--api-price-out", type=non_negative_float, help="API price per 1M output tokens")
-    cost.add_argument(
-        "--tokens-per-day", type=non_negative_float, help="expected input+output tokens per day"
-    )
+    cost.add_argument("--price-per-hour", type=PRICE, help="per GPU-hour (default: catalogue price)")
+    cost.add_argument("--api-price-in", type=PRICE, help="API price per 1M input tokens")
+    cost.add_argument("--api-price-out", type=PRICE, help="API price per 1M output tokens")
+    cost.add_argument("--tokens-per-day", type=TOKENS_PER_DAY, help="expected input+output tokens per day")
     cost.add_argument(
         "--input-share",
         type=SHARE,
