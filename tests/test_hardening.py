@@ -560,6 +560,41 @@ def test_responses_errors_name_the_responses_field(server, body, param):
     assert "max_tokens" not in r.json()["error"]["message"]
 
 
+OBJECT = {"type": "object"}
+
+
+@pytest.mark.parametrize(
+    "path, body, param, field",
+    [
+        # OpenAI's pattern for the name, ^[a-zA-Z0-9_-]+$ and at most 64 characters: any was taken
+        (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "a b", "schema": OBJECT}}},
+         "response_format", "response_format.json_schema.name"),
+        (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "x" * 65, "schema": {}}}},
+         "response_format", "response_format.json_schema.name"),
+        ("/v1/responses", {"text": {"format": {"type": "json_schema", "name": "café", "schema": OBJECT}}},
+         "text", "text.format.name"),
+        ("/v1/responses", {"text": {"format": {"type": "json_schema", "name": "", "schema": OBJECT}}},
+         "text", "text.format.name"),
+        # a schema sent with another type was dropped unsaid: any JSON object (or text) came back
+        (CHAT, {"response_format": {"type": "json_object", "json_schema": {"name": "x", "schema": OBJECT}}},
+         "response_format", "json_schema is only used with type json_schema"),
+        ("/v1/responses", {"text": {"format": {"type": "json_object", "schema": OBJECT}}},
+         "text", "schema is only used with type json_schema"),
+    ],
+)  # fmt: skip
+def test_a_response_format_openai_would_refuse_is_400(server, path, body, param, field):
+    limit = {"max_output_tokens": 4} if path == "/v1/responses" else {"max_tokens": 2}
+    hi = [{"role": "user", "content": "hi"}]
+    messages = {"input": "hi"} if path == "/v1/responses" else {"messages": hi}
+    r = post(server, {"model": "tiny", **messages, **limit, **body}, path)
+    assert_400(r, param)
+    assert field in r.json()["error"]["message"], r.text
+    fine = {"name": "Answer_v2-" + "x" * 54, "schema": OBJECT}  # 64 characters of the allowed ones
+    ok = {"response_format": {"type": "json_schema", "json_schema": fine}} if path == CHAT else {
+        "text": {"format": {"type": "json_schema", **fine}}}  # fmt: skip
+    assert post(server, {"model": "tiny", **messages, **limit, **ok}, path).status_code == 200
+
+
 @pytest.mark.parametrize(
     "body, param",
     [

@@ -54,9 +54,13 @@ class StreamOptions(OpenAIBody):
     continuous_usage_stats: bool = False  # vLLM: every chunk carries the usage so far
 
 
+# OpenAI's rule for a function's and a response format's name: letters, digits, _ and -, at most 64
+FunctionName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+
+
 class JsonSchemaFormat(OpenAIBody):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
-    name: str = "response"
+    name: FunctionName = "response"  # OpenAI requires it; a name it would refuse is refused here too
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None  # decoding is always constrained, strict or not
@@ -68,6 +72,14 @@ class ResponseFormat(OpenAIBody):
     model_config = ConfigDict(extra="forbid")
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_only_for_json_schema(self) -> ResponseFormat:
+        """A schema sent with type json_object or text was dropped unsaid: the answer was any JSON
+        object, or free text, where the client believed it constrained to the schema."""
+        if self.json_schema is not None and self.type != "json_schema":
+            raise ValueError(f"json_schema is only used with type json_schema, not {self.type!r}")
+        return self
 
 
 class StructuredOutputs(OpenAIBody):
@@ -213,9 +225,6 @@ class SamplingFields(OpenAIBody):
         if p is not None and (self.n > 1 or (self.best_of or 1) > 1):
             raise ValueError("kv_transfer_params: needs n = 1 and no best_of")
         return p
-
-
-FunctionName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]  # as OpenAI's
 
 
 class FunctionDefinition(OpenAIBody):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, model_validator
 
 from kvserve.entrypoints.openai.limits import Int64, NonNegInt64, NumLogprobs, PositiveInt64
 from kvserve.entrypoints.openai.protocol import (
@@ -64,12 +64,24 @@ class AllowedFunctions(OpenAIBody):
 
 
 class TextFormat(OpenAIBody):
+    """OpenAI's text.format: its name, description, schema and strict belong to type json_schema."""
+
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
     type: Literal["text", "json_object", "json_schema"] = "text"
-    name: str = "response"
+    name: FunctionName | None = None  # OpenAI's rule, as chat's response_format.json_schema.name
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _fields_of_json_schema(self) -> TextFormat:
+        """A schema (or name) sent with type json_object or text was dropped unsaid: the answer
+        was any JSON object, or free text, where the client believed it held to the schema."""
+        given = [f for f in ("name", "description", "schema_", "strict") if getattr(self, f) is not None]
+        if given and self.type != "json_schema":
+            shown = given[0].rstrip("_")
+            raise ValueError(f"{shown} is only used with type json_schema, not {self.type!r}")
+        return self
 
 
 class TextConfig(OpenAIBody):
@@ -256,7 +268,9 @@ def to_chat(req: ResponsesRequest, history: list[dict[str, Any]]) -> ChatComplet
     response_format = None
     if fmt is not None and fmt.type != "text":
         schema = (
-            JsonSchemaFormat(name=fmt.name, schema=fmt.schema_, strict=fmt.strict) if fmt.schema_ else None
+            JsonSchemaFormat(name=fmt.name or "response", schema=fmt.schema_, strict=fmt.strict)
+            if fmt.schema_
+            else None
         )
         if fmt.type == "json_schema" and schema is None:
             raise ValueError("text: format.schema is required for type json_schema")
