@@ -4,6 +4,7 @@ of the scheduler against the Hugging Face reference, and `kvserve run-batch` off
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
@@ -12,6 +13,7 @@ import sys
 import time
 
 import httpx
+import numpy as np
 import openai
 import pytest
 from conftest import load_reference
@@ -174,11 +176,35 @@ def test_completions_endpoint_and_request_errors_become_error_lines(client):
     )
 
 
+def test_embeddings_endpoint_answers_as_the_http_one(client, server):
+    """OpenAI batches /v1/embeddings too: it was refused as an unsupported endpoint."""
+    emb = "/v1/embeddings"
+    bodies = {
+        "one": {"model": "tiny", "input": "request 1"},
+        "two": {"model": "tiny", "input": ["request 1", "request 2"], "encoding_format": "base64"},
+        "empty": {"model": "tiny", "input": ""},
+    }
+    lines = [json.dumps({"custom_id": k, "method": "POST", "url": emb, "body": b}) for k, b in bodies.items()]
+    b = client.batches.create(input_file_id=upload(client, lines).id, endpoint=emb, completion_window="24h")
+    b = wait_final(client, b.id)
+    assert b.status == "completed" and (b.request_counts.completed, b.request_counts.failed) == (2, 1)
+    out = {o["custom_id"]: o["response"]["body"] for o in read_lines(client, b.output_file_id)}
+    (err,) = read_lines(client, b.error_file_id)
+    assert err["custom_id"] == "empty" and err["response"]["body"]["error"]["param"] == "input"
+    http = client.embeddings.create(model="tiny", input=["request 1", "request 2"], encoding_format="float")
+    assert out["one"]["object"] == "list" and out["two"]["usage"] == http.usage.model_dump()
+    assert out["one"]["data"][0]["embedding"] == pytest.approx(http.data[0].embedding, abs=1e-6)
+    vectors = [np.frombuffer(base64.b64decode(d["embedding"]), "<f4") for d in out["two"]["data"]]
+    assert [d["index"] for d in out["two"]["data"]] == [0, 1]
+    for got, want in zip(vectors, http.data):
+        assert got.tolist() == pytest.approx(want.embedding, abs=1e-6)
+
+
 def test_thousand_lines_with_five_malformed(client):
     bad = {
         100: "{not json",
         250: json.dumps({"method": "POST", "url": CHAT, "body": {}}),
-        500: json.dumps({"custom_id": "x-500", "url": "/v1/embeddings", "body": {}}),
+        500: json.dumps({"custom_id": "x-500", "url": "/v1/embeddings", "body": {}}),  # not the batch's url
         750: "[1, 2, 3]",
         999: json.dumps({"custom_id": "x-999", "url": CHAT, "body": "text"}),
     }
@@ -258,7 +284,7 @@ def test_bad_input_names_the_field(client, server):
         client.batches.create(input_file_id="file-nope", endpoint=CHAT, completion_window="24h")
     assert _error(e.value)["param"] == "input_file_id"
     with pytest.raises(openai.BadRequestError) as e:
-        client.batches.create(input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h")
+        client.batches.create(input_file_id=f.id, endpoint="/v1/moderations", completion_window="24h")
     assert _error(e.value)["param"] == "endpoint"
     with pytest.raises(openai.BadRequestError) as e:
         client.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="1h")

@@ -1,6 +1,6 @@
 """Run one batch line through the same handler as an HTTP request to its endpoint
-(OpenAIServing.chat / .completion), at background priority, and turn what it returns or
-raises into (status code, body) — the body an HTTP client would have received."""
+(OpenAIServing.chat / .completion / .embeddings), at background priority, and turn what it
+returns or raises into (status code, body) — the body an HTTP client would have received."""
 
 from __future__ import annotations
 
@@ -14,11 +14,14 @@ from kvserve.engine.async_llm import EngineDeadError, RequestFailedError
 from kvserve.entrypoints.openai.compat import ModelNotFoundError
 from kvserve.entrypoints.openai.errors import field_path, param_of, specific_error, value_error_code
 from kvserve.entrypoints.openai.lifecycle import ServerShuttingDownError
-from kvserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from kvserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from kvserve.entrypoints.openai.serving import OpenAIServing, ServerOverloadedError
 from kvserve.request import BACKGROUND_PRIORITY
 
-BODIES = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
+BODIES = {
+    "/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
+    "/v1/embeddings": EmbeddingRequest,
+}  # fmt: skip
 
 
 class TransientError(Exception):
@@ -63,6 +66,8 @@ async def execute_line(
     try:
         if endpoint == "/v1/chat/completions":
             resp = await serving.chat(req, raw)
+        elif endpoint == "/v1/embeddings":
+            return 200, await serving.embeddings(req, raw)  # a dict, as the route returns it
         else:
             resp = await serving.completion(req, raw)
     except (ServerOverloadedError, ServerShuttingDownError) as e:

@@ -14,7 +14,7 @@ import time
 from kvserve.batch.errors import BatchAPIError, not_found
 from kvserve.batch.files import new_file_id
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")  # as OpenAI batches them
 WINDOWS = {"24h": 24 * 3600}
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 FINAL = ("completed", "failed", "cancelled", "expired")

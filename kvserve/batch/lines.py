@@ -51,13 +51,14 @@ def parse_line(raw: bytes, endpoint: str) -> tuple[str, dict]:
 
 
 def sequences(body: dict) -> int:
-    """The engine requests a line's body fans out to, prompts x max(n, best_of), as far as its
-    shape tells (a value of the wrong type counts 1: validation refuses the line anyway)."""
+    """The engine requests a line's body fans out to, prompts (or embeddings inputs) x max(n,
+    best_of), as far as its shape tells (a value of the wrong type counts 1: validation refuses
+    the line anyway)."""
 
     def count(value) -> int:
         return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 1
 
-    prompt = body.get("prompt")
+    prompt = body.get("prompt", body.get("input"))  # completions' prompt, embeddings' input
     prompts = len(prompt) if isinstance(prompt, list) and any(not isinstance(p, int) for p in prompt) else 1
     return prompts * max(count(body.get("n")), count(body.get("best_of")))
 

@@ -618,7 +618,10 @@ class OpenAIServing:
             inputs = self._prompts(req.input)
             if len(inputs) > MAX_PROMPTS:  # each is an engine request, held from the moment it is queued
                 raise ValueError(f"input: {len(inputs)} inputs in one request; at most {MAX_PROMPTS}")
-            streams = await self._start(inputs, params, 1, engine_rid, req.priority, None)
+            background = getattr(raw.state, "batch_line", False)  # a batch's: outside the waiting room
+            streams = await self._start(
+                inputs, params, 1, engine_rid, req.priority, None, background=background
+            )
         except ValueError as e:  # the shared checks name `prompt`; this endpoint's field is `input`
             rename_field(e, "prompt", "input")
             raise
