@@ -560,6 +560,22 @@ def test_responses_errors_name_the_responses_field(server, body, param):
     assert "max_tokens" not in r.json()["error"]["message"]
 
 
+def test_responses_background_only_routes_say_so(server):
+    """GET ?stream=true (the SDK's retrieve(stream=True)) was answered JSON, which the SDK read as
+    an empty stream; POST .../cancel was a 404 naming the route, as if the id were unknown."""
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=server.api_key, max_retries=0)
+    rid = client.responses.create(model="tiny", input="hi", max_output_tokens=2).id
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.retrieve(rid, stream=True)
+    assert e.value.body["param"] == "stream" and "background" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.cancel(rid)
+    assert e.value.body["param"] == "response_id" and "background" in e.value.body["message"]
+    assert client.responses.retrieve(rid).id == rid  # still there, unchanged
+    with pytest.raises(openai.NotFoundError):
+        client.responses.cancel("resp_nope")
+
+
 OBJECT = {"type": "object"}
 
 

@@ -54,6 +54,7 @@ from kvserve.web import add_web_ui
 
 logger = logging.getLogger("kvserve.server")
 
+NO_BACKGROUND = "is for background responses (background=true), which this server does not run"
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/reset_prefix_cache")
 DRAINED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 
@@ -231,8 +232,21 @@ def build_app(engine: AsyncLLM | DPClient, cfg: ServerConfig, store: ResponseSto
         return await responses.create(req, raw)
 
     @app.get("/v1/responses/{response_id}")
-    async def get_response(response_id: str):
-        return responses.store.get(response_id)[0]
+    async def get_response(response_id: str, stream: bool = False):
+        """`stream=true` replays a background response's events at OpenAI: this server runs no
+        background responses, and answering JSON to it left the SDK an empty stream, unsaid."""
+        found = responses.store.get(response_id)[0]
+        if stream:
+            raise ValueError(f"stream: replaying a response's events {NO_BACKGROUND}; GET it without stream")
+        return found
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str):
+        """OpenAI cancels background responses only; was a 404 naming the route, read as the id's."""
+        responses.store.get(response_id)
+        raise ValueError(
+            f"response_id: cancelling {NO_BACKGROUND}; {response_id!r} finished when it was created"
+        )
 
     @app.get("/v1/responses/{response_id}/input_items")
     async def list_input_items(
