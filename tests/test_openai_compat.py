@@ -441,6 +441,26 @@ def test_responses_stream_ends_each_call_before_the_next_begins(client):
     assert all(isinstance(json.loads(d.arguments), dict) for d in done)
 
 
+def test_responses_objects_and_events_parse_as_the_sdks_types(server):
+    """Typed clients validate what they get: tool_choice was null (the SDK's Response requires
+    it; OpenAI's default is "auto"), usage lacked input_tokens_details.cache_write_tokens and
+    response.function_call_arguments.done the function's name."""
+    from openai.types.responses import Response, ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    body = {"model": "smol", "input": "hi", "max_output_tokens": 3}
+    assert Response.model_validate(post(server, "/v1/responses", body).json()).tool_choice == "auto"
+    tool = {"type": "function", "name": "get_time", "parameters": {"type": "object", "properties": {}}}
+    streamed = {**body, "max_output_tokens": 40, "stream": True, "tools": [tool], "tool_choice": "required"}
+    events = [
+        json.loads(x[6:])
+        for x in post(server, "/v1/responses", streamed).text.splitlines()
+        if x.startswith("data: ")
+    ]
+    kinds = [TypeAdapter(ResponseStreamEvent).validate_python(e).type for e in events]
+    assert "response.function_call_arguments.done" in kinds and kinds[-1] == "response.completed", kinds
+
+
 def test_embeddings_batch_order_and_formats(client, server):
     texts = [f"document number {i} about {'cats' if i % 2 else 'ships'}" for i in range(64)]
     batch = client.embeddings.create(model="smol", input=texts)

@@ -78,7 +78,11 @@ def _usage(chat_usage: dict | None) -> dict | None:
         return None
     return {
         "input_tokens": chat_usage["prompt_tokens"],
-        "input_tokens_details": {"cached_tokens": chat_usage["prompt_tokens_details"]["cached_tokens"]},
+        # cache_write_tokens: the SDK's type requires it (OpenAI's explicit cache writes; none here)
+        "input_tokens_details": {
+            "cached_tokens": chat_usage["prompt_tokens_details"]["cached_tokens"],
+            "cache_write_tokens": 0,
+        },
         "output_tokens": chat_usage["completion_tokens"],
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": chat_usage["total_tokens"],
@@ -129,8 +133,9 @@ class ResponsesServing:
             "model": model, "output": [], "instructions": req.instructions,
             "max_output_tokens": req.max_output_tokens, "temperature": req.temperature, "top_p": req.top_p,
             "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
-            "tool_choice": req.tool_choice if isinstance(req.tool_choice, str) or req.tool_choice is None
-            else req.tool_choice.model_dump(),
+            # null failed the SDK's Response type, which requires it: OpenAI's default, "auto"
+            "tool_choice": req.tool_choice if isinstance(req.tool_choice, str)
+            else "auto" if req.tool_choice is None else req.tool_choice.model_dump(),
             "parallel_tool_calls": req.parallel_tool_calls, "max_tool_calls": req.max_tool_calls,
             "previous_response_id": req.previous_response_id,
             "text": {"format": (req.text.format.model_dump(by_alias=True, exclude_none=True)
@@ -312,7 +317,8 @@ class _EventBuilder:
             events = [text_done, self.event("response.content_part.done", **self._at(item), part=part)]
         else:
             at = {"item_id": item["id"], "output_index": index}
-            events = [self.event("response.function_call_arguments.done", **at, arguments=item["arguments"])]
+            done = {"name": item["name"], "arguments": item["arguments"]}  # name: OpenAI's event has it
+            events = [self.event("response.function_call_arguments.done", **at, **done)]
         return [*events, self.event("response.output_item.done", output_index=index, item=item)]
 
     def close(self, cut: bool) -> list[dict]:
