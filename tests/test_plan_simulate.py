@@ -177,6 +177,9 @@ BILLION = ["--min-replicas", "1000000000", "--max-replicas", "1000000000"]
             [],
             "spans 1e+308 s, 6.67e+306 autoscaler decisions",
         ),  # not 309 digits
+        # the span was checked, not the run: a step of 1e297 s ticked the autoscaler for ever
+        ("bursty:duration=60,rate=1", ["--token-ms", "1e300"], "would still be unfinished at 4.67e+299 s"),
+        ("bursty:duration=60,rate=1", ["--step-overhead-ms", "1e300"], "past 1,000,000 autoscaler decisions"),
     ],
 )
 def test_simulation_size_is_bounded(trace, args, message, tmp_path, capsys):
@@ -185,6 +188,18 @@ def test_simulation_size_is_bounded(trace, args, message, tmp_path, capsys):
         trace = str(tmp_path / "t.jsonl")
     assert main(["--simulate", trace, *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_run_that_outlasts_the_autoscaler_bound_is_refused(monkeypatch):
+    """Slow steps for the trace: the run stops at the last of MAX_TICKS decisions, saying so."""
+    import kvserve.planner.sim_limits as limits
+
+    monkeypatch.setattr(limits, "MAX_TICKS", 10)  # 150 s at 15 s a decision
+    trace = [Arrival(0.0, 1, 100) for _ in range(10)]  # 1,000 steps of 1 s, one at a time
+    slow = ReplicaModel(max_num_seqs=1, max_num_batched_tokens=16, step_overhead_s=1.0, token_s=0.0)
+    with pytest.raises(ValueError, match=r"9 of 10 requests would still be unfinished at 151 s, past 10 "):
+        simulate(trace, slow, FIXED1)
+    assert simulate(trace[:1], slow, FIXED1).ttft_s == [1.0]  # 100 s: within the bound
 
 
 def test_trace_file_request_count_is_bounded(tmp_path, monkeypatch):

@@ -3,7 +3,8 @@
 The simulator holds the whole trace and steps every request token by token, and the CLI
 replays the trace up to 2 x --max-replicas + 2 times; without bounds a large trace file (or
 /dev/zero), a huge bursty duration, one request of 10^12 tokens, a trace spanning years of
-15-second autoscaler ticks or --min-replicas 10^9 exhausted memory or ran for ever. The
+15-second autoscaler ticks, step times that make the run outlast them (--token-ms 1e300) or
+--min-replicas 10^9 exhausted memory or ran for ever. The
 limits sit far above a realistic capacity study (a day at 10 requests/s is 864,000 requests).
 """
 
@@ -17,7 +18,7 @@ if TYPE_CHECKING:
 MAX_REQUESTS = 1_000_000  # trace lines or bursty arrivals
 MAX_LINE_CHARS = 4096  # one JSONL trace line
 MAX_TOKENS = 1 << 30  # prompt + output tokens over the whole trace
-MAX_TICKS = 1_000_000  # autoscaler decisions over the trace's span
+MAX_TICKS = 1_000_000  # autoscaler decisions over the trace's span, and over the whole run
 MAX_REPLICAS = 1024  # --min-replicas / --max-replicas
 
 
@@ -42,6 +43,17 @@ def check_trace(trace: list[Arrival], scale_interval_s: float) -> None:
             f"--scale-interval {scale_interval_s:g}; at most {MAX_TICKS:,} (raise --scale-interval "
             "or shorten the trace)"
         )
+
+
+def runaway(left: int, total: int, now: float) -> ValueError:
+    """A run that goes past MAX_TICKS autoscaler decisions: its steps are too slow for the trace.
+    The trace's span was checked, but not how long the replicas take to serve it: step times
+    given in the wrong unit (--token-ms 1e6, 1e300) ticked the autoscaler for ever."""
+    return ValueError(
+        f"--simulate: {left:,} of {total:,} requests would still be unfinished at {_count(now)} s, past "
+        f"{MAX_TICKS:,} autoscaler decisions: the replicas cannot keep up (--step-overhead-ms, --token-ms "
+        "and --decode-token-ms are milliseconds per step, prompt token and decoding sequence)"
+    )
 
 
 def _count(x: float) -> str:

@@ -33,6 +33,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvserve.metrics.saturation import saturation
+from kvserve.planner import sim_limits
 from kvserve.planner.trace import Arrival
 
 
@@ -121,6 +122,7 @@ class _Sim:
         self.left = len(self.reqs)
         self.low_since: float | None = None
         self.scale_events = 0
+        self.deadline = sim_limits.MAX_TICKS * policy.interval_s  # its last autoscaler decision
         self.peak = len(self.replicas)
         for r in self.reqs:
             self.push(r.a.t, "arrive", r)
@@ -165,6 +167,8 @@ class _Sim:
         prompt_tokens = m.max_num_batched_tokens - budget - decodes
         rep.stepping = True
         duration = m.step_overhead_s + m.decode_s * decodes + m.token_s * prompt_tokens
+        if now + duration > self.deadline:  # its requests, unfinished until then, keep the ticks going
+            raise sim_limits.runaway(self.left, len(self.reqs), now + duration)
         self.push(now + duration, "step", (rep, plan))
 
     def step_end(self, rep: _Replica, plan: list, now: float) -> None:
@@ -184,6 +188,8 @@ class _Sim:
 
     def tick(self, now: float) -> None:
         p, seats = self.policy, self.model.max_num_seqs
+        if now > self.deadline:
+            raise sim_limits.runaway(self.left, len(self.reqs), now)
         live = self.ready(now)
         active = [r for r in self.replicas if not r.draining and r.stopped is None]  # ready or starting
         if live:

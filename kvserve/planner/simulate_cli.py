@@ -92,11 +92,11 @@ def run(args: argparse.Namespace) -> int:
         policy = ScalingPolicy(args.min_replicas, args.max_replicas, args.target_saturation,
                                args.scale_interval, args.cold_start, args.scale_down_delay)  # fmt: skip
         res = simulate(trace, model, policy)
+        fixed, auto = min_replicas_for_slo(trace, model, policy, args.slo_ttft, args.slo_target)
+        one = simulate(trace, model, ScalingPolicy(1, 1))  # a runaway run is refused here too
     except ValueError as exc:
         print(f"kvserve plan: error: {exc}", file=sys.stderr)
         return 2
-    fixed, auto = min_replicas_for_slo(trace, model, policy, args.slo_ttft, args.slo_target)
-    one = simulate(trace, model, ScalingPolicy(1, 1))
     out = {
         "policy": _row(res, args.slo_ttft),
         "min_fixed_replicas_for_slo": fixed,
