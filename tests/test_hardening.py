@@ -576,6 +576,25 @@ def test_responses_background_only_routes_say_so(server):
         client.responses.cancel("resp_nope")
 
 
+@pytest.mark.parametrize("path", [CHAT, "/v1/responses"])
+@pytest.mark.parametrize(
+    "metadata",
+    [{f"k{i}": "v" for i in range(17)}, {"k": "x" * 513}, {"k" * 65: "v"}],
+    ids=["17 pairs", "a 513-character value", "a 65-character key"],
+)
+def test_metadata_past_openais_limits_is_400(server, path, metadata):
+    """OpenAI's rule (16 pairs, keys up to 64 and values up to 512 characters): any size was
+    taken, and a response stores metadata and echoes it in every GET."""
+    body = (
+        {"input": "hi", "max_output_tokens": 2}
+        if path != CHAT
+        else {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    )
+    assert_400(post(server, {"model": "tiny", **body, "metadata": metadata}, path), "metadata")
+    most = {f"k{i:063d}": "v" * 512 for i in range(16)}  # at the limits: 64-character keys
+    assert post(server, {"model": "tiny", **body, "metadata": most}, path).status_code == 200
+
+
 OBJECT = {"type": "object"}
 
 

@@ -30,6 +30,11 @@ PositiveInt64 = Annotated[int, Field(ge=1, le=INT64_MAX)]
 TopK = Annotated[int, Field(ge=-1, le=INT64_MAX)]  # -1 or 0: off; checked against the vocabulary too
 NumChoices = Annotated[int, Field(ge=1, le=MAX_N)]
 NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+# OpenAI's rule for `metadata`: at most 16 pairs, keys up to 64 and values up to 512 characters (a
+# response stores and echoes it: any size was taken)
+Metadata = Annotated[
+    dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]], Field(max_length=16)
+]
 
 
 def sample_seed(seed: int, index: int) -> int:

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 from kvserve.entrypoints.openai.limits import (
     MAX_STOP_STRINGS,
     Int64,
+    Metadata,
     NonNegInt64,
     NumChoices,
     NumLogprobs,
@@ -143,7 +144,7 @@ class SamplingFields(OpenAIBody):
     guided_grammar: str | None = None
     # OpenAI's informational fields: accepted, not acted on
     store: bool | None = None
-    metadata: dict[str, str] | None = None
+    metadata: Metadata | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None

@@ -14,7 +14,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
-from kvserve.entrypoints.openai.limits import Int64, NonNegInt64, NumLogprobs, PositiveInt64
+from kvserve.entrypoints.openai.limits import Int64, Metadata, NonNegInt64, NumLogprobs, PositiveInt64
 from kvserve.entrypoints.openai.protocol import (
     AllowedTools,
     AllowedToolsChoice,
@@ -121,7 +121,7 @@ class ResponsesRequest(OpenAIBody):
     previous_response_id: str | None = None
     max_tool_calls: NonNegInt64 | None = None  # function calls kept in the output (responses.py)
     # informational, or features refused with a reason (see refuse_unsupported)
-    metadata: dict[str, str] | None = None
+    metadata: Metadata | None = None
     user: str | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None
