@@ -448,10 +448,11 @@ def test_responses_objects_and_events_parse_as_the_sdks_types(server):
     from openai.types.responses import Response, ResponseStreamEvent
     from pydantic import TypeAdapter
 
-    body = {"model": "smol", "input": "hi", "max_output_tokens": 3}
+    body = {"model": "smol", "input": "hi", "max_output_tokens": 3, "temperature": 0}
     assert Response.model_validate(post(server, "/v1/responses", body).json()).tool_choice == "auto"
     tool = {"type": "function", "name": "get_time", "parameters": {"type": "object", "properties": {}}}
-    streamed = {**body, "max_output_tokens": 40, "stream": True, "tools": [tool], "tool_choice": "required"}
+    streamed = {**body, "max_output_tokens": 40, "stream": True, "tools": [tool], "tool_choice": "required",
+                "parallel_tool_calls": False}  # fmt: skip
     events = [
         json.loads(x[6:])
         for x in post(server, "/v1/responses", streamed).text.splitlines()
