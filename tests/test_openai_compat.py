@@ -460,6 +460,8 @@ def test_responses_objects_and_events_parse_as_the_sdks_types(server):
     ]
     kinds = [TypeAdapter(ResponseStreamEvent).validate_python(e).type for e in events]
     assert "response.function_call_arguments.done" in kinds and kinds[-1] == "response.completed", kinds
+    done = events[-1]["response"]  # completed_at: OpenAI's, set when completed (was absent)
+    assert done["completed_at"] >= done["created_at"] and events[0]["response"]["completed_at"] is None
 
 
 def test_embeddings_batch_order_and_formats(client, server):

@@ -141,7 +141,7 @@ class ResponsesServing:
             "text": {"format": (req.text.format.model_dump(by_alias=True, exclude_none=True)
                                 if req.text and req.text.format else {"type": "text"})},
             "metadata": req.metadata or {}, "store": req.store, "truncation": req.truncation or "disabled",
-            "error": None, "incomplete_details": None, "usage": None,
+            "error": None, "incomplete_details": None, "usage": None, "completed_at": None,
         }  # fmt: skip
 
     def _finish(self, response: dict, output: list[dict], finish: str | None, usage: dict | None) -> dict:
@@ -152,6 +152,7 @@ class ResponsesServing:
             response["incomplete_details"] = {"reason": "max_output_tokens"}
         else:
             response["status"] = "completed"
+            response["completed_at"] = int(time.time())  # OpenAI's, set only when completed
         return response
 
     async def create(self, req: ResponsesRequest, raw: Request):
