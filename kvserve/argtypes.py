@@ -9,6 +9,9 @@ import codecs
 import math
 import os
 from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T", int, float)
 
 
 def _integer(text: str) -> int:
@@ -31,18 +34,6 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
 
 
 positive_int = int_at_least(1)
-
-
-def positive_int_at_most(limit: int, why: str) -> Callable[[str], int]:
-    """An integer in [1, limit]; `why` says what the bound stands for (see the float one)."""
-
-    def check(text: str) -> int:
-        value = positive_int(text)
-        if value > limit:
-            raise argparse.ArgumentTypeError(f"must be <= {limit:,} ({why}), got {value}")
-        return value
-
-    return check
 
 
 def port(text: str) -> int:
@@ -89,19 +80,6 @@ def non_negative_float(text: str) -> float:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value:g}")
     return value
-
-
-def non_negative_float_at_most(limit: float, why: str) -> Callable[[str], float]:
-    """A number in [0, limit]; `why` says what the bound stands for. Past any real use a value
-    is a typo (1e300 for 1e3), and it came back as an answer of hundreds of digits."""
-
-    def check(text: str) -> float:
-        value = non_negative_float(text)
-        if value > limit:
-            raise argparse.ArgumentTypeError(f"must be <= {limit:,.0f} ({why}), got {value:g}")
-        return value
-
-    return check
 
 
 def positive_float(text: str) -> float:
@@ -180,3 +158,17 @@ def writable_file(text: str) -> str:
     if not os.access(folder, os.W_OK) or (os.path.exists(text) and not os.access(text, os.W_OK)):
         raise argparse.ArgumentTypeError(f"{text!r}: not writable")
     return text
+
+
+def at_most(parse: Callable[[str], T], limit: float, why: str) -> Callable[[str], T]:
+    """`parse`'s value, at most `limit`; `why` says what the bound stands for. Past any real use
+    a value is a typo (1e300 for 1e3), and it came back as an answer of hundreds of digits."""
+
+    def check(text: str) -> T:
+        value = parse(text)
+        if value > limit:
+            shown = f"{value:g}" if isinstance(value, float) else value
+            raise argparse.ArgumentTypeError(f"must be <= {limit:,.0f} ({why}), got {shown}")
+        return value
+
+    return check

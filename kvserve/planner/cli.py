@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from kvserve.argtypes import non_negative_float_at_most, positive_int, positive_int_at_most
+from kvserve.argtypes import at_most, non_negative_float, positive_int
 from kvserve.core.block_size import gpu_block_size_problem
 from kvserve.planner import simulate_cli
 from kvserve.planner.gpus import DEFAULT_GPU, GPUS
@@ -35,10 +35,10 @@ MAX_TOKENS_PER_DAY = 1e15  # a quadrillion: more than the largest API providers 
 MAX_PRICE = 10_000.0  # USD per GPU-hour, or per 1M API tokens
 MAX_GPUS = 1_000_000  # more than any one cluster holds
 MAX_CONCURRENCY = 10_000_000  # sequences at once
-TOKENS_PER_DAY = non_negative_float_at_most(MAX_TOKENS_PER_DAY, "a quadrillion tokens a day")
-PRICE = non_negative_float_at_most(MAX_PRICE, "USD")
-NUM_GPUS = positive_int_at_most(MAX_GPUS, "a million GPUs")
-CONCURRENCY = positive_int_at_most(MAX_CONCURRENCY, "ten million sequences at once")
+TOKENS_PER_DAY = at_most(non_negative_float, MAX_TOKENS_PER_DAY, "a quadrillion tokens a day")
+PRICE = at_most(non_negative_float, MAX_PRICE, "USD")
+NUM_GPUS = at_most(positive_int, MAX_GPUS, "a million GPUs")
+CONCURRENCY = at_most(positive_int, MAX_CONCURRENCY, "ten million sequences at once")
 
 DTYPES = sorted(set(WEIGHT_BYTES) | {"float32", "float16", "bfloat16"})
 
