@@ -363,3 +363,29 @@ def test_a_responses_stream_has_its_ids_rewritten_whatever_its_chunking():
             assert decode_id(e["response"]["previous_response_id"]) == ("replica-1", "resp_prev")
         assert events[1] == {"type": "response.output_text.delta", "delta": "hi"}
         assert out.startswith(b"event: response.created\n")
+
+
+def test_prefix_text_is_the_engines_text_whatever_the_content_shape():
+    """The Ray Serve router matched str() of a list of content parts ("[{'type': 'text', ..."),
+    so one conversation sent as parts and as a string routed to different replicas (and a
+    None content read "None"). Both routers now match the text the engine reads."""
+    pytest.importorskip("ray.serve")
+    from kvserve.deploy.ray_router import request_info as ray_info
+    from kvserve.gateway.router import request_info as gw_info
+
+    plain = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Hello there"},
+        {"role": "assistant", "content": None, "tool_calls": []},
+    ]
+    parts = [
+        {"role": "system", "content": [{"type": "text", "text": "You are terse."}]},
+        {"role": "user", "content": [{"type": "text", "text": "Hello "}, {"type": "text", "text": "there"}]},
+        {"role": "assistant", "content": None, "tool_calls": []},
+    ]
+    for info in (lambda b: ray_info(["/v1/chat/completions", b, {}]), lambda b: gw_info(b, {})):
+        a, b = info({"messages": plain}).text, info({"messages": parts}).text
+        assert a == b == "system:You are terse.\nuser:Hello there\nassistant:\n", (a, b)
+    responses = {"input": [{"role": "user", "content": [{"type": "input_text", "text": "Hello there"}]}]}
+    assert ray_info(["/v1/responses", responses, {}]).text == "user:Hello there\n"
+    assert ray_info(["/v1/completions", {"prompt": "Hi"}, {}]).text == "Hi"

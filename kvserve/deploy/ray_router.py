@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from kvserve.routing import RequestInfo, RoutingStrategy, make_strategy
+from kvserve.routing.request_text import prompt_text
 
 MAX_TRACKED = 10_000  # decisions whose completion never came (cancelled before sending)
 
@@ -31,19 +32,6 @@ MAX_TRACKED = 10_000  # decisions whose completion never came (cancelled before 
 class _Target:
     id: str
     weight: float = 1.0
-
-
-def prompt_text(body: dict) -> str:
-    """What the prefix index matches: the messages with their roles (a conversation's
-    earlier turns are its prefix), or the completion prompt."""
-    if isinstance(body.get("messages"), list):
-        parts = []
-        for m in body["messages"]:
-            if isinstance(m, dict):
-                parts.append(f"{m.get('role', '')}\n{m.get('content', '')}\n")
-        return "".join(parts)
-    prompt = body.get("prompt", body.get("input", ""))  # input: the Responses API's
-    return prompt if isinstance(prompt, str) else str(prompt)
 
 
 def request_info(args: list) -> RequestInfo:

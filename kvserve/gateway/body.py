@@ -4,14 +4,9 @@ with its own 400, so nothing here may raise on a wrong type."""
 
 from __future__ import annotations
 
+from kvserve.routing.request_text import content_text
 
-def content_text(content: object) -> str:
-    """A message's text: a string as is, content parts' string `text`s joined, else ''."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
-    return ""
+__all__ = ["content_text", "messages_of"]
 
 
 def messages_of(body: dict) -> list:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import logging
 
-from kvserve.gateway.body import content_text
 from kvserve.gateway.config import Deployment, GatewayConfig
 from kvserve.gateway.state import StateStore
 from kvserve.routing import RequestInfo, RoutingStrategy, make_strategy
+from kvserve.routing.request_text import prompt_text
 
 log = logging.getLogger("kvserve.gateway")
 
@@ -15,20 +15,9 @@ log = logging.getLogger("kvserve.gateway")
 def request_info(body: dict, headers) -> RequestInfo:
     """What request-aware strategies see of a body: its prompt text (the gateway does not
     tokenize; cache-aware matches text), the session (`x-session-id` header or `user`)."""
-    text = ""
-    if isinstance(body.get("messages"), list):
-        parts = []
-        for m in body["messages"]:
-            c = content_text(m.get("content")) if isinstance(m, dict) else ""  # parts: their text only
-            parts.append(f"{m.get('role', '')}:{c}\n" if isinstance(m, dict) else "")
-        text = "".join(parts)
-    elif isinstance(body.get("prompt"), str):
-        text = body["prompt"]
-    elif isinstance(body.get("input"), str):  # the Responses API's (and embeddings') text
-        text = body["input"]
     user = body.get("user") if isinstance(body.get("user"), str) else None
     salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
-    return RequestInfo(text=text, session=headers.get("x-session-id") or user, cache_salt=salt)
+    return RequestInfo(text=prompt_text(body), session=headers.get("x-session-id") or user, cache_salt=salt)
 
 
 class _Target:
