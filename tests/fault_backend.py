@@ -22,6 +22,8 @@ failure tests. The backend model name picks the behaviour:
               when its engine dies before the first token)
     error-mid streams 2 events, then an engine_dead error event and [DONE] (as kvserve serve
               when its engine dies mid-answer)
+    echo-keys not streamed: the answer's content is the JSON list of the body's field names
+              (what reached the backend)
 
 POST /deny/v1/... answers 401 whatever the model (a server whose API key the caller lacks).
 GET /stats gives requests per model and how many streams and holds the client cancelled.
@@ -124,6 +126,11 @@ async def _answer(request: Request, chat: bool):
     body = await request.json()
     mode = str(body.get("model"))
     counts[mode] += 1
+    if mode == "echo-keys":
+        choice = {"index": 0, "message": {"role": "assistant", "content": json.dumps(sorted(body))},
+                  "finish_reason": "stop"}  # fmt: skip
+        return {"id": "fault", "object": "chat.completion", "created": 0, "model": mode, "choices": [choice],
+                "usage": _usage(body, 1, mode)}  # fmt: skip
     if mode == "fail-500":
         return JSONResponse({"error": {"message": "injected failure", "type": "server_error"}}, 500)
     if mode == "fail-429":

@@ -92,6 +92,7 @@ def _base(fault, tmp, **router) -> dict:
                                                                         "weight": 1000}},
             {"model_name": "htmlmix", "id": "htmlmix-ok", "backend": {"base_url": u, "model": "ok",
                                                                       "weight": 0.001}},
+            deployment("echo", u, "echo-keys"), deployment("down2", u, "fail-500"),
         ],
         "router_settings": {"num_retries": 1, "retry_backoff_base": 0.01, "allowed_fails": 100,
                             "fallbacks": {"hang": ["okgroup"], "pinghang": ["okgroup"], "die": ["okgroup"],
@@ -891,7 +892,7 @@ def test_health_readiness_and_metrics(gw):
     for path in ("/health/liveliness", "/health/liveness"):
         assert httpx.get(gw.url + path).json() == {"status": "ok"}, path
     ready = httpx.get(gw.url + "/health/readiness").json()
-    assert ready["status"] == "ready" and len(ready["deployments"]) == 47
+    assert ready["status"] == "ready" and len(ready["deployments"]) == 49
     # a backend refusing the deployment's api_key cannot answer anything: not up (was: it answered)
     assert [d["up"] for d in ready["deployments"] if d["model_name"] == "denied"] == [False]
     assert all(d["up"] for d in ready["deployments"] if d["model_name"] != "denied")
@@ -1100,3 +1101,38 @@ def test_a_client_gone_before_its_stream_starts_is_still_settled(fault, tmp_path
             await app.state.gateway.pool.close()
 
     assert asyncio.run(scenario()) == (0, 0)
+
+
+def test_litellm_proxy_fields_are_the_gateways_never_the_backends(gw, fault):
+    """A LiteLLM proxy user's client sends LiteLLM's body fields (extra_body): they reached the
+    backend, and kvserve serve refuses a field it does not know with a 400. The gateway takes
+    them out; it honours per-request fallbacks, num_retries and disable_fallbacks as LiteLLM
+    does (only to models the key may use), and refuses mock_response rather than spend tokens."""
+    litellm = {"metadata": {"tags": ["a"], "trace_id": 1}, "tags": ["t"], "user_api_key_alias": "x",
+               "caching": False, "cache": {"no-cache": True}, "num_retries": 1, "fallbacks": ["okgroup"],
+               "litellm_metadata": {"k": "v"}, "guardrails": ["g"], "timeout": 30}  # fmt: skip
+    r = post(gw, "echo", **litellm)
+    assert r.status_code == 200, r.text
+    assert json.loads(r.json()["choices"][0]["message"]["content"]) == ["max_tokens", "messages", "model"]
+    before = fault.count("fail-500")
+    r = post(gw, "down2")  # no configured fallbacks: 1 retry, then the group's error
+    assert r.status_code == 500 and r.headers["x-kvserve-attempts"] == "2", r.text
+    r = post(gw, "down2", num_retries=0)
+    assert r.status_code == 500 and r.headers["x-kvserve-attempts"] == "1", r.text
+    for fallbacks in (["okgroup"], [{"model": "okgroup"}], [{"down2": ["okgroup"]}]):
+        r = post(gw, "down2", fallbacks=fallbacks, num_retries=0)
+        assert r.status_code == 200 and r.headers["x-kvserve-model-group"] == "okgroup", (fallbacks, r.text)
+        assert r.headers["x-kvserve-attempts"] == "2"
+    r = post(gw, "down", disable_fallbacks=True)  # its configured fallback (okgroup) is not followed
+    assert r.status_code == 500 and r.headers["x-kvserve-attempts"] == "2", r.text
+    for body, status, param in (
+        ({"fallbacks": ["okgroup"]}, 403, "fallbacks"),  # the key may use down, small, ctx only
+        ({"fallbacks": ["nope"]}, 404, "fallbacks"),
+        ({"fallbacks": "okgroup"}, 400, "fallbacks"),
+        ({"num_retries": -1}, 400, "num_retries"),
+        ({"num_retries": True}, 400, "num_retries"),
+        ({"mock_response": "hi"}, 400, "mock_response"),
+    ):
+        r = post(gw, "down", key="sk-no-fallbacks", **body)
+        assert r.status_code == status and r.json()["error"]["param"] == param, (body, r.text)
+    assert fault.count("fail-500") == before + 8  # (the refused ones reached no backend)

@@ -24,6 +24,7 @@ from kvserve.gateway.backends import BackendPool, estimate_tokens
 from kvserve.gateway.blame import Blame
 from kvserve.gateway.budget_rebuild import BudgetRebuild
 from kvserve.gateway.budgets import completion_budget, cost, max_cost, sequences
+from kvserve.gateway.client_params import ClientParams, take
 from kvserve.gateway.config import Deployment, GatewayConfig
 from kvserve.gateway.degrade import HEADER as DEGRADED_HEADER
 from kvserve.gateway.degrade import Degrader
@@ -77,6 +78,7 @@ class Ctx:
     abandoned: str | None = None  # it left with work on served_by: "prefill" or "answer"
     allowed: frozenset[str] = frozenset()  # the aliases this key (and its team) may use
     pinned: Deployment | None = None  # the deployment holding previous_response_id's conversation
+    params: ClientParams = field(default_factory=ClientParams)  # LiteLLM's body fields (client_params.py)
 
 
 class Gateway:
@@ -131,6 +133,7 @@ class Gateway:
             raise GatewayError(
                 403, f"model: this key may not use {alias!r}", "permission_denied", param="model"
             )
+        params = take(body, path, alias, set(self.router.groups), allowed)  # (out of the body)
         stream = body.get("stream") is True and path != EMBEDDINGS
         so = body.get("stream_options")
         ctx = Ctx(
@@ -143,7 +146,7 @@ class Gateway:
             stream and isinstance(so, dict) and so.get("include_usage") is True,
             time.monotonic(),
         )
-        ctx.request, ctx.allowed = request, allowed
+        ctx.request, ctx.allowed, ctx.params = request, allowed, params
         # one id for the client, every backend call and the log line (not ctx.rid, the state
         # store's key: a client's id may repeat); each backend made its own before, none returned
         given = request.headers.get("x-request-id", "") if request is not None else ""
@@ -221,7 +224,7 @@ class Gateway:
         headers = ctx.request.headers if ctx.request is not None else None
         if ctx.path == RESPONSES:  # each answer is a stored response of its own, with its own id
             return None
-        if not self.cache.applies(ctx.alias, ctx.body, headers):
+        if ctx.params.no_cache or not self.cache.applies(ctx.alias, ctx.body, headers):
             return None
         ctx.cache = await self.cache.lookup(ctx.alias, ctx.path, ctx.body)
         hit = ctx.cache.hit
@@ -238,7 +241,15 @@ class Gateway:
         """The groups to try in order: a degradation fallback first, then the alias and its
         configured fallbacks (those the key may use)."""
         first = [ctx.degraded_to] if ctx.degraded_to else []
-        return list(dict.fromkeys([*first, ctx.alias, *self._permitted(ctx, self.rs.fallbacks)]))
+        fallbacks = ctx.params.fallbacks  # the request's own (checked against the key), else the config's
+        if fallbacks is None:
+            fallbacks = self._permitted(ctx, self.rs.fallbacks)
+        return list(dict.fromkeys([*first, ctx.alias, *fallbacks]))
+
+    def _context_fallbacks(self, ctx: Ctx) -> list[str]:
+        if ctx.params.context_window_fallbacks is not None:
+            return ctx.params.context_window_fallbacks
+        return self._permitted(ctx, self.rs.context_window_fallbacks)
 
     @staticmethod
     def _permitted(ctx: Ctx, fallbacks: dict[str, list[str]]) -> list[str]:
@@ -249,7 +260,7 @@ class Gateway:
     async def _admit(self, ctx: Ctx) -> None:
         key, team_name = ctx.key, ctx.key.spec.team
         team = self.cfg.teams.get(team_name or "")
-        reachable = self._chain(ctx) + self._permitted(ctx, self.rs.context_window_fallbacks)
+        reachable = self._chain(ctx) + self._context_fallbacks(ctx)
         rule = self.rs.degradation.get(ctx.alias)
         if rule is not None and rule.fallback in ctx.allowed:  # decided after admission: reserve for it too
             reachable.append(rule.fallback)
@@ -327,7 +338,8 @@ class Gateway:
             alias, excluded, tried, too_long = groups[gi], set(), set(), False
             blame = Blame()
             group_attempts, failed_id, retry_after = 0, None, None
-            while group_attempts <= self.rs.num_retries:
+            retries = self.rs.num_retries if ctx.params.num_retries is None else ctx.params.num_retries
+            while group_attempts <= retries:
                 if ctx.pinned is not None:  # its only deployment, even cooling down: none other has it
                     dep = None if ctx.pinned.id in excluded else ctx.pinned
                 else:
@@ -398,7 +410,7 @@ class Gateway:
             await self._count_failures(blame.to_count(succeeded=False))
             if too_long and not context_switched:
                 context_switched, gi = True, 0
-                groups = [] if ctx.pinned else self._permitted(ctx, self.rs.context_window_fallbacks)
+                groups = [] if ctx.pinned else self._context_fallbacks(ctx)
                 if not groups and context_answer:  # nowhere bigger to go: the backend's answer stands
                     return await self._pass_through(ctx, *context_answer)
                 field = "messages" if "messages" in ctx.body else "prompt"
