@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import sqlite3
@@ -750,11 +751,23 @@ def test_a_body_nested_too_deeply_to_parse_is_a_400_not_a_500(gw):
     assert "RecursionError" not in gw.logs()
 
 
+def _go_duration(text: str) -> float:
+    """OpenAI's x-ratelimit-reset-* ("12ms", "59.5s", "1m0s") in seconds."""
+    units = {"h": 3600, "m": 60, "s": 1, "ms": 0.001}
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|h|m|s)", text)
+    assert parts and "".join(n + u for n, u in parts) == text, text
+    return sum(float(n) * units[u] for n, u in parts)
+
+
 def test_key_rpm_limit_gives_429_with_headers(gw):
-    assert [post(gw, "okgroup", key="sk-rpm2").status_code for _ in range(2)] == [200, 200]
+    oks = [post(gw, "okgroup", key="sk-rpm2") for _ in range(2)]
+    assert [r.status_code for r in oks] == [200, 200]
+    for r in oks:  # (was absent) the one-minute window is empty again within a minute
+        assert 58 <= _go_duration(r.headers["x-ratelimit-reset-requests"]) <= 60, r.headers
     r = post(gw, "okgroup", key="sk-rpm2")
     assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded"
     assert 1 <= int(r.headers["retry-after"]) <= 60
+    assert int(r.headers["retry-after"]) <= _go_duration(r.headers["x-ratelimit-reset-requests"]) + 1 <= 61
     assert (
         r.headers["x-ratelimit-limit-requests"] == "2" and r.headers["x-ratelimit-remaining-requests"] == "0"
     )

@@ -57,6 +57,23 @@ def test_all_or_nothing(run):
     run(scenario)
 
 
+def test_rate_windows_say_when_they_are_back_to_their_initial_state(run):
+    """The gateway sent x-ratelimit-limit/remaining-* but no x-ratelimit-reset-* (OpenAI's and
+    LiteLLM's): each store now says, per rpm / tpm window, when it holds nothing counted (its
+    newest second has left the sliding minute), refused requests' window included."""
+
+    async def scenario(s):
+        rpm, tpm, par = Check("rpm", "k", 2), Check("tpm", "k", 100, 30), Check("parallel", "k", 5)
+        adm = await s.admit("a", [rpm, tpm, par], 30)
+        assert adm.ok and len(adm.reset) == 3 and adm.reset[2] == 0
+        assert all(59 <= r <= 60 for r in adm.reset[:2]), adm.reset
+        assert (await s.admit("b", [rpm], 30)).ok
+        over = await s.admit("c", [rpm, tpm], 30)
+        assert not over.ok and over.failed == rpm and len(over.reset) == 1 and 58 <= over.reset[0] <= 60
+
+    run(scenario)
+
+
 def test_budget_reserve_settle_and_expire(run):
     async def scenario(s):
         b = lambda amount: Check("budget", "k", 10.0, amount)  # noqa: E731

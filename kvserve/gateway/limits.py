@@ -42,7 +42,9 @@ def needs_tokens(checks: list[Check]) -> bool:
 
 def ratelimit_headers(checks: list[Check], adm: Admission) -> dict[str, str]:
     """x-ratelimit-* for the tightest key/team window (OpenAI's header names). A refused
-    request reports only the window that refused it (at 0): the others were not measured."""
+    request reports only the window that refused it (at 0): the others were not measured.
+    x-ratelimit-reset-*: until that window is back to its initial state (nothing counted in
+    it), in OpenAI's format; a refused request's Retry-After says when it would be admitted."""
     h: dict[str, str] = {}
     for i, c in enumerate(checks):
         if c.kind not in ("rpm", "tpm") or (not adm.ok and c is not adm.failed):
@@ -54,4 +56,18 @@ def ratelimit_headers(checks: list[Check], adm: Admission) -> dict[str, str]:
                 continue
         h[f"x-ratelimit-limit-{name}"] = str(int(c.limit))
         h[f"x-ratelimit-remaining-{name}"] = str(remaining)
+        reset = (adm.reset[i] if adm.ok else adm.reset[0]) if adm.reset else None
+        if reset is not None:
+            h[f"x-ratelimit-reset-{name}"] = duration(reset)
     return h
+
+
+def duration(seconds: float) -> str:
+    """OpenAI's (Go's) duration format, to the millisecond: "12ms", "1s", "59.5s", "1m0s"."""
+    ms = max(round(seconds * 1000), 0)
+    if ms < 1000:
+        return f"{ms}ms" if ms else "0s"
+    hours, ms = divmod(ms, 3_600_000)
+    minutes, ms = divmod(ms, 60_000)
+    secs = f"{ms / 1000:.3f}".rstrip("0").rstrip(".")
+    return (f"{hours}h" if hours else "") + (f"{minutes}m" if hours or minutes else "") + f"{secs}s"

@@ -3,8 +3,10 @@
 -- second it was admitted in (settle.lua corrects that bucket); parallel -> slot zset (request ->
 -- expiry ms); budget -> budget hash {period, spent}, reservation zset, reservation amounts hash.
 -- ARGV: request_id, ttl_ms, n, then per check: kind, limit, amount, period_ms.
--- Returns {1, remaining...} or {0, failed check index, retry_after_ms (-1: never)}, or {-1, check index,
--- now_ms} for a budget hash never seeded from the spend log (seed.lua), changing nothing.
+-- Returns {1, remaining..., reset_ms...} or {0, failed check index, retry_after_ms (-1: never),
+-- reset_ms}, or {-1, check index, now_ms} for a budget hash never seeded from the spend log
+-- (seed.lua), changing nothing. reset_ms: until an rpm / tpm window's newest second has left it
+-- (0 for other checks).
 -- The last KEY records an admission for a minute: the same request admitted again (the client
 -- resent the script after a connection lost its reply) gets that answer and counts nothing twice.
 local memo = KEYS[#KEYS]
@@ -28,10 +30,14 @@ for i, c in ipairs(checks) do
   if c.kind == 'rpm' or c.kind == 'tpm' then
     local h = redis.call('HGETALL', KEYS[c.k])
     local used, buckets = 0, {}
+    c.newest = nil
     for j = 1, #h, 2 do
       local s, v = tonumber(h[j]), tonumber(h[j + 1])
       if s <= sec - 60 then redis.call('HDEL', KEYS[c.k], h[j])
-      else used = used + v; buckets[#buckets + 1] = {s, v} end
+      else
+        used = used + v; buckets[#buckets + 1] = {s, v}
+        if c.newest == nil or s > c.newest then c.newest = s end
+      end
     end
     c.used = used
     if used + c.amount > c.limit then
@@ -73,8 +79,10 @@ for i, c in ipairs(checks) do
     end
   end
   if c.used + c.amount > c.limit * (1 + eps) then
-    if retry < 0 then return {0, i, -1} end
-    return {0, i, math.max(math.floor(retry), 1)}
+    local reset = 0
+    if c.newest ~= nil then reset = math.max((c.newest + 60) * 1000 - now, 0) end
+    if retry < 0 then return {0, i, -1, reset} end
+    return {0, i, math.max(math.floor(retry), 1), reset}
   end
 end
 local out = {1}
@@ -96,6 +104,9 @@ for i, c in ipairs(checks) do
     redis.call('PEXPIRE', KEYS[c.k + 2], ttl + 1000)
   end
   out[#out + 1] = tostring(c.limit - c.used - c.amount)
+end
+for i, c in ipairs(checks) do
+  if c.kind == 'rpm' or c.kind == 'tpm' then out[#out + 1] = (sec + 60) * 1000 - now else out[#out + 1] = 0 end
 end
 redis.call('SET', memo, cjson.encode(out), 'PX', 60000)
 return out

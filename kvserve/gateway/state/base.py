@@ -3,7 +3,7 @@ applies all of them, or applies none, so concurrent gateways can never over-admi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 WINDOW_S = 60  # rpm / tpm are sliding one-minute windows with one-second buckets
@@ -46,6 +46,9 @@ class Admission:
     # (a fresh store, or Redis restarted without persistence): seed_budget it, then admit again
     unseeded: int | None = None
     now: float = 0.0  # the store's clock (seconds) when unseeded was found
+    # rpm / tpm: seconds until the window holds nothing of what it counts (its state with no
+    # traffic: OpenAI's x-ratelimit-reset-*); per check when ok, else the refusing window's alone
+    reset: list[float] = field(default_factory=list)
 
 
 class StateStore:

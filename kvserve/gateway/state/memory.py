@@ -53,6 +53,11 @@ class MemoryStore(StateStore):
             b = self._budgets[scope] = [idx, 0.0]
         return b
 
+    def _reset(self, c: Check, now: float) -> float:
+        """Seconds until the newest second counted in an rpm / tpm window has left it."""
+        buckets = self._windows.get(f"{c.scope}:{c.kind}") if c.kind in ("rpm", "tpm") else None
+        return max(max(buckets) + WINDOW_S - now, 0.0) if buckets else 0.0
+
     def _measure(self, c: Check, now: float) -> tuple[float, float]:
         """(used, retry_after seconds if this check failed)."""
         if c.kind in ("rpm", "tpm"):
@@ -87,7 +92,7 @@ class MemoryStore(StateStore):
         for c in checks:
             u, retry = self._measure(c, now)
             if u + c.amount > c.limit * (1 + EPS):
-                return Admission(False, [], c, retry)
+                return Admission(False, [], c, retry, reset=[self._reset(c, now)])
             used.append(u)
         for c in checks:
             if c.kind in ("rpm", "tpm"):
@@ -102,7 +107,8 @@ class MemoryStore(StateStore):
                 self._slots[c.scope][request_id] = now + ttl
             else:
                 self._reserved[c.scope][request_id] = (now + ttl, c.amount)
-        return Admission(True, [c.limit - u - c.amount for c, u in zip(checks, used)])
+        resets = [self._reset(c, now) for c in checks]
+        return Admission(True, [c.limit - u - c.amount for c, u in zip(checks, used)], reset=resets)
 
     async def seed_budget(self, check: Check, period: int, spent: float) -> bool:
         if check.scope in self._seeded:

@@ -68,12 +68,16 @@ class RedisStore(StateStore):
         for c in checks:
             args += [c.kind, repr(float(c.limit)), repr(float(c.amount)), int(c.period * 1000)]
         out = await self._admit(keys=keys, args=args)
-        if int(out[0]) == 1:
-            return Admission(True, [float(x) for x in out[1:]])
+        n = len(checks)
+        if int(out[0]) == 1:  # (a memo an earlier version wrote has no resets)
+            resets = [int(x) / 1000 for x in out[1 + n : 1 + 2 * n]]
+            return Admission(True, [float(x) for x in out[1 : 1 + n]], reset=resets)
         if int(out[0]) == -1:
             return Admission(False, [], unseeded=int(out[1]) - 1, now=int(out[2]) / 1000)
         retry = int(out[2])  # (-1: never, a spent budget that does not reset)
-        return Admission(False, [], checks[int(out[1]) - 1], math.inf if retry < 0 else retry / 1000)
+        reset = [int(out[3]) / 1000] if len(out) > 3 else []
+        failed = checks[int(out[1]) - 1]
+        return Admission(False, [], failed, math.inf if retry < 0 else retry / 1000, reset=reset)
 
     @_guarded
     async def seed_budget(self, check: Check, period: int, spent: float) -> bool:
