@@ -25,6 +25,7 @@ failure tests. The backend model name picks the behaviour:
     echo-keys not streamed: the answer's content is the JSON list of the body's field names
               (what reached the backend)
 
+Any model answers 400 (param temperature) to a temperature above 2, as a real backend would.
 POST /deny/v1/... answers 401 whatever the model (a server whose API key the caller lacks).
 GET /stats gives requests per model and how many streams and holds the client cancelled.
 
@@ -126,6 +127,10 @@ async def _answer(request: Request, chat: bool):
     body = await request.json()
     mode = str(body.get("model"))
     counts[mode] += 1
+    temperature = body.get("temperature")
+    if isinstance(temperature, (int, float)) and temperature > 2:  # any mode: the request's mistake
+        err = {"message": "temperature: must be <= 2", "param": "temperature", "code": "invalid_value"}
+        return JSONResponse({"error": err}, 400)
     if mode == "echo-keys":
         choice = {"index": 0, "message": {"role": "assistant", "content": json.dumps(sorted(body))},
                   "finish_reason": "stop"}  # fmt: skip

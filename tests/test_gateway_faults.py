@@ -1149,3 +1149,37 @@ def test_litellm_proxy_fields_are_the_gateways_never_the_backends(gw, fault):
         r = post(gw, "down", key="sk-no-fallbacks", **body)
         assert r.status_code == status and r.json()["error"]["param"] == param, (body, r.text)
     assert fault.count("fail-500") == before + 8  # (the refused ones reached no backend)
+
+
+def test_latency_based_routing_learns_nothing_from_a_clients_mistake_or_leaving(fault, tmp_path):
+    """Latency-based routing took a 4xx passed through (the request's own mistake) and a client
+    hanging up as the deployment failing: a 10 s penalty in its average, so one malformed or
+    cancelled request sent the next ones to the slower deployment. Neither counts now."""
+    u = fault.url + "/v1"
+    cfg = {
+        "model_list": [{"model_name": "lat", "id": "fast", "backend": {"base_url": u, "model": "hold-0.2"}},
+                       {"model_name": "lat", "id": "slow", "backend": {"base_url": u, "model": "hold-1"}}],
+        "router_settings": {"routing_strategy": "latency-based", "num_retries": 0},
+        "keys": [{"key": KEY}],
+        "general_settings": {"database": str(tmp_path / "gw.db")},
+    }  # fmt: skip
+    g = GatewayProcess(cfg, str(tmp_path))
+    try:
+        assert sorted(post(g, "lat").headers["x-kvserve-deployment"] for _ in range(2)) == ["fast", "slow"]
+        assert post(g, "lat").headers["x-kvserve-deployment"] == "fast"
+        r = post(g, "lat", temperature=5)  # the backend's 400, passed through
+        assert r.status_code == 400 and r.headers["x-kvserve-deployment"] == "fast", r.text
+        assert post(g, "lat").headers["x-kvserve-deployment"] == "fast"
+        before = fault.stats()["cancelled_holds"]
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up while "fast" works on it
+            body, auth = {"model": "lat", "messages": MSG}, {"Authorization": f"Bearer {KEY}"}
+            quick = httpx.Timeout(5, read=0.05)
+            httpx.post(g.url + "/v1/chat/completions", json=body, headers=auth, timeout=quick)
+        deadline = time.monotonic() + 10
+        while fault.stats()["cancelled_holds"] == before:  # (the gateway saw it leave and cancelled)
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert post(g, "lat").headers["x-kvserve-deployment"] == "fast"
+    finally:
+        g.stop()
+    assert "Traceback" not in g.logs(), g.logs()

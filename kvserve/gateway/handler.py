@@ -484,13 +484,16 @@ class Gateway:
                 self.pool, dep, ctx.path, body, ctx.stream, ctx.client_usage, ctx.headers["x-request-id"]
             )
         except BaseException:  # the client left while the deployment worked: it is charged
-            strategy.finished(dep.id, None, ctx.route)
+            strategy.released(dep.id, ctx.route)  # (its leaving says nothing of the deployment)
             self._abandon(ctx, dep, "prefill" if ctx.stream else "answer")
             await asyncio.shield(self._release(arid, dchecks, ctx.prompt_tokens if ctx.abandoned else 0))
             raise
         if out.kind == "ok" and out.response is not None:  # a live stream: finished when it ends
             return self._stream(ctx, dep, arid, dchecks, out)
-        strategy.finished(dep.id, out.first_byte_s if out.kind == "ok" else None, ctx.route)
+        if out.kind in ("final", "context"):  # the request's 4xx: no failure of the deployment's
+            strategy.released(dep.id, ctx.route)
+        else:
+            strategy.finished(dep.id, out.first_byte_s if out.kind == "ok" else None, ctx.route)
         tokens = (out.usage or {}).get("total_tokens", ctx.prompt_tokens) if out.kind == "ok" else 0
         await self._release(arid, dchecks, tokens)
         if out.kind in ("retry", "context"):

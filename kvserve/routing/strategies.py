@@ -1,7 +1,8 @@
 """The strategy interface is three calls: choose() among candidates, started() when a request
-goes to the choice, finished() with its latency. A new policy implements those and nothing
-else changes. The gateway (targets: deployments) and data-parallel serve (targets: engine
-replicas) share it; policies that look at the request get a `RequestInfo`."""
+goes to the choice, finished() with its latency (released() when the attempt ended saying
+nothing of the target: the request's own 4xx, the client leaving). A new policy implements
+the three and nothing else changes. The gateway (targets: deployments) and data-parallel
+serve (targets: engine replicas) share it; policies that look at the request get a `RequestInfo`."""
 
 from __future__ import annotations
 
@@ -54,7 +55,12 @@ class RoutingStrategy:
             self.in_flight_tokens[target_id] += request.num_tokens - request.cached_tokens
 
     def finished(self, target_id: str, latency: float | None, request: RequestInfo | None = None) -> None:
-        """latency: seconds to the first byte, None when the attempt failed."""
+        """latency: seconds to the first byte, None when the attempt failed (the target's fault)."""
+        RoutingStrategy.released(self, target_id, request)
+
+    def released(self, target_id: str, request: RequestInfo | None = None) -> None:
+        """The attempt ended saying nothing of the target's speed or health (the request's own
+        4xx, the client leaving): it is no longer in flight, and no policy learns from it."""
         self.in_flight[target_id] -= 1
         if request is not None:
             self.in_flight_tokens[target_id] -= request.num_tokens - request.cached_tokens
