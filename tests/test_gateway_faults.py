@@ -113,6 +113,7 @@ def _base(fault, tmp, **router) -> dict:
             {"key": "sk-team-a", "team": "t"}, {"key": "sk-team-b", "team": "t"},
         ],
         "teams": {"t": {"rpm": 1}},
+        "response_cache": {"models": ["echo"]},
         "general_settings": {"master_key": MASTER, "database": str(tmp / "gw.db"),
                              "max_request_bytes": 65536},
     }  # fmt: skip
@@ -1149,6 +1150,21 @@ def test_litellm_proxy_fields_are_the_gateways_never_the_backends(gw, fault):
         r = post(gw, "down", key="sk-no-fallbacks", **body)
         assert r.status_code == status and r.json()["error"]["param"] == param, (body, r.text)
     assert fault.count("fail-500") == before + 8  # (the refused ones reached no backend)
+
+
+def test_litellm_cache_switches_bypass_the_response_cache(gw, fault):
+    """LiteLLM's `caching: false` and `cache: {"no-cache": true}` (its clients' way to skip the
+    proxy's cache) reached the backend as unknown fields; now they bypass the response cache
+    as the cache-control header does, and an answer is still cached for the requests after."""
+    greedy = {"temperature": 0, "messages": [{"role": "user", "content": "cache me"}]}
+    before = fault.count("echo-keys")
+    first, again = post(gw, "echo", **greedy), post(gw, "echo", **greedy)
+    assert (first.headers["x-kvserve-cache"], again.headers["x-kvserve-cache"]) == ("miss", "hit")
+    for switch in ({"caching": False}, {"cache": {"no-cache": True}}, {"cache": {"no-store": True}}):
+        r = post(gw, "echo", **greedy, **switch)
+        assert r.status_code == 200 and "x-kvserve-cache" not in r.headers, (switch, r.headers)
+    assert fault.count("echo-keys") == before + 4  # the miss and the three bypasses
+    assert post(gw, "echo", **greedy, cache={"ttl": 60}).headers["x-kvserve-cache"] == "hit"
 
 
 def test_latency_based_routing_learns_nothing_from_a_clients_mistake_or_leaving(fault, tmp_path):
