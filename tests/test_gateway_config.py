@@ -264,3 +264,17 @@ def test_a_key_whose_team_left_the_config_may_use_nothing(tmp_path):
     assert models.status_code == 200 and models.json()["data"] == []
     err = chat.json()["error"]
     assert chat.status_code == 403 and err["type"] == "permission_denied" and "'t'" in err["message"], err
+
+
+def test_fallbacks_in_litellms_list_form_are_read_as_the_map_they_mean():
+    """A LiteLLM config writes router_settings.fallbacks as a list of one-alias maps; it was
+    refused at start ("Input should be a valid dictionary"): now read as {alias: [aliases]}."""
+    deps = [{"model_name": m, "backend": {"base_url": "http://127.0.0.1:1/v1", "model": "x"}} for m in "abc"]
+    rs = {"fallbacks": [{"a": ["b", "c"]}, {"b": ["c"]}], "context_window_fallbacks": [{"a": ["c"]}]}
+    cfg = parse_config({"model_list": deps, "router_settings": rs})
+    assert cfg.router_settings.fallbacks == {"a": ["b", "c"], "b": ["c"]}
+    assert cfg.router_settings.context_window_fallbacks == {"a": ["c"]}
+    with pytest.raises(ConfigError, match="router_settings.fallbacks: .*'a' is given twice"):
+        parse_config({"model_list": deps, "router_settings": {"fallbacks": [{"a": ["b"]}, {"a": ["c"]}]}})
+    with pytest.raises(ConfigError, match="router_settings.fallbacks.b: unknown model_name 'z'"):
+        parse_config({"model_list": deps, "router_settings": {"fallbacks": [{"b": ["z"]}]}})

@@ -150,6 +150,21 @@ class RouterSettings(_Strict):
     degradation: dict[str, Degradation] = Field(default_factory=dict)
     saturation_poll_interval: float = Field(1.0, gt=0, description="seconds between /metrics polls")
 
+    @field_validator("fallbacks", "context_window_fallbacks", mode="before")
+    @classmethod
+    def _litellm_form(cls, v: object) -> object:
+        """LiteLLM's form, a list of one-alias maps (`[{smol: [hosted]}]`), read as the map it
+        means: a LiteLLM config's router_settings were refused at start ("a valid dictionary")."""
+        if not isinstance(v, list) or not all(isinstance(d, dict) for d in v):
+            return v
+        merged: dict = {}
+        for d in v:
+            for alias, targets in d.items():
+                if alias in merged:
+                    raise ValueError(f"{alias!r} is given twice")
+                merged[alias] = targets
+        return merged
+
     @model_validator(mode="after")
     def _thresholds_for_cache_aware(self) -> RouterSettings:
         """The balance thresholds, set with another strategy, were dropped without a word."""
