@@ -354,3 +354,16 @@ def test_a_responses_stream_is_committed_at_its_first_output_not_at_response_cre
     assert out.usage == {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
     sent_id = json.loads(sent.split(b"data: ")[1])["response"]["id"]
     assert decode_id(sent_id) == ("dep-1", "resp_abc") and sent.startswith(b"event: response.completed\n")
+
+
+def test_a_litellm_clients_extra_body_reaches_a_kvserve_replica_as_openai_fields(via, direct):
+    """LiteLLM's body fields (as its users' clients send them) were forwarded, and the kvserve
+    replica refused them (400, unknown field); the gateway takes them out now, so the answer
+    is the replica's greedy answer to the plain request."""
+    extra = {"metadata": {"tags": ["a"], "trace_id": 7}, "tags": ["t"], "num_retries": 1, "fallbacks": [],
+             "caching": False, "user_api_key_alias": "x", "litellm_metadata": {"k": "v"}}  # fmt: skip
+    kw = dict(model="tiny", messages=MSG, max_tokens=8, temperature=0)
+    a = via.chat.completions.create(**kw, extra_body=extra)
+    assert a.choices[0].message.content == direct.chat.completions.create(**kw).choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="metadata"):  # (what the replica says to them)
+        direct.chat.completions.create(**kw, extra_body={"metadata": extra["metadata"]})
