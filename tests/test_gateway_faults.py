@@ -94,6 +94,10 @@ def _base(fault, tmp, **router) -> dict:
             {"model_name": "htmlmix", "id": "htmlmix-ok", "backend": {"base_url": u, "model": "ok",
                                                                       "weight": 0.001}},
             deployment("echo", u, "echo-keys"), deployment("down2", u, "fail-500"),
+            {"model_name": "r429pair", "id": "r429pair-a", "backend": {"base_url": u, "model": "fail-429",
+                                                                       "weight": 1000}},
+            {"model_name": "r429pair", "id": "r429pair-b", "backend": {"base_url": u, "model": "fail-429",
+                                                                       "weight": 0.001}},
         ],
         "router_settings": {"num_retries": 1, "retry_backoff_base": 0.01, "allowed_fails": 100,
                             "fallbacks": {"hang": ["okgroup"], "pinghang": ["okgroup"], "die": ["okgroup"],
@@ -486,6 +490,18 @@ def test_429_retry_after_is_honoured(gw, fault):
     assert r.headers["retry-after"] == "1" and r.headers["x-kvserve-attempts"] == "2"
     assert fault.count("fail-429") == before + 2  # retried once, on the same (only) deployment
     assert time.monotonic() - t0 >= 1.0  # after the backend's Retry-After: 1
+
+
+def test_a_retry_goes_back_to_a_deployment_only_after_its_retry_after(gw, fault):
+    """Only the last failed deployment's Retry-After was kept: a -> 429 (Retry-After: 1), b ->
+    429, and the third attempt went back to a at once, a second early. Each deployment's own
+    Retry-After holds for the rest of the request now."""
+    before = fault.count("fail-429")
+    t0 = time.monotonic()
+    r = post(gw, "r429pair", num_retries=2)  # a (by weight), then b (not yet tried), then a again
+    assert r.status_code == 429 and r.headers["x-kvserve-attempts"] == "3", r.text
+    assert fault.count("fail-429") == before + 3
+    assert time.monotonic() - t0 >= 1.0  # a was asked again no sooner than it said
 
 
 def test_a_retry_after_that_is_not_a_finite_number_is_ignored_not_a_500(gw, fault):
@@ -906,7 +922,7 @@ def test_health_readiness_and_metrics(gw):
     for path in ("/health/liveliness", "/health/liveness"):
         assert httpx.get(gw.url + path).json() == {"status": "ok"}, path
     ready = httpx.get(gw.url + "/health/readiness").json()
-    assert ready["status"] == "ready" and len(ready["deployments"]) == 49
+    assert ready["status"] == "ready" and len(ready["deployments"]) == 51
     # a backend refusing the deployment's api_key cannot answer anything: not up (was: it answered)
     assert [d["up"] for d in ready["deployments"] if d["model_name"] == "denied"] == [False]
     assert all(d["up"] for d in ready["deployments"] if d["model_name"] != "denied")

@@ -337,7 +337,9 @@ class Gateway:
         while gi < len(groups):
             alias, excluded, tried, too_long = groups[gi], set(), set(), False
             blame = Blame()
-            group_attempts, failed_id, retry_after = 0, None, None
+            # when each deployment that answered with a Retry-After may be asked again: not only
+            # the last one to fail (a retry back to an earlier one ignored what it asked)
+            group_attempts, not_before = 0, {}
             retries = self.rs.num_retries if ctx.params.num_retries is None else ctx.params.num_retries
             while group_attempts <= retries:
                 if ctx.pinned is not None:  # its only deployment, even cooling down: none other has it
@@ -366,12 +368,12 @@ class Gateway:
                         )
                         continue
                 if group_attempts:
-                    same = dep.id == failed_id
+                    wait = not_before.get(dep.id, 0.0) - time.monotonic()
                     pause = backoff(
                         group_attempts,
                         self.rs.retry_backoff_base,
                         self.rs.retry_backoff_cap,
-                        retry_after if same else None,
+                        wait if wait > 0 else None,
                     )
                     try:
                         await asyncio.sleep(pause)
@@ -396,9 +398,10 @@ class Gateway:
                     blame.hold(dep)
                 else:
                     await self._count_failures([dep])
-                failed_id, retry_after = dep.id, out.retry_after
-                if retry_after and retry_after > MAX_RETRY_AFTER:
+                if out.retry_after and out.retry_after > MAX_RETRY_AFTER:
                     excluded.add(dep.id)
+                elif out.retry_after:
+                    not_before[dep.id] = time.monotonic() + out.retry_after
                 last = GatewayError(
                     out.status if out.status >= 500 or out.status == 429 else 502,
                     f"{alias}: {out.reason} (deployment {dep.id})",
