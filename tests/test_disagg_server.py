@@ -603,3 +603,15 @@ def test_a_prefill_answer_that_is_not_a_json_object_means_recompute(fault_proxy)
         r = httpx.post(proxy.url + "/v1/completions", json=body, timeout=30)
         assert r.status_code == 200 and r.headers["x-kvserve-pd"] == "fallback", r.text
         assert r.json()["choices"][0]["text"] == " tok tok"
+
+
+def test_a_busy_decode_engine_beside_a_down_one_is_a_503_with_its_retry_after(fault_proxy):
+    """One decode engine down (connection refused), the other answering 429 + Retry-After: the
+    proxy answered 502 and dropped the Retry-After, so the client retried at once. An engine
+    that cannot be reached says nothing against waiting: 503 with the busy one's Retry-After."""
+    fault, proxy, dead = fault_proxy
+    for _ in range(2):  # each engine first in turn
+        body = {"model": "fail-429", "prompt": "a b", "n": 2}  # n 2: decode only
+        r = httpx.post(proxy.url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1", (r.status_code, r.headers, r.text)
+        assert r.json()["error"]["code"] == "upstream_error" and dead in r.json()["error"]["message"]

@@ -55,11 +55,13 @@ async def decode(
     headers: dict, first_byte_timeout: float = 60.0, tag: Callable[[str], str] | None = None,
 ) -> Response:  # fmt: skip
     """The first answer of `urls` (in order) that is not a failure before its first byte; a
-    502 naming each engine and its failure when none gives one (503 when every one answered
-    busy: 503 or 429). With `tag` (a Responses request) the answer's ids name the engine
-    `tag(url)`, so a follow-up finds it."""
+    502 naming each engine and its failure when none gives one, or 503 with their Retry-After
+    when those that answered said busy (503 or 429) and the others could not be reached (an
+    engine down says nothing against trying again: a 502 lost the busy one's Retry-After).
+    With `tag` (a Responses request) the answer's ids name the engine `tag(url)`, so a
+    follow-up finds it."""
     failures: list[str] = []
-    busy, retry_after = True, None
+    busy, answered_busy, retry_after = True, False, None
     payload, send_headers = json_content(body), {**send_headers, **JSON_HEADER}
     for url in urls:
         req = client.build_request("POST", url + path, content=payload, headers=send_headers)
@@ -67,7 +69,7 @@ async def decode(
             resp = await client.send(req, stream=True)
         except httpx.HTTPError as e:
             failures.append(f"{url}: {reason(e)}")
-            busy = False
+            busy = busy and isinstance(e, httpx.ConnectError)  # (down: neither busy nor broken)
             logger.warning("decode engine %s failed (%s)", url, reason(e))
             continue
         relaying = False
@@ -104,6 +106,7 @@ async def decode(
         if _retryable(resp.status_code):
             failures.append(f"{url}: answered {resp.status_code} ({_engine_message(content)})")
             busy = busy and resp.status_code in (429, 503)
+            answered_busy = answered_busy or resp.status_code in (429, 503)
             retry_after = resp.headers.get("retry-after") or retry_after
             logger.warning("decode engine %s answered %d", url, resp.status_code)
             continue
@@ -112,6 +115,7 @@ async def decode(
         media = resp.headers.get("content-type", "application/json")
         return Response(content, status_code=resp.status_code, media_type=media, headers=headers)
     message = f"no decode engine could answer: {'; '.join(failures)}"
+    busy = busy and answered_busy
     out = dict(headers, **({"retry-after": retry_after} if busy and retry_after else {}))
     return JSONResponse(error(message, None, "server_error", "upstream_error"), 503 if busy else 502, out)
 
