@@ -1139,6 +1139,7 @@ def test_litellm_proxy_fields_are_the_gateways_never_the_backends(gw, fault):
     them out; it honours per-request fallbacks, num_retries and disable_fallbacks as LiteLLM
     does (only to models the key may use), and refuses mock_response rather than spend tokens."""
     litellm = {"metadata": {"tags": ["a"], "trace_id": 1}, "tags": ["t"], "user_api_key_alias": "x",
+               "mock_response": None, "mock_testing_fallbacks": False,
                "caching": False, "cache": {"no-cache": True}, "num_retries": 1, "fallbacks": ["okgroup"],
                "litellm_metadata": {"k": "v"}, "guardrails": ["g"], "timeout": 30}  # fmt: skip
     r = post(gw, "echo", **litellm)

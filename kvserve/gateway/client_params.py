@@ -42,7 +42,7 @@ def take(body: dict, path: str, alias: str, aliases: set[str], allowed: frozense
     """Remove LiteLLM's proxy fields from `body` (in place) and read the ones the gateway
     honours; a 400 (or 403 for a model the key may not use) names a bad one."""
     for name in REFUSED:
-        if name in body:
+        if body.pop(name, None) not in (None, False):  # (null or false: no mock asked for)
             raise GatewayError(
                 400,
                 f"{name}: LiteLLM's testing parameter is not supported by this gateway (the request would "
