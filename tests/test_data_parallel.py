@@ -153,6 +153,7 @@ def test_killed_replica_fails_only_its_own_requests(server):
     got = [(r.status_code, r.text) for r in results]
     assert 200 in codes and 503 in codes and set(codes) <= {200, 503}, got
     assert all(r.json()["error"]["code"] == "engine_dead" for r in results if r.status_code == 503), got
+    assert all(r.headers.get("retry-after") for r in results if r.status_code == 503), got  # it restarts
     deadline = time.monotonic() + 60
     while not httpx.get(f"{server.url}/health").json()["replicas"][1]["alive"]:
         assert time.monotonic() < deadline, "the killed replica did not come back"

@@ -68,6 +68,8 @@ def test_killed_core_is_restarted(tiny_llama_dir):
         codes = [r.status_code for r in results]
         assert 503 in codes and set(codes) <= {200, 503}, codes
         assert failed_by < 1.0  # in-flight requests fail at once
+        # ... saying when to retry: the supervisor is starting a new core
+        assert all(r.headers.get("retry-after") == "5" for r in results if r.status_code == 503)
         assert reset.status_code == 503 and reset_s < 1.0 and reset.headers.get("retry-after")
         assert health.status_code == 503
         deadline = killed + startup + 5 + 1  # load time + 5 s (+ the first back-off step)

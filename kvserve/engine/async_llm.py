@@ -337,8 +337,18 @@ class AsyncLLM:
             "engine core process died (exit code %s); failing %d in-flight request(s)",
             self.proc.exitcode, len(self._streams),
         )  # fmt: skip
+        # The supervisor starts a new core unless its restart limit is reached (as it decides
+        # next): then a retry is worth it, and the 503 says when, as dead_error does meanwhile.
+        restarts = (
+            time.monotonic() - self._up_since > self.RESTART_RESET_S or self.num_restarts < self.restart_limit
+        )
+        err = (
+            EngineDeadError("the engine core process died; it is restarting, retry shortly", retry_after=5)
+            if restarts
+            else EngineDeadError("the engine core process died")
+        )
         for st in list(self._streams.values()):
-            st.put(EngineDeadError("the engine core process died"))
+            st.put(err)
         self._streams.clear()
         self.output_processor.states.clear()
         self.stats = EngineStats()
