@@ -21,6 +21,7 @@ from kvserve.config import EngineConfig
 from kvserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError
 from kvserve.engine.dp_client import DPClient
 from kvserve.entrypoints.draining_server import DrainingServer
+from kvserve.entrypoints.openai.body_parsing import OffLoopBodyRoute
 from kvserve.entrypoints.openai.compat import ModelNotFoundError
 from kvserve.entrypoints.openai.errors import (
     error_response,
@@ -117,6 +118,7 @@ def build_app(engine: AsyncLLM | DPClient, cfg: ServerConfig, store: ResponseSto
         engine.shutdown()
 
     app = FastAPI(title="kvserve", version=__version__, lifespan=lifespan)
+    app.router.route_class = OffLoopBodyRoute  # large JSON bodies parsed in a thread
     app.openapi = lambda: openapi_with_400(app)
 
     def gate(path: str, headers) -> Response | None:

@@ -166,7 +166,9 @@ class OpenAIServing:
     async def render_chat(self, req: ChatCompletionRequest | TokenizeRequest) -> list[int]:
         """The prompt ids of a chat request: tools, developer role and assistant prefill applied
         (tools.py, compat.py), plus the client's chat_template_kwargs."""
-        messages, template_kwargs = conversation(req, self.tokenizer.hf.chat_template or "")
+        # every message checked and converted: for a long conversation, work the loop cannot wait on
+        template = self.tokenizer.hf.chat_template or ""
+        messages, template_kwargs = await self._off_loop(conversation, req, template)
         extra = dict(req.chat_template_kwargs or {})
         reserved = sorted(RESERVED_TEMPLATE_KWARGS & extra.keys())
         if reserved:

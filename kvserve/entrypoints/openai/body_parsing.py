@@ -1,0 +1,77 @@
+"""Large JSON bodies parsed and validated in a worker thread, not on the event loop.
+
+FastAPI decodes a route's JSON body and validates it against the route's model on the event
+loop: for a body near the 16 MiB limit (300,000 short messages, a million token ids) that is a
+second or more during which no other stream gets a chunk. A body past OFF_LOOP_BYTES is decoded
+and validated here, in a thread, with FastAPI's own field and error shapes; FastAPI then finds
+the validated model already in place (Starlette's cached `request.json()`), and passing the
+instance through its validator again costs nothing. Smaller bodies keep FastAPI's path: a
+thread hop would cost more than their parse.
+
+The thread holds the GIL while a C routine runs (json.loads of the whole document, pydantic's
+loop over a long list of ints), so the loop still waits for the longest such stretch; what it
+no longer waits for is the whole parse and validation, which yields between Python calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.message
+import json
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from fastapi import HTTPException, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
+
+OFF_LOOP_BYTES = 64 * 1024
+
+
+def is_json(content_type: str | None) -> bool:
+    """FastAPI's rule for a body it reads as JSON: application/json or application/*+json."""
+    if not content_type:
+        return False
+    message = email.message.Message()
+    message["content-type"] = content_type
+    subtype = message.get_content_subtype()
+    json_type = subtype == "json" or subtype.endswith("+json")
+    return message.get_content_maintype() == "application" and json_type
+
+
+def parse_body(field: Any, body: bytes) -> Any:
+    """The body decoded and, when it is an object, validated against `field` (FastAPI's
+    ModelField); errors raised as FastAPI raises them, so the app's handlers word them alike."""
+    try:
+        data = json.loads(body)
+    except json.JSONDecodeError as e:
+        error = {"type": "json_invalid", "loc": ("body", e.pos), "msg": "JSON decode error", "input": {},
+                 "ctx": {"error": e.msg}}  # fmt: skip
+        raise RequestValidationError([error], body=e.doc) from e
+    except Exception as e:
+        raise HTTPException(status_code=400, detail="There was an error parsing the body") from e
+    if not isinstance(data, dict):  # refused at once by FastAPI's own check, with its message
+        return data
+    value, errors = field.validate(data, {}, loc=("body",))
+    if errors:
+        raise RequestValidationError(errors, body=data)
+    return value
+
+
+class OffLoopBodyRoute(APIRoute):
+    """An APIRoute whose JSON body, when large, is parsed and validated in a thread first."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+        field = self.body_field
+        if field is None:
+            return handler
+
+        async def parse_then_handle(request: Request) -> Response:
+            body = await request.body()
+            if len(body) > OFF_LOOP_BYTES and is_json(request.headers.get("content-type")):
+                # Starlette's cache of request.json(), which FastAPI reads next
+                request._json = await asyncio.to_thread(parse_body, field, body)
+            return await handler(request)
+
+        return parse_then_handle

@@ -1,0 +1,87 @@
+"""Large JSON bodies are parsed and validated in a worker thread (body_parsing.py), with the
+same errors FastAPI's own path gives a small body."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, field_validator
+
+from kvserve.entrypoints.openai.body_parsing import OFF_LOOP_BYTES, OffLoopBodyRoute
+
+pytestmark = pytest.mark.anyio
+
+
+class Body(BaseModel):
+    items: list[int]
+    text: str = ""
+
+    @field_validator("items")
+    @classmethod
+    def _note_thread(cls, v: list[int]) -> list[int]:
+        seen.append(threading.get_ident())
+        return v
+
+
+seen: list[int] = []
+
+
+def make_app() -> FastAPI:
+    app = FastAPI()
+    app.router.route_class = OffLoopBodyRoute
+
+    @app.exception_handler(RequestValidationError)
+    async def errors(request: Request, exc: RequestValidationError):
+        return JSONResponse([{k: e[k] for k in ("type", "loc", "msg")} for e in exc.errors()], 400)
+
+    @app.post("/b")
+    async def post(body: Body):
+        return {"n": len(body.items), "loop_thread": threading.get_ident()}
+
+    return app
+
+
+async def send(app: FastAPI, content: bytes, content_type: str = "application/json") -> httpx.Response:
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+        return await c.post("/b", content=content, headers={"content-type": content_type})
+
+
+PAD = b" " * OFF_LOOP_BYTES  # JSON whitespace: the same body, past the threshold
+
+
+async def test_a_large_body_is_validated_off_the_loop_and_a_small_one_on_it():
+    app = make_app()
+    seen.clear()
+    small = await send(app, b'{"items": [1, 2]}')
+    assert small.status_code == 200 and seen == [small.json()["loop_thread"]]
+    seen.clear()
+    large = await send(app, b'{"items": [1, 2, 3]}' + PAD)
+    assert large.status_code == 200 and large.json()["n"] == 3
+    assert len(seen) == 1 and seen[0] != large.json()["loop_thread"]  # validated once, in a thread
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"items": [1, "x"]}',  # a field's error
+        b'{"items": [1, 2,, 3]}',  # not JSON
+        b"[1, 2]",  # JSON, not an object
+        b'{"text": "a"}',  # a required field missing
+    ],
+)
+async def test_a_large_body_gets_the_errors_a_small_one_does(body):
+    app = make_app()
+    small, large = await send(app, body), await send(app, body + PAD)
+    assert small.status_code == large.status_code == 400
+    assert small.json() == large.json()
+
+
+async def test_a_body_not_sent_as_json_is_left_to_fastapi():
+    r = await send(make_app(), b'{"items": [1]}' + PAD, "text/plain")
+    assert r.status_code == 400 and r.json()[0]["loc"] == ["body"]
