@@ -630,6 +630,38 @@ def test_a_response_format_openai_would_refuse_is_400(server, path, body, param,
     assert post(server, {"model": "tiny", **messages, **limit, **ok}, path).status_code == 200
 
 
+def _tool(name: str, params: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": params}}
+
+
+def test_two_tools_of_one_name_are_400_naming_the_field(server):
+    """Two functions of one name were taken: the model was shown both, and a forced call was
+    held to the last one's parameters. OpenAI refuses them naming `tools`; so do chat (and its
+    legacy `functions`), the Responses API and /tokenize."""
+    city, zip_ = {"type": "object", "properties": {"city": {"type": "string"}}}, {"type": "object"}
+    hi, limit = [{"role": "user", "content": "hi"}], {"model": "tiny", "max_tokens": 8, "temperature": 0}
+    tools = [_tool("get", city), _tool("other", zip_), _tool("get", zip_)]
+    named = {"type": "function", "function": {"name": "get"}}
+    for choice in (None, named, "required"):
+        r = post(server, {"messages": hi, "tools": tools, "tool_choice": choice, **limit}, CHAT)
+        assert_400(r, "tools")
+        assert "'get' is declared twice (tools[0] and tools[2])" in r.json()["error"]["message"]
+    functions = [t["function"] for t in tools]
+    r = post(server, {"messages": hi, "functions": functions, **limit}, CHAT)
+    assert_400(r, "functions")
+    assert "(functions[0] and functions[2])" in r.json()["error"]["message"]
+    flat = [{"type": "function", **t["function"]} for t in tools]
+    r = post(server, {"model": "tiny", "input": "hi", "tools": flat, "max_output_tokens": 8}, "/v1/responses")
+    assert_400(r, "tools")
+    assert_400(post(server, {"model": "tiny", "messages": hi, "tools": tools}, "/tokenize"), "tools")
+    # as allowed_tools narrows them: the indexes are the client's, not those left after the cut
+    allowed = {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [named]}}
+    r = post(server, {"messages": hi, "tools": tools, "tool_choice": allowed, **limit}, CHAT)
+    assert "(tools[0] and tools[2])" in r.json()["error"]["message"]
+    ok = post(server, {"model": "tiny", "messages": hi, "tools": tools[:2]}, "/tokenize")  # (256-token model)
+    assert ok.status_code == 200, ok.text
+
+
 @pytest.mark.parametrize(
     "body, param",
     [

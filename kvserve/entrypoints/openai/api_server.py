@@ -50,6 +50,7 @@ from kvserve.entrypoints.openai.responses_items import input_items_page
 from kvserve.entrypoints.openai.responses_protocol import Includable, ResponsesRequest
 from kvserve.entrypoints.openai.server_config import ServerConfig
 from kvserve.entrypoints.openai.serving import ClientDisconnectedError, OpenAIServing, ServerOverloadedError
+from kvserve.entrypoints.openai.tools import check_unique_names
 from kvserve.metrics.prometheus import ServerMetrics, waiting_prefill_tokens
 from kvserve.web import add_web_ui
 
@@ -315,6 +316,7 @@ def build_app(engine: AsyncLLM | DPClient, cfg: ServerConfig, store: ResponseSto
         if (req.prompt is None) == (req.messages is None):
             raise ValueError("prompt: give exactly one of prompt or messages")
         if req.messages is not None:
+            check_unique_names([t.function for t in req.tools or []], "tools")
             ids = await serving.render_chat(req)  # exactly what the chat request would count
         elif req.tools is not None:
             raise ValueError("tools: only counted with messages")

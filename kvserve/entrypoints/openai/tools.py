@@ -16,6 +16,7 @@ from kvserve.entrypoints.openai.protocol import (
     AllowedToolsChoice,
     ChatCompletionRequest,
     ChatMessage,
+    FunctionDefinition,
     NamedToolChoice,
     TokenizeRequest,
     ToolCall,
@@ -35,6 +36,20 @@ TOOLS_SYSTEM_PROMPT = (
     '<tool_call></tool_call> XML tags:\n<tool_call>\n{{"name": <function-name>, "arguments": '
     "<args-json-object>}}\n</tool_call>"
 )
+
+
+def check_unique_names(functions: list[FunctionDefinition], field: str) -> None:
+    """Refuse two functions of one name, as OpenAI does (naming `field`): a call names its
+    function, so one of the two could never be told apart, and a forced call took the last
+    one's parameters while the model was shown both."""
+    first: dict[str, int] = {}
+    for i, f in enumerate(functions):
+        if f.name in first:
+            raise ValueError(
+                f"{field}: function name {f.name!r} is declared twice ({field}[{first[f.name]}] and "
+                f"{field}[{i}]); tool names must be unique"
+            )
+        first[f.name] = i
 
 
 def restrict_to_allowed(req: ChatCompletionRequest) -> None:
