@@ -610,6 +610,11 @@ OBJECT = {"type": "object"}
          "text", "text.format.name"),
         ("/v1/responses", {"text": {"format": {"type": "json_schema", "name": "", "schema": OBJECT}}},
          "text", "text.format.name"),
+        # OpenAI and vLLM require the name: a missing one was taken as "response"
+        (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"schema": OBJECT}}},
+         "response_format", "response_format.json_schema.name: Field required"),
+        ("/v1/responses", {"text": {"format": {"type": "json_schema", "schema": OBJECT}}},
+         "text", "text: format.name is required for type json_schema"),
         # a schema sent with another type was dropped unsaid: any JSON object (or text) came back
         (CHAT, {"response_format": {"type": "json_object", "json_schema": {"name": "x", "schema": OBJECT}}},
          "response_format", "json_schema is only used with type json_schema"),

@@ -61,7 +61,7 @@ FunctionName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
 
 class JsonSchemaFormat(OpenAIBody):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
-    name: FunctionName = "response"  # OpenAI requires it; a name it would refuse is refused here too
+    name: FunctionName  # required, as OpenAI's and vLLM's (it was "response" unsaid); OpenAI's pattern
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None  # decoding is always constrained, strict or not

@@ -267,13 +267,13 @@ def to_chat(req: ResponsesRequest, history: list[dict[str, Any]]) -> ChatComplet
     fmt = req.text.format if req.text else None
     response_format = None
     if fmt is not None and fmt.type != "text":
-        schema = (
-            JsonSchemaFormat(name=fmt.name or "response", schema=fmt.schema_, strict=fmt.strict)
-            if fmt.schema_
-            else None
-        )
-        if fmt.type == "json_schema" and schema is None:
-            raise ValueError("text: format.schema is required for type json_schema")
+        schema = None
+        if fmt.type == "json_schema":
+            if not fmt.schema_:
+                raise ValueError("text: format.schema is required for type json_schema")
+            if fmt.name is None:  # OpenAI's rule, as chat's ("response" was taken unsaid)
+                raise ValueError("text: format.name is required for type json_schema")
+            schema = JsonSchemaFormat(name=fmt.name, schema=fmt.schema_, strict=fmt.strict)
         response_format = ResponseFormat(type=fmt.type, json_schema=schema)
     if isinstance(choice, FunctionChoice):
         choice = NamedToolChoice(function=ToolChoiceFunction(name=choice.name))
