@@ -706,6 +706,24 @@ def test_responses_stream_and_cache_options_are_accepted(server):
     assert post(server, body, "/v1/responses").status_code == 200
 
 
+def test_a_response_echoes_the_sampling_values_it_used(server):
+    """temperature and top_p came back null when the request left them out, though the request
+    sampled with 1.0 each (OpenAI's defaults, which its response shows); now the values used, in
+    the response, its stream's events and the stored copy."""
+    body = {"model": "tiny", "input": "hi", "max_output_tokens": 2}
+    r = post(server, body, "/v1/responses").json()
+    assert (r["temperature"], r["top_p"]) == (1.0, 1.0)
+    stored = httpx.get(f"{server.url}/v1/responses/{r['id']}", headers=server.headers).json()
+    assert (stored["temperature"], stored["top_p"]) == (1.0, 1.0)
+    with httpx.stream("POST", f"{server.url}/v1/responses", json={**body, "stream": True},
+                      headers=server.headers, timeout=60) as s:  # fmt: skip
+        events = [json.loads(x[6:]) for x in s.iter_lines() if x.startswith("data: {")]
+    assert {(e["response"]["temperature"], e["response"]["top_p"]) for e in events if "response" in e} == {
+        (1.0, 1.0)}  # fmt: skip
+    r = post(server, {**body, "temperature": 0, "top_p": 0.5}, "/v1/responses").json()
+    assert (r["temperature"], r["top_p"]) == (0, 0.5)
+
+
 def test_a_bad_query_parameter_is_named(server):
     r = httpx.get(f"{server.url}/v1/batches", params={"limit": "abc"}, headers=server.headers)
     assert_400(r, "limit")  # once param "query"

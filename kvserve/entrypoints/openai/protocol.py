@@ -49,6 +49,12 @@ class OpenAIBody(BaseModel):
         return data
 
 
+# What an unset temperature / top_p samples with (OpenAI's defaults; a model's generation_config
+# does not change them here): the Responses API echoes these as the values used.
+DEFAULT_TEMPERATURE = 1.0
+DEFAULT_TOP_P = 1.0
+
+
 class StreamOptions(OpenAIBody):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
@@ -196,8 +202,8 @@ class SamplingFields(OpenAIBody):
             bias = {int(k): v for k, v in self.logit_bias.items()}
         return SamplingParams(
             n=self.n if self.use_beam_search else 1,  # beam search: each of the n requests is n wide
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
+            temperature=DEFAULT_TEMPERATURE if self.temperature is None else self.temperature,
+            top_p=DEFAULT_TOP_P if self.top_p is None else self.top_p,
             top_k=self.top_k or 0,
             min_p=self.min_p or 0.0,
             repetition_penalty=self.repetition_penalty or 1.0,

@@ -21,6 +21,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from kvserve.engine.processor import ContextLengthError
+from kvserve.entrypoints.openai.protocol import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
 from kvserve.entrypoints.openai.response_store import ResponseNotFoundError, ResponseStore
 from kvserve.entrypoints.openai.responses_items import stored_input_items
 from kvserve.entrypoints.openai.responses_protocol import (
@@ -49,6 +50,12 @@ def _name_responses_fields(e: ValueError) -> None:
             if head in ("max_tokens", "max_completion_tokens"):  # the context-length message repeats it
                 rest = rest.replace(f"{head} (", "max_output_tokens (")
             e.args = (f"{_CHAT_TO_RESPONSES[head]}:{rest}", *e.args[1:])
+
+
+def used(value: float | None, default: float) -> float:
+    """A sampling value as the response echoes it: the one used, the default when unset (OpenAI's
+    response shows 1.0 for a request without temperature; null said nothing was used)."""
+    return default if value is None else value
 
 
 def _new_id(prefix: str) -> str:
@@ -131,7 +138,9 @@ class ResponsesServing:
         return {
             "id": rid, "object": "response", "created_at": int(time.time()), "status": "in_progress",
             "model": model, "output": [], "instructions": req.instructions,
-            "max_output_tokens": req.max_output_tokens, "temperature": req.temperature, "top_p": req.top_p,
+            "max_output_tokens": req.max_output_tokens,
+            "temperature": used(req.temperature, DEFAULT_TEMPERATURE),
+            "top_p": used(req.top_p, DEFAULT_TOP_P),
             "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
             # null failed the SDK's Response type, which requires it: OpenAI's default, "auto"
             "tool_choice": req.tool_choice if isinstance(req.tool_choice, str)
