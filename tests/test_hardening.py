@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import os
 import socket
 import time
 
@@ -1038,14 +1039,19 @@ def test_a_port_out_of_range_is_refused(command, capsys):
         ("--response-store-size", "-5", "must be >= 1"),
         ("--served-model-name", "", "must be a non-empty name, got ''"),
         ("--served-model-name", "  ", "must be a non-empty name, got '  '"),
+        # started 100,000 engine processes and never became ready
+        ("--data-parallel-size", "100000", "must be <= {cpus} (one engine process per CPU at most; "
+         "this machine has {cpus}), got 100000"),
+        ("--data-parallel-size", "0", "must be >= 1, got 0"),
     ],
-)
+)  # fmt: skip
 def test_serve_settings_that_would_leave_it_useless_are_refused_at_parse(flag, value, message, capsys):
     """These were taken, and the server started only to refuse or time out every request."""
     from kvserve.entrypoints.cli import build_parser
 
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args(["serve", flag, value])
+    message = message.format(cpus=os.cpu_count())
     assert e.value.code == 2 and f"argument {flag}: {message}" in capsys.readouterr().err
 
 

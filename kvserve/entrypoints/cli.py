@@ -7,10 +7,13 @@ import argparse
 import logging
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import fields
 
 from kvserve.argtypes import (
+    at_most,
     finite_float,
+    int_at_least,
     model_name,
     non_negative_float,
     non_negative_int,
@@ -22,9 +25,23 @@ from kvserve.config import EngineConfig
 from kvserve.entrypoints.openai.server_config import ServerConfig
 from kvserve.routing.registry import SERVE_POLICIES
 
+# generate's bounds past any model: a model's own vocabulary and context are checked once it has
+# loaded, seconds later; a typo of digits is refused at once
+TOP_K = at_most(int_at_least(-1), 2**20, "past any model's vocabulary")
+MAX_TOKENS = at_most(positive_int, 10**8, "past any model's context")
+
+
+def _engine_arg_types() -> dict[str, Callable[[str], int]]:
+    """Flags checked as they are parsed: --data-parallel-size 100000 started that many engine
+    processes (each with a share of the CPU threads, at least one) and never became ready."""
+    cpus = os.cpu_count() or 1
+    replicas = at_most(positive_int, cpus, f"one engine process per CPU at most; this machine has {cpus}")
+    return {"data_parallel_size": replicas}
+
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """One flag per EngineConfig field (--kv-cache-memory, --max-num-seqs, ...)."""
+    checked = _engine_arg_types()
     g = p.add_argument_group("engine")
     for f in fields(EngineConfig):
         if f.name == "model":
@@ -34,7 +51,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
             g.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
                            help=f.metadata.get("help"))  # fmt: skip
             continue
-        typ = {"int": int, "float": float}.get(str(f.type).split(" |")[0], str)
+        typ = checked.get(f.name) or {"int": int, "float": float}.get(str(f.type).split(" |")[0], str)
         g.add_argument(flag, dest=f.name, type=typ, default=None, help=f.metadata.get("help"))
 
 
@@ -211,10 +228,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", default="smollm2-135m", help="alias, .gguf file or HF directory")
     gen.add_argument("--chat", action="store_true", help="interactive chat with the model's template")
     gen.add_argument("--system", default=None, help="system message for --chat")
-    gen.add_argument("--max-tokens", type=int, default=256)
+    gen.add_argument("--max-tokens", type=MAX_TOKENS, default=256)
     gen.add_argument("--temperature", type=finite_float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-k", type=TOP_K, default=0, help="-1 or 0: off")
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
