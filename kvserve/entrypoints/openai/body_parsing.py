@@ -21,7 +21,7 @@ import json
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from fastapi import HTTPException, Request, Response
+from fastapi import HTTPException, Request, Response, params
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 
@@ -64,14 +64,15 @@ class OffLoopBodyRoute(APIRoute):
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
         field = self.body_field
-        if field is None:
+        if field is None or isinstance(field.field_info, params.Form):
             return handler
 
         async def parse_then_handle(request: Request) -> Response:
-            body = await request.body()
-            if len(body) > OFF_LOOP_BYTES and is_json(request.headers.get("content-type")):
-                # Starlette's cache of request.json(), which FastAPI reads next
-                request._json = await asyncio.to_thread(parse_body, field, body)
+            if is_json(request.headers.get("content-type")):  # (a form's body is never read here)
+                body = await request.body()
+                if len(body) > OFF_LOOP_BYTES:
+                    # Starlette's cache of request.json(), which FastAPI reads next
+                    request._json = await asyncio.to_thread(parse_body, field, body)
             return await handler(request)
 
         return parse_then_handle
