@@ -151,6 +151,25 @@ def test_openai_client_round_trip(client):
         client.files.retrieve(f.id)
 
 
+def test_a_batch_counts_the_tokens_of_its_lines_as_openais_usage(client):
+    """OpenAI's Batch carries `usage` (input, cached, output, total tokens of the lines done);
+    it was null here. It is the sum of the succeeded lines' usage; a failed line adds none."""
+    lines = [line(i, max_tokens=3) for i in range(4)] + [line(9, temperature=-1)]
+    b = client.batches.create(input_file_id=upload(client, lines).id, endpoint=CHAT, completion_window="24h")
+    assert b.usage is not None and b.usage.total_tokens == 0
+    b = wait_final(client, b.id)
+    assert b.status == "completed" and (b.request_counts.completed, b.request_counts.failed) == (4, 1)
+    usages = [o["response"]["body"]["usage"] for o in read_lines(client, b.output_file_id)]
+    assert b.usage.input_tokens == sum(u["prompt_tokens"] for u in usages) > 0
+    assert b.usage.output_tokens == sum(u["completion_tokens"] for u in usages) > 0
+    assert b.usage.input_tokens_details.cached_tokens == sum(
+        (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0) for u in usages
+    )
+    assert b.usage.total_tokens == b.usage.input_tokens + b.usage.output_tokens
+    assert b.usage.output_tokens_details.reasoning_tokens == 0
+    assert client.batches.list().data[0].usage == b.usage
+
+
 def test_completions_endpoint_and_request_errors_become_error_lines(client):
     lines = [line(i, url="/v1/completions") for i in range(3)]
     lines = [

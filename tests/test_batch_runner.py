@@ -124,3 +124,26 @@ def test_a_line_body_the_schema_refuses_names_the_path_as_http_does():
     status, resp = asyncio.run(execute_line(None, CHAT, body, "r-1"))
     assert status == 400 and resp["error"]["param"] == "messages"
     assert resp["error"]["message"] == "messages[1].role: Field required"
+
+
+def test_a_database_written_before_batches_counted_tokens_gets_the_columns(tmp_path):
+    """open_db adds the usage columns to an older database (its batches count from zero)."""
+    import sqlite3
+
+    from kvserve.batch.db import open_db
+    from kvserve.batch.jobs import JobStore
+
+    (tmp_path / "files").mkdir()
+    old = sqlite3.connect(tmp_path / "batch.sqlite3")
+    old.executescript(
+        "CREATE TABLE batches (id TEXT PRIMARY KEY, created_at INTEGER NOT NULL, obj TEXT NOT NULL, "
+        "watermark INTEGER NOT NULL DEFAULT 0, in_offset INTEGER NOT NULL DEFAULT 0, "
+        "out_bytes INTEGER NOT NULL DEFAULT 0, err_bytes INTEGER NOT NULL DEFAULT 0, "
+        "total INTEGER NOT NULL DEFAULT 0, completed INTEGER NOT NULL DEFAULT 0, "
+        "failed INTEGER NOT NULL DEFAULT 0);"
+        """INSERT INTO batches (id, created_at, obj) VALUES ('batch_1', 1, '{"id": "batch_1"}');"""
+    )
+    old.commit()
+    old.close()
+    batch = JobStore(open_db(tmp_path)).get("batch_1")
+    assert batch["usage"]["input_tokens"] == batch["usage"]["total_tokens"] == 0

@@ -16,7 +16,9 @@ CREATE TABLE IF NOT EXISTS batches (
     id TEXT PRIMARY KEY, created_at INTEGER NOT NULL, obj TEXT NOT NULL,
     watermark INTEGER NOT NULL DEFAULT 0, in_offset INTEGER NOT NULL DEFAULT 0,
     out_bytes INTEGER NOT NULL DEFAULT 0, err_bytes INTEGER NOT NULL DEFAULT 0,
-    total INTEGER NOT NULL DEFAULT 0, completed INTEGER NOT NULL DEFAULT 0, failed INTEGER NOT NULL DEFAULT 0
+    total INTEGER NOT NULL DEFAULT 0, completed INTEGER NOT NULL DEFAULT 0, failed INTEGER NOT NULL DEFAULT 0,
+    input_tokens INTEGER NOT NULL DEFAULT 0, cached_tokens INTEGER NOT NULL DEFAULT 0,
+    output_tokens INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS done_lines (
     batch_id TEXT NOT NULL, line INTEGER NOT NULL, PRIMARY KEY (batch_id, line)
@@ -39,4 +41,16 @@ def open_db(storage_dir: str | Path) -> sqlite3.Connection:
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute("PRAGMA synchronous=FULL")
     conn.executescript(SCHEMA)
+    _add_usage_columns(conn)
     return conn
+
+
+USAGE_COLUMNS = ("input_tokens", "cached_tokens", "output_tokens")
+
+
+def _add_usage_columns(conn: sqlite3.Connection) -> None:
+    """A database written before batches counted their tokens gets the columns (zero so far)."""
+    have = {row[1] for row in conn.execute("PRAGMA table_info(batches)")}
+    for name in USAGE_COLUMNS:
+        if name not in have:
+            conn.execute(f"ALTER TABLE batches ADD COLUMN {name} INTEGER NOT NULL DEFAULT 0")

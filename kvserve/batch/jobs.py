@@ -56,7 +56,7 @@ class JobStore:
             "in_progress_at": None, "expires_at": now + WINDOWS[window], "finalizing_at": None,
             "completed_at": None, "failed_at": None, "expired_at": None, "cancelling_at": None,
             "cancelled_at": None, "request_counts": {"total": 0, "completed": 0, "failed": 0},
-            "metadata": metadata,
+            "usage": batch_usage(0, 0, 0), "metadata": metadata,
             # where the runner writes, registered as files once the batch is final
             "_output_path_id": new_file_id(), "_error_path_id": new_file_id(),
         }  # fmt: skip
@@ -112,13 +112,23 @@ class JobStore:
         return wm, off, out_b, err_b, {r[0] for r in rows}
 
 
-COLUMNS = "obj, total, completed, failed"
+COLUMNS = "obj, total, completed, failed, input_tokens, cached_tokens, output_tokens"
 
 
 def _merge(row) -> dict:
     obj = json.loads(row[0])
     obj["request_counts"] = {"total": row[1], "completed": row[2], "failed": row[3]}
+    obj["usage"] = batch_usage(*row[4:7])
     return obj
+
+
+def batch_usage(input_tokens: int, cached_tokens: int, output_tokens: int) -> dict:
+    """OpenAI's Batch `usage`: the tokens of the lines that succeeded so far (no reasoning tokens)."""
+    return {
+        "input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
+        "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": input_tokens + output_tokens,
+    }  # fmt: skip
 
 
 def public(obj: dict) -> dict:

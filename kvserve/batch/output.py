@@ -32,6 +32,14 @@ def _line(record: dict) -> bytes:
         return json.dumps(record).encode() + b"\n"
 
 
+def line_tokens(record: dict) -> tuple[int, int, int]:
+    """(input, cached, output) tokens of a line's answer, from its body's usage (the chat,
+    completions and embeddings shapes; embeddings have no output tokens)."""
+    usage = ((record.get("response") or {}).get("body") or {}).get("usage") or {}
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return usage.get("prompt_tokens") or 0, cached, usage.get("completion_tokens") or 0
+
+
 def _open_at(path: Path, size: int) -> IO[bytes]:
     f = open(path, "ab+")
     f.truncate(size)  # drop whatever was written after the last commit
@@ -63,6 +71,7 @@ class DurableSink:
         self.done_past: dict[int, int] = dict.fromkeys(done, -1)  # line -> offset after it (-1: unknown yet)
         self.pending: list[int] = []
         self.completed = self.failed = 0
+        self.tokens = [0, 0, 0]  # input, cached, output: since the last commit
 
     def is_done(self, line: int) -> bool:
         return line < self.watermark or line in self.done_past
@@ -74,6 +83,8 @@ class DurableSink:
             self.pending.append(line)
             if ok:
                 self.completed += 1
+                for i, n in enumerate(line_tokens(record)):
+                    self.tokens[i] += n
             else:
                 self.failed += 1
         self.done_past[line] = end_offset
@@ -100,9 +111,10 @@ class DurableSink:
             )
             c.execute(
                 "UPDATE batches SET watermark = ?, in_offset = ?, out_bytes = ?, err_bytes = ?, "
-                "completed = completed + ?, failed = failed + ? WHERE id = ?",
+                "completed = completed + ?, failed = failed + ?, input_tokens = input_tokens + ?, "
+                "cached_tokens = cached_tokens + ?, output_tokens = output_tokens + ? WHERE id = ?",
                 (self.watermark, self.in_offset, self.out.tell(), self.err.tell(),
-                 self.completed, self.failed, self.batch_id),
+                 self.completed, self.failed, *self.tokens, self.batch_id),
             )  # fmt: skip
             c.execute("COMMIT")
         except BaseException:
@@ -110,6 +122,7 @@ class DurableSink:
             raise
         self.pending.clear()
         self.completed = self.failed = 0
+        self.tokens = [0, 0, 0]
 
     def close(self) -> None:
         self.commit()
