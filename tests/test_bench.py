@@ -238,6 +238,11 @@ def test_jsonl_dataset_errors_name_the_file_and_line(tiny_tok, tmp_path):
         # these were silently changed: a length of 0 ran as 1, a negative warm-up as none
         ("--output-len", "0", "must be >= 1, got 0"),
         ("--input-len", "-4", "must be >= 1, got -4"),
+        # a 20-digit length was an OverflowError traceback; 1e14 prompts were built for minutes on end
+        ("--input-len", str(10**20), "must be <= 10,000,000 (past any model's context), got " + str(10**20)),
+        ("--output-len", str(10**20), "must be <= 10,000,000 (past any model's context)"),
+        ("--prefix-len", str(10**20), "must be <= 10,000,000 (past any model's context)"),
+        ("--num-prompts", str(10**14), "must be <= 1,000,000 (a million requests a run), got " + str(10**14)),
         ("--warmup", "-1", "must be >= 0, got -1"),
         ("--extra-body", "nope", "not valid JSON"),  # a bare JSON error naming no flag, after the setup
         ("--extra-body", "[1]", "must be a JSON object"),

@@ -7,6 +7,7 @@ import math
 from urllib.parse import urlsplit
 
 from kvserve.argtypes import (
+    at_most,
     json_object,
     non_negative_float,
     non_negative_int,
@@ -15,6 +16,12 @@ from kvserve.argtypes import (
     rate,
 )
 from kvserve.bench.datasets import DATASETS
+
+# Past these a value is a typo of digits: 1e14 prompts were built for minutes on end (the run
+# never started), a 20-digit length was an OverflowError traceback
+NUM_PROMPTS = at_most(positive_int, 10**6, "a million requests a run")
+LENGTH = at_most(positive_int, 10**7, "past any model's context")
+PREFIX_LENGTH = at_most(non_negative_int, 10**7, "past any model's context")
 
 
 def range_ratio(text: str) -> float:
@@ -45,12 +52,12 @@ def add_dataset_args(p: argparse.ArgumentParser) -> None:
         "--tokenizer", default=None,
         help="alias, .gguf or HF directory (default: --model, or the served model's root)",
     )  # fmt: skip
-    g.add_argument("--num-prompts", type=positive_int, default=100)
-    g.add_argument("--input-len", type=positive_int, default=128, help="prompt tokens (chat: the median)")
-    g.add_argument("--output-len", type=positive_int, default=128, help="max_tokens (chat: the median)")
+    g.add_argument("--num-prompts", type=NUM_PROMPTS, default=100)
+    g.add_argument("--input-len", type=LENGTH, default=128, help="prompt tokens (chat: the median)")
+    g.add_argument("--output-len", type=LENGTH, default=128, help="max_tokens (chat: the median)")
     g.add_argument("--range-ratio", type=range_ratio, default=0.0, help="random/prefix lengths in len*(1±r)")
     g.add_argument(
-        "--prefix-len", type=non_negative_int, default=256, help="prefix dataset: shared prefix tokens"
+        "--prefix-len", type=PREFIX_LENGTH, default=256, help="prefix dataset: shared prefix tokens"
     )
     g.add_argument(
         "--num-prefix-groups", type=positive_int, default=4, help="prefix dataset: distinct prefixes"
