@@ -179,6 +179,31 @@ def test_a_regex_constraint_reads_pythons_escapes(tiny_llm, regex, text, valid):
     assert _answers(tiny_llm.llm_engine, ("regex", regex), text) == valid, (regex, text)
 
 
+NUL_STRING = {"type": "object", "properties": {"s": {"type": "string", "pattern": "^a\\0[^\\0]$"}},
+              "required": ["s"], "additionalProperties": False}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "key, text, valid",
+    [(("regex", r"a\0b"), "a\0b", True), (("regex", r"a\0b"), "ab", False),
+     (("regex", r"a\x00b"), "a\0b", True), (("regex", r"a\u0000b"), "ab", False),
+     (("regex", r"a[\0]b"), "a\0b", True), (("regex", r"\000+"), "\0\0", True),
+     (("regex", r"a[^\0]b"), "a\0b", False), (("regex", r"a[^\0]b"), "axb", True),
+     (("json", json.dumps(NUL_STRING)), json.dumps({"s": "a\0x"}), True),
+     (("json", json.dumps(NUL_STRING)), json.dumps({"s": "ax"}), False),
+     (("json", json.dumps(NUL_STRING)), json.dumps({"s": "a\0\0"}), False)],
+)  # fmt: skip
+def test_a_nul_in_a_regex_is_a_nul(tiny_llm, key, text, valid):
+    """xgrammar writes a NUL (`\\0`, `\\x00`, `\\u0000`) standing alone, or alone in a class, as
+    the empty string: the regex `a\\0b` answered "ab", which it refuses, and never "a\\0b". In
+    a regex constraint and a schema's pattern (written \\u0000 in the JSON text) NUL is NUL."""
+    if key[0] == "json":
+        assert valid == jsonschema.Draft202012Validator(NUL_STRING).is_valid(json.loads(text))
+    else:
+        assert valid == bool(re.fullmatch(key[1], text))
+    assert _answers(tiny_llm.llm_engine, key, text) == valid, (key, text)
+
+
 def test_a_property_named_like_a_keyword_keeps_its_pattern(tiny_llm):
     """A property named "const" (or "enum", "default", "examples") had its schema taken for
     data, so its string pattern was left as xgrammar writes it: 'x"' for ^x.$ was

@@ -9,23 +9,40 @@ reads Python's anchors `\\A` and `\\Z` as the letters A and Z (a constraint `\\A
 in both flavours, was U+041B). Each is written as what it means before xgrammar reads the
 regex: `.` outside a class as the class it stands for, `\\A` / `\\Z` as `^` / `$` (Python only:
 ECMA-262 reads them as letters too), `\\xhh` as `\\u00hh`.
+
+xgrammar writes a NUL character (`\\0`, `\\x00`, `\\u0000`) standing alone, or a class of it
+alone, as the empty string: `a\\0b` answered "ab". A class holding NUL and another character is
+kept, so NUL is written beside a lone surrogate (`[\\0\\ud800]`), which json_patterns.py drops
+from every class (no UTF-8 text holds one).
 """
 
 from __future__ import annotations
 
+import re
+
 ECMA_DOT = r"[^\n\r\u2028\u2029]"
 PYTHON_DOT = r"[^\n]"
 _HEX = frozenset("0123456789abcdefABCDEF")
+_SURROGATE = "\\ud800"  # kept beside NUL so xgrammar keeps the class (json_patterns.py drops it)
+# NUL in both flavours (ECMA's \0 is NUL only when no digit follows; Python's \0, \00, \000 are).
+_NUL = {True: re.compile(r"\\(?:0{1,3}(?![0-7])|x00|u0000|U00000000)"),
+        False: re.compile(r"\\(?:0(?![0-9])|x00|u0000)")}  # fmt: skip
 
 
 def for_xgrammar(pattern: str, python: bool) -> str:
-    """`pattern` (Python's flavour, else ECMA-262's) with its dots and anchors outside classes
-    and its `\\x` escapes written as above. A class ends at its first unescaped `]`, as xgrammar
-    reads it (`[]` is empty)."""
-    out, i, in_class = [], 0, False
+    """`pattern` (Python's flavour, else ECMA-262's) with its dots and anchors outside classes,
+    its `\\x` escapes and its NUL characters written as above. A class ends at its first
+    unescaped `]`, as xgrammar reads it (`[]` is empty)."""
+    out, i, in_class, nul_in_class = [], 0, False, False
     while i < len(pattern):
         c = pattern[i]
         if c == "\\":
+            nul = _NUL[python].match(pattern, i)
+            if nul is not None:
+                out.append("\\0" if in_class else f"[\\0{_SURROGATE}]")
+                nul_in_class |= in_class
+                i = nul.end()
+                continue
             esc, hexes = pattern[i : i + 2], pattern[i + 2 : i + 4]
             if esc == "\\x" and len(hexes) == 2 and all(h in _HEX for h in hexes):
                 out.append("\\u00" + hexes)  # two digits, as both flavours read them
@@ -38,8 +55,10 @@ def for_xgrammar(pattern: str, python: bool) -> str:
             continue
         if in_class:
             in_class = c != "]"
+            if not in_class and nul_in_class:
+                out.append(_SURROGATE)
         elif c == "[":
-            in_class = True
+            in_class, nul_in_class = True, False
         elif c == ".":
             c = PYTHON_DOT if python else ECMA_DOT
         out.append(c)
