@@ -233,6 +233,33 @@ def test_a_required_name_only_a_pattern_defines_is_required(tiny_llm, answer, va
     assert _answers(tiny_llm.llm_engine, ("json", json.dumps(PATTERN_REQUIRED)), answer) == valid, answer
 
 
+OPEN = [
+    ({"type": "object", "minProperties": 1}, [('{"a": 1}', True), ("{}", False)]),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "minProperties": 2},
+     [('{"a": 1, "b": "x"}', True), ('{"a": 1}', False), ('{"a": "x", "b": 1}', False)]),
+    ({"type": "array", "prefixItems": [{"type": "integer"}], "minItems": 2},
+     [('[1, "x"]', True), ("[1]", False), ('["x", 1]', False)]),
+    ({"type": "object", "required": ["a"]}, [('{"a": [null]}', True), ("{}", False)]),
+    ({"type": "object", "required": ["a"], "additionalProperties": {"type": "integer"}},
+     [('{"a": 2}', True), ('{"a": "x"}', False), ("{}", False)]),
+    ({"type": "object", "properties": {"p": {"type": "object", "properties": {"b": {"type": "integer"}},
+                                             "required": ["a"]}}, "required": ["p"]},
+     [('{"p": {"b": 1, "a": true}}', True), ('{"p": {"b": 1}}', False)]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("schema, answers", OPEN)
+def test_a_missing_additional_properties_or_items_is_open_where_needed(tiny_llm, schema, answers):
+    """xgrammar (strict, as vLLM runs it) reads a missing additionalProperties / items as false:
+    `{"type": "object", "minProperties": 1}` was a 400 with xgrammar's message, a required name
+    nothing defines was answered `{}`. JSON Schema reads them as true; where the listed names or
+    items cannot meet the schema, that is what the grammar now writes."""
+    check(StructuredOutputsParams(json=schema))
+    for answer, valid in answers:
+        assert valid == jsonschema.Draft202012Validator(schema).is_valid(json.loads(answer)), answer
+        assert _answers(tiny_llm.llm_engine, ("json", json.dumps(schema)), answer) == valid, answer
+
+
 @pytest.mark.parametrize(
     "key", [("json", json.dumps({"type": "array", "items": s})) for s in
             (BOUNDED, {"type": "string"}, {"type": "string", "pattern": "^.+$"})]

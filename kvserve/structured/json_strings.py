@@ -17,8 +17,10 @@ from __future__ import annotations
 import json
 import logging
 import re
+from typing import Any
 
 from kvserve.structured.json_patterns import pattern_grammar
+from kvserve.structured.open_objects import open_where_needed
 from kvserve.structured.pattern_required import require_pattern_names
 
 logger = logging.getLogger(__name__)
@@ -34,11 +36,11 @@ _NAMED = ("properties", "patternProperties", "$defs", "definitions", "dependentS
 
 def json_schema_grammar(schema: str):
     """The xgrammar Grammar of a JSON schema (no free whitespace), strings fixed as above,
-    string patterns as json_patterns.py writes them (as xgrammar writes them should that fail)
-    and required names only a pattern defines required (pattern_required.py)."""
+    string patterns as json_patterns.py writes them (as xgrammar writes them should that fail),
+    prepared as `prepared_schema` says."""
     import xgrammar as xgr
 
-    schema = json.dumps(require_pattern_names(json.loads(schema)))
+    schema = json.dumps(prepared_schema(json.loads(schema)))
     patterns: list[str] = []
     swapped = _swap_patterns(json.loads(schema), patterns)
     if patterns:
@@ -47,6 +49,12 @@ def json_schema_grammar(schema: str):
         except (RuntimeError, ValueError, IndexError) as e:
             logger.warning("a schema's string patterns kept as xgrammar writes them: %s", e)
     return xgr.Grammar.from_ebnf(_bounded(_ebnf(schema)))
+
+
+def prepared_schema(schema: Any) -> Any:
+    """The schema as xgrammar is given it: required names made properties (pattern_required.py)
+    and objects / arrays opened where their minimum needs it (open_objects.py)."""
+    return open_where_needed(require_pattern_names(schema))
 
 
 def _ebnf(schema: str) -> str:

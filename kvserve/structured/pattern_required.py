@@ -1,34 +1,39 @@
-"""Required names that only a patternProperties pattern defines, made properties.
+"""Required names that `properties` does not define, made properties.
 
-xgrammar 0.2.8 writes every patternProperties key as optional whatever `required` says, so
-{"patternProperties": {"^a$": {"type": "integer"}}, "required": ["a"]} was answered `{}`. Each
-such name (one pattern matching it: schema_support.py refuses a name that several or none
-define) is added to `properties` with that pattern's schema, which xgrammar does require.
+xgrammar 0.2.8 writes every patternProperties key as optional whatever `required` says, and
+leaves out a required name nothing defines, so {"patternProperties": {"^a$": {"type":
+"integer"}}, "required": ["a"]} and {"type": "object", "required": ["a"]} were answered `{}`.
+Each such name is added to `properties` with the schema JSON Schema gives its value, which
+xgrammar does require: the schema of the patterns matching it (one, or several alike), else
+additionalProperties' (any value where it is missing or true). schema_support.py refuses a name
+no object can hold (additionalProperties false) or that unlike patterns define.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from kvserve.structured.schema_support import matching_patterns
+from kvserve.structured.schema_support import required_name_schema
 
 _DATA = ("const", "enum", "default", "examples")  # values that are data, not schemas
 
 
 def require_pattern_names(node: Any) -> Any:
-    """The schema with each required name a single pattern defines added to `properties`."""
+    """The schema with each required name `properties` lacks added to it, where its value's
+    schema is known (as above)."""
     if isinstance(node, list):
         return [require_pattern_names(v) for v in node]
     if not isinstance(node, dict):
         return node
     out = {k: v if k in _DATA else require_pattern_names(v) for k, v in node.items()}
-    required, patterns = out.get("required"), out.get("patternProperties")
-    if isinstance(required, list) and isinstance(patterns, dict):
+    required = out.get("required")
+    if isinstance(required, list):
         props = dict(out["properties"]) if isinstance(out.get("properties"), dict) else {}
         for name in required:
             if isinstance(name, str) and name not in props:
-                matched = matching_patterns(patterns, name)
-                if len(matched) == 1:
-                    props[name] = patterns[matched[0]]
-        out["properties"] = props
+                schema = required_name_schema(out, name)
+                if schema is not None:
+                    props[name] = schema
+        if props:
+            out["properties"] = props
     return out

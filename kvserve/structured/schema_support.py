@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from kvserve.structured.listed_values import broken_keyword
+from kvserve.structured.open_objects import closed_too_small
 
 # keyword -> why it is refused (what the grammar would do instead)
 UNSUPPORTED = {
@@ -51,14 +52,9 @@ def unsupported(schema: Any) -> tuple[str, str, str] | None:
                 return key, path or "/", f"an empty {key} matches no value; give at least one schema"
         if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
             return "allOf", path or "/", "only the first of several allOf schemas would be enforced"
-        name = _undefined_required(node)
-        if name is not None:
-            return (
-                "required",
-                path or "/",
-                f"the required property {name!r} is not defined in properties, so the answer may leave it "
-                "out; define it under properties",
-            )
+        undefined = _undefined_required(node, several=True)
+        if undefined is not None:
+            return "required", path or "/", undefined[1]
         if isinstance(node.get("pattern"), str) and _has_lookaround(node["pattern"]):
             return (
                 "pattern",
@@ -76,6 +72,16 @@ def unsupported(schema: Any) -> tuple[str, str, str] | None:
             value, key = broken
             why = f"the listed value {json.dumps(value)} breaks {key} beside it, which would not be enforced"
             return listed, path or "/", why
+    return None
+
+
+def unsatisfiable(schema: Any) -> tuple[str, str, str] | None:
+    """(keyword, JSON pointer of its schema, why) of a schema closed by its own `false` that
+    asks for more names or items than it lists (xgrammar's own message said "aren't allowed")."""
+    for path, node in _subschemas(schema, ""):
+        found = closed_too_small(node) or _undefined_required(node, several=False)
+        if found is not None:
+            return found[0], path or "/", found[1]
     return None
 
 
@@ -104,20 +110,47 @@ def _pattern_implies(pattern: str, node: dict) -> bool:
     return isinstance(lo, int) and low >= lo and (hi is None or (isinstance(hi, int) and high <= hi))
 
 
-def _undefined_required(node: dict) -> str | None:
-    """A required name that neither `properties` nor one `patternProperties` pattern defines:
-    xgrammar leaves it out of the grammar (`{}` answers `{"required": ["a"]}`). A name one
-    pattern defines is made a property (pattern_required.py); one that several patterns define
-    would need all their schemas at once, which the grammar cannot say."""
+def _undefined_required(node: dict, several: bool) -> tuple[str, str] | None:
+    """("required", why) for a required name `properties` lacks and pattern_required.py cannot
+    make a property: with `several`, one several patterns with unlike schemas match (its value
+    would need all of them at once); else one nothing allows (additionalProperties false)."""
     required, props = node.get("required"), node.get("properties")
     if not isinstance(required, list):
         return None
     props = props if isinstance(props, dict) else {}
-    patterns = node.get("patternProperties") if isinstance(node.get("patternProperties"), dict) else {}
     for name in required:
-        if isinstance(name, str) and name not in props and len(matching_patterns(patterns, name)) != 1:
-            return name
+        if not isinstance(name, str) or name in props or required_name_schema(node, name) is not None:
+            continue
+        if several and len(_patterns_of(node, name)) > 1:
+            return "required", (
+                f"the required property {name!r} matches several patternProperties patterns, whose schemas "
+                "would all apply to its value, which is not enforced; define it under properties"
+            )
+        if not several and not _patterns_of(node, name):
+            return "required", (
+                f"the required property {name!r} is not defined in properties and additionalProperties is "
+                "false: no object meets it"
+            )
     return None
+
+
+def required_name_schema(node: dict, name: str) -> Any:
+    """The schema of a required `name` that `properties` lacks, as JSON Schema gives it: the
+    matching patterns' (one, or several alike), else additionalProperties' ({} where it is
+    missing or true); None where none can be written (false, or unlike patterns)."""
+    patterns = _patterns_of(node, name)
+    if patterns:
+        first = patterns[0]
+        return first if all(p == first for p in patterns) else None
+    extra = node.get("additionalProperties", node.get("unevaluatedProperties", True))
+    if extra is True:
+        return {}
+    return extra if isinstance(extra, dict) else None
+
+
+def _patterns_of(node: dict, name: str) -> list:
+    patterns = node.get("patternProperties") if isinstance(node.get("patternProperties"), dict) else {}
+    return [patterns[p] for p in matching_patterns(patterns, name)]
 
 
 def matching_patterns(patterns: dict, name: str) -> list[str]:

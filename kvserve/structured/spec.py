@@ -13,8 +13,9 @@ import re
 import threading
 
 from kvserve.sampling_params import StructuredOutputsParams
+from kvserve.structured.json_strings import prepared_schema
 from kvserve.structured.productive import unproductive_root
-from kvserve.structured.schema_support import unsupported
+from kvserve.structured.schema_support import unsatisfiable, unsupported
 
 # xgrammar's errors start with "[hh:mm:ss] /path/file.cc:123: "; the rest is the message.
 _LOCATION = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*")
@@ -64,7 +65,12 @@ def _check_key(kind: str, text: str, label: str | None) -> None:
     try:
         if kind == "json":
             schema = parse_schema(text)
-            _refuse_if_endless(xgr.Grammar.from_json_schema(text, any_whitespace=False))
+            empty = unsatisfiable(schema)
+            if empty is not None:
+                key, where, why = empty
+                raise ValueError(f"{key} at {where}: {why}")
+            prepared = json.dumps(prepared_schema(schema))
+            _refuse_if_endless(xgr.Grammar.from_json_schema(prepared, any_whitespace=False))
             refused = unsupported(schema)
             if refused is not None:
                 key, where, why = refused

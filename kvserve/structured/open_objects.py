@@ -1,0 +1,66 @@
+"""JSON Schema's default for a missing additionalProperties / items, where a schema needs it.
+
+xgrammar 0.2.8 (as vLLM runs it, strict mode) reads an object without `additionalProperties`
+as closed and an array with `prefixItems` but no `items` as ending there: an answer holds only
+the names and items the schema lists. JSON Schema reads both as open (any other name, any
+further item), and a schema may need that: `{"type": "object", "minProperties": 1}` was refused
+with xgrammar's message ("additional properties aren't allowed"), though `{"a": 1}` meets it.
+Where the listed names or items cannot meet minProperties / minItems, the missing keyword is
+written as JSON Schema's default (true); everywhere else answers stay strict, as in vLLM. A
+schema that says false itself and still asks for more is refused (`closed_too_small`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_DATA = ("const", "enum", "default", "examples")  # values that are data, not schemas
+
+
+def open_where_needed(node: Any) -> Any:
+    """The schema with additionalProperties / items: true written where an object's properties
+    or an array's prefixItems are too few for its minProperties / minItems."""
+    if isinstance(node, list):
+        return [open_where_needed(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: v if k in _DATA else open_where_needed(v) for k, v in node.items()}
+    if _too_few_names(out) and "additionalProperties" not in out and "unevaluatedProperties" not in out:
+        out["additionalProperties"] = True
+    if _too_few_items(out) and "items" not in out and "unevaluatedItems" not in out:
+        out["items"] = True
+    return out
+
+
+def closed_too_small(node: dict) -> tuple[str, str] | None:
+    """(keyword, why) when a schema closed by its own `false` cannot hold the minimum it asks."""
+    closed = False in (node.get("additionalProperties"), node.get("unevaluatedProperties"))
+    if _too_few_names(node) and closed:
+        n = len(node["properties"]) if isinstance(node.get("properties"), dict) else 0
+        return "minProperties", (
+            f"minProperties is {node['minProperties']}, but additionalProperties is false and properties "
+            f"defines {n} names: no object meets it"
+        )
+    if _too_few_items(node) and False in (node.get("items"), node.get("unevaluatedItems")):
+        return "minItems", (
+            f"minItems is {node['minItems']}, but items is false and prefixItems lists "
+            f"{len(node['prefixItems'])}: no array meets it"
+        )
+    return None
+
+
+def _too_few_names(node: dict) -> bool:
+    least = node.get("minProperties")
+    if not _is_count(least) or isinstance(node.get("patternProperties"), dict):
+        return False
+    props = node.get("properties")
+    return least > (len(props) if isinstance(props, dict) else 0)
+
+
+def _too_few_items(node: dict) -> bool:
+    least, prefix = node.get("minItems"), node.get("prefixItems")
+    return _is_count(least) and isinstance(prefix, list) and least > len(prefix)
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
