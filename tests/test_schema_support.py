@@ -50,6 +50,30 @@ IGNORED = [
         "required",
         "/",
     ),
+    # a name two patterns match (or a property and a pattern) must meet both schemas: one was enforced
+    (
+        {"type": "object", "patternProperties": {"a.*": INTS, ".*b": {"type": "string"}}},
+        '{"ab": [1]}',
+        "patternProperties",
+        "/",
+    ),
+    (
+        {"type": "object", "properties": {"ab": {"type": "string"}}, "patternProperties": {"a.": INTS}},
+        '{"ab": "x"}',
+        "patternProperties",
+        "/",
+    ),
+    (
+        {
+            "type": "object",
+            "properties": {
+                "o": {"type": "object", "patternProperties": {"^x\\d+$": INTS, "\\d{3}": {"type": "integer"}}}
+            },
+        },
+        '{"o": {"x123": [1]}}',
+        "patternProperties",
+        "/properties/o",
+    ),  # fmt: skip
     # no alternative at all: an empty answer (and '{"a": }' inside an object) was answered, with "stop"
     ({"anyOf": []}, "", "anyOf", "/"),
     (
@@ -116,6 +140,9 @@ def test_a_keyword_xgrammar_ignores_is_refused_naming_it(schema, forbidden, keyw
         {"type": "string", "pattern": "^[(?=]+(?:x)$"},  # literal "(?=" in a class; a non-capturing group
         {"type": "object", "properties": {"a": INTS}, "required": ["a"]},
         {"type": "object", "patternProperties": {"^a": INTS, "a$": INTS}, "required": ["a"]},  # alike
+        {"type": "object", "patternProperties": {"^S_": {"type": "string"}, "^I_": INTS}},  # exclusive
+        {"type": "object", "patternProperties": {"^[a-z]+$": INTS, "^\\d+$": {"type": "string"}}},
+        {"type": "object", "properties": {"ab": INTS}, "patternProperties": {"a.": {}, "^x": INTS}},
         {
             "type": "object",
             "patternProperties": {"^a$": INTS},

@@ -21,6 +21,9 @@ from __future__ import annotations
 import re
 
 ECMA_DOT = r"[^\n\r\u2028\u2029]"
+# ECMA-262's \s: its WhiteSpace (with every Unicode space separator) and LineTerminator
+ECMA_SPACES = ((0x09, 0x0D), (0x20, 0x20), (0xA0, 0xA0), (0x1680, 0x1680), (0x2000, 0x200A), (0x2028, 0x2029),
+               (0x202F, 0x202F), (0x205F, 0x205F), (0x3000, 0x3000), (0xFEFF, 0xFEFF))  # fmt: skip
 PYTHON_DOT = r"[^\n]"
 _HEX = frozenset("0123456789abcdefABCDEF")
 _SURROGATE = "\\ud800"  # kept beside NUL so xgrammar keeps the class (json_patterns.py drops it)

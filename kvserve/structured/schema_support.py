@@ -16,6 +16,7 @@ from typing import Any
 
 from kvserve.structured.listed_values import broken_keyword
 from kvserve.structured.open_objects import closed_too_small
+from kvserve.structured.pattern_overlap import may_overlap
 
 # keyword -> why it is refused (what the grammar would do instead)
 UNSUPPORTED = {
@@ -55,6 +56,9 @@ def unsupported(schema: Any) -> tuple[str, str, str] | None:
         undefined = _undefined_required(node, several=True)
         if undefined is not None:
             return "required", path or "/", undefined[1]
+        clash = _pattern_clash(node)
+        if clash is not None:
+            return "patternProperties", path or "/", clash
         if isinstance(node.get("pattern"), str) and _has_lookaround(node["pattern"]):
             return (
                 "pattern",
@@ -151,6 +155,36 @@ def required_name_schema(node: dict, name: str) -> Any:
 def _patterns_of(node: dict, name: str) -> list:
     patterns = node.get("patternProperties") if isinstance(node.get("patternProperties"), dict) else {}
     return [patterns[p] for p in matching_patterns(patterns, name)]
+
+
+def _pattern_clash(node: dict) -> str | None:
+    """Why a name's value would need two unlike schemas at once, of which xgrammar enforces
+    one: a property a pattern also matches, or a name that two patterns can both match
+    (pattern_overlap.py). A pattern whose schema is alike or takes any value clashes with none."""
+    patterns = node.get("patternProperties")
+    if not isinstance(patterns, dict):
+        return None
+    props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+    for name, schema in props.items():
+        for pattern in matching_patterns(patterns, name):
+            if not _implied(patterns[pattern], schema):
+                return (
+                    f"the property {name!r} matches the pattern {pattern!r} too, so its value must meet both "
+                    "schemas, which is not enforced; make them alike or the pattern not match the name"
+                )
+    for full, schema in patterns.items():
+        for other, beside in patterns.items():
+            if other != full and not _implied(beside, schema) and may_overlap(full, other):
+                return (
+                    f"a name can match both patterns {full!r} and {other!r}, so its value must meet both "
+                    "schemas, which is not enforced; make the patterns exclusive or the schemas alike"
+                )
+    return None
+
+
+def _implied(schema: Any, given: Any) -> bool:
+    """Whether a value meeting `given` surely meets `schema` too (alike, or any value)."""
+    return schema in ({}, True) or schema == given
 
 
 def matching_patterns(patterns: dict, name: str) -> list[str]:
