@@ -179,6 +179,32 @@ def test_a_regex_constraint_reads_pythons_escapes(tiny_llm, regex, text, valid):
     assert _answers(tiny_llm.llm_engine, ("regex", regex), text) == valid, (regex, text)
 
 
+SPACED = {"type": "object", "properties": {"s": {"type": "string", "pattern": "^a\\sb[^\\s]\\S$"}},
+          "required": ["s"], "additionalProperties": False}  # fmt: skip
+SPACE_CASES = [
+    *[(("json", json.dumps(SPACED)), json.dumps({"s": f"a{c}bxy"}, ensure_ascii=False), True)
+      for c in " \t\u00a0\u1680\u2003\u2028\u202f\u3000\ufeff"],
+    (("json", json.dumps(SPACED)), json.dumps({"s": "a\u0085bxy"}, ensure_ascii=False), False),  # not ECMA's
+    (("json", json.dumps(SPACED)), json.dumps({"s": "a bx\u3000"}, ensure_ascii=False), False),
+    (("json", json.dumps(SPACED)), json.dumps({"s": "a b\u2003y"}, ensure_ascii=False), False),
+    *[(("regex", r"a\sb[^\s]\S"), f"a{c}bxy", True) for c in " \u00a0\u2003\u3000\x1c\x85"],
+    (("regex", r"a\sb[^\s]\S"), "a\ufeffbxy", False),  # not Python's
+    (("regex", r"a\sb[^\s]\S"), "a bx\u2003", False), (("regex", r"[a\S]\s?"), "\u3000", False),
+    (("regex", r"[a\S]\s?"), "a\u3000", True), (("regex", r"[a\S]\s?"), "\u3001", True),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("key, text, valid", SPACE_CASES)
+def test_a_space_class_is_its_flavours(tiny_llm, key, text, valid):
+    """xgrammar reads `\\s` as ASCII's spaces and U+00A0: a schema's pattern (ECMA-262, whose
+    `\\s` holds every Unicode space separator, U+2028/9 and U+FEFF) refused "a\\u2003b" for
+    `^a\\sb`, and a regex constraint (Python's, which adds U+001C-U+001F and U+0085) "a\\x85b";
+    `\\S` took them. Each flavour's `\\s` and `\\S` are now written out."""
+    if key[0] == "regex":
+        assert valid == bool(re.fullmatch(key[1], text))
+    assert _answers(tiny_llm.llm_engine, key, text) == valid, (key, text)
+
+
 NUL_STRING = {"type": "object", "properties": {"s": {"type": "string", "pattern": "^a\\0[^\\0]$"}},
               "required": ["s"], "additionalProperties": False}  # fmt: skip
 

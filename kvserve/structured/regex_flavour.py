@@ -8,7 +8,9 @@ reads Python's anchors `\\A` and `\\Z` as the letters A and Z (a constraint `\\A
 "AfooZ", which the regex refuses) and `\\x` with every hex digit that follows (`\\x41b`, "Ab"
 in both flavours, was U+041B). Each is written as what it means before xgrammar reads the
 regex: `.` outside a class as the class it stands for, `\\A` / `\\Z` as `^` / `$` (Python only:
-ECMA-262 reads them as letters too), `\\xhh` as `\\u00hh`.
+ECMA-262 reads them as letters too), `\\xhh` as `\\u00hh`, and `\\s` / `\\S` as the flavour's
+spaces (xgrammar's are ASCII's and U+00A0: ECMA-262's U+2003 or U+3000, Python's U+0085 were
+refused) or all else.
 
 xgrammar writes a NUL character (`\\0`, `\\x00`, `\\u0000`) standing alone, or a class of it
 alone, as the empty string: `a\\0b` answered "ab". A class holding NUL and another character is
@@ -24,6 +26,10 @@ ECMA_DOT = r"[^\n\r\u2028\u2029]"
 # ECMA-262's \s: its WhiteSpace (with every Unicode space separator) and LineTerminator
 ECMA_SPACES = ((0x09, 0x0D), (0x20, 0x20), (0xA0, 0xA0), (0x1680, 0x1680), (0x2000, 0x200A), (0x2028, 0x2029),
                (0x202F, 0x202F), (0x205F, 0x205F), (0x3000, 0x3000), (0xFEFF, 0xFEFF))  # fmt: skip
+# Python's \s in a str pattern: what str.isspace() takes (no U+FEFF; U+001C-U+001F and U+0085)
+PYTHON_SPACES = ((0x09, 0x0D), (0x1C, 0x20), (0x85, 0x85), (0xA0, 0xA0), (0x1680, 0x1680), (0x2000, 0x200A),
+                 (0x2028, 0x2029), (0x202F, 0x202F), (0x205F, 0x205F), (0x3000, 0x3000))  # fmt: skip
+_TOP = 0x10FFFF
 PYTHON_DOT = r"[^\n]"
 _HEX = frozenset("0123456789abcdefABCDEF")
 _SURROGATE = "\\ud800"  # kept beside NUL so xgrammar keeps the class (json_patterns.py drops it)
@@ -51,6 +57,12 @@ def for_xgrammar(pattern: str, python: bool) -> str:
                 out.append("\\u00" + hexes)  # two digits, as both flavours read them
                 i += 4
                 continue
+            if esc in ("\\s", "\\S"):
+                ranges = PYTHON_SPACES if python else ECMA_SPACES
+                ranges = _ranges_text(ranges if esc == "\\s" else _complement(ranges))
+                out.append(ranges if in_class else f"[{ranges}]")
+                i += 2
+                continue
             if python and not in_class and esc in ("\\A", "\\Z"):
                 esc = "^" if esc == "\\A" else "$"
             out.append(esc)
@@ -67,3 +79,18 @@ def for_xgrammar(pattern: str, python: bool) -> str:
         out.append(c)
         i += 1
     return "".join(out)
+
+
+def _complement(ranges: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
+    out, start = [], 0
+    for low, high in ranges:  # sorted, apart
+        if low > start:
+            out.append((start, low - 1))
+        start = high + 1
+    return (*out, (start, _TOP)) if start <= _TOP else tuple(out)
+
+
+def _ranges_text(ranges: tuple[tuple[int, int], ...]) -> str:
+    """Ranges as the inside of a class, every code point escaped."""
+    esc = lambda cp: f"\\u{cp:04x}" if cp <= 0xFFFF else f"\\U{cp:08x}"  # noqa: E731
+    return "".join(esc(lo) if lo == hi else f"{esc(lo)}-{esc(hi)}" for lo, hi in ranges)
