@@ -205,6 +205,27 @@ def test_a_space_class_is_its_flavours(tiny_llm, key, text, valid):
     assert _answers(tiny_llm.llm_engine, key, text) == valid, (key, text)
 
 
+LISTED = {"type": "object", "properties": {"c": {"const": {"a": 1, "b": [1, "x y"]}},
+                                          "e": {"enum": [[1, 2], {"k": "\u00e9"}, "s"]}},
+          "required": ["c", "e"], "additionalProperties": False}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "answer, valid",
+    [('{"c": {"a": 1, "b": [1, "x y"]}, "e": [1, 2]}', True),
+     ('{"c": {"a":1,"b":[1,"x y"]}, "e": [1,2]}', True),
+     ('{"c": {"a": 1, "b": [1, "x y"]}, "e": {"k": "\u00e9"}}', True),
+     ('{"c": {"a": 1, "b": [1]}, "e": "s"}', False),
+     ('{"c": {"a": 1, "b": [1, "x y"]}, "e": [2, 1]}', False)],
+)  # fmt: skip
+def test_a_listed_object_or_array_may_be_spaced_as_the_rest(tiny_llm, answer, valid):
+    """xgrammar wrote a const / enum object or array as its compact text only: every other
+    object in the answer is written `{"a": 1}`, but the listed one had to be `{"a":1}`, and a
+    model writing it as the rest was refused. Both spellings are taken now."""
+    assert valid == jsonschema.Draft202012Validator(LISTED).is_valid(json.loads(answer))
+    assert _answers(tiny_llm.llm_engine, ("json", json.dumps(LISTED)), answer) == valid, answer
+
+
 NUL_STRING = {"type": "object", "properties": {"s": {"type": "string", "pattern": "^a\\0[^\\0]$"}},
               "required": ["s"], "additionalProperties": False}  # fmt: skip
 

@@ -20,6 +20,7 @@ import re
 from typing import Any
 
 from kvserve.structured.json_patterns import pattern_grammar
+from kvserve.structured.listed_spacing import swap_listed, with_listed
 from kvserve.structured.open_objects import open_where_needed
 from kvserve.structured.pattern_required import require_pattern_names
 
@@ -37,18 +38,21 @@ _NAMED = ("properties", "patternProperties", "$defs", "definitions", "dependentS
 def json_schema_grammar(schema: str):
     """The xgrammar Grammar of a JSON schema (no free whitespace), strings fixed as above,
     string patterns as json_patterns.py writes them (as xgrammar writes them should that fail),
-    prepared as `prepared_schema` says."""
+    prepared as `prepared_schema` says, listed objects and arrays spaced as listed_spacing.py
+    says."""
     import xgrammar as xgr
 
-    schema = json.dumps(prepared_schema(json.loads(schema)))
+    listed: list = []
+    schema = json.dumps(swap_listed(prepared_schema(json.loads(schema)), listed))
     patterns: list[str] = []
     swapped = _swap_patterns(json.loads(schema), patterns)
     if patterns:
         try:
-            return xgr.Grammar.from_ebnf(_with_patterns(_bounded(_ebnf(json.dumps(swapped))), patterns))
+            text = _with_patterns(_bounded(_ebnf(json.dumps(swapped))), patterns)
+            return xgr.Grammar.from_ebnf(with_listed(text, listed))
         except (RuntimeError, ValueError, IndexError) as e:
             logger.warning("a schema's string patterns kept as xgrammar writes them: %s", e)
-    return xgr.Grammar.from_ebnf(_bounded(_ebnf(schema)))
+    return xgr.Grammar.from_ebnf(with_listed(_bounded(_ebnf(schema)), listed))
 
 
 def prepared_schema(schema: Any) -> Any:
