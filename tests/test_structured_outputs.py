@@ -226,6 +226,26 @@ def test_a_listed_object_or_array_may_be_spaced_as_the_rest(tiny_llm, answer, va
     assert _answers(tiny_llm.llm_engine, ("json", json.dumps(LISTED)), answer) == valid, answer
 
 
+NUMBERS = {"type": "object", "properties": {"n": {"type": "number", "minimum": -5, "maximum": 5},
+                                           "p": {"type": "number", "exclusiveMinimum": 0},
+                                           "i": {"type": "integer"}},
+           "required": ["n", "p", "i"], "additionalProperties": False}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "answer, valid",
+    [('{"n": -0, "p": 1, "i": -0}', True), ('{"n": 1e0, "p": 2.5E+00, "i": 3}', True),
+     ('{"n": -0.0e-0, "p": 0.5, "i": 0}', True), ('{"n": 1, "p": -0, "i": 1}', False),
+     ('{"n": 6, "p": 1, "i": 1}', False), ('{"n": 1, "p": 1, "i": 1.5}', False)],
+)  # fmt: skip
+def test_a_bounded_number_takes_minus_zero_and_a_zero_exponent(tiny_llm, answer, valid):
+    """xgrammar writes a bounded number (and an integer) as plain digits: `-0` was refused
+    though 0 is within the bounds, and so was `1e0` (equal to 1), both JSON numbers the schema
+    takes (`-0.0` was taken for some bounds and not others)."""
+    assert valid == jsonschema.Draft202012Validator(NUMBERS).is_valid(json.loads(answer))
+    assert _answers(tiny_llm.llm_engine, ("json", json.dumps(NUMBERS)), answer) == valid, answer
+
+
 NUL_STRING = {"type": "object", "properties": {"s": {"type": "string", "pattern": "^a\\0[^\\0]$"}},
               "required": ["s"], "additionalProperties": False}  # fmt: skip
 

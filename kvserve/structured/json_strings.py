@@ -21,6 +21,7 @@ from typing import Any
 
 from kvserve.structured.json_patterns import pattern_grammar
 from kvserve.structured.listed_spacing import swap_listed, with_listed
+from kvserve.structured.number_forms import swap_numbers, with_numbers
 from kvserve.structured.open_objects import open_where_needed
 from kvserve.structured.pattern_required import require_pattern_names
 
@@ -39,20 +40,21 @@ def json_schema_grammar(schema: str):
     """The xgrammar Grammar of a JSON schema (no free whitespace), strings fixed as above,
     string patterns as json_patterns.py writes them (as xgrammar writes them should that fail),
     prepared as `prepared_schema` says, listed objects and arrays spaced as listed_spacing.py
-    says."""
+    says and integers and bounded numbers as number_forms.py says."""
     import xgrammar as xgr
 
     listed: list = []
-    schema = json.dumps(swap_listed(prepared_schema(json.loads(schema)), listed))
+    numbers: list[dict] = []
+    schema = json.dumps(swap_numbers(swap_listed(prepared_schema(json.loads(schema)), listed), numbers))
     patterns: list[str] = []
     swapped = _swap_patterns(json.loads(schema), patterns)
     if patterns:
         try:
             text = _with_patterns(_bounded(_ebnf(json.dumps(swapped))), patterns)
-            return xgr.Grammar.from_ebnf(with_listed(text, listed))
+            return xgr.Grammar.from_ebnf(with_numbers(with_listed(text, listed), numbers))
         except (RuntimeError, ValueError, IndexError) as e:
             logger.warning("a schema's string patterns kept as xgrammar writes them: %s", e)
-    return xgr.Grammar.from_ebnf(with_listed(_bounded(_ebnf(schema)), listed))
+    return xgr.Grammar.from_ebnf(with_numbers(with_listed(_bounded(_ebnf(schema)), listed), numbers))
 
 
 def prepared_schema(schema: Any) -> Any:

@@ -1,0 +1,94 @@
+"""A bounded number's (and an integer's) zero written `-0`, and a bounded number with an exponent
+that leaves its value as it is.
+
+xgrammar 0.2.8 writes a number with a bound as its decimal digits only: `-0` (a JSON number
+equal to 0) was refused wherever 0 is allowed, though `-0.0` was taken for some bounds and not
+others, and so was `1e0` (equal to 1); an integer refused `-0` even without bounds. Each such
+number schema is swapped for a placeholder before xgrammar converts the schema, and the
+placeholder's literal for xgrammar's own grammar of it (its rules renamed) together with
+`-0` (and `-0.0...`) where 0 is within the bounds, and, for a number, an exponent of zero
+(`e0`, `E+00`). Other exponents stay refused under a bound: whether `25e-1` is at most 3 takes
+comparing digits across the exponent, which no grammar of this kind can say.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+_OTHER = ("enum", "const", "anyOf", "oneOf", "allOf", "$ref", "multipleOf", "not", "if")  # left as they are
+_DATA = ("const", "enum", "default", "examples")
+_NAMED = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema
+_RULE = re.compile(r"^([A-Za-z_]\w*) ::=", re.MULTILINE)
+_ZERO_EXPONENT = '([eE] [+\\-]? "0"+)'
+
+
+def swap_numbers(node: Any, numbers: list[dict]) -> Any:
+    """The schema with each number schema this module rewrites (an integer, a number with a
+    bound) replaced by a placeholder const number (the schema appended to `numbers`)."""
+    if isinstance(node, list):
+        return [swap_numbers(v, numbers) for v in node]
+    if not isinstance(node, dict):
+        return node
+    if _rewritten(node):
+        numbers.append(node)
+        return {"const": _placeholder(len(numbers) - 1)}
+    out = {}
+    for key, value in node.items():
+        if key in _DATA:
+            out[key] = value
+        elif key in _NAMED and isinstance(value, dict):
+            out[key] = {name: swap_numbers(schema, numbers) for name, schema in value.items()}
+        else:
+            out[key] = swap_numbers(value, numbers)
+    return out
+
+
+def with_numbers(ebnf: str, numbers: list[dict]) -> str:
+    """The EBNF with each placeholder's literal as its number's forms; ValueError when a
+    placeholder is not found as xgrammar writes it."""
+    import xgrammar as xgr
+
+    for i, schema in enumerate(numbers):
+        literal = f'"{_placeholder(i)}"'
+        if literal not in ebnf:
+            raise ValueError(f"number {i} is not where it was expected")
+        prefix = f"kvserve_number{i}_"
+        while re.search(rf"^{prefix}", ebnf, re.MULTILINE):
+            prefix += "_"
+        own = str(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False))
+        names = _RULE.findall(own)
+        own = re.sub(r"\b(" + "|".join(map(re.escape, names)) + r")\b", prefix + r"\1", own)
+        number = schema.get("type") == "number"
+        forms = [f"{prefix}root {_ZERO_EXPONENT}?" if number else f"{prefix}root"]
+        if _zero_allowed(schema):
+            forms.append(f'"-0" ("." "0"+)? {_ZERO_EXPONENT}?' if number else '"-0"')
+        ebnf = ebnf.replace(literal, "(" + " | ".join(f"({f})" for f in forms) + ")") + "\n" + own + "\n"
+    return ebnf
+
+
+def _rewritten(node: dict) -> bool:
+    kind = node.get("type")
+    if kind not in ("integer", "number") or any(k in node for k in _OTHER):
+        return False
+    bounds = [node[k] for k in _BOUNDS if k in node]
+    if not all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in bounds):
+        return False  # draft 4's boolean exclusive bounds, or no number: as xgrammar has it
+    return kind == "integer" or bool(bounds)
+
+
+def _zero_allowed(node: dict) -> bool:
+    low, high = node.get("minimum"), node.get("maximum")
+    low_x, high_x = node.get("exclusiveMinimum"), node.get("exclusiveMaximum")
+    return (
+        (low is None or low <= 0) and (high is None or high >= 0)
+        and (low_x is None or low_x < 0) and (high_x is None or high_x > 0)
+    )  # fmt: skip
+
+
+def _placeholder(i: int) -> int:
+    """A number, not a string: xgrammar sees a oneOf branch of it apart from a string branch
+    (a string placeholder beside {"type": "string"} had it warn of overlapping branches)."""
+    return -7_919_000_000_123 - i
