@@ -246,6 +246,17 @@ def test_a_bounded_number_takes_minus_zero_and_a_zero_exponent(tiny_llm, answer,
     assert _answers(tiny_llm.llm_engine, ("json", json.dumps(NUMBERS)), answer) == valid, answer
 
 
+def test_a_rewritten_schema_left_unused_in_defs_is_left_out(tiny_llm):
+    """A const object, an integer or a pattern in a $defs schema nothing refers to is not in
+    xgrammar's grammar: the rewrites above skip it (the answer is the schema's, not a failed
+    compile that ended the request)."""
+    unused = {"o": {"const": {"a": 1}}, "i": {"type": "integer"}, "s": {"type": "string", "pattern": "^a.$"}}
+    schema = {"$defs": unused, "type": "object", "properties": {"n": {"type": "integer", "maximum": 3}},
+              "required": ["n"], "additionalProperties": False}  # fmt: skip
+    assert _answers(tiny_llm.llm_engine, ("json", json.dumps(schema)), '{"n": -0}')
+    assert not _answers(tiny_llm.llm_engine, ("json", json.dumps(schema)), '{"n": 4}')
+
+
 NUL_STRING = {"type": "object", "properties": {"s": {"type": "string", "pattern": "^a\\0[^\\0]$"}},
               "required": ["s"], "additionalProperties": False}  # fmt: skip
 

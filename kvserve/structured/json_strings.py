@@ -43,18 +43,17 @@ def json_schema_grammar(schema: str):
     says and integers and bounded numbers as number_forms.py says."""
     import xgrammar as xgr
 
+    schema = json.dumps(prepared_schema(json.loads(schema)))
     listed: list = []
     numbers: list[dict] = []
-    schema = json.dumps(swap_numbers(swap_listed(prepared_schema(json.loads(schema)), listed), numbers))
     patterns: list[str] = []
-    swapped = _swap_patterns(json.loads(schema), patterns)
-    if patterns:
-        try:
-            text = _with_patterns(_bounded(_ebnf(json.dumps(swapped))), patterns)
-            return xgr.Grammar.from_ebnf(with_numbers(with_listed(text, listed), numbers))
-        except (RuntimeError, ValueError, IndexError) as e:
-            logger.warning("a schema's string patterns kept as xgrammar writes them: %s", e)
-    return xgr.Grammar.from_ebnf(with_numbers(with_listed(_bounded(_ebnf(schema)), listed), numbers))
+    swapped = _swap_patterns(swap_numbers(swap_listed(json.loads(schema), listed), numbers), patterns)
+    try:
+        text = _with_patterns(_bounded(_ebnf(json.dumps(swapped))), patterns)
+        return xgr.Grammar.from_ebnf(with_numbers(with_listed(text, listed), numbers))
+    except (RuntimeError, ValueError, IndexError) as e:
+        logger.warning("a schema's patterns, listed values and numbers kept as xgrammar writes them: %s", e)
+    return xgr.Grammar.from_ebnf(_bounded(_ebnf(schema)))
 
 
 def prepared_schema(schema: Any) -> Any:

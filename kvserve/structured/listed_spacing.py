@@ -40,11 +40,12 @@ def swap_listed(node: Any, values: list) -> Any:
 
 
 def with_listed(ebnf: str, values: list) -> str:
-    """The EBNF with each placeholder's literal as its value, compact or spaced; ValueError
-    when a placeholder is not found as xgrammar writes it."""
+    """The EBNF with each placeholder's literal as its value, compact or spaced (one xgrammar
+    left out, as in an unused $defs schema, is skipped); ValueError when a placeholder is
+    left in another spelling."""
     for i, value in enumerate(values):
         literal = _literal(json.dumps(_placeholder(i)))
-        if literal not in ebnf:
+        if _placeholder(i) in ebnf.replace(literal, ""):
             raise ValueError(f"listed value {i} is not where it was expected")
         spellings = {json.dumps(value, ensure_ascii=False, separators=sep) for sep in _SEPARATORS}
         ebnf = ebnf.replace(literal, "(" + " | ".join(_literal(t) for t in sorted(spellings)) + ")")
