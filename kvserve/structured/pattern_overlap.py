@@ -21,7 +21,7 @@ from kvserve.structured.regex_flavour import ECMA_SPACES, for_xgrammar
 _TOP = 0x10FFFF
 _ALL = ((0, _TOP),)
 _MAX_STATES = 4000  # automaton states; past this the answer is "they may meet"
-_MAX_VISITS = 20000  # product states searched
+_MAX_VISITS = 4000  # product states searched (about 0.5 s at worst)
 _DIGIT = ((0x30, 0x39),)
 _WORD = ((0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A))
 # ECMA-262's \d, \w and \s, and their complements

@@ -176,7 +176,7 @@ def _pattern_clash(node: dict) -> str | None:
         for other, beside in patterns.items():
             if other != full and not _implied(beside, schema) and may_overlap(full, other):
                 return (
-                    f"a name can match both patterns {full!r} and {other!r}, so its value must meet both "
+                    f"a name may match both patterns {full!r} and {other!r}, so its value must meet both "
                     "schemas, which is not enforced; make the patterns exclusive or the schemas alike"
                 )
     return None
