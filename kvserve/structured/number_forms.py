@@ -61,7 +61,7 @@ def with_numbers(ebnf: str, numbers: list[dict]) -> str:
         prefix = f"kvserve_number{i}_"
         while re.search(rf"^{prefix}", ebnf, re.MULTILINE):
             prefix += "_"
-        own = str(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False))
+        own = _reachable(str(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)))
         names = _RULE.findall(own)
         own = re.sub(r"\b(" + "|".join(map(re.escape, names)) + r")\b", prefix + r"\1", own)
         number = schema.get("type") == "number"
@@ -70,6 +70,19 @@ def with_numbers(ebnf: str, numbers: list[dict]) -> str:
             forms.append(f'"-0" ("." "0"+)? {_ZERO_EXPONENT}?' if number else '"-0"')
         ebnf = ebnf.replace(literal, "(" + " | ".join(f"({f})" for f in forms) + ")") + "\n" + own + "\n"
     return ebnf
+
+
+def _reachable(ebnf: str) -> str:
+    """The rules root reaches (xgrammar writes every basic_* rule into each grammar: a schema
+    with hundreds of numbers grew its grammar threefold)."""
+    rules = dict(line.split(" ::= ", 1) for line in ebnf.splitlines() if " ::= " in line)
+    kept, todo = {"root"}, ["root"]
+    while todo:
+        for name in re.findall(r"[A-Za-z_]\w*", rules.get(todo.pop(), "")):
+            if name in rules and name not in kept:
+                kept.add(name)
+                todo.append(name)
+    return "\n".join(f"{name} ::= {body}" for name, body in rules.items() if name in kept)
 
 
 def _rewritten(node: dict) -> bool:
