@@ -169,13 +169,18 @@ def test_a_dot_matches_no_line_terminator(tiny_llm, key, text, valid):
 @pytest.mark.parametrize(
     "regex, text, valid",
     [(r"\Afoo\Z", "foo", True), (r"\Afoo\Z", "AfooZ", False), (r"(?:\Ax|y\Z)z?", "x", True),
-     (r"\x41b", "Ab", True), (r"\x41b", "\u041b", False), (r"[\x41-\x43]\x2e", "B.", True)],
+     (r"\x41b", "Ab", True), (r"\x41b", "\u041b", False), (r"[\x41-\x43]\x2e", "B.", True),
+     (r"a\012b", "a\nb", True), (r"a\101", "aA", True), (r"[\060-\071]x", "5x", True),
+     (r"\\012", "\\012", True)],
 )  # fmt: skip
 def test_a_regex_constraint_reads_pythons_escapes(tiny_llm, regex, text, valid):
     """xgrammar read `\\A` and `\\Z` (Python's anchors) as the letters A and Z, with a logged
     warning, so the constraint `\\Afoo\\Z` answered "AfooZ", which the regex refuses, and
-    `\\x41b` ("Ab") as U+041B. A regex constraint is now read as Python's re reads it."""
+    `\\x41b` ("Ab") as U+041B; an octal escape was NUL then digits (`a\\012b` answered "a12b",
+    not "a\\nb") or a backreference (`a\\101`, "aA", was a 400). A regex constraint is now
+    read as Python's re reads it, when checked as when compiled."""
     assert valid == bool(re.fullmatch(regex, text))
+    check(StructuredOutputsParams(regex=regex))  # `a\\101` was a 400 ("Backreference")
     assert _answers(tiny_llm.llm_engine, ("regex", regex), text) == valid, (regex, text)
 
 

@@ -8,7 +8,8 @@ reads Python's anchors `\\A` and `\\Z` as the letters A and Z (a constraint `\\A
 "AfooZ", which the regex refuses) and `\\x` with every hex digit that follows (`\\x41b`, "Ab"
 in both flavours, was U+041B). Each is written as what it means before xgrammar reads the
 regex: `.` outside a class as the class it stands for, `\\A` / `\\Z` as `^` / `$` (Python only:
-ECMA-262 reads them as letters too), `\\xhh` as `\\u00hh`, and `\\s` / `\\S` as the flavour's
+ECMA-262 reads them as letters too), `\\xhh` as `\\u00hh`, a Python octal escape (`\\012`, a
+newline: xgrammar refused it as a backreference) as `\\u000a`, and `\\s` / `\\S` as the flavour's
 spaces (xgrammar's are ASCII's and U+00A0: ECMA-262's U+2003 or U+3000, Python's U+0085 were
 refused) or all else.
 
@@ -36,6 +37,9 @@ _SURROGATE = "\\ud800"  # kept beside NUL so xgrammar keeps the class (json_patt
 # NUL in both flavours (ECMA's \0 is NUL only when no digit follows; Python's \0, \00, \000 are).
 _NUL = {True: re.compile(r"\\(?:0{1,3}(?![0-7])|x00|u0000|U00000000)"),
         False: re.compile(r"\\(?:0(?![0-9])|x00|u0000)")}  # fmt: skip
+# Python's octal escapes: outside a class \0, \0o, \0oo or three digits (\1 or \12 is a group
+# reference there); inside a class one to three digits.
+_OCTAL = {False: re.compile(r"\\(0[0-7]{0,2}|[0-3][0-7]{2})"), True: re.compile(r"\\([0-7]{1,3})")}
 
 
 def for_xgrammar(pattern: str, python: bool) -> str:
@@ -46,6 +50,11 @@ def for_xgrammar(pattern: str, python: bool) -> str:
     while i < len(pattern):
         c = pattern[i]
         if c == "\\":
+            octal = _OCTAL[in_class].match(pattern, i) if python else None
+            if octal is not None and int(octal.group(1), 8) not in (0, *range(0o400, 0o1000)):
+                out.append(f"\\u{int(octal.group(1), 8):04x}")
+                i = octal.end()
+                continue
             nul = _NUL[python].match(pattern, i)
             if nul is not None:
                 out.append("\\0" if in_class else f"[\\0{_SURROGATE}]")

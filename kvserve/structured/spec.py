@@ -15,6 +15,7 @@ import threading
 from kvserve.sampling_params import StructuredOutputsParams
 from kvserve.structured.json_strings import prepared_schema
 from kvserve.structured.productive import unproductive_root
+from kvserve.structured.regex_flavour import for_xgrammar
 from kvserve.structured.schema_support import unsatisfiable, unsupported
 
 # xgrammar's errors start with "[hh:mm:ss] /path/file.cc:123: "; the rest is the message.
@@ -77,7 +78,7 @@ def _check_key(kind: str, text: str, label: str | None) -> None:
                 raise ValueError(f"{key} at {where} is not supported: {why}")
         elif kind == "regex":
             try:
-                grammar = xgr.Grammar.from_regex(text)
+                grammar = xgr.Grammar.from_regex(for_xgrammar(text, python=True))  # as compiled
             except RuntimeError as e:
                 raise ValueError(_EBNF_PLACE.sub("", clean_error(e))) from None
             _refuse_if_empty(grammar)
