@@ -328,6 +328,14 @@ OPEN = [
     ({"type": "object", "properties": {"p": {"type": "object", "properties": {"b": {"type": "integer"}},
                                              "required": ["a"]}}, "required": ["p"]},
      [('{"p": {"b": 1, "a": true}}', True), ('{"p": {"b": 1}}', False)]),
+    # a property named as a data keyword is still a schema (it was left out as data)
+    ({"type": "object", "properties": {"default": {"type": "object", "minProperties": 1}},
+      "required": ["default"]},
+     [('{"default": {"a": 1}}', True), ('{"default": {}}', False)]),
+    ({"type": "object", "properties": {"enum": {"type": "object", "required": ["a"],
+                                                "patternProperties": {"^a$": {"type": "integer"}}}},
+      "required": ["enum"]},
+     [('{"enum": {"a": 1}}', True), ('{"enum": {}}', False)]),
 ]  # fmt: skip
 
 

@@ -24,6 +24,7 @@ from kvserve.structured.listed_spacing import swap_listed, with_listed
 from kvserve.structured.number_forms import swap_numbers, with_numbers
 from kvserve.structured.open_objects import open_where_needed
 from kvserve.structured.pattern_required import require_pattern_names
+from kvserve.structured.schema_walk import rebuilt_children
 
 logger = logging.getLogger(__name__)
 # The body xgrammar gives a length-bounded string's character rule.
@@ -32,8 +33,6 @@ _ESCAPE_RULE = "kvserve_json_escape"
 _ANY_CHAR = r"[^\0-\x1f\"\\\r\n]"  # xgrammar's unbounded string character
 _UNICODE_CHAR = r"[^\0-\x1f\"\\\ud800-\udfff]"  # an unescaped JSON character
 _PATTERN_RULE = "kvserve_pattern"
-_DATA = ("const", "enum", "default", "examples")
-_NAMED = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema
 
 
 def json_schema_grammar(schema: str):
@@ -106,24 +105,16 @@ def _swap_patterns(node, patterns: list[str]):
     xgrammar writes it as a value's) replaced by a placeholder (appended to patterns); values
     that are data, not schemas (const, enum, default, examples), and the names in a map of
     schemas (a property named "const" or "patternProperties") left as they are."""
-    if isinstance(node, list):
-        return [_swap_patterns(v, patterns) for v in node]
-    if not isinstance(node, dict):
-        return node
-    out = {}
-    for key, value in node.items():
-        if key == "pattern" and isinstance(value, str):
-            patterns.append(value)
-            out[key] = _placeholder(len(patterns) - 1)
-        elif key in _DATA:
-            out[key] = value
-        elif key in _NAMED and isinstance(value, dict):
-            out[key] = {}
-            for name, schema in value.items():
-                if key == "patternProperties":  # its keys are patterns too
-                    patterns.append(name)
-                    name = _placeholder(len(patterns) - 1)
-                out[key][name] = _swap_patterns(schema, patterns)
-        else:
-            out[key] = _swap_patterns(value, patterns)
+    out = rebuilt_children(node, lambda v: _swap_patterns(v, patterns))
+    if not isinstance(out, dict):
+        return out
+    if isinstance(out.get("pattern"), str):
+        patterns.append(out["pattern"])
+        out["pattern"] = _placeholder(len(patterns) - 1)
+    if isinstance(out.get("patternProperties"), dict):  # its keys are patterns too
+        named = {}
+        for name, schema in out["patternProperties"].items():
+            patterns.append(name)
+            named[_placeholder(len(patterns) - 1)] = schema
+        out["patternProperties"] = named
     return out

@@ -12,30 +12,19 @@ from __future__ import annotations
 import json
 from typing import Any
 
-_DATA = ("default", "examples")  # values that are data, not schemas
+from kvserve.structured.schema_walk import rebuilt_children
+
 _SEPARATORS = ((",", ":"), (", ", ": "))  # compact, and as xgrammar writes the rest
-_NAMED = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema
 
 
 def swap_listed(node: Any, values: list) -> Any:
     """The schema with each object or array const / enum value replaced by a placeholder
     string (the value appended to `values`)."""
-    if isinstance(node, list):
-        return [swap_listed(v, values) for v in node]
-    if not isinstance(node, dict):
-        return node
-    out = {}
-    for key, value in node.items():
-        if key == "const":
-            out[key] = _swapped(value, values)
-        elif key == "enum" and isinstance(value, list):
-            out[key] = [_swapped(v, values) for v in value]
-        elif key in _DATA:
-            out[key] = value
-        elif key in _NAMED and isinstance(value, dict):
-            out[key] = {name: swap_listed(schema, values) for name, schema in value.items()}
-        else:
-            out[key] = swap_listed(value, values)
+    out = rebuilt_children(node, lambda v: swap_listed(v, values))
+    if isinstance(out, dict) and "const" in out:
+        out["const"] = _swapped(out["const"], values)
+    if isinstance(out, dict) and isinstance(out.get("enum"), list):
+        out["enum"] = [_swapped(v, values) for v in out["enum"]]
     return out
 
 

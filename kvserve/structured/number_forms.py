@@ -17,10 +17,10 @@ import json
 import re
 from typing import Any
 
+from kvserve.structured.schema_walk import rebuilt_children
+
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 _OTHER = ("enum", "const", "anyOf", "oneOf", "allOf", "$ref", "multipleOf", "not", "if")  # left as they are
-_DATA = ("const", "enum", "default", "examples")
-_NAMED = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema
 _RULE = re.compile(r"^([A-Za-z_]\w*) ::=", re.MULTILINE)
 _ZERO_EXPONENT = '([eE] [+\\-]? "0"+)'
 
@@ -28,22 +28,10 @@ _ZERO_EXPONENT = '([eE] [+\\-]? "0"+)'
 def swap_numbers(node: Any, numbers: list[dict]) -> Any:
     """The schema with each number schema this module rewrites (an integer, a number with a
     bound) replaced by a placeholder const number (the schema appended to `numbers`)."""
-    if isinstance(node, list):
-        return [swap_numbers(v, numbers) for v in node]
-    if not isinstance(node, dict):
-        return node
-    if _rewritten(node):
+    if isinstance(node, dict) and _rewritten(node):
         numbers.append(node)
         return {"const": _placeholder(len(numbers) - 1)}
-    out = {}
-    for key, value in node.items():
-        if key in _DATA:
-            out[key] = value
-        elif key in _NAMED and isinstance(value, dict):
-            out[key] = {name: swap_numbers(schema, numbers) for name, schema in value.items()}
-        else:
-            out[key] = swap_numbers(value, numbers)
-    return out
+    return rebuilt_children(node, lambda v: swap_numbers(v, numbers))
 
 
 def with_numbers(ebnf: str, numbers: list[dict]) -> str:

@@ -14,17 +14,15 @@ from __future__ import annotations
 
 from typing import Any
 
-_DATA = ("const", "enum", "default", "examples")  # values that are data, not schemas
+from kvserve.structured.schema_walk import rebuilt_children
 
 
 def open_where_needed(node: Any) -> Any:
     """The schema with additionalProperties / items: true written where an object's properties
     or an array's prefixItems are too few for its minProperties / minItems."""
-    if isinstance(node, list):
-        return [open_where_needed(v) for v in node]
-    if not isinstance(node, dict):
-        return node
-    out = {k: v if k in _DATA else open_where_needed(v) for k, v in node.items()}
+    out = rebuilt_children(node, open_where_needed)
+    if not isinstance(out, dict):
+        return out
     if _too_few_names(out) and "additionalProperties" not in out and "unevaluatedProperties" not in out:
         out["additionalProperties"] = True
     if _too_few_items(out) and "items" not in out and "unevaluatedItems" not in out:

@@ -14,18 +14,15 @@ from __future__ import annotations
 from typing import Any
 
 from kvserve.structured.schema_support import required_name_schema
-
-_DATA = ("const", "enum", "default", "examples")  # values that are data, not schemas
+from kvserve.structured.schema_walk import rebuilt_children
 
 
 def require_pattern_names(node: Any) -> Any:
     """The schema with each required name `properties` lacks added to it, where its value's
     schema is known (as above)."""
-    if isinstance(node, list):
-        return [require_pattern_names(v) for v in node]
-    if not isinstance(node, dict):
-        return node
-    out = {k: v if k in _DATA else require_pattern_names(v) for k, v in node.items()}
+    out = rebuilt_children(node, require_pattern_names)
+    if not isinstance(out, dict):
+        return out
     required = out.get("required")
     if isinstance(required, list):
         props = dict(out["properties"]) if isinstance(out.get("properties"), dict) else {}
