@@ -72,7 +72,7 @@ def _terminals(line: str, json_text: bool) -> str:
         elif c == "[":
             negated = line.startswith("^", i + 1)
             chars, i = _read(line, i + 2 if negated else i + 1, "]", ranges=True)
-            ranges = _complement(chars) if negated else chars
+            ranges = complement(chars) if negated else chars
             out.append(_class(ranges) if json_text else _plain_class(ranges))
         else:
             out.append(c)
@@ -104,7 +104,8 @@ def _char(line: str, i: int) -> tuple[int, int]:
     return ord(_SIMPLE.get(e, e)), i + 2
 
 
-def _complement(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+def complement(ranges) -> list[tuple[int, int]]:
+    """The code points outside `ranges` (inclusive (low, high) pairs), as sorted ranges."""
     out, start = [], 0
     for low, high in sorted(ranges):
         if low > start:
@@ -118,7 +119,7 @@ def _complement(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
 def _class(ranges: list[tuple[int, int]]) -> str:
     """A class of code points as JSON text: the plain ones as a class, the others escaped."""
     special = [cp for cp in _SPECIAL if any(low <= cp <= high for low, high in ranges)]
-    plain = _complement([(cp, cp) for cp in _SPECIAL] + [_SURROGATES] + _complement(ranges))
+    plain = complement([(cp, cp) for cp in _SPECIAL] + [_SURROGATES] + complement(ranges))
     alts = [_ranges(plain)] if plain else []
     if all(cp in special for cp in range(0x20)):  # every control: any \u00XX, and the short forms
         special = [cp for cp in special if cp >= 0x20 or json.dumps(chr(cp))[2] != "u"]
@@ -140,7 +141,7 @@ def _esc(cp: int, also: str = "") -> str:
 
 
 def _plain_class(ranges: list[tuple[int, int]]) -> str:
-    kept = _complement([_SURROGATES] + _complement(ranges))
+    kept = complement([_SURROGATES] + complement(ranges))
     if not kept:
         raise ValueError("a character class of surrogates only")
     return _ranges(kept)

@@ -16,9 +16,10 @@ import re
 import re._constants as sre_c
 import re._parser as sre_parse
 
+from kvserve.structured.json_patterns import MAX_CODE_POINT, complement
 from kvserve.structured.regex_flavour import ECMA_SPACES, for_xgrammar
 
-_TOP = 0x10FFFF
+_TOP = MAX_CODE_POINT
 _ALL = ((0, _TOP),)
 _MAX_STATES = 4000  # automaton states; past this the answer is "they may meet"
 _MAX_VISITS = 4000  # product states searched (about 0.5 s at worst)
@@ -206,11 +207,4 @@ def _category(cat) -> tuple[tuple[int, int], ...]:
 
 
 def _complement(ranges) -> tuple[tuple[int, int], ...]:
-    out, start = [], 0
-    for low, high in sorted(ranges):
-        if low > start:
-            out.append((start, low - 1))
-        start = max(start, high + 1)
-    if start <= _TOP:
-        out.append((start, _TOP))
-    return tuple(out)
+    return tuple(complement(ranges))
