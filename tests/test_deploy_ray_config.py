@@ -131,21 +131,11 @@ def test_cli_bad_config_exits_2_with_one_line(tmp_path):
 def test_front_answers_a_body_it_cannot_use_with_a_400(body, says):
     """The Ray Serve ingress parses each body itself: one nested past the parser's recursion
     limit raised RecursionError, not ValueError, and was a 500 with a traceback."""
-    import asyncio
     import json
 
     pytest.importorskip("ray.serve")
-    from starlette.requests import Request
-
-    from kvserve.deploy.front import Front
-
-    async def receive() -> dict:
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}
-    front = SimpleNamespace(max_request_bytes=2**20)
-    resp = asyncio.run(Front.post(front, "chat/completions", Request(scope, receive)))
-    err = json.loads(resp.body)["error"]
+    resp, answer = _front_post(None, body=body)
+    err = json.loads(answer)["error"]
     assert resp.status_code == 400 and err["code"] == "invalid_json" and says in err["message"], err
 
 
@@ -153,23 +143,12 @@ def test_front_answers_a_body_it_cannot_use_with_a_400(body, says):
 def test_front_answers_a_previous_response_id_that_is_no_string_with_a_400_naming_its_type(prev, kind):
     """The front looked a previous_response_id of 123 or [] up as an id: a 400
     previous_response_not_found, where kvserve serve names the field's wrong type."""
-    import asyncio
     import json
 
     pytest.importorskip("ray.serve")
-    from starlette.requests import Request
-
-    from kvserve.deploy.front import Front
-
     body = json.dumps({"model": "m", "input": "hi", "previous_response_id": prev}).encode()
-
-    async def receive() -> dict:
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    scope = {"type": "http", "method": "POST", "path": "/v1/responses", "headers": []}
-    front = SimpleNamespace(max_request_bytes=2**20)
-    resp = asyncio.run(Front.post(front, "responses", Request(scope, receive)))
-    err = json.loads(resp.body)["error"]
+    resp, answer = _front_post(None, "responses", body)
+    err = json.loads(answer)["error"]
     assert resp.status_code == 400 and err["param"] == "previous_response_id", err
     assert err["code"] == "invalid_value", err
     assert f"must be a string (a response id), got {kind}" in err["message"], err
@@ -202,14 +181,16 @@ class _RayTaskError(Exception):
         self.cause = cause
 
 
-def _front_post(handle, path: str = "chat/completions"):
+STREAMED_CHAT = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": true}'
+
+
+def _front_post(handle, path: str = "chat/completions", body: bytes = STREAMED_CHAT):
+    """(response, its body) of the Ray front's POST of `body` to /v1/`path`, its replicas `handle`."""
     import asyncio
 
     from starlette.requests import Request
 
     from kvserve.deploy.front import Front
-
-    body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": true}'
 
     async def receive() -> dict:
         return {"type": "http.request", "body": body, "more_body": False}
