@@ -104,17 +104,27 @@ def test_a_length_bounded_or_patterned_string_can_hold_escapes(tiny_llm, string,
 def _answers(engine, key: tuple[str, str], text: str) -> bool:
     """Whether the engine's compiled grammar for `key` lets `text` be written token by token
     (each token in the mask and accepted) and end there."""
+    return _answers_each(engine, key, [text])[0]
+
+
+def _answers_each(engine, key: tuple[str, str], texts: list[str]) -> list[bool]:
+    """_answers for each of `texts`, the grammar compiled once."""
     vocab = engine.core.arch.vocab_size
     compiler = GrammarCompiler(engine.tokenizer, vocab, sorted(engine.eos_token_ids))
     compiled = compiler.submit(key).result()
     compiler.shutdown()
-    state = GrammarState(compiled, json_text=key[0] == "json")
     bitmask = torch.zeros((1, (vocab + 31) // 32), dtype=torch.int32)
-    for tok in engine.tokenizer.encode(text, add_special_tokens=False) + [2]:
-        state.fill_bitmask(bitmask, 0)
-        if not bitmask[0, tok // 32] >> (tok % 32) & 1 or not state.accept_tokens([tok]):
-            return False
-    return state.is_terminated()
+    found = []
+    for text in texts:
+        state = GrammarState(compiled, json_text=key[0] == "json")
+        for tok in engine.tokenizer.encode(text, add_special_tokens=False) + [2]:
+            state.fill_bitmask(bitmask, 0)
+            if not bitmask[0, tok // 32] >> (tok % 32) & 1 or not state.accept_tokens([tok]):
+                found.append(False)
+                break
+        else:
+            found.append(state.is_terminated())
+    return found
 
 
 PATTERN_KEYS = {
@@ -349,6 +359,51 @@ def test_a_missing_additional_properties_or_items_is_open_where_needed(tiny_llm,
     for answer, valid in answers:
         assert valid == jsonschema.Draft202012Validator(schema).is_valid(json.loads(answer)), answer
         assert _answers(tiny_llm.llm_engine, ("json", json.dumps(schema)), answer) == valid, answer
+
+
+FORMATS = {
+    "date": [("2024-02-29", True), ("2024-12-31", True), ("2000-02-29", True), ("2024-04-31", False),
+             ("2023-02-29", False), ("2024-02-30", False), ("1900-02-29", False), ("2024-13-01", False)],
+    "date-time": [("2024-02-29T23:59:60.5+01:00", True), ("2024-02-28t10:00:00z", True),
+                  ("2023-02-29T10:00:00Z", False), ("2024-06-31T10:00:00Z", False)],
+    "time": [("10:00:00z", True), ("24:00:00Z", False)],
+    "ipv4": [("1.2.3.4", True), ("0.0.0.0", True), ("255.255.255.255", True), ("01.2.3.4", False),
+             ("1.2.3.04", False), ("1.2.3.00", False), ("256.1.1.1", False)],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_date_or_ipv4_format_is_exact(tiny_llm, fmt):
+    """xgrammar writes `date` (and date-time's date) as any month with any day 01-31, so
+    2024-04-31 and a February 29th of any year were answered; date-time and time refused a
+    lower-case `t` / `z`, which RFC 3339 allows; ipv4 took leading zeros (01.2.3.4), which RFC
+    2673 and JSON Schema's format tests refuse. The engine's grammar now says exactly what the
+    format does."""
+    key = ("json", json.dumps({"type": "object", "properties": {"v": {"type": "string", "format": fmt}},
+                               "required": ["v"], "additionalProperties": False}))  # fmt: skip
+    answers = [json.dumps({"v": value}) for value, _ in FORMATS[fmt]]
+    found = _answers_each(tiny_llm.llm_engine, key, answers)
+    assert found == [valid for _, valid in FORMATS[fmt]], list(zip(answers, found))
+
+
+def test_the_exact_date_pattern_is_the_calendar():
+    """Every year-month-day with a two-digit month and day, over four centuries and the years
+    around them, is a date by the pattern exactly when it is one by the Gregorian calendar."""
+    import datetime
+
+    from kvserve.structured.exact_formats import EXACT
+
+    date = re.compile(EXACT["date"])
+    for year in [*range(1896, 2305), 1, 400, 9999]:
+        for month in range(0, 14):
+            for day in range(0, 33):
+                text = f"{year:04d}-{month:02d}-{day:02d}"
+                try:
+                    real = datetime.date(year, month, day) is not None
+                except ValueError:
+                    real = False
+                assert bool(date.fullmatch(text)) == real, text
+    assert date.fullmatch("0000-02-29")  # year 0 (1 BC) is a leap year in RFC 3339's calendar
 
 
 @pytest.mark.parametrize(

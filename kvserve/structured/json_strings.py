@@ -19,6 +19,7 @@ import logging
 import re
 from typing import Any
 
+from kvserve.structured.exact_formats import exact_formats
 from kvserve.structured.json_patterns import pattern_grammar
 from kvserve.structured.listed_spacing import swap_listed, with_listed
 from kvserve.structured.number_forms import swap_numbers, with_numbers
@@ -56,9 +57,10 @@ def json_schema_grammar(schema: str):
 
 
 def prepared_schema(schema: Any) -> Any:
-    """The schema as xgrammar is given it: required names made properties (pattern_required.py)
-    and objects / arrays opened where their minimum needs it (open_objects.py)."""
-    return open_where_needed(require_pattern_names(schema))
+    """The schema as xgrammar is given it: required names made properties (pattern_required.py),
+    objects / arrays opened where their minimum needs it (open_objects.py) and the formats
+    xgrammar writes loosely as exact patterns (exact_formats.py)."""
+    return exact_formats(open_where_needed(require_pattern_names(schema)))
 
 
 def _ebnf(schema: str) -> str:
