@@ -82,6 +82,31 @@ IGNORED = [
         "oneOf",
         "/properties/a",
     ),  # fmt: skip
+    # oneOf is written as anyOf: a value both branches match was answered (exactly one must)
+    ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "1", "oneOf", "/"),
+    ({"oneOf": [{"type": "string"}, {"type": "string", "format": "email"}]}, '"a@b.co"', "oneOf", "/"),
+    (
+        {"type": "object", "properties": {"v": {"oneOf": [{"enum": [1, 2]}, {"enum": [2.0, 3]}]}}},
+        '{"v": 2}',
+        "oneOf",
+        "/properties/v",
+    ),
+    (
+        {
+            "oneOf": [
+                {
+                    "type": "object",
+                    "properties": {"a": INTS},
+                    "required": ["a"],
+                    "additionalProperties": True,
+                },
+                {"type": "object", "required": ["b"]},
+            ]
+        },
+        '{"a": [1], "b": 2}',
+        "oneOf",
+        "/",
+    ),  # fmt: skip
     # multipleOf is enforced on integers only: 1.25 answered a multiple of 0.5
     ({"type": "number", "multipleOf": 0.5}, "1.25", "multipleOf", "/"),
     ({"type": "object", "properties": {"n": {"multipleOf": 3}}}, '{"n": 4}', "multipleOf", "/properties/n"),
@@ -149,8 +174,20 @@ def test_a_keyword_xgrammar_ignores_is_refused_naming_it(schema, forbidden, keyw
             "required": ["a"],
             "additionalProperties": False,
         },
+        # oneOf branches no one value can match both of: anyOf is exact
+        {"oneOf": [{"type": "integer"}, {"type": "string"}, {"type": ["null", "boolean"]}]},
+        {"oneOf": [{"const": "a"}, {"const": "b"}, {"enum": [True]}, {"enum": [1, [1]]}]},
+        {"oneOf": [{"type": "integer", "maximum": 0}, {"type": "number", "exclusiveMinimum": 0}]},
+        {"oneOf": [{"type": "string", "pattern": "^a+$"}, {"type": "string", "pattern": "b"}]},
+        {"oneOf": [{"type": "object", "properties": {"a": INTS}, "required": ["a"]},
+                   {"type": "object", "properties": {"b": INTS}, "required": ["b"]}]},  # closed objects
+        {"oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}], "$defs": {  # a discriminator
+            "Cat": {"type": "object", "properties": {"kind": {"const": "cat"}}, "required": ["kind"],
+                    "additionalProperties": True},
+            "Dog": {"type": "object", "properties": {"kind": {"type": "string", "enum": ["dog"]}},
+                    "required": ["kind"], "additionalProperties": True}}},
     ],
-)
+)  # fmt: skip
 def test_what_xgrammar_enforces_is_accepted(schema):
     check(StructuredOutputsParams(json=schema))
 

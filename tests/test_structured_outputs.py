@@ -361,6 +361,22 @@ def test_a_missing_additional_properties_or_items_is_open_where_needed(tiny_llm,
         assert _answers(tiny_llm.llm_engine, ("json", json.dumps(schema)), answer) == valid, answer
 
 
+def test_a_oneof_of_closed_objects_never_answers_both(tiny_llm):
+    """A oneOf is accepted as anyOf where no answer can match two branches: objects xgrammar
+    writes closed, each requiring a name the other never writes, are exclusive."""
+    branches = [{"type": "object", "properties": {n: {"type": "integer"}}, "required": [n]} for n in "ab"]
+    schema = {"oneOf": branches}
+    check(StructuredOutputsParams(json=schema))
+    answers = ['{"a": 1}', '{"b": 2}', '{"a": 1, "b": 2}', '{"b": 2, "a": 1}']
+    assert _answers_each(tiny_llm.llm_engine, ("json", json.dumps(schema)), answers) == [
+        True,
+        True,
+        False,
+        False,
+    ]
+    assert not jsonschema.Draft202012Validator(schema).is_valid({"a": 1, "b": 2})
+
+
 FORMATS = {
     "date": [("2024-02-29", True), ("2024-12-31", True), ("2000-02-29", True), ("2024-04-31", False),
              ("2023-02-29", False), ("2024-02-30", False), ("1900-02-29", False), ("2024-13-01", False)],

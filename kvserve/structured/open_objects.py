@@ -47,6 +47,14 @@ def closed_too_small(node: dict) -> tuple[str, str] | None:
     return None
 
 
+def writes_unlisted_names(node: dict) -> bool:
+    """Whether the grammar may write a name the object neither lists nor matches by a pattern:
+    additionalProperties (or unevaluatedProperties) true or a schema, or missing where the
+    listed names are too few for minProperties (opened above); missing elsewhere is closed."""
+    extra = node.get("additionalProperties", node.get("unevaluatedProperties"))
+    return _too_few_names(node) if extra is None else extra is not False
+
+
 def _too_few_names(node: dict) -> bool:
     least = node.get("minProperties")
     if not _is_count(least) or isinstance(node.get("patternProperties"), dict):

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from kvserve.structured.listed_values import broken_keyword
+from kvserve.structured.one_of import overlapping_branches
 from kvserve.structured.open_objects import closed_too_small
 from kvserve.structured.pattern_overlap import may_overlap
 
@@ -34,6 +35,11 @@ ENFORCED_FORMATS = frozenset(
     ("date-time", "date", "time", "duration", "email", "hostname", "ipv4", "ipv6", "uri", "uri-reference",
      "uuid", "uri-template", "json-pointer", "relative-json-pointer")
 )  # fmt: skip
+_ONE_OF_OVERLAP = (
+    "its schemas {} and {} may both match one value, and oneOf's exactly one is not enforced; make them "
+    "exclusive (unlike types, distinct const or enum values, a required property with distinct const values) "
+    "or use anyOf"
+)
 _ONE_SCHEMA = ("additionalProperties", "items", "unevaluatedProperties", "unevaluatedItems",
                "propertyNames", "contains", "not", "if", "then", "else")  # fmt: skip
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
@@ -51,6 +57,10 @@ def unsupported(schema: Any) -> tuple[str, str, str] | None:
         for key in ("anyOf", "oneOf"):  # no alternative: xgrammar accepts an empty answer instead
             if node.get(key) == []:
                 return key, path or "/", f"an empty {key} matches no value; give at least one schema"
+        if isinstance(node.get("oneOf"), list) and len(node["oneOf"]) > 1:
+            pair = overlapping_branches(node["oneOf"], schema)
+            if pair is not None:
+                return "oneOf", path or "/", _ONE_OF_OVERLAP.format(*pair)
         if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
             return "allOf", path or "/", "only the first of several allOf schemas would be enforced"
         undefined = _undefined_required(node, several=True)
