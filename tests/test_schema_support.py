@@ -174,6 +174,10 @@ def test_a_keyword_xgrammar_ignores_is_refused_naming_it(schema, forbidden, keyw
             "required": ["a"],
             "additionalProperties": False,
         },
+        # a repeated unlisted name cannot make up minProperties: the required names leave one at most
+        {"type": "object", "minProperties": 1},
+        {"type": "object", "required": ["a", "b"], "minProperties": 3, "additionalProperties": INTS},
+        {"type": "object", "properties": {"a": INTS, "b": INTS, "c": INTS}, "minProperties": 2},  # closed
         # oneOf branches no one value can match both of: anyOf is exact
         {"oneOf": [{"type": "integer"}, {"type": "string"}, {"type": ["null", "boolean"]}]},
         {"oneOf": [{"const": "a"}, {"const": "b"}, {"enum": [True]}, {"enum": [1, [1]]}]},

@@ -328,7 +328,7 @@ def test_a_required_name_only_a_pattern_defines_is_required(tiny_llm, answer, va
 
 OPEN = [
     ({"type": "object", "minProperties": 1}, [('{"a": 1}', True), ("{}", False)]),
-    ({"type": "object", "properties": {"a": {"type": "integer"}}, "minProperties": 2},
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "minProperties": 2},
      [('{"a": 1, "b": "x"}', True), ('{"a": 1}', False), ('{"a": "x", "b": 1}', False)]),
     ({"type": "array", "prefixItems": [{"type": "integer"}], "minItems": 2},
      [('[1, "x"]', True), ("[1]", False), ('["x", 1]', False)]),
@@ -375,6 +375,27 @@ def test_a_oneof_of_closed_objects_never_answers_both(tiny_llm):
         False,
     ]
     assert not jsonschema.Draft202012Validator(schema).is_valid({"a": 1, "b": 2})
+
+
+REPEATED = [
+    ({"type": "object", "minProperties": 2}, '{"b": 1, "b": 2}', "/"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "minProperties": 2},
+     '{"b": 1, "\\u0062": 2}', "/"),
+    ({"type": "object", "properties": {"o": {"type": "object", "required": ["a"], "minProperties": 3,
+                                             "patternProperties": {"^x": {"type": "integer"}}}}},
+     '{"o": {"a": 1, "x": 2, "x": 3}}', "/properties/o"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("schema, repeated, where", REPEATED)
+def test_a_min_properties_a_repeated_name_could_meet_is_refused(tiny_llm, schema, repeated, where):
+    """The grammar counts each unlisted name it writes, repeated or not: {"b": 1, "b": 2} met
+    minProperties 2, though JSON reads one name (the last) and the answer breaks the schema.
+    Where the required names leave two or more to such names, the schema is refused."""
+    assert not jsonschema.Draft202012Validator(schema).is_valid(json.loads(repeated))
+    assert _answers(tiny_llm.llm_engine, ("json", json.dumps(schema)), repeated)  # the grammar repeats names
+    with pytest.raises(ValueError, match=re.escape(f"minProperties at {where} is not supported")):
+        check(StructuredOutputsParams(json=schema))
 
 
 FORMATS = {

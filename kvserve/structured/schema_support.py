@@ -14,6 +14,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+from kvserve.structured.distinct_names import repeatable_count
 from kvserve.structured.listed_values import broken_keyword
 from kvserve.structured.one_of import overlapping_branches
 from kvserve.structured.open_objects import closed_too_small
@@ -66,6 +67,9 @@ def unsupported(schema: Any) -> tuple[str, str, str] | None:
         undefined = _undefined_required(node, several=True)
         if undefined is not None:
             return "required", path or "/", undefined[1]
+        repeated = repeatable_count(node)
+        if repeated is not None:
+            return repeated[0], path or "/", repeated[1]
         clash = _pattern_clash(node)
         if clash is not None:
             return "patternProperties", path or "/", clash
