@@ -127,6 +127,33 @@ def _answers_each(engine, key: tuple[str, str], texts: list[str]) -> list[bool]:
     return found
 
 
+UNICODE_ESCAPES = [
+    ({"type": "string", "pattern": "^a+$"},
+     [('"\\u0061"', True), ('"a\\u0061"', True), ('"\\u0062"', False), ('"\\u0041"', False)]),
+    ({"type": "string", "pattern": "^[x-z/]+$"},
+     [('"\\u007A\\u007a"', True), ('"\\/"', True), ('"\\u002f"', True), ('"\\u007b"', False)]),
+    ({"type": "string", "pattern": "^.$"},
+     [('"\\uD83D\\ude42"', True), ('"\\u00e9"', True), ('"\\u0022"', True), ('"\\ud83d"', False),
+      ('"\\u000a"', False)]),
+    ({"type": "object", "patternProperties": {"^k.$": {"type": "integer"}}, "additionalProperties": False},
+     [('{"\\u006b\\u0078": 1}', True), ('{"\\u006c\\u0078": 1}', False)]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("schema, answers", UNICODE_ESCAPES)
+def test_a_patterned_string_can_spell_a_character_as_a_unicode_escape(tiny_llm, schema, answers):
+    """A pattern's characters were written as themselves (or their one short escape): the JSON
+    text "\\u0061", the string "a", was refused for `^a+$`, as was "\\u00e9" for `.`, though a
+    string without a pattern takes them. Any character may now be a `\\uXXXX` escape (a pair
+    past U+FFFF; a lone surrogate, no character, is still refused) and a solidus `\\/`."""
+    texts = [text for text, _ in answers]
+    for text, valid in answers:
+        if '\\ud83d"' not in text:  # a lone surrogate, no character: jsonschema takes it
+            assert valid == jsonschema.Draft202012Validator(schema).is_valid(json.loads(text)), text
+    found = _answers_each(tiny_llm.llm_engine, ("json", json.dumps(schema)), texts)
+    assert found == [valid for _, valid in answers], list(zip(texts, found))
+
+
 PATTERN_KEYS = {
     "patternProperties": {"type": "object", "patternProperties": {"^a.b$": {"type": "integer"}},
                           "additionalProperties": False},

@@ -8,12 +8,14 @@ output, and `a"b` was written unescaped: text json.loads refuses). Here the patt
 grammar (xgrammar's regex conversion, over characters) has each terminal rewritten to the
 characters' JSON spelling: a quote, a backslash or a control character escaped, any other
 character as itself. No class keeps a surrogate (U+D800-U+DFFF): their 3-byte forms are no
-UTF-8, and decoded each byte became a U+FFFD the pattern never allowed.
+UTF-8, and decoded each byte became a U+FFFD the pattern never allowed. Every character may
+also be written as JSON lets any string character be: a `\\uXXXX` escape (hex digits in either
+case; a surrogate pair for one past U+FFFF), and `\\/` for a solidus, as the schema's other
+strings may (`"\\u0061"`, the string "a", was refused for `^a+$`).
 """
 
 from __future__ import annotations
 
-import json
 import re
 
 from kvserve.structured.regex_flavour import for_xgrammar
@@ -33,6 +35,10 @@ _SIMPLE = {
     "e": "\x1b",
 }
 _HEX = {"x": 2, "u": 4, "U": 8}
+# JSON's two-character escapes: a quote, a backslash and five controls must be escaped; a
+# solidus may be.
+_SHORT = {0x22: '\\"', 0x5C: "\\\\", 0x08: "\\b", 0x0C: "\\f", 0x0A: "\\n", 0x0D: "\\r", 0x09: "\\t",
+          0x2F: "\\/"}  # fmt: skip
 
 
 def pattern_grammar(pattern: str, prefix: str) -> str:
@@ -66,9 +72,7 @@ def _terminals(line: str, json_text: bool) -> str:
         if c == '"':
             start = i
             chars, i = _read(line, i + 1, '"')
-            out.append(
-                _literal(json.dumps("".join(chars), ensure_ascii=False)[1:-1]) if json_text else line[start:i]
-            )
+            out.append(_literal_chars("".join(chars)) if json_text else line[start:i])
         elif c == "[":
             negated = line.startswith("^", i + 1)
             chars, i = _read(line, i + 2 if negated else i + 1, "]", ranges=True)
@@ -117,19 +121,90 @@ def complement(ranges) -> list[tuple[int, int]]:
 
 
 def _class(ranges: list[tuple[int, int]]) -> str:
-    """A class of code points as JSON text: the plain ones as a class, the others escaped."""
-    special = [cp for cp in _SPECIAL if any(low <= cp <= high for low, high in ranges)]
-    plain = complement([(cp, cp) for cp in _SPECIAL] + [_SURROGATES] + complement(ranges))
+    """A class of code points as JSON text: the plain ones as a class, the others by their
+    short escape, and every one (no surrogate) as a `\\u` escape too."""
+    kept = complement([_SURROGATES] + complement(ranges))
+    plain = complement([(cp, cp) for cp in _SPECIAL] + complement(kept))
     alts = [_ranges(plain)] if plain else []
-    if all(cp in special for cp in range(0x20)):  # every control: any \u00XX, and the short forms
-        special = [cp for cp in special if cp >= 0x20 or json.dumps(chr(cp))[2] != "u"]
-        alts.append('"\\\\u00" [01] [0-9a-fA-F]')
-    alts += [_literal(json.dumps(chr(cp))[1:-1]) for cp in special]
+    alts += [_literal(short) for cp, short in _SHORT.items() if any(lo <= cp <= hi for lo, hi in kept)]
+    alts += unicode_escapes(kept)
     return "(" + " | ".join(alts) + ")"
 
 
 def _literal(text: str) -> str:
     return '"' + "".join(_esc(ord(ch)) for ch in text) + '"'
+
+
+def _literal_chars(text: str) -> str:
+    """A pattern's literal text as JSON text: each character as itself (escaped where JSON
+    needs it) or any other spelling JSON has for it."""
+    return " ".join(_class([(ord(ch), ord(ch))]) for ch in text) if text else '""'
+
+
+def unicode_escapes(ranges: list[tuple[int, int]]) -> list[str]:
+    """EBNF alternatives writing each code point of `ranges` (no surrogates) as a `\\uXXXX`
+    escape, or a surrogate pair of them past U+FFFF; hex digits in either case."""
+    alts = []
+    for lo, hi in ranges:
+        if lo <= 0xFFFF:
+            alts += ['"\\\\u" ' + _hex_digits(seq) for seq in _hex_range(lo, min(hi, 0xFFFF), 4)]
+        for high, low in _surrogate_pairs(max(lo, 0x10000), hi):
+            halts = " | ".join(_hex_digits(seq) for seq in _hex_range(*high, 4))
+            lalts = " | ".join(_hex_digits(seq) for seq in _hex_range(*low, 4))
+            alts.append(f'"\\\\u" ({halts}) "\\\\u" ({lalts})')
+    return alts
+
+
+def _hex_range(lo: int, hi: int, digits: int) -> list[list[tuple[int, int]]]:
+    """[lo, hi] as sequences of hex digit ranges, `digits` long (at most 2 * digits - 1)."""
+    if lo > hi:
+        return []
+    if digits == 1:
+        return [[(lo, hi)]]
+    size = 16 ** (digits - 1)
+    top_lo, top_hi, rest_lo, rest_hi = lo // size, hi // size, lo % size, hi % size
+    if top_lo == top_hi:
+        return [[(top_lo, top_lo), *seq] for seq in _hex_range(rest_lo, rest_hi, digits - 1)]
+    out = []
+    if rest_lo:
+        out += [[(top_lo, top_lo), *seq] for seq in _hex_range(rest_lo, size - 1, digits - 1)]
+        top_lo += 1
+    tail = []
+    if rest_hi != size - 1:
+        tail = [[(top_hi, top_hi), *seq] for seq in _hex_range(0, rest_hi, digits - 1)]
+        top_hi -= 1
+    if top_lo <= top_hi:
+        out.append([(top_lo, top_hi)] + [(0, 15)] * (digits - 1))
+    return out + tail
+
+
+def _hex_digits(seq: list[tuple[int, int]]) -> str:
+    """Hex digit ranges as EBNF: one class per digit, a letter in either case."""
+    parts = []
+    for lo, hi in seq:
+        digits = f"{lo}-{min(hi, 9)}" if lo < 10 else ""
+        letters = (chr(87 + max(lo, 10)), chr(87 + hi)) if hi >= 10 else None
+        if letters is not None:
+            digits += f"{letters[0]}-{letters[1]}{letters[0].upper()}-{letters[1].upper()}"
+        parts.append(f"[{digits}]")
+    return " ".join(parts)
+
+
+def _surrogate_pairs(lo: int, hi: int) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """Code points [lo, hi] past U+FFFF as (high surrogates, low surrogates) range pairs."""
+    if lo > hi:
+        return []
+    (h_lo, l_lo), (h_hi, l_hi) = _split(lo), _split(hi)
+    if h_lo == h_hi:
+        return [((h_lo, h_lo), (l_lo, l_hi))]
+    pairs = [((h_lo, h_lo), (l_lo, 0xDFFF))]
+    if h_lo + 1 <= h_hi - 1:
+        pairs.append(((h_lo + 1, h_hi - 1), (0xDC00, 0xDFFF)))
+    return pairs + [((h_hi, h_hi), (0xDC00, l_hi))]
+
+
+def _split(cp: int) -> tuple[int, int]:
+    return 0xD800 + ((cp - 0x10000) >> 10), 0xDC00 + ((cp - 0x10000) & 0x3FF)
 
 
 def _esc(cp: int, also: str = "") -> str:
