@@ -433,16 +433,22 @@ FORMATS = {
     "time": [("10:00:00z", True), ("24:00:00Z", False)],
     "ipv4": [("1.2.3.4", True), ("0.0.0.0", True), ("255.255.255.255", True), ("01.2.3.4", False),
              ("1.2.3.04", False), ("1.2.3.00", False), ("256.1.1.1", False)],
+    "ipv6": [("::1", True), ("1::2:3.4.5.6", True), ("1:2:3:4:5:6:1.2.3.4", True), ("1:2:3:4:5:6:7::", True),
+             ("::ffff:01.2.3.4", False), ("1:2:3:4::5:6:7:8", False), ("12345::", False),
+             ("::1%eth0", False)],
+    "hostname": [("a-b.example.com", True), ("a" * 63 + ".com", True), ("a" * 64 + ".com", False),
+                 ("-a.com", False)],
 }  # fmt: skip
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_a_date_or_ipv4_format_is_exact(tiny_llm, fmt):
+def test_a_date_or_address_format_is_exact(tiny_llm, fmt):
     """xgrammar writes `date` (and date-time's date) as any month with any day 01-31, so
     2024-04-31 and a February 29th of any year were answered; date-time and time refused a
     lower-case `t` / `z`, which RFC 3339 allows; ipv4 took leading zeros (01.2.3.4), which RFC
-    2673 and JSON Schema's format tests refuse. The engine's grammar now says exactly what the
-    format does."""
+    2673 and JSON Schema's format tests refuse, as did ipv6's IPv4 part, while it refused valid
+    forms (1::2:3.4.5.6); hostname took 64-character labels. The engine's grammar now says
+    exactly what the format does."""
     key = ("json", json.dumps({"type": "object", "properties": {"v": {"type": "string", "format": fmt}},
                                "required": ["v"], "additionalProperties": False}))  # fmt: skip
     answers = [json.dumps({"v": value}) for value, _ in FORMATS[fmt]]
@@ -468,6 +474,34 @@ def test_the_exact_date_pattern_is_the_calendar():
                     real = False
                 assert bool(date.fullmatch(text)) == real, text
     assert date.fullmatch("0000-02-29")  # year 0 (1 BC) is a leap year in RFC 3339's calendar
+
+
+def test_the_exact_ipv6_pattern_is_pythons_ipaddress():
+    """Random addresses (pieces of 1-5 hex digits, with and without "::", some ending in an
+    IPv4 address with leading zeros or octets past 255) are IPv6 by the pattern exactly when
+    Python's ipaddress (RFC 4291, no zone) takes them."""
+    import ipaddress
+    import random
+
+    from kvserve.structured.exact_formats import EXACT
+
+    pattern, rng, valid = re.compile(EXACT["ipv6"]), random.Random(0), 0
+    for _ in range(4000):
+        pieces = [format(rng.randrange(65536), "x")[: rng.randrange(1, 6)] for _ in range(rng.randrange(9))]
+        cut = rng.randrange(len(pieces) + 1)
+        if rng.random() < 0.5:
+            pieces.append(".".join(str(rng.choice([0, 9, 10, 255, 256, "01"])) for _ in range(4)))
+        text = (
+            ":".join(pieces[:cut]) + "::" + ":".join(pieces[cut:]) if rng.random() < 0.7 else ":".join(pieces)
+        )
+        try:
+            ipaddress.IPv6Address(text)
+            real = True
+        except ValueError:
+            real = False
+        valid += real
+        assert bool(pattern.fullmatch(text)) == real, text
+    assert valid > 400
 
 
 @pytest.mark.parametrize(

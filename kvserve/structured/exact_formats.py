@@ -4,7 +4,9 @@ xgrammar 0.2.8 writes `format: date` as any month 01-12 and any day 01-31, so `2
 `2023-02-30` and `2023-02-29` were answered though no such day exists (RFC 3339's full-date
 bounds the day by month and year); `date-time` shares that date and took only an upper-case
 `T` and `Z`, which RFC 3339 allows in lower case too; `ipv4` took an octet's leading zeros
-(`01.2.3.4`), which RFC 2673's dotted-decimal form, and JSON Schema's format tests, refuse.
+(`01.2.3.4`), which RFC 2673's dotted-decimal form, and JSON Schema's format tests, refuse, and
+so did `ipv6`'s embedded IPv4 address, whose other forms it partly refused (`1::2:3.4.5.6`);
+`hostname` took labels past 63 characters (RFC 1123).
 Each is swapped for a pattern that says exactly what the format does (a string schema only:
 a format beside a pattern or a length bound is refused in schema_support.py).
 """
@@ -24,16 +26,37 @@ DATE = f"([0-9]{{4}}-({_DAY_31}|{_DAY_30}|{_DAY_28})|{_LEAP_YEAR}-02-29)"
 # RFC 3339 partial-time and time-offset: second 60 is a leap second; "Z" in either case.
 TIME = "([01][0-9]|2[0-3]):[0-5][0-9]:([0-5][0-9]|60)(\\.[0-9]+)?([Zz]|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
 _OCTET = "(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+IPV4 = f"({_OCTET}\\.){{3}}{_OCTET}"
+_H16 = "[0-9A-Fa-f]{1,4}"
+_LS32 = f"({_H16}:{_H16}|{IPV4})"
+
+
+def _ipv6() -> str:
+    """RFC 3986's IPv6address: eight 16-bit pieces, or fewer around one "::" (which stands for at
+    least one); the last 32 bits may be an IPv4 address."""
+    forms = [f"({_H16}:){{6}}{_LS32}", f"::({_H16}:){{5}}{_LS32}"]
+    # (pieces "h16:" after "::" before the last 32 bits, or -1: one h16 ends it; most before "::")
+    for after, most in ((4, 1), (3, 2), (2, 3), (1, 4), (0, 5), (-1, 6), (None, 7)):
+        before = f"(({_H16}:){{0,{most - 1}}}{_H16})?"
+        tail = "" if after is None else _H16 if after < 0 else f"({_H16}:){{{after}}}{_LS32}"
+        forms.append(f"{before}::{tail}")
+    return "(" + "|".join(forms) + ")"
+
+
+# RFC 1123 host names: labels of 1-63 letters, digits and hyphens, no hyphen at either end.
+_LABEL = "[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 EXACT = {
     "date": f"^{DATE}$",
     "date-time": f"^{DATE}[Tt]{TIME}$",
     "time": f"^{TIME}$",
-    "ipv4": f"^({_OCTET}\\.){{3}}{_OCTET}$",
+    "ipv4": f"^{IPV4}$",
+    "ipv6": f"^{_ipv6()}$",
+    "hostname": f"^{_LABEL}(\\.{_LABEL})*$",
 }
 
 
 def exact_formats(node: Any) -> Any:
-    """The schema with each string's date, date-time, time or ipv4 format as its exact
+    """The schema with each string's date, date-time, time, ipv4, ipv6 or hostname format as its exact
     pattern (a listed value's schema, where xgrammar writes the values alone, left as it is)."""
     out = rebuilt_children(node, exact_formats)
     if not isinstance(out, dict) or out.get("type") != "string" or "pattern" in out:
