@@ -456,6 +456,30 @@ def test_a_date_or_address_format_is_exact(tiny_llm, fmt):
     assert found == [valid for _, valid in FORMATS[fmt]], list(zip(answers, found))
 
 
+INTEGERS = [
+    ({"type": "integer", "minimum": 1.5, "exclusiveMaximum": 4.0},
+     [("1", False), ("2", True), ("3", True), ("4", False)]),
+    ({"type": "integer", "exclusiveMinimum": -2.5, "maximum": 2.5},
+     [("-3", False), ("-2", True), ("2", True), ("3", False)]),
+    ({"type": "integer", "multipleOf": 100, "minimum": 0, "maximum": 50000},
+     [("0", True), ("49900", True), ("4", False), ("-100", False), ("50100", False)]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("schema, answers", INTEGERS)
+def test_an_integers_bounds_are_whole_and_a_bounded_multiple_of_is_kept(tiny_llm, schema, answers):
+    """xgrammar refused an integer's bound that is not whole ("Integer constraint must be a whole
+    number"), though 2 meets a minimum of 1.5, and dropped multipleOf beside a bound, answering 4
+    for multipleOf 3: the bounds are now written whole, and a bounded multipleOf as its multiples."""
+    check(StructuredOutputsParams(json=schema))
+    texts = [text for text, _ in answers]
+    assert [jsonschema.Draft202012Validator(schema).is_valid(json.loads(t)) for t in texts] == [
+        v for _, v in answers
+    ]
+    found = _answers_each(tiny_llm.llm_engine, ("json", json.dumps(schema)), texts)
+    assert found == [valid for _, valid in answers], list(zip(texts, found))
+
+
 def test_the_exact_date_pattern_is_the_calendar():
     """Every year-month-day with a two-digit month and day, over four centuries and the years
     around them, is a date by the pattern exactly when it is one by the Gregorian calendar."""

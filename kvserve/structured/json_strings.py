@@ -20,6 +20,7 @@ import re
 from typing import Any
 
 from kvserve.structured.exact_formats import exact_formats
+from kvserve.structured.integer_bounds import whole_integers
 from kvserve.structured.json_patterns import pattern_grammar
 from kvserve.structured.listed_spacing import swap_listed, with_listed
 from kvserve.structured.number_forms import swap_numbers, with_numbers
@@ -58,9 +59,10 @@ def json_schema_grammar(schema: str):
 
 def prepared_schema(schema: Any) -> Any:
     """The schema as xgrammar is given it: required names made properties (pattern_required.py),
-    objects / arrays opened where their minimum needs it (open_objects.py) and the formats
-    xgrammar writes loosely as exact patterns (exact_formats.py)."""
-    return exact_formats(open_where_needed(require_pattern_names(schema)))
+    objects / arrays opened where their minimum needs it (open_objects.py), the formats
+    xgrammar writes loosely as exact patterns (exact_formats.py) and integers' bounds whole, a
+    bounded multipleOf as its multiples (integer_bounds.py)."""
+    return whole_integers(exact_formats(open_where_needed(require_pattern_names(schema))))
 
 
 def _ebnf(schema: str) -> str:

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from kvserve.structured.distinct_names import repeatable_count
+from kvserve.structured.integer_bounds import multiple_refused
 from kvserve.structured.listed_values import broken_keyword
 from kvserve.structured.one_of import overlapping_branches
 from kvserve.structured.open_objects import closed_too_small
@@ -81,6 +82,9 @@ def unsupported(schema: Any) -> tuple[str, str, str] | None:
             )
         if "multipleOf" in node and node.get("type") != "integer":
             return "multipleOf", path or "/", 'multipleOf is enforced only with "type": "integer"'
+        bounded = multiple_refused(node)
+        if bounded is not None:
+            return "multipleOf", path or "/", bounded
         refused = None if "enum" in node or "const" in node else _string_rules(node)  # (listed: below)
         if refused is not None:
             return refused[0], path or "/", refused[1]
