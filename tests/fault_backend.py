@@ -25,6 +25,9 @@ failure tests. The backend model name picks the behaviour:
     echo-keys not streamed: the answer's content is the JSON list of the body's field names
               (what reached the backend)
 
+POST /v1/responses streams only (a Responses stream: created, two text deltas, completed);
+with model "die" it drops the connection after the deltas.
+
 Any model answers 400 (param temperature) to a temperature above 2, as a real backend would.
 POST /deny/v1/... answers 401 whatever the model (a server whose API key the caller lacks).
 GET /stats gives requests per model and how many streams and holds the client cancelled.
@@ -211,6 +214,27 @@ async def chat(request: Request):
 @app.post("/v1/completions")
 async def completions(request: Request):
     return await _answer(request, False)
+
+
+async def _response_events(mode: str):
+    resp = {"id": "resp_fault", "object": "response", "status": "in_progress", "model": mode, "output": []}
+    events = [{"type": "response.created", "response": resp}]
+    events += [{"type": "response.output_text.delta", "item_id": "msg_fault", "output_index": 0,
+                "content_index": 0, "delta": " tok"} for _ in range(2)]  # fmt: skip
+    usage = {"input_tokens": 1, "output_tokens": 2, "total_tokens": 3}
+    events.append({"type": "response.completed", "response": {**resp, "status": "completed", "usage": usage}})
+    for i, ev in enumerate(events):
+        if mode == "die" and ev["type"] == "response.completed":
+            raise ConnectionError("fault backend: dying mid-stream")
+        yield f"event: {ev['type']}\ndata: {json.dumps({**ev, 'sequence_number': i})}\n\n".encode()
+
+
+@app.post("/v1/responses")
+async def responses(request: Request):
+    body = await request.json()
+    mode = str(body.get("model"))
+    counts[mode] += 1
+    return StreamingResponse(_response_events(mode), media_type="text/event-stream")
 
 
 @app.post("/tokenize")

@@ -219,12 +219,39 @@ def test_a_replica_failing_mid_stream_ends_the_stream_with_an_error_event():
     resp, body = _front_post(_Handle(meta, first, _RayTaskError(ConnectionError("server gone"))))
     assert resp.status_code == 200 and body.startswith(first), body
     events = [e for e in body.split(b"\n\n") if e.strip()]
-    err = json.loads(events[-1].removeprefix(b"data: "))["error"]
+    err = json.loads(events[-2].removeprefix(b"data: "))["error"]  # (then [DONE])
     assert err["type"] == "server_error" and err["code"] == "upstream_error", err
     assert "failed mid-stream (ConnectionError: server gone)" in err["message"], err  # (not Ray's text)
     resp, body = _front_post(_Handle(ConnectionError("no server")))
     err = json.loads(body)["error"]
     assert resp.status_code == 502 and err["code"] == "upstream_error" and "no server" in err["message"]
+
+
+def test_a_stream_a_replica_broke_off_ends_as_kvserve_serve_ends_a_failed_one():
+    """The front's error event for a replica failing mid-stream came with no `data: [DONE]`
+    (kvserve serve sends its error event, then [DONE]: clients reading to [DONE] waited), and a
+    Responses stream got chat's error shape. Now chat's error event and [DONE]; a Responses
+    stream its own error event, numbered after the events sent (2), and no [DONE]."""
+    import json
+
+    pytest.importorskip("ray.serve")
+    meta = {"status": 200, "content_type": "text/event-stream; charset=utf-8", "replica": "r1"}
+    first = b'data: {"choices": [{"index": 0, "delta": {"content": "Hel"}}]}\n\n'
+    _, body = _front_post(_Handle(meta, first, _RayTaskError(ConnectionError("server gone"))))
+    events = [e for e in body.split(b"\n\n") if e.strip()]
+    assert events[-1] == b"data: [DONE]", events
+    assert json.loads(events[-2].removeprefix(b"data: "))["error"]["code"] == "upstream_error", events
+    created = b'event: response.created\ndata: {"type": "response.created", "sequence_number": 0}\n\n'
+    delta = b'event: response.output_text.delta\ndata: {"type": "response.output_text.delta"}\n\n'
+    streamed = b'{"model": "m", "input": "hi", "stream": true}'
+    handle = _Handle(meta, created + delta, _RayTaskError(ConnectionError("server gone")))
+    resp, body = _front_post(handle, "responses", streamed)
+    events = [e for e in body.split(b"\n\n") if e.strip()]
+    assert resp.status_code == 200 and b"[DONE]" not in body, body
+    head, data = events[-1].split(b"\n")
+    err = json.loads(data.removeprefix(b"data: "))
+    assert head == b"event: error" and err["type"] == "error" and err["sequence_number"] == 2, err
+    assert err["code"] == "upstream_error" and "failed mid-stream" in err["message"], err
 
 
 @pytest.mark.parametrize("declared", [True, False])

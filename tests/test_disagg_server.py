@@ -322,6 +322,39 @@ def test_killed_prefill_engine_means_recompute_not_failure(pd):
     _wait_for(lambda: _settled(cons), 2, "the consumer's pool is empty")
 
 
+def _sse_events(r: httpx.Response) -> list[str]:
+    """The events of a streamed answer, each its lines joined by a newline."""
+    return [e.strip() for e in r.read().decode().replace("\r\n", "\n").split("\n\n") if e.strip()]
+
+
+def test_proxy_ends_a_stream_its_decode_engine_broke_off_as_kvserve_serve_does():
+    """No engines needed. A decode engine dying mid-stream got the client an error event and no
+    `data: [DONE]` (kvserve serve sends its error event, then [DONE]: clients reading to [DONE]
+    waited), and a Responses stream got chat's error shape. Now chat's error event and [DONE]; a
+    Responses stream its own numbered error event (after created and two deltas: 3), no [DONE]."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    fault = FaultBackend()  # its model "die" streams, then drops the connection
+    proxy = Proxy(dead, fault.url)
+    try:
+        body = {"model": "die", "prompt": "a b", "max_tokens": 8, "stream": True}
+        with httpx.stream("POST", proxy.url + "/v1/completions", json=body, timeout=30) as r:
+            events = _sse_events(r)
+        assert r.status_code == 200 and events[-1] == "data: [DONE]", events[-2:]
+        err = json.loads(events[-2].removeprefix("data: "))["error"]
+        assert err["code"] == "upstream_error" and "mid-stream" in err["message"], err
+        body = {"model": "die", "input": "a b", "stream": True}
+        with httpx.stream("POST", proxy.url + "/v1/responses", json=body, timeout=30) as r:
+            events = _sse_events(r)
+        assert r.status_code == 200 and "[DONE]" not in "".join(events), events
+        head, data = events[-1].split("\n")
+        err = json.loads(data.removeprefix("data: "))
+        assert head == "event: error" and err["type"] == "error" and err["sequence_number"] == 3, err
+        assert err["code"] == "upstream_error" and "mid-stream" in err["message"], err
+    finally:
+        proxy.stop()
+        fault.stop()
+
+
 def test_proxy_reports_a_dead_or_dying_decode_engine_in_openai_shape(tmp_path):
     """No engines needed. A decode engine that cannot be reached was a bare 500 (text/plain,
     a traceback in the proxy's log), and one that died mid-stream cut the stream off; now a

@@ -234,6 +234,33 @@ def test_death_mid_stream_gives_an_sse_error_and_no_retry(gw, fault):
     assert fault.count("die") == before_die + 1 and fault.count("ok") == before_ok
 
 
+def _sse_events(r: httpx.Response) -> list[str]:
+    """The events of a streamed answer, each its lines joined by a newline."""
+    return [e.strip() for e in r.read().decode().replace("\r\n", "\n").split("\n\n") if e.strip()]
+
+
+def test_a_stream_broken_off_ends_as_kvserve_serve_ends_a_failed_one(gw):
+    """A deployment dying mid-stream got the client an error event and no `data: [DONE]`
+    (kvserve serve sends its error event, then [DONE]: clients that read to [DONE] waited); and
+    a Responses stream got chat's error shape. Now: chat's error event, then [DONE]; a Responses
+    stream its own numbered error event (after response.created and two deltas: 3), no [DONE]."""
+    h = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": "die", "messages": MSG, "max_tokens": 8, "stream": True}
+    with httpx.stream("POST", gw.url + "/v1/chat/completions", json=body, headers=h, timeout=30) as r:
+        events = _sse_events(r)
+    assert r.status_code == 200 and events[-1] == "data: [DONE]", events[-2:]
+    err = json.loads(events[-2].removeprefix("data: "))["error"]
+    assert err["code"] == "upstream_error" and "mid-stream" in err["message"], err
+    body = {"model": "die", "input": "one two", "stream": True}
+    with httpx.stream("POST", gw.url + "/v1/responses", json=body, headers=h, timeout=30) as r:
+        events = _sse_events(r)
+    assert r.status_code == 200 and "[DONE]" not in "".join(events), events
+    head, data = events[-1].split("\n")
+    err = json.loads(data.removeprefix("data: "))
+    assert head == "event: error" and err["type"] == "error" and err["sequence_number"] == 3, err
+    assert err["code"] == "upstream_error" and "mid-stream" in err["message"], err
+
+
 def _spend_rows(gw, model: str, requests: int = 1, tries: int = 100) -> list[dict]:
     """The spend log's rows for `model`, polled until they count `requests` (the log is written
     in the background) or `tries` polls 0.1 s apart have passed."""

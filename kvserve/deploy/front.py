@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvserve.deploy.replica import FORWARDED_HEADERS
 from kvserve.entrypoints.openai.middleware import HeadAsGet
 from kvserve.routing.responses_ids import decode_id, previous_id_problem
+from kvserve.routing.stream_failure import count_events, failed_stream_end
 
 logger = logging.getLogger("kvserve.deploy.front")
 app = FastAPI(title="kvserve on Ray Serve")
@@ -48,14 +49,6 @@ def _replica_failed(e: Exception) -> JSONResponse:
     logger.warning("a replica failed before answering (%s)", _reason(e))
     return _error(502, f"the replica failed before answering ({_reason(e)})", "upstream_error",
                   type_="server_error")  # fmt: skip
-
-
-def _error_event(e: Exception) -> bytes:
-    """The last event of a stream whose replica failed after it began (the blank line first ends
-    an event the failure cut off), as the gateway and the pd-proxy end one."""
-    msg = f"the replica failed mid-stream ({_reason(e)}); the answer is incomplete"
-    err = {"error": {"message": msg, "type": "server_error", "param": None, "code": "upstream_error"}}
-    return b"\n\ndata: " + json.dumps(err).encode() + b"\n\n"
 
 
 def _not_made_here(public_id: object, param: str | None) -> JSONResponse:
@@ -129,14 +122,19 @@ class Front:
         sse = meta["content_type"].startswith("text/event-stream")
 
         async def rest():
+            sent = 0  # events passed on (a Responses error event is numbered after them)
             try:
                 async for chunk in gen:
+                    sent += count_events(chunk)
                     yield chunk
             except Exception as e:  # (the stream was cut with no word: the client read a short answer)
                 if not sse:
                     raise  # a JSON body cut short: the connection is broken off, not ended
                 logger.warning("a replica failed mid-stream (%s)", _reason(e))
-                yield _error_event(e)
+                # as kvserve serve ends a failed stream: an error event, then [DONE] (was none:
+                # clients reading to [DONE] waited), or a Responses stream's own error event
+                message = f"the replica failed mid-stream ({_reason(e)}); the answer is incomplete"
+                yield failed_stream_end(message, path == "responses", sent)
 
         return StreamingResponse(
             rest(), status_code=meta["status"], media_type=meta["content_type"],

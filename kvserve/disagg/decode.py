@@ -4,7 +4,8 @@ connection lost before the first byte) costs only time: the next engine is asked
 gateway retries on another deployment. A stream is the engine's once its answer's first event
 has come (stream_start.py: not a comment nor chat's opening role chunk), within
 `first_byte_timeout` as the gateway's; a stream whose first event is an error is a failure
-too. From then on a death mid-stream ends the stream with an SSE error event. A Responses
+too. From then on a death mid-stream ends the stream as kvserve serve ends a failed one
+(routing/stream_failure.py: an error event, then [DONE]). A Responses
 request's answer carries ids naming the engine that stores it (`tag`: routing/responses_ids.py)."""
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from kvserve.disagg.errors import error, reason
 from kvserve.disagg.split import JSON_HEADER, json_content
 from kvserve.disagg.stream_start import StreamStart
 from kvserve.routing.responses_ids import EventRewriter, public_body, public_error
+from kvserve.routing.stream_failure import count_events, failed_stream_end
 
 logger = logging.getLogger("kvserve.disagg.proxy")
 
@@ -123,20 +125,23 @@ async def decode(
 async def _relay(
     resp: httpx.Response, url: str, first: bytes, chunks: AsyncIterator[bytes], ids: EventRewriter | None
 ) -> AsyncIterator[bytes]:
+    """The decode engine's stream; `ids` (a Responses stream) rewrites its ids event by event."""
+    sent = 0  # a Responses stream's events passed on (its error event is numbered after them)
     try:
         out = ids.feed(first) if ids else first
         if out:
+            sent += count_events(out)
             yield out
         async for chunk in chunks:
             out = ids.feed(chunk) if ids else chunk
             if out:  # (a Responses event not yet whole waits for its end)
+                sent += count_events(out)
                 yield out
         if ids is not None and (out := ids.flush()):
             yield out
     except httpx.HTTPError as e:  # the decode engine died mid-stream: an error event, not a cut
         logger.warning("decode engine %s failed mid-stream (%s)", url, reason(e))
-        err = error(f"decode engine {url} failed mid-stream ({reason(e)}); the answer is incomplete",
-                    None, "server_error", "upstream_error")  # fmt: skip
-        yield b"\n\ndata: " + json.dumps(err).encode() + b"\n\n"
+        message = f"decode engine {url} failed mid-stream ({reason(e)}); the answer is incomplete"
+        yield failed_stream_end(message, ids is not None, sent)
     finally:
         await resp.aclose()  # the client left (or the stream ended): the decode engine aborts

@@ -39,12 +39,12 @@ from kvserve.gateway.retries import CREDENTIALS_STATUS, MAX_RETRY_AFTER, backoff
 from kvserve.gateway.router import Router, request_info
 from kvserve.gateway.saturation import SaturationMonitor
 from kvserve.gateway.spend import SpendLog, SpendRow
-from kvserve.gateway.sse import error_event
 from kvserve.gateway.state import Check, StateStore, StoreUnavailable
 from kvserve.gateway.state.base import EPS
 from kvserve.gateway.stream_response import SettledStream
 from kvserve.routing import RequestInfo
 from kvserve.routing.responses_ids import RESPONSES, decode_id, previous_id_problem
+from kvserve.routing.stream_failure import failed_stream_end
 
 log = logging.getLogger("kvserve.gateway")
 EMBEDDINGS = "/embeddings"  # no completion tokens, no stream, no prefill/decode split
@@ -580,8 +580,10 @@ class Gateway:
                     blamed = code in ENGINE_GONE_CODES  # the deployment's; another may be the request's
             except Exception as e:  # httpx read errors, idle and total timeouts
                 status, failure = 502, f"{e.__class__.__name__}: {e}".strip(": ")
-                yield error_event(
-                    f"deployment {dep.id} failed mid-stream ({failure}); the answer is incomplete"
+                yield failed_stream_end(
+                    f"deployment {dep.id} failed mid-stream ({failure}); the answer is incomplete",
+                    ctx.path == RESPONSES,
+                    out.relay.data_events,
                 )
             finally:
                 gone.cancel()

@@ -158,10 +158,3 @@ def _data_json(ev: bytes) -> object:
             except (ValueError, RecursionError):
                 return None
     return None
-
-
-def error_event(message: str, code: str = "upstream_error") -> bytes:
-    """The final event of a stream whose deployment failed after its first byte (a string
-    code, as the error would carry outside a stream)."""
-    body = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
-    return b"data: " + json.dumps(body).encode() + b"\n\n"
