@@ -795,6 +795,39 @@ def test_a_body_nested_too_deeply_to_parse_is_a_400_not_a_500(gw):
     assert "RecursionError" not in gw.logs()
 
 
+@pytest.mark.parametrize(
+    "headers,status",
+    [
+        ({"x-litellm-api-key": KEY}, 200),
+        ({"x-litellm-api-key": f"Bearer {KEY}"}, 200),
+        ({"x-litellm-api-key": KEY, "Authorization": "Bearer sk-someone-elses"}, 200),  # (first)
+        ({"api-key": KEY}, 200),  # Azure OpenAI's SDKs
+        ({"x-api-key": KEY}, 200),  # Anthropic's
+        ({"x-goog-api-key": KEY}, 200),
+        ({"Ocp-Apim-Subscription-Key": KEY}, 200),
+        ({"Authorization": f"Bearer {KEY}", "api-key": "sk-wrong"}, 200),  # Authorization before api-key
+        ({"Authorization": f"Basic {KEY}", "api-key": KEY}, 401),  # (as LiteLLM: Authorization decides)
+        ({"api-key": "sk-wrong"}, 401),
+    ],
+)
+def test_the_key_is_read_from_the_headers_litellm_reads_it_from(gw, headers, status):
+    """The gateway read the key from `Authorization: Bearer` only: a LiteLLM client sending
+    x-litellm-api-key (its Authorization kept for another service) or an Azure / Anthropic SDK
+    sending api-key / x-api-key was a 401 with a good key. Now LiteLLM's headers, in its order."""
+    body = {"model": "okgroup", "messages": MSG, "max_tokens": 2}
+    r = httpx.post(gw.url + "/v1/chat/completions", json=body, headers=headers, timeout=30)
+    assert r.status_code == status, r.text
+    if status == 401:
+        assert r.json()["error"]["code"] == "invalid_api_key", r.text
+
+
+def test_the_admin_api_takes_the_master_key_from_the_same_headers(gw):
+    r = httpx.get(gw.url + "/admin/keys", headers={"x-litellm-api-key": MASTER}, timeout=30)
+    assert r.status_code == 200, r.text
+    r = httpx.get(gw.url + "/admin/keys", headers={"Authorization": f"Basic {MASTER}"}, timeout=30)
+    assert r.status_code == 401, r.text  # (any scheme's token was taken as the master key)
+
+
 def _go_duration(text: str) -> float:
     """OpenAI's x-ratelimit-reset-* ("12ms", "59.5s", "1m0s") in seconds."""
     units = {"h": 3600, "m": 60, "s": 1, "ms": 0.001}

@@ -19,6 +19,7 @@ from starlette.requests import ClientDisconnect
 from kvserve.entrypoints.draining_server import DrainingServer
 from kvserve.entrypoints.openai.middleware import BodySizeLimit, HeadAsGet, InternalErrors
 from kvserve.gateway.admin import admin_router
+from kvserve.gateway.auth_headers import HOW, presented_key
 from kvserve.gateway.backends import BackendPool
 from kvserve.gateway.config import ConfigError, GatewayConfig
 from kvserve.gateway.errors import GatewayError, unauthorized
@@ -83,11 +84,10 @@ class GatewayState:
             )
 
     async def authenticate(self, request: Request) -> KeyRecord:
-        auth = request.headers.get("authorization", "")
-        scheme, _, token = auth.partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
-            raise unauthorized("Authorization: missing; send 'Authorization: Bearer <virtual key>'")
-        rec = await self.keys.find(token.strip())
+        token = presented_key(request.headers)
+        if token is None:
+            raise unauthorized(f"Authorization: missing; {HOW}")
+        rec = await self.keys.find(token)
         if rec is None:
             raise unauthorized("Authorization: unknown or revoked key")
         return rec
@@ -98,7 +98,7 @@ class GatewayState:
             raise GatewayError(
                 403, "admin API: disabled (no general_settings.master_key)", "permission_denied"
             )
-        token = request.headers.get("authorization", "").partition(" ")[2].strip()
+        token = presented_key(request.headers) or ""
         if not hmac.compare_digest(token.encode(), master.encode()):
             raise unauthorized("Authorization: the admin API needs the master key")
 
