@@ -108,7 +108,7 @@ def _base(fault, tmp, **router) -> dict:
             {"key": KEY, "alias": "tester"},
             {"key": "sk-limited", "models": ["okgroup"]},
             {"key": "sk-no-fallbacks", "models": ["down", "small", "ctx"]},
-            {"key": "sk-rpm2", "rpm": 2},
+            {"key": "sk-rpm2", "rpm": 2}, {"key": "sk-tpm5", "tpm": 5},
             {"key": "sk-par1", "max_parallel_requests": 1},
             {"key": "sk-budget", "max_budget": 5.0},
             {"key": "sk-budget-die", "max_budget": 100.0},  # priced: 3 words * 0.5 + 2 tokens * 0.25 = 2.0
@@ -513,7 +513,8 @@ def test_429_retry_after_is_honoured(gw, fault):
     before = fault.count("fail-429")
     t0 = time.monotonic()
     r = post(gw, "r429")
-    assert r.status_code == 429 and r.json()["error"]["code"] == "upstream_error"
+    err = r.json()["error"]  # (was server_error / upstream_error: a busy backend read as a broken one)
+    assert r.status_code == 429 and err["type"] == "requests" and err["code"] == "rate_limit_exceeded", err
     assert r.headers["retry-after"] == "1" and r.headers["x-kvserve-attempts"] == "2"
     assert fault.count("fail-429") == before + 2  # retried once, on the same (only) deployment
     assert time.monotonic() - t0 >= 1.0  # after the backend's Retry-After: 1
@@ -537,7 +538,7 @@ def test_a_retry_after_that_is_not_a_finite_number_is_ignored_not_a_500(gw, faul
     (the gateway's backoff applies), and the client gets the backend's 429."""
     before = fault.count("429-nan")
     r = post(gw, "r429nan")
-    assert r.status_code == 429 and r.json()["error"]["code"] == "upstream_error", r.text
+    assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded", r.text
     assert "retry-after" not in r.headers and fault.count("429-nan") == before + 2  # retried once
 
 
@@ -842,7 +843,8 @@ def test_key_rpm_limit_gives_429_with_headers(gw):
     for r in oks:  # (was absent) the one-minute window is empty again within a minute
         assert 58 <= _go_duration(r.headers["x-ratelimit-reset-requests"]) <= 60, r.headers
     r = post(gw, "okgroup", key="sk-rpm2")
-    assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded"
+    err = r.json()["error"]  # OpenAI's: the limit's kind as the type (was rate_limit_error)
+    assert r.status_code == 429 and err["type"] == "requests" and err["code"] == "rate_limit_exceeded", err
     assert 1 <= int(r.headers["retry-after"]) <= 60
     assert int(r.headers["retry-after"]) <= _go_duration(r.headers["x-ratelimit-reset-requests"]) + 1 <= 61
     assert (
@@ -875,6 +877,26 @@ def test_deployment_rpm_sends_the_next_request_elsewhere(gw):
     assert served == {"deprpm-a", "deprpm-b"}
     r = post(gw, "deprpm")
     assert r.status_code == 429 and "retry-after" in r.headers
+    assert r.json()["error"]["type"] == "requests" and r.json()["error"]["code"] == "rate_limit_exceeded"
+
+
+def test_a_tpm_limit_429_names_tokens_as_openais_does(gw):
+    """OpenAI's 429 says which limit in its type: "tokens" for tokens per minute."""
+    assert post(gw, "okgroup", key="sk-tpm5").status_code == 200  # 3 prompt + 2 completion tokens
+    r = post(gw, "okgroup", key="sk-tpm5")
+    err = r.json()["error"]
+    assert r.status_code == 429 and err["type"] == "tokens" and err["code"] == "rate_limit_exceeded", err
+
+
+def test_a_backends_own_429_type_and_code_are_kept():
+    """An OpenAI backend's 429 says "tokens", a quota's insufficient_quota: the client gets those."""
+    from kvserve.gateway.errors import upstream_rate_limited
+
+    body = b'{"error": {"message": "quota", "type": "insufficient_quota", "code": "insufficient_quota"}}'
+    err = upstream_rate_limited("g: upstream answered 429", body).body()["error"]
+    assert (err["type"], err["code"]) == ("insufficient_quota", "insufficient_quota"), err
+    err = upstream_rate_limited("g: upstream answered 429", b"<html>busy</html>").body()["error"]
+    assert (err["type"], err["code"]) == ("requests", "rate_limit_exceeded"), err
 
 
 def test_a_request_dearer_than_the_whole_budget_is_a_400_that_says_why(gw):

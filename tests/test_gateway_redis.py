@@ -154,6 +154,7 @@ def test_a_budget_is_rebuilt_from_the_spend_log_when_redis_comes_back_empty(gws,
     for g in (gws[0], gws[1]):  # the rebuilding instance, then another one
         r = chat(g)
         assert r.status_code == 429 and r.json()["error"]["code"] == "budget_exceeded", r.text
+        assert r.json()["error"]["type"] == "budget_exceeded", r.text  # LiteLLM's (was rate_limit_error)
     assert "budget of key restart" in gws[0].logs() and "rebuilt from the spend log" in gws[0].logs()
 
 

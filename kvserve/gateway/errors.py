@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from fastapi.responses import JSONResponse
 
 # error.code is a string everywhere (as kvserve serve answers): the default for each status
@@ -49,3 +51,31 @@ class GatewayError(Exception):
 
 def unauthorized(message: str) -> GatewayError:
     return GatewayError(401, message, "authentication_error", "invalid_api_key")
+
+
+# OpenAI's 429 names the limit reached in its type ("requests", "tokens") with code
+# rate_limit_exceeded; a spent budget is LiteLLM's budget_exceeded (type and code)
+_LIMIT_TYPES = {"rpm": "requests", "parallel": "requests", "tpm": "tokens", "budget": "budget_exceeded"}
+
+
+def limit_reached(message: str, kind: str, retry_after: int, headers: dict[str, str]) -> GatewayError:
+    """The 429 of a key's, team's or deployments' limit of `kind` (rpm, tpm, parallel, budget)."""
+    code = "budget_exceeded" if kind == "budget" else "rate_limit_exceeded"
+    headers = {**headers, "retry-after": str(retry_after)}
+    return GatewayError(429, message, _LIMIT_TYPES.get(kind, "requests"), code, headers=headers)
+
+
+def upstream_rate_limited(message: str, content: bytes) -> GatewayError:
+    """The 429 of a request every deployment answered 429: in OpenAI's shape, with the last
+    backend's own type and code when it named them (an OpenAI backend's "tokens", a quota's
+    insufficient_quota), else OpenAI's "requests" / rate_limit_exceeded (was type server_error,
+    code upstream_error: a client reading the type took a busy backend for a broken one)."""
+    type_, code = "requests", "rate_limit_exceeded"
+    try:
+        err = json.loads(content)["error"]
+    except (ValueError, KeyError, TypeError, RecursionError):
+        err = None
+    if isinstance(err, dict):
+        type_ = err["type"] if isinstance(err.get("type"), str) and err["type"] else type_
+        code = err["code"] if isinstance(err.get("code"), str) and err["code"] else code
+    return GatewayError(429, message, type_, code)

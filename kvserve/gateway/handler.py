@@ -28,7 +28,7 @@ from kvserve.gateway.client_params import ClientParams, take
 from kvserve.gateway.config import Deployment, GatewayConfig
 from kvserve.gateway.degrade import HEADER as DEGRADED_HEADER
 from kvserve.gateway.degrade import Degrader
-from kvserve.gateway.errors import GatewayError
+from kvserve.gateway.errors import GatewayError, limit_reached, upstream_rate_limited
 from kvserve.gateway.keys import KeyRecord
 from kvserve.gateway.limits import deployment_checks, needs_tokens, ratelimit_headers, tenant_checks
 from kvserve.gateway.metrics import GatewayMetrics
@@ -319,14 +319,8 @@ class Gateway:
             }[c.kind]
             self.metrics.rate_limited.labels(c.kind).inc()
             retry = max(int(adm.retry_after + 0.999), 1)
-            code = "budget_exceeded" if c.kind == "budget" else "rate_limit_exceeded"
-            raise GatewayError(
-                429,
-                f"{who}: {what} limit {c.limit:g} reached; retry after {retry} s",
-                "rate_limit_error",
-                code,
-                headers={**ctx.headers, "retry-after": str(retry)},
-            )
+            raise limit_reached(f"{who}: {what} limit {c.limit:g} reached; retry after {retry} s", c.kind,
+                                retry, ctx.headers)  # fmt: skip
 
     # ---- attempts --------------------------------------------------------------------------
     async def _attempts(self, ctx: Ctx) -> Response:
@@ -359,13 +353,8 @@ class Gateway:
                     if not adm.ok:
                         excluded.add(dep.id)
                         retry = max(int(adm.retry_after + 0.999), 1)
-                        last = GatewayError(
-                            429,
-                            f"deployments of {alias!r} are at their limits",
-                            "rate_limit_error",
-                            "rate_limit_exceeded",
-                            headers={"retry-after": str(retry)},
-                        )
+                        msg = f"deployments of {alias!r} are at their limits"
+                        last = limit_reached(msg, adm.failed.kind if adm.failed else "rpm", retry, {})
                         continue
                 if group_attempts:
                     wait = not_before.get(dep.id, 0.0) - time.monotonic()
@@ -402,12 +391,12 @@ class Gateway:
                     excluded.add(dep.id)
                 elif out.retry_after:
                     not_before[dep.id] = time.monotonic() + out.retry_after
-                last = GatewayError(
-                    out.status if out.status >= 500 or out.status == 429 else 502,
-                    f"{alias}: {out.reason} (deployment {dep.id})",
-                    "server_error",
-                    "upstream_error",
-                )
+                msg = f"{alias}: {out.reason} (deployment {dep.id})"
+                if out.status == 429:  # busy, not broken: OpenAI's 429 (errors.py)
+                    last = upstream_rate_limited(msg, out.content)
+                else:
+                    status = out.status if out.status >= 500 else 502
+                    last = GatewayError(status, msg, "server_error", "upstream_error")
                 if out.status == 429 and out.retry_after:
                     last.headers["retry-after"] = str(int(out.retry_after + 0.999))
             await self._count_failures(blame.to_count(succeeded=False))
