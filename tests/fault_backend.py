@@ -25,8 +25,9 @@ failure tests. The backend model name picks the behaviour:
     echo-keys not streamed: the answer's content is the JSON list of the body's field names
               (what reached the backend)
 
-POST /v1/responses streams only (a Responses stream: created, two text deltas, completed);
-with model "die" it drops the connection after the deltas.
+POST /v1/responses streams a Responses stream (created, two text deltas, completed); with model
+"die" it drops the connection after the deltas. Not streamed, it answers a completed Response
+whose metadata is the body's (what reached the backend).
 
 Any model answers 400 (param temperature) to a temperature above 2, as a real backend would.
 POST /deny/v1/... answers 401 whatever the model (a server whose API key the caller lacks).
@@ -234,6 +235,10 @@ async def responses(request: Request):
     body = await request.json()
     mode = str(body.get("model"))
     counts[mode] += 1
+    if not body.get("stream"):
+        return {"id": "resp_fault", "object": "response", "status": "completed", "model": mode, "output": [],
+                "metadata": body.get("metadata"), "usage": {"input_tokens": 1, "output_tokens": 0,
+                                                            "total_tokens": 1}}  # fmt: skip
     return StreamingResponse(_response_events(mode), media_type="text/event-stream")
 
 

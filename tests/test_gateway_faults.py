@@ -1215,6 +1215,24 @@ def test_a_client_gone_before_its_stream_starts_is_still_settled(fault, tmp_path
     assert asyncio.run(scenario()) == (0, 0)
 
 
+def test_litellm_metadata_on_the_responses_api_is_taken_out_and_openais_kept(gw):
+    """LiteLLM's `metadata` (non-string values: tags, numbers) was taken out of chat requests
+    but reached the backend on /v1/responses, whose own metadata allows only strings: kvserve
+    serve's 400 for the whole request. Now its LiteLLM entries are taken out there too and the
+    string ones (OpenAI's, stored with the response) still reach the backend."""
+    h = {"Authorization": f"Bearer {KEY}"}
+
+    def metadata(meta):
+        body = {"model": "okgroup", "input": "hi", "metadata": meta}
+        r = httpx.post(gw.url + "/v1/responses", json=body, headers=h, timeout=30)
+        assert r.status_code == 200, r.text
+        return r.json()["metadata"]
+
+    assert metadata({"tags": ["a"], "trace_id": 7, "user": "ann"}) == {"user": "ann"}
+    assert metadata({"tags": ["a"], "spend_logs_metadata": {"k": "v"}}) is None  # (none left: no field)
+    assert metadata({"user": "ann", "topic": "x"}) == {"user": "ann", "topic": "x"}  # OpenAI's, as it came
+
+
 def test_litellm_proxy_fields_are_the_gateways_never_the_backends(gw, fault):
     """A LiteLLM proxy user's client sends LiteLLM's body fields (extra_body): they reached the
     backend, and kvserve serve refuses a field it does not know with a 400. The gateway takes

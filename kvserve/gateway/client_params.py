@@ -53,8 +53,8 @@ def take(body: dict, path: str, alias: str, aliases: set[str], allowed: frozense
     out = ClientParams()
     for name in [k for k in body if k in DROPPED or k.startswith("user_api_key_")]:
         del body[name]
-    if path != RESPONSES and "metadata" in body:  # LiteLLM's labels (the Responses API stores its own)
-        del body["metadata"]
+    if "metadata" in body:
+        _metadata(body, path)
     if "num_retries" in body:
         n = body.pop("num_retries")
         if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_NUM_RETRIES:
@@ -72,6 +72,23 @@ def take(body: dict, path: str, alias: str, aliases: set[str], allowed: frozense
     if caching is False or (isinstance(cache, dict) and (cache.get("no-cache") or cache.get("no-store"))):
         out.no_cache = True
     return out
+
+
+def _metadata(body: dict, path: str) -> None:
+    """`metadata` is LiteLLM's labels, except on the Responses API, which stores OpenAI's own
+    (string values) with the response: there the entries that are LiteLLM's (a value that is
+    no string: tags lists, numbers, objects) are taken out, and reached the backend before
+    (kvserve serve's 400 for the whole request). A metadata that is no object goes on as it
+    came: the backend names the client's mistake."""
+    meta = body["metadata"]
+    if path != RESPONSES:
+        del body["metadata"]
+    elif isinstance(meta, dict) and any(not isinstance(v, str) for v in meta.values()):
+        kept = {k: v for k, v in meta.items() if isinstance(v, str)}
+        if kept:
+            body["metadata"] = kept
+        else:
+            del body["metadata"]
 
 
 def _aliases(name: str, value: object, alias: str, aliases: set[str], allowed: frozenset[str]) -> list[str]:
