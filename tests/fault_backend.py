@@ -30,6 +30,7 @@ POST /v1/responses streams a Responses stream (created, two text deltas, complet
 whose metadata is the body's (what reached the backend).
 
 Any model answers 400 (param temperature) to a temperature above 2, as a real backend would.
+/tokenize, /detokenize, /version, /health and /health/ready answer as kvserve serve's would.
 POST /deny/v1/... answers 401 whatever the model (a server whose API key the caller lacks).
 GET /stats gives requests per model and how many streams and holds the client cancelled.
 
@@ -246,6 +247,27 @@ async def responses(request: Request):
 async def tokenize(request: Request):
     n = words(await request.json())
     return {"tokens": list(range(n)), "count": n, "max_model_len": 100000}
+
+
+@app.post("/detokenize")
+async def detokenize(request: Request):
+    return {"prompt": " ".join("w" for _ in (await request.json()).get("tokens", []))}
+
+
+@app.post("/v1/responses/{response_id}/cancel")
+async def cancel(response_id: str):
+    """(kvserve serve's answer for a response that is not running in the background)"""
+    return {"id": response_id, "object": "response", "status": "completed", "output": []}
+
+
+@app.get("/version")
+async def version():
+    return {"version": "fault"}
+
+
+@app.get("/health/ready")
+async def ready():
+    return {"status": "ok"}
 
 
 @app.get("/v1/models")

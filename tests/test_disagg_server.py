@@ -355,6 +355,44 @@ def test_proxy_ends_a_stream_its_decode_engine_broke_off_as_kvserve_serve_does()
         fault.stop()
 
 
+def test_proxy_serves_kvserve_serves_other_routes_from_a_decode_engine():
+    """No engines needed. The proxy served /v1/... generation, models and /health only: its
+    pod's readiness probe (/health/ready), vLLM's /ping, /tokenize (how the gateway counts a
+    deployment's tokens), /detokenize, /version and cancelling a stored Response were 404s.
+    Now a decode engine answers them (the one the Response id names, for cancel); a path
+    kvserve serve has not either is still a 404 in OpenAI's shape."""
+    from kvserve.disagg.whole import engine_tag
+    from kvserve.routing.responses_ids import encode_id
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    fault = FaultBackend()
+    proxy, down = Proxy(dead, [dead, fault.url]), Proxy(dead, dead)
+    try:
+        r = httpx.post(proxy.url + "/tokenize", json={"prompt": "a b c"}, timeout=30)
+        assert r.status_code == 200 and r.json()["count"] == 3, r.text
+        r = httpx.post(proxy.url + "/detokenize", json={"tokens": [1, 2]}, timeout=30)
+        assert r.status_code == 200 and r.json() == {"prompt": "w w"}, r.text
+        assert httpx.get(proxy.url + "/version", timeout=30).json() == {"version": "fault"}
+        for method in ("GET", "POST"):
+            assert httpx.request(method, proxy.url + "/ping", timeout=30).status_code == 200
+        r = httpx.get(proxy.url + "/health/ready", timeout=30)
+        assert r.status_code == 200 and r.json() == {"decode": [False, True]}, r.text
+        r = httpx.get(down.url + "/health/ready", timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready", r.text
+        public = encode_id(engine_tag(fault.url), "resp_abc")
+        r = httpx.post(proxy.url + f"/v1/responses/{public}/cancel", timeout=30)
+        assert r.status_code == 200 and r.json()["id"] == public, r.text  # (the engine's id made public)
+        r = httpx.post(proxy.url + "/v1/responses/resp_nothere/cancel", timeout=30)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", r.text
+        for path in ("/metrics", "/v1/nope"):
+            r = httpx.get(proxy.url + path, timeout=30)
+            assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", r.text
+    finally:
+        proxy.stop()
+        down.stop()
+        fault.stop()
+
+
 def test_proxy_reports_a_dead_or_dying_decode_engine_in_openai_shape(tmp_path):
     """No engines needed. A decode engine that cannot be reached was a bare 500 (text/plain,
     a traceback in the proxy's log), and one that died mid-stream cut the stream off; now a

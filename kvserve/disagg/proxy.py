@@ -26,6 +26,7 @@ from starlette.requests import ClientDisconnect
 from kvserve.disagg.decode import decode
 from kvserve.disagg.errors import error as _error
 from kvserve.disagg.errors import unreachable as _unreachable
+from kvserve.disagg.passthrough import add_engine_routes
 from kvserve.disagg.prefill import PrefillResult, run_prefill
 from kvserve.disagg.split import decode_body, disaggregates
 from kvserve.disagg.validate import decode_refusal
@@ -244,6 +245,8 @@ def build_app(proxy: PDProxy, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
         return down
 
     @app.get("/health")
+    @app.get("/ping")  # vLLM's (and SageMaker's) name for it, as kvserve serve answers it
+    @app.post("/ping")
     async def health() -> Response:
         async def ok(url: str) -> bool:
             try:
@@ -257,6 +260,8 @@ def build_app(proxy: PDProxy, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
         up = any(states[len(proxy.prefill) :])
         return JSONResponse({"prefill": states[: len(proxy.prefill)], "decode": states[len(proxy.prefill) :]},
                             status_code=200 if up else 503)  # fmt: skip
+
+    add_engine_routes(app, proxy)  # /tokenize, /detokenize, /version, /health/ready, cancel
 
     @app.on_event("shutdown")
     async def close() -> None:

@@ -1,0 +1,73 @@
+"""The routes of `kvserve serve` that a pd-proxy's client uses besides generation, answered by
+the decode engines (they hold the model the client talks to): the model list, /tokenize and
+/detokenize (the gateway counts a deployment's tokens with /tokenize), /version, readiness
+(/health/ready: a Kubernetes probe of the proxy's pod), vLLM's /ping, and cancelling a stored
+Response on the engine its id names. They were 404s through the proxy."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from kvserve.disagg.errors import error, unreachable
+from kvserve.disagg.split import JSON_HEADER
+
+ENGINE_GETS = ("/version",)
+ENGINE_POSTS = ("/tokenize", "/detokenize")
+
+
+async def first_decode(proxy, raw: Request, path: str) -> Response:
+    """The answer of the first decode engine that can be reached (each in turn), as it came."""
+    content = await raw.body() if raw.method == "POST" else None
+    headers = {**proxy._headers(raw), **(JSON_HEADER if content is not None else {})}
+    for url in proxy.decode:
+        try:
+            resp = await proxy.client.request(raw.method, url + path, content=content, headers=headers)
+        except httpx.HTTPError as e:
+            down = unreachable(url, e)
+            continue
+        media = resp.headers.get("content-type", "application/json")
+        return Response(resp.content, status_code=resp.status_code, media_type=media)
+    return down
+
+
+async def _up(proxy, url: str, path: str) -> bool:
+    try:
+        return (await proxy.client.get(url + path, timeout=2.0)).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def add_engine_routes(app: FastAPI, proxy) -> None:
+    """The routes above, on the proxy's app (`proxy`: its PDProxy)."""
+    for path in ENGINE_GETS:
+
+        async def get(raw: Request, _path: str = path) -> Response:
+            return await first_decode(proxy, raw, _path)
+
+        app.add_api_route(path, get, methods=["GET"])
+    for path in ENGINE_POSTS:
+
+        async def post(raw: Request, _path: str = path) -> Response:
+            return await first_decode(proxy, raw, _path)
+
+        app.add_api_route(path, post, methods=["POST"])
+
+    @app.get("/health/ready")
+    async def ready() -> Response:
+        """Ready when a decode engine is (a prefill engine down only costs time: see /health)."""
+        states = await asyncio.gather(*(_up(proxy, u, "/health/ready") for u in proxy.decode))
+        if any(states):
+            return JSONResponse({"decode": list(states)})
+        msg = f"not ready: none of the {len(states)} decode engines is ready"
+        return JSONResponse(error(msg, None, "server_error", "not_ready"), status_code=503)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel(raw: Request, response_id: str) -> Response:
+        """Cancel a stored (background) response on the decode engine its id names."""
+        return await proxy.stored.request(
+            proxy.client, "POST", response_id, raw.url.query, proxy._headers(raw), "/cancel"
+        )
