@@ -13,25 +13,15 @@ import time
 
 import httpx
 import yaml
-from server_utils import free_port, stop_process
+from server_utils import free_port, stop_process, wait_up
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 
-def _wait(url: str, proc: subprocess.Popen, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with {proc.returncode}")
-        try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    proc.kill()
-    raise TimeoutError(f"{what} did not come up")
+def _wait(url: str, proc: subprocess.Popen, timeout: float, what: str, stop) -> None:
+    """Until `url` answers 200; a failed start is stopped (`stop`) before it raises."""
+    wait_up(proc, lambda: httpx.get(url, timeout=1).status_code == 200, timeout, what, stop)
 
 
 class RedisServer:
@@ -54,16 +44,14 @@ class RedisServer:
         import redis
 
         client = redis.Redis(port=self.port)
-        deadline = time.monotonic() + 10
-        while True:
+
+        def up() -> bool:
             try:
-                client.ping()
-                break
+                return bool(client.ping())
             except redis.ConnectionError:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    self.stop()
-                    raise RuntimeError("redis-server did not start") from None
-                time.sleep(0.05)
+                return False
+
+        wait_up(self.proc, up, 10, "redis-server", self.stop, poll=0.05)
         self.client = client
 
     def restart(self) -> None:
@@ -72,20 +60,18 @@ class RedisServer:
         self.start()
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(10)
+        stop_process(self.proc, 10)
 
 
 class FaultBackend:
-    def __init__(self) -> None:
+    def __init__(self, timeout: float = 30) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
             [sys.executable, os.path.join(HERE, "fault_backend.py"), "--port", str(self.port)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
-        _wait(self.url + "/health", self.proc, 30, "fault backend")
+        _wait(self.url + "/health", self.proc, timeout, "fault backend", self.stop)
 
     def stats(self) -> dict:
         return httpx.get(self.url + "/stats", timeout=5).json()
@@ -102,7 +88,9 @@ class FaultBackend:
 class GatewayProcess:
     """`kvserve gateway --config` in its own process (a real uvicorn server)."""
 
-    def __init__(self, config: dict, workdir: str, name: str = "gw", wait: bool = True) -> None:
+    def __init__(
+        self, config: dict, workdir: str, name: str = "gw", wait: bool = True, timeout: float = 60
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.config_path = os.path.join(workdir, f"{name}.yaml")
@@ -115,11 +103,12 @@ class GatewayProcess:
              "--port", str(self.port)],
             stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT,
         )  # fmt: skip
+        self.timeout = timeout
         if wait:
             self.wait()
 
     def wait(self) -> None:
-        _wait(self.url + "/health", self.proc, 60, "gateway")
+        _wait(self.url + "/health", self.proc, self.timeout, "gateway", self.stop)
 
     def kill9(self) -> None:
         os.kill(self.proc.pid, signal.SIGKILL)

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import httpx
 
@@ -53,18 +54,8 @@ class ServerProcess:
             cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, cwd=cwd,
             start_new_session=new_session,
         )  # fmt: skip
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        self.stop()
-        raise TimeoutError("server did not become healthy")
+        up = lambda: httpx.get(f"{self.url}/health", timeout=1).status_code == 200  # noqa: E731
+        wait_up(self.proc, up, timeout, "server", self.stop, poll=0.3)
 
     @property
     def headers(self) -> dict[str, str]:
@@ -94,11 +85,37 @@ class ServerProcess:
         self.log.close()
 
 
+def wait_up(
+    proc: subprocess.Popen, up: Callable[[], bool], timeout: float, what: str, stop: Callable[[], None],
+    poll: float = 0.1,
+) -> None:  # fmt: skip
+    """Until `up()` (an HTTP error counts as not yet). Whatever ends the wait otherwise (the
+    process exiting, the timeout, Ctrl-C, an error) calls `stop()` first: a helper whose start
+    failed raised with its process still running, which outlived the test run."""
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{what} exited with {proc.returncode}")
+            try:
+                if up():
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what} did not come up within {timeout:g} s")
+            time.sleep(poll)
+    except BaseException:
+        stop()
+        raise
+
+
 def stop_process(proc: subprocess.Popen, grace: float = 15) -> None:
-    """SIGTERM, then SIGKILL if it has not exited within `grace` seconds."""
+    """SIGTERM, then SIGKILL if it has not exited within `grace` seconds (and reaped)."""
     if proc.poll() is None:
         proc.terminate()
         try:
             proc.wait(grace)
         except subprocess.TimeoutExpired:
             proc.kill()
+            proc.wait(10)

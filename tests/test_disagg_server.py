@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 from gateway_utils import FaultBackend, leave_mid_body, wait_for_log
-from server_utils import ServerProcess, free_port, stop_process
+from server_utils import ServerProcess, free_port, stop_process, wait_up
 
 PROMPT = (
     "The quick brown fox jumps over the lazy dog. A paged KV cache stores keys and values in "
@@ -39,21 +39,18 @@ def _server(model: str, role: str | None = None, **extra) -> ServerProcess:
 
 
 class Proxy:
-    def __init__(self, prefill: str, decode: str | list[str], log=None, *extra: str) -> None:
+    def __init__(
+        self, prefill: str, decode: str | list[str], log=None, *extra: str, timeout: float = 60
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         decodes = [decode] if isinstance(decode, str) else decode
         cmd = [sys.executable, "-m", "kvserve.entrypoints.cli", "pd-proxy", "--prefill", *prefill.split(),
                "--decode", *decodes, "--port", str(self.port), *extra]  # fmt: skip
         self.proc = subprocess.Popen(cmd, stdout=log or subprocess.DEVNULL, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                httpx.get(self.url + "/v1/models", timeout=1)
-                return
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        raise TimeoutError("pd-proxy did not start")
+        # any answer will do (its engines may be down on purpose); a failed start is stopped
+        answers = lambda: httpx.get(self.url + "/v1/models", timeout=1) is not None  # noqa: E731
+        wait_up(self.proc, answers, timeout, "pd-proxy", self.stop, poll=0.2)
 
     def stop(self) -> None:
         stop_process(self.proc)
@@ -353,6 +350,21 @@ def test_proxy_ends_a_stream_its_decode_engine_broke_off_as_kvserve_serve_does()
     finally:
         proxy.stop()
         fault.stop()
+
+
+def test_a_helper_process_that_does_not_come_up_in_time_is_stopped(monkeypatch):
+    """Proxy() (this module's pd-proxy helper) raised TimeoutError with its process still
+    running: it outlived the test run. Now every helper that starts a process stops it when
+    the start fails (server_utils.wait_up)."""
+    started: list[subprocess.Popen] = []
+    popen = subprocess.Popen
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: started.append(popen(*a, **k)) or started[-1])
+    dead = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(TimeoutError):
+        Proxy(dead, dead, timeout=0.01)
+    with pytest.raises(TimeoutError):
+        FaultBackend(timeout=0.01)
+    assert len(started) == 2 and all(p.poll() is not None for p in started), started
 
 
 def test_proxy_serves_kvserve_serves_other_routes_from_a_decode_engine():

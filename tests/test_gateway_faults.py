@@ -11,6 +11,7 @@ import re
 import signal
 import socket
 import sqlite3
+import subprocess
 import time
 
 import httpx
@@ -1213,6 +1214,19 @@ def test_a_client_gone_before_its_stream_starts_is_still_settled(fault, tmp_path
             await app.state.gateway.pool.close()
 
     assert asyncio.run(scenario()) == (0, 0)
+
+
+def test_a_gateway_that_does_not_come_up_in_time_is_stopped(monkeypatch, tmp_path):
+    """GatewayProcess's failed start (tests/gateway_utils.py) killed the gateway but never
+    reaped it, nor closed its log; it is stopped (server_utils.wait_up) now."""
+    started: list = []
+    popen = subprocess.Popen
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: started.append(popen(*a, **k)) or started[-1])
+    cfg = {"model_list": [deployment("m", "http://127.0.0.1:1/v1", "ok")],
+           "general_settings": {"database": str(tmp_path / "gw.db")}}  # fmt: skip
+    with pytest.raises(TimeoutError):
+        GatewayProcess(cfg, str(tmp_path), timeout=0.01)
+    assert len(started) == 1 and started[0].returncode is not None, started
 
 
 def test_litellm_metadata_on_the_responses_api_is_taken_out_and_openais_kept(gw):
