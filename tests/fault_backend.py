@@ -256,7 +256,7 @@ async def detokenize(request: Request):
 
 @app.post("/v1/responses/{response_id}/cancel")
 async def cancel(response_id: str):
-    """(kvserve serve's answer for a response that is not running in the background)"""
+    """As a server running background responses answers it (OpenAI's: the Response)."""
     return {"id": response_id, "object": "response", "status": "completed", "output": []}
 
 

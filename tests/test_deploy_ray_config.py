@@ -254,6 +254,41 @@ def test_a_stream_a_replica_broke_off_ends_as_kvserve_serve_ends_a_failed_one():
     assert err["code"] == "upstream_error" and "failed mid-stream" in err["message"], err
 
 
+def test_the_front_cancels_a_response_on_the_replica_its_id_names():
+    """POST /v1/responses/{id}/cancel (OpenAI's responses.cancel) was taken by the front's
+    catch-all POST route as a generation: a 400 for its empty body. It goes to the replica the
+    id names now, as GET and DELETE do."""
+    import asyncio
+
+    pytest.importorskip("ray.serve")
+    from starlette.requests import Request
+    from starlette.routing import Match
+
+    from kvserve.deploy.front import Front, app
+    from kvserve.routing.responses_ids import encode_id
+
+    public = encode_id("r1", "resp_abc")
+    scope = {"type": "http", "method": "POST", "path": f"/v1/responses/{public}/cancel", "headers": [],
+             "query_string": b""}  # fmt: skip
+    # (Ray's serve.ingress includes the app's routes as a router of their own: its routes, in order)
+    routes = [
+        x for r in app.routes for x in (r.original_router.routes if hasattr(r, "original_router") else [r])
+    ]
+    route = next(r for r in routes if r.matches(scope)[0] == Match.FULL)
+    assert route.name == "cancel", route.name
+    calls = []
+
+    async def stored(*args, **kwargs):
+        calls.append((args, kwargs))
+        return 200, "application/json", b'{"id": "x"}'
+
+    front = SimpleNamespace(replicas=SimpleNamespace(stored=SimpleNamespace(remote=stored)),
+                            _stored=lambda *a: Front._stored(front, *a))  # fmt: skip
+    resp = asyncio.run(Front.cancel(front, public, Request(scope)))
+    assert resp.status_code == 200 and resp.headers["x-kvserve-replica"] == "r1"
+    assert calls == [(("POST", "resp_abc", "", {}), {"pin": "r1", "tail": "/cancel"})], calls
+
+
 @pytest.mark.parametrize("declared", [True, False])
 def test_front_refuses_a_body_over_its_limit_before_reading_it_whole(declared):
     """The front read every body whole (then parsed it and copied it to a replica), however

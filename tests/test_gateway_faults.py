@@ -1229,6 +1229,17 @@ def test_a_gateway_that_does_not_come_up_in_time_is_stopped(monkeypatch, tmp_pat
     assert len(started) == 1 and started[0].returncode is not None, started
 
 
+def test_a_response_is_cancelled_on_the_deployment_its_id_names(gw):
+    """POST /v1/responses/{id}/cancel (OpenAI's responses.cancel) was a route 404 at the
+    gateway, which the client read as the response's; it goes to the deployment holding it."""
+    c = client(gw)
+    made = c.responses.create(model="okgroup", input="hi")
+    cancelled = c.responses.cancel(made.id)
+    assert cancelled.id == made.id  # (the backend's own id, made the gateway's again)
+    with pytest.raises(openai.NotFoundError, match="not made through this gateway"):
+        c.responses.cancel("resp_nothere")
+
+
 def test_litellm_metadata_on_the_responses_api_is_taken_out_and_openais_kept(gw):
     """LiteLLM's `metadata` (non-string values: tags, numbers) was taken out of chat requests
     but reached the backend on /v1/responses, whose own metadata allows only strings: kvserve

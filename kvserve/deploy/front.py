@@ -90,6 +90,12 @@ class Front:
         self.replicas = replicas
         self.max_request_bytes = max_request_bytes
 
+    @app.post("/v1/responses/{response_id}/cancel")  # (before the catch-all POST route below)
+    async def cancel(self, response_id: str, request: Request) -> Response:
+        """OpenAI's responses.cancel, on the replica its id names (the catch-all route took it
+        as a generation: a 400 for its empty body)."""
+        return await self._stored(response_id, request, "/cancel")
+
     @app.post("/v1/{path:path}")
     async def post(self, path: str, request: Request) -> Response:
         raw = await _body(request, self.max_request_bytes)

@@ -127,8 +127,8 @@ class KVServeReplica:
     async def stored(
         self, method: str, own_id: str, query: str, headers: dict[str, str], pin: str, tail: str = ""
     ) -> tuple:
-        """GET or DELETE /v1/responses/{id} (`tail` "/input_items": GET its input items) of a
-        response this replica stored: (status, content type, body with public ids)."""
+        """GET or DELETE /v1/responses/{id} (`tail` "/input_items": GET its input items; POST
+        "/cancel") of a response this replica stored: (status, content type, body with public ids)."""
         if pin != self.replica_id:
             return 404, "application/json", _gone(pin, None, None)
         path = f"{RESPONSES}/{quote(own_id, safe='')}{tail}" + (f"?{query}" if query else "")

@@ -200,6 +200,13 @@ def build_app(cfg: GatewayConfig, web_ui: bool = True) -> FastAPI:
     async def input_items(request: Request, response_id: str):
         return await on_stored(request, response_id, "/input_items")
 
+    @app.post("/v1/responses/{response_id}/cancel")
+    @app.post("/responses/{response_id}/cancel")
+    async def cancel(request: Request, response_id: str):
+        """OpenAI's responses.cancel, on the deployment holding it (was a route 404, which the
+        client read as the id's)."""
+        return await on_stored(request, response_id, "/cancel")
+
     def model_card(alias: str) -> dict:
         return {"id": alias, "object": "model", "created": 0, "owned_by": "kvserve-gateway"}
 

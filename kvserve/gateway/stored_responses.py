@@ -1,4 +1,4 @@
-"""GET and DELETE /v1/responses/{id} (and GET .../input_items) through the gateway: to the
+"""GET and DELETE /v1/responses/{id} (GET .../input_items, POST .../cancel) through the gateway: to the
 deployment the id names (routing/responses_ids.py), for a key that may use that deployment's
 model. Reading or deleting a stored response runs no model, so it is neither rate-limited nor
 charged."""
@@ -29,7 +29,7 @@ async def stored_response(
     gateway: Gateway, key: KeyRecord, method: str, public_id: str, query: str, tail: str = ""
 ) -> Response:
     """The deployment's answer to `method` on the stored response (`tail`: "/input_items", its
-    input items), with the gateway's ids."""
+    input items; "/cancel"), with the gateway's ids."""
     where = decode_id(public_id)
     dep = gateway.router.by_id.get(where[0]) if where else None
     if dep is None or dep.model_name not in gateway.allowed_models(key):
