@@ -198,6 +198,7 @@ def _front_post(handle, path: str = "chat/completions", body: bytes = STREAMED_C
     async def run():
         scope = {"type": "http", "method": "POST", "path": f"/v1/{path}", "headers": []}
         front = SimpleNamespace(max_request_bytes=2**20, replicas=handle)
+        front._relay = lambda *a: Front._relay(front, *a)
         resp = await Front.post(front, path, Request(scope, receive))
         if not hasattr(resp, "body_iterator"):
             return resp, resp.body
@@ -289,6 +290,53 @@ def test_the_front_cancels_a_response_on_the_replica_its_id_names():
     assert calls == [(("POST", "resp_abc", "", {}), {"pin": "r1", "tail": "/cancel"})], calls
 
 
+def test_the_front_serves_kvserve_serves_token_routes_version_and_ping():
+    """/tokenize (how the gateway counts a deployment's prompt tokens), /detokenize, /version
+    and vLLM's /ping were 404s through the front; a replica answers them now."""
+    import asyncio
+
+    pytest.importorskip("ray.serve")
+    from starlette.requests import Request
+    from starlette.routing import Match
+
+    from kvserve.deploy.front import Front, app
+
+    routes = [
+        x for r in app.routes for x in (r.original_router.routes if hasattr(r, "original_router") else [r])
+    ]
+    expected = [("POST", "/tokenize", "tokenize"), ("POST", "/detokenize", "detokenize"), ("GET", "/version",
+                "version"), ("GET", "/ping", "ping"), ("POST", "/ping", "ping")]  # fmt: skip
+    for method, path, name in expected:
+        scope = {"type": "http", "method": method, "path": path, "headers": [], "query_string": b""}
+        assert next(r.name for r in routes if r.matches(scope)[0] == Match.FULL) == name, path
+    meta = {"status": 200, "content_type": "application/json", "replica": "r1"}
+    handle, gets = _Handle(meta, b'{"count": 3}'), []
+
+    async def get(path, headers):
+        gets.append(path)
+        return 200, "application/json", b"{}"
+
+    handle.get = SimpleNamespace(remote=get)
+    sent = []
+    handle.forward = SimpleNamespace(remote=lambda *a, **k: sent.append(a[:2]) or handle._gen())
+    front = SimpleNamespace(max_request_bytes=2**20, replicas=handle)
+    front._relay, front._get = (lambda *a: Front._relay(front, *a)), (lambda *a: Front._get(front, *a))
+
+    async def run():
+        async def receive() -> dict:
+            return {"type": "http.request", "body": b'{"prompt": "a b c"}', "more_body": False}
+
+        scope = {"type": "http", "method": "POST", "path": "/tokenize", "headers": [], "query_string": b""}
+        resp = await Front.tokenize(front, Request(scope, receive))
+        body = b"".join([c async for c in resp.body_iterator])
+        await Front.ping(front, Request(scope))
+        await Front.version(front, Request(scope))
+        return resp.status_code, body
+
+    assert asyncio.run(run()) == (200, b'{"count": 3}')
+    assert sent == [("/tokenize", {"prompt": "a b c"})] and gets == ["/health", "/version"], (sent, gets)
+
+
 @pytest.mark.parametrize("declared", [True, False])
 def test_front_refuses_a_body_over_its_limit_before_reading_it_whole(declared):
     """The front read every body whole (then parsed it and copied it to a replica), however
@@ -309,9 +357,9 @@ def test_front_refuses_a_body_over_its_limit_before_reading_it_whole(declared):
 
     headers = [(b"content-length", b"5000")] if declared else []
     scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": headers}
-    resp = asyncio.run(
-        Front.post(SimpleNamespace(max_request_bytes=1000), "completions", Request(scope, receive))
-    )
+    front = SimpleNamespace(max_request_bytes=1000)
+    front._relay = lambda *a: Front._relay(front, *a)
+    resp = asyncio.run(Front.post(front, "completions", Request(scope, receive)))
     err = json.loads(resp.body)["error"]
     assert resp.status_code == 413 and err["code"] == "request_too_large" and "1000 bytes" in err["message"]
     assert len(chunks) == (3 if declared else 1)  # nothing read / not past the limit

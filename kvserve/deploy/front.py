@@ -98,6 +98,29 @@ class Front:
 
     @app.post("/v1/{path:path}")
     async def post(self, path: str, request: Request) -> Response:
+        return await self._relay(f"/v1/{path}", request)
+
+    @app.post("/tokenize")
+    async def tokenize(self, request: Request) -> Response:
+        """kvserve serve's /tokenize on a replica (a 404 through the front: the gateway counts a
+        deployment's prompt tokens with it, and fell back to estimates)."""
+        return await self._relay("/tokenize", request)
+
+    @app.post("/detokenize")
+    async def detokenize(self, request: Request) -> Response:
+        return await self._relay("/detokenize", request)
+
+    @app.get("/version")
+    async def version(self, request: Request) -> Response:
+        return await self._get("/version", request)
+
+    @app.get("/ping")  # vLLM's (and SageMaker's) name for liveness, as kvserve serve answers it
+    @app.post("/ping")
+    async def ping(self, request: Request) -> Response:
+        return await self._get("/health", request)
+
+    async def _relay(self, target: str, request: Request) -> Response:
+        """A POST with a JSON body to `target` on a replica, its answer passed through."""
         raw = await _body(request, self.max_request_bytes)
         if raw is None:  # (was read whole, however large: one upload took the front's memory)
             msg = f"request body is larger than the deployment's limit of {self.max_request_bytes} bytes"
@@ -111,16 +134,15 @@ class Front:
         if not isinstance(body, dict):
             return _error(400, "the body must be a JSON object", "invalid_json")
         pin = None
-        if path == "responses" and (wrong := previous_id_problem(body.get("previous_response_id"))):
+        responses = target == "/v1/responses"
+        if responses and (wrong := previous_id_problem(body.get("previous_response_id"))):
             return _error(400, wrong, "invalid_value", "previous_response_id")  # (was "not found")
-        if path == "responses" and body.get("previous_response_id") is not None:
+        if responses and body.get("previous_response_id") is not None:
             where = decode_id(body["previous_response_id"])
             if where is None:
                 return _not_made_here(body["previous_response_id"], "previous_response_id")
             pin, body = where[0], dict(body, previous_response_id=where[1])
-        gen = self.replicas.options(stream=True).forward.remote(
-            f"/v1/{path}", body, _headers(request), pin=pin
-        )
+        gen = self.replicas.options(stream=True).forward.remote(target, body, _headers(request), pin=pin)
         try:
             meta = await gen.__anext__()
         except Exception as e:
@@ -140,7 +162,7 @@ class Front:
                 # as kvserve serve ends a failed stream: an error event, then [DONE] (was none:
                 # clients reading to [DONE] waited), or a Responses stream's own error event
                 message = f"the replica failed mid-stream ({_reason(e)}); the answer is incomplete"
-                yield failed_stream_end(message, path == "responses", sent)
+                yield failed_stream_end(message, responses, sent)
 
         return StreamingResponse(
             rest(), status_code=meta["status"], media_type=meta["content_type"],
