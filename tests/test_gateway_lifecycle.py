@@ -5,6 +5,7 @@ flight still gets its answer, then the process exits 0. Against the fault backen
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import signal
 import time
 
@@ -52,6 +53,47 @@ def test_sigterm_drains_the_gateway(tmp_path):
         assert answer.json()["choices"][0]["message"]["content"] == " tok tok"
         assert gw.proc.wait(30) == 0
         assert fault.count("hold-2") == 1  # the refused request never reached the backend
+        assert "Traceback" not in gw.logs(), gw.logs()
+    finally:
+        gw.stop()
+        fault.stop()
+
+
+def test_the_drain_deadline_ends_what_is_still_in_flight(tmp_path):
+    """At shutdown_timeout the drain only stopped waiting: uvicorn then waited for every
+    stream and request still running, however long (a pod outlived its timeout until killed,
+    its streams cut with no word). Now, as kvserve serve: a stream still running gets an error
+    event (shutting_down) and [DONE], a request still waiting a 503 + Retry-After; then it exits."""
+    fault = FaultBackend()
+    cfg = {
+        "model_list": [
+            deployment("slow", fault.url + "/v1", "slow"),
+            deployment("held", fault.url + "/v1", "hold-60"),
+        ],
+        "keys": [{"key": KEY}],
+        "general_settings": {"database": str(tmp_path / "gw.db"), "shutdown_timeout": 1},
+    }
+    gw = GatewayProcess(cfg, str(tmp_path))
+
+    def stream() -> list[str]:
+        body = {"model": "slow", "messages": BODY["messages"], "max_tokens": 600, "stream": True}  # ~60 s
+        with httpx.stream("POST", gw.url + "/v1/chat/completions", json=body, headers=AUTH, timeout=60) as r:
+            return [line for line in r.iter_lines() if line.startswith("data: ")]
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            streamed = pool.submit(stream)
+            held = pool.submit(httpx.post, gw.url + "/v1/chat/completions", json={**BODY, "model": "held"},
+                               headers=AUTH, timeout=60)  # fmt: skip
+            _until(lambda: fault.count("hold-60") == 1 and fault.count("slow") == 1)
+            gw.proc.send_signal(signal.SIGTERM)
+            events, answer = streamed.result(), held.result()
+        assert events[-1] == "data: [DONE]" and len(events) < 600, events[-3:]
+        err = json.loads(events[-2].removeprefix("data: "))["error"]
+        assert err["code"] == "shutting_down" and "shutting down" in err["message"], err
+        assert answer.status_code == 503 and answer.headers["retry-after"] == "5", answer.text
+        assert answer.json()["error"]["code"] == "shutting_down", answer.text
+        assert gw.proc.wait(30) == 0
         assert "Traceback" not in gw.logs(), gw.logs()
     finally:
         gw.stop()

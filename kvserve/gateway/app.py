@@ -25,7 +25,7 @@ from kvserve.gateway.config import ConfigError, GatewayConfig
 from kvserve.gateway.errors import GatewayError, unauthorized
 from kvserve.gateway.handler import Gateway
 from kvserve.gateway.keys import KeyRecord, KeyStore, open_database
-from kvserve.gateway.lifecycle import GatewayLifecycle
+from kvserve.gateway.lifecycle import ENDING_S, GatewayLifecycle
 from kvserve.gateway.metrics import GatewayMetrics
 from kvserve.gateway.spend import SpendLog
 from kvserve.gateway.state import StoreUnavailable, open_store, same_redis_server
@@ -73,7 +73,9 @@ class GatewayState:
         self.metrics = GatewayMetrics()
         self.gateway = Gateway(cfg, self.store, self.pool, self.spend, self.metrics, self.cache_store)
         self.lifecycle = GatewayLifecycle(
-            cfg.general_settings.shutdown_timeout, lambda: self.gateway.num_in_flight
+            cfg.general_settings.shutdown_timeout,
+            lambda: self.gateway.num_in_flight,
+            self.gateway.in_flight.close,
         )
 
     def refuse_if_draining(self) -> None:
@@ -281,6 +283,8 @@ def serve(cfg: GatewayConfig, host: str, port: int, web_ui: bool = True) -> int:
         len(cfg.model_list),
         cfg.general_settings.state.split("@")[-1],
     )
-    uv = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
+    uv = uvicorn.Config(
+        app, host=host, port=port, log_level="warning", access_log=False, timeout_graceful_shutdown=ENDING_S
+    )
     DrainingServer(uv, app.state.gateway.lifecycle).run()
     return 0

@@ -29,6 +29,7 @@ from kvserve.gateway.config import Deployment, GatewayConfig
 from kvserve.gateway.degrade import HEADER as DEGRADED_HEADER
 from kvserve.gateway.degrade import Degrader
 from kvserve.gateway.errors import GatewayError, limit_reached, upstream_rate_limited
+from kvserve.gateway.in_flight import SHUTTING_DOWN, InFlight
 from kvserve.gateway.keys import KeyRecord
 from kvserve.gateway.limits import deployment_checks, needs_tokens, ratelimit_headers, tenant_checks
 from kvserve.gateway.metrics import GatewayMetrics
@@ -101,6 +102,7 @@ class Gateway:
         self.cache = ResponseCache(cfg, cache_store or store, pool, self.router)
         self.num_in_flight = 0  # client requests not yet settled (streams until they end): the drain waits
         self.budgets = BudgetRebuild(store, spend)  # admission, after a lost budget is rebuilt
+        self.in_flight = InFlight()  # what the drain's deadline ends (in_flight.py)
 
     # ---- entry -----------------------------------------------------------------------------
     def allowed_models(self, key: KeyRecord) -> list[str]:
@@ -155,6 +157,7 @@ class Gateway:
             self._pin(ctx)
         ctx.route = request_info(body, request.headers if request is not None else {})
         work = asyncio.ensure_future(self._run(ctx))
+        self.in_flight.waiting(work)
         watcher = asyncio.ensure_future(_disconnected(request))
         try:
             done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -164,6 +167,9 @@ class Gateway:
         finally:
             watcher.cancel()
         if work in done:
+            if work.cancelled() and self.in_flight.closing:  # the drain's deadline (in_flight.py)
+                retry = {"retry-after": "5", "x-request-id": ctx.headers["x-request-id"]}
+                raise GatewayError(503, SHUTTING_DOWN, "server_error", "shutting_down", headers=retry)
             return work.result()
         ctx.client_left = True
         work.cancel()  # the client went away: stop the upstream request (frees its KV blocks)
@@ -211,7 +217,7 @@ class Gateway:
             status = (
                 e.status if isinstance(e, GatewayError)
                 else 503 if isinstance(e, StoreUnavailable)
-                else 499 if isinstance(e, asyncio.CancelledError)
+                else (503 if self.in_flight.closing else 499) if isinstance(e, asyncio.CancelledError)
                 else 500
             )  # fmt: skip
             if isinstance(e, GatewayError):  # (its answer names the request as a success does)
@@ -551,7 +557,11 @@ class Gateway:
             gone = asyncio.ensure_future(_disconnected(ctx.request))  # the client went away
             try:
                 yield out.first
-                async for chunk in out.chunks:
+                while True:
+                    async with self.in_flight.read():  # (the drain's deadline ends a read waiting)
+                        chunk = await anext(out.chunks, None)
+                    if chunk is None:
+                        break
                     if gone.done():
                         return  # closing the upstream response cancels the backend's work
                     data = out.relay.feed(chunk)
@@ -567,13 +577,14 @@ class Gateway:
                     message, code = out.relay.error_later
                     status, failure = 502, f"the stream ended with the backend's error ({message})"
                     blamed = code in ENGINE_GONE_CODES  # the deployment's; another may be the request's
-            except Exception as e:  # httpx read errors, idle and total timeouts
+            except Exception as e:  # httpx read errors, idle and total timeouts, the drain's deadline
                 status, failure = 502, f"{e.__class__.__name__}: {e}".strip(": ")
-                yield failed_stream_end(
-                    f"deployment {dep.id} failed mid-stream ({failure}); the answer is incomplete",
-                    ctx.path == RESPONSES,
-                    out.relay.data_events,
-                )
+                message = f"deployment {dep.id} failed mid-stream ({failure}); the answer is incomplete"
+                code = "upstream_error"
+                if self.in_flight.closing:  # not the deployment's doing: no cooldown
+                    status, failure, blamed, code = 503, SHUTTING_DOWN, False, "shutting_down"
+                    message = f"{SHUTTING_DOWN}; the answer is incomplete"
+                yield failed_stream_end(message, ctx.path == RESPONSES, out.relay.data_events, code)
             finally:
                 gone.cancel()
                 await settle(status, failure, blamed)

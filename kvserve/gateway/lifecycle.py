@@ -5,9 +5,10 @@
   answers, one deployment is up and not cooling down, and no drain is under way.
 - SIGTERM / SIGINT start a drain: readiness turns false at once (a load balancer stops
   sending), new requests get 503 + Retry-After while the listener stays open, requests in
-  flight (streams included) finish until `general_settings.shutdown_timeout`, then uvicorn
-  closes. A second signal exits at once. The gateway's state lives in its store, so nothing
-  else needs handing over.
+  flight (streams included) finish until `general_settings.shutdown_timeout`; those still
+  running then are ended as kvserve serve ends them (in_flight.py: a stream's error event and
+  [DONE], a waiting request's 503), and uvicorn closes. A second signal exits at once. The
+  gateway's state lives in its store, so nothing else needs handing over.
 """
 
 from __future__ import annotations
@@ -20,12 +21,17 @@ from collections.abc import Callable
 import uvicorn
 
 log = logging.getLogger("kvserve.gateway")
+ENDING_S = 5.0  # after the deadline: for the ended requests' last bytes (a client that does not
+# read holds its stream: uvicorn's timeout_graceful_shutdown, as long, then cancels it)
 
 
 class GatewayLifecycle:
-    def __init__(self, shutdown_timeout: float, in_flight: Callable[[], int]) -> None:
+    def __init__(
+        self, shutdown_timeout: float, in_flight: Callable[[], int], end_in_flight: Callable[[], None]
+    ) -> None:
         self.shutdown_timeout = shutdown_timeout
         self.in_flight = in_flight
+        self.end_in_flight = end_in_flight  # at the deadline: what is still running ends now
         self.draining = False
         self._tasks: set[asyncio.Task] = set()
 
@@ -43,5 +49,9 @@ class GatewayLifecycle:
         while self.in_flight() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if self.in_flight():
-            log.warning("shutdown deadline: closing with %d request(s) still in flight", self.in_flight())
+            log.warning("shutdown deadline: ending %d request(s) still in flight", self.in_flight())
+            self.end_in_flight()
+            end = time.monotonic() + ENDING_S  # their last events sent, their spend settled
+            while self.in_flight() and time.monotonic() < end:
+                await asyncio.sleep(0.05)
         server.should_exit = True
