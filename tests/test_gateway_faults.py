@@ -808,7 +808,8 @@ def test_a_body_nested_too_deeply_to_parse_is_a_400_not_a_500(gw):
         ({"x-goog-api-key": KEY}, 200),
         ({"Ocp-Apim-Subscription-Key": KEY}, 200),
         ({"Authorization": f"Bearer {KEY}", "api-key": "sk-wrong"}, 200),  # Authorization before api-key
-        ({"Authorization": f"Basic {KEY}", "api-key": KEY}, 401),  # (as LiteLLM: Authorization decides)
+        ({"Authorization": f"Basic {KEY}"}, 200),  # (Langfuse's way, which LiteLLM reads)
+        ({"Authorization": f"Token {KEY}", "api-key": KEY}, 401),  # (as LiteLLM: Authorization decides)
         ({"api-key": "sk-wrong"}, 401),
     ],
 )
@@ -826,7 +827,7 @@ def test_the_key_is_read_from_the_headers_litellm_reads_it_from(gw, headers, sta
 def test_the_admin_api_takes_the_master_key_from_the_same_headers(gw):
     r = httpx.get(gw.url + "/admin/keys", headers={"x-litellm-api-key": MASTER}, timeout=30)
     assert r.status_code == 200, r.text
-    r = httpx.get(gw.url + "/admin/keys", headers={"Authorization": f"Basic {MASTER}"}, timeout=30)
+    r = httpx.get(gw.url + "/admin/keys", headers={"Authorization": f"Token {MASTER}"}, timeout=30)
     assert r.status_code == 401, r.text  # (any scheme's token was taken as the master key)
 
 
