@@ -25,14 +25,14 @@ def _until(pred, timeout: float = 30.0) -> None:
 
 
 def test_sigterm_drains_the_gateway(tmp_path):
-    fault = FaultBackend()
+    fault, gw = FaultBackend(), None  # (a gateway that does not start must not leave the backend)
     cfg = {
         "model_list": [deployment("held", fault.url + "/v1", "hold-2")],
         "keys": [{"key": KEY}],
         "general_settings": {"database": str(tmp_path / "gw.db"), "shutdown_timeout": 60},
     }
-    gw = GatewayProcess(cfg, str(tmp_path))
     try:
+        gw = GatewayProcess(cfg, str(tmp_path))
         assert httpx.get(gw.url + "/health").status_code == 200
         ready = httpx.get(gw.url + "/health/ready")
         assert ready.status_code == 200 and ready.json()["status"] == "ready"
@@ -55,7 +55,8 @@ def test_sigterm_drains_the_gateway(tmp_path):
         assert fault.count("hold-2") == 1  # the refused request never reached the backend
         assert "Traceback" not in gw.logs(), gw.logs()
     finally:
-        gw.stop()
+        if gw is not None:
+            gw.stop()
         fault.stop()
 
 
@@ -64,7 +65,7 @@ def test_the_drain_deadline_ends_what_is_still_in_flight(tmp_path):
     stream and request still running, however long (a pod outlived its timeout until killed,
     its streams cut with no word). Now, as kvserve serve: a stream still running gets an error
     event (shutting_down) and [DONE], a request still waiting a 503 + Retry-After; then it exits."""
-    fault = FaultBackend()
+    fault, gw = FaultBackend(), None
     cfg = {
         "model_list": [
             deployment("slow", fault.url + "/v1", "slow"),
@@ -73,7 +74,6 @@ def test_the_drain_deadline_ends_what_is_still_in_flight(tmp_path):
         "keys": [{"key": KEY}],
         "general_settings": {"database": str(tmp_path / "gw.db"), "shutdown_timeout": 1},
     }
-    gw = GatewayProcess(cfg, str(tmp_path))
 
     def stream() -> list[str]:
         body = {"model": "slow", "messages": BODY["messages"], "max_tokens": 600, "stream": True}  # ~60 s
@@ -81,6 +81,7 @@ def test_the_drain_deadline_ends_what_is_still_in_flight(tmp_path):
             return [line for line in r.iter_lines() if line.startswith("data: ")]
 
     try:
+        gw = GatewayProcess(cfg, str(tmp_path))
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             streamed = pool.submit(stream)
             held = pool.submit(httpx.post, gw.url + "/v1/chat/completions", json={**BODY, "model": "held"},
@@ -96,5 +97,6 @@ def test_the_drain_deadline_ends_what_is_still_in_flight(tmp_path):
         assert gw.proc.wait(30) == 0
         assert "Traceback" not in gw.logs(), gw.logs()
     finally:
-        gw.stop()
+        if gw is not None:
+            gw.stop()
         fault.stop()
