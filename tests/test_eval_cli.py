@@ -18,6 +18,9 @@ from kvserve.entrypoints.cli import main
         (["--window", "0"], "argument --window: must be >= 2, got 0"),  # said ">= 1", not its bound
         # these two were "token_ids: need at least 2 tokens to score", after the model had loaded
         (["--max-tokens", "1"], "argument --max-tokens: must be >= 2, got 1"),
+        # 20 digits were taken (a typo for a corpus length, or a window cut to the model's unsaid)
+        (["--window", "12345678901234567890"], "argument --window: must be <= 10,000,000 (past any model's"),
+        (["--max-tokens", "12345678901234567890"], "argument --max-tokens: must be <= 1,000,000,000 (past"),
         (["--corpus", "{tmp}/blank.txt"], "argument --corpus: '{tmp}/blank.txt': no text to score"),
         # a byte-order mark and a newline (an empty file saved by Windows' Notepad) was scored
         (["--corpus", "{tmp}/bom.txt"], "argument --corpus: '{tmp}/bom.txt': no text to score"),

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from kvserve.argtypes import int_at_least
+from kvserve.argtypes import at_most, int_at_least
 
 
 def cmd_perplexity(args: argparse.Namespace) -> int:
@@ -42,8 +42,11 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
     return 0
 
 
-# tokens: the first of a window is not scored (checked before the model loads)
+# tokens: the first of a window is not scored (checked before the model loads); a 20-digit
+# value was taken and run as "the whole corpus" or cut to the model's length unsaid
 _AT_LEAST_TWO = int_at_least(2)
+_WINDOW = at_most(_AT_LEAST_TWO, 10**7, "past any model's context")
+_MAX_TOKENS = at_most(_AT_LEAST_TWO, 10**9, "past any corpus's length")
 
 
 def _corpus(text: str) -> str:
@@ -73,10 +76,10 @@ def register(sub) -> None:
         "--corpus", type=_corpus, default=None, help="a UTF-8 text file instead of the shipped corpus"
     )
     p.add_argument(
-        "--max-tokens", type=_AT_LEAST_TWO, default=None, help="score only the first N corpus tokens (>= 2)"
+        "--max-tokens", type=_MAX_TOKENS, default=None, help="score only the first N corpus tokens (>= 2)"
     )
     p.add_argument(
-        "--window", type=_AT_LEAST_TWO, default=1024, help="tokens per scored window (non-overlapping, >= 2)"
+        "--window", type=_WINDOW, default=1024, help="tokens per scored window (non-overlapping, >= 2)"
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", type=writable_file, default=None, help="also write the result to this JSON file")
