@@ -75,6 +75,39 @@ def test_fields_that_change_behaviour_are_refused_with_a_reason(server, extra, f
     assert r.json()["error"]["param"] == field, r.text
 
 
+@pytest.mark.parametrize(
+    "extra, field",
+    [
+        ({"tools": []}, "tools"),  # OpenAI: "empty array. Expected an array with minimum length 1"
+        ({"functions": []}, "functions"),
+        ({"parallel_tool_calls": False}, "parallel_tool_calls"),  # OpenAI: "only allowed when tools ..."
+        ({"parallel_tool_calls": True, "tools": []}, "tools"),
+    ],
+)
+def test_tool_fields_without_tools_are_refused_as_openai_does(client, extra, field):
+    """Each was answered 200 with the tools ignored; OpenAI refuses them with a 400 naming the field."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="smol", messages=HI, max_tokens=2, **extra)
+    assert e.value.body["param"] == field, e.value.body
+
+
+def test_responses_take_no_tools_with_parallel_tool_calls_and_echo_them(client):
+    """The Responses API takes `tools: []` and parallel_tool_calls without tools (OpenAI's echo
+    both in every response): the chat request it runs as must not send them on to be refused."""
+    r = client.responses.create(
+        model="smol", input="hi", max_output_tokens=2, tools=[], parallel_tool_calls=False
+    )
+    assert r.status == "incomplete" and r.tools == [] and r.parallel_tool_calls is False
+
+
+def test_more_stop_strings_than_openai_takes_are_honoured(client):
+    """OpenAI takes at most 4 stop strings, vLLM any number: kvserve takes up to 32 (the README),
+    so a vLLM client's list of 5 works and each of them stops the text."""
+    stop = ["zz1", "zz2", "zz3", "zz4", " 6"]
+    r = client.completions.create(model="smol", prompt="1, 2, 3, 4,", max_tokens=12, temperature=0, stop=stop)
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].text == " 5,", r.choices[0]
+
+
 def test_unknown_model_is_404_and_models_retrieve(client, server):
     with pytest.raises(openai.NotFoundError) as e:
         client.chat.completions.create(model="gpt-9", messages=HI, max_tokens=2)

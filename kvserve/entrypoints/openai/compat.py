@@ -68,6 +68,11 @@ def normalize_chat(req: ChatCompletionRequest) -> list[str]:
         raise ValueError("modalities: this server produces text only; audio output is not supported")
     if req.web_search_options is not None:
         raise ValueError("web_search_options: web search is not available on this server")
+    for field in ("tools", "functions"):  # OpenAI's 400: an empty list declares nothing to call
+        if getattr(req, field) == []:
+            raise ValueError(f"{field}: empty array; send at least one, or leave {field} out")
+    if "parallel_tool_calls" in req.model_fields_set and req.tools is None and req.functions is None:
+        raise ValueError("parallel_tool_calls: only allowed when tools are specified (as OpenAI's)")
     if req.function_call is not None and req.functions is None:
         raise ValueError("function_call: requires functions")
     if req.functions is not None:

@@ -296,7 +296,9 @@ def to_chat(req: ResponsesRequest, history: list[dict[str, Any]]) -> ChatComplet
         top_logprobs=req.top_logprobs,
         tools=tools,
         tool_choice=choice,
-        parallel_tool_calls=req.parallel_tool_calls and req.max_tool_calls != 1,
+        # only with tools: chat refuses it without them, as OpenAI's chat does (the Responses API
+        # takes it either way, and echoes it)
+        **({"parallel_tool_calls": req.parallel_tool_calls and req.max_tool_calls != 1} if tools else {}),
         response_format=response_format,
         stream=req.stream,
         stream_options={"include_usage": True} if req.stream else None,
