@@ -151,6 +151,26 @@ def test_openai_client_round_trip(client):
         client.files.retrieve(f.id)
 
 
+def test_the_batch_names_the_model_its_lines_use(client):
+    """OpenAI's Batch carries `model`, the model the lines ran on; it was null here. A line that
+    names none runs on the default (its response says so); a model not served here is null."""
+    named = [line(i) for i in range(2)]
+    cmpl = [json.loads(line(i, url=CMPL)) for i in range(2)]
+    unnamed = [json.dumps({**x, "body": {"prompt": "hi", "max_tokens": 1}}) for x in cmpl]
+    unknown = [json.dumps({**x, "body": {"model": "gpt-x", "prompt": "hi"}}) for x in cmpl]
+    models = {}
+    for kind, lines in {"named": named, "unnamed": unnamed, "unknown": unknown}.items():
+        url = CHAT if kind == "named" else CMPL
+        file_id = upload(client, lines).id
+        b = client.batches.create(input_file_id=file_id, endpoint=url, completion_window="24h")
+        b = wait_final(client, b.id)
+        assert b.status == "completed", b
+        models[kind] = (b.model, client.batches.retrieve(b.id).model, b.request_counts.failed)
+    assert models == {
+        "named": ("tiny", "tiny", 0), "unnamed": ("tiny", "tiny", 0), "unknown": (None, None, 2)
+    }  # fmt: skip
+
+
 def test_a_batch_counts_the_tokens_of_its_lines_as_openais_usage(client):
     """OpenAI's Batch carries `usage` (input, cached, output, total tokens of the lines done);
     it was null here. It is the sum of the succeeded lines' usage; a failed line adds none."""

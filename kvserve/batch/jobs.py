@@ -57,6 +57,7 @@ class JobStore:
             "completed_at": None, "failed_at": None, "expired_at": None, "cancelling_at": None,
             "cancelled_at": None, "request_counts": {"total": 0, "completed": 0, "failed": 0},
             "usage": batch_usage(0, 0, 0), "metadata": metadata,
+            "model": None,  # the lines' model, known once the validating pass has read them
             # where the runner writes, registered as files once the batch is final
             "_output_path_id": new_file_id(), "_error_path_id": new_file_id(),
         }  # fmt: skip

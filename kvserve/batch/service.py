@@ -120,7 +120,7 @@ class BatchService:
             self.jobs.set_total(batch_id, total)
             obj = self.jobs.raw(batch_id)
             if obj["status"] == "validating":
-                obj = self.jobs.set_status(obj, "in_progress")
+                obj = self.jobs.set_status(obj, "in_progress", model=self._model(scan.model))
         if obj["status"] == "in_progress":
             try:  # a batch resumed after a restart: its input may have been deleted meanwhile
                 await asyncio.to_thread(_check_readable, path)
@@ -134,6 +134,13 @@ class BatchService:
             obj["status"] == "in_progress" and self._expired(obj)
         ):
             self._finalize(obj)
+
+    def _model(self, named: str | None) -> str | None:
+        """OpenAI's Batch `model`: the model the lines use. A line that names none runs on the
+        default (the first served name); one naming a model not served here fails, so null."""
+        names = self.serving.model_names
+        model = named or names[0]
+        return model if model in names else None
 
     def _expired(self, obj: dict) -> bool:
         return time.time() > obj["expires_at"]

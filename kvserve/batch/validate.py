@@ -1,4 +1,5 @@
-"""The validating pass over a batch input: count its lines and find repeated `custom_id`s.
+"""The validating pass over a batch input: count its lines, find repeated `custom_id`s and the
+model the lines name.
 
 OpenAI requires every `custom_id` to be unique within a batch and fails a batch whose file
 repeats one (status `failed`, `errors.data[]` with code `duplicate_custom_id` and the line),
@@ -26,16 +27,27 @@ class Scan:
     total: int = 0  # non-blank lines
     duplicates: list[tuple[int, int, str]] = field(default_factory=list)  # (line, first line, id), 1-based
     num_duplicates: int = 0
+    model: str | None = None  # the first `body.model` a line names (the Batch object's `model`)
 
 
-def custom_id_of(raw: bytes) -> str | None:
-    """The line's custom_id if it has one; a line that has none becomes an error line later."""
+def _line(raw: bytes) -> dict | None:
     try:
         obj = json.loads(raw)
     except (UnicodeDecodeError, ValueError):
         return None
-    cid = obj.get("custom_id") if isinstance(obj, dict) else None
+    return obj if isinstance(obj, dict) else None
+
+
+def custom_id_of(raw: bytes) -> str | None:
+    """The line's custom_id if it has one; a line that has none becomes an error line later."""
+    cid = (_line(raw) or {}).get("custom_id")
     return cid if isinstance(cid, str) and cid else None
+
+
+def model_of(obj: dict) -> str | None:
+    body = obj.get("body")
+    model = body.get("model") if isinstance(body, dict) else None
+    return model if isinstance(model, str) and model else None
 
 
 def _digest(cid: str) -> bytes:
@@ -52,8 +64,11 @@ def scan_input(path: str | Path) -> Scan:
             if not raw.strip():
                 continue
             scan.total += 1
-            cid = custom_id_of(raw)
-            if cid is not None:
+            obj = _line(raw) or {}
+            if scan.model is None:
+                scan.model = model_of(obj)
+            cid = obj.get("custom_id")
+            if isinstance(cid, str) and cid:
                 hashes += _digest(cid)
     arr = np.sort(np.frombuffer(hashes, dtype=np.uint64))
     repeated = arr[1:][arr[1:] == arr[:-1]]
