@@ -207,6 +207,22 @@ def test_a_union_field_reports_the_member_the_value_broke(server):
 
 
 @pytest.mark.parametrize(
+    "path, body, message",
+    [  # each was "Input should be a valid string", the first member's complaint, whatever was sent
+        ("/v1/completions", {"prompt": [1, "a"]}, "prompt: Input should be a valid integer"),
+        ("/v1/completions", {"prompt": [[1], 2]}, "prompt: Input should be a valid list"),
+        ("/v1/completions", {"prompt": ["a", 1]}, "prompt: Input should be a valid string"),
+        ("/v1/completions", {"prompt": 5}, "prompt: Input should be a string, a list of strings, a list of"),
+        ("/v1/embeddings", {"input": [1, 2.5]}, "input: Input should be a valid integer"),
+    ],
+)
+def test_a_prompt_is_checked_as_the_kind_its_first_element_says(server, path, body, message):
+    r = post(server, {"model": "tiny", **body}, path)
+    assert_400(r, next(iter(body)))
+    assert r.json()["error"]["message"].startswith(message), r.text
+
+
+@pytest.mark.parametrize(
     "extra, message",
     [
         ({"messages": [{"role": "user", "content": "hi"}, {}]}, "messages[1].role: Field required"),
