@@ -1071,6 +1071,23 @@ def test_serve_settings_that_would_leave_it_useless_are_refused_at_parse(flag, v
     assert e.value.code == 2 and f"argument {flag}: {message}" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("--max-request-bytes", "-5", "must be >= 1, got -5"),  # every body a 413
+        ("--max-request-bytes", "0", "must be >= 1, got 0"),
+        ("--prefill-timeout", "nan", "must be a finite number"),  # every prefill failed over
+        ("--prefill-timeout", "-1", "must be > 0"),
+    ],
+)
+def test_pd_proxy_settings_that_would_leave_it_useless_are_refused_at_parse(flag, value, message, capsys):
+    from kvserve.entrypoints.cli import build_parser
+
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["pd-proxy", "--prefill", "http://p", "--decode", "http://d", flag, value])
+    assert e.value.code == 2 and f"argument {flag}: {message}" in capsys.readouterr().err
+
+
 def test_responses_truncation_auto_drops_the_oldest_turns(server):
     """truncation "auto" was taken and ignored: a conversation grown past the context got
     context_length_exceeded as with "disabled". Now its oldest turns are dropped (from a user

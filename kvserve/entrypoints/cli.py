@@ -315,11 +315,12 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("--decode", nargs="+", required=True, help="base URL(s) of kv_consumer servers")
     pd.add_argument("--host", default="127.0.0.1")
     pd.add_argument("--port", type=port, default=8100)
-    pd.add_argument("--max-request-bytes", type=int, default=16 * 2**20,
+    # both were taken as any number: -5 bytes made every request a 413, nan seconds failed every prefill
+    pd.add_argument("--max-request-bytes", type=positive_int, default=16 * 2**20,
                     help="a larger request body is a 413 before it is read (default 16 MiB)")  # fmt: skip
     pd.add_argument(
         "--prefill-timeout",
-        type=float,
+        type=positive_float,
         default=60.0,
         help="seconds a prefill engine may take, then the decode engine computes the prompt",
     )
