@@ -329,7 +329,11 @@ def test_responses_multi_turn_with_previous_response_id(client):
         client.responses.retrieve(first.id)
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model="smol", input="Hi", previous_response_id=first.id)
-    assert e.value.body["param"] == "previous_response_id"
+    # OpenAI's code (was invalid_value): Codex and the proxies in front of it resend the whole
+    # conversation on it, and match "previous response ... not found" in the message
+    body = e.value.body
+    assert (body["param"], body["code"]) == ("previous_response_id", "previous_response_not_found")
+    assert f"previous response with id {first.id!r} not found" in body["message"]
 
 
 def test_responses_input_items_list_and_page(client, server):

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from fastapi.responses import JSONResponse
 
 from kvserve.engine.processor import ContextLengthError
+from kvserve.entrypoints.openai.response_store import PreviousResponseNotFoundError
 
 
 class OpenAIErrorResponse(JSONResponse):
@@ -49,7 +50,10 @@ def field_path(loc: Sequence[str | int]) -> str:
 
 
 def value_error_code(exc: ValueError) -> str:
-    """The code of a 400 raised as a ValueError: OpenAI's for a request past the context."""
+    """The code of a 400 raised as a ValueError: OpenAI's for a request past the context, and for
+    a previous_response_id that names no stored response."""
+    if isinstance(exc, PreviousResponseNotFoundError):
+        return "previous_response_not_found"
     return "context_length_exceeded" if isinstance(exc, ContextLengthError) else "invalid_value"
 
 

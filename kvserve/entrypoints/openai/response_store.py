@@ -18,6 +18,12 @@ class ResponseNotFoundError(LookupError):
     """An id that is not (or no longer) in the store: 404."""
 
 
+class PreviousResponseNotFoundError(ValueError):
+    """previous_response_id names no stored response: a 400 with OpenAI's code for it,
+    `previous_response_not_found`, which clients (Codex, proxies in front of it) read to resend
+    the whole conversation instead."""
+
+
 def _missing(response_id: str) -> ResponseNotFoundError:
     return ResponseNotFoundError(f"response {response_id!r} not found (never stored, or expired)")
 

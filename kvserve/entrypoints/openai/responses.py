@@ -22,7 +22,11 @@ from fastapi.responses import JSONResponse
 
 from kvserve.engine.processor import ContextLengthError
 from kvserve.entrypoints.openai.protocol import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
-from kvserve.entrypoints.openai.response_store import ResponseNotFoundError, ResponseStore
+from kvserve.entrypoints.openai.response_store import (
+    PreviousResponseNotFoundError,
+    ResponseNotFoundError,
+    ResponseStore,
+)
 from kvserve.entrypoints.openai.responses_items import stored_input_items
 from kvserve.entrypoints.openai.responses_protocol import (
     ResponsesRequest,
@@ -170,8 +174,11 @@ class ResponsesServing:
         if req.previous_response_id is not None:
             try:
                 _, history = self.store.get(req.previous_response_id)
-            except ResponseNotFoundError as e:
-                raise ValueError(f"previous_response_id: {e}") from None
+            except ResponseNotFoundError:
+                raise PreviousResponseNotFoundError(
+                    f"previous_response_id: previous response with id {req.previous_response_id!r} not found "
+                    "(never stored, or expired)"
+                ) from None
         try:
             try:
                 run = await self.serving.chat_run(to_chat(req, history), raw)
