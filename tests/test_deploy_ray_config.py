@@ -9,6 +9,7 @@ import sys
 from types import SimpleNamespace
 
 import pytest
+from stream_endings import assert_chat_stream_failed, assert_responses_stream_failed, sse_events
 
 from kvserve.deploy.ray_config import DeployConfigError, load_config, parse_config
 from kvserve.deploy.ray_serve import autoscaling_config
@@ -233,26 +234,18 @@ def test_a_stream_a_replica_broke_off_ends_as_kvserve_serve_ends_a_failed_one():
     (kvserve serve sends its error event, then [DONE]: clients reading to [DONE] waited), and a
     Responses stream got chat's error shape. Now chat's error event and [DONE]; a Responses
     stream its own error event, numbered after the events sent (2), and no [DONE]."""
-    import json
-
     pytest.importorskip("ray.serve")
     meta = {"status": 200, "content_type": "text/event-stream; charset=utf-8", "replica": "r1"}
     first = b'data: {"choices": [{"index": 0, "delta": {"content": "Hel"}}]}\n\n'
     _, body = _front_post(_Handle(meta, first, _RayTaskError(ConnectionError("server gone"))))
-    events = [e for e in body.split(b"\n\n") if e.strip()]
-    assert events[-1] == b"data: [DONE]", events
-    assert json.loads(events[-2].removeprefix(b"data: "))["error"]["code"] == "upstream_error", events
+    assert_chat_stream_failed(sse_events(body), "failed mid-stream")
     created = b'event: response.created\ndata: {"type": "response.created", "sequence_number": 0}\n\n'
     delta = b'event: response.output_text.delta\ndata: {"type": "response.output_text.delta"}\n\n'
     streamed = b'{"model": "m", "input": "hi", "stream": true}'
     handle = _Handle(meta, created + delta, _RayTaskError(ConnectionError("server gone")))
     resp, body = _front_post(handle, "responses", streamed)
-    events = [e for e in body.split(b"\n\n") if e.strip()]
-    assert resp.status_code == 200 and b"[DONE]" not in body, body
-    head, data = events[-1].split(b"\n")
-    err = json.loads(data.removeprefix(b"data: "))
-    assert head == b"event: error" and err["type"] == "error" and err["sequence_number"] == 2, err
-    assert err["code"] == "upstream_error" and "failed mid-stream" in err["message"], err
+    assert resp.status_code == 200
+    assert_responses_stream_failed(sse_events(body), 2, "failed mid-stream")
 
 
 def test_the_front_cancels_a_response_on_the_replica_its_id_names():

@@ -17,6 +17,7 @@ import openai
 import pytest
 from gateway_utils import FaultBackend, leave_mid_body, wait_for_log
 from server_utils import ServerProcess, free_port, stop_process, wait_up
+from stream_endings import assert_chat_stream_failed, assert_responses_stream_failed, sse_events
 
 PROMPT = (
     "The quick brown fox jumps over the lazy dog. A paged KV cache stores keys and values in "
@@ -319,11 +320,6 @@ def test_killed_prefill_engine_means_recompute_not_failure(pd):
     _wait_for(lambda: _settled(cons), 2, "the consumer's pool is empty")
 
 
-def _sse_events(r: httpx.Response) -> list[str]:
-    """The events of a streamed answer, each its lines joined by a newline."""
-    return [e.strip() for e in r.read().decode().replace("\r\n", "\n").split("\n\n") if e.strip()]
-
-
 def test_proxy_ends_a_stream_its_decode_engine_broke_off_as_kvserve_serve_does():
     """No engines needed. A decode engine dying mid-stream got the client an error event and no
     `data: [DONE]` (kvserve serve sends its error event, then [DONE]: clients reading to [DONE]
@@ -335,18 +331,12 @@ def test_proxy_ends_a_stream_its_decode_engine_broke_off_as_kvserve_serve_does()
     try:
         body = {"model": "die", "prompt": "a b", "max_tokens": 8, "stream": True}
         with httpx.stream("POST", proxy.url + "/v1/completions", json=body, timeout=30) as r:
-            events = _sse_events(r)
-        assert r.status_code == 200 and events[-1] == "data: [DONE]", events[-2:]
-        err = json.loads(events[-2].removeprefix("data: "))["error"]
-        assert err["code"] == "upstream_error" and "mid-stream" in err["message"], err
+            assert r.status_code == 200
+            assert_chat_stream_failed(sse_events(r.read()), "mid-stream")
         body = {"model": "die", "input": "a b", "stream": True}
         with httpx.stream("POST", proxy.url + "/v1/responses", json=body, timeout=30) as r:
-            events = _sse_events(r)
-        assert r.status_code == 200 and "[DONE]" not in "".join(events), events
-        head, data = events[-1].split("\n")
-        err = json.loads(data.removeprefix("data: "))
-        assert head == "event: error" and err["type"] == "error" and err["sequence_number"] == 3, err
-        assert err["code"] == "upstream_error" and "mid-stream" in err["message"], err
+            assert r.status_code == 200
+            assert_responses_stream_failed(sse_events(r.read()), 3, "mid-stream")
     finally:
         proxy.stop()
         fault.stop()

@@ -19,6 +19,7 @@ import openai
 import pytest
 from gateway_utils import FaultBackend, GatewayProcess, deployment, leave_mid_body, wait_for_log
 from server_utils import free_port
+from stream_endings import assert_chat_stream_failed, assert_responses_stream_failed, sse_events
 
 KEY, MASTER = "sk-test", "sk-master"
 MSG = [{"role": "user", "content": "one two three"}]
@@ -235,11 +236,6 @@ def test_death_mid_stream_gives_an_sse_error_and_no_retry(gw, fault):
     assert fault.count("die") == before_die + 1 and fault.count("ok") == before_ok
 
 
-def _sse_events(r: httpx.Response) -> list[str]:
-    """The events of a streamed answer, each its lines joined by a newline."""
-    return [e.strip() for e in r.read().decode().replace("\r\n", "\n").split("\n\n") if e.strip()]
-
-
 def test_a_stream_broken_off_ends_as_kvserve_serve_ends_a_failed_one(gw):
     """A deployment dying mid-stream got the client an error event and no `data: [DONE]`
     (kvserve serve sends its error event, then [DONE]: clients that read to [DONE] waited); and
@@ -248,18 +244,12 @@ def test_a_stream_broken_off_ends_as_kvserve_serve_ends_a_failed_one(gw):
     h = {"Authorization": f"Bearer {KEY}"}
     body = {"model": "die", "messages": MSG, "max_tokens": 8, "stream": True}
     with httpx.stream("POST", gw.url + "/v1/chat/completions", json=body, headers=h, timeout=30) as r:
-        events = _sse_events(r)
-    assert r.status_code == 200 and events[-1] == "data: [DONE]", events[-2:]
-    err = json.loads(events[-2].removeprefix("data: "))["error"]
-    assert err["code"] == "upstream_error" and "mid-stream" in err["message"], err
+        assert r.status_code == 200
+        assert_chat_stream_failed(sse_events(r.read()), "mid-stream")
     body = {"model": "die", "input": "one two", "stream": True}
     with httpx.stream("POST", gw.url + "/v1/responses", json=body, headers=h, timeout=30) as r:
-        events = _sse_events(r)
-    assert r.status_code == 200 and "[DONE]" not in "".join(events), events
-    head, data = events[-1].split("\n")
-    err = json.loads(data.removeprefix("data: "))
-    assert head == "event: error" and err["type"] == "error" and err["sequence_number"] == 3, err
-    assert err["code"] == "upstream_error" and "mid-stream" in err["message"], err
+        assert r.status_code == 200
+        assert_responses_stream_failed(sse_events(r.read()), 3, "mid-stream")
 
 
 def _spend_rows(gw, model: str, requests: int = 1, tries: int = 100) -> list[dict]:
