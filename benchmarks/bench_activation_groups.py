@@ -84,7 +84,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=8192)
     ap.add_argument("--formats", default="int4,int8")
     args = ap.parse_args()
-    print(f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {machine()}")
+    print(f"# {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {machine()}")
     print(f"# CPU flags: {cpu_flags()}")
     engine = LLMEngine(EngineConfig(model="smollm2-135m", kv_cache_memory="512MiB"))
     ids = load_corpus(engine, max_tokens=args.max_tokens)

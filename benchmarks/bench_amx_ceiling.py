@@ -398,7 +398,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=30)
     args = ap.parse_args()
     flags = cpu_flags()
-    print(f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {machine()}")
+    print(f"# {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {machine()}")
     print(f"# CPU flags: {flags}; load average {os.getloadavg()[0]:.2f}")
     if "amx_int8" not in open("/proc/cpuinfo").read().split():
         print("this machine has no AMX-INT8: nothing to measure")

@@ -225,7 +225,7 @@ def main() -> int:
             r["c32_vs_fp32"] = sorted(run[name]["c32_tok_s"] / run["fp32"]["c32_tok_s"] for run in rounds)
 
     print(f"\n{machine()}; CPU flags: {cpu_flags()}; load average {os.getloadavg()[0]:.2f}; "
-          f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; c=32 figures: medians "
+          f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; c=32 figures: medians "
           f"of {args.rounds} rounds")  # fmt: skip
     print("| config | offline ms/token | c=1 tok/s | c=1 ITL p50 (vs offline) | c=32 tok/s (vs fp32: median, "
           "range) | c=32 ITL p50 / p99 (p99/p50) | c=32 TTFT p50 |")  # fmt: skip

@@ -103,7 +103,7 @@ def main() -> int:
         return 0
     trees = compared_trees(ap, args)
 
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     print(f"{machine()}; CPU flags: {cpu_flags()}; {now:%Y-%m-%d %H:%M} UTC")
     print(f"{args.config}; competitor: {args.burn_ms} ms of CPU every {args.period_ms} ms; "
           f"{args.turns} quiet and {args.turns} contended turns of {args.tokens} tokens a round")  # fmt: skip

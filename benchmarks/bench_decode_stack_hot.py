@@ -97,7 +97,7 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=160)
     ap.add_argument("--rounds", type=int, default=30)
     args = ap.parse_args()
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     print(f"{machine()}; CPU flags: {cpu_flags()}; {now}; load average {os.getloadavg()}")
     llm = LLM("smollm2-135m", quantization="int4", kv_cache_dtype=args.kv_cache_dtype)
     model, call = captured_stack_call(llm, args.context)

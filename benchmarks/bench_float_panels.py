@@ -69,7 +69,7 @@ def main() -> int:
         return 1
     layers = [[(w, pack_panels(w), onednn_pack(w)) for w in ws] for ws in weights]
     nbytes = sum(w.numel() * w.element_size() for ws in weights for w in ws)
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     print(f"{machine()}; CPU flags: {cpu_flags()}; {now}")
     bandwidth = read_bandwidth() / 1e9
     print(f"{args.dtype}; read bandwidth {bandwidth:.1f} GB/s; weights {nbytes / 2**20:.0f} MiB per pass")

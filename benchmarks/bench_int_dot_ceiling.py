@@ -204,7 +204,7 @@ def main() -> int:
     ap.add_argument("--iterations", type=int, default=20_000_000)
     args = ap.parse_args()
     flags = cpu_flags()
-    print(f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {machine()}")
+    print(f"# {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {machine()}")
     print(f"# CPU flags: {flags}; load average {os.getloadavg()[0]:.2f}")
     if "avx2" not in flags.split():
         print("this machine has no AVX2: nothing to measure")

@@ -182,7 +182,7 @@ def main() -> int:
             print(f"kvserve {name}", json.dumps(r), flush=True)
 
     base = next(iter(results.values()))
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     print(f"\n{machine()}; CPU flags: {cpu_flags()}; load average {os.getloadavg()[0]:.2f}; "
           f"{now:%Y-%m-%d %H:%M} UTC; {args.threads} threads each")  # fmt: skip
     print("| server | offline ms/token | c=1 tok/s (vs the first) | c=1 ITL p50 | c=32 tok/s (vs the first) "

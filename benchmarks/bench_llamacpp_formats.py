@@ -79,7 +79,7 @@ def main() -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    print(f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {machine()}")
+    print(f"# {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {machine()}")
     print(f"# CPU flags: {cpu_flags()}; {args.threads} threads; load average {os.getloadavg()[0]:.2f}")
     source = resolve_model(MODEL)
     if source.kind != "gguf":

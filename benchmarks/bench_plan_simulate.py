@@ -100,7 +100,7 @@ def main() -> int:
     import torch
 
     torch.set_num_threads(1)  # as the server below (OMP_NUM_THREADS=1)
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     print(f"date {now:%Y-%m-%d %H:%M} UTC; cpu flags: {cpu_flags()}; {os.cpu_count()} cores; "
           f"torch {torch.__version__}, 1 thread; load average {loadavg()}")  # fmt: skip
     trace = load_trace(args.trace)

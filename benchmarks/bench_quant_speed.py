@@ -84,7 +84,7 @@ def main() -> int:
     keys = list(next(iter(best.values())))
     base = best.get("fp32", best[names[0]])
     print(f"\n{machine()}; CPU flags: {cpu_flags()}; load average {os.getloadavg()[0]:.2f}; "
-          f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")  # fmt: skip
+          f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC")  # fmt: skip
     heads = ["single-request decode"] + [f"decode x{b}" for b in args.decode_batches] + [f"{args.batch}-way"]
     print("| weights | " + " | ".join(f"{h} tok/s (vs fp32)" for h in heads) + " |")
     print("|---|" + "---|" * len(keys))

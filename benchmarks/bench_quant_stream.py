@@ -51,7 +51,7 @@ def main() -> int:
     ap.add_argument("--mib", type=int, default=600, help="weights cycled through per shape")
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
-    when = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
+    when = f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC"
     print(f"{machine()}; CPU flags: {cpu_flags()}; native variant {quant_kernels.selected_variant()}; "
           f"{when}; load average {os.getloadavg()}")  # fmt: skip
     bw = read_bandwidth()

@@ -199,7 +199,7 @@ def main() -> int:
         return 0
     trees = compared_trees(ap, args)
 
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     print(f"{machine()}; CPU flags: {cpu_flags()}; {now:%Y-%m-%d %H:%M} UTC")
     print(f"{args.config}, {args.segments} segments of {args.tokens} tokens a round, c=1 streaming; "
           "servers: " + ", ".join(f"{k} {v}" for k, v in trees.items()))  # fmt: skip

@@ -42,7 +42,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=32, help="decode steps timed per run")
     args = ap.parse_args()
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     print(f"{machine()}; CPU flags: {cpu_flags()}; transparent huge pages: {thp_mode()}; {now}")
     for fmt in args.formats.split(","):
         llm = LLM("smollm2-135m", **FORMATS[fmt])

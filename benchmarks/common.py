@@ -43,7 +43,7 @@ def run_header() -> str:
     the load average, so a figure can be read beside the host it came from."""
     from benchmarks.cpu_info import cpu_flags
 
-    when = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
+    when = f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC"
     return f"{machine()}; CPU flags: {cpu_flags()}; {when}; load average {os.getloadavg()}"
 
 

@@ -8,6 +8,7 @@ import asyncio
 import select
 import socket
 import threading
+from datetime import UTC
 
 import pytest
 from gateway_utils import RedisServer
@@ -118,16 +119,16 @@ def test_a_spent_budget_that_never_resets_is_told_apart_from_one_that_will_admit
 def test_budget_periods_are_epoch_windows_as_gateway_md_says():
     """GATEWAY.md states when budgets reset (LiteLLM users expect 7d on Mondays and 30d on the
     1st): 24h at 00:00 UTC, 7d on Thursdays 00:00 UTC, 30d every 30 days from 1970-01-01."""
-    from datetime import datetime, timezone
+    from datetime import datetime
 
     def starts(ts: float, period: float) -> datetime:
-        return datetime.fromtimestamp(period_index(ts, period) * period, timezone.utc)
+        return datetime.fromtimestamp(period_index(ts, period) * period, UTC)
 
-    now = datetime(2026, 12, 7, 15, 30, tzinfo=timezone.utc).timestamp()  # a Monday
-    assert starts(now, 86400) == datetime(2026, 12, 7, tzinfo=timezone.utc)
-    assert starts(now, 7 * 86400) == datetime(2026, 12, 3, tzinfo=timezone.utc)  # the Thursday before
-    assert starts(now, 30 * 86400) == datetime(2026, 12, 3, tzinfo=timezone.utc)  # not the 1st
-    assert starts(now, 3600) == datetime(2026, 12, 7, 15, tzinfo=timezone.utc)
+    now = datetime(2026, 12, 7, 15, 30, tzinfo=UTC).timestamp()  # a Monday
+    assert starts(now, 86400) == datetime(2026, 12, 7, tzinfo=UTC)
+    assert starts(now, 7 * 86400) == datetime(2026, 12, 3, tzinfo=UTC)  # the Thursday before
+    assert starts(now, 30 * 86400) == datetime(2026, 12, 3, tzinfo=UTC)  # not the 1st
+    assert starts(now, 3600) == datetime(2026, 12, 7, 15, tzinfo=UTC)
 
 
 def test_tpm_is_corrected_by_usage(run):

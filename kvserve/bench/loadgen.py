@@ -136,7 +136,7 @@ async def send_one(
                             finished = now
                     if obj.get("usage"):
                         usage = obj["usage"]
-    except (aiohttp.ClientError, asyncio.TimeoutError, msgspec.DecodeError, OSError) as e:
+    except (TimeoutError, aiohttp.ClientError, msgspec.DecodeError, OSError) as e:
         res.error = f"{type(e).__name__}: {e}"
         return res
     end = time.perf_counter()
@@ -201,7 +201,7 @@ async def _prime(http: aiohttp.ClientSession, cfg: LoadConfig) -> None:
             _url(cfg).rsplit("/", 2 if cfg.endpoint == "chat" else 1)[0] + "/models", headers=headers
         ) as r:
             await r.read()
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+    except (TimeoutError, aiohttp.ClientError, OSError):
         pass  # the benchmark itself will report an unreachable server
 
 
