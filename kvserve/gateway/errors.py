@@ -53,6 +53,15 @@ def unauthorized(message: str) -> GatewayError:
     return GatewayError(401, message, "authentication_error", "invalid_api_key")
 
 
+def backend_error(content: bytes) -> dict | None:
+    """A backend's answer's `error` object (OpenAI's shape), or None where it has none."""
+    try:
+        err = json.loads(content)["error"]
+    except (ValueError, KeyError, TypeError, RecursionError):
+        return None
+    return err if isinstance(err, dict) else None
+
+
 # OpenAI's 429 names the limit reached in its type ("requests", "tokens") with code
 # rate_limit_exceeded; a spent budget is LiteLLM's budget_exceeded (type and code)
 _LIMIT_TYPES = {"rpm": "requests", "parallel": "requests", "tpm": "tokens", "budget": "budget_exceeded"}
@@ -71,11 +80,8 @@ def upstream_rate_limited(message: str, content: bytes) -> GatewayError:
     insufficient_quota), else OpenAI's "requests" / rate_limit_exceeded (was type server_error,
     code upstream_error: a client reading the type took a busy backend for a broken one)."""
     type_, code = "requests", "rate_limit_exceeded"
-    try:
-        err = json.loads(content)["error"]
-    except (ValueError, KeyError, TypeError, RecursionError):
-        err = None
-    if isinstance(err, dict):
+    err = backend_error(content)
+    if err is not None:
         type_ = err["type"] if isinstance(err.get("type"), str) and err["type"] else type_
         code = err["code"] if isinstance(err.get("code"), str) and err["code"] else code
     return GatewayError(429, message, type_, code)

@@ -17,6 +17,7 @@ import httpx
 from kvserve.disagg.stream_start import ENGINE_GONE_CODES
 from kvserve.gateway.backends import BackendPool
 from kvserve.gateway.config import Deployment
+from kvserve.gateway.errors import backend_error
 from kvserve.gateway.retries import CREDENTIALS_STATUS, is_context_error, is_retryable, parse_retry_after
 from kvserve.gateway.sse import SSERelay
 from kvserve.gateway.usage import normalized
@@ -164,8 +165,6 @@ def _classify(resp: httpx.Response, content: bytes, t0: float, path: str) -> Out
 
 def _message(content: bytes) -> str:
     """The backend's error message, short (for the gateway's own error and log)."""
-    try:
-        msg = json.loads(content)["error"]["message"]
-    except (ValueError, KeyError, TypeError, RecursionError):
-        msg = content[:200].decode("utf-8", "replace")
+    err = backend_error(content)
+    msg = err["message"] if err is not None and "message" in err else content[:200].decode("utf-8", "replace")
     return str(msg)[:200]

@@ -3,9 +3,10 @@ retrying gateways do not synchronise), never shorter than a backend's Retry-Afte
 
 from __future__ import annotations
 
-import json
 import math
 import random
+
+from kvserve.gateway.errors import backend_error
 
 RETRYABLE_STATUS = frozenset({408, 429}) | frozenset(range(500, 600))
 # The gateway sends the backend its own credentials (the deployment's api_key), never the
@@ -60,12 +61,11 @@ def is_context_error(status: int, body: bytes) -> bool:
     llama.cpp's type), else one of the known phrasings in the error's message."""
     if status != 400:
         return False
-    try:
-        err = json.loads(body)["error"]
-        fields = (err.get("code"), err.get("type"))
-        message = str(err.get("message") or "")
-    except (ValueError, KeyError, TypeError, AttributeError):
+    err = backend_error(body)
+    if err is None:
         fields, message = (), body[:4000].decode("utf-8", "replace")
+    else:
+        fields, message = (err.get("code"), err.get("type")), str(err.get("message") or "")
     if any(isinstance(f, str) and f.lower() in _CONTEXT_CODES for f in fields):
         return True
     text = message.lower()
