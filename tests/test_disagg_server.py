@@ -5,6 +5,7 @@ mid-transfer, a lease nobody claims, bad parameters."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import signal
@@ -688,3 +689,67 @@ def test_a_busy_decode_engine_beside_a_down_one_is_a_503_with_its_retry_after(fa
         r = httpx.post(proxy.url + "/v1/completions", json=body, timeout=30)
         assert r.status_code == 503 and r.headers["retry-after"] == "1", (r.status_code, r.headers, r.text)
         assert r.json()["error"]["code"] == "upstream_error" and dead in r.json()["error"]["message"]
+
+
+def test_sigterm_drains_the_proxy(tmp_path):
+    """SIGTERM stopped the proxy as uvicorn stops: readiness stayed true and new requests were
+    still taken until it exited. Now it drains as the gateway and kvserve serve do: /health/ready
+    503, a new request 503 + Retry-After, the one in flight still answered, then exit 0."""
+    fault, log_path, proxy = FaultBackend(), tmp_path / "proxy.log", None
+    body = {"model": "hold-2", "prompt": "a b", "max_tokens": 2, "n": 2}  # n 2: decode only
+    try:
+        with open(log_path, "w") as log:
+            proxy = Proxy(fault.url, fault.url, log, "--shutdown-timeout", "60")
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            held = pool.submit(httpx.post, proxy.url + "/v1/completions", json=body, timeout=60)
+            _wait_for(lambda: fault.count("hold-2") == 1, 30, "the request reaches the decode engine")
+            proxy.proc.send_signal(signal.SIGTERM)
+            _wait_for(lambda: httpx.get(proxy.url + "/health/ready").status_code == 503, 30, "not ready")
+            refused = httpx.post(proxy.url + "/v1/completions", json={**body, "model": "ok"})
+            assert refused.status_code == 503 and refused.headers["retry-after"] == "5", refused.text
+            assert refused.json()["error"]["code"] == "shutting_down", refused.text
+            answer = held.result()
+        assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == " tok tok", answer.text
+        assert proxy.proc.wait(30) == 0
+        assert fault.count("ok") == 0  # the refused request never reached an engine
+    finally:
+        if proxy is not None:
+            proxy.stop()
+        fault.stop()
+    assert "Traceback" not in log_path.read_text()
+
+
+def test_the_proxys_drain_deadline_ends_what_is_still_in_flight(tmp_path):
+    """After SIGTERM the proxy waited for every stream however long (a pod outlived its
+    terminationGracePeriod until killed, its streams cut with no word). Now at --shutdown-timeout
+    a stream still running gets a `shutting_down` error event and [DONE], a request still in its
+    prefill a 503 + Retry-After (the prefill engine aborts it), and the process exits."""
+    fault, log_path, proxy = FaultBackend(), tmp_path / "proxy.log", None
+    stream_body = {"model": "slow", "messages": MSG_PD, "max_tokens": 600, "stream": True, "n": 2}  # ~60 s
+
+    def stream() -> list[str]:
+        with httpx.stream("POST", proxy.url + "/v1/chat/completions", json=stream_body, timeout=60) as r:
+            return sse_events(r.read())
+
+    try:
+        with open(log_path, "w") as log:
+            proxy = Proxy(fault.url, fault.url, log, "--shutdown-timeout", "1")
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            streamed = pool.submit(stream)
+            held = pool.submit(httpx.post, proxy.url + "/v1/completions", timeout=60,
+                               json={"model": "hold-60", "prompt": "a b", "max_tokens": 2})  # fmt: skip
+            _wait_for(lambda: fault.count("hold-60") == 1 and fault.count("slow") == 1, 30, "both reach it")
+            proxy.proc.send_signal(signal.SIGTERM)
+            events, answer = streamed.result(), held.result()
+        assert events[-1] == "data: [DONE]" and len(events) < 600, events[-3:]
+        err = json.loads(events[-2].removeprefix("data: "))["error"]
+        assert err["code"] == "shutting_down" and "--shutdown-timeout" in err["message"], err
+        assert answer.status_code == 503 and answer.headers["retry-after"] == "5", answer.text
+        assert answer.json()["error"]["code"] == "shutting_down", answer.text
+        assert proxy.proc.wait(30) == 0
+        _wait_for(lambda: fault.stats()["cancelled_holds"] == 1, 15, "the prefill is aborted")
+    finally:
+        if proxy is not None:
+            proxy.stop()
+        fault.stop()
+    assert "Traceback" not in log_path.read_text()

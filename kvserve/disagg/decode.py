@@ -5,7 +5,8 @@ gateway retries on another deployment. A stream is the engine's once its answer'
 has come (stream_start.py: not a comment nor chat's opening role chunk), within
 `first_byte_timeout` as the gateway's; a stream whose first event is an error is a failure
 too. From then on a death mid-stream ends the stream as kvserve serve ends a failed one
-(routing/stream_failure.py: an error event, then [DONE]). A Responses
+(routing/stream_failure.py: an error event, then [DONE]), and so does the proxy's drain deadline
+(routing/in_flight.py: code `shutting_down`). A Responses
 request's answer carries ids naming the engine that stores it (`tag`: routing/responses_ids.py)."""
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kvserve.disagg.errors import error, reason
 from kvserve.disagg.split import JSON_HEADER, json_content
 from kvserve.disagg.stream_start import StreamStart
+from kvserve.routing.in_flight import InFlight
 from kvserve.routing.responses_ids import EventRewriter, public_body, public_error
 from kvserve.routing.stream_failure import count_events, failed_stream_end
 
@@ -55,13 +57,14 @@ async def _first_event(chunks: AsyncIterator[bytes], timeout: float) -> tuple[by
 async def decode(
     client: httpx.AsyncClient, urls: list[str], path: str, body: dict, stream: bool, send_headers: dict,
     headers: dict, first_byte_timeout: float = 60.0, tag: Callable[[str], str] | None = None,
+    in_flight: InFlight | None = None,
 ) -> Response:  # fmt: skip
     """The first answer of `urls` (in order) that is not a failure before its first byte; a
     502 naming each engine and its failure when none gives one, or 503 with their Retry-After
     when those that answered said busy (503 or 429) and the others could not be reached (an
     engine down says nothing against trying again: a 502 lost the busy one's Retry-After).
     With `tag` (a Responses request) the answer's ids name the engine `tag(url)`, so a
-    follow-up finds it."""
+    follow-up finds it. `in_flight`: the proxy's drain, whose deadline ends a stream relayed."""
     failures: list[str] = []
     busy, answered_busy, retry_after = True, False, None
     payload, send_headers = json_content(body), {**send_headers, **JSON_HEADER}
@@ -94,7 +97,7 @@ async def decode(
                     logger.warning("decode engine %s: the stream began with an error (%s)", url, err)
                     continue
                 relaying = True
-                relay = _relay(resp, url, first, chunks, EventRewriter(tag(url)) if tag else None)
+                relay = _relay(resp, url, first, chunks, EventRewriter(tag(url)) if tag else None, in_flight)
                 return StreamingResponse(relay, media_type="text/event-stream", headers=headers)
             content = await resp.aread()
         except httpx.HTTPError as e:
@@ -123,16 +126,22 @@ async def decode(
 
 
 async def _relay(
-    resp: httpx.Response, url: str, first: bytes, chunks: AsyncIterator[bytes], ids: EventRewriter | None
-) -> AsyncIterator[bytes]:
+    resp: httpx.Response, url: str, first: bytes, chunks: AsyncIterator[bytes], ids: EventRewriter | None,
+    in_flight: InFlight | None,
+) -> AsyncIterator[bytes]:  # fmt: skip
     """The decode engine's stream; `ids` (a Responses stream) rewrites its ids event by event."""
     sent = 0  # a Responses stream's events passed on (its error event is numbered after them)
+    in_flight = in_flight or InFlight()
     try:
         out = ids.feed(first) if ids else first
         if out:
             sent += count_events(out)
             yield out
-        async for chunk in chunks:
+        while True:
+            async with in_flight.read():  # (the drain's deadline ends a read waiting)
+                chunk = await anext(chunks, None)
+            if chunk is None:
+                break
             out = ids.feed(chunk) if ids else chunk
             if out:  # (a Responses event not yet whole waits for its end)
                 sent += count_events(out)
@@ -143,5 +152,8 @@ async def _relay(
         logger.warning("decode engine %s failed mid-stream (%s)", url, reason(e))
         message = f"decode engine {url} failed mid-stream ({reason(e)}); the answer is incomplete"
         yield failed_stream_end(message, ids is not None, sent)
+    except TimeoutError:  # the drain's deadline (only it times a read out here)
+        yield failed_stream_end(f"{in_flight.message}; the answer is incomplete", ids is not None, sent,
+                                "shutting_down")  # fmt: skip
     finally:
         await resp.aclose()  # the client left (or the stream ended): the decode engine aborts

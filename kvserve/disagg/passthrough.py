@@ -58,7 +58,12 @@ def add_engine_routes(app: FastAPI, proxy) -> None:
 
     @app.get("/health/ready")
     async def ready() -> Response:
-        """Ready when a decode engine is (a prefill engine down only costs time: see /health)."""
+        """Ready when a decode engine is (a prefill engine down only costs time: see /health), and
+        not while draining (a load balancer stops sending at once)."""
+        if proxy.lifecycle.draining:
+            return JSONResponse(
+                error("not ready: draining", None, "server_error", "not_ready"), status_code=503
+            )
         states = await asyncio.gather(*(_up(proxy, u, "/health/ready") for u in proxy.decode))
         if any(states):
             return JSONResponse({"decode": list(states)})

@@ -8,6 +8,11 @@ only costs time: the decode engine is asked without them and computes the prompt
 cancels it (the prefill engine aborts the request); during the decode, streamed or not, the
 closed decode request aborts it on the decode engine, which releases the producer's lease.
 The Responses API and embeddings go whole to a decode engine (whole.py).
+
+SIGTERM drains as `kvserve gateway` and `kvserve serve` do (routing/drain.py): /health/ready
+turns 503, new requests get 503 + Retry-After, those in flight may finish until
+--shutdown-timeout; then a stream still running gets an error event (`shutting_down`) and
+[DONE], a request still waiting a 503, and the process exits.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from urllib.parse import quote
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -31,8 +36,12 @@ from kvserve.disagg.prefill import PrefillResult, run_prefill
 from kvserve.disagg.split import decode_body, disaggregates
 from kvserve.disagg.validate import decode_refusal
 from kvserve.disagg.whole import StoredResponses, engine_tag
+from kvserve.entrypoints.draining_server import DrainingServer
 from kvserve.entrypoints.openai.middleware import _REQUEST_ID, BodySizeLimit, HeadAsGet, InternalErrors
+from kvserve.routing.drain import ENDING_S, DrainLifecycle
+from kvserve.routing.in_flight import RETRY_AFTER, InFlight
 from kvserve.routing.responses_ids import previous_id_problem
+from kvserve.routing.settled_stream import SettledStream
 
 logger = logging.getLogger(__name__)
 ROUTES = ("/v1/chat/completions", "/v1/completions")
@@ -40,6 +49,7 @@ RESPONSES, EMBEDDINGS = "/v1/responses", "/v1/embeddings"  # whole to a decode e
 DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20  # as kvserve serve's and the gateway's
 DEFAULT_PREFILL_TIMEOUT = 60.0  # as the gateway's first_byte_timeout
 DEFAULT_DECODE_FIRST_BYTE_TIMEOUT = 60.0  # a stream's first event (the gateway's first_byte_timeout)
+DEFAULT_SHUTDOWN_TIMEOUT = 30.0  # as the gateway's and kvserve serve's
 
 
 class PDProxy:
@@ -47,6 +57,7 @@ class PDProxy:
         self, prefill: list[str], decode: list[str], timeout_s: float = 600.0,
         prefill_timeout_s: float = DEFAULT_PREFILL_TIMEOUT,
         decode_first_byte_timeout_s: float = DEFAULT_DECODE_FIRST_BYTE_TIMEOUT,
+        shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT,
     ) -> None:  # fmt: skip
         if not prefill or not decode:
             raise ValueError("pd-proxy: needs at least one --prefill and one --decode URL")
@@ -58,6 +69,11 @@ class PDProxy:
         self.num_fallbacks = 0
         self.prefill_timeout_s = prefill_timeout_s  # a hung prefill engine costs this, then a fallback
         self.decode_first_byte_timeout_s = decode_first_byte_timeout_s  # then the next decode engine
+        self.num_in_flight = 0  # model requests not yet answered (streams until they end): the drain waits
+        self.in_flight = InFlight("the pd-proxy", "--shutdown-timeout")  # what the drain's deadline ends
+        self.lifecycle = DrainLifecycle(
+            shutdown_timeout_s, lambda: self.num_in_flight, self.in_flight.close, logger
+        )
 
     @staticmethod
     def _headers(raw: Request) -> dict:
@@ -91,7 +107,11 @@ class PDProxy:
         """The prefill engines' answer; None if the client left meanwhile (it is cancelled)."""
         call = asyncio.ensure_future(self._prefill_any(path, body, send))
         while not call.done():
-            await asyncio.wait([call], timeout=0.5)
+            try:
+                await asyncio.wait([call], timeout=0.5)
+            except BaseException:  # (the drain's deadline): the prefill engine aborts it too
+                call.cancel()
+                raise
             if not call.done() and await raw.is_disconnected():
                 call.cancel()  # closes the connection: the prefill engine aborts the request
                 await asyncio.gather(call, return_exceptions=True)
@@ -103,10 +123,44 @@ class PDProxy:
         refusals and a prefill engine's 4xx had none: the client could not name the request the
         engines' logs hold)."""
         send, rid = self._engine_headers(raw)
-        resp = await self._handle(path, raw, send, rid)
+        resp = self._shutting_down() if self.lifecycle.draining else await self._counted(path, raw, send, rid)
         if "x-request-id" not in resp.headers:
             resp.headers["x-request-id"] = rid
         return resp
+
+    def _shutting_down(self) -> Response:
+        """503 while draining (kvserve serve's answer): another replica, or this one restarted."""
+        err = _error(self.in_flight.message if self.in_flight.closing else "the pd-proxy is shutting down",
+                     None, "server_error", "shutting_down")  # fmt: skip
+        return JSONResponse(err, status_code=503, headers={"retry-after": RETRY_AFTER})
+
+    async def _counted(self, path: str, raw: Request, send: dict, rid: str) -> Response:
+        """The answer, counted in flight until it ends (a stream: until its last byte) for the drain;
+        at the drain's deadline a request still waiting for its answer is a 503."""
+        self.num_in_flight += 1
+        ended = False
+
+        async def end() -> None:
+            nonlocal ended
+            if not ended:
+                ended, self.num_in_flight = True, self.num_in_flight - 1
+
+        work = asyncio.ensure_future(self._handle(path, raw, send, rid))
+        self.in_flight.waiting(work)
+        try:
+            await asyncio.wait({work})
+            if work.cancelled() and self.in_flight.closing:
+                await end()
+                return self._shutting_down()
+            resp = work.result()
+        except BaseException:
+            work.cancel()
+            await end()
+            raise
+        if not isinstance(resp, StreamingResponse):
+            await end()
+            return resp
+        return SettledStream(resp.body_iterator, end, status_code=resp.status_code, headers=resp.headers)
 
     async def _handle(self, path: str, raw: Request, send: dict, rid: str) -> Response:
         try:
@@ -166,7 +220,7 @@ class PDProxy:
     ) -> Response:
         return await decode(
             self.client, urls or self._decode_order(), path, body, stream, send, headers,
-            self.decode_first_byte_timeout_s, engine_tag if path == RESPONSES else None,
+            self.decode_first_byte_timeout_s, engine_tag if path == RESPONSES else None, self.in_flight,
         )  # fmt: skip
 
     async def aclose(self) -> None:
@@ -274,13 +328,15 @@ def serve(
     prefill: list[str], decode: list[str], host: str, port: int,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, prefill_timeout_s: float = DEFAULT_PREFILL_TIMEOUT,
     decode_first_byte_timeout_s: float = DEFAULT_DECODE_FIRST_BYTE_TIMEOUT,
+    shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT,
 ) -> int:  # fmt: skip
     import uvicorn
 
     proxy = PDProxy(prefill, decode, prefill_timeout_s=prefill_timeout_s,
-                    decode_first_byte_timeout_s=decode_first_byte_timeout_s)  # fmt: skip
+                    decode_first_byte_timeout_s=decode_first_byte_timeout_s,
+                    shutdown_timeout_s=shutdown_timeout_s)  # fmt: skip
     logger.info("pd-proxy on %s:%d: prefill %s, decode %s", host, port, proxy.prefill, proxy.decode)
-    uvicorn.run(
-        build_app(proxy, max_request_bytes), host=host, port=port, log_level="warning", access_log=False
-    )
+    uv = uvicorn.Config(build_app(proxy, max_request_bytes), host=host, port=port, log_level="warning",
+                        access_log=False, timeout_graceful_shutdown=ENDING_S)  # fmt: skip
+    DrainingServer(uv, proxy.lifecycle).run()  # SIGTERM: the drain (routing/drain.py)
     return 0

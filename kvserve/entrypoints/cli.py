@@ -212,7 +212,7 @@ def cmd_pd_proxy(args: argparse.Namespace) -> int:
     try:
         return serve(
             args.prefill, args.decode, args.host, args.port, args.max_request_bytes, args.prefill_timeout,
-            args.decode_first_byte_timeout,
+            args.decode_first_byte_timeout, args.shutdown_timeout,
         )  # fmt: skip
     except ValueError as e:  # a bad --prefill / --decode URL: one line, before anything starts
         print(f"error: {e}", file=sys.stderr)
@@ -331,6 +331,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds a decode engine's stream may take to its first event (not a comment nor the role "
         "chunk), then the next decode engine is asked (as the gateway's first_byte_timeout)",
     )
+    pd.add_argument("--shutdown-timeout", type=non_negative_float, default=30.0,
+                    help="SIGTERM: seconds in-flight requests may finish; then streams get a shutting_down "
+                    "error event and [DONE], waiting requests a 503 (as the gateway's)")  # fmt: skip
     pd.set_defaults(func=cmd_pd_proxy)
 
     from kvserve.planner.cli import register as register_plan

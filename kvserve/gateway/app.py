@@ -25,11 +25,12 @@ from kvserve.gateway.config import ConfigError, GatewayConfig
 from kvserve.gateway.errors import GatewayError, unauthorized
 from kvserve.gateway.handler import Gateway
 from kvserve.gateway.keys import KeyRecord, KeyStore, open_database
-from kvserve.gateway.lifecycle import ENDING_S, GatewayLifecycle
 from kvserve.gateway.metrics import GatewayMetrics
 from kvserve.gateway.spend import SpendLog
 from kvserve.gateway.state import StoreUnavailable, open_store, same_redis_server
 from kvserve.gateway.stored_responses import stored_response
+from kvserve.routing.drain import ENDING_S, DrainLifecycle
+from kvserve.routing.in_flight import RETRY_AFTER
 from kvserve.web import add_web_ui
 
 log = logging.getLogger("kvserve.gateway")
@@ -72,15 +73,16 @@ class GatewayState:
         self.pool = BackendPool(cfg)
         self.metrics = GatewayMetrics()
         self.gateway = Gateway(cfg, self.store, self.pool, self.spend, self.metrics, self.cache_store)
-        self.lifecycle = GatewayLifecycle(
+        self.lifecycle = DrainLifecycle(  # SIGTERM: /health/ready false, then the drain (routing/drain.py)
             cfg.general_settings.shutdown_timeout,
             lambda: self.gateway.num_in_flight,
             self.gateway.in_flight.close,
+            log,
         )
 
     def refuse_if_draining(self) -> None:
         if self.lifecycle.draining:
-            retry = {"retry-after": "5"}
+            retry = {"retry-after": RETRY_AFTER}
             raise GatewayError(
                 503, "the gateway is shutting down", "server_error", "shutting_down", headers=retry
             )

@@ -29,7 +29,6 @@ from kvserve.gateway.config import Deployment, GatewayConfig
 from kvserve.gateway.degrade import HEADER as DEGRADED_HEADER
 from kvserve.gateway.degrade import Degrader
 from kvserve.gateway.errors import GatewayError, limit_reached, upstream_rate_limited
-from kvserve.gateway.in_flight import SHUTTING_DOWN, InFlight
 from kvserve.gateway.keys import KeyRecord
 from kvserve.gateway.limits import deployment_checks, needs_tokens, ratelimit_headers, tenant_checks
 from kvserve.gateway.metrics import GatewayMetrics
@@ -42,9 +41,10 @@ from kvserve.gateway.saturation import SaturationMonitor
 from kvserve.gateway.spend import SpendLog, SpendRow
 from kvserve.gateway.state import Check, StateStore, StoreUnavailable
 from kvserve.gateway.state.base import EPS
-from kvserve.gateway.stream_response import SettledStream
 from kvserve.routing import RequestInfo
+from kvserve.routing.in_flight import RETRY_AFTER, InFlight
 from kvserve.routing.responses_ids import RESPONSES, decode_id, previous_id_problem
+from kvserve.routing.settled_stream import SettledStream
 from kvserve.routing.stream_failure import failed_stream_end
 
 log = logging.getLogger("kvserve.gateway")
@@ -102,7 +102,7 @@ class Gateway:
         self.cache = ResponseCache(cfg, cache_store or store, pool, self.router)
         self.num_in_flight = 0  # client requests not yet settled (streams until they end): the drain waits
         self.budgets = BudgetRebuild(store, spend)  # admission, after a lost budget is rebuilt
-        self.in_flight = InFlight()  # what the drain's deadline ends (in_flight.py)
+        self.in_flight = InFlight("the gateway")  # what the drain's deadline ends (in_flight.py)
 
     # ---- entry -----------------------------------------------------------------------------
     def allowed_models(self, key: KeyRecord) -> list[str]:
@@ -167,9 +167,10 @@ class Gateway:
         finally:
             watcher.cancel()
         if work in done:
-            if work.cancelled() and self.in_flight.closing:  # the drain's deadline (in_flight.py)
-                retry = {"retry-after": "5", "x-request-id": ctx.headers["x-request-id"]}
-                raise GatewayError(503, SHUTTING_DOWN, "server_error", "shutting_down", headers=retry)
+            if work.cancelled() and self.in_flight.closing:  # the drain's deadline (routing/in_flight.py)
+                retry = {"retry-after": RETRY_AFTER, "x-request-id": ctx.headers["x-request-id"]}
+                msg = self.in_flight.message
+                raise GatewayError(503, msg, "server_error", "shutting_down", headers=retry)
             return work.result()
         ctx.client_left = True
         work.cancel()  # the client went away: stop the upstream request (frees its KV blocks)
@@ -536,7 +537,7 @@ class Gateway:
         settling: list[asyncio.Future] = []
 
         async def settle(status: int, failure: str | None, blamed: bool = True) -> None:
-            """Once: by the relay when it ends, else when the response closes (stream_response.py)."""
+            """Once: by the relay when it ends, else when the response closes (routing/settled_stream.py)."""
             first = not settling
             if first:
                 settling.append(
@@ -582,8 +583,8 @@ class Gateway:
                 message = f"deployment {dep.id} failed mid-stream ({failure}); the answer is incomplete"
                 code = "upstream_error"
                 if self.in_flight.closing:  # not the deployment's doing: no cooldown
-                    status, failure, blamed, code = 503, SHUTTING_DOWN, False, "shutting_down"
-                    message = f"{SHUTTING_DOWN}; the answer is incomplete"
+                    status, failure, blamed, code = 503, self.in_flight.message, False, "shutting_down"
+                    message = f"{failure}; the answer is incomplete"
                 yield failed_stream_end(message, ctx.path == RESPONSES, out.relay.data_events, code)
             finally:
                 gone.cancel()

@@ -1,14 +1,13 @@
-"""Readiness and graceful shutdown of `kvserve gateway`, the same contract as `kvserve serve`
-(kvserve/entrypoints/openai/lifecycle.py) so one set of probes and preStop hooks fits both.
+"""Graceful shutdown of a front (`kvserve gateway`, `kvserve pd-proxy`), the same contract as
+`kvserve serve` (kvserve/entrypoints/openai/lifecycle.py) so one set of probes and preStop
+hooks fits them all.
 
-- `/health` is liveness (the process answers); `/health/ready` is readiness: the state store
-  answers, one deployment is up and not cooling down, and no drain is under way.
-- SIGTERM / SIGINT start a drain: readiness turns false at once (a load balancer stops
-  sending), new requests get 503 + Retry-After while the listener stays open, requests in
-  flight (streams included) finish until `general_settings.shutdown_timeout`; those still
-  running then are ended as kvserve serve ends them (in_flight.py: a stream's error event and
-  [DONE], a waiting request's 503), and uvicorn closes. A second signal exits at once. The
-  gateway's state lives in its store, so nothing else needs handing over.
+SIGTERM / SIGINT start a drain (entrypoints/draining_server.py): readiness turns false at once
+(a load balancer stops sending), new requests get 503 + Retry-After while the listener stays
+open, requests in flight (streams included) finish until the shutdown timeout; those still
+running then are ended as kvserve serve ends them (in_flight.py: a stream's error event and
+[DONE], a waiting request's 503), and uvicorn closes. A second signal exits at once. A front
+keeps no state of its own to hand over (the gateway's lives in its store).
 """
 
 from __future__ import annotations
@@ -20,18 +19,22 @@ from collections.abc import Callable
 
 import uvicorn
 
-log = logging.getLogger("kvserve.gateway")
 ENDING_S = 5.0  # after the deadline: for the ended requests' last bytes (a client that does not
 # read holds its stream: uvicorn's timeout_graceful_shutdown, as long, then cancels it)
 
 
-class GatewayLifecycle:
+class DrainLifecycle:
     def __init__(
-        self, shutdown_timeout: float, in_flight: Callable[[], int], end_in_flight: Callable[[], None]
+        self,
+        shutdown_timeout: float,
+        in_flight: Callable[[], int],
+        end_in_flight: Callable[[], None],
+        log: logging.Logger,
     ) -> None:
         self.shutdown_timeout = shutdown_timeout
         self.in_flight = in_flight
         self.end_in_flight = end_in_flight  # at the deadline: what is still running ends now
+        self.log = log
         self.draining = False
         self._tasks: set[asyncio.Task] = set()
 
@@ -43,13 +46,13 @@ class GatewayLifecycle:
     async def drain(self, server: uvicorn.Server) -> None:
         self.draining = True
         deadline = time.monotonic() + self.shutdown_timeout
-        log.info(
+        self.log.info(
             "shutting down: draining %d request(s) for up to %.0fs", self.in_flight(), self.shutdown_timeout
         )
         while self.in_flight() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if self.in_flight():
-            log.warning("shutdown deadline: ending %d request(s) still in flight", self.in_flight())
+            self.log.warning("shutdown deadline: ending %d request(s) still in flight", self.in_flight())
             self.end_in_flight()
             end = time.monotonic() + ENDING_S  # their last events sent, their spend settled
             while self.in_flight() and time.monotonic() < end:

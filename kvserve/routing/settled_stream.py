@@ -1,4 +1,5 @@
-"""A streamed answer whose settlement always runs.
+"""A streamed answer whose settlement always runs (the gateway's spend and limits, the pd-proxy's
+count of requests in flight that its drain waits for).
 
 Starlette iterates the body only once the response has started: a client gone before that
 (the server's send raising at the response's start, as uvicorn's does for a closed connection)

@@ -1,8 +1,9 @@
-"""What the drain ends at its deadline (`general_settings.shutdown_timeout`), as `kvserve serve`
-ends its own: a stream still running gets an error event (code `shutting_down`) and its end
-([DONE]), a request still waiting for its answer a 503 + Retry-After. The drain only stopped
-admitting: uvicorn then waited for every stream to finish, however long, so a SIGTERM'd pod
-outlived its timeout until Kubernetes killed it and cut its streams with no word.
+"""What a front's drain ends at its deadline (the gateway's `general_settings.shutdown_timeout`,
+the pd-proxy's `--shutdown-timeout`), as `kvserve serve` ends its own: a stream still running
+gets an error event (code `shutting_down`) and its end ([DONE]), a request still waiting for
+its answer a 503 + Retry-After. Without it the drain only stopped admitting: uvicorn then
+waited for every stream to finish, however long, so a SIGTERM'd pod outlived its timeout until
+Kubernetes killed it and cut its streams with no word.
 
 A stream's reads of the upstream run under an `asyncio.timeout` that the deadline fires (a
 read that is waiting ends at once, without a task a chunk); a request waiting for its answer
@@ -12,12 +13,13 @@ from __future__ import annotations
 
 import asyncio
 
-SHUTTING_DOWN = "the gateway is shutting down (its shutdown_timeout passed)"
+RETRY_AFTER = "5"  # seconds, on a 503 while draining: another replica (or this one restarted)
 
 
 class InFlight:
-    def __init__(self) -> None:
+    def __init__(self, who: str = "the server", flag: str = "shutdown_timeout") -> None:
         self.closing = False
+        self.message = f"{who} is shutting down (its {flag} passed)"  # what the ended requests read
         self._reads: set[asyncio.Timeout] = set()
         self._waiting: set[asyncio.Task] = set()
 
@@ -48,7 +50,7 @@ class _Read:
 
     async def __aenter__(self) -> None:
         if self.owner.closing:
-            raise TimeoutError(SHUTTING_DOWN)
+            raise TimeoutError(self.owner.message)
         await self.timeout.__aenter__()
         self.owner._reads.add(self.timeout)
 
