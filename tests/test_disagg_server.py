@@ -587,7 +587,8 @@ def test_head_is_answered_as_get_for_monitors(fault_proxy):
     for path in ("/health", "/v1/models"):
         get, head = httpx.get(proxy.url + path, timeout=30), httpx.head(proxy.url + path, timeout=30)
         assert head.status_code == get.status_code == 200 and head.content == b"", (path, head.status_code)
-    assert httpx.head(proxy.url + "/v1/completions", timeout=30).status_code == 405
+    refused = httpx.head(proxy.url + "/v1/completions", timeout=30)
+    assert refused.status_code == 405 and refused.headers["allow"] == "POST", refused.headers  # RFC 9110
 
 
 def test_a_hung_prefill_engine_costs_the_prefill_timeout_not_the_request(fault_proxy):

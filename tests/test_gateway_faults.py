@@ -755,6 +755,7 @@ def test_gateway_errors_have_string_codes(gw):
     assert "/v1/nothing-here" in r.json()["error"]["message"]
     r = httpx.get(gw.url + "/v1/chat/completions", headers=h)
     assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+    assert r.headers["allow"] == "POST", r.headers  # RFC 9110: a 405 names the methods (was none)
     r = httpx.post(
         gw.url + "/admin/keys", json={"rpm": "lots"}, headers={"Authorization": f"Bearer {MASTER}"}
     )

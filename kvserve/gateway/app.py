@@ -161,7 +161,10 @@ def build_app(cfg: GatewayConfig, web_ui: bool = True) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, e: StarletteHTTPException):
-        return GatewayError(e.status_code, f"{e.detail}: {request.method} {request.url.path}").response()
+        """An unknown path or method in OpenAI's shape, with Starlette's headers: a 405's `Allow`
+        (RFC 9110 requires it; it was dropped, so a client could not tell which method to use)."""
+        message = f"{e.detail}: {request.method} {request.url.path}"
+        return GatewayError(e.status_code, message, headers=dict(e.headers or {})).response()
 
     async def forward(request: Request, path: str):
         """A model request (the routes below): refused while draining, else the key's, routed."""
