@@ -8,13 +8,14 @@ import asyncio
 import select
 import socket
 import threading
-from datetime import UTC
+from datetime import UTC, datetime
+from pathlib import Path
 
 import pytest
 from gateway_utils import RedisServer
 
 from kvserve.gateway.state import Check, open_store
-from kvserve.gateway.state.base import period_index
+from kvserve.gateway.state.base import period_index, period_start
 
 
 @pytest.fixture(scope="module")
@@ -116,19 +117,79 @@ def test_a_spent_budget_that_never_resets_is_told_apart_from_one_that_will_admit
     run(scenario)
 
 
-def test_budget_periods_are_epoch_windows_as_gateway_md_says():
-    """GATEWAY.md states when budgets reset (LiteLLM users expect 7d on Mondays and 30d on the
-    1st): 24h at 00:00 UTC, 7d on Thursdays 00:00 UTC, 30d every 30 days from 1970-01-01."""
-    from datetime import datetime
+def _starts(ts: float, period: float) -> datetime:
+    return datetime.fromtimestamp(period_start(period_index(ts, period), period), UTC)
 
-    def starts(ts: float, period: float) -> datetime:
-        return datetime.fromtimestamp(period_index(ts, period) * period, UTC)
 
+def test_budget_periods_reset_on_litellms_calendar_boundaries():
+    """Budgets reset on multiples of their period since 1970: a `7d` budget on Thursdays and a
+    `30d` one every 30 days from 1970-01-01 (on 2026-12-03, not the 1st), where LiteLLM resets
+    `7d` on Mondays and `30d` on the 1st of each month. Now as LiteLLM (UTC); `1d` at 00:00
+    and `1h` on the hour as before."""
     now = datetime(2026, 12, 7, 15, 30, tzinfo=UTC).timestamp()  # a Monday
-    assert starts(now, 86400) == datetime(2026, 12, 7, tzinfo=UTC)
-    assert starts(now, 7 * 86400) == datetime(2026, 12, 3, tzinfo=UTC)  # the Thursday before
-    assert starts(now, 30 * 86400) == datetime(2026, 12, 3, tzinfo=UTC)  # not the 1st
-    assert starts(now, 3600) == datetime(2026, 12, 7, 15, tzinfo=UTC)
+    assert _starts(now, 86400) == datetime(2026, 12, 7, tzinfo=UTC)
+    assert _starts(now, 7 * 86400) == datetime(2026, 12, 7, tzinfo=UTC)  # this Monday
+    assert _starts(now, 30 * 86400) == datetime(2026, 12, 1, tzinfo=UTC)  # the 1st
+    assert _starts(now, 3600) == datetime(2026, 12, 7, 15, tzinfo=UTC)
+    jan = datetime(2027, 1, 1, tzinfo=UTC).timestamp()
+    assert period_index(jan - 0.001, 30 * 86400) + 1 == period_index(jan, 30 * 86400)  # (ms)
+    feb = datetime(2027, 2, 1, tzinfo=UTC).timestamp()
+    assert period_start(period_index(jan, 30 * 86400) + 1, 30 * 86400) == feb
+
+
+def test_redis_counts_budget_periods_as_the_gateway_does(redis_url):
+    """The Lua scripts (period.lua) and state/base.py must agree to the millisecond: a gateway's
+    rebuild seeds the period the Redis clock is in, and Retry-After is Redis's period end."""
+    import redis as sync_redis
+
+    from kvserve.gateway.state import redis_store
+
+    lua = (Path(redis_store.__file__).parent / "period.lua").read_text()
+    lua += "local ms, p = tonumber(ARGV[1]), tonumber(ARGV[2])\n"
+    lua += "local i = period_index(ms, p)\nreturn {i, period_start(i, p), period_start(i + 1, p)}"
+    r = sync_redis.Redis.from_url(redis_url)
+    try:
+        base = datetime(1999, 12, 31, 23, 59, 59, 999000, tzinfo=UTC).timestamp()
+        times = [base + k * 86400 * 7.3 for k in range(0, 1500, 37)] + [base, base + 0.001]
+        firsts = [datetime(y, m, 1, tzinfo=UTC).timestamp() for y in (2024, 2100) for m in (1, 2, 3, 12)]
+        times += [t + d for t in firsts for d in (-0.001, 0)]
+        for period in (3600, 86400, 7 * 86400, 14 * 86400, 30 * 86400, 45 * 86400):
+            for t in times:
+                ms = int(t * 1000)
+                idx = period_index(ms / 1000, period)
+                start, end = period_start(idx, period), period_start(idx + 1, period)
+                assert r.eval(lua, 0, ms, period * 1000) == [idx, round(start * 1000), round(end * 1000)]
+    finally:
+        r.close()
+
+
+def test_a_budget_an_earlier_version_counted_from_the_epoch_is_seeded_again(redis_url):
+    """A `30d` budget held in Redis by an earlier version carries an epoch period index: read as
+    this version's month index it would be a new period, its spend silently 0. It is reported
+    unseeded instead, so the gateway gives it this month's spend from the spend log."""
+
+    async def scenario():
+        s = open_store(redis_url)
+        await s.redis.flushdb()
+        try:
+            b, month = Check("budget", "k", 10.0, 2.0, 30 * 86400), 30 * 86400
+            now = int((await s.redis.time())[0])
+            await s.redis.hset("kvgw:b:k", mapping={"seeded": "1", "period": now // month, "spent": "9.5"})
+            adm = await s.admit("a", [b], 30)
+            assert not adm.ok and adm.unseeded == 0, adm
+            assert await s.seed_budget(b, period_index(adm.now, month), 9.5)
+            refused = await s.admit("a", [b], 30)  # 9.5 + 2 > 10: until the 1st of next month
+            nxt = period_start(period_index(adm.now, month) + 1, month)
+            assert not refused.ok and refused.retry_after == pytest.approx(nxt - adm.now, abs=5)
+            assert not await s.seed_budget(b, period_index(adm.now, month), 0.0)  # once
+            day = Check("budget", "d", 10.0, 2.0, 86400)  # unchanged periods are not seeded again
+            await s.redis.hset("kvgw:b:d", mapping={"seeded": "1", "period": now // 86400, "spent": "1"})
+            assert (await s.admit("b", [day], 30)).remaining == [7.0]
+        finally:
+            await s.redis.flushdb()
+            await s.close()
+
+    asyncio.run(scenario())
 
 
 def test_tpm_is_corrected_by_usage(run):

@@ -11,7 +11,7 @@ import logging
 from kvserve.gateway.keys import KeyRecord
 from kvserve.gateway.spend import SpendLog
 from kvserve.gateway.state import Admission, Check, StateStore, StoreUnavailable
-from kvserve.gateway.state.base import period_index
+from kvserve.gateway.state.base import period_index, period_start
 
 log = logging.getLogger("kvserve.gateway")
 
@@ -37,7 +37,7 @@ class BudgetRebuild:
 
     async def _seed(self, c: Check, now: float, key: KeyRecord) -> None:
         period = period_index(now, c.period)
-        since = period * c.period
+        since = period_start(period, c.period)
         if c.scope.startswith("key:"):
             spent = await self.spend.spent(since, key_hash=key.key_hash)
         else:

@@ -57,8 +57,10 @@ for i, c in ipairs(checks) do
     -- A budget without 'seeded' is one this Redis never held, or lost (restarted without
     -- persistence): a spend of 0 would let the key spend its whole budget again.
     if redis.call('HGET', b, 'seeded') ~= '1' then return {-1, i, now} end
-    local idx = 0
-    if c.period > 0 then idx = math.floor(now / c.period) end
+    -- One an earlier version held counted a `7d` or `30d` period from the epoch: its spend
+    -- belongs to another window, so it is seeded again for the calendar one (seed.lua).
+    if calendar_aligned(c.period) and redis.call('HGET', b, 'calendar') ~= '1' then return {-1, i, now} end
+    local idx = period_index(now, c.period)
     if tonumber(redis.call('HGET', b, 'period') or '-1') ~= idx then
       redis.call('HSET', b, 'period', idx, 'spent', 0)
     end
@@ -75,7 +77,7 @@ for i, c in ipairs(checks) do
     local spent = tonumber(redis.call('HGET', b, 'spent'))
     c.used = spent + reserved
     if spent + c.amount > c.limit * (1 + eps) then  -- the spend alone: only a reset makes room
-      if c.period > 0 then retry = (idx + 1) * c.period - now else retry = -1 end  -- -1: never
+      if c.period > 0 then retry = period_start(idx + 1, c.period) - now else retry = -1 end  -- -1: never
     end
   end
   if c.used + c.amount > c.limit * (1 + eps) then

@@ -4,6 +4,7 @@ applies all of them, or applies none, so concurrent gateways can never over-admi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import UTC, date, datetime, timedelta
 from typing import Literal
 
 WINDOW_S = 60  # rpm / tpm are sliding one-minute windows with one-second buckets
@@ -27,11 +28,46 @@ class Check:
     period: float = 0
 
 
+_DAY_MS = 86_400_000
+_WEEK_MS = 7 * _DAY_MS
+_MONTH_MS = 30 * _DAY_MS  # a `30d` budget: calendar months
+_MONDAY_MS = 3 * _DAY_MS  # 1970-01-01 was a Thursday: weeks count from Monday 1969-12-29
+
+
+def calendar_aligned(period: float) -> bool:
+    """A period that resets on LiteLLM's calendar boundaries: `30d` on the 1st of each month,
+    `7d` (and any number of whole weeks) on Mondays, at 00:00 UTC. Budgets of earlier versions
+    counted these from the Unix epoch (`7d` on Thursdays, `30d` every 30 days from 1970)."""
+    p = int(period * 1000)
+    return p > 0 and (p == _MONTH_MS or p % _WEEK_MS == 0)
+
+
 def period_index(now: float, period: float) -> int:
     """Which budget period `now` (seconds) falls in; 0 for a budget that never resets. Integer
-    milliseconds, as the Lua scripts count, so both sides agree at a boundary."""
-    period_ms = int(period * 1000)
-    return int(now * 1000) // period_ms if period_ms > 0 else 0
+    milliseconds, as the Lua scripts count (period.lua), so both sides agree at a boundary.
+    Other periods are windows from the Unix epoch: `1d` at 00:00 UTC, `1h` on the hour."""
+    p, ms = int(period * 1000), int(now * 1000)
+    if p <= 0:
+        return 0
+    if p == _MONTH_MS:
+        d = date(1970, 1, 1) + timedelta(days=ms // _DAY_MS)
+        return (d.year - 1970) * 12 + d.month - 1
+    if p % _WEEK_MS == 0:
+        return (ms + _MONDAY_MS) // p
+    return ms // p
+
+
+def period_start(index: int, period: float) -> float:
+    """When period `index` begins (seconds since the epoch); 0 for a budget that never resets."""
+    p = int(period * 1000)
+    if p <= 0:
+        return 0.0
+    if p == _MONTH_MS:
+        y, m = divmod(index, 12)
+        return datetime(1970 + y, m + 1, 1, tzinfo=UTC).timestamp()
+    if p % _WEEK_MS == 0:
+        return (index * p - _MONDAY_MS) / 1000
+    return index * p / 1000
 
 
 @dataclass

@@ -16,6 +16,7 @@ from kvserve.gateway.state.base import (
     Check,
     StateStore,
     period_index,
+    period_start,
 )
 
 DEFAULT_CACHE_BYTES = 256 * 2**20
@@ -80,7 +81,7 @@ class MemoryStore(StateStore):
             del res[rid]
         retry = 1.0  # (reservations in flight: they settle, maybe for less)
         if b[1] + c.amount > c.limit * (1 + EPS):  # the spend alone: only a reset makes room
-            retry = (b[0] + 1) * c.period - now if c.period > 0 else math.inf
+            retry = period_start(int(b[0]) + 1, c.period) - now if c.period > 0 else math.inf
         return b[1] + sum(a for _, a in res.values()), retry
 
     async def admit(self, request_id: str, checks: list[Check], ttl: float) -> Admission:

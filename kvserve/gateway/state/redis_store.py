@@ -15,7 +15,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
-from kvserve.gateway.state.base import Admission, Check, StateStore, StoreUnavailable
+from kvserve.gateway.state.base import Admission, Check, StateStore, StoreUnavailable, calendar_aligned
 
 _HERE = Path(__file__).parent
 PREFIX = "kvgw:"
@@ -55,9 +55,9 @@ class RedisStore(StateStore):
             retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
         )  # fmt: skip
         self.redis = aioredis.Redis(connection_pool=pool)
-        load = lambda name: self.redis.register_script((_HERE / name).read_text())  # noqa: E731
-        self._admit, self._settle, self._fail = load("admit.lua"), load("settle.lua"), load("fail.lua")
-        self._seed = load("seed.lua")
+        load = lambda *names: self.redis.register_script("".join((_HERE / n).read_text() for n in names))  # noqa: E731
+        self._admit, self._settle = load("period.lua", "admit.lua"), load("period.lua", "settle.lua")
+        self._fail, self._seed = load("fail.lua"), load("seed.lua")
 
     @_guarded
     async def admit(self, request_id: str, checks: list[Check], ttl: float) -> Admission:
@@ -81,7 +81,8 @@ class RedisStore(StateStore):
 
     @_guarded
     async def seed_budget(self, check: Check, period: int, spent: float) -> bool:
-        out = await self._seed(keys=_keys(check)[:1], args=[period, repr(float(spent))])
+        calendar = "1" if calendar_aligned(check.period) else "0"
+        out = await self._seed(keys=_keys(check)[:1], args=[period, repr(float(spent)), calendar])
         return int(out) == 1
 
     @_guarded

@@ -31,8 +31,7 @@ for i = 1, n do
     local b = KEYS[ki]
     redis.call('ZREM', KEYS[ki + 1], rid)
     redis.call('HDEL', KEYS[ki + 2], rid)
-    local idx = 0
-    if period > 0 then idx = math.floor(now / period) end
+    local idx = period_index(now, period)
     if tonumber(redis.call('HGET', b, 'period') or '-1') ~= idx then
       redis.call('HSET', b, 'period', idx, 'spent', 0)
       redis.call('PERSIST', b)  -- no TTL: see admit.lua
