@@ -128,6 +128,19 @@ def test_stream_with_and_without_usage(via, direct):
     assert len(chunks) == len(_streamed(direct, usage=False)[1])
 
 
+def test_an_include_usage_that_is_no_boolean_is_the_backends_400(gw):
+    """stream_options.include_usage "yes" (or 1, null) is a 400 from kvserve serve and OpenAI, but
+    the gateway overwrote it with true (it asks for usage to settle spend): the client's mistake
+    streamed a 200 without the usage it asked for. It now reaches the backend as sent."""
+    for bad in ("yes", 1, None):
+        body = {"model": "tiny", "messages": MSG, "max_tokens": 2, "stream": True,
+                "stream_options": {"include_usage": bad}}  # fmt: skip
+        r = httpx.post(gw.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
+        assert r.status_code == 400, (bad, r.text)
+        assert r.json()["error"]["param"] == "stream_options", r.text
+        assert "include_usage" in r.json()["error"]["message"], r.text
+
+
 def test_tools_and_response_format_identical(via, direct):
     kw = dict(model="tiny", messages=MSG, tools=TOOLS, tool_choice="required", max_tokens=40, temperature=0)
     a, b = via.chat.completions.create(**kw), direct.chat.completions.create(**kw)

@@ -52,8 +52,15 @@ def upstream_body(body: dict, dep: Deployment, stream: bool, path: str = "/chat/
     out = dict(body, model=dep.backend.model)
     so = body.get("stream_options")
     # ask for usage to settle budgets and tpm (a Responses stream always ends with its usage, and
-    # its stream_options has no include_usage)
-    if stream and path != RESPONSES and (so is None or isinstance(so, dict)):
+    # its stream_options has no include_usage). A value the backend would refuse (not a bool:
+    # "yes", 1, null) goes as it came: overwritten, the client's mistake got a 200 without usage
+    usage_asked = so.get("include_usage", False) if isinstance(so, dict) else False
+    if (
+        stream
+        and path != RESPONSES
+        and (so is None or isinstance(so, dict))
+        and isinstance(usage_asked, bool)
+    ):
         out["stream_options"] = {**(so or {}), "include_usage": True}  # (else the backend's 400)
     return json.dumps(out).encode()
 
