@@ -29,6 +29,7 @@ from kvserve.gateway.metrics import GatewayMetrics
 from kvserve.gateway.spend import SpendLog
 from kvserve.gateway.state import StoreUnavailable, open_store, same_redis_server
 from kvserve.gateway.stored_responses import stored_response
+from kvserve.gateway.unsupported import add_unsupported_routes
 from kvserve.routing.drain import ENDING_S, DrainLifecycle
 from kvserve.routing.in_flight import RETRY_AFTER
 from kvserve.web import add_web_ui
@@ -239,6 +240,8 @@ def build_app(cfg: GatewayConfig, web_ui: bool = True) -> FastAPI:
                 404, f"model: {model_id!r} does not exist", code="model_not_found", param="model"
             )
         return model_card(model_id)
+
+    add_unsupported_routes(app, lambda request: st().authenticate(request))  # the Batch API
 
     @app.get("/health")
     @app.get("/health/liveliness")  # LiteLLM's probe paths: its charts' liveness probes got 404s,
