@@ -560,6 +560,19 @@ def test_the_proxys_refusals_carry_the_request_id_too(fault_proxy):
         assert r.status_code == 400 and r.headers.get("x-request-id") == f"pd-refused-{i}", (path, r.text)
 
 
+def test_the_batch_api_is_refused_saying_so_not_a_route_404(fault_proxy):
+    """files.create through the proxy got "Not Found: POST /v1/files" (reads as a wrong
+    base_url); the Batch API is not proxied, and a 404 `unsupported_endpoint` says so."""
+    _, proxy, _ = fault_proxy
+    c = openai.OpenAI(base_url=proxy.url + "/v1", api_key="none", max_retries=0, timeout=30)
+    with pytest.raises(openai.NotFoundError) as e:
+        c.files.create(file=("in.jsonl", b"{}\n"), purpose="batch")
+    assert e.value.body["code"] == "unsupported_endpoint" and "Batch API" in e.value.body["message"]
+    for method, path in [("POST", "/v1/batches"), ("GET", "/v1/batches/b/x"), ("DELETE", "/v1/files/f")]:
+        r = httpx.request(method, proxy.url + path, timeout=30)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "unsupported_endpoint", (path, r.text)
+
+
 def test_a_body_over_the_limit_is_a_413_before_it_is_read(fault_proxy):
     """The proxy read any body whole into memory (kvserve serve and the gateway refuse one past
     16 MiB): one client's upload could take the proxy's memory."""

@@ -70,6 +70,20 @@ def add_engine_routes(app: FastAPI, proxy) -> None:
         msg = f"not ready: none of the {len(states)} decode engines is ready"
         return JSONResponse(error(msg, None, "server_error", "not_ready"), status_code=503)
 
+    async def batch_api(raw: Request) -> Response:
+        """The Batch API is not proxied (its files and batches live on one engine, and a batch
+        there needs no prefill split): a 404 saying so, where it was a route 404 ("Not Found:
+        POST /v1/files") that reads as a wrong base_url."""
+        msg = (
+            f"{raw.url.path}: the pd-proxy does not proxy the Batch API (/v1/files, /v1/batches); "
+            "send batch jobs to a decode engine directly (docs/DISAGGREGATION.md)"
+        )
+        return JSONResponse(error(msg, None, code="unsupported_endpoint"), status_code=404)
+
+    for base in ("/v1/files", "/v1/batches"):
+        for path in (base, base + "/{rest:path}"):
+            app.add_api_route(path, batch_api, methods=["GET", "POST", "DELETE"], include_in_schema=False)
+
     @app.post("/v1/responses/{response_id}/cancel")
     async def cancel(raw: Request, response_id: str) -> Response:
         """Cancel a stored (background) response on the decode engine its id names."""
