@@ -3,20 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from kvserve.core.kv_sizing import parse_memory_size
 from kvserve.kv_transfer.config import KVTransferConfig, parse_kv_transfer_config
-from kvserve.model.layers.kv_quant import check_kv_cache_dtype
-from kvserve.model.layers.quantization import check_method
 
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-}
+if TYPE_CHECKING:
+    import torch
+
+# torch's names for the accepted spellings. No torch import here: `kvserve serve` starts its
+# engine process before its own heavy imports (engine/core_prespawn.py), and the command line
+# reads this module first.
+_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 
 
 EXECUTOR_BACKENDS = ("mp", "ray")
@@ -214,6 +212,9 @@ class EngineConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len: must be >= 1, got {self.max_model_len}")
+        from kvserve.model.layers.kv_quant import check_kv_cache_dtype
+        from kvserve.model.layers.quantization import check_method
+
         self.quantization = check_method(self.quantization)
         check_kv_cache_dtype(self.kv_cache_dtype)
         if self.scheduling_policy not in ("fcfs", "priority"):
@@ -253,10 +254,14 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        import torch
+
+        return getattr(torch, _DTYPES[self.dtype])
 
     @property
     def torch_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)

@@ -22,6 +22,7 @@ import zmq
 import zmq.asyncio
 
 from kvserve.config import EngineConfig
+from kvserve.engine.core_prespawn import PrespawnedCore
 from kvserve.engine.core_proc import (
     AbortRequests,
     AddRequest,
@@ -134,11 +135,14 @@ class AsyncLLM:
         num_threads: int | None = None,
         publish_kv_events: bool = False,
         wait: bool = True,
+        prespawned: PrespawnedCore | None = None,
     ) -> None:
         """`wait=False` returns once the core is spawned (call `wait_started`): replicas load
         at the same time. Spawn from the main thread: the core's parent-death signal follows
-        the thread that started it."""
+        the thread that started it. `prespawned`: a process already importing the engine,
+        used for the first core."""
         self.config = config
+        self._prespawned = prespawned
         self.num_threads, self.publish_kv_events = num_threads, publish_kv_events
         self.startup_timeout = startup_timeout
         self.restart_limit = restart_limit
@@ -205,9 +209,14 @@ class AsyncLLM:
                 pass
 
     def _spawn_core(self) -> None:
+        args = (self.config, self._in_addr, self._out_addr, self.num_threads, self.publish_kv_events)
+        pre, self._prespawned = self._prespawned, None
+        if pre is not None and (proc := pre.start(*args)) is not None:
+            self.proc = proc
+            return
         self.proc = multiprocessing.get_context("spawn").Process(
             target=run_engine_core,
-            args=(self.config, self._in_addr, self._out_addr, self.num_threads, self.publish_kv_events),
+            args=args,
             name="kvserve-engine-core",
             daemon=True,  # also terminated by multiprocessing when this process exits normally
         )

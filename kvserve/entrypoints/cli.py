@@ -163,9 +163,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from kvserve.entrypoints.naive_server import serve_naive
 
         return serve_naive(args.model, args.host, args.port, (args.served_model_name or [None])[0])
-    from kvserve.entrypoints.openai.api_server import serve
+    from kvserve.engine.core_prespawn import PrespawnedCore
 
+    # The engine core imports torch and the engine while this process imports the server's.
+    core = PrespawnedCore() if (args.data_parallel_size or 1) == 1 else None
     try:
+        from kvserve.entrypoints.openai.api_server import serve
+
         config = engine_config(args)
         server = ServerConfig(
             served_model_name=args.served_model_name, api_keys=args.api_key or [],
@@ -182,10 +186,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
             response_store=args.response_store,
             response_store_size=args.response_store_size,
         )  # fmt: skip
-        return serve(config, args.host, args.port, server)
+        return serve(config, args.host, args.port, server, core)
     except (ValueError, FileNotFoundError, RuntimeError, TimeoutError) as e:  # start-up problems
         print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:
+        if core is not None:
+            core.cancel()
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:

@@ -19,6 +19,7 @@ from kvserve import __version__
 from kvserve.batch.app import BatchAPI
 from kvserve.config import EngineConfig
 from kvserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError
+from kvserve.engine.core_prespawn import PrespawnedCore
 from kvserve.engine.dp_client import DPClient
 from kvserve.entrypoints.draining_server import DrainingServer
 from kvserve.entrypoints.openai.body_parsing import OffLoopBodyRoute
@@ -349,7 +350,11 @@ def build_app(engine: AsyncLLM | DPClient, cfg: ServerConfig, store: ResponseSto
     return app
 
 
-def serve(config: EngineConfig, host: str, port: int, cfg: ServerConfig) -> int:
+def serve(
+    config: EngineConfig, host: str, port: int, cfg: ServerConfig, core: PrespawnedCore | None = None
+) -> int:
+    """Run the server until it is stopped. `core`: the engine core process, already importing
+    (a single engine's; data parallel spawns its own)."""
     import uvicorn
 
     if not cfg.api_keys and os.environ.get("KVSERVE_API_KEY"):
@@ -368,7 +373,7 @@ def serve(config: EngineConfig, host: str, port: int, cfg: ServerConfig) -> int:
             engine.size, engine.threads_per_replica, engine.policy,
         )  # fmt: skip
     else:
-        engine = AsyncLLM(config, restart_limit=cfg.engine_restart_limit)
+        engine = AsyncLLM(config, restart_limit=cfg.engine_restart_limit, prespawned=core)
     r = engine.ready
     logger.info(
         "KV pool: %d blocks x %d tokens = %d tokens, %.1f MiB; max concurrency at max_model_len=%d: %.2f",

@@ -1,0 +1,87 @@
+"""`kvserve serve` starts its engine core before its own heavy imports (engine/core_prespawn.py):
+the command line imports no torch, a prespawned process becomes the first core and serves
+greedy tokens equal to an offline engine's, a restarted core is spawned anew, and a server
+that stops on a bad flag kills the process it prespawned at once."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+
+import psutil
+
+from kvserve import LLM, SamplingParams
+from kvserve.config import EngineConfig
+from kvserve.engine.async_llm import AsyncLLM
+from kvserve.engine.core_prespawn import PrespawnedCore
+
+ENGINE = {"kv_cache_memory": "8MiB", "max_model_len": 256}
+
+
+def test_the_command_line_imports_no_torch():
+    code = (
+        "import sys, kvserve.entrypoints.cli, kvserve.engine.core_prespawn\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+        "import kvserve\n"
+        "assert kvserve.SamplingParams(max_tokens=3).max_tokens == 3\n"  # the lazy names resolve
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def _greedy(engine: AsyncLLM, prompt: str, n: int) -> list[int]:
+    async def run() -> list[int]:
+        engine.start()
+        stream = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+        last = None
+        async for out in stream:
+            last = out
+        return list(last.outputs[0].token_ids)
+
+    return asyncio.run(run())
+
+
+def test_the_prespawned_process_is_the_first_core_and_a_restart_spawns_anew(tiny_llama_dir):
+    pre = PrespawnedCore()
+    engine = AsyncLLM(EngineConfig(model=tiny_llama_dir, **ENGINE), prespawned=pre)
+    try:
+        assert engine.proc is pre.proc and engine.proc.is_alive()
+        got = _greedy(engine, "the quick brown fox", 12)
+        pre.cancel()  # handed over already: no effect
+        assert engine.proc.is_alive()
+        engine.proc.kill()
+        engine.proc.join(10)
+        engine._spawn_core()  # as AsyncLLM's supervisor does after a crash
+        assert engine.proc is not pre.proc
+    finally:
+        engine.shutdown()
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    (want,) = LLM(tiny_llama_dir, **ENGINE).generate(["the quick brown fox"], params, use_tqdm=False)
+    assert got == list(want.outputs[0].token_ids)
+
+
+def test_cancel_kills_an_unused_core_at_once():
+    pre = PrespawnedCore()
+    t0 = time.monotonic()
+    pre.cancel()
+    assert not pre.proc.is_alive() and time.monotonic() - t0 < 5
+
+
+def test_a_bad_flag_leaves_no_engine_process(tiny_llama_dir):
+    cmd = [sys.executable, "-m", "kvserve.entrypoints.cli", "serve", tiny_llama_dir, "--kv-cache-memory", "x"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    children: set[int] = set()
+    while proc.poll() is None:  # note every process it starts, while it runs
+        try:
+            children |= {c.pid for c in psutil.Process(proc.pid).children(recursive=True)}
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(0.02)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and "kv_cache_memory" in err, err[-2000:]
+    time.sleep(0.5)
+    alive = [pid for pid in children if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+    assert not alive, alive
