@@ -1,7 +1,7 @@
 """`kvserve serve` starts its engine core before its own heavy imports (engine/core_prespawn.py):
-the command line imports no torch, a prespawned process becomes the first core and serves
-greedy tokens equal to an offline engine's, a restarted core is spawned anew, and a server
-that stops on a bad flag kills the process it prespawned at once."""
+the command line (and the gateway, the pd-proxy) imports no torch, a prespawned process
+becomes the first core and serves greedy tokens equal to an offline engine's, a restarted core
+is spawned anew, and a server that stops on a bad flag kills the process it prespawned."""
 
 from __future__ import annotations
 
@@ -21,8 +21,11 @@ ENGINE = {"kv_cache_memory": "8MiB", "max_model_len": 256}
 
 
 def test_the_command_line_imports_no_torch():
+    """Nor do the gateway and the pd-proxy, which never run a model (each carried ~200 MB of
+    torch and a second of its import before)."""
     code = (
         "import sys, kvserve.entrypoints.cli, kvserve.engine.core_prespawn\n"
+        "import kvserve.gateway.app, kvserve.disagg.proxy\n"
         "assert 'torch' not in sys.modules, 'torch imported'\n"
         "import kvserve\n"
         "assert kvserve.SamplingParams(max_tokens=3).max_tokens == 3\n"  # the lazy names resolve
