@@ -57,6 +57,33 @@ def test_informational_fields_are_accepted(client):
     assert r.choices[0].message.content and r.id == "chatcmpl-abc-1"
 
 
+def test_every_answer_names_its_configuration_and_tier(client):
+    """OpenAI's system_fingerprint (LangChain copies it into response_metadata) and chat's
+    service_tier were missing from every response and chunk: null through the SDK."""
+    kw = {"model": "smol", "max_tokens": 2, "temperature": 0}
+    chat = client.chat.completions.create(messages=HI, service_tier="flex", **kw)
+    chunks = list(client.chat.completions.create(messages=HI, stream=True, **kw))
+    text = client.completions.create(prompt="Hi", **kw)
+    text_chunks = list(client.completions.create(prompt="Hi", stream=True, **kw))
+    response = client.responses.create(model="smol", input="Hi", max_output_tokens=16)
+    fingerprints = {chat.system_fingerprint, text.system_fingerprint}
+    fingerprints |= {c.system_fingerprint for c in chunks + text_chunks}
+    assert len(fingerprints) == 1 and fingerprints.pop().startswith("fp_")
+    assert {chat.service_tier, response.service_tier} | {c.service_tier for c in chunks} == {"default"}
+    assert "service_tier" not in text.model_dump(exclude_unset=True)  # not in OpenAI's Completion
+
+
+def test_the_fingerprint_changes_with_what_changes_the_tokens():
+    from kvserve.config import EngineConfig
+    from kvserve.entrypoints.openai.fingerprint import system_fingerprint
+
+    base = system_fingerprint(EngineConfig(), "/m")
+    assert base == system_fingerprint(EngineConfig(max_num_seqs=3), "/m")  # no effect on the tokens
+    for other in (EngineConfig(dtype="bfloat16"), EngineConfig(quantization="int8")):
+        assert system_fingerprint(other, "/m") != base
+    assert system_fingerprint(EngineConfig(), "/other") != base
+
+
 @pytest.mark.parametrize(
     "extra, field",
     [

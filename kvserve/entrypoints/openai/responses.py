@@ -155,6 +155,7 @@ class ResponsesServing:
                                 if req.text and req.text.format else {"type": "text"})},
             "metadata": req.metadata or {}, "store": req.store, "truncation": req.truncation or "disabled",
             "error": None, "incomplete_details": None, "usage": None, "completed_at": None,
+            "service_tier": "default",  # the tier that served it, as chat completions say
         }  # fmt: skip
 
     def _finish(self, response: dict, output: list[dict], finish: str | None, usage: dict | None) -> dict:

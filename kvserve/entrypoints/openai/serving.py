@@ -34,6 +34,7 @@ from kvserve.entrypoints.openai.compat import (
     normalize_completion,
 )
 from kvserve.entrypoints.openai.errors import error_response
+from kvserve.entrypoints.openai.fingerprint import system_fingerprint
 from kvserve.entrypoints.openai.lifecycle import ServerShuttingDownError
 from kvserve.entrypoints.openai.limits import MAX_PROMPTS, check_fan_out, sample_seed
 from kvserve.entrypoints.openai.protocol import (
@@ -103,6 +104,7 @@ class OpenAIServing:
         # streams keep their pace while a long prompt is being read (2 threads: 2 cores).
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvserve-tokenize")
         self.max_prompt_chars = engine.limits.max_model_len * self.tokenizer.max_token_chars
+        self.fingerprint = system_fingerprint(engine.config, engine.source)
 
     @functools.cached_property
     def embedding_width(self) -> int:
@@ -432,7 +434,8 @@ class OpenAIServing:
             prompts, params, samples, engine_rid, req.priority, req.cache_salt, session, batch_line,
             "best_of" if samples > req.n else "n",
         )  # fmt: skip
-        return Launched(rid, created, model, streams, self._merged(streams, deadline), samples)
+        gen = self._merged(streams, deadline)
+        return Launched(rid, created, model, streams, gen, samples, self.fingerprint)
 
     async def _body(
         self, run: Launched, obj: str, n: int, raw: Request, choice
@@ -799,8 +802,17 @@ class Launched:
     samples: int = 1
     """Engine requests per prompt: n, or best_of when larger."""
 
+    fingerprint: str | None = None
+    """The server's system_fingerprint (fingerprint.py)."""
+
     def envelope(self, obj: str) -> dict:
-        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model}
+        """OpenAI's top-level fields; chat's also say the tier that served it (the one there is:
+        "default", whatever tier the request asked for, as OpenAI reports the tier it used)."""
+        env = {"id": self.rid, "object": obj, "created": self.created, "model": self.model,
+               "system_fingerprint": self.fingerprint}  # fmt: skip
+        if obj.startswith("chat."):
+            env["service_tier"] = "default"
+        return env
 
 
 @dataclass
