@@ -240,6 +240,85 @@ def test_embeddings_endpoint_answers_as_the_http_one(client, server):
         assert got.tolist() == pytest.approx(want.embedding, abs=1e-6)
 
 
+def test_responses_endpoint_answers_as_the_http_one(client):
+    """OpenAI batches /v1/responses: it was refused as an unsupported endpoint."""
+    resp = "/v1/responses"
+    bodies = {
+        "text": {"model": "tiny", "input": "request 1", "max_output_tokens": 3, "temperature": 0},
+        "items": {"model": "tiny", "input": [{"role": "user", "content": "r 2"}], "max_output_tokens": 2},
+        "bad": {"model": "tiny", "input": "x", "max_output_tokens": 0},
+    }
+    lines = [json.dumps({"custom_id": k, "url": resp, "body": b}) for k, b in bodies.items()]
+    b = client.batches.create(input_file_id=upload(client, lines).id, endpoint=resp, completion_window="24h")
+    b = wait_final(client, b.id)
+    assert b.status == "completed" and (b.request_counts.completed, b.request_counts.failed) == (2, 1), b
+    out = {o["custom_id"]: o["response"]["body"] for o in read_lines(client, b.output_file_id)}
+    (err,) = read_lines(client, b.error_file_id)
+    assert err["custom_id"] == "bad" and err["response"]["body"]["error"]["param"] == "max_output_tokens"
+    assert {r["object"] for r in out.values()} == {"response"}
+    assert b.usage.input_tokens == sum(r["usage"]["input_tokens"] for r in out.values()) > 0
+    assert b.usage.output_tokens == sum(r["usage"]["output_tokens"] for r in out.values()) > 0
+    http = client.responses.create(**bodies["text"])
+    assert out["text"]["output"][0]["content"][0]["text"] == http.output_text
+    assert client.responses.retrieve(out["items"]["id"]).id == out["items"]["id"]  # stored, as over HTTP
+
+
+def test_files_expire_as_their_expiration_policy_says(client, server):
+    """expires_after on an upload and output_expires_after on a batch were accepted and ignored:
+    expires_at stayed null and the files were kept."""
+    policy = {"anchor": "created_at", "seconds": 3600}
+    f = client.files.create(file=("in.jsonl", line(0).encode()), purpose="batch", expires_after=policy)
+    assert f.expires_at == f.created_at + 3600 and client.files.retrieve(f.id).expires_at == f.expires_at
+    assert {x.id: x.expires_at for x in client.files.list()}[f.id] == f.expires_at
+    b = client.batches.create(
+        input_file_id=f.id, endpoint=CHAT, completion_window="24h",
+        output_expires_after={"anchor": "created_at", "seconds": 7200},
+    )  # fmt: skip
+    out = client.files.retrieve(wait_final(client, b.id).output_file_id)
+    assert out.expires_at == out.created_at + 7200
+    kept = client.files.create(file=("in.jsonl", b"{}\n"), purpose="batch")
+    assert kept.expires_at is None
+    for bad, param in (
+        ({"anchor": "last_active_at", "seconds": 3600}, "expires_after[anchor]"),
+        ({"anchor": "created_at", "seconds": 60}, "expires_after[seconds]"),
+        ({"anchor": "created_at", "seconds": "9" * 5000}, "expires_after[seconds]"),
+        ({"anchor": "created_at"}, "expires_after[seconds]"),
+    ):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.files.create(file=("in.jsonl", b"{}\n"), purpose="batch", expires_after=bad)
+        assert _error(e.value)["param"] == param and param in _error(e.value)["message"]
+    r = httpx.post(f"{server.url}/v1/files", headers=server.headers, files={"file": ("a.jsonl", b"{}")},
+                   data={"purpose": "batch", "expires_after": '{"seconds": 3600}'})  # fmt: skip
+    assert r.status_code == 400 and r.json()["error"]["param"] == "expires_after"
+    for bad in ({"anchor": "created_at", "seconds": 60}, {"anchor": "now", "seconds": 3600}, {"seconds": 1}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h",
+                                  output_expires_after=bad)  # fmt: skip
+        assert _error(e.value)["param"] == "output_expires_after"
+
+
+def test_an_expired_file_is_gone_as_if_deleted(tmp_path, monkeypatch):
+    from kvserve.batch import files as files_mod
+    from kvserve.batch.db import open_db
+
+    conn = open_db(tmp_path)
+    store = files_mod.FileStore(conn, tmp_path, 2**20)
+    now = [1_000_000.0]
+    monkeypatch.setattr(files_mod.time, "time", lambda: now[0])
+    for fid, lives in (("file-short", 3600), ("file-long", 7200), ("file-kept", None)):
+        store.path(fid).write_text("{}\n")
+        store.register(fid, "in.jsonl", "batch", lives)
+    now[0] += 3600
+    assert {f["id"] for f in store.list()} == {"file-long", "file-kept"}
+    assert not store.path("file-short").exists()
+    now[0] += 3600
+    with pytest.raises(files_mod.BatchAPIError) as e:
+        store.get("file-long")
+    assert e.value.status == 404 and not store.path("file-long").exists()
+    assert store.get("file-kept")["expires_at"] is None
+    conn.close()
+
+
 def test_thousand_lines_with_five_malformed(client):
     bad = {
         100: "{not json",

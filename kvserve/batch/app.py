@@ -10,13 +10,13 @@ from kvserve.batch.service import BatchService
 
 
 class BatchAPI:
-    def __init__(self, serving, cfg, max_num_seqs: int, draining=lambda: False) -> None:
+    def __init__(self, serving, cfg, max_num_seqs: int, draining=lambda: False, responses=None) -> None:
         storage = cfg.batch_storage_dir or default_storage_dir()
         conn = open_db(storage)
         self.files = FileStore(conn, storage, cfg.max_upload_size)
         self.jobs = JobStore(conn)
         self.service = BatchService(
-            self.files, self.jobs, serving, cfg.batch_window or max_num_seqs, draining
+            self.files, self.jobs, serving, cfg.batch_window or max_num_seqs, draining, responses
         )
         self.router = batch_router(self.files, self.jobs, self.service)
         # Uploads past the limit get a 400 naming `file` from the route (by the declared length,

@@ -10,7 +10,7 @@ from pathlib import Path
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (
     id TEXT PRIMARY KEY, bytes INTEGER NOT NULL, created_at INTEGER NOT NULL,
-    filename TEXT NOT NULL, purpose TEXT NOT NULL
+    filename TEXT NOT NULL, purpose TEXT NOT NULL, expires_at INTEGER
 );
 CREATE TABLE IF NOT EXISTS batches (
     id TEXT PRIMARY KEY, created_at INTEGER NOT NULL, obj TEXT NOT NULL,
@@ -42,6 +42,8 @@ def open_db(storage_dir: str | Path) -> sqlite3.Connection:
     conn.execute("PRAGMA synchronous=FULL")
     conn.executescript(SCHEMA)
     _add_usage_columns(conn)
+    if "expires_at" not in {row[1] for row in conn.execute("PRAGMA table_info(files)")}:
+        conn.execute("ALTER TABLE files ADD COLUMN expires_at INTEGER")  # a database from before expiry
     return conn
 
 

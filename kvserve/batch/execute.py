@@ -1,6 +1,7 @@
 """Run one batch line through the same handler as an HTTP request to its endpoint
-(OpenAIServing.chat / .completion / .embeddings), at background priority, and turn what it
-returns or raises into (status code, body) — the body an HTTP client would have received."""
+(OpenAIServing.chat / .completion / .embeddings, ResponsesServing.create), at background
+priority, and turn what it returns or raises into (status code, body) — the body an HTTP
+client would have received."""
 
 from __future__ import annotations
 
@@ -15,12 +16,14 @@ from kvserve.entrypoints.openai.compat import ModelNotFoundError
 from kvserve.entrypoints.openai.errors import field_path, param_of, specific_error, value_error_code
 from kvserve.entrypoints.openai.lifecycle import ServerShuttingDownError
 from kvserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from kvserve.entrypoints.openai.responses import ResponsesServing
+from kvserve.entrypoints.openai.responses_protocol import ResponsesRequest
 from kvserve.entrypoints.openai.serving import OpenAIServing, ServerOverloadedError
 from kvserve.request import BACKGROUND_PRIORITY
 
 BODIES = {
     "/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
-    "/v1/embeddings": EmbeddingRequest,
+    "/v1/embeddings": EmbeddingRequest, "/v1/responses": ResponsesRequest,
 }  # fmt: skip
 
 
@@ -49,9 +52,11 @@ def synthetic_request(endpoint: str, request_id: str) -> StarletteRequest:
 
 
 async def execute_line(
-    serving: OpenAIServing, endpoint: str, body: dict, request_id: str
-) -> tuple[int, dict]:
-    """(HTTP status, JSON body) of one line; TransientError when it should be retried later."""
+    serving: OpenAIServing, endpoint: str, body: dict, request_id: str,
+    responses: ResponsesServing | None = None,
+) -> tuple[int, dict]:  # fmt: skip
+    """(HTTP status, JSON body) of one line; TransientError when it should be retried later.
+    `responses` runs /v1/responses lines (its store keeps what they store, as over HTTP)."""
     try:
         req = BODIES[endpoint].model_validate(body)
     except ValidationError as e:
@@ -61,13 +66,17 @@ async def execute_line(
         where = field_path(loc) if loc else "body"
         return _error(400, f"{where}: {first.get('msg', 'invalid value')}", "invalid_request_error", param,
                       "invalid_value")  # fmt: skip
-    req.priority = BACKGROUND_PRIORITY  # a batch line never competes with a waiting human
+    if endpoint != "/v1/responses":  # (a response's chat request is given it: responses.py)
+        req.priority = BACKGROUND_PRIORITY  # a batch line never competes with a waiting human
     raw = synthetic_request(endpoint, request_id)
     try:
         if endpoint == "/v1/chat/completions":
             resp = await serving.chat(req, raw)
         elif endpoint == "/v1/embeddings":
             return 200, await serving.embeddings(req, raw)  # a dict, as the route returns it
+        elif endpoint == "/v1/responses":
+            assert responses is not None, "a /v1/responses batch needs the ResponsesServing"
+            resp = await responses.create(req, raw)
         else:
             resp = await serving.completion(req, raw)
     except (ServerOverloadedError, ServerShuttingDownError) as e:

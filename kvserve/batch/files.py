@@ -1,5 +1,6 @@
 """Uploaded and produced files: bytes under <storage>/files/<id>, records in SQLite, in
-OpenAI's File object shape. Uploads are copied chunk by chunk with a size cap."""
+OpenAI's File object shape. Uploads are copied chunk by chunk with a size cap. A file given an
+expiration (expiry.py) is deleted, record and bytes, by the first call that meets it expired."""
 
 from __future__ import annotations
 
@@ -56,19 +57,28 @@ class FileStore:
             dest.unlink(missing_ok=True)
             raise
 
-    def register(self, file_id: str, filename: str, purpose: str) -> dict:
-        """Record a file whose bytes are already in place."""
-        size = self.path(file_id).stat().st_size
+    def register(self, file_id: str, filename: str, purpose: str, expires_after: int | None = None) -> dict:
+        """Record a file whose bytes are already in place; `expires_after`: seconds it lives."""
+        size, now = self.path(file_id).stat().st_size, int(time.time())
+        expires_at = None if expires_after is None else now + expires_after
         self.conn.execute(
-            "INSERT INTO files (id, bytes, created_at, filename, purpose) VALUES (?, ?, ?, ?, ?)",
-            (file_id, size, int(time.time()), filename, purpose),
+            f"INSERT INTO files ({FIELDS}) VALUES (?, ?, ?, ?, ?, ?)",
+            (file_id, size, now, filename, purpose, expires_at),
         )
         return self.get(file_id)
 
+    def purge_expired(self) -> None:
+        """Delete the files past their expires_at, as DELETE /v1/files/{id} would."""
+        rows = self.conn.execute(
+            "SELECT id FROM files WHERE expires_at IS NOT NULL AND expires_at <= ?", (time.time(),)
+        ).fetchall()
+        for (file_id,) in rows:
+            self.conn.execute("DELETE FROM files WHERE id = ?", (file_id,))
+            self.path(file_id).unlink(missing_ok=True)
+
     def get(self, file_id: str, param: str = "file_id") -> dict:
-        row = self.conn.execute(
-            "SELECT id, bytes, created_at, filename, purpose FROM files WHERE id = ?", (file_id,)
-        ).fetchone()
+        self.purge_expired()
+        row = self.conn.execute(f"SELECT {FIELDS} FROM files WHERE id = ?", (file_id,)).fetchone()
         if row is None:
             raise not_found("file", file_id, param)
         return _file_obj(row)
@@ -78,6 +88,7 @@ class FileStore:
     ) -> list[dict]:
         """Newest first (order "desc", OpenAI's default) or oldest first; `after` is the last id
         of the previous page (a cursor over (created_at, id), so equal times never repeat a file)."""
+        self.purge_expired()
         where, args = [], []
         if purpose is not None:
             where, args = ["purpose = ?"], [purpose]
@@ -88,7 +99,7 @@ class FileStore:
             where.append(f"(created_at, id) {'<' if order == 'desc' else '>'} (?, ?)")
             args += [row[0], after]
         way = "DESC" if order == "desc" else "ASC"
-        q = "SELECT id, bytes, created_at, filename, purpose FROM files"
+        q = f"SELECT {FIELDS} FROM files"
         q += " WHERE " + " AND ".join(where) if where else ""
         q += f" ORDER BY created_at {way}, id {way} LIMIT ?"
         return [_file_obj(r) for r in self.conn.execute(q, (*args, limit)).fetchall()]
@@ -100,9 +111,12 @@ class FileStore:
         return {"id": file_id, "object": "file", "deleted": True}
 
 
+FIELDS = "id, bytes, created_at, filename, purpose, expires_at"
+
+
 def _file_obj(row) -> dict:
-    file_id, size, created, filename, purpose = row
+    file_id, size, created, filename, purpose, expires_at = row
     return {
         "id": file_id, "object": "file", "bytes": size, "created_at": created, "filename": filename,
-        "purpose": purpose, "status": "processed", "status_details": None, "expires_at": None,
+        "purpose": purpose, "status": "processed", "status_details": None, "expires_at": expires_at,
     }  # fmt: skip

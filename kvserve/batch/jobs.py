@@ -14,7 +14,8 @@ import time
 from kvserve.batch.errors import BatchAPIError, not_found
 from kvserve.batch.files import new_file_id
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")  # as OpenAI batches them
+# as OpenAI batches them (the first: run-batch's default)
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
 WINDOWS = {"24h": 24 * 3600}
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 FINAL = ("completed", "failed", "cancelled", "expired")
@@ -37,7 +38,11 @@ class JobStore:
     def __init__(self, conn: sqlite3.Connection) -> None:
         self.conn = conn
 
-    def create(self, input_file_id: str, endpoint: str, window: str, metadata: dict | None) -> dict:
+    def create(
+        self, input_file_id: str, endpoint: str, window: str, metadata: dict | None,
+        output_expires_after: int | None = None,
+    ) -> dict:  # fmt: skip
+        """output_expires_after: the seconds its output and error files live once written."""
         if endpoint not in ENDPOINTS:
             raise BatchAPIError(
                 400, f"endpoint: {endpoint!r} is not served in batches here (one of {', '.join(ENDPOINTS)})",
@@ -60,6 +65,7 @@ class JobStore:
             "model": None,  # the lines' model, known once the validating pass has read them
             # where the runner writes, registered as files once the batch is final
             "_output_path_id": new_file_id(), "_error_path_id": new_file_id(),
+            "_output_expires_after": output_expires_after,
         }  # fmt: skip
         self.conn.execute(
             "INSERT INTO batches (id, created_at, obj) VALUES (?, ?, ?)", (batch_id, now, json.dumps(obj))

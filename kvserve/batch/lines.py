@@ -50,10 +50,12 @@ def parse_line(raw: bytes, endpoint: str) -> tuple[str, dict]:
     return custom_id, body
 
 
-def sequences(body: dict) -> int:
+def sequences(body: dict, endpoint: str = "/v1/chat/completions") -> int:
     """The engine requests a line's body fans out to, prompts (or embeddings inputs) x max(n,
     best_of), as far as its shape tells (a value of the wrong type counts 1: validation refuses
-    the line anyway)."""
+    the line anyway). A response is one: its `input` is one conversation's items."""
+    if endpoint == "/v1/responses":
+        return 1
 
     def count(value) -> int:
         return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 1

@@ -37,6 +37,8 @@ async def _run(args: argparse.Namespace, config) -> int:
     from kvserve.batch.runner import LineRunner
     from kvserve.batch.validate import duplicate_errors, scan_input
     from kvserve.engine.async_llm import AsyncLLM
+    from kvserve.entrypoints.openai.response_store import MemoryResponseStore
+    from kvserve.entrypoints.openai.responses import ResponsesServing
     from kvserve.entrypoints.openai.serving import OpenAIServing
 
     scan = scan_input(args.input)
@@ -50,13 +52,14 @@ async def _run(args: argparse.Namespace, config) -> int:
     engine.start()
     names = [args.served_model_name or engine.source.name]
     serving = OpenAIServing(engine, names, None)
+    responses = ResponsesServing(serving, MemoryResponseStore(1024))  # for lines with store: true
     t0 = time.monotonic()
     with tqdm(total=total, unit="req", desc="run-batch", disable=args.no_progress) as bar:
         sink = PlainSink(args.output, bar)
         try:
 
             async def execute(ep: str, body: dict, request_id: str):
-                return await execute_line(serving, ep, body, request_id)
+                return await execute_line(serving, ep, body, request_id, responses)
 
             runner = LineRunner(
                 endpoint, execute, sink, args.window or config.max_num_seqs, lambda: False, "run"

@@ -34,8 +34,12 @@ def _line(record: dict) -> bytes:
 
 def line_tokens(record: dict) -> tuple[int, int, int]:
     """(input, cached, output) tokens of a line's answer, from its body's usage (the chat,
-    completions and embeddings shapes; embeddings have no output tokens)."""
+    completions and embeddings shapes; embeddings have no output tokens; the Responses API's
+    input_tokens / output_tokens)."""
     usage = ((record.get("response") or {}).get("body") or {}).get("usage") or {}
+    if "input_tokens" in usage:
+        cached = (usage.get("input_tokens_details") or {}).get("cached_tokens") or 0
+        return usage["input_tokens"] or 0, cached, usage.get("output_tokens") or 0
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     return usage.get("prompt_tokens") or 0, cached, usage.get("completion_tokens") or 0
 

@@ -13,6 +13,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 
 from kvserve.batch.errors import BatchAPIError
+from kvserve.batch.expiry import ExpiresAfter, form_expires_after
 from kvserve.batch.files import FileStore, new_file_id, too_large
 from kvserve.batch.jobs import JobStore
 from kvserve.batch.service import BatchService
@@ -24,12 +25,13 @@ MULTIPART_SLACK = 64 * 1024  # form boundaries and fields around the file itself
 
 
 class BatchCreateRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")  # e.g. output_expires_after: accepted, not acted on
+    model_config = ConfigDict(extra="allow")  # fields of OpenAI's added later: accepted
 
     input_file_id: str
     endpoint: str
     completion_window: str
     metadata: dict[str, str] | None = None
+    output_expires_after: ExpiresAfter | None = None
 
 
 def _openai_errors(fn):
@@ -80,8 +82,9 @@ def batch_router(files: FileStore, jobs: JobStore, service: BatchService) -> API
                 raise BatchAPIError(400, "purpose: required (a form field, 'batch')", "purpose")
             if not isinstance(upload, UploadFile):
                 raise BatchAPIError(400, "file: required (a file part)", "file")
+            expires_after = form_expires_after(form)
             file_id = await run_in_threadpool(_copy_upload, files, upload, purpose)
-            return files.register(file_id, upload.filename or "upload.jsonl", purpose)
+            return files.register(file_id, upload.filename or "upload.jsonl", purpose, expires_after)
         finally:
             await form.close()
 
@@ -118,7 +121,10 @@ def batch_router(files: FileStore, jobs: JobStore, service: BatchService) -> API
                 400, f"input_file_id: {req.input_file_id!r} has purpose {f['purpose']!r}, not 'batch'",
                 "input_file_id",
             )  # fmt: skip
-        obj = jobs.create(req.input_file_id, req.endpoint, req.completion_window, req.metadata)
+        expires = req.output_expires_after
+        obj = jobs.create(
+            req.input_file_id, req.endpoint, req.completion_window, req.metadata, expires and expires.seconds
+        )
         service.submit(obj["id"])
         return obj
 

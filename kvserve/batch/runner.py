@@ -63,7 +63,7 @@ class LineRunner:
                 else:
                     try:
                         parsed: tuple[str, dict] | LineError = parse_line(raw, self.endpoint)
-                        weight = min(sequences(parsed[1]), self.window)
+                        weight = min(sequences(parsed[1], self.endpoint), self.window)
                     except LineError as e:
                         parsed, weight = e, 1
                     while self._in_flight + weight > self.window and not self.should_stop():

@@ -21,13 +21,15 @@ CANCELLABLE = ("validating", "in_progress", "cancelling")
 
 class BatchService:
     def __init__(
-        self, files: FileStore, jobs: JobStore, serving, window: int, draining=lambda: False
+        self, files: FileStore, jobs: JobStore, serving, window: int, draining=lambda: False, responses=None
     ) -> None:
         """draining: true once the server drains (SIGTERM): batches stop at once, so the drain
-        does not wait on them, and resume on the next start."""
+        does not wait on them, and resume on the next start. responses: the server's
+        ResponsesServing, for /v1/responses batches (their stored responses go to its store)."""
         self.files = files
         self.jobs = jobs
         self.serving = serving
+        self.responses = responses
         self.window = window
         self._queue: asyncio.Queue[str | None] = asyncio.Queue()
         self._cancelled: set[str] = set()
@@ -156,7 +158,7 @@ class BatchService:
             return self._halted() or batch_id in self._cancelled or self._expired(obj)
 
         async def execute(endpoint: str, body: dict, request_id: str):
-            return await execute_line(self.serving, endpoint, body, request_id)
+            return await execute_line(self.serving, endpoint, body, request_id, self.responses)
 
         try:
             runner = LineRunner(obj["endpoint"], execute, sink, self.window, should_stop, batch_id)
@@ -196,7 +198,8 @@ class BatchService:
                 path = self.files.path(file_id)
                 if path.exists() and path.stat().st_size > 0:
                     if conn.execute("SELECT 1 FROM files WHERE id = ?", (file_id,)).fetchone() is None:
-                        self.files.register(file_id, f"{obj['id']}_{name}.jsonl", "batch_output")
+                        lives = obj.get("_output_expires_after")
+                        self.files.register(file_id, f"{obj['id']}_{name}.jsonl", "batch_output", lives)
                     fields[key] = file_id
             self.jobs.set_status(obj, status, **fields)
             conn.execute("COMMIT")

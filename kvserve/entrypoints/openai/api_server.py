@@ -106,7 +106,7 @@ def build_app(engine: AsyncLLM | DPClient, cfg: ServerConfig, store: ResponseSto
     responses = ResponsesServing(serving, store or open_store(cfg.response_store, cfg.response_store_size))
     lifecycle = Lifecycle(engine, cfg.shutdown_timeout)
     # /v1/files, /v1/batches: stops feeding the engine once the server drains
-    batch = BatchAPI(serving, cfg, engine.config.max_num_seqs, lambda: lifecycle.draining)
+    batch = BatchAPI(serving, cfg, engine.config.max_num_seqs, lambda: lifecycle.draining, responses)
     protected = PROTECTED_PREFIXES + (("/metrics",) if cfg.metrics_require_key else ())
 
     @asynccontextmanager

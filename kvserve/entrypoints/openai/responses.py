@@ -35,6 +35,7 @@ from kvserve.entrypoints.openai.responses_protocol import (
     to_chat,
 )
 from kvserve.entrypoints.openai.serving import OpenAIServing, Run
+from kvserve.request import BACKGROUND_PRIORITY
 
 # The chat request's fields that a Responses request calls otherwise: an error raised on the
 # chat path names the field this request sent (OpenAI's param), not the chat one.
@@ -182,7 +183,7 @@ class ResponsesServing:
                 ) from None
         try:
             try:
-                run = await self.serving.chat_run(to_chat(req, history), raw)
+                run = await self._chat_run(req, history, raw)
                 conversation = history + input_messages(req.input, history)
             except ContextLengthError as e:
                 if req.truncation != "auto":
@@ -214,6 +215,14 @@ class ResponsesServing:
             self.store.put(response, conversation + _assistant_turn(output), items)
         return JSONResponse(response)
 
+    async def _chat_run(self, req: ResponsesRequest, history: list[dict], raw: Request) -> Run:
+        """The chat request behind the response, started; a batch line's (the runner marks its
+        own requests: no HTTP client can) at background priority, as its chat lines are."""
+        chat = to_chat(req, history)
+        if getattr(raw.state, "batch_line", False):
+            chat.priority = BACKGROUND_PRIORITY
+        return await self.serving.chat_run(chat, raw)
+
     async def _run_truncated(
         self, req: ResponsesRequest, conversation: list[dict], raw: Request, error: ContextLengthError
     ) -> Run:
@@ -225,7 +234,7 @@ class ResponsesServing:
         rest = req.model_copy(update={"input": []})  # (its input is in `conversation`)
         for start in (i for i, m in enumerate(conversation) if i > 0 and m.get("role") == "user"):
             try:
-                return await self.serving.chat_run(to_chat(rest, conversation[start:]), raw)
+                return await self._chat_run(rest, conversation[start:], raw)
             except ContextLengthError as e:
                 error = e
         raise error
