@@ -73,6 +73,16 @@ def test_every_answer_names_its_configuration_and_tier(client):
     assert "service_tier" not in text.model_dump(exclude_unset=True)  # not in OpenAI's Completion
 
 
+def test_max_tokens_beside_max_completion_tokens_is_ignored_saying_so(server):
+    """vLLM's rule (the newer name is the limit), but the ignored value was dropped silently."""
+    body = {"model": "smol", "messages": HI, "temperature": 0, "ignore_eos": True}
+    r = post(server, "/v1/chat/completions", {**body, "max_tokens": 9, "max_completion_tokens": 3})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    assert "max_tokens (9) ignored: max_completion_tokens (3)" in r.headers["warning"]
+    r = post(server, "/v1/chat/completions", {**body, "max_tokens": 3, "max_completion_tokens": 3})
+    assert r.status_code == 200 and "warning" not in r.headers
+
+
 def test_the_fingerprint_changes_with_what_changes_the_tokens():
     from kvserve.config import EngineConfig
     from kvserve.entrypoints.openai.fingerprint import system_fingerprint

@@ -64,6 +64,11 @@ def normalize_sampling(req: SamplingFields) -> list[str]:
 
 def normalize_chat(req: ChatCompletionRequest) -> list[str]:
     warnings = normalize_sampling(req)
+    both = (req.max_tokens, req.max_completion_tokens)
+    if None not in both and both[0] != both[1]:  # OpenAI refuses the pair; vLLM takes the newer name
+        warnings.append(
+            f'299 kvserve "max_tokens ({both[0]}) ignored: max_completion_tokens ({both[1]}) is set"'
+        )
     if req.modalities and "audio" in req.modalities or req.audio is not None:
         raise ValueError("modalities: this server produces text only; audio output is not supported")
     if req.web_search_options is not None:
