@@ -933,7 +933,10 @@ def test_responses_max_tool_calls_keeps_that_many_calls(long_server):
     r = post(s, body, "/v1/responses")
     assert r.json()["max_tool_calls"] == 2
     assert [o["type"] for o in r.json()["output"]] == ["function_call"] * 2
-    with httpx.stream("POST", f"{s.url}/v1/responses", json={**body, "stream": True}, headers=s.headers) as r:
+    # (timeout: httpx's default, 5 s between two reads, was this test's one flake: a niced test
+    # run under load can wait that long for the next event)
+    with httpx.stream("POST", f"{s.url}/v1/responses", json={**body, "stream": True}, headers=s.headers,
+                      timeout=60) as r:  # fmt: skip
         events = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
     added = [e for e in events if e["type"] == "response.output_item.added"]
     assert len(added) == 2 and events[-1]["type"] == "response.completed"
@@ -956,7 +959,8 @@ def test_responses_item_cut_by_max_output_tokens_is_incomplete_and_not_carried(l
     assert r["status"] == "incomplete" and [(o["type"], o["status"]) for o in r["output"]] == [
         ("function_call", "incomplete")
     ]
-    with httpx.stream("POST", f"{s.url}/v1/responses", json={**cut, "stream": True}, headers=s.headers) as sr:
+    with httpx.stream("POST", f"{s.url}/v1/responses", json={**cut, "stream": True}, headers=s.headers,
+                      timeout=60) as sr:  # fmt: skip
         lines = list(sr.iter_lines())
     events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
     assert "data: [DONE]" not in lines  # OpenAI's Responses stream ends at its last event
