@@ -606,3 +606,15 @@ def test_a_large_body_is_parsed_while_other_requests_are_answered(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
     assert r.json()["error"]["message"].startswith("messages[300000].role: Input should be")
     assert max(latencies) < took / 2, (max(latencies), took)  # the old code: all of it
+
+
+def test_a_conversation_whose_markup_cannot_fit_is_refused_before_tokenizing(server):
+    """30,000 one-letter messages: their contents fit the character bound, but the template's
+    markup around them renders 870,000 characters, more than 8,192 tokens can ever hold. That
+    text was tokenized (for 340,000 messages, 9 s of a core) only to be refused as too long."""
+    messages = [{"role": "user", "content": "a"}] * 30_000
+    r = post(server, "/v1/chat/completions", {"model": "smol", "messages": messages, "max_tokens": 1})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "context_length_exceeded" and err["param"] == "messages"
+    assert "characters can never fit it" in err["message"]

@@ -198,6 +198,9 @@ class OpenAIServing:
                 raise
             except Exception as e:  # template errors (e.g. roles it refuses) are the client's
                 raise ValueError(f"messages: the chat template rejected them: {e}") from None
+            # the contents fit, but their template's markup may not: 340,000 one-letter messages
+            # render 10 MB, seconds of a core to tokenize into a certain context_length_exceeded
+            self._check_chars("messages", len(text))
             return self._encode("messages", text, False)
 
         return await self._off_loop(render)
