@@ -73,6 +73,21 @@ def test_every_answer_names_its_configuration_and_tier(client):
     assert "service_tier" not in text.model_dump(exclude_unset=True)  # not in OpenAI's Completion
 
 
+def test_a_response_echoes_the_request_values_openai_echoes(client):
+    """top_logprobs, user, safety_identifier, prompt_cache_key(_retention), background and
+    reasoning were missing from the Response object: the SDK read null for each, even for a
+    value the request set."""
+    kw = {"model": "smol", "input": "Hi", "max_output_tokens": 2, "top_logprobs": 2, "user": "u1",
+          "safety_identifier": "s1", "prompt_cache_key": "k1", "prompt_cache_retention": "24h"}  # fmt: skip
+    made = client.responses.create(**kw)
+    streamed = list(client.responses.create(stream=True, **kw))[-1].response
+    for r in (made, streamed, client.responses.retrieve(made.id)):
+        assert (r.top_logprobs, r.user, r.safety_identifier, r.prompt_cache_key) == (2, "u1", "s1", "k1")
+        assert r.prompt_cache_retention == "24h" and r.background is False and r.reasoning.effort is None
+    bare = client.responses.create(model="smol", input="Hi", max_output_tokens=2)
+    assert (bare.top_logprobs, bare.user, bare.prompt_cache_key) == (0, None, None)
+
+
 def test_max_tokens_beside_max_completion_tokens_is_ignored_saying_so(server):
     """vLLM's rule (the newer name is the limit), but the ignored value was dropped silently."""
     body = {"model": "smol", "messages": HI, "temperature": 0, "ignore_eos": True}

@@ -157,6 +157,12 @@ class ResponsesServing:
             "metadata": req.metadata or {}, "store": req.store, "truncation": req.truncation or "disabled",
             "error": None, "incomplete_details": None, "usage": None, "completed_at": None,
             "service_tier": "default",  # the tier that served it, as chat completions say
+            # the request's own values, as OpenAI echoes them (an SDK read null for each)
+            "top_logprobs": req.top_logprobs or 0, "user": req.user,
+            "safety_identifier": req.safety_identifier, "prompt_cache_key": req.prompt_cache_key,
+            "prompt_cache_retention": req.prompt_cache_retention,
+            "background": False,  # (background=true is refused)
+            "reasoning": {"effort": None, "summary": None},  # no reasoning model: none was done
         }  # fmt: skip
 
     def _finish(self, response: dict, output: list[dict], finish: str | None, usage: dict | None) -> dict:
