@@ -38,10 +38,18 @@ class StructuredOutputsParams:
         )
         if self.choice is not None:
             _check(
-                bool(self.choice) and all(isinstance(c, str) and c for c in self.choice),
+                bool(self.choice) and all(isinstance(c, str) for c in self.choice),
                 "structured_outputs",
-                "choice must be a non-empty list of non-empty strings",
+                "choice must be a non-empty list of strings",
             )
+            for i, c in enumerate(self.choice):  # "" is allowed, as vLLM has it: the empty answer
+                lone = next((ch for ch in c if "\ud800" <= ch <= "\udfff"), None)
+                _check(
+                    lone is None,
+                    "structured_outputs",
+                    f"choice[{i}] holds a lone surrogate (U+{ord(lone or 'x'):04X}), which is no text "
+                    "an answer could hold",
+                )
 
 
 @dataclass

@@ -612,6 +612,28 @@ def test_offline_invalid_grammar_is_refused(tiny_llm):
         )
 
 
+def test_an_empty_choice_is_the_empty_answer(tiny_llm):
+    """vLLM takes choice=[""] (the answer may be empty); it was refused as "non-empty strings"."""
+    so = StructuredOutputsParams(choice=["", "ab"])
+    check(so)
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=8, structured_outputs=so) for s in range(6)]
+    params.append(SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(choice=[""])))
+    outs = [o.outputs[0] for o in tiny_llm.generate(["Hi"] * len(params), params, use_tqdm=False)]
+    assert all(c.text in ("", "ab") and c.finish_reason == "stop" for c in outs), outs
+    assert outs[-1].text == "" and outs[-1].token_ids == [2]
+
+
+@pytest.mark.parametrize("choice", [["\ud800"], ["ok", "a\udfffb"]])
+def test_a_choice_with_a_lone_surrogate_is_refused_naming_it(choice):
+    """A lone surrogate (JSON's "\\ud800") was a 400 in the words of our EBNF encoding: "'utf-8'
+    codec can't encode character ... in position 10" (a position in our grammar text)."""
+    with pytest.raises(ValueError) as e:
+        StructuredOutputsParams(choice=choice)
+    where = len(choice) - 1
+    assert str(e.value).startswith(f"structured_outputs: choice[{where}] holds a lone surrogate"), e.value
+    assert "codec" not in str(e.value) and "position" not in str(e.value)
+
+
 @pytest.mark.parametrize("so", [dict(grammar="root ::= root"), dict(regex="[^\\x00-\\U0010FFFF]")])
 def test_grammar_matching_no_text_is_refused(tiny_llm, so):
     """xgrammar parses these, but its matcher allows no first token and cannot end: refused
