@@ -288,6 +288,45 @@ def test_a_bounded_number_takes_minus_zero_and_a_zero_exponent(tiny_llm, answer,
     assert _answers(tiny_llm.llm_engine, ("json", json.dumps(NUMBERS)), answer) == valid, answer
 
 
+RANGES = [
+    ({"type": "integer", "minimum": -1e20},
+     [("-100000000000000000000", True), ("-100000000000000000001", False),
+      ("12345678901234567890123", True)]),
+    ({"type": "integer", "exclusiveMaximum": 2**64},
+     [("18446744073709551615", True), ("18446744073709551616", False), ("-9223372036854775809", True)]),
+    ({"type": "number", "maximum": 1e30},
+     [("1e30", True), ("1E+30", True), ("9.99e29", True), ("1000000000000000000000000000000", True),
+      ("100000000000000000000", True), ("1.0000000001e30", False), ("2e30", False), ("1e31", False),
+      ("1000000000000000100000000000000", False), ("-1e40", True)]),
+    ({"type": "number", "minimum": 0, "maximum": 1},
+     [("0.3333333333", True), ("1.0000000", True), ("1.0000001", False), ("1e-7", True), ("1e0", True),
+      ("1.5e-1", True), ("1e1", False), ("-1e-7", False), ("0e9", True)]),
+    ({"type": "number", "exclusiveMinimum": 2, "maximum": 2.5},
+     [("2", False), ("2.0e0", False), ("2.000001", True), ("2.5", True), ("2.50", True), ("2.5000001", False),
+      ("2.25e+0", True), ("2.1e0", True), ("2.6E0", False)]),
+    ({"type": "number", "minimum": -1.5e-3},
+     [("-0.0015", True), ("-0.00150001", False), ("-1.5e-3", True), ("-1.6E-3", False), ("-15e-4", False),
+      ("7e300", True), ("25e-1", True)]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("schema, answers", RANGES)
+def test_a_bounded_number_is_exact_at_any_size_and_in_scientific_form(tiny_llm, schema, answers):
+    """xgrammar wrote bounds through 64-bit integers and six decimals: an integer bound past int64
+    was refused ("Integer exceeds minimum limit"), under `maximum: 1e30` 10**20 was refused and
+    1e30 itself in any spelling, 0.3333333 under `maximum: 1`, and every exponent. Now plain
+    decimals of any length and the one-digit scientific form are exact; other exponent forms
+    (`-15e-4`) stay refused under the bound they would need comparing with."""
+    check(StructuredOutputsParams(json=schema))
+    texts = [text for text, _ in answers]
+    validator = jsonschema.Draft202012Validator(schema)
+    assert [validator.is_valid(json.loads(t)) for t in texts if t != "-15e-4"] == [
+        v for t, v in answers if t != "-15e-4"
+    ]
+    found = _answers_each(tiny_llm.llm_engine, ("json", json.dumps(schema)), texts)
+    assert found == [valid for _, valid in answers], list(zip(texts, found))
+
+
 def test_a_rewritten_schema_left_unused_in_defs_is_left_out(tiny_llm):
     """A const object, an integer or a pattern in a $defs schema nothing refers to is not in
     xgrammar's grammar: the rewrites above skip it (the answer is the schema's, not a failed

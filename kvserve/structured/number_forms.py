@@ -1,14 +1,12 @@
-"""A bounded number's (and an integer's) zero written `-0`, and a bounded number with an exponent
-that leaves its value as it is.
+"""Integers and bounded numbers written by number_ranges.py, not by xgrammar.
 
-xgrammar 0.2.8 writes a number with a bound as its decimal digits only: `-0` (a JSON number
-equal to 0) was refused wherever 0 is allowed, though `-0.0` was taken for some bounds and not
-others, and so was `1e0` (equal to 1); an integer refused `-0` even without bounds. Each such
-number schema is swapped for a placeholder before xgrammar converts the schema, and the
-placeholder's literal for xgrammar's own grammar of it (its rules renamed) together with
-`-0` (and `-0.0...`) where 0 is within the bounds, and, for a number, an exponent of zero
-(`e0`, `E+00`). Other exponents stay refused under a bound: whether `25e-1` is at most 3 takes
-comparing digits across the exponent, which no grammar of this kind can say.
+xgrammar 0.2.8 writes a number with a bound as its decimal digits only, through 64-bit integers
+and six decimal places: `-0` (a JSON number equal to 0) was refused wherever 0 is allowed, and
+so was `1e0` and every other exponent; an integer refused `-0` even without bounds, and a bound
+past int64 with its own message (number_ranges.py says the rest). Each such number schema is
+swapped for a placeholder before xgrammar converts the schema, and the placeholder's literal
+for number_ranges.py's exact grammar of it after (for a schema whose bounds are none
+it can write, xgrammar's own grammar with `-0` and a zero exponent, as before).
 """
 
 from __future__ import annotations
@@ -17,6 +15,7 @@ import json
 import re
 from typing import Any
 
+from kvserve.structured.number_ranges import number_ebnf, schema_bounds
 from kvserve.structured.schema_walk import rebuilt_children
 
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
@@ -49,6 +48,10 @@ def with_numbers(ebnf: str, numbers: list[dict]) -> str:
         prefix = f"kvserve_number{i}_"
         while re.search(rf"^{prefix}", ebnf, re.MULTILINE):
             prefix += "_"
+        exact = _exact(schema)
+        if exact is not None:
+            ebnf = ebnf.replace(literal, f"{prefix}root") + f"\n{prefix}root ::= {exact}\n"
+            continue
         own = _reachable(str(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)))
         names = _RULE.findall(own)
         own = re.sub(r"\b(" + "|".join(map(re.escape, names)) + r")\b", prefix + r"\1", own)
@@ -58,6 +61,14 @@ def with_numbers(ebnf: str, numbers: list[dict]) -> str:
             forms.append(f'"-0" ("." "0"+)? {_ZERO_EXPONENT}?' if number else '"-0"')
         ebnf = ebnf.replace(literal, "(" + " | ".join(f"({f})" for f in forms) + ")") + "\n" + own + "\n"
     return ebnf
+
+
+def _exact(schema: dict) -> str | None:
+    """number_ranges.py's expression of a swapped schema, or None where it cannot write it."""
+    bounds = schema_bounds(schema)
+    if bounds is None:
+        return None
+    return number_ebnf(schema.get("type") == "integer", *bounds)
 
 
 def _reachable(ebnf: str) -> str:

@@ -14,6 +14,7 @@ import threading
 
 from kvserve.sampling_params import StructuredOutputsParams
 from kvserve.structured.json_strings import prepared_schema
+from kvserve.structured.number_forms import swap_numbers
 from kvserve.structured.productive import unproductive_root
 from kvserve.structured.regex_flavour import for_xgrammar
 from kvserve.structured.schema_support import unsatisfiable, unsupported
@@ -70,7 +71,8 @@ def _check_key(kind: str, text: str, label: str | None) -> None:
             if empty is not None:
                 key, where, why = empty
                 raise ValueError(f"{key} at {where}: {why}")
-            prepared = json.dumps(prepared_schema(schema))
+            # Numbers as placeholders: xgrammar refuses an integer bound past 64 bits (number_ranges.py).
+            prepared = json.dumps(swap_numbers(prepared_schema(schema), []))
             _refuse_if_endless(xgr.Grammar.from_json_schema(prepared, any_whitespace=False))
             refused = unsupported(schema)
             if refused is not None:
