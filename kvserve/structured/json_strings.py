@@ -24,6 +24,7 @@ from kvserve.structured.integer_bounds import whole_integers
 from kvserve.structured.json_patterns import pattern_grammar
 from kvserve.structured.listed_spacing import swap_listed, with_listed
 from kvserve.structured.number_forms import swap_numbers, with_numbers
+from kvserve.structured.one_of import as_any_of
 from kvserve.structured.open_objects import open_where_needed
 from kvserve.structured.pattern_required import require_pattern_names
 from kvserve.structured.schema_walk import rebuilt_children
@@ -61,8 +62,9 @@ def prepared_schema(schema: Any) -> Any:
     """The schema as xgrammar is given it: required names made properties (pattern_required.py),
     objects / arrays opened where their minimum needs it (open_objects.py), the formats
     xgrammar writes loosely as exact patterns (exact_formats.py) and integers' bounds whole, a
-    bounded multipleOf as its multiples (integer_bounds.py)."""
-    return whole_integers(exact_formats(open_where_needed(require_pattern_names(schema))))
+    bounded multipleOf as its multiples (integer_bounds.py), a oneOf (proved exclusive) as anyOf
+    (one_of.py)."""
+    return as_any_of(whole_integers(exact_formats(open_where_needed(require_pattern_names(schema)))))
 
 
 def _ebnf(schema: str) -> str:

@@ -17,7 +17,7 @@ from typing import Any
 from kvserve.structured.distinct_names import repeatable_count
 from kvserve.structured.integer_bounds import multiple_refused
 from kvserve.structured.listed_values import broken_keyword
-from kvserve.structured.one_of import overlapping_branches
+from kvserve.structured.one_of import MAX_PAIRS, overlapping_branches, pairs
 from kvserve.structured.open_objects import closed_too_small
 from kvserve.structured.pattern_overlap import may_overlap
 
@@ -42,6 +42,10 @@ _ONE_OF_OVERLAP = (
     "exclusive (unlike types, distinct const or enum values, a required property with distinct const values) "
     "or use anyOf"
 )
+_ONE_OF_WORK = (
+    "proving its {} schemas exclusive compares {:,} pairs, past the {:,} a schema's oneOfs may compare "
+    "(one oneOf of 256 schemas); use anyOf, or fewer schemas"
+)
 _ONE_SCHEMA = ("additionalProperties", "items", "unevaluatedProperties", "unevaluatedItems",
                "propertyNames", "contains", "not", "if", "then", "else")  # fmt: skip
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
@@ -50,6 +54,7 @@ _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "depe
 
 def unsupported(schema: Any) -> tuple[str, str, str] | None:
     """(keyword, JSON pointer of its schema, why) of the first keyword not enforced, or None."""
+    compared = 0
     for path, node in _subschemas(schema, ""):
         for key, why in UNSUPPORTED.items():
             if key in node:
@@ -60,6 +65,10 @@ def unsupported(schema: Any) -> tuple[str, str, str] | None:
             if node.get(key) == []:
                 return key, path or "/", f"an empty {key} matches no value; give at least one schema"
         if isinstance(node.get("oneOf"), list) and len(node["oneOf"]) > 1:
+            compared += pairs(node["oneOf"])
+            if compared > MAX_PAIRS:
+                n = len(node["oneOf"])
+                return "oneOf", path or "/", _ONE_OF_WORK.format(n, pairs(node["oneOf"]), MAX_PAIRS)
             pair = overlapping_branches(node["oneOf"], schema)
             if pair is not None:
                 return "oneOf", path or "/", _ONE_OF_OVERLAP.format(*pair)
