@@ -262,3 +262,18 @@ def test_a_oneof_proved_exclusive_logs_no_anyof_fallback(capfd):
     assert "anyOf" not in capfd.readouterr().err
     xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)  # xgrammar's own words
     assert "falling back to anyOf" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "schema, why",
+    [({"type": "integer", "minimum": -1e20, "multipleOf": 5},
+      "multipleOf at / is not supported: a whole multipleOf"),
+     ({"type": "integer", "minimum": 10**20, "maximum": 10**20 + 5000, "multipleOf": 1},
+      "multipleOf at / is not supported: a whole multipleOf beside bounds past 64-bit integers")],
+)  # fmt: skip
+def test_a_multiple_of_beside_a_bound_past_64_bits_is_refused_in_our_words(schema, why):
+    """xgrammar's conversion ran first and refused the bound in its words ("Integer exceeds minimum
+    limit"), naming no keyword; the multipleOf kvserve cannot enforce there is named instead."""
+    with pytest.raises(ValueError) as e:
+        check(StructuredOutputsParams(json=schema))
+    assert str(e.value).startswith(f"structured_outputs: invalid json schema: {why}"), str(e.value)

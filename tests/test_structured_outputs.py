@@ -268,6 +268,28 @@ def test_a_listed_object_or_array_may_be_spaced_as_the_rest(tiny_llm, answer, va
     assert _answers(tiny_llm.llm_engine, ("json", json.dumps(LISTED)), answer) == valid, answer
 
 
+LISTED_NUMBERS = {"type": "object", "properties": {"e": {"enum": [0.1, 1e-7, 100.0, 2**64 + 1, "x"]},
+                                                  "c": {"const": 0.3}},
+                  "required": ["e", "c"], "additionalProperties": False}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "answer, valid",
+    [('{"e": 0.1, "c": 0.3}', True), ('{"e": 1e-07, "c": 0.3}', True), ('{"e": 100.0, "c": 0.3}', True),
+     ('{"e": 100, "c": 0.3}', True), ('{"e": 18446744073709551617, "c": 0.3}', True),
+     ('{"e": 0.10000000000000001, "c": 0.29999999999999999}', False), ('{"e": 1.8446744073709552e+19, "c": 0.3}', False),
+     ('{"e": 18446744073709551616, "c": 0.3}', False), ('{"e": 0.2, "c": 0.3}', False)],
+)  # fmt: skip
+def test_a_listed_number_is_written_as_the_schema_wrote_it(tiny_llm, answer, valid):
+    """xgrammar wrote a const / enum number through a double's 17 digits: 0.1 only as
+    0.10000000000000001 (the answer's tokens spent on noise), and 2**64 + 1 as 1.8446744073709552e+19,
+    another number."""
+    key = ("json", json.dumps(LISTED_NUMBERS))
+    assert _answers(tiny_llm.llm_engine, key, answer) == valid, answer
+    if valid:
+        jsonschema.validate(json.loads(answer), LISTED_NUMBERS)
+
+
 NUMBERS = {"type": "object", "properties": {"n": {"type": "number", "minimum": -5, "maximum": 5},
                                            "p": {"type": "number", "exclusiveMinimum": 0},
                                            "i": {"type": "integer"}},
@@ -502,6 +524,8 @@ INTEGERS = [
      [("-3", False), ("-2", True), ("2", True), ("3", False)]),
     ({"type": "integer", "multipleOf": 100, "minimum": 0, "maximum": 50000},
      [("0", True), ("49900", True), ("4", False), ("-100", False), ("50100", False)]),
+    ({"type": "integer", "multipleOf": 5, "minimum": 10**20, "maximum": 10**20 + 50},  # past int64: listed
+     [("100000000000000000005", True), ("100000000000000000006", False), ("100000000000000000055", False)]),
 ]  # fmt: skip
 
 

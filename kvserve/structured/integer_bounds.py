@@ -48,8 +48,15 @@ def multiple_refused(node: dict) -> str | None:
     if not any(_number(node.get(k)) for k in _BOUNDS):
         return None
     low, high = whole_range(node)
-    if (low is not None and high is not None and high - low < XGRAMMAR_SPAN) or _multiples(node, low, high):
+    if _multiples(node, low, high):
         return None
+    if low is not None and high is not None and high - low < XGRAMMAR_SPAN:
+        if _int64(low) and _int64(high):
+            return None
+        return (
+            "a whole multipleOf beside bounds past 64-bit integers is enforced only where they hold at most "
+            f"{MAX_MULTIPLES} multiples (written as their list)"
+        )
     return (
         "a whole multipleOf beside a bound is enforced only where minimum and maximum are less than "
         f"{XGRAMMAR_SPAN} apart or hold at most {MAX_MULTIPLES} multiples (written as their list)"
@@ -74,13 +81,18 @@ def _multiples(node: dict, low: int | None, high: int | None) -> list[int] | Non
     step = node.get("multipleOf")
     if not _number(step) or step <= 0 or not float(step).is_integer() or low is None or high is None:
         return None
-    if high - low < XGRAMMAR_SPAN:
+    if high - low < XGRAMMAR_SPAN and _int64(low) and _int64(high):
         return None  # left to xgrammar
     step = int(step)
     first = -(-low // step) * step
     if first > high or (high - first) // step + 1 > MAX_MULTIPLES:
         return None
     return list(range(first, high + 1, step))
+
+
+def _int64(v: int) -> bool:
+    """Whether xgrammar can hold the bound (it refuses others: "Integer exceeds maximum limit")."""
+    return -(2**63) <= v < 2**63
 
 
 def _is_integer_schema(node: Any) -> bool:

@@ -73,11 +73,12 @@ def _check_key(kind: str, text: str, label: str | None) -> None:
                 raise ValueError(f"{key} at {where}: {why}")
             # Numbers as placeholders: xgrammar refuses an integer bound past 64 bits (number_ranges.py).
             prepared = json.dumps(swap_numbers(prepared_schema(schema), []))
-            _refuse_if_endless(xgr.Grammar.from_json_schema(prepared, any_whitespace=False))
-            refused = unsupported(schema)
-            if refused is not None:
-                key, where, why = refused
-                raise ValueError(f"{key} at {where} is not supported: {why}")
+            try:
+                _refuse_if_endless(xgr.Grammar.from_json_schema(prepared, any_whitespace=False))
+            except RuntimeError:
+                _refuse_unsupported(schema)  # a keyword we refuse, said in our words, before xgrammar's
+                raise
+            _refuse_unsupported(schema)
         elif kind == "regex":
             try:
                 grammar = xgr.Grammar.from_regex(for_xgrammar(text, python=True))  # as compiled
@@ -90,6 +91,13 @@ def _check_key(kind: str, text: str, label: str | None) -> None:
             _refuse_if_endless(grammar)
     except (RuntimeError, ValueError, TypeError) as e:
         raise ValueError(f"structured_outputs: invalid {label}: {clean_error(e)}") from None
+
+
+def _refuse_unsupported(schema) -> None:
+    refused = unsupported(schema)
+    if refused is not None:
+        key, where, why = refused
+        raise ValueError(f"{key} at {where} is not supported: {why}")
 
 
 def parse_schema(text: str):
