@@ -268,6 +268,29 @@ def test_a_listed_object_or_array_may_be_spaced_as_the_rest(tiny_llm, answer, va
     assert _answers(tiny_llm.llm_engine, ("json", json.dumps(LISTED)), answer) == valid, answer
 
 
+SPACED = {"type": "object", "properties": {"a": {"type": "array", "items": {"type": "integer"}},
+                                          "o": {"type": "object"}, "s": {"type": "string"}},
+          "required": ["a", "o", "s"], "additionalProperties": False}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "key, answer, valid",
+    [(("json", json.dumps(SPACED)), '{"a":[1,2],"o":{"k":[true,null]},"s":"x, y: z"}', True),
+     (("json", json.dumps(SPACED)), '{"a": [1,2],"o": {"k":1}, "s":"x"}', True),
+     (("json", json.dumps(SPACED)), '{"a": [1, 2], "o": {"k": 1}, "s": "x"}', True),
+     (("json_object", ""), '{"a":1,"b":[1,{"c":"d"}]}', True),
+     (("json", json.dumps(SPACED)), '{"a":  [1], "o": {}, "s": "x"}', False),
+     (("json", json.dumps(SPACED)), '{"a": [1 ,2], "o": {}, "s": "x"}', False),
+     (("json_object", ""), '{"a" : 1}', False)],
+)  # fmt: skip
+def test_compact_json_is_an_answer_and_whitespace_cannot_run_on(tiny_llm, key, answer, valid):
+    """Free whitespace is off (small models wrote it until max_tokens), and xgrammar without it
+    wrote every separator `", "` / `": "`: a model writing `[1,2]` or `{"a":1}`, compact JSON as
+    vLLM takes it, was pushed off its own text. Each separator is now compact or one space,
+    never more."""
+    assert _answers(tiny_llm.llm_engine, key, answer) == valid, answer
+
+
 LISTED_NUMBERS = {"type": "object", "properties": {"e": {"enum": [0.1, 1e-7, 100.0, 2**64 + 1, "x"]},
                                                   "c": {"const": 0.3}},
                   "required": ["e", "c"], "additionalProperties": False}  # fmt: skip
@@ -277,7 +300,8 @@ LISTED_NUMBERS = {"type": "object", "properties": {"e": {"enum": [0.1, 1e-7, 100
     "answer, valid",
     [('{"e": 0.1, "c": 0.3}', True), ('{"e": 1e-07, "c": 0.3}', True), ('{"e": 100.0, "c": 0.3}', True),
      ('{"e": 100, "c": 0.3}', True), ('{"e": 18446744073709551617, "c": 0.3}', True),
-     ('{"e": 0.10000000000000001, "c": 0.29999999999999999}', False), ('{"e": 1.8446744073709552e+19, "c": 0.3}', False),
+     ('{"e": 0.10000000000000001, "c": 0.29999999999999999}', False),
+     ('{"e": 1.8446744073709552e+19, "c": 0.3}', False),
      ('{"e": 18446744073709551616, "c": 0.3}', False), ('{"e": 0.2, "c": 0.3}', False)],
 )  # fmt: skip
 def test_a_listed_number_is_written_as_the_schema_wrote_it(tiny_llm, answer, valid):

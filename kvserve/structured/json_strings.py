@@ -28,6 +28,7 @@ from kvserve.structured.one_of import as_any_of
 from kvserve.structured.open_objects import open_where_needed
 from kvserve.structured.pattern_required import require_pattern_names
 from kvserve.structured.schema_walk import rebuilt_children
+from kvserve.structured.separators import either_spacing
 
 logger = logging.getLogger(__name__)
 # The body xgrammar gives a length-bounded string's character rule.
@@ -39,7 +40,8 @@ _PATTERN_RULE = "kvserve_pattern"
 
 
 def json_schema_grammar(schema: str):
-    """The xgrammar Grammar of a JSON schema (no free whitespace), strings fixed as above,
+    """The xgrammar Grammar of a JSON schema (no free whitespace: separators compact or spaced,
+    separators.py), strings fixed as above,
     string patterns as json_patterns.py writes them (as xgrammar writes them should that fail),
     prepared as `prepared_schema` says, listed objects and arrays spaced as listed_spacing.py
     says and integers and bounded numbers as number_forms.py says."""
@@ -58,6 +60,13 @@ def json_schema_grammar(schema: str):
     return xgr.Grammar.from_ebnf(_bounded(_ebnf(schema)))
 
 
+def _ebnf(schema: str) -> str:
+    """xgrammar's grammar text of the schema, its separators compact or spaced (separators.py)."""
+    import xgrammar as xgr
+
+    return either_spacing(str(xgr.Grammar.from_json_schema(schema, any_whitespace=False)))
+
+
 def prepared_schema(schema: Any) -> Any:
     """The schema as xgrammar is given it: required names made properties (pattern_required.py),
     objects / arrays opened where their minimum needs it (open_objects.py), the formats
@@ -65,12 +74,6 @@ def prepared_schema(schema: Any) -> Any:
     bounded multipleOf as its multiples (integer_bounds.py), a oneOf (proved exclusive) as anyOf
     (one_of.py)."""
     return as_any_of(whole_integers(exact_formats(open_where_needed(require_pattern_names(schema)))))
-
-
-def _ebnf(schema: str) -> str:
-    import xgrammar as xgr
-
-    return str(xgr.Grammar.from_json_schema(schema, any_whitespace=False))
 
 
 def _bounded(text: str) -> str:
