@@ -6,7 +6,9 @@ bounds the day by month and year); `date-time` shares that date and took only an
 `T` and `Z`, which RFC 3339 allows in lower case too; `ipv4` took an octet's leading zeros
 (`01.2.3.4`), which RFC 2673's dotted-decimal form, and JSON Schema's format tests, refuse, and
 so did `ipv6`'s embedded IPv4 address, whose other forms it partly refused (`1::2:3.4.5.6`);
-`hostname` took labels past 63 characters (RFC 1123).
+`hostname` took labels past 63 characters (RFC 1123). A host name's 253-character total is
+not enforced: a grammar counting it beside each label's length needs a state per (length so far,
+label length so far), some 30,000; the README says so.
 Each is swapped for a pattern that says exactly what the format does (a string schema only:
 a format beside a pattern or a length bound is refused in schema_support.py).
 """
