@@ -721,6 +721,23 @@ def test_a_choice_with_a_lone_surrogate_is_refused_naming_it(choice):
     assert "codec" not in str(e.value) and "position" not in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "so, label, code",
+    [(dict(regex="a\ud800"), "regex", "D800"), (dict(grammar='root ::= "\udfff"'), "grammar", "DFFF"),
+     (dict(json={"type": "string", "pattern": "^\ud800$"}), "json schema", "D800"),
+     (dict(json={"type": "object", "properties": {"\ud83d": {"enum": ["x"]}}}), "json schema", "D83D")],
+)  # fmt: skip
+def test_a_lone_surrogate_in_a_constraint_is_refused_in_our_words(so, label, code):
+    """A lone surrogate (JSON's "\\ud800") was refused in a UTF-8 codec's words, pointing at a
+    position in text we built, or, in a schema, with xgrammar's "Failed to parse JSON" and the
+    whole schema echoed back."""
+    with pytest.raises(ValueError) as e:
+        check(StructuredOutputsParams(**so))
+    why = f"it holds a lone surrogate (U+{code}), which no text can hold"
+    assert str(e.value) == f"structured_outputs: invalid {label}: {why}"
+    check(StructuredOutputsParams(json={"const": "\U0001f600"}))  # a pair is one character: fine
+
+
 @pytest.mark.parametrize("so", [dict(grammar="root ::= root"), dict(regex="[^\\x00-\\U0010FFFF]")])
 def test_grammar_matching_no_text_is_refused(tiny_llm, so):
     """xgrammar parses these, but its matcher allows no first token and cannot end: refused

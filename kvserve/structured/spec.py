@@ -27,6 +27,8 @@ _ASSERTION = re.compile(r"Check failed: \(.*?\) is false:\s*")
 # the client sent.
 _EBNF_PLACE = re.compile(r"^EBNF (?:parser|lexer) error at line \d+, column \d+:\s*")
 
+_SURROGATE = re.compile("[\ud800-\udfff]")  # a str holds a pair as one character: these are lone
+
 GrammarKey = tuple[str, str]
 # xgrammar's conversion of a schema grows with about the cube of its nesting (objects 63 deep, 127
 # here: 0.05 s; 200 deep: 2.2 s; arrays 900 deep: about a minute, in the API process and again in
@@ -65,8 +67,11 @@ def _check_key(kind: str, text: str, label: str | None) -> None:
 
     label = label or {"json": "json schema", "regex": "regex", "grammar": "grammar"}.get(kind, kind)
     try:
+        schema = parse_schema(text) if kind == "json" else None
+        lone = _lone_surrogate(text if schema is None else schema)
+        if lone is not None:  # xgrammar's words were a UTF-8 codec's, or the whole schema echoed back
+            raise ValueError(f"it holds a lone surrogate (U+{ord(lone):04X}), which no text can hold")
         if kind == "json":
-            schema = parse_schema(text)
             empty = unsatisfiable(schema)
             if empty is not None:
                 key, where, why = empty
@@ -91,6 +96,23 @@ def _check_key(kind: str, text: str, label: str | None) -> None:
             _refuse_if_endless(grammar)
     except (RuntimeError, ValueError, TypeError) as e:
         raise ValueError(f"structured_outputs: invalid {label}: {clean_error(e)}") from None
+
+
+def _lone_surrogate(value) -> str | None:
+    """The first lone surrogate in a string, or in a JSON value's strings and names (iterative)."""
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str):
+            found = _SURROGATE.search(node)
+            if found:
+                return found.group()
+        elif isinstance(node, dict):
+            stack.extend(node.keys())
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return None
 
 
 def _refuse_unsupported(schema) -> None:
