@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import pytest
 
@@ -77,6 +78,29 @@ def test_a_schema_nested_past_the_limit_is_refused_before_conversion():
     )
     with pytest.raises(ValueError, match=r"not valid JSON \(arrays or objects nested too deeply\)"):
         check(S(json="[" * 100_000 + "]" * 100_000))  # past the parser's recursion limit
+
+
+def test_a_schema_past_5000_properties_is_refused_before_conversion():
+    """A 16 MB body could hold a schema of 100,000s of properties, and its compile grows faster
+    than their count (2,000: 12 s on a 512-token vocabulary), holding the compile lane all that
+    time: past OpenAI's 5,000 properties in all it is refused at once."""
+    halves = [
+        {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(n)}}
+        for n in (2501, 2500)
+    ]
+    schema = {
+        "type": "object",
+        "properties": {"a": halves[0], "b": halves[1]},
+        "enum": [{"properties": {"x": 1}}],
+    }
+    start = time.monotonic()
+    with pytest.raises(ValueError) as e:
+        check(S(json=schema))
+    assert time.monotonic() - start < 5
+    assert str(e.value) == (
+        "structured_outputs: invalid json schema: the schema defines 5,003 properties in all "
+        "(at most 5,000, as OpenAI's structured outputs)"
+    )
 
 
 def test_a_deprecated_guided_field_is_named_in_its_error():

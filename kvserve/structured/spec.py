@@ -18,6 +18,7 @@ from kvserve.structured.number_forms import swap_numbers
 from kvserve.structured.productive import unproductive_root
 from kvserve.structured.regex_flavour import for_xgrammar
 from kvserve.structured.schema_support import unsatisfiable, unsupported
+from kvserve.structured.schema_walk import DATA
 
 # xgrammar's errors start with "[hh:mm:ss] /path/file.cc:123: "; the rest is the message.
 _LOCATION = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*")
@@ -35,6 +36,10 @@ GrammarKey = tuple[str, str]
 # the engine's compile), far past what a schema written for an answer needs (OpenAI's strict mode
 # stops at 10 levels of objects).
 MAX_SCHEMA_DEPTH = 128
+# A schema's properties, all its objects' together: OpenAI's structured outputs take at most 5,000.
+# The compile grows faster than their count (500: 1 s, 2,000: 12 s on a 512-token vocabulary) and
+# holds the large-spec lane (backend.py) that long, while a 16 MB body could hold 100,000s.
+MAX_SCHEMA_PROPERTIES = 5000
 
 
 def grammar_key(so: StructuredOutputsParams) -> GrammarKey:
@@ -137,6 +142,12 @@ def parse_schema(text: str):
         raise ValueError("the schema is not valid JSON (arrays or objects nested too deeply)") from None
     if not isinstance(schema, (dict, bool)):
         raise ValueError(f"a schema is a JSON object (or true / false), not {_json_type(schema)}")
+    properties = _properties(schema)
+    if properties > MAX_SCHEMA_PROPERTIES:
+        raise ValueError(
+            f"the schema defines {properties:,} properties in all (at most {MAX_SCHEMA_PROPERTIES:,}, as "
+            "OpenAI's structured outputs)"
+        )
     depth = _depth(schema)
     if depth > MAX_SCHEMA_DEPTH:
         raise ValueError(
@@ -157,6 +168,20 @@ def _depth(value) -> int:
         deepest = max(deepest, level)
         stack.extend((child, level + 1) for child in children)
     return deepest
+
+
+def _properties(value) -> int:
+    """How many properties a schema's `properties` maps name in all (data values not counted)."""
+    count, stack = 0, [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            if isinstance(node.get("properties"), dict):
+                count += len(node["properties"])
+            stack.extend(v for k, v in node.items() if k not in DATA)
+    return count
 
 
 def _no_constant(name: str):
