@@ -194,3 +194,23 @@ def test_missing_model_path_names_model(tmp_path):
 def test_bad_engine_settings_name_the_field(tiny_llama_dir, kwargs, field):
     with pytest.raises(ValueError, match=field):
         LLM(tiny_llama_dir, **{"kv_cache_memory": "1MiB", **kwargs})
+
+
+def test_vllm_dict_prompts_are_read_as_vllm_reads_them(llm, reference):
+    """TextPrompt / TokensPrompt dicts: a dict was read as the list of its keys before, so
+    {"prompt_token_ids": [...]} generated from the text "prompt_token_ids"."""
+    ids = llm.tokenizer.encode("Hello world")
+    one = llm.generate({"prompt_token_ids": ids}, GOOD, use_tqdm=False)
+    assert one[0].outputs[0].token_ids == reference["g1"]
+    outs = llm.generate(
+        [{"prompt": "Hello world"}, {"prompt": "A paged KV cache", "cache_salt": "s"}], GOOD, use_tqdm=False
+    )
+    assert [o.outputs[0].token_ids for o in outs] == [reference["g1"], reference["g2"]]
+    for bad, word in (
+        ({"prompt": "a", "prompt_token_ids": [5]}, "exactly one"),
+        ({"text": "a"}, "exactly one"),
+        ({"prompt": "a", "multi_modal_data": {}}, "multi_modal_data"),
+    ):
+        with pytest.raises(ValueError, match=word):
+            llm.generate([{"prompt": "Hello world"}, bad], GOOD, use_tqdm=False)
+    assert_idle(llm)

@@ -15,7 +15,26 @@ from kvserve.entrypoints.openai.limits import sample_seed
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 
-PromptType = str | Sequence[int]
+# vLLM's prompt forms: text, token ids, or a dict naming one of them (TextPrompt: {"prompt": ...},
+# TokensPrompt: {"prompt_token_ids": [...]}), either with an optional "cache_salt".
+PromptType = str | Sequence[int] | dict[str, Any]
+_PROMPT_KEYS = ("prompt", "prompt_token_ids")
+
+
+def _prompt_and_salt(prompt: PromptType) -> tuple[str | Sequence[int], str | None]:
+    """A prompt as the engine takes it, and its cache salt. A dict was read as the list of its
+    keys before (`{"prompt_token_ids": [...]}` generated from the text "prompt_token_ids")."""
+    if not isinstance(prompt, dict):
+        return prompt, None
+    named = [k for k in _PROMPT_KEYS if k in prompt]
+    if len(named) != 1:
+        raise ValueError(
+            f"a dict prompt names exactly one of {', '.join(_PROMPT_KEYS)}; got keys {sorted(prompt)}"
+        )
+    unknown = sorted(set(prompt) - {*_PROMPT_KEYS, "cache_salt"})
+    if unknown:
+        raise ValueError(f"{', '.join(unknown)}: not supported in a prompt (text and token ids only)")
+    return prompt[named[0]], prompt.get("cache_salt")
 
 
 class LLM:
@@ -37,7 +56,7 @@ class LLM:
 
         `priority` (one per prompt, lower runs sooner) matters with scheduling_policy="priority".
         """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str | dict) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -54,7 +73,11 @@ class LLM:
         groups: list[list[str]] = []
         added: list[str] = []
         try:
-            for i, (prompt, p) in enumerate(zip(prompts, params)):
+            for i, (given, p) in enumerate(zip(prompts, params)):
+                try:
+                    prompt, salt = _prompt_and_salt(given)
+                except ValueError as e:
+                    raise ValueError(f"prompt {i}: {e}") from None
                 ids = []
                 group = f"group-{next(self._ids)}" if p.n > 1 else None
                 for j in range(p.n):
@@ -65,7 +88,9 @@ class LLM:
                     rid = f"{next(self._ids)}"
                     one = replace(p, n=p.n if p.use_beam_search else 1, seed=seed)
                     try:
-                        engine.add_request(rid, prompt, one, priority=priorities[i], group_id=group)
+                        engine.add_request(
+                            rid, prompt, one, priority=priorities[i], cache_salt=salt, group_id=group
+                        )
                     except ValueError as e:
                         raise ValueError(f"prompt {i}: {e}") from None
                     added.append(rid)
