@@ -345,7 +345,7 @@ def test_disable_web_ui(tmp_path, monkeypatch):
         assert client.get("/health").status_code == 200
 
     seen = []
-    monkeypatch.setattr(api_server, "serve", lambda config, host, port, srv: seen.append(srv.web_ui) or 0)
+    monkeypatch.setattr(api_server, "serve", lambda cfg, host, port, srv, core: seen.append(srv.web_ui) or 0)
     monkeypatch.setattr(gateway_app, "serve", lambda cfg, host, port, web_ui: seen.append(web_ui) or 0)
     (tmp_path / "gw.yaml").write_text(json.dumps(data))  # JSON is YAML
     gateway = ["gateway", "--config", str(tmp_path / "gw.yaml")]
