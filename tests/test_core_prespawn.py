@@ -88,3 +88,15 @@ def test_a_bad_flag_leaves_no_engine_process(tiny_llama_dir):
     time.sleep(0.5)
     alive = [pid for pid in children if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
     assert not alive, alive
+
+
+def test_data_parallel_replicas_take_one_prespawned_core_each(tiny_llama_dir):
+    from kvserve.engine.dp_client import DPClient
+
+    cores = [PrespawnedCore(), PrespawnedCore()]
+    dp = DPClient(EngineConfig(model=tiny_llama_dir, **ENGINE), 2, prespawned=cores)
+    try:
+        assert [r.engine.proc for r in dp.replicas] == [c.proc for c in cores]
+        assert all(r.engine.proc.is_alive() for r in dp.replicas)
+    finally:
+        dp.shutdown()

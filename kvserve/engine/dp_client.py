@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 from kvserve.config import EngineConfig
 from kvserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
+from kvserve.engine.core_prespawn import PrespawnedCore
 from kvserve.engine.messages import EngineCoreOutputs
 from kvserve.outputs import RequestOutput
 from kvserve.routing import BlockHashIndex, RequestInfo, make_strategy
@@ -49,14 +50,18 @@ class DPClient:
         policy: str = "cache-aware",
         startup_timeout: float = 300.0,
         restart_limit: int = 3,
+        prespawned: Sequence[PrespawnedCore] = (),
     ) -> None:
+        """`prespawned`: core processes already importing the engine (engine/core_prespawn.py),
+        one per replica; replicas without one spawn their own."""
         threads = max(1, (os.cpu_count() or 1) // size)
+        ready_cores = list(prespawned)
         publish = policy == "cache-aware" and config.enable_prefix_caching
         make_strategy(policy)  # a bad name fails before any process starts
 
         engines: list[AsyncLLM] = []
         try:
-            for _ in range(size):  # spawned here, in the main thread; they load at the same time
+            for i in range(size):  # spawned here, in the main thread; they load at the same time
                 engines.append(
                     AsyncLLM(
                         config,
@@ -65,6 +70,7 @@ class DPClient:
                         num_threads=threads,
                         publish_kv_events=publish,
                         wait=False,
+                        prespawned=ready_cores[i] if i < len(ready_cores) else None,
                     )  # fmt: skip
                 )
             for e in engines:

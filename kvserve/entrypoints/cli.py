@@ -165,8 +165,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return serve_naive(args.model, args.host, args.port, (args.served_model_name or [None])[0])
     from kvserve.engine.core_prespawn import PrespawnedCore
 
-    # The engine core imports torch and the engine while this process imports the server's.
-    core = PrespawnedCore() if (args.data_parallel_size or 1) == 1 else None
+    # The engine cores import torch and the engine while this process imports the server's.
+    cores = [PrespawnedCore() for _ in range(args.data_parallel_size or 1)]
     try:
         from kvserve.entrypoints.openai.api_server import serve
 
@@ -186,12 +186,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
             response_store=args.response_store,
             response_store_size=args.response_store_size,
         )  # fmt: skip
-        return serve(config, args.host, args.port, server, core)
+        return serve(config, args.host, args.port, server, cores)
     except (ValueError, FileNotFoundError, RuntimeError, TimeoutError) as e:  # start-up problems
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:
-        if core is not None:
+        for core in cores:
             core.cancel()
 
 

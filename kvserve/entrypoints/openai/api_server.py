@@ -6,6 +6,7 @@ import hmac
 import logging
 import os
 import time
+from collections.abc import Sequence
 from contextlib import asynccontextmanager
 from typing import Annotated, Literal
 
@@ -351,10 +352,10 @@ def build_app(engine: AsyncLLM | DPClient, cfg: ServerConfig, store: ResponseSto
 
 
 def serve(
-    config: EngineConfig, host: str, port: int, cfg: ServerConfig, core: PrespawnedCore | None = None
+    config: EngineConfig, host: str, port: int, cfg: ServerConfig, cores: Sequence[PrespawnedCore] = ()
 ) -> int:
-    """Run the server until it is stopped. `core`: the engine core process, already importing
-    (a single engine's; data parallel spawns its own)."""
+    """Run the server until it is stopped. `cores`: engine core processes already importing,
+    one per replica (engine/core_prespawn.py); any missing are spawned as the engines start."""
     import uvicorn
 
     if not cfg.api_keys and os.environ.get("KVSERVE_API_KEY"):
@@ -366,14 +367,15 @@ def serve(
     )  # a bad spec fails before the engine starts
     if config.data_parallel_size > 1:
         engine = DPClient(
-            config, config.data_parallel_size, cfg.routing_policy, restart_limit=cfg.engine_restart_limit
-        )
+            config, config.data_parallel_size, cfg.routing_policy, restart_limit=cfg.engine_restart_limit,
+            prespawned=cores,
+        )  # fmt: skip
         logger.info(
             "data parallel: %d replicas, %d thread(s) each, routing %s",
             engine.size, engine.threads_per_replica, engine.policy,
         )  # fmt: skip
     else:
-        engine = AsyncLLM(config, restart_limit=cfg.engine_restart_limit, prespawned=core)
+        engine = AsyncLLM(config, restart_limit=cfg.engine_restart_limit, prespawned=next(iter(cores), None))
     r = engine.ready
     logger.info(
         "KV pool: %d blocks x %d tokens = %d tokens, %.1f MiB; max concurrency at max_model_len=%d: %.2f",
