@@ -445,3 +445,37 @@ def test_replica_flags_kvserve_serve_would_refuse_stop_the_deploy(tmp_path, caps
     assert main(["deploy", "ray", "--config", str(path)]) == 2  # (before Ray is imported)
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"error: {says}"], err
+
+
+@pytest.mark.parametrize(
+    "method, path",
+    [("POST", "/v1/files"), ("GET", "/v1/batches"), ("POST", "/v1/batches"),
+     ("GET", "/v1/files/file-1/content"), ("POST", "/v1/batches/batch_1/cancel"),
+     ("DELETE", "/v1/files/file-1")],
+)  # fmt: skip
+def test_the_front_answers_the_batch_api_with_a_404_saying_where_batches_go(method, path):
+    """POST /v1/files (a multipart upload) went to the front's catch-all POST route: a 400 "the
+    body is not valid JSON"; GET /v1/batches was a 405. Both read as a broken deployment. The
+    Batch API is not routed to replicas (its files live on one, which Serve may remove): a 404
+    `unsupported_endpoint` in OpenAI's shape that says so, whatever the body."""
+    import asyncio
+    import json
+
+    pytest.importorskip("ray.serve")
+    from starlette.requests import Request
+    from starlette.routing import Match
+
+    from kvserve.deploy.front import Front, app
+
+    routes = [
+        x for r in app.routes for x in (r.original_router.routes if hasattr(r, "original_router") else [r])
+    ]
+    scope = {"type": "http", "method": method, "path": path, "query_string": b"",
+             "headers": [(b"content-type", b"multipart/form-data; boundary=x")]}  # fmt: skip
+    route = next(r for r in routes if r.matches(scope)[0] == Match.FULL)
+    assert route.name == "batch_api", route.name
+    resp = asyncio.run(Front.batch_api(SimpleNamespace(), Request(scope)))
+    err = json.loads(resp.body)["error"]
+    assert resp.status_code == 404 and err["code"] == "unsupported_endpoint", err
+    assert err["type"] == "invalid_request_error" and path in err["message"], err
+    assert "kvserve run-batch" in err["message"], err

@@ -80,6 +80,9 @@ async def _body(request: Request, limit: int) -> bytes | None:
     return bytes(body)
 
 
+_BATCH_METHODS = ["GET", "POST", "DELETE"]
+
+
 def _headers(request: Request) -> dict[str, str]:
     return {k: request.headers[k] for k in FORWARDED_HEADERS if k in request.headers}
 
@@ -89,6 +92,21 @@ class Front:
     def __init__(self, replicas: DeploymentHandle, max_request_bytes: int = 16 * 2**20) -> None:
         self.replicas = replicas
         self.max_request_bytes = max_request_bytes
+
+    @app.api_route("/v1/files", methods=_BATCH_METHODS, include_in_schema=False)
+    @app.api_route("/v1/files/{rest:path}", methods=_BATCH_METHODS, include_in_schema=False)
+    @app.api_route("/v1/batches", methods=_BATCH_METHODS, include_in_schema=False)
+    @app.api_route("/v1/batches/{rest:path}", methods=_BATCH_METHODS, include_in_schema=False)
+    async def batch_api(self, request: Request) -> Response:  # (before the catch-all POST route)
+        """The Batch API is not routed to the replicas: a file and the batch reading it live on
+        one replica, and Serve replaces and removes replicas with their files (a batch id would
+        outlive its replica). POST /v1/files was taken by the catch-all route as a generation
+        (400 "not valid JSON" for its multipart upload) and GET /v1/batches was a 405; both read
+        as a broken deployment. Now a 404 saying where batches go."""
+        msg = (f"{request.url.path}: this Ray Serve deployment does not route the Batch API "
+               "(/v1/files, /v1/batches); run batch jobs on a kvserve serve instance, or offline with "
+               "`kvserve run-batch` (docs/DEPLOYMENT.md)")  # fmt: skip
+        return _error(404, msg, "unsupported_endpoint")
 
     @app.post("/v1/responses/{response_id}/cancel")  # (before the catch-all POST route below)
     async def cancel(self, response_id: str, request: Request) -> Response:
