@@ -8,7 +8,7 @@ import math
 from fastapi import APIRouter, Request
 from pydantic import ValidationError
 
-from kvserve.gateway.config import KeySpec, parse_duration
+from kvserve.gateway.config import GatewayConfig, KeySpec, parse_duration
 from kvserve.gateway.errors import GatewayError
 from kvserve.gateway.spend import GROUPS
 
@@ -17,6 +17,16 @@ def _first_error(e: ValidationError) -> str:
     err = e.errors()[0]
     loc = ".".join(str(p) for p in err["loc"]) or "body"
     return f"{loc}: {'unknown field' if err['type'] == 'extra_forbidden' else err['msg']}"
+
+
+def check_references(cfg: GatewayConfig, spec: KeySpec, team_param: str = "team") -> None:
+    """A key's models and team must exist in the config (a typo made a key that could call nothing)."""
+    aliases = cfg.aliases()
+    for m in spec.models or []:
+        if m not in aliases:
+            raise GatewayError(404, f"models: {m!r} does not exist", code="model_not_found", param="models")
+    if spec.team is not None and spec.team not in cfg.teams:
+        raise GatewayError(400, f"{team_param}: unknown team {spec.team!r}", param=team_param)
 
 
 def admin_router(state) -> APIRouter:
@@ -39,14 +49,7 @@ def admin_router(state) -> APIRouter:
             spec = KeySpec.model_validate(body)
         except ValidationError as e:
             raise GatewayError(400, _first_error(e), code="invalid_value") from None
-        aliases = state.cfg.aliases()
-        for m in spec.models or []:
-            if m not in aliases:
-                raise GatewayError(
-                    404, f"models: {m!r} does not exist", code="model_not_found", param="models"
-                )
-        if spec.team is not None and spec.team not in state.cfg.teams:
-            raise GatewayError(400, f"team: unknown team {spec.team!r}", param="team")
+        check_references(state.cfg, spec)
         key, rec = await state.keys.create_async(spec)
         return {"key": key, **rec.public()}
 

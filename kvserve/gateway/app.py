@@ -25,6 +25,7 @@ from kvserve.gateway.config import ConfigError, GatewayConfig
 from kvserve.gateway.errors import GatewayError, unauthorized
 from kvserve.gateway.handler import Gateway
 from kvserve.gateway.keys import KeyRecord, KeyStore, open_database
+from kvserve.gateway.litellm_keys import litellm_key_router
 from kvserve.gateway.metrics import GatewayMetrics
 from kvserve.gateway.spend import SpendLog
 from kvserve.gateway.state import StoreUnavailable, open_store, same_redis_server
@@ -94,7 +95,7 @@ class GatewayState:
             raise unauthorized(f"Authorization: missing; {HOW}")
         rec = await self.keys.find(token)
         if rec is None:
-            raise unauthorized("Authorization: unknown or revoked key")
+            raise unauthorized("Authorization: unknown, revoked or expired key")
         return rec
 
     def require_master(self, request: Request) -> None:
@@ -135,6 +136,7 @@ def build_app(cfg: GatewayConfig, web_ui: bool = True) -> FastAPI:
         app.add_middleware(CORSMiddleware, allow_origins=cfg.general_settings.allowed_origins,
                            allow_methods=["*"], allow_headers=["*"], expose_headers=_EXPOSED)  # fmt: skip
     app.include_router(admin_router(state))
+    app.include_router(litellm_key_router(state))  # LiteLLM's /key/* paths over the same keys
 
     def st() -> GatewayState:
         return state

@@ -183,6 +183,8 @@ class KeySpec(Limits):
     alias: str | None = None
     models: list[str] | None = None
     team: str | None = None
+    metadata: dict | None = None  # the owner's notes (LiteLLM's key metadata), kept and shown
+    expires: float | None = Field(None, allow_inf_nan=False, description="Unix seconds; refused after")
 
     @field_validator("alias", "team", "models")
     @classmethod

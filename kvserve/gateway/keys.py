@@ -39,13 +39,21 @@ class KeyRecord:
     def name(self) -> str:
         return self.spec.alias or self.key_hash[:12]
 
+    @property
+    def expired(self) -> bool:
+        return self.spec.expires is not None and time.time() >= self.spec.expires
+
     def public(self) -> dict:
-        limits = self.spec.model_dump(exclude={"key", "key_hash", "alias", "models", "team"})
+        limits = self.spec.model_dump(
+            exclude={"key", "key_hash", "alias", "models", "team", "metadata", "expires"}
+        )
         return {
             "key_hash": self.key_hash,
             "alias": self.spec.alias,
             "models": self.spec.models,
             "team": self.spec.team,
+            "metadata": self.spec.metadata,
+            "expires": self.spec.expires,
             "limits": limits,
             "source": self.source,
             "created": self.created,
@@ -85,14 +93,20 @@ class KeyStore:
         return KeyRecord(h, KeySpec.model_validate_json(row[0]), "database", row[1])
 
     def lookup(self, key: str) -> KeyRecord | None:
-        """The live record for a presented key, or None (unknown or revoked)."""
-        h = hash_key(key)
-        return self._known(h) or self._stored(h)
+        """The live record for a presented key, or None (unknown, revoked or expired)."""
+        return _live(self.record(hash_key(key)))
+
+    def record(self, key_hash: str) -> KeyRecord | None:
+        """The record of a key's hash, expired or not (None: unknown or revoked)."""
+        return self._known(key_hash) or self._stored(key_hash)
 
     async def find(self, key: str) -> KeyRecord | None:
         """lookup() for the event loop: the database is read in a worker thread."""
         h = hash_key(key)
-        return self._known(h) or await _off_loop(self._stored, h)
+        return _live(self._known(h) or await _off_loop(self._stored, h))
+
+    async def record_async(self, key_hash: str) -> KeyRecord | None:
+        return self._known(key_hash) or await _off_loop(self._stored, key_hash)
 
     def create(self, spec: KeySpec) -> tuple[str, KeyRecord]:
         key = "sk-kvgw-" + secrets.token_urlsafe(24)
@@ -111,6 +125,24 @@ class KeyStore:
 
     async def create_async(self, spec: KeySpec) -> tuple[str, KeyRecord]:
         return await _off_loop(self.create, spec)
+
+    def update(self, key_hash: str, spec: KeySpec) -> bool:
+        """Replace a live API-made key's spec (False: no such live key)."""
+        spec = spec.model_copy(update={"key": None, "key_hash": None})
+        with self.lock:
+            try:
+                cur = self.db.execute(
+                    "UPDATE keys SET spec = ? WHERE key_hash = ? AND revoked IS NULL",
+                    (spec.model_dump_json(exclude_none=True), key_hash),
+                )
+                self.db.commit()
+            except sqlite3.Error:
+                self.db.rollback()
+                raise
+        return cur.rowcount == 1
+
+    async def update_async(self, key_hash: str, spec: KeySpec) -> bool:
+        return await _off_loop(self.update, key_hash, spec)
 
     def revoke(self, key_hash: str) -> bool:
         with self.lock:
@@ -138,6 +170,10 @@ class KeyStore:
 
     async def list_async(self) -> list[KeyRecord]:
         return await _off_loop(self.list)
+
+
+def _live(rec: KeyRecord | None) -> KeyRecord | None:
+    return None if rec is None or rec.expired else rec
 
 
 async def _off_loop(fn, *args):

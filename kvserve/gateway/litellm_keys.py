@@ -1,0 +1,218 @@
+"""LiteLLM's key management API (/key/generate, /key/info, /key/update, /key/delete, /key/list)
+over the gateway's keys, with LiteLLM's field names and answer shapes: a LiteLLM proxy user's
+scripts called these paths and met route 404s (the gateway's own API is /admin/keys).
+
+LiteLLM's fields that map onto a key here are taken (key_alias, models, team_id, rpm_limit,
+tpm_limit, max_parallel_requests, max_budget, budget_duration, metadata, duration); any other
+with a value is a 400 naming it, never silently dropped (a budget or permission the caller
+believes is set). LiteLLM's `models: []` means every model, as here a key without `models`."""
+
+from __future__ import annotations
+
+import datetime
+import re
+import time
+
+from fastapi import APIRouter, Request
+from pydantic import ValidationError
+
+from kvserve.gateway.admin import _first_error, check_references
+from kvserve.gateway.auth_headers import presented_key
+from kvserve.gateway.config import KeySpec, parse_duration
+from kvserve.gateway.errors import GatewayError
+from kvserve.gateway.keys import KeyRecord, hash_key
+
+# LiteLLM's name -> KeySpec's
+FIELDS = {
+    "key_alias": "alias",
+    "models": "models",
+    "team_id": "team",
+    "rpm_limit": "rpm",
+    "tpm_limit": "tpm",
+    "max_parallel_requests": "max_parallel_requests",
+    "max_budget": "max_budget",
+    "budget_duration": "budget_duration",
+    "metadata": "metadata",
+}
+_HASH = re.compile(r"[0-9a-f]{64}")
+
+
+async def _json_object(request: Request) -> dict:
+    try:
+        body = await request.json()
+    except (ValueError, RecursionError):
+        raise GatewayError(400, "body: not valid JSON", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise GatewayError(400, "body: expected a JSON object", code="invalid_json")
+    return body
+
+
+def _spec_fields(body: dict, allowed: set[str]) -> dict:
+    """LiteLLM's fields -> KeySpec's; `duration` -> expires; any other field with a value: 400."""
+    out: dict = {}
+    for name, value in body.items():
+        if name in allowed:
+            continue
+        if name == "duration":
+            if value is not None:
+                try:
+                    out["expires"] = time.time() + parse_duration(str(value))
+                except ValueError as e:
+                    raise GatewayError(400, f"duration: {e}", param="duration") from None
+            else:
+                out["expires"] = None
+        elif name in FIELDS:
+            out[FIELDS[name]] = None if name == "models" and value == [] else value
+        elif value is not None:
+            raise GatewayError(
+                400,
+                f"{name}: not supported by the kvserve gateway's keys (supported: "
+                f"{', '.join([*FIELDS, 'duration'])}; docs/GATEWAY.md)",
+                code="unsupported_parameter",
+                param=name,
+            )
+    return out
+
+
+def _validated(data: dict, cfg) -> KeySpec:
+    try:
+        spec = KeySpec.model_validate(data)
+    except ValidationError as e:
+        back = {v: k for k, v in FIELDS.items()}  # name the field as the caller sent it
+        err = e.errors()[0]
+        field = str(err["loc"][0]) if err["loc"] else ""
+        msg = _first_error(e)
+        if field in back:
+            msg = back[field] + msg[len(field) :]
+        raise GatewayError(400, msg, code="invalid_value", param=back.get(field, field) or None) from None
+    check_references(cfg, spec, team_param="team_id")
+    return spec
+
+
+def _iso(ts: float | None) -> str | None:
+    return None if ts is None else datetime.datetime.fromtimestamp(ts, datetime.UTC).isoformat()
+
+
+def _info(rec: KeyRecord, spend: float) -> dict:
+    """A key as LiteLLM's /key/info describes it (`token` is the key's SHA-256, as LiteLLM's)."""
+    s = rec.spec
+    return {
+        "token": rec.key_hash,
+        "key_alias": s.alias,
+        "key_name": None if rec.source == "master" else f"...{rec.key_hash[-4:]}",
+        "models": s.models or [],
+        "team_id": s.team,
+        "rpm_limit": s.rpm,
+        "tpm_limit": s.tpm,
+        "max_parallel_requests": s.max_parallel_requests,
+        "max_budget": s.max_budget,
+        "budget_duration": s.budget_duration,
+        "metadata": s.metadata or {},
+        "expires": _iso(s.expires),
+        "spend": spend,
+        "created_at": _iso(rec.created),
+        "source": rec.source,
+    }
+
+
+def _hash_of(value: object, param: str) -> str:
+    """LiteLLM takes a key or its hash (`token`) wherever a key is named."""
+    if not isinstance(value, str) or not value:
+        raise GatewayError(400, f"{param}: expected a key (sk-...) or its hash", param=param)
+    return value if _HASH.fullmatch(value) else hash_key(value)
+
+
+def litellm_key_router(state) -> APIRouter:
+    """state: the app's GatewayState (keys, spend, cfg)."""
+    r = APIRouter(prefix="/key")
+
+    async def spent(rec: KeyRecord) -> float:
+        return await state.spend.spent(0.0, key_hash=rec.key_hash)
+
+    async def live(key_hash: str, param: str) -> KeyRecord:
+        rec = await state.keys.record_async(key_hash)
+        if rec is None:
+            raise GatewayError(404, f"{param}: no such key", code="key_not_found", param=param)
+        return rec
+
+    @r.post("/generate")
+    async def generate(request: Request):
+        state.require_master(request)
+        body = await _json_object(request)
+        if body.get("key") is not None:
+            raise GatewayError(400, "key: keys are generated by the gateway", param="key")
+        spec = _validated(_spec_fields(body, {"key"}), state.cfg)
+        key, rec = await state.keys.create_async(spec)
+        return {"key": key, **_info(rec, 0.0)}
+
+    @r.get("/info")
+    async def info(request: Request, key: str | None = None):
+        """The master key may read any key; another key only itself (LiteLLM's rule)."""
+        caller = presented_key(request.headers)
+        if key is None and caller is not None and caller != state.cfg.general_settings.master_key:
+            key = caller  # (LiteLLM: no ?key is the caller's own)
+        if key is None:
+            raise GatewayError(400, "key: which key (?key=sk-... or its hash)", param="key")
+        if caller is not None and hash_key(caller) == _hash_of(key, "key"):
+            await state.authenticate(request)  # (401: unknown, revoked or expired)
+        else:
+            state.require_master(request)
+        rec = await live(_hash_of(key, "key"), "key")
+        return {"key": key, "info": _info(rec, await spent(rec))}
+
+    @r.post("/update")
+    async def update(request: Request):
+        state.require_master(request)
+        body = await _json_object(request)
+        h = _hash_of(body.get("key"), "key")
+        rec = await live(h, "key")
+        if rec.source != "database":
+            msg = "key: this key is defined in the config file; change it there"
+            raise GatewayError(400, msg, param="key")
+        merged = {**rec.spec.model_dump(exclude_none=True), **_spec_fields(body, {"key"})}
+        spec = _validated(merged, state.cfg)
+        if not await state.keys.update_async(h, spec):
+            raise GatewayError(404, "key: no such key", code="key_not_found", param="key")
+        rec.spec = spec
+        return {"key": body["key"], **_info(rec, await spent(rec))}
+
+    @r.post("/delete")
+    async def delete(request: Request):
+        """{keys: [...]} and/or {key_aliases: [...]}: all found, or none deleted (404)."""
+        state.require_master(request)
+        body = await _json_object(request)
+        for name in body:
+            if name not in ("keys", "key_aliases"):
+                raise GatewayError(400, f"{name}: unknown field (keys, key_aliases)", param=name)
+        named = body.get("keys") or []
+        aliases = body.get("key_aliases") or []
+        if not isinstance(named, list) or not isinstance(aliases, list) or not (named or aliases):
+            raise GatewayError(400, "keys: a list of keys (or key_aliases: a list of aliases)", param="keys")
+        targets = [(k, await live(_hash_of(k, "keys"), "keys")) for k in named]
+        listed = await state.keys.list_async()
+        for a in aliases:
+            found = [k for k in listed if k.source == "database" and not k.revoked and k.spec.alias == a]
+            if not found:
+                raise GatewayError(404, f"key_aliases: no key with alias {a!r}", code="key_not_found",
+                                   param="key_aliases")  # fmt: skip
+            targets += [(a, k) for k in found]
+        for _, rec in targets:
+            if rec.source != "database":
+                msg = "keys: a key defined in the config file; remove it there"
+                raise GatewayError(400, msg, param="keys")
+        for _, rec in targets:
+            await state.keys.revoke_async(rec.key_hash)
+        return {"deleted_keys": list(dict.fromkeys(given for given, _ in targets))}
+
+    @r.get("/list")
+    async def list_keys(request: Request, return_full_object: bool = False, key_alias: str | None = None):
+        state.require_master(request)
+        recs = [
+            k
+            for k in await state.keys.list_async()
+            if not k.revoked and (key_alias is None or k.spec.alias == key_alias)
+        ]
+        keys = [_info(k, await spent(k)) for k in recs] if return_full_object else [k.key_hash for k in recs]
+        return {"keys": keys, "total_count": len(keys), "current_page": 1, "total_pages": 1}
+
+    return r

@@ -1,0 +1,122 @@
+"""LiteLLM's key management API at the gateway (/key/generate, /key/info, /key/update,
+/key/delete, /key/list): a LiteLLM proxy user's scripts called these and met route 404s."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from kvserve.gateway.app import build_app
+from kvserve.gateway.config import parse_config
+
+BACKEND = {"base_url": "http://127.0.0.1:1/v1", "model": "x"}
+CFG = {
+    "model_list": [{"model_name": "a", "backend": BACKEND}, {"model_name": "b", "backend": BACKEND}],
+    "teams": {"red": {"rpm": 10}},
+}
+MASTER = {"Authorization": "Bearer sk-master"}
+
+
+def _run(tmp_path, calls):
+    """calls(client) on an in-process gateway with a master key and its own database."""
+    gs = {"master_key": "sk-master", "database": str(tmp_path / "gw.db")}
+    app = build_app(parse_config({**CFG, "general_settings": gs}), web_ui=False)
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
+            return await calls(c)
+
+    return asyncio.run(go())
+
+
+def _models(c, key):
+    return c.get("/v1/models", headers={"Authorization": f"Bearer {key}"})
+
+
+def test_a_key_made_updated_and_deleted_with_litellms_paths_and_shapes(tmp_path):
+    async def calls(c):
+        body = {"key_alias": "app", "models": ["a"], "team_id": "red", "rpm_limit": 5, "tpm_limit": 900,
+                "max_budget": 2.5, "budget_duration": "30d", "metadata": {"env": "prod"},
+                "user_id": None}  # fmt: skip
+        made = await c.post("/key/generate", json=body, headers=MASTER)
+        assert made.status_code == 200, made.text
+        m = made.json()
+        key = m["key"]
+        assert key.startswith("sk-") and len(m["token"]) == 64 and m["expires"] is None, m
+        assert (m["key_alias"], m["models"], m["team_id"], m["rpm_limit"], m["tpm_limit"]) == (
+            "app",
+            ["a"],
+            "red",
+            5,
+            900,
+        )
+        assert (m["max_budget"], m["budget_duration"], m["metadata"]) == (2.5, "30d", {"env": "prod"}), m
+        assert [x["id"] for x in (await _models(c, key)).json()["data"]] == ["a"]
+        # /key/info: the master key reads any key (by the key or its hash); a key reads itself
+        own = await c.get("/key/info", headers={"Authorization": f"Bearer {key}"})
+        assert own.status_code == 200 and own.json()["info"]["token"] == m["token"], own.text
+        by_hash = await c.get("/key/info", params={"key": m["token"]}, headers=MASTER)
+        assert by_hash.json()["info"]["key_alias"] == "app" and by_hash.json()["info"]["spend"] == 0.0
+        # /key/update: the fields given change, the others stay; models [] is every model (LiteLLM's)
+        up = await c.post("/key/update", json={"key": key, "models": [], "rpm_limit": 7}, headers=MASTER)
+        assert up.status_code == 200 and up.json()["rpm_limit"] == 7 and up.json()["max_budget"] == 2.5, (
+            up.text
+        )
+        assert [x["id"] for x in (await _models(c, key)).json()["data"]] == ["a", "b"]
+        listed = (await c.get("/key/list", headers=MASTER)).json()
+        assert listed["keys"] == [m["token"]] and listed["total_count"] == 1, listed
+        # /key/delete by alias; the key is refused after, and unknown names are a 404
+        gone = await c.post("/key/delete", json={"key_aliases": ["app"]}, headers=MASTER)
+        assert gone.status_code == 200 and gone.json() == {"deleted_keys": ["app"]}, gone.text
+        assert (await _models(c, key)).status_code == 401
+        missing = await c.post("/key/delete", json={"keys": [key]}, headers=MASTER)
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "key_not_found"
+        return True
+
+    assert _run(tmp_path, calls)
+
+
+def test_litellm_key_fields_the_gateway_cannot_honour_are_refused_by_name(tmp_path):
+    async def calls(c):
+        out = []
+        for body in ({"soft_budget": 1.0}, {"aliases": {"x": "a"}}, {"key": "sk-mine"}, {"rpm_limit": 0},
+                     {"models": ["nope"]}, {"team_id": "blue"}):  # fmt: skip
+            r = await c.post("/key/generate", json=body, headers=MASTER)
+            out.append((r.status_code, r.json()["error"]["param"]))
+        user = (await c.post("/key/generate", json={}, headers=MASTER)).json()["key"]
+        other = (await c.post("/key/generate", json={}, headers=MASTER)).json()["key"]
+        peek = await c.get("/key/info", params={"key": other}, headers={"Authorization": f"Bearer {user}"})
+        self_made = await c.post("/key/generate", json={}, headers={"Authorization": f"Bearer {user}"})
+        return out, peek.status_code, self_made.status_code, (await c.get("/key/list", headers=MASTER)).json()
+
+    out, peek, self_made, listed = _run(tmp_path, calls)
+    assert out == [(400, "soft_budget"), (400, "aliases"), (400, "key"), (400, "rpm_limit"), (404, "models"),
+                   (400, "team_id")], out  # fmt: skip
+    assert peek == 401 and self_made == 401 and listed["total_count"] == 2  # none of the refused was made
+
+
+def test_a_key_with_a_duration_expires(tmp_path, monkeypatch):
+    """LiteLLM's `duration`: the key works until then, then is a 401 (and /key/info shows when)."""
+
+    async def calls(c):
+        made = (await c.post("/key/generate", json={"duration": "1h"}, headers=MASTER)).json()
+        before = (await _models(c, made["key"])).status_code
+        later = time.time() + 3601
+        monkeypatch.setattr("kvserve.gateway.keys.time.time", lambda: later)
+        after = await _models(c, made["key"])
+        return made, before, after
+
+    made, before, after = _run(tmp_path, calls)
+    assert made["expires"] is not None and before == 200
+    assert after.status_code == 401 and "expired" in after.json()["error"]["message"], after.text
+
+
+@pytest.mark.parametrize("path", ["/key/generate", "/key/update", "/key/delete"])
+def test_the_litellm_key_paths_need_the_master_key(tmp_path, path):
+    async def calls(c):
+        return (await c.post(path, json={}, headers={"Authorization": "Bearer sk-nobody"})).status_code
+
+    assert _run(tmp_path, calls) == 401
