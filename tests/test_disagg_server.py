@@ -477,6 +477,54 @@ def test_a_client_leaving_a_non_streamed_request_aborts_its_decode(fault_proxy):
     _wait_for(lambda: fault.stats()["cancelled_holds"] == before + 1, 15, "the decode is aborted")
 
 
+def test_a_client_gone_before_its_stream_starts_closes_the_decode_request(fault_proxy):
+    """The decode engine's stream had begun (its first event in), but the client's connection
+    was gone when the proxy sent the response's start: the relay generator was never started,
+    so its `finally` (closing the decode request) never ran, and the decode engine went on
+    generating for nobody until garbage collection. Now the decode request is closed however
+    the response ends, and the request no longer counts in flight (the drain waited on it)."""
+    import asyncio
+
+    from kvserve.disagg.proxy import PDProxy, build_app
+
+    fault, _, _ = fault_proxy
+    proxy = PDProxy([fault.url], [fault.url])
+    app = build_app(proxy)
+    before = fault.stats()["cancelled_streams"]
+    # slow: one event every 0.1 s, 30 s in all; n 2: decode only
+    body = json.dumps({"model": "slow", "prompt": "a b", "max_tokens": 300, "n": 2, "stream": True}).encode()
+
+    async def run() -> None:
+        sent = False
+
+        async def receive() -> dict:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await asyncio.Event().wait()  # (no disconnect message: the send below fails first)
+
+        async def send(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                raise OSError("the client's connection is closed")
+
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
+                 "method": "POST", "path": "/v1/completions", "raw_path": b"/v1/completions",
+                 "query_string": b"", "headers": [(b"content-type", b"application/json")],
+                 "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2), "scheme": "http"}  # fmt: skip
+        try:
+            await app(scope, receive, send)
+        except Exception:
+            pass  # (the server's concern: the client is gone)
+        try:
+            _wait_for(lambda: fault.stats()["cancelled_streams"] == before + 1, 15, "the decode is closed")
+            assert proxy.num_in_flight == 0
+        finally:
+            await proxy.aclose()
+
+    asyncio.run(run())
+
+
 def test_a_decode_engine_failing_before_its_first_byte_is_retried_on_another(fault_proxy):
     """With several --decode engines, one refusing connections (or answering 5xx) failed the
     request though another could have answered it; now each is tried once, and when all fail

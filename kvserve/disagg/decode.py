@@ -17,13 +17,14 @@ import logging
 from collections.abc import AsyncIterator, Callable
 
 import httpx
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from kvserve.disagg.errors import error, reason
 from kvserve.disagg.split import JSON_HEADER, json_content
 from kvserve.disagg.stream_start import StreamStart
 from kvserve.routing.in_flight import InFlight
 from kvserve.routing.responses_ids import EventRewriter, public_body, public_error
+from kvserve.routing.settled_stream import SettledStream
 from kvserve.routing.stream_failure import count_events, failed_stream_end
 
 logger = logging.getLogger("kvserve.disagg.proxy")
@@ -98,7 +99,9 @@ async def decode(
                     continue
                 relaying = True
                 relay = _relay(resp, url, first, chunks, EventRewriter(tag(url)) if tag else None, in_flight)
-                return StreamingResponse(relay, media_type="text/event-stream", headers=headers)
+                # closed however the response ends: a client gone before it started left the relay
+                # never started, its `finally` never run, the decode request open until collected
+                return SettledStream(relay, resp.aclose, media_type="text/event-stream", headers=headers)
             content = await resp.aread()
         except httpx.HTTPError as e:
             failures.append(f"{url}: lost before its first byte ({reason(e)})")

@@ -160,7 +160,16 @@ class PDProxy:
         if not isinstance(resp, StreamingResponse):
             await end()
             return resp
-        return SettledStream(resp.body_iterator, end, status_code=resp.status_code, headers=resp.headers)
+        inner = resp.on_close if isinstance(resp, SettledStream) else None  # (the decode request's close)
+
+        async def settle() -> None:
+            try:
+                if inner is not None:
+                    await inner()
+            finally:
+                await end()
+
+        return SettledStream(resp.body_iterator, settle, status_code=resp.status_code, headers=resp.headers)
 
     async def _handle(self, path: str, raw: Request, send: dict, rid: str) -> Response:
         try:

@@ -21,11 +21,11 @@ class SettledStream(StreamingResponse):
         self, body: AsyncGenerator[bytes, None], on_close: Callable[[], Awaitable[None]], **kwargs
     ) -> None:
         super().__init__(body, **kwargs)
-        self._body, self._on_close = body, on_close
+        self._body, self.on_close = body, on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             await self._body.aclose()
-            await self._on_close()
+            await self.on_close()
