@@ -1,5 +1,6 @@
-"""LiteLLM's key management API at the gateway (/key/generate, /key/info, /key/update,
-/key/delete, /key/list): a LiteLLM proxy user's scripts called these and met route 404s."""
+"""LiteLLM's proxy management paths at the gateway (/key/generate, /key/info, /key/update,
+/key/delete, /key/list, /model/info): a LiteLLM proxy user's scripts called these and met
+route 404s."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 from kvserve.gateway.app import build_app
 from kvserve.gateway.config import parse_config
 
-BACKEND = {"base_url": "http://127.0.0.1:1/v1", "model": "x"}
+BACKEND = {"base_url": "http://127.0.0.1:1/v1", "model": "x", "api_key": "sk-backend-secret"}
 CFG = {
     "model_list": [{"model_name": "a", "backend": BACKEND}, {"model_name": "b", "backend": BACKEND}],
     "teams": {"red": {"rpm": 10}},
@@ -120,3 +121,28 @@ def test_the_litellm_key_paths_need_the_master_key(tmp_path, path):
         return (await c.post(path, json={}, headers={"Authorization": "Bearer sk-nobody"})).status_code
 
     assert _run(tmp_path, calls) == 401
+
+
+def test_model_info_lists_the_deployments_a_key_may_call_in_litellms_shape(tmp_path):
+    """GET /model/info (LiteLLM's; its UI and users' scripts read context sizes and prices there)
+    was a route 404. Now each deployment the key may call, without the backend's URL or key."""
+
+    async def calls(c):
+        key = (await c.post("/key/generate", json={"models": ["b"]}, headers=MASTER)).json()["key"]
+        mine = await c.get("/model/info", headers={"Authorization": f"Bearer {key}"})
+        every = await c.get("/v1/model/info", headers=MASTER)
+        one = await c.get("/model/info", params={"litellm_model_id": "a-0"}, headers=MASTER)
+        hidden = await c.get(
+            "/model/info", params={"litellm_model_id": "a-0"}, headers={"Authorization": f"Bearer {key}"}
+        )
+        anonymous = await c.get("/model/info")
+        return mine, every, one, hidden, anonymous
+
+    mine, every, one, hidden, anonymous = _run(tmp_path, calls)
+    assert mine.status_code == 200 and [r["model_name"] for r in mine.json()["data"]] == ["b"], mine.text
+    row = mine.json()["data"][0]
+    assert row["litellm_params"] == {"model": "x"} and row["model_info"]["id"] == "b-1", row
+    assert "sk-backend-secret" not in every.text and "127.0.0.1" not in every.text
+    assert [r["model_name"] for r in every.json()["data"]] == ["a", "b"]
+    assert [r["model_info"]["id"] for r in one.json()["data"]] == ["a-0"]
+    assert hidden.status_code == 404 and anonymous.status_code == 401

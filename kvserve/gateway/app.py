@@ -27,6 +27,7 @@ from kvserve.gateway.handler import Gateway
 from kvserve.gateway.keys import KeyRecord, KeyStore, open_database
 from kvserve.gateway.litellm_keys import litellm_key_router
 from kvserve.gateway.metrics import GatewayMetrics
+from kvserve.gateway.model_info import add_model_info_routes
 from kvserve.gateway.spend import SpendLog
 from kvserve.gateway.state import StoreUnavailable, open_store, same_redis_server
 from kvserve.gateway.stored_responses import stored_response
@@ -244,6 +245,7 @@ def build_app(cfg: GatewayConfig, web_ui: bool = True) -> FastAPI:
         return model_card(model_id)
 
     add_unsupported_routes(app, lambda request: st().authenticate(request))  # the Batch API
+    add_model_info_routes(app, state)  # LiteLLM's /model/info
 
     @app.get("/health")
     @app.get("/health/liveliness")  # LiteLLM's probe paths: its charts' liveness probes got 404s,
