@@ -226,3 +226,52 @@ def test_cached_answers_in_their_own_redis_never_evict_rate_limit_windows(gws, r
         for client in (state, cache):
             client.config_set("maxmemory", "0")
             client.config_set("maxmemory-policy", "noeviction")
+
+
+def test_api_made_keys_live_in_redis_so_instances_with_their_own_database_share_them(redis_server, tmp_path):
+    """With an instance per host (Kubernetes pods, each its own SQLite `database`), a key made
+    through the admin API (or LiteLLM's /key/generate) worked only on the instance that made it:
+    a 401 on the others, and a revoke on another was a 404 while the key kept working. With a
+    Redis state store the keys live there: made, updated and revoked on any instance, seen by
+    all; a key made before (in one instance's database only) is shared from its first use, and
+    a revoke elsewhere is not undone by that instance's local copy."""
+    from kvserve.gateway.app import build_app
+    from kvserve.gateway.config import KeySpec, parse_config
+
+    def app(name: str):
+        cfg = {"model_list": [deployment("a", "http://127.0.0.1:1/v1", "x")],
+               "general_settings": {"master_key": "sk-master", "state": redis_server.url,
+                                    "database": str(tmp_path / f"{name}.db")}}  # fmt: skip
+        return build_app(parse_config(cfg), web_ui=False)
+
+    a, b = app("a"), app("b")
+    old, _ = a.state.gateway.keys.create(KeySpec(alias="before"))  # in a's database only
+    m = {"Authorization": "Bearer sk-master"}
+
+    async def run() -> None:
+        ca = httpx.AsyncClient(transport=httpx.ASGITransport(app=a), base_url="http://a")
+        cb = httpx.AsyncClient(transport=httpx.ASGITransport(app=b), base_url="http://b")
+        async with ca, cb:
+            made = (await ca.post("/key/generate", json={"models": ["a"]}, headers=m)).json()
+            h = {"Authorization": f"Bearer {made['key']}"}
+            assert (await cb.get("/v1/models", headers=h)).status_code == 200
+            up = await cb.post("/key/update", json={"key": made["key"], "rpm_limit": 7}, headers=m)
+            assert up.status_code == 200, up.text
+            info = (await ca.get("/key/info", params={"key": made["token"]}, headers=m)).json()["info"]
+            assert info["rpm_limit"] == 7, info
+            listed = {k["key_hash"] for k in (await cb.get("/admin/keys", headers=m)).json()["data"]}
+            assert made["token"] in listed
+            assert (await cb.post("/key/delete", json={"keys": [made["key"]]}, headers=m)).status_code == 200
+            assert (await ca.get("/v1/models", headers=h)).status_code == 401
+            # made before keys were shared: shared at its first use, and a revoke elsewhere holds
+            ho = {"Authorization": f"Bearer {old}"}
+            assert (await ca.get("/v1/models", headers=ho)).status_code == 200
+            assert (await cb.get("/v1/models", headers=ho)).status_code == 200
+            assert (
+                await cb.post("/key/delete", json={"key_aliases": ["before"]}, headers=m)
+            ).status_code == 200
+            assert (await ca.get("/v1/models", headers=ho)).status_code == 401
+            await a.state.gateway.store.close()
+            await b.state.gateway.store.close()
+
+    asyncio.run(run())

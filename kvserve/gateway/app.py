@@ -69,7 +69,12 @@ class GatewayState:
                 "another db number on the same server shares its memory)"
             )
         try:
-            self.keys = KeyStore(cfg, open_database(gs.database))
+            shared = None
+            if gs.state != "memory":  # Redis: keys every instance sees (shared_keys.py)
+                from kvserve.gateway.shared_keys import SharedKeys
+
+                shared = SharedKeys(self.store.redis)
+            self.keys = KeyStore(cfg, open_database(gs.database), shared)
             self.spend = SpendLog(open_database(gs.database))
         except sqlite3.Error as e:
             raise ConfigError(f"general_settings.database: {gs.database}: {e}") from None

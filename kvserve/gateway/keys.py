@@ -1,5 +1,6 @@
 """Virtual keys. Only a key's SHA-256 is kept (config keys are hashed at load; keys made through
-the admin API are shown once and stored hashed in SQLite, shared by every instance).
+the admin API are shown once and stored hashed in SQLite, and with a Redis state in Redis too,
+which every instance reads first: shared_keys.py).
 
 SQLite calls block: the routes use the async methods, which run them in a worker thread, so a
 slow disk or a database another instance holds locked never stalls the event loop (every other
@@ -15,8 +16,12 @@ import sqlite3
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvserve.gateway.config import GatewayConfig, KeySpec
+
+if TYPE_CHECKING:  # (Redis is imported only when the state is Redis)
+    from kvserve.gateway.shared_keys import SharedKeys
 
 
 def hash_key(key: str) -> str:
@@ -62,8 +67,9 @@ class KeyRecord:
 
 
 class KeyStore:
-    def __init__(self, cfg: GatewayConfig, db: sqlite3.Connection) -> None:
-        self.db = db
+    def __init__(self, cfg: GatewayConfig, db: sqlite3.Connection, shared: SharedKeys | None = None) -> None:
+        """shared: the state store's Redis (keys every instance sees), when the state is Redis."""
+        self.db, self.shared = db, shared
         self.lock = threading.Lock()  # one connection, used from worker threads in turn
         db.execute(
             "CREATE TABLE IF NOT EXISTS keys (key_hash TEXT PRIMARY KEY, spec TEXT NOT NULL,"
@@ -101,12 +107,25 @@ class KeyStore:
         return self._known(key_hash) or self._stored(key_hash)
 
     async def find(self, key: str) -> KeyRecord | None:
-        """lookup() for the event loop: the database is read in a worker thread."""
-        h = hash_key(key)
-        return _live(self._known(h) or await _off_loop(self._stored, h))
+        """lookup() for the event loop: the database is read in a worker thread; with `shared`,
+        Redis first (a key made or revoked on any instance)."""
+        return _live(await self.record_async(hash_key(key)))
 
     async def record_async(self, key_hash: str) -> KeyRecord | None:
-        return self._known(key_hash) or await _off_loop(self._stored, key_hash)
+        return self._known(key_hash) or await self._shared_or_stored(key_hash)
+
+    async def _shared_or_stored(self, h: str) -> KeyRecord | None:
+        if self.shared is None:
+            return await _off_loop(self._stored, h)
+        entry = await self.shared.get(h)
+        if entry is not None:  # (a tombstone: revoked, whatever a local copy says)
+            if entry["revoked"] is not None:
+                return None
+            return KeyRecord(h, KeySpec.model_validate_json(entry["spec"]), "database", entry["created"])
+        rec = await _off_loop(self._stored, h)
+        if rec is not None:  # made before Redis held keys (or Redis lost them): shared from now on
+            await self.shared.put(h, _spec_json(rec.spec), rec.created)
+        return rec
 
     def create(self, spec: KeySpec) -> tuple[str, KeyRecord]:
         key = "sk-kvgw-" + secrets.token_urlsafe(24)
@@ -124,7 +143,14 @@ class KeyStore:
         return key, rec
 
     async def create_async(self, spec: KeySpec) -> tuple[str, KeyRecord]:
-        return await _off_loop(self.create, spec)
+        key, rec = await _off_loop(self.create, spec)
+        if self.shared is not None:
+            try:
+                await self.shared.put(rec.key_hash, _spec_json(rec.spec), rec.created)
+            except BaseException:
+                await _off_loop(self.revoke, rec.key_hash)  # not made at all: not on one instance only
+                raise
+        return key, rec
 
     def update(self, key_hash: str, spec: KeySpec) -> bool:
         """Replace a live API-made key's spec (False: no such live key)."""
@@ -142,7 +168,9 @@ class KeyStore:
         return cur.rowcount == 1
 
     async def update_async(self, key_hash: str, spec: KeySpec) -> bool:
-        return await _off_loop(self.update, key_hash, spec)
+        spec = spec.model_copy(update={"key": None, "key_hash": None})
+        shared = self.shared is not None and await self.shared.update(key_hash, _spec_json(spec))
+        return await _off_loop(self.update, key_hash, spec) or shared
 
     def revoke(self, key_hash: str) -> bool:
         with self.lock:
@@ -158,7 +186,8 @@ class KeyStore:
         return cur.rowcount == 1
 
     async def revoke_async(self, key_hash: str) -> bool:
-        return await _off_loop(self.revoke, key_hash)
+        shared = self.shared is not None and await self.shared.revoke(key_hash, time.time())
+        return await _off_loop(self.revoke, key_hash) or shared
 
     def list(self) -> list[KeyRecord]:
         with self.lock:
@@ -169,7 +198,21 @@ class KeyStore:
         return [*self.config_keys.values(), *db_keys]
 
     async def list_async(self) -> list[KeyRecord]:
-        return await _off_loop(self.list)
+        """Every instance's keys with `shared` (Redis's entry wins over a local copy)."""
+        local = await _off_loop(self.list)
+        if self.shared is None:
+            return local
+        entries = await self.shared.all()
+        recs = [k for k in local if k.source != "database" or k.key_hash not in entries]
+        for h, e in sorted(entries.items(), key=lambda kv: kv[1]["created"]):
+            recs.append(
+                KeyRecord(h, KeySpec.model_validate_json(e["spec"]), "database", e["created"], e["revoked"])
+            )
+        return recs
+
+
+def _spec_json(spec: KeySpec) -> str:
+    return spec.model_dump_json(exclude_none=True)
 
 
 def _live(rec: KeyRecord | None) -> KeyRecord | None:
