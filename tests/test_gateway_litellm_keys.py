@@ -62,10 +62,11 @@ def test_a_key_made_updated_and_deleted_with_litellms_paths_and_shapes(tmp_path)
         by_hash = await c.get("/key/info", params={"key": m["token"]}, headers=MASTER)
         assert by_hash.json()["info"]["key_alias"] == "app" and by_hash.json()["info"]["spend"] == 0.0
         # /key/update: the fields given change, the others stay; models [] is every model (LiteLLM's)
-        up = await c.post("/key/update", json={"key": key, "models": [], "rpm_limit": 7}, headers=MASTER)
-        assert up.status_code == 200 and up.json()["rpm_limit"] == 7 and up.json()["max_budget"] == 2.5, (
-            up.text
-        )
+        # (a null is no change, as LiteLLM reads it: scripts send the whole object back)
+        change = {"key": key, "models": [], "rpm_limit": 7, "key_alias": None, "max_budget": None}
+        up = await c.post("/key/update", json=change, headers=MASTER)
+        assert up.status_code == 200 and up.json()["rpm_limit"] == 7, up.text
+        assert up.json()["max_budget"] == 2.5 and up.json()["key_alias"] == "app", up.text
         assert [x["id"] for x in (await _models(c, key)).json()["data"]] == ["a", "b"]
         listed = (await c.get("/key/list", headers=MASTER)).json()
         assert listed["keys"] == [m["token"]] and listed["total_count"] == 1, listed

@@ -48,22 +48,21 @@ async def _json_object(request: Request) -> dict:
 
 
 def _spec_fields(body: dict, allowed: set[str]) -> dict:
-    """LiteLLM's fields -> KeySpec's; `duration` -> expires; any other field with a value: 400."""
+    """LiteLLM's fields -> KeySpec's; `duration` -> expires; any other field with a value: 400.
+    A null is no value, as LiteLLM reads it (an update sent with the whole object, nulls
+    included, changes only what has a value)."""
     out: dict = {}
     for name, value in body.items():
-        if name in allowed:
+        if name in allowed or value is None:
             continue
         if name == "duration":
-            if value is not None:
-                try:
-                    out["expires"] = time.time() + parse_duration(str(value))
-                except ValueError as e:
-                    raise GatewayError(400, f"duration: {e}", param="duration") from None
-            else:
-                out["expires"] = None
+            try:
+                out["expires"] = time.time() + parse_duration(str(value))
+            except ValueError as e:
+                raise GatewayError(400, f"duration: {e}", param="duration") from None
         elif name in FIELDS:
             out[FIELDS[name]] = None if name == "models" and value == [] else value
-        elif value is not None:
+        else:
             raise GatewayError(
                 400,
                 f"{name}: not supported by the kvserve gateway's keys (supported: "
