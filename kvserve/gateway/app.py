@@ -175,11 +175,22 @@ def build_app(cfg: GatewayConfig, web_ui: bool = True) -> FastAPI:
         message = f"{e.detail}: {request.method} {request.url.path}"
         return GatewayError(e.status_code, message, headers=dict(e.headers or {})).response()
 
-    async def forward(request: Request, path: str):
+    async def forward(request: Request, path: str, model: str | None = None):
         """A model request (the routes below): refused while draining, else the key's, routed."""
         s = st()
         s.refuse_if_draining()
-        return await s.gateway.handle(request, path, await s.authenticate(request))
+        return await s.gateway.handle(request, path, await s.authenticate(request), model)
+
+    # Azure OpenAI's paths, as LiteLLM's proxy serves them: its SDK (AzureOpenAI with
+    # azure_endpoint at the gateway, the key in `api-key`, read already) names the model as the
+    # deployment in the path and sends ?api-version=; each of its requests was a route 404
+    for base in ("/openai/deployments/{model}", "/engines/{model}"):
+        for tail in ("/chat/completions", "/completions", "/embeddings"):
+
+            async def azure(request: Request, model: str, _tail: str = tail):
+                return await forward(request, _tail, model)
+
+            app.add_api_route(base + tail, azure, methods=["POST"], include_in_schema=False)
 
     # each OpenAI route also without /v1, as LiteLLM's proxy serves them: its users' clients are
     # set up with base_url http://host:4000, and every request of theirs was a 404 here

@@ -115,8 +115,11 @@ class Gateway:
                 allowed = [a for a in allowed if a in restriction]
         return allowed
 
-    async def handle(self, request: Request, path: str, key: KeyRecord) -> Response:
+    async def handle(self, request: Request, path: str, key: KeyRecord, model: str | None = None) -> Response:
+        """model: the alias a path names (Azure OpenAI's /openai/deployments/{model}/...), over the body's."""
         body = await _json_body(request)
+        if model is not None:
+            body["model"] = model
         alias = body.get("model")
         if not isinstance(alias, str) or not alias:
             raise GatewayError(
