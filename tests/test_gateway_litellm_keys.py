@@ -47,6 +47,7 @@ def test_a_key_made_updated_and_deleted_with_litellms_paths_and_shapes(tmp_path)
         m = made.json()
         key = m["key"]
         assert key.startswith("sk-") and len(m["token"]) == 64 and m["expires"] is None, m
+        assert m["key_name"] == f"sk-...{key[-4:]}", m  # (LiteLLM's: the key's end, not its hash's)
         assert (m["key_alias"], m["models"], m["team_id"], m["rpm_limit"], m["tpm_limit"]) == (
             "app",
             ["a"],
