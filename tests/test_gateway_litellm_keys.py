@@ -69,6 +69,11 @@ def test_a_key_made_updated_and_deleted_with_litellms_paths_and_shapes(tmp_path)
         assert up.status_code == 200 and up.json()["rpm_limit"] == 7, up.text
         assert up.json()["max_budget"] == 2.5 and up.json()["key_alias"] == "app", up.text
         assert [x["id"] for x in (await _models(c, key)).json()["data"]] == ["a", "b"]
+        team_wide = {"models": ["all-team-models"], "team_id": "red"}  # (LiteLLM's every-model names)
+        every = await c.post("/key/generate", json=team_wide, headers=MASTER)
+        assert every.status_code == 200 and every.json()["models"] == [], every.text
+        assert len((await _models(c, every.json()["key"])).json()["data"]) == 2
+        await c.post("/key/delete", json={"keys": [every.json()["token"]]}, headers=MASTER)
         listed = (await c.get("/key/list", headers=MASTER)).json()
         assert listed["keys"] == [m["token"]] and listed["total_count"] == 1, listed
         # /key/delete by alias; the key is refused after, and unknown names are a 404

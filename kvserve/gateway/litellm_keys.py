@@ -35,6 +35,7 @@ FIELDS = {
     "metadata": "metadata",
 }
 _HASH = re.compile(r"[0-9a-f]{64}")
+_EVERY_MODEL = ("all-proxy-models", "all-team-models")
 
 
 async def _json_object(request: Request) -> dict:
@@ -60,8 +61,10 @@ def _spec_fields(body: dict, allowed: set[str]) -> dict:
                 out["expires"] = time.time() + parse_duration(str(value))
             except ValueError as e:
                 raise GatewayError(400, f"duration: {e}", param="duration") from None
+        elif name == "models":
+            out["models"] = _models(value)
         elif name in FIELDS:
-            out[FIELDS[name]] = None if name == "models" and value == [] else value
+            out[FIELDS[name]] = value
         else:
             raise GatewayError(
                 400,
@@ -71,6 +74,14 @@ def _spec_fields(body: dict, allowed: set[str]) -> dict:
                 param=name,
             )
     return out
+
+
+def _models(value: object) -> object:
+    """LiteLLM's every-model forms ([], "all-proxy-models", "all-team-models": the team's
+    `models` still apply) -> None, a key without `models` here."""
+    if isinstance(value, list) and (not value or any(m in _EVERY_MODEL for m in value if isinstance(m, str))):
+        return None
+    return value
 
 
 def _validated(data: dict, cfg) -> KeySpec:
