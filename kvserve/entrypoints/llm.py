@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from kvserve.config import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine
+from kvserve.entrypoints.chat_render import render_chat
 from kvserve.entrypoints.openai.limits import sample_seed
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -44,6 +45,11 @@ class LLM:
         self.llm_engine = LLMEngine(EngineConfig(model=model, **engine_kwargs))
         self.tokenizer = self.llm_engine.tokenizer
         self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        """The model's Hugging Face tokenizer, as vLLM's `LLM.get_tokenizer()` (scripts call its
+        apply_chat_template / decode / eos_token_id); it was missing (an AttributeError)."""
+        return self.tokenizer.hf
 
     def generate(
         self,
@@ -123,17 +129,28 @@ class LLM:
     def chat(
         self,
         messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
-        sampling_params: SamplingParams | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then generate."""
+        """Apply the chat template (the model's, or `chat_template`) to each conversation, then
+        generate; each output's `prompt` is the rendered text, as vLLM's. The template options
+        were missing (a TypeError), and `prompt` was None."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [
-            self.tokenizer.encode(
-                self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt),
-                add_special_tokens=False,
-            )
-            for c in conversations
-        ]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        options = dict(
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tools=tools,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+        texts = [render_chat(self.tokenizer, c, **options) for c in conversations]
+        prompts = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        for out, text in zip(outputs, texts):
+            out.prompt = text
+        return outputs

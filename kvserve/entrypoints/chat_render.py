@@ -1,0 +1,49 @@
+"""The offline `LLM.chat` template call, with vLLM's options and errors that name the field."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvserve.tokenizer import Tokenizer
+
+# The template call's own arguments: as template variables they would clash with it.
+_RESERVED = frozenset(
+    {"conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message", "tools",
+     "chat_template", "return_dict", "documents"}
+)  # fmt: skip
+
+
+def render_chat(
+    tokenizer: Tokenizer,
+    conversation: list[dict[str, Any]],
+    chat_template: str | None = None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    tools: list[dict[str, Any]] | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> str:
+    """The conversation as prompt text. As vLLM, continue_final_message needs
+    add_generation_prompt=False and a last message from the assistant, whose text the reply
+    then extends (no end-of-turn token after it)."""
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("continue_final_message: cannot be combined with add_generation_prompt=True")
+    if continue_final_message and (not conversation or conversation[-1].get("role") != "assistant"):
+        raise ValueError("continue_final_message: the last message must be the assistant's")
+    extra = dict(chat_template_kwargs or {})
+    reserved = sorted(_RESERVED & extra.keys())
+    if reserved:
+        raise ValueError(f"chat_template_kwargs: {', '.join(reserved)} cannot be set (an argument of chat())")
+    if chat_template is not None:
+        extra["chat_template"] = chat_template
+    elif not tokenizer.hf.chat_template:
+        raise ValueError("chat_template: this model has none; pass one (a Jinja template string)")
+    if continue_final_message:
+        extra["continue_final_message"] = True
+    if tools is not None:
+        extra["tools"] = tools
+    try:
+        return tokenizer.hf.apply_chat_template(
+            conversation, tokenize=False, add_generation_prompt=add_generation_prompt, **extra
+        )
+    except Exception as e:  # a template's error (a role it refuses, a bad Jinja string) names no field
+        raise ValueError(f"messages: the chat template rejected them: {e}") from None

@@ -1,0 +1,74 @@
+"""The offline `LLM` as a vLLM user calls it: chat options and the tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvserve import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+HELLO = [{"role": "user", "content": "Hello"}]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir) -> LLM:
+    return LLM(tiny_llama_dir, kv_cache_memory="8MiB", max_model_len=256)
+
+
+def assert_idle(llm: LLM) -> None:
+    e = llm.llm_engine
+    assert not e.has_unfinished_requests()
+    assert e.kv_cache_manager.num_free_blocks == e.kv_cache_manager.num_blocks
+
+
+def test_chat_prompt_is_the_rendered_text(llm):
+    """vLLM's chat outputs carry the templated prompt; ours had prompt=None."""
+    out = llm.chat(HELLO, GREEDY, use_tqdm=False)[0]
+    assert out.prompt == "<s>user: Hello</s><s>assistant:"
+    assert out.prompt_token_ids == llm.tokenizer.encode(out.prompt, add_special_tokens=False)
+
+
+def test_chat_template_and_kwargs(llm):
+    """chat_template / chat_template_kwargs were a TypeError (no such parameter)."""
+    template = "{{ greeting }} {% for m in messages %}{{ m['content'] }}{% endfor %}"
+    outs = llm.chat(
+        [HELLO, [{"role": "user", "content": "Bye"}]], GREEDY, use_tqdm=False,
+        chat_template=template, chat_template_kwargs={"greeting": "Hi"},
+    )  # fmt: skip
+    assert [o.prompt for o in outs] == ["Hi Hello", "Hi Bye"]
+    alone = llm.generate(llm.tokenizer.encode("Hi Hello", add_special_tokens=False), GREEDY, use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == alone[0].outputs[0].token_ids
+
+
+def test_chat_continue_final_message(llm):
+    """The reply extends the assistant's last message: no end of turn, no new generation prompt."""
+    conversation = HELLO + [{"role": "assistant", "content": "Sure, the"}]
+    out = llm.chat(
+        conversation, GREEDY, use_tqdm=False, add_generation_prompt=False, continue_final_message=True
+    )[0]
+    assert out.prompt == "<s>user: Hello</s><s>assistant: Sure, the"
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"continue_final_message": True}, "continue_final_message.*add_generation_prompt"),
+        (
+            {"continue_final_message": True, "add_generation_prompt": False},
+            "continue_final_message.*assistant",
+        ),
+        ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs: tokenize"),
+        ({"chat_template": "{{ messages[0]['content'] "}, "messages: the chat template"),
+    ],
+)
+def test_chat_bad_options_name_the_field(llm, kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        llm.chat(HELLO, GREEDY, use_tqdm=False, **kwargs)
+    assert_idle(llm)
+
+
+def test_get_tokenizer(llm):
+    tok = llm.get_tokenizer()
+    assert tok.apply_chat_template(HELLO, tokenize=False, add_generation_prompt=True) == (
+        "<s>user: Hello</s><s>assistant:"
+    )
