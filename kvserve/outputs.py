@@ -61,6 +61,9 @@ class CompletionOutput:
     back as a possible stop string's start waits, and one a stop string cut is never here."""
     text_logprobs: list[dict[int, float]] | None = None
     """Logprobs of text_token_ids."""
+    cumulative_logprob: float | None = None
+    """The sum of the sampled tokens' logprobs (of token_ids), as vLLM's; None unless
+    SamplingParams.logprobs is set (the logprobs are not computed otherwise)."""
 
 
 @dataclass

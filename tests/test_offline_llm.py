@@ -1,6 +1,9 @@
-"""The offline `LLM` as a vLLM user calls it: chat options and the tokenizer."""
+"""The offline `LLM` as a vLLM user calls it: chat options, the tokenizer,
+outputs' fields."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 
@@ -65,6 +68,17 @@ def test_chat_bad_options_name_the_field(llm, kwargs, words):
     with pytest.raises(ValueError, match=words):
         llm.chat(HELLO, GREEDY, use_tqdm=False, **kwargs)
     assert_idle(llm)
+
+
+def test_cumulative_logprob(llm):
+    """vLLM's CompletionOutput.cumulative_logprob: the sampled tokens' logprobs summed (it was
+    missing: an AttributeError); None without logprobs."""
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=6, ignore_eos=True, logprobs=2, n=2)
+    for c in llm.generate("a paged cache", params, use_tqdm=False)[0].outputs:
+        want = sum(lp[t] for t, lp in zip(c.token_ids, c.logprobs))
+        assert c.cumulative_logprob is not None and math.isclose(c.cumulative_logprob, want, rel_tol=1e-9)
+    plain = llm.generate("a paged cache", GREEDY, use_tqdm=False)[0].outputs[0]
+    assert plain.cumulative_logprob is None
 
 
 def test_get_tokenizer(llm):

@@ -24,6 +24,7 @@ class RequestState:
         self.detok = IncrementalDetokenizer(tokenizer, req.params)
         self.token_ids: list[int] = []
         self.logprobs: list[dict[int, float]] | None = [] if req.params.logprobs is not None else None
+        self.cumulative_logprob = 0.0  # of the sampled tokens, kept as they come (not re-summed per step)
         self.prompt_logprobs = None
         self.num_cached_tokens = 0
         self.metrics = RequestMetrics(req.arrival_time)
@@ -47,6 +48,7 @@ class RequestState:
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
             logprobs=self.logprobs,
+            cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
             delta_text=delta_text,
             delta_token_ids=new_token_ids,
             delta_logprobs=new_logprobs if self.logprobs is not None else None,
@@ -98,6 +100,7 @@ class OutputProcessor:
                     break
             if st.logprobs is not None and new_logprobs:
                 st.logprobs.extend(new_logprobs)
+                st.cumulative_logprob += sum(lp[t] for t, lp in zip(new_ids, new_logprobs))
             if stop is not None:
                 st.finish_reason, st.stop_reason = "stop", stop
                 if out.finish_reason is None:
