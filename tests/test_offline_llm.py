@@ -1,11 +1,12 @@
 """The offline `LLM` as a vLLM user calls it: chat options, the tokenizer,
-outputs' fields."""
+outputs' fields, progress bars and an interrupted generate."""
 
 from __future__ import annotations
 
 import math
 
 import pytest
+from tqdm import tqdm
 
 from kvserve import LLM, SamplingParams
 
@@ -86,3 +87,55 @@ def test_get_tokenizer(llm):
     assert tok.apply_chat_template(HELLO, tokenize=False, add_generation_prompt=True) == (
         "<s>user: Hello</s><s>assistant:"
     )
+
+
+class _Bar(tqdm):
+    """A progress bar the caller gave (vLLM's use_tqdm may be a tqdm class)."""
+
+    made = 0
+    stop_after: int | None = None
+
+    def __init__(self, *args, **kwargs) -> None:
+        type(self).made += 1
+        self.done = 0  # a disabled tqdm does not count
+        super().__init__(*args, **{**kwargs, "disable": True})
+
+    def update(self, n: int = 1) -> None:
+        self.done += n
+        if self.stop_after is not None and self.done > self.stop_after:
+            raise KeyboardInterrupt  # what Ctrl-C in a notebook raises mid-generate
+        super().update(n)
+
+
+def test_use_tqdm_takes_a_bar_class(llm):
+    before = _Bar.made
+    llm.generate(["a", "b"], GREEDY, use_tqdm=_Bar)
+    assert _Bar.made == before + 1
+
+
+def test_interrupted_generate_leaves_nothing_running(llm):
+    """Ctrl-C mid-generate left the call's other requests running in the engine: they held KV
+    blocks, and the next generate ran them too, counting their finishes as its own."""
+    prompts = ["a", "b", "c", "d"]
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    short = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    params = [short] + [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)] * 3
+
+    class Interrupt(_Bar):
+        stop_after = 0  # at the short request's finish
+
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts, params, use_tqdm=Interrupt)
+    assert_idle(llm)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == want
+
+
+def test_generate_counts_only_its_own_finishes(llm):
+    """A request another caller queued on the engine finished first and was counted as one of
+    this call's: generate stopped early and failed with a KeyError."""
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (2, 6)]
+    want = llm.generate(["a", "b"], params, use_tqdm=False)
+    llm.llm_engine.add_request("other", "c", SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    got = llm.generate(["a", "b"], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert_idle(llm)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -38,6 +38,12 @@ def _prompt_and_salt(prompt: PromptType) -> tuple[str | Sequence[int], str | Non
     return prompt[named[0]], prompt.get("cache_salt")
 
 
+def _progress_bar(use_tqdm: bool | Callable[..., tqdm], total: int) -> tqdm:
+    """vLLM's use_tqdm: a bool, or a tqdm-like class / factory to draw the bar with."""
+    make = use_tqdm if callable(use_tqdm) else tqdm
+    return make(total=total, desc="generate", disable=not use_tqdm, unit="req")
+
+
 class LLM:
     """Runs an in-process engine over a batch of prompts until all are done."""
 
@@ -55,7 +61,7 @@ class LLM:
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., tqdm] = True,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order, n completions each.
@@ -107,13 +113,20 @@ class LLM:
             raise
 
         final: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(added), desc="generate", disable=not use_tqdm, unit="req")
-        while len(final) < len(added):
-            for out in engine.step():
-                if out.finished:
-                    final[out.request_id] = out
-                    bar.update(1)
-        bar.close()
+        mine = set(added)  # others' requests in the engine finish here too; they are not counted
+        try:
+            bar = _progress_bar(use_tqdm, len(added))
+            while len(final) < len(added):
+                for out in engine.step():
+                    if out.finished and out.request_id in mine:
+                        final[out.request_id] = out
+                        bar.update(1)
+            bar.close()
+        except BaseException:
+            # Interrupted (Ctrl-C in a notebook, an error in a step or a progress bar): this
+            # call's requests kept running in the engine, and the next generate ran them too.
+            engine.abort_request([rid for rid in added if rid not in final], report=False)
+            raise
 
         results = []
         for ids in groups:
@@ -130,7 +143,7 @@ class LLM:
         self,
         messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., tqdm] = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
