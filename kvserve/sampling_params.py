@@ -90,6 +90,9 @@ class SamplingParams:
     """Beam search: a finished sequence scores sum(logprobs) / generated_length ** length_penalty."""
     early_stopping: bool | str = False
     """Beam search: True, False or "never", as transformers (docs/BEAM_SEARCH.md)."""
+    truncate_prompt_tokens: int | None = None
+    """Keep only the prompt's last k tokens (left truncation), as vLLM's; -1: the last
+    max_model_len tokens."""
     kv_transfer_params: dict | None = None
     """Prefill/decode disaggregation (kvserve/kv_transfer/params.py): keep this prompt's KV for
     a decode engine, or take it from the prefill engine named here."""
@@ -135,6 +138,13 @@ class SamplingParams:
             "prompt_logprobs",
             f"must be >= 0, got {self.prompt_logprobs}",
         )
+        _check(
+            self.truncate_prompt_tokens is None
+            or self.truncate_prompt_tokens == -1
+            or self.truncate_prompt_tokens >= 1,
+            "truncate_prompt_tokens",
+            f"must be -1 or >= 1, got {self.truncate_prompt_tokens}",
+        )
         _check(all(isinstance(s, str) and s for s in self.stop_list), "stop", "must be non-empty strings")
         _check(
             self.pooling in (None, "last", "mean"), "pooling", f"must be last or mean, got {self.pooling!r}"
@@ -146,7 +156,8 @@ class SamplingParams:
         """Counts and token ids are integers and weights finite numbers: a float top_k or a
         string logit_bias key would otherwise fail inside the engine's step (an "engine failed"
         error), and an infinite temperature or a NaN bias silently sample garbage."""
-        for name in ("n", "top_k", "min_tokens", "max_tokens", "seed", "logprobs", "prompt_logprobs"):
+        for name in ("n", "top_k", "min_tokens", "max_tokens", "seed", "logprobs", "prompt_logprobs",
+                     "truncate_prompt_tokens"):  # fmt: skip
             value = getattr(self, name)
             _check(value is None or _is_int(value), name, f"must be an integer, got {value!r}")
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",

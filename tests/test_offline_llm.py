@@ -10,7 +10,8 @@ from tqdm import tqdm
 
 from kvserve import LLM, SamplingParams
 
-GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+_GREEDY_KW = dict(temperature=0, max_tokens=6, ignore_eos=True)
+GREEDY = SamplingParams(**_GREEDY_KW)
 HELLO = [{"role": "user", "content": "Hello"}]
 
 
@@ -138,4 +139,23 @@ def test_generate_counts_only_its_own_finishes(llm):
     llm.llm_engine.add_request("other", "c", SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
     got = llm.generate(["a", "b"], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert_idle(llm)
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(llm):
+    """vLLM's truncate_prompt_tokens was a TypeError (no such field); k keeps the prompt's last k
+    tokens, -1 the last max_model_len."""
+    ids = list(range(5, 60))
+    cut = llm.generate(ids, SamplingParams(**_GREEDY_KW, truncate_prompt_tokens=10), use_tqdm=False)[0]
+    alone = llm.generate(ids[-10:], GREEDY, use_tqdm=False)[0]
+    assert cut.prompt_token_ids == ids[-10:]
+    assert cut.outputs[0].token_ids == alone.outputs[0].token_ids
+    whole = llm.generate(ids, SamplingParams(**_GREEDY_KW, truncate_prompt_tokens=-1), use_tqdm=False)[0]
+    assert whole.prompt_token_ids == ids
+
+
+@pytest.mark.parametrize("keep", [0, -2, 257, 2.5])
+def test_truncate_prompt_tokens_bad_values_name_it(llm, keep):
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        llm.generate("a", SamplingParams(**_GREEDY_KW, truncate_prompt_tokens=keep), use_tqdm=False)
     assert_idle(llm)

@@ -84,6 +84,15 @@ class InputProcessor:
             raise ValueError(f"prompt: token ids must be integers in [0, {vocab})")
         return ids
 
+    def truncate(self, ids: list[int], keep: int | None) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: max_model_len)."""
+        if keep is None:
+            return ids
+        limit = self.limits.max_model_len
+        if keep > limit:
+            raise ValueError(f"truncate_prompt_tokens: must be at most max_model_len ({limit}), got {keep}")
+        return ids[-(limit if keep == -1 else keep) :]
+
     def process(
         self,
         request_id: str,
@@ -120,7 +129,7 @@ class InputProcessor:
         group_id: str | None,
     ) -> EngineCoreRequest:
         lim = self.limits
-        ids = self.tokenize(prompt)
+        ids = self.truncate(self.tokenize(prompt), params.truncate_prompt_tokens)
         n = len(ids)
         if n == 0:
             raise ValueError("prompt: must not be empty")
