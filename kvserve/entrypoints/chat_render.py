@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvserve.entrypoints.openai.message_rules import READABLE
 from kvserve.tokenizer import Tokenizer
 
 # The template call's own arguments: as template variables they would clash with it.
@@ -29,6 +30,7 @@ def render_chat(
         raise ValueError("continue_final_message: cannot be combined with add_generation_prompt=True")
     if continue_final_message and (not conversation or conversation[-1].get("role") != "assistant"):
         raise ValueError("continue_final_message: the last message must be the assistant's")
+    conversation = [_flattened(m, i) for i, m in enumerate(conversation)]
     extra = dict(chat_template_kwargs or {})
     reserved = sorted(_RESERVED & extra.keys())
     if reserved:
@@ -47,3 +49,20 @@ def render_chat(
         )
     except Exception as e:  # a template's error (a role it refuses, a bad Jinja string) names no field
         raise ValueError(f"messages: the chat template rejected them: {e}") from None
+
+
+def _flattened(message: dict[str, Any], i: int) -> dict[str, Any]:
+    """A message whose content is OpenAI's list of parts, with the text parts joined as the
+    server joins them: a template reads content as a string, and rendered the list as its
+    Python repr ("[{'type': 'text', ...}]"), images included."""
+    content = message.get("content") if isinstance(message, dict) else None
+    if not isinstance(content, list):
+        return message
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        key = READABLE.get(kind)
+        if key is None or not isinstance(part.get(key), str):
+            raise ValueError(f"messages[{i}].content[{j}]: type {kind!r} is not supported (text parts only)")
+        texts.append(part[key])
+    return {**message, "content": "".join(texts)}
