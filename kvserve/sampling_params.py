@@ -149,6 +149,8 @@ class SamplingParams:
         _check(
             self.pooling in (None, "last", "mean"), "pooling", f"must be last or mean, got {self.pooling!r}"
         )
+        # n embeddings of one prompt are one embedding computed n times (and n empty completions)
+        _check(self.pooling is None or self.n == 1, "n", f"must be 1 with pooling (got {self.n})")
         if self.use_beam_search:
             self._check_beam_search()
 

@@ -171,3 +171,11 @@ def test_chat_content_parts_are_text(llm):
     with pytest.raises(ValueError, match=r"messages\[0\]\.content\[0\]: type 'image_url'"):
         llm.chat([{"role": "user", "content": image}], GREEDY, use_tqdm=False)
     assert_idle(llm)
+
+
+def test_pooling_takes_one_sample(llm):
+    """pooling with n=2 computed the same embedding twice and returned two empty completions."""
+    with pytest.raises(ValueError, match="n: must be 1 with pooling"):
+        SamplingParams(pooling="mean", n=2)
+    out = llm.generate("a", SamplingParams(pooling="mean"), use_tqdm=False)[0]
+    assert out.embedding and len(out.outputs) == 1
