@@ -179,3 +179,11 @@ def test_pooling_takes_one_sample(llm):
         SamplingParams(pooling="mean", n=2)
     out = llm.generate("a", SamplingParams(pooling="mean"), use_tqdm=False)[0]
     assert out.embedding and len(out.outputs) == 1
+
+
+def test_priority_needs_the_priority_policy(llm):
+    """As vLLM's: priorities under first-come-first-served were silently ignored."""
+    with pytest.raises(ValueError, match='priority: needs scheduling_policy="priority"'):
+        llm.generate(["a", "b"], GREEDY, priority=[1, 0], use_tqdm=False)
+    assert_idle(llm)
+    assert len(llm.generate(["a", "b"], GREEDY, priority=[0, 0], use_tqdm=False)) == 2

@@ -66,7 +66,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order, n completions each.
 
-        `priority` (one per prompt, lower runs sooner) matters with scheduling_policy="priority".
+        `priority` (one per prompt, lower runs sooner) needs scheduling_policy="priority".
         """
         if isinstance(prompts, str | dict) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -81,6 +81,9 @@ class LLM:
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         if len(priorities) != len(prompts):
             raise ValueError(f"priority: {len(priorities)} given for {len(prompts)} prompts")
+        policy = self.llm_engine.config.scheduling_policy
+        if any(priorities) and policy != "priority":  # as vLLM: it was silently ignored
+            raise ValueError(f'priority: needs scheduling_policy="priority" (this LLM runs {policy})')
         engine = self.llm_engine
         groups: list[list[str]] = []
         added: list[str] = []
