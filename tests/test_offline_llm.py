@@ -187,3 +187,23 @@ def test_priority_needs_the_priority_policy(llm):
         llm.generate(["a", "b"], GREEDY, priority=[1, 0], use_tqdm=False)
     assert_idle(llm)
     assert len(llm.generate(["a", "b"], GREEDY, priority=[0, 0], use_tqdm=False)) == 2
+
+
+def test_min_tokens_skips_stop_strings_in_their_text(llm):
+    """As vLLM: a stop string counts only in the text after the first min_tokens tokens (stop
+    token ids are held back as long); one in the min_tokens-th token's text ended the request."""
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    ids = llm.generate("a paged cache", params, use_tqdm=False)[0].outputs[0].token_ids
+    decode = llm.tokenizer.decode
+
+    def piece(k: int) -> str:  # the text token k adds
+        return decode(ids[: k + 1])[len(decode(ids[:k])) :]
+
+    # The first token whose text is new (not in the text before it): a stop string only it ends.
+    k = next(k for k in range(1, len(ids)) if piece(k).strip() and piece(k) not in decode(ids[:k]))
+    stopped = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop=[piece(k)], min_tokens=k)
+    c = llm.generate("a paged cache", stopped, use_tqdm=False)[0].outputs[0]
+    assert (c.token_ids, c.finish_reason, c.text) == (ids[: k + 1], "stop", decode(ids[:k]))
+    held = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop=[piece(k)], min_tokens=k + 1)
+    c = llm.generate("a paged cache", held, use_tqdm=False)[0].outputs[0]
+    assert len(c.token_ids) > k + 1 and c.text.startswith(decode(ids[: k + 1]))

@@ -35,11 +35,16 @@ class IncrementalDetokenizer:
         self.num_tokens_released = 0
         self.cut = False  # a stop string cut the text
         self.held = False  # the stream holds bytes of an unfinished character
+        self.min_tokens = params.min_tokens
+        # Where the first min_tokens tokens' text ends: no stop string is looked for before it.
+        self.min_text_end = 0
 
     def update(self, token_ids: list[int], check_stops: bool = True) -> str | None:
         """Add new tokens; returns the stop string that matched, if one did (text is cut there).
 
-        With check_stops False (min_tokens not reached yet) stop strings are not looked for.
+        With check_stops False stop strings are not looked for. As vLLM, a stop string counts only
+        in the text after the first min_tokens tokens (it was looked for in the min_tokens-th
+        token's text too, and in what the holdback reached before it).
         """
         before = len(self.text)
         for t in token_ids[self.num_tokens :]:
@@ -50,10 +55,12 @@ class IncrementalDetokenizer:
             elif not (self.skip_special and t in self.tokenizer.all_special_ids):
                 self.held = True
             self.token_ends.append(len(self.text))
+            if len(self.token_ends) <= self.min_tokens:
+                self.min_text_end = len(self.text)
         self.num_tokens = len(token_ids)
         if not self.stops or not check_stops or len(self.text) == before:
             return None
-        search_from = max(0, before - self.holdback)
+        search_from = max(0, before - self.holdback, self.min_text_end)
         best: tuple[int, str] | None = None
         for s in self.stops:
             i = self.text.find(s, search_from)

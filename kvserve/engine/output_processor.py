@@ -93,7 +93,7 @@ class OutputProcessor:
             new_ids, new_logprobs, stop = out.new_token_ids, out.new_logprobs, None
             for j, token in enumerate(new_ids):
                 st.token_ids.append(token)
-                stop = st.detok.update(st.token_ids, len(st.token_ids) >= st.params.min_tokens)
+                stop = st.detok.update(st.token_ids)  # min_tokens: the detokenizer skips their text
                 if stop is not None:
                     new_ids = new_ids[: j + 1]
                     new_logprobs = new_logprobs[: j + 1] if new_logprobs else new_logprobs
