@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 from tqdm import tqdm
 
@@ -207,3 +208,20 @@ def test_min_tokens_skips_stop_strings_in_their_text(llm):
     held = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop=[piece(k)], min_tokens=k + 1)
     c = llm.generate("a paged cache", held, use_tqdm=False)[0].outputs[0]
     assert len(c.token_ids) > k + 1 and c.text.startswith(decode(ids[: k + 1]))
+
+
+def test_numpy_token_ids(llm):
+    """Token ids from numpy (an array, or a list of its integers) are a prompt as a list is: an
+    array raised "truth value of an array is ambiguous", a list of numpy ints "token ids must be
+    integers"."""
+    ids = [5, 17, 42, 7]
+    want = llm.generate(ids, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    for prompt in (np.array(ids), list(np.array(ids)), {"prompt_token_ids": np.array(ids)}):
+        out = llm.generate(prompt, GREEDY, use_tqdm=False)
+        assert len(out) == 1 and out[0].outputs[0].token_ids == want
+        assert all(type(t) is int for t in out[0].prompt_token_ids)
+    two = llm.generate(np.array([ids, ids]), GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in two] == [want, want]
+    with pytest.raises(ValueError, match="prompt 0: prompt: must be text or a list of token ids, got float"):
+        llm.generate([3.5], GREEDY, use_tqdm=False)
+    assert_idle(llm)

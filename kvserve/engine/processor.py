@@ -6,6 +6,7 @@ it reaches the engine core, with a ValueError that names the field.
 
 from __future__ import annotations
 
+import numbers
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -78,11 +79,17 @@ class InputProcessor:
             if not prompt:
                 raise ValueError("prompt: must not be empty")
             return self.tokenizer.encode(prompt)
-        ids = list(prompt)
+        try:
+            ids = list(prompt)
+        except TypeError:  # a lone number or an object: was the TypeError "object is not iterable"
+            raise ValueError(
+                f"prompt: must be text or a list of token ids, got {type(prompt).__name__}"
+            ) from None
         vocab = self.limits.vocab_size
-        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+        # numpy integers count (an array needed .tolist() first), as plain ints from here on
+        if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt: token ids must be integers in [0, {vocab})")
-        return ids
+        return [int(t) for t in ids]
 
     def truncate(self, ids: list[int], keep: int | None) -> list[int]:
         """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: max_model_len)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -68,7 +69,12 @@ class LLM:
 
         `priority` (one per prompt, lower runs sooner) needs scheduling_policy="priority".
         """
-        if isinstance(prompts, str | dict) or (prompts and isinstance(prompts[0], int)):
+        # One prompt of token ids: a list, tuple or array whose first element is an integer
+        # (numpy's was taken as a list of prompts, and an array's truth value raised).
+        first = prompts[0] if not isinstance(prompts, str | dict) and len(prompts) else None
+        if isinstance(prompts, str | dict) or (
+            isinstance(first, numbers.Integral) and not isinstance(first, bool)
+        ):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
