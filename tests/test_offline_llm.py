@@ -35,7 +35,7 @@ def test_chat_prompt_is_the_rendered_text(llm):
 
 
 def test_chat_template_and_kwargs(llm):
-    """chat_template / chat_template_kwargs were a TypeError (no such parameter)."""
+    """chat_template / chat_template_kwargs / tools were a TypeError (no such parameter)."""
     template = "{{ greeting }} {% for m in messages %}{{ m['content'] }}{% endfor %}"
     outs = llm.chat(
         [HELLO, [{"role": "user", "content": "Bye"}]], GREEDY, use_tqdm=False,
@@ -44,6 +44,10 @@ def test_chat_template_and_kwargs(llm):
     assert [o.prompt for o in outs] == ["Hi Hello", "Hi Bye"]
     alone = llm.generate(llm.tokenizer.encode("Hi Hello", add_special_tokens=False), GREEDY, use_tqdm=False)
     assert outs[0].outputs[0].token_ids == alone[0].outputs[0].token_ids
+    tools = [{"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}]
+    named = "{% for t in tools %}{{ t.function.name }}{% endfor %}: {{ messages[0]['content'] }}"
+    out = llm.chat(HELLO, GREEDY, use_tqdm=False, chat_template=named, tools=tools)[0]
+    assert out.prompt == "now: Hello"
 
 
 def test_chat_continue_final_message(llm):
