@@ -81,3 +81,19 @@ class RequestOutput:
     """Embedding requests (SamplingParams.pooling): the pooled final hidden state."""
     kv_transfer_params: dict | None = None
     """A prefill engine's answer to do_remote_decode: where a decode engine finds the KV."""
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+    """L2-normalized, as the server's /v1/embeddings and vLLM's LLM.embed return it."""
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What `LLM.embed` returns per prompt, shaped as vLLM's (`out.outputs.embedding`)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True

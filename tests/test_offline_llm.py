@@ -229,3 +229,21 @@ def test_numpy_token_ids(llm):
     with pytest.raises(ValueError, match="prompt 0: prompt: must be text or a list of token ids, got float"):
         llm.generate([3.5], GREEDY, use_tqdm=False)
     assert_idle(llm)
+
+
+def test_embed(llm):
+    """vLLM's LLM.embed was missing: one L2-normalized vector per prompt, the pooled state the
+    engine computes, as out.outputs.embedding."""
+    outs = llm.embed(["a paged cache", [5, 17, 42]], use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs][1] == [5, 17, 42]
+    raw = llm.generate("a paged cache", SamplingParams(pooling="last"), use_tqdm=False)[0].embedding
+    norm = math.sqrt(sum(x * x for x in raw))
+    got = outs[0].outputs.embedding
+    assert math.isclose(math.sqrt(sum(x * x for x in got)), 1.0, rel_tol=1e-6)
+    assert all(math.isclose(g, r / norm, rel_tol=1e-5, abs_tol=1e-7) for g, r in zip(got, raw))
+    mean = llm.embed("a paged cache", use_tqdm=False, pooling="mean")[0].outputs.embedding
+    assert len(mean) == len(got) and mean != got
+    cut = llm.embed(list(range(5, 60)), use_tqdm=False, truncate_prompt_tokens=3)[0]
+    assert cut.prompt_token_ids == [57, 58, 59]
+    with pytest.raises(ValueError, match="pooling"):
+        llm.embed("a", use_tqdm=False, pooling="max")

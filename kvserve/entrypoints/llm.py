@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -14,7 +15,7 @@ from kvserve.config import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.entrypoints.chat_render import render_chat
 from kvserve.entrypoints.openai.limits import sample_seed
-from kvserve.outputs import RequestOutput
+from kvserve.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams
 
 # vLLM's prompt forms: text, token ids, or a dict naming one of them (TextPrompt: {"prompt": ...},
@@ -147,6 +148,29 @@ class LLM:
                 completions.append(c)
             results.append(replace(first, outputs=completions))
         return results
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        use_tqdm: bool | Callable[..., tqdm] = True,
+        pooling: str = "last",
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One L2-normalized embedding per prompt ("last" or "mean" of the final hidden states),
+        as vLLM's LLM.embed and the server's /v1/embeddings; it was missing (an AttributeError)."""
+        params = SamplingParams(max_tokens=1, pooling=pooling, truncate_prompt_tokens=truncate_prompt_tokens)
+        outputs = []
+        for i, out in enumerate(self.generate(prompts, params, use_tqdm=use_tqdm)):
+            if out.embedding is None:  # the engine failed it (finish_reason "error")
+                raise RuntimeError(f"prompt {i}: no embedding: {out.outputs[0].stop_reason}")
+            vector = out.embedding
+            norm = max(math.sqrt(sum(x * x for x in vector)), 1e-12)
+            outputs.append(
+                EmbeddingRequestOutput(
+                    out.request_id, out.prompt_token_ids, EmbeddingOutput([x / norm for x in vector])
+                )
+            )
+        return outputs
 
     def chat(
         self,
