@@ -72,9 +72,9 @@ class LLM:
         """
         # One prompt of token ids: a list, tuple or array whose first element is an integer
         # (numpy's was taken as a list of prompts, and an array's truth value raised).
-        first = prompts[0] if not isinstance(prompts, str | dict) and len(prompts) else None
+        head = prompts[0] if not isinstance(prompts, str | dict) and len(prompts) else None
         if isinstance(prompts, str | dict) or (
-            isinstance(first, numbers.Integral) and not isinstance(first, bool)
+            isinstance(head, numbers.Integral) and not isinstance(head, bool)
         ):
             prompts = [prompts]
         prompts = list(prompts)
