@@ -752,6 +752,7 @@ def test_unknown_routes_and_methods_have_string_codes(server):
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
     r = httpx.get(f"{server.url}/v1/completions", headers=server.headers)
     assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+    assert r.headers["allow"] == "POST", r.headers  # RFC 9110: a 405 names the methods (was none)
 
 
 @pytest.mark.parametrize(

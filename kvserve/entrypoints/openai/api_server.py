@@ -216,7 +216,9 @@ def build_app(engine: AsyncLLM | DPClient, cfg: ServerConfig, store: ResponseSto
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request")
         message = f"{exc.detail}: {request.method} {request.url.path}"
-        return error_response(exc.status_code, message, kind, code=code)
+        resp = error_response(exc.status_code, message, kind, code=code)
+        resp.headers.update(exc.headers or {})  # a 405's Allow: RFC 9110 requires it
+        return resp
 
     app.include_router(batch.router)
 
