@@ -147,3 +147,18 @@ def test_a_database_written_before_batches_counted_tokens_gets_the_columns(tmp_p
     old.close()
     batch = JobStore(open_db(tmp_path)).get("batch_1")
     assert batch["usage"]["input_tokens"] == batch["usage"]["total_tokens"] == 0
+
+
+def test_a_background_response_line_is_refused_in_batch_terms():
+    """A /v1/responses line with background: true was refused with HTTP's advice, "use
+    stream=true", which a batch refuses too: the message now says what a batch line should do."""
+    import pytest
+
+    from kvserve.batch.lines import LineError, parse_line
+
+    body = {"input": "hi", "background": True}
+    line = json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/responses", "body": body})
+    with pytest.raises(LineError, match="body.background: a batch line already runs in the background") as e:
+        parse_line(line.encode(), "/v1/responses")
+    assert "stream" not in str(e.value) and e.value.code == "invalid_body"
+    assert parse_line(line.replace("true", "false").encode(), "/v1/responses")[0] == "a"

@@ -47,6 +47,12 @@ def parse_line(raw: bytes, endpoint: str) -> tuple[str, dict]:
         raise LineError("body: required, a JSON object", "invalid_body", custom_id)
     if body.get("stream"):
         raise LineError("body.stream: streaming is not available in a batch", "invalid_body", custom_id)
+    if endpoint == "/v1/responses" and body.get("background"):  # HTTP's advice (stream=true) is refused here
+        raise LineError(
+            "body.background: a batch line already runs in the background; leave background out",
+            "invalid_body",
+            custom_id,
+        )
     return custom_id, body
 
 
