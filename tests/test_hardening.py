@@ -746,6 +746,20 @@ def test_a_bad_query_parameter_is_named(server):
     assert_400(r, "limit")  # once param "query"
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses"])
+def test_an_unknown_service_tier_is_400_naming_it(server, path):
+    """Any string was accepted as service_tier (a typo such as "prioritty" served silently);
+    OpenAI refuses a tier outside auto / default / flex / scale / priority with a 400."""
+    body = {"max_tokens": 2} if path == "/v1/chat/completions" else {"max_output_tokens": 2}
+    body |= {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"input": "hi"}
+    r = post(server, {**body, "service_tier": "turbo"}, path)
+    assert_400(r, "service_tier")
+    assert "priority" in r.json()["error"]["message"]  # the accepted values are listed
+    for tier in ("auto", "default", "flex", "scale", "priority"):
+        r = post(server, {**body, "service_tier": tier}, path)
+        assert r.status_code == 200 and r.json()["service_tier"] == "default", r.text
+
+
 def test_unknown_routes_and_methods_have_string_codes(server):
     """error.code is a string everywhere (these two once carried the status, an int)."""
     r = httpx.get(f"{server.url}/v1/nothing-here", headers=server.headers)

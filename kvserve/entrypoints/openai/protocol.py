@@ -64,6 +64,10 @@ class StreamOptions(OpenAIBody):
 # OpenAI's rule for a function's and a response format's name: letters, digits, _ and -, at most 64
 FunctionName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
 
+# OpenAI's tiers: any is served by the one tier there is (reported "default"), another is a typo
+# OpenAI refuses with a 400 naming the field, as vLLM's Responses API does
+ServiceTier = Literal["auto", "default", "flex", "scale", "priority"]
+
 
 class JsonSchemaFormat(OpenAIBody):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
@@ -151,7 +155,7 @@ class SamplingFields(OpenAIBody):
     # OpenAI's informational fields: accepted, not acted on
     store: bool | None = None
     metadata: Metadata | None = None
-    service_tier: str | None = None
+    service_tier: ServiceTier | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
     # The field structured_outputs came from, for its errors (compat.py maps guided_* onto it).

@@ -27,6 +27,7 @@ from kvserve.entrypoints.openai.protocol import (
     NamedToolChoice,
     OpenAIBody,
     ResponseFormat,
+    ServiceTier,
     ToolChoiceFunction,
 )
 from kvserve.tokenizer import lone_surrogate
@@ -123,7 +124,7 @@ class ResponsesRequest(OpenAIBody):
     # informational, or features refused with a reason (see refuse_unsupported)
     metadata: Metadata | None = None
     user: str | None = None
-    service_tier: str | None = None
+    service_tier: ServiceTier | None = None
     prompt_cache_key: str | None = None
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     prompt_cache_options: dict[str, Any] | None = None
