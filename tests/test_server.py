@@ -156,6 +156,29 @@ def test_logprobs_and_echo(client):
     assert all(x <= 0 for x in lp.token_logprobs[1:])
 
 
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(client):
+    """echo=true, max_tokens=0 (how evaluation harnesses score a prompt, as OpenAI's legacy
+    completions and vLLM answer it) was a 400; it is the prompt with its logprobs, nothing generated."""
+    kw = {"model": "tiny", "prompt": ["Hello world", "The cat sat"], "logprobs": 1, "echo": True}
+    full = client.completions.create(max_tokens=1, temperature=0, **kw)
+    r = client.completions.create(max_tokens=0, **kw)
+    assert [c.text for c in r.choices] == ["Hello world", "The cat sat"]
+    assert {c.finish_reason for c in r.choices} == {"length"} and r.usage.completion_tokens == 0
+    for c, f in zip(r.choices, full.choices):  # the prompt's logprobs, the sampled token not among them
+        assert c.logprobs.tokens == f.logprobs.tokens[:-1] and c.logprobs.token_logprobs[0] is None
+        assert c.logprobs.token_logprobs[1:] == pytest.approx(f.logprobs.token_logprobs[1:-1], abs=1e-4)
+    chunks = list(client.completions.create(max_tokens=0, stream=True, **kw))
+    streamed = {i: "".join(c.choices[0].text for c in chunks if c.choices[0].index == i) for i in (0, 1)}
+    assert streamed == {0: "Hello world", 1: "The cat sat"}
+    tokens = [
+        t
+        for c in chunks
+        if c.choices[0].index == 0 and c.choices[0].logprobs
+        for t in c.choices[0].logprobs.tokens
+    ]
+    assert tokens == r.choices[0].logprobs.tokens
+
+
 @pytest.mark.parametrize(
     "body, param",
     [

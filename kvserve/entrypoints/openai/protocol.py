@@ -379,6 +379,7 @@ PromptInput = Annotated[
 
 class CompletionRequest(SamplingFields):
     prompt: PromptInput  # ids are range-checked by the processor
+    max_tokens: NonNegInt64 | None = None  # 0 with echo: the prompt scored alone (echo_only.py)
     logprobs: NumLogprobs | None = None
     echo: bool = False
     suffix: str | None = None  # refused unless empty: no fill-in-the-middle (compat.py)

@@ -33,6 +33,7 @@ from kvserve.entrypoints.openai.compat import (
     normalize_chat,
     normalize_completion,
 )
+from kvserve.entrypoints.openai.echo_only import engine_max_tokens, prompt_only
 from kvserve.entrypoints.openai.errors import error_response
 from kvserve.entrypoints.openai.fingerprint import system_fingerprint
 from kvserve.entrypoints.openai.lifecycle import ServerShuttingDownError
@@ -665,9 +666,12 @@ class OpenAIServing:
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
         wanted = [req.prompt_logprobs, req.logprobs if req.echo else None]
         prompt_lp = max((k for k in wanted if k is not None), default=None)
+        engine_max = engine_max_tokens(max_tokens, req.echo)  # 0: the prompt alone (echo_only.py)
         # off the loop: a schema, regex or grammar is parsed and checked (seconds for a large one)
-        params = await self._off_loop(req.sampling_params, max_tokens, req.logprobs, prompt_lp)
+        params = await self._off_loop(req.sampling_params, engine_max, req.logprobs, prompt_lp)
         launched = await self._launch("cmpl", req, prompts, params, raw)
+        if max_tokens == 0:
+            launched.gen = prompt_only(launched.gen)
         run = Run(launched.gen, launched.streams, warnings)
         if req.stream:
             run.chunks = self._completion_chunks(launched, req)
