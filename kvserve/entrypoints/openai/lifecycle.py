@@ -18,6 +18,7 @@ import time
 import uvicorn
 
 from kvserve.engine.async_llm import AsyncLLM
+from kvserve.entrypoints.openai.gc_freeze import freeze_startup_heap
 from kvserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("kvserve.server")
@@ -60,8 +61,9 @@ class Lifecycle:
         except Exception as e:  # noqa: BLE001 - readiness stays false; liveness tells the rest
             logger.error("warm-up request failed: %s", e)
             return
+        frozen = freeze_startup_heap()  # after the warm-up: its kernels' objects stay too
         self.warmed_up = True
-        logger.info("warm-up request served; ready")
+        logger.info("warm-up request served; ready (%d start-up objects frozen out of the GC)", frozen)
 
     async def drain(self, server: uvicorn.Server) -> None:
         self.draining = True
