@@ -760,6 +760,24 @@ def test_an_unknown_service_tier_is_400_naming_it(server, path):
         assert r.status_code == 200 and r.json()["service_tier"] == "default", r.text
 
 
+def test_reasoning_efforts_openai_takes_are_served_and_a_typo_is_400(server):
+    """reasoning_effort "xhigh" (OpenAI's since GPT-5.2; Codex sends it) was a 400, and the
+    Responses API's `reasoning` took any effort at all ("turbo" served); both now take OpenAI's
+    values and refuse another, naming the field."""
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for effort in ("xhigh", "max", "minimal"):
+        r = post(server, {**chat, "reasoning_effort": effort}, CHAT)
+        assert r.status_code == 200, r.text
+        body = {"input": "hi", "max_output_tokens": 2, "reasoning": {"effort": effort}}
+        r = post(server, body, "/v1/responses")
+        assert r.status_code == 200, r.text
+    assert_400(post(server, {**chat, "reasoning_effort": "turbo"}, CHAT), "reasoning_effort")
+    for bad in ({"effort": "turbo"}, {"summary": "verbose"}):
+        r = post(server, {"input": "hi", "max_output_tokens": 2, "reasoning": bad}, "/v1/responses")
+        assert_400(r, "reasoning")
+        assert f"reasoning.{next(iter(bad))}" in r.json()["error"]["message"], r.text
+
+
 def test_unknown_routes_and_methods_have_string_codes(server):
     """error.code is a string everywhere (these two once carried the status, an int)."""
     r = httpx.get(f"{server.url}/v1/nothing-here", headers=server.headers)

@@ -68,6 +68,10 @@ FunctionName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
 # OpenAI refuses with a 400 naming the field, as vLLM's Responses API does
 ServiceTier = Literal["auto", "default", "flex", "scale", "priority"]
 
+# OpenAI's reasoning efforts (xhigh since GPT-5.2, max since GPT-5.6): informational here (no
+# reasoning model), but a value OpenAI takes must not be a 400, and a typo is one
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+
 
 class JsonSchemaFormat(OpenAIBody):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
@@ -342,7 +346,7 @@ class ChatCompletionRequest(SamplingFields):
     audio: dict[str, Any] | None = None
     web_search_options: dict[str, Any] | None = None
     prediction: dict[str, Any] | None = None  # predicted output: a latency hint only
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    reasoning_effort: ReasoningEffort | None = None
     verbosity: Literal["low", "medium", "high"] | None = None
 
 

@@ -26,6 +26,7 @@ from kvserve.entrypoints.openai.protocol import (
     JsonSchemaFormat,
     NamedToolChoice,
     OpenAIBody,
+    ReasoningEffort,
     ResponseFormat,
     ServiceTier,
     ToolChoiceFunction,
@@ -91,6 +92,16 @@ class TextConfig(OpenAIBody):
     verbosity: Literal["low", "medium", "high"] | None = None  # informational
 
 
+class ReasoningConfig(OpenAIBody):
+    """OpenAI's `reasoning`: informational (no reasoning model), its values checked as OpenAI
+    checks them; keys OpenAI adds (mode, context, ...) taken as they come."""
+
+    model_config = ConfigDict(extra="allow")
+    effort: ReasoningEffort | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None  # deprecated name of summary
+
+
 class ResponsesStreamOptions(OpenAIBody):
     model_config = ConfigDict(extra="forbid")
     include_obfuscation: bool = True  # no obfuscation field is sent either way: informational
@@ -130,7 +141,7 @@ class ResponsesRequest(OpenAIBody):
     prompt_cache_options: dict[str, Any] | None = None
     safety_identifier: str | None = None
     truncation: Literal["auto", "disabled"] | None = None
-    reasoning: dict[str, Any] | None = None
+    reasoning: ReasoningConfig | None = None
     include: list[Includable] | None = None  # (an unknown value was taken silently)
     background: bool = False
     # OpenAI's server-side state that kvserve does not keep: declared so that they are refused
