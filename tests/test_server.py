@@ -156,6 +156,32 @@ def test_logprobs_and_echo(client):
     assert all(x <= 0 for x in lp.token_logprobs[1:])
 
 
+def test_each_choice_says_which_stop_ended_it_as_vllm(client):
+    """vLLM's `stop_reason` (the stop string or stop token id that ended a choice, null for the
+    length limit or end of sequence) was missing from every choice and chunk."""
+    kw = {"model": "tiny", "max_tokens": 12, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    chat = {"messages": [{"role": "user", "content": "Hi"}]}
+    text = client.chat.completions.create(**chat, **kw).choices[0].message.content
+    stop = text[3:6]  # the greedy answer is cut there (or where these 3 characters come first)
+    cases = [
+        (client.chat.completions.create, {**chat, "stop": [stop]}, stop),
+        (client.chat.completions.create, chat, None),  # the length limit
+        (client.completions.create, {"prompt": "Hello", "stop": ["zzz"]}, None),
+    ]
+    for create, body, want in cases:
+        r = create(**body, **kw)
+        assert r.choices[0].model_extra["stop_reason"] == want, (body, r)
+        chunks = [c for c in create(**body, stream=True, **kw) if c.choices]
+        assert chunks[-1].choices[0].model_extra["stop_reason"] == want
+        assert all(c.choices[0].model_extra["stop_reason"] is None for c in chunks[:-1])
+    lp = client.completions.create(
+        prompt="Hello", logprobs=0, **{**kw, "extra_body": {"return_tokens_as_token_ids": True}}
+    )
+    third = int(lp.choices[0].logprobs.tokens[2].split(":")[1])
+    r = client.completions.create(prompt="Hello", **{**kw, "extra_body": {"stop_token_ids": [third]}})
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].model_extra["stop_reason"] == third, r
+
+
 def test_echo_with_max_tokens_0_scores_the_prompt_alone(client):
     """echo=true, max_tokens=0 (how evaluation harnesses score a prompt, as OpenAI's legacy
     completions and vLLM answer it) was a 400; it is the prompt with its logprobs, nothing generated."""

@@ -529,7 +529,8 @@ class OpenAIServing:
                 if c.finish_reason == "stop":  # an end-of-turn token or a cut stop string ended it
                     k = self._content_tokens(c.token_ids, c.text, req.skip_special_tokens)
                 logprobs = self._chat_logprobs(c.token_ids[:k], c.logprobs[:k], top, as_ids)
-            return {"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish}
+            return {"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish,
+                    "stop_reason": _stop_reason(c)}  # fmt: skip
 
         run.body, finals = await self._body(launched, "chat.completion", req.n, raw, choice)
         if req.prompt_logprobs is not None:
@@ -574,6 +575,7 @@ class OpenAIServing:
                 "delta": {"role": "assistant", "content": echo},
                 "logprobs": None,
                 "finish_reason": None,
+                "stop_reason": None,
             }
             for i in range(req.n)
         ]
@@ -609,7 +611,9 @@ class OpenAIServing:
             if not (delta or out.finished or with_logprobs):  # no empty chunks for held-back text
                 return None
             logprobs = self._chat_logprobs(lp_ids, lps, top, as_ids) if with_logprobs else None
-            return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            stop = _stop_reason(c) if out.finished else None
+            return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish,
+                    "stop_reason": stop}  # fmt: skip
 
         return self._chunks(run, "chat.completion.chunk", req, choice, first)
 
@@ -682,6 +686,7 @@ class OpenAIServing:
             choice = {
                 "index": index, "text": self._echo_text(req, out) + c.text,
                 "logprobs": self._choice_logprobs(req, out), "finish_reason": c.finish_reason,
+                "stop_reason": _stop_reason(c),
             }  # fmt: skip
             if req.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = self._prompt_logprobs(out, req.prompt_logprobs)
@@ -739,7 +744,9 @@ class OpenAIServing:
                 )
             offsets[index] += len(text)
             finish = c.finish_reason if out.finished else None
-            return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            stop = _stop_reason(c) if out.finished else None
+            return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish,
+                    "stop_reason": stop}  # fmt: skip
 
         return self._chunks(run, "text_completion", req, choice)
 
@@ -864,6 +871,12 @@ class Usage:
             "total_tokens": self.prompt + self.completion,
             "prompt_tokens_details": {"cached_tokens": self.cached},
         }
+
+
+def _stop_reason(c) -> int | str | None:
+    """vLLM's `stop_reason`: the stop string or stop token id that ended a choice, else null (an
+    end-of-sequence token, the length limit; an error's message is not one)."""
+    return c.stop_reason if c.finish_reason == "stop" else None
 
 
 def _best(finals: dict[int, RequestOutput], samples: int, n: int) -> dict[int, RequestOutput]:
