@@ -86,10 +86,17 @@ class InputProcessor:
                 f"prompt: must be text or a list of token ids, got {type(prompt).__name__}"
             ) from None
         vocab = self.limits.vocab_size
-        # numpy integers count (an array needed .tolist() first), as plain ints from here on
-        if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt: token ids must be integers in [0, {vocab})")
-        return [int(t) for t in ids]
+        bad = ValueError(f"prompt: token ids must be integers in [0, {vocab})")
+        # Plain ints are checked in C (min, max): a 1.8M-id prompt is checked in ~0.1 s while
+        # the API process's streams wait on the GIL; isinstance against numbers.Integral for
+        # every id took ~0.7 s. numpy integers count too, as plain ints from here on.
+        if not all(type(t) is int for t in ids):
+            if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) for t in ids):
+                raise bad
+            ids = [int(t) for t in ids]
+        if ids and (min(ids) < 0 or max(ids) >= vocab):
+            raise bad
+        return ids
 
     def truncate(self, ids: list[int], keep: int | None) -> list[int]:
         """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: max_model_len)."""
