@@ -1,10 +1,11 @@
-"""The first engine core of `kvserve serve`, started before the API process's heavy imports.
+"""`kvserve serve`'s first engine core (each replica's, with data parallelism), started before
+the API process's heavy imports.
 
 Both processes import torch and kvserve's engine before the model loads (~1.7 s of CPU each).
 Spawned as the engine is built, the core began its imports only once the API process had
 finished its own, so a server took both in turn (a tiny model: ~3 s of imports, then ~3 s of
 core start). Started first, the core imports on the other core while the API process does, then
-waits for its arguments on a pipe. Only the first core: a restarted one is spawned as before.
+waits for its arguments on a pipe. Only the first: a restarted core is spawned as before.
 """
 
 from __future__ import annotations
