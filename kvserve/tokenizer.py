@@ -27,6 +27,24 @@ def lone_surrogate(text: str) -> int | None:
     return None
 
 
+@functools.cache
+def template_call_parameters() -> frozenset[str]:
+    """apply_chat_template's own parameters (transformers' and Tokenizer's): chat_template_kwargs
+    may not set them, at the server or in `LLM.chat`. They are no template variables: one such
+    as return_assistant_tokens_mask made transformers raise an error that named no field, and
+    `self` a TypeError."""
+    import inspect
+
+    from transformers import PreTrainedTokenizerBase
+
+    params = inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters
+    named = {name for name, p in params.items() if p.kind is not inspect.Parameter.VAR_KEYWORD}
+    return frozenset(named) | {
+        "self", "conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
+        "return_dict", "tools", "documents", "chat_template",
+    }  # fmt: skip
+
+
 class Tokenizer:
     def __init__(self, hf_tokenizer: Any, add_bos: bool = False) -> None:
         self.hf = hf_tokenizer

@@ -29,3 +29,15 @@ def assert_responses_stream_failed(events: list[str], sequence_number: int, says
     assert err["sequence_number"] == sequence_number, err
     assert err["code"] == "upstream_error" and says in err["message"], err
     return err
+
+
+def assert_drained_at_deadline(events: list[str], answer, says: str) -> dict:
+    """A front's drain deadline (--shutdown-timeout): the stream still running ends with a
+    `shutting_down` error event and `data: [DONE]`; the request still waiting gets a 503 with
+    Retry-After, in OpenAI's shape."""
+    assert events[-1] == "data: [DONE]" and len(events) < 600, events[-3:]
+    err = json.loads(events[-2].removeprefix("data: "))["error"]
+    assert err["code"] == "shutting_down" and says in err["message"], err
+    assert answer.status_code == 503 and answer.headers["retry-after"] == "5", answer.text
+    assert answer.json()["error"]["code"] == "shutting_down", answer.text
+    return err

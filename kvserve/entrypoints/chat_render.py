@@ -5,13 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvserve.entrypoints.openai.message_rules import READABLE
-from kvserve.tokenizer import Tokenizer
-
-# The template call's own arguments: as template variables they would clash with it.
-_RESERVED = frozenset(
-    {"conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message", "tools",
-     "chat_template", "return_dict", "documents"}
-)  # fmt: skip
+from kvserve.tokenizer import Tokenizer, template_call_parameters
 
 
 def render_chat(
@@ -32,7 +26,7 @@ def render_chat(
         raise ValueError("continue_final_message: the last message must be the assistant's")
     conversation = [_flattened(m, i) for i, m in enumerate(conversation)]
     extra = dict(chat_template_kwargs or {})
-    reserved = sorted(_RESERVED & extra.keys())
+    reserved = sorted(template_call_parameters() & extra.keys())
     if reserved:
         raise ValueError(f"chat_template_kwargs: {', '.join(reserved)} cannot be set (an argument of chat())")
     if chat_template is not None:

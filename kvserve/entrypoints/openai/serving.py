@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import functools
-import inspect
 import secrets
 import time
 import uuid
@@ -53,24 +52,9 @@ from kvserve.entrypoints.sse_json import sse_json
 from kvserve.model.loader import load_arch
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
-from kvserve.tokenizer import lone_surrogate
+from kvserve.tokenizer import lone_surrogate, template_call_parameters
 
-
-def _template_call_parameters() -> frozenset[str]:
-    """apply_chat_template's own parameters (transformers' and Tokenizer's): chat_template_kwargs
-    may not set them. They are no template variables: one such as return_assistant_tokens_mask
-    made transformers raise an error that named no field, and `self` a TypeError."""
-    from transformers import PreTrainedTokenizerBase
-
-    params = inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters
-    named = {name for name, p in params.items() if p.kind is not inspect.Parameter.VAR_KEYWORD}
-    return frozenset(named) | {
-        "self", "conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
-        "return_dict", "tools", "documents", "chat_template",
-    }  # fmt: skip
-
-
-RESERVED_TEMPLATE_KWARGS = _template_call_parameters()
+RESERVED_TEMPLATE_KWARGS = template_call_parameters()
 
 
 class ClientDisconnectedError(Exception):
