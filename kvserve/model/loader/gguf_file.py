@@ -13,12 +13,15 @@ The parse itself runs on plain ndarray views of the file's map (`_PlainViewReade
 slices its map a few times per string, and a `numpy.memmap` slice runs Python code per view
 (1.2 million `__array_finalize__` calls for the default model); a plain view does not, which
 cuts the parse's CPU time 3.4x (benchmarks/bench_gguf_parse.py: 2.51 s to 0.74 s, round 41).
+Arrays (the vocabulary, merges, token types) are then read in one pass each, to the same parts
+gguf would make: 0.13 s against gguf's 2.28 (round 50).
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import sys
 import threading
 
 MAX_READERS = 2
@@ -34,6 +37,8 @@ def _reader_class():
     import gguf
     import numpy as np
 
+    ARRAY, STRING = gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING
+
     class _PlainViewReader(gguf.GGUFReader):
         @property
         def data(self) -> np.ndarray:
@@ -42,6 +47,39 @@ def _reader_class():
         @data.setter
         def data(self, mapped: np.ndarray) -> None:
             self._plain = mapped.view(np.ndarray)
+
+        def _get_field_parts(self, orig_offs: int, raw_type: int):
+            """gguf's parts, built in one pass for arrays of strings or numbers (the
+            tokenizer's vocabulary, merges and token types): gguf recurses per element,
+            ~7 us each, 0.7 s for the default model's ~150,000 elements."""
+            parts = self._array_parts(orig_offs, raw_type) if self.byte_order == "I" else None
+            return super()._get_field_parts(orig_offs, raw_type) if parts is None else parts
+
+        def _array_parts(self, orig_offs: int, raw_type: int):
+            if raw_type != ARRAY:
+                return None
+            u8 = self._plain
+            head = u8[orig_offs : orig_offs + 12]
+            raw_itype, alen = head[:4].view(np.uint32), head[4:].view(np.uint64)
+            item_type, count = gguf.GGUFValueType(int(raw_itype[0])), int(alen[0])
+            if count == 0 or (item_type != STRING and item_type not in self.gguf_scalar_to_np):
+                return None  # empty and nested arrays: gguf's own walk
+            offs = orig_offs + 12
+            parts: list[np.ndarray] = [raw_itype, alen]
+            if item_type == STRING:  # each string: its uint64 length, then its bytes
+                buf = memoryview(u8)
+                for _ in range(count):
+                    n = int.from_bytes(buf[offs : offs + 8], sys.byteorder)
+                    parts += (u8[offs : offs + 8].view(np.uint64), u8[offs + 8 : offs + 8 + n])
+                    offs += 8 + n
+                data = list(range(3, 2 * count + 2, 2))
+            else:
+                items = u8[offs : offs + count * np.dtype(self.gguf_scalar_to_np[item_type]).itemsize]
+                items = items.view(self.gguf_scalar_to_np[item_type])
+                parts += (items[i : i + 1] for i in range(count))
+                offs += items.nbytes
+                data = list(range(2, count + 2))
+            return offs - orig_offs, parts, data, [ARRAY, item_type]
 
     return _PlainViewReader
 
