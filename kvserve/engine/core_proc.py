@@ -132,14 +132,17 @@ def run_engine_core(
     poller = zmq.Poller()
     poller.register(inp, zmq.POLLIN)
     trimmed = True  # whether the heap was trimmed since the last step
+    faulting = True  # the KV pool's pages still to fault in, a slice per idle turn (huge_pages.py)
     try:
         while True:
             busy = core.has_unfinished_requests()
             idle_ms = TRANSFER_POLL_MS if core.has_pending_transfers() else IDLE_POLL_MS
-            events = dict(poller.poll(0 if busy else idle_ms))
+            events = dict(poller.poll(0 if busy or faulting else idle_ms))
             if not busy:
                 core.executor.check_health()  # a dead or hung rank ends this process when idle too
-                if not events and not trimmed:
+                if not events and faulting:
+                    faulting = any(core.executor.collective_rpc("fault_in_kv"))
+                elif not events and not trimmed:
                     # Idle for a poll interval: return what the last burst's steps freed
                     # (platform/memory.py); not between back-to-back requests, which would
                     # fault the same pages in again.

@@ -37,7 +37,7 @@ from kvserve.model.layers.cpu_kernels import load_cpu_kernels
 from kvserve.model.layers.kv_quant import KV_SCALE_DTYPE, is_quantized, kv_storage_dtype
 from kvserve.model.layers.sampler import row_argmax
 from kvserve.model.models.llama import LlamaForCausalLM
-from kvserve.platform.huge_pages import huge_page_full, weights_in_huge_pages
+from kvserve.platform.huge_pages import PendingFaults, huge_page_full, huge_page_zeros, weights_in_huge_pages
 from kvserve.platform.memory import trim_heap
 from kvserve.worker.device_sampling import sample_listed_rows
 from kvserve.worker.kernel_log import log_kernels
@@ -76,6 +76,7 @@ class ModelRunner:
         self.draft_kv_cache = None
         if draft_model is not None:
             self.draft_kv_cache, _ = self._alloc_kv(draft_model, num_blocks)
+        self.kv_pending_faults = PendingFaults(self.kv_cache, self.draft_kv_cache)
         self.requests = RequestStates()  # this worker's mirror of the scheduled requests
         self.tp, self.pp = get_tp_group(), get_pp_group()
         # The one rank that answers the engine: tensor-parallel rank 0 of the last stage.
@@ -197,14 +198,19 @@ class ModelRunner:
         arch = model.arch
         kv_dtype = kv_storage_dtype(self.kv_cache_dtype, model.dtype)
 
+        on_cpu = torch.device(self.device).type == "cpu"
+
         def full(shape: tuple[int, ...], value: float, dtype: torch.dtype) -> torch.Tensor:
-            if torch.device(self.device).type == "cpu":
+            if on_cpu:
                 return huge_page_full(shape, value, dtype)
             return torch.full(shape, value, dtype=dtype, device=self.device)
 
         layers, kv_heads = len(model.layers), model.num_local_kv_heads
         kv_shape = (layers, 2, num_blocks, kv_heads, self.block_size, arch.head_dim)
-        cache = full(kv_shape, 0, kv_dtype)
+        if on_cpu:  # zero pages, faulted in once the engine is ready and idle (PendingFaults)
+            cache = huge_page_zeros(kv_shape, kv_dtype)
+        else:
+            cache = full(kv_shape, 0, kv_dtype)
         scales = None
         if is_quantized(kv_dtype):
             scales = full(kv_shape[:-1], 1, KV_SCALE_DTYPE)

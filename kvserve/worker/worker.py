@@ -95,6 +95,11 @@ class Worker:
         kv, scales = self.model_runner.kv_cache, self.model_runner.kv_scales
         return sum(t.numel() * t.element_size() for t in (kv, scales) if t is not None)
 
+    def fault_in_kv(self) -> bool:
+        """Fault in a slice of the KV pool's pages (the core calls this while idle); True while
+        more remain."""
+        return self.model_runner.kv_pending_faults.step()
+
     def ping(self) -> int:
         return self.rank
 
