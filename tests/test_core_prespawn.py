@@ -1,7 +1,8 @@
 """`kvserve serve` starts its engine core before its own heavy imports (engine/core_prespawn.py):
-the command line (and the gateway, the pd-proxy) imports no torch, a prespawned process
-becomes the first core and serves greedy tokens equal to an offline engine's, a restarted core
-is spawned anew, and a server that stops on a bad flag kills the process it prespawned."""
+the command line (and the gateway, the pd-proxy) imports no torch, a prespawned process started
+on its config becomes the first core and serves greedy tokens equal to an offline engine's, a
+restarted core is spawned anew, and a server that stops on a bad flag kills the process it
+prespawned."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import psutil
 from kvserve import LLM, SamplingParams
 from kvserve.config import EngineConfig
 from kvserve.engine.async_llm import AsyncLLM
-from kvserve.engine.core_prespawn import PrespawnedCore
+from kvserve.engine.core_prespawn import PrespawnedCore, start_cores
 
 ENGINE = {"kv_cache_memory": "8MiB", "max_model_len": 256}
 
@@ -48,17 +49,23 @@ def _greedy(engine: AsyncLLM, prompt: str, n: int) -> list[int]:
 
 
 def test_the_prespawned_process_is_the_first_core_and_a_restart_spawns_anew(tiny_llama_dir):
+    """Started before the engine client exists (it loads while `kvserve serve` imports the
+    server), the core connects to addresses nobody has bound yet; its Ready waits for the client."""
+    config = EngineConfig(model=tiny_llama_dir, **ENGINE)
     pre = PrespawnedCore()
-    engine = AsyncLLM(EngineConfig(model=tiny_llama_dir, **ENGINE), prespawned=pre)
+    start_cores([pre], config, "cache-aware")
+    engine = AsyncLLM(config, prespawned=pre)
     try:
         assert engine.proc is pre.proc and engine.proc.is_alive()
+        assert (engine._in_addr, engine._out_addr) == pre.args[1:3]
         got = _greedy(engine, "the quick brown fox", 12)
-        pre.cancel()  # handed over already: no effect
+        pre.cancel()  # taken already: no effect
         assert engine.proc.is_alive()
         engine.proc.kill()
         engine.proc.join(10)
+        engine._open_sockets()
         engine._spawn_core()  # as AsyncLLM's supervisor does after a crash
-        assert engine.proc is not pre.proc
+        assert engine.proc is not pre.proc and engine._in_addr != pre.args[1]
     finally:
         engine.shutdown()
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -66,11 +73,27 @@ def test_the_prespawned_process_is_the_first_core_and_a_restart_spawns_anew(tiny
     assert got == list(want.outputs[0].token_ids)
 
 
-def test_cancel_kills_an_unused_core_at_once():
+def test_a_core_started_with_other_options_is_replaced(tiny_llama_dir):
+    """A prespawned core is only used for the config and options it was started with."""
+    config = EngineConfig(model=tiny_llama_dir, **ENGINE)
     pre = PrespawnedCore()
+    pre.start(config, num_threads=1)
+    engine = AsyncLLM(config, prespawned=pre)  # num_threads=None
+    try:
+        assert engine.proc is not pre.proc and not pre.proc.is_alive()
+        assert engine.proc.is_alive()
+    finally:
+        engine.shutdown()
+
+
+def test_cancel_kills_an_unused_core_at_once(tiny_llama_dir):
+    """Still importing, or already loading the model (a bad server flag found after the start)."""
+    importing, loading = PrespawnedCore(), PrespawnedCore()
+    loading.start(EngineConfig(model=tiny_llama_dir, **ENGINE))
     t0 = time.monotonic()
-    pre.cancel()
-    assert not pre.proc.is_alive() and time.monotonic() - t0 < 5
+    importing.cancel()
+    loading.cancel()
+    assert not importing.proc.is_alive() and not loading.proc.is_alive() and time.monotonic() - t0 < 5
 
 
 def test_a_bad_flag_leaves_no_engine_process(tiny_llama_dir):
@@ -93,8 +116,10 @@ def test_a_bad_flag_leaves_no_engine_process(tiny_llama_dir):
 def test_data_parallel_replicas_take_one_prespawned_core_each(tiny_llama_dir):
     from kvserve.engine.dp_client import DPClient
 
+    config = EngineConfig(model=tiny_llama_dir, data_parallel_size=2, **ENGINE)
     cores = [PrespawnedCore(), PrespawnedCore()]
-    dp = DPClient(EngineConfig(model=tiny_llama_dir, **ENGINE), 2, prespawned=cores)
+    start_cores(cores, config, "cache-aware")
+    dp = DPClient(config, 2, "cache-aware", prespawned=cores)
     try:
         assert [r.engine.proc for r in dp.replicas] == [c.proc for c in cores]
         assert all(r.engine.proc.is_alive() for r in dp.replicas)

@@ -12,17 +12,17 @@ import asyncio
 import logging
 import multiprocessing
 import os
-import tempfile
 import time
 import uuid
 from collections.abc import Sequence
+from multiprocessing.process import BaseProcess
 
 import msgspec
 import zmq
 import zmq.asyncio
 
 from kvserve.config import EngineConfig
-from kvserve.engine.core_prespawn import PrespawnedCore
+from kvserve.engine.core_prespawn import PrespawnedCore, core_addresses
 from kvserve.engine.core_proc import (
     AbortRequests,
     AddRequest,
@@ -140,9 +140,9 @@ class AsyncLLM:
         """`wait=False` returns once the core is spawned (call `wait_started`): replicas load
         at the same time. Spawn from the main thread: the core's parent-death signal follows
         the thread that started it. `prespawned`: a process already importing the engine,
-        used for the first core."""
+        started with this config and these options (engine/core_prespawn.py), used for the first
+        core."""
         self.config = config
-        self._prespawned = prespawned
         self.num_threads, self.publish_kv_events = num_threads, publish_kv_events
         self.startup_timeout = startup_timeout
         self.restart_limit = restart_limit
@@ -150,8 +150,9 @@ class AsyncLLM:
         self._ctx = zmq.Context()
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(OutputMessage)
-        self._open_sockets()
-        self._spawn_core()
+        taken = prespawned.take(config, num_threads, publish_kv_events) if prespawned is not None else None
+        self._open_sockets(taken)
+        self._spawn_core(prespawned.proc if taken else None)
         try:
             self.tokenizer = load_tokenizer(self.source)  # while the core starts (imports, weights)
         except BaseException:
@@ -182,10 +183,10 @@ class AsyncLLM:
         self.processor = InputProcessor(self.tokenizer, self.limits, self.config.kv_transfer)
 
     # ---- the core process and its sockets ---------------------------------------------------
-    def _open_sockets(self) -> None:
-        """Fresh IPC addresses per core: nothing queued for a dead core reaches its successor."""
-        base = os.path.join(tempfile.gettempdir(), f"kvserve-{uuid.uuid4().hex[:12]}")
-        self._in_addr, self._out_addr = f"ipc://{base}-in", f"ipc://{base}-out"
+    def _open_sockets(self, addresses: tuple[str, str] | None = None) -> None:
+        """Fresh IPC addresses per core (`addresses`: a prespawned core's, which it has already
+        connected to): nothing queued for a dead core reaches its successor."""
+        self._in_addr, self._out_addr = addresses or core_addresses()
         self._in_sync = self._ctx.socket(zmq.PUSH)
         # No limit on requests queued for the core (one API request may fan out into thousands).
         # Before bind: the pipe to the core keeps the limit set when it was made, and past the
@@ -208,12 +209,12 @@ class AsyncLLM:
             except OSError:
                 pass
 
-    def _spawn_core(self) -> None:
-        args = (self.config, self._in_addr, self._out_addr, self.num_threads, self.publish_kv_events)
-        pre, self._prespawned = self._prespawned, None
-        if pre is not None and (proc := pre.start(*args)) is not None:
-            self.proc = proc
+    def _spawn_core(self, prespawned: BaseProcess | None = None) -> None:
+        """A new core process on the current addresses, or the prespawned one already on them."""
+        if prespawned is not None:
+            self.proc = prespawned
             return
+        args = (self.config, self._in_addr, self._out_addr, self.num_threads, self.publish_kv_events)
         self.proc = multiprocessing.get_context("spawn").Process(
             target=run_engine_core,
             args=args,

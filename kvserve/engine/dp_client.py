@@ -12,13 +12,12 @@ publishes its prefix-cache changes with its step outputs and the router keeps an
 from __future__ import annotations
 
 import logging
-import os
 from collections import OrderedDict
 from collections.abc import Sequence
 
 from kvserve.config import EngineConfig
 from kvserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
-from kvserve.engine.core_prespawn import PrespawnedCore
+from kvserve.engine.core_prespawn import PrespawnedCore, replica_options
 from kvserve.engine.messages import EngineCoreOutputs
 from kvserve.outputs import RequestOutput
 from kvserve.routing import BlockHashIndex, RequestInfo, make_strategy
@@ -52,11 +51,10 @@ class DPClient:
         restart_limit: int = 3,
         prespawned: Sequence[PrespawnedCore] = (),
     ) -> None:
-        """`prespawned`: core processes already importing the engine (engine/core_prespawn.py),
-        one per replica; replicas without one spawn their own."""
-        threads = max(1, (os.cpu_count() or 1) // size)
+        """`prespawned`: core processes already started for this config (engine/core_prespawn.py
+        `start_cores`), one per replica; replicas without one spawn their own."""
+        threads, publish = replica_options(config, size, policy)
         ready_cores = list(prespawned)
-        publish = policy == "cache-aware" and config.enable_prefix_caching
         make_strategy(policy)  # a bad name fails before any process starts
 
         engines: list[AsyncLLM] = []

@@ -163,14 +163,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from kvserve.entrypoints.naive_server import serve_naive
 
         return serve_naive(args.model, args.host, args.port, (args.served_model_name or [None])[0])
-    from kvserve.engine.core_prespawn import PrespawnedCore
+    from kvserve.engine.core_prespawn import PrespawnedCore, start_cores
 
-    # The engine cores import torch and the engine while this process imports the server's.
+    # The engine cores import torch and the engine, then load the model, while this process
+    # imports the server's modules.
     cores = [PrespawnedCore() for _ in range(args.data_parallel_size or 1)]
     try:
+        config = engine_config(args)
+        start_cores(cores, config, args.routing_policy)
         from kvserve.entrypoints.openai.api_server import serve
 
-        config = engine_config(args)
         server = ServerConfig(
             served_model_name=args.served_model_name, api_keys=args.api_key or [],
             metrics_require_key=args.metrics_require_key, request_timeout=args.request_timeout,
