@@ -212,8 +212,7 @@ class EngineConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len: must be >= 1, got {self.max_model_len}")
-        from kvserve.model.layers.kv_quant import check_kv_cache_dtype
-        from kvserve.model.layers.quantization import check_method
+        from kvserve.model.format_names import check_kv_cache_dtype, check_method
 
         self.quantization = check_method(self.quantization)
         check_kv_cache_dtype(self.kv_cache_dtype)

@@ -6,11 +6,11 @@ import enum
 import time
 from typing import TYPE_CHECKING
 
-import torch
-
 from kvserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    import torch
+
     from kvserve.structured.state import GrammarState
 
 
@@ -78,6 +78,8 @@ class Request:
         self.spec_state = None  # kvserve.spec_decode.adaptive.SpecState when speculating
         self.generator: torch.Generator | None = None
         if params.seed is not None:
+            import torch  # here: the API process imports this module for its constants only
+
             self.generator = torch.Generator().manual_seed(params.seed)
         self.grammar: GrammarState | None = None  # structured outputs: set once compiled
         self.remote_kv: RemoteKV | None = None  # prefill/decode disaggregation: the load, once tried

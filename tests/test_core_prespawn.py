@@ -36,6 +36,24 @@ def test_the_command_line_imports_no_torch():
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
+def test_the_api_process_of_a_gguf_server_imports_no_torch():
+    """It never runs the model: its modules, the configuration's checks and a GGUF's tokenizer
+    need no torch (~1 s of its start and ~180 MB of its memory with the default model). An HF
+    directory's tokenizer still brings it: transformers' AutoTokenizer imports it."""
+    code = (
+        "import sys\n"
+        "import kvserve.entrypoints.openai.api_server, kvserve.engine.async_llm\n"
+        "from kvserve.config import EngineConfig\n"
+        "from kvserve.model.loader import load_tokenizer, resolve_model\n"
+        "EngineConfig(model='smollm2-135m', quantization='int4', kv_cache_dtype='int8')\n"
+        "tok = load_tokenizer(resolve_model('smollm2-135m'))\n"
+        "assert tok.encode('hello') and 'torch' not in sys.modules, 'torch imported'\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
 def _greedy(engine: AsyncLLM, prompt: str, n: int) -> list[int]:
     async def run() -> list[int]:
         engine.start()

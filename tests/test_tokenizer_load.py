@@ -9,7 +9,7 @@ import shutil
 import pytest
 from transformers import AutoTokenizer
 
-from kvserve.model.loader.hf_loader import _light_config, hf_tokenizer
+from kvserve.model.loader.tokenizer_loader import _light_config, hf_tokenizer
 
 TEXT = "Hello world! héllo 日本語 0123 </s> <s>"
 

@@ -11,16 +11,11 @@ from __future__ import annotations
 
 import torch
 
-KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "int8")
+from kvserve.model.format_names import check_kv_cache_dtype
+
 _STORAGE = {"fp8_e4m3": torch.float8_e4m3fn, "int8": torch.int8}
 _QMAX = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}
 KV_SCALE_DTYPE = torch.bfloat16
-
-
-def check_kv_cache_dtype(name: str) -> str:
-    if name not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype: {name!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
-    return name
 
 
 def kv_storage_dtype(name: str, compute: torch.dtype) -> torch.dtype:

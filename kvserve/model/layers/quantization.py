@@ -19,19 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-QUANT_METHODS = ("int8", "int4", "fp8")
 INT4_GROUP_SIZE = 32
 SCALE_DTYPE = torch.bfloat16
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-
-
-def check_method(method: str | None) -> str | None:
-    """None/'none' -> None; a known method name -> itself; anything else -> ValueError."""
-    if method is None or method == "none":
-        return None
-    if method not in QUANT_METHODS:
-        raise ValueError(f"quantization: {method!r} is not one of {', '.join(QUANT_METHODS)} (or none)")
-    return method
 
 
 @dataclass

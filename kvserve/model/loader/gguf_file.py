@@ -102,6 +102,12 @@ def gguf_reader(path: str):
         return reader
 
 
+def gguf_field(reader, key: str, default=None):
+    """A metadata field's value (`contents()`), or `default` where the file has no such key."""
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
 def release_gguf_reader(path: str) -> None:
     """Forget the reader of `path`: its weights are loaded."""
     real = os.path.realpath(path)

@@ -4,8 +4,7 @@ Weights are dequantized with the `gguf` package, except tensors whose GGUF forma
 directly to the requested `--quantization` (gguf_quants.py), which keep their codes.
 llama.cpp's converter permutes the rows of Q and K for its interleaved rotary layout; we
 undo that (on floats or codes alike) so the model sees Hugging Face layout. The tokenizer
-is rebuilt from the file's vocabulary with transformers' GGUF converter, then wrapped with
-the file's chat template.
+is tokenizer_loader.py's.
 """
 
 from __future__ import annotations
@@ -17,6 +16,7 @@ import torch
 
 from kvserve.model.arch import SUPPORTED_ARCHITECTURES, ModelArch
 from kvserve.model.layers.quantization import QWeight
+from kvserve.model.loader.gguf_file import gguf_field
 from kvserve.model.loader.gguf_quants import gguf_qweight
 
 _TENSOR_NAMES = {
@@ -32,11 +32,6 @@ _TENSOR_NAMES = {
 }
 
 
-def _field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
-
-
 def _unpermute(w, n_heads: int):
     """Inverse of llama.cpp's rotary row permutation for Q/K weights (and biases); numpy or torch."""
     shape = w.shape
@@ -44,12 +39,12 @@ def _unpermute(w, n_heads: int):
 
 
 def gguf_arch(reader) -> ModelArch:
-    arch = _field(reader, "general.architecture")
+    arch = gguf_field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"model: GGUF architecture {arch!r} is not supported ({SUPPORTED_ARCHITECTURES})")
 
     def get(key: str, default=None):
-        return _field(reader, f"{arch}.{key}", default)
+        return gguf_field(reader, f"{arch}.{key}", default)
 
     heads = get("attention.head_count")
     hidden = get("embedding_length")
@@ -58,8 +53,8 @@ def gguf_arch(reader) -> ModelArch:
     scaling: dict = {"rope_type": "default"}
     if get("rope.scaling.type") == "linear":
         scaling = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    eot = _field(reader, "tokenizer.ggml.eot_token_id")
+    eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    eot = gguf_field(reader, "tokenizer.ggml.eot_token_id")
     return ModelArch(
         architecture=arch,
         vocab_size=int(vocab),
@@ -75,7 +70,7 @@ def gguf_arch(reader) -> ModelArch:
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
         rope_scaling=scaling,
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(int(t) for t in (eos, eot) if t is not None)),
     )
 
@@ -115,44 +110,3 @@ def gguf_weights(
             yield name, w
         else:
             yield name, torch.from_numpy(np.array(w, dtype=np.float32))  # a writable copy
-
-
-def gguf_tokenizer(reader):
-    """(transformers fast tokenizer, add_bos) rebuilt from the GGUF vocabulary and chat template."""
-    from tokenizers import pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
-
-    arch = _field(reader, "general.architecture")
-    tokens = _field(reader, "tokenizer.ggml.tokens")
-    spec = {
-        "tokenizer_type": _field(reader, "tokenizer.ggml.model"),
-        "pre_tokenizer_type": _field(reader, "tokenizer.ggml.pre"),
-        "tokens": tokens,
-        "token_type": _field(reader, "tokenizer.ggml.token_type"),
-        "merges": _field(reader, "tokenizer.ggml.merges"),
-        "scores": _field(reader, "tokenizer.ggml.scores"),
-        "add_prefix_space": _field(reader, "tokenizer.ggml.add_space_prefix"),
-    }
-    special = {}
-    for name, key in (
-        ("bos", "bos_token_id"),
-        ("eos", "eos_token_id"),
-        ("unk", "unknown_token_id"),
-        ("pad", "padding_token_id"),
-    ):
-        tid = _field(reader, f"tokenizer.ggml.{key}")
-        spec[f"{name}_token_id"] = tid
-        if tid is not None:
-            special[f"{name}_token"] = tokens[tid]
-    spec = {k: v for k, v in spec.items() if v is not None}
-    backend, _ = convert_gguf_tokenizer(arch, spec)
-    if spec.get("pre_tokenizer_type") in ("smollm", "starcoder"):
-        # These vocabularies were trained with every digit split off on its own.
-        backend.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
-        )
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, **special)
-    tok.chat_template = _field(reader, "tokenizer.chat_template")
-    add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", spec["tokenizer_type"] == "llama"))
-    return tok, add_bos and tok.bos_token_id is not None

@@ -1,4 +1,5 @@
-"""Load a Hugging Face model directory: config.json, *.safetensors, tokenizer files."""
+"""Load a Hugging Face model directory: config.json, *.safetensors (the tokenizer files:
+tokenizer_loader.py)."""
 
 from __future__ import annotations
 
@@ -53,36 +54,3 @@ def hf_weights(
                 else:
                     dim, a, b = cut
                     yield name, lazy[a:b] if dim == 0 else lazy[:, a:b]
-
-
-def hf_tokenizer(path: str):
-    """transformers' AutoTokenizer for the directory, without its most expensive step.
-
-    AutoTokenizer loads the model's config class first (for Llama that imports activations,
-    hub kernels and model-loading code: seconds per process, and the server pays it in the API
-    process and again in the engine core). Where tokenizer_config.json names its class and
-    brings no remote code, that config only supplies strings (model type, name), so a plain
-    `PretrainedConfig` carrying them picks the same class by the same rules.
-    """
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path, **_light_config(path))
-
-
-def _light_config(path: str) -> dict:
-    try:
-        with open(os.path.join(path, "tokenizer_config.json")) as f:
-            tok_cfg = json.load(f)
-        with open(os.path.join(path, "config.json")) as f:
-            model_cfg = json.load(f)
-    except (OSError, ValueError):
-        return {}
-    if not tok_cfg.get("tokenizer_class") or "auto_map" in tok_cfg or "auto_map" in model_cfg:
-        return {}
-    from transformers import PretrainedConfig
-
-    config = PretrainedConfig()
-    config.model_type = model_cfg.get("model_type", "")
-    config.tokenizer_class = model_cfg.get("tokenizer_class")
-    config._name_or_path = path
-    return {"config": config}

@@ -1,0 +1,97 @@
+"""The tokenizer alone, without torch: what the API server process loads (it never runs the
+model, so it never imports torch), and what the engine core loads beside the model.
+
+A Hugging Face directory's tokenizer comes from its tokenizer files through transformers; a
+GGUF's is rebuilt from the file's vocabulary with transformers' GGUF converter, then wrapped
+with the file's chat template.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from kvserve.model.loader.gguf_file import gguf_field, gguf_reader
+from kvserve.model.loader.resolve import ModelSource
+from kvserve.tokenizer import Tokenizer
+
+
+def load_tokenizer(source: ModelSource) -> Tokenizer:
+    """Only the tokenizer (what the API server process needs)."""
+    if source.kind == "hf":
+        return Tokenizer(hf_tokenizer(source.path))
+    return Tokenizer(*gguf_tokenizer(gguf_reader(source.path)))
+
+
+def hf_tokenizer(path: str):
+    """transformers' AutoTokenizer for the directory, without its most expensive step.
+
+    AutoTokenizer loads the model's config class first (for Llama that imports activations,
+    hub kernels and model-loading code: seconds per process, and the server pays it in the API
+    process and again in the engine core). Where tokenizer_config.json names its class and
+    brings no remote code, that config only supplies strings (model type, name), so a plain
+    `PretrainedConfig` carrying them picks the same class by the same rules.
+    """
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, **_light_config(path))
+
+
+def _light_config(path: str) -> dict:
+    try:
+        with open(os.path.join(path, "tokenizer_config.json")) as f:
+            tok_cfg = json.load(f)
+        with open(os.path.join(path, "config.json")) as f:
+            model_cfg = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    if not tok_cfg.get("tokenizer_class") or "auto_map" in tok_cfg or "auto_map" in model_cfg:
+        return {}
+    from transformers import PretrainedConfig
+
+    config = PretrainedConfig()
+    config.model_type = model_cfg.get("model_type", "")
+    config.tokenizer_class = model_cfg.get("tokenizer_class")
+    config._name_or_path = path
+    return {"config": config}
+
+
+def gguf_tokenizer(reader):
+    """(transformers fast tokenizer, add_bos) rebuilt from the GGUF vocabulary and chat template."""
+    from tokenizers import pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
+
+    arch = gguf_field(reader, "general.architecture")
+    tokens = gguf_field(reader, "tokenizer.ggml.tokens")
+    spec = {
+        "tokenizer_type": gguf_field(reader, "tokenizer.ggml.model"),
+        "pre_tokenizer_type": gguf_field(reader, "tokenizer.ggml.pre"),
+        "tokens": tokens,
+        "token_type": gguf_field(reader, "tokenizer.ggml.token_type"),
+        "merges": gguf_field(reader, "tokenizer.ggml.merges"),
+        "scores": gguf_field(reader, "tokenizer.ggml.scores"),
+        "add_prefix_space": gguf_field(reader, "tokenizer.ggml.add_space_prefix"),
+    }
+    special = {}
+    for name, key in (
+        ("bos", "bos_token_id"),
+        ("eos", "eos_token_id"),
+        ("unk", "unknown_token_id"),
+        ("pad", "padding_token_id"),
+    ):
+        tid = gguf_field(reader, f"tokenizer.ggml.{key}")
+        spec[f"{name}_token_id"] = tid
+        if tid is not None:
+            special[f"{name}_token"] = tokens[tid]
+    spec = {k: v for k, v in spec.items() if v is not None}
+    backend, _ = convert_gguf_tokenizer(arch, spec)
+    if spec.get("pre_tokenizer_type") in ("smollm", "starcoder"):
+        # These vocabularies were trained with every digit split off on its own.
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+        )
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, **special)
+    tok.chat_template = gguf_field(reader, "tokenizer.chat_template")
+    add_bos = bool(gguf_field(reader, "tokenizer.ggml.add_bos_token", spec["tokenizer_type"] == "llama"))
+    return tok, add_bos and tok.bos_token_id is not None
