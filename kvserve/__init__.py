@@ -6,10 +6,10 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from kvserve.entrypoints.llm import LLM
-    from kvserve.outputs import CompletionOutput, RequestOutput
+    from kvserve.outputs import CompletionOutput, Logprob, RequestOutput
     from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob"]
 __version__ = "0.1.0"
 
 # Where each public name lives. Imported on first use (PEP 562), so that `import kvserve.x`
@@ -20,6 +20,7 @@ _HOMES = {
     "StructuredOutputsParams": "kvserve.sampling_params",
     "RequestOutput": "kvserve.outputs",
     "CompletionOutput": "kvserve.outputs",
+    "Logprob": "kvserve.outputs",
 }
 
 

@@ -5,6 +5,29 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+class Logprob(float):
+    """One token's logprob as vLLM's `Logprob` (`.logprob`, `.rank`, `.decoded_token`), and still
+    the float it was before, so both `lp[tok].logprob` and `lp[tok] + x` read it. The offline
+    `LLM` returns these; the engine and the server keep plain floats (msgspec encodes no float
+    subclass). `rank` is 1-based among the whole vocabulary, None for a token outside the top
+    alternatives asked for (the engine does not count how many tokens beat it)."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str | None
+
+    def __new__(cls, logprob: float, rank: int | None = None, decoded_token: str | None = None) -> Logprob:
+        self = super().__new__(cls, logprob)
+        self.logprob, self.rank, self.decoded_token = float(logprob), rank, decoded_token
+        return self
+
+    def __repr__(self) -> str:
+        return f"Logprob(logprob={self.logprob!r}, rank={self.rank!r}, decoded_token={self.decoded_token!r})"
+
+    def __reduce__(self):  # pickled with its fields, not as a bare float
+        return (Logprob, (self.logprob, self.rank, self.decoded_token))
+
+
 @dataclass
 class RequestMetrics:
     """Monotonic timestamps (time.monotonic) of a request's life."""
@@ -51,6 +74,8 @@ class CompletionOutput:
     """The stop string or stop token id that ended the request, if any (with 'error': the
     engine's message)."""
     logprobs: list[dict[int, float]] | None = None
+    """Per sampled token: it and the top alternatives asked for; the offline `LLM`'s values are
+    `Logprob`s (vLLM's shape), the engine's plain floats."""
     delta_text: str = ""
     """Text released since the previous output of this request (for streaming)."""
     delta_token_ids: list[int] = field(default_factory=list)
@@ -75,6 +100,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    """None for the first prompt token; values as CompletionOutput.logprobs'."""
     num_cached_tokens: int = 0
     """Prompt tokens whose KV came from the prefix cache."""
     embedding: list[float] | None = None

@@ -247,3 +247,35 @@ def test_embed(llm):
     assert cut.prompt_token_ids == [57, 58, 59]
     with pytest.raises(ValueError, match="pooling"):
         llm.embed("a", use_tqdm=False, pooling="max")
+
+
+def _full_rank(entry: dict, token: int) -> int:
+    return 1 + sum(v > entry[token] for v in entry.values())
+
+
+def test_logprobs_are_vllm_logprob_objects(llm):
+    """vLLM's values are `Logprob`s (`.logprob`, `.rank`, `.decoded_token`); they were bare
+    floats, so `lp[tok].logprob` raised AttributeError. They still add up as floats."""
+    tok = llm.get_tokenizer()
+    vocab = 512  # every token's logprob: the exact rank of each is known
+    kw = dict(temperature=1.0, seed=7, max_tokens=5, ignore_eos=True)
+    full = llm.generate(
+        "a paged cache", SamplingParams(**kw, logprobs=vocab, prompt_logprobs=vocab), use_tqdm=False
+    )
+    some = llm.generate("a paged cache", SamplingParams(**kw, logprobs=2, prompt_logprobs=1), use_tqdm=False)
+    full, some = full[0], some[0]
+    c = some.outputs[0]
+    assert c.token_ids == full.outputs[0].token_ids
+    assert some.prompt_logprobs[0] is None
+    pairs = list(zip(full.prompt_logprobs[1:], some.prompt_logprobs[1:], [1] * 99)) + list(
+        zip(full.outputs[0].logprobs, c.logprobs, [2] * 99)
+    )
+    for whole, entry, k in pairs:
+        for t, lp in entry.items():
+            assert lp.logprob == float(lp) and type(lp.logprob) is float
+            assert lp.decoded_token == tok.decode([t])
+            rank = _full_rank(whole, t)
+            assert lp.rank == (rank if rank <= k else None), (t, lp, rank)
+        assert sorted(lp.rank for lp in entry.values() if lp.rank is not None) == list(range(1, k + 1))
+    assert math.isclose(c.cumulative_logprob, sum(lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)))
+    assert "Logprob(logprob=" in repr(c.logprobs[0])

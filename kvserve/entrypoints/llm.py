@@ -14,6 +14,7 @@ from tqdm import tqdm
 from kvserve.config import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.entrypoints.chat_render import render_chat
+from kvserve.entrypoints.offline_logprobs import to_vllm_logprobs
 from kvserve.entrypoints.openai.limits import sample_seed
 from kvserve.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -139,14 +140,17 @@ class LLM:
             raise
 
         results = []
-        for ids in groups:
+        for ids, p in zip(groups, params):
             first = final[ids[0]]
             completions = []
             for j, rid in enumerate(ids):
                 c = final[rid].outputs[0]
                 c.index = j
                 completions.append(c)
-            results.append(replace(first, outputs=completions))
+            out = replace(first, outputs=completions)
+            if p.logprobs is not None or p.prompt_logprobs is not None:
+                to_vllm_logprobs(out, p.logprobs, p.prompt_logprobs, self.tokenizer)
+            results.append(out)
         return results
 
     def embed(
