@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import json as _json
 import math
 import numbers
 from dataclasses import dataclass
+
+from kvserve.sampling_params_compat import VLLM_ONLY, check_vllm_only
 
 # Beam search divides by generated_length ** length_penalty: past this a long beam's power
 # leaves the float range (2 ** 1024 already does); transformers' usual values are 0.5-2.
@@ -201,6 +204,21 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def _vllm_fields_checked(init):
+    """SamplingParams' dataclass __init__, with vLLM's fields it lacks checked first."""
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs) -> None:
+        if not VLLM_ONLY.keys().isdisjoint(kwargs):
+            check_vllm_only(kwargs)
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+SamplingParams.__init__ = _vllm_fields_checked(SamplingParams.__init__)
 
 
 def _is_int(value) -> bool:

@@ -279,3 +279,34 @@ def test_logprobs_are_vllm_logprob_objects(llm):
         assert sorted(lp.rank for lp in entry.values() if lp.rank is not None) == list(range(1, k + 1))
     assert math.isclose(c.cumulative_logprob, sum(lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)))
     assert "Logprob(logprob=" in repr(c.logprobs[0])
+
+
+@pytest.mark.parametrize(
+    "field, value, words",
+    [
+        ("bad_words", ["cache"], "bad_words: not supported"),
+        ("allowed_token_ids", [5, 6], "allowed_token_ids: not supported"),
+        ("guided_decoding", {"regex": "a+"}, "guided_decoding: use structured_outputs"),
+        ("detokenize", False, "detokenize: False is not supported"),
+        ("logits_processors", [print], "logits_processors: not supported"),
+        ("best_of", 3, "best_of: not supported offline"),
+    ],
+)
+def test_vllm_only_sampling_fields_name_themselves(field, value, words):
+    """vLLM's SamplingParams fields kvserve lacks were a bare TypeError from the dataclass; now a
+    ValueError naming the field and why, and at vLLM's default value they change nothing."""
+    with pytest.raises(ValueError, match=f"^{words}.*vLLM SamplingParams field"):
+        SamplingParams(**{field: value})
+
+
+def test_vllm_only_sampling_fields_at_their_defaults(llm):
+    params = SamplingParams(
+        **_GREEDY_KW, bad_words=None, allowed_token_ids=None, detokenize=True, output_kind=2,
+        spaces_between_special_tokens=True, logits_processors=[], best_of=None,
+    )  # fmt: skip
+    assert params == GREEDY
+    assert llm.generate("a", params, use_tqdm=False)[0].outputs[0].text == (
+        llm.generate("a", GREEDY, use_tqdm=False)[0].outputs[0].text
+    )
+    with pytest.raises(TypeError, match="no_such_field"):  # not vLLM's either: the dataclass's own error
+        SamplingParams(no_such_field=1)
