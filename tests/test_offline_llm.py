@@ -167,11 +167,14 @@ def test_truncate_prompt_tokens_bad_values_name_it(llm, keep):
 
 
 def test_chat_content_parts_are_text(llm):
-    """OpenAI's content parts were rendered as the list's Python repr; text parts are joined as the
-    server joins them, and a part that is not text is refused, naming it."""
+    """OpenAI's content parts were rendered as the list's Python repr; text parts are joined by
+    a newline as vLLM's LLM.chat joins them (they were joined with "": "Hel" + "lo" read
+    "Hello"), and a part that is not text is refused, naming it."""
     parts = [{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo"}]
     out = llm.chat([{"role": "user", "content": parts}], GREEDY, use_tqdm=False)[0]
-    assert out.prompt == "<s>user: Hello</s><s>assistant:"
+    assert out.prompt == "<s>user: Hel\nlo</s><s>assistant:"
+    one = llm.chat([{"role": "user", "content": parts[:1]}], GREEDY, use_tqdm=False)[0]
+    assert one.prompt == "<s>user: Hel</s><s>assistant:"
     image = [{"type": "image_url", "image_url": {"url": "http://example.com/a.png"}}]
     with pytest.raises(ValueError, match=r"messages\[0\]\.content\[0\]: type 'image_url'"):
         llm.chat([{"role": "user", "content": image}], GREEDY, use_tqdm=False)

@@ -46,9 +46,10 @@ def render_chat(
 
 
 def _flattened(message: dict[str, Any], i: int) -> dict[str, Any]:
-    """A message whose content is OpenAI's list of parts, with the text parts joined as the
-    server joins them: a template reads content as a string, and rendered the list as its
-    Python repr ("[{'type': 'text', ...}]"), images included."""
+    """A message whose content is OpenAI's list of parts, with the text parts joined by "\n",
+    as vLLM's LLM.chat joins them for a template that reads content as a string (they were
+    joined with "", so ["Hello.", "Bye."] read "Hello.Bye."); a template rendered the list as
+    its Python repr ("[{'type': 'text', ...}]"), images included."""
     content = message.get("content") if isinstance(message, dict) else None
     if not isinstance(content, list):
         return message
@@ -59,4 +60,4 @@ def _flattened(message: dict[str, Any], i: int) -> dict[str, Any]:
         if key is None or not isinstance(part.get(key), str):
             raise ValueError(f"messages[{i}].content[{j}]: type {kind!r} is not supported (text parts only)")
         texts.append(part[key])
-    return {**message, "content": "".join(texts)}
+    return {**message, "content": "\n".join(texts)}
