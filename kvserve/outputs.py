@@ -123,3 +123,23 @@ class EmbeddingRequestOutput:
     prompt_token_ids: list[int]
     outputs: EmbeddingOutput
     finished: bool = True
+
+
+@dataclass
+class BeamSearchSequence:
+    """One of `LLM.beam_search`'s best sequences, as vLLM's: `tokens` and `text` hold the prompt
+    too; `logprobs` is empty (beam search returns none per token), `cum_logprob` their sum."""
+
+    tokens: list[int]
+    logprobs: list[dict[int, float]]
+    cum_logprob: float = 0.0
+    text: str | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class BeamSearchOutput:
+    """What `LLM.beam_search` returns per prompt: the best sequences, best first."""
+
+    sequences: list[BeamSearchSequence]

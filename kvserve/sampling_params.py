@@ -206,6 +206,44 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
+@dataclass
+class BeamSearchParams:
+    """vLLM's `LLM.beam_search` parameters, run as SamplingParams(n=beam_width,
+    use_beam_search=True): transformers' beam arithmetic (docs/BEAM_SEARCH.md)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    """0 only: the search is deterministic (vLLM's takes it; transformers' beams do not sample)."""
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    """Keep the end-of-sequence token that ended a beam in its tokens and text."""
+
+    def __post_init__(self) -> None:
+        _check(
+            _is_int(self.beam_width) and self.beam_width >= 1,
+            "beam_width",
+            f"must be >= 1, got {self.beam_width!r}",
+        )
+        _check(
+            _is_int(self.max_tokens) and self.max_tokens >= 1,
+            "max_tokens",
+            f"must be >= 1, got {self.max_tokens!r}",
+        )
+        _check(
+            self.temperature == 0,
+            "temperature",
+            f"must be 0: beam search does not sample, got {self.temperature!r}",
+        )
+
+    def sampling_params(self) -> SamplingParams:
+        return SamplingParams(
+            n=self.beam_width, use_beam_search=True, temperature=0, max_tokens=self.max_tokens,
+            ignore_eos=self.ignore_eos, length_penalty=self.length_penalty,
+        )  # fmt: skip
+
+
 def _vllm_fields_checked(init):
     """SamplingParams' dataclass __init__, with vLLM's fields it lacks checked first."""
 

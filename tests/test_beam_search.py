@@ -12,6 +12,7 @@ from server_utils import ServerProcess
 from kvserve import LLM, SamplingParams
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.request import Request
+from kvserve.sampling_params import BeamSearchParams
 
 PROMPTS = [
     [1, 5, 9, 33, 70, 100, 7],
@@ -264,3 +265,63 @@ def test_tp2_beams_copy_blocks_on_every_rank(tiny_llama_dir, reference):
             assert beams(llm, prompt, 4, 10) == reference_beams(reference, prompt, 4, 10)
     finally:
         llm.llm_engine.core.shutdown()
+
+
+@torch.inference_mode()
+def plain_beam_search(model, prompt, k, steps) -> list[tuple[list[int], float]]:
+    """The textbook search with no stop token: each step, every beam's continuations by
+    transformers' logits, the k of highest summed logprob kept."""
+    beams = [(list(prompt), 0.0)]
+    for _ in range(steps):
+        cands = []
+        for toks, cum in beams:
+            lp = model(torch.tensor([toks])).logits[0, -1].float().log_softmax(-1)
+            top = lp.topk(2 * k)
+            cands += [(toks + [t], cum + v) for v, t in zip(top.values.tolist(), top.indices.tolist())]
+        beams = sorted(cands, key=lambda c: -c[1])[:k]
+    return beams
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_llm_beam_search_equals_a_plain_beam_search(llm, reference, k):
+    """vLLM's LLM.beam_search(prompts, BeamSearchParams(...)) was missing (AttributeError): the
+    sequences hold prompt + generated tokens, their text and summed logprob, best first."""
+    tok = llm.get_tokenizer()
+    outs = llm.beam_search(
+        [{"prompt_token_ids": p} for p in PROMPTS],
+        BeamSearchParams(beam_width=k, max_tokens=6, ignore_eos=True),
+    )
+    assert len(outs) == len(PROMPTS)
+    for prompt, out in zip(PROMPTS, outs):
+        expected = plain_beam_search(reference, prompt, k, 6)
+        assert [s.tokens for s in out.sequences] == [toks for toks, _ in expected]
+        for s, (_, cum) in zip(out.sequences, expected):
+            assert s.cum_logprob == pytest.approx(cum, abs=1e-3)
+            assert s.text == tok.decode(s.tokens) and s.finish_reason == "length" and s.logprobs == []
+
+
+def test_llm_beam_search_width_one_is_greedy(llm):
+    params = BeamSearchParams(beam_width=1, max_tokens=12)
+    greedy = llm.generate(
+        ["a paged cache", PROMPTS[0]], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False
+    )
+    outs = llm.beam_search(["a paged cache", PROMPTS[0]], params, concurrency_limit=1)
+    for g, out in zip(greedy, outs):
+        (seq,) = out.sequences
+        generated = g.outputs[0].token_ids
+        if g.outputs[0].finish_reason == "stop":  # vLLM's beams leave the end-of-sequence token out
+            generated = generated[:-1]
+        assert seq.tokens == g.prompt_token_ids + generated
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        (dict(beam_width=2, max_tokens=4, temperature=0.7), "temperature: must be 0"),
+        (dict(beam_width=0, max_tokens=4), "beam_width: must be >= 1"),
+        (dict(beam_width=2, max_tokens=0), "max_tokens: must be >= 1"),
+    ],
+)
+def test_beam_search_params_name_the_field(kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        BeamSearchParams(**kwargs)

@@ -31,6 +31,7 @@ class Hypothesis:
     score: float
     finish_reason: str  # "stop" | "length"
     stop_token: int | None = None
+    cum_logprob: float = 0.0  # the unpenalized sum of its tokens' logprobs
 
 
 @dataclass
@@ -89,7 +90,7 @@ class BeamSearchState:
                     stopped = t in self.stop_token_ids
                     score = _penalized(s, new_len, self.length_penalty)
                     reason, stop_token = ("stop", t) if stopped else ("length", None)
-                    new.append(Hypothesis(beams[p][0] + [t], score, reason, stop_token))
+                    new.append(Hypothesis(beams[p][0] + [t], score, reason, stop_token, s))
             if new:  # a stable sort: on a tie the older hypothesis stays ahead
                 self.finished = sorted(self.finished + new, key=lambda h: -h.score)[: self.width]
 

@@ -144,7 +144,7 @@ class BeamSearchManager:
         for tokens, cum in running:  # only if fewer hypotheses finished than beams asked for
             if len(hyps) >= group.width:
                 break
-            hyps.append(Hypothesis(list(tokens), cum, "length"))
+            hyps.append(Hypothesis(list(tokens), cum, "length", cum_logprob=cum))
         now = time.monotonic()
         root = group.root
         group.results = [
@@ -157,6 +157,7 @@ class BeamSearchManager:
                 first_token_time=group.first_token_time,
                 finished_time=now,
                 num_cached_tokens=root.num_cached_tokens,
+                cumulative_logprob=h.cum_logprob,
             )  # fmt: skip
             for h in hyps
         ]
@@ -172,6 +173,7 @@ class BeamSearchManager:
                     first_scheduled_time=template.first_scheduled_time,
                     first_token_time=template.first_token_time, finished_time=template.finished_time,
                     num_cached_tokens=template.num_cached_tokens,
+                    cumulative_logprob=template.cumulative_logprob,
                 )  # fmt: skip
             else:  # more slots than beams: nothing to return there
                 out = EngineCoreOutput(rid, [], finish_reason="abort")

@@ -38,6 +38,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_cached_tokens: int = 0  # sent with the first token
     embedding: list[float] | None = None  # pooling requests: the vector, sent as they finish
     kv_transfer_params: dict | None = None  # a producer's answer: where a decode engine finds the KV
+    cumulative_logprob: float | None = None  # a beam search result's summed logprobs (no per-token ones)
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, tag=True):

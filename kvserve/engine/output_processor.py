@@ -25,6 +25,7 @@ class RequestState:
         self.token_ids: list[int] = []
         self.logprobs: list[dict[int, float]] | None = [] if req.params.logprobs is not None else None
         self.cumulative_logprob = 0.0  # of the sampled tokens, kept as they come (not re-summed per step)
+        self.beam_cum_logprob: float | None = None  # a beam search result's, from the engine
         self.prompt_logprobs = None
         self.num_cached_tokens = 0
         self.metrics = RequestMetrics(req.arrival_time)
@@ -41,6 +42,7 @@ class RequestState:
             self.detok.finish(self.token_ids)
         delta_text = self.detok.release(finished)
         a, b = self.detok.release_tokens(finished)
+        cumulative = self.cumulative_logprob if self.logprobs is not None else self.beam_cum_logprob
         completion = CompletionOutput(
             index=0,
             text=self.detok.text,
@@ -48,7 +50,7 @@ class RequestState:
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
             logprobs=self.logprobs,
-            cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
+            cumulative_logprob=cumulative,
             delta_text=delta_text,
             delta_token_ids=new_token_ids,
             delta_logprobs=new_logprobs if self.logprobs is not None else None,
@@ -88,6 +90,8 @@ class OutputProcessor:
                 st.embedding = out.embedding
             if out.kv_transfer_params is not None:
                 st.kv_transfer_params = out.kv_transfer_params
+            if out.cumulative_logprob is not None:  # beam search: logprobs are refused, the sum is known
+                st.beam_cum_logprob = out.cumulative_logprob
             # Token by token: with speculative decoding a step brings several, and a stop
             # string completed by one of them ends the output there.
             new_ids, new_logprobs, stop = out.new_token_ids, out.new_logprobs, None

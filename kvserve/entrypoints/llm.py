@@ -16,8 +16,14 @@ from kvserve.engine.llm_engine import LLMEngine
 from kvserve.entrypoints.chat_render import render_chat
 from kvserve.entrypoints.offline_logprobs import to_vllm_logprobs
 from kvserve.entrypoints.openai.limits import sample_seed
-from kvserve.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
-from kvserve.sampling_params import SamplingParams
+from kvserve.outputs import (
+    BeamSearchOutput,
+    BeamSearchSequence,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+)
+from kvserve.sampling_params import BeamSearchParams, SamplingParams
 
 # vLLM's prompt forms: text, token ids, or a dict naming one of them (TextPrompt: {"prompt": ...},
 # TokensPrompt: {"prompt_token_ids": [...]}), either with an optional "cache_salt".
@@ -152,6 +158,54 @@ class LLM:
                 to_vllm_logprobs(out, p.logprobs, p.prompt_logprobs, self.tokenizer)
             results.append(out)
         return results
+
+    def beam_search(
+        self,
+        prompts: Sequence[PromptType],
+        params: BeamSearchParams,
+        lora_request: None = None,
+        use_tqdm: bool | Callable[..., tqdm] = False,
+        concurrency_limit: int | None = None,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's `LLM.beam_search`: the `beam_width` best sequences per prompt, best first, each
+        holding the prompt's tokens and text too (it was missing: an AttributeError). The
+        search is the engine's (transformers' beam arithmetic, docs/BEAM_SEARCH.md), so width 1
+        is greedy; `concurrency_limit` runs the prompts that many at a time."""
+        if lora_request is not None:
+            raise ValueError("lora_request: LoRA adapters are not supported")
+        if concurrency_limit is not None and (
+            not isinstance(concurrency_limit, int) or concurrency_limit < 1
+        ):
+            raise ValueError(f"concurrency_limit: must be >= 1, got {concurrency_limit!r}")
+        head = prompts[0] if not isinstance(prompts, str | dict) and len(prompts) else None
+        if isinstance(prompts, str | dict) or (
+            isinstance(head, numbers.Integral) and not isinstance(head, bool)
+        ):
+            prompts = [prompts]  # one prompt, as generate reads it
+        prompts = list(prompts)
+        sp = params.sampling_params()
+        step = concurrency_limit or max(len(prompts), 1)
+        outputs = []
+        for i in range(0, len(prompts), step):
+            outputs += self.generate(prompts[i : i + step], sp, use_tqdm=use_tqdm)
+        return [self._beams(out, params.include_stop_str_in_output) for out in outputs]
+
+    def _beams(self, out: RequestOutput, keep_eos: bool) -> BeamSearchOutput:
+        sequences = []
+        for c in out.outputs:
+            if c.finish_reason == "abort":  # a slot beyond the beams the search found
+                continue
+            generated = list(c.token_ids)
+            if c.finish_reason == "stop" and c.stop_reason is None and not keep_eos:
+                generated = generated[:-1]  # as vLLM's: the end-of-sequence token is not part of it
+            tokens = list(out.prompt_token_ids) + generated
+            text = self.tokenizer.decode(tokens, skip_special_tokens=False)  # vLLM's decode(tokens)
+            sequences.append(
+                BeamSearchSequence(
+                    tokens, [], c.cumulative_logprob or 0.0, text, c.finish_reason, c.stop_reason
+                )
+            )
+        return BeamSearchOutput(sequences)
 
     def embed(
         self,
