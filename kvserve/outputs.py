@@ -90,6 +90,10 @@ class CompletionOutput:
     """The sum of the sampled tokens' logprobs (of token_ids), as vLLM's; None unless
     SamplingParams.logprobs is set (the logprobs are not computed otherwise)."""
 
+    def finished(self) -> bool:
+        """As vLLM's: whether this sequence has ended."""
+        return self.finish_reason is not None
+
 
 @dataclass
 class RequestOutput:

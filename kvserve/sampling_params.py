@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import json as _json
 import math
@@ -196,6 +197,10 @@ class SamplingParams:
         }
         for name, given in unsupported.items():
             _check(not given, name, "is not supported with use_beam_search")
+
+    def clone(self) -> SamplingParams:
+        """A deep copy, as vLLM's (scripts clone a default and edit the copy)."""
+        return copy.deepcopy(self)
 
     @property
     def greedy(self) -> bool:

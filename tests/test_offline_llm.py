@@ -313,3 +313,33 @@ def test_vllm_only_sampling_fields_at_their_defaults(llm):
     )
     with pytest.raises(TypeError, match="no_such_field"):  # not vLLM's either: the dataclass's own error
         SamplingParams(no_such_field=1)
+
+
+def test_vllm_script_helpers(llm):
+    """vLLM's own examples call llm.get_default_sampling_params(), SamplingParams.clone() and
+    CompletionOutput.finished(): each was an AttributeError."""
+    params = llm.get_default_sampling_params()
+    assert params == SamplingParams() and params is not llm.get_default_sampling_params()
+    params.max_tokens = 4  # edited in place, as vLLM's example does
+    copy = params.clone()
+    copy.stop = ["x"]
+    assert params.stop is None and copy.max_tokens == 4
+    out = llm.generate("a", params, use_tqdm=False)[0].outputs[0]
+    assert out.finished() and len(out.token_ids) <= 4
+
+
+@pytest.mark.parametrize(
+    "given, words",
+    [
+        (
+            {"max_tokens": 3},
+            r"sampling_params: expected SamplingParams or a list of them, got dict \(SamplingParams",
+        ),
+        ([{"max_tokens": 3}], r"sampling_params\[0\]: expected SamplingParams, got dict"),
+    ],
+)
+def test_sampling_params_of_another_type_name_it(llm, given, words):
+    """A dict was read as the list of its keys: "'str' object has no attribute 'n'"."""
+    with pytest.raises(TypeError, match=words):
+        llm.generate("a", given, use_tqdm=False)
+    assert_idle(llm)

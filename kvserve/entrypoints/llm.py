@@ -47,6 +47,20 @@ def _prompt_and_salt(prompt: PromptType) -> tuple[str | Sequence[int], str | Non
     return prompt[named[0]], prompt.get("cache_salt")
 
 
+def _params_list(given: Any) -> list[SamplingParams]:
+    """A sequence of SamplingParams, one per prompt. A dict ({"max_tokens": 3}) was read as the
+    list of its keys and failed in the engine with "'str' object has no attribute 'n'"."""
+    if not isinstance(given, Sequence) or isinstance(given, str):
+        hint = " (SamplingParams(**that_dict) takes it)" if isinstance(given, dict) else ""
+        raise TypeError(
+            f"sampling_params: expected SamplingParams or a list of them, got {type(given).__name__}{hint}"
+        )
+    for i, p in enumerate(given):
+        if not isinstance(p, SamplingParams):
+            raise TypeError(f"sampling_params[{i}]: expected SamplingParams, got {type(p).__name__}")
+    return list(given)
+
+
 def _progress_bar(use_tqdm: bool | Callable[..., tqdm], total: int) -> tqdm:
     """vLLM's use_tqdm: a bool, or a tqdm-like class / factory to draw the bar with."""
     make = use_tqdm if callable(use_tqdm) else tqdm
@@ -65,6 +79,12 @@ class LLM:
         """The model's Hugging Face tokenizer, as vLLM's `LLM.get_tokenizer()` (scripts call its
         apply_chat_template / decode / eos_token_id); it was missing (an AttributeError)."""
         return self.tokenizer.hf
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` samples with when given no SamplingParams (a new object to edit), as
+        vLLM's; it was missing (an AttributeError in vLLM's own examples). Unlike vLLM's, a
+        model's generation_config.json does not change it (nor the server's defaults)."""
+        return SamplingParams()
 
     def generate(
         self,
@@ -86,9 +106,9 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
-            params = list(sampling_params)
+            params = _params_list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
 
