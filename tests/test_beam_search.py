@@ -325,3 +325,15 @@ def test_llm_beam_search_width_one_is_greedy(llm):
 def test_beam_search_params_name_the_field(kwargs, words):
     with pytest.raises(ValueError, match=words):
         BeamSearchParams(**kwargs)
+
+
+def test_llm_beam_search_errors_name_its_own_fields(tiny_llama_dir):
+    """Refusals came in generate's words: the width as `n`, and with concurrency_limit a
+    prompt's index within its chunk."""
+    small = LLM(tiny_llama_dir, kv_cache_memory="256KiB", max_model_len=512)
+    params = BeamSearchParams(beam_width=8, max_tokens=100, ignore_eos=True)
+    with pytest.raises(ValueError, match=r"^prompt 0: beam_width: 8 beams of max_tokens=100 need"):
+        small.beam_search([[5] * 100], params)
+    with pytest.raises(ValueError, match=r"^prompt 2: prompt: must not be empty"):
+        small.beam_search(["a", "b", ""], BeamSearchParams(beam_width=2, max_tokens=2), concurrency_limit=2)
+    assert not small.llm_engine.has_unfinished_requests()

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import numbers
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -45,6 +47,13 @@ def _prompt_and_salt(prompt: PromptType) -> tuple[str | Sequence[int], str | Non
     if unknown:
         raise ValueError(f"{', '.join(unknown)}: not supported in a prompt (text and token ids only)")
     return prompt[named[0]], prompt.get("cache_salt")
+
+
+_BEAM_ERROR = re.compile(r"^prompt (\d+): (n: )?")
+
+
+def _beam_error(m: re.Match, offset: int) -> str:
+    return f"prompt {int(m[1]) + offset}: " + ("beam_width: " if m[2] else "")
 
 
 def _params_list(given: Any) -> list[SamplingParams]:
@@ -207,7 +216,12 @@ class LLM:
         step = concurrency_limit or max(len(prompts), 1)
         outputs = []
         for i in range(0, len(prompts), step):
-            outputs += self.generate(prompts[i : i + step], sp, use_tqdm=use_tqdm)
+            try:
+                outputs += self.generate(prompts[i : i + step], sp, use_tqdm=use_tqdm)
+            except ValueError as e:  # generate's words: a chunk's own index, and n for the width
+                raise ValueError(
+                    _BEAM_ERROR.sub(functools.partial(_beam_error, offset=i), str(e), count=1)
+                ) from None
         return [self._beams(out, params.include_stop_str_in_output) for out in outputs]
 
     def _beams(self, out: RequestOutput, keep_eos: bool) -> BeamSearchOutput:
