@@ -4,6 +4,7 @@ outputs' fields, progress bars and an interrupted generate."""
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 import pytest
@@ -343,3 +344,29 @@ def test_sampling_params_of_another_type_name_it(llm, given, words):
     with pytest.raises(TypeError, match=words):
         llm.generate("a", given, use_tqdm=False)
     assert_idle(llm)
+
+
+class _Clock(tqdm):
+    """Records when each request's finish is counted."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.times: list[float] = []
+        _Clock.last = self
+        super().__init__(*args, **{**kwargs, "disable": True})
+
+    def update(self, n: int = 1) -> None:
+        self.times.append(time.monotonic())
+        super().update(n)
+
+
+def test_n_samples_finish_with_the_last(llm):
+    """metrics of n samples were the first sample's: finished_time (and e2e_latency) before the
+    longer samples had ended."""
+    params = SamplingParams(n=4, seed=2, max_tokens=40, stop_token_ids=list(range(100, 140)))
+    out = llm.generate([[1, *range(10, 60)]], params, use_tqdm=_Clock)[0]
+    lengths = sorted(len(c.token_ids) for c in out.outputs)
+    shorter = sum(n < lengths[-1] for n in lengths)  # counted before the longest's last step ran
+    assert shorter >= 1
+    times = _Clock.last.times
+    assert times[shorter - 1] < out.metrics.finished_time <= times[-1]
+    assert out.metrics.e2e_latency == out.metrics.finished_time - out.metrics.arrival_time

@@ -23,6 +23,7 @@ from kvserve.outputs import (
     BeamSearchSequence,
     EmbeddingOutput,
     EmbeddingRequestOutput,
+    RequestMetrics,
     RequestOutput,
 )
 from kvserve.sampling_params import BeamSearchParams, SamplingParams
@@ -47,6 +48,26 @@ def _prompt_and_salt(prompt: PromptType) -> tuple[str | Sequence[int], str | Non
     if unknown:
         raise ValueError(f"{', '.join(unknown)}: not supported in a prompt (text and token ids only)")
     return prompt[named[0]], prompt.get("cache_salt")
+
+
+def _group_metrics(each: list[RequestMetrics]) -> RequestMetrics:
+    """One prompt's n samples as one request, as vLLM reports them: it finished when its last
+    sample did (the first sample's time was reported, so e2e_latency missed the longer ones)."""
+    if len(each) == 1:
+        return each[0]
+
+    def earliest(name: str) -> float | None:
+        times = [t for m in each if (t := getattr(m, name)) is not None]
+        return min(times) if times else None
+
+    finished = [m.finished_time for m in each]
+    return RequestMetrics(
+        arrival_time=min(m.arrival_time for m in each),
+        first_scheduled_time=earliest("first_scheduled_time"),
+        first_token_time=earliest("first_token_time"),
+        finished_time=None if None in finished else max(finished),
+        num_preemptions=sum(m.num_preemptions for m in each),
+    )
 
 
 _BEAM_ERROR = re.compile(r"^prompt (\d+): (n: )?")
@@ -182,7 +203,7 @@ class LLM:
                 c = final[rid].outputs[0]
                 c.index = j
                 completions.append(c)
-            out = replace(first, outputs=completions)
+            out = replace(first, outputs=completions, metrics=_group_metrics([final[r].metrics for r in ids]))
             if p.logprobs is not None or p.prompt_logprobs is not None:
                 to_vllm_logprobs(out, p.logprobs, p.prompt_logprobs, self.tokenizer)
             results.append(out)
