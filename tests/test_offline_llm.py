@@ -370,3 +370,26 @@ def test_n_samples_finish_with_the_last(llm):
     times = _Clock.last.times
     assert times[shorter - 1] < out.metrics.finished_time <= times[-1]
     assert out.metrics.e2e_latency == out.metrics.finished_time - out.metrics.arrival_time
+
+
+def test_chat_takes_vllms_parameters(llm):
+    """vLLM's lora_request and chat_template_content_format were a TypeError (and a positional
+    lora_request was read as generate's priority); "openai" hands the parts to the template."""
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    loop = "{% for m in messages %}{% for p in m['content'] %}[{{ p['text'] }}]{% endfor %}{% endfor %}"
+    msgs = [{"role": "user", "content": parts}]
+    out = llm.chat(msgs, GREEDY, False, None, loop, "openai", add_generation_prompt=False)[0]
+    assert out.prompt == "[a][b]"
+    assert llm.chat(msgs, GREEDY, use_tqdm=False, chat_template_content_format="string")[0].prompt == (
+        "<s>user: a\nb</s><s>assistant:"
+    )
+    with pytest.raises(ValueError, match="chat_template_content_format: must be auto, string or openai"):
+        llm.chat(msgs, GREEDY, use_tqdm=False, chat_template_content_format="list")
+    for call in (
+        lambda: llm.chat(HELLO, GREEDY, False, object()),
+        lambda: llm.generate("a", GREEDY, False, object()),
+    ):
+        with pytest.raises(ValueError, match="lora_request: LoRA adapters are not supported"):
+            call()
+    assert len(llm.generate(["a", "b"], GREEDY, False, None, [0, 0])) == 2  # vLLM's positions
+    assert_idle(llm)

@@ -16,6 +16,7 @@ def render_chat(
     continue_final_message: bool = False,
     tools: list[dict[str, Any]] | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
+    content_format: str = "auto",
 ) -> str:
     """The conversation as prompt text. As vLLM, continue_final_message needs
     add_generation_prompt=False and a last message from the assistant, whose text the reply
@@ -24,7 +25,13 @@ def render_chat(
         raise ValueError("continue_final_message: cannot be combined with add_generation_prompt=True")
     if continue_final_message and (not conversation or conversation[-1].get("role") != "assistant"):
         raise ValueError("continue_final_message: the last message must be the assistant's")
-    conversation = [_flattened(m, i) for i, m in enumerate(conversation)]
+    if content_format not in ("auto", "string", "openai"):
+        raise ValueError(
+            f"chat_template_content_format: must be auto, string or openai, got {content_format!r}"
+        )
+    conversation = [
+        _flattened(m, i, keep_parts=content_format == "openai") for i, m in enumerate(conversation)
+    ]
     extra = dict(chat_template_kwargs or {})
     reserved = sorted(template_call_parameters() & extra.keys())
     if reserved:
@@ -45,8 +52,8 @@ def render_chat(
         raise ValueError(f"messages: the chat template rejected them: {e}") from None
 
 
-def _flattened(message: dict[str, Any], i: int) -> dict[str, Any]:
-    """A message whose content is OpenAI's list of parts, with the text parts joined by "\n",
+def _flattened(message: dict[str, Any], i: int, keep_parts: bool = False) -> dict[str, Any]:
+    """A message whose content is OpenAI's list of parts, with the text parts joined by newlines,
     as vLLM's LLM.chat joins them for a template that reads content as a string (they were
     joined with "", so ["Hello.", "Bye."] read "Hello.Bye."); a template rendered the list as
     its Python repr ("[{'type': 'text', ...}]"), images included."""
@@ -60,4 +67,6 @@ def _flattened(message: dict[str, Any], i: int) -> dict[str, Any]:
         if key is None or not isinstance(part.get(key), str):
             raise ValueError(f"messages[{i}].content[{j}]: type {kind!r} is not supported (text parts only)")
         texts.append(part[key])
+    if keep_parts:  # vLLM's "openai" format: the template iterates over the (text) parts
+        return message
     return {**message, "content": "\n".join(texts)}

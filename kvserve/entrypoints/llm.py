@@ -50,6 +50,12 @@ def _prompt_and_salt(prompt: PromptType) -> tuple[str | Sequence[int], str | Non
     return prompt[named[0]], prompt.get("cache_salt")
 
 
+def _no_lora(lora_request: Any) -> None:
+    """vLLM's methods take a LoRA adapter; passing one here must not silently run the base model."""
+    if lora_request is not None:
+        raise ValueError("lora_request: LoRA adapters are not supported")
+
+
 def _group_metrics(each: list[RequestMetrics]) -> RequestMetrics:
     """One prompt's n samples as one request, as vLLM reports them: it finished when its last
     sample did (the first sample's time was reported, so e2e_latency missed the longer ones)."""
@@ -121,12 +127,15 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | Callable[..., tqdm] = True,
+        lora_request: None = None,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order, n completions each.
+        The parameters are vLLM's, in its order (`lora_request` must be None: no LoRA here).
 
         `priority` (one per prompt, lower runs sooner) needs scheduling_policy="priority".
         """
+        _no_lora(lora_request)
         # One prompt of token ids: a list, tuple or array whose first element is an integer
         # (numpy's was taken as a list of prompts, and an array's truth value raised).
         head = prompts[0] if not isinstance(prompts, str | dict) and len(prompts) else None
@@ -221,8 +230,7 @@ class LLM:
         holding the prompt's tokens and text too (it was missing: an AttributeError). The
         search is the engine's (transformers' beam arithmetic, docs/BEAM_SEARCH.md), so width 1
         is greedy; `concurrency_limit` runs the prompts that many at a time."""
-        if lora_request is not None:
-            raise ValueError("lora_request: LoRA adapters are not supported")
+        _no_lora(lora_request)
         if concurrency_limit is not None and (
             not isinstance(concurrency_limit, int) or concurrency_limit < 1
         ):
@@ -290,7 +298,9 @@ class LLM:
         messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | Callable[..., tqdm] = True,
+        lora_request: None = None,
         chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
@@ -298,10 +308,14 @@ class LLM:
     ) -> list[RequestOutput]:
         """Apply the chat template (the model's, or `chat_template`) to each conversation, then
         generate; each output's `prompt` is the rendered text, as vLLM's. The template options
-        were missing (a TypeError), and `prompt` was None."""
+        were missing (a TypeError), and `prompt` was None. The parameters are vLLM's, in its
+        order; `chat_template_content_format` "openai" hands content parts to the template as
+        the list, "auto" and "string" as their text joined by newlines."""
+        _no_lora(lora_request)
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         options = dict(
             chat_template=chat_template,
+            content_format=chat_template_content_format,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             tools=tools,
