@@ -393,3 +393,23 @@ def test_chat_takes_vllms_parameters(llm):
             call()
     assert len(llm.generate(["a", "b"], GREEDY, False, None, [0, 0])) == 2  # vLLM's positions
     assert_idle(llm)
+
+
+def test_vllms_llm_options(tiny_llama_dir):
+    """vLLM scripts pass trust_remote_code=True, dtype="auto", tokenizer=<the model>, swap_space,
+    disable_log_stats: each was a TypeError (dtype a ValueError) before the model loaded."""
+    llm = LLM(
+        tiny_llama_dir, kv_cache_memory="4MiB", max_model_len=64, trust_remote_code=True, dtype="auto",
+        tokenizer=tiny_llama_dir, tokenizer_mode="auto", swap_space=4, disable_log_stats=True,
+    )  # fmt: skip
+    assert llm.llm_engine.config.dtype == "float32"
+    assert llm.generate("a", GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    for kw, words in [
+        (dict(tokenizer="/elsewhere"), "tokenizer: only the model's own tokenizer"),
+        (dict(revision="main"), "revision: 'main' is not supported"),
+        (dict(tokenizer_mode="slow"), "tokenizer_mode: 'slow' is not supported"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            LLM(tiny_llama_dir, **kw)
+    with pytest.raises(TypeError, match="no_such_option"):  # neither kvserve's nor vLLM's
+        LLM(tiny_llama_dir, no_such_option=1)

@@ -16,6 +16,7 @@ from tqdm import tqdm
 from kvserve.config import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.entrypoints.chat_render import render_chat
+from kvserve.entrypoints.llm_options import engine_options
 from kvserve.entrypoints.offline_logprobs import to_vllm_logprobs
 from kvserve.entrypoints.openai.limits import sample_seed
 from kvserve.outputs import (
@@ -107,7 +108,7 @@ class LLM:
     """Runs an in-process engine over a batch of prompts until all are done."""
 
     def __init__(self, model: str = "smollm2-135m", **engine_kwargs: Any) -> None:
-        self.llm_engine = LLMEngine(EngineConfig(model=model, **engine_kwargs))
+        self.llm_engine = LLMEngine(EngineConfig(model=model, **engine_options(model, engine_kwargs)))
         self.tokenizer = self.llm_engine.tokenizer
         self._ids = itertools.count()
 

@@ -1,0 +1,40 @@
+"""vLLM's `LLM(...)` options that kvserve's EngineConfig lacks. Scripts written for vLLM pass
+them routinely (`trust_remote_code=True`, `dtype="auto"`): each was a TypeError or a ValueError
+before the model loaded. Those with no effect here are accepted; a value kvserve cannot honour
+is refused naming the option."""
+
+from __future__ import annotations
+
+from typing import Any
+
+_ANY = object()
+
+# option -> (values accepted and dropped, why another is refused)
+VLLM_LLM_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
+    # kvserve builds its architectures itself and never runs a model repository's own code
+    "trust_remote_code": ((_ANY,), ""),
+    "tokenizer_mode": (("auto",), "only the model's own (fast) tokenizer is used"),
+    "swap_space": ((_ANY,), ""),  # no CPU swap: a preempted request is recomputed
+    "disable_log_stats": ((_ANY,), ""),  # the offline engine logs no stats
+    "revision": ((None,), "a model revision is not supported; pass the downloaded directory"),
+    "tokenizer_revision": ((None,), "a tokenizer revision is not supported"),
+}
+
+
+def engine_options(model: str, given: dict[str, Any]) -> dict[str, Any]:
+    """`given` without vLLM's options that change nothing here; raises ValueError for others."""
+    kept = {}
+    for name, value in given.items():
+        if name == "dtype" and value == "auto":  # vLLM's default: kvserve's own default dtype
+            continue
+        if name == "tokenizer":
+            if value is not None and value != model:
+                raise ValueError("tokenizer: only the model's own tokenizer is supported (leave it unset)")
+            continue
+        if name not in VLLM_LLM_ONLY:
+            kept[name] = value
+            continue
+        accepted, why = VLLM_LLM_ONLY[name]
+        if _ANY not in accepted and value not in accepted:
+            raise ValueError(f"{name}: {value!r} is not supported; {why}")
+    return kept
