@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 import numbers
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -17,11 +15,11 @@ from kvserve.config import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.entrypoints.chat_render import render_chat
 from kvserve.entrypoints.llm_options import engine_options
+from kvserve.entrypoints.offline_beams import as_beam_search_output, beam_error
 from kvserve.entrypoints.offline_logprobs import to_vllm_logprobs
 from kvserve.entrypoints.openai.limits import sample_seed
 from kvserve.outputs import (
     BeamSearchOutput,
-    BeamSearchSequence,
     EmbeddingOutput,
     EmbeddingRequestOutput,
     RequestMetrics,
@@ -51,6 +49,16 @@ def _prompt_and_salt(prompt: PromptType) -> tuple[str | Sequence[int], str | Non
     return prompt[named[0]], prompt.get("cache_salt")
 
 
+def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    """One prompt or a list of them, as a list. One prompt of token ids is a list, tuple or
+    array whose first element is an integer (numpy's was taken as a list of prompts, and an
+    array's truth value raised)."""
+    head = prompts[0] if not isinstance(prompts, str | dict) and len(prompts) else None
+    if isinstance(prompts, str | dict) or (isinstance(head, numbers.Integral) and not isinstance(head, bool)):
+        return [prompts]
+    return list(prompts)
+
+
 def _no_lora(lora_request: Any) -> None:
     """vLLM's methods take a LoRA adapter; passing one here must not silently run the base model."""
     if lora_request is not None:
@@ -75,13 +83,6 @@ def _group_metrics(each: list[RequestMetrics]) -> RequestMetrics:
         finished_time=None if None in finished else max(finished),
         num_preemptions=sum(m.num_preemptions for m in each),
     )
-
-
-_BEAM_ERROR = re.compile(r"^prompt (\d+): (n: )?")
-
-
-def _beam_error(m: re.Match, offset: int) -> str:
-    return f"prompt {int(m[1]) + offset}: " + ("beam_width: " if m[2] else "")
 
 
 def _params_list(given: Any) -> list[SamplingParams]:
@@ -137,14 +138,7 @@ class LLM:
         `priority` (one per prompt, lower runs sooner) needs scheduling_policy="priority".
         """
         _no_lora(lora_request)
-        # One prompt of token ids: a list, tuple or array whose first element is an integer
-        # (numpy's was taken as a list of prompts, and an array's truth value raised).
-        head = prompts[0] if not isinstance(prompts, str | dict) and len(prompts) else None
-        if isinstance(prompts, str | dict) or (
-            isinstance(head, numbers.Integral) and not isinstance(head, bool)
-        ):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
@@ -236,40 +230,17 @@ class LLM:
             not isinstance(concurrency_limit, int) or concurrency_limit < 1
         ):
             raise ValueError(f"concurrency_limit: must be >= 1, got {concurrency_limit!r}")
-        head = prompts[0] if not isinstance(prompts, str | dict) and len(prompts) else None
-        if isinstance(prompts, str | dict) or (
-            isinstance(head, numbers.Integral) and not isinstance(head, bool)
-        ):
-            prompts = [prompts]  # one prompt, as generate reads it
-        prompts = list(prompts)
+        prompts = _prompt_list(prompts)
         sp = params.sampling_params()
         step = concurrency_limit or max(len(prompts), 1)
         outputs = []
         for i in range(0, len(prompts), step):
             try:
                 outputs += self.generate(prompts[i : i + step], sp, use_tqdm=use_tqdm)
-            except ValueError as e:  # generate's words: a chunk's own index, and n for the width
-                raise ValueError(
-                    _BEAM_ERROR.sub(functools.partial(_beam_error, offset=i), str(e), count=1)
-                ) from None
-        return [self._beams(out, params.include_stop_str_in_output) for out in outputs]
-
-    def _beams(self, out: RequestOutput, keep_eos: bool) -> BeamSearchOutput:
-        sequences = []
-        for c in out.outputs:
-            if c.finish_reason == "abort":  # a slot beyond the beams the search found
-                continue
-            generated = list(c.token_ids)
-            if c.finish_reason == "stop" and c.stop_reason is None and not keep_eos:
-                generated = generated[:-1]  # as vLLM's: the end-of-sequence token is not part of it
-            tokens = list(out.prompt_token_ids) + generated
-            text = self.tokenizer.decode(tokens, skip_special_tokens=False)  # vLLM's decode(tokens)
-            sequences.append(
-                BeamSearchSequence(
-                    tokens, [], c.cumulative_logprob or 0.0, text, c.finish_reason, c.stop_reason
-                )
-            )
-        return BeamSearchOutput(sequences)
+            except ValueError as e:
+                raise ValueError(beam_error(str(e), offset=i)) from None
+        keep_eos = params.include_stop_str_in_output
+        return [as_beam_search_output(out, keep_eos, self.tokenizer) for out in outputs]
 
     def embed(
         self,
