@@ -337,3 +337,28 @@ def test_llm_beam_search_errors_name_its_own_fields(tiny_llama_dir):
     with pytest.raises(ValueError, match=r"^prompt 2: prompt: must not be empty"):
         small.beam_search(["a", "b", ""], BeamSearchParams(beam_width=2, max_tokens=2), concurrency_limit=2)
     assert not small.llm_engine.has_unfinished_requests()
+
+
+def test_llm_beam_search_leaves_the_end_of_sequence_out(tmp_path):
+    """As vLLM's: a beam ended by the model's EOS holds neither the token nor its text, unless
+    include_stop_str_in_output (here the tiny model's EOS is a token its beams produce)."""
+    from conftest import _save_tiny
+
+    llm = LLM(_save_tiny(str(tmp_path), "llama", eos_token_id=STOP), kv_cache_memory="4MiB")
+    tok = llm.get_tokenizer()
+    params = dict(beam_width=4, max_tokens=16)
+    cut = llm.beam_search(PROMPTS, BeamSearchParams(**params))
+    kept = llm.beam_search(PROMPTS, BeamSearchParams(**params, include_stop_str_in_output=True))
+    stopped = 0
+    for a, b in zip(cut, kept):
+        for s, t in zip(a.sequences, b.sequences):
+            assert (
+                s.cum_logprob == pytest.approx(t.cum_logprob, abs=1e-4) and s.finish_reason == t.finish_reason
+            )
+            if s.finish_reason == "stop":
+                stopped += 1
+                assert s.stop_reason is None and t.tokens == [*s.tokens, STOP] and STOP not in s.tokens[-1:]
+                assert t.text == tok.decode(t.tokens) and s.text == tok.decode(s.tokens)
+            else:
+                assert s.tokens == t.tokens
+    assert stopped
