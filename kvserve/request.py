@@ -133,6 +133,14 @@ class Request:
         child.first_token_time = self.first_token_time
         return child
 
+    @property
+    def stopped_on_token(self) -> bool:
+        """Ended by its last token, an EOS or a stop token id (not a finished grammar or a length)."""
+        last = self.output_token_ids[-1] if self.output_token_ids else None
+        return self.status is RequestStatus.FINISHED_STOPPED and (
+            last in self.eos_token_ids or last in self.stop_token_ids
+        )
+
     def check_stop(self, max_model_len: int) -> bool:
         """Set a finished status if the last token ends the request (EOS, stop id, a finished
         grammar, length)."""

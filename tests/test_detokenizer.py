@@ -235,26 +235,28 @@ def _partial_token(tok: Tokenizer) -> int:
 
 @pytest.mark.parametrize("then", ["eos", "stop_token", "length", "abort"])
 def test_held_bytes_end_the_text_as_the_full_decode_shows_them(tok, then):
-    """A request ending right after a token that starts a character (EOS, a stop token id, max
-    tokens, an abort) ends with what transformers' decode shows for the same tokens (U+FFFD),
-    streamed or whole; the held token goes out with it, and the finish reason is kept."""
+    """A request ending right after a token that starts a character (then an EOS or a stop token
+    id, or at max tokens, or aborted) ends with what transformers' decode shows for the same
+    tokens (U+FFFD), streamed or whole; the ending EOS or stop token counts but has no text (as
+    in vLLM), and the finish reason is kept."""
     from kvserve.engine.messages import EngineCoreOutput, EngineCoreRequest
     from kvserve.engine.output_processor import OutputProcessor
 
     hf = transformers.AutoTokenizer.from_pretrained(tok.hf.name_or_path)
-    part = _partial_token(tok)
+    part, (bang,) = _partial_token(tok), ids_of(tok, "!")
     head = ids_of(tok, "Hello")
-    steps = {"eos": [*head, part, tok.eos_token_id], "stop_token": [*head, part], "length": [*head, part]}
-    ids = steps.get(then, [*head, part])
-    params = SamplingParams(max_tokens=len(ids), stop_token_ids=[part] if then == "stop_token" else None)
+    ender = {"eos": [tok.eos_token_id], "stop_token": [bang]}.get(then, [])
+    ids = [*head, part, *ender]
+    params = SamplingParams(max_tokens=len(ids), stop_token_ids=[bang] if then == "stop_token" else None)
     proc = OutputProcessor(tok)
     proc.add_request(EngineCoreRequest("r", [1], params, len(ids), 0.0))
     shown, streamed_ids, final = "", [], None
     for j, t in enumerate(ids):
         last = j == len(ids) - 1 and then != "abort"
         reason = {"eos": "stop", "stop_token": "stop", "length": "length"}[then] if last else None
-        stop_reason = part if last and then == "stop_token" else None
-        (out,), _ = proc.process([EngineCoreOutput("r", [t], reason, stop_reason)])
+        stop_reason = bang if last and then == "stop_token" else None
+        core_out = EngineCoreOutput("r", [t], reason, stop_reason, stopped_on_token=last and bool(ender))
+        (out,), _ = proc.process([core_out])
         shown += out.outputs[0].delta_text
         streamed_ids += out.outputs[0].text_token_ids
         final = out
@@ -263,25 +265,68 @@ def test_held_bytes_end_the_text_as_the_full_decode_shows_them(tok, then):
         shown += final.outputs[0].delta_text
         streamed_ids += final.outputs[0].text_token_ids
     c = final.outputs[0]
-    expected = hf.decode(ids, skip_special_tokens=True)
+    expected = hf.decode([*head, part], skip_special_tokens=True)
     assert expected.endswith("\ufffd")
     assert c.text == shown == expected
     assert streamed_ids == ids and c.token_ids == ids
     assert c.finish_reason == {"eos": "stop", "stop_token": "stop"}.get(then, then)
-    assert c.stop_reason == (part if then == "stop_token" else None)
+    assert c.stop_reason == (bang if then == "stop_token" else None)
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_the_ending_token_has_no_text_unless_asked(llm, include):
+    """vLLM leaves the text of the EOS or stop token id that ended a request out of its output
+    (the token itself stays in token_ids), unless include_stop_str_in_output: offline, streamed
+    and whole; an EOS shown with skip_special_tokens=False too."""
+    tok = llm.tokenizer
+    (greedy,) = llm.generate(
+        "Hello", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False
+    )
+    third = greedy.outputs[0].token_ids[2]
+    cases = [
+        SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[third]),
+        SamplingParams(
+            temperature=0, max_tokens=8, logit_bias={tok.eos_token_id: 100.0}, skip_special_tokens=False
+        ),
+    ]
+    for params in cases:
+        params.include_stop_str_in_output = include
+        c = llm.generate("Hello", params, use_tqdm=False)[0].outputs[0]
+        assert c.finish_reason == "stop" and c.token_ids[-1] in (third, tok.eos_token_id)
+        kept = tok.decode(c.token_ids, skip_special_tokens=False)
+        assert c.text == (kept if include else tok.decode(c.token_ids[:-1], skip_special_tokens=False))
+        assert kept != tok.decode(c.token_ids[:-1], skip_special_tokens=False)  # the token has text
+        e = llm.llm_engine
+        e.add_request("streamed", "Hello", params)
+        shown = ""
+        while e.has_unfinished_requests():
+            for out in e.step():
+                shown += out.outputs[0].delta_text
+        assert shown == c.text
 
 
 def test_generate_keeps_held_bytes_at_a_stop_token(llm):
-    """End to end: a forced partial-character token that is also a stop token id, and max_tokens
-    reached on one; text, streamed deltas and completion token count agree with the full decode."""
+    """End to end: a forced partial-character token that is also a stop token id (its text left
+    out, as vLLM does, unless include_stop_str_in_output), and max_tokens reached on one; text,
+    streamed deltas and completion token count agree with the full decode."""
     tok = llm.tokenizer
     part = _partial_token(tok)
-    for extra in ({"stop_token_ids": [part]}, {"max_tokens": 3}):
+    cases = (
+        {"stop_token_ids": [part]},
+        {"stop_token_ids": [part], "include_stop_str_in_output": True},
+        {"max_tokens": 3},
+    )
+    for extra in cases:
         params = SamplingParams(temperature=0, logit_bias={part: 100.0}, **{"max_tokens": 8, **extra})
         c = llm.generate("Hello", params, use_tqdm=False)[0].outputs[0]
-        assert c.text == tok.decode(c.token_ids) and c.text.endswith("\ufffd")
-        assert c.finish_reason == ("stop" if "stop_token_ids" in extra else "length")
-        assert len(c.token_ids) == (1 if "stop_token_ids" in extra else 3)
+        stop, shows = (
+            "stop_token_ids" in extra,
+            "include_stop_str_in_output" in extra or "max_tokens" in extra,
+        )
+        assert c.text == (tok.decode(c.token_ids) if shows else "")
+        assert c.text.endswith("\ufffd") == shows
+        assert c.finish_reason == ("stop" if stop else "length")
+        assert len(c.token_ids) == (1 if stop else 3)
         e = llm.llm_engine
         e.add_request("held", "Hello", params)
         shown = ""

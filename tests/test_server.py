@@ -556,21 +556,24 @@ def test_streamed_logprobs_match_non_streamed(client):
 
 
 def test_a_stop_token_after_part_of_a_character_keeps_its_bytes(client, tiny_llama_dir):
-    """A forced token that is the first bytes of a character, which is also a stop token id:
-    the answer ends with U+FFFD (what decoding its tokens gives), streamed or not, with the
-    token's logprob, finish_reason "stop" and one completion token counted."""
+    """A forced token that is the first bytes of a character, which is also a stop token id: as
+    in vLLM the ending token's text is left out (the answer is empty) unless
+    include_stop_str_in_output, which ends it with U+FFFD (what decoding its tokens gives),
+    streamed or not; either way with the token's logprob, finish_reason "stop" and one
+    completion token counted."""
     import transformers
 
     tok = transformers.AutoTokenizer.from_pretrained(tiny_llama_dir)
     part = next(i for i in tok.encode("日本", add_special_tokens=False) if tok.decode([i]) == "\ufffd")
-    kw = dict(
-        model="tiny", prompt="Hello", max_tokens=4, temperature=0, logit_bias={str(part): 100}, logprobs=1
-    )
-    kw["extra_body"] = {"stop_token_ids": [part]}
-    full = client.completions.create(**kw).choices
-    chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
-    streamed = "".join(c.choices[0].text for c in chunks if c.choices)
-    assert full[0].text == streamed == tok.decode([part]) == "\ufffd"
-    assert full[0].finish_reason == "stop" and len(full[0].logprobs.tokens) == 1
-    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
-    assert chunks[-1].usage.completion_tokens == 1
+    for include, text in ((False, ""), (True, "\ufffd")):
+        kw = dict(
+            model="tiny", prompt="Hello", max_tokens=4, temperature=0, logit_bias={str(part): 100}, logprobs=1
+        )
+        kw["extra_body"] = {"stop_token_ids": [part], "include_stop_str_in_output": include}
+        full = client.completions.create(**kw).choices
+        chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+        streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+        assert full[0].text == streamed == text
+        assert full[0].finish_reason == "stop" and len(full[0].logprobs.tokens) == 1
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+        assert chunks[-1].usage.completion_tokens == 1

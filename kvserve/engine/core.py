@@ -517,6 +517,7 @@ class EngineCore:
             out.kv_transfer_params = req.kv_transfer_out
             out.finish_reason = req.finish_reason
             out.stop_reason = req.stop_reason
+            out.stopped_on_token = req.stopped_on_token
             out.finished_time = req.finished_time
             out.num_preemptions = req.num_preemptions
         return out

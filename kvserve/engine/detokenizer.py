@@ -2,7 +2,9 @@
 
 Text is produced token by token with `tokenizers`' DecodeStream, which holds back bytes of
 an unfinished UTF-8 character and handles BPE merges across token boundaries. Stop strings
-are searched in the text, so one that spans several tokens is still found. For streaming,
+are searched in the text, so one that spans several tokens is still found. The token that
+ends a request (an EOS or a stop token id) has no text unless include_stop_str_in_output, as in
+vLLM; it still counts among the output's tokens. For streaming,
 the last (longest stop string - 1) characters are held back until they cannot start a stop
 string any more, so a stop string is never streamed to the client. At the end, bytes the
 stream still holds (a character the last tokens left unfinished) are not dropped: the final
@@ -35,6 +37,7 @@ class IncrementalDetokenizer:
         self.num_tokens_released = 0
         self.cut = False  # a stop string cut the text
         self.held = False  # the stream holds bytes of an unfinished character
+        self.skipped = False  # the last token ended the request and has no text (skip_stop_token)
         self.min_tokens = params.min_tokens
         # Where the first min_tokens tokens' text ends: no stop string is looked for before it.
         self.min_text_end = 0
@@ -73,13 +76,21 @@ class IncrementalDetokenizer:
         self.cut = True
         return s
 
+    def skip_stop_token(self) -> None:
+        """The token that ended the request (an EOS or a stop token id) counts, but its text is
+        left out unless include_stop_str_in_output, as vLLM leaves it out."""
+        self.num_tokens += 1
+        self.token_ends.append(len(self.text))
+        self.skipped = True
+
     def finish(self, token_ids: list[int]) -> None:
         """Let out the bytes the stream still holds, as the full decode of the output shows them
         (U+FFFD for an unfinished character)."""
         if self.cut or not self.held:
             return
         self.held = False
-        full = self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special)
+        decoded = token_ids[:-1] if self.skipped else token_ids
+        full = self.tokenizer.decode(decoded, skip_special_tokens=self.skip_special)
         if full != self.text:
             self.text = full if full.startswith(self.text) else self.text + "\ufffd"
 

@@ -39,6 +39,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     embedding: list[float] | None = None  # pooling requests: the vector, sent as they finish
     kv_transfer_params: dict | None = None  # a producer's answer: where a decode engine finds the KV
     cumulative_logprob: float | None = None  # a beam search result's summed logprobs (no per-token ones)
+    stopped_on_token: bool = False  # ended by its last token (EOS or a stop token id): its text is left out
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, tag=True):

@@ -95,8 +95,12 @@ class OutputProcessor:
             # Token by token: with speculative decoding a step brings several, and a stop
             # string completed by one of them ends the output there.
             new_ids, new_logprobs, stop = out.new_token_ids, out.new_logprobs, None
+            textless = len(new_ids) - 1 if out.stopped_on_token and not st.detok.include_stop else -1
             for j, token in enumerate(new_ids):
                 st.token_ids.append(token)
+                if j == textless:  # the EOS or stop token id that ended it
+                    st.detok.skip_stop_token()
+                    break
                 stop = st.detok.update(st.token_ids)  # min_tokens: the detokenizer skips their text
                 if stop is not None:
                     new_ids = new_ids[: j + 1]
