@@ -2,8 +2,10 @@
 
 Weights are dequantized with the `gguf` package, except tensors whose GGUF format maps
 directly to the requested `--quantization` (gguf_quants.py), which keep their codes.
-llama.cpp's converter permutes the rows of Q and K for its interleaved rotary layout; we
-undo that (on floats or codes alike) so the model sees Hugging Face layout. The tokenizer
+llama.cpp's converter permutes the rows of Q and K of a `llama` file (Mistral's too) for its
+interleaved rotary layout; we undo that (on floats or codes alike) so the model sees Hugging
+Face layout. A `qwen2` file is not permuted: llama.cpp runs it with NEOX (rotate-half) rotary
+on Hugging Face's own rows, as transformers' GGUF loader reads it. The tokenizer
 is tokenizer_loader.py's.
 """
 
@@ -30,6 +32,10 @@ _TENSOR_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+
+
+# The GGUF architectures whose Q / K rows llama.cpp's converter permutes (LlamaModel.permute).
+_PERMUTED_QK = ("llama",)
 
 
 def _unpermute(w, n_heads: int):
@@ -91,6 +97,8 @@ def gguf_weights(
         if parts[0] == "blk":
             kind, suffix = parts[2], parts[3]
             heads = {"attn_q": arch.num_heads, "attn_k": arch.num_kv_heads}.get(kind)
+            if arch.architecture not in _PERMUTED_QK:
+                heads = None  # qwen2: Hugging Face's rows as they are
             if heads and direct is not None:
                 w = direct.map_rows(lambda a, h=heads: _unpermute(a, h))
             elif heads:

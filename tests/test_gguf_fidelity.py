@@ -1,0 +1,37 @@
+"""A GGUF file runs the model it was converted from: greedy tokens and logits equal
+transformers' on the same weights, for each architecture's row layout in llama.cpp's files."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import _save_tiny, load_reference
+from helpers import assert_greedy_match, reference_greedy, reference_logits
+from tiny_gguf import write_gguf
+
+from kvserve import LLM, SamplingParams
+
+PROMPTS = [[5, 9, 30, 41, 100, 7, 8, 9, 10, 11, 12], list(range(20, 60)), [3]]
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+def test_a_converted_gguf_gives_the_directory_s_tokens(kind, tmp_path):
+    """qwen2: llama.cpp keeps Hugging Face's Q / K rows (NEOX rotary), and they were
+    un-permuted as a llama file's are, so every Qwen2 GGUF ran scrambled attention. Qwen2's
+    reference is the directory itself; a llama file's is transformers reading the GGUF (the
+    file holds no llama3 rope scaling the directory has)."""
+    hf_dir = _save_tiny(str(tmp_path / kind), kind, random_biases=True)
+    path = write_gguf(hf_dir, str(tmp_path / f"{kind}.gguf"))
+    ref = load_reference(hf_dir if kind == "qwen2" else path)
+    llm = LLM(path, kv_cache_memory="4MiB")
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    outs = llm.generate(PROMPTS, greedy, use_tqdm=False)
+    for i, (p, out) in enumerate(zip(PROMPTS, outs)):
+        expected = reference_greedy(ref, p, 20, None)
+        assert_greedy_match(ref, p, expected, list(out.outputs[0].token_ids), f"{kind} gguf, prompt {i}")
+    got = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
+    ref_lp = reference_logits(ref, PROMPTS[1]).log_softmax(-1)
+    worst = max(
+        abs(got.prompt_logprobs[j][PROMPTS[1][j]] - ref_lp[j - 1, PROMPTS[1][j]].item())
+        for j in range(1, len(PROMPTS[1]))
+    )
+    assert worst < 1e-3, f"prompt logprobs differ from the reference by {worst:.2e}"

@@ -1,0 +1,105 @@
+"""A tiny Hugging Face model directory written as a GGUF file, laid out as llama.cpp's
+convert_hf_to_gguf.py writes one: its tensor names, float32 tensors, the rows of Q and K
+permuted for the interleaved rotary of the `llama` architecture only (llama.cpp runs
+`qwen2` with NEOX rotary and keeps Hugging Face's rows), and a byte-level BPE vocabulary."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import torch
+
+_NAMES = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+
+
+def _permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's LlamaModel.permute: each head's rotary halves interleaved."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _tensor_name(name: str) -> str | None:
+    if name == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if name == "model.norm.weight":
+        return "output_norm.weight"
+    if name == "lm_head.weight":
+        return "output.weight"
+    parts = name.split(".")  # model.layers.N.<module>.<proj>.weight|bias
+    module = ".".join(parts[3:-1])
+    return f"blk.{parts[2]}.{_NAMES[module]}.{parts[-1]}" if module in _NAMES else None
+
+
+def write_gguf(hf_dir: str, out_path: str) -> str:
+    """Writes `hf_dir`'s model and tokenizer as a GGUF file at `out_path`."""
+    import gguf
+    from safetensors.torch import load_file
+
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        cfg = json.load(f)
+    arch = cfg["model_type"]  # llama or qwen2 (llama.cpp writes Mistral as llama)
+    gguf_arch = "llama" if arch == "mistral" else arch
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    w = gguf.GGUFWriter(out_path, gguf_arch)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(float(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"]))
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_vocab_size(cfg["vocab_size"])
+
+    tok = json.load(open(os.path.join(hf_dir, "tokenizer.json")))
+    vocab = tok["model"]["vocab"]
+    tokens = [""] * cfg["vocab_size"]
+    for piece, i in vocab.items():
+        tokens[i] = piece
+    specials = {t["id"] for t in tok["added_tokens"]}
+    types = []
+    for i in range(len(tokens)):
+        if not tokens[i]:
+            tokens[i] = f"[PAD{i}]"
+            types.append(gguf.TokenType.UNUSED)
+        else:
+            types.append(gguf.TokenType.CONTROL if i in specials else gguf.TokenType.NORMAL)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(cfg["bos_token_id"])
+    w.add_eos_token_id(cfg["eos_token_id"])
+    w.add_add_bos_token(False)
+
+    state = load_file(os.path.join(hf_dir, "model.safetensors"))
+    for name, t in state.items():
+        gname = _tensor_name(name)
+        if gname is None:
+            continue
+        a = t.to(torch.float32).numpy()
+        if gguf_arch == "llama" and ".attn_q." in gname:
+            a = _permute(a, heads)
+        elif gguf_arch == "llama" and ".attn_k." in gname:
+            a = _permute(a, kv_heads)
+        w.add_tensor(gname, np.ascontiguousarray(a))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out_path
