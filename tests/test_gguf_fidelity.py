@@ -15,13 +15,14 @@ PROMPTS = [[5, 9, 30, 41, 100, 7, 8, 9, 10, 11, 12], list(range(20, 60)), [3]]
 
 @pytest.mark.parametrize("kind", ["qwen2", "llama"])
 def test_a_converted_gguf_gives_the_directory_s_tokens(kind, tmp_path):
-    """qwen2: llama.cpp keeps Hugging Face's Q / K rows (NEOX rotary), and they were
-    un-permuted as a llama file's are, so every Qwen2 GGUF ran scrambled attention. Qwen2's
-    reference is the directory itself; a llama file's is transformers reading the GGUF (the
-    file holds no llama3 rope scaling the directory has)."""
+    """The reference is the directory itself. qwen2: llama.cpp keeps Hugging Face's Q / K
+    rows (NEOX rotary), and they were un-permuted as a llama file's are, so every Qwen2 GGUF
+    ran scrambled attention. llama: the tiny Llama has llama3 rope scaling, which its file
+    holds as the rope_freqs tensor (as Llama 3.1 / 3.2 GGUFs do); it was skipped, so every
+    position rotated unscaled (transformers' GGUF reader skips it too)."""
     hf_dir = _save_tiny(str(tmp_path / kind), kind, random_biases=True)
     path = write_gguf(hf_dir, str(tmp_path / f"{kind}.gguf"))
-    ref = load_reference(hf_dir if kind == "qwen2" else path)
+    ref = load_reference(hf_dir)
     llm = LLM(path, kv_cache_memory="4MiB")
     greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     outs = llm.generate(PROMPTS, greedy, use_tqdm=False)

@@ -1,11 +1,13 @@
 """A tiny Hugging Face model directory written as a GGUF file, laid out as llama.cpp's
 convert_hf_to_gguf.py writes one: its tensor names, float32 tensors, the rows of Q and K
 permuted for the interleaved rotary of the `llama` architecture only (llama.cpp runs
-`qwen2` with NEOX rotary and keeps Hugging Face's rows), and a byte-level BPE vocabulary."""
+`qwen2` with NEOX rotary and keeps Hugging Face's rows), llama3 rope scaling as a
+`rope_freqs` tensor, and a byte-level BPE vocabulary."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import numpy as np
@@ -27,6 +29,24 @@ _NAMES = {
 def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's LlamaModel.permute: each head's rotary halves interleaved."""
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _llama3_rope_freqs(rope: dict, theta: float, head_dim: int) -> np.ndarray:
+    """The divisor of each rotary frequency llama.cpp stores for llama3 scaling: 1 for short
+    wavelengths, `factor` for long ones, the interpolation's inverse between."""
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old_len = rope["original_max_position_embeddings"]
+    out = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / head_dim)
+        if wavelen < old_len / high:
+            out.append(1.0)
+        elif wavelen > old_len / low:
+            out.append(factor)
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
 
 
 def _tensor_name(name: str) -> str | None:
@@ -60,7 +80,9 @@ def write_gguf(hf_dir: str, out_path: str) -> str:
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
     w.add_rope_dimension_count(head_dim)
-    w.add_rope_freq_base(float(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"]))
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    theta = float(cfg.get("rope_theta") or rope["rope_theta"])
+    w.add_rope_freq_base(theta)
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(cfg["vocab_size"])
 
@@ -87,6 +109,8 @@ def write_gguf(hf_dir: str, out_path: str) -> str:
     w.add_eos_token_id(cfg["eos_token_id"])
     w.add_add_bos_token(False)
 
+    if rope.get("rope_type") == "llama3":
+        w.add_tensor("rope_freqs.weight", _llama3_rope_freqs(rope, theta, head_dim))
     state = load_file(os.path.join(hf_dir, "model.safetensors"))
     for name, t in state.items():
         gname = _tensor_name(name)

@@ -13,7 +13,8 @@ import torch
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
-    """Inverse frequencies for 'default', 'linear' and 'llama3' rope types."""
+    """Inverse frequencies for 'default', 'linear' and 'llama3' rope types, and a GGUF file's
+    'freq_factors' (llama.cpp's rope_freqs tensor: llama3 scaling as one divisor a dimension)."""
     # float32 like the reference implementation, so positions round the same way.
     exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     inv_freq = 1.0 / (theta**exponent)
@@ -22,6 +23,11 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch
         return inv_freq
     if rope_type == "linear":
         return inv_freq / scaling["factor"]
+    if rope_type == "freq_factors":
+        factors = torch.tensor(scaling["factors"], dtype=torch.float32)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(f"rope_freqs: {factors.numel()} factors for {inv_freq.numel()} frequencies")
+        return inv_freq / factors
     if rope_type == "llama3":
         factor = scaling["factor"]
         low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]

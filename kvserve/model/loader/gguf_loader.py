@@ -59,6 +59,11 @@ def gguf_arch(reader) -> ModelArch:
     scaling: dict = {"rope_type": "default"}
     if get("rope.scaling.type") == "linear":
         scaling = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:
+        # llama.cpp writes a Llama 3.1+ model's llama3 rope scaling as this per-dimension
+        # divisor of the inverse frequencies; without it every position rotated unscaled.
+        scaling = {"rope_type": "freq_factors", "factors": [float(x) for x in np.asarray(freqs.data).ravel()]}
     eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
     eot = gguf_field(reader, "tokenizer.ggml.eot_token_id")
     return ModelArch(
