@@ -279,3 +279,27 @@ def test_sliding_window_caps_the_context(tmp_path):
     ]
     for extra, window in cases:
         assert ModelArch.from_hf_config({**base, **extra}).sliding_window == window, extra
+
+
+def test_an_activation_kvserve_does_not_run_is_refused(tmp_path):
+    """The MLP is silu(gate) * up: a config naming another hidden_act loaded and ran it as
+    SiLU, other tokens than transformers' with no word; now it is refused by name."""
+    import json
+    import shutil
+
+    from conftest import _save_tiny
+
+    from kvserve.model.arch import ModelArch
+
+    path = _save_tiny(str(tmp_path / "gelu"), "llama")
+    cfg_path = tmp_path / "gelu" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["hidden_act"] = "gelu"
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="unsupported hidden_act 'gelu'"):
+        LLM(path, kv_cache_memory="1MiB")
+    shutil.rmtree(path)
+    base = dict(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2)
+    for act in ("silu", "swish", None):
+        extra = {} if act is None else {"hidden_act": act}
+        assert ModelArch.from_hf_config({**base, **extra}).hidden_size == 8

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+GATED_ACTIVATIONS = ("silu", "swish")  # transformers' ACT2FN: both are SiLU
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,11 @@ class ModelArch:
             raise ValueError(
                 f"unsupported model_type {model_type!r}; kvserve supports {SUPPORTED_ARCHITECTURES}"
             )
+        act = cfg.get("hidden_act", "silu")
+        if act not in GATED_ACTIVATIONS:
+            # The MLP is silu(gate) * up everywhere (fused kernels included): another
+            # activation ran as SiLU, silently giving other tokens than transformers.
+            raise ValueError(f"unsupported hidden_act {act!r}; kvserve runs {GATED_ACTIVATIONS}")
         heads = cfg["num_attention_heads"]
         # transformers >= 5 keeps rope settings in "rope_parameters"; older files use
         # "rope_theta" + "rope_scaling".
