@@ -36,3 +36,18 @@ def test_a_converted_gguf_gives_the_directory_s_tokens(kind, tmp_path):
         for j in range(1, len(PROMPTS[1]))
     )
     assert worst < 1e-3, f"prompt logprobs differ from the reference by {worst:.2e}"
+
+
+def test_rope_scaling_kvserve_does_not_run_is_refused(tiny_qwen2_dir, tmp_path):
+    """A file's yarn rope scaling (Qwen2.5's long-context conversions) was ignored: the model
+    ran unscaled rotary, other tokens than its own, with no word. Refused as a config's is."""
+    import gguf
+
+    def yarn(w) -> None:
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(4.0)
+        w.add_rope_scaling_orig_ctx_len(128)
+
+    path = write_gguf(tiny_qwen2_dir, str(tmp_path / "yarn.gguf"), more=yarn)
+    with pytest.raises(ValueError, match="unsupported rope_type 'yarn'"):
+        LLM(path, kv_cache_memory="1MiB")

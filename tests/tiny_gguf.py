@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -61,8 +62,9 @@ def _tensor_name(name: str) -> str | None:
     return f"blk.{parts[2]}.{_NAMES[module]}.{parts[-1]}" if module in _NAMES else None
 
 
-def write_gguf(hf_dir: str, out_path: str) -> str:
-    """Writes `hf_dir`'s model and tokenizer as a GGUF file at `out_path`."""
+def write_gguf(hf_dir: str, out_path: str, more: Callable | None = None) -> str:
+    """Writes `hf_dir`'s model and tokenizer as a GGUF file at `out_path`; `more` adds
+    metadata to the writer."""
     import gguf
     from safetensors.torch import load_file
 
@@ -108,6 +110,8 @@ def write_gguf(hf_dir: str, out_path: str) -> str:
     w.add_bos_token_id(cfg["bos_token_id"])
     w.add_eos_token_id(cfg["eos_token_id"])
     w.add_add_bos_token(False)
+    if more is not None:
+        more(w)
 
     if rope.get("rope_type") == "llama3":
         w.add_tensor("rope_freqs.weight", _llama3_rope_freqs(rope, theta, head_dim))

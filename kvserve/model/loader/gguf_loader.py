@@ -57,8 +57,12 @@ def gguf_arch(reader) -> ModelArch:
     names = {t.name for t in reader.tensors}
     vocab = get("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
     scaling: dict = {"rope_type": "default"}
-    if get("rope.scaling.type") == "linear":
+    kind = get("rope.scaling.type")
+    if kind == "linear":
         scaling = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
+    elif kind not in (None, "none"):
+        # yarn, longrope: refused by the rotary tables, as a config's are (they ran unscaled).
+        scaling = {"rope_type": kind}
     freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if freqs is not None:
         # llama.cpp writes a Llama 3.1+ model's llama3 rope scaling as this per-dimension
