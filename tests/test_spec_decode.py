@@ -233,6 +233,26 @@ def test_draft_model_must_share_the_tokenizer(tiny_llama_dir):
         LLM(tiny_llama_dir, kv_cache_memory="4MiB", speculative_method="draft")
 
 
+def test_context_stops_at_the_draft_model_s(tiny_llama_dir, tmp_path):
+    """A draft with a 64-token context caps the target's (as its default does); an explicit
+    max_model_len past it was taken, and every step holding a position past 64 failed its
+    requests (the draft's rotary tables end there), a 40-token prompt with 30 tokens to go
+    among them. It is refused at start-up, naming the draft's context."""
+    from conftest import _save_tiny
+
+    short = _save_tiny(str(tmp_path / "short-draft"), "qwen2", max_position_embeddings=64)
+    kw = dict(kv_cache_memory="4MiB", speculative_method="draft", speculative_model=short)
+    with pytest.raises(ValueError, match="max_model_len: 512 exceeds the draft model's context length 64"):
+        LLM(tiny_llama_dir, max_model_len=512, **kw)
+    llm = LLM(tiny_llama_dir, **kw)
+    assert llm.llm_engine.max_model_len == 64
+    prompt = list(range(3, 43))
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = LLM(tiny_llama_dir, kv_cache_memory="4MiB").generate([prompt], params, use_tqdm=False)[0]
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == plain.outputs[0].token_ids
+
+
 @pytest.mark.slow
 def test_default_model_ngram_matches_reference(default_reference):
     """The default model copying a passage: n-gram speculation accepts long runs and the

@@ -90,6 +90,13 @@ class EngineCore:
                 f"max_model_len: {self.max_model_len} exceeds the model's context length "
                 f"{arch.max_position_embeddings}"
             )
+        if draft_arch is not None and self.max_model_len > draft_arch.max_position_embeddings:
+            # The draft runs every position the target does: past its rotary tables each such
+            # step failed its requests (an IndexError per step, logged with its stack).
+            raise ValueError(
+                f"max_model_len: {self.max_model_len} exceeds the draft model's context length "
+                f"{draft_arch.max_position_embeddings} (speculative_model)"
+            )
         if window is not None and self.max_model_len > window:
             raise ValueError(
                 f"max_model_len: {self.max_model_len} exceeds the model's sliding attention window "
