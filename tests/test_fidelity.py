@@ -303,3 +303,29 @@ def test_an_activation_kvserve_does_not_run_is_refused(tmp_path):
     for act in ("silu", "swish", None):
         extra = {} if act is None else {"hidden_act": act}
         assert ModelArch.from_hf_config({**base, **extra}).hidden_size == 8
+
+
+@pytest.mark.parametrize("sharded", [True, False])
+def test_a_mistral_repository_with_consolidated_weights_loads(tmp_path, sharded):
+    """Mistral's repositories hold consolidated.safetensors (mistral-inference's names) beside
+    transformers' files; every *.safetensors was read, and the model was refused on
+    'unexpected weight'. transformers' own files are read (the index's, or model.safetensors),
+    and the tokens are transformers'."""
+    from conftest import _tiny_tokenizer
+    from safetensors.torch import save_file
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    cfg = MistralConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                        initializer_range=0.2, bos_token_id=1, eos_token_id=2,
+                        sliding_window=None)  # fmt: skip
+    ref = MistralForCausalLM(cfg).eval()
+    ref.save_pretrained(tmp_path, max_shard_size="100KB" if sharded else "1GB")
+    _tiny_tokenizer().save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors.index.json").is_file() == sharded
+    embed = ref.model.embed_tokens.weight.detach().clone()
+    save_file({"tok_embeddings.weight": embed}, str(tmp_path / "consolidated.safetensors"))
+    llm = LLM(str(tmp_path), kv_cache_memory="2MiB")
+    greedy = SamplingParams(temperature=0, max_tokens=12)
+    _check_against_reference(llm, ref, [list(range(3, 20)), [7]], greedy)

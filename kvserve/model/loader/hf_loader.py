@@ -27,6 +27,28 @@ def hf_arch(path: str) -> ModelArch:
     return ModelArch.from_hf_config(cfg, eos_extra=extra)
 
 
+def weight_files(path: str) -> list[str]:
+    """The checkpoint's files as transformers picks them: those model.safetensors.index.json
+    maps tensors to, else model.safetensors, else every *.safetensors. Mistral's repositories
+    ship consolidated.safetensors (its own tensor names) beside the sharded files: reading
+    every file refused the model on a name it did not know."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f).get("weight_map", {}).values()))
+        files = [os.path.join(path, n) for n in names]
+        missing = [n for n, f in zip(names, files) if not os.path.isfile(f)]
+        if missing:
+            raise FileNotFoundError(f"model: {path!r} lacks {missing}, which its safetensors index names")
+        if files:
+            return files
+    single = os.path.join(path, "model.safetensors")
+    files = [single] if os.path.isfile(single) else sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"model: no *.safetensors files in {path!r}")
+    return files
+
+
 WeightSlice = Callable[[str, tuple[int, ...]], "tuple[int, int, int] | None"]
 
 
@@ -36,10 +58,7 @@ def hf_weights(
     """Every tensor by name; with `weight_slice` (a tensor-parallel rank's) only the
     (dim, start, stop) slice it names is read from the file; tensors `keep` rejects (another
     pipeline stage's) are not read at all."""
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files:
-        raise FileNotFoundError(f"model: no *.safetensors files in {path!r}")
-    for file in files:
+    for file in weight_files(path):
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
                 if keep is not None and not keep(name):
