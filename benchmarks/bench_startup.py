@@ -4,11 +4,11 @@ A server start is two processes importing torch and kvserve (the API process and
 core) and then the model loading; tests start a server dozens of times, and a user waits for
 one after every restart. Each round starts, from each tree in alternating order, `kvserve
 serve` on a tiny random Llama (built in a temp dir) and on the default model with `make serve`'s
-flags, timing from the process's start to /health/ready answering 200, then stops it; and times
-`import kvserve.gateway.app` in a fresh interpreter (what `kvserve gateway` and the pd-proxy
-import before they listen), with the memory it holds then. Prints each case's median per tree and,
-with `--baseline-tree DIR` (e.g. `git archive <commit> | tar -x -C DIR`), this tree's median
-over the baseline's. Prints the CPU flags and the load average.
+flags, timing from the process's start to /health/ready answering 200 (with the API process's
+memory then), then stops it; and times `import kvserve.gateway.app` in a fresh interpreter (what
+`kvserve gateway` and the pd-proxy import before they listen), with the memory it holds then.
+Prints each case's median per tree and, with `--baseline-tree DIR` (e.g. `git archive <commit> |
+tar -x -C DIR`), this tree's median over the baseline's. Prints the CPU flags and the load average.
 
     python benchmarks/bench_startup.py [--rounds 5] [--baseline-tree DIR]
 """
@@ -28,6 +28,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 import httpx  # noqa: E402
+import psutil  # noqa: E402
 from server_utils import free_port  # noqa: E402
 
 from benchmarks.common import run_header  # noqa: E402
@@ -36,8 +37,9 @@ from benchmarks.tree_compare import add_tree_options, compared_trees  # noqa: E4
 MAKE_SERVE = ["--quantization", "int4", "--kv-cache-dtype", "int8", "--long-prefill-token-threshold", "48"]
 
 
-def serve_ready_s(tree: str, model: str, flags: list[str]) -> float:
-    """Seconds from starting `kvserve serve` from `tree` to its /health/ready answering 200."""
+def serve_ready_s(tree: str, model: str, flags: list[str]) -> tuple[float, float]:
+    """Seconds from starting `kvserve serve` from `tree` to its /health/ready answering 200, and
+    the API process's RSS in MiB then (its engine core is another process)."""
     port = free_port()
     cmd = [sys.executable, "-m", "kvserve.entrypoints.cli", "serve", model, "--port", str(port), *flags]
     env = {**os.environ, "PYTHONPATH": tree}
@@ -49,7 +51,7 @@ def serve_ready_s(tree: str, model: str, flags: list[str]) -> float:
                 raise RuntimeError(f"kvserve serve from {tree} exited with {proc.returncode}")
             try:
                 if httpx.get(f"http://127.0.0.1:{port}/health/ready", timeout=1).status_code == 200:
-                    return time.perf_counter() - t0
+                    return time.perf_counter() - t0, psutil.Process(proc.pid).memory_info().rss / 2**20
             except httpx.HTTPError:
                 pass
             time.sleep(0.02)
@@ -82,26 +84,31 @@ def main() -> None:
     from conftest import _save_tiny
 
     tiny = _save_tiny(tempfile.mkdtemp(prefix="kvserve-tiny-"), "llama")
-    cases = {
-        "serve, tiny Llama (s)": lambda t: serve_ready_s(t, tiny, ["--kv-cache-memory", "32MiB"]),
-        "serve, default model, make serve's flags (s)": lambda t: serve_ready_s(
-            t, "smollm2-135m", MAKE_SERVE
+    cases = {  # each run gives its case's figures, in these names' order
+        ("serve, tiny Llama (s)", "  its API process's RSS at ready, tiny (MiB)"): lambda t: serve_ready_s(
+            t, tiny, ["--kv-cache-memory", "32MiB"]
         ),
-        "import kvserve.gateway.app (s)": lambda t: gateway_import(t)[0],
-        "  its RSS (MiB)": lambda t: gateway_import(t)[1],
+        (
+            "serve, default model, make serve's flags (s)",
+            "  its API process's RSS at ready, default model (MiB)",
+        ): lambda t: serve_ready_s(t, "smollm2-135m", MAKE_SERVE),
+        ("import kvserve.gateway.app (s)", "  its RSS (MiB)"): gateway_import,
     }
     got: dict[tuple[str, str], list[float]] = {}
     for r in range(args.rounds):
         order = list(trees.items()) if r % 2 == 0 else list(reversed(trees.items()))
-        for case, run in cases.items():
+        for names, run in cases.items():
             for name, tree in order:
-                got.setdefault((case, name), []).append(run(tree))
+                for case, value in zip(names, run(tree)):
+                    got.setdefault((case, name), []).append(value)
         print(
             f"round {r + 1}: "
-            + "; ".join(f"{c.strip()} {n}: {got[c, n][-1]:.2f}" for c in cases for n in trees)
+            + "; ".join(
+                f"{c.strip()} {n}: {got[c, n][-1]:.2f}" for names in cases for c in names for n in trees
+            )
         )
     print("\nmedians:")
-    for case in cases:
+    for case in (c for names in cases for c in names):
         med = {name: statistics.median(got[case, name]) for name in trees}
         line = f"{case}: " + ", ".join(f"{name} {m:.2f}" for name, m in med.items())
         if "baseline" in med:
