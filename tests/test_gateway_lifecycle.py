@@ -96,3 +96,56 @@ def test_the_drain_deadline_ends_what_is_still_in_flight(tmp_path):
         if gw is not None:
             gw.stop()
         fault.stop()
+
+
+def _ready_in_process(cfg: dict, tmp_path) -> tuple[httpx.Response, float]:
+    """GET /health/ready of an in-process gateway, and how long it took."""
+    import asyncio
+
+    from kvserve.gateway.app import build_app
+    from kvserve.gateway.config import parse_config
+
+    gs = {**cfg.get("general_settings", {}), "database": str(tmp_path / "gw.db")}
+    cfg = {**cfg, "general_settings": gs}
+    app = build_app(parse_config(cfg), web_ui=False)
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
+            t0 = time.monotonic()
+            r = await c.get("/health/ready", timeout=30)
+            return r, time.monotonic() - t0
+
+    return asyncio.run(go())
+
+
+def test_readiness_answers_within_a_probes_timeout_when_a_dependency_hangs(tmp_path):
+    """Kubernetes' probe gives up after 1 s (timeoutSeconds' default) and counts it as not ready.
+    One hung backend out of two kept /health/ready waiting 2 s, so every gateway replica went
+    unready while the other backend served; a hung Redis kept it 5 s and answered an error body."""
+    import socket
+
+    from gateway_utils import RedisServer
+
+    fault, redis_server = FaultBackend(), RedisServer()
+    hung = socket.socket()  # accepts connections (the backlog) and never answers
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(8)
+    hung_url = f"http://127.0.0.1:{hung.getsockname()[1]}/v1"
+    deps = [deployment("m", fault.url + "/v1", "ok"), deployment("m", hung_url, "ok")]
+    try:
+        resp, took = _ready_in_process({"model_list": deps}, tmp_path)
+        assert resp.status_code == 200, resp.text
+        assert [d["up"] for d in resp.json()["deployments"]] == [True, False]
+        assert took < 1.9, took  # (the hung probe's own timeout is 2 s)
+
+        redis_server.proc.send_signal(signal.SIGSTOP)
+        cfg = {"model_list": deps, "general_settings": {"state": redis_server.url}}
+        resp, took = _ready_in_process(cfg, tmp_path)
+        assert resp.status_code == 503, resp.text
+        assert resp.json()["status"] == "not_ready" and resp.json()["state_store"] is False, resp.text
+        assert took < 3, took  # (Redis's socket timeout is 5 s)
+    finally:
+        redis_server.proc.send_signal(signal.SIGCONT)
+        redis_server.stop()
+        hung.close()
+        fault.stop()

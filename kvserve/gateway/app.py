@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hmac
 import logging
@@ -28,6 +27,7 @@ from kvserve.gateway.keys import KeyRecord, KeyStore, open_database
 from kvserve.gateway.litellm_keys import litellm_key_router
 from kvserve.gateway.metrics import GatewayMetrics
 from kvserve.gateway.model_info import add_model_info_routes
+from kvserve.gateway.readiness import readiness
 from kvserve.gateway.spend import SpendLog
 from kvserve.gateway.state import StoreUnavailable, open_store, same_redis_server
 from kvserve.gateway.stored_responses import stored_response
@@ -272,24 +272,13 @@ def build_app(cfg: GatewayConfig, web_ui: bool = True) -> FastAPI:
 
     @app.get("/health/ready")
     @app.get("/health/readiness")  # the earlier name, kept
-    async def readiness():
+    async def ready():
         """Readiness: not draining, the state store answers, one deployment is up and warm."""
         s = st()
         if s.lifecycle.draining:
             return JSONResponse({"status": "not_ready", "reason": "draining"}, status_code=503)
-        deps = cfg.model_list
-        up, cooling, store_ok = await asyncio.gather(
-            asyncio.gather(*(s.pool.probe(d) for d in deps)),
-            s.store.cooling([d.id for d in deps]),
-            s.store.ping(),
-        )
-        rows = [
-            {"id": d.id, "model_name": d.model_name, "up": u, "cooling_down": d.id in cooling}
-            for d, u in zip(deps, up)
-        ]
-        ready = store_ok and any(r["up"] and not r["cooling_down"] for r in rows)
-        body = {"status": "ready" if ready else "not_ready", "state_store": store_ok, "deployments": rows}
-        return JSONResponse(body, status_code=200 if ready else 503)
+        ok, body = await readiness(s.pool, s.store, cfg.model_list)  # (readiness.py: a deadline)
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def metrics():
