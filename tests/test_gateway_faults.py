@@ -762,24 +762,6 @@ def test_gateway_errors_have_string_codes(gw):
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_value"
 
 
-def test_the_batch_api_is_refused_saying_so_not_a_route_404(gw):
-    """A LiteLLM proxy user's files.create / batches.create got "Not Found: POST /v1/files", which
-    reads as a wrong base_url. The Batch API is not proxied (docs/GATEWAY.md): the key is checked
-    as on every route, then a 404 `unsupported_endpoint` says what to do instead."""
-    c = client(gw)
-    with pytest.raises(openai.NotFoundError) as e:
-        c.files.create(file=("in.jsonl", b"{}\n"), purpose="batch")
-    assert e.value.body["code"] == "unsupported_endpoint" and "Batch API" in e.value.body["message"], (
-        e.value.body
-    )
-    for method, path in [("POST", "/v1/batches"), ("GET", "/v1/batches/batch_1"), ("GET", "/files/f/content"),
-                         ("DELETE", "/v1/files/file-1"), ("POST", "/v1/batches/b/cancel")]:  # fmt: skip
-        r = httpx.request(method, gw.url + path, headers={"Authorization": f"Bearer {KEY}"})
-        assert r.status_code == 404 and r.json()["error"]["code"] == "unsupported_endpoint", (path, r.text)
-    r = httpx.post(gw.url + "/v1/batches", headers={"Authorization": "Bearer sk-nobody"})
-    assert r.status_code == 401, r.text
-
-
 @pytest.mark.parametrize("prev, kind", [(123, "a number"), ([], "an array"), ({"id": "x"}, "an object")])
 def test_a_previous_response_id_that_is_no_string_is_a_400_naming_its_type(gw, prev, kind):
     """A previous_response_id that is not a string was looked up as a gateway id and answered

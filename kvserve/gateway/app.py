@@ -20,6 +20,8 @@ from kvserve.entrypoints.openai.middleware import BodySizeLimit, HeadAsGet, Inte
 from kvserve.gateway.admin import admin_router
 from kvserve.gateway.auth_headers import HOW, presented_key
 from kvserve.gateway.backends import BackendPool
+from kvserve.gateway.batch_routes import add_batch_routes
+from kvserve.gateway.batches import BatchAPI
 from kvserve.gateway.config import ConfigError, GatewayConfig
 from kvserve.gateway.errors import GatewayError, unauthorized
 from kvserve.gateway.handler import Gateway
@@ -31,7 +33,6 @@ from kvserve.gateway.readiness import readiness
 from kvserve.gateway.spend import SpendLog
 from kvserve.gateway.state import StoreUnavailable, open_store, same_redis_server
 from kvserve.gateway.stored_responses import stored_response
-from kvserve.gateway.unsupported import add_unsupported_routes
 from kvserve.routing.drain import ENDING_S, DrainLifecycle
 from kvserve.routing.in_flight import RETRY_AFTER
 from kvserve.web import add_web_ui
@@ -260,7 +261,12 @@ def build_app(cfg: GatewayConfig, web_ui: bool = True) -> FastAPI:
             )
         return model_card(model_id)
 
-    add_unsupported_routes(app, lambda request: st().authenticate(request))  # the Batch API
+    async def admit(request: Request) -> KeyRecord:
+        s = st()
+        s.refuse_if_draining()
+        return await s.authenticate(request)
+
+    add_batch_routes(app, BatchAPI(state.gateway), admit)  # the Batch API (batches.py)
     add_model_info_routes(app, state)  # LiteLLM's /model/info
 
     @app.get("/health")

@@ -1,0 +1,66 @@
+"""A batch input file as the gateway forwards it: one alias for all its lines, each line's
+`body.model` replaced by the chosen deployment's own model name (as a request's `model` is).
+
+OpenAI runs a batch on one model, and a file lives on one backend, so the file's lines must
+agree on the alias; a line that is no JSON object (or has no model) is passed on as it is, for
+the backend to answer as an error line, as it would without the gateway."""
+
+from __future__ import annotations
+
+import json
+
+from kvserve.gateway.errors import GatewayError
+
+
+def _parsed(raw: bytes) -> dict | None:
+    try:
+        obj = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    return obj if isinstance(obj, dict) and isinstance(obj.get("body"), dict) else None
+
+
+def file_alias(data: bytes, allowed: list[str]) -> str:
+    """The alias the file's lines name (one, and one this key may use), or a 400 / 404 naming
+    the line that breaks it."""
+    alias: str | None = None
+    first = 0
+    for n, raw in enumerate(data.splitlines(), 1):
+        obj = _parsed(raw)
+        model = obj["body"].get("model") if obj else None
+        if not isinstance(model, str):
+            continue
+        if model not in allowed:
+            raise GatewayError(
+                404,
+                f"file: line {n}: model {model[:200]!r} does not exist",
+                code="model_not_found",
+                param="file",
+            )
+        if alias is None:
+            alias, first = model, n
+        elif model != alias:
+            raise GatewayError(
+                400,
+                f"file: line {n} names model {model[:200]!r}, line {first} {alias!r}: a batch runs on one "
+                "model (as OpenAI's); split the file by model",
+                param="file",
+            )
+    if alias is None:
+        raise GatewayError(
+            400, "file: no line names a model (body.model): the gateway routes a batch by it", param="file"
+        )
+    return alias
+
+
+def for_backend(data: bytes, backend_model: str) -> bytes:
+    """The file with each line's body.model as the backend names the model."""
+    out = []
+    for raw in data.splitlines(keepends=True):
+        obj = _parsed(raw)
+        if obj is None or not isinstance(obj["body"].get("model"), str):
+            out.append(raw)
+            continue
+        obj["body"]["model"] = backend_model
+        out.append(json.dumps(obj).encode() + b"\n")
+    return b"".join(out)

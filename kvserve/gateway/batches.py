@@ -1,0 +1,229 @@
+"""The Batch API (/v1/files, /v1/batches) through the gateway, as LiteLLM's proxy routes it.
+
+An upload goes to one deployment of the alias its lines name (batch_lines.py); the file's id,
+and the ids of the batch made from it and of that batch's output files, name that deployment
+and the key that made them (batch_ids.py), so retrieve, cancel and content reach the backend
+holding them, from any gateway instance, and only for that key (or the master key). A backend's
+own list shows every caller's files, so the lists are the key's own: the ids it made, kept in
+the state store.
+
+A batch runs outside the gateway's per-request accounting (its lines run on the backend, their
+tokens are not counted here), so a key or team with a budget or a tpm limit may upload files
+but not create batches: a 403 saying so, rather than a budget the batch would overrun."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from starlette.datastructures import UploadFile
+
+from kvserve.gateway.batch_ids import BATCH, FILE, Held, decode, encode, owner_tag
+from kvserve.gateway.batch_lines import file_alias, for_backend
+from kvserve.gateway.config import Deployment
+from kvserve.gateway.errors import GatewayError
+from kvserve.gateway.handler import Gateway
+from kvserve.gateway.keys import KeyRecord
+
+_FILE_FIELDS = ("input_file_id", "output_file_id", "error_file_id")
+_LIST_TTL = 30 * 86400.0  # a key's list of ids outlives any batch (24 h window) and its files
+_LIST_MAX = 10_000
+_WHAT = {FILE: "file", BATCH: "batch"}
+
+
+def _bucket(prefix: str, owner: str) -> str:
+    return f"batchapi:{_WHAT[prefix]}:{owner}"
+
+
+class BatchAPI:
+    """The routes' work, over the gateway's deployments, pool and state store."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gw = gateway
+
+    # ---- what an id names, for this key ------------------------------------------------------
+    def _held(
+        self, key: KeyRecord, prefix: str, public_id: str, param: str | None = None
+    ) -> tuple[Deployment, Held]:
+        held = decode(prefix, public_id)
+        dep = self.gw.router.by_id.get(held.deployment) if held else None
+        mine = held is not None and (key.source == "master" or held.owner == owner_tag(key.key_hash))
+        if dep is None or not mine or dep.model_name not in self.gw.allowed_models(key):
+            what = _WHAT[prefix]  # (another key's: not said to exist)
+            raise GatewayError(
+                404, f"No such {what}: {public_id[:200]!r} (not made through this gateway with this key, "
+                "or its deployment is no longer configured)", code="not_found", param=param,
+            )  # fmt: skip
+        return dep, held
+
+    async def _call(self, dep: Deployment, method: str, path: str, **kw: Any) -> httpx.Response:
+        b = dep.backend
+        headers = {k: v for k, v in self.gw.pool.headers(dep).items() if k != "content-type"}
+        timeout = httpx.Timeout(b.timeout, connect=b.connect_timeout)
+        try:
+            return await self.gw.pool.client(dep).request(
+                method, b.base_url + path, headers=headers, timeout=timeout, **kw
+            )
+        except httpx.HTTPError as e:
+            raise GatewayError(
+                502,
+                f"deployment {dep.id} did not answer ({e.__class__.__name__})",
+                "server_error",
+                "upstream_error",
+            ) from None
+
+    def _public(
+        self, r: httpx.Response, dep: Deployment, owner: str, public_id: str | None = None
+    ) -> Response:
+        """The backend's answer with the gateway's ids; its 404 names the id the client sent."""
+        head = {"x-kvserve-deployment": dep.id}
+        if r.status_code == 404 and public_id is not None:
+            err = {"message": f"No such object: {public_id[:200]!r}", "type": "invalid_request_error",
+                   "param": None, "code": "not_found"}  # fmt: skip
+            return JSONResponse({"error": err}, 404, headers=head)
+        try:
+            obj = r.json() if r.status_code == 200 else None
+        except ValueError:
+            obj = None
+        if not isinstance(obj, dict):
+            media = r.headers.get("content-type", "application/json")
+            return Response(r.content, r.status_code, media_type=media, headers=head)
+        return JSONResponse(self._rewrite(obj, dep, owner), headers=head)
+
+    def _rewrite(self, obj: dict, dep: Deployment, owner: str) -> dict:
+        kind = obj.get("object")
+        if isinstance(obj.get("id"), str) and kind in ("file", "batch"):
+            obj["id"] = encode(FILE if kind == "file" else BATCH, dep.id, owner, obj["id"])
+        if kind == "batch":
+            for f in _FILE_FIELDS:
+                if isinstance(obj.get(f), str) and obj[f]:
+                    obj[f] = encode(FILE, dep.id, owner, obj[f])
+            if obj.get("model") == dep.backend.model:
+                obj["model"] = dep.model_name  # the alias the client's lines named
+        return obj
+
+    async def _remember(self, prefix: str, owner: str, public_id: str) -> None:
+        await self.gw.store.cache_add(_bucket(prefix, owner), public_id.encode(), _LIST_TTL, _LIST_MAX)
+
+    # ---- files -------------------------------------------------------------------------------
+    async def upload(self, key: KeyRecord, request: Request) -> Response:
+        form = await request.form()
+        purpose, upload = form.get("purpose"), form.get("file")
+        if purpose != "batch":
+            got = "missing" if purpose is None else f"got {str(purpose)[:100]!r}"
+            raise GatewayError(400, f"purpose: must be 'batch' ({got})", param="purpose")
+        if not isinstance(upload, UploadFile):
+            raise GatewayError(400, "file: missing (a multipart file field)", param="file")
+        data = await upload.read()
+        alias = file_alias(data, self.gw.allowed_models(key))
+        dep = await self.gw.router.pick(alias, set(), set())
+        if dep is None:
+            raise GatewayError(
+                503, f"model {alias!r}: every deployment is cooling down", "server_error", "no_deployment"
+            )
+        fields = {k: v for k, v in form.items() if isinstance(v, str)}  # purpose, expires_after[...]
+        files = {
+            "file": (
+                upload.filename or "batch.jsonl",
+                for_backend(data, dep.backend.model),
+                "application/jsonl",
+            )
+        }
+        r = await self._call(dep, "POST", "/files", data=fields, files=files)
+        owner = owner_tag(key.key_hash)
+        resp = self._public(r, dep, owner)
+        if r.status_code == 200:
+            await self._remember(FILE, owner, json.loads(resp.body)["id"])
+        return resp
+
+    async def file(self, key: KeyRecord, method: str, public_id: str, tail: str = "") -> Response:
+        """GET a file, GET its content (`tail` "/content"), or DELETE it."""
+        dep, held = self._held(key, FILE, public_id)
+        r = await self._call(dep, method, f"/files/{quote(held.backend_id, safe='')}{tail}")
+        if tail:  # the bytes as they are (an output file's lines)
+            if r.status_code == 404:
+                return self._public(r, dep, held.owner, public_id)
+            media = r.headers.get("content-type", "application/octet-stream")
+            return Response(
+                r.content, r.status_code, media_type=media, headers={"x-kvserve-deployment": dep.id}
+            )
+        resp = self._public(r, dep, held.owner, public_id)
+        if method == "DELETE" and r.status_code == 200:  # (its answer is {"id", "object": "file", ...})
+            return JSONResponse(
+                dict(json.loads(resp.body), id=public_id), headers={"x-kvserve-deployment": dep.id}
+            )
+        return resp
+
+    # ---- batches -----------------------------------------------------------------------------
+    def _may_batch(self, key: KeyRecord) -> None:
+        team = self.gw.cfg.teams.get(key.spec.team or "")
+        for who, limits in (("key", key.spec), ("team", team)):
+            if limits is None:
+                continue
+            for name in ("max_budget", "tpm"):
+                if getattr(limits, name) is not None:
+                    raise GatewayError(
+                        403,
+                        f"this {who} has a {name}; a batch's tokens are not counted by the gateway, so keys "
+                        "with a budget or a tpm limit cannot create batches (docs/GATEWAY.md)",
+                        code="batch_not_allowed",
+                    )
+
+    async def create(self, key: KeyRecord, request: Request) -> Response:
+        try:
+            body = json.loads(await request.body())
+        except (ValueError, RecursionError):
+            raise GatewayError(400, "the body is not valid JSON", code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise GatewayError(400, "the body must be a JSON object", code="invalid_json")
+        if not isinstance(body.get("input_file_id"), str):
+            raise GatewayError(400, "input_file_id: required (a file id)", param="input_file_id")
+        dep, held = self._held(key, FILE, body["input_file_id"], "input_file_id")
+        self._may_batch(key)
+        body["input_file_id"] = held.backend_id
+        r = await self._call(dep, "POST", "/batches", json=body)
+        resp = self._public(r, dep, held.owner)
+        if r.status_code == 200:
+            await self._remember(BATCH, held.owner, json.loads(resp.body)["id"])
+        return resp
+
+    async def batch(self, key: KeyRecord, method: str, public_id: str, tail: str = "") -> Response:
+        """GET a batch, or POST its cancel (`tail` "/cancel")."""
+        dep, held = self._held(key, BATCH, public_id)
+        r = await self._call(dep, method, f"/batches/{quote(held.backend_id, safe='')}{tail}")
+        return self._public(r, dep, held.owner, public_id)
+
+    # ---- lists: the key's own ids, newest first ----------------------------------------------
+    async def listing(self, key: KeyRecord, prefix: str, limit: int, after: str | None) -> dict:
+        most = 10_000 if prefix == FILE else 100
+        if not 1 <= limit <= most:
+            raise GatewayError(400, f"limit: must be between 1 and {most}, got {limit}", param="limit")
+        ids = [
+            e.decode() for e in await self.gw.store.cache_entries(_bucket(prefix, owner_tag(key.key_hash)))
+        ]
+        ids = list(dict.fromkeys(ids))
+        if after is not None:
+            ids = ids[ids.index(after) + 1 :] if after in ids else []
+        rows: list[dict] = []
+        while ids and len(rows) <= limit:  # one more than the page, to tell has_more
+            chunk, ids = ids[: limit + 1 - len(rows)], ids[limit + 1 - len(rows) :]
+            got = await asyncio.gather(*(self._row(key, prefix, i) for i in chunk))
+            rows += [g for g in got if g is not None]
+        page = rows[:limit]
+        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None, "has_more": len(rows) > limit}  # fmt: skip
+
+    async def _row(self, key: KeyRecord, prefix: str, public_id: str) -> dict | None:
+        """One listed object, or None when it is gone (deleted, expired, deployment removed)."""
+        try:
+            resp = await (
+                self.file(key, "GET", public_id) if prefix == FILE else self.batch(key, "GET", public_id)
+            )
+        except GatewayError:
+            return None
+        return json.loads(resp.body) if resp.status_code == 200 else None

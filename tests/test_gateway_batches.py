@@ -1,0 +1,121 @@
+"""The Batch API through `kvserve gateway` (kvserve/gateway/batches.py), as a LiteLLM proxy user
+calls it with the openai client: files.create, batches.create, batches.retrieve, files.content.
+A real `kvserve serve` backend and a real Redis; two gateway instances share it. Every one of
+these calls was a 404 `unsupported_endpoint` before."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+from gateway_utils import GatewayProcess, RedisServer
+from server_utils import ServerProcess
+
+KEY, OTHER, BUDGET, NARROW = "sk-batch-a", "sk-batch-b", "sk-batch-budget", "sk-batch-narrow"
+FINAL = ("completed", "failed", "cancelled", "expired")
+
+
+def _line(i: int, model: str = "tiny") -> dict:
+    body = {"model": model, "messages": [{"role": "user", "content": f"count to {i}"}],
+            "max_tokens": 3, "temperature": 0, "ignore_eos": True}  # fmt: skip
+    return {"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}
+
+
+def _jsonl(lines: list[dict]) -> bytes:
+    return "".join(json.dumps(x) + "\n" for x in lines).encode()
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_llama_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("gw-batches")
+    redis_server = RedisServer()
+    args = ("--kv-cache-memory", "64MiB", "--max-model-len", "512", "--served-model-name", "tiny-backend")
+    server = ServerProcess(tiny_llama_dir, *args, "--batch-storage-dir", str(tmp / "batch"))
+    backend = {"base_url": server.url + "/v1", "model": "tiny-backend", "api_key": server.api_key}
+    cfg = {
+        "model_list": [{"model_name": "tiny", "id": "tiny-a", "backend": backend},
+                       {"model_name": "other", "id": "other-a", "backend": backend}],
+        "keys": [{"key": KEY}, {"key": OTHER}, {"key": BUDGET, "max_budget": 10.0},
+                 {"key": NARROW, "models": ["other"]}],
+        "general_settings": {"state": redis_server.url, "master_key": "sk-batch-master"},
+    }  # fmt: skip
+    gws = []
+    try:
+        for name in ("gw1", "gw2"):  # each its own SQLite: what they share is the Redis
+            c = {**cfg, "general_settings": {**cfg["general_settings"], "database": str(tmp / f"{name}.db")}}
+            gws.append(GatewayProcess(c, str(tmp), name=name))
+        yield gws
+    finally:
+        for g in gws:
+            g.stop()
+        server.stop()
+        redis_server.stop()
+    for g in gws:
+        assert "Traceback" not in g.logs(), g.logs()
+
+
+def _client(gw: GatewayProcess, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def test_a_batch_runs_through_the_gateway_and_is_only_its_keys(stack):
+    gw1, gw2 = stack
+    c = _client(gw1, KEY)
+    f = c.files.create(file=("in.jsonl", _jsonl([_line(i) for i in range(3)])), purpose="batch")
+    assert f.purpose == "batch" and f.id.startswith("file-"), f
+    b = c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert b.input_file_id == f.id and b.id.startswith("batch_"), b
+    c2 = _client(gw2, KEY)  # another instance: the id names the deployment, no table needed
+    deadline = time.monotonic() + 60
+    while (b := c2.batches.retrieve(b.id)).status not in FINAL:
+        assert time.monotonic() < deadline, b
+        time.sleep(0.2)
+    assert b.status == "completed" and b.request_counts.completed == 3, b
+    assert b.model == "tiny", b  # the alias, not the backend's name for it
+    out = [json.loads(x) for x in c.files.content(b.output_file_id).text.splitlines()]
+    assert sorted(x["custom_id"] for x in out) == ["req-0", "req-1", "req-2"]
+    assert all(x["response"]["status_code"] == 200 for x in out), out
+    assert all(x["response"]["body"]["usage"]["completion_tokens"] == 3 for x in out), out
+    # the key's lists, from either instance (the ids are kept in the shared Redis)
+    assert [x.id for x in c2.batches.list().data] == [b.id]
+    assert [x.id for x in c2.files.list().data] == [f.id]
+    # another key: not its batch, not its file, nothing in its lists
+    o = _client(gw1, OTHER)
+    with pytest.raises(openai.NotFoundError):
+        o.batches.retrieve(b.id)
+    with pytest.raises(openai.NotFoundError):
+        o.files.content(b.output_file_id)
+    with pytest.raises(openai.NotFoundError):
+        o.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert o.batches.list().data == [] and o.files.list().data == []
+    # the master key reads any
+    assert _client(gw1, "sk-batch-master").batches.retrieve(b.id).status == "completed"
+    assert c.files.delete(f.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        c.files.retrieve(f.id)
+    assert c.files.list().data == []
+
+
+def test_batch_requests_the_gateway_cannot_route_are_refused_naming_why(stack):
+    gw = stack[0]
+    c = _client(gw, KEY)
+    two = _jsonl([_line(0), _line(1, "other")])
+    with pytest.raises(openai.BadRequestError) as e:
+        c.files.create(file=("in.jsonl", two), purpose="batch")
+    assert e.value.body["param"] == "file" and "line 2" in e.value.body["message"], e.value.body
+    with pytest.raises(openai.NotFoundError) as e:  # a model the key may not use
+        _client(gw, NARROW).files.create(file=("in.jsonl", _jsonl([_line(0)])), purpose="batch")
+    assert e.value.body["code"] == "model_not_found" and "line 1" in e.value.body["message"]
+    with pytest.raises(openai.NotFoundError):  # an id the gateway did not make
+        c.batches.retrieve("batch_0123")
+    # a key with a budget: its upload is fine, but a batch's tokens would not be counted
+    budget = _client(gw, BUDGET)
+    f = budget.files.create(file=("in.jsonl", _jsonl([_line(0)])), purpose="batch")
+    with pytest.raises(openai.PermissionDeniedError) as e:
+        budget.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert e.value.body["code"] == "batch_not_allowed" and "max_budget" in e.value.body["message"]
+    r = httpx.post(gw.url + "/v1/batches", headers={"Authorization": "Bearer sk-nobody"})
+    assert r.status_code == 401, r.text
