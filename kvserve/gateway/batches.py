@@ -20,7 +20,7 @@ from urllib.parse import quote
 
 import httpx
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.datastructures import UploadFile
 
 from kvserve.gateway.batch_ids import BATCH, FILE, Held, decode, encode, owner_tag
@@ -61,14 +61,17 @@ class BatchAPI:
             )  # fmt: skip
         return dep, held
 
-    async def _call(self, dep: Deployment, method: str, path: str, **kw: Any) -> httpx.Response:
+    async def _call(
+        self, dep: Deployment, method: str, path: str, stream: bool = False, **kw: Any
+    ) -> httpx.Response:
+        """The backend's answer (`stream`: its body not read yet)."""
         b = dep.backend
         headers = {k: v for k, v in self.gw.pool.headers(dep).items() if k != "content-type"}
-        timeout = httpx.Timeout(b.timeout, connect=b.connect_timeout)
+        timeout = httpx.Timeout(b.timeout, connect=b.connect_timeout, read=b.idle_timeout)
+        client = self.gw.pool.client(dep)
         try:
-            return await self.gw.pool.client(dep).request(
-                method, b.base_url + path, headers=headers, timeout=timeout, **kw
-            )
+            req = client.build_request(method, b.base_url + path, headers=headers, timeout=timeout, **kw)
+            return await client.send(req, stream=stream)
         except httpx.HTTPError as e:
             raise GatewayError(
                 502,
@@ -144,20 +147,37 @@ class BatchAPI:
     async def file(self, key: KeyRecord, method: str, public_id: str, tail: str = "") -> Response:
         """GET a file, GET its content (`tail` "/content"), or DELETE it."""
         dep, held = self._held(key, FILE, public_id)
-        r = await self._call(dep, method, f"/files/{quote(held.backend_id, safe='')}{tail}")
-        if tail:  # the bytes as they are (an output file's lines)
-            if r.status_code == 404:
-                return self._public(r, dep, held.owner, public_id)
-            media = r.headers.get("content-type", "application/octet-stream")
-            return Response(
-                r.content, r.status_code, media_type=media, headers={"x-kvserve-deployment": dep.id}
-            )
+        path = f"/files/{quote(held.backend_id, safe='')}"
+        if tail:
+            return await self._content(dep, path + tail, public_id, held.owner)
+        r = await self._call(dep, method, path)
         resp = self._public(r, dep, held.owner, public_id)
         if method == "DELETE" and r.status_code == 200:  # (its answer is {"id", "object": "file", ...})
             return JSONResponse(
                 dict(json.loads(resp.body), id=public_id), headers={"x-kvserve-deployment": dep.id}
             )
         return resp
+
+    async def _content(self, dep: Deployment, path: str, public_id: str, owner: str) -> Response:
+        """A file's bytes as they come (an output file can be hundreds of MB: not held whole)."""
+        r = await self._call(dep, "GET", path, stream=True)
+        if r.status_code != 200:
+            await r.aread()
+            await r.aclose()
+            return self._public(r, dep, owner, public_id)
+
+        async def body():
+            try:
+                async for chunk in r.aiter_bytes():
+                    yield chunk
+            finally:
+                await r.aclose()
+
+        media = r.headers.get("content-type", "application/octet-stream")
+        head = {"x-kvserve-deployment": dep.id}
+        if "content-length" in r.headers and "content-encoding" not in r.headers:
+            head["content-length"] = r.headers["content-length"]
+        return StreamingResponse(body(), media_type=media, headers=head)
 
     # ---- batches -----------------------------------------------------------------------------
     def _may_batch(self, key: KeyRecord) -> None:
