@@ -98,7 +98,7 @@ def _probe_paths(dep: dict) -> dict[str, str]:
     return {k: c[k]["httpGet"]["path"] for k in ("startupProbe", "readinessProbe", "livenessProbe")}
 
 
-def _check_lifecycle(dep: dict, shutdown_timeout: float) -> None:
+def _check_lifecycle(dep: dict, shutdown_timeout: float, liveness: str = "/health") -> None:
     c = _containers(dep)[0]
     ports = {p["name"] for p in c["ports"]}
     for k in ("startupProbe", "readinessProbe", "livenessProbe"):
@@ -108,7 +108,7 @@ def _check_lifecycle(dep: dict, shutdown_timeout: float) -> None:
     grace = dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
     assert grace > pause + shutdown_timeout, "SIGKILL would come before the drain's deadline"
     paths = _probe_paths(dep)
-    assert paths["readinessProbe"] == "/health/ready" and paths["livenessProbe"] == "/health"
+    assert paths["readinessProbe"] == "/health/ready" and paths["livenessProbe"] == liveness
 
 
 def test_server_probes_prestop_and_hpa(server):
@@ -159,7 +159,8 @@ def test_gateway_replicas_share_redis_and_reach_the_servers(server, gateway, mon
     args = _containers(gw)[0]["args"]
     mount = next(m for m in _containers(gw)[0]["volumeMounts"] if m["name"] == "config")["mountPath"]
     assert args[0] == "gateway" and args[args.index("--config") + 1] == f"{mount}/gateway.yaml"
-    _check_lifecycle(gw, cfg.general_settings.shutdown_timeout)
+    # (the gateway's /health with a key is LiteLLM's model health: probes use the key-free path)
+    _check_lifecycle(gw, cfg.general_settings.shutdown_timeout, "/health/liveliness")
     # the probe paths are routes of the real gateway app built from this config
     cfg.general_settings.state = "memory"
     cfg.general_settings.database = str(tmp_path / "gw.db")

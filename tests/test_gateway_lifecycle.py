@@ -98,8 +98,10 @@ def test_the_drain_deadline_ends_what_is_still_in_flight(tmp_path):
         fault.stop()
 
 
-def _ready_in_process(cfg: dict, tmp_path) -> tuple[httpx.Response, float]:
-    """GET /health/ready of an in-process gateway, and how long it took."""
+def _ready_in_process(
+    cfg: dict, tmp_path, path: str = "/health/ready", headers: dict | None = None
+) -> tuple[httpx.Response, float]:
+    """GET `path` (/health/ready) of an in-process gateway, and how long it took."""
     import asyncio
 
     from kvserve.gateway.app import build_app
@@ -112,7 +114,7 @@ def _ready_in_process(cfg: dict, tmp_path) -> tuple[httpx.Response, float]:
     async def go():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
             t0 = time.monotonic()
-            r = await c.get("/health/ready", timeout=30)
+            r = await c.get(path, headers=headers, timeout=30)
             return r, time.monotonic() - t0
 
     return asyncio.run(go())
@@ -148,4 +150,39 @@ def test_readiness_answers_within_a_probes_timeout_when_a_dependency_hangs(tmp_p
         redis_server.proc.send_signal(signal.SIGCONT)
         redis_server.stop()
         hung.close()
+        fault.stop()
+
+
+def test_health_with_a_key_lists_the_keys_deployments_as_litellm_does(tmp_path):
+    """LiteLLM's /health (key required) answers healthy_endpoints / unhealthy_endpoints; its users'
+    monitors got {"status": "ok"} here with a backend down. Without a key it stays liveness."""
+    from server_utils import free_port
+
+    fault = FaultBackend()
+    dead = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens there
+    cfg = {
+        "model_list": [deployment("m", fault.url + "/v1", "ok"), deployment("m", dead, "ok"),
+                       deployment("n", fault.url + "/v1", "ok")],
+        "keys": [{"key": "sk-narrow", "models": ["m"]}],
+        "general_settings": {"master_key": "sk-master"},
+    }  # fmt: skip
+
+    def get(key: str | None, query: str = "") -> httpx.Response:
+        head = {"Authorization": f"Bearer {key}"} if key else None
+        return _ready_in_process(cfg, tmp_path, "/health" + query, head)[0]
+
+    try:
+        assert get(None).json() == {"status": "ok"}  # probes send no key
+        r = get("sk-narrow").json()
+        assert (r["healthy_count"], r["unhealthy_count"]) == (1, 1), r
+        assert [e["model_id"] for e in r["healthy_endpoints"]] == ["m-0"], r
+        bad = r["unhealthy_endpoints"][0]
+        assert bad["model_id"] == "m-1" and "GET /models" in bad["error"] and "api_base" not in bad, r
+        r = get("sk-master").json()  # every deployment, with its URL (the operator's)
+        assert sorted(e["model_id"] for e in r["healthy_endpoints"]) == ["m-0", "n-2"], r
+        assert r["unhealthy_endpoints"][0]["api_base"] == dead, r
+        assert get("sk-master", "?model=n").json()["healthy_count"] == 1
+        assert get("sk-narrow", "?model=n").status_code == 404  # not its model: not said to exist
+        assert get("sk-wrong").status_code == 401
+    finally:
         fault.stop()

@@ -28,6 +28,7 @@ from kvserve.gateway.handler import Gateway
 from kvserve.gateway.keys import KeyRecord, KeyStore, open_database
 from kvserve.gateway.litellm_keys import litellm_key_router
 from kvserve.gateway.metrics import GatewayMetrics
+from kvserve.gateway.model_health import model_health
 from kvserve.gateway.model_info import add_model_info_routes
 from kvserve.gateway.readiness import readiness
 from kvserve.gateway.spend import SpendLog
@@ -269,12 +270,20 @@ def build_app(cfg: GatewayConfig, web_ui: bool = True) -> FastAPI:
     add_batch_routes(app, BatchAPI(state.gateway), admit)  # the Batch API (batches.py)
     add_model_info_routes(app, state)  # LiteLLM's /model/info
 
-    @app.get("/health")
     @app.get("/health/liveliness")  # LiteLLM's probe paths: its charts' liveness probes got 404s,
     @app.get("/health/liveness")  # and a pod answering 404 to its probe is restarted in a loop
-    async def health():
+    async def liveness():
         """Liveness: the process answers (a backend being down is readiness's business)."""
         return {"status": "ok"}
+
+    @app.get("/health")
+    async def health(request: Request, model: str | None = None):
+        """Without a key, liveness (probes send none); with one, LiteLLM's health of the
+        deployments that key may call (model_health.py)."""
+        if presented_key(request.headers) is None:
+            return {"status": "ok"}
+        s = st()
+        return await model_health(s.gateway, await s.authenticate(request), model)
 
     @app.get("/health/ready")
     @app.get("/health/readiness")  # the earlier name, kept
