@@ -17,7 +17,7 @@ import yaml
 
 from kvserve.gateway.app import build_app
 from kvserve.gateway.config import parse_config
-from kvserve.gateway.readiness import READY_DEADLINE_S
+from kvserve.routing.probe_deadline import PROBE_DEADLINE_S
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 K8S = os.path.join(ROOT, "deploy", "k8s")
@@ -166,8 +166,8 @@ def test_gateway_replicas_share_redis_and_reach_the_servers(server, gateway, mon
     cfg.general_settings.database = str(tmp_path / "gw.db")
     routes = {getattr(r, "path", None) for r in build_app(cfg, web_ui=False).routes}
     assert set(_probe_paths(gw).values()) <= routes
-    # /health/ready answers within its deadline (readiness.py): the probe must wait longer
-    assert _containers(gw)[0]["readinessProbe"].get("timeoutSeconds", 1) >= 2 * READY_DEADLINE_S
+    # /health/ready answers within its deadline (routing/probe_deadline.py): the probe must wait longer
+    assert _containers(gw)[0]["readinessProbe"].get("timeoutSeconds", 1) >= 2 * PROBE_DEADLINE_S
 
 
 def _redis_behind(docs: list[dict], service: dict) -> tuple[dict, dict]:

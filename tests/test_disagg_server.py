@@ -816,3 +816,37 @@ def test_the_proxys_drain_deadline_ends_what_is_still_in_flight(tmp_path):
             proxy.stop()
         fault.stop()
     assert "Traceback" not in log_path.read_text()
+
+
+def test_health_and_readiness_answer_within_a_probes_timeout_when_an_engine_hangs(fault_proxy):
+    """A decode engine that accepts connections and never answers kept /health and /health/ready
+    waiting 2 s, past a Kubernetes probe's 1 s (its default timeoutSeconds): the proxy was taken
+    out (or restarted) while its other decode engine served. Each engine now has a 0.7 s deadline."""
+    import asyncio
+    import socket
+
+    from kvserve.disagg.proxy import PDProxy, build_app
+
+    fault, _, _ = fault_proxy
+    hung = socket.socket()  # the backlog accepts the connection; nothing ever answers
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(8)
+    hung_url = f"http://127.0.0.1:{hung.getsockname()[1]}"
+    app = build_app(PDProxy([fault.url], [hung_url, fault.url]))
+
+    async def run() -> list[tuple[httpx.Response, float]]:
+        out = []
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://pd") as c:
+            for path in ("/health", "/health/ready"):
+                t0 = time.monotonic()
+                r = await c.get(path, timeout=30)
+                out.append((r, time.monotonic() - t0))
+        return out
+
+    try:
+        (health, t_health), (ready, t_ready) = asyncio.run(run())
+    finally:
+        hung.close()
+    assert health.status_code == 200 and health.json()["decode"] == [False, True], health.text
+    assert ready.status_code == 200 and ready.json()["decode"] == [False, True], ready.text
+    assert t_health < 1.9 and t_ready < 1.9, (t_health, t_ready)  # (the engine's own timeout is 2 s)

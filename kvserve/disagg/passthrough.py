@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response
 
 from kvserve.disagg.errors import error, unreachable
 from kvserve.disagg.split import JSON_HEADER
+from kvserve.routing.probe_deadline import within
 
 ENGINE_GETS = ("/version",)
 ENGINE_POSTS = ("/tokenize", "/detokenize")
@@ -34,11 +35,14 @@ async def first_decode(proxy, raw: Request, path: str) -> Response:
     return down
 
 
-async def _up(proxy, url: str, path: str) -> bool:
-    try:
+async def up(proxy, url: str, path: str) -> bool:
+    """Whether the engine answers `path` 200, within the probe deadline (a hung engine out of
+    several kept /health/ready 2 s, past a Kubernetes probe's 1 s: routing/probe_deadline.py)."""
+
+    async def ask() -> bool:
         return (await proxy.client.get(url + path, timeout=2.0)).status_code == 200
-    except httpx.HTTPError:
-        return False
+
+    return await within(ask(), False)
 
 
 def add_engine_routes(app: FastAPI, proxy) -> None:
@@ -64,7 +68,7 @@ def add_engine_routes(app: FastAPI, proxy) -> None:
             return JSONResponse(
                 error("not ready: draining", None, "server_error", "not_ready"), status_code=503
             )
-        states = await asyncio.gather(*(_up(proxy, u, "/health/ready") for u in proxy.decode))
+        states = await asyncio.gather(*(up(proxy, u, "/health/ready") for u in proxy.decode))
         if any(states):
             return JSONResponse({"decode": list(states)})
         msg = f"not ready: none of the {len(states)} decode engines is ready"

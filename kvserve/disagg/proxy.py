@@ -32,6 +32,7 @@ from kvserve.disagg.decode import decode
 from kvserve.disagg.errors import error as _error
 from kvserve.disagg.errors import unreachable as _unreachable
 from kvserve.disagg.passthrough import add_engine_routes
+from kvserve.disagg.passthrough import up as engine_up
 from kvserve.disagg.prefill import PrefillResult, run_prefill
 from kvserve.disagg.split import decode_body, disaggregates
 from kvserve.disagg.validate import decode_refusal
@@ -311,13 +312,7 @@ def build_app(proxy: PDProxy, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     @app.get("/ping")  # vLLM's (and SageMaker's) name for it, as kvserve serve answers it
     @app.post("/ping")
     async def health() -> Response:
-        async def ok(url: str) -> bool:
-            try:
-                return (await proxy.client.get(url + "/health", timeout=2.0)).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        states = await asyncio.gather(*(ok(u) for u in proxy.prefill + proxy.decode))
+        states = await asyncio.gather(*(engine_up(proxy, u, "/health") for u in proxy.prefill + proxy.decode))
         # one decode engine answering is enough: the others are tried in turn, and without a prefill
         # engine the decode engine computes the prompt (slower, still an answer)
         up = any(states[len(proxy.prefill) :])
