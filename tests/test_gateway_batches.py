@@ -82,6 +82,12 @@ def test_a_batch_runs_through_the_gateway_and_is_only_its_keys(stack):
     # the key's lists, from either instance (the ids are kept in the shared Redis)
     assert [x.id for x in c2.batches.list().data] == [b.id]
     assert [x.id for x in c2.files.list().data] == [f.id]
+    f2 = c.files.create(file=("two.jsonl", _jsonl([_line(9)])), purpose="batch")
+    page = c2.files.list(limit=1)  # newest first, paged as OpenAI's
+    assert [x.id for x in page.data] == [f2.id] and page.has_more, page
+    page = c2.files.list(limit=1, after=f2.id)
+    assert [x.id for x in page.data] == [f.id] and not page.has_more, page
+    assert c.files.delete(f2.id).deleted
     # another key: not its batch, not its file, nothing in its lists
     o = _client(gw1, OTHER)
     with pytest.raises(openai.NotFoundError):

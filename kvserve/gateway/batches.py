@@ -33,6 +33,7 @@ from kvserve.gateway.keys import KeyRecord
 _FILE_FIELDS = ("input_file_id", "output_file_id", "error_file_id")
 _LIST_TTL = 30 * 86400.0  # a key's list of ids outlives any batch (24 h window) and its files
 _LIST_MAX = 10_000
+_LIST_FETCH = 32  # objects a list asks the backends for at a time
 _WHAT = {FILE: "file", BATCH: "batch"}
 
 
@@ -231,7 +232,8 @@ class BatchAPI:
             ids = ids[ids.index(after) + 1 :] if after in ids else []
         rows: list[dict] = []
         while ids and len(rows) <= limit:  # one more than the page, to tell has_more
-            chunk, ids = ids[: limit + 1 - len(rows)], ids[limit + 1 - len(rows) :]
+            n = min(_LIST_FETCH, limit + 1 - len(rows))  # (a 10,000-file page: not 10,000 at once)
+            chunk, ids = ids[:n], ids[n:]
             got = await asyncio.gather(*(self._row(key, prefix, i) for i in chunk))
             rows += [g for g in got if g is not None]
         page = rows[:limit]
