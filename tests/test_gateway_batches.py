@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 from gateway_utils import GatewayProcess, RedisServer
-from server_utils import ServerProcess
+from server_utils import ServerProcess, free_port
 
 KEY, OTHER, BUDGET, NARROW = "sk-batch-a", "sk-batch-b", "sk-batch-budget", "sk-batch-narrow"
 FINAL = ("completed", "failed", "cancelled", "expired")
@@ -35,9 +35,13 @@ def stack(tiny_llama_dir, tmp_path_factory):
     args = ("--kv-cache-memory", "64MiB", "--max-model-len", "512", "--served-model-name", "tiny-backend")
     server = ServerProcess(tiny_llama_dir, *args, "--batch-storage-dir", str(tmp / "batch"))
     backend = {"base_url": server.url + "/v1", "model": "tiny-backend", "api_key": server.api_key}
+    dead = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens there
     cfg = {
         "model_list": [{"model_name": "tiny", "id": "tiny-a", "backend": backend},
-                       {"model_name": "other", "id": "other-a", "backend": backend}],
+                       {"model_name": "other", "id": "other-a", "backend": backend},
+                       {"model_name": "spare", "id": "spare-dead", "backend": {**backend, "base_url": dead}},
+                       {"model_name": "spare", "id": "spare-live", "backend": backend}],
+        "router_settings": {"routing_strategy": "round-robin"},
         "keys": [{"key": KEY}, {"key": OTHER}, {"key": BUDGET, "max_budget": 10.0},
                  {"key": NARROW, "models": ["other"]}],
         "general_settings": {"state": redis_server.url, "master_key": "sk-batch-master"},
@@ -125,3 +129,13 @@ def test_batch_requests_the_gateway_cannot_route_are_refused_naming_why(stack):
     assert e.value.body["code"] == "batch_not_allowed" and "max_budget" in e.value.body["message"]
     r = httpx.post(gw.url + "/v1/batches", headers={"Authorization": "Bearer sk-nobody"})
     assert r.status_code == 401, r.text
+
+
+def test_an_upload_goes_on_to_the_groups_next_deployment_when_one_is_down(stack):
+    """Of the alias's two deployments one is down: an upload that met it first was a 502, where
+    a request would have gone on to the other. Round-robin sends one of these two there first."""
+    c = _client(stack[0], KEY)
+    for i in range(2):
+        f = c.files.create(file=("in.jsonl", _jsonl([_line(i, "spare")])), purpose="batch")
+        assert c.files.retrieve(f.id).id == f.id
+        c.files.delete(f.id)

@@ -125,25 +125,31 @@ class BatchAPI:
             raise GatewayError(400, "file: missing (a multipart file field)", param="file")
         data = await upload.read()
         alias = file_alias(data, self.gw.allowed_models(key))
-        dep = await self.gw.router.pick(alias, set(), set())
-        if dep is None:
-            raise GatewayError(
-                503, f"model {alias!r}: every deployment is cooling down", "server_error", "no_deployment"
-            )
         fields = {k: v for k, v in form.items() if isinstance(v, str)}  # purpose, expires_after[...]
-        files = {
-            "file": (
-                upload.filename or "batch.jsonl",
-                for_backend(data, dep.backend.model),
-                "application/jsonl",
-            )
-        }
-        r = await self._call(dep, "POST", "/files", data=fields, files=files)
-        owner = owner_tag(key.key_hash)
-        resp = self._public(r, dep, owner)
-        if r.status_code == 200:
-            await self._remember(FILE, owner, json.loads(resp.body)["id"])
-        return resp
+        name = upload.filename or "batch.jsonl"
+        tried: set[str] = set()
+        failures: list[str] = []
+        # the group's deployments in turn until one takes the file: one that is down, failing
+        # (5xx) or without the Batch API (404 / 405) is skipped, as a request's attempt would be
+        while (dep := await self.gw.router.pick(alias, tried, tried)) is not None:
+            tried.add(dep.id)
+            files = {"file": (name, for_backend(data, dep.backend.model), "application/jsonl")}
+            try:
+                r = await self._call(dep, "POST", "/files", data=fields, files=files)
+            except GatewayError as e:
+                failures.append(str(e))
+                continue
+            if r.status_code >= 500 or r.status_code in (404, 405):
+                failures.append(f"deployment {dep.id} answered POST /files {r.status_code}")
+                continue
+            owner = owner_tag(key.key_hash)
+            resp = self._public(r, dep, owner)
+            if r.status_code == 200:
+                await self._remember(FILE, owner, json.loads(resp.body)["id"])
+            return resp
+        why = "; ".join(failures) or "every deployment is cooling down"
+        raise GatewayError(503, f"model {alias!r}: no deployment took the file ({why})", "server_error",
+                           "no_deployment")  # fmt: skip
 
     async def file(self, key: KeyRecord, method: str, public_id: str, tail: str = "") -> Response:
         """GET a file, GET its content (`tail` "/content"), or DELETE it."""
