@@ -139,3 +139,31 @@ def test_an_upload_goes_on_to_the_groups_next_deployment_when_one_is_down(stack)
         f = c.files.create(file=("in.jsonl", _jsonl([_line(i, "spare")])), purpose="batch")
         assert c.files.retrieve(f.id).id == f.id
         c.files.delete(f.id)
+
+
+def _finished(c: openai.OpenAI, batch_id: str):
+    deadline = time.monotonic() + 60
+    while (b := c.batches.retrieve(batch_id)).status not in FINAL:
+        assert time.monotonic() < deadline, b
+        time.sleep(0.2)
+    return b
+
+
+def test_a_responses_batchs_stored_responses_are_found_through_the_gateway(stack):
+    """A /v1/responses batch stores each answer on the backend; its output lines carried the
+    backend's own response ids, which the gateway's GET /v1/responses/{id} (and a follow-up's
+    previous_response_id) answered 404: they name no deployment."""
+    c = _client(stack[0], KEY)
+    body = {"model": "tiny", "input": "count", "max_output_tokens": 3, "temperature": 0}
+    line = {"custom_id": "r", "method": "POST", "url": "/v1/responses", "body": body}
+    f = c.files.create(file=("in.jsonl", _jsonl([line])), purpose="batch")
+    b = _finished(
+        c, c.batches.create(input_file_id=f.id, endpoint="/v1/responses", completion_window="24h").id
+    )
+    assert b.status == "completed" and b.request_counts.completed == 1, b
+    out = json.loads(c.files.content(b.output_file_id).text)
+    stored = c.responses.retrieve(out["response"]["body"]["id"])
+    assert (
+        stored.id == out["response"]["body"]["id"]
+        and stored.output_text == out["response"]["body"]["output"][0]["content"][0]["text"]
+    )

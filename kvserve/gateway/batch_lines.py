@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 from kvserve.gateway.errors import GatewayError
+from kvserve.routing.responses_ids import public_response
 
 
 def _parsed(raw: bytes) -> dict | None:
@@ -64,3 +65,25 @@ def for_backend(data: bytes, backend_model: str) -> bytes:
         obj["body"]["model"] = backend_model
         out.append(json.dumps(obj).encode() + b"\n")
     return b"".join(out)
+
+
+def public_output_line(line: bytes, dep_id: str) -> bytes:
+    """An output line of a `/v1/responses` batch with the stored Response's ids as the gateway
+    hands them out (routing/responses_ids.py): the backend's own id in it was a 404 at the
+    gateway's GET /v1/responses/{id}, and as a later request's previous_response_id. Other lines
+    as they came."""
+    if b"resp_" not in line:
+        return line
+    try:
+        obj = json.loads(line)
+    except (ValueError, RecursionError):
+        return line
+    body = (
+        obj.get("response", {}).get("body")
+        if isinstance(obj, dict) and isinstance(obj.get("response"), dict)
+        else None
+    )
+    if not isinstance(body, dict) or body.get("object") != "response":
+        return line
+    public_response(body, dep_id)
+    return json.dumps(obj).encode()

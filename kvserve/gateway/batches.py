@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.datastructures import UploadFile
 
 from kvserve.gateway.batch_ids import BATCH, FILE, Held, decode, encode, owner_tag
-from kvserve.gateway.batch_lines import file_alias, for_backend
+from kvserve.gateway.batch_lines import file_alias, for_backend, public_output_line
 from kvserve.gateway.config import Deployment
 from kvserve.gateway.errors import GatewayError
 from kvserve.gateway.handler import Gateway
@@ -174,17 +174,19 @@ class BatchAPI:
             return self._public(r, dep, owner, public_id)
 
         async def body():
+            rest = b""  # a line not yet ended
             try:
                 async for chunk in r.aiter_bytes():
-                    yield chunk
+                    *lines, rest = (rest + chunk).split(b"\n")
+                    if lines:  # (a Responses batch's ids made the gateway's: batch_lines.py)
+                        yield b"".join(public_output_line(x, dep.id) + b"\n" for x in lines)
+                if rest:
+                    yield public_output_line(rest, dep.id)
             finally:
                 await r.aclose()
 
         media = r.headers.get("content-type", "application/octet-stream")
-        head = {"x-kvserve-deployment": dep.id}
-        if "content-length" in r.headers and "content-encoding" not in r.headers:
-            head["content-length"] = r.headers["content-length"]
-        return StreamingResponse(body(), media_type=media, headers=head)
+        return StreamingResponse(body(), media_type=media, headers={"x-kvserve-deployment": dep.id})
 
     # ---- batches -----------------------------------------------------------------------------
     def _may_batch(self, key: KeyRecord) -> None:
