@@ -31,6 +31,8 @@ whose metadata is the body's (what reached the backend).
 
 Any model answers 400 (param temperature) to a temperature above 2, as a real backend would.
 /tokenize, /detokenize, /version, /health and /health/ready answer as kvserve serve's would.
+POST /v1/files takes an upload as a strict hosted API does: a form field other than OpenAI's
+(purpose, file, expires_after[...]) is a 400 naming it.
 POST /deny/v1/... answers 401 whatever the model (a server whose API key the caller lacks).
 GET /stats gives requests per model and how many streams and holds the client cancelled.
 
@@ -258,6 +260,18 @@ async def detokenize(request: Request):
 async def cancel(response_id: str):
     """As a server running background responses answers it (OpenAI's: the Response)."""
     return {"id": response_id, "object": "response", "status": "completed", "output": []}
+
+
+@app.post("/v1/files")
+async def upload(request: Request):
+    form = await request.form()
+    unknown = sorted(k for k in form if k.partition("[")[0] not in ("purpose", "file", "expires_after"))
+    if unknown:
+        err = {"message": f"Unrecognized request argument supplied: {unknown[0]}",
+               "type": "invalid_request_error", "param": unknown[0], "code": None}  # fmt: skip
+        return JSONResponse({"error": err}, status_code=400)
+    return {"id": "file-fault", "object": "file", "bytes": len(await form["file"].read()), "created_at": 0,
+            "filename": form["file"].filename, "purpose": form["purpose"], "status": "processed"}  # fmt: skip
 
 
 @app.get("/version")

@@ -167,3 +167,34 @@ def test_a_responses_batchs_stored_responses_are_found_through_the_gateway(stack
         stored.id == out["response"]["body"]["id"]
         and stored.output_text == out["response"]["body"]["output"][0]["content"][0]["text"]
     )
+
+
+def test_litellms_upload_fields_are_not_passed_to_the_backend(tmp_path):
+    """LiteLLM's clients send their own form fields with an upload (custom_llm_provider,
+    target_model_names); a strict backend (a hosted API) refused the upload for them. Only
+    OpenAI's fields reach it."""
+    import asyncio
+
+    from gateway_utils import FaultBackend
+
+    from kvserve.gateway.app import build_app
+    from kvserve.gateway.config import parse_config
+
+    fault = FaultBackend()
+    cfg = {"model_list": [{"model_name": "m", "backend": {"base_url": fault.url + "/v1", "model": "ok"}}],
+           "keys": [{"key": KEY}], "general_settings": {"database": str(tmp_path / "gw.db")}}  # fmt: skip
+    app = build_app(parse_config(cfg), web_ui=False)
+    form = {"purpose": "batch", "custom_llm_provider": "openai", "target_model_names": "m",
+            "expires_after[anchor]": "created_at", "expires_after[seconds]": "3600"}  # fmt: skip
+
+    async def upload() -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
+            return await c.post("/v1/files", data=form, files={"file": ("in.jsonl", _jsonl([_line(0, "m")]))},
+                                headers={"Authorization": f"Bearer {KEY}"})  # fmt: skip
+
+    try:
+        r = asyncio.run(upload())
+    finally:
+        fault.stop()
+    assert r.status_code == 200, r.text
+    assert r.json()["filename"] == "in.jsonl" and r.json()["id"].startswith("file-"), r.text

@@ -35,6 +35,7 @@ _LIST_TTL = 30 * 86400.0  # a key's list of ids outlives any batch (24 h window)
 _LIST_MAX = 10_000
 _LIST_FETCH = 32  # objects a list asks the backends for at a time
 _WHAT = {FILE: "file", BATCH: "batch"}
+_FORM_FIELDS = ("purpose", "expires_after")  # an upload's fields passed on (expires_after[...])
 
 
 def _bucket(prefix: str, owner: str) -> str:
@@ -125,7 +126,9 @@ class BatchAPI:
             raise GatewayError(400, "file: missing (a multipart file field)", param="file")
         data = await upload.read()
         alias = file_alias(data, self.gw.allowed_models(key))
-        fields = {k: v for k, v in form.items() if isinstance(v, str)}  # purpose, expires_after[...]
+        # OpenAI's own fields only: LiteLLM's clients add theirs (custom_llm_provider,
+        # target_model_names), which a hosted backend may refuse as unknown
+        fields = {k: v for k, v in form.items() if isinstance(v, str) and k.partition("[")[0] in _FORM_FIELDS}
         name = upload.filename or "batch.jsonl"
         tried: set[str] = set()
         failures: list[str] = []
