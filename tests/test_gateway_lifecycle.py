@@ -186,3 +186,35 @@ def test_health_with_a_key_lists_the_keys_deployments_as_litellm_does(tmp_path):
         assert get("sk-wrong").status_code == 401
     finally:
         fault.stop()
+
+
+def test_counted_requests_use_every_connection_and_readiness_sees_past_a_full_pool(tmp_path):
+    """A deployment's max_connections (8 here: two clients of 4, taken in turn) held only 4
+    requests at once for a key whose prompt tokens are counted: the /tokenize call took a turn
+    too, so every request landed on the same client. And with the pool full, the readiness
+    probe waited behind the requests and read the busy deployment as down (503)."""
+    fault, gw = FaultBackend(), None
+    cfg = {
+        "model_list": [deployment("held", fault.url + "/v1", "hold-5", max_connections=8)],
+        "keys": [{"key": KEY}, {"key": "sk-counted", "tpm": 10**6}],  # tpm: prompt tokens counted
+        "general_settings": {"database": str(tmp_path / "gw.db")},
+    }
+
+    def eight(key: str, arrived: int) -> None:
+        """8 requests at once; all 8 reach the backend (each is held 5 s); readiness meanwhile."""
+        url, auth = gw.url + "/v1/chat/completions", {"Authorization": f"Bearer {key}"}
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            held = [pool.submit(httpx.post, url, json=BODY, headers=auth, timeout=60) for _ in range(8)]
+            _until(lambda: fault.count("hold-5") == arrived, timeout=4.5)
+            ready = httpx.get(gw.url + "/health/ready", timeout=10)
+            assert ready.status_code == 200 and ready.json()["deployments"][0]["up"], ready.text
+            assert all(h.result().status_code == 200 for h in held)
+
+    try:
+        gw = GatewayProcess(cfg, str(tmp_path))
+        eight("sk-counted", 8)
+        eight(KEY, 16)
+    finally:
+        if gw is not None:
+            gw.stop()
+        fault.stop()

@@ -48,6 +48,7 @@ def _tokenize_payload(dep: Deployment, body: dict) -> dict | None:
 
 
 POOL_SHARD = 4  # connections per httpx client: one client's pool slows down sharply past a few dozen
+AUX_CONNECTIONS = 8  # per deployment, for /tokenize, readiness probes and /metrics polls (aux_client)
 
 
 class BackendPool:
@@ -59,6 +60,7 @@ class BackendPool:
         self.clients: dict[str, list[httpx.AsyncClient]] = {}
         self._next: dict[str, int] = {}
         self.tokenizer: dict[str, str] = {}
+        self.aux: dict[str, httpx.AsyncClient] = {}
         tls = httpx.create_ssl_context()  # built once: one per client made start-up take minutes
         for d in cfg.model_list:
             b = d.backend
@@ -71,11 +73,21 @@ class BackendPool:
             ]
             self._next[d.id] = 0
             self.tokenizer[d.id] = b.tokenizer
+            aux = httpx.Limits(max_connections=AUX_CONNECTIONS, max_keepalive_connections=AUX_CONNECTIONS)
+            self.aux[d.id] = httpx.AsyncClient(timeout=timeout, limits=aux, verify=tls)
 
     def client(self, dep: Deployment) -> httpx.AsyncClient:
         shards = self.clients[dep.id]
         i = self._next[dep.id] = (self._next[dep.id] + 1) % len(shards)
         return shards[i]
+
+    def aux_client(self, dep: Deployment) -> httpx.AsyncClient:
+        """The client for the gateway's own calls (/tokenize, readiness, /metrics), outside the
+        requests' shards: on a shard they took a turn, so a counted request (its /tokenize, then
+        its answer) took two and with an even number of shards every request landed on half of
+        them (max_connections 8 served 4 at once); and behind a full pool a busy deployment's
+        readiness probe timed out, read as down."""
+        return self.aux[dep.id]
 
     @staticmethod
     def headers(dep: Deployment) -> dict[str, str]:
@@ -92,7 +104,7 @@ class BackendPool:
             return estimate_tokens(body)
         root = dep.backend.base_url.removesuffix("/v1")
         try:
-            r = await self.client(dep).post(
+            r = await self.aux_client(dep).post(
                 root + "/tokenize",
                 content=json_content(payload),
                 headers={**self.headers(dep), **JSON_HEADER},
@@ -117,7 +129,7 @@ class BackendPool:
         has the route; a 401/403 refuses the deployment's api_key, so it would refuse every
         request too.)"""
         try:
-            r = await self.client(dep).get(
+            r = await self.aux_client(dep).get(
                 dep.backend.base_url + "/models", headers=self.headers(dep), timeout=2.0
             )
             return r.status_code < 500 and r.status_code not in CREDENTIALS_STATUS
@@ -128,3 +140,5 @@ class BackendPool:
         for shards in self.clients.values():
             for c in shards:
                 await c.aclose()
+        for c in self.aux.values():
+            await c.aclose()

@@ -63,7 +63,7 @@ class SaturationMonitor:
     async def read(self, dep: Deployment) -> float | None:
         root = dep.backend.base_url.removesuffix("/v1")
         try:
-            client = self.pool.client(dep)
+            client = self.pool.aux_client(dep)  # (not a request shard's turn: backends.py)
             r = await client.get(root + "/metrics", headers=self.pool.headers(dep), timeout=2.0)
         except httpx.HTTPError:
             return None
