@@ -7,6 +7,7 @@ failure tests. The backend model name picks the behaviour:
     ctx-400   400 "maximum context length"                      hang     no first byte (60 s)
     die       streams 2 events, then drops the connection       slow     one event every 0.1 s
     hold-N    answers after N seconds                           crlf     as ok, SSE lines end in CRLF
+    decode-hold-N  a prefill request (do_remote_decode) at once, any other as hold-N
     ping-hang streams an SSE comment (": ping"), then nothing (60 s)
     stop-400  400 "stop: sequence too long" (a 400 about something else than the context)
     late-body not streamed: status and the first bytes of the JSON at once, the rest after 1 s
@@ -170,6 +171,10 @@ async def _answer(request: Request, chat: bool):
         return StreamingResponse(_ping_then_hang(), media_type="text/event-stream")
     if mode in ("role-hang", "role-error") and body.get("stream"):
         return StreamingResponse(_role_then(mode[5:]), media_type="text/event-stream")
+    kv = body.get("kv_transfer_params")
+    prefill = isinstance(kv, dict) and kv.get("do_remote_decode")
+    if mode.startswith("decode-hold-") and not prefill:  # a prefill at once, the decode held
+        mode = mode.removeprefix("decode-")
     if mode.startswith("hold-"):  # answer after N seconds unless the client leaves first
         loop = asyncio.get_running_loop()
         end = loop.time() + float(mode[5:])

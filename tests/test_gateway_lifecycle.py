@@ -218,3 +218,32 @@ def test_counted_requests_use_every_connection_and_readiness_sees_past_a_full_po
         if gw is not None:
             gw.stop()
         fault.stop()
+
+
+def test_a_pd_deployments_decodes_use_every_connection(tmp_path):
+    """A pd deployment's prefill and decode calls took turns of the same client shards, so each
+    request took two: with two shards every decode landed on one, and max_connections 8 ran 4
+    decodes at once, the others waiting in the gateway."""
+    fault, gw = FaultBackend(), None
+    dep = deployment(
+        "held", fault.url + "/v1", "decode-hold-8", max_connections=8, prefill_url=fault.url + "/v1"
+    )
+    cfg = {
+        "model_list": [dep],
+        "keys": [{"key": KEY}],
+        "general_settings": {"database": str(tmp_path / "gw.db")},
+    }
+    try:
+        gw = GatewayProcess(cfg, str(tmp_path))
+        url = gw.url + "/v1/chat/completions"
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            held = []
+            for _ in range(8):  # one after another: each prefill answers at once, its decode is held 8 s
+                held.append(pool.submit(httpx.post, url, json=BODY, headers=AUTH, timeout=60))
+                time.sleep(0.3)
+            _until(lambda: fault.count("decode-hold-8") == 16, timeout=5)  # 8 prefills, 8 decodes
+            assert all(h.result().status_code == 200 for h in held)
+    finally:
+        if gw is not None:
+            gw.stop()
+        fault.stop()

@@ -59,6 +59,7 @@ class BackendPool:
     def __init__(self, cfg: GatewayConfig) -> None:
         self.clients: dict[str, list[httpx.AsyncClient]] = {}
         self._next: dict[str, int] = {}
+        self._next_prefill: dict[str, int] = {}
         self.tokenizer: dict[str, str] = {}
         self.aux: dict[str, httpx.AsyncClient] = {}
         tls = httpx.create_ssl_context()  # built once: one per client made start-up take minutes
@@ -71,7 +72,7 @@ class BackendPool:
             self.clients[d.id] = [
                 httpx.AsyncClient(timeout=timeout, limits=limits, verify=tls) for _ in range(shards)
             ]
-            self._next[d.id] = 0
+            self._next[d.id] = self._next_prefill[d.id] = 0
             self.tokenizer[d.id] = b.tokenizer
             aux = httpx.Limits(max_connections=AUX_CONNECTIONS, max_keepalive_connections=AUX_CONNECTIONS)
             self.aux[d.id] = httpx.AsyncClient(timeout=timeout, limits=aux, verify=tls)
@@ -79,6 +80,15 @@ class BackendPool:
     def client(self, dep: Deployment) -> httpx.AsyncClient:
         shards = self.clients[dep.id]
         i = self._next[dep.id] = (self._next[dep.id] + 1) % len(shards)
+        return shards[i]
+
+    def prefill_client(self, dep: Deployment) -> httpx.AsyncClient:
+        """A pd deployment's prefill call: the same shards, taken in a turn of their own. In the
+        requests' turn each request took two (prefill, then decode), so with an even number of
+        shards every prefill landed on one half and every decode on the other: half of
+        max_connections for each."""
+        shards = self.clients[dep.id]
+        i = self._next_prefill[dep.id] = (self._next_prefill[dep.id] + 1) % len(shards)
         return shards[i]
 
     def aux_client(self, dep: Deployment) -> httpx.AsyncClient:

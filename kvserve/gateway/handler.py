@@ -465,7 +465,7 @@ class Gateway:
             url, prefill = dep.backend.prefill_url + ctx.path, dict(body, model=dep.backend.model)
             try:
                 send = {**self.pool.headers(dep), "x-request-id": ctx.headers["x-request-id"]}
-                pre = await run_prefill(self.pool.client(dep), url, prefill, send)
+                pre = await run_prefill(self.pool.prefill_client(dep), url, prefill, send)
             except BaseException:  # the client left during the prefill: its prompt was computed
                 self._abandon(ctx, dep, "prefill")
                 await asyncio.shield(self._release(arid, dchecks, ctx.prompt_tokens if ctx.abandoned else 0))
