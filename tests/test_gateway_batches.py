@@ -198,3 +198,49 @@ def test_litellms_upload_fields_are_not_passed_to_the_backend(tmp_path):
         fault.stop()
     assert r.status_code == 200, r.text
     assert r.json()["filename"] == "in.jsonl" and r.json()["id"].startswith("file-"), r.text
+
+
+def test_a_large_upload_is_parsed_off_the_event_loop(tmp_path):
+    """The gateway read a file's lines (its alias, then each line's model rewritten) on the event
+    loop: a 48 MiB upload held it for seconds, and every stream and request of that instance
+    stalled meanwhile. A ticker on the loop sees how long it was held."""
+    import asyncio
+
+    from gateway_utils import FaultBackend
+
+    from kvserve.gateway.app import build_app
+    from kvserve.gateway.config import parse_config
+
+    fault = FaultBackend()
+    gs = {"database": str(tmp_path / "gw.db"), "max_request_bytes": 64 * 2**20}
+    cfg = {"model_list": [{"model_name": "m", "backend": {"base_url": fault.url + "/v1", "model": "ok"}}],
+           "keys": [{"key": KEY}], "general_settings": gs}  # fmt: skip
+    app = build_app(parse_config(cfg), web_ui=False)
+    line = json.dumps(_line(0, "m")).encode() + b"\n"
+    data = line * (48 * 2**20 // len(line))
+
+    async def upload() -> tuple[httpx.Response, float]:
+        longest, done = 0.0, False
+
+        async def tick() -> None:
+            nonlocal longest
+            last = time.monotonic()
+            while not done:
+                await asyncio.sleep(0.01)
+                now = time.monotonic()
+                longest, last = max(longest, now - last), now
+
+        ticker = asyncio.create_task(tick())
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
+            r = await c.post("/v1/files", data={"purpose": "batch"}, files={"file": ("in.jsonl", data)},
+                             headers={"Authorization": f"Bearer {KEY}"}, timeout=120)  # fmt: skip
+        done = True
+        await ticker
+        return r, longest
+
+    try:
+        r, longest = asyncio.run(upload())
+    finally:
+        fault.stop()
+    assert r.status_code == 200, r.text
+    assert longest < 1.0, longest  # (parsed on the loop: ~5 s here)

@@ -125,7 +125,8 @@ class BatchAPI:
         if not isinstance(upload, UploadFile):
             raise GatewayError(400, "file: missing (a multipart file field)", param="file")
         data = await upload.read()
-        alias = file_alias(data, self.gw.allowed_models(key))
+        # parsed in a thread: a 16 MiB file's lines held the event loop (every stream) ~0.5 s
+        alias = await asyncio.to_thread(file_alias, data, self.gw.allowed_models(key))
         # OpenAI's own fields only: LiteLLM's clients add theirs (custom_llm_provider,
         # target_model_names), which a hosted backend may refuse as unknown
         fields = {k: v for k, v in form.items() if isinstance(v, str) and k.partition("[")[0] in _FORM_FIELDS}
@@ -136,7 +137,8 @@ class BatchAPI:
         # (5xx) or without the Batch API (404 / 405) is skipped, as a request's attempt would be
         while (dep := await self.gw.router.pick(alias, tried, tried)) is not None:
             tried.add(dep.id)
-            files = {"file": (name, for_backend(data, dep.backend.model), "application/jsonl")}
+            lines = await asyncio.to_thread(for_backend, data, dep.backend.model)
+            files = {"file": (name, lines, "application/jsonl")}
             try:
                 r = await self._call(dep, "POST", "/files", data=fields, files=files)
             except GatewayError as e:
