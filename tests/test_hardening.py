@@ -1149,3 +1149,32 @@ def test_responses_truncation_auto_drops_the_oldest_turns(server):
     assert last["type"] in ("response.completed", "response.incomplete"), last  # stored whole, cut again
     r = post(server, {**base, "input": base["input"] * 20, "truncation": "auto"}, "/v1/responses")
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"  # one turn
+
+
+@pytest.mark.parametrize("count, last_role", [(300, "user"), (3_000, "nobody")])
+def test_more_messages_than_the_context_has_tokens_are_refused_before_any_work(server, count, last_role):
+    """Every rendered turn takes a token at least, so 300 turns cannot fit 256 tokens. A big body
+    (3,000 turns, past the body parser's 64 KiB) is counted as soon as it is decoded: a malformed
+    last message is never validated (a 12 MB body of 340,000 turns took 10 s of validating and
+    rendering before, its GC passes stalling every stream, to be refused in the end)."""
+    messages = [{"role": "user", "content": "a"}] * (count - 1) + [{"role": last_role, "content": "a"}]
+    r = post(server, {"model": "tiny", "messages": messages, "max_tokens": 1}, CHAT)
+    assert_400(r, "messages")
+    err = r.json()["error"]
+    assert err["code"] == "context_length_exceeded", err
+    assert f"{count} messages can never fit it" in err["message"], err
+    r = post(server, {"model": "tiny", "input": messages[:-1], "max_output_tokens": 1}, "/v1/responses")
+    assert_400(r, "input")
+    assert f"{count - 1} messages can never fit it" in r.json()["error"]["message"]
+    assert_still_serving(server)
+
+
+def test_responses_truncation_auto_keeps_what_fits_of_more_turns_than_the_context(server):
+    """truncation "auto" drops the oldest turns: a conversation of more turns than max_model_len
+    is still served, from its last turns (none is counted out before truncation)."""
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}] * 200
+    body = {"model": "tiny", "input": turns + [{"role": "user", "content": "hi"}], "truncation": "auto",
+            "max_output_tokens": 2, "temperature": 0}  # fmt: skip
+    r = post(server, body, "/v1/responses")
+    assert r.status_code == 200, r.text
+    assert 0 < r.json()["usage"]["input_tokens"] <= 254

@@ -36,6 +36,7 @@ from kvserve.entrypoints.openai.errors import (
 )
 from kvserve.entrypoints.openai.lifecycle import Lifecycle, ServerShuttingDownError
 from kvserve.entrypoints.openai.listing import limit_problem
+from kvserve.entrypoints.openai.message_count import precheck_body
 from kvserve.entrypoints.openai.middleware import BodySizeLimit, HeadAsGet, InternalErrors, RequestGate
 from kvserve.entrypoints.openai.openapi import openapi_with_400
 from kvserve.entrypoints.openai.protocol import (
@@ -348,6 +349,7 @@ def build_app(engine: AsyncLLM | DPClient, cfg: ServerConfig, store: ResponseSto
     if cfg.web_ui:
         add_web_ui(app)
     app.state.engine = engine
+    app.state.body_precheck = lambda path, data: precheck_body(path, data, engine.limits.max_model_len)
     app.state.metrics = metrics
     app.state.lifecycle = lifecycle
     return app

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import email.message
+import functools
 import json
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -52,9 +53,10 @@ def decode(body: bytes) -> Any:
         return json.loads(body)
 
 
-def parse_body(field: Any, body: bytes) -> Any:
+def parse_body(field: Any, body: bytes, precheck: Callable[[Any], None] | None = None) -> Any:
     """The body decoded and, when it is an object, validated against `field` (FastAPI's
-    ModelField); errors raised as FastAPI raises them, so the app's handlers word them alike."""
+    ModelField); errors raised as FastAPI raises them, so the app's handlers word them alike.
+    `precheck` sees the decoded body first: what it refuses is never validated."""
     try:
         data = decode(body)
     except json.JSONDecodeError as e:
@@ -65,6 +67,8 @@ def parse_body(field: Any, body: bytes) -> Any:
         raise HTTPException(status_code=400, detail="There was an error parsing the body") from e
     if not isinstance(data, dict):  # refused at once by FastAPI's own check, with its message
         return data
+    if precheck is not None:
+        precheck(data)
     value, errors = field.validate(data, {}, loc=("body",))
     if errors:
         raise RequestValidationError(errors, body=data)
@@ -72,7 +76,8 @@ def parse_body(field: Any, body: bytes) -> Any:
 
 
 class OffLoopBodyRoute(APIRoute):
-    """An APIRoute whose JSON body, when large, is parsed and validated in a thread first."""
+    """An APIRoute whose JSON body, when large, is parsed and validated in a thread first; the
+    app's `body_precheck(path, data)` (app.state), when set, sees it between the two."""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
@@ -84,8 +89,10 @@ class OffLoopBodyRoute(APIRoute):
             if is_json(request.headers.get("content-type")):  # (a form's body is never read here)
                 body = await request.body()
                 if len(body) > OFF_LOOP_BYTES:
+                    check = getattr(request.app.state, "body_precheck", None)
+                    precheck = functools.partial(check, self.path) if check is not None else None
                     # Starlette's cache of request.json(), which FastAPI reads next
-                    request._json = await asyncio.to_thread(parse_body, field, body)
+                    request._json = await asyncio.to_thread(parse_body, field, body, precheck)
             return await handler(request)
 
         return parse_then_handle

@@ -238,7 +238,8 @@ class ResponsesServing:
         the stored conversation stays whole. Still too long from the last user message: the
         context-length error, as with "disabled"."""
         rest = req.model_copy(update={"input": []})  # (its input is in `conversation`)
-        for start in (i for i, m in enumerate(conversation) if i > 0 and m.get("role") == "user"):
+        fits = len(conversation) - self.serving.engine.limits.max_model_len  # fewer turns from here on
+        for start in (i for i, m in enumerate(conversation) if i >= max(1, fits) and m.get("role") == "user"):
             try:
                 return await self._chat_run(rest, conversation[start:], raw)
             except ContextLengthError as e:

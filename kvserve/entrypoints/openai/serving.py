@@ -37,6 +37,7 @@ from kvserve.entrypoints.openai.errors import error_response
 from kvserve.entrypoints.openai.fingerprint import system_fingerprint
 from kvserve.entrypoints.openai.lifecycle import ServerShuttingDownError
 from kvserve.entrypoints.openai.limits import MAX_PROMPTS, check_fan_out, sample_seed
+from kvserve.entrypoints.openai.message_count import check_message_count
 from kvserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -153,6 +154,7 @@ class OpenAIServing:
     async def render_chat(self, req: ChatCompletionRequest | TokenizeRequest) -> list[int]:
         """The prompt ids of a chat request: tools, developer role and assistant prefill applied
         (tools.py, compat.py), plus the client's chat_template_kwargs."""
+        check_message_count("messages", len(req.messages), self.engine.limits.max_model_len)
         # every message checked and converted: for a long conversation, work the loop cannot wait on
         template = self.tokenizer.hf.chat_template or ""
         messages, template_kwargs = await self._off_loop(conversation, req, template)
