@@ -1178,3 +1178,15 @@ def test_responses_truncation_auto_keeps_what_fits_of_more_turns_than_the_contex
     r = post(server, body, "/v1/responses")
     assert r.status_code == 200, r.text
     assert 0 < r.json()["usage"]["input_tokens"] <= 254
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_empty_string_input_is_refused_as_openai_does(server, stream):
+    """input "" was answered as a turn of nothing (the model talking to itself); OpenAI's minimum
+    length refuses it, code empty_string. An empty list is refused too; "x" is served."""
+    body = {"model": "tiny", "input": "", "max_output_tokens": 2, "stream": stream}
+    r = post(server, body, "/v1/responses")
+    assert_400(r, "input")
+    assert r.json()["error"]["code"] == "empty_string"
+    assert_400(post(server, {**body, "input": []}, "/v1/responses"), "input")
+    assert post(server, {**body, "input": "x"}, "/v1/responses").status_code == 200

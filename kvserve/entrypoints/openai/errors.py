@@ -11,6 +11,11 @@ from kvserve.engine.processor import ContextLengthError
 from kvserve.entrypoints.openai.response_store import PreviousResponseNotFoundError
 
 
+class EmptyStringError(ValueError):
+    """A string field given as "" where OpenAI requires a character at least (its code
+    empty_string)."""
+
+
 class OpenAIErrorResponse(JSONResponse):
     body_dict: dict
 
@@ -50,10 +55,12 @@ def field_path(loc: Sequence[str | int]) -> str:
 
 
 def value_error_code(exc: ValueError) -> str:
-    """The code of a 400 raised as a ValueError: OpenAI's for a request past the context, and for
-    a previous_response_id that names no stored response."""
+    """The code of a 400 raised as a ValueError: OpenAI's for a request past the context, for
+    a previous_response_id that names no stored response, and for an empty string."""
     if isinstance(exc, PreviousResponseNotFoundError):
         return "previous_response_not_found"
+    if isinstance(exc, EmptyStringError):
+        return "empty_string"
     return "context_length_exceeded" if isinstance(exc, ContextLengthError) else "invalid_value"
 
 

@@ -14,6 +14,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
+from kvserve.entrypoints.openai.errors import EmptyStringError
 from kvserve.entrypoints.openai.limits import Int64, Metadata, NonNegInt64, NumLogprobs, PositiveInt64
 from kvserve.entrypoints.openai.protocol import (
     AllowedTools,
@@ -260,6 +261,8 @@ def to_chat(req: ResponsesRequest, history: list[dict[str, Any]]) -> ChatComplet
     previous response (its input and output), [] when there is none."""
     if req.input is None:
         raise ValueError("input: Field required (a string, or a list of input items)")
+    if req.input == "":  # OpenAI's minimum length: a turn of nothing was answered as a prompt
+        raise EmptyStringError("input: empty string; a string input needs at least one character")
     choice = req.tool_choice
     if req.max_tool_calls == 0 and req.tools:  # no call may be kept: the model answers in text
         mode = choice.mode if isinstance(choice, AllowedFunctions) else choice
