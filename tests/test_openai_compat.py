@@ -360,6 +360,24 @@ def test_continuous_usage_stats(server):
     assert usages == sorted(usages) and usages[-1] == events[-1]["usage"]["completion_tokens"]
 
 
+def test_continuous_usage_stats_of_a_chat_stream_count_the_prompt_from_its_first_chunk(server):
+    """The role chunks went out before any engine output, with prompt_tokens 0 (then the real
+    count): vLLM's first chunk already reports the prompt, as the final usage does."""
+    body = {"model": "smol", "messages": [{"role": "user", "content": "Count: 1, 2,"}], "max_tokens": 3,
+            "n": 2, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, headers=server.headers) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    final = events[-1]["usage"]
+    assert not events[-1]["choices"] and final["prompt_tokens"] > 0
+    roles = [e for e in events if e["choices"] and "role" in e["choices"][0]["delta"]]
+    assert len(roles) == 2
+    for e in events:
+        assert e["usage"]["prompt_tokens"] == final["prompt_tokens"], e
+        assert e["usage"]["total_tokens"] == final["prompt_tokens"] + e["usage"]["completion_tokens"]
+    assert [e["usage"]["completion_tokens"] for e in roles] == [0, 0]
+
+
 def test_responses_multi_turn_with_previous_response_id(client):
     first = client.responses.create(
         model="smol", input="My name is Ada. Reply with one word.", max_output_tokens=8, temperature=0

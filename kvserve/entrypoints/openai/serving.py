@@ -446,16 +446,23 @@ class OpenAIServing:
         return body, finals
 
     async def _chunks(
-        self, run: Launched, obj: str, req: SamplingFields, choice, first: Sequence[dict] = ()
+        self,
+        run: Launched,
+        obj: str,
+        req: SamplingFields,
+        choice,
+        first: Sequence[dict] = (),
+        prompt_tokens: int = 0,
     ) -> AsyncIterator[dict]:
         """The streamed response: `first` choices, then `choice(index, output)` per engine
         output (None: nothing to send yet), each in a chunk with its usage field; the usage
-        chunk last when asked (stream_options)."""
+        chunk last when asked (stream_options). `prompt_tokens`: the prompt's length as sent,
+        which the `first` chunks' continuous usage reports (as vLLM's), no output having come."""
         opts = req.stream_options
         include_usage = bool(opts and opts.include_usage)
         continuous = bool(opts and opts.continuous_usage_stats)
         base = run.envelope(obj)
-        usage = Usage(req.n)
+        usage = Usage(req.n, prompt_tokens)
         for c in first:
             yield {**base, "choices": [c], **usage.chunk_field(include_usage, continuous)}
         async for index, out in run.gen:
@@ -502,7 +509,7 @@ class OpenAIServing:
             raise
         run = Run(launched.gen, launched.streams, warnings)
         if req.stream:
-            run.chunks = self._chat_chunks(launched, req, mode, top, echo)
+            run.chunks = self._chat_chunks(launched, req, mode, top, echo, len(prompt))
             return run
         as_ids = req.return_tokens_as_token_ids
 
@@ -553,7 +560,7 @@ class OpenAIServing:
         return message, "tool_calls" if finish == "stop" else finish
 
     def _chat_chunks(
-        self, run: Launched, req: ChatCompletionRequest, mode: str, top: int, echo: str
+        self, run: Launched, req: ChatCompletionRequest, mode: str, top: int, echo: str, prompt_tokens: int
     ) -> AsyncIterator[dict]:
         first = [
             {
@@ -601,7 +608,7 @@ class OpenAIServing:
             return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish,
                     "stop_reason": stop}  # fmt: skip
 
-        return self._chunks(run, "chat.completion.chunk", req, choice, first)
+        return self._chunks(run, "chat.completion.chunk", req, choice, first, prompt_tokens)
 
     # ---- embeddings ------------------------------------------------------------------------
     async def embeddings(self, req: EmbeddingRequest, raw: Request) -> dict:
@@ -830,9 +837,10 @@ class Run:
 class Usage:
     """Token counts of one API request: each prompt counted once, every sample's output."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, expected_prompt: int = 0) -> None:
         self.n = n
         self.prompt = self.completion = self.cached = 0
+        self.expected_prompt = expected_prompt  # reported until the engine's first output counts it
         self._seen: set[int] = set()
 
     def add(self, index: int, out: RequestOutput, new_tokens: int) -> None:
@@ -851,10 +859,11 @@ class Usage:
         return {"usage": None} if include_usage else {}
 
     def as_dict(self) -> dict:
+        prompt = self.prompt if self._seen else self.expected_prompt
         return {
-            "prompt_tokens": self.prompt,
+            "prompt_tokens": prompt,
             "completion_tokens": self.completion,
-            "total_tokens": self.prompt + self.completion,
+            "total_tokens": prompt + self.completion,
             "prompt_tokens_details": {"cached_tokens": self.cached},
         }
 
