@@ -840,7 +840,7 @@ class Usage:
     def __init__(self, n: int, expected_prompt: int = 0) -> None:
         self.n = n
         self.prompt = self.completion = self.cached = 0
-        self.expected_prompt = expected_prompt  # reported until the engine's first output counts it
+        self.expected_prompt = expected_prompt  # reported until the engine's output counts it
         self._seen: set[int] = set()
 
     def add(self, index: int, out: RequestOutput, new_tokens: int) -> None:
@@ -859,7 +859,7 @@ class Usage:
         return {"usage": None} if include_usage else {}
 
     def as_dict(self) -> dict:
-        prompt = self.prompt if self._seen else self.expected_prompt
+        prompt = self.prompt or self.expected_prompt  # (counted once its sample 0 has output)
         return {
             "prompt_tokens": prompt,
             "completion_tokens": self.completion,
