@@ -812,7 +812,8 @@ def test_responses_items_missing_their_fields_say_which(server, body, param, wor
 
 def test_a_function_call_output_given_as_parts_is_read_as_their_text(server):
     """OpenAI's function_call_output takes its output as a string or as a list of input_text
-    parts; the list reached the model as its JSON dump, type keys and all."""
+    parts; the list reached the model as its JSON dump, type keys and all. The parts' texts are
+    joined by newlines, as vLLM joins a message's text parts."""
 
     def input_tokens(output) -> int:
         call = {"type": "function_call", "call_id": "c1", "name": "w", "arguments": "{}"}
@@ -823,7 +824,26 @@ def test_a_function_call_output_given_as_parts_is_read_as_their_text(server):
         return r.json()["usage"]["input_tokens"]
 
     parts = [{"type": "input_text", "text": "sunny, "}, {"type": "input_text", "text": "21 C"}]
-    assert input_tokens(parts) == input_tokens("sunny, 21 C")
+    assert input_tokens(parts) == input_tokens("sunny, \n21 C")
+
+
+def test_text_parts_reach_the_model_joined_by_newlines(server):
+    """A message's text parts are joined by newlines, as vLLM's server and LLM.chat join them
+    (they were joined with "", so ["Hello.", "Bye."] read "Hello.Bye."), in chat completions
+    and the Responses API alike."""
+
+    def tokens(content) -> list[int]:
+        r = post(server, {"model": "tiny", "messages": [{"role": "user", "content": content}]}, "/tokenize")
+        assert r.status_code == 200, r.text
+        return r.json()["tokens"]
+
+    parts = [{"type": "text", "text": "Hello."}, {"type": "text", "text": "Bye."}]
+    assert tokens(parts) == tokens("Hello.\nBye.") != tokens("Hello.Bye.")
+    input_parts = [{"type": "input_text", "text": "Hello."}, {"type": "input_text", "text": "Bye."}]
+    body = {"model": "tiny", "input": [{"role": "user", "content": input_parts}], "max_output_tokens": 1}
+    r = post(server, body, "/v1/responses")
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["input_tokens"] == len(tokens("Hello.\nBye."))
 
 
 def test_an_assistant_refusal_reaches_the_model_as_its_text(server):

@@ -315,7 +315,9 @@ class ChatMessage(OpenAIBody):
     function_call: ToolCallFunction | None = None  # legacy: an assistant's one call
 
     def text(self) -> str:
-        """Content as plain text: text parts, and an assistant's refusal parts."""
+        """Content as plain text: text parts, and an assistant's refusal parts, joined by
+        newlines as vLLM joins them for a template that reads content as a string (and as
+        `LLM.chat` does: chat_render.py)."""
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
         parts = []
@@ -324,7 +326,7 @@ class ChatMessage(OpenAIBody):
             if key is None or not isinstance(part.get(key), str):
                 raise ValueError(f"messages: content part type {part.get('type')!r} is not supported")
             parts.append(part[key])
-        return "".join(parts)
+        return "\n".join(parts)
 
 
 class ChatCompletionRequest(SamplingFields):

@@ -154,7 +154,8 @@ class ResponsesRequest(OpenAIBody):
 
 
 def _text_of(content: Any, where: str) -> str:
-    """An item's content as text: a string, or input_text / output_text parts."""
+    """An item's content as text: a string, or input_text / output_text parts joined by
+    newlines (as a chat message's parts are: ChatMessage.text)."""
     if content is None or isinstance(content, str):
         return content or ""
     if not isinstance(content, list):
@@ -167,7 +168,7 @@ def _text_of(content: Any, where: str) -> str:
         if not isinstance(part.get("text", ""), str):
             raise ValueError(f"input: {where} has a text part whose text is not a string")
         texts.append(part.get("text", ""))
-    return "".join(texts)
+    return "\n".join(texts)
 
 
 def input_messages(items: str | list[dict[str, Any]], history: list[dict[str, Any]]) -> list[dict[str, Any]]:
