@@ -273,6 +273,17 @@ def test_held_bytes_end_the_text_as_the_full_decode_shows_them(tok, then):
     assert c.stop_reason == (bang if then == "stop_token" else None)
 
 
+def _streamed(llm, prompt: str, params: SamplingParams) -> str:
+    """The request's text as its streamed deltas give it, through the offline engine's steps."""
+    e = llm.llm_engine
+    e.add_request("streamed", prompt, params)
+    shown = ""
+    while e.has_unfinished_requests():
+        for out in e.step():
+            shown += out.outputs[0].delta_text
+    return shown
+
+
 @pytest.mark.parametrize("include", [False, True])
 def test_the_ending_token_has_no_text_unless_asked(llm, include):
     """vLLM leaves the text of the EOS or stop token id that ended a request out of its output
@@ -296,13 +307,7 @@ def test_the_ending_token_has_no_text_unless_asked(llm, include):
         kept = tok.decode(c.token_ids, skip_special_tokens=False)
         assert c.text == (kept if include else tok.decode(c.token_ids[:-1], skip_special_tokens=False))
         assert kept != tok.decode(c.token_ids[:-1], skip_special_tokens=False)  # the token has text
-        e = llm.llm_engine
-        e.add_request("streamed", "Hello", params)
-        shown = ""
-        while e.has_unfinished_requests():
-            for out in e.step():
-                shown += out.outputs[0].delta_text
-        assert shown == c.text
+        assert _streamed(llm, "Hello", params) == c.text
 
 
 def test_generate_keeps_held_bytes_at_a_stop_token(llm):
@@ -327,11 +332,6 @@ def test_generate_keeps_held_bytes_at_a_stop_token(llm):
         assert c.text.endswith("\ufffd") == shows
         assert c.finish_reason == ("stop" if stop else "length")
         assert len(c.token_ids) == (1 if stop else 3)
-        e = llm.llm_engine
-        e.add_request("held", "Hello", params)
-        shown = ""
-        while e.has_unfinished_requests():
-            for out in e.step():
-                shown += out.outputs[0].delta_text
-        assert shown == c.text
+        assert _streamed(llm, "Hello", params) == c.text
+    e = llm.llm_engine
     assert e.kv_cache_manager.num_free_blocks == e.kv_cache_manager.num_blocks

@@ -10,12 +10,11 @@ caller. `file-` / `batch_` + base64url of `kvgw1:<len>:<deployment id><owner tag
 
 from __future__ import annotations
 
-import base64
-import binascii
 import hashlib
 from typing import NamedTuple
 
-_TAG = "kvgw1"
+from kvserve.routing.responses_ids import unwrap_id, wrap_id
+
 _OWNER_LEN = 16
 FILE, BATCH = "file-", "batch_"
 
@@ -34,22 +33,13 @@ def owner_tag(key_hash: str) -> str:
 
 
 def encode(prefix: str, dep_id: str, owner: str, backend_id: str) -> str:
-    raw = f"{_TAG}:{len(dep_id)}:{dep_id}{owner}{backend_id}".encode()
-    return prefix + base64.urlsafe_b64encode(raw).decode().rstrip("=")
+    return wrap_id(prefix, dep_id, owner + backend_id)
 
 
 def decode(prefix: str, public_id: object) -> Held | None:
     """What the id names, or None for an id the gateway did not hand out (or of another kind)."""
-    if not isinstance(public_id, str) or not public_id.startswith(prefix):
+    held = unwrap_id(prefix, public_id)
+    if held is None or not held[0] or len(held[1]) <= _OWNER_LEN:
         return None
-    b64 = public_id[len(prefix) :]
-    try:
-        raw = base64.urlsafe_b64decode(b64 + "=" * (-len(b64) % 4)).decode()
-    except (binascii.Error, ValueError):
-        return None
-    tag, _, rest = raw.partition(":")
-    size, _, ids = rest.partition(":")
-    if tag != _TAG or not size.isdigit() or int(size) + _OWNER_LEN >= len(ids):
-        return None
-    n = int(size)
-    return Held(ids[:n], ids[n : n + _OWNER_LEN], ids[n + _OWNER_LEN :]) if n else None
+    dep_id, rest = held
+    return Held(dep_id, rest[:_OWNER_LEN], rest[_OWNER_LEN:])

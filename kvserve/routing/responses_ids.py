@@ -17,16 +17,18 @@ RESPONSES = "/responses"
 _TAG = "kvgw1"
 
 
-def encode_id(dep_id: str, backend_id: str) -> str:
-    raw = f"{_TAG}:{len(dep_id)}:{dep_id}{backend_id}".encode()
-    return "resp_" + base64.urlsafe_b64encode(raw).decode().rstrip("=")
+def wrap_id(prefix: str, server_id: str, rest: str) -> str:
+    """`prefix` + base64url of `kvgw1:<length of server_id>:<server_id><rest>`: the form every
+    front's ids take (the gateway's file and batch ids too: gateway/batch_ids.py)."""
+    raw = f"{_TAG}:{len(server_id)}:{server_id}{rest}".encode()
+    return prefix + base64.urlsafe_b64encode(raw).decode().rstrip("=")
 
 
-def decode_id(public_id: object) -> tuple[str, str] | None:
-    """(deployment id, backend id), or None for an id this gateway did not hand out."""
-    if not isinstance(public_id, str) or not public_id.startswith("resp_"):
+def unwrap_id(prefix: str, public_id: object) -> tuple[str, str] | None:
+    """(server id, the rest) of an id `wrap_id` made with `prefix`, or None for any other."""
+    if not isinstance(public_id, str) or not public_id.startswith(prefix):
         return None
-    b64 = public_id[5:]
+    b64 = public_id[len(prefix) :]
     try:
         raw = base64.urlsafe_b64decode(b64 + "=" * (-len(b64) % 4)).decode()
     except (binascii.Error, ValueError):
@@ -35,8 +37,17 @@ def decode_id(public_id: object) -> tuple[str, str] | None:
     size, _, ids = rest.partition(":")
     if tag != _TAG or not size.isdigit() or int(size) > len(ids):
         return None
-    dep_id, backend_id = ids[: int(size)], ids[int(size) :]
-    return (dep_id, backend_id) if dep_id and backend_id else None
+    return ids[: int(size)], ids[int(size) :]
+
+
+def encode_id(dep_id: str, backend_id: str) -> str:
+    return wrap_id("resp_", dep_id, backend_id)
+
+
+def decode_id(public_id: object) -> tuple[str, str] | None:
+    """(deployment id, backend id), or None for an id this gateway did not hand out."""
+    held = unwrap_id("resp_", public_id)
+    return held if held is not None and held[0] and held[1] else None
 
 
 def previous_id_problem(value: object) -> str | None:
