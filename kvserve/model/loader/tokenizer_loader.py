@@ -1,5 +1,7 @@
 """The tokenizer alone, without torch: what the API server process loads (it never runs the
-model, so it never imports torch), and what the engine core loads beside the model.
+model), and what the engine core loads beside the model. A GGUF's tokenizer needs no torch, so
+a GGUF server's API process never imports it; for an HF directory transformers' AutoTokenizer
+imports it itself.
 
 A Hugging Face directory's tokenizer comes from its tokenizer files through transformers; a
 GGUF's is rebuilt from the file's vocabulary with transformers' GGUF converter, then wrapped
