@@ -233,6 +233,19 @@ def test_a_prompt_is_checked_as_the_kind_its_first_element_says(server, path, bo
         ({"tools": [{"type": "function", "function": {}}]}, "tools[0].function.name: Field required"),
         ({"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage: Input should be"),
         ({"stop": 5}, "stop: Input should be a valid string"),  # a union member (str) is no field
+        # each was "tool_choice: Input should be 'none', 'auto' or 'required'", the first member's
+        ({"tool_choice": {"type": "function"}}, "tool_choice.function: Field required"),
+        ({"tool_choice": {"type": "function", "function": {}}}, "tool_choice.function.name: Field required"),
+        (
+            {"tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "x", "tools": []}}},
+            "tool_choice.allowed_tools.mode: Input should be 'auto' or 'required'",
+        ),
+        (
+            {"tool_choice": {"type": "x"}},
+            "tool_choice: Input should be 'none', 'auto', 'required', or an object",
+        ),
+        ({"tool_choice": "bogus"}, "tool_choice: Input should be 'none', 'auto' or 'required'"),
+        ({"function_call": {}}, "function_call.name: Field required"),  # was "... 'none' or 'auto'"
     ],
 )
 def test_a_validation_error_names_the_path_to_the_field(server, extra, message):
@@ -801,6 +814,12 @@ def test_unknown_routes_and_methods_have_string_codes(server):
         ({"input": [{"type": "function_call_output", "call_id": "c1"}]}, "input", "needs output"),
         ({"input": "hi", "tools": [{"type": "function", "name": "no spaces"}]}, "tools", "pattern"),
         ({"input": "hi", "include": ["bogus"]}, "include", "'message.output_text.logprobs'"),  # was taken
+        (
+            {"input": "hi", "tool_choice": {"type": "function"}},
+            "tool_choice",
+            "tool_choice.name: Field required",
+        ),
+        ({"input": "hi", "tool_choice": {"name": "f"}}, "tool_choice", "tool_choice.type: Field required"),
     ],
 )
 def test_responses_items_missing_their_fields_say_which(server, body, param, words):

@@ -42,11 +42,15 @@ _MEMBER_TAGS = frozenset({"str", "int", "float", "bool", "none", "dict", "list",
 def field_path(loc: Sequence[str | int]) -> str:
     """A validation error's field as a client writes it ("messages[1].tool_calls[0].function.name"),
     up to the first part that names a union member (str, list[str], NamedToolChoice, ...), not a
-    field: a bare "messages: Field required" named neither the message nor the field."""
+    field: a bare "messages: Field required" named neither the message nor the field. A part
+    holding "=" ("type=function") is a discriminated union's tag, the member the value itself
+    chose: the path goes on through it."""
     path = str(loc[0])
     for part in loc[1:]:
         if isinstance(part, int):
             path += f"[{part}]"
+        elif "=" in part:
+            continue
         elif re.fullmatch(r"[a-z_][a-z0-9_]*", part) and part not in _MEMBER_TAGS:
             path += f".{part}"
         else:

@@ -281,6 +281,50 @@ class AllowedToolsChoice(OpenAIBody):
     allowed_tools: AllowedTools
 
 
+def _tool_choice_kind(value: Any) -> str | None:
+    """The one member a tool_choice can be: a mode by being a string, else by its `type`
+    (a missing type is a function's, as chat's NamedToolChoice defaults it). Tried in turn
+    (pydantic's union), {"type": "function"} was refused by the first member, "Input should
+    be 'none', 'auto' or 'required'", and the missing `function` was never named."""
+    if isinstance(value, str):
+        return "type=string"
+    kind = value.get("type", "function") if isinstance(value, dict) else getattr(value, "type", None)
+    return f"type={kind}" if kind in ("function", "allowed_tools") else None
+
+
+def tool_choice_union(named: type, allowed: type) -> Any:
+    """A tool_choice field's type: a mode, a named function or allowed tools, checked as the
+    member its value says it is (the tags hold "=", so errors.field_path goes through them)."""
+    return Annotated[
+        Annotated[Literal["none", "auto", "required"], Tag("type=string")]
+        | Annotated[named, Tag("type=function")]
+        | Annotated[allowed, Tag("type=allowed_tools")],
+        Discriminator(
+            _tool_choice_kind,
+            custom_error_type="tool_choice_type",
+            custom_error_message=(
+                "Input should be 'none', 'auto', 'required', "
+                "or an object of type 'function' or 'allowed_tools'"
+            ),
+        ),
+    ]
+
+
+ToolChoice = tool_choice_union(NamedToolChoice, AllowedToolsChoice)
+
+
+def _function_call_kind(value: Any) -> str:
+    """The legacy function_call's member: a mode by being a string, else a function's name."""
+    return "type=string" if isinstance(value, str) else "type=function"
+
+
+FunctionCallChoice = Annotated[
+    Annotated[Literal["none", "auto"], Tag("type=string")]
+    | Annotated[ToolChoiceFunction, Tag("type=function")],
+    Discriminator(_function_call_kind),
+]
+
+
 class ToolCallFunction(OpenAIBody):
     model_config = ConfigDict(extra="allow")
     name: str
@@ -339,10 +383,10 @@ class ChatCompletionRequest(SamplingFields):
     echo: bool = False  # vLLM: the reply starts with the continued assistant message
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM: extra variables for the template
     tools: list[ChatTool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | AllowedToolsChoice | None = None
+    tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
     functions: list[FunctionDefinition] | None = None  # legacy: mapped onto tools
-    function_call: Literal["none", "auto"] | ToolChoiceFunction | None = None  # legacy tool_choice
+    function_call: FunctionCallChoice | None = None  # legacy tool_choice
     # Honoured where they mean something for a text model, refused otherwise (compat.py)
     modalities: list[Literal["text", "audio"]] | None = None
     audio: dict[str, Any] | None = None

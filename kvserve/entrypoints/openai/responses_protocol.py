@@ -31,6 +31,7 @@ from kvserve.entrypoints.openai.protocol import (
     ResponseFormat,
     ServiceTier,
     ToolChoiceFunction,
+    tool_choice_union,
 )
 from kvserve.tokenizer import lone_surrogate
 
@@ -64,6 +65,9 @@ class AllowedFunctions(OpenAIBody):
     type: Literal["allowed_tools"]
     mode: Literal["auto", "required"]
     tools: list[FunctionChoice]
+
+
+ResponsesToolChoice = tool_choice_union(FunctionChoice, AllowedFunctions)
 
 
 class TextFormat(OpenAIBody):
@@ -120,7 +124,7 @@ class ResponsesRequest(OpenAIBody):
     input: str | list[dict[str, Any]] | None = None
     instructions: str | None = None
     tools: list[FunctionTool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | AllowedFunctions | None = None
+    tool_choice: ResponsesToolChoice | None = None
     parallel_tool_calls: bool = True
     text: TextConfig | None = None
     max_output_tokens: PositiveInt64 | None = None
