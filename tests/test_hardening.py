@@ -348,7 +348,8 @@ def test_a_constraint_given_as_text_is_400_in_the_clients_terms(server, extra, s
 
 
 def test_a_tool_call_whose_arguments_are_no_json_says_so(server):
-    """The arguments were a string; the error said they "must be a JSON string"."""
+    """The arguments were a string; the error said they "must be a JSON string", then named
+    neither the message nor the call ("messages: tool_calls arguments are not valid JSON")."""
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"city": "Par'}}
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [call]},
                 {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]  # fmt: skip
@@ -356,6 +357,7 @@ def test_a_tool_call_whose_arguments_are_no_json_says_so(server):
     assert_400(r, "messages")
     message = r.json()["error"]["message"]
     assert "not valid JSON" in message and '{"city": "Par' in message
+    assert message.startswith("messages: message 1 (assistant) tool_calls[0] arguments"), message
 
 
 FN = {"name": "w", "arguments": "{}"}
@@ -820,6 +822,16 @@ def test_unknown_routes_and_methods_have_string_codes(server):
             "tool_choice.name: Field required",
         ),
         ({"input": "hi", "tool_choice": {"name": "f"}}, "tool_choice", "tool_choice.type: Field required"),
+        (
+            {
+                "input": [
+                    {"role": "user", "content": "hi"},
+                    {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "not json"},
+                ]
+            },
+            "input",
+            "input: item 1 (function_call) arguments are not valid JSON: 'not json'",
+        ),
     ],
 )
 def test_responses_items_missing_their_fields_say_which(server, body, param, words):

@@ -58,6 +58,11 @@ def field_path(loc: Sequence[str | int]) -> str:
     return path
 
 
+def shown_json(text: str) -> str:
+    """Text that should have been JSON, as an error quotes it: its start, repr'd."""
+    return repr(text if len(text) <= 40 else text[:40] + "...")
+
+
 def value_error_code(exc: ValueError) -> str:
     """The code of a 400 raised as a ValueError: OpenAI's for a request past the context, for
     a previous_response_id that names no stored response, and for an empty string."""

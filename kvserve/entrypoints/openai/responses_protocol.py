@@ -14,7 +14,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
-from kvserve.entrypoints.openai.errors import EmptyStringError
+from kvserve.entrypoints.openai.errors import EmptyStringError, shown_json
 from kvserve.entrypoints.openai.limits import Int64, Metadata, NonNegInt64, NumLogprobs, PositiveInt64
 from kvserve.entrypoints.openai.protocol import (
     AllowedTools,
@@ -198,6 +198,7 @@ def input_messages(items: str | list[dict[str, Any]], history: list[dict[str, An
             _require_strings(item, i, ("name", "call_id"))
             if not isinstance(item.get("arguments", "{}"), str):  # reached the chat model as a pydantic dump
                 raise ValueError(f"input: item {i} (function_call) arguments must be a string of JSON")
+            _require_json(item.get("arguments", "{}"), i)
             fn = {"name": item["name"], "arguments": item.get("arguments", "{}")}
             call = {"id": item.get("call_id"), "type": "function", "function": fn}
             called.add(item["call_id"])
@@ -231,6 +232,16 @@ def _output_text(output: Any, index: int) -> str:
     if isinstance(output, list):
         return _text_of(output, f"item {index} output")
     return json.dumps(output)
+
+
+def _require_json(arguments: str, index: int) -> None:
+    """Checked here, where the item's index is known: the chat path's check named a chat
+    message ("input: message 1 (assistant) tool_calls[0] ..."), not the input item."""
+    try:
+        json.loads(arguments)
+    except ValueError:
+        why = f"arguments are not valid JSON: {shown_json(arguments)}"
+        raise ValueError(f"input: item {index} (function_call) {why}") from None
 
 
 def _require_strings(item: dict[str, Any], index: int, keys: tuple[str, ...]) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from kvserve.entrypoints.openai.errors import shown_json
 from kvserve.entrypoints.openai.message_rules import check_message, check_tool_turns
 from kvserve.entrypoints.openai.protocol import (
     AllowedToolsChoice,
@@ -134,8 +135,11 @@ def conversation(
             msg["tool_call_id"] = m.tool_call_id
         tool_calls = m.tool_calls or ([ToolCall(function=m.function_call)] if m.function_call else [])
         if tool_calls:
+            one = [f"tool_calls[{j}]" for j in range(len(tool_calls))] if m.tool_calls else ["function_call"]
+            where = [f"message {i} ({m.role}) {n}" for n in one]
             calls = [
-                {"name": c.function.name, "arguments": _as_object(c.function.arguments)} for c in tool_calls
+                {"name": c.function.name, "arguments": _as_object(c.function.arguments, w)}
+                for c, w in zip(tool_calls, where)
             ]
             if native:
                 msg["tool_calls"] = [
@@ -168,11 +172,12 @@ def _refusal(m: ChatMessage) -> str:
     return text if m.role == "assistant" and isinstance(text, str) else ""
 
 
-def _as_object(arguments: str | dict) -> Any:
+def _as_object(arguments: str | dict, where: str) -> Any:
+    """A call's arguments as the template reads them; `where` names the call in the error
+    ("message 1 (assistant) tool_calls[0]": the bare "tool_calls arguments" named no message)."""
     if isinstance(arguments, dict):
         return arguments
     try:
         return json.loads(arguments)
     except ValueError:
-        shown = arguments if len(arguments) <= 40 else arguments[:40] + "..."
-        raise ValueError(f"messages: tool_calls arguments are not valid JSON: {shown!r}") from None
+        raise ValueError(f"messages: {where} arguments are not valid JSON: {shown_json(arguments)}") from None
