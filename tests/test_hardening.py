@@ -1241,3 +1241,11 @@ def test_responses_empty_string_input_is_refused_as_openai_does(server, stream):
     assert r.json()["error"]["code"] == "empty_string"
     assert_400(post(server, {**body, "input": []}, "/v1/responses"), "input")
     assert post(server, {**body, "input": "x"}, "/v1/responses").status_code == 200
+
+
+def test_responses_empty_previous_response_id_is_refused_as_an_empty_string(server):
+    """previous_response_id "" was looked up and answered previous_response_not_found."""
+    body = {"model": "tiny", "input": "hi", "max_output_tokens": 2, "previous_response_id": ""}
+    r = post(server, body, "/v1/responses")
+    assert_400(r, "previous_response_id")
+    assert r.json()["error"]["code"] == "empty_string", r.json()

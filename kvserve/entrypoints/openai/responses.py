@@ -21,6 +21,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from kvserve.engine.processor import ContextLengthError
+from kvserve.entrypoints.openai.errors import EmptyStringError
 from kvserve.entrypoints.openai.protocol import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
 from kvserve.entrypoints.openai.response_store import (
     PreviousResponseNotFoundError,
@@ -179,6 +180,10 @@ class ResponsesServing:
     async def create(self, req: ResponsesRequest, raw: Request):
         refuse_unsupported(req)
         history: list[dict] = []
+        if req.previous_response_id == "":  # OpenAI's minimum length; it was looked up, "not found"
+            raise EmptyStringError(
+                "previous_response_id: empty string; give a stored response's id, or leave it out"
+            )
         if req.previous_response_id is not None:
             try:
                 _, history = self.store.get(req.previous_response_id)
