@@ -7,6 +7,7 @@ import asyncio
 import concurrent.futures
 import json
 import os
+import re
 import socket
 import time
 
@@ -1229,6 +1230,38 @@ def test_responses_truncation_auto_keeps_what_fits_of_more_turns_than_the_contex
     r = post(server, body, "/v1/responses")
     assert r.status_code == 200, r.text
     assert 0 < r.json()["usage"]["input_tokens"] <= 254
+
+
+@pytest.fixture(scope="module")
+def small_pool_server(tiny_llama_dir):
+    """A KV pool of 8 blocks (128 tokens) under a 256-token context: a request can fit the
+    context and still not the pool."""
+    s = ServerProcess(tiny_llama_dir, "--kv-cache-memory", "64KiB", "--max-model-len", "256",
+                      "--served-model-name", "tiny")  # fmt: skip
+    yield s
+    s.stop()
+
+
+@pytest.mark.parametrize(
+    "path, body, sent",
+    [
+        ("/v1/responses", {"input": "hi", "max_output_tokens": 200}, "max_output_tokens"),
+        ("/v1/responses", {"input": [{"role": "user", "content": "word " * 6}] * 4, "max_output_tokens": 60},
+         "max_output_tokens"),
+        (CHAT, {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 200},
+         "max_completion_tokens"),
+    ],
+)  # fmt: skip
+def test_a_request_past_the_kv_pool_names_only_the_fields_it_sent(small_pool_server, path, body, sent):
+    """The KV-pool refusal said "lower max_tokens" to a request that sent max_output_tokens (or
+    max_completion_tokens): only "max_tokens (" was renamed in the text."""
+    r = post(small_pool_server, {"model": "tiny", **body}, path)
+    assert_400(r, sent)
+    message = r.json()["error"]["message"]
+    assert "KV blocks" in message and f"lower {sent}" in message, message
+    for other in {"max_tokens", "max_completion_tokens", "max_output_tokens"} - {sent}:
+        assert re.search(rf"\b{other}\b", message) is None, message
+    assert_still_serving(small_pool_server)
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -63,6 +63,12 @@ def shown_json(text: str) -> str:
     return repr(text if len(text) <= 40 else text[:40] + "...")
 
 
+def renamed_in_text(text: str, old: str, new: str) -> str:
+    """`text` with the field `old` named `new` wherever it names it ("lower max_tokens"), not
+    inside a longer name or a quoted value the client sent ('max_tokens', a function's name)."""
+    return re.sub(rf"(?<![\w'\"]){re.escape(old)}(?![\w'\"])", new, text)
+
+
 def value_error_code(exc: ValueError) -> str:
     """The code of a 400 raised as a ValueError: OpenAI's for a request past the context, for
     a previous_response_id that names no stored response, and for an empty string."""

@@ -21,7 +21,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from kvserve.engine.processor import ContextLengthError
-from kvserve.entrypoints.openai.errors import EmptyStringError
+from kvserve.entrypoints.openai.errors import EmptyStringError, renamed_in_text
 from kvserve.entrypoints.openai.protocol import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
 from kvserve.entrypoints.openai.response_store import (
     PreviousResponseNotFoundError,
@@ -48,14 +48,17 @@ _CHAT_TO_RESPONSES = {
 
 def _name_responses_fields(e: ValueError) -> None:
     """Rename, in place (so its class, and the error code it gives, stay), the chat field an
-    error starts with: 'max_tokens: ... + max_tokens (9000) exceed it' -> 'max_output_tokens:
-    ... + max_output_tokens (9000) exceed it'."""
+    error starts with, and the token limit wherever the text names it: 'max_tokens: ... need
+    9 KV blocks ...; lower max_tokens' -> 'max_output_tokens: ...; lower max_output_tokens'
+    (only "max_tokens (" was renamed in the text, so the advice named a field not sent)."""
     if e.args and isinstance(e.args[0], str):
         head, sep, rest = e.args[0].partition(":")
-        if sep and head in _CHAT_TO_RESPONSES:
-            if head in ("max_tokens", "max_completion_tokens"):  # the context-length message repeats it
-                rest = rest.replace(f"{head} (", "max_output_tokens (")
-            e.args = (f"{_CHAT_TO_RESPONSES[head]}:{rest}", *e.args[1:])
+        if not sep:  # no field named first: the whole message is text
+            head, rest = "", head
+        head = _CHAT_TO_RESPONSES.get(head, head)
+        for limit in ("max_tokens", "max_completion_tokens"):  # a Responses request has neither
+            rest = renamed_in_text(rest, limit, "max_output_tokens")
+        e.args = (f"{head}{sep}{rest}", *e.args[1:])
 
 
 def used(value: float | None, default: float) -> float:

@@ -33,7 +33,7 @@ from kvserve.entrypoints.openai.compat import (
     normalize_completion,
 )
 from kvserve.entrypoints.openai.echo_only import engine_max_tokens, prompt_only
-from kvserve.entrypoints.openai.errors import error_response
+from kvserve.entrypoints.openai.errors import error_response, renamed_in_text
 from kvserve.entrypoints.openai.fingerprint import system_fingerprint
 from kvserve.entrypoints.openai.lifecycle import ServerShuttingDownError
 from kvserve.entrypoints.openai.limits import MAX_PROMPTS, check_fan_out, sample_seed
@@ -905,7 +905,7 @@ def _err_body(message: str, type_: str, status: int, code: str) -> dict:
 def rename_field(e: ValueError, old: str, new: str, in_text: bool = False) -> None:
     """Rename, in place (its class, and so its error code, stay), the field an error starts
     with: the engine's checks name `prompt` whatever the endpoint called it. `in_text`: also
-    where the message names it with its value ("+ max_tokens (9000) exceed it")."""
+    wherever the message names it ("+ max_tokens (9000) exceed it", "lower max_tokens")."""
     head, sep, rest = str(e).partition(":")
     if sep and head == old:
-        e.args = (f"{new}:{rest.replace(f'{old} (', f'{new} (') if in_text else rest}",)
+        e.args = (f"{new}:{renamed_in_text(rest, old, new) if in_text else rest}",)
