@@ -1264,6 +1264,15 @@ def test_a_request_past_the_kv_pool_names_only_the_fields_it_sent(small_pool_ser
     assert_still_serving(small_pool_server)
 
 
+def test_min_tokens_past_max_completion_tokens_names_max_completion_tokens(server):
+    """It said "min_tokens: must be <= max_tokens (2)" to a request that sent no max_tokens."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 2,
+            "min_tokens": 5}  # fmt: skip
+    r = post(server, body, CHAT)
+    assert_400(r, "min_tokens")
+    assert r.json()["error"]["message"] == "min_tokens: must be <= max_completion_tokens (2), got 5"
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_responses_empty_string_input_is_refused_as_openai_does(server, stream):
     """input "" was answered as a turn of nothing (the model talking to itself); OpenAI's minimum

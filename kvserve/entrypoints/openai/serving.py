@@ -498,9 +498,10 @@ class OpenAIServing:
         if req.top_logprobs is not None and not req.logprobs:
             raise ValueError("top_logprobs: requires logprobs=true")
         max_tokens = req.max_completion_tokens or req.max_tokens
-        params = await self._off_loop(self._chat_params, req, mode, max_tokens, top if req.logprobs else None)
         echo = req.messages[-1].text() if req.echo and continues_final_message(req) else ""
-        try:
+        try:  # (SamplingParams checks the limit too: "min_tokens: must be <= max_tokens (2)")
+            top_n = top if req.logprobs else None
+            params = await self._off_loop(self._chat_params, req, mode, max_tokens, top_n)
             launched = await self._launch("chatcmpl", req, [prompt], params, raw)
         except ValueError as e:  # the shared checks name `prompt`; a chat request sent `messages`
             rename_field(e, "prompt", "messages")
@@ -905,7 +906,8 @@ def _err_body(message: str, type_: str, status: int, code: str) -> dict:
 def rename_field(e: ValueError, old: str, new: str, in_text: bool = False) -> None:
     """Rename, in place (its class, and so its error code, stay), the field an error starts
     with: the engine's checks name `prompt` whatever the endpoint called it. `in_text`: also
-    wherever the message names it ("+ max_tokens (9000) exceed it", "lower max_tokens")."""
+    wherever the message names it ("+ max_tokens (9000) exceed it", "lower max_tokens"), in
+    another field's error too ("min_tokens: must be <= max_tokens (2)")."""
     head, sep, rest = str(e).partition(":")
-    if sep and head == old:
-        e.args = (f"{new}:{renamed_in_text(rest, old, new) if in_text else rest}",)
+    if sep and (head == old or in_text):
+        e.args = (f"{new if head == old else head}:{renamed_in_text(rest, old, new) if in_text else rest}",)
