@@ -558,7 +558,7 @@ class OpenAIServing:
             for c in calls
         ]
         message = {"role": "assistant", "content": content, "tool_calls": tool_calls}
-        return message, "tool_calls" if finish == "stop" else finish
+        return message, _call_finish(finish, mode)
 
     def _chat_chunks(
         self, run: Launched, req: ChatCompletionRequest, mode: str, top: int, echo: str, prompt_tokens: int
@@ -600,8 +600,8 @@ class OpenAIServing:
                         delta["function_call"] = first_call[0]
                 elif calls:
                     delta["tool_calls"] = calls
-                if finish == "stop" and ts.ids:
-                    finish = "function_call" if legacy else "tool_calls"
+                if ts.ids:
+                    finish = "function_call" if legacy and finish == "stop" else _call_finish(finish, mode)
             if not (delta or out.finished or with_logprobs):  # no empty chunks for held-back text
                 return None
             logprobs = self._chat_logprobs(lp_ids, lps, top, as_ids) if with_logprobs else None
@@ -867,6 +867,12 @@ class Usage:
             "total_tokens": prompt + self.completion,
             "prompt_tokens_details": {"cached_tokens": self.cached},
         }
+
+
+def _call_finish(finish: str | None, mode: str) -> str | None:
+    """A reply that called tools ends with "tool_calls", except a call forced by name, which ends
+    with "stop" as OpenAI's does (vLLM matched it: its PR 25054); a length cut stays "length"."""
+    return "tool_calls" if finish == "stop" and mode != "named" else finish
 
 
 def _stop_reason(c) -> int | str | None:
