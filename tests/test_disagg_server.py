@@ -366,9 +366,11 @@ def test_a_helper_process_that_does_not_come_up_in_time_is_stopped(monkeypatch):
 def test_proxy_serves_kvserve_serves_other_routes_from_a_decode_engine():
     """No engines needed. The proxy served /v1/... generation, models and /health only: its
     pod's readiness probe (/health/ready), vLLM's /ping, /tokenize (how the gateway counts a
-    deployment's tokens), /detokenize, /version and cancelling a stored Response were 404s.
-    Now a decode engine answers them (the one the Response id names, for cancel); a path
-    kvserve serve has not either is still a 404 in OpenAI's shape."""
+    deployment's tokens), /detokenize, /version and cancelling a stored Response were 404s,
+    and liveness had only /health, 503 while no engine answers (a liveness probe on it
+    restarted a healthy proxy). Now a decode engine answers them (the one the Response id
+    names, for cancel), /health/liveliness the proxy itself; a path kvserve serve has not either
+    is still a 404 in OpenAI's shape."""
     from kvserve.disagg.whole import engine_tag
     from kvserve.routing.responses_ids import encode_id
 
@@ -387,6 +389,10 @@ def test_proxy_serves_kvserve_serves_other_routes_from_a_decode_engine():
         assert r.status_code == 200 and r.json() == {"decode": [False, True]}, r.text
         r = httpx.get(down.url + "/health/ready", timeout=30)
         assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready", r.text
+        assert httpx.get(down.url + "/health", timeout=30).status_code == 503  # (no decode engine)
+        for path in ("/health/liveliness", "/health/liveness"):  # liveness: the process answers
+            r = httpx.get(down.url + path, timeout=30)
+            assert r.status_code == 200 and r.json() == {"status": "ok"}, r.text
         public = encode_id(engine_tag(fault.url), "resp_abc")
         r = httpx.post(proxy.url + f"/v1/responses/{public}/cancel", timeout=30)
         assert r.status_code == 200 and r.json()["id"] == public, r.text  # (the engine's id made public)

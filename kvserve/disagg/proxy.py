@@ -308,6 +308,12 @@ def build_app(proxy: PDProxy, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
                 down = _unreachable(url, e)
         return down
 
+    @app.get("/health/liveliness")  # the gateway's (LiteLLM's) liveness paths: /health is 503
+    @app.get("/health/liveness")  # while no decode engine answers, and a liveness probe on it
+    async def liveness() -> dict:  # restarted a healthy proxy whose engines were still loading
+        """Liveness: the process answers (its engines being down is readiness's business)."""
+        return {"status": "ok"}
+
     @app.get("/health")
     @app.get("/ping")  # vLLM's (and SageMaker's) name for it, as kvserve serve answers it
     @app.post("/ping")
