@@ -41,6 +41,7 @@ def _base(fault, tmp, **router) -> dict:
             deployment("die", u, "die"), deployment("ctx", u, "ctx-400"), deployment("big", u, "ok"),
             deployment("small", u, "ok", max_context=5), deployment("bad", u, "bad-400"),
             deployment("r429", u, "fail-429"), deployment("slow", u, "slow"),
+            deployment("slow8", u, "slow", max_connections=8, first_byte_timeout=60),
             deployment("r429nan", u, "429-nan"),
             deployment("hold", u, "hold-1"), deployment("crlf", u, "crlf"),
             deployment("pd400", u, "bad-400", prefill_url=u, max_parallel_requests=1),
@@ -152,6 +153,29 @@ def test_500_is_retried_on_the_other_deployment(gw, fault):
         assert r.headers["x-kvserve-deployment"] == "retry500-1"
     assert fault.count("fail-500") > before  # the 500 really happened (weights make it the first pick)
     assert r.headers["x-kvserve-attempts"] in ("1", "2")
+
+
+def test_no_stream_waits_for_a_connection_while_the_deployment_has_one_free(gw, fault):
+    """max_connections 8 is two clients of 4. Taken in turn, long and short streams alternating
+    put every long one on the same client: the 5th waited there for one of the first 4 to end
+    (60 s; first_byte_timeout 60: not retried elsewhere) while the other client's connections
+    sat idle, and this client's 15 s read timeout ran out."""
+    opened, lines = [], []
+    try:
+        for i in range(5):
+            long = {"model": "slow8", "messages": MSG, "max_tokens": 600, "stream": True}
+            cm = httpx.stream("POST", gw.url + "/v1/chat/completions", json=long,
+                              headers={"Authorization": f"Bearer {KEY}"}, timeout=15)  # fmt: skip
+            r = cm.__enter__()
+            opened.append(cm)
+            assert r.status_code == 200
+            lines.append(r.iter_lines())  # (kept: a generator collected closes its stream)
+            assert next(line for line in lines[-1] if line.startswith("data: "))
+            if i < 4:
+                assert post(gw, "slow8", max_tokens=1, stream=True).status_code == 200
+    finally:
+        for cm in opened:
+            cm.__exit__(None, None, None)
 
 
 def test_hang_hits_first_byte_timeout_and_falls_back(gw, fault):
@@ -997,7 +1021,7 @@ def test_health_readiness_and_metrics(gw):
     for path in ("/health/liveliness", "/health/liveness"):
         assert httpx.get(gw.url + path).json() == {"status": "ok"}, path
     ready = httpx.get(gw.url + "/health/readiness").json()
-    assert ready["status"] == "ready" and len(ready["deployments"]) == 51
+    assert ready["status"] == "ready" and len(ready["deployments"]) == 52
     # a backend refusing the deployment's api_key cannot answer anything: not up (was: it answered)
     assert [d["up"] for d in ready["deployments"] if d["model_name"] == "denied"] == [False]
     assert all(d["up"] for d in ready["deployments"] if d["model_name"] != "denied")

@@ -9,6 +9,7 @@ import httpx
 
 from kvserve.gateway.body import content_text, messages_of
 from kvserve.gateway.config import Deployment, GatewayConfig
+from kvserve.gateway.counted_client import CountedClient
 from kvserve.gateway.retries import CREDENTIALS_STATUS
 
 
@@ -51,13 +52,21 @@ POOL_SHARD = 4  # connections per httpx client: one client's pool slows down sha
 AUX_CONNECTIONS = 8  # per deployment, for /tokenize, readiness probes and /metrics polls (aux_client)
 
 
+def least_busy(shards: list[CountedClient], start: int) -> CountedClient:
+    """The shard with the fewest requests in flight, ties going to the first from `start`: in
+    turn alone, alternating long and short streams piled the long ones onto half the shards,
+    and a request waited for a connection there while the other half sat idle."""
+    n = len(shards)
+    return min((shards[(start + k) % n] for k in range(n)), key=lambda c: c.in_flight)
+
+
 class BackendPool:
-    """Per deployment, max_connections split over small httpx clients used in turn: 64
-    concurrent requests through one 64-connection client ran at 52 req/s, through 16 clients of
-    4 at 309 (`benchmarks/bench_gateway.py pools`, docs/BENCHMARKS.md)."""
+    """Per deployment, max_connections split over small httpx clients, each request to the
+    least busy: 64 concurrent requests through one 64-connection client ran at 52 req/s,
+    through 16 clients of 4 at 309 (`benchmarks/bench_gateway.py pools`, docs/BENCHMARKS.md)."""
 
     def __init__(self, cfg: GatewayConfig) -> None:
-        self.clients: dict[str, list[httpx.AsyncClient]] = {}
+        self.clients: dict[str, list[CountedClient]] = {}
         self._next: dict[str, int] = {}
         self._next_prefill: dict[str, int] = {}
         self.tokenizer: dict[str, str] = {}
@@ -70,7 +79,7 @@ class BackendPool:
             timeout = httpx.Timeout(b.timeout, connect=b.connect_timeout, read=b.idle_timeout, pool=b.timeout)
             limits = httpx.Limits(max_connections=per, max_keepalive_connections=per)
             self.clients[d.id] = [
-                httpx.AsyncClient(timeout=timeout, limits=limits, verify=tls) for _ in range(shards)
+                CountedClient(timeout=timeout, limits=limits, verify=tls) for _ in range(shards)
             ]
             self._next[d.id] = self._next_prefill[d.id] = 0
             self.tokenizer[d.id] = b.tokenizer
@@ -80,16 +89,16 @@ class BackendPool:
     def client(self, dep: Deployment) -> httpx.AsyncClient:
         shards = self.clients[dep.id]
         i = self._next[dep.id] = (self._next[dep.id] + 1) % len(shards)
-        return shards[i]
+        return least_busy(shards, i)
 
     def prefill_client(self, dep: Deployment) -> httpx.AsyncClient:
-        """A pd deployment's prefill call: the same shards, taken in a turn of their own. In the
-        requests' turn each request took two (prefill, then decode), so with an even number of
-        shards every prefill landed on one half and every decode on the other: half of
+        """A pd deployment's prefill call: the same shards, ties broken in a turn of their own. In
+        the requests' turn each request took two (prefill, then decode), so with an even number
+        of shards every prefill landed on one half and every decode on the other: half of
         max_connections for each."""
         shards = self.clients[dep.id]
         i = self._next_prefill[dep.id] = (self._next_prefill[dep.id] + 1) % len(shards)
-        return shards[i]
+        return least_busy(shards, i)
 
     def aux_client(self, dep: Deployment) -> httpx.AsyncClient:
         """The client for the gateway's own calls (/tokenize, readiness, /metrics), outside the
