@@ -786,6 +786,29 @@ def test_gateway_errors_have_string_codes(gw):
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_value"
 
 
+def test_a_body_sent_as_a_form_is_a_400_naming_its_content_type(gw, fault):
+    """`curl -d '{...}'` sends Content-Type application/x-www-form-urlencoded: kvserve serve
+    answers 400, the gateway read the body as JSON and served it. Now the same 400 (a body
+    without a Content-Type is still read as JSON, as FastAPI reads it)."""
+    body = json.dumps({"model": "okgroup", "messages": MSG, "max_tokens": 1}).encode()
+    form = "application/x-www-form-urlencoded"
+    before = fault.count("ok")
+    for path, key in (("/v1/chat/completions", KEY), ("/v1/batches", KEY), ("/admin/keys", MASTER)):
+        h = {"Authorization": f"Bearer {key}", "content-type": form}
+        r = httpx.post(gw.url + path, content=body, headers=h, timeout=30)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["code"] == "invalid_json", r.text
+        assert "Content-Type: application/json" in err["message"] and form in err["message"], err
+        assert err["type"] == "invalid_request_error" and err["param"] is None, err
+    assert fault.count("ok") == before  # (nothing reached the backend)
+    h = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(gw.url + "/v1/chat/completions", content=body, headers=h, timeout=30)
+    assert r.status_code == 200, r.text
+    r = httpx.post(gw.url + "/v1/chat/completions", content=body, timeout=30,
+                   headers={**h, "content-type": "application/json; charset=utf-8"})  # fmt: skip
+    assert r.status_code == 200, r.text
+
+
 @pytest.mark.parametrize("prev, kind", [(123, "a number"), ([], "an array"), ({"id": "x"}, "an object")])
 def test_a_previous_response_id_that_is_no_string_is_a_400_naming_its_type(gw, prev, kind):
     """A previous_response_id that is not a string was looked up as a gateway id and answered

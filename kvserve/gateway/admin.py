@@ -10,6 +10,7 @@ from pydantic import ValidationError
 
 from kvserve.gateway.config import GatewayConfig, KeySpec, parse_duration
 from kvserve.gateway.errors import GatewayError
+from kvserve.gateway.json_type import require_json
 from kvserve.gateway.spend import GROUPS
 
 
@@ -22,6 +23,7 @@ def _first_error(e: ValidationError) -> str:
 async def json_object(request: Request) -> dict:
     """The request's body as a JSON object, or a 400 in OpenAI's shape (a body nested too deeply
     to parse is the caller's mistake too)."""
+    require_json(request)
     try:
         body = await request.json()
     except (ValueError, RecursionError):

@@ -28,6 +28,7 @@ from kvserve.gateway.batch_lines import file_alias, for_backend, public_output_l
 from kvserve.gateway.config import Deployment
 from kvserve.gateway.errors import GatewayError
 from kvserve.gateway.handler import Gateway
+from kvserve.gateway.json_type import require_json
 from kvserve.gateway.keys import KeyRecord
 
 _FILE_FIELDS = ("input_file_id", "output_file_id", "error_file_id")
@@ -209,6 +210,7 @@ class BatchAPI:
                     )
 
     async def create(self, key: KeyRecord, request: Request) -> Response:
+        require_json(request)
         try:
             body = json.loads(await request.body())
         except (ValueError, RecursionError):

@@ -29,6 +29,7 @@ from kvserve.gateway.config import Deployment, GatewayConfig
 from kvserve.gateway.degrade import HEADER as DEGRADED_HEADER
 from kvserve.gateway.degrade import Degrader
 from kvserve.gateway.errors import GatewayError, limit_reached, upstream_rate_limited
+from kvserve.gateway.json_type import require_json
 from kvserve.gateway.keys import KeyRecord
 from kvserve.gateway.limits import deployment_checks, needs_tokens, ratelimit_headers, tenant_checks
 from kvserve.gateway.metrics import GatewayMetrics
@@ -711,6 +712,7 @@ def _min_new(ctx: Ctx) -> int:
 
 
 async def _json_body(request: Request) -> dict:
+    require_json(request)
     raw = await request.body()
     try:
         body = json.loads(raw)
