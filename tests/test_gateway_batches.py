@@ -244,3 +244,41 @@ def test_a_large_upload_is_parsed_off_the_event_loop(tmp_path):
         fault.stop()
     assert r.status_code == 200, r.text
     assert longest < 1.0, longest  # (parsed on the loop: ~5 s here)
+
+
+@pytest.mark.parametrize(
+    "content_type, body",
+    [
+        ("multipart/form-data; boundary=xyz", b"garbage, no boundary in it"),
+        (
+            "multipart/form-data; boundary=xyz",
+            b"--xyz\r\nContent-Disposition: form-data; name=purpose\r\n\r\n--xyz--\r\nmore",
+        ),
+        ("multipart/form-data; boundary=xyz", b"--xyz\r\nno headers end here"),
+        ("multipart/form-data", b"--xyz\r\n\r\n"),
+    ],
+)
+def test_a_garbled_upload_is_a_400_and_no_log_noise(tmp_path, caplog, content_type, body):
+    """A malformed multipart body is the client's mistake: it gets a 400, and the gateway's log
+    got python_multipart's WARNINGs for it (noise an operator cannot act on)."""
+    import asyncio
+    import logging
+
+    from kvserve.gateway.app import build_app
+    from kvserve.gateway.config import parse_config
+
+    cfg = {"model_list": [{"model_name": "m", "backend": {"base_url": f"http://127.0.0.1:{free_port()}/v1",
+                                                          "model": "ok"}}],
+           "keys": [{"key": KEY}], "general_settings": {"database": str(tmp_path / "gw.db")}}  # fmt: skip
+    app = build_app(parse_config(cfg), web_ui=False)
+
+    async def upload() -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
+            h = {"Authorization": f"Bearer {KEY}", "content-type": content_type}
+            return await c.post("/v1/files", content=body, headers=h)
+
+    with caplog.at_level(logging.INFO):
+        r = asyncio.run(upload())
+    assert r.status_code == 400 and set(r.json()["error"]) >= {"message", "type", "param", "code"}, r.text
+    noise = [f"{x.name}: {x.getMessage()}" for x in caplog.records if x.levelno >= logging.WARNING]
+    assert not noise, noise

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from typing import Any
 from urllib.parse import quote
 
@@ -37,6 +38,10 @@ _LIST_MAX = 10_000
 _LIST_FETCH = 32  # objects a list asks the backends for at a time
 _WHAT = {FILE: "file", BATCH: "batch"}
 _FORM_FIELDS = ("purpose", "expires_after")  # an upload's fields passed on (expires_after[...])
+
+# A malformed upload is the client's mistake and gets its 400 (Starlette's MultiPartException):
+# the WARNING python_multipart logs for it too was noise an operator cannot act on. Its errors stay.
+logging.getLogger("python_multipart").setLevel(logging.ERROR)
 
 
 def _bucket(prefix: str, owner: str) -> str:
