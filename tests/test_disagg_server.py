@@ -643,6 +643,21 @@ def test_a_body_over_the_limit_is_a_413_before_it_is_read(fault_proxy):
     assert fault.count("ok") == before
 
 
+def test_a_body_sent_as_a_form_is_a_400_naming_its_content_type(fault_proxy):
+    """`curl -d '{...}'` sends Content-Type application/x-www-form-urlencoded: kvserve serve
+    answers 400, the proxy read the body as JSON and had both engines serve it."""
+    fault, proxy, _ = fault_proxy
+    before = fault.count("ok")
+    body = json.dumps({"model": "ok", "prompt": "a b", "max_tokens": 2})
+    form = "application/x-www-form-urlencoded"
+    r = httpx.post(proxy.url + "/v1/completions", content=body, headers={"content-type": form}, timeout=30)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "invalid_json" and form in err["message"], r.text
+    assert fault.count("ok") == before
+    r = httpx.post(proxy.url + "/v1/completions", content=body, timeout=30)  # (none sent: read as JSON)
+    assert r.status_code == 200, r.text
+
+
 def test_health_is_ok_while_some_decode_engine_can_answer(fault_proxy):
     """With the decode engines tried in turn, one of two being down (and the prefill engine:
     the decode engine computes the prompt) costs time, not answers; /health said 503, so a

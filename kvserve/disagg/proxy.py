@@ -41,6 +41,7 @@ from kvserve.entrypoints.draining_server import DrainingServer
 from kvserve.entrypoints.openai.middleware import _REQUEST_ID, BodySizeLimit, HeadAsGet, InternalErrors
 from kvserve.routing.drain import ENDING_S, DrainLifecycle
 from kvserve.routing.in_flight import RETRY_AFTER, InFlight
+from kvserve.routing.json_type import not_json
 from kvserve.routing.responses_ids import previous_id_problem
 from kvserve.routing.settled_stream import SettledStream
 
@@ -173,6 +174,8 @@ class PDProxy:
         return SettledStream(resp.body_iterator, settle, status_code=resp.status_code, headers=resp.headers)
 
     async def _handle(self, path: str, raw: Request, send: dict, rid: str) -> Response:
+        if (why := not_json(raw.headers.get("content-type"))) is not None:  # (curl -d: a form's)
+            return JSONResponse(_error(why, None), status_code=400)
         try:
             body = await raw.json()
         except ValueError:
