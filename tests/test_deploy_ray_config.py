@@ -140,6 +140,18 @@ def test_front_answers_a_body_it_cannot_use_with_a_400(body, says):
     assert resp.status_code == 400 and err["code"] == "invalid_json" and says in err["message"], err
 
 
+def test_front_answers_a_body_sent_as_a_form_with_a_400_naming_its_content_type():
+    """`curl -d '{...}'` sends Content-Type application/x-www-form-urlencoded: kvserve serve
+    answers 400, the front read the body as JSON and had a replica serve it."""
+    import json
+
+    pytest.importorskip("ray.serve")
+    form = "application/x-www-form-urlencoded"
+    resp, answer = _front_post(None, body=STREAMED_CHAT, content_type=form)  # (no replica reached)
+    err = json.loads(answer)["error"]
+    assert resp.status_code == 400 and err["code"] == "invalid_json" and form in err["message"], err
+
+
 @pytest.mark.parametrize("prev, kind", [(123, "a number"), ([], "an array"), ({}, "an object")])
 def test_front_answers_a_previous_response_id_that_is_no_string_with_a_400_naming_its_type(prev, kind):
     """The front looked a previous_response_id of 123 or [] up as an id: a 400
@@ -185,7 +197,7 @@ class _RayTaskError(Exception):
 STREAMED_CHAT = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": true}'
 
 
-def _front_post(handle, path: str = "chat/completions", body: bytes = STREAMED_CHAT):
+def _front_post(handle, path: str = "chat/completions", body: bytes = STREAMED_CHAT, content_type: str = ""):
     """(response, its body) of the Ray front's POST of `body` to /v1/`path`, its replicas `handle`."""
     import asyncio
 
@@ -197,7 +209,8 @@ def _front_post(handle, path: str = "chat/completions", body: bytes = STREAMED_C
         return {"type": "http.request", "body": body, "more_body": False}
 
     async def run():
-        scope = {"type": "http", "method": "POST", "path": f"/v1/{path}", "headers": []}
+        headers = [(b"content-type", content_type.encode())] if content_type else []
+        scope = {"type": "http", "method": "POST", "path": f"/v1/{path}", "headers": headers}
         front = SimpleNamespace(max_request_bytes=2**20, replicas=handle)
         front._relay = lambda *a: Front._relay(front, *a)
         resp = await Front.post(front, path, Request(scope, receive))

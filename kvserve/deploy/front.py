@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvserve.deploy.replica import FORWARDED_HEADERS
 from kvserve.entrypoints.openai.middleware import HeadAsGet
+from kvserve.routing.json_type import not_json
 from kvserve.routing.responses_ids import decode_id, previous_id_problem
 from kvserve.routing.stream_failure import count_events, failed_stream_end
 
@@ -139,6 +140,8 @@ class Front:
 
     async def _relay(self, target: str, request: Request) -> Response:
         """A POST with a JSON body to `target` on a replica, its answer passed through."""
+        if (why := not_json(request.headers.get("content-type"))) is not None:  # (curl -d: a form's)
+            return _error(400, why, "invalid_json")
         raw = await _body(request, self.max_request_bytes)
         if raw is None:  # (was read whole, however large: one upload took the front's memory)
             msg = f"request body is larger than the deployment's limit of {self.max_request_bytes} bytes"
