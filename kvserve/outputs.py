@@ -9,8 +9,9 @@ class Logprob(float):
     """One token's logprob as vLLM's `Logprob` (`.logprob`, `.rank`, `.decoded_token`), and still
     the float it was before, so both `lp[tok].logprob` and `lp[tok] + x` read it. The offline
     `LLM` returns these; the engine and the server keep plain floats (msgspec encodes no float
-    subclass). `rank` is 1-based among the whole vocabulary, None for a token outside the top
-    alternatives asked for (the engine does not count how many tokens beat it)."""
+    subclass). `rank` is 1-based among the whole vocabulary: the sampled token's always (the
+    sampler counts it), an alternative's within the top ones asked for; None for a prompt token
+    outside them (prompt logprobs carry no count)."""
 
     logprob: float
     rank: int | None
@@ -76,6 +77,10 @@ class CompletionOutput:
     logprobs: list[dict[int, float]] | None = None
     """Per sampled token: it and the top alternatives asked for; the offline `LLM`'s values are
     `Logprob`s (vLLM's shape), the engine's plain floats."""
+    logprob_ranks: list[int | None] | None = None
+    """Per sampled token (as `logprobs`): its rank in the whole vocabulary, 1 + the tokens with a
+    higher logprob, which the top-k entry cannot tell for a token outside it (vLLM's
+    `Logprob.rank` of the sampled token)."""
     delta_text: str = ""
     """Text released since the previous output of this request (for streaming)."""
     delta_token_ids: list[int] = field(default_factory=list)

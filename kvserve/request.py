@@ -85,6 +85,7 @@ class Request:
         self.remote_kv: RemoteKV | None = None  # prefill/decode disaggregation: the load, once tried
         self.kv_transfer_out: dict | None = None  # a producer's kv_transfer_params for the response
         self.logprobs: list[dict[int, float]] = []
+        self.logprob_ranks: list[int | None] = []  # the sampled tokens' ranks, as logprobs
         self.prompt_logprobs: list[dict[int, float] | None] = (
             [None] if params.prompt_logprobs is not None else []
         )

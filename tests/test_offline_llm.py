@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 import pytest
+from conftest import load_reference
 from tqdm import tqdm
 
 from kvserve import LLM, SamplingParams
@@ -274,15 +275,49 @@ def test_logprobs_are_vllm_logprob_objects(llm):
     pairs = list(zip(full.prompt_logprobs[1:], some.prompt_logprobs[1:], [1] * 99)) + list(
         zip(full.outputs[0].logprobs, c.logprobs, [2] * 99)
     )
-    for whole, entry, k in pairs:
+    sampled_at = [()] * len(some.prompt_logprobs[1:]) + [(t,) for t in c.token_ids]
+    for (whole, entry, k), sampled in zip(pairs, sampled_at):
         for t, lp in entry.items():
             assert lp.logprob == float(lp) and type(lp.logprob) is float
             assert lp.decoded_token == tok.decode([t])
             rank = _full_rank(whole, t)
-            assert lp.rank == (rank if rank <= k else None), (t, lp, rank)
-        assert sorted(lp.rank for lp in entry.values() if lp.rank is not None) == list(range(1, k + 1))
+            assert lp.rank == (rank if rank <= k or t in sampled else None), (t, lp, rank)
+        assert {lp.rank for lp in entry.values() if lp.rank is not None} >= set(range(1, k + 1))
     assert math.isclose(c.cumulative_logprob, sum(lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)))
     assert "Logprob(logprob=" in repr(c.logprobs[0])
+
+
+def _reference_ranks(ref, prompt_ids: list[int], token_ids: list[int], eps: float = 1e-4) -> list[range]:
+    """Each sampled token's possible ranks from transformers' full-vocabulary log_softmax: 1 +
+    the tokens above it, a token within eps of it counted either way (fp32 noise)."""
+    import torch
+
+    with torch.no_grad():
+        logits = ref(torch.tensor([prompt_ids + token_ids])).logits[0].float()
+    rows = logits.log_softmax(-1)[len(prompt_ids) - 1 : -1]
+    out = []
+    for row, t in zip(rows, token_ids):
+        v = row[t]
+        out.append(range(1 + int((row > v + eps).sum()), 1 + int((row > v - eps).sum())))  # counts t
+    return out
+
+
+@pytest.mark.parametrize("spec", [{}, {"speculative_method": "ngram", "speculative_ngram_min": 1}])
+def test_sampled_token_rank_is_its_vocabulary_rank(tiny_llama_dir, spec):
+    """vLLM's sampled token always has its rank; ours was None outside the top-k asked for, so
+    always None with logprobs=0 unless it was the argmax. The sampler (and its speculative
+    verification) counts it; checked against transformers' full log_softmax."""
+    llm = LLM(tiny_llama_dir, kv_cache_memory="8MiB", max_model_len=256, **spec)
+    prompt = "a b c a b c a b c a b c" if spec else "a paged cache"
+    params = SamplingParams(temperature=1.0, seed=11, max_tokens=24, ignore_eos=True, logprobs=0)
+    out = llm.generate(prompt, params, use_tqdm=False)[0]
+    c = out.outputs[0]
+    expected = _reference_ranks(load_reference(tiny_llama_dir), out.prompt_token_ids, c.token_ids)
+    ranks = [lp[t].rank for t, lp in zip(c.token_ids, c.logprobs)]
+    assert all(r in want for r, want in zip(ranks, expected)), list(zip(ranks, expected))
+    assert max(ranks) > 1  # tokens below the argmax were drawn: the case that was None
+    if spec:
+        assert llm.llm_engine.core.scheduler.spec_stats.num_drafts > 0
 
 
 @pytest.mark.parametrize(

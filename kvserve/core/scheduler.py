@@ -400,12 +400,14 @@ class Scheduler:
                 if req.spec_state is not None:
                     req.spec_state.record(num_spec, num_accepted)
             count = 0
-            for token, lp in zip(result.token_ids, result.logprobs):
+            ranks = result.ranks or [None] * len(result.token_ids)
+            for token, lp, rank in zip(result.token_ids, result.logprobs, ranks):
                 req.append_token(token)
                 if req.grammar is not None:  # [structured outputs] advance the matcher (see check_stop)
                     req.grammar.accept_sampled(token)
                 if lp is not None:
                     req.logprobs.append(lp)
+                    req.logprob_ranks.append(rank)
                 count += 1
                 if req.check_stop(self.max_model_len):
                     self._retire(req)

@@ -514,6 +514,7 @@ class EngineCore:
         out = EngineCoreOutput(req.request_id, req.output_token_ids[len(req.output_token_ids) - count :])
         if req.params.logprobs is not None:
             out.new_logprobs = req.logprobs[-count:]
+            out.new_logprob_ranks = req.logprob_ranks[-count:]
         if first:
             out.first_scheduled_time = req.first_scheduled_time
             out.first_token_time = req.first_token_time

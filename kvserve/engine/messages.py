@@ -30,6 +30,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # with "error": what went wrong
     new_logprobs: list[dict[int, float]] | None = None
+    new_logprob_ranks: list[int | None] | None = None  # the new tokens' ranks in the vocabulary
     prompt_logprobs: list[dict[int, float] | None] | None = None  # sent with the first token
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -24,6 +24,7 @@ class RequestState:
         self.detok = IncrementalDetokenizer(tokenizer, req.params)
         self.token_ids: list[int] = []
         self.logprobs: list[dict[int, float]] | None = [] if req.params.logprobs is not None else None
+        self.logprob_ranks: list[int | None] | None = [] if req.params.logprobs is not None else None
         self.cumulative_logprob = 0.0  # of the sampled tokens, kept as they come (not re-summed per step)
         self.beam_cum_logprob: float | None = None  # a beam search result's, from the engine
         self.prompt_logprobs = None
@@ -50,6 +51,7 @@ class RequestState:
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
             logprobs=self.logprobs,
+            logprob_ranks=self.logprob_ranks,
             cumulative_logprob=cumulative,
             delta_text=delta_text,
             delta_token_ids=new_token_ids,
@@ -108,6 +110,8 @@ class OutputProcessor:
                     break
             if st.logprobs is not None and new_logprobs:
                 st.logprobs.extend(new_logprobs)
+                ranks = out.new_logprob_ranks or [None] * len(new_logprobs)
+                st.logprob_ranks.extend(ranks[: len(new_logprobs)])  # cut where a stop string cut
                 st.cumulative_logprob += sum(lp[t] for t, lp in zip(new_ids, new_logprobs))
             if stop is not None:
                 st.finish_reason, st.stop_reason = "stop", stop

@@ -28,20 +28,26 @@ def to_vllm_logprobs(
         if entry is not None:
             _convert(entry, prompt_top_k or 0, text)
     for completion in out.outputs:
-        for entry in completion.logprobs or ():
-            _convert(entry, top_k or 0, text)
+        ranks = completion.logprob_ranks or []
+        for i, entry in enumerate(completion.logprobs or ()):
+            sampled = (completion.token_ids[i], ranks[i]) if i < len(ranks) else None
+            _convert(entry, top_k or 0, text, sampled)
 
 
-def _convert(entry: dict[int, float], k: int, text) -> None:
+def _convert(entry: dict[int, float], k: int, text, sampled: tuple[int, int | None] | None = None) -> None:
     """A token's rank is 1 + the tokens with a higher logprob. The entry holds the k best, so
     when fewer than k of its tokens beat one, every token beating it is here and the rank is
-    exact; otherwise tokens outside the entry may beat it too, and it is None."""
+    exact; otherwise tokens outside the entry may beat it too, and it is None, except for the
+    sampled token, whose rank the sampler counted over the whole vocabulary (`sampled`)."""
     values = sorted(entry.values(), reverse=True)
     for token, value in entry.items():
         if isinstance(value, Logprob):
             continue  # converted already (an output returned twice)
         better = _count_above(values, value)
-        entry[token] = Logprob(value, better + 1 if better < k else None, text(token))
+        rank = better + 1 if better < k else None
+        if sampled is not None and token == sampled[0] and sampled[1] is not None:
+            rank = sampled[1]
+        entry[token] = Logprob(value, rank, text(token))
 
 
 def _count_above(descending: list[float], value: float) -> int:

@@ -47,11 +47,11 @@ class DriverSampler:
             apply_grammar_bitmask(rows_logits, sample_reqs)  # [structured outputs] constrained rows only
             sampled = self.sampler(rows_logits, sample_reqs)
             for i, req in enumerate(sample_reqs):
-                results[req.request_id] = SampleResult([sampled.token_ids[i]], [sampled.logprobs[i]])
+                results[req.request_id] = _one_row(sampled, i)
         for reqs, rows_logits in followers:
             sampled = self.sampler(rows_logits, reqs)
             for i, req in enumerate(reqs):
-                results[req.request_id] = SampleResult([sampled.token_ids[i]], [sampled.logprobs[i]])
+                results[req.request_id] = _one_row(sampled, i)
         for i, req in enumerate(all_reqs):
             if req.params.use_beam_search:
                 results[req.request_id] = beam_candidates(logits[i], req)
@@ -65,6 +65,12 @@ class DriverSampler:
             results[rid] = self.sampler.verify(logits[row:end], req, drafts)
             row = end
         return results
+
+
+def _one_row(sampled: SampleResult, i: int) -> SampleResult:
+    """Row i of a batch's SampleResult, as the request's own."""
+    ranks = [sampled.ranks[i]] if sampled.ranks is not None else None
+    return SampleResult([sampled.token_ids[i]], [sampled.logprobs[i]], ranks=ranks)
 
 
 def beam_candidates(row: torch.Tensor, req: Request) -> SampleResult:

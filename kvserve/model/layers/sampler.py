@@ -29,6 +29,10 @@ class SampleResult:
     beam_logprobs: list[float] | None = None
     """Beam search: token_ids are the row's best candidates and these their log-probabilities
     (nothing is sampled; engine/beam_search.py chooses)."""
+    ranks: list[int | None] | None = None
+    """Per token, where its row asks for logprobs: its rank in the vocabulary (1 + the tokens
+    with a higher logprob), as vLLM's `Logprob.rank`; the top-k entry alone cannot tell it
+    for a token outside the top-k (always with logprobs=0)."""
 
 
 class Lookahead:
@@ -120,6 +124,13 @@ def _entry(raw_logprobs: torch.Tensor, row: int, token: int, k: int) -> dict[int
     return entry
 
 
+def _rank(raw_logprobs: torch.Tensor, row: int, token: int) -> int:
+    """1 + how many tokens of the row have a higher logprob than `token` (vLLM's rank): one
+    comparison pass over a row that asks for logprobs, which its top-k already pays for."""
+    values = raw_logprobs[row]
+    return int((values > values[token]).sum()) + 1
+
+
 FAULT_INJECTION_ENV = "KVSERVE_FAULT_INJECT_SAMPLING"
 
 
@@ -206,10 +217,12 @@ class Sampler:
             tokens = torch.where(torch.tensor(greedy), tokens, sampled)
         token_list = tokens.tolist()
         logprobs: list[dict[int, float] | None] = [None] * len(reqs)
+        ranks: list[int | None] = [None] * len(reqs)
         for i, r in enumerate(reqs):
             if r.params.logprobs is not None:
                 logprobs[i] = _entry(raw_logprobs, i, token_list[i], r.params.logprobs)
-        return SampleResult(token_list, logprobs)
+                ranks[i] = _rank(raw_logprobs, i, token_list[i])
+        return SampleResult(token_list, logprobs, ranks=ranks)
 
     def verify(self, logits: torch.Tensor, req: Request, drafts: list[int]) -> SampleResult:
         """Score k proposed tokens with the target's k + 1 rows of logits; returns the tokens
@@ -241,6 +254,8 @@ class Sampler:
                 if i == k or tokens[i] != drafts[i]:
                     break
         logprobs: list[dict[int, float] | None] = [None] * len(tokens)
+        ranks: list[int | None] = [None] * len(tokens)
         if req.params.logprobs is not None:
             logprobs = [_entry(raw_logprobs, i, t, req.params.logprobs) for i, t in enumerate(tokens)]
-        return SampleResult(tokens, logprobs)
+            ranks = [_rank(raw_logprobs, i, t) for i, t in enumerate(tokens)]
+        return SampleResult(tokens, logprobs, ranks=ranks)
