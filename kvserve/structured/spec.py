@@ -18,7 +18,7 @@ from kvserve.structured.number_forms import swap_numbers
 from kvserve.structured.productive import unproductive_root
 from kvserve.structured.regex_flavour import for_xgrammar
 from kvserve.structured.schema_support import unsatisfiable, unsupported
-from kvserve.structured.schema_walk import DATA
+from kvserve.structured.schema_walk import DATA, NAMED
 
 # xgrammar's errors start with "[hh:mm:ss] /path/file.cc:123: "; the rest is the message.
 _LOCATION = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*")
@@ -40,6 +40,14 @@ MAX_SCHEMA_DEPTH = 128
 # The compile grows faster than their count (500: 1 s, 2,000: 12 s on a 512-token vocabulary) and
 # holds the large-spec lane (backend.py) that long, while a 16 MB body could hold 100,000s.
 MAX_SCHEMA_PROPERTIES = 5000
+# A schema's enum values, all its enums' together, counted and as JSON text. xgrammar's compile
+# grows much faster than either (default model, 49k vocabulary: 10,000 short strings 0.9-1.8 s,
+# 30,000 7 s, 100,000 224 s plus 11 s converting in the API process; 10,000 integers 3.9 s; 2,000
+# strings of 100 characters, 222k characters, 2.0 s, 5,000, 555k, 5.8 s, 10,000, 1.1M, 171 s), holding the
+# large-spec lane all that time; these caps keep it to seconds (OpenAI's structured outputs take
+# 1,000 values, and 15,000 characters in an enum of more than 250).
+MAX_ENUM_VALUES = 10_000
+MAX_ENUM_CHARS = 250_000
 
 
 def grammar_key(so: StructuredOutputsParams) -> GrammarKey:
@@ -148,6 +156,13 @@ def parse_schema(text: str):
             f"the schema defines {properties:,} properties in all (at most {MAX_SCHEMA_PROPERTIES:,}, as "
             "OpenAI's structured outputs)"
         )
+    values, chars = _enum_size(schema)
+    if values > MAX_ENUM_VALUES or chars > MAX_ENUM_CHARS:
+        raise ValueError(
+            f"the schema's enum lists hold {values:,} values, {chars:,} characters of JSON, in all (at "
+            f"most {MAX_ENUM_VALUES:,} values and {MAX_ENUM_CHARS:,} characters: compiling more takes "
+            "minutes); use a pattern, or fewer values"
+        )
     depth = _depth(schema)
     if depth > MAX_SCHEMA_DEPTH:
         raise ValueError(
@@ -182,6 +197,26 @@ def _properties(value) -> int:
                 count += len(node["properties"])
             stack.extend(v for k, v in node.items() if k not in DATA)
     return count
+
+
+def _enum_size(value) -> tuple[int, int]:
+    """How many values a schema's `enum` lists hold in all, and their JSON text's length: data
+    values are not walked, a map of named subschemas is (a property named "enum" is a schema)."""
+    count, chars, stack = 0, 0, [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            if isinstance(node.get("enum"), list):
+                count += len(node["enum"])
+                chars += len(json.dumps(node["enum"], ensure_ascii=False))
+            for key, child in node.items():
+                if key in NAMED and isinstance(child, dict):
+                    stack.extend(child.values())
+                elif key not in DATA:
+                    stack.append(child)
+    return count, chars
 
 
 def _no_constant(name: str):
