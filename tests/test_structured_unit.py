@@ -103,6 +103,15 @@ def test_a_schema_past_5000_properties_is_refused_before_conversion():
     )
 
 
+@pytest.mark.parametrize("name", ["default", "enum", "const", "examples"])
+def test_a_property_named_as_data_is_counted_as_a_schema(name):
+    """The property count skipped a property named "default" (or enum, const, examples) as a
+    data value, and all it held: 6,000 properties under it passed the 5,000 cap."""
+    inner = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(6000)}}
+    with pytest.raises(ValueError, match="the schema defines 6,001 properties in all"):
+        check(S(json={"type": "object", "properties": {name: inner}}))
+
+
 def test_a_schema_past_10000_enum_values_is_refused_before_conversion():
     """xgrammar's compile of an enum grows much faster than its values (on the default model's
     vocabulary 10,000 strings take 1.8 s, 100,000 224 s, plus 11 s converting here), holding the

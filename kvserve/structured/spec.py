@@ -11,6 +11,7 @@ import functools
 import json
 import re
 import threading
+from collections.abc import Iterator
 
 from kvserve.sampling_params import StructuredOutputsParams
 from kvserve.structured.json_strings import prepared_schema
@@ -185,38 +186,34 @@ def _depth(value) -> int:
     return deepest
 
 
-def _properties(value) -> int:
-    """How many properties a schema's `properties` maps name in all (data values not counted)."""
-    count, stack = 0, [value]
+def _objects(value) -> Iterator[dict]:
+    """Every object of a schema but data values (iterative: no recursion limit); a map of named
+    subschemas is walked name by name, so a property named "default" or "enum" is a schema (the
+    counts below skipped it as data, and with it whatever it held)."""
+    stack = [value]
     while stack:
         node = stack.pop()
         if isinstance(node, list):
             stack.extend(node)
         elif isinstance(node, dict):
-            if isinstance(node.get("properties"), dict):
-                count += len(node["properties"])
-            stack.extend(v for k, v in node.items() if k not in DATA)
-    return count
-
-
-def _enum_size(value) -> tuple[int, int]:
-    """How many values a schema's `enum` lists hold in all, and their JSON text's length: data
-    values are not walked, a map of named subschemas is (a property named "enum" is a schema)."""
-    count, chars, stack = 0, 0, [value]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, list):
-            stack.extend(node)
-        elif isinstance(node, dict):
-            if isinstance(node.get("enum"), list):
-                count += len(node["enum"])
-                chars += len(json.dumps(node["enum"], ensure_ascii=False))
+            yield node
             for key, child in node.items():
                 if key in NAMED and isinstance(child, dict):
                     stack.extend(child.values())
                 elif key not in DATA:
                     stack.append(child)
-    return count, chars
+
+
+def _properties(value) -> int:
+    """How many properties a schema's `properties` maps name in all (data values not counted)."""
+    return sum(len(n["properties"]) for n in _objects(value) if isinstance(n.get("properties"), dict))
+
+
+def _enum_size(value) -> tuple[int, int]:
+    """How many values a schema's `enum` lists hold in all, and their JSON text's length: data
+    values are not walked, a map of named subschemas is (a property named "enum" is a schema)."""
+    enums = [n["enum"] for n in _objects(value) if isinstance(n.get("enum"), list)]
+    return sum(map(len, enums)), sum(len(json.dumps(e, ensure_ascii=False)) for e in enums)
 
 
 def _no_constant(name: str):
