@@ -73,23 +73,22 @@ class PendingFaults:
         self._lib = libc()
         live = [t for t in tensors if t is not None and t.device.type == "cpu" and t.nbytes]
         self._tensors = live if self._lib is not None else []  # held until their pages are in
-        self._ranges = [(t.data_ptr(), t.data_ptr() + t.nbytes) for t in self._tensors]
+        self._done = 0  # bytes of the first tensor faulted in
 
     def step(self, max_bytes: int = FAULT_IN_STEP) -> bool:
         """Fault in up to `max_bytes` more; True while pages remain."""
-        if not self._ranges:
+        if not self._tensors:
             return False
-        start, end = self._ranges[0]
-        nbytes = min(max_bytes, end - start)
-        if not _populate(self._lib, start, nbytes):
-            self._ranges, self._tensors = [], []
+        t = self._tensors[0]
+        nbytes = min(max_bytes, t.nbytes - self._done)
+        if not _populate(self._lib, t.data_ptr() + self._done, nbytes):
+            self._tensors = []
             return False
-        if start + nbytes < end:
-            self._ranges[0] = (start + nbytes, end)
-        else:
-            self._ranges.pop(0)
+        self._done += nbytes
+        if self._done == t.nbytes:
             self._tensors.pop(0)
-        return bool(self._ranges)
+            self._done = 0
+        return bool(self._tensors)
 
 
 def huge_page_full(shape: tuple[int, ...], value: float, dtype: torch.dtype) -> torch.Tensor:
