@@ -32,7 +32,7 @@ def main() -> None:
     args = ap.parse_args()
     tok = load_tokenizer(resolve_model("smollm2-135m"))
     vocab = tok.vocab_size
-    compiler = GrammarCompiler(tok, vocab, [tok.eos_token_id])
+    compiler = GrammarCompiler(lambda: tok, vocab, [tok.eos_token_id])
     reqs = []
     for s in varied_schemas(args.rows, 0):
         state = GrammarState(compiler.submit(("json", json.dumps(s))).result())

@@ -87,7 +87,7 @@ def test_a_length_bounded_or_patterned_string_can_hold_escapes(tiny_llm, string,
     answer = json.dumps({"s": value})
     jsonschema.validate(json.loads(answer), schema)
     vocab = engine.core.arch.vocab_size
-    compiler = GrammarCompiler(engine.tokenizer, vocab, sorted(engine.eos_token_ids))
+    compiler = GrammarCompiler(lambda: engine.tokenizer, vocab, sorted(engine.eos_token_ids))
     compiled = compiler.submit(("json", json.dumps(schema))).result()
     compiler.shutdown()
     unescaped = engine.tokenizer.encode('{"s": "' + value + '"}', add_special_tokens=False)
@@ -110,7 +110,7 @@ def _answers(engine, key: tuple[str, str], text: str) -> bool:
 def _answers_each(engine, key: tuple[str, str], texts: list[str]) -> list[bool]:
     """_answers for each of `texts`, the grammar compiled once."""
     vocab = engine.core.arch.vocab_size
-    compiler = GrammarCompiler(engine.tokenizer, vocab, sorted(engine.eos_token_ids))
+    compiler = GrammarCompiler(lambda: engine.tokenizer, vocab, sorted(engine.eos_token_ids))
     compiled = compiler.submit(key).result()
     compiler.shutdown()
     bitmask = torch.zeros((1, (vocab + 31) // 32), dtype=torch.int32)
@@ -626,7 +626,9 @@ def test_a_json_string_holds_only_valid_utf8(tiny_llm, key):
     came back as three U+FFFD, and the string as decoded broke its maxLength. Such bytes are
     refused; a real character's taken."""
     engine = tiny_llm.llm_engine
-    compiler = GrammarCompiler(engine.tokenizer, engine.core.arch.vocab_size, sorted(engine.eos_token_ids))
+    compiler = GrammarCompiler(
+        lambda: engine.tokenizer, engine.core.arch.vocab_size, sorted(engine.eos_token_ids)
+    )
     compiled = compiler.submit(key).result()
     compiler.shutdown()
     byte_token = {bytes(b): i for i, b in enumerate(compiled.tokenizer_info.decoded_vocab) if len(b) == 1}
@@ -649,7 +651,7 @@ def test_the_reused_bitmask_is_filled_in_and_out_of_inference_mode(tiny_llm):
 
     engine = tiny_llm.llm_engine
     vocab = engine.core.arch.vocab_size
-    compiler = GrammarCompiler(engine.tokenizer, vocab, sorted(engine.eos_token_ids))
+    compiler = GrammarCompiler(lambda: engine.tokenizer, vocab, sorted(engine.eos_token_ids))
     compiled = compiler.submit(("json", json.dumps({"type": "object"}))).result()
     compiler.shutdown()
     rows = [SimpleNamespace(grammar=GrammarState(compiled, json_text=True)) for _ in range(2)]
@@ -813,7 +815,7 @@ def test_grammar_state_accept_and_rollback(tiny_llm, capfd):
     from kvserve.structured.state import GrammarState
 
     engine = tiny_llm.llm_engine
-    compiler = GrammarCompiler(engine.tokenizer, engine.arch.vocab_size, list(engine.eos_token_ids))
+    compiler = GrammarCompiler(lambda: engine.tokenizer, engine.arch.vocab_size, list(engine.eos_token_ids))
     state = GrammarState(compiler.submit(("regex", "ab+c")).result(timeout=60))
     ids = engine.tokenizer.encode("abbb", add_special_tokens=False)
     (z,) = engine.tokenizer.encode("z", add_special_tokens=False)
@@ -839,7 +841,9 @@ def test_a_small_schema_does_not_wait_behind_a_large_ones_compile(tiny_llm):
     properties took 12 s here (far longer on a real vocabulary), and every other structured
     request waited that long for its own, a few milliseconds' work. A large spec has its own lane."""
     engine = tiny_llm.llm_engine
-    compiler = GrammarCompiler(engine.tokenizer, engine.core.arch.vocab_size, sorted(engine.eos_token_ids))
+    compiler = GrammarCompiler(
+        lambda: engine.tokenizer, engine.core.arch.vocab_size, sorted(engine.eos_token_ids)
+    )
     try:
         big = compiler.submit(("json", json.dumps(_expensive_schema(700, str(time.time_ns())))))
         small = compiler.submit(("regex", "[a-z]{1,8}"))
@@ -885,6 +889,62 @@ def server():
 @pytest.fixture()
 def client(server):
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=600)
+
+
+def test_a_gguf_core_builds_its_tokenizer_off_its_start():
+    """The engine core of a GGUF server built its tokenizer before it was ready (transformers'
+    import and the vocabulary's conversion, ~1-1.4 s of each start) though only a grammar uses
+    it there. Now it is built with the grammar compiler, which an idle core readies in the
+    compile thread (core_proc.py), and the grammar then holds."""
+    from kvserve.config import EngineConfig
+    from kvserve.engine.core import EngineCore
+
+    core = EngineCore(EngineConfig(model="smollm2-135m", kv_cache_memory="16MiB"))
+    try:
+        assert core._tokenizer is None, "the core built its tokenizer at start"
+        compiler = core.compiling.warm().result(timeout=300)
+        assert core._tokenizer is not None
+        grammar = GrammarState(compiler.compile_builtin_json_grammar())
+        assert grammar.accept_tokens(core.tokenizer.encode('{"a": 1}', add_special_tokens=False))
+    finally:
+        core.shutdown()
+
+
+def _maps_tokenizers(pid: int) -> bool:
+    with open(f"/proc/{pid}/maps") as f:
+        return "tokenizers" in f.read()
+
+
+@pytest.mark.slow
+def test_an_idle_served_core_readies_its_grammar_compiler(server, client):
+    """A server's core readies the grammar compiler once idle (its tokenizer maps the
+    `tokenizers` library's extension into the process), and a json_object request holds."""
+    pid = server.engine_core_pid()
+    deadline = time.monotonic() + 120
+    while not _maps_tokenizers(pid):
+        assert time.monotonic() < deadline, "the idle core never built its tokenizer"
+        time.sleep(0.2)
+    choice = client.chat.completions.create(
+        model="smollm2-135m", messages=[{"role": "user", "content": "A JSON object with a name."}],
+        response_format={"type": "json_object"}, max_tokens=40, temperature=0,
+    ).choices[0]  # fmt: skip
+    if choice.finish_reason == "stop":
+        assert isinstance(json.loads(choice.message.content), dict)
+    else:  # cut at max_tokens: still the start of an object
+        assert choice.message.content.lstrip().startswith("{")
+
+
+def test_a_gguf_tokenizers_eos_is_among_the_files_eos_ids(tiny_llama_dir, tmp_path):
+    """What lets a GGUF core leave its tokenizer unbuilt: the tokenizer's eos id (which an HF
+    directory's core adds to its stop ids) is already one of the file's."""
+    from tiny_gguf import write_gguf
+
+    from kvserve.model.loader import load_arch, load_tokenizer, resolve_model
+
+    for model in ("smollm2-135m", write_gguf(tiny_llama_dir, str(tmp_path / "tiny.gguf"))):
+        source = resolve_model(model)
+        eos = load_tokenizer(source).eos_token_id
+        assert eos is not None and eos in load_arch(source).eos_token_ids, model
 
 
 @pytest.mark.slow

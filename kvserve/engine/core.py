@@ -8,6 +8,7 @@ process behind the server.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import replace
 
@@ -42,6 +43,7 @@ from kvserve.spec_decode.adaptive import SpecState
 from kvserve.spec_decode.draft import DraftModelProposer
 from kvserve.spec_decode.ngram import NgramProposer
 from kvserve.structured.compiling import CompilingRequests
+from kvserve.tokenizer import Tokenizer
 from kvserve.worker.worker import WorkerConfig
 
 logger = logging.getLogger(__name__)
@@ -74,7 +76,8 @@ class EngineCore:
         self.source = resolve_model(config.model)
         device = config.torch_device
         arch = self.arch = load_arch(self.source)
-        self.tokenizer = load_tokenizer(self.source)
+        self._tokenizer: Tokenizer | None = None
+        self._tokenizer_lock = threading.Lock()
         tp = config.tensor_parallel_size
         check_tensor_parallel(arch, tp)
         draft_arch = self._check_draft() if config.speculative_method == "draft" else None
@@ -134,13 +137,16 @@ class EngineCore:
         if device_sampling_enabled(device):  # CUDA: sample on the device (executor/device_sampling.py)
             self.executor.device_sampling = DeviceSamplingPlanner(arch.vocab_size)
         self.connector = self._make_connector()
-        self.load_time = time.perf_counter() - t0  # reading + dequantizing weights, tokenizer
+        # A GGUF tokenizer's eos is the file's tokenizer.ggml.eos_token_id, already in
+        # arch.eos_token_ids; an HF directory's tokenizer may name another (tokenizer_config.json).
+        tokenizer_eos = self.tokenizer.eos_token_id if self.source.kind == "hf" else None
+        self.load_time = time.perf_counter() - t0  # reading + dequantizing weights (HF: tokenizer)
         self.proposer = self._make_proposer()
         self.eos_token_ids = frozenset(arch.eos_token_ids) | (
-            {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
+            {tokenizer_eos} if tokenizer_eos is not None else set()
         )
         # [structured outputs] requests wait here until their grammar is compiled
-        self.compiling = CompilingRequests(self.tokenizer, arch.vocab_size, self.eos_token_ids)
+        self.compiling = CompilingRequests(lambda: self.tokenizer, arch.vocab_size, self.eos_token_ids)
         p = self.pool_size
         logger.info(
             "model %s loaded in %.1fs (%s, %s, tensor_parallel_size=%d, pipeline_parallel_size=%d); "
@@ -219,6 +225,17 @@ class EngineCore:
                     ok = False
             self.scheduler.finish_remote_load(req, ok)
         return bool(released or loads)
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """Built on first use: the core needs it only to compile grammars (in a compile thread)
+        and, for an HF directory, for its eos id. A GGUF's took ~1-1.4 s of each start
+        (transformers' import and the vocabulary's conversion) for a server that may never see
+        a grammar; the API process builds its own."""
+        with self._tokenizer_lock:
+            if self._tokenizer is None:
+                self._tokenizer = load_tokenizer(self.source)
+            return self._tokenizer
 
     def has_pending_transfers(self) -> bool:
         """Leases held or fetches running: an idle core must keep polling (poll_transfers)."""

@@ -98,10 +98,8 @@ def _await_arguments(reader: Connection) -> None:
 
     _die_with_parent()
     ignore_stop_signals()
-    # The heavy imports, beside the API process's: the engine (torch) and transformers, which the
-    # core's tokenizer needs (~1 s of a tiny model's ~1.3 s load).
-    import transformers  # noqa: F401
-
+    # The heavy import, beside the API process's: the engine (torch). Not transformers: a GGUF
+    # core builds its tokenizer only for a grammar (EngineCore.tokenizer).
     import kvserve.engine.core  # noqa: F401
 
     try:

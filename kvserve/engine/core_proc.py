@@ -133,6 +133,7 @@ def run_engine_core(
     poller.register(inp, zmq.POLLIN)
     trimmed = True  # whether the heap was trimmed since the last step
     faulting = True  # the KV pool's pages still to fault in, a slice per idle turn (huge_pages.py)
+    warmed = False  # whether the grammar compiler was readied (after the faults: both take the mmap lock)
     try:
         while True:
             busy = core.has_unfinished_requests()
@@ -142,6 +143,9 @@ def run_engine_core(
                 core.executor.check_health()  # a dead or hung rank ends this process when idle too
                 if not events and faulting:
                     faulting = any(core.executor.collective_rpc("fault_in_kv"))
+                elif not events and not warmed:
+                    core.compiling.warm()  # the tokenizer and xgrammar's vocabulary, in a thread
+                    warmed = True
                 elif not events and not trimmed:
                     # Idle for a poll interval: return what the last burst's steps freed
                     # (platform/memory.py); not between back-to-back requests, which would

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from kvserve.structured.json_patterns import regex_grammar
@@ -30,8 +31,10 @@ properties compiles in well under a second; one of this size takes seconds)."""
 
 
 class GrammarCompiler:
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int]) -> None:
-        self.tokenizer = tokenizer
+    def __init__(
+        self, tokenizer: Callable[[], Tokenizer], vocab_size: int, stop_token_ids: list[int]
+    ) -> None:
+        self.tokenizer = tokenizer  # called in the compile thread: the core builds it on first use
         self.vocab_size = vocab_size  # the model's (logits width), may exceed the tokenizer's
         self.stop_token_ids = sorted(stop_token_ids)
         low = _lower_thread_priority
@@ -56,13 +59,18 @@ class GrammarCompiler:
             self._cache.popitem(last=False)
         return fut
 
+    def warm(self) -> Future:
+        """Build the small lane's xgrammar compiler (and with it the tokenizer) in its thread
+        now, for an idle engine: the first grammar then waits for none of it."""
+        return self._pools["small"].submit(self._xgr_compiler, "small")
+
     def _xgr_compiler(self, lane: str):
         import xgrammar as xgr
 
         with self._lock:
             if lane not in self._compilers:
                 info = xgr.TokenizerInfo.from_huggingface(
-                    self.tokenizer.hf, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
+                    self.tokenizer().hf, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
                 )
                 # Our own cache (above) dedupes; xgrammar's would keep a second copy.
                 self._compilers[lane] = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)

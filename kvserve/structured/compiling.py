@@ -7,6 +7,7 @@ scheduler never sees an unready request and every other request keeps running me
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 from kvserve.request import Request
@@ -19,18 +20,28 @@ logger = logging.getLogger(__name__)
 
 
 class CompilingRequests:
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: frozenset[int]) -> None:
+    def __init__(
+        self, tokenizer: Callable[[], Tokenizer], vocab_size: int, stop_token_ids: frozenset[int]
+    ) -> None:
         self._args = (tokenizer, vocab_size, sorted(stop_token_ids))
         self._compiler: GrammarCompiler | None = None  # built on first use (xgrammar import)
         self._pending: dict[str, tuple[Request, Future]] = {}
 
     def add(self, req: Request) -> None:
-        if self._compiler is None:
-            self._compiler = GrammarCompiler(*self._args)
         self._pending[req.request_id] = (
             req,
-            self._compiler.submit(grammar_key(req.params.structured_outputs)),
+            self._grammar_compiler().submit(grammar_key(req.params.structured_outputs)),
         )
+
+    def warm(self) -> Future:
+        """Get the compiler ready off the step loop (see GrammarCompiler.warm); a failure
+        there surfaces again, as a failed compilation, on the first grammar."""
+        return self._grammar_compiler().warm()
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        if self._compiler is None:
+            self._compiler = GrammarCompiler(*self._args)
+        return self._compiler
 
     def pop_ready(self) -> tuple[list[Request], list[Request]]:
         """(requests now holding their GrammarState, requests whose compilation failed)."""
