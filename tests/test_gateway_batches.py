@@ -5,6 +5,7 @@ these calls was a 404 `unsupported_endpoint` before."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 
@@ -15,6 +16,8 @@ from gateway_utils import GatewayProcess, RedisServer
 from server_utils import ServerProcess, free_port
 
 KEY, OTHER, BUDGET, NARROW = "sk-batch-a", "sk-batch-b", "sk-batch-budget", "sk-batch-narrow"
+TPM, TINY, MASTER = "sk-batch-tpm", "sk-batch-tiny", "sk-batch-master"
+IN_PRICE, OUT_PRICE, OUT_BATCH_PRICE = 0.001, 0.002, 0.0005  # the "priced" alias's
 FINAL = ("completed", "failed", "cancelled", "expired")
 
 
@@ -36,15 +39,19 @@ def stack(tiny_llama_dir, tmp_path_factory):
     server = ServerProcess(tiny_llama_dir, *args, "--batch-storage-dir", str(tmp / "batch"))
     backend = {"base_url": server.url + "/v1", "model": "tiny-backend", "api_key": server.api_key}
     dead = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens there
+    prices = {"input_cost_per_token": IN_PRICE, "output_cost_per_token": OUT_PRICE,
+              "output_cost_per_token_batches": OUT_BATCH_PRICE}  # fmt: skip
     cfg = {
         "model_list": [{"model_name": "tiny", "id": "tiny-a", "backend": backend},
                        {"model_name": "other", "id": "other-a", "backend": backend},
                        {"model_name": "spare", "id": "spare-dead", "backend": {**backend, "base_url": dead}},
-                       {"model_name": "spare", "id": "spare-live", "backend": backend}],
+                       {"model_name": "spare", "id": "spare-live", "backend": backend},
+                       {"model_name": "priced", "id": "priced-a", "backend": {**backend, **prices}}],
         "router_settings": {"routing_strategy": "round-robin"},
         "keys": [{"key": KEY}, {"key": OTHER}, {"key": BUDGET, "max_budget": 10.0},
-                 {"key": NARROW, "models": ["other"]}],
-        "general_settings": {"state": redis_server.url, "master_key": "sk-batch-master"},
+                 {"key": NARROW, "models": ["other"]}, {"key": TPM, "tpm": 100_000},
+                 {"key": TINY, "max_budget": 0.001}],
+        "general_settings": {"state": redis_server.url, "master_key": MASTER},
     }  # fmt: skip
     gws = []
     try:
@@ -85,12 +92,15 @@ def test_a_batch_runs_through_the_gateway_and_is_only_its_keys(stack):
     assert all(x["response"]["body"]["usage"]["completion_tokens"] == 3 for x in out), out
     # the key's lists, from either instance (the ids are kept in the shared Redis)
     assert [x.id for x in c2.batches.list().data] == [b.id]
-    assert [x.id for x in c2.files.list().data] == [f.id]
+    # the batch's output file too, as OpenAI's files.list shows it (purpose batch_output)
+    listed = c2.files.list().data
+    assert [x.id for x in listed] == [b.output_file_id, f.id], listed
+    assert listed[0].purpose == "batch_output", listed
     f2 = c.files.create(file=("two.jsonl", _jsonl([_line(9)])), purpose="batch")
     page = c2.files.list(limit=1)  # newest first, paged as OpenAI's
     assert [x.id for x in page.data] == [f2.id] and page.has_more, page
-    page = c2.files.list(limit=1, after=f2.id)
-    assert [x.id for x in page.data] == [f.id] and not page.has_more, page
+    page = c2.files.list(limit=2, after=f2.id)
+    assert [x.id for x in page.data] == [b.output_file_id, f.id] and not page.has_more, page
     assert c.files.delete(f2.id).deleted
     # another key: not its batch, not its file, nothing in its lists
     o = _client(gw1, OTHER)
@@ -106,7 +116,7 @@ def test_a_batch_runs_through_the_gateway_and_is_only_its_keys(stack):
     assert c.files.delete(f.id).deleted
     with pytest.raises(openai.NotFoundError):
         c.files.retrieve(f.id)
-    assert c.files.list().data == []
+    assert [x.id for x in c.files.list().data] == [b.output_file_id]
 
 
 def test_batch_requests_the_gateway_cannot_route_are_refused_naming_why(stack):
@@ -121,14 +131,67 @@ def test_batch_requests_the_gateway_cannot_route_are_refused_naming_why(stack):
     assert e.value.body["code"] == "model_not_found" and "line 1" in e.value.body["message"]
     with pytest.raises(openai.NotFoundError):  # an id the gateway did not make
         c.batches.retrieve("batch_0123")
-    # a key with a budget: its upload is fine, but a batch's tokens would not be counted
-    budget = _client(gw, BUDGET)
-    f = budget.files.create(file=("in.jsonl", _jsonl([_line(0)])), purpose="batch")
+    # a key with a tpm limit: its upload is fine, but a batch's tokens have no per-minute window
+    tpm = _client(gw, TPM)
+    f = tpm.files.create(file=("in.jsonl", _jsonl([_line(0)])), purpose="batch")
     with pytest.raises(openai.PermissionDeniedError) as e:
-        budget.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
-    assert e.value.body["code"] == "batch_not_allowed" and "max_budget" in e.value.body["message"]
+        tpm.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert e.value.body["code"] == "batch_not_allowed" and "tpm" in e.value.body["message"]
     r = httpx.post(gw.url + "/v1/batches", headers={"Authorization": "Bearer sk-nobody"})
     assert r.status_code == 401, r.text
+
+
+def _finished(c: openai.OpenAI, batch_id: str):
+    deadline = time.monotonic() + 60
+    while (b := c.batches.retrieve(batch_id)).status not in FINAL:
+        assert time.monotonic() < deadline, b
+        time.sleep(0.2)
+    return b
+
+
+def _spend(gw: GatewayProcess, key: str) -> float:
+    r = httpx.get(gw.url + "/admin/spend?group_by=key", headers={"Authorization": f"Bearer {MASTER}"})
+    h = hashlib.sha256(key.encode()).hexdigest()
+    return sum(row["spend"] for row in r.json()["data"] if row["key"] == h)
+
+
+def test_a_finished_batch_is_charged_to_its_key_once_and_lists_its_output_file(stack):
+    """A key with a budget was refused batches (403 batch_not_allowed) and a batch's tokens were
+    charged to no one. Now its usage is charged once, at the deployment's batch prices, to the
+    key that made it, whichever instance sees it finish and however often it is read after."""
+    gw1, gw2 = stack
+    c, c2 = _client(gw1, BUDGET), _client(gw2, BUDGET)
+    f = c.files.create(file=("in.jsonl", _jsonl([_line(i, "priced") for i in range(2)])), purpose="batch")
+    b = _finished(c2, c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                       completion_window="24h").id)  # fmt: skip
+    assert b.status == "completed" and b.usage.output_tokens == 6, b
+    for client in (c, c2, _client(gw1, MASTER)):  # read again, listed: charged once all the same
+        client.batches.retrieve(b.id)
+        client.batches.list()
+    want = b.usage.input_tokens * IN_PRICE + b.usage.output_tokens * OUT_BATCH_PRICE
+    assert _spend(gw1, BUDGET) + _spend(gw2, BUDGET) == pytest.approx(want)
+    # OpenAI's files.list shows a batch's output file beside the uploads
+    assert b.output_file_id in [x.id for x in c.files.list().data], c.files.list()
+    assert b.output_file_id in [x.id for x in c2.files.list().data]
+    assert b.output_file_id not in [x.id for x in _client(gw1, KEY).files.list().data]
+
+
+def test_a_key_whose_budget_a_batch_spent_gets_no_more_batches_nor_requests(stack):
+    """The budget is checked when a batch is created (only a spent one refuses it); the batch's
+    charge lands in the shared Redis budget, so the other instance refuses the key next."""
+    gw1, gw2 = stack
+    c = _client(gw1, TINY)
+    f = c.files.create(file=("in.jsonl", _jsonl([_line(0, "priced")])), purpose="batch")
+    b = _finished(c, c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                      completion_window="24h").id)  # fmt: skip
+    assert b.status == "completed", b  # (its cost is past the budget of 0.001: charged all the same)
+    c2 = _client(gw2, TINY)
+    with pytest.raises(openai.BadRequestError) as e:
+        c2.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert e.value.body["code"] == "budget_exceeded", e.value.body
+    with pytest.raises(openai.BadRequestError) as e:
+        c2.chat.completions.create(model="priced", messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+    assert e.value.body["code"] == "budget_exceeded", e.value.body
 
 
 def test_an_upload_goes_on_to_the_groups_next_deployment_when_one_is_down(stack):

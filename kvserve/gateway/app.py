@@ -267,7 +267,7 @@ def build_app(cfg: GatewayConfig, web_ui: bool = True) -> FastAPI:
         s.refuse_if_draining()
         return await s.authenticate(request)
 
-    add_batch_routes(app, BatchAPI(state.gateway), admit)  # the Batch API (batches.py)
+    add_batch_routes(app, BatchAPI(state.gateway, state.keys), admit)  # the Batch API (batches.py)
     add_model_info_routes(app, state)  # LiteLLM's /model/info
 
     @app.get("/health/liveliness")  # LiteLLM's probe paths: its charts' liveness probes got 404s,

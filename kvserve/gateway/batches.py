@@ -7,9 +7,10 @@ holding them, from any gateway instance, and only for that key (or the master ke
 own list shows every caller's files, so the lists are the key's own: the ids it made, kept in
 the state store.
 
-A batch runs outside the gateway's per-request accounting (its lines run on the backend, their
-tokens are not counted here), so a key or team with a budget or a tpm limit may upload files
-but not create batches: a 403 saying so, rather than a budget the batch would overrun."""
+A batch runs outside the gateway's per-request admission (its lines run on the backend): its
+usage is charged to the key that created it once it has finished (batch_spend.py), and a key or
+team with a tpm limit may upload files but not create batches (its per-minute window cannot
+count a batch's tokens): a 403 saying so."""
 
 from __future__ import annotations
 
@@ -26,11 +27,12 @@ from starlette.datastructures import UploadFile
 
 from kvserve.gateway.batch_ids import BATCH, FILE, Held, decode, encode, owner_tag
 from kvserve.gateway.batch_lines import file_alias, for_backend, public_output_line
+from kvserve.gateway.batch_spend import BatchSpend
 from kvserve.gateway.config import Deployment
 from kvserve.gateway.errors import GatewayError
 from kvserve.gateway.handler import Gateway
 from kvserve.gateway.json_type import require_json
-from kvserve.gateway.keys import KeyRecord
+from kvserve.gateway.keys import KeyRecord, KeyStore
 
 _FILE_FIELDS = ("input_file_id", "output_file_id", "error_file_id")
 _LIST_TTL = 30 * 86400.0  # a key's list of ids outlives any batch (24 h window) and its files
@@ -51,8 +53,9 @@ def _bucket(prefix: str, owner: str) -> str:
 class BatchAPI:
     """The routes' work, over the gateway's deployments, pool and state store."""
 
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, gateway: Gateway, keys: KeyStore) -> None:
         self.gw = gateway
+        self.spend = BatchSpend(gateway, keys)
 
     # ---- what an id names, for this key ------------------------------------------------------
     def _held(
@@ -200,19 +203,17 @@ class BatchAPI:
         return StreamingResponse(body(), media_type=media, headers={"x-kvserve-deployment": dep.id})
 
     # ---- batches -----------------------------------------------------------------------------
-    def _may_batch(self, key: KeyRecord) -> None:
+    async def _may_batch(self, key: KeyRecord) -> None:
         team = self.gw.cfg.teams.get(key.spec.team or "")
         for who, limits in (("key", key.spec), ("team", team)):
-            if limits is None:
-                continue
-            for name in ("max_budget", "tpm"):
-                if getattr(limits, name) is not None:
-                    raise GatewayError(
-                        403,
-                        f"this {who} has a {name}; a batch's tokens are not counted by the gateway, so keys "
-                        "with a budget or a tpm limit cannot create batches (docs/GATEWAY.md)",
-                        code="batch_not_allowed",
-                    )
+            if limits is not None and limits.tpm is not None:
+                raise GatewayError(
+                    403,
+                    f"this {who} has a tpm limit; a batch's tokens cannot be counted in a per-minute "
+                    "window, so keys with a tpm limit cannot create batches (docs/GATEWAY.md)",
+                    code="batch_not_allowed",
+                )
+        await self.spend.may_create(key)  # a budget already spent
 
     async def create(self, key: KeyRecord, request: Request) -> Response:
         require_json(request)
@@ -225,19 +226,25 @@ class BatchAPI:
         if not isinstance(body.get("input_file_id"), str):
             raise GatewayError(400, "input_file_id: required (a file id)", param="input_file_id")
         dep, held = self._held(key, FILE, body["input_file_id"], "input_file_id")
-        self._may_batch(key)
+        await self._may_batch(key)
         body["input_file_id"] = held.backend_id
         r = await self._call(dep, "POST", "/batches", json=body)
         resp = self._public(r, dep, held.owner)
         if r.status_code == 200:
-            await self._remember(BATCH, held.owner, json.loads(resp.body)["id"])
+            public_id = json.loads(resp.body)["id"]
+            await self.spend.created(key, public_id)
+            await self._remember(BATCH, held.owner, public_id)
         return resp
 
     async def batch(self, key: KeyRecord, method: str, public_id: str, tail: str = "") -> Response:
         """GET a batch, or POST its cancel (`tail` "/cancel")."""
         dep, held = self._held(key, BATCH, public_id)
         r = await self._call(dep, method, f"/batches/{quote(held.backend_id, safe='')}{tail}")
-        return self._public(r, dep, held.owner, public_id)
+        resp = self._public(r, dep, held.owner, public_id)
+        if r.status_code == 200 and isinstance(resp, JSONResponse):  # finished: charged, outputs listed
+            for file_id in await self.spend.seen(dep, json.loads(resp.body), public_id):
+                await self._remember(FILE, held.owner, file_id)
+        return resp
 
     # ---- lists: the key's own ids, newest first ----------------------------------------------
     async def listing(self, key: KeyRecord, prefix: str, limit: int, after: str | None) -> dict:

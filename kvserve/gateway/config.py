@@ -84,6 +84,9 @@ class Backend(_Strict):
     weight: float = Field(1.0, gt=0)
     input_cost_per_token: float = Field(0.0, ge=0)
     output_cost_per_token: float = Field(0.0, ge=0)
+    # a Batch API batch's tokens (LiteLLM's names); None: the prices above
+    input_cost_per_token_batches: float | None = Field(None, ge=0)
+    output_cost_per_token_batches: float | None = Field(None, ge=0)
     max_context: int | None = Field(None, ge=1, le=_MAX_LIMIT)
     tokenizer: Literal["auto", "kvserve", "estimate"] = "auto"
     prefill_url: str | None = Field(

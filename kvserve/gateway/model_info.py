@@ -24,6 +24,8 @@ def _row(d: Deployment) -> dict:
             "max_tokens": b.max_context,
             "input_cost_per_token": b.input_cost_per_token,
             "output_cost_per_token": b.output_cost_per_token,
+            "input_cost_per_token_batches": b.input_cost_per_token_batches,
+            "output_cost_per_token_batches": b.output_cost_per_token_batches,
             "rpm": b.rpm,
             "tpm": b.tpm,
             "db_model": False,

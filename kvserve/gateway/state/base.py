@@ -133,6 +133,11 @@ class StateStore:
         """A bucket's entries, newest first."""
         raise NotImplementedError
 
+    async def claim(self, name: str, ttl: float) -> bool:
+        """True for the first caller (on any instance) to claim `name` within ttl seconds: work
+        done once however many gateways see the occasion (a finished batch charged)."""
+        raise NotImplementedError
+
     async def ping(self) -> bool:
         return True
 

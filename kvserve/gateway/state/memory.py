@@ -40,6 +40,7 @@ class MemoryStore(StateStore):
         # gateway held every distinct answer of the last ttl, and every bucket's embeddings)
         self._cache: OrderedDict[str, tuple[float, bytes | list[bytes]]] = OrderedDict()
         self.cache_max_bytes, self._cache_bytes = cache_max_bytes, 0
+        self._claims: dict[str, float] = {}  # name -> expiry (not the LRU cache: never evicted early)
 
     def _window_used(self, key: str, now: float) -> tuple[float, dict[int, float]]:
         buckets = self._windows[key]
@@ -195,6 +196,15 @@ class MemoryStore(StateStore):
     async def cache_entries(self, bucket: str) -> list[bytes]:
         entries = self._get("b:" + bucket)
         return list(entries) if isinstance(entries, list) else []
+
+    async def claim(self, name: str, ttl: float) -> bool:
+        now = time.monotonic()
+        if len(self._claims) % 256 == 0:
+            self._claims = {k: t for k, t in self._claims.items() if t > now}
+        if self._claims.get(name, 0.0) > now:
+            return False
+        self._claims[name] = now + ttl
+        return True
 
 
 def _size(value: bytes | list[bytes]) -> int:

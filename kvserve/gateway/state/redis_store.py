@@ -136,6 +136,10 @@ class RedisStore(StateStore):
     async def cache_entries(self, bucket: str) -> list[bytes]:
         return await self.redis.lrange(f"{PREFIX}rb:{bucket}", 0, -1)
 
+    @_guarded
+    async def claim(self, name: str, ttl: float) -> bool:
+        return bool(await self.redis.set(f"{PREFIX}claim:{name}", b"1", nx=True, px=max(1, int(ttl * 1000))))
+
     async def ping(self) -> bool:
         try:
             return bool(await self.redis.ping())
