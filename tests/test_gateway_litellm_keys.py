@@ -5,6 +5,7 @@ route 404s."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 
 import httpx
@@ -120,6 +121,21 @@ def test_a_key_with_a_duration_expires(tmp_path, monkeypatch):
     made, before, after = _run(tmp_path, calls)
     assert made["expires"] is not None and before == 200
     assert after.status_code == 401 and "expired" in after.json()["error"]["message"], after.text
+
+
+def test_key_info_without_a_key_describes_the_calling_key_the_master_key_too(tmp_path):
+    """LiteLLM's /key/info with no ?key describes the key that calls it; the master key's call
+    was a 400 `key: which key` (a LiteLLM user's "who am I" check of the proxy)."""
+
+    async def calls(c):
+        return await c.get("/key/info", headers=MASTER), await c.get("/key/info")
+
+    master, nobody = _run(tmp_path, calls)
+    assert master.status_code == 200, master.text
+    info = master.json()["info"]
+    assert info["token"] == hashlib.sha256(b"sk-master").hexdigest() and info["source"] == "master", info
+    assert info["spend"] == 0.0 and info["max_budget"] is None, info
+    assert nobody.status_code == 401 and nobody.json()["error"]["code"] == "invalid_api_key", nobody.text
 
 
 @pytest.mark.parametrize("path", ["/key/generate", "/key/update", "/key/delete"])

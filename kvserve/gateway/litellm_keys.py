@@ -148,17 +148,15 @@ def litellm_key_router(state) -> APIRouter:
 
     @r.get("/info")
     async def info(request: Request, key: str | None = None):
-        """The master key may read any key; another key only itself (LiteLLM's rule)."""
+        """The master key may read any key; another key only itself (LiteLLM's rule). Without
+        ?key, the calling key, the master key included (LiteLLM's; it was a 400 for the master)."""
         caller = presented_key(request.headers)
-        if key is None and caller is not None and caller != state.cfg.general_settings.master_key:
-            key = caller  # (LiteLLM: no ?key is the caller's own)
-        if key is None:
-            raise GatewayError(400, "key: which key (?key=sk-... or its hash)", param="key")
-        if caller is not None and hash_key(caller) == _hash_of(key, "key"):
-            await state.authenticate(request)  # (401: unknown, revoked or expired)
+        if key is None or (caller is not None and hash_key(caller) == _hash_of(key, "key")):
+            rec = await state.authenticate(request)  # (401: none, unknown, revoked or expired)
+            key = key or caller
         else:
             state.require_master(request)
-        rec = await live(_hash_of(key, "key"), "key")
+            rec = await live(_hash_of(key, "key"), "key")
         return {"key": key, "info": _info(rec, await spent(rec), key)}
 
     @r.post("/update")
