@@ -35,7 +35,8 @@ def test_sigterm_drains_the_gateway(tmp_path):
         gw = GatewayProcess(cfg, str(tmp_path))
         assert httpx.get(gw.url + "/health").status_code == 200
         ready = httpx.get(gw.url + "/health/ready")
-        assert ready.status_code == 200 and ready.json()["status"] == "ready"
+        assert ready.status_code == 200 and ready.json()["status"] == "healthy", ready.text
+        assert ready.json()["ready"] is True and ready.json()["db"] == "connected", ready.text
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             held = pool.submit(
                 httpx.post, gw.url + "/v1/chat/completions", json=BODY, headers=AUTH, timeout=60
@@ -43,7 +44,9 @@ def test_sigterm_drains_the_gateway(tmp_path):
             _until(lambda: fault.count("hold-2") == 1)
             gw.proc.send_signal(signal.SIGTERM)
             _until(lambda: httpx.get(gw.url + "/health/ready").status_code == 503)
-            assert httpx.get(gw.url + "/health/ready").json()["reason"] == "draining"
+            draining = httpx.get(gw.url + "/health/ready").json()
+            assert draining["reason"] == "draining" and draining["status"] == "unhealthy", draining
+            assert draining["deployments"] == [], draining  # (the dashboard's table reads it)
             assert httpx.get(gw.url + "/health").status_code == 200  # alive while draining
             refused = httpx.post(gw.url + "/v1/chat/completions", json=BODY, headers=AUTH)
             assert refused.status_code == 503 and refused.headers["retry-after"] == "5"
@@ -138,13 +141,16 @@ def test_readiness_answers_within_a_probes_timeout_when_a_dependency_hangs(tmp_p
         resp, took = _ready_in_process({"model_list": deps}, tmp_path)
         assert resp.status_code == 200, resp.text
         assert [d["up"] for d in resp.json()["deployments"]] == [True, False]
+        # LiteLLM's readiness fields, which its users' probes parse (was "status": "ready")
+        assert resp.json()["status"] == "healthy" and resp.json()["db"] == "connected", resp.text
         assert took < 1.9, took  # (the hung probe's own timeout is 2 s)
 
         redis_server.proc.send_signal(signal.SIGSTOP)
         cfg = {"model_list": deps, "general_settings": {"state": redis_server.url}}
         resp, took = _ready_in_process(cfg, tmp_path)
         assert resp.status_code == 503, resp.text
-        assert resp.json()["status"] == "not_ready" and resp.json()["state_store"] is False, resp.text
+        assert resp.json()["status"] == "unhealthy" and resp.json()["state_store"] is False, resp.text
+        assert resp.json()["db"] == "disconnected" and resp.json()["ready"] is False, resp.text
         assert took < 3, took  # (Redis's socket timeout is 5 s)
     finally:
         redis_server.proc.send_signal(signal.SIGCONT)

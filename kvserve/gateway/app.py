@@ -30,7 +30,7 @@ from kvserve.gateway.litellm_keys import litellm_key_router
 from kvserve.gateway.metrics import GatewayMetrics
 from kvserve.gateway.model_health import model_health
 from kvserve.gateway.model_info import add_model_info_routes
-from kvserve.gateway.readiness import readiness
+from kvserve.gateway.readiness import answer, readiness
 from kvserve.gateway.spend import SpendLog
 from kvserve.gateway.state import StoreUnavailable, open_store, same_redis_server
 from kvserve.gateway.stored_responses import stored_response
@@ -291,7 +291,7 @@ def build_app(cfg: GatewayConfig, web_ui: bool = True) -> FastAPI:
         """Readiness: not draining, the state store answers, one deployment is up and warm."""
         s = st()
         if s.lifecycle.draining:
-            return JSONResponse({"status": "not_ready", "reason": "draining"}, status_code=503)
+            return JSONResponse(answer(False, None, [], reason="draining"), status_code=503)
         ok, body = await readiness(s.pool, s.store, cfg.model_list)  # (readiness.py: a deadline)
         return JSONResponse(body, status_code=200 if ok else 503)
 
