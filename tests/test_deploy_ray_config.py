@@ -492,3 +492,19 @@ def test_the_front_answers_the_batch_api_with_a_404_saying_where_batches_go(meth
     assert resp.status_code == 404 and err["code"] == "unsupported_endpoint", err
     assert err["type"] == "invalid_request_error" and path in err["message"], err
     assert "kvserve run-batch" in err["message"], err
+
+
+def test_front_metrics_is_a_404_saying_where_a_ray_deployments_metrics_are():
+    """GET /metrics on the Ray Serve front was the generic 404 "Not Found: GET /metrics": a
+    Prometheus scrape set up as for kvserve serve failed with no word of where the metrics are.
+    They are Ray's (Serve's ray_serve_* series on each node's metrics export port)."""
+    import asyncio
+    import json
+
+    pytest.importorskip("ray.serve")
+    from kvserve.deploy.front import Front
+
+    resp = asyncio.run(Front.metrics(SimpleNamespace()))
+    err = json.loads(resp.body)["error"]
+    assert resp.status_code == 404 and err["code"] == "unsupported_endpoint", err
+    assert "ray_serve_" in err["message"] and "--metrics-export-port" in err["message"], err

@@ -232,6 +232,17 @@ class Front:
     async def ready(self, request: Request) -> Response:
         return await self._get("/health/ready", request)
 
+    @app.get("/metrics")
+    async def metrics(self) -> Response:
+        """No Prometheus page here: one replica's would pass for the deployment's. Ray exports
+        Serve's metrics itself (was the generic 404 "Not Found", which read as a broken route)."""
+        msg = ("/metrics: a Ray Serve deployment's metrics are Ray's: Serve's ray_serve_* series (requests, "
+               "latency, queued and ongoing requests, replicas, per deployment and replica) on each Ray "
+               "node's metrics export port (`ray start --metrics-export-port`), listed for Prometheus in "
+               "/tmp/ray/prom_metrics_service_discovery.json on the head node; the replicas' own kvserve "
+               "metrics are not exported (docs/DEPLOYMENT.md)")  # fmt: skip
+        return _error(404, msg, "unsupported_endpoint")
+
     async def _get(self, path: str, request: Request) -> Response:
         try:
             status, media_type, content = await self.replicas.get.remote(path, _headers(request))
