@@ -176,6 +176,24 @@ def test_a_finished_batch_is_charged_to_its_key_once_and_lists_its_output_file(s
     assert b.output_file_id not in [x.id for x in _client(gw1, KEY).files.list().data]
 
 
+def test_files_list_takes_openais_purpose_and_order(stack):
+    """files.list(purpose=..., order="asc") were ignored: every file of the key, newest first (with
+    a batch's output files listed, purpose="batch" listed them too)."""
+    c = _client(stack[0], NARROW)
+    f = c.files.create(file=("in.jsonl", _jsonl([_line(0, "other")])), purpose="batch")
+    b = _finished(c, c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                      completion_window="24h").id)  # fmt: skip
+    f2 = c.files.create(file=("in2.jsonl", _jsonl([_line(1, "other")])), purpose="batch")
+    assert [x.id for x in c.files.list().data] == [f2.id, b.output_file_id, f.id]
+    assert [x.id for x in c.files.list(purpose="batch").data] == [f2.id, f.id]
+    assert [x.id for x in c.files.list(purpose="batch_output").data] == [b.output_file_id]
+    assert [x.id for x in c.files.list(order="asc").data] == [f.id, b.output_file_id, f2.id]
+    page = c.files.list(order="asc", after=f.id, limit=1)
+    assert [x.id for x in page.data] == [b.output_file_id] and page.has_more, page
+    r = httpx.get(stack[0].url + "/v1/files?order=up", headers={"Authorization": f"Bearer {NARROW}"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "order", r.text
+
+
 def test_a_key_whose_budget_a_batch_spent_gets_no_more_batches_nor_requests(stack):
     """The budget is checked when a batch is created (only a spent one refuses it); the batch's
     charge lands in the shared Redis budget, so the other instance refuses the key next."""

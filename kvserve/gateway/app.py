@@ -168,7 +168,8 @@ def build_app(cfg: GatewayConfig, web_ui: bool = True) -> FastAPI:
     async def _validation(_: Request, e: RequestValidationError):
         err = e.errors()[0]
         loc = ".".join(str(p) for p in err["loc"][1:]) or "body"
-        return GatewayError(400, f"{loc}: {err['msg']}", code="invalid_value").response()
+        param = loc if loc != "body" else None  # (a query parameter's name, as OpenAI's param)
+        return GatewayError(400, f"{loc}: {err['msg']}", code="invalid_value", param=param).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, e: StarletteHTTPException):

@@ -5,6 +5,7 @@ while draining, as the model routes are."""
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from typing import Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -30,8 +31,11 @@ def add_batch_routes(app: FastAPI, api: BatchAPI, admit: Callable[[Request], Awa
         return await api.upload(await admit(request), request)
 
     @route("/files", ["GET"])
-    async def list_files(request: Request, limit: int = 10_000, after: str | None = None) -> dict:
-        return await api.listing(await admit(request), FILE, limit, after)
+    async def list_files(
+        request: Request, limit: int = 10_000, after: str | None = None, purpose: str | None = None,
+        order: Literal["asc", "desc"] = "desc",
+    ) -> dict:  # fmt: skip
+        return await api.listing(await admit(request), FILE, limit, after, purpose, order == "asc")
 
     @route("/files/{file_id}", ["GET", "DELETE"])
     async def file(request: Request, file_id: str) -> Response:

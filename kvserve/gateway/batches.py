@@ -247,7 +247,11 @@ class BatchAPI:
         return resp
 
     # ---- lists: the key's own ids, newest first ----------------------------------------------
-    async def listing(self, key: KeyRecord, prefix: str, limit: int, after: str | None) -> dict:
+    async def listing(
+        self, key: KeyRecord, prefix: str, limit: int, after: str | None, purpose: str | None = None,
+        ascending: bool = False,
+    ) -> dict:  # fmt: skip
+        """`purpose`, `ascending`: files.list's `purpose` and `order=asc` (OpenAI's, kvserve serve's)."""
         most = 10_000 if prefix == FILE else 100
         if not 1 <= limit <= most:
             raise GatewayError(400, f"limit: must be between 1 and {most}, got {limit}", param="limit")
@@ -255,6 +259,8 @@ class BatchAPI:
             e.decode() for e in await self.gw.store.cache_entries(_bucket(prefix, owner_tag(key.key_hash)))
         ]
         ids = list(dict.fromkeys(ids))
+        if ascending:
+            ids.reverse()
         if after is not None:
             ids = ids[ids.index(after) + 1 :] if after in ids else []
         rows: list[dict] = []
@@ -262,7 +268,7 @@ class BatchAPI:
             n = min(_LIST_FETCH, limit + 1 - len(rows))  # (a 10,000-file page: not 10,000 at once)
             chunk, ids = ids[:n], ids[n:]
             got = await asyncio.gather(*(self._row(key, prefix, i) for i in chunk))
-            rows += [g for g in got if g is not None]
+            rows += [g for g in got if g is not None and purpose in (None, g.get("purpose"))]
         page = rows[:limit]
         return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
                 "last_id": page[-1]["id"] if page else None, "has_more": len(rows) > limit}  # fmt: skip
