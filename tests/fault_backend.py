@@ -33,7 +33,7 @@ whose metadata is the body's (what reached the backend).
 Any model answers 400 (param temperature) to a temperature above 2, as a real backend would.
 /tokenize, /detokenize, /version, /health and /health/ready answer as kvserve serve's would.
 POST /v1/files takes an upload as a strict hosted API does: a form field other than OpenAI's
-(purpose, file, expires_after[...]) is a 400 naming it.
+(purpose, file, expires_after[...]) is a 400 naming it; so is POST /v1/batches a field of its body.
 POST /deny/v1/... answers 401 whatever the model (a server whose API key the caller lacks).
 GET /stats gives requests per model and how many streams and holds the client cancelled.
 
@@ -277,6 +277,21 @@ async def upload(request: Request):
         return JSONResponse({"error": err}, status_code=400)
     return {"id": "file-fault", "object": "file", "bytes": len(await form["file"].read()), "created_at": 0,
             "filename": form["file"].filename, "purpose": form["purpose"], "status": "processed"}  # fmt: skip
+
+
+@app.post("/v1/batches")
+async def create_batch(request: Request):
+    """As OpenAI's: a field it does not know is a 400 naming it."""
+    body = await request.json()
+    known = ("input_file_id", "endpoint", "completion_window", "metadata", "output_expires_after")
+    unknown = sorted(k for k in body if k not in known)
+    if unknown:
+        err = {"message": f"Unrecognized request argument supplied: {unknown[0]}",
+               "type": "invalid_request_error", "param": unknown[0], "code": None}  # fmt: skip
+        return JSONResponse({"error": err}, status_code=400)
+    return {"id": "batch_fault", "object": "batch", "endpoint": body["endpoint"], "status": "validating",
+            "input_file_id": body["input_file_id"], "completion_window": body["completion_window"],
+            "created_at": 0, "metadata": body.get("metadata")}  # fmt: skip
 
 
 @app.get("/version")

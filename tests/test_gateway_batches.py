@@ -253,7 +253,8 @@ def test_a_responses_batchs_stored_responses_are_found_through_the_gateway(stack
 def test_litellms_upload_fields_are_not_passed_to_the_backend(tmp_path):
     """LiteLLM's clients send their own form fields with an upload (custom_llm_provider,
     target_model_names); a strict backend (a hosted API) refused the upload for them. Only
-    OpenAI's fields reach it."""
+    OpenAI's fields reach it. The same for batches.create's body (custom_llm_provider was
+    passed on, and a hosted backend answered 400 "Unrecognized request argument")."""
     import asyncio
 
     from gateway_utils import FaultBackend
@@ -273,12 +274,21 @@ def test_litellms_upload_fields_are_not_passed_to_the_backend(tmp_path):
             return await c.post("/v1/files", data=form, files={"file": ("in.jsonl", _jsonl([_line(0, "m")]))},
                                 headers={"Authorization": f"Bearer {KEY}"})  # fmt: skip
 
+    async def create(file_id: str) -> httpx.Response:  # (extra_body={"custom_llm_provider": ...})
+        body = {"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h",
+                "metadata": {"job": "1"}, "custom_llm_provider": "openai", "tags": ["a"]}  # fmt: skip
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
+            return await c.post("/v1/batches", json=body, headers={"Authorization": f"Bearer {KEY}"})
+
     try:
         r = asyncio.run(upload())
+        b = asyncio.run(create(r.json()["id"])) if r.status_code == 200 else None
     finally:
         fault.stop()
     assert r.status_code == 200, r.text
     assert r.json()["filename"] == "in.jsonl" and r.json()["id"].startswith("file-"), r.text
+    # batches.create too: LiteLLM's body fields are the gateway's, OpenAI's own pass on
+    assert b.status_code == 200 and b.json()["metadata"] == {"job": "1"}, b.text
 
 
 def test_a_large_upload_is_parsed_off_the_event_loop(tmp_path):

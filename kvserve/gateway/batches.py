@@ -28,6 +28,7 @@ from starlette.datastructures import UploadFile
 from kvserve.gateway.batch_ids import BATCH, FILE, Held, decode, encode, owner_tag
 from kvserve.gateway.batch_lines import file_alias, for_backend, public_output_line
 from kvserve.gateway.batch_spend import BatchSpend
+from kvserve.gateway.client_params import DROPPED
 from kvserve.gateway.config import Deployment
 from kvserve.gateway.errors import GatewayError
 from kvserve.gateway.handler import Gateway
@@ -40,6 +41,8 @@ _LIST_MAX = 10_000
 _LIST_FETCH = 32  # objects a list asks the backends for at a time
 _WHAT = {FILE: "file", BATCH: "batch"}
 _FORM_FIELDS = ("purpose", "expires_after")  # an upload's fields passed on (expires_after[...])
+# batches.create's body fields of LiteLLM's clients (extra_body): a hosted backend refuses them
+_LITELLM_FIELDS = frozenset({"custom_llm_provider", "target_model_names", *DROPPED})
 
 # A malformed upload is the client's mistake and gets its 400 (Starlette's MultiPartException):
 # the WARNING python_multipart logs for it too was noise an operator cannot act on. Its errors stay.
@@ -227,6 +230,8 @@ class BatchAPI:
             raise GatewayError(400, "input_file_id: required (a file id)", param="input_file_id")
         dep, held = self._held(key, FILE, body["input_file_id"], "input_file_id")
         await self._may_batch(key)
+        litellms = [k for k in body if k in _LITELLM_FIELDS or k.startswith("user_api_key_")]
+        body = {k: v for k, v in body.items() if k not in litellms}
         body["input_file_id"] = held.backend_id
         r = await self._call(dep, "POST", "/batches", json=body)
         resp = self._public(r, dep, held.owner)
