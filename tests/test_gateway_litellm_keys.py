@@ -1,6 +1,6 @@
 """LiteLLM's proxy management paths at the gateway (/key/generate, /key/info, /key/update,
-/key/delete, /key/list, /model/info): a LiteLLM proxy user's scripts called these and met
-route 404s."""
+/key/delete, /key/list, /model/info, /team/info, /team/list): a LiteLLM proxy user's scripts
+called these and met route 404s."""
 
 from __future__ import annotations
 
@@ -136,6 +136,40 @@ def test_key_info_without_a_key_describes_the_calling_key_the_master_key_too(tmp
     assert info["token"] == hashlib.sha256(b"sk-master").hexdigest() and info["source"] == "master", info
     assert info["spend"] == 0.0 and info["max_budget"] is None, info
     assert nobody.status_code == 401 and nobody.json()["error"]["code"] == "invalid_api_key", nobody.text
+
+
+def test_team_info_and_list_answer_litellms_shape_for_the_configs_teams(tmp_path):
+    """LiteLLM's /team/info and /team/list were route 404s: a LiteLLM user's script reading a
+    team's limits, spend and keys failed. The master key reads any team; a key its own."""
+
+    async def calls(c):
+        key = (
+            await c.post("/key/generate", json={"team_id": "red", "key_alias": "r1"}, headers=MASTER)
+        ).json()
+        lone = (await c.post("/key/generate", json={}, headers=MASTER)).json()["key"]
+        mine = {"Authorization": f"Bearer {key['key']}"}
+        return (
+            await c.get("/team/info", params={"team_id": "red"}, headers=MASTER),
+            await c.get("/team/info", headers=mine),
+            await c.get("/team/info", params={"team_id": "blue"}, headers=MASTER),
+            await c.get("/team/info", params={"team_id": "blue"}, headers=mine),
+            await c.get("/team/info", headers={"Authorization": f"Bearer {lone}"}),
+            await c.get("/team/list", headers=MASTER),
+            await c.get("/team/list", headers=mine),
+            key["token"],
+        )
+
+    red, own, missing, others, teamless, listed, not_admin, token = _run(tmp_path, calls)
+    assert red.status_code == 200, red.text
+    info = red.json()["team_info"]
+    assert red.json()["team_id"] == "red" and info["rpm_limit"] == 10 and info["spend"] == 0.0, info
+    assert info["max_budget"] is None and info["models"] == [], info
+    assert [k["token"] for k in red.json()["keys"]] == [token], red.json()["keys"]
+    assert own.status_code == 200 and own.json() == red.json(), own.text
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "team_not_found", missing.text
+    assert others.status_code == 401 and teamless.status_code == 404, (others.text, teamless.text)
+    assert listed.status_code == 200 and [t["team_id"] for t in listed.json()] == ["red"], listed.text
+    assert not_admin.status_code == 401, not_admin.text
 
 
 @pytest.mark.parametrize("path", ["/key/generate", "/key/update", "/key/delete"])

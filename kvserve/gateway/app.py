@@ -27,6 +27,7 @@ from kvserve.gateway.errors import GatewayError, unauthorized
 from kvserve.gateway.handler import Gateway
 from kvserve.gateway.keys import KeyRecord, KeyStore, open_database
 from kvserve.gateway.litellm_keys import litellm_key_router
+from kvserve.gateway.litellm_teams import litellm_team_router
 from kvserve.gateway.metrics import GatewayMetrics
 from kvserve.gateway.model_health import model_health
 from kvserve.gateway.model_info import add_model_info_routes
@@ -145,6 +146,7 @@ def build_app(cfg: GatewayConfig, web_ui: bool = True) -> FastAPI:
                            allow_methods=["*"], allow_headers=["*"], expose_headers=_EXPOSED)  # fmt: skip
     app.include_router(admin_router(state))
     app.include_router(litellm_key_router(state))  # LiteLLM's /key/* paths over the same keys
+    app.include_router(litellm_team_router(state))  # LiteLLM's /team/info, /team/list (config teams)
 
     def st() -> GatewayState:
         return state
