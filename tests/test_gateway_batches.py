@@ -87,6 +87,10 @@ def test_a_batch_runs_through_the_gateway_and_is_only_its_keys(stack):
     assert b.status == "completed" and b.request_counts.completed == 3, b
     assert b.model == "tiny", b  # the alias, not the backend's name for it
     out = [json.loads(x) for x in c.files.content(b.output_file_id).text.splitlines()]
+    # the input file as uploaded: its lines' model the alias, not the backend's name (a file
+    # downloaded and uploaded again was a 404 for model 'tiny-backend')
+    lines = [json.loads(x) for x in c.files.content(f.id).text.splitlines()]
+    assert lines == [_line(i) for i in range(3)], lines
     assert sorted(x["custom_id"] for x in out) == ["req-0", "req-1", "req-2"]
     assert all(x["response"]["status_code"] == 200 for x in out), out
     assert all(x["response"]["body"]["usage"]["completion_tokens"] == 3 for x in out), out

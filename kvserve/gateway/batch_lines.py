@@ -8,6 +8,7 @@ the backend to answer as an error line, as it would without the gateway."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 from kvserve.gateway.errors import GatewayError
 from kvserve.routing.responses_ids import public_response
@@ -65,6 +66,25 @@ def for_backend(data: bytes, backend_model: str) -> bytes:
         obj["body"]["model"] = backend_model
         out.append(json.dumps(obj).encode() + b"\n")
     return b"".join(out)
+
+
+def public_lines(first: bytes, dep_id: str, backend_model: str, alias: str) -> Callable[[bytes], bytes]:
+    """How a file's lines go to the client, chosen by its first line (one parse, not one a line
+    of a large output file): an input file's (lines with a `body`) with body.model the alias the
+    client named again, as it uploaded them (the backend holds the deployment's model name: a
+    downloaded file uploaded again was a 404 for a model the client never named); an output
+    file's through public_output_line."""
+    if _parsed(first) is None:
+        return lambda line: public_output_line(line, dep_id)
+
+    def input_line(line: bytes) -> bytes:
+        obj = _parsed(line)
+        if obj is None or obj["body"].get("model") != backend_model:
+            return line
+        obj["body"]["model"] = alias
+        return json.dumps(obj).encode()
+
+    return input_line
 
 
 def public_output_line(line: bytes, dep_id: str) -> bytes:

@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.datastructures import UploadFile
 
 from kvserve.gateway.batch_ids import BATCH, FILE, Held, decode, encode, owner_tag
-from kvserve.gateway.batch_lines import file_alias, for_backend, public_output_line
+from kvserve.gateway.batch_lines import file_alias, for_backend, public_lines
 from kvserve.gateway.batch_spend import BatchSpend
 from kvserve.gateway.client_params import DROPPED
 from kvserve.gateway.config import Deployment
@@ -192,13 +192,16 @@ class BatchAPI:
 
         async def body():
             rest = b""  # a line not yet ended
+            public = None  # the lines' rewrite, by the first (batch_lines.py)
             try:
                 async for chunk in r.aiter_bytes():
                     *lines, rest = (rest + chunk).split(b"\n")
-                    if lines:  # (a Responses batch's ids made the gateway's: batch_lines.py)
-                        yield b"".join(public_output_line(x, dep.id) + b"\n" for x in lines)
+                    if lines:
+                        public = public or public_lines(lines[0], dep.id, dep.backend.model, dep.model_name)
+                        yield b"".join(public(x) + b"\n" for x in lines)
                 if rest:
-                    yield public_output_line(rest, dep.id)
+                    public = public or public_lines(rest, dep.id, dep.backend.model, dep.model_name)
+                    yield public(rest)
             finally:
                 await r.aclose()
 
