@@ -59,6 +59,17 @@ def test_all_or_nothing(run):
     run(scenario)
 
 
+def test_a_claim_is_won_once_until_it_expires(run):
+    """What charges a finished batch once however many gateways see it (batch_spend.py)."""
+
+    async def scenario(s):
+        first = [await s.claim("batch-1", 0.3), await s.claim("batch-1", 0.3), await s.claim("batch-2", 0.3)]
+        await asyncio.sleep(0.4)
+        return first, await s.claim("batch-1", 30)
+
+    assert run(scenario) == ([True, False, True], True)
+
+
 def test_rate_windows_say_when_they_are_back_to_their_initial_state(run):
     """The gateway sent x-ratelimit-limit/remaining-* but no x-ratelimit-reset-* (OpenAI's and
     LiteLLM's): each store now says, per rpm / tpm window, when it holds nothing counted (its
