@@ -17,7 +17,7 @@ from kvserve.gateway.config import parse_config
 BACKEND = {"base_url": "http://127.0.0.1:1/v1", "model": "x", "api_key": "sk-backend-secret"}
 CFG = {
     "model_list": [{"model_name": "a", "backend": BACKEND}, {"model_name": "b", "backend": BACKEND}],
-    "teams": {"red": {"rpm": 10}},
+    "teams": {"red": {"rpm": 10}, "blue": {"models": ["a"]}},
 }
 MASTER = {"Authorization": "Bearer sk-master"}
 
@@ -92,7 +92,8 @@ def test_litellm_key_fields_the_gateway_cannot_honour_are_refused_by_name(tmp_pa
     async def calls(c):
         out = []
         for body in ({"soft_budget": 1.0}, {"aliases": {"x": "a"}}, {"key": "sk-mine"}, {"rpm_limit": 0},
-                     {"models": ["nope"]}, {"team_id": "blue"}):  # fmt: skip
+                     {"models": ["nope"]}, {"team_id": "green"},
+                     {"team_id": "blue", "models": ["a", "b"]}):  # fmt: skip
             r = await c.post("/key/generate", json=body, headers=MASTER)
             out.append((r.status_code, r.json()["error"]["param"]))
         user = (await c.post("/key/generate", json={}, headers=MASTER)).json()["key"]
@@ -102,8 +103,9 @@ def test_litellm_key_fields_the_gateway_cannot_honour_are_refused_by_name(tmp_pa
         return out, peek.status_code, self_made.status_code, (await c.get("/key/list", headers=MASTER)).json()
 
     out, peek, self_made, listed = _run(tmp_path, calls)
+    # (the last: model b is not among team blue's models, the key could never use it)
     assert out == [(400, "soft_budget"), (400, "aliases"), (400, "key"), (400, "rpm_limit"), (404, "models"),
-                   (400, "team_id")], out  # fmt: skip
+                   (400, "team_id"), (400, "models")], out  # fmt: skip
     assert peek == 401 and self_made == 401 and listed["total_count"] == 2  # none of the refused was made
 
 
@@ -151,7 +153,7 @@ def test_team_info_and_list_answer_litellms_shape_for_the_configs_teams(tmp_path
         return (
             await c.get("/team/info", params={"team_id": "red"}, headers=MASTER),
             await c.get("/team/info", headers=mine),
-            await c.get("/team/info", params={"team_id": "blue"}, headers=MASTER),
+            await c.get("/team/info", params={"team_id": "green"}, headers=MASTER),
             await c.get("/team/info", params={"team_id": "blue"}, headers=mine),
             await c.get("/team/info", headers={"Authorization": f"Bearer {lone}"}),
             await c.get("/team/list", headers=MASTER),
@@ -168,7 +170,7 @@ def test_team_info_and_list_answer_litellms_shape_for_the_configs_teams(tmp_path
     assert own.status_code == 200 and own.json() == red.json(), own.text
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "team_not_found", missing.text
     assert others.status_code == 401 and teamless.status_code == 404, (others.text, teamless.text)
-    assert listed.status_code == 200 and [t["team_id"] for t in listed.json()] == ["red"], listed.text
+    assert listed.status_code == 200 and [t["team_id"] for t in listed.json()] == ["red", "blue"], listed.text
     assert not_admin.status_code == 401, not_admin.text
 
 
