@@ -329,3 +329,37 @@ def test_a_mistral_repository_with_consolidated_weights_loads(tmp_path, sharded)
     llm = LLM(str(tmp_path), kv_cache_memory="2MiB")
     greedy = SamplingParams(temperature=0, max_tokens=12)
     _check_against_reference(llm, ref, [list(range(3, 20)), [7]], greedy)
+
+
+def test_a_tied_config_over_a_checkpoint_with_its_own_head_runs_that_head(tmp_path):
+    """config.json says tie_word_embeddings but the checkpoint also holds an lm_head.weight
+    of its own: transformers (5.x) then unties them and runs the checkpoint's head. kvserve ran
+    the embedding as the head, other tokens from the first one (5 nats off). A head equal to
+    the table (a .bin export stores the shared tensor twice) stays tied, one copy held."""
+    import json
+
+    from conftest import _save_tiny
+    from safetensors.torch import load_file, save_file
+
+    path = _save_tiny(str(tmp_path / "own-head"), "llama")  # untied: its own random lm_head
+    cfg_path = tmp_path / "own-head" / "config.json"
+    cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), "tie_word_embeddings": True}))
+    ref = load_reference(path)
+    assert not torch.equal(ref.lm_head.weight, ref.model.embed_tokens.weight)  # the reference's reading
+    llm = LLM(path, kv_cache_memory="4MiB")
+    prompt = list(range(3, 40))
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    _check_against_reference(llm, ref, [prompt, [5, 9, 30]], greedy)
+    _check_prompt_logprobs(llm, ref, prompt)
+    assert not llm.llm_engine.model_runner.model.lm_head.tied
+    llm.llm_engine.core.shutdown()
+
+    weights_path = str(tmp_path / "own-head" / "model.safetensors")
+    state = load_file(weights_path)
+    state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+    save_file(state, weights_path, metadata={"format": "pt"})
+    ref = load_reference(path)
+    llm = LLM(path, kv_cache_memory="4MiB")
+    _check_against_reference(llm, ref, [prompt], greedy)
+    assert llm.llm_engine.model_runner.model.lm_head.tied
+    llm.llm_engine.core.shutdown()

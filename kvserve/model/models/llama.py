@@ -34,6 +34,7 @@ from kvserve.model.layers.parallel_linear import (
     QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    take_rows,
 )
 from kvserve.model.layers.quantization import QWeight
 from kvserve.model.layers.quantized_linear import NativeMatmul, QuantizedLinear
@@ -169,6 +170,7 @@ class LlamaForCausalLM(nn.Module):
         self.is_first_stage, self.is_last_stage = pp.is_first, pp.is_last
         self.start_layer, self.stop_layer = pp.layer_range(arch.num_layers)
         tied = arch.tie_word_embeddings
+        self.tied = tied  # cleared by load_weights where the checkpoint holds a head of its own
         self.embed = None
         if pp.is_first or (pp.is_last and tied):
             self.embed = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size)
@@ -412,6 +414,7 @@ class LlamaForCausalLM(nn.Module):
         gate/up as they arrive."""
         pending: dict[int, dict[str, torch.Tensor]] = {}
         seen: set[str] = set()
+        own_head = None  # a tied config's checkpoint lm_head.weight, kept until the embedding is here
         dtype = self.norm.dtype
         for name, tensor in weights:
             if not self.owns(name):  # another pipeline stage's (GGUF tensors are read first)
@@ -430,12 +433,14 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "model.embed_tokens.weight":
                 self.embed.load(tensor)
-                if self.arch.tie_word_embeddings and self.lm_head is not None:
+                if self.tied and self.lm_head is not None:
                     self.lm_head.tie(self.embed)
             elif name == "model.norm.weight":
                 self.norm.data = tensor
             elif name == "lm_head.weight":
-                if not self.arch.tie_word_embeddings:
+                if self.tied:
+                    own_head = tensor
+                else:
                     self.lm_head.load(tensor)
             else:
                 raise ValueError(f"unexpected weight {name!r}")
@@ -444,10 +449,12 @@ class LlamaForCausalLM(nn.Module):
             missing = {i: sorted(p) for i, p in pending.items()}
             raise ValueError(f"incomplete layer weights: {missing}")
         need = {"model.norm.weight"} | ({"model.embed_tokens.weight"} if self.embed is not None else set())
-        if not self.arch.tie_word_embeddings and self.lm_head is not None:
+        if not self.tied and self.lm_head is not None:
             need.add("lm_head.weight")
         if need - seen:
             raise ValueError(f"missing weights: {sorted(need - seen)}")
+        if own_head is not None:
+            self._untie_if_distinct(own_head)
         if self.quantization is not None:
             self._quantize_embeddings()
 
@@ -457,10 +464,25 @@ class LlamaForCausalLM(nn.Module):
             self.embed.quantize(method, self.quant_device)
         if self.lm_head is None:
             return
-        if self.arch.tie_word_embeddings:
+        if self.tied:
             self.lm_head.tie(self.embed)
         else:
             self.lm_head.quantize(method, self.quant_device)
+
+    def _untie_if_distinct(self, head: torch.Tensor) -> None:
+        """A config that ties the head to the embedding over a checkpoint holding its own,
+        different lm_head.weight: transformers (5.x) then leaves them untied and runs the
+        checkpoint's head, so this does too (it ran the embedding as the head: other tokens).
+        An lm_head.weight equal to the table (a .bin export's shared tensor) keeps the tie."""
+        lm = self.lm_head
+        if torch.equal(take_rows(head, lm.start, lm.stop, lm.vocab), self.embed.weight.data):
+            return
+        self.tied = False
+        lm.weight = nn.Parameter(torch.empty(0, dtype=head.dtype), requires_grad=False)
+        lm.quant, lm.tied = None, False
+        lm.load(head)
+        if not self.is_first_stage:
+            self.embed = None  # a later pipeline stage held the table only for the tie
 
     _LAYER_KEYS = (
         "self_attn.q_proj.weight",
