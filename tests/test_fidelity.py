@@ -276,9 +276,41 @@ def test_sliding_window_caps_the_context(tmp_path):
         (dict(model_type="qwen2", sliding_window=32, use_sliding_window=True, max_window_layers=4), None),
         (dict(model_type="qwen2", sliding_window=32, layer_types=["full_attention"] * 4), None),
         (dict(model_type="llama", sliding_window=32), None),
+        # Mistral reads no layer_types, and its window is 4096 where the file names none.
+        (dict(model_type="mistral", sliding_window=32, layer_types=["full_attention"] * 4), 32),
+        (dict(model_type="mistral"), 4096),
+        # Qwen2 slides only under use_sliding_window, from layer 28 by default, at 4096 by default.
+        (dict(model_type="qwen2", sliding_window=32, layer_types=["sliding_attention"] * 4), None),
+        (dict(model_type="qwen2", sliding_window=32, use_sliding_window=True), None),
+        (dict(model_type="qwen2", use_sliding_window=True, max_window_layers=2), 4096),
     ]
     for extra, window in cases:
         assert ModelArch.from_hf_config({**base, **extra}).sliding_window == window, extra
+
+
+def test_a_qwen2_listing_sliding_layers_without_use_sliding_window_attends_to_all(tmp_path):
+    """A Qwen2 config with use_sliding_window false whose layer_types list sliding layers (and
+    sliding_window is set): transformers' attention sets the window to None and attends to every
+    position. kvserve capped the context at the window (16 of 512 tokens here), refusing the
+    prompts the model runs. The reference is the same weights with every layer full."""
+    import json
+
+    from conftest import _save_tiny
+
+    path = _save_tiny(str(tmp_path / "qwen2"), "qwen2", random_biases=True)
+    ref = load_reference(path)
+    cfg_path = tmp_path / "qwen2" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.update(use_sliding_window=False, sliding_window=16, max_window_layers=0,
+               layer_types=["sliding_attention"] * cfg["num_hidden_layers"])  # fmt: skip
+    cfg_path.write_text(json.dumps(cfg))
+    llm = LLM(path, kv_cache_memory="4MiB")
+    assert llm.llm_engine.max_model_len == 512
+    prompt = list(range(3, 60))
+    _check_against_reference(
+        llm, ref, [prompt, [7, 8]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    )
+    llm.llm_engine.core.shutdown()
 
 
 def test_an_activation_kvserve_does_not_run_is_refused(tmp_path):

@@ -11,6 +11,8 @@ from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 GATED_ACTIVATIONS = ("silu", "swish")  # transformers' ACT2FN: both are SiLU
+MISTRAL_QWEN2_WINDOW = 4096  # MistralConfig's and Qwen2Config's sliding_window where a file has none
+QWEN2_MAX_WINDOW_LAYERS = 28  # Qwen2Config's max_window_layers where a file has none
 
 
 @dataclass(frozen=True)
@@ -86,18 +88,23 @@ class ModelArch:
 
 
 def sliding_window_of(cfg: dict[str, Any], model_type: str) -> int | None:
-    """The window of the layers that slide, as transformers decides which do: `layer_types`
-    where the config lists them, else every Mistral layer when sliding_window is set, and
-    Qwen2's layers from max_window_layers on when use_sliding_window is true."""
-    window = cfg.get("sliding_window")
+    """The window of the layers that slide, as transformers reads the config: every Mistral
+    layer (its default window, 4096, where the file names none; layer_types are not read for
+    Mistral); Qwen2's only under use_sliding_window (else its window is None), the layers
+    layer_types marks, or without them those from max_window_layers (default 28) on; never
+    Llama's. A Qwen2 listing sliding layers without use_sliding_window attends to everything.
+    Other architectures (the planner's): the layers layer_types marks."""
+    if model_type == "mistral":
+        return cfg.get("sliding_window", MISTRAL_QWEN2_WINDOW) or None
+    if model_type == "llama" or (model_type == "qwen2" and not cfg.get("use_sliding_window")):
+        return None
+    window = cfg.get("sliding_window", MISTRAL_QWEN2_WINDOW if model_type == "qwen2" else None)
     if not window:
         return None
     types = cfg.get("layer_types")
     if types is not None:
         return window if "sliding_attention" in types else None
-    if model_type == "mistral":
-        return window
-    if model_type == "qwen2" and cfg.get("use_sliding_window"):
-        first = cfg.get("max_window_layers", 0)
-        return window if first < cfg["num_hidden_layers"] else None
-    return None
+    if model_type != "qwen2":
+        return None
+    first = cfg.get("max_window_layers", QWEN2_MAX_WINDOW_LAYERS)
+    return window if first < cfg["num_hidden_layers"] else None
