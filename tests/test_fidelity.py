@@ -242,6 +242,40 @@ def test_llama_biases_everywhere_match_transformers(tmp_path):
         LLM(str(tmp_path), kv_cache_memory="4MiB")
 
 
+@pytest.mark.parametrize("kind", ["qwen2", "mistral"])
+def test_an_attention_bias_key_transformers_does_not_read_changes_nothing(kind, tmp_path):
+    """transformers builds Qwen2's q, k, v with biases and Mistral's without, whatever the
+    config's attention_bias says (only Llama reads it). kvserve read it for all three: a Qwen2
+    whose config carries attention_bias false was refused over its own biases, and a Mistral
+    with attention_bias true waited for biases its checkpoint never held."""
+    import json
+
+    from conftest import _save_tiny, _tiny_tokenizer
+    from transformers import MistralConfig, MistralForCausalLM
+
+    if kind == "qwen2":
+        path = _save_tiny(str(tmp_path / kind), kind, random_biases=True)
+    else:
+        torch.manual_seed(0)
+        cfg = MistralConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                            initializer_range=0.2, bos_token_id=1, eos_token_id=2,
+                            sliding_window=None)  # fmt: skip
+        MistralForCausalLM(cfg).save_pretrained(tmp_path / kind)
+        _tiny_tokenizer().save_pretrained(tmp_path / kind)
+        path = str(tmp_path / kind)
+    cfg_path = tmp_path / kind / "config.json"
+    cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), "attention_bias": kind == "mistral"}))
+    ref = load_reference(path)
+    llm = LLM(path, kv_cache_memory="4MiB")
+    prompt = list(range(3, 40))
+    _check_against_reference(
+        llm, ref, [prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    )
+    _check_prompt_logprobs(llm, ref, prompt)
+    llm.llm_engine.core.shutdown()
+
+
 def test_sliding_window_caps_the_context(tmp_path):
     """A Mistral whose layers slide over 16 positions: kvserve attends to every position, the
     model's attention only while a sequence fits the window, so the context stops there (it

@@ -77,7 +77,7 @@ class ModelArch:
             rope_theta=float(theta),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            attention_bias=qkv_bias_of(cfg, model_type),
             o_proj_bias=model_type == "llama" and bool(cfg.get("attention_bias", False)),
             mlp_bias=model_type == "llama" and bool(cfg.get("mlp_bias", False)),
             rope_scaling=rope,
@@ -85,6 +85,15 @@ class ModelArch:
             eos_token_ids=tuple(dict.fromkeys(eos_ids + eos_extra)),
             sliding_window=sliding_window_of(cfg, model_type),
         )
+
+
+def qkv_bias_of(cfg: dict[str, Any], model_type: str) -> bool:
+    """Whether q, k and v carry biases, as transformers builds the layers: Qwen2's always,
+    Mistral's never, Llama's as attention_bias says. (An attention_bias key in a Qwen2 or
+    Mistral config is not read there: Qwen2's false refused its own biased checkpoint.)"""
+    if model_type == "qwen2":
+        return True
+    return model_type == "llama" and bool(cfg.get("attention_bias", False))
 
 
 def sliding_window_of(cfg: dict[str, Any], model_type: str) -> int | None:
