@@ -13,14 +13,18 @@ from kvserve import LLM, SamplingParams
 PROMPTS = [[5, 9, 30, 41, 100, 7, 8, 9, 10, 11, 12], list(range(20, 60)), [3]]
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+@pytest.mark.parametrize("kind", ["qwen2", "llama", "llama-biased"])
 def test_a_converted_gguf_gives_the_directory_s_tokens(kind, tmp_path):
     """The reference is the directory itself. qwen2: llama.cpp keeps Hugging Face's Q / K
     rows (NEOX rotary), and they were un-permuted as a llama file's are, so every Qwen2 GGUF
     ran scrambled attention. llama: the tiny Llama has llama3 rope scaling, which its file
     holds as the rope_freqs tensor (as Llama 3.1 / 3.2 GGUFs do); it was skipped, so every
-    position rotated unscaled (transformers' GGUF reader skips it too)."""
-    hf_dir = _save_tiny(str(tmp_path / kind), kind, random_biases=True)
+    position rotated unscaled (transformers' GGUF reader skips it too). llama-biased: a Llama
+    with attention_bias and mlp_bias, whose file holds attn_output and ffn biases (llama.cpp
+    adds them); refused as tensors the model did not use."""
+    extra = {"attention_bias": True, "mlp_bias": True} if kind == "llama-biased" else {}
+    kind = kind.split("-")[0]
+    hf_dir = _save_tiny(str(tmp_path / kind), kind, random_biases=True, **extra)
     path = write_gguf(hf_dir, str(tmp_path / f"{kind}.gguf"))
     ref = load_reference(hf_dir)
     llm = LLM(path, kv_cache_memory="4MiB")

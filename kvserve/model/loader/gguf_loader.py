@@ -84,6 +84,10 @@ def gguf_arch(reader) -> ModelArch:
         max_position_embeddings=int(get("context_length", 2048)),
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
+        # llama.cpp's llama graph adds an output and MLP bias where the file holds them (a
+        # Llama with attention_bias / mlp_bias): refused as tensors the model did not use.
+        o_proj_bias="blk.0.attn_output.bias" in names,
+        mlp_bias="blk.0.ffn_gate.bias" in names,
         rope_scaling=scaling,
         bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(int(t) for t in (eos, eot) if t is not None)),
