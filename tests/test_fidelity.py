@@ -276,6 +276,33 @@ def test_an_attention_bias_key_transformers_does_not_read_changes_nothing(kind, 
     llm.llm_engine.core.shutdown()
 
 
+def test_a_checkpoint_short_of_layers_is_refused(tmp_path):
+    """A layer none of whose tensors arrived was never checked: a config with more layers
+    than its checkpoint, or a sharded directory without its index that lacks a shard, loaded
+    and ran those layers on uninitialized memory (and a partial layer was reported by the
+    tensors it had rather than those it lacked)."""
+    import json
+    import os
+
+    from conftest import _save_tiny, _tiny_tokenizer
+    from transformers import AutoModelForCausalLM
+
+    path = _save_tiny(str(tmp_path / "two"), "llama")
+    sharded = tmp_path / "sharded"
+    AutoModelForCausalLM.from_pretrained(path).save_pretrained(sharded, max_shard_size="40KB")
+    _tiny_tokenizer().save_pretrained(sharded)
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())["weight_map"]
+    os.remove(sharded / "model.safetensors.index.json")
+    os.remove(sharded / index["model.layers.1.mlp.down_proj.weight"])
+    with pytest.raises(ValueError, match=r"^missing weights: .*model\.layers\.1\.mlp\.down_proj\.weight"):
+        LLM(str(sharded), kv_cache_memory="1MiB")
+
+    cfg_path = tmp_path / "two" / "config.json"
+    cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), "num_hidden_layers": 3}))
+    with pytest.raises(ValueError, match=r"^missing weights: model\.layers\.2\.\*$"):
+        LLM(path, kv_cache_memory="1MiB")
+
+
 def test_sliding_window_caps_the_context(tmp_path):
     """A Mistral whose layers slide over 16 positions: kvserve attends to every position, the
     model's attention only while a sequence fits the window, so the context stops there (it

@@ -413,6 +413,7 @@ class LlamaForCausalLM(nn.Module):
         """Load Hugging Face-named tensors (whole or this rank's slice), fusing q/k/v and
         gate/up as they arrive."""
         pending: dict[int, dict[str, torch.Tensor]] = {}
+        done: set[int] = set()  # this stage's layers (local indices) whose every tensor arrived
         seen: set[str] = set()
         own_head = None  # a tied config's checkpoint lm_head.weight, kept until the embedding is here
         dtype = self.norm.dtype
@@ -429,7 +430,8 @@ class LlamaForCausalLM(nn.Module):
                 if rest.endswith("rotary_emb.inv_freq"):
                     continue
                 pending.setdefault(idx, {})[rest] = tensor
-                self._maybe_finish_layer(idx, pending)
+                if self._maybe_finish_layer(idx, pending):
+                    done.add(idx)
                 continue
             if name == "model.embed_tokens.weight":
                 self.embed.load(tensor)
@@ -445,9 +447,10 @@ class LlamaForCausalLM(nn.Module):
             else:
                 raise ValueError(f"unexpected weight {name!r}")
             seen.add(name)
-        if pending:
-            missing = {i: sorted(p) for i, p in pending.items()}
-            raise ValueError(f"incomplete layer weights: {missing}")
+        lacking = self._missing_layer_weights(pending, done)
+        if lacking:
+            more = f" and {len(lacking) - 8} more layers" if len(lacking) > 8 else ""
+            raise ValueError(f"missing weights: {'; '.join(lacking[:8])}{more}")
         need = {"model.norm.weight"} | ({"model.embed_tokens.weight"} if self.embed is not None else set())
         if not self.tied and self.lm_head is not None:
             need.add("lm_head.weight")
@@ -499,13 +502,33 @@ class LlamaForCausalLM(nn.Module):
     _O_BIAS_KEYS = ("self_attn.o_proj.bias",)
     _MLP_BIAS_KEYS = ("mlp.gate_proj.bias", "mlp.up_proj.bias", "mlp.down_proj.bias")
 
-    def _maybe_finish_layer(self, idx: int, pending: dict[int, dict[str, torch.Tensor]]) -> None:
-        p = pending[idx]
+    def _layer_keys(self) -> tuple[str, ...]:
+        """The tensors of one layer this config runs."""
         a = self.arch
         keys = self._LAYER_KEYS + (self._BIAS_KEYS if a.attention_bias else ())
-        keys += (self._O_BIAS_KEYS if a.o_proj_bias else ()) + (self._MLP_BIAS_KEYS if a.mlp_bias else ())
+        keys += self._O_BIAS_KEYS if a.o_proj_bias else ()
+        return keys + (self._MLP_BIAS_KEYS if a.mlp_bias else ())
+
+    def _missing_layer_weights(self, pending: dict[int, dict], done: set[int]) -> list[str]:
+        """What each of this stage's unfinished layers lacks, a layer with no tensor at all as
+        `model.layers.N.*`: a checkpoint short of layers (a shard missing from a directory
+        without an index, a config with more layers) ran them on uninitialized memory."""
+        out = []
+        for idx in range(len(self.layers)):
+            if idx in done:
+                continue
+            name, have = f"model.layers.{idx + self.start_layer}", pending.get(idx, {})
+            lacks = [f"{name}.{k}" for k in self._layer_keys() if k not in have]
+            out.append(", ".join(lacks) if have else f"{name}.*")
+        return out
+
+    def _maybe_finish_layer(self, idx: int, pending: dict[int, dict[str, torch.Tensor]]) -> bool:
+        """Load layer `idx` once all its tensors are pending; whether it did."""
+        p = pending[idx]
+        a = self.arch
+        keys = self._layer_keys()
         if not all(k in p for k in keys):
-            return
+            return False
         unused = sorted(set(p) - set(keys))
         if unused:  # e.g. biases the config does not declare: dropped silently, they would change logits
             where = f"model.layers.{idx + self.start_layer}"
@@ -525,3 +548,4 @@ class LlamaForCausalLM(nn.Module):
         layer.input_norm.data = p["input_layernorm.weight"]
         layer.post_attn_norm.data = p["post_attention_layernorm.weight"]
         del pending[idx]
+        return True
