@@ -55,3 +55,26 @@ def test_rope_scaling_kvserve_does_not_run_is_refused(tiny_qwen2_dir, tmp_path):
     path = write_gguf(tiny_qwen2_dir, str(tmp_path / "yarn.gguf"), more=yarn)
     with pytest.raises(ValueError, match="unsupported rope_type 'yarn'"):
         LLM(path, kv_cache_memory="1MiB")
+
+
+def test_a_gguf_with_tensors_kvserve_does_not_run_is_refused(tiny_llama_dir, tmp_path):
+    """Per-layer tensors of a kind the loader did not know (a Mixtral file's router and experts,
+    a q/k norm) were skipped without a word, and the model ran without them; llama.cpp refuses
+    a file with tensors its graph does not use. Now refused at load, by name; a llama file
+    with experts by its expert_count."""
+    import numpy as np
+
+    def q_norm(w) -> None:
+        w.add_tensor("blk.0.attn_q_norm.weight", np.ones(16, dtype=np.float32))
+
+    path = write_gguf(tiny_llama_dir, str(tmp_path / "qnorm.gguf"), more=q_norm)
+    with pytest.raises(ValueError, match=r"GGUF tensors kvserve does not run: blk\.0\.attn_q_norm\.weight$"):
+        LLM(path, kv_cache_memory="1MiB")
+
+    def experts(w) -> None:
+        w.add_expert_count(4)
+        w.add_expert_used_count(2)
+
+    path = write_gguf(tiny_llama_dir, str(tmp_path / "moe.gguf"), more=experts)
+    with pytest.raises(ValueError, match=r"mixture-of-experts GGUF \(llama\.expert_count = 4\)"):
+        LLM(path, kv_cache_memory="1MiB")

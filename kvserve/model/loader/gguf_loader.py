@@ -34,6 +34,25 @@ _TENSOR_NAMES = {
 }
 
 
+# Tensors outside the layers that a file may hold: rope_freqs is read by gguf_arch (llama3 scaling).
+_TOP_LEVEL = ("token_embd.weight", "output_norm.weight", "output.weight", "rope_freqs.weight")
+
+
+def tensors_not_run(names: set[str]) -> list[str]:
+    """The file's tensors this model has no place for (a Mixtral file's router and experts,
+    another model's norms): skipped, they ran the model without them. llama.cpp refuses a
+    file whose tensor count its graph does not account for."""
+    out = []
+    for name in sorted(names):
+        parts = name.split(".")
+        if parts[0] == "blk":
+            if len(parts) != 4 or parts[2] not in _TENSOR_NAMES:
+                out.append(name)
+        elif name not in _TOP_LEVEL:
+            out.append(name)
+    return out
+
+
 # The GGUF architectures whose Q / K rows llama.cpp's converter permutes (LlamaModel.permute).
 _PERMUTED_QK = ("llama",)
 
@@ -55,6 +74,15 @@ def gguf_arch(reader) -> ModelArch:
     heads = get("attention.head_count")
     hidden = get("embedding_length")
     names = {t.name for t in reader.tensors}
+    experts = get("expert_count")
+    if experts:
+        raise ValueError(
+            f"model: a mixture-of-experts GGUF ({arch}.expert_count = {experts}) is not supported"
+        )
+    unknown = tensors_not_run(names)
+    if unknown:
+        more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+        raise ValueError(f"model: GGUF tensors kvserve does not run: {', '.join(unknown[:5])}{more}")
     vocab = get("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
     scaling: dict = {"rope_type": "default"}
     kind = get("rope.scaling.type")
@@ -117,7 +145,7 @@ def gguf_weights(
             elif heads:
                 w = _unpermute(w, heads)
             if kind not in _TENSOR_NAMES:
-                continue  # e.g. precomputed rope_freqs
+                continue  # (gguf_arch refused the file)
             name = f"model.layers.{parts[1]}.{_TENSOR_NAMES[kind]}.{suffix}"
         elif t.name == "token_embd.weight":
             name = "model.embed_tokens.weight"
