@@ -374,7 +374,7 @@ def test_a_qwen2_listing_sliding_layers_without_use_sliding_window_attends_to_al
     llm.llm_engine.core.shutdown()
 
 
-def test_an_activation_kvserve_does_not_run_is_refused(tmp_path):
+def test_an_activation_or_a_prequantized_checkpoint_is_refused(tmp_path):
     """The MLP is silu(gate) * up: a config naming another hidden_act loaded and ran it as
     SiLU, other tokens than transformers' with no word; now it is refused by name."""
     import json
@@ -390,6 +390,15 @@ def test_an_activation_kvserve_does_not_run_is_refused(tmp_path):
     cfg["hidden_act"] = "gelu"
     cfg_path.write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="unsupported hidden_act 'gelu'"):
+        LLM(path, kv_cache_memory="1MiB")
+    # A GPTQ / AWQ / fp8 directory: its qweight / scales tensors were refused one layer at a
+    # time by name ("incomplete layer weights"), never saying why.
+    cfg["hidden_act"] = "silu"
+    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128}
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(
+        ValueError, match=r"unsupported pre-quantized checkpoint \(quantization_config: awq\)"
+    ):
         LLM(path, kv_cache_memory="1MiB")
     shutil.rmtree(path)
     base = dict(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2)

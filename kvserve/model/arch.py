@@ -50,6 +50,15 @@ class ModelArch:
             raise ValueError(
                 f"unsupported model_type {model_type!r}; kvserve supports {SUPPORTED_ARCHITECTURES}"
             )
+        quant = cfg.get("quantization_config")
+        if quant:
+            # Its tensors (qweight / scales, fp8 codes) were refused one by one, by name, with no
+            # word of why.
+            method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+            raise ValueError(
+                f"unsupported pre-quantized checkpoint (quantization_config: {method}); kvserve loads "
+                "float weights and quantizes them itself (--quantization int8 | int4 | fp8)"
+            )
         act = cfg.get("hidden_act", "silu")
         if act not in GATED_ACTIVATIONS:
             # The MLP is silu(gate) * up everywhere (fused kernels included): another
