@@ -303,6 +303,24 @@ def test_a_checkpoint_short_of_layers_is_refused(tmp_path):
         LLM(path, kv_cache_memory="1MiB")
 
 
+def test_dynamic_rope_scaling_matches_transformers_up_to_the_context(tmp_path):
+    """transformers' dynamic NTK rope keeps the default frequencies until a sequence outgrows
+    max_position_embeddings, which is where kvserve's context stops: it runs such a model
+    exactly (it was refused as an unsupported rope_type). Here to the last position."""
+    from conftest import _save_tiny
+
+    rope = {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}
+    path = _save_tiny(str(tmp_path / "dynamic"), "qwen2", random_biases=True, max_position_embeddings=64,
+                      rope_parameters=rope)  # fmt: skip
+    ref = load_reference(path)
+    llm = LLM(path, kv_cache_memory="4MiB")
+    assert llm.llm_engine.max_model_len == 64
+    prompts = [list(range(3, 53)), [5, 9, 30]]
+    _check_against_reference(llm, ref, prompts, SamplingParams(temperature=0, max_tokens=14, ignore_eos=True))
+    _check_prompt_logprobs(llm, ref, prompts[0])
+    llm.llm_engine.core.shutdown()
+
+
 def test_sliding_window_caps_the_context(tmp_path):
     """A Mistral whose layers slide over 16 positions: kvserve attends to every position, the
     model's attention only while a sequence fits the window, so the context stops there (it

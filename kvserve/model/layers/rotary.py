@@ -12,9 +12,10 @@ from typing import Any
 import torch
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
-    """Inverse frequencies for 'default', 'linear' and 'llama3' rope types, and a GGUF file's
-    'freq_factors' (llama.cpp's rope_freqs tensor: llama3 scaling as one divisor a dimension)."""
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any], max_positions: int) -> torch.Tensor:
+    """Inverse frequencies for 'default', 'linear', 'dynamic' and 'llama3' rope types, and a GGUF
+    file's 'freq_factors' (llama.cpp's rope_freqs tensor: llama3 scaling as one divisor a
+    dimension)."""
     # float32 like the reference implementation, so positions round the same way.
     exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     inv_freq = 1.0 / (theta**exponent)
@@ -23,6 +24,15 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch
         return inv_freq
     if rope_type == "linear":
         return inv_freq / scaling["factor"]
+    if rope_type == "dynamic":
+        # transformers' dynamic NTK scaling changes the base only once a sequence outgrows
+        # max_position_embeddings, where the engine's context stops; below it, this base (the
+        # arithmetic transformers does at that length, which leaves it as it is).
+        factor = scaling["factor"]
+        base = theta * ((factor * max_positions / max_positions) - (factor - 1)) ** (
+            head_dim / (head_dim - 2)
+        )
+        return 1.0 / (base**exponent)
     if rope_type == "freq_factors":
         factors = torch.tensor(scaling["factors"], dtype=torch.float32)
         if factors.shape != inv_freq.shape:
@@ -39,7 +49,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, linear, llama3)")
+    raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, linear, dynamic, llama3)")
 
 
 class RotaryEmbedding(torch.nn.Module):
@@ -50,7 +60,7 @@ class RotaryEmbedding(torch.nn.Module):
         # Always computed on the CPU: under the loader's meta-device context these few ops would
         # go through torch's reference implementations, whose first import costs seconds.
         with torch.device("cpu"):
-            inv_freq = rope_inv_freq(head_dim, theta, scaling).float()
+            inv_freq = rope_inv_freq(head_dim, theta, scaling, max_positions).float()
             t = torch.arange(max_positions, dtype=torch.float32)
             freqs = torch.outer(t, inv_freq)
             emb = torch.cat([freqs, freqs], dim=-1)
