@@ -321,6 +321,52 @@ def test_dynamic_rope_scaling_matches_transformers_up_to_the_context(tmp_path):
     llm.llm_engine.core.shutdown()
 
 
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {
+            "type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },  # Qwen2.5's long-context form
+        {
+            "rope_type": "yarn",
+            "factor": 8.0,
+            "original_max_position_embeddings": 32,
+            "beta_fast": 16,
+            "beta_slow": 2,
+            "mscale": 0.7,
+            "mscale_all_dim": 1.0,
+        },  # fmt: skip
+    ],
+)
+def test_yarn_rope_scaling_matches_transformers(rope, tmp_path):
+    """YaRN (static, as transformers runs it): it was refused. The rotary tables equal
+    transformers' to the bit, and greedy tokens too, past max_position_embeddings up to the
+    context it scales to (original_max_position_embeddings x factor, as vLLM serves it)."""
+    import json
+
+    from conftest import _save_tiny
+
+    path = _save_tiny(str(tmp_path / "yarn"), "qwen2", random_biases=True, max_position_embeddings=64)
+    cfg_path = tmp_path / "yarn" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.pop("rope_parameters", None)
+    cfg_path.write_text(json.dumps({**cfg, "rope_theta": 10000.0, "rope_scaling": rope}))
+    ref = load_reference(path)
+    llm = LLM(path, kv_cache_memory="4MiB")
+    scaled = int(rope["original_max_position_embeddings"] * rope["factor"])
+    assert llm.llm_engine.max_model_len == max(64, scaled)
+    rotary = llm.llm_engine.model_runner.model.rotary
+    positions = torch.arange(rotary.cos.shape[0])[None]
+    cos, sin = ref.model.rotary_emb(torch.zeros(1, dtype=torch.float32), positions)
+    assert torch.equal(rotary.cos, cos[0]) and torch.equal(rotary.sin, sin[0])
+    prompts = [list(range(3, 103)), [5, 9, 30]]
+    _check_against_reference(llm, ref, prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    _check_prompt_logprobs(llm, ref, prompts[0])
+    llm.llm_engine.core.shutdown()
+
+
 def test_sliding_window_caps_the_context(tmp_path):
     """A Mistral whose layers slide over 16 positions: kvserve attends to every position, the
     model's attention only while a sequence fits the window, so the context stops there (it

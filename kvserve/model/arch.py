@@ -65,12 +65,7 @@ class ModelArch:
             # activation ran as SiLU, silently giving other tokens than transformers.
             raise ValueError(f"unsupported hidden_act {act!r}; kvserve runs {GATED_ACTIVATIONS}")
         heads = cfg["num_attention_heads"]
-        # transformers >= 5 keeps rope settings in "rope_parameters"; older files use
-        # "rope_theta" + "rope_scaling".
-        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-        theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        rope["rope_type"] = rope_type
+        theta, rope, max_positions = rope_of(cfg)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         return cls(
@@ -84,7 +79,7 @@ class ModelArch:
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta),
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=qkv_bias_of(cfg, model_type),
             o_proj_bias=model_type == "llama" and bool(cfg.get("attention_bias", False)),
@@ -94,6 +89,29 @@ class ModelArch:
             eos_token_ids=tuple(dict.fromkeys(eos_ids + eos_extra)),
             sliding_window=sliding_window_of(cfg, model_type),
         )
+
+
+def rope_of(cfg: dict[str, Any], default_positions: int = 2048) -> tuple[float, dict[str, Any], int]:
+    """(rope_theta, rope scaling with its rope_type, the context) as transformers reads them:
+    >= 5 keeps them in "rope_parameters", older files in "rope_theta" + "rope_scaling". The
+    context is max_position_embeddings, or for yarn (static: the same scaling at every length)
+    the original length times its factor where that is longer, as vLLM serves it."""
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    rope["rope_type"] = rope_type
+    max_positions = cfg.get("max_position_embeddings") or default_positions
+    if rope_type in ("llama3", "yarn"):  # transformers' standardize_rope_params
+        original = cfg.get("original_max_position_embeddings")
+        rope["original_max_position_embeddings"] = original or rope.get(
+            "original_max_position_embeddings", max_positions
+        )
+    if rope_type == "yarn":
+        if rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise ValueError("unsupported yarn rope scaling over part of each head (partial_rotary_factor)")
+        scaled = rope["original_max_position_embeddings"] * (rope.get("factor") or 1.0)
+        max_positions = max(max_positions, int(scaled))
+    return float(theta), rope, max_positions
 
 
 def qkv_bias_of(cfg: dict[str, Any], model_type: str) -> bool:

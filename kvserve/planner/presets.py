@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvserve.model.arch import sliding_window_of
+from kvserve.model.arch import rope_of, sliding_window_of
 
 
 @dataclass(frozen=True)
@@ -219,9 +219,13 @@ def from_hf_config(cfg: dict[str, Any], name: str = "hf") -> ModelSpec:
 
 
 def _context(cfg: dict[str, Any]) -> int:
-    """The longest sequence the engine serves: max_position_embeddings, cut to a sliding
-    attention window where the model has one (the engine stops there too, model/arch.py)."""
-    context = cfg.get("max_position_embeddings") or 4096
+    """The longest sequence the engine serves: max_position_embeddings (a yarn model's scaled
+    length where longer), cut to a sliding attention window where the model has one (the
+    engine stops there too, model/arch.py)."""
+    try:
+        context = rope_of(cfg, default_positions=4096)[2]
+    except ValueError:
+        context = cfg.get("max_position_embeddings") or 4096
     window = sliding_window_of(cfg, cfg.get("model_type", ""))
     return min(context, window) if window else context
 

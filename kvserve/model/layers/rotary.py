@@ -11,9 +11,11 @@ from typing import Any
 
 import torch
 
+from kvserve.model.layers.yarn import yarn_attention_factor, yarn_inv_freq
+
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any], max_positions: int) -> torch.Tensor:
-    """Inverse frequencies for 'default', 'linear', 'dynamic' and 'llama3' rope types, and a GGUF
+    """Inverse frequencies for 'default', 'linear', 'dynamic', 'yarn' and 'llama3' rope types, and a GGUF
     file's 'freq_factors' (llama.cpp's rope_freqs tensor: llama3 scaling as one divisor a
     dimension)."""
     # float32 like the reference implementation, so positions round the same way.
@@ -33,6 +35,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any], max_posi
             head_dim / (head_dim - 2)
         )
         return 1.0 / (base**exponent)
+    if rope_type == "yarn":
+        return yarn_inv_freq(head_dim, theta, scaling, max_positions)
     if rope_type == "freq_factors":
         factors = torch.tensor(scaling["factors"], dtype=torch.float32)
         if factors.shape != inv_freq.shape:
@@ -49,7 +53,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any], max_posi
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, linear, dynamic, llama3)")
+    raise ValueError(
+        f"unsupported rope_type {rope_type!r} (supported: default, linear, dynamic, yarn, llama3)"
+    )
 
 
 class RotaryEmbedding(torch.nn.Module):
@@ -64,8 +70,12 @@ class RotaryEmbedding(torch.nn.Module):
             t = torch.arange(max_positions, dtype=torch.float32)
             freqs = torch.outer(t, inv_freq)
             emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+            cos, sin = emb.cos(), emb.sin()
+            if scaling.get("rope_type") == "yarn":  # float32, as transformers scales them
+                factor = yarn_attention_factor(scaling, max_positions)
+                cos, sin = cos * factor, sin * factor
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin for this step's positions, shaped to broadcast over heads."""

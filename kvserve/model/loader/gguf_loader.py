@@ -89,8 +89,8 @@ def gguf_arch(reader) -> ModelArch:
     if kind == "linear":
         scaling = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
     elif kind not in (None, "none"):
-        # yarn, longrope: refused by the rotary tables, as a config's are (they ran unscaled).
-        scaling = {"rope_type": kind}
+        # yarn, longrope: they ran unscaled. (llama.cpp's yarn is not transformers' to the bit.)
+        raise ValueError(f"unsupported rope_type {kind!r} in a GGUF file (supported: none, linear)")
     freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if freqs is not None:
         # llama.cpp writes a Llama 3.1+ model's llama3 rope scaling as this per-dimension
