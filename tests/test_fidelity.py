@@ -529,3 +529,25 @@ def test_a_tied_config_over_a_checkpoint_with_its_own_head_runs_that_head(tmp_pa
     _check_against_reference(llm, ref, [prompt], greedy)
     assert llm.llm_engine.model_runner.model.lm_head.tied
     llm.llm_engine.core.shutdown()
+
+
+def test_a_sharded_directory_saved_over_as_one_file_loads_that_file(tmp_path):
+    """save_pretrained as one file over a sharded directory deletes the shards but leaves
+    model.safetensors.index.json; transformers reads model.safetensors first. kvserve read the
+    index first and refused the directory over the shards it named."""
+    from conftest import _tiny_tokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      initializer_range=0.2, bos_token_id=1, eos_token_id=2)  # fmt: skip
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path, max_shard_size="100KB")
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path)  # other weights, one file
+    _tiny_tokenizer().save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors.index.json").is_file()  # stale: its shards are gone
+    ref = load_reference(str(tmp_path))
+    llm = LLM(str(tmp_path), kv_cache_memory="2MiB")
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    _check_against_reference(llm, ref, [list(range(3, 30)), [7]], greedy)
+    llm.llm_engine.core.shutdown()

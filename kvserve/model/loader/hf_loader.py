@@ -28,10 +28,15 @@ def hf_arch(path: str) -> ModelArch:
 
 
 def weight_files(path: str) -> list[str]:
-    """The checkpoint's files as transformers picks them: those model.safetensors.index.json
-    maps tensors to, else model.safetensors, else every *.safetensors. Mistral's repositories
-    ship consolidated.safetensors (its own tensor names) beside the sharded files: reading
-    every file refused the model on a name it did not know."""
+    """The checkpoint's files as transformers picks them: model.safetensors, else those
+    model.safetensors.index.json maps tensors to, else every *.safetensors. Mistral's
+    repositories ship consolidated.safetensors (its own tensor names) beside the sharded files:
+    reading every file refused the model on a name it did not know. A sharded directory saved
+    over as one file keeps its stale index (save_pretrained deletes only the shards): reading
+    the index first refused it over the shards it names."""
+    single = os.path.join(path, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index) as f:
@@ -42,8 +47,7 @@ def weight_files(path: str) -> list[str]:
             raise FileNotFoundError(f"model: {path!r} lacks {missing}, which its safetensors index names")
         if files:
             return files
-    single = os.path.join(path, "model.safetensors")
-    files = [single] if os.path.isfile(single) else sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"model: no *.safetensors files in {path!r}")
     return files
