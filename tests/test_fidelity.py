@@ -367,6 +367,38 @@ def test_yarn_rope_scaling_matches_transformers(rope, tmp_path):
     llm.llm_engine.core.shutdown()
 
 
+@pytest.mark.parametrize(
+    ("top_level", "in_rope"),
+    [(None, None), (32, 64)],
+    ids=["defaults-to-max-positions", "top-level-wins"],
+)
+def test_llama3_rope_reads_its_original_length_as_transformers_does(top_level, in_rope, tmp_path):
+    """transformers' standardize_rope_params gives llama3 scaling an original length: a
+    top-level original_max_position_embeddings over the rope dict's, or max_position_embeddings
+    where neither names one. kvserve took only the rope dict's: without it a bare KeyError at
+    load; with a top-level one, other frequencies (prompt logprobs 3.6 nats off)."""
+    import json
+
+    from conftest import _save_tiny
+
+    path = _save_tiny(str(tmp_path / "llama3"), "llama", max_position_embeddings=256)
+    cfg_path = tmp_path / "llama3" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    rope = {k: v for k, v in cfg["rope_parameters"].items() if k != "original_max_position_embeddings"}
+    cfg["rope_parameters"] = (
+        rope if in_rope is None else {**rope, "original_max_position_embeddings": in_rope}
+    )
+    if top_level is not None:
+        cfg["original_max_position_embeddings"] = top_level
+    cfg_path.write_text(json.dumps(cfg))
+    ref = load_reference(path)
+    llm = LLM(path, kv_cache_memory="4MiB")
+    prompt = list(range(3, 200))
+    _check_against_reference(llm, ref, [prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    _check_prompt_logprobs(llm, ref, prompt)
+    llm.llm_engine.core.shutdown()
+
+
 def test_sliding_window_caps_the_context(tmp_path):
     """A Mistral whose layers slide over 16 positions: kvserve attends to every position, the
     model's attention only while a sequence fits the window, so the context stops there (it
