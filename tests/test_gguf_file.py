@@ -96,3 +96,45 @@ def test_the_reader_gives_gguf_s_own_fields_and_tensors(tmp_path):
     for mine, t in zip(ours.tensors, theirs.tensors):
         assert (mine.name, mine.tensor_type, list(mine.shape)) == (t.name, t.tensor_type, list(t.shape))
         assert np.array_equal(mine.data, t.data) and mine.data.dtype == t.data.dtype
+
+
+def _weighted(path: str) -> None:
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_name("weights")
+    w.add_tensor("a.weight", np.arange(4096, dtype=np.float32).reshape(64, 64))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_a_file_that_is_no_complete_gguf_is_named_with_what_it_is(tmp_path):
+    """A Git LFS pointer (a clone without git-lfs), an empty file, another format and a cut-off
+    download each stopped the load with numpy's words ("GGUF magic invalid", "cannot mmap an
+    empty file", "cannot reshape array ...") and no file named."""
+    lfs = tmp_path / "lfs.gguf"
+    lfs.write_text("version https://git-lfs.github.com/spec/v1\noid sha256:4d7e\nsize 98362432\n")
+    empty = tmp_path / "empty.gguf"
+    empty.write_bytes(b"")
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"PK\x03\x04" + bytes(100))
+    whole, cut = str(tmp_path / "whole.gguf"), tmp_path / "cut.gguf"
+    _weighted(whole)
+    with open(whole, "rb") as f:
+        cut.write_bytes(f.read()[: os.path.getsize(whole) - 1000])
+    expected = {
+        lfs: "is a Git LFS pointer, not the file itself: fetch it with `git lfs pull`",
+        empty: "is empty (0 bytes), not a GGUF file",
+        other: "is not a GGUF file (it starts with b'PK\\x03\\x04', not b'GGUF')",
+        cut: "is not a complete GGUF file (",
+    }
+    for path, why in expected.items():
+        try:
+            gguf_file.gguf_reader(str(path))
+        except ValueError as e:
+            assert str(e).startswith(f"model: {str(path)!r} {why}"), str(e)
+        else:
+            raise AssertionError(f"{path.name} was read")
+        assert not _cached(str(path))
+    assert len(gguf_file.gguf_reader(whole).tensors) == 1
+    gguf_file.release_gguf_reader(whole)

@@ -402,3 +402,15 @@ def test_cli_refuses_options_it_would_silently_override(args, message, capsys):
     assert main(["Llama-3.1-8B", *args]) == 2
     assert f"kvserve plan: error: {message}" in capsys.readouterr().err
     assert main(["Llama-3.1-8B", "--dtype", "fp8", "--quantization", "fp8", "--context-len", "4096"]) == 0
+
+
+def test_cli_names_a_gguf_that_is_a_git_lfs_pointer(tmp_path, capsys):
+    """A repository cloned without git-lfs leaves a pointer of text where the file was: plan
+    said only "GGUF magic invalid"."""
+    from kvserve.planner.cli import main
+
+    pointer = tmp_path / "model.gguf"
+    pointer.write_text("version https://git-lfs.github.com/spec/v1\noid sha256:4d7e\nsize 98362432\n")
+    assert main([str(pointer)]) == 2
+    err = capsys.readouterr().err
+    assert f"model: {str(pointer)!r} is a Git LFS pointer" in err and "Traceback" not in err

@@ -98,8 +98,32 @@ def gguf_reader(path: str):
         if reader is None:
             while len(_readers) >= MAX_READERS:
                 del _readers[next(iter(_readers))]
-            reader = _readers[key] = _reader_class()(path)
+            reader = _readers[key] = _parse(path)
         return reader
+
+
+def _parse(path: str):
+    """The reader of `path`, or a ValueError naming the file and what is wrong with it. A Git LFS
+    pointer (a repository cloned without git-lfs), an empty or a truncated download each stopped
+    `kvserve serve`, `generate` and `plan` with numpy's words and no file: "GGUF magic invalid",
+    "cannot mmap an empty file", "cannot reshape array of size 503360 into shape (576,960)"."""
+    with open(path, "rb") as f:
+        head = f.read(64)
+    if head[:4] != b"GGUF":
+        if head.startswith(b"version https://git-lfs"):
+            why = "a Git LFS pointer, not the file itself: fetch it with `git lfs pull` or download it"
+        elif not head:
+            why = "empty (0 bytes), not a GGUF file"
+        else:
+            why = f"not a GGUF file (it starts with {head[:4]!r}, not b'GGUF')"
+        raise ValueError(f"model: {path!r} is {why}")
+    try:
+        return _reader_class()(path)
+    except (ValueError, IndexError, KeyError, OverflowError, TypeError) as e:  # numpy's, gguf's
+        size = os.path.getsize(path)
+        raise ValueError(
+            f"model: {path!r} is not a complete GGUF file ({size:,} bytes; a truncated download?): {e}"
+        ) from None
 
 
 def gguf_field(reader, key: str, default=None):
