@@ -49,7 +49,18 @@ def resolve_model(model: str | None) -> ModelSource:
         ggufs = sorted(glob.glob(os.path.join(path, "*.gguf")))
         if len(ggufs) == 1:
             return ModelSource("gguf", ggufs[0], name)
-        raise FileNotFoundError(f"model: {name!r} is a directory without config.json or a single .gguf file")
+        if ggufs:  # which to load is the user's choice (quantizations, split files)
+            shown = ", ".join(os.path.basename(g) for g in ggufs[:5]) + (", ..." if len(ggufs) > 5 else "")
+            raise FileNotFoundError(
+                f"model: {name!r} holds {len(ggufs)} .gguf files ({shown}) and no config.json; "
+                "pass one of them"
+            )
+        raise FileNotFoundError(f"model: {name!r} is a directory without config.json or a .gguf file")
+    if os.path.isfile(path):  # was "not found": the file is there, it is another format
+        raise FileNotFoundError(
+            f"model: {name!r} is a file but not a .gguf; pass a .gguf file, or the Hugging Face model "
+            "directory holding config.json and the weights"
+        )
     raise FileNotFoundError(
         f"model: {name!r} not found; pass the alias {DEFAULT_MODEL!r}, a .gguf file or a "
         "Hugging Face model directory (nothing is downloaded)"
