@@ -36,6 +36,38 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
 positive_int = int_at_least(1)
 
 
+# vLLM's suffixes for token counts: lower case decimal, upper case binary
+_TOKEN_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def token_count(text: str) -> int:
+    """A positive number of tokens, written as vLLM takes it: 4096, 4k (4,000), 4K (4,096),
+    25.6k (25,600; a fraction with a decimal suffix only). `--max-model-len 4k`, pasted from a
+    vLLM script, was "invalid int value"."""
+    from decimal import Decimal, InvalidOperation
+
+    number, suffix = text.strip(), ""
+    if number[-1:] in _TOKEN_SUFFIXES:
+        number, suffix = number[:-1], number[-1]
+    try:  # a fraction only before k, m, g: 25.6k is 25,600; 4.5K no number of tokens
+        value = Decimal(number) if suffix.islower() else Decimal(int(number))
+        value *= _TOKEN_SUFFIXES.get(suffix, 1)
+    except (InvalidOperation, ValueError):
+        raise argparse.ArgumentTypeError(
+            f"must be a number of tokens (4096, 4k = 4,000, 4K = 4,096), got {text!r}"
+        ) from None
+    if not value.is_finite() or value != value.to_integral_value():
+        raise argparse.ArgumentTypeError(f"must be a whole number of tokens, got {text!r}")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {int(value)}")
+    return int(value)
+
+
+def max_model_len(text: str) -> int | None:
+    """`token_count`, or vLLM's -1 / auto: None, the model's own context length (the default)."""
+    return None if text.strip().lower() in ("-1", "auto") else token_count(text)
+
+
 def port(text: str) -> int:
     """A TCP port, 0-65535: uvicorn took --port 70000 and listened on 4464 (70000 mod 65536)
     while the log said 70000."""

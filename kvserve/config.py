@@ -58,7 +58,8 @@ class EngineConfig:
         default="float32",
         metadata={
             "help": "Weights and activations: float32 or bfloat16 (on a CPU without avx512_bf16 / "
-            "amx_bf16, bfloat16 runs as float32: it would be several times slower)."
+            "amx_bf16, bfloat16 runs as float32: it would be several times slower); auto (vLLM's "
+            "default): float32."
         },
     )
     device: str = field(default="auto", metadata={"help": "'cpu', 'cuda' or 'auto' (CUDA when available)."})
@@ -85,7 +86,11 @@ class EngineConfig:
     )
     block_size: int = field(default=16, metadata={"help": "Tokens per KV block."})
     max_model_len: int | None = field(
-        default=None, metadata={"help": "Longest prompt + output; defaults to the model's context length."}
+        default=None,
+        metadata={
+            "help": "Longest prompt + output, in tokens as vLLM takes them (4096, 4k = 4,000, 4K = 4,096); "
+            "-1 or auto (the default): the model's context length."
+        },
     )
     max_num_seqs: int = field(default=128, metadata={"help": "Most requests running in one step."})
     max_num_batched_tokens: int = field(

@@ -14,6 +14,7 @@ from kvserve.argtypes import (
     at_most,
     finite_float,
     int_at_least,
+    max_model_len,
     model_name,
     non_negative_float,
     non_negative_int,
@@ -31,12 +32,18 @@ TOP_K = at_most(int_at_least(-1), 2**20, "past any model's vocabulary")
 MAX_TOKENS = at_most(positive_int, 10**8, "past any model's context")
 
 
-def _engine_arg_types() -> dict[str, Callable[[str], int]]:
+def _vllm_dtype(text: str) -> str | None:
+    """vLLM's default `auto`: kvserve's own default dtype, as LLM(dtype="auto") takes it."""
+    return None if text.strip().lower() == "auto" else text
+
+
+def _engine_arg_types() -> dict[str, Callable[[str], object]]:
     """Flags checked as they are parsed: --data-parallel-size 100000 started that many engine
-    processes (each with a share of the CPU threads, at least one) and never became ready."""
+    processes (each with a share of the CPU threads, at least one) and never became ready.
+    --max-model-len and --dtype also take vLLM's spellings (4k, -1, auto)."""
     cpus = os.cpu_count() or 1
     replicas = at_most(positive_int, cpus, f"one engine process per CPU at most; this machine has {cpus}")
-    return {"data_parallel_size": replicas}
+    return {"data_parallel_size": replicas, "max_model_len": max_model_len, "dtype": _vllm_dtype}
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:

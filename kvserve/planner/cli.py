@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from kvserve.argtypes import at_most, non_negative_float, positive_int
+from kvserve.argtypes import at_most, max_model_len, non_negative_float, positive_int
 from kvserve.core.block_size import gpu_block_size_problem
 from kvserve.planner import simulate_cli
 from kvserve.planner.gpus import DEFAULT_GPU, GPUS
@@ -77,7 +77,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     )
     kv = p.add_argument_group("KV cache and load")
     kv.add_argument(
-        "--max-model-len", type=positive_int, help="prompt + output limit (default: model context)"
+        "--max-model-len",
+        type=max_model_len,
+        help="prompt + output limit in tokens (4096, 4k, 4K = 4,096; -1 or auto, the default: model context)",
     )
     kv.add_argument(
         "--concurrency", type=CONCURRENCY, default=1, help="sequences of max-model-len to serve at once"

@@ -1,0 +1,61 @@
+"""Engine flags as vLLM scripts spell them: `--max-model-len 4k` / `-1` / `auto` and `--dtype auto`
+were refused by `kvserve serve`, `generate`, `run-batch`, `eval` and `plan` ("invalid int
+value: '4k'", "must be >= 1, got -1", "'auto' is not one of ..."), while LLM(dtype="auto") took
+vLLM's default. Parsing only: no model loads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvserve.entrypoints.cli import build_parser, engine_config
+
+
+def _config(*flags: str):
+    return engine_config(build_parser().parse_args(["serve", *flags]))
+
+
+@pytest.mark.parametrize(
+    "value, tokens",
+    [
+        ("4096", 4096),
+        ("4k", 4000),
+        ("4K", 4096),
+        ("25.6k", 25600),
+        ("1M", 2**20),
+        ("-1", None),
+        ("auto", None),
+    ],
+)
+def test_max_model_len_takes_vllm_s_spellings(value, tokens):
+    assert _config("--max-model-len", value).max_model_len == tokens
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("4.5K", "must be a number of tokens (4096, 4k = 4,000, 4K = 4,096), got '4.5K'"),
+        ("1.0005k", "must be a whole number of tokens, got '1.0005k'"),
+        ("0", "must be >= 1, got 0"),
+        ("-2", "must be >= 1, got -2"),
+    ],
+)
+def test_max_model_len_refuses_what_is_no_token_count_naming_the_flag(value, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["generate", "Hi", "--max-model-len", value])
+    assert e.value.code == 2 and f"argument --max-model-len: {message}" in capsys.readouterr().err
+
+
+def test_dtype_auto_is_the_default_dtype_as_llm_takes_it():
+    assert _config("--dtype", "auto").dtype == _config().dtype == "float32"
+    assert _config("--dtype", "bf16").dtype == "bf16"
+
+
+def test_plan_takes_the_same_spellings(capsys):
+    from kvserve.planner.cli import main
+
+    assert main(["Llama-3.1-8B", "--max-model-len", "8K", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["settings"]["max_model_len"] == 8192
+    assert main(["Llama-3.1-8B", "--max-model-len", "auto", "--json"]) == 0  # the model's context
+    assert json.loads(capsys.readouterr().out)["settings"]["max_model_len"] == 131072
