@@ -493,3 +493,36 @@ def test_bench_offline(tiny_llama_dir, tmp_path):
     assert res["engine"] == {"kv_cache_memory": "64MiB", "max_num_seqs": 128, "max_num_batched_tokens": 512,
                              "dtype": "float32", "ignore_eos": True, "temperature": 0.0}  # fmt: skip
     assert m["output_throughput"] > 0 and m["ttft_ms"]["mean"] > 0
+
+
+def test_ctrl_c_reports_what_finished_and_exits_130(timed_stub, tiny_llama_dir, tmp_path):
+    """Ctrl-C in `bench serve` was a KeyboardInterrupt traceback that lost every result of the
+    run; now the requests that finished are reported and saved, the rest counted as interrupted
+    (not as the server's failures), and the exit status is 130."""
+    import signal
+    import threading
+
+    out = tmp_path / "r.json"
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(HERE) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    cmd = [sys.executable, "-m", "kvserve.entrypoints.cli", "bench", "serve", "--base-url", timed_stub.url,
+           "--model", "stub", "--tokenizer", tiny_llama_dir, "--num-prompts", "4", "--max-concurrency", "1",
+           "--input-len", "8", "--output-len", "50", "--save-result", str(out)]  # fmt: skip
+    table = tmp_path / "table.txt"
+    with open(table, "wb") as stdout:
+        proc = subprocess.Popen(cmd, env=env, stdout=stdout, stderr=subprocess.PIPE)
+    err = bytearray()  # tqdm's bar: "1/4" once the first request (200 + 49 * 20 ms) finished
+    reader = threading.Thread(target=lambda: [err.extend(b) for b in iter(lambda: proc.stderr.read(1), b"")])
+    reader.start()
+    deadline = time.monotonic() + 60
+    while b"1/4" not in err and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    proc.wait(60)
+    reader.join(10)
+    said = err.decode(errors="replace")
+    assert proc.returncode == 130, said
+    assert "Traceback" not in said and "interrupted (Ctrl-C): " in said
+    m = json.loads(out.read_text())["metrics"]
+    assert m["completed"] >= 1 and m["failed"] == 0 and m["completed"] + m["interrupted"] == 4, m
+    assert "errors" not in m and m["total_output_tokens"] == 50 * m["completed"]
+    assert "Interrupted requests (Ctrl-C):" in table.read_text()

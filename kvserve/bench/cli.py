@@ -29,7 +29,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(format_table(res))
     if args.save_result:
         save_json(res, args.save_result)
-    return 0 if res["metrics"]["failed"] == 0 else 1
+    return _status(res["metrics"]["failed"], res["metrics"].get("interrupted", 0))
+
+
+def _status(failed: int, interrupted: int) -> int:
+    """0: every request answered; 1: some failed; 130 (a shell's Ctrl-C status): the user cut
+    the run short, and the report covers the requests that finished."""
+    if interrupted:
+        print(f"interrupted (Ctrl-C): {interrupted} request(s) did not finish", file=sys.stderr)
+        return 130
+    return 0 if failed == 0 else 1
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
@@ -45,8 +54,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     print(f"plot: {args.plot}")
     if args.save_result:
         save_json(res, args.save_result)
-    failed = sum(r["metrics"]["failed"] for s in res["series"] for r in s["runs"])
-    return 0 if failed == 0 else 1
+    runs = [r["metrics"] for s in res["series"] for r in s["runs"]]
+    return _status(sum(m["failed"] for m in runs), sum(m.get("interrupted", 0) for m in runs))
 
 
 def cmd_offline(args: argparse.Namespace) -> int:

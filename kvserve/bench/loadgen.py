@@ -25,6 +25,7 @@ import msgspec
 from kvserve.bench.datasets import BenchRequest
 
 _ANSWERED = ("stop", "length", "tool_calls")  # finish reasons of a complete answer (not an abort)
+INTERRUPTED = "interrupted (Ctrl-C) before it finished"  # the error of a request the user cut short
 _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder().encode
 
@@ -236,12 +237,27 @@ async def run_load(
 
         tasks = []
         t_base = due = time.perf_counter()
-        for req, gap in zip(requests, schedule(requests, cfg)):
-            due += gap  # absolute schedule: sleep overheads do not accumulate
-            if due > time.perf_counter():
-                await asyncio.sleep(due - time.perf_counter())
-            tasks.append(asyncio.create_task(limited(req)))
-        results = await asyncio.gather(*tasks)
+        try:
+            for req, gap in zip(requests, schedule(requests, cfg)):
+                due += gap  # absolute schedule: sleep overheads do not accumulate
+                if due > time.perf_counter():
+                    await asyncio.sleep(due - time.perf_counter())
+                tasks.append(asyncio.create_task(limited(req)))
+            results = list(await asyncio.gather(*tasks))
+        except asyncio.CancelledError:  # Ctrl-C (asyncio.run cancels this task): what finished
+            results = await _interrupted(tasks, requests)
         duration = time.perf_counter() - t_base
         bar.close()
-    return list(results), duration
+    return results, duration
+
+
+async def _interrupted(tasks: list[asyncio.Task], requests: list[BenchRequest]) -> list[RequestResult]:
+    """The results of a run cut short: the requests that finished as they were, the others (in
+    flight, waiting for a slot, not sent yet) failed with INTERRUPTED. Was a traceback that lost
+    every result of what may have been a long run."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    done = [t.result() if t.done() and not t.cancelled() else None for t in tasks]
+    done += [None] * (len(requests) - len(done))
+    return [r or RequestResult(error=INTERRUPTED, prompt_len=q.prompt_len) for r, q in zip(done, requests)]

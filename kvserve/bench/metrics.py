@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from kvserve.bench.loadgen import RequestResult
+from kvserve.bench.loadgen import INTERRUPTED, RequestResult
 
 PERCENTILES = (50, 90, 99)
 SLO_KEYS = ("ttft", "tpot", "itl", "e2el")
@@ -68,11 +68,12 @@ def compute_metrics(
     results: list[RequestResult], duration: float, slo: dict[str, float] | None = None
 ) -> dict[str, Any]:
     ok = [r for r in results if r.success]
+    cut = sum(1 for r in results if r.error == INTERRUPTED)  # the user's doing, not the server's
     in_tok = sum(r.prompt_len for r in ok)
     out_tok = sum(r.output_tokens for r in ok)
     m: dict[str, Any] = {
         "completed": len(ok),
-        "failed": len(results) - len(ok),
+        "failed": len(results) - len(ok) - cut,
         "duration_s": duration,
         "total_input_tokens": in_tok,
         "total_output_tokens": out_tok,
@@ -89,7 +90,9 @@ def compute_metrics(
         m["slo_ms"] = dict(slo)
         m["good_requests"] = good
         m["goodput"] = good / duration if duration > 0 else 0.0
-    errors = sorted({r.error for r in results if not r.success})
+    errors = sorted({r.error for r in results if not r.success and r.error != INTERRUPTED})
     if errors:
         m["errors"] = errors[:5]
+    if cut:
+        m["interrupted"] = cut
     return m

@@ -23,6 +23,7 @@ def format_table(result: dict[str, Any], title: str = "Serving Benchmark Result"
         ("Endpoint", result.get("endpoint")),
         ("Successful requests", m["completed"]),
         ("Failed requests", m["failed"]),
+        ("Interrupted requests (Ctrl-C)", m.get("interrupted")),
         ("Benchmark duration (s)", m["duration_s"]),
         ("Total input tokens", m["total_input_tokens"]),
         ("Total output tokens", m["total_output_tokens"]),

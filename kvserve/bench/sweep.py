@@ -44,7 +44,7 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
         first = served[args.base_url[0]]
         args.model, args.model_root = first.id, first.root
     tok, requests = prepare(args)
-    series = []
+    series, interrupted = [], False
     for i, url in enumerate(args.base_url):
         runs = []
         for p in points:
@@ -63,7 +63,12 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
                 f"ITL p50 {itl['p50'] or 0:.2f} ms, failed {m['failed']}"
             )
             runs.append({kind: None if math.isinf(p) else p, **res})
+            if m.get("interrupted"):
+                interrupted = True
+                break
         series.append({"label": labels[i] if labels else url, "base_url": url, "runs": runs})
+        if interrupted:  # Ctrl-C: the runs so far are plotted and saved, no further one starts
+            break
     return {"sweep": kind, "points": [None if math.isinf(p) else p for p in points], "series": series}
 
 

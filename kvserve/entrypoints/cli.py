@@ -373,6 +373,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except KeyboardInterrupt:  # Ctrl-C while a command loads or runs: no traceback
+        print("\ninterrupted (Ctrl-C)", file=sys.stderr)
+        return 130
     except BrokenPipeError:
         # stdout's reader left (`kvserve plan ... --json | head`): stop as a shell tool does, with
         # no traceback, and no second one when the interpreter flushes stdout at exit
