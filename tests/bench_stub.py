@@ -49,7 +49,8 @@ async def _stream(writer: asyncio.StreamWriter, body: dict, chat: bool, ttft: fl
 
 def _models(path: str) -> list[dict]:
     """/v1/models: one model ("stub-model"); under /several/ two, under /aliases/ two names of one
-    (the same root, as kvserve's --served-model-name lists them)."""
+    (the same root, as kvserve's --served-model-name lists them). Under /locked/ every route is
+    a 401; under /garbled/ a stream's events are JSON arrays."""
     if "/several/" in path:
         return [{"id": "a", "object": "model", "root": "a"}, {"id": "b", "object": "model", "root": "b"}]
     if "/aliases/" in path:
@@ -73,7 +74,17 @@ async def _handle(
             }
             size = int(headers.get("content-length", "0"))
             body = json.loads(await reader.readexactly(size)) if size else {}
-            if path.endswith("/completions") and body.get("stream"):
+            if "/locked/" in path:  # a server that wants an API key
+                err = b'{"error":{"message":"Invalid API key","code":"invalid_api_key"}}'
+                writer.write(b"HTTP/1.1 401 Unauthorized\r\ncontent-type: application/json\r\n")
+                writer.write(b"content-length: %d\r\n\r\n%s" % (len(err), err))
+                await writer.drain()
+            elif "/garbled/" in path and body.get("stream"):  # events that are JSON, not OpenAI's
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n")
+                writer.write(b"transfer-encoding: chunked\r\n\r\n")
+                writer.write(_frame(b"[1, 2]") + _frame(b"[DONE]") + b"0\r\n\r\n")
+                await writer.drain()
+            elif path.endswith("/completions") and body.get("stream"):
                 await _stream(writer, body, path.endswith("/chat/completions"), ttft, itl)
             elif path.endswith("/v1/models"):
                 models = json.dumps({"object": "list", "data": _models(path)}).encode()

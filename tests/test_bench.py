@@ -526,3 +526,32 @@ def test_ctrl_c_reports_what_finished_and_exits_130(timed_stub, tiny_llama_dir, 
     assert m["completed"] >= 1 and m["failed"] == 0 and m["completed"] + m["interrupted"] == 4, m
     assert "errors" not in m and m["total_output_tokens"] == 50 * m["completed"]
     assert "Interrupted requests (Ctrl-C):" in table.read_text()
+
+
+def test_a_server_wanting_a_key_is_said_to_want_one(instant_stub, tiny_llama_dir, capsys):
+    """No --model against a server that answers 401: the message said "pass --model NAME", after
+    which every request failed with the same 401."""
+    argv = ["bench", "serve", "--tokenizer", tiny_llama_dir, "--num-prompts", "1", "--disable-tqdm"]
+    assert kvserve_main([*argv, "--base-url", f"{instant_stub.url}/locked/v1"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "error: api-key: " in err
+        and "answered HTTP 401" in err
+        and err.rstrip().endswith("pass --api-key KEY")
+    )
+    assert kvserve_main([*argv, "--base-url", f"{instant_stub.url}/locked/v1", "--api-key", "k"]) == 2
+    assert capsys.readouterr().err.rstrip().endswith("pass the right --api-key")
+
+
+def test_stream_events_that_are_no_openai_objects_fail_the_request_not_the_run(
+    instant_stub, tiny_llama_dir, tmp_path, capsys
+):
+    """`data: [1, 2]` was an AttributeError traceback that ended the whole run."""
+    out = tmp_path / "r.json"
+    argv = ["bench", "serve", "--base-url", f"{instant_stub.url}/garbled/v1", "--model", "stub",
+            "--tokenizer", tiny_llama_dir, "--num-prompts", "2", "--input-len", "8", "--output-len", "4",
+            "--disable-tqdm", "--save-result", str(out)]  # fmt: skip
+    assert kvserve_main(argv) == 1
+    m = json.loads(out.read_text())["metrics"]
+    assert (m["completed"], m["failed"], m["errors"]) == (0, 2, ["not an OpenAI stream event: [1, 2]"])
+    assert "Traceback" not in capsys.readouterr().err

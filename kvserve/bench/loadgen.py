@@ -123,6 +123,9 @@ async def send_one(
                     if payload == b"[DONE]":
                         continue
                     obj = _decode(payload)
+                    if not _is_event(obj):  # was an AttributeError traceback that ended the run
+                        res.error = f"not an OpenAI stream event: {payload[:200].decode(errors='replace')}"
+                        return res
                     if "error" in obj and obj["error"]:
                         err = obj["error"]
                         res.error = str(err.get("message", err) if isinstance(err, dict) else err)
@@ -161,6 +164,14 @@ async def send_one(
         res.output_tokens = sum(len(ts) for ts in times.values())
     res.success = True
     return res
+
+
+def _is_event(obj: Any) -> bool:
+    """A JSON object whose `choices`, if any, is a list of objects."""
+    if not isinstance(obj, dict):
+        return False
+    choices = obj.get("choices") or []
+    return isinstance(choices, list) and all(isinstance(c, dict) for c in choices)
 
 
 def arrival_gaps(n: int, rate: float, burstiness: float, seed: int) -> list[float]:

@@ -26,6 +26,9 @@ def _ask(base_url: str, api_key: str | None) -> list[dict]:
     except httpx.HTTPError as e:
         why = f"could not be asked which model it serves ({e})"
         raise ValueError(f"model: no --model, and {url} {why}{how}") from None
+    if r.status_code in (401, 403):  # "pass --model" would not help: every request would fail so
+        key = "the right --api-key" if api_key else "--api-key KEY"
+        raise ValueError(f"api-key: {url} answered HTTP {r.status_code}: {r.text[:200]}; pass {key}")
     if r.status_code != 200:
         raise ValueError(f"model: no --model, and {url} answered HTTP {r.status_code}: {r.text[:200]}{how}")
     try:
