@@ -211,6 +211,9 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        # torch's generator range: past it, "Overflow when unpacking long long" once the model loaded
+        if not -(2**63) <= self.seed < 2**64:
+            raise ValueError(f"seed: must fit a 64-bit integer, got {self.seed}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError(
                 f"long_prefill_token_threshold: must be >= 0, got {self.long_prefill_token_threshold}"

@@ -189,6 +189,8 @@ def test_missing_model_path_names_model(tmp_path):
         (dict(dtype="int4"), "dtype"),
         (dict(kv_cache_memory="lots"), "kv_cache_memory"),
         (dict(kv_cache_memory=-1), "kv_cache_memory"),
+        (dict(seed=2**64), "seed"),  # was "Overflow when unpacking long long", after the model loaded
+        (dict(seed=-(2**63) - 1), "seed"),
     ],
 )
 def test_bad_engine_settings_name_the_field(tiny_llama_dir, kwargs, field):
