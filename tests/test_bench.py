@@ -20,7 +20,8 @@ from server_utils import ServerProcess, free_port
 from kvserve import LLM, SamplingParams
 from kvserve.bench.datasets import DatasetConfig, build_dataset, load_bench_tokenizer
 from kvserve.bench.loadgen import LoadConfig, RequestResult, arrival_gaps, run_load, schedule
-from kvserve.bench.metrics import compute_metrics, parse_slo
+from kvserve.bench.metrics import compute_metrics
+from kvserve.bench.slo import parse_slo
 from kvserve.entrypoints.cli import main as kvserve_main
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -256,6 +257,12 @@ def test_jsonl_dataset_errors_name_the_file_and_line(tiny_tok, tmp_path):
         # ran, every request failing with aiohttp's NonHttpUrlClientError, then a report of dashes
         ("--base-url", "localhost:8000", "'localhost:8000' is not an http:// or https:// URL (did you mean"),
         ("--base-url", "ftp://host/v1", "'ftp://host/v1' is not an http:// or https:// URL"),
+        # nan failed every request's SLO, inf passed every one, each written as NaN / Infinity (no
+        # JSON) into the result; a key given twice kept its last value; all found after the prompts
+        ("--slo", "ttft:nan", "ttft must be a positive number of milliseconds, got 'nan'"),
+        ("--slo", "ttft:500,e2el:inf", "e2el must be a positive number of milliseconds, got 'inf'"),
+        ("--slo", "ttft:500,ttft:100", "ttft is given twice"),
+        ("--slo", "ttfb:5", "'ttfb:5' must be KEY:MS with KEY one of ttft, tpot, itl, e2el"),
     ],
 )
 def test_serve_arguments_are_checked_before_the_run(flag, value, message, tmp_path, capsys):

@@ -16,6 +16,7 @@ from kvserve.argtypes import (
     rate,
 )
 from kvserve.bench.datasets import DATASETS
+from kvserve.bench.slo import parse_slo
 
 # Past these a value is a typo of digits: 1e14 prompts were built for minutes on end (the run
 # never started), a 20-digit length was an OverflowError traceback
@@ -31,6 +32,16 @@ def range_ratio(text: str) -> float:
     if value >= 1:
         raise argparse.ArgumentTypeError(f"must be < 1 (lengths spread over len*(1±r)), got {value:g}")
     return value
+
+
+def slo(text: str) -> str:
+    """Checked as it is parsed (slo.parse_slo), so a typo stops the command before the
+    tokenizer loads and the prompts are built."""
+    try:
+        parse_slo(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("slo: ")) from None
+    return text
 
 
 def base_url(text: str) -> str:
@@ -88,7 +99,7 @@ def add_serve_args(p: argparse.ArgumentParser, single_url: bool = True) -> None:
     )
     p.add_argument("--max-concurrency", type=positive_int, default=None)
     p.add_argument("--warmup", type=non_negative_int, default=0, help="untimed requests sent first")
-    p.add_argument("--slo", default=None, help="goodput SLOs in ms, e.g. ttft:500,tpot:50")
+    p.add_argument("--slo", type=slo, default=None, help="goodput SLOs in ms, e.g. ttft:500,tpot:50")
     p.add_argument("--disable-tqdm", action="store_true")
     add_dataset_args(p)
 

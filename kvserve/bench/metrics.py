@@ -17,26 +17,6 @@ import numpy as np
 from kvserve.bench.loadgen import INTERRUPTED, RequestResult
 
 PERCENTILES = (50, 90, 99)
-SLO_KEYS = ("ttft", "tpot", "itl", "e2el")
-
-
-def parse_slo(spec: str | None) -> dict[str, float]:
-    """'ttft:500,tpot:50' -> {'ttft': 500.0, 'tpot': 50.0} (milliseconds)."""
-    if not spec:
-        return {}
-    out = {}
-    for part in spec.split(","):
-        key, sep, value = part.partition(":")
-        key = key.strip().lower()
-        if not sep or key not in SLO_KEYS:
-            raise ValueError(f"slo: {part!r} must be KEY:MS with KEY one of {', '.join(SLO_KEYS)}")
-        try:
-            out[key] = float(value)
-        except ValueError:
-            raise ValueError(f"slo: {value!r} is not a number of milliseconds") from None
-        if out[key] <= 0:
-            raise ValueError(f"slo: {key} must be positive")
-    return out
 
 
 def tpot(r: RequestResult) -> float | None:

@@ -11,9 +11,10 @@ from typing import Any
 
 from kvserve.bench.datasets import BenchRequest, DatasetConfig, build_dataset, load_bench_tokenizer
 from kvserve.bench.loadgen import LoadConfig, run_load
-from kvserve.bench.metrics import compute_metrics, parse_slo
+from kvserve.bench.metrics import compute_metrics
 from kvserve.bench.served_model import served_model
 from kvserve.bench.server_stats import scrape_spec_counters, spec_decode_summary
+from kvserve.bench.slo import parse_slo
 
 
 def dataset_config(args: argparse.Namespace) -> DatasetConfig:
