@@ -161,8 +161,25 @@ def _auth_error(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _batch_storage_error(args: argparse.Namespace) -> str | None:
+    """The Batch API's folder and database, opened before the engine starts: one that could not
+    be (a file, /proc/..., an unwritable home for the default) was found once the model had
+    loaded, and the error left the engine running, so the command never exited."""
+    import sqlite3
+
+    from kvserve.batch.db import default_storage_dir, open_db
+
+    storage = args.batch_storage_dir or default_storage_dir()
+    try:
+        open_db(storage).close()
+    except (OSError, sqlite3.Error) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        return f"batch-storage-dir: cannot keep the Batch API's files in {storage!r}: {why}"
+    return None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
-    problem = _auth_error(args)
+    problem = _auth_error(args) or (None if args.engine == "naive" else _batch_storage_error(args))
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2

@@ -1,0 +1,29 @@
+"""`kvserve serve` settings found unusable before the engine starts: one line, exit status 2."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("where", ["a-file", "a-file/sub"])
+def test_an_unusable_batch_storage_dir_stops_serve_at_once(where, tiny_llama_dir, tmp_path):
+    """The folder was first opened once the model had loaded, and its error left the engine
+    running: the command printed the error and never exited."""
+    (tmp_path / "a-file").write_text("not a folder")
+    storage = str(tmp_path / where)
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    cmd = [sys.executable, "-m", "kvserve.entrypoints.cli", "serve", tiny_llama_dir, "--port", "0",
+           "--kv-cache-memory", "4MiB", "--batch-storage-dir", storage]  # fmt: skip
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=90)
+    assert out.returncode == 2, out.stderr
+    said = [line for line in out.stderr.splitlines() if not line.startswith("INFO")]
+    assert said == [
+        f"error: batch-storage-dir: cannot keep the Batch API's files in {storage!r}: Not a directory"
+    ]
