@@ -27,3 +27,28 @@ def test_an_unusable_batch_storage_dir_stops_serve_at_once(where, tiny_llama_dir
     assert said == [
         f"error: batch-storage-dir: cannot keep the Batch API's files in {storage!r}: Not a directory"
     ]
+
+
+def test_a_port_in_use_stops_serve_before_the_model_loads(tiny_llama_dir):
+    """It was uvicorn's "address already in use" and exit status 3, once the engine had started."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        cmd = [sys.executable, "-m", "kvserve.entrypoints.cli", "serve", tiny_llama_dir, "--port", str(port),
+               "--kv-cache-memory", "4MiB"]  # fmt: skip
+        out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=90)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.splitlines() == [
+        f"error: port: cannot listen on 127.0.0.1:{port}: Address already in use"
+    ]
+
+
+def test_a_host_this_machine_does_not_have_stops_serve_before_the_model_loads(tmp_path, capsys):
+    from kvserve.entrypoints.cli import main
+
+    assert main(["serve", str(tmp_path / "no-model"), "--host", "no-such-host.invalid"]) == 2
+    assert capsys.readouterr().err.startswith("error: host: cannot listen on 'no-such-host.invalid': ")

@@ -179,7 +179,13 @@ def _batch_storage_error(args: argparse.Namespace) -> str | None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    problem = _auth_error(args) or (None if args.engine == "naive" else _batch_storage_error(args))
+    from kvserve.entrypoints.listen_check import listen_error
+
+    problem = (
+        _auth_error(args)
+        or listen_error(args.host, args.port)
+        or (None if args.engine == "naive" else _batch_storage_error(args))
+    )
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
