@@ -52,3 +52,38 @@ def test_a_host_this_machine_does_not_have_stops_serve_before_the_model_loads(tm
 
     assert main(["serve", str(tmp_path / "no-model"), "--host", "no-such-host.invalid"]) == 2
     assert capsys.readouterr().err.startswith("error: host: cannot listen on 'no-such-host.invalid': ")
+
+
+@pytest.mark.parametrize("flag", ["--served-model-name", "--allowed-origins"])
+def test_a_model_swallowed_by_a_list_flag_is_refused(flag, tiny_llama_dir):
+    """`kvserve serve --served-model-name foo ./model`: the list took the model's path as a second
+    value and the default model was served, under both names."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvserve.entrypoints.cli",
+        "serve",
+        "--port",
+        "0",
+        flag,
+        "foo",
+        tiny_llama_dir,
+    ]
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr
+    name = flag.removeprefix("--")
+    assert out.stderr.splitlines() == [
+        f"error: {name}: {tiny_llama_dir!r} looks like the model, taken as a {flag} value (the default model "
+        f"would be served); give the model first: kvserve serve MODEL {flag} ..."
+    ]
+
+
+def test_list_flags_after_the_model_or_without_paths_are_taken(tiny_llama_dir):
+    from kvserve.entrypoints.cli import _swallowed_model, build_parser
+
+    for argv in (
+        ["serve", tiny_llama_dir, "--served-model-name", "foo", "bar"],
+        ["serve", "--served-model-name", "foo", "bar"],  # names only: the default model, as asked
+    ):
+        assert _swallowed_model(build_parser().parse_args(argv)) is None

@@ -178,17 +178,40 @@ def _batch_storage_error(args: argparse.Namespace) -> str | None:
     return None
 
 
+# serve's flags that take several values: one given before the model takes the model too
+_LIST_FLAGS = ("served_model_name", "allowed_origins", "allowed_methods", "allowed_headers")
+
+
+def _swallowed_model(args: argparse.Namespace) -> str | None:
+    """`kvserve serve --served-model-name foo ./model.gguf`: the list took the path as a second
+    name, and the default model was served under both. Refused when no model was given and a
+    list's last value is a file or folder, or a .gguf name."""
+    if args.model is not None:
+        return None
+    for name in _LIST_FLAGS:
+        last = (getattr(args, name) or [None])[-1]
+        if last and (last.endswith(".gguf") or os.path.exists(os.path.expanduser(last))):
+            flag = name.replace("_", "-")
+            return (
+                f"{flag}: {last!r} looks like the model, taken as a --{flag} value (the default model "
+                f"would be served); give the model first: kvserve serve MODEL --{flag} ..."
+            )
+    return None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvserve.entrypoints.listen_check import listen_error
 
     problem = (
-        _auth_error(args)
+        _swallowed_model(args)
+        or _auth_error(args)
         or listen_error(args.host, args.port)
         or (None if args.engine == "naive" else _batch_storage_error(args))
     )
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
+    args.model = args.model or EngineConfig.model
     if args.engine == "naive":
         from kvserve.entrypoints.naive_server import serve_naive
 
@@ -276,7 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    srv.add_argument("model", nargs="?", default="smollm2-135m", help="alias, .gguf file or HF directory")
+    srv.add_argument("model", nargs="?", default=None,
+                     help="alias, .gguf file or HF directory (default smollm2-135m)")  # fmt: skip
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=port, default=8000)
     srv.add_argument("--api-key", action="append", default=None,
