@@ -59,3 +59,18 @@ def test_plan_takes_the_same_spellings(capsys):
     assert json.loads(capsys.readouterr().out)["settings"]["max_model_len"] == 8192
     assert main(["Llama-3.1-8B", "--max-model-len", "auto", "--json"]) == 0  # the model's context
     assert json.loads(capsys.readouterr().out)["settings"]["max_model_len"] == 131072
+
+
+def test_serve_takes_vllm_s_model_flag(tmp_path, capsys):
+    """`kvserve serve --model PATH`, as vLLM's scripts start its server, was "unrecognized
+    arguments: --model"; it names the model (a missing one is said to be missing)."""
+    from kvserve.entrypoints.cli import main
+
+    missing = str(tmp_path / "no-model")
+    assert main(["serve", "--model", missing, "--port", "0"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1].startswith(f"error: model: {missing!r} not found")
+    assert main(["serve", "other.gguf", "--model", missing]) == 2
+    assert (
+        capsys.readouterr().err
+        == f"error: model: given twice, 'other.gguf' and --model {missing!r}; give one\n"
+    )

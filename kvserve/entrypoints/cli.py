@@ -199,11 +199,23 @@ def _swallowed_model(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _model_flag(args: argparse.Namespace) -> str | None:
+    """vLLM's `--model X`, the older spelling of the positional MODEL its scripts still use (was
+    "unrecognized arguments: --model"): taken as MODEL; both, naming two models, refused."""
+    if args.model_flag is None:
+        return None
+    if args.model is not None and args.model != args.model_flag:
+        return f"model: given twice, {args.model!r} and --model {args.model_flag!r}; give one"
+    args.model = args.model_flag
+    return None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvserve.entrypoints.listen_check import listen_error
 
     problem = (
-        _swallowed_model(args)
+        _model_flag(args)
+        or _swallowed_model(args)
         or _auth_error(args)
         or listen_error(args.host, args.port)
         or (None if args.engine == "naive" else _batch_storage_error(args))
@@ -301,6 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     srv.add_argument("model", nargs="?", default=None,
                      help="alias, .gguf file or HF directory (default smollm2-135m)")  # fmt: skip
+    srv.add_argument("--model", dest="model_flag", default=None, help="the model, as vLLM's --model")
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=port, default=8000)
     srv.add_argument("--api-key", action="append", default=None,
