@@ -414,3 +414,44 @@ def test_cli_names_a_gguf_that_is_a_git_lfs_pointer(tmp_path, capsys):
     assert main([str(pointer)]) == 2
     err = capsys.readouterr().err
     assert f"model: {str(pointer)!r} is a Git LFS pointer" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ("{}", "no hidden_size, one of the model's shape (hidden_size, num_attention_heads, "),
+        ('{"hidden_size": 64}', "no num_attention_heads, one of the model's shape"),
+        (
+            '{"hidden_size": "64", "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 100, '
+            '"intermediate_size": 128}',
+            "hidden_size must be a positive integer, got '64'",
+        ),
+        ("not json", "not JSON (Expecting value: line 1 column 1 (char 0))"),
+        ("[1]", "not a JSON object"),
+    ],
+)
+def test_cli_names_what_a_config_json_lacks(config, message, tmp_path, capsys):
+    """Each was a KeyError / TypeError traceback, or json's words naming no file."""
+    from kvserve.planner.cli import main
+
+    (tmp_path / "config.json").write_text(config)
+    assert main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"error: {str(tmp_path / 'config.json')!r}: {message}" in err and "Traceback" not in err
+
+
+def test_cli_names_a_gguf_without_a_model_shape(tmp_path, capsys):
+    """A GGUF of metadata only (a vocabulary file, say) was a TypeError traceback."""
+    import gguf
+
+    from kvserve.planner.cli import main
+
+    path = str(tmp_path / "vocab.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_name("vocab only")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    assert main([path]) == 2
+    err = capsys.readouterr().err
+    assert f"error: {path!r}: GGUF metadata without the model's shape (no llama.block_count)" in err

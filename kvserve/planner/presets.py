@@ -243,8 +243,14 @@ def from_gguf(path: str | Path) -> ModelSpec:
         return default if field is None else field.contents()
 
     arch = get("general.architecture")
+    for key in ("block_count", "embedding_length", "attention.head_count", "feed_forward_length"):
+        if not _positive_int(get(f"{arch}.{key}")):  # was a TypeError traceback
+            raise ValueError(f"{str(path)!r}: GGUF metadata without the model's shape (no {arch}.{key})")
     h, n = get(f"{arch}.embedding_length"), get(f"{arch}.attention.head_count")
-    vocab = get(f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = get(f"{arch}.vocab_size") or (len(tokens.data) if tokens is not None else 0)
+    if not vocab:
+        raise ValueError(f"{str(path)!r}: GGUF metadata without a vocabulary size")
     experts = get(f"{arch}.expert_count", 0)
     ff = get(f"{arch}.feed_forward_length")
     return ModelSpec(
@@ -265,6 +271,24 @@ def from_gguf(path: str | Path) -> ModelSpec:
     )
 
 
+# the shape a plan is computed from: a config.json or GGUF without one of them was a KeyError
+# or TypeError traceback
+_HF_SHAPE = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "intermediate_size")
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _check_hf_config(cfg: dict[str, Any], where: str) -> None:
+    """ValueError naming the first field of the shape that is missing or no positive integer."""
+    for key in _HF_SHAPE:
+        if key not in cfg:
+            raise ValueError(f"{where!r}: no {key}, one of the model's shape ({', '.join(_HF_SHAPE)})")
+        if not _positive_int(cfg[key]):
+            raise ValueError(f"{where!r}: {key} must be a positive integer, got {cfg[key]!r}")
+
+
 def load_model_spec(model: str) -> ModelSpec:
     """Resolve MODEL: a preset name, a HF directory / config.json, or a .gguf file."""
     preset = find_preset(model)
@@ -276,6 +300,13 @@ def load_model_spec(model: str) -> ModelSpec:
     if path.is_file() and path.suffix == ".gguf":
         return from_gguf(path)
     if path.is_file() and path.suffix == ".json":
-        return from_hf_config(json.loads(path.read_text()), name=path.parent.name)
+        try:
+            cfg = json.loads(path.read_text())
+        except ValueError as e:  # was json's bare "Expecting value: line 1 column 1 (char 0)"
+            raise ValueError(f"{str(path)!r}: not JSON ({e})") from None
+        if not isinstance(cfg, dict):
+            raise ValueError(f"{str(path)!r}: not a JSON object")
+        _check_hf_config({**cfg, **(cfg.get("text_config") or {})}, str(path))
+        return from_hf_config(cfg, name=path.parent.name)
     known = ", ".join(PRESETS)
     raise ValueError(f"{model!r} is not a preset, HF model dir or .gguf file; presets: {known}")
