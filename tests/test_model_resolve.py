@@ -30,3 +30,24 @@ def test_a_folder_of_several_ggufs_names_them(tmp_path):
     )
     (tmp_path / "m.Q8_0.gguf").unlink()
     assert resolve_model(str(tmp_path)).path == str(tmp_path / "m.Q4_K_M.gguf")
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        (
+            '{"model_type": "llama", "hidden_size": 64}',
+            "has no num_attention_heads, part of the model's shape",
+        ),
+        ("not json", "is not JSON (Expecting value: line 1 column 1 (char 0))"),
+        ("[1]", "is not a JSON object"),
+    ],
+)
+def test_a_config_json_the_model_cannot_be_built_from_is_named(config, message, tmp_path):
+    """`kvserve serve DIR` on a config.json lacking a field was a KeyError traceback."""
+    from kvserve.model.loader import load_arch
+
+    (tmp_path / "config.json").write_text(config)
+    with pytest.raises(ValueError) as e:
+        load_arch(resolve_model(str(tmp_path)))
+    assert str(e.value) == f"model: {str(tmp_path / 'config.json')!r} {message}"

@@ -15,8 +15,16 @@ from kvserve.model.arch import ModelArch
 
 
 def hf_arch(path: str) -> ModelArch:
-    with open(os.path.join(path, "config.json")) as f:
-        cfg = json.load(f)
+    """The architecture config.json describes; ValueError naming the file when it cannot (a
+    missing field was a KeyError traceback from `kvserve serve` / `generate`)."""
+    config = os.path.join(path, "config.json")
+    with open(config) as f:
+        try:
+            cfg = json.load(f)
+        except ValueError as e:
+            raise ValueError(f"model: {config!r} is not JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"model: {config!r} is not a JSON object")
     extra: tuple[int, ...] = ()
     gen_path = os.path.join(path, "generation_config.json")
     if os.path.isfile(gen_path):
@@ -24,7 +32,12 @@ def hf_arch(path: str) -> ModelArch:
             eos = json.load(f).get("eos_token_id")
         if eos is not None:
             extra = tuple(eos if isinstance(eos, list) else [eos])
-    return ModelArch.from_hf_config(cfg, eos_extra=extra)
+    try:
+        return ModelArch.from_hf_config(cfg, eos_extra=extra)
+    except KeyError as e:
+        raise ValueError(f"model: {config!r} has no {e.args[0]}, part of the model's shape") from None
+    except TypeError as e:  # a number written as a string, a list for a number, ...
+        raise ValueError(f"model: {config!r} has a field of the wrong type ({e})") from None
 
 
 def weight_files(path: str) -> list[str]:
