@@ -50,7 +50,8 @@ async def _stream(writer: asyncio.StreamWriter, body: dict, chat: bool, ttft: fl
 def _models(path: str) -> list[dict]:
     """/v1/models: one model ("stub-model"); under /several/ two, under /aliases/ two names of one
     (the same root, as kvserve's --served-model-name lists them). Under /locked/ every route is
-    a 401; under /garbled/ a stream's events are JSON arrays."""
+    a 401; under /garbled/ a stream's events are JSON arrays, under /plain/ a stream is one JSON
+    answer (a server ignoring stream: true)."""
     if "/several/" in path:
         return [{"id": "a", "object": "model", "root": "a"}, {"id": "b", "object": "model", "root": "b"}]
     if "/aliases/" in path:
@@ -78,6 +79,11 @@ async def _handle(
                 err = b'{"error":{"message":"Invalid API key","code":"invalid_api_key"}}'
                 writer.write(b"HTTP/1.1 401 Unauthorized\r\ncontent-type: application/json\r\n")
                 writer.write(b"content-length: %d\r\n\r\n%s" % (len(err), err))
+                await writer.drain()
+            elif "/plain/" in path and body.get("stream"):  # stream: true ignored, one JSON answer
+                answer = b'{"id":"cmpl-plain","choices":[]}'
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n")
+                writer.write(b"content-length: %d\r\n\r\n%s" % (len(answer), answer))
                 await writer.drain()
             elif "/garbled/" in path and body.get("stream"):  # events that are JSON, not OpenAI's
                 writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n")

@@ -562,3 +562,17 @@ def test_stream_events_that_are_no_openai_objects_fail_the_request_not_the_run(
     m = json.loads(out.read_text())["metrics"]
     assert (m["completed"], m["failed"], m["errors"]) == (0, 2, ["not an OpenAI stream event: [1, 2]"])
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_an_answer_that_is_no_event_stream_is_said_to_be_one(instant_stub, tiny_llama_dir, tmp_path):
+    """A server ignoring stream: true (or a web page at the URL) was "no text was streamed",
+    saying nothing of what came instead."""
+    out = tmp_path / "r.json"
+    argv = ["bench", "serve", "--base-url", f"{instant_stub.url}/plain/v1", "--model", "stub",
+            "--tokenizer", tiny_llama_dir, "--num-prompts", "1", "--input-len", "8", "--output-len", "4",
+            "--disable-tqdm", "--save-result", str(out)]  # fmt: skip
+    assert kvserve_main(argv) == 1
+    assert json.loads(out.read_text())["metrics"]["errors"] == [
+        "no text was streamed (the answer was no event stream: application/json: "
+        '\'{"id":"cmpl-plain","choices":[]}\')'
+    ]

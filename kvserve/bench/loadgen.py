@@ -110,15 +110,18 @@ async def send_one(
             if r.status != 200:
                 res.error = f"HTTP {r.status}: {(await r.read())[:200].decode(errors='replace')}"
                 return res
-            buf = b""
+            buf, head, events_seen = b"", b"", False
             async for raw in r.content.iter_any():
                 now = time.perf_counter()
+                if not events_seen and len(head) < 100:
+                    head += raw[:100]
                 events = (buf + raw).split(b"\n\n")
                 buf = events.pop()
                 for ev in events:
                     ev = ev.strip()
                     if not ev.startswith(b"data:"):
                         continue  # comments / keep-alives
+                    events_seen = True
                     payload = ev[5:].strip()
                     if payload == b"[DONE]":
                         continue
@@ -146,6 +149,9 @@ async def send_one(
     end = time.perf_counter()
     if not times and finished is None:
         res.error = "no text was streamed"
+        if not events_seen:  # a web page, a JSON answer (stream ignored), ...: said as what it was
+            body = head[:100].decode(errors="replace").strip()
+            res.error += f" (the answer was no event stream: {r.content_type or 'no content type'}: {body!r})"
         return res
     # An answer that ended with no text (the model's end-of-sequence first, a stop string at
     # once) is an answer, as in vLLM's benchmark: its first token arrived with the finish.
