@@ -313,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     srv.add_argument("model", nargs="?", default=None,
                      help="alias, .gguf file or HF directory (default smollm2-135m)")  # fmt: skip
-    srv.add_argument("--model", dest="model_flag", default=None, help="the model, as vLLM's --model")
+    srv.add_argument("--model", dest="model_flag", metavar="MODEL", help="the model, as vLLM's --model")
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=port, default=8000)
     srv.add_argument("--api-key", action="append", default=None,
