@@ -654,3 +654,31 @@ def test_a_conversation_whose_markup_cannot_fit_is_refused_before_tokenizing(ser
     err = r.json()["error"]
     assert err["code"] == "context_length_exceeded" and err["param"] == "messages"
     assert "characters can never fit it" in err["message"]
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens_on_each_route(client, server):
+    """vLLM's truncate_prompt_tokens (the engine and the offline LLM honour it) was refused by the
+    server as an unknown field. Kept: the prompt's last k tokens, which echo and usage show."""
+    text = "one two three four five six seven eight nine ten"
+    last = post(server, "/tokenize", {"prompt": text}).json()["tokens"][-3:]
+    greedy = {"max_tokens": 2, "temperature": 0, "echo": True}
+    cut = post(server, "/v1/completions", {"prompt": text, "truncate_prompt_tokens": 3, **greedy}).json()
+    alone = post(server, "/v1/completions", {"prompt": last, **greedy}).json()
+    assert cut["usage"]["prompt_tokens"] == 3 and cut["choices"][0]["text"] == alone["choices"][0]["text"]
+    emb = client.embeddings.create(model="smol", input=text, extra_body={"truncate_prompt_tokens": 3})
+    ref = client.embeddings.create(model="smol", input=[last]).data[0].embedding
+    assert emb.usage.prompt_tokens == 3 and sum(a * b for a, b in zip(emb.data[0].embedding, ref)) >= 0.9999
+    chat = client.chat.completions.create(
+        model="smol", messages=HI, max_tokens=1, extra_body={"truncate_prompt_tokens": 4}
+    )
+    assert chat.usage.prompt_tokens == 4
+    whole = post(server, "/v1/completions", {"prompt": text, "max_tokens": 1, "truncate_prompt_tokens": -1})
+    count = len(post(server, "/tokenize", {"prompt": text}).json()["tokens"])
+    assert whole.json()["usage"]["prompt_tokens"] == count
+    for path, body in (
+        ("/v1/completions", {"prompt": text, "max_tokens": 1}),
+        ("/v1/embeddings", {"input": text}),
+    ):
+        for bad in (0, -2, 10**6):
+            r = post(server, path, {**body, "truncate_prompt_tokens": bad})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text

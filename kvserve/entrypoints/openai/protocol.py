@@ -141,6 +141,7 @@ class SamplingFields(OpenAIBody):
     include_stop_str_in_output: bool = False
     priority: Int64 = 0  # lower runs sooner under --scheduling-policy priority
     cache_salt: str | None = None  # requests with different salts never share cached prefixes
+    truncate_prompt_tokens: Int64 | None = None  # vLLM: keep the prompt's last k tokens (-1: max_model_len)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     request_id: Annotated[str, Field(pattern=r"^[A-Za-z0-9._:-]{1,128}$")] | None = None  # response id suffix
@@ -233,6 +234,7 @@ class SamplingFields(OpenAIBody):
             length_penalty=self.length_penalty,
             early_stopping=self.early_stopping,
             kv_transfer_params=self._kv_transfer_params(),
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
         )
 
     def _kv_transfer_params(self) -> dict | None:
@@ -447,6 +449,7 @@ class EmbeddingRequest(OpenAIBody):
     user: str | None = None  # informational
     pooling: Literal["last", "mean"] = "last"
     priority: Int64 = 0
+    truncate_prompt_tokens: Int64 | None = None  # vLLM: embed each input's last k tokens (-1: max_model_len)
 
 
 class TokenizeRequest(OpenAIBody):

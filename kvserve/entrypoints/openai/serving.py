@@ -139,8 +139,13 @@ class OpenAIServing:
             raise ValueError(f"tokens: ids must be in [0, {vocab})")
         return self.engine.tokenizer.decode(ids, skip_special_tokens=False)
 
-    async def tokenize_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        self._check_chars("prompt", len(text))
+    async def tokenize_text(
+        self, text: str, add_special_tokens: bool = True, truncated: bool = False
+    ) -> list[int]:
+        """`truncated`: only the last tokens are kept (truncate_prompt_tokens), so a text longer
+        than any context is no error; the body-size limit bounds it."""
+        if not truncated:
+            self._check_chars("prompt", len(text))
         return await self._off_loop(self._encode, "prompt", text, add_special_tokens)
 
     def _encode(self, field: str, text: str, add_special_tokens: bool) -> list[int]:
@@ -222,7 +227,11 @@ class OpenAIServing:
                 f"{field}: {total} sequences ({len(prompts)} prompt(s) x {samples_field}={n}) exceed the "
                 f"waiting room (max_waiting_requests={self.max_waiting}); the request could never be admitted"
             )
-        ids = [await self.tokenize_text(p) if isinstance(p, str) else p for p in prompts]
+        keep = params.truncate_prompt_tokens
+        cut = keep is not None
+        ids = [await self.tokenize_text(p, truncated=cut) if isinstance(p, str) else p for p in prompts]
+        if cut:  # the tokens kept are the prompt: echo and usage show what ran
+            prompts = ids = [self.engine.processor.truncate(list(p), keep) for p in ids]
         for p in ids:
             self.engine.processor.process("validate", p, params)
         if limited and self.engine.num_waiting + total > self.max_waiting:
@@ -502,6 +511,8 @@ class OpenAIServing:
         try:  # (SamplingParams checks the limit too: "min_tokens: must be <= max_tokens (2)")
             top_n = top if req.logprobs else None
             params = await self._off_loop(self._chat_params, req, mode, max_tokens, top_n)
+            if params.truncate_prompt_tokens is not None:  # (checked by now) what runs, and is counted
+                prompt = self.engine.processor.truncate(prompt, params.truncate_prompt_tokens)
             launched = await self._launch("chatcmpl", req, [prompt], params, raw)
         except ValueError as e:  # the shared checks name `prompt`; a chat request sent `messages`
             rename_field(e, "prompt", "messages")
@@ -619,7 +630,12 @@ class OpenAIServing:
         width = self.embedding_width
         if req.dimensions is not None and req.dimensions != width:
             raise ValueError(f"dimensions: this model's embeddings have {width} dimensions (no truncation)")
-        params = SamplingParams(temperature=0, max_tokens=1, pooling=req.pooling)
+        params = SamplingParams(
+            temperature=0,
+            max_tokens=1,
+            pooling=req.pooling,
+            truncate_prompt_tokens=req.truncate_prompt_tokens,
+        )
         _, engine_rid = self.response_id("embd", None, raw)
         try:
             inputs = self._prompts(req.input)
