@@ -682,3 +682,14 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens_on_each_route(client, serv
         for bad in (0, -2, 10**6):
             r = post(server, path, {**body, "truncate_prompt_tokens": bad})
             assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
+
+
+def test_tokenize_returns_token_strings_when_asked_as_vllm(server):
+    """vLLM's /tokenize takes return_token_strs (text or messages) and answers token_strs, the
+    vocabulary's string of each id; it was a 400 "Extra inputs are not permitted"."""
+    plain = post(server, "/tokenize", {"prompt": "hello world"}).json()
+    assert "token_strs" not in plain
+    r = post(server, "/tokenize", {"prompt": "hello world", "return_token_strs": True}).json()
+    assert r["tokens"] == plain["tokens"] and r["token_strs"] == ["hello", "Ġworld"]
+    chat = post(server, "/tokenize", {"messages": HI, "return_token_strs": True}).json()
+    assert len(chat["token_strs"]) == chat["count"] and "<|im_start|>" in chat["token_strs"]

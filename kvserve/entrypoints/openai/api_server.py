@@ -327,7 +327,10 @@ def build_app(engine: AsyncLLM | DPClient, cfg: ServerConfig, store: ResponseSto
             raise ValueError("tools: only counted with messages")
         else:
             ids = await serving.tokenize_text(req.prompt, req.add_special_tokens)
-        return {"tokens": ids, "count": len(ids), "max_model_len": engine.limits.max_model_len}
+        body = {"tokens": ids, "count": len(ids), "max_model_len": engine.limits.max_model_len}
+        if req.return_token_strs:  # vLLM's: the vocabulary's strings, as convert_ids_to_tokens gives
+            body["token_strs"] = serving.tokenizer.hf.convert_ids_to_tokens(ids)
+        return body
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):

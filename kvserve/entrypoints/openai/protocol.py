@@ -462,6 +462,7 @@ class TokenizeRequest(OpenAIBody):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False  # vLLM: each id's token string too (token_strs)
 
 
 class DetokenizeRequest(OpenAIBody):
