@@ -113,6 +113,7 @@ def test_the_fingerprint_changes_with_what_changes_the_tokens():
     "extra, field",
     [
         ({"modalities": ["text", "audio"]}, "modalities"),
+        ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),  # was named modalities, not sent
         ({"web_search_options": {}}, "web_search_options"),
         ({"use_beam_search": True, "n": 2, "stream": True}, "stream"),
         ({"best_of": 1, "n": 2}, "best_of"),

@@ -69,8 +69,10 @@ def normalize_chat(req: ChatCompletionRequest) -> list[str]:
         warnings.append(
             f'299 kvserve "max_tokens ({both[0]}) ignored: max_completion_tokens ({both[1]}) is set"'
         )
-    if req.modalities and "audio" in req.modalities or req.audio is not None:
+    if req.modalities and "audio" in req.modalities:
         raise ValueError("modalities: this server produces text only; audio output is not supported")
+    if req.audio is not None:  # (named `modalities` before, a field the request may not have sent)
+        raise ValueError("audio: this server produces text only; audio output is not supported")
     if req.web_search_options is not None:
         raise ValueError("web_search_options: web search is not available on this server")
     for field in ("tools", "functions"):  # OpenAI's 400: an empty list declares nothing to call
