@@ -459,7 +459,9 @@ def test_responses_function_call_round_trip(client):
         model="smol", previous_response_id=r.id, tools=tools, max_output_tokens=12, temperature=0,
         input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}],
     )  # fmt: skip
-    assert follow.output_text
+    assert follow.previous_response_id == r.id and follow.usage.input_tokens > r.usage.input_tokens
+    # the model calls again, cut by the limit: a call so far or none, never its markup as text
+    assert follow.output and "<tool_call>" not in follow.output_text
 
 
 def test_responses_stream_reassembles_to_the_non_streamed_text(client):
@@ -694,3 +696,47 @@ def test_tokenize_returns_token_strings_when_asked_as_vllm(server):
     assert r["tokens"] == plain["tokens"] and r["token_strs"] == ["hello", "Ġworld"]
     chat = post(server, "/tokenize", {"messages": HI, "return_token_strs": True}).json()
     assert len(chat["token_strs"]) == chat["count"] and "<|im_start|>" in chat["token_strs"]
+
+
+WEATHER_TOOL = {"type": "object", "properties": {"c": {"type": "string"}}, "required": ["c"]}
+ANSWERED_CALL = [
+    {"role": "user", "content": "weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_w", "arguments": '{"c":"Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+]  # fmt: skip
+
+
+def test_a_tool_call_cut_by_max_tokens_is_a_partial_call_not_markup(client):
+    """tool_choice auto, greedy: the model calls get_w again, and max_tokens cuts the call. Its
+    raw markup ('<tool_call>\\n{"name": "get_w", "arguments": {"c": "') was the reply's content;
+    now it is the call so far, as forced modes and OpenAI give it (finish_reason "length"), or
+    nothing when cut before the arguments began. Streamed and not alike; the Responses API
+    marks the call incomplete."""
+    tools = [{"type": "function", "function": {"name": "get_w", "parameters": WEATHER_TOOL}}]
+    kw = {"model": "smol", "messages": ANSWERED_CALL, "tools": tools, "temperature": 0}
+    for max_tokens, has_call in ((12, False), (21, True)):
+        m = client.chat.completions.create(**kw, max_tokens=max_tokens).choices[0]
+        assert m.finish_reason == "length" and "<tool_call>" not in (m.message.content or ""), m
+        calls = [(t.function.name, t.function.arguments) for t in m.message.tool_calls or []]
+        assert [name for name, _ in calls] == (["get_w"] if has_call else []), calls
+        assert all(args.startswith('{"c"') for _, args in calls), calls
+        content, streamed = "", {}
+        for chunk in client.chat.completions.create(**kw, max_tokens=max_tokens, stream=True):
+            for c in chunk.choices:
+                content += c.delta.content or ""
+                for tc in c.delta.tool_calls or []:
+                    got = streamed.setdefault(tc.index, ["", ""])
+                    got[0] += tc.function.name or ""
+                    got[1] += tc.function.arguments or ""
+        assert content == (m.message.content or "") and [tuple(v) for v in streamed.values()] == calls
+    items = [{"role": "user", "content": "weather in Paris?"},
+             {"type": "function_call", "call_id": "call_1", "name": "get_w", "arguments": '{"c":"Paris"}'},
+             {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}]  # fmt: skip
+    r = client.responses.create(
+        model="smol", input=items, max_output_tokens=21, temperature=0,
+        tools=[{"type": "function", "name": "get_w", "parameters": WEATHER_TOOL}],
+    )  # fmt: skip
+    assert r.status == "incomplete" and [(o.type, o.status) for o in r.output] == [
+        ("function_call", "incomplete")
+    ]

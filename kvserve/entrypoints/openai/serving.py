@@ -556,7 +556,7 @@ class OpenAIServing:
         a request in the legacy `functions` form gets its call back as `function_call`."""
         if mode == "none":
             return {"role": "assistant", "content": text}, finish
-        content, calls = parse_calls(text, mode, _named(req), _declared(req))
+        content, calls = parse_calls(text, mode, _named(req), _declared(req), cut=finish == "length")
         calls = calls if req.parallel_tool_calls else calls[:1]
         if not calls:
             return {"role": "assistant", "content": content}, finish
@@ -603,7 +603,7 @@ class OpenAIServing:
                 ts = tool_streams.setdefault(
                     index, ToolCallStream(mode, _named(req), req.parallel_tool_calls, _declared(req))
                 )
-                content, calls = ts.feed(c.delta_text, out.finished)
+                content, calls = ts.feed(c.delta_text, out.finished, cut=finish == "length")
                 delta = {"content": content} if content else {}
                 if calls and legacy:  # one call, as `function_call` deltas
                     first_call = [call["function"] for call in calls if call.get("index", 0) == 0]

@@ -18,6 +18,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
+_NAME = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
 _TAG_OPEN, _TAG_CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 
@@ -33,14 +34,15 @@ def new_call_id() -> str:
 
 
 def parse_calls(
-    text: str, mode: str, named: str | None = None, declared: Collection[str] = ()
+    text: str, mode: str, named: str | None = None, declared: Collection[str] = (), cut: bool = False
 ) -> tuple[str | None, list[ParsedCall]]:
-    """(content, calls) for this mode's output so far; `declared`: the request's tool names."""
+    """(content, calls) for this mode's output so far; `declared`: the request's tool names;
+    `cut`: max_tokens ended the text (finish_reason "length")."""
     if mode == "named":
         return None, [ParsedCall(named or "", text)]
     if mode == "required":
         return None, _parse_array(text)
-    return _parse_auto(text, declared)
+    return _parse_auto(text, declared, cut)
 
 
 def _parse_array(text: str) -> list[ParsedCall]:
@@ -102,23 +104,52 @@ def _calls_from_json(obj, declared: Collection[str]) -> list[ParsedCall]:
     return calls
 
 
-def _parse_auto(text: str, declared: Collection[str]) -> tuple[str | None, list[ParsedCall]]:
-    """Calls and the text around them; any block that is not a call leaves all as content."""
+def _parse_auto(
+    text: str, declared: Collection[str], cut: bool = False
+) -> tuple[str | None, list[ParsedCall]]:
+    """Calls and the text around them; any block that is not a call leaves all as content.
+    When `cut`, an unclosed last block is the call max_tokens interrupted, as forced modes and
+    OpenAI return it: its arguments so far when its declared name was written, else left out
+    (its markup was sent as content: '<tool_call>\\n{"name": "get_')."""
     if _TAG_OPEN in text:
-        bodies = [m.group(1) for m in _BLOCK.finditer(text)]
+        blocks = list(_BLOCK.finditer(text))
+        bodies = [m.group(1) for m in blocks]
         content = _BLOCK.sub("", text).strip() or None
+        open_last = cut and bool(blocks) and not blocks[-1].group(0).endswith(_TAG_CLOSE)
     else:
-        bodies, content = [text.strip()], None  # a bare JSON call, as Llama 3 writes it
+        bodies, content, open_last = [text.strip()], None, False  # a bare JSON call, as Llama 3 writes it
     calls = []
-    for body in bodies:
+    for k, body in enumerate(bodies):
         try:
             found = _calls_from_json(json.loads(body), declared)
         except ValueError:
             found = []
+            if open_last and k == len(bodies) - 1:
+                interrupted = _interrupted_call(body, declared)
+                if interrupted is not False:
+                    calls += [interrupted] if interrupted else []
+                    continue
         if not found:
             return text.strip(), []
         calls += found
     return content, calls
+
+
+def _interrupted_call(body: str, declared: Collection[str]) -> ParsedCall | None | bool:
+    """The call a cut block was writing: its arguments so far (None: cut before they began);
+    False when it names an undeclared tool (then the text is no call, as whole blocks)."""
+    named = _NAME.match(body)
+    try:
+        name = json.loads(f'"{named.group(1)}"') if named else None
+    except ValueError:  # an escape JSON has not ("\\x"): no name written
+        name = None
+    if name is not None and name not in declared:
+        return False
+    head = _HEAD.match(body)
+    if name is None or head is None:
+        return None
+    end = json_value_end(body, head.end())
+    return ParsedCall(name, body[head.end() : end or len(body)])
 
 
 def auto_hold_from(text: str) -> int:
@@ -146,20 +177,20 @@ class ToolCallStream:
         self.ids: list[str] = []
         self.args_sent: list[int] = []
 
-    def feed(self, delta_text: str, finished: bool) -> tuple[str, list[dict]]:
-        """(content delta, tool-call deltas) after this piece of text."""
+    def feed(self, delta_text: str, finished: bool, cut: bool = False) -> tuple[str, list[dict]]:
+        """(content delta, tool-call deltas) after this piece of text; `cut`: max_tokens ended it."""
         self.text += delta_text
         if self.mode == "auto":
-            return self._feed_auto(finished)
+            return self._feed_auto(finished, cut)
         _, calls = parse_calls(self.text, self.mode, self.named)
         return "", self._deltas(calls)
 
-    def _feed_auto(self, finished: bool) -> tuple[str, list[dict]]:
+    def _feed_auto(self, finished: bool, cut: bool = False) -> tuple[str, list[dict]]:
         """Text before anything that may become a call goes out as it comes, less the
         whitespace at its ends (trimmed from the final content if nothing else follows);
         the rest waits for the finished text, parsed as `parse_calls` parses it."""
         if finished:
-            content, calls = _parse_auto(self.text, self.declared)
+            content, calls = _parse_auto(self.text, self.declared, cut)
             deltas = self._deltas(calls if self.parallel else calls[:1])
         else:
             content, deltas = self.text[: auto_hold_from(self.text)].strip(), []
