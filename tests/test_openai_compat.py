@@ -740,3 +740,12 @@ def test_a_tool_call_cut_by_max_tokens_is_a_partial_call_not_markup(client):
     assert r.status == "incomplete" and [(o.type, o.status) for o in r.output] == [
         ("function_call", "incomplete")
     ]
+
+
+@pytest.mark.parametrize("part", [{"type": "input_text"}, {"type": "input_text", "text": 5}])
+def test_a_responses_text_part_without_text_is_refused(server, part):
+    """A part without its text was read as an empty one (200): OpenAI's 400, and chat's."""
+    body = {"input": [{"role": "user", "content": [part]}], "max_output_tokens": 2}
+    r = post(server, "/v1/responses", body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text
+    assert "input_text part that needs text" in r.json()["error"]["message"], r.text

@@ -169,9 +169,10 @@ def _text_of(content: Any, where: str) -> str:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in ("input_text", "output_text", "text"):
             raise ValueError(f"input: content part type {kind!r} is not supported (text only)")
-        if not isinstance(part.get("text", ""), str):
-            raise ValueError(f"input: {where} has a text part whose text is not a string")
-        texts.append(part.get("text", ""))
+        if not isinstance(part.get("text"), str):  # a missing text was read as "", unsaid (chat refuses it)
+            got = "missing" if "text" not in part else type(part["text"]).__name__
+            raise ValueError(f"input: {where} has a {kind} part that needs text, a string (got {got})")
+        texts.append(part["text"])
     return "\n".join(texts)
 
 
