@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import gzip
 import json
 import time
 
@@ -749,3 +750,16 @@ def test_a_responses_text_part_without_text_is_refused(server, part):
     r = post(server, "/v1/responses", body)
     assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text
     assert "input_text part that needs text" in r.json()["error"]["message"], r.text
+
+
+def test_a_compressed_body_is_refused_saying_so(server):
+    """A gzip body (Content-Encoding: gzip) was answered 400 "not valid JSON (not UTF-8: byte
+    0x8b at offset 1)"; the server does not decode it, and now says that, with a 415."""
+    body = gzip.compress(json.dumps({"prompt": "Hi", "max_tokens": 1}).encode())
+    headers = {**server.headers, "content-type": "application/json", "content-encoding": "gzip"}
+    r = httpx.post(f"{server.url}/v1/completions", content=body, headers=headers, timeout=60)
+    assert r.status_code == 415 and "Content-Encoding: gzip" in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["code"] == "unsupported_content_encoding"
+    plain = {**headers, "content-encoding": "identity"}
+    ok = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, headers=plain)
+    assert ok.status_code == 200, ok.text

@@ -137,6 +137,12 @@ def build_app(engine: AsyncLLM | DPClient, cfg: ServerConfig, store: ResponseSto
             )
             resp.headers["Retry-After"] = "5"
             return resp
+        encoding = headers.get("content-encoding", "identity").strip().lower()
+        if encoding not in ("", "identity"):  # its bytes were reported as "not UTF-8: byte 0x8b ..."
+            return error_response(
+                415, f"the body is compressed (Content-Encoding: {encoding}), which this server does not "
+                "decode; send it uncompressed", code="unsupported_content_encoding",
+            )  # fmt: skip
         return None
 
     app.add_middleware(HeadAsGet)  # innermost: the gate and the request log see HEAD
