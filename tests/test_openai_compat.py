@@ -763,3 +763,14 @@ def test_a_compressed_body_is_refused_saying_so(server):
     plain = {**headers, "content-encoding": "identity"}
     ok = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, headers=plain)
     assert ok.status_code == 200, ok.text
+
+
+@pytest.mark.parametrize("item", ["hi", 5, ["hi"]])
+def test_a_responses_input_item_that_is_no_object_is_named(server, item):
+    """A list holding a string was refused as "input: Input should be a valid string", which
+    a list's sender cannot act on; the error names the item."""
+    r = post(
+        server, "/v1/responses", {"input": [{"role": "user", "content": "a"}, item], "max_output_tokens": 2}
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text
+    assert r.json()["error"]["message"] == "input: item 1 must be an object", r.text

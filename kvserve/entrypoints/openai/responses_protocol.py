@@ -121,7 +121,9 @@ class ResponsesRequest(OpenAIBody):
     model: str | None = None
     # OpenAI's is optional (a stored prompt can stand for it); this server needs it (to_chat), but
     # refuses the prompt first, saying so, rather than reporting input missing
-    input: str | list[dict[str, Any]] | None = None
+    # items are checked one by one (input_messages): typed as objects here, a list holding a
+    # string was refused as "input: Input should be a valid string", naming no item
+    input: str | list[Any] | None = None
     instructions: str | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: ResponsesToolChoice | None = None
@@ -176,7 +178,7 @@ def _text_of(content: Any, where: str) -> str:
     return "\n".join(texts)
 
 
-def input_messages(items: str | list[dict[str, Any]], history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def input_messages(items: str | list[Any], history: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Response input items -> chat messages (function calls and their outputs included). A
     function_call_output answers a function_call before it, in `items` or the previous
     response's `history` (OpenAI's rule, checked here to name the item)."""
