@@ -9,9 +9,8 @@ class Logprob(float):
     """One token's logprob as vLLM's `Logprob` (`.logprob`, `.rank`, `.decoded_token`), and still
     the float it was before, so both `lp[tok].logprob` and `lp[tok] + x` read it. The offline
     `LLM` returns these; the engine and the server keep plain floats (msgspec encodes no float
-    subclass). `rank` is 1-based among the whole vocabulary: the sampled token's always (the
-    sampler counts it), an alternative's within the top ones asked for; None for a prompt token
-    outside them (prompt logprobs carry no count)."""
+    subclass). `rank` is 1-based among the whole vocabulary: the sampled or prompt token's always
+    (the engine counts it), an alternative's within the top ones asked for."""
 
     logprob: float
     rank: int | None
@@ -116,6 +115,10 @@ class RequestOutput:
     """Embedding requests (SamplingParams.pooling): the pooled final hidden state."""
     kv_transfer_params: dict | None = None
     """A prefill engine's answer to do_remote_decode: where a decode engine finds the KV."""
+    prompt_logprob_ranks: list[int | None] | None = None
+    """As prompt_logprobs: each prompt token's rank in the whole vocabulary, 1 + the tokens with
+    a higher logprob (vLLM's `Logprob.rank`), which the top-k entry cannot tell for a token
+    outside it."""
 
 
 @dataclass

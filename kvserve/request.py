@@ -89,6 +89,8 @@ class Request:
         self.prompt_logprobs: list[dict[int, float] | None] = (
             [None] if params.prompt_logprobs is not None else []
         )
+        # Each prompt token's rank in the vocabulary, as prompt_logprobs (None for the first).
+        self.prompt_logprob_ranks: list[int | None] = [None] if params.prompt_logprobs is not None else []
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None

@@ -275,7 +275,7 @@ def test_logprobs_are_vllm_logprob_objects(llm):
     pairs = list(zip(full.prompt_logprobs[1:], some.prompt_logprobs[1:], [1] * 99)) + list(
         zip(full.outputs[0].logprobs, c.logprobs, [2] * 99)
     )
-    sampled_at = [()] * len(some.prompt_logprobs[1:]) + [(t,) for t in c.token_ids]
+    sampled_at = [(t,) for t in some.prompt_token_ids[1:]] + [(t,) for t in c.token_ids]  # rank known
     for (whole, entry, k), sampled in zip(pairs, sampled_at):
         for t, lp in entry.items():
             assert lp.logprob == float(lp) and type(lp.logprob) is float
@@ -318,6 +318,31 @@ def test_sampled_token_rank_is_its_vocabulary_rank(tiny_llama_dir, spec):
     assert max(ranks) > 1  # tokens below the argmax were drawn: the case that was None
     if spec:
         assert llm.llm_engine.core.scheduler.spec_stats.num_drafts > 0
+
+
+def _reference_prompt_ranks(ref, prompt_ids: list[int], eps: float = 1e-4) -> list[range]:
+    """Each prompt token's possible ranks (from the second on) from transformers' full log_softmax."""
+    import torch
+
+    with torch.no_grad():
+        rows = ref(torch.tensor([prompt_ids])).logits[0].float().log_softmax(-1)[:-1]
+    return [
+        range(1 + int((row > row[t] + eps).sum()), 1 + int((row > row[t] - eps).sum()))
+        for row, t in zip(rows, prompt_ids[1:])
+    ]
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_prompt_token_rank_is_its_vocabulary_rank(llm, tiny_llama_dir, k):
+    """vLLM gives every prompt token its rank in the vocabulary; ours was None for a prompt
+    token outside the top-k asked for (always, with prompt_logprobs=0, unless it was the
+    argmax). Checked against transformers' full-vocabulary log_softmax."""
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=k)
+    out = llm.generate("The quick brown fox jumps over the lazy dog.", params, use_tqdm=False)[0]
+    expected = _reference_prompt_ranks(load_reference(tiny_llama_dir), out.prompt_token_ids)
+    ranks = [lp[t].rank for t, lp in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:])]
+    assert all(r in want for r, want in zip(ranks, expected)), list(zip(ranks, expected))
+    assert max(ranks) > k + 1  # tokens outside the top-k: the case that was None
 
 
 @pytest.mark.parametrize(

@@ -328,6 +328,30 @@ def test_http_greedy_equals_offline(server, client, tiny_llama_dir):
     assert online == offline
 
 
+def test_prompt_logprobs_rank_every_prompt_token(server, tiny_llama_dir):
+    """vLLM's prompt_logprobs give the prompt token's rank in the vocabulary; ours was None
+    for one outside the top ones asked for (always, with prompt_logprobs=0, unless the argmax)."""
+    import torch
+    from conftest import load_reference
+
+    body = {"model": "tiny", "prompt": "The quick brown fox jumps over the lazy dog.", "max_tokens": 1,
+            "temperature": 0, "prompt_logprobs": 0}  # fmt: skip
+    r = httpx.post(f"{server.url}/v1/completions", json=body, headers=server.headers, timeout=60)
+    plp = r.json()["choices"][0]["prompt_logprobs"]
+    ids = [int(next(iter(e))) for e in plp[1:]]
+    first = httpx.post(f"{server.url}/tokenize", json={"prompt": body["prompt"]}, headers=server.headers)
+    ids = [first.json()["tokens"][0], *ids]
+    with torch.no_grad():
+        rows = load_reference(tiny_llama_dir)(torch.tensor([ids])).logits[0].log_softmax(-1)[:-1]
+    ranks = [e[str(t)]["rank"] for e, t in zip(plp[1:], ids[1:])]
+    want = [
+        range(1 + int((w > w[t] + 1e-4).sum()), 1 + int((w > w[t] - 1e-4).sum()))
+        for w, t in zip(rows, ids[1:])
+    ]
+    assert all(r in w for r, w in zip(ranks, want)), list(zip(ranks, want))
+    assert max(ranks) > 1
+
+
 async def test_64_concurrent_streams(server, aclient):
     async def one(i):
         stream = await aclient.completions.create(

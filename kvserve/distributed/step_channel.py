@@ -40,6 +40,7 @@ class WireOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     prompt_logprobs: dict[str, list[dict[int, float] | None]] = {}
     pooled: dict[str, list[float]] = {}
     sampled: dict[str, int] = {}
+    prompt_logprob_ranks: dict[str, list[int]] = {}
 
 
 _step_encoder = msgspec.msgpack.Encoder()
@@ -60,8 +61,11 @@ def encode_output(out: RunnerOutput) -> bytes:
     rows = 0 if out.logits is None else out.logits.shape[0]
     pooled = {rid: v.tolist() for rid, v in out.pooled.items()}
     return _step_encoder.encode(
-        WireOutput(out.sample_req_ids, out.verify, logits, rows, out.prompt_logprobs, pooled, out.sampled)
-    )
+        WireOutput(
+            out.sample_req_ids, out.verify, logits, rows, out.prompt_logprobs, pooled, out.sampled,
+            out.prompt_logprob_ranks,
+        )
+    )  # fmt: skip
 
 
 def decode_output(data: bytes) -> RunnerOutput:
@@ -73,7 +77,9 @@ def decode_output(data: bytes) -> RunnerOutput:
         )
     pooled = {rid: torch.tensor(v) for rid, v in w.pooled.items()}
     verify = [tuple(v) for v in w.verify]
-    return RunnerOutput(w.sample_req_ids, verify, logits, w.prompt_logprobs, pooled, w.sampled)
+    return RunnerOutput(
+        w.sample_req_ids, verify, logits, w.prompt_logprobs, pooled, w.sampled, w.prompt_logprob_ranks
+    )
 
 
 def ipc_dir() -> str:

@@ -432,13 +432,14 @@ class EngineCore:
         """Hand a step's results to the scheduler (of `stream` under pipeline parallelism) and
         append the outputs."""
         for req, _ in sched.scheduled:
-            entries = prompt_logprobs.get(req.request_id)
+            entries, ranks = prompt_logprobs.get(req.request_id, ((), ()))
             if entries:
                 # After a preemption the prompt is recomputed in chunks that need not line
                 # up with the first attempt's: keep only positions not recorded yet.
                 skip = (len(req.prompt_logprobs) - 1) - req.num_computed_tokens
                 if 0 <= skip < len(entries):
                     req.prompt_logprobs.extend(entries[skip:])
+                    req.prompt_logprob_ranks.extend(ranks[skip:])
         self.beams.collect(sampled)  # beam candidates, not tokens: the groups choose
         self.samples.fork_followers(sched, sampled)
         if stream is None:
@@ -538,6 +539,7 @@ class EngineCore:
             out.num_cached_tokens = req.num_cached_tokens
             if req.params.prompt_logprobs is not None:
                 out.prompt_logprobs = req.prompt_logprobs
+                out.prompt_logprob_ranks = req.prompt_logprob_ranks
         if req.is_finished:
             out.kv_transfer_params = req.kv_transfer_out
             out.finish_reason = req.finish_reason

@@ -41,6 +41,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     kv_transfer_params: dict | None = None  # a producer's answer: where a decode engine finds the KV
     cumulative_logprob: float | None = None  # a beam search result's summed logprobs (no per-token ones)
     stopped_on_token: bool = False  # ended by its last token (EOS or a stop token id): its text is left out
+    prompt_logprob_ranks: list[int | None] | None = None  # as prompt_logprobs: each prompt token's rank
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, tag=True):

@@ -28,6 +28,7 @@ class RequestState:
         self.cumulative_logprob = 0.0  # of the sampled tokens, kept as they come (not re-summed per step)
         self.beam_cum_logprob: float | None = None  # a beam search result's, from the engine
         self.prompt_logprobs = None
+        self.prompt_logprob_ranks: list[int | None] | None = None
         self.num_cached_tokens = 0
         self.metrics = RequestMetrics(req.arrival_time)
         self.finish_reason: str | None = None
@@ -62,6 +63,7 @@ class RequestState:
         return RequestOutput(
             self.request_id, self.prompt, self.prompt_token_ids, [completion], finished, self.metrics,
             self.prompt_logprobs, self.num_cached_tokens, self.embedding, self.kv_transfer_params,
+            self.prompt_logprob_ranks,
         )  # fmt: skip
 
 
@@ -87,6 +89,7 @@ class OutputProcessor:
             if out.first_token_time is not None:
                 m.first_scheduled_time, m.first_token_time = out.first_scheduled_time, out.first_token_time
                 st.prompt_logprobs = out.prompt_logprobs
+                st.prompt_logprob_ranks = out.prompt_logprob_ranks
                 st.num_cached_tokens = out.num_cached_tokens
             if out.embedding is not None:
                 st.embedding = out.embedding

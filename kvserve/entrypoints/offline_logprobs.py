@@ -24,9 +24,11 @@ def to_vllm_logprobs(
             texts[token] = tokenizer.decode([token], skip_special_tokens=False)
         return texts[token]
 
-    for entry in out.prompt_logprobs or ():
+    prompt_ranks = out.prompt_logprob_ranks or []
+    for j, entry in enumerate(out.prompt_logprobs or ()):
         if entry is not None:
-            _convert(entry, prompt_top_k or 0, text)
+            own = (out.prompt_token_ids[j], prompt_ranks[j]) if j < len(prompt_ranks) else None
+            _convert(entry, prompt_top_k or 0, text, own)
     for completion in out.outputs:
         ranks = completion.logprob_ranks or []
         for i, entry in enumerate(completion.logprobs or ()):
@@ -38,7 +40,7 @@ def _convert(entry: dict[int, float], k: int, text, sampled: tuple[int, int | No
     """A token's rank is 1 + the tokens with a higher logprob. The entry holds the k best, so
     when fewer than k of its tokens beat one, every token beating it is here and the rank is
     exact; otherwise tokens outside the entry may beat it too, and it is None, except for the
-    sampled token, whose rank the sampler counted over the whole vocabulary (`sampled`)."""
+    sampled (or prompt) token, whose rank the engine counted over the whole vocabulary (`sampled`)."""
     values = sorted(entry.values(), reverse=True)
     for token, value in entry.items():
         if isinstance(value, Logprob):

@@ -12,7 +12,9 @@ from kvserve.executor.step_builder import StepBuilder
 from kvserve.model.layers.sampler import SampleResult
 from kvserve.worker.step_input import RunnerOutput, StepInput
 
-StepResult = tuple[dict[str, SampleResult], dict[str, list[dict[int, float] | None]], dict[str, list[float]]]
+# A request's prompt logprobs computed in a step: the entries, and each prompt token's rank.
+PromptLogprobs = tuple[list[dict[int, float] | None], list[int]]
+StepResult = tuple[dict[str, SampleResult], dict[str, PromptLogprobs], dict[str, list[float]]]
 
 
 class Executor:
@@ -59,7 +61,9 @@ class Executor:
         self.run_s += time.perf_counter() - t0
         self.num_steps += 1
         sampled = self.driver_sampler.sample(out, {r.request_id: r for r, _ in sched.scheduled})
-        return sampled, out.prompt_logprobs, {rid: v.tolist() for rid, v in out.pooled.items()}
+        ranks = out.prompt_logprob_ranks
+        prompt_lp = {rid: (entries, ranks.get(rid, [])) for rid, entries in out.prompt_logprobs.items()}
+        return sampled, prompt_lp, {rid: v.tolist() for rid, v in out.pooled.items()}
 
     def _send(self, step: StepInput) -> None:
         raise NotImplementedError

@@ -288,9 +288,9 @@ class ModelRunner:
             if vector is not None:
                 out.pooled[r.req_id] = vector
         for r, o, c in prompt_lp:
-            entries = self._prompt_logprobs(r, hidden, o, c)
-            if entries is not None:
-                out.prompt_logprobs[r.req_id] = entries
+            found = self._prompt_logprobs(r, hidden, o, c)
+            if found is not None:
+                out.prompt_logprobs[r.req_id], out.prompt_logprob_ranks[r.req_id] = found
         return out if self.is_output_rank else None
 
     def _fuses_logits(self) -> bool:
@@ -373,16 +373,20 @@ class ModelRunner:
 
     def _prompt_logprobs(
         self, req: CachedRequestState, hidden: torch.Tensor, offset: int, count: int
-    ) -> list[dict[int, float] | None] | None:
-        """Logprob of each next prompt token (plus top-k) for `count` positions of this chunk
-        (None on tensor-parallel ranks other than 0, which only take part in the gather)."""
+    ) -> tuple[list[dict[int, float] | None], list[int]] | None:
+        """Logprob of each next prompt token (plus top-k) for `count` positions of this chunk,
+        and each token's rank in the vocabulary (vLLM's: 1 + the tokens above it, which the
+        top-k cannot tell for a token outside it); None on tensor-parallel ranks other than 0,
+        which only take part in the gather."""
         logits = self._logits(self.model, hidden, list(range(offset, offset + count)))
         if logits is None:
             return None
         logprobs = logits.cpu().log_softmax(-1)
         start = req.num_computed_tokens
         targets = torch.tensor(req.all_token_ids[start + 1 : start + 1 + count])
-        chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+        chosen_t = logprobs.gather(1, targets.unsqueeze(1))
+        ranks = ((logprobs > chosen_t).sum(1) + 1).tolist()
+        chosen = chosen_t.squeeze(1).tolist()
         k = req.prompt_logprobs or 0
         top = logprobs.topk(k, dim=-1) if k else None
         entries = []
@@ -392,4 +396,4 @@ class ModelRunner:
                 for t, v in zip(top.indices[j].tolist(), top.values[j].tolist()):
                     entry.setdefault(t, v)
             entries.append(entry)
-        return entries
+        return entries, ranks

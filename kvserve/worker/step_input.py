@@ -71,3 +71,5 @@ class RunnerOutput:
     prompt_logprobs: dict[str, list[dict[int, float] | None]] = field(default_factory=dict)
     pooled: dict[str, torch.Tensor] = field(default_factory=dict)  # embedding requests whose prompt is done
     sampled: dict[str, int] = field(default_factory=dict)  # token ids sampled on the device
+    # As prompt_logprobs: each prompt token's rank in the vocabulary.
+    prompt_logprob_ranks: dict[str, list[int]] = field(default_factory=dict)

@@ -395,14 +395,18 @@ class OpenAIServing:
 
     def _prompt_logprobs(self, out: RequestOutput, top: int) -> list[dict | None]:
         """vLLM's prompt_logprobs: per prompt token (None for the first) the logprob, rank and
-        text of the actual token and of the top alternatives, keyed by token id."""
+        text of the actual token and of the top alternatives, keyed by token id. The actual
+        token's rank is the engine's count over the vocabulary (it was None outside the top)."""
         result: list[dict | None] = []
-        for entry in out.prompt_logprobs or []:
+        own_ranks = out.prompt_logprob_ranks or []
+        for j, entry in enumerate(out.prompt_logprobs or []):
             if entry is None:
                 result.append(None)
                 continue
             ranked = sorted(entry.items(), key=lambda kv: -kv[1])
             rank = {t: i + 1 for i, (t, _) in enumerate(ranked[:top])}
+            if j < len(own_ranks) and own_ranks[j] is not None:
+                rank[out.prompt_token_ids[j]] = own_ranks[j]
             result.append(
                 {str(t): {"logprob": lp, "rank": rank.get(t), "decoded_token": self._token_text(t)}
                  for t, lp in entry.items()}
