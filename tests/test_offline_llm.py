@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -159,6 +160,27 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(llm):
     assert cut.outputs[0].token_ids == alone.outputs[0].token_ids
     whole = llm.generate(ids, SamplingParams(**_GREEDY_KW, truncate_prompt_tokens=-1), use_tqdm=False)[0]
     assert whole.prompt_token_ids == ids
+
+
+def test_truncate_prompt_tokens_to_the_whole_context_generates(llm, tiny_llama_dir):
+    """vLLM keeps the last max_model_len tokens for -1 and generates up to the context's end (one
+    token after a whole context, finish_reason "length"); ours refused the prompt it had just cut
+    ("leave no room to generate"), and a cut prompt with max_tokens past the context too."""
+    import torch
+
+    ids = [5 + i % 400 for i in range(300)]
+    params = SamplingParams(temperature=0, max_tokens=6, truncate_prompt_tokens=-1)
+    out = llm.generate(ids, params, use_tqdm=False)[0]
+    assert out.prompt_token_ids == ids[-256:]
+    c = out.outputs[0]
+    with torch.no_grad():
+        want = int(load_reference(tiny_llama_dir)(torch.tensor([ids[-256:]])).logits[0, -1].argmax())
+    assert (c.token_ids, c.finish_reason) == ([want], "length")
+    near = llm.generate(ids, replace(params, truncate_prompt_tokens=250), use_tqdm=False)[0].outputs[0]
+    assert (len(near.token_ids), near.finish_reason) == (6, "length")
+    cut = llm.generate(ids, replace(params, truncate_prompt_tokens=253), use_tqdm=False)[0].outputs[0]
+    assert (len(cut.token_ids), cut.finish_reason) == (3, "length")  # to the context's end
+    assert_idle(llm)
 
 
 @pytest.mark.parametrize("keep", [0, -2, 257, 2.5])

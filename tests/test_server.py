@@ -352,6 +352,32 @@ def test_prompt_logprobs_rank_every_prompt_token(server, tiny_llama_dir):
     assert max(ranks) > 1
 
 
+def test_truncate_prompt_tokens(server):
+    """vLLM's truncate_prompt_tokens (completions, chat, embeddings) was a 400 "Extra inputs are
+    not permitted". It keeps the prompt's last k tokens (-1: max_model_len) and, as the offline
+    LLM, generates up to the context's end; text of any length is cut, not refused."""
+
+    def post(path: str, body: dict) -> httpx.Response:
+        return httpx.post(f"{server.url}/v1/{path}", json={"model": "tiny", **body}, headers=server.headers,
+                          timeout=60)  # fmt: skip
+
+    ids = [5 + i % 400 for i in range(300)]
+    r = post("completions", {"prompt": ids, "max_tokens": 6, "temperature": 0, "truncate_prompt_tokens": -1})
+    c = r.json()
+    assert (c["usage"]["prompt_tokens"], c["usage"]["completion_tokens"]) == (256, 1), c
+    assert c["choices"][0]["finish_reason"] == "length"
+    long_text = "The quick brown fox jumps over the lazy dog. " * 80  # past what 256 tokens can hold
+    chat = {"messages": [{"role": "user", "content": long_text}], "max_tokens": 3, "temperature": 0}
+    assert post("chat/completions", chat).json()["error"]["code"] == "context_length_exceeded"
+    r = post("chat/completions", {**chat, "truncate_prompt_tokens": 20})
+    assert r.json()["usage"]["prompt_tokens"] == 20, r.text
+    e = post("embeddings", {"input": [ids, ids[-3:]], "truncate_prompt_tokens": 3}).json()
+    assert e["usage"]["prompt_tokens"] == 6 and e["data"][0]["embedding"] == e["data"][1]["embedding"]
+    for bad in (0, -2, 257):
+        err = post("completions", {"prompt": "a", "truncate_prompt_tokens": bad}).json()["error"]
+        assert err["param"] == "truncate_prompt_tokens", err
+
+
 async def test_64_concurrent_streams(server, aclient):
     async def one(i):
         stream = await aclient.completions.create(

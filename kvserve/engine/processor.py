@@ -147,20 +147,24 @@ class InputProcessor:
         n = len(ids)
         if n == 0:
             raise ValueError("prompt: must not be empty")
+        # A prompt cut to fit (vLLM's truncate_prompt_tokens) generates as vLLM's does: up to the
+        # context's end, one token after a whole context (its KV is never written).
+        cap = max(lim.max_model_len - n, 1) if params.truncate_prompt_tokens and not params.pooling else None
         if params.pooling is not None:  # an embedding: no token is generated, so the whole context fits
             if n > lim.max_model_len:
                 raise ContextLengthError("prompt", lim.max_model_len, f"the input has {n} tokens")
-        elif n >= lim.max_model_len:
+        elif n >= lim.max_model_len and cap is None:
             raise ContextLengthError(
                 "prompt", lim.max_model_len, f"the prompt's {n} tokens leave no room to generate"
             )
         pool_tokens = lim.num_blocks * lim.block_size
         # Unset max_tokens: up to max_model_len, but never more than the whole KV pool holds.
-        default = min(lim.max_model_len - n, pool_tokens + 1 - n)
+        default = min(cap or lim.max_model_len - n, pool_tokens + 1 - n)
         max_tokens = params.max_tokens if params.max_tokens is not None else default
+        max_tokens = max_tokens if cap is None else min(max_tokens, cap)
         if max_tokens < 1:
             raise ValueError(f"prompt: {n} tokens do not fit the KV pool ({pool_tokens} tokens)")
-        if n + max_tokens > lim.max_model_len and params.pooling is None:
+        if n + max_tokens > lim.max_model_len and params.pooling is None and cap is None:
             raise ContextLengthError(
                 "max_tokens", lim.max_model_len,
                 f"the prompt ({n} tokens) + max_tokens ({max_tokens}) exceed it",

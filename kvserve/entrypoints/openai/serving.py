@@ -173,13 +173,18 @@ class OpenAIServing:
         prefill = continues_final_message(req)
         if prefill:
             template_kwargs["continue_final_message"] = True
+        cut = getattr(req, "truncate_prompt_tokens", None) is not None  # any length fits once cut
         return await self.chat_prompt_ids(
-            messages, req.add_generation_prompt and not prefill, {**extra, **template_kwargs}
+            messages, req.add_generation_prompt and not prefill, {**extra, **template_kwargs}, cut
         )
 
-    async def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool, template_kwargs: dict):
-        """The chat template applied and tokenized, off the event loop."""
-        self._check_chars("messages", sum(len(m.get("content") or "") for m in messages))
+    async def chat_prompt_ids(
+        self, messages: list[dict], add_generation_prompt: bool, template_kwargs: dict, cut: bool = False
+    ):
+        """The chat template applied and tokenized, off the event loop; `cut` (truncate_prompt_tokens
+        set): no length is refused before tokenizing."""
+        if not cut:
+            self._check_chars("messages", sum(len(m.get("content") or "") for m in messages))
 
         def render() -> list[int]:
             try:
@@ -192,7 +197,8 @@ class OpenAIServing:
                 raise ValueError(f"messages: the chat template rejected them: {e}") from None
             # the contents fit, but their template's markup may not: 340,000 one-letter messages
             # render 10 MB, seconds of a core to tokenize into a certain context_length_exceeded
-            self._check_chars("messages", len(text))
+            if not cut:
+                self._check_chars("messages", len(text))
             return self._encode("messages", text, False)
 
         return await self._off_loop(render)
