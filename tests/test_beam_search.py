@@ -247,6 +247,20 @@ def test_http_completions_and_chat(llm, tiny_llama_dir, reference, tmp_path):
         r = httpx.post(f"{s.url}/v1/chat/completions", json=chat, headers=headers, timeout=60)
         assert r.status_code == 200, r.text
         assert len(r.json()["choices"]) == 3
+        # Past the KV pool, the refusal names the length field the client sent; one it did not send
+        # ("max_tokens=236" read as the client's value) is said as unset.
+        wide = {"messages": hello, "n": 100, "use_beam_search": True}
+        for extra, words in (
+            ({}, "beams of up to "),
+            ({"max_completion_tokens": 200}, "max_completion_tokens=200"),
+        ):
+            r = httpx.post(
+                f"{s.url}/v1/chat/completions", json={**wide, **extra}, headers=headers, timeout=60
+            )
+            err = r.json()["error"]
+            assert err["param"] == "n" and words in err["message"] and "max_tokens=" not in err["message"], (
+                err
+            )
 
         r = httpx.post(f"{s.url}/v1/completions", json={**body, "stream": True}, headers=headers, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == "stream"

@@ -180,9 +180,13 @@ class InputProcessor:
             per_beam = -(-(n % lim.block_size + max_tokens - 1) // lim.block_size)
             need = n // lim.block_size + params.n * per_beam
             if need > lim.num_blocks:
+                # An unset max_tokens is not the client's: name the length it came to, not the field.
+                length = f"max_tokens={max_tokens}"
+                if params.max_tokens is None:
+                    length = f"up to {max_tokens} tokens (max_tokens unset: the rest of the context)"
                 raise ValueError(
-                    f"n: {params.n} beams of max_tokens={max_tokens} need up to {need} KV blocks but the "
-                    f"pool has only {lim.num_blocks}"
+                    f"n: {params.n} beams of {length} need up to {need} KV blocks but the pool has only "
+                    f"{lim.num_blocks}"
                 )
         elif params.n != 1:
             raise ValueError("n: the engine takes one sequence per request; callers fan n out")
