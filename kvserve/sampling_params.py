@@ -111,7 +111,8 @@ class SamplingParams:
     """Beam search: True, False or "never", as transformers (docs/BEAM_SEARCH.md)."""
     truncate_prompt_tokens: int | None = None
     """Keep only the prompt's last k tokens (left truncation), as vLLM's; -1: the last
-    max_model_len tokens."""
+    max_model_len tokens. A cut prompt generates up to the context's end, as vLLM's LLM (one
+    token after a whole context)."""
     kv_transfer_params: dict | None = None
     """Prefill/decode disaggregation (kvserve/kv_transfer/params.py): keep this prompt's KV for
     a decode engine, or take it from the prefill engine named here."""
@@ -119,6 +120,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         # Not a dataclass field, so it is not serialized; rebuilt wherever params are made.
         self.stop_list = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        self.structured_outputs = _constraint(self.structured_outputs)
         self._check_types()
         if self.top_k == -1:
             self.top_k = 0
@@ -285,6 +287,22 @@ def _is_int(value) -> bool:
 
 def _is_finite(value) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _constraint(given: object) -> StructuredOutputsParams | None:
+    """structured_outputs as StructuredOutputsParams: a dict of its fields ({"json": schema}, the
+    server's body shape) is taken as one; it and any other type failed inside generate with
+    "'dict' object has no attribute 'json'"."""
+    if given is None or isinstance(given, StructuredOutputsParams):
+        return given
+    if not isinstance(given, dict):
+        raise ValueError(f"structured_outputs: expected StructuredOutputsParams, got {type(given).__name__}")
+    try:
+        return StructuredOutputsParams(**given)
+    except TypeError:
+        known = ", ".join(StructuredOutputsParams.__dataclass_fields__)
+        unknown = sorted(set(given) - set(StructuredOutputsParams.__dataclass_fields__))
+        raise ValueError(f"structured_outputs: unknown key(s) {unknown} (known: {known})") from None
 
 
 def _check(ok: bool, name: str, why: str) -> None:

@@ -342,6 +342,18 @@ def test_sampled_token_rank_is_its_vocabulary_rank(tiny_llama_dir, spec):
         assert llm.llm_engine.core.scheduler.spec_stats.num_drafts > 0
 
 
+def test_structured_outputs_given_as_a_dict(llm):
+    """SamplingParams(structured_outputs={"choice": [...]}) (the server's body shape) failed inside
+    generate with "'dict' object has no attribute 'json'"; it is taken as StructuredOutputsParams,
+    and a value of another type or an unknown key is a ValueError naming the field."""
+    params = SamplingParams(temperature=0, max_tokens=8, structured_outputs={"choice": ["yes", "no"]})
+    assert llm.generate("a paged cache", params, use_tqdm=False)[0].outputs[0].text in ("yes", "no")
+    for bad in ("yes|no", {"choices": ["yes"]}):
+        with pytest.raises(ValueError, match="^structured_outputs: "):
+            SamplingParams(structured_outputs=bad)
+    assert_idle(llm)
+
+
 def _reference_prompt_ranks(ref, prompt_ids: list[int], eps: float = 1e-4) -> list[range]:
     """Each prompt token's possible ranks (from the second on) from transformers' full log_softmax."""
     import torch
