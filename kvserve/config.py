@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -132,6 +133,16 @@ class EngineConfig:
         default="fcfs",
         metadata={"help": "fcfs, or priority (a request's lower `priority` runs sooner; ties by arrival)."},
     )
+    generation_config: str = field(
+        default="auto",
+        metadata={
+            "help": (
+                "Sampling defaults, as vLLM's: auto (the model's generation_config.json: temperature, "
+                "top_p, top_k, min_p, repetition_penalty, max_new_tokens for a request that leaves "
+                "them unset), vllm (neutral defaults), or a directory holding a generation_config.json."
+            )
+        },
+    )
     speculative_method: str | None = field(
         default=None,
         metadata={
@@ -226,6 +237,11 @@ class EngineConfig:
         check_kv_cache_dtype(self.kv_cache_dtype)
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy: {self.scheduling_policy!r} is not one of fcfs, priority")
+        gen = self.generation_config
+        if gen not in ("auto", "vllm") and not os.path.isfile(os.path.join(gen, "generation_config.json")):
+            raise ValueError(
+                f"generation_config: {gen!r} is not auto, vllm or a directory holding generation_config.json"
+            )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.speculative_method not in (None, "ngram", "draft"):

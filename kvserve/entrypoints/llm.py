@@ -18,6 +18,7 @@ from kvserve.entrypoints.llm_options import engine_options
 from kvserve.entrypoints.offline_beams import as_beam_search_output, beam_error
 from kvserve.entrypoints.offline_logprobs import to_vllm_logprobs
 from kvserve.entrypoints.openai.limits import sample_seed
+from kvserve.generation_defaults import generation_defaults
 from kvserve.outputs import (
     BeamSearchOutput,
     EmbeddingOutput,
@@ -112,6 +113,12 @@ class LLM:
         self.llm_engine = LLMEngine(EngineConfig(model=model, **engine_options(model, engine_kwargs)))
         self.tokenizer = self.llm_engine.tokenizer
         self._ids = itertools.count()
+        config = self.llm_engine.config
+        self._defaults = generation_defaults(self.llm_engine.core.source, config.generation_config)
+        try:
+            SamplingParams(**self._defaults)
+        except ValueError as e:
+            raise ValueError(f"generation_config: the model's generation_config.json: {e}") from None
 
     def get_tokenizer(self) -> Any:
         """The model's Hugging Face tokenizer, as vLLM's `LLM.get_tokenizer()` (scripts call its
@@ -120,9 +127,10 @@ class LLM:
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` samples with when given no SamplingParams (a new object to edit), as
-        vLLM's; it was missing (an AttributeError in vLLM's own examples). Unlike vLLM's, a
-        model's generation_config.json does not change it (nor the server's defaults)."""
-        return SamplingParams()
+        vLLM's: the model's generation_config.json values (temperature, top_p, top_k, min_p,
+        repetition_penalty, max_new_tokens as max_tokens) over SamplingParams()'s, unless
+        LLM(generation_config="vllm"); they were ignored (kvserve/generation_defaults.py)."""
+        return SamplingParams(**self._defaults)
 
     def generate(
         self,

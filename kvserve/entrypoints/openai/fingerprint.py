@@ -12,7 +12,7 @@ from kvserve import __version__
 
 SETTINGS = (
     "dtype", "device", "quantization", "kv_cache_dtype", "speculative_method", "speculative_model",
-    "num_speculative_tokens", "tensor_parallel_size", "pipeline_parallel_size",
+    "num_speculative_tokens", "tensor_parallel_size", "pipeline_parallel_size", "generation_config",
 )  # fmt: skip
 
 

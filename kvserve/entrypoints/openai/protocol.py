@@ -49,8 +49,8 @@ class OpenAIBody(BaseModel):
         return data
 
 
-# What an unset temperature / top_p samples with (OpenAI's defaults; a model's generation_config
-# does not change them here): the Responses API echoes these as the values used.
+# What an unset temperature / top_p samples with when the model's generation_config.json sets
+# none (OpenAI's defaults): the Responses API echoes the value used.
 DEFAULT_TEMPERATURE = 1.0
 DEFAULT_TOP_P = 1.0
 
@@ -198,8 +198,16 @@ class SamplingFields(OpenAIBody):
         return checked(StructuredOutputsParams(json=rf.json_schema.schema_), "response_format")
 
     def sampling_params(
-        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+        defaults: dict[str, Any] | None = None,
     ):
+        """The engine's params; a field the request leaves unset takes `defaults`' value (the
+        model's generation_config.json: kvserve/generation_defaults.py), else OpenAI's. Beam
+        search takes none of them (a default repetition_penalty would refuse it)."""
+        d = {} if defaults is None or self.use_beam_search else defaults
         if self.stream_options is not None and not self.stream:  # as OpenAI and vLLM answer it
             raise ValueError("stream_options: only allowed when stream is true")
         bias = None
@@ -211,15 +219,19 @@ class SamplingFields(OpenAIBody):
             bias = {int(k): v for k, v in self.logit_bias.items()}
         return SamplingParams(
             n=self.n if self.use_beam_search else 1,  # beam search: each of the n requests is n wide
-            temperature=DEFAULT_TEMPERATURE if self.temperature is None else self.temperature,
-            top_p=DEFAULT_TOP_P if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0,
-            repetition_penalty=self.repetition_penalty or 1.0,
+            temperature=d.get("temperature", DEFAULT_TEMPERATURE)
+            if self.temperature is None
+            else self.temperature,
+            top_p=d.get("top_p", DEFAULT_TOP_P) if self.top_p is None else self.top_p,
+            top_k=d.get("top_k", 0) if self.top_k is None else self.top_k,
+            min_p=d.get("min_p", 0.0) if self.min_p is None else self.min_p,
+            repetition_penalty=d.get("repetition_penalty", 1.0)
+            if self.repetition_penalty is None
+            else self.repetition_penalty,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             seed=self.seed,
-            max_tokens=max_tokens,
+            max_tokens=d.get("max_tokens") if max_tokens is None else max_tokens,
             min_tokens=self.min_tokens,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,

@@ -144,12 +144,14 @@ class ResponsesServing:
         self.store = store
 
     def _skeleton(self, req: ResponsesRequest, rid: str, model: str) -> dict[str, Any]:
+        defaults = self.serving.sampling_defaults
         return {
             "id": rid, "object": "response", "created_at": int(time.time()), "status": "in_progress",
             "model": model, "output": [], "instructions": req.instructions,
             "max_output_tokens": req.max_output_tokens,
-            "temperature": used(req.temperature, DEFAULT_TEMPERATURE),
-            "top_p": used(req.top_p, DEFAULT_TOP_P),
+            # the values sampled with: an unset one is the model's default (generation_config.json)
+            "temperature": used(req.temperature, defaults.get("temperature", DEFAULT_TEMPERATURE)),
+            "top_p": used(req.top_p, defaults.get("top_p", DEFAULT_TOP_P)),
             "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
             # null failed the SDK's Response type, which requires it: OpenAI's default, "auto"
             "tool_choice": req.tool_choice if isinstance(req.tool_choice, str)

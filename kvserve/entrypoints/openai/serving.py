@@ -50,6 +50,7 @@ from kvserve.entrypoints.openai.stall import StallWatch
 from kvserve.entrypoints.openai.tool_parser import ToolCallStream, new_call_id, parse_calls
 from kvserve.entrypoints.openai.tools import call_constraint, conversation, tool_mode
 from kvserve.entrypoints.sse_json import sse_json
+from kvserve.generation_defaults import generation_defaults
 from kvserve.model.loader import load_arch
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -91,6 +92,8 @@ class OpenAIServing:
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvserve-tokenize")
         self.max_prompt_chars = engine.limits.max_model_len * self.tokenizer.max_token_chars
         self.fingerprint = system_fingerprint(engine.config, engine.source)
+        # The model's generation_config.json sampling values, for fields a request leaves unset
+        self.sampling_defaults = generation_defaults(engine.source, engine.config.generation_config)
 
     @functools.cached_property
     def embedding_width(self) -> int:
@@ -552,11 +555,10 @@ class OpenAIServing:
             run.body["prompt_logprobs"] = self._prompt_logprobs(finals[0], req.prompt_logprobs)
         return run
 
-    @staticmethod
-    def _chat_params(req: ChatCompletionRequest, mode: str, max_tokens: int | None, top: int | None):
+    def _chat_params(self, req: ChatCompletionRequest, mode: str, max_tokens: int | None, top: int | None):
         """The engine params, run on the serving pool: a schema, regex or grammar (the client's or
         the forced tool call's) is parsed and checked here, seconds for a large one."""
-        params = req.sampling_params(max_tokens, top, req.prompt_logprobs)
+        params = req.sampling_params(max_tokens, top, req.prompt_logprobs, self.sampling_defaults)
         forced = call_constraint(req, mode)
         return params if forced is None else replace(params, structured_outputs=forced)
 
@@ -692,7 +694,9 @@ class OpenAIServing:
         prompt_lp = max((k for k in wanted if k is not None), default=None)
         engine_max = engine_max_tokens(max_tokens, req.echo)  # 0: the prompt alone (echo_only.py)
         # off the loop: a schema, regex or grammar is parsed and checked (seconds for a large one)
-        params = await self._off_loop(req.sampling_params, engine_max, req.logprobs, prompt_lp)
+        params = await self._off_loop(
+            req.sampling_params, engine_max, req.logprobs, prompt_lp, self.sampling_defaults
+        )
         launched = await self._launch("cmpl", req, prompts, params, raw)
         if max_tokens == 0:
             launched.gen = prompt_only(launched.gen)
