@@ -138,6 +138,23 @@ class EmbeddingRequestOutput:
 
 
 @dataclass
+class PoolingOutput:
+    data: object
+    """The pooled vector as a torch tensor (vLLM's `outputs.data`): for the "embed" task, the
+    L2-normalized embedding LLM.embed returns."""
+
+
+@dataclass
+class PoolingRequestOutput:
+    """What `LLM.encode` returns per prompt, shaped as vLLM's (`out.outputs.data`)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: PoolingOutput
+    finished: bool = True
+
+
+@dataclass
 class BeamSearchSequence:
     """One of `LLM.beam_search`'s best sequences, as vLLM's: `tokens` and `text` hold the prompt
     too; `logprobs` is empty (beam search returns none per token), `cum_logprob` their sum."""

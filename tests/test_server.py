@@ -352,6 +352,33 @@ def test_prompt_logprobs_rank_every_prompt_token(server, tiny_llama_dir):
     assert max(ranks) > 1
 
 
+def test_offline_embed_and_encode_equal_the_servers_embeddings(server, tiny_llama_dir):
+    """LLM.embed's vector is the server's /v1/embeddings vector for the same input; vLLM's
+    LLM.encode (missing: an AttributeError) gives it as a tensor, and embed took neither vLLM's
+    lora_request nor pooling_params (a TypeError): None is accepted, another value named."""
+    import torch
+
+    llm = LLM(tiny_llama_dir, kv_cache_memory="4MiB", max_model_len=256)
+    inputs = ["The quick brown fox", [5, 17, 42]]
+    for pooling in ("last", "mean"):
+        offline = llm.embed(inputs, use_tqdm=False, pooling=pooling, lora_request=None, pooling_params=None)
+        for got, one in zip(offline, inputs):  # a text and an id list: one body each, as OpenAI's
+            body = {"model": "tiny", "input": one, "pooling": pooling}
+            r = httpx.post(f"{server.url}/v1/embeddings", json=body, headers=server.headers, timeout=60)
+            assert got.outputs.embedding == pytest.approx(r.json()["data"][0]["embedding"], abs=1e-6)
+    encoded = llm.encode(inputs, use_tqdm=False, pooling_task="embed")
+    for e, o in zip(encoded, llm.embed(inputs, use_tqdm=False)):
+        assert isinstance(e.outputs.data, torch.Tensor) and e.prompt_token_ids == o.prompt_token_ids
+        assert e.outputs.data.tolist() == pytest.approx(o.outputs.embedding)
+    for field, value in (
+        ("pooling_task", "classify"),
+        ("lora_request", object()),
+        ("pooling_params", object()),
+    ):
+        with pytest.raises(ValueError, match=f"^{field}: "):
+            llm.encode("a", use_tqdm=False, **{field: value})
+
+
 def test_truncate_prompt_tokens(server):
     """vLLM's truncate_prompt_tokens (completions, chat, embeddings) was a 400 "Extra inputs are
     not permitted". It keeps the prompt's last k tokens (-1: max_model_len) and, as the offline

@@ -23,6 +23,8 @@ from kvserve.outputs import (
     BeamSearchOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
     RequestMetrics,
     RequestOutput,
 )
@@ -256,9 +258,19 @@ class LLM:
         use_tqdm: bool | Callable[..., tqdm] = True,
         pooling: str = "last",
         truncate_prompt_tokens: int | None = None,
+        *,
+        pooling_params: None = None,
+        lora_request: None = None,
     ) -> list[EmbeddingRequestOutput]:
         """One L2-normalized embedding per prompt ("last" or "mean" of the final hidden states),
-        as vLLM's LLM.embed and the server's /v1/embeddings; it was missing (an AttributeError)."""
+        as vLLM's LLM.embed and the server's /v1/embeddings; it was missing (an AttributeError).
+        vLLM's `pooling_params` and `lora_request` were a TypeError: None is taken, another value
+        refused naming it (no PoolingParams here: `pooling` and `truncate_prompt_tokens` are)."""
+        _no_lora(lora_request)
+        if pooling_params is not None:
+            raise ValueError(
+                "pooling_params: not supported; pass pooling= (last, mean) and truncate_prompt_tokens="
+            )
         params = SamplingParams(max_tokens=1, pooling=pooling, truncate_prompt_tokens=truncate_prompt_tokens)
         outputs = []
         for i, out in enumerate(self.generate(prompts, params, use_tqdm=use_tqdm)):
@@ -272,6 +284,35 @@ class LLM:
                 )
             )
         return outputs
+
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool | Callable[..., tqdm] = True,
+        lora_request: None = None,
+        pooling_task: str | None = "embed",
+    ) -> list[PoolingRequestOutput]:
+        """vLLM's LLM.encode for the one pooling task there is, "embed": `embed`'s vectors as torch
+        tensors in `outputs.data` (it was missing: an AttributeError); another task is refused."""
+        if pooling_task not in (None, "embed"):
+            raise ValueError(
+                f"pooling_task: {pooling_task!r} is not supported; only embed (this is a causal LM)"
+            )
+        import torch  # loaded with the engine already
+
+        out = self.embed(
+            prompts, use_tqdm, truncate_prompt_tokens=truncate_prompt_tokens,
+            pooling_params=pooling_params, lora_request=lora_request,
+        )  # fmt: skip
+        return [
+            PoolingRequestOutput(
+                o.request_id, o.prompt_token_ids, PoolingOutput(torch.tensor(o.outputs.embedding))
+            )
+            for o in out
+        ]
 
     def chat(
         self,
