@@ -53,6 +53,31 @@ def test_chat_template_and_kwargs(llm):
     assert out.prompt == "now: Hello"
 
 
+def test_chat_tool_call_arguments_reach_the_template_as_objects(llm):
+    """OpenAI's assistant tool_calls carry `arguments` as a JSON string; vLLM's LLM.chat (and our
+    server) hands the template an object, ours handed the string, so `arguments | tojson` rendered
+    it quoted and escaped twice. Empty arguments are {}; invalid JSON is refused naming the call."""
+    template = (
+        "{% for m in messages %}{{ m.role }}:{% for t in m.tool_calls or [] %}"
+        "[{{ t.function.name }} {{ t.function.arguments | tojson }}]{% endfor %};{% endfor %}"
+    )
+    calls = [
+        {"id": "a", "type": "function", "function": {"name": "get", "arguments": '{"city": "Paris"}'}},
+        {"id": "b", "type": "function", "function": {"name": "now", "arguments": ""}},
+    ]
+    conversation = HELLO + [{"role": "assistant", "content": None, "tool_calls": calls}]
+    kw = dict(use_tqdm=False, chat_template=template, add_generation_prompt=False)
+    out = llm.chat(conversation, GREEDY, **kw)[0]
+    assert out.prompt == 'user:;assistant:[get {"city": "Paris"}][now {}];'
+    assert calls[0]["function"]["arguments"] == '{"city": "Paris"}'  # the caller's messages untouched
+    calls[0]["function"]["arguments"] = "{city"
+    with pytest.raises(
+        ValueError, match=r"^messages\[1\]\.tool_calls\[0\]\.function\.arguments: not valid JSON"
+    ):
+        llm.chat(conversation, GREEDY, **kw)
+    assert_idle(llm)
+
+
 def test_chat_continue_final_message(llm):
     """The reply extends the assistant's last message: no end of turn, no new generation prompt."""
     conversation = HELLO + [{"role": "assistant", "content": "Sure, the"}]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from kvserve.entrypoints.openai.message_rules import READABLE
@@ -30,7 +31,8 @@ def render_chat(
             f"chat_template_content_format: must be auto, string or openai, got {content_format!r}"
         )
     conversation = [
-        _flattened(m, i, keep_parts=content_format == "openai") for i, m in enumerate(conversation)
+        _with_call_objects(_flattened(m, i, keep_parts=content_format == "openai"), i)
+        for i, m in enumerate(conversation)
     ]
     extra = dict(chat_template_kwargs or {})
     reserved = sorted(template_call_parameters() & extra.keys())
@@ -70,3 +72,27 @@ def _flattened(message: dict[str, Any], i: int, keep_parts: bool = False) -> dic
     if keep_parts:  # vLLM's "openai" format: the template iterates over the (text) parts
         return message
     return {**message, "content": "\n".join(texts)}
+
+
+def _with_call_objects(message: dict[str, Any], i: int) -> dict[str, Any]:
+    """An assistant message whose tool calls' `arguments` are OpenAI's JSON strings, with them as
+    objects (none or "" as {}), as vLLM's LLM.chat and the server hand them to the template:
+    templates write `arguments | tojson`, which rendered the string quoted and escaped again."""
+    calls = message.get("tool_calls") if isinstance(message, dict) else None
+    if message.get("role") != "assistant" or not isinstance(calls, list):
+        return message
+    parsed = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or isinstance(function.get("arguments"), dict | list):
+            parsed.append(call)
+            continue
+        try:
+            arguments = json.loads(function["arguments"]) if function.get("arguments") else {}
+        except (TypeError, ValueError):
+            shown = repr(function["arguments"])[:80]
+            raise ValueError(
+                f"messages[{i}].tool_calls[{j}].function.arguments: not valid JSON: {shown}"
+            ) from None
+        parsed.append({**call, "function": {**function, "arguments": arguments}})
+    return {**message, "tool_calls": parsed}
