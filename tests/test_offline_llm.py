@@ -530,5 +530,23 @@ def test_vllms_llm_options(tiny_llama_dir):
     ]:
         with pytest.raises(ValueError, match=words):
             LLM(tiny_llama_dir, **kw)
-    with pytest.raises(TypeError, match="no_such_option"):  # neither kvserve's nor vLLM's
-        LLM(tiny_llama_dir, no_such_option=1)
+    with pytest.raises(TypeError, match="^LLM.. got an unexpected keyword argument 'no_such_option'"):
+        LLM(tiny_llama_dir, no_such_option=1)  # neither kvserve's nor vLLM's
+
+
+def test_more_vllm_llm_options(tiny_llama_dir):
+    """enable_chunked_prefill=True, load_format="auto", download_dir, max_logprobs,
+    compilation_config, max_seq_len_to_capture (common in vLLM scripts) were a TypeError naming
+    EngineConfig; those that change nothing here are taken, a value kvserve cannot honour named."""
+    llm = LLM(
+        tiny_llama_dir, kv_cache_memory="4MiB", max_model_len=64, enable_chunked_prefill=True,
+        load_format="auto", download_dir="/tmp", max_logprobs=20, compilation_config=3,
+        max_seq_len_to_capture=8192,
+    )  # fmt: skip
+    assert llm.generate("a", GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    for kw, words in [
+        (dict(enable_chunked_prefill=False), "^enable_chunked_prefill: False is not supported; prompts are"),
+        (dict(load_format="pt"), "^load_format: 'pt' is not supported"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            LLM(tiny_llama_dir, **kw)

@@ -5,9 +5,13 @@ is refused naming the option."""
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any
 
+from kvserve.config import EngineConfig
+
 _ANY = object()
+_ENGINE_FIELDS = {f.name for f in fields(EngineConfig)}
 
 # option -> (values accepted and dropped, why another is refused)
 VLLM_LLM_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
@@ -18,6 +22,13 @@ VLLM_LLM_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
     "disable_log_stats": ((_ANY,), ""),  # the offline engine logs no stats
     "revision": ((None,), "a model revision is not supported; pass the downloaded directory"),
     "tokenizer_revision": ((None,), "a tokenizer revision is not supported"),
+    # kvserve always splits long prompts into chunks under max_num_batched_tokens
+    "enable_chunked_prefill": ((None, True), "prompts are always prefilled in chunks"),
+    "load_format": ((None, "auto", "safetensors", "gguf"), "weights load from safetensors or GGUF files"),
+    "download_dir": ((_ANY,), ""),  # nothing is downloaded: the model is a local directory or file
+    "max_logprobs": ((_ANY,), ""),  # offline, logprobs go up to the vocabulary size
+    "compilation_config": ((_ANY,), ""),  # no torch.compile here
+    "max_seq_len_to_capture": ((_ANY,), ""),  # CUDA graphs are sized by the engine itself
 }
 
 
@@ -32,6 +43,11 @@ def engine_options(model: str, given: dict[str, Any]) -> dict[str, Any]:
                 raise ValueError("tokenizer: only the model's own tokenizer is supported (leave it unset)")
             continue
         if name not in VLLM_LLM_ONLY:
+            if name not in _ENGINE_FIELDS:  # was EngineConfig's TypeError, naming no LLM option
+                raise TypeError(
+                    f"LLM() got an unexpected keyword argument {name!r}: neither an EngineConfig field "
+                    "nor a vLLM option kvserve takes"
+                )
             kept[name] = value
             continue
         accepted, why = VLLM_LLM_ONLY[name]
