@@ -178,20 +178,28 @@ class SamplingParams:
     def _check_types(self) -> None:
         """Counts and token ids are integers and weights finite numbers: a float top_k or a
         string logit_bias key would otherwise fail inside the engine's step (an "engine failed"
-        error), and an infinite temperature or a NaN bias silently sample garbage."""
+        error), and an infinite temperature or a NaN bias silently sample garbage. Each is kept
+        as Python's int or float: numpy's (seed=np.int64(3)) overflowed int64 arithmetic in the
+        n samples' seeds (an OverflowError from generate) and does not encode for the core."""
         for name in ("n", "top_k", "min_tokens", "max_tokens", "seed", "logprobs", "prompt_logprobs",
                      "truncate_prompt_tokens"):  # fmt: skip
             value = getattr(self, name)
             _check(value is None or _is_int(value), name, f"must be an integer, got {value!r}")
+            setattr(self, name, None if value is None else int(value))
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                      "frequency_penalty", "length_penalty"):  # fmt: skip
             value = getattr(self, name)
             _check(_is_finite(value), name, f"must be a finite number, got {value!r}")
+            setattr(self, name, float(value))
         for tok, bias in (self.logit_bias or {}).items():
             _check(_is_int(tok), "logit_bias", f"keys must be integer token ids, got {tok!r}")
             _check(_is_finite(bias), "logit_bias", f"values must be finite numbers, got {bias!r}")
         for tok in self.stop_token_ids or ():
             _check(_is_int(tok), "stop_token_ids", f"must be integer token ids, got {tok!r}")
+        if self.logit_bias:
+            self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
+        if self.stop_token_ids:
+            self.stop_token_ids = [int(t) for t in self.stop_token_ids]
 
     def _check_beam_search(self) -> None:
         """What beam search cannot honour is refused, naming the field."""

@@ -367,6 +367,22 @@ def test_sampled_token_rank_is_its_vocabulary_rank(tiny_llama_dir, spec):
         assert llm.llm_engine.core.scheduler.spec_stats.num_drafts > 0
 
 
+def test_numpy_numbers_in_sampling_params(llm):
+    """seed=np.int64(3) (a seed drawn with numpy, a value read from an array) failed generate with
+    "OverflowError: Python int too large to convert to C long" in the samples' seed arithmetic;
+    numpy values are kept as Python's, and sample exactly as those."""
+    kw = dict(temperature=np.float32(0.8), max_tokens=np.int64(4), n=np.int64(2), top_k=np.int32(50))
+    got = llm.generate("a paged cache", SamplingParams(**kw, seed=np.int64(3)), use_tqdm=False)[0]
+    plain = dict(temperature=float(np.float32(0.8)), max_tokens=4, n=2, top_k=50, seed=3)
+    want = llm.generate("a paged cache", SamplingParams(**plain), use_tqdm=False)[0]
+    assert [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs]
+    p = SamplingParams(
+        seed=np.int64(2**63 - 1), stop_token_ids=[np.int64(7)], logit_bias={np.int64(5): np.float64(1)}
+    )
+    assert type(p.seed) is int and type(p.stop_token_ids[0]) is int and type(next(iter(p.logit_bias))) is int
+    assert_idle(llm)
+
+
 def test_structured_outputs_given_as_a_dict(llm):
     """SamplingParams(structured_outputs={"choice": [...]}) (the server's body shape) failed inside
     generate with "'dict' object has no attribute 'json'"; it is taken as StructuredOutputsParams,
