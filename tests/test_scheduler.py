@@ -138,6 +138,10 @@ def test_preempted_requests_keep_first_prompt_logprobs(tiny_llama_dir):
     for r, o in zip(ref, outs):
         assert len(o.prompt_logprobs) == len(o.prompt_token_ids)
         assert o.prompt_logprobs[0] is None
+        # each prompt token's rank travels beside its entry: recorded once, in step with it
+        assert o.prompt_logprob_ranks == r.prompt_logprob_ranks and len(o.prompt_logprob_ranks) == len(
+            o.prompt_token_ids
+        )
         for a, b in zip(r.prompt_logprobs[1:], o.prompt_logprobs[1:]):
             assert a.keys() == b.keys()
             assert all(abs(a[t] - b[t]) < 1e-4 for t in a)
