@@ -78,6 +78,21 @@ def test_tp2_greedy_equals_tp1_and_reference(fixture, request):
             assert_greedy_match(ref, p, base[i], got, f"{label} vs TP=1, prompt {i}")
 
 
+def test_tp2_prompt_logprob_ranks_cross_the_step_channel(tiny_llama_dir):
+    """Each prompt token's vocabulary rank travels from rank 0 to the engine beside its logprob
+    entry (the step channel's wire format): under TP=2 the ranks equal TP=1's."""
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    prompt = _prompts(500, [40])[0]
+    kw = dict(kv_cache_memory="1MiB", max_num_batched_tokens=16, max_model_len=128)  # in chunks
+    want = LLM(tiny_llama_dir, **kw).generate([prompt], params, use_tqdm=False)[0]
+    tp2 = LLM(tiny_llama_dir, tensor_parallel_size=2, **kw)
+    try:
+        got = tp2.generate([prompt], params, use_tqdm=False)[0]
+    finally:
+        _shutdown(tp2)
+    assert got.prompt_logprob_ranks == want.prompt_logprob_ranks and max(want.prompt_logprob_ranks[1:]) > 1
+
+
 def test_tp2_with_int8_weights_int8_kv_and_ngram_speculation(tiny_llama_dir):
     """Quantized shards are the rows / columns of the single-process codes, so TP=2 equals
     TP=1 under the same quantization; n-gram drafts are verified through rank 0's logits."""
