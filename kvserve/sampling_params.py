@@ -91,9 +91,9 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
-    """Return the chosen token's logprob and this many top alternatives."""
+    """Return the chosen token's logprob and this many top alternatives (-1: the whole vocabulary)."""
     prompt_logprobs: int | None = None
-    """Return logprobs of every prompt token (and this many alternatives)."""
+    """Return logprobs of every prompt token (and this many alternatives; -1: the whole vocabulary)."""
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
@@ -153,11 +153,16 @@ class SamplingParams:
             "min_tokens",
             f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}",
         )
-        _check(self.logprobs is None or self.logprobs >= 0, "logprobs", f"must be >= 0, got {self.logprobs}")
+        # -1, as vLLM's: every token of the vocabulary (the engine's processor resolves it)
         _check(
-            self.prompt_logprobs is None or self.prompt_logprobs >= 0,
+            self.logprobs is None or self.logprobs >= -1,
+            "logprobs",
+            f"must be -1 or >= 0, got {self.logprobs}",
+        )
+        _check(
+            self.prompt_logprobs is None or self.prompt_logprobs >= -1,
             "prompt_logprobs",
-            f"must be >= 0, got {self.prompt_logprobs}",
+            f"must be -1 or >= 0, got {self.prompt_logprobs}",
         )
         _check(
             self.truncate_prompt_tokens is None

@@ -68,7 +68,7 @@ BAD_REQUESTS = {
     "repetition_penalty=0": (lambda e: SamplingParams(repetition_penalty=0), r"repetition_penalty"),
     "frequency_penalty=3": (lambda e: SamplingParams(frequency_penalty=3), r"frequency_penalty"),
     "empty-stop-string": (lambda e: SamplingParams(stop=["ok", ""]), r"stop"),
-    "logprobs=-1": (lambda e: SamplingParams(logprobs=-1), r"logprobs"),
+    "logprobs=-2": (lambda e: SamplingParams(logprobs=-2), r"logprobs"),  # -1: the vocabulary, as vLLM
     "length_penalty-overflows": (
         lambda e: SamplingParams(n=2, use_beam_search=True, length_penalty=1e308),
         r"length_penalty",

@@ -334,6 +334,31 @@ def test_logprobs_are_vllm_logprob_objects(llm):
     assert "Logprob(logprob=" in repr(c.logprobs[0])
 
 
+def test_logprobs_minus_one_is_the_whole_vocabulary(llm):
+    """vLLM's logprobs=-1 / prompt_logprobs=-1 return every token's logprob; ours refused -1
+    ("must be >= 0"). Each entry now holds the whole vocabulary (512 here), ranked, as asking
+    for the vocabulary size does."""
+    kw = dict(temperature=1.0, seed=5, max_tokens=3, ignore_eos=True)
+    every = llm.generate(
+        "a paged cache", SamplingParams(**kw, logprobs=-1, prompt_logprobs=-1), use_tqdm=False
+    )[0]
+    sized = llm.generate(
+        "a paged cache", SamplingParams(**kw, logprobs=512, prompt_logprobs=512), use_tqdm=False
+    )[0]
+    assert every.outputs[0].token_ids == sized.outputs[0].token_ids
+    entries = every.prompt_logprobs[1:] + every.outputs[0].logprobs
+    assert entries == sized.prompt_logprobs[1:] + sized.outputs[0].logprobs
+    ranks = [{t: lp.rank for t, lp in e.items()} for e in entries]
+    assert ranks == [
+        {t: lp.rank for t, lp in e.items()} for e in sized.prompt_logprobs[1:] + sized.outputs[0].logprobs
+    ]
+    assert all(len(e) == 512 and None not in {lp.rank for lp in e.values()} for e in entries)
+    for bad in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(ValueError, match=f"^{bad}: must be -1 or >= 0"):
+            SamplingParams(**{bad: -2})
+    assert_idle(llm)
+
+
 def _reference_ranks(ref, prompt_ids: list[int], token_ids: list[int], eps: float = 1e-4) -> list[range]:
     """Each sampled token's possible ranks from transformers' full-vocabulary log_softmax: 1 +
     the tokens above it, a token within eps of it counted either way (fp32 noise)."""

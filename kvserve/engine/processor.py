@@ -9,7 +9,7 @@ from __future__ import annotations
 import numbers
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvserve.engine.messages import EngineCoreRequest
 from kvserve.kv_transfer.config import KVTransferConfig
@@ -143,6 +143,12 @@ class InputProcessor:
         group_id: str | None,
     ) -> EngineCoreRequest:
         lim = self.limits
+        if -1 in (params.logprobs, params.prompt_logprobs):  # vLLM's -1: every token of the vocabulary
+            params = replace(
+                params,
+                logprobs=lim.vocab_size if params.logprobs == -1 else params.logprobs,
+                prompt_logprobs=lim.vocab_size if params.prompt_logprobs == -1 else params.prompt_logprobs,
+            )
         ids = self.truncate(self.tokenize(prompt), params.truncate_prompt_tokens)
         n = len(ids)
         if n == 0:

@@ -219,7 +219,9 @@ class LLM:
                 completions.append(c)
             out = replace(first, outputs=completions, metrics=_group_metrics([final[r].metrics for r in ids]))
             if p.logprobs is not None or p.prompt_logprobs is not None:
-                to_vllm_logprobs(out, p.logprobs, p.prompt_logprobs, self.tokenizer)
+                vocab = self.llm_engine.processor.limits.vocab_size  # -1 asked for all of it
+                top, prompt_top = (vocab if k == -1 else k for k in (p.logprobs, p.prompt_logprobs))
+                to_vllm_logprobs(out, top, prompt_top, self.tokenizer)
             results.append(out)
         return results
 
