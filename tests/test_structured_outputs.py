@@ -522,7 +522,8 @@ FORMATS = {
              ("::ffff:01.2.3.4", False), ("1:2:3:4::5:6:7:8", False), ("12345::", False),
              ("::1%eth0", False)],
     "hostname": [("a-b.example.com", True), ("a" * 63 + ".com", True), ("a" * 64 + ".com", False),
-                 ("-a.com", False)],
+                 ("-a.com", False), (".".join(["a" * 63] * 3 + ["b" * 31, "c" * 7]), True),
+                 ("a." * 30 + "a", True), (".".join(["a" * 50] * 5), False)],
 }  # fmt: skip
 
 
@@ -539,6 +540,41 @@ def test_a_date_or_address_format_is_exact(tiny_llm, fmt):
     answers = [json.dumps({"v": value}) for value, _ in FORMATS[fmt]]
     found = _answers_each(tiny_llm.llm_engine, key, answers)
     assert found == [valid for _, valid in FORMATS[fmt]], list(zip(answers, found))
+
+
+def test_a_hostname_is_never_written_past_253_characters():
+    """format: hostname bounded each label at 63 characters but not the name at 253, so a long
+    name of valid labels was answered (an exact grammar of both took minutes to compile). Walks
+    through the compiled grammar, byte by byte, each as long as the grammar lets it run, all end
+    in a host name RFC 1123 takes: labels of 63 characters at most, 253 in all."""
+    import random
+
+    import xgrammar as xgr
+
+    from kvserve.structured.exact_formats import EXACT
+    from kvserve.structured.hostname import hostname_grammar
+
+    vocab = [bytes([b]) for b in range(256)] + [b"</s>"]
+    info = xgr.TokenizerInfo(vocab, vocab_type=xgr.VocabType.RAW, stop_token_ids=[256])
+    compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    compiled = compiler.compile_grammar('root ::= "\\"" host "\\""\n' + hostname_grammar("host"))
+    bitmask = xgr.allocate_token_bitmask(1, 257)
+    rng, names = random.Random(0), []
+    for walk in range(40):
+        matcher, text = xgr.GrammarMatcher(compiled), b""
+        while not matcher.is_terminated():
+            matcher.fill_next_token_bitmask(bitmask)
+            words = bitmask[0].tolist()
+            allowed = [t for t in range(257) if words[t // 32] >> (t % 32) & 1]
+            dots = [t for t in allowed if t == ord(".")]  # half the walks take every dot they may
+            go_on = [t for t in allowed if t not in (ord('"'), 256)] or allowed
+            token = dots[0] if dots and walk % 2 else rng.choice(go_on)
+            assert matcher.accept_token(token)
+            text += vocab[token] if token != 256 else b""
+        names.append(json.loads(text))
+    assert max(map(len, names)) > 200  # the walks reach the bound
+    for name in names:
+        assert re.fullmatch(EXACT["hostname"], name) and len(name) <= 253, name
 
 
 INTEGERS = [

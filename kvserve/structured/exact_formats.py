@@ -6,9 +6,8 @@ bounds the day by month and year); `date-time` shares that date and took only an
 `T` and `Z`, which RFC 3339 allows in lower case too; `ipv4` took an octet's leading zeros
 (`01.2.3.4`), which RFC 2673's dotted-decimal form, and JSON Schema's format tests, refuse, and
 so did `ipv6`'s embedded IPv4 address, whose other forms it partly refused (`1::2:3.4.5.6`);
-`hostname` took labels past 63 characters (RFC 1123). A host name's 253-character total is
-not enforced: a grammar counting it beside each label's length needs a state per (length so far,
-label length so far), some 30,000; the README says so.
+`hostname` took labels past 63 characters (RFC 1123) and names of any length: its pattern here is
+what the 400 check reads, while the compile writes hostname.py's grammar, which bounds the name too.
 Each is swapped for a pattern that says exactly what the format does (a string schema only:
 a format beside a pattern or a length bound is refused in schema_support.py).
 """
@@ -17,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvserve.structured.hostname import PATTERN as HOSTNAME
 from kvserve.structured.schema_walk import rebuilt_children
 
 _DAY_31 = "(0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])"
@@ -45,15 +45,13 @@ def _ipv6() -> str:
     return "(" + "|".join(forms) + ")"
 
 
-# RFC 1123 host names: labels of 1-63 letters, digits and hyphens, no hyphen at either end.
-_LABEL = "[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 EXACT = {
     "date": f"^{DATE}$",
     "date-time": f"^{DATE}[Tt]{TIME}$",
     "time": f"^{TIME}$",
     "ipv4": f"^{IPV4}$",
     "ipv6": f"^{_ipv6()}$",
-    "hostname": f"^{_LABEL}(\\.{_LABEL})*$",
+    "hostname": HOSTNAME,
 }
 
 

@@ -20,6 +20,8 @@ import re
 from typing import Any
 
 from kvserve.structured.exact_formats import exact_formats
+from kvserve.structured.hostname import PATTERN as HOSTNAME
+from kvserve.structured.hostname import hostname_grammar
 from kvserve.structured.integer_bounds import whole_integers
 from kvserve.structured.json_patterns import pattern_grammar
 from kvserve.structured.listed_spacing import swap_listed, with_listed
@@ -94,7 +96,9 @@ def _with_patterns(text: str, patterns: list[str]) -> str:
         if len(rule.findall(text)) != text.count(_placeholder(i)):
             raise ValueError(f"pattern {i} is not where it was expected")
         prefix = _unused(f"{_PATTERN_RULE}{i}", text)
-        text = rule.sub(rf"\1 ::= {prefix}", text) + "\n" + pattern_grammar(pattern, prefix) + "\n"
+        # format: hostname's pattern (exact_formats.py) is written with the name's length bounded too
+        grammar = hostname_grammar(prefix) if pattern == HOSTNAME else pattern_grammar(pattern, prefix)
+        text = rule.sub(rf"\1 ::= {prefix}", text) + "\n" + grammar + "\n"
     return text
 
 
