@@ -338,7 +338,15 @@ def test_a_tool_result_needs_its_call_id(server):
         ({"structured_outputs": {"json": "[1, 2]"}}, "a schema is a JSON object (or true / false), not an"),
         ({"guided_regex": "[z-a]"}, "guided_regex: invalid regex: Invalid character class"),
         # 100,000 values passed, then held the compile lane ~4 minutes: refused at once, naming enum
-        ({"structured_outputs": {"json": {"enum": list(range(100_000))}}}, "enum lists hold 100,000 values"),
+        (
+            {"structured_outputs": {"json": {"enum": list(range(100_000))}}},
+            "enum lists and consts hold 100,000",
+        ),
+        # a 10,000-character pattern passed, then held the compile lane about a minute
+        (
+            {"structured_outputs": {"json": {"pattern": "^" + "ab" * 5000 + "$"}}},
+            "patterns (pattern, patternP",
+        ),
     ],
 )
 def test_a_constraint_given_as_text_is_400_in_the_clients_terms(server, extra, says):

@@ -130,16 +130,47 @@ def test_a_schema_past_10000_enum_values_is_refused_before_conversion():
         check(S(json=schema))
     assert time.monotonic() - start < 5
     assert str(e.value) == (
-        "structured_outputs: invalid json schema: the schema's enum lists hold 10,001 values, 75,786 "
-        "characters of JSON, in all (at most 10,000 values and 250,000 characters: compiling more "
-        "takes minutes); use a pattern, or fewer values"
+        "structured_outputs: invalid json schema: the schema's enum lists and consts hold 10,001 values, "
+        "75,786 characters of JSON, in all (at most 10,000 values and 250,000 characters: compiling "
+        "more takes minutes); use a pattern, or fewer values"
     )
     schema["properties"]["enum"]["items"]["enum"].pop()
     assert parse_schema(json.dumps(schema)) == schema  # 10,000: not refused for its enums
     # 2,000 strings of 150 characters: few values, but 308k characters (10,000 of 111: 171 s).
     long = {"enum": [f"{i:04d}" + "x" * 146 for i in range(2000)]}
-    with pytest.raises(ValueError, match=r"enum lists hold 2,000 values, 308,000 characters of JSON"):
+    with pytest.raises(
+        ValueError, match=r"enum lists and consts hold 2,000 values, 308,000 characters of JSON"
+    ):
         check(S(json=long))
+
+
+@pytest.mark.parametrize(
+    "schema, says",
+    [
+        # 500,000 characters of const took 14 s to compile (a const is a one-value enum)
+        ({"type": "object", "properties": {"a": {"const": "x" * 500_000}}},
+         "enum lists and consts hold 1 values, 500,004 characters of JSON"),
+        ({"anyOf": [{"const": "x" * 130_000}, {"enum": ["y" * 130_000]}]},
+         "enum lists and consts hold 2 values, 260,008 characters of JSON"),
+        # a property name of 500,000 characters: 13 s
+        ({"type": "object", "properties": {"k" * 500_000: {"type": "integer"}}},
+         "the schema's property names hold 500,000 characters in all (at most 250,000"),
+        # a pattern of 10,000 characters: 52 s (5,000: 13 s)
+        ({"type": "string", "pattern": "^" + "ab" * 5000 + "$"},
+         "the schema's patterns (pattern, patternProperties) hold 10,002 characters in all (at most 4,000"),
+        ({"patternProperties": {"^" + "k" * 2000 + "$": {"type": "string", "pattern": "^" + "v" * 2000}}},
+         "the schema's patterns (pattern, patternProperties) hold 4,003 characters in all"),
+    ],
+)  # fmt: skip
+def test_a_huge_const_name_or_pattern_is_refused_before_conversion(schema, says):
+    """Enums were capped, but a const, a property name or a pattern of any size passed the 400
+    check and then held the compile lane for seconds to minutes; each is capped in all, the
+    const with the enum values, and refused at once naming what is too large."""
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=re.escape(says)):
+        check(S(json=schema))
+    assert time.monotonic() - start < 5
+    check(S(json={"type": "string", "pattern": "^(" + "|".join(f"word{i:04d}" for i in range(400)) + ")$"}))
 
 
 def test_a_choice_past_10000_strings_or_250000_characters_is_refused():

@@ -49,6 +49,15 @@ MAX_SCHEMA_PROPERTIES = 5000
 # 1,000 values, and 15,000 characters in an enum of more than 250).
 MAX_ENUM_VALUES = 10_000
 MAX_ENUM_CHARS = 250_000
+# A const is a one-value enum: counted with them (500,000 characters of const took 14 s). Property
+# names are written as literals too (one of 500,000 characters: 13 s), and capped at the same size.
+MAX_NAME_CHARS = 250_000
+# A schema's patterns, pattern and patternProperties keys, as text in all. The compile of one
+# grows with about the square of its length, its characters each spelt every way JSON can (1,000
+# characters of literal 0.3 s, 2,000 1.1 s, 5,000 13 s, 10,000 52 s; ten of 1,000 6 s); a regex
+# constraint, plain text, is not respelt and not capped. Patterns written for answers are short
+# (an email address's: 150 characters; an alternation of 400 words, 4,000 characters: 0.5 s).
+MAX_PATTERN_CHARS = 4_000
 
 
 def grammar_key(so: StructuredOutputsParams) -> GrammarKey:
@@ -160,9 +169,26 @@ def parse_schema(text: str):
     values, chars = _enum_size(schema)
     if values > MAX_ENUM_VALUES or chars > MAX_ENUM_CHARS:
         raise ValueError(
-            f"the schema's enum lists hold {values:,} values, {chars:,} characters of JSON, in all (at "
-            f"most {MAX_ENUM_VALUES:,} values and {MAX_ENUM_CHARS:,} characters: compiling more takes "
-            "minutes); use a pattern, or fewer values"
+            f"the schema's enum lists and consts hold {values:,} values, {chars:,} characters of JSON, in "
+            f"all (at most {MAX_ENUM_VALUES:,} values and {MAX_ENUM_CHARS:,} characters: compiling more "
+            "takes minutes); use a pattern, or fewer values"
+        )
+    names = sum(
+        len(name)
+        for n in _objects(schema)
+        if isinstance(n.get("properties"), dict)
+        for name in n["properties"]
+    )
+    if names > MAX_NAME_CHARS:
+        raise ValueError(
+            f"the schema's property names hold {names:,} characters in all (at most {MAX_NAME_CHARS:,}: "
+            "compiling more takes minutes)"
+        )
+    patterns = _pattern_chars(schema)
+    if patterns > MAX_PATTERN_CHARS:
+        raise ValueError(
+            f"the schema's patterns (pattern, patternProperties) hold {patterns:,} characters in all (at "
+            f"most {MAX_PATTERN_CHARS:,}: compiling more takes minutes)"
         )
     depth = _depth(schema)
     if depth > MAX_SCHEMA_DEPTH:
@@ -210,10 +236,24 @@ def _properties(value) -> int:
 
 
 def _enum_size(value) -> tuple[int, int]:
-    """How many values a schema's `enum` lists hold in all, and their JSON text's length: data
-    values are not walked, a map of named subschemas is (a property named "enum" is a schema)."""
-    enums = [n["enum"] for n in _objects(value) if isinstance(n.get("enum"), list)]
+    """How many values a schema's `enum` lists and consts hold in all, and their JSON text's
+    length: data values are not walked, a map of named subschemas is (a property named "enum" is
+    a schema)."""
+    objects = list(_objects(value))
+    enums = [n["enum"] for n in objects if isinstance(n.get("enum"), list)]
+    enums += [[n["const"]] for n in objects if "const" in n]
     return sum(map(len, enums)), sum(len(json.dumps(e, ensure_ascii=False)) for e in enums)
+
+
+def _pattern_chars(value) -> int:
+    """How many characters a schema's patterns (its `pattern`s, patternProperties' keys) hold."""
+    total = 0
+    for node in _objects(value):
+        if isinstance(node.get("pattern"), str):
+            total += len(node["pattern"])
+        if isinstance(node.get("patternProperties"), dict):
+            total += sum(map(len, node["patternProperties"]))
+    return total
 
 
 def _no_constant(name: str):
