@@ -11,7 +11,10 @@ bound's own p, where X is compared with the bound's digits. That covers plain de
 length, any number with a zero exponent (`1.5e0`), and the scientific form with one digit before
 the point (`1e30`, `2.5E-3`) whatever its exponent. Other exponent forms (`25e-1`, `0.1e2`) stay
 refused under a bound: comparing them takes adding the exponent to the count of integer digits,
-which no grammar of bounded size can do.
+which no grammar of bounded size can do. Most clients read a JSON number as a double: `1e-400`
+under `"exclusiveMinimum": 0` read as 0, breaking the bound, and `1e400` under `"maximum": 1e308`
+as infinity; where 0 is out of bounds a magnitude is at least 1e-307, and under a bound at 1e308
+or past it, less than 1e308.
 """
 
 from __future__ import annotations
@@ -34,6 +37,12 @@ _POSITIVE = f'(([1-9] [0-9]* {_FRACTION}?) | ("0" "." "0"* [1-9] [0-9]*)) {_EXPO
 class Bound:
     value: Decimal
     inclusive: bool
+
+
+# The magnitudes a double reads as a number near themselves: not 0 (below the normal range), not
+# infinity (1.8e308 and more), with room to spare.
+_TINY = Bound(Decimal("1e-307"), True)
+_HUGE = Bound(Decimal("1e308"), False)
 
 
 def schema_bounds(schema: dict) -> tuple[Bound | None, Bound | None] | None:
@@ -59,16 +68,35 @@ def number_ebnf(integer: bool, low: Bound | None, high: Bound | None) -> str | N
     """The EBNF expression of the JSON numbers (integers: JSON integers, `-0` included) within
     [low, high]; None when none is."""
     alts = []
-    if _within(Decimal(0), low, high):
+    zero_in = _within(Decimal(0), low, high)
+    if zero_in:
         zero = '"0"' if integer else f'"0" ({_ZERO_FRACTION})? {_EXPONENT}?'
         alts += [zero, f'"-" {zero}']
     if high is None or high.value > 0:
-        alts += _positive(low if low is not None and low.value > 0 else None, high, integer)
+        positive = _as_double(low if low is not None and low.value > 0 else None, high, integer, zero_in)
+        alts += _positive(*positive, integer)
     if low is None or low.value < 0:
         neg_low = Bound(-high.value, high.inclusive) if high is not None and high.value < 0 else None
         neg_high = None if low is None else Bound(-low.value, low.inclusive)
-        alts += [f'"-" ({a})' for a in _positive(neg_low, neg_high, integer)]
+        negative = _as_double(neg_low, neg_high, integer, zero_in)
+        alts += [f'"-" ({a})' for a in _positive(*negative, integer)]
     return " | ".join(f"({a})" for a in alts) or None
+
+
+def _as_double(
+    low: Bound | None, high: Bound | None, integer: bool, zero: bool
+) -> tuple[Bound | None, Bound | None]:
+    """A number's bounds on magnitudes (low None or > 0) tightened so that a double reads every
+    value within them: at least _TINY where 0 is out of bounds (a smaller one reads as 0), under
+    _HUGE where a bound at or past it is set (a larger one reads as infinity). An integer is read
+    exactly by clients that read integers: left as it is."""
+    if integer:
+        return low, high
+    if not zero and (low is None or (low.value, not low.inclusive) < (_TINY.value, not _TINY.inclusive)):
+        low = _TINY
+    if high is not None and (high.value, high.inclusive) > (_HUGE.value, _HUGE.inclusive):
+        high = _HUGE
+    return low, high
 
 
 def _within(v: Decimal, low: Bound | None, high: Bound | None) -> bool:
