@@ -360,6 +360,9 @@ RANGES = [
       ("0." + "0" * 400 + "1", False)]),
     ({"type": "number", "exclusiveMaximum": 0},
      [("-1.5e-300", True), ("-1e-400", False), ("-9.9e307", True), ("-1e400", True)]),
+    # past a double's range as an integer (an OverflowError, a 500, before the fix)
+    ({"type": "number", "minimum": 0, "maximum": 10**309},
+     [("0", True), ("1e400", False), ("1e307", True), ("0e400", True), ("1e-400", True)]),
 ]  # fmt: skip
 
 
@@ -384,6 +387,32 @@ def test_a_bounded_number_is_exact_at_any_size_and_in_scientific_form(tiny_llm, 
     assert [validator.is_valid(json.loads(t)) for t in read] == [v for t, v in answers if t in read]
     found = _answers_each(tiny_llm.llm_engine, ("json", json.dumps(schema)), texts)
     assert found == [valid for _, valid in answers], list(zip(texts, found))
+
+
+HUGE = 10**400  # a JSON integer of 401 digits: Python's int, past any double
+
+
+@pytest.mark.parametrize(
+    "schema, answers",
+    [
+        ({"type": "integer", "maximum": HUGE}, [("5", True), (str(HUGE), True), (str(HUGE + 1), False)]),
+        (
+            {"type": "integer", "multipleOf": HUGE, "minimum": 0, "maximum": HUGE},
+            [("0", True), (str(HUGE), True)],
+        ),
+        ({"enum": [HUGE, 1]}, [(str(HUGE), True), ("1", True), ("2", False)]),
+    ],
+)
+def test_an_integer_past_a_doubles_range_in_a_schema_is_read_exactly(tiny_llm, schema, answers):
+    """A schema's integer of more than 308 digits (a bound, multipleOf, a listed value) raised
+    OverflowError from math.isfinite / float(), which escaped the 400 check as a server error;
+    such an integer is finite and exact, and written as one."""
+    check(StructuredOutputsParams(json=schema))
+    texts = [text for text, _ in answers]
+    found = _answers_each(tiny_llm.llm_engine, ("json", json.dumps(schema)), texts)
+    assert found == [valid for _, valid in answers], list(zip(texts, found))
+    with pytest.raises(ValueError, match="enum at / is not supported"):
+        check(StructuredOutputsParams(json={"type": "integer", "enum": [HUGE], "maximum": 5}))
 
 
 def test_a_rewritten_schema_left_unused_in_defs_is_left_out(tiny_llm):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from kvserve.structured.json_numbers import finite_number
 from kvserve.structured.schema_walk import rebuilt_children
 
 MAX_MULTIPLES = 1024
@@ -79,7 +80,7 @@ def _multiples(node: dict, low: int | None, high: int | None) -> list[int] | Non
     """The multiples of a whole multipleOf within [low, high] where xgrammar would drop it: 1 to
     MAX_MULTIPLES of them, else None."""
     step = node.get("multipleOf")
-    if not _number(step) or step <= 0 or not float(step).is_integer() or low is None or high is None:
+    if not _number(step) or step <= 0 or step % 1 != 0 or low is None or high is None:
         return None
     if high - low < XGRAMMAR_SPAN and _int64(low) and _int64(high):
         return None  # left to xgrammar
@@ -105,4 +106,4 @@ def _is_integer_schema(node: Any) -> bool:
 
 
 def _number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    return finite_number(v)

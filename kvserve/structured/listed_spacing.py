@@ -14,9 +14,9 @@ number: its shortest text, and a whole float's digits too: `100.0` or `100`).
 from __future__ import annotations
 
 import json
-import math
 from typing import Any
 
+from kvserve.structured.json_numbers import finite_number
 from kvserve.structured.schema_walk import rebuilt_children
 
 _SEPARATORS = ((",", ":"), (", ", ": "))  # compact, and as xgrammar writes the rest
@@ -49,7 +49,7 @@ def with_listed(ebnf: str, values: list) -> str:
 
 
 def _swapped(value: Any, values: list) -> Any:
-    listed_number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    listed_number = finite_number(value)
     if not isinstance(value, (dict, list)) and not listed_number:
         return value
     values.append(value)

@@ -9,9 +9,10 @@ checked here (format, array and object ones) are left alone.
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Any
+
+from kvserve.structured.json_numbers import finite_number
 
 _TYPES = {
     "string": lambda v: isinstance(v, str),
@@ -61,7 +62,7 @@ def _meets(key: str, bound: Any, value: Any) -> bool:
             return True
         return len(value) >= bound if key == "minLength" else len(value) <= bound
     number = _TYPES["number"]
-    if not number(value) or not number(bound) or not math.isfinite(value):
+    if not number(value) or not number(bound) or not finite_number(value):
         return True
     return {
         "minimum": value >= bound,

@@ -19,9 +19,10 @@ or past it, less than 1e308.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from decimal import Decimal
+
+from kvserve.structured.json_numbers import finite_number
 
 _ANY = "[0-9]*"
 _ZERO = '"0"'
@@ -54,7 +55,7 @@ def schema_bounds(schema: dict) -> tuple[Bound | None, Bound | None] | None:
         v = schema.get(key)
         if v is None:
             continue
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        if not finite_number(v):
             return None
         b = Bound(Decimal(v) if isinstance(v, int) else Decimal(repr(v)), inclusive)
         if is_low and (low is None or (b.value, not b.inclusive) > (low.value, not low.inclusive)):

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 
 from kvserve.sampling_params import StructuredOutputsParams
 from kvserve.structured.json_strings import prepared_schema
+from kvserve.structured.listed_spacing import swap_listed
 from kvserve.structured.number_forms import swap_numbers
 from kvserve.structured.productive import unproductive_root
 from kvserve.structured.regex_flavour import for_xgrammar
@@ -99,8 +100,10 @@ def _check_key(kind: str, text: str, label: str | None) -> None:
             if empty is not None:
                 key, where, why = empty
                 raise ValueError(f"{key} at {where}: {why}")
-            # Numbers as placeholders: xgrammar refuses an integer bound past 64 bits (number_ranges.py).
-            prepared = json.dumps(swap_numbers(prepared_schema(schema), []))
+            # Numbers and listed values as placeholders, as the compile has them: xgrammar refuses an
+            # integer bound past 64 bits (number_ranges.py), and a listed one past a double's range
+            # with an empty RuntimeError.
+            prepared = json.dumps(swap_numbers(swap_listed(prepared_schema(schema), []), []))
             try:
                 _refuse_if_endless(xgr.Grammar.from_json_schema(prepared, any_whitespace=False))
             except RuntimeError:
