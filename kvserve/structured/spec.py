@@ -53,12 +53,13 @@ MAX_ENUM_CHARS = 250_000
 # A const is a one-value enum: counted with them (500,000 characters of const took 14 s). Property
 # names are written as literals too (one of 500,000 characters: 13 s), and capped at the same size.
 MAX_NAME_CHARS = 250_000
-# A schema's patterns, pattern and patternProperties keys, as text in all. The compile of one
-# grows with about the square of its length, its characters each spelt every way JSON can (1,000
-# characters of literal 0.3 s, 2,000 1.1 s, 5,000 13 s, 10,000 52 s; ten of 1,000 6 s); a regex
-# constraint, plain text, is not respelt and not capped. Patterns written for answers are short
-# (an email address's: 150 characters; an alternation of 400 words, 4,000 characters: 0.5 s).
-MAX_PATTERN_CHARS = 4_000
+# A schema's patterns, pattern and patternProperties keys, as text: each is written with its
+# characters spelt every way JSON can, and the compile of one grows with about the square of its
+# length (1,000 characters of literal 0.3 s, 2,000 1.1 s, 5,000 13 s, 10,000 52 s), of many short
+# ones with their total (100 of 100 characters 3.2 s). A regex constraint, plain text, is not
+# respelt nor capped. Patterns written for answers are short (an email address's: 150 characters).
+MAX_PATTERN_CHARS = 2_000
+MAX_PATTERNS_CHARS = 10_000
 
 
 def grammar_key(so: StructuredOutputsParams) -> GrammarKey:
@@ -187,11 +188,12 @@ def parse_schema(text: str):
             f"the schema's property names hold {names:,} characters in all (at most {MAX_NAME_CHARS:,}: "
             "compiling more takes minutes)"
         )
-    patterns = _pattern_chars(schema)
-    if patterns > MAX_PATTERN_CHARS:
+    patterns = _patterns(schema)
+    if max(patterns, default=0) > MAX_PATTERN_CHARS or sum(patterns) > MAX_PATTERNS_CHARS:
         raise ValueError(
-            f"the schema's patterns (pattern, patternProperties) hold {patterns:,} characters in all (at "
-            f"most {MAX_PATTERN_CHARS:,}: compiling more takes minutes)"
+            f"the schema's patterns (pattern, patternProperties) hold {sum(patterns):,} characters in all, "
+            f"the longest {max(patterns):,} (at most {MAX_PATTERNS_CHARS:,} in all, {MAX_PATTERN_CHARS:,} "
+            "each: compiling more takes minutes); a list of words is an enum"
         )
     depth = _depth(schema)
     if depth > MAX_SCHEMA_DEPTH:
@@ -248,15 +250,15 @@ def _enum_size(value) -> tuple[int, int]:
     return sum(map(len, enums)), sum(len(json.dumps(e, ensure_ascii=False)) for e in enums)
 
 
-def _pattern_chars(value) -> int:
-    """How many characters a schema's patterns (its `pattern`s, patternProperties' keys) hold."""
-    total = 0
+def _patterns(value) -> list[int]:
+    """The length of each of a schema's patterns (its `pattern`s, patternProperties' keys)."""
+    lengths = []
     for node in _objects(value):
         if isinstance(node.get("pattern"), str):
-            total += len(node["pattern"])
+            lengths.append(len(node["pattern"]))
         if isinstance(node.get("patternProperties"), dict):
-            total += sum(map(len, node["patternProperties"]))
-    return total
+            lengths += map(len, node["patternProperties"])
+    return lengths
 
 
 def _no_constant(name: str):
