@@ -142,6 +142,13 @@ IGNORED = [
         "pattern",
         "/properties/id",
     ),  # fmt: skip
+    # a string's, number's or array's keyword with no type beside it: any value was written
+    ({"type": "object", "properties": {"a": {"pattern": "^a$"}}}, '{"a": "b"}', "pattern", "/properties/a"),
+    ({"minimum": 5}, "1", "minimum", "/"),
+    ({"maxLength": 2}, '"bbb"', "maxLength", "/"),
+    ({"format": "date"}, '"x"', "format", "/"),
+    ({"maxItems": 1}, "[1, 2]", "maxItems", "/"),
+    ({"anyOf": [{"type": "string"}], "pattern": "^a$"}, '"b"', "pattern", "/"),
 ]
 
 
@@ -162,6 +169,9 @@ def test_a_keyword_xgrammar_ignores_is_refused_naming_it(schema, forbidden, keyw
         {"type": "string", "pattern": "^[A-Z]{2}$", "minLength": 2, "maxLength": 2},  # implied by the pattern
         {"type": "string", "pattern": "^a+$", "format": "iri"},  # a format xgrammar ignores
         {"type": "string", "format": "date-time"},
+        {"items": {"type": "integer"}, "maxItems": 1, "minItems": 1},  # items: an array, its counts enforced
+        {"format": "color", "description": "a format xgrammar ignores, with or without a type"},
+        {"type": "object", "propertyNames": {"pattern": "^a"}},  # names are strings: enforced
         {"type": "integer", "multipleOf": 3},
         {"type": "string", "enum": ["ab", "c"], "maxLength": 2, "pattern": "^[a-c]+$", "description": "x"},
         {"type": ["integer", "null"], "enum": [1, None, 2.0], "minimum": 1, "exclusiveMaximum": 3},
@@ -277,3 +287,11 @@ def test_a_multiple_of_beside_a_bound_past_64_bits_is_refused_in_our_words(schem
     with pytest.raises(ValueError) as e:
         check(StructuredOutputsParams(json=schema))
     assert str(e.value).startswith(f"structured_outputs: invalid json schema: {why}"), str(e.value)
+
+
+def test_an_untyped_array_with_items_has_its_counts_enforced():
+    """items make xgrammar write an array, so minItems / maxItems beside them are kept (not refused)."""
+    grammar = xgr.Grammar.from_json_schema(
+        json.dumps({"items": {"type": "integer"}, "maxItems": 1, "minItems": 1})
+    )
+    assert accepts(grammar, "[1]") and not accepts(grammar, "[1, 2]") and not accepts(grammar, "[]")

@@ -46,6 +46,15 @@ _ONE_OF_WORK = (
     "proving its {} schemas exclusive compares {:,} pairs, past the {:,} a schema's oneOfs may compare "
     "(one oneOf of 256 schemas); use anyOf, or fewer schemas"
 )
+# Keywords xgrammar reads only beside the type they constrain: with no "type" it writes any value,
+# so {"pattern": "^a$"} answered "b" and {"minimum": 5} 1 (object keywords and items, prefixItems
+# make it infer the type, and are enforced).
+_TYPED_ONLY = ("pattern", "minLength", "maxLength", "format", "minimum", "maximum", "exclusiveMinimum",
+               "exclusiveMaximum", "multipleOf", "minItems", "maxItems")  # fmt: skip
+_UNTYPED = (
+    'without a "type" beside it, {} is not enforced (any value would be written); give the type it '
+    'constrains, such as "type": "string" or "type": ["string", "null"]'
+)
 _ONE_SCHEMA = ("additionalProperties", "items", "unevaluatedProperties", "unevaluatedItems",
                "propertyNames", "contains", "not", "if", "then", "else")  # fmt: skip
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
@@ -89,6 +98,9 @@ def unsupported(schema: Any) -> tuple[str, str, str] | None:
                 path or "/",
                 "lookahead and lookbehind assertions ((?=, (?!, (?<=, (?<!) are not enforced",
             )
+        untyped = None if _names_schema(path) else _untyped_keyword(node)
+        if untyped is not None:
+            return untyped, path or "/", _UNTYPED.format(untyped)
         if "multipleOf" in node and node.get("type") != "integer":
             return "multipleOf", path or "/", 'multipleOf is enforced only with "type": "integer"'
         bounded = multiple_refused(node)
@@ -103,6 +115,26 @@ def unsupported(schema: Any) -> tuple[str, str, str] | None:
             value, key = broken
             why = f"the listed value {json.dumps(value)} breaks {key} beside it, which would not be enforced"
             return listed, path or "/", why
+    return None
+
+
+def _names_schema(path: str) -> bool:
+    """Whether the schema at `path` is a propertyNames schema: names are strings, so xgrammar
+    enforces a pattern or length there with no type."""
+    *parent, last = path.split("/")
+    return last == "propertyNames" and (not parent or parent[-1] not in _SCHEMA_MAPS)
+
+
+def _untyped_keyword(node: dict) -> str | None:
+    """The first keyword of _TYPED_ONLY in a schema with no type to enforce it beside (listed
+    values are checked against such keywords in listed_values.py; items make it an array)."""
+    if "type" in node or "enum" in node or "const" in node:
+        return None
+    for key in _TYPED_ONLY:
+        if key in node and not (key == "format" and node[key] not in ENFORCED_FORMATS):
+            if key in ("minItems", "maxItems") and ("items" in node or "prefixItems" in node):
+                continue
+            return key
     return None
 
 
