@@ -247,6 +247,15 @@ def test_a_prompt_is_checked_as_the_kind_its_first_element_says(server, path, bo
         ),
         ({"tool_choice": "bogus"}, "tool_choice: Input should be 'none', 'auto' or 'required'"),
         ({"function_call": {}}, "function_call.name: Field required"),  # was "... 'none' or 'auto'"
+        # a forced call's arguments were then '"f"': a call's arguments are an object
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+            'tools: the parameters of tools[0] (\'f\') must be a JSON Schema of "type": "object"',
+        ),
+        (
+            {"functions": [{"name": "f"}, {"name": "g", "parameters": {"type": "array"}}]},
+            "functions: the parameters of functions[1] ('g') must be",
+        ),
     ],
 )
 def test_a_validation_error_names_the_path_to_the_field(server, extra, message):
@@ -593,6 +602,7 @@ def test_text_that_is_no_text_is_400_and_the_connection_stays_usable(server, pat
             {"max_tool_calls": 0, "tools": [{"type": "function", "name": "f"}], "tool_choice": "required"},
             "max_tool_calls",
         ),  # fmt: skip
+        ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "array"}}]}, "tools"),
     ],
 )
 def test_responses_errors_name_the_responses_field(server, body, param):

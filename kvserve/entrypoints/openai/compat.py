@@ -20,7 +20,7 @@ from kvserve.entrypoints.openai.protocol import (
     SamplingFields,
     StructuredOutputs,
 )
-from kvserve.entrypoints.openai.tools import check_unique_names, restrict_to_allowed
+from kvserve.entrypoints.openai.tools import check_object_parameters, check_unique_names, restrict_to_allowed
 
 logger = logging.getLogger("kvserve.server")
 
@@ -86,12 +86,14 @@ def normalize_chat(req: ChatCompletionRequest) -> list[str]:
         if req.tools is not None or req.tool_choice is not None:
             raise ValueError("functions: cannot be combined with tools / tool_choice (use tools)")
         check_unique_names(req.functions, "functions")
+        check_object_parameters(req.functions, "functions")
         req.tools = [ChatTool(function=f) for f in req.functions]
         fc = req.function_call
         req.tool_choice = fc if fc is None or isinstance(fc, str) else NamedToolChoice(function=fc)
         req.parallel_tool_calls = False  # a legacy reply holds one function_call
         warnings.append('299 kvserve "functions and function_call deprecated: use tools and tool_choice"')
     check_unique_names([t.function for t in req.tools or []], "tools")  # before allowed_tools cuts them
+    check_object_parameters([t.function for t in req.tools or []], "tools")
     restrict_to_allowed(req)  # allowed_tools: the tools it names, in its mode
     if req.continue_final_message and req.messages[-1].role != "assistant":
         raise ValueError("continue_final_message: the last message must be the assistant's")

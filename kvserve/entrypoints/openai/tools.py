@@ -53,6 +53,19 @@ def check_unique_names(functions: list[FunctionDefinition], field: str) -> None:
         first[f.name] = i
 
 
+def check_object_parameters(functions: list[FunctionDefinition], field: str) -> None:
+    """Refuse parameters of a type other than object, as OpenAI does (naming `field`): a call's
+    arguments are a JSON object, and a forced call under {"type": "string"} had '"f"' for its
+    arguments."""
+    for i, f in enumerate(functions):
+        kind = (f.parameters or {}).get("type", "object")
+        if kind != "object":
+            raise ValueError(
+                f'{field}: the parameters of {field}[{i}] ({f.name!r}) must be a JSON Schema of "type": '
+                f'"object" (a call\'s arguments are an object), not {kind!r}'
+            )
+
+
 def restrict_to_allowed(req: ChatCompletionRequest) -> None:
     """An allowed_tools choice as the plain one it means: the tools cut to those it names, and
     its mode ("auto" or "required") as tool_choice. Its names must be among the tools."""
