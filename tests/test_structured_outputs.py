@@ -389,6 +389,27 @@ def test_a_bounded_number_is_exact_at_any_size_and_in_scientific_form(tiny_llm, 
     assert found == [valid for _, valid in answers], list(zip(texts, found))
 
 
+@pytest.mark.parametrize(
+    "schema, answers",
+    [
+        ({"type": "array", "minItems": 2},
+         [("[1, 2]", True), ('[1, "a", null]', True), ("[1]", False), ("[]", False)]),
+        ({"type": ["array", "null"], "minItems": 1}, [("null", True), ('["x"]', True), ("[]", False)]),
+        ({"type": "array", "items": False, "minItems": 0}, [("[]", True), ("[1]", False)]),
+    ],
+)  # fmt: skip
+def test_an_array_with_a_minimum_and_no_items_is_open(tiny_llm, schema, answers):
+    """An array with minItems but neither items nor prefixItems was refused in xgrammar's words
+    ("minItems is greater than the number of prefixItems, but additional items are not allowed"),
+    though JSON Schema lets it hold any items; items are written as JSON Schema's default there."""
+    check(StructuredOutputsParams(json=schema))
+    texts = [text for text, _ in answers]
+    found = _answers_each(tiny_llm.llm_engine, ("json", json.dumps(schema)), texts)
+    assert found == [valid for _, valid in answers], list(zip(texts, found))
+    with pytest.raises(ValueError, match="minItems is 1, but items is false and prefixItems lists 0"):
+        check(StructuredOutputsParams(json={"type": "array", "items": False, "minItems": 1}))
+
+
 HUGE = 10**400  # a JSON integer of 401 digits: Python's int, past any double
 
 

@@ -4,7 +4,8 @@ xgrammar 0.2.8 (as vLLM runs it, strict mode) reads an object without `additiona
 as closed and an array with `prefixItems` but no `items` as ending there: an answer holds only
 the names and items the schema lists. JSON Schema reads both as open (any other name, any
 further item), and a schema may need that: `{"type": "object", "minProperties": 1}` was refused
-with xgrammar's message ("additional properties aren't allowed"), though `{"a": 1}` meets it.
+with xgrammar's message ("additional properties aren't allowed"), though `{"a": 1}` meets it, and
+`{"type": "array", "minItems": 2}` ("minItems is greater than the number of prefixItems").
 Where the listed names or items cannot meet minProperties / minItems, the missing keyword is
 written as JSON Schema's default (true); everywhere else answers stay strict, as in vLLM. A
 schema that says false itself and still asks for more is refused (`closed_too_small`).
@@ -42,7 +43,7 @@ def closed_too_small(node: dict) -> tuple[str, str] | None:
     if _too_few_items(node) and False in (node.get("items"), node.get("unevaluatedItems")):
         return "minItems", (
             f"minItems is {node['minItems']}, but items is false and prefixItems lists "
-            f"{len(node['prefixItems'])}: no array meets it"
+            f"{len(node.get('prefixItems') or [])}: no array meets it"
         )
     return None
 
@@ -64,8 +65,17 @@ def _too_few_names(node: dict) -> bool:
 
 
 def _too_few_items(node: dict) -> bool:
+    """An array with no prefixItems lists none: {"type": "array", "minItems": 2} was refused in
+    xgrammar's words ("minItems is greater than the number of prefixItems") though [1, 2] meets it."""
     least, prefix = node.get("minItems"), node.get("prefixItems")
+    if prefix is None and _is_array(node):
+        prefix = []
     return _is_count(least) and isinstance(prefix, list) and least > len(prefix)
+
+
+def _is_array(node: dict) -> bool:
+    kind = node.get("type")
+    return kind == "array" or (isinstance(kind, list) and "array" in kind)
 
 
 def _is_count(value: Any) -> bool:
