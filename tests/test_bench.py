@@ -516,9 +516,14 @@ def test_ctrl_c_reports_what_finished_and_exits_130(timed_stub, tiny_llama_dir, 
            "--input-len", "8", "--output-len", "50", "--save-result", str(out)]  # fmt: skip
     table = tmp_path / "table.txt"
     with open(table, "wb") as stdout:
-        proc = subprocess.Popen(cmd, env=env, stdout=stdout, stderr=subprocess.PIPE)
-    # tqdm's bar: "1/30" once the first request (200 + 49 * 20 ms) finished. 30 requests (~35 s):
-    # with 4, a loaded CI host saw the bar late enough that the run had ended before the signal.
+        # SIGINT as a terminal gives it: a suite started in the background (`make test &`)
+        # passes its children SIGINT ignored, and the run went on to its end with status 0.
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=stdout, stderr=subprocess.PIPE,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )  # fmt: skip
+    # tqdm's bar: "1/30" once the first request (200 + 49 * 20 ms) finished; 30 (~35 s) leave the
+    # signal a run to land in however late the bar is read.
     err = bytearray()
     reader = threading.Thread(target=lambda: [err.extend(b) for b in iter(lambda: proc.stderr.read(1), b"")])
     reader.start()

@@ -226,14 +226,6 @@ def test_an_upload_goes_on_to_the_groups_next_deployment_when_one_is_down(stack)
         c.files.delete(f.id)
 
 
-def _finished(c: openai.OpenAI, batch_id: str):
-    deadline = time.monotonic() + 60
-    while (b := c.batches.retrieve(batch_id)).status not in FINAL:
-        assert time.monotonic() < deadline, b
-        time.sleep(0.2)
-    return b
-
-
 def test_a_responses_batchs_stored_responses_are_found_through_the_gateway(stack):
     """A /v1/responses batch stores each answer on the backend; its output lines carried the
     backend's own response ids, which the gateway's GET /v1/responses/{id} (and a follow-up's
