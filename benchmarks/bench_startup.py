@@ -92,6 +92,10 @@ def main() -> None:
             "serve, default model, make serve's flags (s)",
             "  its API process's RSS at ready, default model (MiB)",
         ): lambda t: serve_ready_s(t, "smollm2-135m", MAKE_SERVE),
+        (
+            "serve, default model, float32 (serve's own default) (s)",
+            "  its API process's RSS at ready, default model float32 (MiB)",
+        ): lambda t: serve_ready_s(t, "smollm2-135m", []),
         ("import kvserve.gateway.app (s)", "  its RSS (MiB)"): gateway_import,
     }
     got: dict[tuple[str, str], list[float]] = {}

@@ -18,6 +18,7 @@ import torch
 
 from kvserve.model.arch import SUPPORTED_ARCHITECTURES, ModelArch
 from kvserve.model.layers.quantization import QWeight
+from kvserve.model.loader.gguf_dequant import dequantize
 from kvserve.model.loader.gguf_file import gguf_field
 from kvserve.model.loader.gguf_quants import gguf_qweight
 
@@ -127,8 +128,6 @@ def gguf_weights(
 ) -> Iterator[tuple[str, torch.Tensor | QWeight]]:
     """Yield (Hugging Face name, float32 tensor or, for layer projections that map directly
     to `quantization`, QWeight) pairs."""
-    from gguf.quants import dequantize
-
     for t in reader.tensors:
         parts = t.name.split(".")
         direct = None
@@ -158,4 +157,4 @@ def gguf_weights(
         if direct is not None:
             yield name, w
         else:
-            yield name, torch.from_numpy(np.array(w, dtype=np.float32))  # a writable copy
+            yield name, w
