@@ -70,13 +70,15 @@ def _disaggregated(prod: LLMEngine, cons: LLMEngine, rid: str, prompt: list[int]
 @pytest.mark.slow
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
 def test_default_model_disaggregated_equals_single_engine(kv_dtype, default_reference):
-    """Short and chunked (> 512-token step budget) prompts; then the same long prompt again (a
-    hit on the producer's cache; the consumer holds all but its last block already) and one
-    sharing its first 480 tokens with it (a hit on the consumer's cache: only the rest is
+    """Short and chunked (> the 128-token step budget) prompts; then the same long prompt again
+    (a hit on the producer's cache; the consumer holds all but its last block already) and one
+    sharing its first 160 tokens with it (a hit on the consumer's cache: only the rest is
     pulled). Each equals the consumer computing the prompt itself (under another cache_salt,
-    so from nothing), and with an fp32 cache the short ones equal transformers."""
-    prod = _engine("smollm2-135m", "tcp", "kv_producer", kv_cache_dtype=kv_dtype)
-    cons = _engine("smollm2-135m", "tcp", "kv_consumer", kv_cache_dtype=kv_dtype)
+    so from nothing), and with an fp32 cache the short ones equal transformers. (A 128-token
+    budget chunks a 200-token prompt as the default budget chunks a 560-token one, at a third
+    of the prefill's cost.)"""
+    prod = _engine("smollm2-135m", "tcp", "kv_producer", kv_cache_dtype=kv_dtype, max_num_batched_tokens=128)
+    cons = _engine("smollm2-135m", "tcp", "kv_consumer", kv_cache_dtype=kv_dtype, max_num_batched_tokens=128)
     try:
         if kv_dtype == "auto":
             _check_default_pair(prod, cons, default_reference, [0, 2, 3, 4])
@@ -89,7 +91,7 @@ def test_default_model_disaggregated_equals_single_engine(kv_dtype, default_refe
 
 def _check_default_pair(prod: LLMEngine, cons: LLMEngine, reference, cases: list[int]) -> None:
     ids = prod.tokenizer.encode(TEXT, add_special_tokens=False)
-    prompts = [ids[:9], ids[3:36], ids[5 : 5 + 560], ids[5 : 5 + 560], ids[5 : 5 + 480] + ids[600:640]]
+    prompts = [ids[:9], ids[3:36], ids[5 : 5 + 200], ids[5 : 5 + 200], ids[5 : 5 + 160] + ids[600:640]]
     eos = sorted(prod.eos_token_ids)
     stats = cons.core.connector.stats
     block_bytes = sum(cons.core.connector.io.block_bytes())
@@ -115,8 +117,8 @@ def _check_default_pair(prod: LLMEngine, cons: LLMEngine, reference, cases: list
         if i == 3:
             assert prod.kv_cache_manager.prefix_cache_hits > hits_before, "the producer recomputed it"
             assert pulled_blocks == 1
-        elif i == 4:  # 480 tokens = 30 blocks were cached on the consumer: only the rest travelled
-            assert pulled_blocks == -(-(len(p) - 1) // 16) - 30
+        elif i == 4:  # 160 tokens = 10 blocks were cached on the consumer: only the rest travelled
+            assert pulled_blocks == -(-(len(p) - 1) // 16) - 10
         else:
             assert pulled_blocks == -(-(len(p) - 1) // 16)
 
