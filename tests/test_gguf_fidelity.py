@@ -26,6 +26,11 @@ def test_a_converted_gguf_gives_the_directory_s_tokens(kind, tmp_path):
     kind = kind.split("-")[0]
     hf_dir = _save_tiny(str(tmp_path / kind), kind, random_biases=True, **extra)
     path = write_gguf(hf_dir, str(tmp_path / f"{kind}.gguf"))
+    _check_gguf_against(hf_dir, path, kind)
+
+
+def _check_gguf_against(hf_dir: str, path: str, kind: str) -> None:
+    """Greedy tokens and prompt logprobs of the GGUF at `path` equal transformers' on `hf_dir`."""
     ref = load_reference(hf_dir)
     llm = LLM(path, kv_cache_memory="4MiB")
     greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -40,6 +45,31 @@ def test_a_converted_gguf_gives_the_directory_s_tokens(kind, tmp_path):
         for j in range(1, len(PROMPTS[1]))
     )
     assert worst < 1e-3, f"prompt logprobs differ from the reference by {worst:.2e}"
+    llm.llm_engine.core.shutdown()
+
+
+@pytest.mark.parametrize("form", ["old-scale-linear-key", "linear-without-factor"])
+def test_linear_rope_scaling_is_read_as_llama_cpp_reads_it(form, tmp_path):
+    """llama.cpp's reading: the scaling type defaults to linear, the factor is
+    rope.scaling.factor or the old converters' rope.scale_linear, and none (or 0) is 1.0. A
+    file of type linear without a factor crashed the load (a TypeError), and a file with only
+    scale_linear (no type key) ran unscaled: other tokens than its own model's."""
+    import gguf
+
+    if form == "old-scale-linear-key":
+        rope = {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}
+        hf_dir = _save_tiny(str(tmp_path / "hf"), "qwen2", random_biases=True, rope_parameters=rope)
+
+        def more(w) -> None:
+            w.add_float32("qwen2.rope.scale_linear", 4.0)
+    else:
+        hf_dir = _save_tiny(str(tmp_path / "hf"), "qwen2", random_biases=True)
+
+        def more(w) -> None:
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+
+    path = write_gguf(hf_dir, str(tmp_path / "linear.gguf"), more=more)
+    _check_gguf_against(hf_dir, path, form)
 
 
 def test_rope_scaling_kvserve_does_not_run_is_refused(tiny_qwen2_dir, tmp_path):

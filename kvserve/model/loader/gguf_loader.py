@@ -11,7 +11,8 @@ is tokenizer_loader.py's.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -64,6 +65,26 @@ def _unpermute(w, n_heads: int):
     return w.reshape(n_heads, shape[0] // n_heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
+def rope_scaling_of(get: Callable[..., Any], freq_factors: np.ndarray | None) -> dict[str, Any]:
+    """The rotary scaling as llama.cpp reads a file's: the type defaults to linear, its factor
+    is rope.scaling.factor or the old converters' rope.scale_linear, and a factor of 0 or none
+    at all is 1.0 (no scaling); type none never scales. A linear file without a factor was a
+    TypeError at load, and an old file's scale_linear ran unscaled."""
+    kind = get("rope.scaling.type") or "linear"
+    if kind not in ("none", "linear"):
+        # yarn, longrope: they ran unscaled. (llama.cpp's yarn is not transformers' to the bit.)
+        raise ValueError(f"unsupported rope_type {kind!r} in a GGUF file (supported: none, linear)")
+    factor = float(get("rope.scaling.factor") or get("rope.scale_linear") or 0.0)
+    if kind == "none" or factor == 0.0:
+        factor = 1.0
+    if freq_factors is not None:
+        # llama.cpp writes a Llama 3.1+ model's llama3 rope scaling as this per-dimension
+        # divisor of the inverse frequencies; without it every position rotated unscaled.
+        # (llama.cpp divides by a linear factor as well.)
+        return {"rope_type": "freq_factors", "factors": [float(x) * factor for x in freq_factors]}
+    return {"rope_type": "default"} if factor == 1.0 else {"rope_type": "linear", "factor": factor}
+
+
 def gguf_arch(reader) -> ModelArch:
     arch = gguf_field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -85,18 +106,8 @@ def gguf_arch(reader) -> ModelArch:
         more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
         raise ValueError(f"model: GGUF tensors kvserve does not run: {', '.join(unknown[:5])}{more}")
     vocab = get("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
-    scaling: dict = {"rope_type": "default"}
-    kind = get("rope.scaling.type")
-    if kind == "linear":
-        scaling = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
-    elif kind not in (None, "none"):
-        # yarn, longrope: they ran unscaled. (llama.cpp's yarn is not transformers' to the bit.)
-        raise ValueError(f"unsupported rope_type {kind!r} in a GGUF file (supported: none, linear)")
     freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
-    if freqs is not None:
-        # llama.cpp writes a Llama 3.1+ model's llama3 rope scaling as this per-dimension
-        # divisor of the inverse frequencies; without it every position rotated unscaled.
-        scaling = {"rope_type": "freq_factors", "factors": [float(x) for x in np.asarray(freqs.data).ravel()]}
+    scaling = rope_scaling_of(get, None if freqs is None else np.asarray(freqs.data).ravel())
     eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
     eot = gguf_field(reader, "tokenizer.ggml.eot_token_id")
     return ModelArch(
