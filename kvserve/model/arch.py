@@ -13,6 +13,9 @@ SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 GATED_ACTIVATIONS = ("silu", "swish")  # transformers' ACT2FN: both are SiLU
 MISTRAL_QWEN2_WINDOW = 4096  # MistralConfig's and Qwen2Config's sliding_window where a file has none
 QWEN2_MAX_WINDOW_LAYERS = 28  # Qwen2Config's max_window_layers where a file has none
+# Each config class's max_position_embeddings where a file has none (LlamaConfig's,
+# MistralConfig's, Qwen2Config's): the context, and the original length llama3 / yarn default to.
+DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 4096 * 32, "qwen2": 32768}
 
 
 @dataclass(frozen=True)
@@ -94,13 +97,18 @@ class ModelArch:
 def rope_of(cfg: dict[str, Any], default_positions: int = 2048) -> tuple[float, dict[str, Any], int]:
     """(rope_theta, rope scaling with its rope_type, the context) as transformers reads them:
     >= 5 keeps them in "rope_parameters", older files in "rope_theta" + "rope_scaling". The
-    context is max_position_embeddings, or for yarn (static: the same scaling at every length)
-    the original length times its factor where that is longer, as vLLM serves it."""
+    context is max_position_embeddings (where the file has none, its config class's default:
+    2048 for every architecture cut Mistral's and Qwen2's contexts), or for yarn (static: the
+    same scaling at every length) the original length times its factor where that is longer,
+    as vLLM serves it. `default_positions` stands for an architecture transformers' table here
+    does not name."""
     rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
     theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     rope["rope_type"] = rope_type
-    max_positions = cfg.get("max_position_embeddings") or default_positions
+    max_positions = cfg.get("max_position_embeddings") or DEFAULT_MAX_POSITIONS.get(
+        cfg.get("model_type"), default_positions
+    )
     if rope_type in ("llama3", "yarn"):  # transformers' standardize_rope_params
         original = cfg.get("original_max_position_embeddings")
         rope["original_max_position_embeddings"] = original or rope.get(
