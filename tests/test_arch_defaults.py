@@ -32,3 +32,18 @@ def test_a_config_without_max_position_embeddings_gets_its_class_default(kind):
         original = ref.rope_parameters["original_max_position_embeddings"]
         assert arch.rope_scaling["original_max_position_embeddings"] == original == 32768
         assert arch.max_position_embeddings == 2 * original
+
+
+@pytest.mark.parametrize("rope_type", ["linear", "dynamic", "llama3"])
+def test_rope_scaling_without_its_factor_is_refused_naming_it(rope_type):
+    """transformers refuses such a config; kvserve read the weights and then failed building its
+    rotary tables with a bare KeyError: 'factor'."""
+    rope = {"rope_type": rope_type, "rope_theta": 10000.0}
+    if rope_type == "llama3":
+        rope.update(factor=8.0, high_freq_factor=4.0)
+    cfg = {"model_type": "llama", **SHAPE, "rope_parameters": rope}
+    missing = "low_freq_factor" if rope_type == "llama3" else "factor"
+    with pytest.raises((KeyError, ValueError), match=missing):
+        _transformers_config(cfg)
+    with pytest.raises(ValueError, match=rf"^rope scaling '{rope_type}' without its {missing}$"):
+        ModelArch.from_hf_config(cfg)

@@ -13,6 +13,13 @@ SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 GATED_ACTIVATIONS = ("silu", "swish")  # transformers' ACT2FN: both are SiLU
 MISTRAL_QWEN2_WINDOW = 4096  # MistralConfig's and Qwen2Config's sliding_window where a file has none
 QWEN2_MAX_WINDOW_LAYERS = 28  # Qwen2Config's max_window_layers where a file has none
+# The keys transformers requires of each rope scaling (its rope validation refuses a config
+# without them); kvserve's yarn defaults its factor from the lengths.
+REQUIRED_ROPE_KEYS = {
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+}
 # Each config class's max_position_embeddings where a file has none (LlamaConfig's,
 # MistralConfig's, Qwen2Config's): the context, and the original length llama3 / yarn default to.
 DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 4096 * 32, "qwen2": 32768}
@@ -106,6 +113,10 @@ def rope_of(cfg: dict[str, Any], default_positions: int = 2048) -> tuple[float, 
     theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     rope["rope_type"] = rope_type
+    missing = [key for key in REQUIRED_ROPE_KEYS.get(rope_type, ()) if rope.get(key) is None]
+    if missing:
+        # A bare KeyError ('factor') from the rotary tables, after the weights were read.
+        raise ValueError(f"rope scaling {rope_type!r} without its {', '.join(missing)}")
     max_positions = cfg.get("max_position_embeddings") or DEFAULT_MAX_POSITIONS.get(
         cfg.get("model_type"), default_positions
     )
