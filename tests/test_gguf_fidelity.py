@@ -108,3 +108,26 @@ def test_a_gguf_with_tensors_kvserve_does_not_run_is_refused(tiny_llama_dir, tmp
     path = write_gguf(tiny_llama_dir, str(tmp_path / "moe.gguf"), more=experts)
     with pytest.raises(ValueError, match=r"mixture-of-experts GGUF \(llama\.expert_count = 4\)"):
         LLM(path, kv_cache_memory="1MiB")
+
+
+@pytest.mark.parametrize(
+    ("pre", "add_bos", "bos_first"),
+    [
+        ("llama-bpe", None, True),
+        ("tekken", None, True),
+        ("default", None, False),
+        ("llama-bpe", False, False),
+    ],
+)
+def test_a_gguf_prompt_begins_with_bos_as_llama_cpp_s(pre, add_bos, bos_first, tiny_llama_dir, tmp_path):
+    """Where a file has no tokenizer.ggml.add_bos_token, llama.cpp adds a BOS after a Llama 3
+    family pre-tokenizer (llama-bpe: Llama 3's first conversions wrote no key); kvserve added
+    one only for a sentencepiece vocabulary, so such a Llama 3 file was prompted without its
+    <|begin_of_text|>. The key, where present, decides."""
+    from kvserve.model.loader import load_tokenizer, resolve_model
+
+    path = write_gguf(tiny_llama_dir, str(tmp_path / "bos.gguf"), pre=pre, add_bos=add_bos)
+    tok = load_tokenizer(resolve_model(path))
+    ids = tok.encode("Hello world")
+    assert (ids[0] == tok.bos_token_id == 1) is bos_first
+    assert ids[bos_first:] == tok.encode("Hello world", add_special_tokens=False)

@@ -62,9 +62,16 @@ def _tensor_name(name: str) -> str | None:
     return f"blk.{parts[2]}.{_NAMES[module]}.{parts[-1]}" if module in _NAMES else None
 
 
-def write_gguf(hf_dir: str, out_path: str, more: Callable | None = None) -> str:
+def write_gguf(
+    hf_dir: str,
+    out_path: str,
+    more: Callable | None = None,
+    pre: str = "default",
+    add_bos: bool | None = False,
+) -> str:
     """Writes `hf_dir`'s model and tokenizer as a GGUF file at `out_path`; `more` adds
-    metadata to the writer."""
+    metadata to the writer; `pre` is tokenizer.ggml.pre, and add_bos None writes no
+    tokenizer.ggml.add_bos_token."""
     import gguf
     from safetensors.torch import load_file
 
@@ -103,13 +110,14 @@ def write_gguf(hf_dir: str, out_path: str, more: Callable | None = None) -> str:
             types.append(gguf.TokenType.CONTROL if i in specials else gguf.TokenType.NORMAL)
     merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
+    w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_merges(merges)
     w.add_bos_token_id(cfg["bos_token_id"])
     w.add_eos_token_id(cfg["eos_token_id"])
-    w.add_add_bos_token(False)
+    if add_bos is not None:
+        w.add_add_bos_token(add_bos)
     if more is not None:
         more(w)
 

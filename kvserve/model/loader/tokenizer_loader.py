@@ -95,5 +95,23 @@ def gguf_tokenizer(reader):
         )
     tok = PreTrainedTokenizerFast(tokenizer_object=backend, **special)
     tok.chat_template = gguf_field(reader, "tokenizer.chat_template")
-    add_bos = bool(gguf_field(reader, "tokenizer.ggml.add_bos_token", spec["tokenizer_type"] == "llama"))
+    default = gguf_adds_bos_by_default(spec["tokenizer_type"], spec.get("pre_tokenizer_type"))
+    add_bos = bool(gguf_field(reader, "tokenizer.ggml.add_bos_token", default))
     return tok, add_bos and tok.bos_token_id is not None
+
+
+# The BPE pre-tokenizers after which llama.cpp adds a BOS where the file does not say
+# (llama-vocab.cpp): Llama 3's first conversions wrote no tokenizer.ggml.add_bos_token.
+_BOS_BPE_PRE_TOKENIZERS = frozenset(
+    ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+     "jina-v5-nano", "tekken", "chameleon")
+)  # fmt: skip
+
+
+def gguf_adds_bos_by_default(tokenizer_type: str | None, pre_tokenizer: str | None) -> bool:
+    """llama.cpp's add_bos where a file has no tokenizer.ggml.add_bos_token: a sentencepiece
+    vocabulary's always, a BPE one's after the pre-tokenizers above (a Llama 3 file without the
+    key was prompted without <|begin_of_text|>, unlike llama.cpp and transformers)."""
+    if tokenizer_type == "llama":
+        return True
+    return tokenizer_type == "gpt2" and pre_tokenizer in _BOS_BPE_PRE_TOKENIZERS
