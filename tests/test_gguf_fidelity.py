@@ -87,6 +87,30 @@ def test_rope_scaling_kvserve_does_not_run_is_refused(tiny_qwen2_dir, tmp_path):
         LLM(path, kv_cache_memory="1MiB")
 
 
+def test_a_gguf_llama_cpp_cannot_run_as_written_is_refused_naming_its_key(tiny_llama_dir, tmp_path):
+    """Rotary over part of each head (rope.dimension_count under key_length) ran over all of
+    it, other tokens than the file's model (llama.cpp refuses a llama file's); a file without
+    context_length, which llama.cpp refuses, was served a 2048-token context."""
+
+    def partial(w) -> None:
+        w.add_key_length(16)
+        w.add_value_length(16)
+        w.add_rope_dimension_count(8)  # over write_gguf's 16
+
+    path = write_gguf(tiny_llama_dir, str(tmp_path / "partial.gguf"), more=partial)
+    with pytest.raises(
+        ValueError, match=r"rotary over 8 of each head's 16 dimensions \(llama\.rope\.dimension_count\)"
+    ):
+        LLM(path, kv_cache_memory="1MiB")
+
+    def no_context(w) -> None:
+        del w.kv_data[0]["llama.context_length"]
+
+    path = write_gguf(tiny_llama_dir, str(tmp_path / "no-context.gguf"), more=no_context)
+    with pytest.raises(ValueError, match=r"GGUF without llama\.context_length"):
+        LLM(path, kv_cache_memory="1MiB")
+
+
 def test_a_gguf_with_tensors_kvserve_does_not_run_is_refused(tiny_llama_dir, tmp_path):
     """Per-layer tensors of a kind the loader did not know (a Mixtral file's router and experts,
     a q/k norm) were skipped without a word, and the model ran without them; llama.cpp refuses

@@ -106,6 +106,19 @@ def gguf_arch(reader) -> ModelArch:
         more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
         raise ValueError(f"model: GGUF tensors kvserve does not run: {', '.join(unknown[:5])}{more}")
     vocab = get("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    head_dim = int(get("attention.key_length") or get("rope.dimension_count") or hidden // heads)
+    rotary = int(get("rope.dimension_count") or head_dim)
+    if rotary != head_dim:
+        # Every dimension rotated: other tokens than the file's model (llama.cpp refuses a
+        # llama file's and rotates only these in a qwen2 file's).
+        raise ValueError(
+            f"model: GGUF rotary over {rotary} of each head's {head_dim} dimensions "
+            f"({arch}.rope.dimension_count) is not supported"
+        )
+    context = get("context_length")
+    if not context:
+        # It was taken as 2048; llama.cpp refuses the file.
+        raise ValueError(f"model: GGUF without {arch}.context_length (the model's context)")
     freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     scaling = rope_scaling_of(get, None if freqs is None else np.asarray(freqs.data).ravel())
     eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
@@ -118,10 +131,10 @@ def gguf_arch(reader) -> ModelArch:
         num_layers=int(get("block_count")),
         num_heads=int(heads),
         num_kv_heads=int(get("attention.head_count_kv", heads)),
-        head_dim=int(get("attention.key_length") or get("rope.dimension_count") or hidden // heads),
+        head_dim=head_dim,
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(get("rope.freq_base", 10000.0)),
-        max_position_embeddings=int(get("context_length", 2048)),
+        max_position_embeddings=int(context),
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
         # llama.cpp's llama graph adds an output and MLP bias where the file holds them (a
