@@ -3,6 +3,8 @@ transformers' on the same weights, for each architecture's row layout in llama.c
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from conftest import _save_tiny, load_reference
 from helpers import assert_greedy_match, reference_greedy, reference_logits
@@ -89,8 +91,9 @@ def test_rope_scaling_kvserve_does_not_run_is_refused(tiny_qwen2_dir, tmp_path):
 
 def test_a_gguf_llama_cpp_cannot_run_as_written_is_refused_naming_its_key(tiny_llama_dir, tmp_path):
     """Rotary over part of each head (rope.dimension_count under key_length) ran over all of
-    it, other tokens than the file's model (llama.cpp refuses a llama file's); a file without
-    context_length, which llama.cpp refuses, was served a 2048-token context."""
+    it, other tokens than the file's model (llama.cpp refuses a llama file's). A file without
+    a key of the model's shape failed with a TypeError (int(None)), or for context_length and
+    the RMS norm's epsilon, which llama.cpp requires, ran with a guess (2048, 1e-6)."""
 
     def partial(w) -> None:
         w.add_key_length(16)
@@ -103,12 +106,14 @@ def test_a_gguf_llama_cpp_cannot_run_as_written_is_refused_naming_its_key(tiny_l
     ):
         LLM(path, kv_cache_memory="1MiB")
 
-    def no_context(w) -> None:
-        del w.kv_data[0]["llama.context_length"]
+    for key in ("context_length", "attention.layer_norm_rms_epsilon", "feed_forward_length", "block_count"):
 
-    path = write_gguf(tiny_llama_dir, str(tmp_path / "no-context.gguf"), more=no_context)
-    with pytest.raises(ValueError, match=r"GGUF without llama\.context_length"):
-        LLM(path, kv_cache_memory="1MiB")
+        def drop(w, key=key) -> None:
+            del w.kv_data[0][f"llama.{key}"]
+
+        path = write_gguf(tiny_llama_dir, str(tmp_path / f"no-{key}.gguf"), more=drop)
+        with pytest.raises(ValueError, match=rf"^model: GGUF without llama\.{re.escape(key)}$"):
+            LLM(path, kv_cache_memory="1MiB")
 
 
 def test_a_gguf_with_tensors_kvserve_does_not_run_is_refused(tiny_llama_dir, tmp_path):

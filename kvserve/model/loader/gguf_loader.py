@@ -93,8 +93,16 @@ def gguf_arch(reader) -> ModelArch:
     def get(key: str, default=None):
         return gguf_field(reader, f"{arch}.{key}", default)
 
-    heads = get("attention.head_count")
-    hidden = get("embedding_length")
+    def need(key: str):
+        """A key the model's shape needs (llama.cpp refuses a file without it): its absence was
+        a TypeError (int(None)), or for context_length / rms epsilon a guess (2048 / 1e-6)."""
+        value = get(key)
+        if value is None:
+            raise ValueError(f"model: GGUF without {arch}.{key}")
+        return value
+
+    heads = need("attention.head_count")
+    hidden = need("embedding_length")
     names = {t.name for t in reader.tensors}
     experts = get("expert_count")
     if experts:
@@ -115,10 +123,6 @@ def gguf_arch(reader) -> ModelArch:
             f"model: GGUF rotary over {rotary} of each head's {head_dim} dimensions "
             f"({arch}.rope.dimension_count) is not supported"
         )
-    context = get("context_length")
-    if not context:
-        # It was taken as 2048; llama.cpp refuses the file.
-        raise ValueError(f"model: GGUF without {arch}.context_length (the model's context)")
     freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     scaling = rope_scaling_of(get, None if freqs is None else np.asarray(freqs.data).ravel())
     eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
@@ -127,14 +131,14 @@ def gguf_arch(reader) -> ModelArch:
         architecture=arch,
         vocab_size=int(vocab),
         hidden_size=int(hidden),
-        intermediate_size=int(get("feed_forward_length")),
-        num_layers=int(get("block_count")),
+        intermediate_size=int(need("feed_forward_length")),
+        num_layers=int(need("block_count")),
         num_heads=int(heads),
         num_kv_heads=int(get("attention.head_count_kv", heads)),
         head_dim=head_dim,
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
         rope_theta=float(get("rope.freq_base", 10000.0)),
-        max_position_embeddings=int(context),
+        max_position_embeddings=int(need("context_length")),
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
         # llama.cpp's llama graph adds an output and MLP bias where the file holds them (a
