@@ -305,6 +305,25 @@ def test_completion_suffix_and_vllm_logprob_extras(server):
     assert all(isinstance(v["logprob"], float) for e in plp[1:] for v in e.values())
 
 
+def test_completion_top_logprobs_hold_the_sampled_token(server):
+    """OpenAI's legacy completions: "the logprob of the sampled token is always returned, so
+    there may be up to logprobs + 1 elements" (vLLM's too). The sampled token was left out when
+    outside the top (here forced by a logit bias, which the raw logprobs do not see), and
+    logprobs=0 gave {} for every token."""
+    forced = post(server, "/tokenize", {"prompt": " banana", "add_special_tokens": False}).json()["tokens"]
+    body = {"prompt": "The capital of France is", "max_tokens": 1, "temperature": 0,
+            "logit_bias": {str(forced[0]): 100}}  # fmt: skip
+    for k, streamed in ((0, False), (1, False), (1, True)):
+        if streamed:
+            lp = [ch["logprobs"] for ch in _streamed(server, "/v1/completions", {**body, "logprobs": k})
+                  if ch["logprobs"]][0]  # fmt: skip
+        else:
+            lp = post(server, "/v1/completions", {**body, "logprobs": k}).json()["choices"][0]["logprobs"]
+        (token,), (token_lp,), (top,) = lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]
+        assert top.get(token) == token_lp and len(top) == k + 1, (k, lp)
+        assert all(v > token_lp for t, v in top.items() if t != token)  # the top one is another
+
+
 def test_logprob_bytes_are_the_tokens_own_and_cover_only_the_content(server):
     body = {"messages": [{"role": "user", "content": "Write the word 日本 once."}], "max_tokens": 24,
             "temperature": 0, "logprobs": True, "stop": ["\n"]}  # fmt: skip

@@ -388,7 +388,10 @@ class OpenAIServing:
             if entry is None:
                 tops.append(None)
             else:
+                # the sampled token too, as OpenAI's legacy completions (up to logprobs + 1
+                # entries) and vLLM's: outside the top it was missing, and logprobs=0 gave {}
                 alts = sorted(entry.items(), key=lambda kv: -kv[1])[:top]
+                alts += [(tok, entry[tok])] if all(a != tok for a, _ in alts) else []
                 tops.append({self._token_name(a, as_ids): lp for a, lp in alts})
             offsets.append(offset)
             offset += len(text)
