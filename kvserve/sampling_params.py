@@ -113,6 +113,13 @@ class SamplingParams:
     """Keep only the prompt's last k tokens (left truncation), as vLLM's; -1: the last
     max_model_len tokens. A cut prompt generates up to the context's end, as vLLM's LLM (one
     token after a whole context)."""
+    allowed_token_ids: list[int] | None = None
+    """Sample only these tokens (vLLM's): every other token's logit is -inf."""
+    bad_words: list[str] | None = None
+    """Never generate these words, as vLLM: a word's last token is banned wherever the output so
+    far ends with its other tokens (each word tokenized alone and after a space)."""
+    bad_words_token_ids: list[list[int]] | None = None
+    """bad_words as token sequences: filled by the input processor, which has the tokenizer."""
     kv_transfer_params: dict | None = None
     """Prefill/decode disaggregation (kvserve/kv_transfer/params.py): keep this prompt's KV for
     a decode engine, or take it from the prefill engine named here."""
@@ -173,6 +180,16 @@ class SamplingParams:
         )
         _check(all(isinstance(s, str) and s for s in self.stop_list), "stop", "must be non-empty strings")
         _check(
+            self.allowed_token_ids is None or len(self.allowed_token_ids) > 0,
+            "allowed_token_ids",
+            "must not be empty (no token could be sampled); leave it unset to allow all",
+        )
+        _check(
+            all(isinstance(w, str) and w.strip() for w in self.bad_words or ()),
+            "bad_words",
+            "must be a list of non-blank strings",
+        )
+        _check(
             self.pooling in (None, "last", "mean"), "pooling", f"must be last or mean, got {self.pooling!r}"
         )
         # n embeddings of one prompt are one embedding computed n times (and n empty completions)
@@ -199,12 +216,23 @@ class SamplingParams:
         for tok, bias in (self.logit_bias or {}).items():
             _check(_is_int(tok), "logit_bias", f"keys must be integer token ids, got {tok!r}")
             _check(_is_finite(bias), "logit_bias", f"values must be finite numbers, got {bias!r}")
-        for tok in self.stop_token_ids or ():
-            _check(_is_int(tok), "stop_token_ids", f"must be integer token ids, got {tok!r}")
+        for name in ("allowed_token_ids", "bad_words", "bad_words_token_ids"):
+            value = getattr(self, name)
+            _check(value is None or isinstance(value, list | tuple), name, f"must be a list, got {value!r}")
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            for tok in getattr(self, name) or ():
+                _check(_is_int(tok), name, f"must be integer token ids, got {tok!r}")
+        for word in self.bad_words_token_ids or ():
+            _check(
+                isinstance(word, list | tuple) and all(_is_int(t) for t in word),
+                "bad_words", "token ids must be lists of integers",
+            )  # fmt: skip
         if self.logit_bias:
             self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
         if self.stop_token_ids:
             self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = [int(t) for t in self.allowed_token_ids]
 
     def _check_beam_search(self) -> None:
         """What beam search cannot honour is refused, naming the field."""
@@ -222,6 +250,8 @@ class SamplingParams:
             "stop": bool(self.stop_list),
             "structured_outputs": self.structured_outputs is not None,
             "logit_bias": bool(self.logit_bias),
+            "allowed_token_ids": self.allowed_token_ids is not None,
+            "bad_words": bool(self.bad_words or self.bad_words_token_ids),
             "pooling": self.pooling is not None,
             "repetition_penalty": self.has_penalties,
         }
@@ -235,6 +265,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+    @property
+    def masks_tokens(self) -> bool:
+        """Whether allowed_token_ids or bad_words take tokens out of the logits."""
+        return self.allowed_token_ids is not None or bool(self.bad_words_token_ids)
 
     @property
     def has_penalties(self) -> bool:

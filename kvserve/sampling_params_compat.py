@@ -15,8 +15,6 @@ VLLM_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
     "spaces_between_special_tokens": ((True,), "False is not supported"),
     "output_kind": ((_UNSET,), ""),  # LLM.generate returns finished outputs only, as vLLM's does
     "guided_decoding": ((None,), "use structured_outputs=StructuredOutputsParams(...) (vLLM's newer name)"),
-    "allowed_token_ids": ((None,), "not supported; structured_outputs (choice / regex) restricts the output"),
-    "bad_words": ((None, ()), "not supported; a logit_bias of -100 on their tokens bans single-token words"),
     "logits_processors": ((None, ()), "not supported: kvserve runs no per-request Python on the logits"),
     "extra_args": ((None,), "not supported"),
     "flat_logprobs": ((False,), "not supported: logprobs are a list of dicts"),

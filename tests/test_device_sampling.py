@@ -145,8 +145,9 @@ def test_grammar_constrained_rows_on_device(host_llm, device_llm):
 
 
 def test_rows_needing_the_host_sampler_share_the_batch(host_llm, device_llm):
-    """Seeded, logprobs, penalties, logit bias, min-p and min_tokens rows go to the host sampler
-    and come out exactly as with device sampling off; the greedy rows beside them on the device."""
+    """Seeded, logprobs, penalties, logit bias, allowed_token_ids, bad_words, min-p and min_tokens
+    rows go to the host sampler and come out exactly as with device sampling off; the greedy rows
+    beside them on the device."""
     llm, routes = device_llm
     host_only = {
         "seeded": SamplingParams(temperature=1.0, seed=7, max_tokens=12, ignore_eos=True),
@@ -155,6 +156,8 @@ def test_rows_needing_the_host_sampler_share_the_batch(host_llm, device_llm):
         "penalty": SamplingParams(temperature=0, repetition_penalty=1.5, max_tokens=12, ignore_eos=True),
         "bias": SamplingParams(temperature=0, logit_bias={300: 5.0}, max_tokens=8, ignore_eos=True),
         "min_p": SamplingParams(temperature=0, min_p=0.2, max_tokens=8, ignore_eos=True),
+        "allowed": SamplingParams(temperature=0, allowed_token_ids=[300, 301], max_tokens=8, ignore_eos=True),
+        "bad_words": SamplingParams(temperature=0, bad_words=["fox", "cache"], max_tokens=8, ignore_eos=True),
     }
     device_ok = {
         "greedy": SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
@@ -170,6 +173,7 @@ def test_rows_needing_the_host_sampler_share_the_batch(host_llm, device_llm):
     got = _rid(llm, prompts, params)
     for name, w, (rid, c) in zip(names, want, got):
         assert c.token_ids == w.token_ids, name
+        assert name != "allowed" or set(c.token_ids) <= {300, 301}
         n = len(c.token_ids)
         if name in host_only:
             assert routes.host[rid] == n and routes.device[rid] == 0, name

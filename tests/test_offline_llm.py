@@ -448,8 +448,6 @@ def test_prompt_token_rank_is_its_vocabulary_rank(llm, tiny_llama_dir, k):
 @pytest.mark.parametrize(
     "field, value, words",
     [
-        ("bad_words", ["cache"], "bad_words: not supported"),
-        ("allowed_token_ids", [5, 6], "allowed_token_ids: not supported"),
         ("guided_decoding", {"regex": "a+"}, "guided_decoding: use structured_outputs"),
         ("detokenize", False, "detokenize: False is not supported"),
         ("logits_processors", [print], "logits_processors: not supported"),
@@ -474,6 +472,46 @@ def test_vllm_only_sampling_fields_at_their_defaults(llm):
     )
     with pytest.raises(TypeError, match="no_such_field"):  # not vLLM's either: the dataclass's own error
         SamplingParams(no_such_field=1)
+
+
+def test_allowed_token_ids_and_bad_words_mask_the_logits(llm):
+    """vLLM's allowed_token_ids and bad_words were a ValueError ("not supported"). allowed: only
+    those tokens are drawn; bad_words: a word's last token is banned where the output ends with
+    its other tokens. Expected tokens from the unmasked greedy run's raw top logprobs."""
+    prompt = "The quick brown fox"
+    base = llm.generate(prompt, SamplingParams(**_GREEDY_KW, logprobs=3), use_tqdm=False)[0].outputs[0]
+    ids = base.token_ids
+
+    def run(**kw) -> list[int]:
+        out = llm.generate(prompt, SamplingParams(**_GREEDY_KW, **kw), use_tqdm=False)[0]
+        return out.outputs[0].token_ids
+
+    def runner_up(i: int) -> int:
+        return max((t for t in base.logprobs[i] if t != ids[i]), key=lambda t: base.logprobs[i][t])
+
+    assert run(allowed_token_ids=[*ids, 5]) == ids  # the greedy tokens allowed: nothing changes
+    assert run(allowed_token_ids=[ids[1]]) == [ids[1]] * len(ids)
+    tok = llm.tokenizer
+
+    # a two-token word of the output, spelled as it tokenizes (alone or after a space)
+    def spellings(word: str) -> list[list[int]]:
+        return [tok.encode(w, add_special_tokens=False) for w in (word.lstrip(), " " + word.lstrip())]
+
+    i = next(i for i in range(1, len(ids) - 1) if ids[i : i + 2] in spellings(tok.decode(ids[i : i + 2])))
+    out = run(bad_words=[tok.decode(ids[i : i + 2])])
+    assert out[: i + 1] == ids[: i + 1] and out[i + 1] == runner_up(i + 1), (ids, out)
+    out = run(bad_words=[tok.decode([ids[0]])])  # one token: never drawn
+    assert out[0] == runner_up(0) and ids[0] not in out, (ids, out)
+    with pytest.raises(ValueError, match=r"allowed_token_ids: token ids out of range \[0, 512\): \[512\]"):
+        run(allowed_token_ids=[3, 512])
+    for kw, words in (
+        ({"allowed_token_ids": []}, "allowed_token_ids: must not be empty"),
+        ({"bad_words": [" "]}, "bad_words: must be a list of non-blank"),
+        ({"bad_words": "dog"}, "bad_words: must be a list"),
+        ({"bad_words": ["dog"], "n": 2, "use_beam_search": True}, "bad_words: is not supported"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            SamplingParams(**{**_GREEDY_KW, **kw})
 
 
 def test_vllm_script_helpers(llm):

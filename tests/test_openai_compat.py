@@ -324,6 +324,26 @@ def test_completion_top_logprobs_hold_the_sampled_token(server):
         assert all(v > token_lp for t, v in top.items() if t != token)  # the top one is another
 
 
+def test_vllm_allowed_token_ids_and_bad_words(server):
+    """vLLM's allowed_token_ids and bad_words were a 400 "Extra inputs are not permitted"."""
+    ask = {"messages": [{"role": "user", "content": "What is the capital of France?"}],
+           "max_tokens": 12, "temperature": 0}  # fmt: skip
+    base = post(server, "/v1/chat/completions", ask).json()["choices"][0]["message"]["content"]
+    assert "Paris" in base
+    r = post(server, "/v1/chat/completions", {**ask, "bad_words": ["Paris"]})
+    assert r.status_code == 200 and "Paris" not in r.json()["choices"][0]["message"]["content"], r.text
+    ids = post(server, "/tokenize", {"prompt": " yes no", "add_special_tokens": False}).json()["tokens"]
+    body = {"prompt": "Is the sky blue?", "max_tokens": 4, "temperature": 0, "allowed_token_ids": ids}
+    c = post(server, "/v1/completions", {**body, "ignore_eos": True, "logprobs": 0}).json()["choices"][0]
+    assert c["text"] and set(c["text"].split()) <= {"yes", "no"}, c
+    for extra, param in (({"allowed_token_ids": [10**6]}, "allowed_token_ids"),
+                         ({"allowed_token_ids": []}, "allowed_token_ids"),
+                         ({"bad_words": [""]}, "bad_words"),
+                         ({"bad_words": ["x"] * 1025}, "bad_words")):  # fmt: skip
+        r = post(server, "/v1/completions", {**body, **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
 def test_logprob_bytes_are_the_tokens_own_and_cover_only_the_content(server):
     body = {"messages": [{"role": "user", "content": "Write the word 日本 once."}], "max_tokens": 24,
             "temperature": 0, "logprobs": True, "stop": ["\n"]}  # fmt: skip

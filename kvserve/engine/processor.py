@@ -16,6 +16,7 @@ from kvserve.kv_transfer.config import KVTransferConfig
 from kvserve.kv_transfer.params import check_kv_transfer_params
 from kvserve.kv_transfer.peers import allowed
 from kvserve.kv_transfer.refused import release_refused, same_lease
+from kvserve.model.layers.bad_words import bad_words_token_ids
 from kvserve.sampling_params import SamplingParams
 from kvserve.structured.spec import check as check_grammar
 from kvserve.tokenizer import Tokenizer
@@ -214,6 +215,13 @@ class InputProcessor:
         bad = [t for t in (params.stop_token_ids or []) if not 0 <= int(t) < lim.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids: token ids out of range: {bad[:5]}")
+        allowed = params.allowed_token_ids or []
+        if allowed and (min(allowed) < 0 or max(allowed) >= lim.vocab_size):
+            bad = [t for t in allowed if not 0 <= t < lim.vocab_size]
+            raise ValueError(f"allowed_token_ids: token ids out of range [0, {lim.vocab_size}): {bad[:5]}")
+        if params.bad_words and params.bad_words_token_ids is None:
+            words = bad_words_token_ids(self.tokenizer, params.bad_words)
+            params = replace(params, bad_words_token_ids=words)
         if params.structured_outputs is not None:
             check_grammar(params.structured_outputs)  # an invalid schema never reaches the core
         self._check_kv_transfer(params)

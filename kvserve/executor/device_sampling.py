@@ -8,11 +8,11 @@ on any device (the tests run the device path on the CPU), =0 off.
 
 A request qualifies when sampling it needs no host state: no seed (its generator is on the
 host: a seeded request's draws must not depend on the batch or the device), no penalties,
-logit bias, min-p or min_tokens still in force (they read the request's history), no logprobs,
-no beam search, not an n > 1 leader before its first token (siblings draw from its row). Its
-row's draws come from the runner's device generator (seeded with the engine's seed), not from
-the host sampler's: the distribution is the same, the draws are not. Greedy rows give the same
-tokens either way.
+logit bias, allowed_token_ids, bad_words, min-p or min_tokens still in force (they read the
+request's history), no logprobs, no beam search, not an n > 1 leader before its first token
+(siblings draw from its row). Its row's draws come from the runner's device generator (seeded
+with the engine's seed), not from the host sampler's: the distribution is the same, the draws
+are not. Greedy rows give the same tokens either way.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ def samples_on_device(req: Request) -> bool:
         req.generator is None
         and not p.has_penalties
         and not p.logit_bias
+        and not p.masks_tokens
         and p.min_p == 0.0
         and len(req.output_token_ids) >= p.min_tokens
         and p.logprobs is None

@@ -21,6 +21,7 @@ INT64_MAX = 2**63 - 1
 MAX_N = 128  # choices per request (and never more than the server's --max-num-seqs)
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI documents
 MAX_STOP_STRINGS = 32
+MAX_BAD_WORDS = 1024  # each is tokenized on the event loop and matched at every step of the request
 MAX_PROMPTS = 2048  # entries of a completions prompt list or an embeddings input list, as OpenAI documents
 MAX_SEQUENCES = 2048  # engine requests one chat / completions request may queue: prompts x samples
 

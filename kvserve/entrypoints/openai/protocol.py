@@ -17,6 +17,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag, model_validator
 
 from kvserve.entrypoints.openai.limits import (
+    MAX_BAD_WORDS,
     MAX_STOP_STRINGS,
     Int64,
     Metadata,
@@ -137,6 +138,8 @@ class SamplingFields(OpenAIBody):
     min_tokens: NonNegInt64 = 0
     ignore_eos: bool = False
     stop_token_ids: list[NonNegInt64] | None = None
+    allowed_token_ids: Annotated[list[NonNegInt64], Field(min_length=1)] | None = None  # only these sampled
+    bad_words: Annotated[list[str], Field(max_length=MAX_BAD_WORDS)] | None = None  # never generated
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: Int64 = 0  # lower runs sooner under --scheduling-policy priority
@@ -235,6 +238,8 @@ class SamplingFields(OpenAIBody):
             min_tokens=self.min_tokens,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.model.layers.bad_words import banned_tokens
 from kvserve.model.layers.cpu_kernels import loaded_cpu_kernels
 from kvserve.request import Request
 
@@ -113,6 +114,20 @@ def _mask_top_k_top_p_min_p(logits: torch.Tensor, reqs: list) -> torch.Tensor:
 MIN_LOGPROB = -9999.0  # what a token a grammar forbids (-inf) reports: JSON has no infinity (as vLLM)
 
 
+def _mask_tokens(logits: torch.Tensor, row: int, req) -> None:
+    """vLLM's allowed_token_ids (all others -inf) and bad_words (bad_words.py) on one row."""
+    p = req.params
+    if p.allowed_token_ids is not None:
+        keep = torch.tensor(p.allowed_token_ids, dtype=torch.long)
+        kept = logits[row, keep].clone()
+        logits[row] = float("-inf")
+        logits[row, keep] = kept
+    if p.bad_words_token_ids:
+        banned = banned_tokens(p.bad_words_token_ids, req.output_token_ids)
+        if banned:
+            logits[row, banned] = float("-inf")
+
+
 def _entry(raw_logprobs: torch.Tensor, row: int, token: int, k: int) -> dict[int, float]:
     """The chosen token's logprob plus the top-k, as the API reports them. Under a grammar
     fewer than k tokens may be allowed; the rest of the top-k are forbidden ones, at MIN_LOGPROB."""
@@ -153,12 +168,14 @@ def _maybe_inject_fault(reqs: list) -> None:
 
 def argmax_only(req) -> bool:
     """Whether a row's token is its raw logits' argmax and nothing more is asked: greedy, no
-    logprobs, and nothing that edits the logits first (bias, penalties, min_tokens in force)."""
+    logprobs, and nothing that edits the logits first (bias, allowed tokens, bad words,
+    penalties, min_tokens in force)."""
     p = req.params
     return (
         p.greedy
         and p.logprobs is None
         and not p.logit_bias
+        and not p.masks_tokens
         and not p.has_penalties
         and len(req.output_token_ids) >= p.min_tokens
     )
@@ -169,14 +186,17 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(seed)
 
     def _prepare(self, logits: torch.Tensor, reqs: list) -> torch.Tensor | None:
-        """Apply logit bias, penalties and min_tokens in place; returns the raw logprobs
-        (before any of that) when a row asks for logprobs."""
+        """Apply logit bias, allowed_token_ids, bad_words, penalties and min_tokens in place;
+        returns the raw logprobs (before any of that, as vLLM's) when a row asks for logprobs."""
         want = any(r.params.logprobs is not None for r in reqs)
         raw_logprobs = logits.log_softmax(-1) if want else None
         if any(r.params.logit_bias for r in reqs):
             for i, r in enumerate(reqs):
                 for tok, bias in (r.params.logit_bias or {}).items():
                     logits[i, tok] += bias
+        for i, r in enumerate(reqs):
+            if r.params.masks_tokens:
+                _mask_tokens(logits, i, r)
         apply_penalties(logits, reqs)
         for i, r in enumerate(reqs):
             if len(r.output_token_ids) < r.params.min_tokens:
