@@ -344,6 +344,42 @@ def test_vllm_allowed_token_ids_and_bad_words(server):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
+def _events(server, path: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", f"{server.url}{path}", json={**body, "stream": True},
+                      headers=server.headers, timeout=180) as r:  # fmt: skip
+        return [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+
+
+def test_vllm_return_token_ids_and_add_special_tokens(server):
+    """vLLM's return_token_ids and add_special_tokens (both endpoints) were a 400 "Extra inputs are
+    not permitted". The ids are the prompt the model saw and every token it generated (a cut stop
+    string's too, as vLLM's); streamed, the same ids once each, the prompt's with the first chunk.
+    chat_template is refused saying why, as vLLM's default refuses it."""
+    body = {"prompt": "1, 2, 3, 4, 5,", "max_tokens": 12, "temperature": 0, "stop": [" 8"],
+            "return_token_ids": True, "add_special_tokens": False}  # fmt: skip
+    r = post(server, "/v1/completions", body).json()
+    c = post(server, "/tokenize", {"prompt": body["prompt"], "add_special_tokens": False}).json()
+    ch = r["choices"][0]
+    assert ch["prompt_token_ids"] == c["tokens"] and ch["text"] == " 6, 7,", ch
+    assert len(ch["token_ids"]) == r["usage"]["completion_tokens"]
+    assert post(server, "/detokenize", {"tokens": ch["token_ids"]}).json()["prompt"].startswith(" 6, 7, 8")
+    chunks = [e["choices"][0] for e in _events(server, "/v1/completions", body)]
+    assert chunks[0]["prompt_token_ids"] == ch["prompt_token_ids"]
+    assert not any("prompt_token_ids" in x for x in chunks[1:])
+    assert [t for x in chunks for t in x["token_ids"]] == ch["token_ids"]
+    ask = {"messages": HI, "max_tokens": 4, "temperature": 0, "return_token_ids": True}
+    want = post(server, "/tokenize", {"messages": HI}).json()["tokens"]
+    for extra in ({}, {"add_special_tokens": True}):  # (this model's tokenizer adds no BOS)
+        r = post(server, "/v1/chat/completions", {**ask, **extra}).json()
+        assert r["prompt_token_ids"] == want and len(r["choices"][0]["token_ids"]) == 4, r
+    events = _events(server, "/v1/chat/completions", ask)
+    assert events[0]["prompt_token_ids"] == want and not any("prompt_token_ids" in e for e in events[1:])
+    assert [t for e in events for t in e["choices"][0].get("token_ids", [])] == r["choices"][0]["token_ids"]
+    r = post(server, "/v1/chat/completions", {**ask, "chat_template": "{{ messages }}"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template", r.text
+    assert "--trust-request-chat-template" in r.json()["error"]["message"]
+
+
 def test_logprob_bytes_are_the_tokens_own_and_cover_only_the_content(server):
     body = {"messages": [{"role": "user", "content": "Write the word 日本 once."}], "max_tokens": 24,
             "temperature": 0, "logprobs": True, "stop": ["\n"]}  # fmt: skip

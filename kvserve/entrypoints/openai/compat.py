@@ -73,6 +73,12 @@ def normalize_chat(req: ChatCompletionRequest) -> list[str]:
         raise ValueError("modalities: this server produces text only; audio output is not supported")
     if req.audio is not None:  # (named `modalities` before, a field the request may not have sent)
         raise ValueError("audio: this server produces text only; audio output is not supported")
+    if req.chat_template is not None:  # a client's Jinja run in the server: vLLM too refuses it by default
+        raise ValueError(
+            "chat_template: a request's own chat template is not run here (vLLM refuses it too unless "
+            "started with --trust-request-chat-template); the model's template is used, and "
+            "chat_template_kwargs passes variables to it"
+        )
     if req.web_search_options is not None:
         raise ValueError("web_search_options: web search is not available on this server")
     for field in ("tools", "functions"):  # OpenAI's 400: an empty list declares nothing to call

@@ -149,6 +149,7 @@ class SamplingFields(OpenAIBody):
     structured_outputs: StructuredOutputs | None = None
     request_id: Annotated[str, Field(pattern=r"^[A-Za-z0-9._:-]{1,128}$")] | None = None  # response id suffix
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>"
+    return_token_ids: bool = False  # vLLM: prompt_token_ids and each choice's token_ids in the answer
     prompt_logprobs: NumLogprobs | None = None
     best_of: NumChoices | None = None  # samples drawn; the n of highest cumulative logprob returned
     use_beam_search: bool = False  # n beams, the n best returned (engine/beam_search.py); no streaming
@@ -400,7 +401,9 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM: extend the last (assistant) message
     echo: bool = False  # vLLM: the reply starts with the continued assistant message
+    add_special_tokens: bool = False  # vLLM: the tokenizer's BOS on top of what the template adds
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM: extra variables for the template
+    chat_template: str | None = None  # vLLM's: refused, as vLLM's default refuses it (compat.py)
     tools: list[ChatTool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -452,6 +455,7 @@ class CompletionRequest(SamplingFields):
     logprobs: NumLogprobs | None = None
     echo: bool = False
     suffix: str | None = None  # refused unless empty: no fill-in-the-middle (compat.py)
+    add_special_tokens: bool = True  # vLLM: a text prompt gets the tokenizer's BOS
 
 
 class EmbeddingRequest(OpenAIBody):

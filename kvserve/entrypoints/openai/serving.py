@@ -47,6 +47,7 @@ from kvserve.entrypoints.openai.protocol import (
     TokenizeRequest,
 )
 from kvserve.entrypoints.openai.stall import StallWatch
+from kvserve.entrypoints.openai.token_ids import StreamedTokenIds
 from kvserve.entrypoints.openai.tool_parser import ToolCallStream, new_call_id, parse_calls
 from kvserve.entrypoints.openai.tools import call_constraint, conversation, tool_mode
 from kvserve.entrypoints.sse_json import sse_json
@@ -177,12 +178,20 @@ class OpenAIServing:
         if prefill:
             template_kwargs["continue_final_message"] = True
         cut = getattr(req, "truncate_prompt_tokens", None) is not None  # any length fits once cut
+        # vLLM's add_special_tokens: a BOS on top of the template's, only when asked (/tokenize's
+        # default true is its prompt's, so its messages count as the chat request's)
+        special = req.add_special_tokens and "add_special_tokens" in req.model_fields_set
         return await self.chat_prompt_ids(
-            messages, req.add_generation_prompt and not prefill, {**extra, **template_kwargs}, cut
+            messages, req.add_generation_prompt and not prefill, {**extra, **template_kwargs}, cut, special
         )
 
     async def chat_prompt_ids(
-        self, messages: list[dict], add_generation_prompt: bool, template_kwargs: dict, cut: bool = False
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool,
+        template_kwargs: dict,
+        cut: bool = False,
+        add_special_tokens: bool = False,
     ):
         """The chat template applied and tokenized, off the event loop; `cut` (truncate_prompt_tokens
         set): no length is refused before tokenizing."""
@@ -202,7 +211,7 @@ class OpenAIServing:
             # render 10 MB, seconds of a core to tokenize into a certain context_length_exceeded
             if not cut:
                 self._check_chars("messages", len(text))
-            return self._encode("messages", text, False)
+            return self._encode("messages", text, add_special_tokens)
 
         return await self._off_loop(render)
 
@@ -217,6 +226,7 @@ class OpenAIServing:
         session: str | None = None,
         background: bool = False,
         samples_field: str = "n",
+        add_special_tokens: bool = True,
     ) -> list[RequestStream]:
         """Validate every prompt, apply admission control, then queue all engine requests of
         this API request at once (choice index = prompt index * n + sample index).
@@ -224,7 +234,8 @@ class OpenAIServing:
         One bad prompt fails the whole request before anything is queued; a request that could
         never be admitted is a 400; past max_waiting_requests the request is refused at once
         (503 + Retry-After). Queuing is all or nothing: if one engine request cannot be added,
-        the ones already added are aborted. `samples_field` names what set `n` (n or best_of).
+        the ones already added are aborted. `samples_field` names what set `n` (n or best_of);
+        `add_special_tokens`: text prompts get the tokenizer's BOS (vLLM's field, true by default).
         """
         total = len(prompts) * n
         # Batch lines (background) are outside the waiting room: the batch runner bounds them with
@@ -238,7 +249,9 @@ class OpenAIServing:
             )
         keep = params.truncate_prompt_tokens
         cut = keep is not None
-        ids = [await self.tokenize_text(p, truncated=cut) if isinstance(p, str) else p for p in prompts]
+        ids = [
+            await self.tokenize_text(p, add_special_tokens, cut) if isinstance(p, str) else p for p in prompts
+        ]
         if cut:  # the tokens kept are the prompt: echo and usage show what ran
             prompts = ids = [self.engine.processor.truncate(list(p), keep) for p in ids]
         for p in ids:
@@ -445,9 +458,10 @@ class OpenAIServing:
         model = req.model or self.model_names[0]
         deadline = self._deadline()
         session, batch_line = session_key(raw, req.user), getattr(raw.state, "batch_line", False)
+        # (a chat prompt is token ids by now: its add_special_tokens went to the template's)
         streams = await self._start(
             prompts, params, samples, engine_rid, req.priority, req.cache_salt, session, batch_line,
-            "best_of" if samples > req.n else "n",
+            "best_of" if samples > req.n else "n", req.add_special_tokens,
         )  # fmt: skip
         gen = self._merged(streams, deadline)
         return Launched(rid, created, model, streams, gen, samples, self.fingerprint)
@@ -478,18 +492,20 @@ class OpenAIServing:
         choice,
         first: Sequence[dict] = (),
         prompt_tokens: int = 0,
+        head: dict | None = None,
     ) -> AsyncIterator[dict]:
         """The streamed response: `first` choices, then `choice(index, output)` per engine
         output (None: nothing to send yet), each in a chunk with its usage field; the usage
         chunk last when asked (stream_options). `prompt_tokens`: the prompt's length as sent,
-        which the `first` chunks' continuous usage reports (as vLLM's), no output having come."""
+        which the `first` chunks' continuous usage reports (as vLLM's), no output having come;
+        `head`: top-level fields of the `first` chunks (vLLM's prompt_token_ids)."""
         opts = req.stream_options
         include_usage = bool(opts and opts.include_usage)
         continuous = bool(opts and opts.continuous_usage_stats)
         base = run.envelope(obj)
         usage = Usage(req.n, prompt_tokens)
         for c in first:
-            yield {**base, "choices": [c], **usage.chunk_field(include_usage, continuous)}
+            yield {**base, **(head or {}), "choices": [c], **usage.chunk_field(include_usage, continuous)}
         async for index, out in run.gen:
             usage.add(index, out, len(out.outputs[0].delta_token_ids))
             c = choice(index, out)
@@ -537,7 +553,7 @@ class OpenAIServing:
             raise
         run = Run(launched.gen, launched.streams, warnings)
         if req.stream:
-            run.chunks = self._chat_chunks(launched, req, mode, top, echo, len(prompt))
+            run.chunks = self._chat_chunks(launched, req, mode, top, echo, prompt)
             return run
         as_ids = req.return_tokens_as_token_ids
 
@@ -550,12 +566,15 @@ class OpenAIServing:
                 if c.finish_reason == "stop":  # an end-of-turn token or a cut stop string ended it
                     k = self._content_tokens(c.token_ids, c.text, req.skip_special_tokens)
                 logprobs = self._chat_logprobs(c.token_ids[:k], c.logprobs[:k], top, as_ids)
+            ids = {"token_ids": list(c.token_ids)} if req.return_token_ids else {}
             return {"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish,
-                    "stop_reason": _stop_reason(c)}  # fmt: skip
+                    "stop_reason": _stop_reason(c), **ids}  # fmt: skip
 
         run.body, finals = await self._body(launched, "chat.completion", req.n, raw, choice)
         if req.prompt_logprobs is not None:
             run.body["prompt_logprobs"] = self._prompt_logprobs(finals[0], req.prompt_logprobs)
+        if req.return_token_ids:  # vLLM's: the prompt the model saw, after the template and any cut
+            run.body["prompt_token_ids"] = list(finals[0].prompt_token_ids)
         return run
 
     def _chat_params(self, req: ChatCompletionRequest, mode: str, max_tokens: int | None, top: int | None):
@@ -587,7 +606,7 @@ class OpenAIServing:
         return message, _call_finish(finish, mode)
 
     def _chat_chunks(
-        self, run: Launched, req: ChatCompletionRequest, mode: str, top: int, echo: str, prompt_tokens: int
+        self, run: Launched, req: ChatCompletionRequest, mode: str, top: int, echo: str, prompt: list[int]
     ) -> AsyncIterator[dict]:
         first = [
             {
@@ -603,9 +622,12 @@ class OpenAIServing:
         as_ids = req.return_tokens_as_token_ids
         tool_streams: dict[int, ToolCallStream] = {}
         sent: dict[int, int] = {}  # tokens whose logprobs went out, per choice
+        token_ids = StreamedTokenIds()
 
         def choice(index: int, out: RequestOutput) -> dict | None:
             c = out.outputs[0]
+            if req.return_token_ids:
+                token_ids.add(index, out)
             lp_ids, lps = c.text_token_ids, c.text_logprobs  # in step with the text released
             if req.logprobs and out.finished and c.finish_reason == "stop":  # not the end-of-turn token
                 keep = self._content_tokens(c.token_ids, c.text, req.skip_special_tokens) - sent.get(index, 0)
@@ -628,14 +650,16 @@ class OpenAIServing:
                     delta["tool_calls"] = calls
                 if ts.ids:
                     finish = "function_call" if legacy and finish == "stop" else _call_finish(finish, mode)
-            if not (delta or out.finished or with_logprobs):  # no empty chunks for held-back text
-                return None
+            if not (delta or out.finished or with_logprobs or token_ids.pending(index)):
+                return None  # no empty chunks for held-back text
             logprobs = self._chat_logprobs(lp_ids, lps, top, as_ids) if with_logprobs else None
             stop = _stop_reason(c) if out.finished else None
+            ids = {"token_ids": token_ids.take(index)} if req.return_token_ids else {}
             return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish,
-                    "stop_reason": stop}  # fmt: skip
+                    "stop_reason": stop, **ids}  # fmt: skip
 
-        return self._chunks(run, "chat.completion.chunk", req, choice, first, prompt_tokens)
+        head = {"prompt_token_ids": list(prompt)} if req.return_token_ids else None
+        return self._chunks(run, "chat.completion.chunk", req, choice, first, len(prompt), head)
 
     # ---- embeddings ------------------------------------------------------------------------
     async def embeddings(self, req: EmbeddingRequest, raw: Request) -> dict:
@@ -717,6 +741,9 @@ class OpenAIServing:
             }  # fmt: skip
             if req.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = self._prompt_logprobs(out, req.prompt_logprobs)
+            if req.return_token_ids:  # vLLM's: the prompt the model saw (cut, if cut), and the output
+                choice["prompt_token_ids"] = list(out.prompt_token_ids)
+                choice["token_ids"] = list(c.token_ids)
             return choice
 
         run.body, _ = await self._body(launched, "text_completion", req.n, raw, choice)
@@ -750,9 +777,13 @@ class OpenAIServing:
 
     def _completion_chunks(self, run: Launched, req: CompletionRequest) -> AsyncIterator[dict]:
         offsets: dict[int, int] = {}  # characters sent so far per choice (for text_offset)
+        token_ids = StreamedTokenIds()
 
         def choice(index: int, out: RequestOutput) -> dict | None:
             c = out.outputs[0]
+            first = index not in offsets
+            if req.return_token_ids:
+                token_ids.add(index, out)
             # Tokens go out with their text: none held back as a stop string's start, none cut.
             text, ids, lps = c.delta_text, list(c.text_token_ids), list(c.text_logprobs or [])
             if index not in offsets:
@@ -762,7 +793,8 @@ class OpenAIServing:
                     ids = out.prompt_token_ids + ids
                     lps = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids)) + lps
             with_logprobs = req.logprobs is not None and ids
-            if not (text or out.finished or with_logprobs):
+            unsent = req.return_token_ids and (first or token_ids.pending(index))  # prompt or output ids
+            if not (text or out.finished or with_logprobs or unsent):
                 return None
             logprobs = None
             if with_logprobs:
@@ -772,8 +804,12 @@ class OpenAIServing:
             offsets[index] += len(text)
             finish = c.finish_reason if out.finished else None
             stop = _stop_reason(c) if out.finished else None
+            extra = {}
+            if req.return_token_ids:  # the prompt's ids with the choice's first chunk, as vLLM's
+                extra = {"prompt_token_ids": list(out.prompt_token_ids)} if first else {}
+                extra["token_ids"] = token_ids.take(index)
             return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish,
-                    "stop_reason": stop}  # fmt: skip
+                    "stop_reason": stop, **extra}  # fmt: skip
 
         return self._chunks(run, "text_completion", req, choice)
 
