@@ -344,6 +344,18 @@ def test_vllm_allowed_token_ids_and_bad_words(server):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
+def test_completion_logprobs_given_as_chat_spells_them(server):
+    """Clients send chat's boolean logprobs to /v1/completions: false was a 400 (it means none),
+    true "logprobs: Input should be a valid integer" (the endpoint's logprobs is a count)."""
+    body = {"prompt": "Hello", "max_tokens": 1, "temperature": 0}
+    r = post(server, "/v1/completions", {**body, "logprobs": False})
+    assert r.status_code == 200 and r.json()["choices"][0]["logprobs"] is None, r.text
+    r = post(server, "/v1/completions", {**body, "logprobs": True})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "logprobs", r.text
+    assert "integer from 0 to 20" in err["message"] and "top_logprobs" in err["message"]
+
+
 def _events(server, path: str, body: dict) -> list[dict]:
     with httpx.stream("POST", f"{server.url}{path}", json={**body, "stream": True},
                       headers=server.headers, timeout=180) as r:  # fmt: skip

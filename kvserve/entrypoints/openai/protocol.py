@@ -14,10 +14,21 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    PrivateAttr,
+    Tag,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from kvserve.entrypoints.openai.limits import (
     MAX_BAD_WORDS,
+    MAX_LOGPROBS,
     MAX_STOP_STRINGS,
     Int64,
     Metadata,
@@ -456,6 +467,22 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     suffix: str | None = None  # refused unless empty: no fill-in-the-middle (compat.py)
     add_special_tokens: bool = True  # vLLM: a text prompt gets the tokenizer's BOS
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _logprobs_is_a_count(cls, value: Any) -> Any:
+        """Chat's spelling, which clients send here too: `false` is no logprobs (it was a 400),
+        `true` a 400 saying what this endpoint's logprobs is (not "a valid integer"; vLLM's lax
+        parsing took it as 1, and false as 0: the sampled token's logprob, asked for or not)."""
+        if value is False:
+            return None
+        if value is True:
+            raise PydanticCustomError(
+                "int_type",
+                "on /v1/completions it is the number of top alternatives per token, an integer from 0 "
+                f"to {MAX_LOGPROBS} (logprobs: true is chat completions' spelling, with top_logprobs)",
+            )
+        return value
 
 
 class EmbeddingRequest(OpenAIBody):
