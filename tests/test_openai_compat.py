@@ -119,6 +119,7 @@ def test_the_fingerprint_changes_with_what_changes_the_tokens():
         ({"use_beam_search": True, "n": 2, "stream": True}, "stream"),
         ({"best_of": 1, "n": 2}, "best_of"),
         ({"best_of": 3, "stream": True}, "best_of"),
+        ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),  # no chunk carried them: dropped
         ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
         ({"no_such_field": 1}, "no_such_field"),
     ],
