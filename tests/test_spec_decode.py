@@ -87,16 +87,21 @@ def test_speculation_survives_preemption_and_chunking(proposer, tiny_llama_dir):
 
 
 def test_speculation_with_penalties_logprobs_min_tokens_and_stop(tiny_llama_dir):
-    """Per-position sampling state (penalties, min_tokens) and outputs (logprobs, stop
-    strings cut inside an accepted run) are what they would be without speculation."""
+    """Per-position sampling state (penalties, min_tokens, bad_words, allowed_token_ids) and
+    outputs (logprobs, stop strings cut inside an accepted run) are what they would be without
+    speculation."""
     plain, spec = _engines(tiny_llama_dir, None)
     prompts = _prompts(plain.tokenizer)[:4]
     text = plain.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0]
     stop = text.outputs[0].text[25:29]  # a stop string somewhere inside the output
+    ids = text.outputs[0].token_ids
+    bad = plain.tokenizer.decode(ids[10:12])  # a two-token bad word: its ban reads the drafts before it
     for params in (
         SamplingParams(temperature=0, max_tokens=40, repetition_penalty=1.3, frequency_penalty=0.5),
         SamplingParams(temperature=0, max_tokens=40, min_tokens=30, logprobs=3),
         SamplingParams(temperature=0, max_tokens=40, stop=[stop]),
+        SamplingParams(temperature=0, max_tokens=40, bad_words=[bad]),
+        SamplingParams(temperature=0, max_tokens=40, allowed_token_ids=sorted(set(ids))),
     ):
         a = plain.generate(prompts, params, use_tqdm=False)
         b = spec.generate(prompts, params, use_tqdm=False)
