@@ -139,7 +139,8 @@ class EngineConfig:
             "help": (
                 "Sampling defaults, as vLLM's: auto (the model's generation_config.json: temperature, "
                 "top_p, top_k, min_p, repetition_penalty, max_new_tokens for a request that leaves "
-                "them unset), vllm (neutral defaults), or a directory holding a generation_config.json."
+                "them unset), vllm (neutral defaults), or a directory holding a generation_config.json "
+                "(its max_new_tokens also caps a server request's larger max_tokens, as vLLM's)."
             )
         },
     )

@@ -34,3 +34,11 @@ def generation_defaults(source: ModelSource, mode: str = "auto") -> dict[str, An
     if "max_new_tokens" in found:
         found["max_tokens"] = found.pop("max_new_tokens")
     return found
+
+
+def capped_max_tokens(requested: int | None, defaults: dict[str, Any], mode: str) -> int | None:
+    """A server request's max_tokens, as vLLM's server has it: a `--generation-config` directory's
+    max_new_tokens caps even an explicit larger value (the operator's limit); `auto`'s (the
+    model's own file) only fills an unset one, which `defaults` does downstream."""
+    cap = defaults.get("max_tokens") if mode not in ("auto", "vllm") else None
+    return requested if cap is None or requested is None else min(requested, cap)

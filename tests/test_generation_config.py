@@ -12,6 +12,7 @@ import pytest
 from server_utils import ServerProcess
 
 from kvserve import LLM, SamplingParams
+from kvserve.generation_defaults import capped_max_tokens
 
 # top_k 1: the default sampling is the argmax after the repetition penalty, whatever the seed
 RECOMMENDED = {"temperature": 0.6, "top_p": 0.9, "top_k": 1, "repetition_penalty": 1.3, "max_new_tokens": 5}
@@ -60,6 +61,9 @@ def test_server_defaults_are_the_models(model_dir, tmp_path):
         explicit = post("chat/completions", {"messages": messages, **greedy})
         assert unset["usage"]["completion_tokens"] == 5
         assert unset["choices"][0]["message"] == explicit["choices"][0]["message"]
+        # the model's own max_new_tokens is a default only (vLLM's auto): a larger max_tokens holds
+        longer = post("completions", {"prompt": PROMPT, "max_tokens": 8, "ignore_eos": True})
+        assert longer["usage"]["completion_tokens"] == 8
         response = post("responses", {"input": PROMPT, "max_output_tokens": 3})
         assert (response["temperature"], response["top_p"]) == (0.6, 0.9)
         # beam search takes none of them: the default repetition_penalty does not refuse it
@@ -67,3 +71,15 @@ def test_server_defaults_are_the_models(model_dir, tmp_path):
         assert len(beams["choices"]) == 2
     finally:
         s.stop()
+
+
+def test_a_generation_config_directory_caps_max_tokens():
+    """vLLM's server: a --generation-config directory's max_new_tokens caps an explicit larger
+    max_tokens too (the operator's limit; it was only a default); auto's, the model's own file,
+    only fills an unset one, and vllm has none."""
+    defaults = {"max_tokens": 5}  # generation_defaults' names: max_new_tokens as max_tokens
+    assert capped_max_tokens(8, defaults, "/etc/kvserve/gen") == 5
+    assert capped_max_tokens(3, defaults, "/etc/kvserve/gen") == 3
+    assert capped_max_tokens(None, defaults, "/etc/kvserve/gen") is None  # the default fills it later
+    assert capped_max_tokens(8, defaults, "auto") == 8
+    assert capped_max_tokens(8, {}, "/etc/kvserve/gen") == 8

@@ -51,7 +51,7 @@ from kvserve.entrypoints.openai.token_ids import StreamedTokenIds
 from kvserve.entrypoints.openai.tool_parser import ToolCallStream, new_call_id, parse_calls
 from kvserve.entrypoints.openai.tools import call_constraint, conversation, tool_mode
 from kvserve.entrypoints.sse_json import sse_json
-from kvserve.generation_defaults import generation_defaults
+from kvserve.generation_defaults import capped_max_tokens, generation_defaults
 from kvserve.model.loader import load_arch
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -285,6 +285,10 @@ class OpenAIServing:
                 await st.aclose()
             raise
         return streams
+
+    def _max_tokens(self, requested: int | None) -> int | None:
+        """The request's max_tokens under a --generation-config directory's cap (vLLM's)."""
+        return capped_max_tokens(requested, self.sampling_defaults, self.engine.config.generation_config)
 
     def _deadline(self) -> float | None:
         return None if self.request_timeout is None else time.monotonic() + self.request_timeout
@@ -538,7 +542,7 @@ class OpenAIServing:
         top = req.top_logprobs if req.top_logprobs is not None else 0
         if req.top_logprobs is not None and not req.logprobs:
             raise ValueError("top_logprobs: requires logprobs=true")
-        max_tokens = req.max_completion_tokens or req.max_tokens
+        max_tokens = self._max_tokens(req.max_completion_tokens or req.max_tokens)
         echo = req.messages[-1].text() if req.echo and continues_final_message(req) else ""
         try:  # (SamplingParams checks the limit too: "min_tokens: must be <= max_tokens (2)")
             top_n = top if req.logprobs else None
@@ -716,7 +720,7 @@ class OpenAIServing:
         self.check_model(req.model)
         warnings = normalize_completion(req)
         prompts = self._prompts(req.prompt)
-        max_tokens = 16 if req.max_tokens is None else req.max_tokens
+        max_tokens = self._max_tokens(16 if req.max_tokens is None else req.max_tokens)
         wanted = [req.prompt_logprobs, req.logprobs if req.echo else None]
         prompt_lp = max((k for k in wanted if k is not None), default=None)
         engine_max = engine_max_tokens(max_tokens, req.echo)  # 0: the prompt alone (echo_only.py)
