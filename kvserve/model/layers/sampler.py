@@ -118,7 +118,7 @@ def _mask_tokens(logits: torch.Tensor, row: int, req) -> None:
     """vLLM's allowed_token_ids (all others -inf) and bad_words (bad_words.py) on one row."""
     p = req.params
     if p.allowed_token_ids is not None:
-        keep = torch.tensor(p.allowed_token_ids, dtype=torch.long)
+        keep = torch.tensor(p.allowed_token_ids, dtype=torch.long, device=logits.device)
         kept = logits[row, keep].clone()
         logits[row] = float("-inf")
         logits[row, keep] = kept
