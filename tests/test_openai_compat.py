@@ -53,7 +53,8 @@ def test_informational_fields_are_accepted(client):
         service_tier="auto", reasoning_effort="low", prompt_cache_key="k1", safety_identifier="u1",
         verbosity="low", modalities=["text"], prediction={"type": "content", "content": "Hello"},
         extra_body={"request_id": "abc-1", "chat_template_kwargs": {"enable_thinking": False},
-                    "return_tokens_as_token_ids": False, "stream_options": None},
+                    "return_tokens_as_token_ids": False, "stream_options": None,
+                    "spaces_between_special_tokens": True},  # vLLM's default: was "Extra inputs"
     )  # fmt: skip
     assert r.choices[0].message.content and r.id == "chatcmpl-abc-1"
 
@@ -120,6 +121,7 @@ def test_the_fingerprint_changes_with_what_changes_the_tokens():
         ({"best_of": 1, "n": 2}, "best_of"),
         ({"best_of": 3, "stream": True}, "best_of"),
         ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),  # no chunk carried them: dropped
+        ({"spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
         ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
         ({"no_such_field": 1}, "no_such_field"),
     ],

@@ -47,6 +47,8 @@ def normalize_sampling(req: SamplingFields) -> list[str]:
         raise ValueError(f"best_of: must be at least n (got best_of={req.best_of}, n={req.n})")
     if req.best_of is not None and req.best_of > req.n and req.stream:
         raise ValueError("best_of: cannot be streamed (the best are known only at the end); use n")
+    if not req.spaces_between_special_tokens:  # vLLM's fast detokenizer does not honour it either
+        raise ValueError("spaces_between_special_tokens: false is not supported: the text is decoded as is")
     if req.prompt_logprobs is not None and req.stream:  # no chunk carries them: they were dropped unsaid
         raise ValueError("prompt_logprobs: not available when stream is true (as vLLM's); send stream false")
     ignored = [f for f in INFORMATIONAL if getattr(req, f, None) is not None]

@@ -152,6 +152,7 @@ class SamplingFields(OpenAIBody):
     allowed_token_ids: Annotated[list[NonNegInt64], Field(min_length=1)] | None = None  # only these sampled
     bad_words: Annotated[list[str], Field(max_length=MAX_BAD_WORDS)] | None = None  # never generated
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # vLLM's default, the only one here (compat.py)
     include_stop_str_in_output: bool = False
     priority: Int64 = 0  # lower runs sooner under --scheduling-policy priority
     cache_salt: str | None = None  # requests with different salts never share cached prefixes
