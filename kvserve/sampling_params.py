@@ -224,8 +224,8 @@ class SamplingParams:
                 _check(_is_int(tok), name, f"must be integer token ids, got {tok!r}")
         for word in self.bad_words_token_ids or ():
             _check(
-                isinstance(word, list | tuple) and all(_is_int(t) for t in word),
-                "bad_words", "token ids must be lists of integers",
+                isinstance(word, list | tuple) and bool(word) and all(_is_int(t) for t in word),
+                "bad_words", "token ids must be non-empty lists of integers",
             )  # fmt: skip
         if self.logit_bias:
             self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}

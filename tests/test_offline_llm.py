@@ -504,10 +504,13 @@ def test_allowed_token_ids_and_bad_words_mask_the_logits(llm):
     assert out[0] == runner_up(0) and ids[0] not in out, (ids, out)
     with pytest.raises(ValueError, match=r"allowed_token_ids: token ids out of range \[0, 512\): \[512\]"):
         run(allowed_token_ids=[3, 512])
+    with pytest.raises(ValueError, match=r"bad_words: token ids out of range \[0, 512\): \[600\]"):
+        run(bad_words_token_ids=[[3, 600]])  # set directly: no index error inside a step
     for kw, words in (
         ({"allowed_token_ids": []}, "allowed_token_ids: must not be empty"),
         ({"bad_words": [" "]}, "bad_words: must be a list of non-blank"),
         ({"bad_words": "dog"}, "bad_words: must be a list"),
+        ({"bad_words_token_ids": [[]]}, "bad_words: token ids must be non-empty lists"),
         ({"bad_words": ["dog"], "n": 2, "use_beam_search": True}, "bad_words: is not supported"),
     ):
         with pytest.raises(ValueError, match=words):

@@ -222,6 +222,9 @@ class InputProcessor:
         if params.bad_words and params.bad_words_token_ids is None:
             words = bad_words_token_ids(self.tokenizer, params.bad_words)
             params = replace(params, bad_words_token_ids=words)
+        bad = [t for w in params.bad_words_token_ids or [] for t in w if not 0 <= t < lim.vocab_size]
+        if bad:  # set directly (offline): an id past the vocabulary would fail the engine's step
+            raise ValueError(f"bad_words: token ids out of range [0, {lim.vocab_size}): {bad[:5]}")
         if params.structured_outputs is not None:
             check_grammar(params.structured_outputs)  # an invalid schema never reaches the core
         self._check_kv_transfer(params)
