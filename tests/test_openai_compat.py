@@ -446,7 +446,9 @@ def test_chat_streamed_logprobs_leave_out_a_cut_stop_string(server):
 def test_continuous_usage_stats(server):
     body = {"prompt": "Count: 1, 2,", "max_tokens": 4, "stream": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
-    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=server.headers) as r:
+    with httpx.stream(
+        "POST", f"{server.url}/v1/completions", json=body, headers=server.headers, timeout=60
+    ) as r:
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     usages = [e["usage"]["completion_tokens"] for e in events if e.get("choices")]
     assert usages == sorted(usages) and usages[-1] == events[-1]["usage"]["completion_tokens"]
@@ -458,7 +460,9 @@ def test_continuous_usage_stats_of_a_chat_stream_count_the_prompt_from_its_first
     body = {"model": "smol", "messages": [{"role": "user", "content": "Count: 1, 2,"}], "max_tokens": 3,
             "n": 2, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
-    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, headers=server.headers) as r:
+    with httpx.stream(
+        "POST", f"{server.url}/v1/chat/completions", json=body, headers=server.headers, timeout=60
+    ) as r:
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     final = events[-1]["usage"]
     assert not events[-1]["choices"] and final["prompt_tokens"] > 0
