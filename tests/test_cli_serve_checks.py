@@ -87,3 +87,26 @@ def test_list_flags_after_the_model_or_without_paths_are_taken(tiny_llama_dir):
         ["serve", "--served-model-name", "foo", "bar"],  # names only: the default model, as asked
     ):
         assert _swallowed_model(build_parser().parse_args(argv)) is None
+
+
+def test_a_failure_building_the_app_stops_the_engine_and_exits(tiny_llama_dir, monkeypatch, capsys):
+    """An exception in build_app, once the engine core had loaded the model, printed a stack and
+    left the command hanging at exit (multiprocessing joins a daemon core it sent SIGTERM to,
+    which the core ignores), the core running."""
+    import kvserve.entrypoints.openai.api_server as api_server
+    from kvserve.entrypoints.cli import main
+
+    engines = []
+
+    def broken(engine, *args):
+        engines.append(engine)
+        raise TypeError("no app today")
+
+    monkeypatch.setattr(api_server, "build_app", broken)
+    assert main(["serve", tiny_llama_dir, "--port", "0", "--kv-cache-memory", "4MiB"]) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "error: the server could not start: TypeError: no app today"
+    )
+    (engine,) = engines
+    engine.proc.join(5)
+    assert not engine.proc.is_alive()

@@ -257,6 +257,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, RuntimeError, TimeoutError) as e:  # start-up problems
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # a bug met starting the server (building its app): its stack, then one line
+        logging.getLogger("kvserve.server").exception("the server could not start")
+        print(f"error: the server could not start: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
     finally:
         for core in cores:
             core.cancel()

@@ -389,23 +389,25 @@ def serve(
         )  # fmt: skip
     else:
         engine = AsyncLLM(config, restart_limit=cfg.engine_restart_limit, prespawned=next(iter(cores), None))
-    r = engine.ready
-    logger.info(
-        "KV pool: %d blocks x %d tokens = %d tokens, %.1f MiB; max concurrency at max_model_len=%d: %.2f",
-        r.num_blocks, r.block_size, r.num_blocks * r.block_size, r.kv_cache_bytes / 2**20, r.max_model_len,
-        r.num_blocks / -(-r.max_model_len // r.block_size),
-    )  # fmt: skip
-    app = build_app(engine, cfg, store)
-    logger.info(
-        "serving %s on http://%s:%d (API key %s)",
-        ", ".join(cfg.served_model_name or [engine.source.name]), host, port,
-        "required" if cfg.api_keys else "off",
-    )  # fmt: skip
-    uv = uvicorn.Config(
-        app, host=host, port=port, log_level="warning",
-        timeout_graceful_shutdown=1, loop="uvloop", http="httptools",
-    )  # fmt: skip
+    # From here the engine runs: whatever fails (building the app included) stops it, or the
+    # command printed its error and hung at exit, joining a core that ignores SIGTERM.
     try:
+        r = engine.ready
+        logger.info(
+            "KV pool: %d blocks x %d tokens = %d tokens, %.1f MiB; max concurrency at max_model_len=%d: %.2f",
+            r.num_blocks, r.block_size, r.num_blocks * r.block_size, r.kv_cache_bytes / 2**20,
+            r.max_model_len, r.num_blocks / -(-r.max_model_len // r.block_size),
+        )  # fmt: skip
+        app = build_app(engine, cfg, store)
+        logger.info(
+            "serving %s on http://%s:%d (API key %s)",
+            ", ".join(cfg.served_model_name or [engine.source.name]), host, port,
+            "required" if cfg.api_keys else "off",
+        )  # fmt: skip
+        uv = uvicorn.Config(
+            app, host=host, port=port, log_level="warning",
+            timeout_graceful_shutdown=1, loop="uvloop", http="httptools",
+        )  # fmt: skip
         DrainingServer(uv, app.state.lifecycle).run()
     finally:
         engine.shutdown()
