@@ -334,6 +334,32 @@ def test_without_model_the_servers_own_name_is_sent(instant_stub, tiny_llama_dir
     assert "could not be asked which model it serves" in capsys.readouterr().err
 
 
+def test_the_result_has_vllm_s_flat_keys(instant_stub, tiny_llama_dir, tmp_path):
+    """Scripts written against vLLM's benchmark_serving.py read `request_throughput`,
+    `mean_ttft_ms`, `p99_itl_ms`, ... at the top of the file; kvserve's result nested them only
+    under `metrics` (and had no median / std)."""
+    out = tmp_path / "r.json"
+    argv = ["bench", "serve", "--base-url", instant_stub.url, "--tokenizer", tiny_llama_dir, "--num-prompts",
+            "3", "--input-len", "8", "--output-len", "4", "--disable-tqdm", "--save-result", str(out),
+            "--save-detailed"]  # fmt: skip
+    assert kvserve_main(argv) == 0
+    res = json.loads(out.read_text())
+    m = res["metrics"]
+    assert (res["completed"], res["failed"], res["num_prompts"]) == (3, 0, 3)
+    assert res["duration"] == m["duration_s"]
+    assert (res["request_rate"], res["max_concurrency"], res["model_id"]) == ("inf", None, "stub-model")
+    for key in ("request_throughput", "output_throughput", "total_token_throughput", "total_output_tokens"):
+        assert res[key] == m[key], key
+    assert res["request_goodput"] is None  # no --slo
+    for name in ("ttft", "tpot", "itl", "e2el"):
+        assert res[f"mean_{name}_ms"] == pytest.approx(m[f"{name}_ms"]["mean"])
+        assert res[f"p99_{name}_ms"] == pytest.approx(m[f"{name}_ms"]["p99"])
+        assert res[f"median_{name}_ms"] == pytest.approx(m[f"{name}_ms"]["p50"])
+        assert res[f"std_{name}_ms"] >= 0
+    assert res["input_lens"] == [r["prompt_len"] for r in res["requests"]] and len(res["ttfts"]) == 3
+    assert res["output_lens"] == [4, 4, 4] and res["errors"] == ["", "", ""]
+
+
 def test_save_detailed_without_save_result_is_refused(capsys):
     """--save-detailed alone ran the benchmark and wrote the per-request timings nowhere."""
     argv = ["bench", "serve", "--base-url", "http://127.0.0.1:1", "--model", "tiny", "--save-detailed"]

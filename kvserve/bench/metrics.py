@@ -44,6 +44,16 @@ def meets_slo(r: RequestResult, slo: dict[str, float]) -> bool:
     return all(checks[k] * 1000.0 <= ms for k, ms in slo.items())
 
 
+def latency_series(ok: list[RequestResult]) -> dict[str, list[float]]:
+    """The completed requests' TTFT, TPOT, ITL and end-to-end latencies, in seconds."""
+    return {
+        "ttft": [r.ttft for r in ok],
+        "tpot": [t for r in ok if (t := tpot(r)) is not None],
+        "itl": [x for r in ok for x in r.itl],
+        "e2el": [r.latency for r in ok],
+    }
+
+
 def compute_metrics(
     results: list[RequestResult], duration: float, slo: dict[str, float] | None = None
 ) -> dict[str, Any]:
@@ -60,10 +70,7 @@ def compute_metrics(
         "request_throughput": len(ok) / duration if duration > 0 else 0.0,
         "output_throughput": out_tok / duration if duration > 0 else 0.0,
         "total_token_throughput": (in_tok + out_tok) / duration if duration > 0 else 0.0,
-        "ttft_ms": summary_ms([r.ttft for r in ok]),
-        "tpot_ms": summary_ms([t for r in ok if (t := tpot(r)) is not None]),
-        "itl_ms": summary_ms([x for r in ok for x in r.itl]),
-        "e2el_ms": summary_ms([r.latency for r in ok]),
+        **{f"{name}_ms": summary_ms(values) for name, values in latency_series(ok).items()},
     }
     if slo:
         good = sum(1 for r in ok if meets_slo(r, slo))

@@ -15,6 +15,7 @@ from kvserve.bench.metrics import compute_metrics
 from kvserve.bench.served_model import served_model
 from kvserve.bench.server_stats import scrape_spec_counters, spec_decode_summary
 from kvserve.bench.slo import parse_slo
+from kvserve.bench.vllm_keys import vllm_keys
 
 
 def dataset_config(args: argparse.Namespace) -> DatasetConfig:
@@ -101,6 +102,7 @@ def run_serve(
         },  # fmt: skip
         "metrics": compute_metrics(results, duration, slo),
     }
+    out.update(vllm_keys(results, out["metrics"], out["load"], args.model, detailed))
     if spec is not None:
         out["spec_decode"] = spec
     if detailed:
