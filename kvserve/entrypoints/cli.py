@@ -23,6 +23,7 @@ from kvserve.argtypes import (
     positive_int,
 )
 from kvserve.config import EngineConfig
+from kvserve.entrypoints.chat_template_arg import chat_template
 from kvserve.entrypoints.openai.server_config import ServerConfig
 from kvserve.routing.registry import SERVE_POLICIES
 
@@ -30,6 +31,7 @@ from kvserve.routing.registry import SERVE_POLICIES
 # loaded, seconds later; a typo of digits is refused at once
 TOP_K = at_most(int_at_least(-1), 2**20, "past any model's vocabulary")
 MAX_TOKENS = at_most(positive_int, 10**8, "past any model's context")
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
 def _vllm_dtype(text: str) -> str | None:
@@ -210,11 +212,34 @@ def _model_flag(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _same_path(a: str, b: str) -> bool:
+    return a == b or os.path.realpath(os.path.expanduser(a)) == os.path.realpath(os.path.expanduser(b))
+
+
+def _vllm_only_options(args: argparse.Namespace) -> str | None:
+    """vLLM's --tokenizer and --trust-remote-code, in the scripts users bring. kvserve reads the
+    model's own tokenizer, so --tokenizer naming the model is taken and another refused; it runs
+    no code from a model's repository, which --trust-remote-code is said not to change."""
+    model = args.model or EngineConfig.model
+    if args.tokenizer is not None and not _same_path(args.tokenizer, model):
+        return (
+            f"tokenizer: {args.tokenizer!r} is not the model; kvserve serves with the model's own tokenizer "
+            "(drop --tokenizer, or give the model)"
+        )
+    if args.trust_remote_code:
+        logging.getLogger("kvserve.server").info(
+            "trust-remote-code: accepted, and changes nothing: kvserve runs no code from a model's "
+            "repository (it implements each architecture it serves)"
+        )
+    return None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvserve.entrypoints.listen_check import listen_error
 
     problem = (
         _model_flag(args)
+        or _vllm_only_options(args)
         or _swallowed_model(args)
         or _auth_error(args)
         or listen_error(args.host, args.port)
@@ -251,7 +276,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             batch_storage_dir=args.batch_storage_dir,
             max_upload_size=args.max_upload_size, batch_window=args.batch_window,
             response_store=args.response_store,
-            response_store_size=args.response_store_size,
+            response_store_size=args.response_store_size, chat_template=args.chat_template,
+            log_requests=not args.disable_log_requests, uvicorn_log_level=args.uvicorn_log_level,
         )  # fmt: skip
         return serve(config, args.host, args.port, server, cores)
     except (ValueError, FileNotFoundError, RuntimeError, TimeoutError) as e:  # start-up problems
@@ -374,6 +400,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="Batch API: a batch's requests in the engine at once (default --max-num-seqs)",
     )
+    srv.add_argument("--chat-template", type=chat_template, default=None,
+                     help="Jinja chat template used instead of the model's: a file, or the template "
+                          "itself (as vLLM's)")  # fmt: skip
+    srv.add_argument("--disable-log-requests", action="store_true", help="no log line per API request")
+    srv.add_argument("--uvicorn-log-level", choices=UVICORN_LOG_LEVELS,
+                     default=ServerConfig.uvicorn_log_level,
+                     help="uvicorn's own log level (info: its access log too)")  # fmt: skip
+    srv.add_argument("--tokenizer", default=None,
+                     help="as vLLM's, but only the model itself: kvserve uses the model's own "
+                          "tokenizer")  # fmt: skip
+    srv.add_argument("--trust-remote-code", action="store_true",
+                     help="accepted for vLLM's scripts; kvserve runs no code from a model's "
+                          "repository")  # fmt: skip
     srv.add_argument("--engine", choices=("kvserve", "naive"), default="kvserve",
                      help="naive: the transformers generate() baseline, one request at a time")  # fmt: skip
     add_engine_args(srv)

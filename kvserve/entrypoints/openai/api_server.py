@@ -98,6 +98,8 @@ def engine_dead_response(exc: EngineDeadError) -> Response:
 def build_app(engine: AsyncLLM | DPClient, cfg: ServerConfig, store: ResponseStore | None = None) -> FastAPI:
     names = cfg.served_model_name or [engine.source.name]
     name = names[0]
+    if cfg.chat_template is not None:  # every chat path (chat, Responses, /tokenize) renders with it
+        engine.tokenizer.hf.chat_template = cfg.chat_template
     metrics = ServerMetrics(name, getattr(engine, "size", 1), engine.config.max_num_seqs)
     metrics.pending_prefill = lambda: waiting_prefill_tokens(engine)
     engine.on_step = metrics.on_step
@@ -374,7 +376,12 @@ def serve(
     if not cfg.api_keys and os.environ.get("KVSERVE_API_KEY"):
         cfg.api_keys = [os.environ["KVSERVE_API_KEY"]]
     logger.info("configuration: %s", config)
-    logger.info("server: %s", {**vars(cfg), "api_keys": f"{len(cfg.api_keys)} key(s)"})
+    shown = {"api_keys": f"{len(cfg.api_keys)} key(s)"}
+    if cfg.chat_template:  # its length, not pages of Jinja
+        shown["chat_template"] = f"{len(cfg.chat_template)} characters (--chat-template)"
+    logger.info("server: %s", {**vars(cfg), **shown})
+    requests_level = logging.INFO if cfg.log_requests else logging.WARNING
+    logging.getLogger("kvserve.server.requests").setLevel(requests_level)
     store = open_store(
         cfg.response_store, cfg.response_store_size
     )  # a bad spec fails before the engine starts
@@ -405,7 +412,7 @@ def serve(
             "required" if cfg.api_keys else "off",
         )  # fmt: skip
         uv = uvicorn.Config(
-            app, host=host, port=port, log_level="warning",
+            app, host=host, port=port, log_level=cfg.uvicorn_log_level,
             timeout_graceful_shutdown=1, loop="uvloop", http="httptools",
         )  # fmt: skip
         DrainingServer(uv, app.state.lifecycle).run()

@@ -19,6 +19,8 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 logger = logging.getLogger("kvserve.server")
+# the line each API request logs: a logger of its own, which --disable-log-requests silences
+request_log = logging.getLogger("kvserve.server.requests")
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
@@ -197,4 +199,4 @@ class RequestGate:
         try:
             await self.app(scope, receive, send_and_note)
         finally:
-            logger.info("%s %s %d %.3fs", scope["method"], path, status, time.monotonic() - t0)
+            request_log.info("%s %s %d %.3fs", scope["method"], path, status, time.monotonic() - t0)

@@ -45,3 +45,9 @@ class ServerConfig:
     """Batch API: the largest file POST /v1/files accepts (OpenAI's limit is 200 MB)."""
     batch_window: int | None = None
     """Batch API: how many of a batch's requests are in the engine at once (None: max_num_seqs)."""
+    chat_template: str | None = None
+    """--chat-template: the Jinja template chat requests are rendered with (None: the model's)."""
+    log_requests: bool = True
+    """One log line per API request (--disable-log-requests turns it off)."""
+    uvicorn_log_level: str = "warning"
+    """uvicorn's own log level (--uvicorn-log-level; info adds its access log)."""

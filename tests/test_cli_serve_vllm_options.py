@@ -1,0 +1,73 @@
+"""`kvserve serve` options vLLM users pass (--chat-template, --disable-log-requests,
+--uvicorn-log-level, --tokenizer, --trust-remote-code): each was "unrecognized arguments"."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from server_utils import ServerProcess
+
+from kvserve.entrypoints.cli import build_parser, main
+
+TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}ANSWER:"
+
+
+def _serve_args(*flags: str):
+    return build_parser().parse_args(["serve", *flags])
+
+
+def test_chat_template_is_a_file_or_the_template_itself(tmp_path):
+    path = tmp_path / "t.jinja"
+    path.write_text(TEMPLATE)
+    assert _serve_args("--chat-template", str(path)).chat_template == TEMPLATE
+    assert _serve_args("--chat-template", TEMPLATE).chat_template == TEMPLATE
+    assert _serve_args().chat_template is None
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("no-such.jinja", "'no-such.jinja': no such file (nor a Jinja template: it has no { })"),
+        ("{% for m in messages %}", "not a valid Jinja template: Unexpected end of template."),
+    ],
+)
+def test_a_bad_chat_template_stops_serve_at_parse(value, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        _serve_args("--chat-template", value)
+    assert e.value.code == 2
+    assert f"argument --chat-template: {message}" in capsys.readouterr().err
+
+
+def test_tokenizer_other_than_the_model_is_refused_before_it_loads(tmp_path, capsys):
+    """kvserve uses the model's own tokenizer: another one is refused, not silently ignored."""
+    other = str(tmp_path / "other-tokenizer")
+    assert main(["serve", str(tmp_path / "model"), "--tokenizer", other, "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: tokenizer: {other!r} is not the model; kvserve serves with the model")
+
+
+def test_the_options_work_on_a_running_server(tiny_llama_dir, tmp_path):
+    """The template really renders the prompt; the model as --tokenizer and --trust-remote-code
+    are taken (the latter said to change nothing); --disable-log-requests drops the per-request
+    log line, --uvicorn-log-level reaches uvicorn (info: its access log)."""
+    log = tmp_path / "serve.log"
+    s = ServerProcess(
+        tiny_llama_dir, "--kv-cache-memory", "4MiB", "--chat-template", TEMPLATE,
+        "--tokenizer", tiny_llama_dir, "--trust-remote-code", "--disable-log-requests",
+        "--uvicorn-log-level", "info", api_key=None, log_path=str(log),
+    )  # fmt: skip
+    try:
+        messages = [{"role": "user", "content": "hi"}]
+        ids = httpx.post(f"{s.url}/tokenize", json={"messages": messages}).json()["tokens"]
+        text = httpx.post(f"{s.url}/detokenize", json={"tokens": ids}).json()["prompt"]
+        assert text == "[user] hi\nANSWER:"
+        body = {"messages": messages, "max_tokens": 2, "temperature": 0}
+        r = httpx.post(f"{s.url}/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == len(ids)
+    finally:
+        s.stop()
+    said = log.read_text()
+    assert "trust-remote-code: accepted, and changes nothing" in said
+    assert '"POST /v1/chat/completions HTTP/1.1" 200' in said  # uvicorn's access log, at info
+    assert "kvserve.server.requests" not in said and "POST /v1/chat/completions 200" not in said
