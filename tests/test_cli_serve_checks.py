@@ -110,3 +110,41 @@ def test_a_failure_building_the_app_stops_the_engine_and_exits(tiny_llama_dir, m
     (engine,) = engines
     engine.proc.join(5)
     assert not engine.proc.is_alive()
+
+
+def test_a_kv_pool_smaller_than_one_full_sequence_stops_serve(tiny_llama_dir, capsys):
+    """A pool of 8 blocks (128 tokens) under a 256-token context started, and refused every
+    request past 128 tokens; vLLM refuses it at start, saying what to change."""
+    import psutil
+
+    from kvserve.entrypoints.cli import main
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    argv = ["serve", tiny_llama_dir, "--port", "0", "--kv-cache-memory", "64KiB", "--max-model-len", "256"]
+    assert main(argv) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "error: kv_cache_memory: the KV pool holds 128 tokens (8 blocks of 16), less than one sequence of "
+        "max_model_len 256 tokens (16 blocks); raise --kv-cache-memory to at least 128KiB (on a GPU without "
+        "it, --gpu-memory-utilization) or lower --max-model-len to at most 128"
+    )
+    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    left = [
+        p for p in left if p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in p.cmdline()[-1]
+    ]
+    assert not left, left  # multiprocessing's resource tracker lives as long as this process
+
+
+def test_the_pool_check_counts_whole_blocks_of_one_sequence():
+    """Exactly one max_model_len sequence's blocks pass; one block fewer is short (and, under the
+    model's own context, only warned of: serve refuses it where --max-model-len was given)."""
+    from kvserve.engine.core_proc import Ready
+    from kvserve.entrypoints.openai.pool_check import short_pool_error
+
+    def ready(blocks: int, max_model_len: int) -> Ready:
+        return Ready(512, max_model_len, blocks, 16, blocks * 16 * 46080, 1)
+
+    assert short_pool_error(ready(512, 8192)) is None and short_pool_error(ready(16, 241)) is None
+    assert short_pool_error(ready(511, 8192)).endswith(
+        "raise --kv-cache-memory to at least 360MiB (on a GPU without it, --gpu-memory-utilization) or "
+        "lower --max-model-len to at most 8176"
+    )

@@ -39,6 +39,7 @@ from kvserve.entrypoints.openai.listing import limit_problem
 from kvserve.entrypoints.openai.message_count import precheck_body
 from kvserve.entrypoints.openai.middleware import BodySizeLimit, HeadAsGet, InternalErrors, RequestGate
 from kvserve.entrypoints.openai.openapi import openapi_with_400
+from kvserve.entrypoints.openai.pool_check import short_pool_error
 from kvserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -405,6 +406,11 @@ def serve(
             r.num_blocks, r.block_size, r.num_blocks * r.block_size, r.kv_cache_bytes / 2**20,
             r.max_model_len, r.num_blocks / -(-r.max_model_len // r.block_size),
         )  # fmt: skip
+        problem = short_pool_error(r)
+        if problem and config.max_model_len is not None:  # a length asked for: refused, as vLLM
+            raise ValueError(problem)
+        if problem:  # the model's own context: served (many setups rely on it), and said
+            logger.warning("%s; until then a request past the pool is refused", problem)
         app = build_app(engine, cfg, store)
         logger.info(
             "serving %s on http://%s:%d (API key %s)",
