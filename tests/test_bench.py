@@ -360,6 +360,37 @@ def test_the_result_has_vllm_s_flat_keys(instant_stub, tiny_llama_dir, tmp_path)
     assert res["output_lens"] == [4, 4, 4] and res["errors"] == ["", "", ""]
 
 
+def test_a_vllm_bench_serve_command_runs_as_written(
+    instant_stub, tiny_llama_dir, tmp_path, monkeypatch, capsys
+):
+    """vLLM's spellings were "unrecognized arguments" (--host/--port, --dataset-name,
+    --random-input-len, --backend, --result-dir, --result-filename), "invalid choice" (--endpoint
+    /v1/chat/completions) or "expected one argument" (--save-result as a switch)."""
+    port = instant_stub.url.rsplit(":", 1)[1]
+    argv = ["bench", "serve", "--host", "127.0.0.1", "--port", port, "--tokenizer", tiny_llama_dir,
+            "--dataset-name", "random", "--random-input-len", "8", "--random-output-len", "4",
+            "--random-range-ratio", "0", "--num-prompts", "2", "--disable-tqdm"]  # fmt: skip
+    assert kvserve_main([*argv, "--backend", "openai-chat", "--save-result", "--result-dir", str(tmp_path),
+                         "--result-filename", "r.json"]) == 0  # fmt: skip
+    res = json.loads((tmp_path / "r.json").read_text())
+    assert (res["base_url"], res["endpoint"]) == (instant_stub.url, "chat")
+    assert (res["dataset"]["input_len"], res["dataset"]["output_len"], res["completed"]) == (8, 4, 2)
+    monkeypatch.chdir(tmp_path)  # --save-result alone: a file named from the run, as vLLM's
+    assert (
+        kvserve_main([*argv, "--endpoint", "/v1/completions", "--save-result", "--max-concurrency", "2"]) == 0
+    )
+    (named,) = tmp_path.glob("openai-infqps-concurrency2-stub-model-*.json")
+    assert json.loads(named.read_text())["endpoint"] == "completions"
+    capsys.readouterr()
+    for extra, message in [
+        (["--result-filename", "x.json"], "result-filename: needs --save-result"),
+        (["--base-url", instant_stub.url], "base-url: give --base-url or --host / --port, not both"),
+        (["--backend", "vllm", "--endpoint", "chat"], "backend: --backend vllm is --endpoint completions"),
+    ]:
+        assert kvserve_main([*argv, *extra]) == 2
+        assert capsys.readouterr().err.startswith(f"error: {message}")
+
+
 def test_save_detailed_without_save_result_is_refused(capsys):
     """--save-detailed alone ran the benchmark and wrote the per-request timings nowhere."""
     argv = ["bench", "serve", "--base-url", "http://127.0.0.1:1", "--model", "tiny", "--save-detailed"]

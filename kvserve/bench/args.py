@@ -17,6 +17,7 @@ from kvserve.argtypes import (
 )
 from kvserve.bench.datasets import DATASETS
 from kvserve.bench.slo import parse_slo
+from kvserve.bench.vllm_args import endpoint
 
 # Past these a value is a typo of digits: 1e14 prompts were built for minutes on end (the run
 # never started), a 20-digit length was an OverflowError traceback
@@ -74,19 +75,28 @@ def add_dataset_args(p: argparse.ArgumentParser) -> None:
         "--num-prefix-groups", type=positive_int, default=4, help="prefix dataset: distinct prefixes"
     )
     g.add_argument("--seed", type=int, default=0)
+    # vLLM's spellings of the same options (its random dataset's), each error naming the flag given
+    for flag, dest, typ in (
+        ("--dataset-name", "dataset", None), ("--random-input-len", "input_len", LENGTH),
+        ("--random-output-len", "output_len", LENGTH), ("--random-range-ratio", "range_ratio", range_ratio),
+    ):  # fmt: skip
+        choices = DATASETS if dest == "dataset" else None
+        same = "= --" + dest.replace("_", "-")
+        g.add_argument(flag, dest=dest, type=typ, choices=choices, default=argparse.SUPPRESS, help=same)
 
 
 def add_serve_args(p: argparse.ArgumentParser, single_url: bool = True) -> None:
     if single_url:
         p.add_argument(
-            "--base-url", type=base_url, default="http://127.0.0.1:8000", help="server root (or .../v1)"
+            "--base-url", type=base_url, default=None, help="server root (or .../v1); http://127.0.0.1:8000"
         )
     p.add_argument(
         "--model",
         default=None,
         help="model name sent in requests (default: the one the server's /v1/models lists)",
     )
-    p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
+    p.add_argument("--endpoint", type=endpoint, default="completions",
+                   help="completions or chat (or vLLM's /v1/completions, /v1/chat/completions)")  # fmt: skip
     p.add_argument("--prompt-format", choices=("text", "ids"), default="text",
                    help="completions prompt as text or token ids")  # fmt: skip
     p.add_argument("--api-key", default=None)

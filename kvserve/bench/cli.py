@@ -7,6 +7,12 @@ import sys
 
 from kvserve.argtypes import writable_file
 from kvserve.bench.args import add_offline_args, add_serve_args, base_url
+from kvserve.bench.vllm_args import (
+    SAVE_NAMED,
+    add_vllm_serve_args,
+    named_result_file,
+    resolve_vllm_serve_args,
+)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -19,8 +25,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    problem = resolve_vllm_serve_args(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     try:
         resolve_model(args, args.base_url)
+        if args.save_result == SAVE_NAMED:
+            args.save_result = named_result_file(args)
         tok, requests = prepare(args)
         res = run_serve(args, args.base_url, tok, requests, detailed=args.save_detailed)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
@@ -80,8 +92,11 @@ def register(subparsers) -> None:
     serve = sub.add_parser("serve", help="load-test one OpenAI-compatible server")
     add_serve_args(serve)
     serve.add_argument(
-        "--save-result", type=writable_file, default=None, help="write the result as JSON (docs/BENCH.md)"
-    )
+        "--save-result", type=writable_file, nargs="?", const=SAVE_NAMED, default=None,
+        help="write the result as JSON (docs/BENCH.md); alone, as vLLM's switch: to --result-dir / "
+        "--result-filename, or a name from the run",
+    )  # fmt: skip
+    add_vllm_serve_args(serve)
     serve.add_argument("--save-detailed", action="store_true", help="include per-request timings in JSON")
     serve.set_defaults(func=cmd_serve)
 

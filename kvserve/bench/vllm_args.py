@@ -1,0 +1,79 @@
+"""`vllm bench serve` / benchmark_serving.py spellings `kvserve bench serve` takes, so a vLLM
+user's command runs as written: --host / --port for --base-url, --backend openai-chat and
+--endpoint /v1/chat/completions for --endpoint chat, --save-result as a switch with
+--result-dir / --result-filename. (--dataset-name, --random-input-len, --random-output-len and
+--random-range-ratio are in args.py.) Each was "unrecognized arguments" or "invalid
+choice"; `--save-result --result-filename x.json` was "expected one argument"."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+
+from kvserve.argtypes import port, writable_file
+
+SAVE_NAMED = "<named from the run>"  # --save-result with no file: vLLM's switch
+_BACKENDS = {"vllm": "completions", "openai": "completions", "openai-chat": "chat"}
+_PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+
+
+def endpoint(text: str) -> str:
+    """kvserve's `completions` / `chat`, or vLLM's path for either."""
+    value = _PATHS.get(text.rstrip("/"), text)
+    if value not in ("completions", "chat"):
+        raise argparse.ArgumentTypeError(
+            f"must be completions or chat (or vLLM's /v1/completions, /v1/chat/completions), got {text!r}"
+        )
+    return value
+
+
+def add_vllm_serve_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("vLLM's spellings")
+    g.add_argument("--host", default=None, help="the server's host, as vLLM's, for --base-url (127.0.0.1)")
+    g.add_argument("--port", type=port, default=None, help="the server's port, as vLLM's (8000)")
+    g.add_argument("--backend", choices=tuple(_BACKENDS), default=None,
+                   help="vLLM's: openai-chat is --endpoint chat, vllm / openai completions")  # fmt: skip
+    g.add_argument("--result-dir", default=None, help="with --save-result and no file: the folder")
+    g.add_argument("--result-filename", default=None, help="with --save-result and no file: the name")
+
+
+def _default_name(args: argparse.Namespace) -> str:
+    """vLLM's: backend, rate, concurrency, model, time."""
+    rate = "inf" if math.isinf(args.request_rate) else f"{args.request_rate:g}"
+    conc = f"-concurrency{args.max_concurrency}" if args.max_concurrency else ""
+    model = os.path.basename(str(args.model).rstrip("/")) or "model"
+    when = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return f"{args.backend or 'openai'}-{rate}qps{conc}-{model}-{when}.json"
+
+
+def resolve_vllm_serve_args(args: argparse.Namespace) -> str | None:
+    """Fold vLLM's spellings into kvserve's options; an error message, or None."""
+    if args.host is not None or args.port is not None:
+        if args.base_url is not None:
+            return "base-url: give --base-url or --host / --port, not both"
+        host = args.host or "127.0.0.1"
+        where = f"[{host}]" if ":" in host else host
+        args.base_url = f"http://{where}:{args.port or 8000}"
+    args.base_url = args.base_url or "http://127.0.0.1:8000"
+    if args.backend is not None:
+        wanted = _BACKENDS[args.backend]
+        if args.endpoint == "chat" and wanted != "chat":  # completions is the default: not asked for
+            return f"backend: --backend {args.backend} is --endpoint completions, not chat"
+        args.endpoint = wanted
+    named = args.result_dir is not None or args.result_filename is not None
+    if named and args.save_result not in (None, SAVE_NAMED):
+        return "result-filename: --save-result was given a file; drop --result-dir / --result-filename"
+    if named and args.save_result is None:
+        return "result-filename: needs --save-result (as vLLM's: the file is written only with it)"
+    return None
+
+
+def named_result_file(args: argparse.Namespace) -> str:
+    """--save-result's file when it was given as a switch (after the model is known)."""
+    path = os.path.join(args.result_dir or ".", args.result_filename or _default_name(args))
+    try:
+        return writable_file(path)
+    except argparse.ArgumentTypeError as e:
+        raise ValueError(f"save-result: {e}") from None
