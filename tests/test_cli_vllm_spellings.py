@@ -74,3 +74,21 @@ def test_serve_takes_vllm_s_model_flag(tmp_path, capsys):
         capsys.readouterr().err
         == f"error: model: given twice, 'other.gguf' and --model {missing!r}; give one\n"
     )
+
+
+def test_serve_takes_vllm_s_short_parallel_and_quantization_flags():
+    """`vllm serve MODEL -tp 2` (and -pp, -dp, -q) was "unrecognized arguments: -tp 2"."""
+    config = _config("-tp", "2", "-dp", "1", "-q", "int8")
+    assert (config.tensor_parallel_size, config.data_parallel_size, config.quantization) == (2, 1, "int8")
+    assert _config("-pp", "2").pipeline_parallel_size == 2
+    assert build_parser().parse_args(["generate", "Hi", "-tp", "2"]).tensor_parallel_size == 2
+
+
+def test_plan_takes_dtype_auto_as_its_default(capsys):
+    """`kvserve plan MODEL --dtype auto` was "invalid choice: 'auto'"."""
+    from kvserve.planner.cli import main
+
+    assert main(["Llama-3.1-8B", "--dtype", "auto", "--json"]) == 0
+    auto = json.loads(capsys.readouterr().out)
+    assert main(["Llama-3.1-8B", "--json"]) == 0
+    assert auto == json.loads(capsys.readouterr().out) and auto["settings"]["compute_dtype"] == "bf16"

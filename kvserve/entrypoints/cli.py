@@ -48,20 +48,29 @@ def _engine_arg_types() -> dict[str, Callable[[str], object]]:
     return {"data_parallel_size": replicas, "max_model_len": max_model_len, "dtype": _vllm_dtype}
 
 
+# vLLM's short flags (`vllm serve MODEL -tp 2`), each "unrecognized arguments" before
+VLLM_SHORT_FLAGS = {
+    "tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp", "data_parallel_size": "-dp",
+    "quantization": "-q",
+}  # fmt: skip
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """One flag per EngineConfig field (--kv-cache-memory, --max-num-seqs, ...)."""
+    """One flag per EngineConfig field (--kv-cache-memory, --max-num-seqs, ...), and vLLM's
+    short spellings of four."""
     checked = _engine_arg_types()
     g = p.add_argument_group("engine")
     for f in fields(EngineConfig):
         if f.name == "model":
             continue
-        flag = "--" + f.name.replace("_", "-")
+        short = VLLM_SHORT_FLAGS.get(f.name)
+        flags = ["--" + f.name.replace("_", "-"), *([short] if short else [])]
         if str(f.type) == "bool":  # --enable-x / --no-enable-x
-            g.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
+            g.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
                            help=f.metadata.get("help"))  # fmt: skip
             continue
         typ = checked.get(f.name) or {"int": int, "float": float}.get(str(f.type).split(" |")[0], str)
-        g.add_argument(flag, dest=f.name, type=typ, default=None, help=f.metadata.get("help"))
+        g.add_argument(*flags, dest=f.name, type=typ, default=None, help=f.metadata.get("help"))
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

@@ -20,6 +20,12 @@ from kvserve.planner.report import render_table, to_dict
 from kvserve.planner.shares import HELD_SHARE, SHARE, USED_SHARE
 
 
+def _plan_dtype(text: str) -> str:
+    """vLLM's `--dtype auto` (was "invalid choice"): the plan's default, bf16. vLLM's auto runs a
+    checkpoint in 16 bits (bf16, or fp16 for an fp32 or fp16 one: the same bytes)."""
+    return "bf16" if text.strip().lower() == "auto" else text
+
+
 def gpu_block_size(text: str) -> int:
     """A block size the GPU engine starts with (the engine's own rule)."""
     size = positive_int(text)
@@ -66,8 +72,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     )
     prec = p.add_argument_group("precision")
     prec.add_argument(
-        "--dtype", default="bf16", choices=DTYPES, help="compute dtype; fp8/int8/int4 = quantised"
-    )
+        "--dtype", type=_plan_dtype, default="bf16", choices=DTYPES,
+        help="compute dtype; fp8/int8/int4 = quantised; auto (vLLM's default): bf16",
+    )  # fmt: skip
     prec.add_argument("--quantization", choices=["fp8", "int8", "int4"], help="weight format")
     prec.add_argument(
         "--kv-cache-dtype",
