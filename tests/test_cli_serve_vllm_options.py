@@ -46,6 +46,35 @@ def test_tokenizer_other_than_the_model_is_refused_before_it_loads(tmp_path, cap
     assert err.startswith(f"error: tokenizer: {other!r} is not the model; kvserve serves with the model")
 
 
+def test_vllm_s_benchmark_server_command_is_taken():
+    """vLLM's benchmark instructions start its server with `--swap-space 16
+    --disable-log-requests`: "unrecognized arguments"; so were --disable-log-stats,
+    --enable-chunked-prefill, --load-format auto, --download-dir, --max-seq-len-to-capture."""
+    from kvserve.entrypoints.cli import engine_config
+    from kvserve.entrypoints.serve_vllm_options import vllm_only_problem
+
+    args = _serve_args("--swap-space", "16", "--disable-log-requests", "--disable-log-stats",
+                       "--enable-chunked-prefill", "--load-format", "auto", "--tokenizer-mode", "auto",
+                       "--download-dir", "/tmp", "--max-seq-len-to-capture", "8192")  # fmt: skip
+    assert vllm_only_problem(args) is None and engine_config(args) == engine_config(_serve_args())
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--revision", "main"], "revision: 'main' is not supported; a model revision is not supported"),
+        (["--no-enable-chunked-prefill"], "enable-chunked-prefill: --no-enable-chunked-prefill is not"),
+        (["--load-format", "pt"], "load-format: 'pt' is not supported; weights load from safetensors"),
+        (["--tokenizer-mode", "slow"], "tokenizer-mode: 'slow' is not supported"),
+    ],
+)  # fmt: skip
+def test_a_vllm_option_kvserve_cannot_honour_is_refused_before_the_model_loads(
+    flags, message, tmp_path, capsys
+):
+    assert main(["serve", str(tmp_path / "model"), *flags]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {message}")
+
+
 def test_the_options_work_on_a_running_server(tiny_llama_dir, tmp_path):
     """The template really renders the prompt; the model as --tokenizer and --trust-remote-code
     are taken (the latter said to change nothing); --disable-log-requests drops the per-request

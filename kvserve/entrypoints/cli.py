@@ -25,6 +25,7 @@ from kvserve.argtypes import (
 from kvserve.config import EngineConfig
 from kvserve.entrypoints.chat_template_arg import chat_template
 from kvserve.entrypoints.openai.server_config import ServerConfig
+from kvserve.entrypoints.serve_vllm_options import add_vllm_only_args
 from kvserve.routing.registry import SERVE_POLICIES
 
 # generate's bounds past any model: a model's own vocabulary and context are checked once it has
@@ -229,6 +230,11 @@ def _vllm_only_options(args: argparse.Namespace) -> str | None:
     """vLLM's --tokenizer and --trust-remote-code, in the scripts users bring. kvserve reads the
     model's own tokenizer, so --tokenizer naming the model is taken and another refused; it runs
     no code from a model's repository, which --trust-remote-code is said not to change."""
+    from kvserve.entrypoints.serve_vllm_options import vllm_only_problem
+
+    problem = vllm_only_problem(args)
+    if problem:
+        return problem
     model = args.model or EngineConfig.model
     if args.tokenizer is not None and not _same_path(args.tokenizer, model):
         return (
@@ -422,6 +428,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--trust-remote-code", action="store_true",
                      help="accepted for vLLM's scripts; kvserve runs no code from a model's "
                           "repository")  # fmt: skip
+    add_vllm_only_args(srv)
     srv.add_argument("--engine", choices=("kvserve", "naive"), default="kvserve",
                      help="naive: the transformers generate() baseline, one request at a time")  # fmt: skip
     add_engine_args(srv)

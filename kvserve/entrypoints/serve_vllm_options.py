@@ -1,0 +1,48 @@
+"""vLLM's `vllm serve` options that change nothing in kvserve (or that kvserve cannot honour),
+as `kvserve serve` flags. vLLM's own benchmark instructions start its server with
+`--swap-space 16 --disable-log-requests`; each such flag was "unrecognized arguments". The
+accepted values are the offline LLM's (llm_options.VLLM_LLM_ONLY): a value that changes nothing
+is taken, another refused before the model loads, naming the flag and why."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvserve.entrypoints.llm_options import _ANY, VLLM_LLM_ONLY
+
+# on/off in vLLM's CLI; the rest take a value
+_SWITCHES = ("disable_log_stats", "enable_chunked_prefill")
+# serve's own flag (--trust-remote-code, with its note), and one another change may add to serve
+_OWN = ("trust_remote_code", "max_logprobs")
+
+
+def _names() -> list[str]:
+    return [name for name in VLLM_LLM_ONLY if name not in _OWN]
+
+
+def add_vllm_only_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("vLLM's options kvserve takes where they change nothing")
+    for name in _names():
+        flag = "--" + name.replace("_", "-")
+        accepted, why = VLLM_LLM_ONLY[name]
+        taken = [str(a) for a in accepted if a is not None]
+        help_ = (
+            "vLLM's; accepted, changes nothing here" if _ANY in accepted
+            else f"vLLM's; only {' / '.join(taken)}: {why}" if taken
+            else f"vLLM's; refused: {why}"
+        )  # fmt: skip
+        if name in _SWITCHES:
+            g.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_)
+        else:
+            g.add_argument(flag, dest=name, default=None, help=help_)
+
+
+def vllm_only_problem(args: argparse.Namespace) -> str | None:
+    """The first of these flags given a value kvserve cannot honour, said as such; or None."""
+    for name in _names():
+        value = getattr(args, name, None)
+        accepted, why = VLLM_LLM_ONLY[name]
+        if value is not None and _ANY not in accepted and value not in accepted:
+            shown = f"--no-{name.replace('_', '-')}" if value is False else repr(value)
+            return f"{name.replace('_', '-')}: {shown} is not supported; {why}"
+    return None
