@@ -205,3 +205,41 @@ def test_model_info_lists_the_deployments_a_key_may_call_in_litellms_shape(tmp_p
     assert [r["model_name"] for r in every.json()["data"]] == ["a", "b"]
     assert [r["model_info"]["id"] for r in one.json()["data"]] == ["a-0"]
     assert hidden.status_code == 404 and anonymous.status_code == 401
+
+
+def test_a_blocked_key_is_refused_with_litellms_message_until_unblocked(tmp_path):
+    """LiteLLM's /key/block and /key/unblock were route 404s: stopping a leaked key meant
+    deleting it (its limits and spend with it)."""
+
+    async def calls(c):
+        body = {"key_alias": "app", "rpm_limit": 9}
+        made = (await c.post("/key/generate", json=body, headers=MASTER)).json()
+        own = {"Authorization": f"Bearer {made['key']}"}
+        blocked = await c.post("/key/block", json={"key": made["key"]}, headers=MASTER)
+        refused = await _models(c, made["key"])
+        info = await c.get("/key/info", params={"key": made["token"]}, headers=MASTER)
+        unblocked = await c.post("/key/unblock", json={"key": made["token"]}, headers=MASTER)
+        again = await _models(c, made["key"])
+        by_update = await c.post("/key/update", json={"key": made["key"], "blocked": True}, headers=MASTER)
+        refused_too = await _models(c, made["key"])
+        odd = [
+            await c.post("/key/block", json={"key": "sk-unknown"}, headers=MASTER),
+            await c.post("/key/block", json={"key": "sk-master"}, headers=MASTER),
+            await c.post("/key/block", json={"key": made["key"], "x": 1}, headers=MASTER),
+            await c.post("/key/block", json={"key": made["key"]}, headers=own),
+        ]
+        return blocked, refused, info, unblocked, again, by_update, refused_too, odd
+
+    blocked, refused, info, unblocked, again, by_update, refused_too, odd = _run(tmp_path, calls)
+    assert blocked.status_code == 200 and blocked.json()["blocked"] is True, blocked.text
+    assert blocked.json()["key_alias"] == "app" and blocked.json()["rpm_limit"] == 9, blocked.text
+    assert refused.status_code == 401, refused.text
+    assert refused.json()["error"]["message"] == (
+        "Authentication Error, Key is blocked. Update via `/key/unblock` if you're an admin."
+    )
+    assert info.json()["info"]["blocked"] is True, info.text
+    assert unblocked.status_code == 200 and unblocked.json()["blocked"] is False, unblocked.text
+    assert again.status_code == 200, again.text
+    assert by_update.status_code == 200 and by_update.json()["blocked"] is True, by_update.text
+    assert refused_too.status_code == 401, refused_too.text
+    assert [r.status_code for r in odd] == [404, 400, 400, 401], [r.text for r in odd]

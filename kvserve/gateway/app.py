@@ -26,6 +26,7 @@ from kvserve.gateway.config import ConfigError, GatewayConfig
 from kvserve.gateway.errors import GatewayError, unauthorized
 from kvserve.gateway.handler import Gateway
 from kvserve.gateway.keys import KeyRecord, KeyStore, open_database
+from kvserve.gateway.litellm_key_block import BLOCKED, litellm_key_block_router
 from kvserve.gateway.litellm_keys import litellm_key_router
 from kvserve.gateway.litellm_teams import litellm_team_router
 from kvserve.gateway.metrics import GatewayMetrics
@@ -105,6 +106,8 @@ class GatewayState:
         rec = await self.keys.find(token)
         if rec is None:
             raise unauthorized("Authorization: unknown, revoked or expired key")
+        if rec.spec.blocked:  # (LiteLLM's words: its users' scripts and runbooks look for them)
+            raise unauthorized(BLOCKED)
         return rec
 
     def require_master(self, request: Request) -> None:
@@ -146,6 +149,7 @@ def build_app(cfg: GatewayConfig, web_ui: bool = True) -> FastAPI:
                            allow_methods=["*"], allow_headers=["*"], expose_headers=_EXPOSED)  # fmt: skip
     app.include_router(admin_router(state))
     app.include_router(litellm_key_router(state))  # LiteLLM's /key/* paths over the same keys
+    app.include_router(litellm_key_block_router(state))  # LiteLLM's /key/block, /key/unblock
     app.include_router(litellm_team_router(state))  # LiteLLM's /team/info, /team/list (config teams)
 
     def st() -> GatewayState:

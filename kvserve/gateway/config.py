@@ -188,6 +188,13 @@ class KeySpec(Limits):
     team: str | None = None
     metadata: dict | None = None  # the owner's notes (LiteLLM's key metadata), kept and shown
     expires: float | None = Field(None, allow_inf_nan=False, description="Unix seconds; refused after")
+    # LiteLLM's /key/block: refused (401) until unblocked; None when not (stored specs stay as they were)
+    blocked: bool | None = None
+
+    @field_validator("blocked")
+    @classmethod
+    def _blocked(cls, v: bool | None) -> bool | None:
+        return True if v else None  # (False is the default: not written into a stored spec)
 
     @field_validator("alias", "team", "models")
     @classmethod

@@ -50,7 +50,7 @@ class KeyRecord:
 
     def public(self) -> dict:
         limits = self.spec.model_dump(
-            exclude={"key", "key_hash", "alias", "models", "team", "metadata", "expires"}
+            exclude={"key", "key_hash", "alias", "models", "team", "metadata", "expires", "blocked"}
         )
         return {
             "key_hash": self.key_hash,
@@ -59,6 +59,7 @@ class KeyRecord:
             "team": self.spec.team,
             "metadata": self.spec.metadata,
             "expires": self.spec.expires,
+            "blocked": bool(self.spec.blocked),
             "limits": limits,
             "source": self.source,
             "created": self.created,

@@ -3,7 +3,7 @@ over the gateway's keys, with LiteLLM's field names and answer shapes: a LiteLLM
 scripts called these paths and met route 404s (the gateway's own API is /admin/keys).
 
 LiteLLM's fields that map onto a key here are taken (key_alias, models, team_id, rpm_limit,
-tpm_limit, max_parallel_requests, max_budget, budget_duration, metadata, duration); any other
+tpm_limit, max_parallel_requests, max_budget, budget_duration, metadata, blocked, duration); any other
 with a value is a 400 naming it, never silently dropped (a budget or permission the caller
 believes is set). LiteLLM's `models: []` means every model, as here a key without `models`."""
 
@@ -33,6 +33,7 @@ FIELDS = {
     "max_budget": "max_budget",
     "budget_duration": "budget_duration",
     "metadata": "metadata",
+    "blocked": "blocked",
 }
 _HASH = re.compile(r"[0-9a-f]{64}")
 _EVERY_MODEL = ("all-proxy-models", "all-team-models")
@@ -110,6 +111,7 @@ def key_info(rec: KeyRecord, spend: float, given: str | None = None) -> dict:
         "budget_duration": s.budget_duration,
         "metadata": s.metadata or {},
         "expires": _iso(s.expires),
+        "blocked": bool(s.blocked),
         "spend": spend,
         "created_at": _iso(rec.created),
         "source": rec.source,
