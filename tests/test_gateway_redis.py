@@ -155,6 +155,9 @@ def test_a_budget_is_rebuilt_from_the_spend_log_when_redis_comes_back_empty(gws,
         r = chat(g)
         assert r.status_code == 429 and r.json()["error"]["code"] == "budget_exceeded", r.text
         assert r.json()["error"]["type"] == "budget_exceeded", r.text  # LiteLLM's (was rate_limit_error)
+        # LiteLLM's sentence, the spend as the Lua admission read it (was "key: budget 5 limit reached")
+        head = "Budget has been exceeded! Key=restart Current cost: 4.0, Max budget: 5.0; this request may"
+        assert r.json()["error"]["message"].startswith(head), r.text
     assert "budget of key restart" in gws[0].logs() and "rebuilt from the spend log" in gws[0].logs()
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from gateway_utils import RedisServer
 
+from kvserve.gateway.budget_words import request_refused
 from kvserve.gateway.state import Check, open_store
 from kvserve.gateway.state.base import period_index, period_start
 
@@ -115,15 +116,24 @@ def test_a_spent_budget_that_never_resets_is_told_apart_from_one_that_will_admit
         assert (await s.admit("a", [b(6.0)], 30)).ok
         waiting = await s.admit("b", [b(6.0)], 30)  # 6 reserved, not spent: it may settle for less
         assert not waiting.ok and waiting.retry_after == pytest.approx(1.0)
+        assert waiting.spent == 0.0  # (the spend alone, LiteLLM's "Current cost")
         await s.settle("a", [b(6.0)], [6.0])
         spent = await s.admit("c", [b(6.0)], 30)
-        assert not spent.ok and spent.retry_after == float("inf")
+        assert not spent.ok and spent.retry_after == float("inf") and spent.spent == 6.0
+        assert request_refused(spent, "app", None) == (
+            "Budget has been exceeded! Key=app Current cost: 6.0, Max budget: 10.0; this request may cost "
+            "up to 6, and the budget does not reset (no budget_duration): no retry admits it"
+        )
         assert (await s.admit("d", [b(4.0)], 30)).ok  # what is left still admits a cheaper one
-        day = Check("budget", "p", 10.0, 6.0, 86400)
+        day = Check("budget", "team:red", 10.0, 6.0, 86400)
         adm = await s.admit("e", [day], 30)
         await s.seed_budget(day, period_index(adm.now, 86400), 9.0)
         periodic = await s.admit("f", [day], 30)
         assert not periodic.ok and 0 < periodic.retry_after <= 86400  # until the period's end
+        assert request_refused(periodic, "app", 7) == (
+            "Budget has been exceeded! Team=red Current cost: 9.0, Max budget: 10.0; this request may cost "
+            "up to 6; the budget resets in 7 s (budget_duration)"
+        )
 
     run(scenario)
 

@@ -15,6 +15,7 @@ import math
 import time
 import uuid
 
+from kvserve.gateway.budget_words import exceeded
 from kvserve.gateway.config import Backend, Deployment
 from kvserve.gateway.errors import GatewayError, limit_reached
 from kvserve.gateway.handler import Gateway
@@ -68,13 +69,12 @@ class BatchSpend:
         if adm.ok:
             await self.gw.store.settle(rid, checks, [0.0] * len(checks))
             return
-        c = adm.failed
-        who = "key" if c.scope.startswith("key:") else c.scope
+        spent = exceeded(adm, key.name)  # (LiteLLM's words)
         if math.isinf(adm.retry_after):
-            msg = f"{who}: budget {c.limit:g} is spent and does not reset (no budget_duration)"
-            raise GatewayError(400, msg, code="budget_exceeded")
+            msg = f"{spent}; it does not reset (no budget_duration)"
+            raise GatewayError(400, msg, "budget_exceeded", "budget_exceeded")
         retry = max(int(adm.retry_after + 0.999), 1)
-        raise limit_reached(f"{who}: budget {c.limit:g} is spent; retry after {retry} s", "budget", retry, {})
+        raise limit_reached(f"{spent}; it resets in {retry} s", "budget", retry, {})
 
     async def created(self, key: KeyRecord, public_id: str) -> None:
         """Remember who created the batch: a master key may be the one that sees it finish."""

@@ -23,6 +23,7 @@ from kvserve.entrypoints.openai.middleware import _REQUEST_ID
 from kvserve.gateway.backends import BackendPool, estimate_tokens
 from kvserve.gateway.blame import Blame
 from kvserve.gateway.budget_rebuild import BudgetRebuild
+from kvserve.gateway.budget_words import request_refused
 from kvserve.gateway.budgets import completion_budget, cost, max_cost, sequences
 from kvserve.gateway.client_params import ClientParams, take
 from kvserve.gateway.config import Deployment, GatewayConfig
@@ -316,9 +317,8 @@ class Gateway:
                 self.metrics.rate_limited.labels(c.kind).inc()
                 raise GatewayError(
                     400,
-                    f"{who}: budget {c.limit:g} is spent, with no room for this request's maximum cost "
-                    f"of {c.amount:.6g}, and it does not reset (no budget_duration); no retry admits it",
-                    "invalid_request_error",
+                    request_refused(adm, key.name, None),
+                    "budget_exceeded",
                     "budget_exceeded",
                     headers=ctx.headers,
                 )
@@ -330,8 +330,10 @@ class Gateway:
             }[c.kind]
             self.metrics.rate_limited.labels(c.kind).inc()
             retry = max(int(adm.retry_after + 0.999), 1)
-            raise limit_reached(f"{who}: {what} limit {c.limit:g} reached; retry after {retry} s", c.kind,
-                                retry, ctx.headers)  # fmt: skip
+            message = f"{who}: {what} limit {c.limit:g} reached; retry after {retry} s"
+            if c.kind == "budget":  # (LiteLLM's words)
+                message = request_refused(adm, key.name, retry)
+            raise limit_reached(message, c.kind, retry, ctx.headers)
 
     # ---- attempts --------------------------------------------------------------------------
     async def _attempts(self, ctx: Ctx) -> Response:

@@ -4,7 +4,7 @@
 -- expiry ms); budget -> budget hash {period, spent}, reservation zset, reservation amounts hash.
 -- ARGV: request_id, ttl_ms, n, then per check: kind, limit, amount, period_ms.
 -- Returns {1, remaining..., reset_ms...} or {0, failed check index, retry_after_ms (-1: never),
--- reset_ms}, or {-1, check index, now_ms} for a budget hash never seeded from the spend log
+-- reset_ms, a budget's spend in its period as text ('' for other checks)}, or {-1, check index, now_ms} for a budget hash never seeded from the spend log
 -- (seed.lua), changing nothing. reset_ms: until an rpm / tpm window's newest second has left it
 -- (0 for other checks).
 -- The last KEY records an admission for a minute: the same request admitted again (the client
@@ -75,7 +75,7 @@ for i, c in ipairs(checks) do
     local reserved = 0
     for _, v in ipairs(redis.call('HVALS', a)) do reserved = reserved + tonumber(v) end
     local spent = tonumber(redis.call('HGET', b, 'spent'))
-    c.used = spent + reserved
+    c.used, c.spent = spent + reserved, spent
     if spent + c.amount > c.limit * (1 + eps) then  -- the spend alone: only a reset makes room
       if c.period > 0 then retry = period_start(idx + 1, c.period) - now else retry = -1 end  -- -1: never
     end
@@ -83,8 +83,10 @@ for i, c in ipairs(checks) do
   if c.used + c.amount > c.limit * (1 + eps) then
     local reset = 0
     if c.newest ~= nil then reset = math.max((c.newest + 60) * 1000 - now, 0) end
-    if retry < 0 then return {0, i, -1, reset} end
-    return {0, i, math.max(math.floor(retry), 1), reset}
+    local spent = ''  -- (text: Redis would truncate a Lua number to an integer)
+    if c.spent ~= nil then spent = tostring(c.spent) end
+    if retry < 0 then return {0, i, -1, reset, spent} end
+    return {0, i, math.max(math.floor(retry), 1), reset, spent}
   end
 end
 local out = {1}

@@ -85,6 +85,9 @@ class Admission:
     # rpm / tpm: seconds until the window holds nothing of what it counts (its state with no
     # traffic: OpenAI's x-ratelimit-reset-*); per check when ok, else the refusing window's alone
     reset: list[float] = field(default_factory=list)
+    # a refused budget's spend in its period, reservations in flight left out (LiteLLM's
+    # "Current cost" in its message); None for other checks
+    spent: float | None = None
 
 
 class StateStore:

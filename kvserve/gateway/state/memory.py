@@ -94,7 +94,8 @@ class MemoryStore(StateStore):
         for c in checks:
             u, retry = self._measure(c, now)
             if u + c.amount > c.limit * (1 + EPS):
-                return Admission(False, [], c, retry, reset=[self._reset(c, now)])
+                spent = self._budget(c.scope, c.period, now)[1] if c.kind == "budget" else None
+                return Admission(False, [], c, retry, reset=[self._reset(c, now)], spent=spent)
             used.append(u)
         for c in checks:
             if c.kind in ("rpm", "tpm"):

@@ -77,7 +77,8 @@ class RedisStore(StateStore):
         retry = int(out[2])  # (-1: never, a spent budget that does not reset)
         reset = [int(out[3]) / 1000] if len(out) > 3 else []
         failed = checks[int(out[1]) - 1]
-        return Admission(False, [], failed, math.inf if retry < 0 else retry / 1000, reset=reset)
+        spent = float(out[4]) if len(out) > 4 and out[4] else None  # (an earlier version's memo: none)
+        return Admission(False, [], failed, math.inf if retry < 0 else retry / 1000, reset=reset, spent=spent)
 
     @_guarded
     async def seed_budget(self, check: Check, period: int, spent: float) -> bool:
