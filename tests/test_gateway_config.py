@@ -278,3 +278,23 @@ def test_fallbacks_in_litellms_list_form_are_read_as_the_map_they_mean():
         parse_config({"model_list": deps, "router_settings": {"fallbacks": [{"a": ["b"]}, {"a": ["c"]}]}})
     with pytest.raises(ConfigError, match="router_settings.fallbacks.b: unknown model_name 'z'"):
         parse_config({"model_list": deps, "router_settings": {"fallbacks": [{"b": ["z"]}]}})
+
+
+def test_a_model_group_alias_must_name_a_group_and_be_a_name_of_its_own():
+    deps = [{"model_name": m, "backend": {"base_url": "http://127.0.0.1:1/v1", "model": "x"}} for m in "ab"]
+    rs = {"model_group_alias": {"gpt-4": "a", "hid": {"model": "b", "hidden": True}}}
+    cfg = parse_config(
+        {"model_list": deps, "router_settings": rs, "keys": [{"key": "sk-k", "models": ["gpt-4"]}]}
+    )
+    assert (
+        cfg.names() == ["a", "b", "gpt-4", "hid"]
+        and cfg.group_of("gpt-4") == "a"
+        and cfg.group_of("b") == "b"
+    )
+    assert cfg.router_settings.model_group_alias["hid"].hidden is True
+    with pytest.raises(ConfigError, match="model_group_alias.a: 'a' is a model_name already"):
+        parse_config({"model_list": deps, "router_settings": {"model_group_alias": {"a": "b"}}})
+    with pytest.raises(ConfigError, match="model_group_alias.x.model: unknown model_name 'gpt-4'"):
+        parse_config(
+            {"model_list": deps, "router_settings": {"model_group_alias": {"gpt-4": "a", "x": "gpt-4"}}}
+        )

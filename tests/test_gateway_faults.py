@@ -107,10 +107,14 @@ def _base(fault, tmp, **router) -> dict:
                             "fallbacks": {"hang": ["okgroup"], "pinghang": ["okgroup"], "die": ["okgroup"],
                                           "bad": ["okgroup"], "down": ["okgroup"], "rolehang": ["okgroup"]},
                             "context_window_fallbacks": {"ctx": ["big"], "small": ["big"],
-                                                         "stoplong": ["big"]}, **router},
+                                                         "stoplong": ["big"]},
+                            "model_group_alias": {"gpt-4o": "big",
+                                                  "secret-big": {"model": "big", "hidden": True}},
+                            **router},
         "keys": [
             {"key": KEY, "alias": "tester"},
             {"key": "sk-limited", "models": ["okgroup"]},
+            {"key": "sk-alias-only", "models": ["gpt-4o"]},
             {"key": "sk-no-fallbacks", "models": ["down", "small", "ctx"]},
             {"key": "sk-rpm2", "rpm": 2}, {"key": "sk-tpm5", "tpm": 5},
             {"key": "sk-par1", "max_parallel_requests": 1},
@@ -645,6 +649,21 @@ def test_auth_and_model_errors(gw):
     with pytest.raises(openai.NotFoundError) as e:  # a model the key may not use is not shown
         client(gw, "sk-limited").models.retrieve("retry500")
     assert e.value.body["code"] == "model_not_found"
+
+
+def test_a_model_group_alias_is_served_by_its_group(gw):
+    """LiteLLM's router_settings.model_group_alias (a name clients send, served by a group) was
+    refused at start ("unknown key"). A hidden one is callable but not listed; a key whose
+    `models` name the alias may call it by that name only."""
+    r = post(gw, "gpt-4o")
+    assert r.status_code == 200 and r.headers["x-kvserve-model-group"] == "big", r.text
+    assert post(gw, "secret-big").headers["x-kvserve-model-group"] == "big"
+    listed = [m.id for m in client(gw).models.list().data]
+    assert "gpt-4o" in listed and "big" in listed and "secret-big" not in listed, listed
+    assert [m.id for m in client(gw, "sk-alias-only").models.list().data] == ["gpt-4o"]
+    assert post(gw, "gpt-4o", key="sk-alias-only").status_code == 200
+    refused = post(gw, "big", key="sk-alias-only")
+    assert refused.status_code == 403 and refused.json()["error"]["param"] == "model", refused.text
 
 
 def test_fallbacks_go_only_to_models_the_key_may_use(gw, fault):

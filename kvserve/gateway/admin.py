@@ -36,14 +36,14 @@ async def json_object(request: Request) -> dict:
 def check_references(cfg: GatewayConfig, spec: KeySpec, team_param: str = "team") -> None:
     """A key's models and team must exist in the config (a typo made a key that could call nothing),
     and its models be among its team's."""
-    aliases = cfg.aliases()
+    names = cfg.names()  # (a model_group_alias too)
     for m in spec.models or []:
-        if m not in aliases:
+        if m not in names:
             raise GatewayError(404, f"models: {m!r} does not exist", code="model_not_found", param="models")
     if spec.team is not None and spec.team not in cfg.teams:
         raise GatewayError(400, f"{team_param}: unknown team {spec.team!r}", param=team_param)
     team = cfg.teams.get(spec.team or "")
-    outside = [m for m in spec.models or [] if team and team.models is not None and m not in team.models]
+    outside = [m for m in spec.models or [] if team and not cfg.permits(team.models, m)]
     if outside:  # (LiteLLM refuses it too: the key could never call it, its team's models apply)
         msg = f"models: {outside[0]!r} is not among team {spec.team!r}'s models ({', '.join(team.models)})"
         raise GatewayError(400, msg + ": the key could never use it", param="models")

@@ -255,15 +255,16 @@ def build_app(cfg: GatewayConfig, web_ui: bool = True) -> FastAPI:
     @app.get("/models")
     async def models(request: Request):
         s = st()
-        allowed = s.gateway.allowed_models(await s.authenticate(request))
-        return {"object": "list", "data": [model_card(a) for a in allowed]}
+        names = s.gateway.callable_names(await s.authenticate(request))
+        hidden = {a for a, e in cfg.router_settings.model_group_alias.items() if e.hidden}
+        return {"object": "list", "data": [model_card(a) for a in names if a not in hidden]}
 
     @app.get("/v1/models/{model_id:path}")
     @app.get("/models/{model_id:path}")
     async def model(request: Request, model_id: str):
         """OpenAI's models.retrieve (was a route 404); an alias this key may not use is not found."""
         s = st()
-        if model_id not in s.gateway.allowed_models(await s.authenticate(request)):
+        if model_id not in s.gateway.callable_names(await s.authenticate(request)):
             raise GatewayError(
                 404, f"model: {model_id!r} does not exist", code="model_not_found", param="model"
             )

@@ -130,6 +130,13 @@ class Degradation(_Strict):
     retry_after: int = Field(5, ge=1, description="shed: the Retry-After seconds")
 
 
+class GroupAlias(_Strict):
+    """LiteLLM's model_group_alias entry: another name clients may send for a model group."""
+
+    model: str = Field(description="the model_name (group) it names")
+    hidden: bool = Field(False, description="left out of GET /v1/models (still callable)")
+
+
 class RouterSettings(_Strict):
     routing_strategy: Literal[
         "simple-shuffle",
@@ -149,6 +156,9 @@ class RouterSettings(_Strict):
     allowed_fails: int = Field(3, ge=1)
     cooldown_time: float = Field(30.0, ge=0, le=_MAX_SECONDS)  # (milliseconds Redis can take)
     fallbacks: dict[str, list[str]] = Field(default_factory=dict)
+    # LiteLLM's {name: model_name} or {name: {model, hidden}}: a request naming `name` is served by
+    # that group (one hop), as LiteLLM's router resolves it; a LiteLLM config's was refused
+    model_group_alias: dict[str, GroupAlias] = Field(default_factory=dict)
     context_window_fallbacks: dict[str, list[str]] = Field(default_factory=dict)
     degradation: dict[str, Degradation] = Field(default_factory=dict)
     saturation_poll_interval: float = Field(1.0, gt=0, description="seconds between /metrics polls")
@@ -167,6 +177,14 @@ class RouterSettings(_Strict):
                     raise ValueError(f"{alias!r} is given twice")
                 merged[alias] = targets
         return merged
+
+    @field_validator("model_group_alias", mode="before")
+    @classmethod
+    def _alias_as_text(cls, v: object) -> object:
+        """LiteLLM's short form, `name: group`, is `{model: group}`."""
+        if isinstance(v, dict):
+            return {k: {"model": t} if isinstance(t, str) else t for k, t in v.items()}
+        return v
 
     @model_validator(mode="after")
     def _thresholds_for_cache_aware(self) -> RouterSettings:
@@ -279,6 +297,19 @@ class GatewayConfig(_Strict):
     def aliases(self) -> list[str]:
         return list(dict.fromkeys(d.model_name for d in self.model_list))
 
+    def names(self) -> list[str]:
+        """What a request's `model` may say: the groups, then router_settings.model_group_alias's."""
+        return [*self.aliases(), *self.router_settings.model_group_alias]
+
+    def group_of(self, name: str) -> str:
+        """The group a name is served by (itself, unless a model_group_alias)."""
+        entry = self.router_settings.model_group_alias.get(name)
+        return entry.model if entry is not None else name
+
+    def permits(self, restriction: list[str] | None, name: str) -> bool:
+        """A key's or team's `models` let a name through when they list it or the group it names."""
+        return restriction is None or name in restriction or self.group_of(name) in restriction
+
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -313,6 +344,13 @@ def _check_references(cfg: GatewayConfig) -> None:
             raise ConfigError(f"{where}.fallback: unknown model_name {deg.fallback!r}")
         if deg.fallback == alias:
             raise ConfigError(f"{where}.fallback: must be another model_name than {alias!r}")
+    for name, entry in rs.model_group_alias.items():
+        where = f"router_settings.model_group_alias.{name}"
+        if name in aliases:  # (which one would a request mean?)
+            raise ConfigError(f"{where}: {name!r} is a model_name already; an alias must be another name")
+        if entry.model not in aliases:  # (one hop, as LiteLLM's router: an alias of an alias is unknown)
+            raise ConfigError(f"{where}.model: unknown model_name {entry.model!r}")
+    names = set(cfg.names())
     rc = cfg.response_cache
     for m in (rc.models or []) if rc else []:
         if m not in aliases:
@@ -333,7 +371,7 @@ def _check_references(cfg: GatewayConfig) -> None:
         d.backend.api_key = _secret(d.backend.api_key, f"model_list.{i}.backend.api_key")
     for name, team in cfg.teams.items():
         for m in team.models or []:
-            if m not in aliases:
+            if m not in names:
                 raise ConfigError(f"teams.{name}.models: unknown model_name {m!r}")
     for i, k in enumerate(cfg.keys):
         if (k.key is None) == (k.key_hash is None):
@@ -342,7 +380,7 @@ def _check_references(cfg: GatewayConfig) -> None:
         if k.team is not None and k.team not in cfg.teams:
             raise ConfigError(f"keys.{i}.team: unknown team {k.team!r}")
         for m in k.models or []:
-            if m not in aliases:
+            if m not in names:
                 raise ConfigError(f"keys.{i}.models: unknown model_name {m!r}")
     gs = cfg.general_settings
     gs.master_key = _secret(gs.master_key, "general_settings.master_key")

@@ -107,39 +107,43 @@ class Gateway:
         self.in_flight = InFlight("the gateway")  # what the drain's deadline ends (in_flight.py)
 
     # ---- entry -----------------------------------------------------------------------------
-    def allowed_models(self, key: KeyRecord) -> list[str]:
+    def callable_names(self, key: KeyRecord) -> list[str]:
+        """The names a key may send as `model`: groups and model_group_alias names its (and its
+        team's) `models` let through (config.permits)."""
         if _team_gone(self.cfg, key):  # its team's models and limits cannot be applied: nothing
             return []
-        allowed = self.cfg.aliases()
         team = self.cfg.teams.get(key.spec.team or "")
-        for restriction in (key.spec.models, team.models if team else None):
-            if restriction is not None:
-                allowed = [a for a in allowed if a in restriction]
-        return allowed
+        restrictions = (key.spec.models, team.models if team else None)
+        return [n for n in self.cfg.names() if all(self.cfg.permits(r, n) for r in restrictions)]
+
+    def allowed_models(self, key: KeyRecord) -> list[str]:
+        """The groups a key may reach, by their name or an alias's."""
+        return list(dict.fromkeys(self.cfg.group_of(n) for n in self.callable_names(key)))
 
     async def handle(self, request: Request, path: str, key: KeyRecord, model: str | None = None) -> Response:
         """model: the alias a path names (Azure OpenAI's /openai/deployments/{model}/...), over the body's."""
         body = await _json_body(request)
         if model is not None:
             body["model"] = model
-        alias = body.get("model")
-        if not isinstance(alias, str) or not alias:
+        name = body.get("model")
+        if not isinstance(name, str) or not name:
             raise GatewayError(
                 400, "model: required (one of the model names from GET /v1/models)", param="model"
             )
-        if alias not in self.router.groups:
-            raise GatewayError(404, f"model: {alias!r} does not exist", code="model_not_found", param="model")
+        if name not in self.router.groups and name not in self.rs.model_group_alias:
+            raise GatewayError(404, f"model: {name!r} does not exist", code="model_not_found", param="model")
         if _team_gone(self.cfg, key):
             raise GatewayError(
                 403,
                 f"key: its team {key.spec.team!r} is no longer in the gateway's config: it may use no model",
                 "permission_denied",
             )
-        allowed = frozenset(self.allowed_models(key))
-        if alias not in allowed:
+        if name not in self.callable_names(key):
             raise GatewayError(
-                403, f"model: this key may not use {alias!r}", "permission_denied", param="model"
+                403, f"model: this key may not use {name!r}", "permission_denied", param="model"
             )
+        alias = self.cfg.group_of(name)  # (a model_group_alias: the group it names)
+        allowed = frozenset(self.allowed_models(key))
         params = take(body, path, alias, set(self.router.groups), allowed)  # (out of the body)
         stream = body.get("stream") is True and path != EMBEDDINGS
         so = body.get("stream_options")
