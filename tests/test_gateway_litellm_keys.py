@@ -5,6 +5,7 @@ called these and met route 404s."""
 from __future__ import annotations
 
 import asyncio
+import datetime
 import hashlib
 import time
 
@@ -13,6 +14,7 @@ import pytest
 
 from kvserve.gateway.app import build_app
 from kvserve.gateway.config import parse_config
+from kvserve.gateway.spend import SpendRow
 
 BACKEND = {"base_url": "http://127.0.0.1:1/v1", "model": "x", "api_key": "sk-backend-secret"}
 CFG = {
@@ -22,10 +24,13 @@ CFG = {
 MASTER = {"Authorization": "Bearer sk-master"}
 
 
-def _run(tmp_path, calls):
-    """calls(client) on an in-process gateway with a master key and its own database."""
+def _run(tmp_path, calls, rows=()):
+    """calls(client) on an in-process gateway with a master key and its own database (its spend
+    log holding `rows`)."""
     gs = {"master_key": "sk-master", "database": str(tmp_path / "gw.db")}
     app = build_app(parse_config({**CFG, "general_settings": gs}), web_ui=False)
+    for row in rows:
+        app.state.gateway.spend.record(row)
 
     async def go():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
@@ -243,3 +248,59 @@ def test_a_blocked_key_is_refused_with_litellms_message_until_unblocked(tmp_path
     assert by_update.status_code == 200 and by_update.json()["blocked"] is True, by_update.text
     assert refused_too.status_code == 401, refused_too.text
     assert [r.status_code for r in odd] == [404, 400, 400, 401], [r.text for r in odd]
+
+
+def test_spend_logs_and_global_spend_answer_in_litellms_shapes(tmp_path):
+    """LiteLLM's GET /spend/logs and /global/spend were route 404s: a LiteLLM user's spend
+    scripts and dashboards read nothing."""
+    day = datetime.datetime(2026, 3, 1, 12, tzinfo=datetime.UTC).timestamp()
+    k1, k2 = hashlib.sha256(b"sk-one").hexdigest(), hashlib.sha256(b"sk-two").hexdigest()
+    rows = [
+        SpendRow(day, "r1", k1, "one", "red", "a", "a-0", 10, 5, 0.25, 200),
+        SpendRow(day + 60, "r2", k2, None, None, "b", "b-1", 4, 0, 0.5, 502),
+        SpendRow(day + 86400, "r3", k1, "one", "red", "b", "b-1", 1, 1, 1.0, 200),
+    ]
+
+    async def calls(c):
+        get = lambda path, **q: c.get(path, params=q, headers=MASTER)  # noqa: E731
+        return (
+            await get("/spend/logs"),
+            await get("/spend/logs", api_key="sk-one"),
+            await get("/spend/logs", request_id="r2"),
+            await get("/spend/logs", start_date="2026-03-01", end_date="2026-03-03"),
+            await get("/spend/logs", start_date="2026-03-02", end_date="2026-03-02", summarize="false"),
+            await get("/global/spend"),
+            [await get("/spend/logs", user_id="u"), await get("/spend/logs", start_date="2026-03-01"),
+             await get("/spend/logs", start_date="3/1", end_date="2026-03-02"),
+             await c.get("/global/spend", headers={"Authorization": "Bearer sk-nobody"})],
+        )  # fmt: skip
+
+    every, mine, one, summary, day2, total, refused = _run(tmp_path, calls, rows)
+    assert every.status_code == 200, every.text
+    assert [r["request_id"] for r in every.json()] == ["r3", "r2", "r1"]  # newest first
+    r1 = every.json()[2]
+    assert r1 == {
+        "request_id": "r1", "api_key": k1, "spend": 0.25, "total_tokens": 15, "prompt_tokens": 10,
+        "completion_tokens": 5, "startTime": "2026-03-01T12:00:00+00:00",
+        "endTime": "2026-03-01T12:00:00+00:00", "model": "x", "model_group": "a", "model_id": "a-0",
+        "team_id": "red", "user": "", "status": "success",
+        "metadata": {"user_api_key_alias": "one", "status": "success", "status_code": 200},
+    }, r1  # fmt: skip
+    assert every.json()[1]["status"] == "failure"
+    assert [r["request_id"] for r in mine.json()] == ["r3", "r1"] and [
+        r["request_id"] for r in one.json()
+    ] == ["r2"]
+    assert summary.json() == [
+        {k1: 0.25, k2: 0.5, "startTime": "2026-03-01", "spend": 0.75, "users": {},
+         "models": {"a": 0.25, "b": 0.5}},
+        {k1: 1.0, "startTime": "2026-03-02", "spend": 1.0, "users": {}, "models": {"b": 1.0}},
+        {"startTime": "2026-03-03", "spend": 0, "users": {}, "models": {}},
+    ], summary.text  # fmt: skip
+    assert [r["request_id"] for r in day2.json()] == ["r3"], day2.text  # (both days included)
+    assert total.json() == {"spend": 1.75, "max_budget": None}, total.text
+    assert [(r.status_code, r.json()["error"]["param"]) for r in refused] == [
+        (400, "user_id"),
+        (400, "end_date"),
+        (400, "start_date"),
+        (401, None),
+    ], [r.text for r in refused]

@@ -103,6 +103,24 @@ class SpendLog:
         mine = (r.cost for r in self.pending if getattr(r, col) == value and r.ts >= since)
         return float(written + sum(mine))
 
+    async def entries(
+        self, key_hash: str | None, request_id: str | None, start: float, end: float, limit: int
+    ) -> list[SpendRow]:
+        """Rows from `start` to before `end`, newest first, at most `limit` (LiteLLM's /spend/logs)."""
+        await self.flush()
+        sql, args = "SELECT * FROM spend WHERE ts >= ? AND ts < ?", [start, end]
+        for col, value in (("key_hash", key_hash), ("request_id", request_id)):
+            if value is not None:
+                sql += f" AND {col} = ?"
+                args.append(value)
+        sql += " ORDER BY ts DESC LIMIT ?"
+
+        def query():
+            with self.lock:
+                return self.db.execute(sql, (*args, limit)).fetchall()
+
+        return [SpendRow(*row) for row in await asyncio.to_thread(query)]
+
     async def report(self, group_by: str, start: float | None, end: float | None) -> list[dict]:
         await self.flush()
         col = GROUPS[group_by]
