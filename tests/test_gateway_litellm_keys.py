@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from kvserve.gateway.app import build_app
-from kvserve.gateway.config import parse_config
+from kvserve.gateway.config import KeySpec, parse_config
 from kvserve.gateway.spend import SpendRow
 
 BACKEND = {"base_url": "http://127.0.0.1:1/v1", "model": "x", "api_key": "sk-backend-secret"}
@@ -24,17 +24,17 @@ CFG = {
 MASTER = {"Authorization": "Bearer sk-master"}
 
 
-def _run(tmp_path, calls, rows=()):
+def _run(tmp_path, calls, rows=(), app=False):
     """calls(client) on an in-process gateway with a master key and its own database (its spend
-    log holding `rows`)."""
+    log holding `rows`); app=True: calls(client, app)."""
     gs = {"master_key": "sk-master", "database": str(tmp_path / "gw.db")}
-    app = build_app(parse_config({**CFG, "general_settings": gs}), web_ui=False)
+    gw = build_app(parse_config({**CFG, "general_settings": gs}), web_ui=False)
     for row in rows:
-        app.state.gateway.spend.record(row)
+        gw.state.gateway.spend.record(row)
 
     async def go():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
-            return await calls(c)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=gw), base_url="http://gw") as c:
+            return await (calls(c, gw) if app else calls(c))
 
     return asyncio.run(go())
 
@@ -304,3 +304,47 @@ def test_spend_logs_and_global_spend_answer_in_litellms_shapes(tmp_path):
         (400, "start_date"),
         (401, None),
     ], [r.text for r in refused]
+
+
+def test_a_regenerated_key_replaces_the_old_one_and_keeps_its_budget_and_spend(tmp_path):
+    """LiteLLM's /key/regenerate was a route 404. The new key goes on with the old one's
+    limits, budget and spend (LiteLLM rotates the token in place); the old one is refused."""
+
+    async def calls(c, app):
+        keys = app.state.gateway.keys
+        _, rec = await keys.create_async(KeySpec(alias="app", max_budget=3.0, rpm=7))
+        old = rec.key_hash
+        app.state.gateway.spend.record(
+            SpendRow(time.time(), "r1", old, "app", None, "a", "a-0", 1, 1, 1.25, 200)
+        )
+        made = await c.post("/key/regenerate", json={"key": old, "rpm_limit": 8}, headers=MASTER)
+        again = await c.post(f"/key/{made.json()['key']}/regenerate", headers=MASTER)
+        new = again.json()["key"]
+        return (
+            made,
+            again,
+            await c.get("/key/info", params={"key": old}, headers=MASTER),
+            await _models(c, made.json()["key"]),
+            await _models(c, new),
+            await c.get("/spend/logs", params={"api_key": new}, headers=MASTER),
+            (await c.get("/key/list", headers=MASTER)).json()["keys"],
+            (await keys.find(new)).scope == rec.scope,  # (the same budget and rate windows in the store)
+            [await c.post("/key/regenerate", json={"key": old}, headers=MASTER),
+             await c.post("/key/regenerate", json={"key": new, "new_key": "sk-mine"}, headers=MASTER),
+             await c.post("/key/regenerate", json={"key": new}, headers={"Authorization": f"Bearer {new}"})],
+        )  # fmt: skip
+
+    made, again, old_info, old_use, new_use, logs, listed, same_scope, refused = _run(
+        tmp_path, calls, app=True
+    )
+    assert made.status_code == 200, made.text
+    m = made.json()
+    assert len(m["token"]) == 64 and m["key_alias"] == "app" and same_scope, m
+    assert (m["max_budget"], m["rpm_limit"], m["spend"]) == (3.0, 8, 1.25), (
+        m
+    )  # (rpm_limit changed on the way)
+    assert again.status_code == 200 and again.json()["spend"] == 1.25 and again.json()["rpm_limit"] == 8
+    assert old_info.status_code == 404 and old_use.status_code == 401 and new_use.status_code == 200
+    assert [r["request_id"] for r in logs.json()] == ["r1"], logs.text
+    assert listed == [again.json()["token"]], listed
+    assert [r.status_code for r in refused] == [404, 400, 401], [r.text for r in refused]

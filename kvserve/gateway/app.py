@@ -27,6 +27,7 @@ from kvserve.gateway.errors import GatewayError, unauthorized
 from kvserve.gateway.handler import Gateway
 from kvserve.gateway.keys import KeyRecord, KeyStore, open_database
 from kvserve.gateway.litellm_key_block import BLOCKED, litellm_key_block_router
+from kvserve.gateway.litellm_key_regenerate import litellm_key_regenerate_router
 from kvserve.gateway.litellm_keys import litellm_key_router
 from kvserve.gateway.litellm_spend import litellm_spend_router
 from kvserve.gateway.litellm_teams import litellm_team_router
@@ -151,6 +152,7 @@ def build_app(cfg: GatewayConfig, web_ui: bool = True) -> FastAPI:
     app.include_router(admin_router(state))
     app.include_router(litellm_key_router(state))  # LiteLLM's /key/* paths over the same keys
     app.include_router(litellm_key_block_router(state))  # LiteLLM's /key/block, /key/unblock
+    app.include_router(litellm_key_regenerate_router(state))  # LiteLLM's /key/regenerate
     app.include_router(litellm_spend_router(state))  # LiteLLM's /spend/logs, /global/spend
     app.include_router(litellm_team_router(state))  # LiteLLM's /team/info, /team/list (config teams)
 

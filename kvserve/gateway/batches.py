@@ -66,7 +66,7 @@ class BatchAPI:
     ) -> tuple[Deployment, Held]:
         held = decode(prefix, public_id)
         dep = self.gw.router.by_id.get(held.deployment) if held else None
-        mine = held is not None and (key.source == "master" or held.owner == owner_tag(key.key_hash))
+        mine = held is not None and (key.source == "master" or held.owner == owner_tag(key.account))
         if dep is None or not mine or dep.model_name not in self.gw.allowed_models(key):
             what = _WHAT[prefix]  # (another key's: not said to exist)
             raise GatewayError(
@@ -159,7 +159,7 @@ class BatchAPI:
             if r.status_code >= 500 or r.status_code in (404, 405):
                 failures.append(f"deployment {dep.id} answered POST /files {r.status_code}")
                 continue
-            owner = owner_tag(key.key_hash)
+            owner = owner_tag(key.account)
             resp = self._public(r, dep, owner)
             if r.status_code == 200:
                 await self._remember(FILE, owner, json.loads(resp.body)["id"])
@@ -263,9 +263,7 @@ class BatchAPI:
         most = 10_000 if prefix == FILE else 100
         if not 1 <= limit <= most:
             raise GatewayError(400, f"limit: must be between 1 and {most}, got {limit}", param="limit")
-        ids = [
-            e.decode() for e in await self.gw.store.cache_entries(_bucket(prefix, owner_tag(key.key_hash)))
-        ]
+        ids = [e.decode() for e in await self.gw.store.cache_entries(_bucket(prefix, owner_tag(key.account)))]
         ids = list(dict.fromkeys(ids))
         if ascending:
             ids.reverse()

@@ -39,7 +39,7 @@ class BudgetRebuild:
         period = period_index(now, c.period)
         since = period_start(period, c.period)
         if c.scope.startswith("key:"):
-            spent = await self.spend.spent(since, key_hash=key.key_hash)
+            spent = await self.spend.spent(since, key_hash=key.account)
         else:
             spent = await self.spend.spent(since, team=c.scope.removeprefix("team:"))
         if await self.store.seed_budget(c, period, spent) and spent > 0:

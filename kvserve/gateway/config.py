@@ -208,6 +208,9 @@ class KeySpec(Limits):
     expires: float | None = Field(None, allow_inf_nan=False, description="Unix seconds; refused after")
     # LiteLLM's /key/block: refused (401) until unblocked; None when not (stored specs stay as they were)
     blocked: bool | None = None
+    # set by /key/regenerate only: the hash of the first key of this line, whose budget, limits
+    # and spend log rows the regenerated key goes on with (as LiteLLM rotates a key in place)
+    account: str | None = None
 
     @field_validator("blocked")
     @classmethod
@@ -377,6 +380,8 @@ def _check_references(cfg: GatewayConfig) -> None:
         if (k.key is None) == (k.key_hash is None):
             raise ConfigError(f"keys.{i}: give exactly one of key or key_hash")
         k.key = _secret(k.key, f"keys.{i}.key")
+        if k.account is not None:
+            raise ConfigError(f"keys.{i}.account: set by /key/regenerate only")
         if k.team is not None and k.team not in cfg.teams:
             raise ConfigError(f"keys.{i}.team: unknown team {k.team!r}")
         for m in k.models or []:

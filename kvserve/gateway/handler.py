@@ -669,7 +669,7 @@ class Gateway:
                 SpendRow(
                     time.time(),
                     ctx.rid,
-                    ctx.key.key_hash,
+                    ctx.key.account,  # (a regenerated key's rows go on under its first hash)
                     ctx.key.spec.alias,
                     ctx.key.spec.team,
                     ctx.alias,

@@ -37,8 +37,13 @@ class KeyRecord:
     revoked: float | None = None
 
     @property
+    def account(self) -> str:
+        """Whose budget, limits and spend these are: the first key of a regenerated line."""
+        return self.spec.account or self.key_hash
+
+    @property
     def scope(self) -> str:
-        return f"key:{self.key_hash[:24]}"
+        return f"key:{self.account[:24]}"
 
     @property
     def name(self) -> str:
@@ -49,9 +54,8 @@ class KeyRecord:
         return self.spec.expires is not None and time.time() >= self.spec.expires
 
     def public(self) -> dict:
-        limits = self.spec.model_dump(
-            exclude={"key", "key_hash", "alias", "models", "team", "metadata", "expires", "blocked"}
-        )
+        shown = {"key", "key_hash", "alias", "models", "team", "metadata", "expires", "blocked", "account"}
+        limits = self.spec.model_dump(exclude=shown)  # (the rest: limits)
         return {
             "key_hash": self.key_hash,
             "alias": self.spec.alias,

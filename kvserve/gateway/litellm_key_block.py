@@ -39,7 +39,7 @@ def litellm_key_block_router(state) -> APIRouter:
         if not await state.keys.update_async(h, spec):  # (revoked meanwhile)
             raise GatewayError(404, "key: no such key", code="key_not_found", param="key")
         rec.spec = spec
-        return key_info(rec, await state.spend.spent(0.0, key_hash=h))
+        return key_info(rec, await state.spend.spent(0.0, key_hash=rec.account))
 
     @r.post("/block")
     async def block(request: Request) -> dict:

@@ -130,7 +130,7 @@ def litellm_key_router(state) -> APIRouter:
     r = APIRouter(prefix="/key")
 
     async def spent(rec: KeyRecord) -> float:
-        return await state.spend.spent(0.0, key_hash=rec.key_hash)
+        return await state.spend.spent(0.0, key_hash=rec.account)
 
     async def live(key_hash: str, param: str) -> KeyRecord:
         rec = await state.keys.record_async(key_hash)

@@ -111,6 +111,9 @@ def litellm_spend_router(state) -> APIRouter:
             start = datetime.datetime.combine(first, datetime.time(), datetime.UTC).timestamp()
             end = datetime.datetime.combine(last + _DAY, datetime.time(), datetime.UTC).timestamp()
         key_hash = None if api_key is None else _hash_of(api_key, "api_key")
+        rec = None if key_hash is None else await state.keys.record_async(key_hash)
+        if rec is not None:  # a regenerated key's rows are its line's (keys.py: account)
+            key_hash = rec.account
         rows = await state.spend.entries(key_hash, request_id, start, end, ROW_CAP)
         if last is not None and summarize:
             return daily_summary(rows, last)

@@ -53,7 +53,7 @@ def litellm_team_router(state) -> APIRouter:
             raise GatewayError(404, f"team_id: no team {team_id[:200]!r}", code="team_not_found",
                                param="team_id")  # fmt: skip
         keys = [k for k in await state.keys.list_async() if not k.revoked and k.spec.team == team_id]
-        key_spend = [await state.spend.spent(0.0, key_hash=k.key_hash) for k in keys]
+        key_spend = [await state.spend.spent(0.0, key_hash=k.account) for k in keys]
         return {
             "team_id": team_id,
             "team_info": _team(team_id, spec, await spent(team_id)),
