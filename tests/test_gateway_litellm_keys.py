@@ -348,3 +348,39 @@ def test_a_regenerated_key_replaces_the_old_one_and_keeps_its_budget_and_spend(t
     assert [r["request_id"] for r in logs.json()] == ["r1"], logs.text
     assert listed == [again.json()["token"]], listed
     assert [r.status_code for r in refused] == [404, 400, 401], [r.text for r in refused]
+
+
+def test_key_and_team_spend_are_the_budget_periods_as_litellm_shows_them(tmp_path):
+    """/key/info and /team/info showed the whole log's spend: a key with a daily budget read as
+    spent far past its max_budget while it was admitted. LiteLLM sets spend back to 0 at each
+    budget_duration reset and says when (budget_reset_at)."""
+    now = time.time()
+    midnight = datetime.datetime.fromtimestamp(now, datetime.UTC).replace(
+        hour=0, minute=0, second=0, microsecond=0
+    )
+
+    async def calls(c, app):
+        body = {"max_budget": 5.0, "budget_duration": "1d", "team_id": "red"}
+        daily = (await c.post("/key/generate", json=body, headers=MASTER)).json()
+        whole = (await c.post("/key/generate", json={"max_budget": 5.0}, headers=MASTER)).json()
+        for key in (daily, whole):  # 4.0 two days ago, 1.5 now (every row counted as team red's)
+            for ts, cost in ((now - 2 * 86400, 4.0), (now, 1.5)):
+                app.state.gateway.spend.record(
+                    SpendRow(ts, "r", key["token"], None, "red", "a", "a-0", 1, 1, cost, 200)
+                )
+        info = lambda k: c.get("/key/info", params={"key": k}, headers=MASTER)  # noqa: E731
+        team = await c.get("/team/info", params={"team_id": "red"}, headers=MASTER)
+        return (
+            (await info(daily["key"])).json()["info"],
+            (await info(whole["key"])).json()["info"],
+            team.json(),
+        )
+
+    daily, whole, team = _run(tmp_path, calls, app=True)
+    reset = (midnight + datetime.timedelta(days=1)).isoformat()
+    assert daily["spend"] == 1.5 and daily["budget_reset_at"] == reset, daily
+    assert whole["spend"] == 5.5 and whole["budget_reset_at"] is None, (
+        whole
+    )  # (no budget_duration: all of it)
+    assert team["team_info"]["spend"] == 11.0 and team["team_info"]["budget_reset_at"] is None, team
+    assert [k["spend"] for k in team["keys"]] == [1.5], team["keys"]

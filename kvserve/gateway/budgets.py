@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from kvserve.gateway.config import Backend
+from kvserve.gateway.config import Backend, parse_duration
+from kvserve.gateway.state.base import period_index, period_start
 
 DEFAULT_MAX_TOKENS = 4096  # reserved when the client gives no max_tokens and the context is unknown
 # JSON integers have no bound, floats do: a count past this (10**400 would raise OverflowError in
@@ -55,3 +56,13 @@ def cost(backend: Backend, usage: dict | None) -> float | None:
         return None
     p, c = usage.get("prompt_tokens") or 0, usage.get("completion_tokens") or 0
     return backend.input_cost_per_token * p + backend.output_cost_per_token * c
+
+
+def budget_period(budget_duration: str | None, now: float) -> tuple[float, float | None]:
+    """(since when a budget's spend counts, when it next resets): the period admission counts
+    (calendar boundaries, state/base.py); without budget_duration the whole log, and never."""
+    if budget_duration is None:
+        return 0.0, None
+    p = parse_duration(budget_duration)
+    i = period_index(now, p)
+    return period_start(i, p), period_start(i + 1, p)

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 from kvserve.gateway.admin import json_object
 from kvserve.gateway.errors import GatewayError
 from kvserve.gateway.keys import KeyRecord
-from kvserve.gateway.litellm_keys import _hash_of, key_info
+from kvserve.gateway.litellm_keys import _hash_of, key_info, key_spend
 
 BLOCKED = "Authentication Error, Key is blocked. Update via `/key/unblock` if you're an admin."
 
@@ -39,7 +39,7 @@ def litellm_key_block_router(state) -> APIRouter:
         if not await state.keys.update_async(h, spec):  # (revoked meanwhile)
             raise GatewayError(404, "key: no such key", code="key_not_found", param="key")
         rec.spec = spec
-        return key_info(rec, await state.spend.spent(0.0, key_hash=rec.account))
+        return key_info(rec, await key_spend(state.spend, rec))
 
     @r.post("/block")
     async def block(request: Request) -> dict:

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 
 from kvserve.gateway.admin import json_object
 from kvserve.gateway.errors import GatewayError
-from kvserve.gateway.litellm_keys import _hash_of, _spec_fields, _validated, key_info
+from kvserve.gateway.litellm_keys import _hash_of, _spec_fields, _validated, key_info, key_spend
 
 
 def litellm_key_regenerate_router(state) -> APIRouter:
@@ -36,7 +36,7 @@ def litellm_key_regenerate_router(state) -> APIRouter:
         spec = _validated({**rec.spec.model_dump(exclude_none=True), **fields}, state.cfg)
         new, made = await state.keys.create_async(spec)
         await state.keys.revoke_async(h)  # (after: a failure leaves both keys, never neither)
-        return {"key": new, **key_info(made, await state.spend.spent(0.0, key_hash=made.account), new)}
+        return {"key": new, **key_info(made, await key_spend(state.spend, made), new)}
 
     @r.post("/regenerate")
     async def regenerate_named_in_body(request: Request) -> dict:

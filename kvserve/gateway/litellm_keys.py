@@ -18,9 +18,11 @@ from pydantic import ValidationError
 
 from kvserve.gateway.admin import _first_error, check_references, json_object
 from kvserve.gateway.auth_headers import presented_key
+from kvserve.gateway.budgets import budget_period
 from kvserve.gateway.config import KeySpec, parse_duration
 from kvserve.gateway.errors import GatewayError
 from kvserve.gateway.keys import KeyRecord, hash_key
+from kvserve.gateway.spend import SpendLog
 
 # LiteLLM's name -> KeySpec's
 FIELDS = {
@@ -111,11 +113,18 @@ def key_info(rec: KeyRecord, spend: float, given: str | None = None) -> dict:
         "budget_duration": s.budget_duration,
         "metadata": s.metadata or {},
         "expires": _iso(s.expires),
+        "budget_reset_at": _iso(budget_period(s.budget_duration, time.time())[1]),
         "blocked": bool(s.blocked),
         "spend": spend,
         "created_at": _iso(rec.created),
         "source": rec.source,
     }
+
+
+async def key_spend(log: SpendLog, rec: KeyRecord) -> float:
+    """A key's spend as LiteLLM shows it: in its budget's current period (LiteLLM sets it back to
+    0 at each budget_duration reset; the whole log's total read as spent past max_budget)."""
+    return await log.spent(budget_period(rec.spec.budget_duration, time.time())[0], key_hash=rec.account)
 
 
 def _hash_of(value: object, param: str) -> str:
@@ -130,7 +139,7 @@ def litellm_key_router(state) -> APIRouter:
     r = APIRouter(prefix="/key")
 
     async def spent(rec: KeyRecord) -> float:
-        return await state.spend.spent(0.0, key_hash=rec.account)
+        return await key_spend(state.spend, rec)
 
     async def live(key_hash: str, param: str) -> KeyRecord:
         rec = await state.keys.record_async(key_hash)

@@ -5,11 +5,14 @@ so LiteLLM's /team/new, /team/update and /team/delete are not served (a 404 as b
 
 from __future__ import annotations
 
+import time
+
 from fastapi import APIRouter, Request
 
+from kvserve.gateway.budgets import budget_period
 from kvserve.gateway.config import TeamSpec
 from kvserve.gateway.errors import GatewayError
-from kvserve.gateway.litellm_keys import key_info
+from kvserve.gateway.litellm_keys import _iso, key_info, key_spend
 
 
 def _team(name: str, spec: TeamSpec, spend: float) -> dict:
@@ -23,6 +26,7 @@ def _team(name: str, spec: TeamSpec, spend: float) -> dict:
         "tpm_limit": spec.tpm,
         "max_parallel_requests": spec.max_parallel_requests,
         "spend": spend,
+        "budget_reset_at": _iso(budget_period(spec.budget_duration, time.time())[1]),
         "blocked": False,
         "metadata": {},
     }
@@ -33,7 +37,9 @@ def litellm_team_router(state) -> APIRouter:
     r = APIRouter(prefix="/team")
 
     async def spent(team: str) -> float:
-        return await state.spend.spent(0.0, team=team)
+        """In the team budget's current period, as LiteLLM shows it (key_spend)."""
+        since = budget_period(state.cfg.teams[team].budget_duration, time.time())[0]
+        return await state.spend.spent(since, team=team)
 
     @r.get("/info")
     async def info(request: Request, team_id: str | None = None) -> dict:
@@ -53,11 +59,11 @@ def litellm_team_router(state) -> APIRouter:
             raise GatewayError(404, f"team_id: no team {team_id[:200]!r}", code="team_not_found",
                                param="team_id")  # fmt: skip
         keys = [k for k in await state.keys.list_async() if not k.revoked and k.spec.team == team_id]
-        key_spend = [await state.spend.spent(0.0, key_hash=k.account) for k in keys]
+        spends = [await key_spend(state.spend, k) for k in keys]
         return {
             "team_id": team_id,
             "team_info": _team(team_id, spec, await spent(team_id)),
-            "keys": [key_info(k, s) for k, s in zip(keys, key_spend)],
+            "keys": [key_info(k, s) for k, s in zip(keys, spends)],
         }
 
     @r.get("/list")
