@@ -384,3 +384,37 @@ def test_key_and_team_spend_are_the_budget_periods_as_litellm_shows_them(tmp_pat
     )  # (no budget_duration: all of it)
     assert team["team_info"]["spend"] == 11.0 and team["team_info"]["budget_reset_at"] is None, team
     assert [k["spend"] for k in team["keys"]] == [1.5], team["keys"]
+
+
+def test_key_list_pages_and_filters_as_litellms(tmp_path):
+    """/key/list ignored LiteLLM's page, size and filters: every page was all the keys (a script
+    reading pages until an empty one never ended) and ?team_id= answered every team's keys."""
+
+    async def calls(c):
+        made = [(await c.post("/key/generate", json={}, headers=MASTER)).json()["token"] for _ in range(11)]
+        red = (await c.post("/key/generate", json={"team_id": "red"}, headers=MASTER)).json()["token"]
+        await c.post("/key/block", json={"key": made[0]}, headers=MASTER)
+        get = lambda **q: c.get("/key/list", params=q, headers=MASTER)  # noqa: E731
+        pages = [(await get(page=p)).json() for p in (1, 2, 3)]
+        return (
+            made + [red],
+            pages,
+            [
+                (await get(team_id="red")).json()["keys"],
+                (await get(status="revoked")).json()["keys"],
+                (await get(key_hash=red, size=100)).json()["keys"],
+                (await get(status="active", size=5, page=3)).json(),
+            ],
+            [await get(user_id="u"), await get(size=101), await get(status="gone")],
+        )
+
+    tokens, pages, filtered, refused = _run(tmp_path, calls)
+    assert [p["keys"] for p in pages] == [tokens[:10], tokens[10:], []], pages
+    assert {(p["total_count"], p["total_pages"]) for p in pages} == {(12, 2)} and pages[1][
+        "current_page"
+    ] == 2
+    assert filtered[:3] == [[tokens[-1]], [tokens[0]], [tokens[-1]]], filtered
+    assert filtered[3] == {"keys": [tokens[-1]], "total_count": 11, "current_page": 3, "total_pages": 3}
+    assert [(r.status_code, r.json()["error"]["param"]) for r in refused] == [
+        (400, "user_id"), (400, "size"), (400, "status")
+    ], [r.text for r in refused]  # fmt: skip

@@ -12,8 +12,9 @@ from __future__ import annotations
 import datetime
 import re
 import time
+from typing import Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from pydantic import ValidationError
 
 from kvserve.gateway.admin import _first_error, check_references, json_object
@@ -39,6 +40,13 @@ FIELDS = {
 }
 _HASH = re.compile(r"[0-9a-f]{64}")
 _EVERY_MODEL = ("all-proxy-models", "all-team-models")
+# LiteLLM's /key/list filters on owners the gateway does not have
+_NO_SUCH_FILTER = ("user_id", "organization_id", "project_id", "access_group_id", "agent_id")
+
+
+def _status(rec: KeyRecord) -> str:
+    """LiteLLM's /key/list status: revoked is its word for blocked."""
+    return "revoked" if rec.spec.blocked else "expired" if rec.expired else "active"
 
 
 def _spec_fields(body: dict, allowed: set[str]) -> dict:
@@ -215,17 +223,40 @@ def litellm_key_router(state) -> APIRouter:
         return {"deleted_keys": list(dict.fromkeys(given for given, _ in targets))}
 
     @r.get("/list")
-    async def list_keys(request: Request, return_full_object: bool = False, key_alias: str | None = None):
+    async def list_keys(
+        request: Request,
+        return_full_object: bool = False,
+        key_alias: str | None = None,
+        team_id: str | None = None,
+        key_hash: str | None = None,
+        status: Literal["active", "expired", "revoked"] | None = None,
+        page: int = Query(1, ge=1),
+        size: int = Query(10, ge=1, le=100),
+    ):
+        """LiteLLM's page of `size` keys (10 by default, oldest first) and its filters; its
+        filters on what the gateway lacks (users, organizations, ...) are a 400 by name: ignored,
+        they answered every key. Without `page`, every script that read pages until an empty
+        one looped forever (each page was all the keys)."""
         state.require_master(request)
+        for name in _NO_SUCH_FILTER:
+            if request.query_params.get(name):
+                msg = f"{name}: the kvserve gateway has no such owners (keys and teams: team_id=, key_alias=)"
+                raise GatewayError(400, msg, code="unsupported_parameter", param=name)
         recs = [
             k
             for k in await state.keys.list_async()
-            if not k.revoked and (key_alias is None or k.spec.alias == key_alias)
+            if not k.revoked
+            and (key_alias is None or k.spec.alias == key_alias)
+            and (team_id is None or k.spec.team == team_id)
+            and (key_hash is None or k.key_hash == key_hash)
+            and (status is None or _status(k) == status)
         ]
+        pages = max(-(-len(recs) // size), 1)
+        shown = recs[(page - 1) * size : page * size]
         if not return_full_object:
-            keys = [k.key_hash for k in recs]
+            keys = [k.key_hash for k in shown]
         else:
-            keys = [key_info(k, await spent(k)) for k in recs]
-        return {"keys": keys, "total_count": len(keys), "current_page": 1, "total_pages": 1}
+            keys = [key_info(k, await spent(k)) for k in shown]
+        return {"keys": keys, "total_count": len(recs), "current_page": page, "total_pages": pages}
 
     return r
