@@ -418,3 +418,32 @@ def test_key_list_pages_and_filters_as_litellms(tmp_path):
     assert [(r.status_code, r.json()["error"]["param"]) for r in refused] == [
         (400, "user_id"), (400, "size"), (400, "status")
     ], [r.text for r in refused]  # fmt: skip
+
+
+def test_a_key_alias_is_one_live_keys_as_litellm_requires(tmp_path):
+    """Two keys could share a key_alias: a script making its key "if missing" by alias made
+    another each run, and /key/delete by alias took every one."""
+
+    async def calls(c):
+        first = (await c.post("/key/generate", json={"key_alias": "app"}, headers=MASTER)).json()
+        other = (await c.post("/key/generate", json={"key_alias": "web"}, headers=MASTER)).json()
+        return (
+            await c.post("/key/generate", json={"key_alias": "app"}, headers=MASTER),
+            await c.post("/key/update", json={"key": other["key"], "key_alias": "app"}, headers=MASTER),
+            await c.post(
+                "/key/update", json={"key": first["key"], "key_alias": "app", "rpm_limit": 3}, headers=MASTER
+            ),
+            await c.post("/key/regenerate", json={"key": first["key"]}, headers=MASTER),
+            await c.post("/key/delete", json={"key_aliases": ["app"]}, headers=MASTER),
+            await c.post("/key/generate", json={"key_alias": "app"}, headers=MASTER),
+        )
+
+    twice, renamed, same, regenerated, deleted, again = _run(tmp_path, calls)
+    for r in (twice, renamed):
+        assert r.status_code == 400 and r.json()["error"]["param"] == "key_alias", r.text
+        assert "Key with alias 'app' already exists." in r.json()["error"]["message"], r.text
+    assert same.status_code == 200 and regenerated.status_code == 200, (same.text, regenerated.text)
+    assert deleted.json() == {"deleted_keys": ["app"]} and again.status_code == 200, (
+        deleted.text,
+        again.text,
+    )

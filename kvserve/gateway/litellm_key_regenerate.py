@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 
 from kvserve.gateway.admin import json_object
 from kvserve.gateway.errors import GatewayError
-from kvserve.gateway.litellm_keys import _hash_of, _spec_fields, _validated, key_info, key_spend
+from kvserve.gateway.litellm_keys import _hash_of, _spec_fields, _validated, alias_free, key_info, key_spend
 
 
 def litellm_key_regenerate_router(state) -> APIRouter:
@@ -34,6 +34,7 @@ def litellm_key_regenerate_router(state) -> APIRouter:
         # (LiteLLM's other fields given a value, new_key and grace_period among them: 400 by name)
         fields = {"account": rec.account, **_spec_fields(body, {"key"})}
         spec = _validated({**rec.spec.model_dump(exclude_none=True), **fields}, state.cfg)
+        await alias_free(state.keys, spec.alias, h)  # (its own, the key it replaces)
         new, made = await state.keys.create_async(spec)
         await state.keys.revoke_async(h)  # (after: a failure leaves both keys, never neither)
         return {"key": new, **key_info(made, await key_spend(state.spend, made), new)}
