@@ -141,6 +141,24 @@ def test_keys_made_on_one_instance_work_and_die_on_the_others(gws):
     assert httpx.post(gws[1].url + "/v1/chat/completions", json=body, headers=h).status_code == 401
 
 
+def test_a_key_blocked_or_regenerated_on_one_instance_counts_on_the_others(gws):
+    """LiteLLM's /key/block and /key/regenerate change a key in Redis (shared_keys.py), so every
+    instance refuses the blocked or replaced key at once."""
+    m = {"Authorization": "Bearer sk-master"}
+    body = {"model": "ok", "messages": MSG, "max_tokens": 2}
+    chat = lambda g, key: httpx.post(g.url + "/v1/chat/completions", json=body,  # noqa: E731
+                                     headers={"Authorization": f"Bearer {key}"}, timeout=30)  # fmt: skip
+    key = httpx.post(gws[0].url + "/key/generate", json={"key_alias": "rotated"}, headers=m).json()["key"]
+    assert chat(gws[1], key).status_code == 200
+    assert httpx.post(gws[2].url + "/key/block", json={"key": key}, headers=m).status_code == 200
+    blocked = chat(gws[1], key)
+    assert blocked.status_code == 401 and "Key is blocked" in blocked.json()["error"]["message"], blocked.text
+    assert httpx.post(gws[0].url + "/key/unblock", json={"key": key}, headers=m).status_code == 200
+    assert chat(gws[1], key).status_code == 200
+    new = httpx.post(gws[2].url + "/key/regenerate", json={"key": key}, headers=m).json()["key"]
+    assert chat(gws[1], key).status_code == 401 and chat(gws[0], new).status_code == 200
+
+
 def test_a_budget_is_rebuilt_from_the_spend_log_when_redis_comes_back_empty(gws, redis_server):
     """Budget spend lived only in Redis: a Redis restarted without persistence (an operator's,
     or the manifest's before it had a volume) came back with every key's spend at 0, and each
