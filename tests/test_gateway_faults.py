@@ -664,6 +664,10 @@ def test_a_model_group_alias_is_served_by_its_group(gw):
     assert post(gw, "gpt-4o", key="sk-alias-only").status_code == 200
     refused = post(gw, "big", key="sk-alias-only")
     assert refused.status_code == 403 and refused.json()["error"]["param"] == "model", refused.text
+    health = httpx.get(
+        gw.url + "/health", params={"model": "gpt-4o"}, headers={"Authorization": f"Bearer {KEY}"}
+    )
+    assert [e["model"] for e in health.json()["healthy_endpoints"]] == ["big"], health.text  # (was a 404)
 
 
 def test_fallbacks_go_only_to_models_the_key_may_use(gw, fault):

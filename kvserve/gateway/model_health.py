@@ -26,10 +26,11 @@ def _row(d: Deployment, master: bool, error: str | None) -> dict:
 
 
 async def model_health(gw: Gateway, key: KeyRecord, model: str | None) -> dict:
-    """`model`: one alias only (LiteLLM's `?model=`)."""
+    """`model`: one alias only (LiteLLM's `?model=`; a model_group_alias: its group's)."""
     allowed = gw.allowed_models(key)
-    if model is not None and model not in allowed:
+    if model is not None and model not in gw.callable_names(key):
         raise GatewayError(404, f"model: {model!r} does not exist", code="model_not_found", param="model")
+    model = None if model is None else gw.cfg.group_of(model)
     deps = [d for d in gw.cfg.model_list if d.model_name in allowed and model in (None, d.model_name)]
     up, cooling = await asyncio.gather(
         asyncio.gather(*(gw.pool.probe(d) for d in deps)), gw.store.cooling([d.id for d in deps])
