@@ -664,6 +664,8 @@ def test_a_model_group_alias_is_served_by_its_group(gw):
     assert post(gw, "gpt-4o", key="sk-alias-only").status_code == 200
     refused = post(gw, "big", key="sk-alias-only")
     assert refused.status_code == 403 and refused.json()["error"]["param"] == "model", refused.text
+    r = post(gw, "down", fallbacks=["gpt-4o"])  # (a request's own fallbacks may name one: was a 404)
+    assert r.status_code == 200 and r.headers["x-kvserve-model-group"] == "big", r.text
     health = httpx.get(
         gw.url + "/health", params={"model": "gpt-4o"}, headers={"Authorization": f"Bearer {KEY}"}
     )

@@ -144,7 +144,11 @@ class Gateway:
             )
         alias = self.cfg.group_of(name)  # (a model_group_alias: the group it names)
         allowed = frozenset(self.allowed_models(key))
-        params = take(body, path, alias, set(self.router.groups), allowed)  # (out of the body)
+        callable_ = frozenset(self.callable_names(key))
+        params = take(body, path, alias, set(self.cfg.names()), callable_)  # (out of the body)
+        for which in ("fallbacks", "context_window_fallbacks"):  # (a model_group_alias: its group)
+            if (named := getattr(params, which)) is not None:
+                setattr(params, which, list(dict.fromkeys(self.cfg.group_of(a) for a in named)))
         stream = body.get("stream") is True and path != EMBEDDINGS
         so = body.get("stream_options")
         ctx = Ctx(
