@@ -732,6 +732,20 @@ def test_a_client_leaving_mid_body_is_a_499_not_a_traceback(gw):
     assert "Traceback" not in logs and post(gw, "okgroup").status_code == 200
 
 
+def test_a_request_is_found_in_spend_logs_by_the_request_id_it_was_answered_with(gw):
+    """LiteLLM's /spend/logs?request_id=: the spend log kept the gateway's internal id, so a
+    request sent with its own X-Request-Id (a client's trace id) could not be found by it."""
+    h = {"Authorization": f"Bearer {KEY}", "x-request-id": "spend-trace-7"}
+    body = {"model": "okgroup", "messages": MSG, "max_tokens": 2}
+    r = httpx.post(gw.url + "/v1/chat/completions", json=body, headers=h, timeout=30)
+    assert r.status_code == 200 and r.headers["x-request-id"] == "spend-trace-7", r.text
+    m = {"Authorization": f"Bearer {MASTER}"}
+    rows = httpx.get(gw.url + "/spend/logs", params={"request_id": "spend-trace-7"}, headers=m).json()
+    assert [(x["request_id"], x["model_group"], x["status"]) for x in rows] == [
+        ("spend-trace-7", "okgroup", "success")
+    ]
+
+
 def test_the_log_line_gives_the_request_id_as_request_id(gw):
     """The request's log line printed the id before `request_id=` and the model after it
     ("/chat/completions trace-1 request_id=okgroup"): searching the log for request_id=<the id a

@@ -672,7 +672,7 @@ class Gateway:
             self.spend.record(
                 SpendRow(
                     time.time(),
-                    ctx.rid,
+                    ctx.headers.get("x-request-id", ctx.rid),  # (the id the client was answered with)
                     ctx.key.account,  # (a regenerated key's rows go on under its first hash)
                     ctx.key.spec.alias,
                     ctx.key.spec.team,
