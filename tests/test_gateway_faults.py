@@ -102,6 +102,8 @@ def _base(fault, tmp, **router) -> dict:
                                                                        "weight": 1000}},
             {"model_name": "r429pair", "id": "r429pair-b", "backend": {"base_url": u, "model": "fail-429",
                                                                        "weight": 0.001}},
+            {"model_name": "pricedhdr", "backend": {"base_url": u, "model": "ok", "input_cost_per_token": 0.5,
+                                                    "output_cost_per_token": 0.25}},
         ],
         "router_settings": {"num_retries": 1, "retry_backoff_base": 0.01, "allowed_fails": 100,
                             "fallbacks": {"hang": ["okgroup"], "pinghang": ["okgroup"], "die": ["okgroup"],
@@ -979,6 +981,16 @@ def test_a_backends_own_429_type_and_code_are_kept():
     assert (err["type"], err["code"]) == ("requests", "rate_limit_exceeded"), err
 
 
+def test_an_answer_says_its_cost_and_deployment_in_litellms_headers(gw):
+    """LiteLLM's proxy answers with x-litellm-response-cost (its SDK and users' scripts read the
+    cost there), x-litellm-model-group and x-litellm-model-id; the gateway sent none."""
+    r = post(gw, "pricedhdr")  # 3 prompt words x 0.5 + 2 completion tokens x 0.25 (as "priced")
+    assert r.status_code == 200, r.text
+    assert float(r.headers["x-litellm-response-cost"]) == 2.0, r.headers
+    assert r.headers["x-litellm-model-group"] == "pricedhdr", r.headers
+    assert r.headers["x-litellm-model-id"] == r.headers["x-kvserve-deployment"], r.headers
+
+
 def test_a_request_dearer_than_the_whole_budget_is_a_400_that_says_why(gw):
     r = post(gw, "priced", key="sk-budget", max_tokens=100)  # up to 1.5 + 100 * 0.25 = 26.5 > 5.0
     assert r.status_code == 400 and "retry-after" not in r.headers, r.text
@@ -1089,7 +1101,7 @@ def test_health_readiness_and_metrics(gw):
     for path in ("/health/liveliness", "/health/liveness"):
         assert httpx.get(gw.url + path).json() == {"status": "ok"}, path
     ready = httpx.get(gw.url + "/health/readiness").json()
-    assert ready["status"] == "healthy" and len(ready["deployments"]) == 52
+    assert ready["status"] == "healthy" and len(ready["deployments"]) == 53
     # a backend refusing the deployment's api_key cannot answer anything: not up (was: it answered)
     assert [d["up"] for d in ready["deployments"] if d["model_name"] == "denied"] == [False]
     assert all(d["up"] for d in ready["deployments"] if d["model_name"] != "denied")

@@ -47,7 +47,8 @@ log = logging.getLogger("kvserve.gateway")
 # rate-limit window, when to retry, who answered
 _EXPOSED = ["x-request-id", "retry-after", "x-ratelimit-limit-requests", "x-ratelimit-remaining-requests",
             "x-ratelimit-limit-tokens", "x-ratelimit-remaining-tokens", "x-kvserve-deployment",
-            "x-kvserve-model-group", "x-kvserve-attempts"]  # fmt: skip
+            "x-kvserve-model-group", "x-kvserve-attempts", "x-litellm-response-cost",
+            "x-litellm-model-group", "x-litellm-model-id"]  # fmt: skip
 
 
 class GatewayState:

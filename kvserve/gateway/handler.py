@@ -82,6 +82,7 @@ class Ctx:
     allowed: frozenset[str] = frozenset()  # the aliases this key (and its team) may use
     pinned: Deployment | None = None  # the deployment holding previous_response_id's conversation
     params: ClientParams = field(default_factory=ClientParams)  # LiteLLM's body fields (client_params.py)
+    cost: float = 0.0  # what the request was charged (set when it is settled)
 
 
 class Gateway:
@@ -517,6 +518,7 @@ class Gateway:
         self.metrics.attempts.labels(dep.id, "ok").inc()
         await self._finish(ctx, out.status, out.usage, ok=True)
         headers = self._headers(ctx, dep)
+        headers["x-litellm-response-cost"] = str(ctx.cost)  # (LiteLLM's; its SDK reads the cost there)
         if ctx.cache is not None and out.status == 200 and dep.model_name == ctx.alias:  # not a fallback's
             await self.cache.save(ctx.cache, out.content)
             headers[CACHE_HEADER] = "miss"
@@ -537,6 +539,8 @@ class Gateway:
             "x-kvserve-deployment": dep.id,
             "x-kvserve-attempts": str(ctx.attempts),
             "x-kvserve-model-group": dep.model_name,
+            "x-litellm-model-group": dep.model_name,  # (LiteLLM's names for the same, which its users read)
+            "x-litellm-model-id": dep.id,
         }
         if ctx.degraded_to is not None and dep.model_name == ctx.degraded_to:
             h[DEGRADED_HEADER] = "fallback"
@@ -653,6 +657,7 @@ class Gateway:
         if ok and dep is not None:
             c = cost(dep.backend, usage)
             money = ctx.reserved_money if c is None else c  # no usage reported: charge the reservation
+        ctx.cost = money
         tokens = (usage or {}).get("total_tokens", ctx.prompt_tokens) if ok else 0
         if ctx.checks:
             actual = [money if c.kind == "budget" else tokens if c.kind == "tpm" else 0 for c in ctx.checks]
