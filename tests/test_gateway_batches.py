@@ -330,7 +330,9 @@ def test_a_large_upload_is_parsed_off_the_event_loop(tmp_path):
     finally:
         fault.stop()
     assert r.status_code == 200, r.text
-    assert longest < 1.0, longest  # (parsed on the loop: ~5 s here)
+    # Parsed on the loop it was held ~5 s on a quiet host; off it, the loop's own part (the
+    # multipart read) held it up to 1.2 s at load average 11: a bound between the two.
+    assert longest < 2.5, longest
 
 
 @pytest.mark.parametrize(
