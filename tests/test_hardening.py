@@ -853,6 +853,16 @@ def test_unknown_routes_and_methods_have_string_codes(server):
             "input",
             "input: item 1 (function_call) arguments are not valid JSON: 'not json'",
         ),
+        (  # OpenAI's 400; it was taken, the call reaching the model as one that never returned
+            {
+                "input": [
+                    {"role": "user", "content": "hi"},
+                    {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                ]
+            },
+            "input",
+            "No tool output found for function call 'c1'",
+        ),
     ],
 )
 def test_responses_items_missing_their_fields_say_which(server, body, param, words):
@@ -877,6 +887,25 @@ def test_a_function_call_output_given_as_parts_is_read_as_their_text(server):
 
     parts = [{"type": "input_text", "text": "sunny, "}, {"type": "input_text", "text": "21 C"}]
     assert input_tokens(parts) == input_tokens("sunny, \n21 C")
+
+
+def test_a_reasoning_item_passed_back_is_taken_and_left_out(server):
+    """A reasoning model's turn passed back whole (its reasoning item first, as the SDK's
+    output_as_input gives it) was refused as "item type 'reasoning' is not supported"; OpenAI
+    takes it, and this model, reasoning none, leaves it out of the prompt."""
+    hi = {"role": "user", "content": "hi"}
+    thought = {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "a greeting"}]}
+    said = {"role": "assistant", "content": "hello"}
+
+    def sent(items: list[dict]) -> dict:
+        r = post(server, {"model": "tiny", "input": items, "max_output_tokens": 1}, "/v1/responses")
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    r = sent([hi, thought, said, hi])
+    assert r["usage"]["input_tokens"] == sent([hi, said, hi])["usage"]["input_tokens"]
+    listed = httpx.get(f"{server.url}/v1/responses/{r['id']}/input_items?order=asc", headers=server.headers)
+    assert [i["type"] for i in listed.json()["data"]] == ["message", "reasoning", "message", "message"]
 
 
 def test_text_parts_reach_the_model_joined_by_newlines(server):
@@ -1086,6 +1115,10 @@ def test_responses_item_cut_by_max_output_tokens_is_incomplete_and_not_carried(l
     r2 = post(s, {**many, "temperature": 0}, "/v1/responses").json()
     assert r2["status"] == "incomplete" and r2["output"], r2
     assert all(o["status"] == "completed" for o in r2["output"]), r2["output"]
+    go_on = {"model": "tiny", "previous_response_id": r2["id"], "input": "go on", "max_output_tokens": 1}
+    unanswered = post(s, go_on, "/v1/responses")
+    assert_400(unanswered, "input")  # OpenAI's 400: the calls it made are answered first
+    assert f"No tool output found for function call {r2['output'][0]['call_id']!r}" in unanswered.text
     on = post(s, {"model": "tiny", "previous_response_id": r["id"], "input": "go on", "max_output_tokens": 2},
               "/v1/responses")  # fmt: skip
     assert on.status_code == 200, on.text

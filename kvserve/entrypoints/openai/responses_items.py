@@ -14,7 +14,7 @@ from typing import Any
 from kvserve.entrypoints.openai.listing import page
 
 MAX_LIMIT = 100  # OpenAI's range for this list: 1 to 100, 20 by default
-_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
 
 
 def stored_input_items(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:

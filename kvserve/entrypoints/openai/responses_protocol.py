@@ -181,9 +181,10 @@ def _text_of(content: Any, where: str) -> str:
 def input_messages(items: str | list[Any], history: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Response input items -> chat messages (function calls and their outputs included). A
     function_call_output answers a function_call before it, in `items` or the previous
-    response's `history` (OpenAI's rule, checked here to name the item)."""
+    response's `history` (OpenAI's rule, checked here to name the item); every call is
+    answered, the previous response's too."""
     if isinstance(items, str):
-        return [{"role": "user", "content": items}]
+        items = [{"role": "user", "content": items}]
     called = {c.get("id") for m in history for c in m.get("tool_calls") or []}
     messages: list[dict[str, Any]] = []
     for i, item in enumerate(items):
@@ -218,9 +219,26 @@ def input_messages(items: str | list[Any], history: list[dict[str, Any]]) -> lis
                     "function_call before it has (in input, or complete in the previous response's output)"
                 )
             messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": text})
+        elif kind == "reasoning":  # a reasoning model's earlier turn passed back: this model has none
+            continue
         else:
             raise ValueError(f"input: item type {kind!r} is not supported")
+    _require_outputs(history + messages)
     return messages
+
+
+def _require_outputs(conversation: list[dict[str, Any]]) -> None:
+    """Every function call answered by a function_call_output, as OpenAI requires ("No tool
+    output found for function call ..."): one left open reached the model as a call that
+    never returned, and the answer went on as if it had."""
+    answered = {m.get("tool_call_id") for m in conversation if m.get("role") == "tool"}
+    for m in conversation:
+        for call in m.get("tool_calls") or []:
+            if call["id"] not in answered:
+                raise ValueError(
+                    f"input: No tool output found for function call {call['id']!r}; send a "
+                    "function_call_output item with that call_id"
+                )
 
 
 def _output_text(output: Any, index: int) -> str:
