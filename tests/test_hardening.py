@@ -15,6 +15,7 @@ import httpx
 import openai
 import psutil
 import pytest
+from openai.types.responses import Response, ResponseErrorEvent, ResponseFailedEvent
 from server_utils import ServerProcess
 
 MODEL_ARGS = ("--kv-cache-memory", "32MiB", "--max-model-len", "256", "--served-model-name", "tiny")
@@ -983,9 +984,18 @@ def test_engine_failure_fails_only_that_request(tiny_llama_dir):
         # (its {"error": ...} form made the official client raise instead of yielding the event)
         lines = streamed_r.text.splitlines()
         events = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
-        assert [e["type"] for e in events] == ["response.created", "response.in_progress", "error"]
-        assert "event: error" in lines and events[-1]["sequence_number"] == 2
-        assert events[-1]["code"] == "engine_error" and "fault injected" in events[-1]["message"]
+        # then response.failed, its response failed with the error (it ended on the error event,
+        # the response left in progress, and not stored: GET said it was never stored)
+        kinds = ["response.created", "response.in_progress", "error", "response.failed"]
+        assert [e["type"] for e in events] == kinds
+        assert "event: error" in lines and [e["sequence_number"] for e in events[2:]] == [2, 3]
+        assert events[2]["code"] == "engine_error" and "fault injected" in events[2]["message"]
+        failed = events[3]["response"]
+        assert failed["status"] == "failed" and failed["error"]["code"] == "server_error"
+        assert "fault injected" in failed["error"]["message"]
+        stored = httpx.get(f"{s.url}/v1/responses/{failed['id']}", headers=s.headers, timeout=10)
+        assert stored.status_code == 200 and stored.json() == failed
+        ResponseErrorEvent.model_validate(events[2]), ResponseFailedEvent.model_validate(events[3])
         assert_still_serving(s)
     finally:
         s.stop()
@@ -1011,6 +1021,38 @@ def test_client_leaving_a_non_streaming_request_aborts_it(long_server):
         assert time.monotonic() < deadline, "the abandoned request kept decoding"
         time.sleep(0.1)
     assert s.metrics()["kvserve:kv_cache_usage_perc"] == 0
+
+
+def test_a_responses_stream_the_client_left_is_kept_cancelled(long_server):
+    """A client that closes a Responses stream midway (a chat UI's Stop) stops the generation,
+    as OpenAI's does; the response was then never stored, so GET and previous_response_id
+    said "not found" of the id response.created had given. It is kept "cancelled", with the
+    text written so far, and can be continued."""
+    s = long_server
+    body = {"model": "tiny", "input": "Go", "max_output_tokens": 4000, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{s.url}/v1/responses", json=body, headers=s.headers, timeout=60) as r:
+        events = []
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+            if len(events) == 8:  # created, in_progress, the item and its part added, 4 deltas
+                break
+    rid = events[0]["response"]["id"]
+    deadline = time.monotonic() + 30
+    while (got := httpx.get(f"{s.url}/v1/responses/{rid}", headers=s.headers, timeout=10)).status_code == 404:
+        assert time.monotonic() < deadline, got.text
+        time.sleep(0.1)
+    kept = got.json()
+    assert kept["status"] == "cancelled" and kept["error"] is None, kept
+    assert [(o["type"], o["status"]) for o in kept["output"]] == [("message", "incomplete")]
+    written = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert kept["output"][0]["content"][0]["text"].startswith(written) and written
+    Response.model_validate(kept)
+    on = {"model": "tiny", "input": "go on", "previous_response_id": rid, "max_output_tokens": 1}
+    assert post(s, on, "/v1/responses").status_code == 200
+    while s.metrics()["kvserve:num_requests_running"] > 0:  # and its generation was stopped
+        assert time.monotonic() < deadline, "the left stream kept decoding"
+        time.sleep(0.1)
 
 
 def test_stalled_reader_is_aborted(long_server):

@@ -19,6 +19,7 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
+from starlette.background import BackgroundTask, BackgroundTasks
 
 from kvserve.engine.processor import ContextLengthError
 from kvserve.entrypoints.openai.errors import EmptyStringError, renamed_in_text
@@ -28,6 +29,7 @@ from kvserve.entrypoints.openai.response_store import (
     ResponseNotFoundError,
     ResponseStore,
 )
+from kvserve.entrypoints.openai.responses_ending import STREAM_FAILURES, end_early, failure_code
 from kvserve.entrypoints.openai.responses_items import stored_input_items
 from kvserve.entrypoints.openai.responses_protocol import (
     ResponsesRequest,
@@ -59,6 +61,10 @@ def _name_responses_fields(e: ValueError) -> None:
         for limit in ("max_tokens", "max_completion_tokens"):  # a Responses request has neither
             rest = renamed_in_text(rest, limit, "max_output_tokens")
         e.args = (f"{head}{sep}{rest}", *e.args[1:])
+
+
+# what a response is stored with: the conversation before its output, and its input items
+Given = tuple[list[dict], list[dict]]
 
 
 def used(value: float | None, default: float) -> float:
@@ -213,8 +219,13 @@ class ResponsesServing:
         response = self._skeleton(req, rid, req.model or self.serving.model_names[0])
         items = stored_input_items(req.input)
         if req.stream:
-            events = self._events(run.chunks, response, (conversation, items), req.store, req.max_tool_calls)
-            return self.serving.sse_response(run.gen, events, run.streams, responses_api=True)
+            out, given = _EventBuilder(), (conversation, items)
+            events = self._events(run.chunks, response, given, req.store, req.max_tool_calls, out)
+            streamed = self.serving.sse_response(run.gen, events, run.streams, responses_api=True)
+            # after the engine's streams are aborted: the response a client left is kept, cancelled
+            left = BackgroundTask(self._keep_if_left, response, out, given, req.store)
+            streamed.background = BackgroundTasks([streamed.background, left])
+            return streamed
         choice = run.body["choices"][0]
         message = choice["message"]
         output = []
@@ -257,36 +268,52 @@ class ResponsesServing:
         raise error
 
     async def _events(
-        self, chunks: AsyncIterator[dict], response: dict, given: tuple[list[dict], list[dict]], store: bool,
-        max_calls: int | None,
+        self, chunks: AsyncIterator[dict], response: dict, given: Given, store: bool,
+        max_calls: int | None, out: _EventBuilder,
     ) -> AsyncIterator[dict]:  # fmt: skip
         """Chat chunks -> Responses stream events (calls past max_calls are left out); `given`:
-        the conversation so far and the input items, stored with the response."""
-        out = _EventBuilder()
+        the conversation so far and the input items, stored with the response. An engine
+        failure ends it with an error event and response.failed (responses_ending.py)."""
         yield out.event("response.created", response=response)
         yield out.event("response.in_progress", response=response)
         finish, usage, dropped = None, None, False
-        async for chunk in chunks:
-            usage = chunk.get("usage") or usage
-            for choice in chunk.get("choices", []):
-                delta = choice["delta"]
-                for e in out.text(delta.get("content") or "", (choice.get("logprobs") or {}).get("content")):
-                    yield e
-                for tc in delta.get("tool_calls") or []:
-                    if max_calls is not None and tc["index"] >= max_calls:
-                        dropped = True
-                        continue
-                    for e in out.call(tc):
+        try:
+            async for chunk in chunks:
+                usage = chunk.get("usage") or usage
+                for choice in chunk.get("choices", []):
+                    delta, logprobs = choice["delta"], (choice.get("logprobs") or {}).get("content")
+                    for e in out.text(delta.get("content") or "", logprobs):
                         yield e
-                finish = choice.get("finish_reason") or finish
+                    for tc in delta.get("tool_calls") or []:
+                        if max_calls is not None and tc["index"] >= max_calls:
+                            dropped = True
+                            continue
+                        for e in out.call(tc):
+                            yield e
+                    finish = choice.get("finish_reason") or finish
+        except STREAM_FAILURES as e:
+            yield out.event("error", code=failure_code(e), message=str(e), param=None)
+            end_early(response, out.output, "failed", str(e))
+            self._keep(response, out.output, given, store)
+            yield out.event("response.failed", response=response)
+            return
         for e in out.close(cut=finish == "length" and not dropped):
             yield e
         self._finish(response, out.output, finish, usage)
-        if store:
-            conversation, items = given
-            self.store.put(response, conversation + _assistant_turn(out.output), items)
+        self._keep(response, out.output, given, store)
         kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
         yield out.event(kind, response=response)
+
+    def _keep(self, response: dict, output: list[dict], given: Given, store: bool) -> None:
+        if store:
+            conversation, items = given
+            self.store.put(response, conversation + _assistant_turn(output), items)
+
+    async def _keep_if_left(self, response: dict, out: _EventBuilder, given: Given, store: bool) -> None:
+        """Run when the stream's response has ended: one still in progress lost its client.
+        (async: on the event loop, as every other use of the store, not in Starlette's threads)"""
+        if response["status"] == "in_progress":
+            self._keep(end_early(response, out.output, "cancelled"), out.output, given, store)
 
 
 class _EventBuilder:
