@@ -890,6 +890,27 @@ def test_a_function_call_output_given_as_parts_is_read_as_their_text(server):
     assert input_tokens(parts) == input_tokens("sunny, \n21 C")
 
 
+def test_an_item_reference_stands_for_the_stored_item_it_names(server):
+    """OpenAI's item_reference (type optional: an item of an id alone) names an input or output
+    item of a stored response; it was refused as "item type 'item_reference' is not supported"."""
+    hi = {"role": "user", "content": "hi"}
+
+    def sent(items: list[dict]) -> httpx.Response:
+        return post(server, {"model": "tiny", "input": items, "max_output_tokens": 2, "temperature": 0},
+                    "/v1/responses")  # fmt: skip
+
+    first = sent([hi]).json()
+    asked = httpx.get(f"{server.url}/v1/responses/{first['id']}/input_items", headers=server.headers)
+    (said,), (answer,) = asked.json()["data"], first["output"]
+    whole = sent([hi, answer, hi])
+    by_id = sent([{"type": "item_reference", "id": said["id"]}, {"id": answer["id"]}, hi])
+    assert by_id.status_code == 200, by_id.text
+    assert by_id.json()["usage"]["input_tokens"] == whole.json()["usage"]["input_tokens"]
+    missing = sent([{"type": "item_reference", "id": "msg_nope"}, hi])
+    assert_400(missing, "input")
+    assert "item 0 (item_reference) names 'msg_nope', which no stored response holds" in missing.text
+
+
 def test_a_reasoning_item_passed_back_is_taken_and_left_out(server):
     """A reasoning model's turn passed back whole (its reasoning item first, as the SDK's
     output_as_input gives it) was refused as "item type 'reasoning' is not supported"; OpenAI

@@ -11,6 +11,7 @@ import pytest
 from server_utils import ServerProcess
 
 from kvserve.entrypoints.openai.response_store import (
+    ItemNotFoundError,
     MemoryResponseStore,
     ResponseNotFoundError,
     SQLiteResponseStore,
@@ -67,6 +68,30 @@ def test_input_items_are_kept_and_an_older_sqlite_file_gains_them(tmp_path):
         assert kept.input_items("resp_1") == [{"id": "msg_1", "type": "message"}]
         with pytest.raises(ResponseNotFoundError):
             kept.input_items("resp_9")
+
+
+@pytest.mark.parametrize("kind", ["memory", "sqlite"])
+def test_items_are_found_by_id_while_their_response_is_kept(tmp_path, kind):
+    """item_reference names an input or output item of a stored response; it goes with the
+    response (dropped or deleted), and a later response holding it keeps it findable."""
+    path = tmp_path / "r.db"
+    store = open_store("memory" if kind == "memory" else f"sqlite:{path}", capacity=2)
+    said = {"id": "msg_in", "type": "message", "role": "user", "content": "q"}
+    store.put(_resp(0) | {"output": [{"id": "msg_out", "type": "message"}]}, [], [said])
+    assert store.item("msg_in") == said and store.item("msg_out") == {"id": "msg_out", "type": "message"}
+    store.put(_resp(1), [], [said])  # passed back to a later response
+    store.delete("resp_0")
+    assert store.item("msg_in") == said
+    with pytest.raises(ItemNotFoundError):
+        store.item("msg_out")
+    if kind == "sqlite":
+        store.close()
+        store = SQLiteResponseStore(str(path), capacity=2)
+        assert store.item("msg_in") == said
+    store.put(_resp(2), [])
+    store.put(_resp(3), [])  # resp_1 dropped, least recently used
+    with pytest.raises(ItemNotFoundError):
+        store.item("msg_in")
 
 
 @pytest.mark.parametrize("spec, size", [("redis://x", 8), ("sqlite:", 8), ("memory", 0)])

@@ -3,7 +3,8 @@
 `memory` (the default) is lost on restart; `sqlite:PATH` keeps them in one SQLite file, so a
 conversation survives a restart or a redeploy onto the same disk. Both are bounded: past
 `capacity` the least recently used response is dropped, so an unattended server never
-grows without limit.
+grows without limit. Each keeps its items (input and output) findable by id, for the
+`item_reference` input items that name them; they go with their response.
 """
 
 from __future__ import annotations
@@ -24,6 +25,15 @@ class PreviousResponseNotFoundError(ValueError):
     the whole conversation instead."""
 
 
+class ItemNotFoundError(LookupError):
+    """An item id that no stored response holds."""
+
+
+def _items_of(response: dict, input_items: list[dict]) -> list[dict]:
+    """The items a response holds, as item_reference finds them: its input, then its output."""
+    return [i for i in [*input_items, *response.get("output", [])] if isinstance(i.get("id"), str)]
+
+
 def _missing(response_id: str) -> ResponseNotFoundError:
     return ResponseNotFoundError(f"response {response_id!r} not found (never stored, or expired)")
 
@@ -39,6 +49,9 @@ class ResponseStore(Protocol):
 
     def input_items(self, response_id: str) -> list[dict]: ...
 
+    def item(self, item_id: str) -> dict:
+        """An input or output item of a stored response, by its id; ItemNotFoundError if none."""
+
     def delete(self, response_id: str) -> None: ...
 
 
@@ -48,12 +61,23 @@ class MemoryResponseStore:
     def __init__(self, capacity: int = 1024) -> None:
         self.capacity = capacity
         self._items: OrderedDict[str, tuple[dict, list[dict], list[dict]]] = OrderedDict()
+        self._by_item: dict[str, tuple[str, dict]] = {}  # item id -> (its response's id, the item)
 
     def put(self, response: dict, conversation: list[dict], input_items: list[dict] | None = None) -> None:
+        if response["id"] in self._items:  # replaced: its former items go
+            self._drop(response["id"])
         self._items[response["id"]] = (response, conversation, input_items or [])
         self._items.move_to_end(response["id"])
+        for item in _items_of(response, input_items or []):
+            self._by_item[item["id"]] = (response["id"], item)
         while len(self._items) > self.capacity:
-            self._items.popitem(last=False)
+            self._drop(next(iter(self._items)))
+
+    def _drop(self, response_id: str) -> None:
+        response, _, input_items = self._items.pop(response_id)
+        for item in _items_of(response, input_items):
+            if self._by_item.get(item["id"], ("",))[0] == response_id:  # (a later response may hold it too)
+                del self._by_item[item["id"]]
 
     def _row(self, response_id: str) -> tuple[dict, list[dict], list[dict]]:
         if response_id not in self._items:
@@ -67,9 +91,14 @@ class MemoryResponseStore:
     def input_items(self, response_id: str) -> list[dict]:
         return self._row(response_id)[2]
 
+    def item(self, item_id: str) -> dict:
+        if item_id not in self._by_item:
+            raise ItemNotFoundError(item_id)
+        return self._by_item[item_id][1]
+
     def delete(self, response_id: str) -> None:
         self.get(response_id)
-        del self._items[response_id]
+        self._drop(response_id)
 
 
 class SQLiteResponseStore:
@@ -86,6 +115,11 @@ class SQLiteResponseStore:
             "response TEXT NOT NULL, conversation TEXT NOT NULL)"
         )
         self._db.execute("CREATE INDEX IF NOT EXISTS responses_by_use ON responses (used)")
+        self._db.execute(
+            "CREATE TABLE IF NOT EXISTS items "
+            "(id TEXT PRIMARY KEY, response_id TEXT NOT NULL, item TEXT NOT NULL)"
+        )
+        self._db.execute("CREATE INDEX IF NOT EXISTS items_by_response ON items (response_id)")
         columns = {row[1] for row in self._db.execute("PRAGMA table_info(responses)")}
         if "input_items" not in columns:  # a file written before input items were kept
             self._db.execute("ALTER TABLE responses ADD COLUMN input_items TEXT NOT NULL DEFAULT '[]'")
@@ -104,11 +138,17 @@ class SQLiteResponseStore:
                 (response["id"], self._tick(), json.dumps(response), json.dumps(conversation),
                  json.dumps(input_items or [])),
             )  # fmt: skip
-            self._db.execute(
-                "DELETE FROM responses WHERE used <= "
-                "(SELECT used FROM responses ORDER BY used DESC LIMIT 1 OFFSET ?)",
-                (self.capacity,),
+            self._db.execute("DELETE FROM items WHERE response_id = ?", (response["id"],))
+            self._db.executemany(
+                "INSERT OR REPLACE INTO items (id, response_id, item) VALUES (?, ?, ?)",
+                [(i["id"], response["id"], json.dumps(i)) for i in _items_of(response, input_items or [])],
             )
+            gone = self._db.execute(
+                "DELETE FROM responses WHERE used <= "
+                "(SELECT used FROM responses ORDER BY used DESC LIMIT 1 OFFSET ?) RETURNING id",
+                (self.capacity,),
+            ).fetchall()
+            self._db.executemany("DELETE FROM items WHERE response_id = ?", gone)
 
     def _read(self, response_id: str, columns: str) -> tuple:
         row = self._db.execute(f"SELECT {columns} FROM responses WHERE id = ?", (response_id,)).fetchone()
@@ -125,9 +165,16 @@ class SQLiteResponseStore:
     def input_items(self, response_id: str) -> list[dict]:
         return self._read(response_id, "input_items")[0]
 
+    def item(self, item_id: str) -> dict:
+        row = self._db.execute("SELECT item FROM items WHERE id = ?", (item_id,)).fetchone()
+        if row is None:
+            raise ItemNotFoundError(item_id)
+        return json.loads(row[0])
+
     def delete(self, response_id: str) -> None:
         with self._db:
             gone = self._db.execute("DELETE FROM responses WHERE id = ?", (response_id,)).rowcount
+            self._db.execute("DELETE FROM items WHERE response_id = ?", (response_id,))
         if gone == 0:
             raise _missing(response_id)
 

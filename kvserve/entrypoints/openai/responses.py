@@ -30,7 +30,7 @@ from kvserve.entrypoints.openai.response_store import (
     ResponseStore,
 )
 from kvserve.entrypoints.openai.responses_ending import STREAM_FAILURES, end_early, failure_code
-from kvserve.entrypoints.openai.responses_items import stored_input_items
+from kvserve.entrypoints.openai.responses_items import resolved, stored_input_items
 from kvserve.entrypoints.openai.responses_protocol import (
     ResponsesRequest,
     input_messages,
@@ -190,6 +190,7 @@ class ResponsesServing:
 
     async def create(self, req: ResponsesRequest, raw: Request):
         refuse_unsupported(req)
+        req.input = resolved(req.input, self.store.item)  # (as if the items were sent)
         history: list[dict] = []
         if req.previous_response_id == "":  # OpenAI's minimum length; it was looked up, "not found"
             raise EmptyStringError(

@@ -3,18 +3,52 @@
 They are the items the request sent, each given an id (OpenAI's cursors are item ids) and a
 status, a string input being one user message, and a message's string content being one
 text part; kept with the stored response. Items of earlier responses in a
-previous_response_id chain are listed under those responses' own ids.
+previous_response_id chain are listed under those responses' own ids. An `item_reference`
+input item names one such item (or an output item) by id: it stands for that item.
 """
 
 from __future__ import annotations
 
+import copy
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from kvserve.entrypoints.openai.listing import page
+from kvserve.entrypoints.openai.response_store import ItemNotFoundError
 
 MAX_LIMIT = 100  # OpenAI's range for this list: 1 to 100, 20 by default
 _ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
+def resolved(items: str | list[Any] | None, find: Callable[[str], dict]) -> str | list[Any] | None:
+    """The input with each item_reference replaced by the stored item it names (`find`: by
+    id). OpenAI's reference may leave out its type: an item of an id alone, no role."""
+    if not isinstance(items, list):
+        return items
+    out = []
+    for i, item in enumerate(items):
+        if not _is_reference(item):
+            out.append(item)
+            continue
+        ref = item.get("id")
+        if not isinstance(ref, str) or not ref:
+            raise ValueError(f"input: item {i} (item_reference) needs id, a non-empty string")
+        try:
+            out.append(copy.deepcopy(find(ref)))
+        except ItemNotFoundError:
+            raise ValueError(
+                f"input: item {i} (item_reference) names {ref!r}, which no stored response holds "
+                "(never stored, or expired)"
+            ) from None
+    return out
+
+
+def _is_reference(item: Any) -> bool:
+    if not isinstance(item, dict):
+        return False
+    untyped = "type" not in item and "role" not in item and "id" in item
+    return item.get("type") == "item_reference" or untyped
 
 
 def stored_input_items(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
