@@ -911,6 +911,22 @@ def test_an_item_reference_stands_for_the_stored_item_it_names(server):
     assert "item 0 (item_reference) names 'msg_nope', which no stored response holds" in missing.text
 
 
+def test_an_item_given_twice_is_refused_as_openai_does(server):
+    """An item passed back while previous_response_id already carries it reached the model
+    twice (its turn repeated in the prompt, unsaid); OpenAI's 400 names the duplicate id."""
+    hi = {"role": "user", "content": "hi"}
+    body = {"model": "tiny", "max_output_tokens": 2, "temperature": 0}
+    first = post(server, {**body, "input": [hi]}, "/v1/responses").json()
+    answer, on = first["output"][0], {**body, "previous_response_id": first["id"]}
+    again = post(server, {**on, "input": [answer, hi]}, "/v1/responses")
+    assert_400(again, "input")
+    assert f"item 0: Duplicate item found with id {answer['id']!r}" in again.text
+    assert "previous response's items" in again.text
+    twice = [{"type": "item_reference", "id": answer["id"]}] * 2
+    assert "item 1: Duplicate item found" in post(server, {**body, "input": twice}, "/v1/responses").text
+    assert post(server, {**on, "input": [hi]}, "/v1/responses").is_success
+
+
 def test_a_reasoning_item_passed_back_is_taken_and_left_out(server):
     """A reasoning model's turn passed back whole (its reasoning item first, as the SDK's
     output_as_input gives it) was refused as "item type 'reasoning' is not supported"; OpenAI

@@ -44,6 +44,28 @@ def resolved(items: str | list[Any] | None, find: Callable[[str], dict]) -> str 
     return out
 
 
+def refuse_duplicates(items: str | list[Any] | None, carried: list[dict[str, Any]]) -> None:
+    """OpenAI's 400 for an item id given twice: in the input, or in the input and the previous
+    response's items (`carried`), which previous_response_id already brings (passed back too,
+    the model read them twice). Two items of one id also made the input_items cursors ambiguous."""
+    if not isinstance(items, list):
+        return
+    seen = {item["id"] for item in carried}
+    for i, item in enumerate(items):
+        given = item.get("id") if isinstance(item, dict) else None
+        if not isinstance(given, str) or not given:
+            continue
+        if given in seen:
+            where = "an earlier item of the input"
+            if any(c["id"] == given for c in carried):
+                where = "the previous response's items (previous_response_id carries them)"
+            raise ValueError(
+                f"input: item {i}: Duplicate item found with id {given!r}, also in {where}; "
+                "remove duplicate items from your input"
+            )
+        seen.add(given)
+
+
 def _is_reference(item: Any) -> bool:
     if not isinstance(item, dict):
         return False
