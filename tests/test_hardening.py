@@ -927,6 +927,26 @@ def test_an_item_given_twice_is_refused_as_openai_does(server):
     assert post(server, {**on, "input": [hi]}, "/v1/responses").is_success
 
 
+def test_an_assistant_refusal_part_passed_back_is_read_as_its_text(server):
+    """OpenAI's output message may hold a refusal part; such a history passed back (from OpenAI,
+    or a gateway's fallback) was refused as "content part type 'refusal' is not supported"."""
+
+    def sent(part: dict, role: str = "assistant") -> httpx.Response:
+        items = [
+            {"role": "user", "content": "hi"},
+            {"role": role, "content": [part]},
+            {"role": "user", "content": "ok"},
+        ]
+        return post(server, {"model": "tiny", "input": items, "max_output_tokens": 1}, "/v1/responses")
+
+    refused = sent({"type": "refusal", "refusal": "I can't help with that."})
+    assert refused.status_code == 200, refused.text
+    said = sent({"type": "output_text", "text": "I can't help with that."}).json()
+    assert refused.json()["usage"]["input_tokens"] == said["usage"]["input_tokens"]
+    assert "needs refusal, a string (got missing)" in sent({"type": "refusal"}).text
+    assert "part type 'refusal' is not supported" in sent({"type": "refusal", "refusal": "no"}, "user").text
+
+
 def test_a_reasoning_item_passed_back_is_taken_and_left_out(server):
     """A reasoning model's turn passed back whole (its reasoning item first, as the SDK's
     output_as_input gives it) was refused as "item type 'reasoning' is not supported"; OpenAI

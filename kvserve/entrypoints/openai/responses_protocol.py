@@ -159,9 +159,10 @@ class ResponsesRequest(OpenAIBody):
     moderation: Any = None
 
 
-def _text_of(content: Any, where: str) -> str:
+def _text_of(content: Any, where: str, assistant: bool = False) -> str:
     """An item's content as text: a string, or input_text / output_text parts joined by
-    newlines (as a chat message's parts are: ChatMessage.text)."""
+    newlines (as a chat message's parts are: ChatMessage.text). An assistant's (an output
+    message passed back) may hold OpenAI's refusal part: its refusal is what was said."""
     if content is None or isinstance(content, str):
         return content or ""
     if not isinstance(content, list):
@@ -169,12 +170,13 @@ def _text_of(content: Any, where: str) -> str:
     texts = []
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("input_text", "output_text", "text"):
+        key = "refusal" if kind == "refusal" and assistant else "text"
+        if kind not in ("input_text", "output_text", "text") and key == "text":
             raise ValueError(f"input: content part type {kind!r} is not supported (text only)")
-        if not isinstance(part.get("text"), str):  # a missing text was read as "", unsaid (chat refuses it)
-            got = "missing" if "text" not in part else type(part["text"]).__name__
-            raise ValueError(f"input: {where} has a {kind} part that needs text, a string (got {got})")
-        texts.append(part["text"])
+        if not isinstance(part.get(key), str):  # a missing text was read as "", unsaid (chat refuses it)
+            got = "missing" if key not in part else type(part[key]).__name__
+            raise ValueError(f"input: {where} has a {kind} part that needs {key}, a string (got {got})")
+        texts.append(part[key])
     return "\n".join(texts)
 
 
@@ -197,7 +199,8 @@ def input_messages(items: str | list[Any], history: list[dict[str, Any]]) -> lis
                 raise ValueError(f"input: item {i} has role {role!r}")
             if item.get("content") is None:  # as OpenAI: a message item carries its content
                 raise ValueError(f"input: item {i} (message) needs content, a string or a list of parts")
-            messages.append({"role": role, "content": _text_of(item["content"], f"item {i}")})
+            content = _text_of(item["content"], f"item {i}", assistant=role == "assistant")
+            messages.append({"role": role, "content": content})
         elif kind == "function_call":
             _require_strings(item, i, ("name", "call_id"))
             if not isinstance(item.get("arguments", "{}"), str):  # reached the chat model as a pydantic dump
