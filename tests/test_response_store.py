@@ -94,6 +94,21 @@ def test_items_are_found_by_id_while_their_response_is_kept(tmp_path, kind):
         store.item("msg_in")
 
 
+def test_an_sqlite_file_written_before_items_were_indexed_finds_them(tmp_path):
+    """Its responses' items were not findable by id: an item_reference to them was refused."""
+    path = str(tmp_path / "r.db")
+    store = SQLiteResponseStore(path)
+    store.put(_resp(0) | {"output": [{"id": "msg_out", "type": "message"}]}, [], [{"id": "msg_in"}])
+    store.close()
+    old = sqlite3.connect(path)
+    old.execute("DROP TABLE items")  # as that version wrote it
+    old.commit()
+    old.close()
+    again = SQLiteResponseStore(path)
+    assert again.item("msg_out") == {"id": "msg_out", "type": "message"}
+    assert again.item("msg_in") == {"id": "msg_in"}
+
+
 @pytest.mark.parametrize("spec, size", [("redis://x", 8), ("sqlite:", 8), ("memory", 0)])
 def test_bad_store_settings_are_refused(tmp_path, spec, size):
     with pytest.raises(ValueError, match="--response-store"):

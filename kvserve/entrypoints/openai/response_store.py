@@ -115,14 +115,18 @@ class SQLiteResponseStore:
             "response TEXT NOT NULL, conversation TEXT NOT NULL)"
         )
         self._db.execute("CREATE INDEX IF NOT EXISTS responses_by_use ON responses (used)")
-        self._db.execute(
-            "CREATE TABLE IF NOT EXISTS items "
-            "(id TEXT PRIMARY KEY, response_id TEXT NOT NULL, item TEXT NOT NULL)"
-        )
-        self._db.execute("CREATE INDEX IF NOT EXISTS items_by_response ON items (response_id)")
         columns = {row[1] for row in self._db.execute("PRAGMA table_info(responses)")}
         if "input_items" not in columns:  # a file written before input items were kept
             self._db.execute("ALTER TABLE responses ADD COLUMN input_items TEXT NOT NULL DEFAULT '[]'")
+        indexed = self._db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'items'")
+        if indexed.fetchone() is None:  # new, or a file written before items were found by id
+            self._db.execute(
+                "CREATE TABLE items (id TEXT PRIMARY KEY, response_id TEXT NOT NULL, item TEXT NOT NULL)"
+            )
+            self._db.execute("CREATE INDEX items_by_response ON items (response_id)")
+            rows = self._db.execute("SELECT id, response, input_items FROM responses ORDER BY used")
+            for rid, response, input_items in rows.fetchall():
+                self._index(rid, json.loads(response), json.loads(input_items))
         self._db.commit()
         (self._clock,) = self._db.execute("SELECT COALESCE(MAX(used), 0) FROM responses").fetchone()
 
@@ -139,16 +143,19 @@ class SQLiteResponseStore:
                  json.dumps(input_items or [])),
             )  # fmt: skip
             self._db.execute("DELETE FROM items WHERE response_id = ?", (response["id"],))
-            self._db.executemany(
-                "INSERT OR REPLACE INTO items (id, response_id, item) VALUES (?, ?, ?)",
-                [(i["id"], response["id"], json.dumps(i)) for i in _items_of(response, input_items or [])],
-            )
+            self._index(response["id"], response, input_items or [])
             gone = self._db.execute(
                 "DELETE FROM responses WHERE used <= "
                 "(SELECT used FROM responses ORDER BY used DESC LIMIT 1 OFFSET ?) RETURNING id",
                 (self.capacity,),
             ).fetchall()
             self._db.executemany("DELETE FROM items WHERE response_id = ?", gone)
+
+    def _index(self, response_id: str, response: dict, input_items: list[dict]) -> None:
+        self._db.executemany(
+            "INSERT OR REPLACE INTO items (id, response_id, item) VALUES (?, ?, ?)",
+            [(i["id"], response_id, json.dumps(i)) for i in _items_of(response, input_items)],
+        )
 
     def _read(self, response_id: str, columns: str) -> tuple:
         row = self._db.execute(f"SELECT {columns} FROM responses WHERE id = ?", (response_id,)).fetchone()
