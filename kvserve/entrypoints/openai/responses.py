@@ -301,10 +301,12 @@ class ResponsesServing:
             self._keep(response, out.output, given, store)
             yield out.event("response.failed", response=response)
             return
-        for e in out.close(cut=finish == "length" and not dropped):
-            yield e
+        closing = out.close(cut=finish == "length" and not dropped)
+        # stored whole before the last events go: a client may leave once it has the items it needs
         self._finish(response, out.output, finish, usage)
         self._keep(response, out.output, given, store)
+        for e in closing:
+            yield e
         kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
         yield out.event(kind, response=response)
 
