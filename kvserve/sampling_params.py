@@ -57,7 +57,8 @@ class StructuredOutputsParams:
             _check(
                 len(self.choice) <= MAX_CHOICES and chars <= MAX_CHOICE_CHARS,
                 "structured_outputs",
-                f"choice holds {len(self.choice):,} strings, {chars:,} characters in all (at most "
+                f"choice holds {len(self.choice):,} {'string' if len(self.choice) == 1 else 'strings'}, "
+                f"{chars:,} characters in all (at most "
                 f"{MAX_CHOICES:,} strings and {MAX_CHOICE_CHARS:,} characters: compiling more takes "
                 "minutes); use a regex, or fewer choices",
             )

@@ -151,7 +151,7 @@ def test_a_schema_past_10000_enum_values_is_refused_before_conversion():
     [
         # 500,000 characters of const took 14 s to compile (a const is a one-value enum)
         ({"type": "object", "properties": {"a": {"const": "x" * 500_000}}},
-         "enum lists and consts hold 1 values, 500,004 characters of JSON"),
+         "enum lists and consts hold 1 value, 500,004 characters of JSON"),
         ({"anyOf": [{"const": "x" * 130_000}, {"enum": ["y" * 130_000]}]},
          "enum lists and consts hold 2 values, 260,008 characters of JSON"),
         # a property name of 500,000 characters: 13 s
@@ -186,6 +186,29 @@ def test_a_choice_past_10000_strings_or_250000_characters_is_refused():
     )
     with pytest.raises(ValueError, match=r"choice holds 1,001 strings, 251,251 characters"):
         S(choice=["x" * 251] * 1001)
+    with pytest.raises(ValueError, match=r"choice holds 1 string, 250,001 characters in all"):
+        S(choice=["x" * 250_001])
+
+
+@pytest.mark.parametrize(
+    "schema, says",
+    [
+        ({"type": "object", "required": ["a"], "minProperties": 3},
+         "minProperties is 3 and 1 name is required: names the schema does not list may make up the count, "
+         'and they are not kept distinct ({"b": 1, "b": 2} counts two; JSON reads one); require at least 2 '
+         "names, or lower minProperties to 2"),
+        ({"type": "object", "minProperties": 2},
+         "0 names are required: names the schema does not list may make up the count, and they are not kept "
+         'distinct ({"b": 1, "b": 2} counts two; JSON reads one); require at least 1 name, or lower'),
+        ({"type": "object", "properties": {"a": {}}, "additionalProperties": False, "minProperties": 2},
+         "minProperties is 2, but additionalProperties is false and properties defines 1 name: no object"),
+    ],
+)  # fmt: skip
+def test_a_refusal_counts_one_in_the_singular(schema, says):
+    """The messages read "hold 1 values", "1 names are required", "require at least 1 names"."""
+    with pytest.raises(ValueError) as e:
+        check(S(json=schema))
+    assert says in str(e.value), str(e.value)
 
 
 def test_a_deprecated_guided_field_is_named_in_its_error():

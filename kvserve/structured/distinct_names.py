@@ -12,6 +12,7 @@ only adds to a count already met.
 
 from __future__ import annotations
 
+from kvserve.structured.counts import counted
 from kvserve.structured.open_objects import writes_unlisted_names
 
 
@@ -27,7 +28,8 @@ def repeatable_count(node: dict) -> tuple[str, str] | None:
     if not unlisted or least < named + 2:
         return None
     return "minProperties", (
-        f"minProperties is {least} and {named} names are required: names the schema does not list may make "
+        f"minProperties is {least} and {counted(named, 'name')} {'is' if named == 1 else 'are'} required: "
+        "names the schema does not list may make "
         'up the count, and they are not kept distinct ({"b": 1, "b": 2} counts two; JSON reads one); '
-        f"require at least {least - 1} names, or lower minProperties to {named + 1}"
+        f"require at least {counted(least - 1, 'name')}, or lower minProperties to {named + 1}"
     )

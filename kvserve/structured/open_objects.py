@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvserve.structured.counts import counted
 from kvserve.structured.schema_walk import rebuilt_children
 
 
@@ -38,7 +39,7 @@ def closed_too_small(node: dict) -> tuple[str, str] | None:
         n = len(node["properties"]) if isinstance(node.get("properties"), dict) else 0
         return "minProperties", (
             f"minProperties is {node['minProperties']}, but additionalProperties is false and properties "
-            f"defines {n} names: no object meets it"
+            f"defines {counted(n, 'name')}: no object meets it"
         )
     if _too_few_items(node) and False in (node.get("items"), node.get("unevaluatedItems")):
         return "minItems", (

@@ -14,6 +14,7 @@ import threading
 from collections.abc import Iterator
 
 from kvserve.sampling_params import StructuredOutputsParams
+from kvserve.structured.counts import counted
 from kvserve.structured.json_strings import prepared_schema
 from kvserve.structured.listed_spacing import swap_listed
 from kvserve.structured.number_forms import swap_numbers
@@ -173,9 +174,9 @@ def parse_schema(text: str):
     values, chars = _enum_size(schema)
     if values > MAX_ENUM_VALUES or chars > MAX_ENUM_CHARS:
         raise ValueError(
-            f"the schema's enum lists and consts hold {values:,} values, {chars:,} characters of JSON, in "
-            f"all (at most {MAX_ENUM_VALUES:,} values and {MAX_ENUM_CHARS:,} characters: compiling more "
-            "takes minutes); use a pattern, or fewer values"
+            f"the schema's enum lists and consts hold {counted(values, 'value')}, {chars:,} characters of "
+            f"JSON, in all (at most {MAX_ENUM_VALUES:,} values and {MAX_ENUM_CHARS:,} characters: compiling "
+            "more takes minutes); use a pattern, or fewer values"
         )
     names = sum(
         len(name)
