@@ -231,6 +231,29 @@ def test_a_schema_closed_by_its_own_false_below_its_minimum_is_refused_in_our_wo
     assert "allowed:" not in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "schema, why",
+    [
+        ({"type": "integer", "exclusiveMinimum": 0.12, "exclusiveMaximum": 1},
+         "exclusiveMaximum at /: no integer is above 0.12 and below 1"),
+        ({"type": "object", "properties": {"a": {"type": "integer", "minimum": 0.2, "maximum": 0.8}}},
+         "maximum at /properties/a: no integer is at least 0.2 and at most 0.8"),
+        ({"type": "number", "minimum": 2, "exclusiveMinimum": 2.5, "maximum": 2.5},
+         "maximum at /: no number is above 2.5 and at most 2.5"),
+        ({"type": "array", "items": {"type": "number", "exclusiveMinimum": 0, "maximum": 1e-310}},
+         "maximum at /items: no number is above 0 and at most 1e-310 that a double reads as itself"),
+    ],
+)  # fmt: skip
+def test_bounds_that_leave_no_number_are_refused_naming_them(schema, why):
+    """A bounded number is a placeholder in the check's xgrammar conversion (number_forms.py),
+    which hid xgrammar's "Invalid range": these passed the check, their compile then failed in
+    the engine and the request answered nothing, finish_reason "abort"."""
+    with pytest.raises(ValueError) as e:
+        check(StructuredOutputsParams(json=schema))
+    assert str(e.value).startswith(f"structured_outputs: invalid json schema: {why}"), str(e.value)
+    check(StructuredOutputsParams(json={"type": "integer", "minimum": 0.5, "maximum": 1}))  # 1 meets it
+
+
 def _kinds(n: int, extra: dict | None = None) -> dict:
     """A oneOf of n closed objects told apart by a discriminator's const."""
     branch = lambda i: {"type": "object", "properties": {"k": {"const": f"v{i}"}, **(extra or {})},  # noqa: E731

@@ -15,6 +15,7 @@ import json
 import re
 from typing import Any
 
+from kvserve.structured.integer_bounds import whole_range
 from kvserve.structured.number_ranges import number_ebnf, schema_bounds
 from kvserve.structured.schema_walk import rebuilt_children
 
@@ -61,6 +62,45 @@ def with_numbers(ebnf: str, numbers: list[dict]) -> str:
             forms.append(f'"-0" ("." "0"+)? {_ZERO_EXPONENT}?' if number else '"-0"')
         ebnf = ebnf.replace(literal, "(" + " | ".join(f"({f})" for f in forms) + ")") + "\n" + own + "\n"
     return ebnf
+
+
+def empty_range(node: Any) -> tuple[str, str] | None:
+    """(keyword, why) for an integer or number schema written here whose bounds leave no value
+    (`{"type": "integer", "exclusiveMinimum": 0.12, "exclusiveMaximum": 1}`): its placeholder hid
+    the bounds from the check's xgrammar conversion, so it passed, and its compile then failed in
+    the engine, the request ending with no answer (finish_reason "abort")."""
+    if not isinstance(node, dict) or not _rewritten(node):
+        return None
+    integer = node.get("type") == "integer"
+    if integer:
+        low, high = whole_range(node)
+        if low is None or high is None or low <= high:
+            return None
+    elif _exact(node) is not None or schema_bounds(node) is None:
+        return None
+    low_key = _tightest(node, ("minimum", "exclusiveMinimum"), lower=True)
+    high_key = _tightest(node, ("maximum", "exclusiveMaximum"), lower=False)
+    said = [f"{_WORDS[k]} {json.dumps(node[k])}" for k in (low_key, high_key) if k is not None]
+    why = f"no {'integer' if integer else 'number'} is {' and '.join(said)}"
+    low, high = (None, None) if integer else schema_bounds(node)
+    if low is not None and high is not None and (low.value, not low.inclusive) < (high.value, high.inclusive):
+        why += " that a double reads as itself (under 1e-307 it reads 0, from 1e308 infinity)"
+    return high_key or low_key or "type", why
+
+
+_WORDS = {
+    "minimum": "at least", "exclusiveMinimum": "above", "maximum": "at most", "exclusiveMaximum": "below"
+}  # fmt: skip
+
+
+def _tightest(node: dict, keys: tuple[str, str], lower: bool) -> str | None:
+    """Of an inclusive and an exclusive bound on one side, the keyword of the one that binds."""
+    inclusive, exclusive = (k if k in node else None for k in keys)
+    if inclusive is None or exclusive is None:
+        return inclusive or exclusive
+    if node[inclusive] == node[exclusive]:
+        return exclusive
+    return inclusive if (node[inclusive] > node[exclusive]) == lower else exclusive
 
 
 def _exact(schema: dict) -> str | None:

@@ -17,6 +17,7 @@ from typing import Any
 from kvserve.structured.distinct_names import repeatable_count
 from kvserve.structured.integer_bounds import multiple_refused
 from kvserve.structured.listed_values import broken_keyword
+from kvserve.structured.number_forms import empty_range
 from kvserve.structured.one_of import MAX_PAIRS, overlapping_branches, pairs
 from kvserve.structured.open_objects import closed_too_small
 from kvserve.structured.pattern_overlap import may_overlap
@@ -142,7 +143,7 @@ def unsatisfiable(schema: Any) -> tuple[str, str, str] | None:
     """(keyword, JSON pointer of its schema, why) of a schema closed by its own `false` that
     asks for more names or items than it lists (xgrammar's own message said "aren't allowed")."""
     for path, node in _subschemas(schema, ""):
-        found = closed_too_small(node) or _undefined_required(node, several=False)
+        found = closed_too_small(node) or _undefined_required(node, several=False) or empty_range(node)
         if found is not None:
             return found[0], path or "/", found[1]
     return None
