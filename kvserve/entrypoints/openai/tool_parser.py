@@ -46,13 +46,20 @@ def parse_calls(
 
 
 def _parse_array(text: str) -> list[ParsedCall]:
-    """Calls of `[{"name": ..., "arguments": {...}}, ...]`, the last one possibly incomplete."""
+    """Calls of `[{"name": ..., "arguments": {...}}, ...]`, the last one possibly incomplete: once
+    its name is written, with the arguments so far, "" before they begin (a call max_tokens cut
+    between its name and its arguments was left out, the reply holding no call at all)."""
     i = len(text) - len(text.lstrip())
     if not text.startswith("[", i):
         return []
     i += 1
     calls = []
-    while m := _HEAD.match(text, i):
+    while True:
+        m = _HEAD.match(text, i)
+        if m is None:
+            named = _named_only(text, i)
+            calls += [ParsedCall(named, "")] if named is not None else []
+            break
         start = m.end()
         end = json_value_end(text, start)
         calls.append(ParsedCall(json.loads(f'"{m.group(1)}"'), text[start : end or len(text)]))
@@ -63,6 +70,24 @@ def _parse_array(text: str) -> list[ParsedCall]:
             break
         i = end + rest.end()
     return calls
+
+
+def _named_only(text: str, i: int) -> str | None:
+    """The name of a call at text[i] that ends after its name, in the text before its arguments
+    (`{"name": "f", "argu`), else None."""
+    m = _NAME.match(text, i)
+    if m is None or not _before_arguments(text[m.end() :]):
+        return None
+    try:
+        return json.loads(f'"{m.group(1)}"')
+    except ValueError:
+        return None
+
+
+def _before_arguments(rest: str) -> bool:
+    """Whether `rest` is what stands between a call's name and its arguments where the text ends
+    there: a prefix of `, "arguments": ` with any spacing."""
+    return ',"arguments":'.startswith(re.sub(r"\s+", "", rest))
 
 
 def json_value_end(text: str, start: int) -> int | None:
@@ -136,7 +161,8 @@ def _parse_auto(
 
 
 def _interrupted_call(body: str, declared: Collection[str]) -> ParsedCall | None | bool:
-    """The call a cut block was writing: its arguments so far (None: cut before they began);
+    """The call a cut block was writing: its arguments so far ("" where they had not begun; None:
+    cut before its name was whole);
     False when it names an undeclared tool (then the text is no call, as whole blocks)."""
     named = _NAME.match(body)
     try:
@@ -146,8 +172,10 @@ def _interrupted_call(body: str, declared: Collection[str]) -> ParsedCall | None
     if name is not None and name not in declared:
         return False
     head = _HEAD.match(body)
-    if name is None or head is None:
+    if name is None:
         return None
+    if head is None:  # cut between the name and the arguments
+        return ParsedCall(name, "") if _before_arguments(body[named.end() :]) else None
     end = json_value_end(body, head.end())
     return ParsedCall(name, body[head.end() : end or len(body)])
 
