@@ -31,6 +31,7 @@ from kvserve.structured.open_objects import open_where_needed
 from kvserve.structured.pattern_required import require_pattern_names
 from kvserve.structured.schema_walk import rebuilt_children
 from kvserve.structured.separators import either_spacing
+from kvserve.structured.type_lists import split_type_lists
 
 logger = logging.getLogger(__name__)
 # The body xgrammar gives a length-bounded string's character rule.
@@ -70,12 +71,13 @@ def _ebnf(schema: str) -> str:
 
 
 def prepared_schema(schema: Any) -> Any:
-    """The schema as xgrammar is given it: required names made properties (pattern_required.py),
-    objects / arrays opened where their minimum needs it (open_objects.py), the formats
-    xgrammar writes loosely as exact patterns (exact_formats.py) and integers' bounds whole, a
-    bounded multipleOf as its multiples (integer_bounds.py), a oneOf (proved exclusive) as anyOf
-    (one_of.py)."""
-    return as_any_of(whole_integers(exact_formats(open_where_needed(require_pattern_names(schema)))))
+    """The schema as xgrammar is given it: a list of types as an anyOf of one type each
+    (type_lists.py), required names made properties (pattern_required.py), objects / arrays
+    opened where their minimum needs it (open_objects.py), the formats xgrammar writes loosely as
+    exact patterns (exact_formats.py) and integers' bounds whole, a bounded multipleOf as its
+    multiples (integer_bounds.py), a oneOf (proved exclusive) as anyOf (one_of.py)."""
+    typed = split_type_lists(schema)
+    return as_any_of(whole_integers(exact_formats(open_where_needed(require_pattern_names(typed)))))
 
 
 def _bounded(text: str) -> str:

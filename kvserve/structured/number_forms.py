@@ -69,6 +69,10 @@ def empty_range(node: Any) -> tuple[str, str] | None:
     (`{"type": "integer", "exclusiveMinimum": 0.12, "exclusiveMaximum": 1}`): its placeholder hid
     the bounds from the check's xgrammar conversion, so it passed, and its compile then failed in
     the engine, the request ending with no answer (finish_reason "abort")."""
+    if isinstance(node, dict) and isinstance(node.get("type"), list) and node["type"]:
+        kinds = node["type"]  # each type a number: empty when each is (type_lists.py splits the others)
+        found = [empty_range({**node, "type": k}) if k in ("integer", "number") else None for k in kinds]
+        return found[0] if all(found) else None
     if not isinstance(node, dict) or not _rewritten(node):
         return None
     integer = node.get("type") == "integer"
