@@ -56,15 +56,66 @@ def regex_grammar(pattern: str) -> str:
 
 def _respelt(pattern: str, json_text: bool) -> str:
     """xgrammar's grammar of the regex read in its flavour (ECMA-262 for a schema, Python's
-    for a regex constraint: regex_flavour.py), each rule's terminals respelt (_terminals)."""
+    for a regex constraint: regex_flavour.py), each rule's terminals respelt (_terminals). In
+    JSON text each character's spellings are one rule, named once and referred to wherever the
+    character stands: written inline, a pattern of n characters was n alternation groups in
+    one sequence, which xgrammar compiles in time growing with n squared (2,000 characters:
+    seconds on a real vocabulary)."""
     import xgrammar as xgr
 
     text = str(xgr.Grammar.from_regex(for_xgrammar(pattern, python=not json_text)))
-    return "\n".join(_terminals(line, json_text) for line in text.splitlines() if line.strip())
+    lines = [line for line in text.splitlines() if line.strip()]
+    if not json_text:
+        return "\n".join(_terminals(line, None) for line in lines)
+    numbers = [int(n) for n in re.findall(r"\broot_(\d+)", text)]
+    named = _NamedRules(f"root_{max(numbers, default=0) + 1}_")
+    rules = [_short_sequences(_terminals(line, named), named) for line in lines]
+    return "\n".join(rules + named.rules())
 
 
-def _terminals(line: str, json_text: bool) -> str:
-    """One rule with every character class (and, for JSON text, string literal) respelt."""
+class _NamedRules:
+    """One rule a distinct body (a class of JSON spellings, a piece of a long sequence), named
+    `prefix` and a number."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self.names: dict[str, str] = {}
+
+    def __call__(self, ranges: list[tuple[int, int]]) -> str:
+        return self.name(_class(ranges))
+
+    def name(self, body: str) -> str:
+        return self.names.setdefault(body, f"{self.prefix}{len(self.names)}")
+
+    def rules(self) -> list[str]:
+        return [f"{name} ::= {body}" for body, name in self.names.items()]
+
+
+# A sequence of rule references, each perhaps repeated: in a rule below the root, xgrammar's
+# compile grows with the square of such a sequence's length (2,000 references: 1 s on a
+# 257-token vocabulary), of a sequence of sequences of _PIECE each, linearly.
+_PIECE = 16
+_ELEMENT = r"[A-Za-z_]\w*(?:\{[\d, -]*\}|[*+?])?"
+_LONG_RUN = re.compile(rf"(?<![\w\"\]]){_ELEMENT}(?: {_ELEMENT}){{{_PIECE},}}(?![\w{{*+?])")
+
+
+def _short_sequences(line: str, named: _NamedRules) -> str:
+    """The rule with each sequence of more than _PIECE references cut into named pieces of
+    _PIECE (pieces of pieces, while longer)."""
+
+    def pieces(run: re.Match) -> str:
+        refs = re.findall(_ELEMENT, run.group())
+        return " ".join(named.name(" ".join(refs[i : i + _PIECE])) for i in range(0, len(refs), _PIECE))
+
+    head, body = line.split(" ::= ", 1)
+    while (shorter := _LONG_RUN.sub(pieces, body)) != body:
+        body = shorter
+    return f"{head} ::= {body}"
+
+
+def _terminals(line: str, named: _NamedRules | None) -> str:
+    """One rule with every character class (and, for JSON text, string literal) respelt: as
+    plain text when `named` is None, else as JSON text (`named` names each class's rule)."""
     out, i = [], line.index("::=") + 3
     out.append(line[:i])
     while i < len(line):
@@ -72,12 +123,12 @@ def _terminals(line: str, json_text: bool) -> str:
         if c == '"':
             start = i
             chars, i = _read(line, i + 1, '"')
-            out.append(_literal_chars("".join(chars)) if json_text else line[start:i])
+            out.append(_literal_chars("".join(chars), named) if named else line[start:i])
         elif c == "[":
             negated = line.startswith("^", i + 1)
             chars, i = _read(line, i + 2 if negated else i + 1, "]", ranges=True)
             ranges = complement(chars) if negated else chars
-            out.append(_class(ranges) if json_text else _plain_class(ranges))
+            out.append(named(ranges) if named else _plain_class(ranges))
         else:
             out.append(c)
             i += 1
@@ -135,10 +186,10 @@ def _literal(text: str) -> str:
     return '"' + "".join(_esc(ord(ch)) for ch in text) + '"'
 
 
-def _literal_chars(text: str) -> str:
+def _literal_chars(text: str, named: _NamedRules) -> str:
     """A pattern's literal text as JSON text: each character as itself (escaped where JSON
     needs it) or any other spelling JSON has for it."""
-    return " ".join(_class([(ord(ch), ord(ch))]) for ch in text) if text else '""'
+    return " ".join(named([(ord(ch), ord(ch))]) for ch in text) if text else '""'
 
 
 def unicode_escapes(ranges: list[tuple[int, int]]) -> list[str]:
