@@ -343,6 +343,30 @@ def test_tool_modes_and_constraints():
         tool_mode(ChatCompletionRequest(messages=base["messages"], tool_choice="required"))
 
 
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "count"}}])
+def test_a_forced_tools_bad_parameters_are_named_by_tool_and_pointer(choice):
+    """A forced call's refusal pointed into the wrapper built around the tools ("maximum at
+    /items/anyOf/2/properties/arguments/properties/n") and named the field only "tools"."""
+    bad = {
+        "type": "function",
+        "function": {
+            "name": "count",
+            "parameters": {
+                "type": "object",
+                "properties": {"n": {"type": "integer", "minimum": 2, "maximum": 1}},
+            },
+        },
+    }
+    messages = [{"role": "user", "content": "x"}]
+    req = ChatCompletionRequest(messages=messages, tools=[*TOOLS, bad], tool_choice=choice)
+    with pytest.raises(ValueError) as e:
+        call_constraint(req, tool_mode(req))
+    assert str(e.value) == (
+        "tools: function 'count' parameters: invalid json schema: maximum at /properties/n: no integer is "
+        "at least 2 and at most 1"
+    )
+
+
 def test_conversation_without_native_tool_support():
     req = ChatCompletionRequest(
         messages=[

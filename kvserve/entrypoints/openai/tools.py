@@ -105,11 +105,18 @@ def tool_mode(req: ChatCompletionRequest) -> str:
 
 
 def call_constraint(req: ChatCompletionRequest, mode: str) -> StructuredOutputsParams | None:
-    """The JSON schema a forced call must match (None unless mode is required or named)."""
+    """The JSON schema a forced call must match (None unless mode is required or named). Each
+    forced tool's parameters are checked alone first, so a refusal names the tool and points into
+    its parameters ("maximum at /items/anyOf/1/properties/arguments/properties/n" named neither)."""
     tools = {t.function.name: t.function.parameters or ANY_OBJECT for t in req.tools or []}
+    if mode not in ("named", "required"):
+        return None
+    for name, params in tools.items():  # by name: allowed_tools and the Responses API renumber tools
+        if mode == "required" or name == req.tool_choice.function.name:
+            checked(StructuredOutputsParams(json=params), f"tools: function {name!r} parameters")
     if mode == "named":
         schema = tools[req.tool_choice.function.name]
-    elif mode == "required":
+    else:
         calls = [
             {
                 "type": "object",
@@ -121,8 +128,6 @@ def call_constraint(req: ChatCompletionRequest, mode: str) -> StructuredOutputsP
         schema = {"type": "array", "items": calls[0] if len(calls) == 1 else {"anyOf": calls}, "minItems": 1}
         if not req.parallel_tool_calls:
             schema["maxItems"] = 1
-    else:
-        return None
     return checked(StructuredOutputsParams(json=schema), "tools")
 
 
