@@ -242,6 +242,8 @@ def test_a_schema_closed_by_its_own_false_below_its_minimum_is_refused_in_our_wo
          "maximum at /: no number is above 2.5 and at most 2.5"),
         ({"type": "array", "items": {"type": "number", "exclusiveMinimum": 0, "maximum": 1e-310}},
          "maximum at /items: no number is above 0 and at most 1e-310 that a double reads as itself"),
+        ({"type": "number", "exclusiveMinimum": 1, "exclusiveMaximum": 1.0000000000000002},  # next double
+         "exclusiveMaximum at /: no number is above 1 and below 1.0000000000000002 that a double reads as"),
     ],
 )  # fmt: skip
 def test_bounds_that_leave_no_number_are_refused_naming_them(schema, why):

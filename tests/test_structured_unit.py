@@ -252,6 +252,30 @@ def test_a_list_of_types_gets_each_types_exact_grammar(schema, answers):
     assert all(numbers.is_valid(json.loads(t)) == v for t, v in answers if "-04-31" not in t)
 
 
+@pytest.mark.parametrize(
+    "schema, answers",
+    [
+        ({"type": "number", "exclusiveMinimum": 0.5, "exclusiveMaximum": 2},
+         [("0.50000000000000001", False), ("0.5000000000000001", True), ("1", True),
+          ("1.9999999999999999", False), ("1.9999999999999998", True), ("2", False)]),
+        ({"type": ["number", "null"], "exclusiveMinimum": -1e-5},
+         [("-0.000009999999999999999999", False), ("-9.9999999999999999999e-6", False),
+          ("-9.999999999999999e-6", True), ("0", True)]),
+    ],
+)  # fmt: skip
+def test_a_number_under_an_exclusive_bound_is_past_it_as_a_double(schema, answers):
+    """The grammar compared decimals exactly, so 0.50000000000000001 passed exclusiveMinimum 0.5;
+    json.loads (and JavaScript, and jsonschema) reads it as 0.5, which breaks the bound."""
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from kvserve.structured.json_strings import json_schema_grammar
+
+    validator = jsonschema.Draft202012Validator(schema)
+    assert [(t, validator.is_valid(json.loads(t))) for t, _ in answers] == answers
+    grammar = json_schema_grammar(json.dumps(schema))
+    assert [(t, accepts(grammar, t)) for t, _ in answers] == answers
+
+
 def test_a_long_pattern_is_written_in_short_rules():
     """A pattern's characters were each an inline group of their JSON spellings, all in one rule:
     xgrammar's compile of such a rule grows with the square of its length (2,000 random characters

@@ -88,7 +88,7 @@ def empty_range(node: Any) -> tuple[str, str] | None:
     why = f"no {'integer' if integer else 'number'} is {' and '.join(said)}"
     low, high = (None, None) if integer else schema_bounds(node)
     if low is not None and high is not None and (low.value, not low.inclusive) < (high.value, high.inclusive):
-        why += " that a double reads as itself (under 1e-307 it reads 0, from 1e308 infinity)"
+        why += " that a double reads as itself (clients read a JSON number as a double)"
     return high_key or low_key or "type", why
 
 
@@ -109,7 +109,7 @@ def _tightest(node: dict, keys: tuple[str, str], lower: bool) -> str | None:
 
 def _exact(schema: dict) -> str | None:
     """number_ranges.py's expression of a swapped schema, or None where it cannot write it."""
-    bounds = schema_bounds(schema)
+    bounds = schema_bounds(schema, doubles=schema.get("type") == "number")
     if bounds is None:
         return None
     return number_ebnf(schema.get("type") == "integer", *bounds)

@@ -19,6 +19,7 @@ or past it, less than 1e308.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from decimal import Decimal
 
@@ -44,11 +45,15 @@ class Bound:
 # infinity (1.8e308 and more), with room to spare.
 _TINY = Bound(Decimal("1e-307"), True)
 _HUGE = Bound(Decimal("1e308"), False)
+_EXACT_INTS = 2**53  # an integer bound below it is a double exactly; past it left as written
 
 
-def schema_bounds(schema: dict) -> tuple[Bound | None, Bound | None] | None:
+def schema_bounds(schema: dict, doubles: bool = False) -> tuple[Bound | None, Bound | None] | None:
     """(low, high) of a number schema's finite bounds, the tighter of each pair; None when a
-    bound is no finite number."""
+    bound is no finite number. With `doubles`, an exclusive bound other than 0 is the inclusive
+    one at the next double past it: a client reads an answer as a double, and one past the bound
+    by less than that (0.50000000000000001 over exclusiveMinimum 0.5) reads as the bound itself,
+    which it must exceed."""
     low = high = None
     for key, is_low, inclusive in (("minimum", True, True), ("exclusiveMinimum", True, False),
                                    ("maximum", False, True), ("exclusiveMaximum", False, False)):  # fmt: skip
@@ -58,6 +63,8 @@ def schema_bounds(schema: dict) -> tuple[Bound | None, Bound | None] | None:
         if not finite_number(v):
             return None
         b = Bound(Decimal(v) if isinstance(v, int) else Decimal(repr(v)), inclusive)
+        if doubles and not inclusive and v != 0 and abs(v) < _EXACT_INTS:
+            b = Bound(Decimal(repr(math.nextafter(float(v), math.inf if is_low else -math.inf))), True)
         if is_low and (low is None or (b.value, not b.inclusive) > (low.value, not low.inclusive)):
             low = b
         if not is_low and (high is None or (b.value, b.inclusive) < (high.value, high.inclusive)):
