@@ -490,22 +490,21 @@ def test_required_array_parsing_and_prefixes():
             assert p.name == full.name and full.arguments.startswith(p.arguments)
 
 
-@pytest.mark.parametrize("mode", ["required", "auto"])
 @pytest.mark.parametrize("tail", ["", ",", ', "argu', ', "arguments"', ', "arguments": '])
-def test_a_call_cut_after_its_name_is_returned_with_no_arguments_yet(mode, tail):
-    """max_tokens cutting a forced (or auto) call between its name and its arguments left the reply
-    with no call at all: the call is returned with its name and arguments "" (finish "length"),
-    streamed as its first delta; a name cut short is no call yet."""
-    head = {"required": '[{"name": "f"', "auto": '<tool_call>\n{"name": "f"'}[mode]
-    _, calls = parse_calls(head + tail, mode, declared={"f", "g"}, cut=True)
+def test_a_forced_call_cut_after_its_name_is_returned_with_no_arguments_yet(tail):
+    """max_tokens cutting a forced ("required") call between its name and its arguments left the
+    reply with no call at all: the call is returned with its name and arguments "" (finish
+    "length"), streamed as its first delta; a name cut short is no call yet. (In "auto" a call
+    cut before its arguments stays left out, as before.)"""
+    head = '[{"name": "f"'
+    _, calls = parse_calls(head + tail, "required", cut=True)
     assert [(c.name, c.arguments) for c in calls] == [("f", "")]
-    assert parse_calls(head[:-2], mode, declared={"f", "g"}, cut=True)[1] == []
-    if mode == "required":
-        _, streamed = _streamed(ToolCallStream(mode, declared={"f", "g"}), [head[:5], head[5:] + tail])
-        assert [(c["name"], c["arguments"]) for c in streamed] == [("f", "")]
-        text = '[{"name": "f", "arguments": {}}, {"name": "g"' + tail
-        calls = parse_calls(text, mode, cut=True)[1]
-        assert [(c.name, c.arguments) for c in calls] == [("f", "{}"), ("g", "")]
+    assert parse_calls(head[:-2], "required", cut=True)[1] == []
+    _, streamed = _streamed(ToolCallStream("required"), [head[:5], head[5:] + tail])
+    assert [(c["name"], c["arguments"]) for c in streamed] == [("f", "")]
+    text = '[{"name": "f", "arguments": {}}, {"name": "g"' + tail
+    calls = parse_calls(text, "required", cut=True)[1]
+    assert [(c.name, c.arguments) for c in calls] == [("f", "{}"), ("g", "")]
 
 
 @pytest.mark.parametrize("mode", ["required", "named", "auto"])

@@ -161,8 +161,7 @@ def _parse_auto(
 
 
 def _interrupted_call(body: str, declared: Collection[str]) -> ParsedCall | None | bool:
-    """The call a cut block was writing: its arguments so far ("" where they had not begun; None:
-    cut before its name was whole);
+    """The call a cut block was writing: its arguments so far (None: cut before they began);
     False when it names an undeclared tool (then the text is no call, as whole blocks)."""
     named = _NAME.match(body)
     try:
@@ -172,10 +171,8 @@ def _interrupted_call(body: str, declared: Collection[str]) -> ParsedCall | None
     if name is not None and name not in declared:
         return False
     head = _HEAD.match(body)
-    if name is None:
+    if name is None or head is None:
         return None
-    if head is None:  # cut between the name and the arguments
-        return ParsedCall(name, "") if _before_arguments(body[named.end() :]) else None
     end = json_value_end(body, head.end())
     return ParsedCall(name, body[head.end() : end or len(body)])
 
