@@ -256,6 +256,20 @@ def test_bounds_that_leave_no_number_are_refused_naming_them(schema, why):
     check(StructuredOutputsParams(json={"type": "integer", "minimum": 0.5, "maximum": 1}))  # 1 meets it
 
 
+def test_a_draft4_boolean_exclusive_bound_is_refused_naming_it():
+    """OpenAPI 3.0 and draft 4 write an exclusive bound as a flag beside minimum / maximum; the
+    400 was xgrammar's "Value must be a number", naming neither the keyword nor where it was."""
+    number = {"type": "number", "maximum": 1, "exclusiveMaximum": True}
+    schema = {"type": "object", "properties": {"n": number}}
+    with pytest.raises(ValueError) as e:
+        check(StructuredOutputsParams(json=schema))
+    assert str(e.value) == (
+        "structured_outputs: invalid json schema: exclusiveMaximum at /properties/n is not supported: "
+        "exclusiveMaximum is true, draft 4's flag on maximum; give the bound itself (draft 6 on), "
+        '"exclusiveMaximum": <number> in place of the flag and "maximum"'
+    )
+
+
 def _kinds(n: int, extra: dict | None = None) -> dict:
     """A oneOf of n closed objects told apart by a discriminator's const."""
     branch = lambda i: {"type": "object", "properties": {"k": {"const": f"v{i}"}, **(extra or {})},  # noqa: E731

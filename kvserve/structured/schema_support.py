@@ -71,6 +71,9 @@ def unsupported(schema: Any) -> tuple[str, str, str] | None:
                 return key, path or "/", why
         if node.get("uniqueItems") is True:
             return "uniqueItems", path or "/", "unique items are not enforced"
+        flag = _draft4_flag(node)
+        if flag is not None:
+            return flag[0], path or "/", flag[1]
         for key in ("anyOf", "oneOf"):  # no alternative: xgrammar accepts an empty answer instead
             if node.get(key) == []:
                 return key, path or "/", f"an empty {key} matches no value; give at least one schema"
@@ -116,6 +119,21 @@ def unsupported(schema: Any) -> tuple[str, str, str] | None:
             value, key = broken
             why = f"the listed value {json.dumps(value)} breaks {key} beside it, which would not be enforced"
             return listed, path or "/", why
+    return None
+
+
+def _draft4_flag(node: dict) -> tuple[str, str] | None:
+    """(keyword, why) for a boolean exclusiveMinimum / exclusiveMaximum, draft 4's (and OpenAPI
+    3.0's) flag on minimum / maximum: xgrammar refused it as "Value must be a number", naming
+    no keyword."""
+    for key, bound in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+        if node.get(key) is False:
+            return key, f"{key} is false, draft 4's flag on {bound}; leave it out ({bound} is inclusive)"
+        if node.get(key) is True:
+            return key, (
+                f"{key} is true, draft 4's flag on {bound}; give the bound itself (draft 6 on), "
+                f'"{key}": <number> in place of the flag and "{bound}"'
+            )
     return None
 
 
