@@ -285,7 +285,7 @@ def test_a_oneof_too_wide_to_prove_exclusive_is_refused_at_once():
     start = time.monotonic()
     with pytest.raises(ValueError) as e:
         check(StructuredOutputsParams(json=_kinds(2000)))
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < 30  # (the pairs compared: minutes; refused: 2-4.6 s at load 11)
     why = "oneOf at / is not supported: proving its 2000 schemas exclusive compares 3,998,000 pairs"
     assert str(e.value).startswith(f"structured_outputs: invalid json schema: {why}"), e.value
     two = {"type": "object", "properties": {"a": _kinds(200), "b": _kinds(100)}}  # 39,800 + 9,900 pairs: fine
