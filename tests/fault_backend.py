@@ -35,6 +35,7 @@ Any model answers 400 (param temperature) to a temperature above 2, as a real ba
 POST /v1/files takes an upload as a strict hosted API does: a form field other than OpenAI's
 (purpose, file, expires_after[...]) is a 400 naming it; so is POST /v1/batches a field of its body.
 POST /deny/v1/... answers 401 whatever the model (a server whose API key the caller lacks).
+Any /busy/... answers 503 engine_dead + Retry-After: 5 (a server whose engine is restarting).
 GET /stats gives requests per model and how many streams and holds the client cancelled.
 
     python tests/fault_backend.py --port 8124
@@ -213,6 +214,14 @@ async def _answer(request: Request, chat: bool):
 async def deny():
     """A server whose --api-key the caller does not have (as kvserve serve answers it)."""
     return JSONResponse({"error": {"message": "invalid or missing API key", "code": "invalid_api_key"}}, 401)
+
+
+@app.api_route("/busy/{path:path}", methods=["GET", "POST"])
+async def busy():
+    """A server whose engine is restarting (as kvserve serve answers any route meanwhile)."""
+    err = {"message": "the engine core process died; it is restarting", "type": "engine_dead", "param": None,
+           "code": "engine_dead"}  # fmt: skip
+    return JSONResponse({"error": err}, 503, headers={"retry-after": "5"})
 
 
 @app.post("/v1/chat/completions")

@@ -5,6 +5,7 @@ mid-transfer, a lease nobody claims, bad parameters."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import json
 import os
@@ -871,3 +872,38 @@ def test_health_and_readiness_answer_within_a_probes_timeout_when_an_engine_hang
     assert health.status_code == 200 and health.json()["decode"] == [False, True], health.text
     assert ready.status_code == 200 and ready.json()["decode"] == [False, True], ready.text
     assert t_health < 1.9 and t_ready < 1.9, (t_health, t_ready)  # (the engine's own timeout is 2 s)
+
+
+def test_a_restarting_decode_engine_does_not_answer_for_the_others(fault_proxy):
+    """In process. /tokenize, /detokenize, /version and /v1/models took the first decode engine
+    that could be reached, so one restarting (503 engine_dead) failed them while another
+    served; now the next is asked, and when every engine fails the last answer comes as it was,
+    its Retry-After kept (it was dropped: the client could not tell when to come back)."""
+    from kvserve.disagg.proxy import PDProxy, build_app
+
+    fault = fault_proxy[0]
+
+    async def ask(decode: list[str]) -> list[httpx.Response]:
+        proxy = PDProxy([fault.url], decode)
+        transport = httpx.ASGITransport(app=build_app(proxy))
+        try:
+            async with httpx.AsyncClient(transport=transport, base_url="http://proxy", timeout=30) as c:
+                return [
+                    await c.post("/tokenize", json={"prompt": "a b c"}),
+                    await c.post("/detokenize", json={"tokens": [1, 2]}),
+                    await c.get("/version"),
+                    await c.get("/v1/models"),
+                    await c.get("/v1/models/ok"),
+                ]
+        finally:
+            await proxy.aclose()
+
+    tok, detok, version, models, _ = asyncio.run(ask([fault.url + "/busy", fault.url]))
+    assert tok.status_code == 200 and tok.json()["count"] == 3, tok.text
+    assert detok.status_code == 200 and detok.json() == {"prompt": "w w"}, detok.text
+    assert version.json() == {"version": "fault"}, version.text
+    assert models.status_code == 200 and models.json()["data"][0]["id"] == "ok", models.text
+    dead = f"http://127.0.0.1:{free_port()}"
+    for r in asyncio.run(ask([fault.url + "/busy", dead])):  # busy, then down: the busy one's answer
+        assert r.status_code == 503 and r.headers["retry-after"] == "5", (r.status_code, r.text)
+        assert r.json()["error"]["code"] == "engine_dead", r.text

@@ -20,19 +20,34 @@ ENGINE_GETS = ("/version",)
 ENGINE_POSTS = ("/tokenize", "/detokenize")
 
 
+_RELAYED = ("retry-after", "x-request-id")  # an engine's headers a client acts on
+
+
+def _failed(status: int) -> bool:
+    """An engine answer another decode engine may do better than: down, restarting, busy."""
+    return status >= 500 or status in (408, 429)
+
+
 async def first_decode(proxy, raw: Request, path: str) -> Response:
-    """The answer of the first decode engine that can be reached (each in turn), as it came."""
+    """The answer of the first decode engine that can be reached and is not failing (each in
+    turn); when none is, the last failure as it came (its Retry-After kept), else a 502. One
+    engine restarting (503 engine_dead) answered for all: /tokenize and /v1/models failed while
+    another decode engine served."""
     content = await raw.body() if raw.method == "POST" else None
     headers = {**proxy._headers(raw), **(JSON_HEADER if content is not None else {})}
+    answer: Response | None = None
     for url in proxy.decode:
         try:
             resp = await proxy.client.request(raw.method, url + path, content=content, headers=headers)
         except httpx.HTTPError as e:
-            down = unreachable(url, e)
+            answer = answer if answer is not None else unreachable(url, e)
             continue
         media = resp.headers.get("content-type", "application/json")
-        return Response(resp.content, status_code=resp.status_code, media_type=media)
-    return down
+        kept = {k: resp.headers[k] for k in _RELAYED if k in resp.headers}
+        if not _failed(resp.status_code):
+            return Response(resp.content, status_code=resp.status_code, media_type=media, headers=kept)
+        answer = Response(resp.content, status_code=resp.status_code, media_type=media, headers=kept)
+    return answer
 
 
 async def up(proxy, url: str, path: str) -> bool:

@@ -30,8 +30,7 @@ from starlette.requests import ClientDisconnect
 
 from kvserve.disagg.decode import decode
 from kvserve.disagg.errors import error as _error
-from kvserve.disagg.errors import unreachable as _unreachable
-from kvserve.disagg.passthrough import add_engine_routes
+from kvserve.disagg.passthrough import add_engine_routes, first_decode
 from kvserve.disagg.passthrough import up as engine_up
 from kvserve.disagg.prefill import PrefillResult, run_prefill
 from kvserve.disagg.split import decode_body, disaggregates
@@ -302,14 +301,8 @@ def build_app(proxy: PDProxy, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     @app.get("/v1/models")
     @app.get("/v1/models/{model_id:path}")  # OpenAI's models.retrieve (was a route 404)
     async def models(raw: Request) -> Response:
-        path = quote(raw.url.path)  # (as it came: a model id may hold a slash)
-        for url in proxy.decode:  # the first decode engine that can be reached says
-            try:
-                resp = await proxy.client.get(url + path, headers=proxy._headers(raw))
-                return Response(resp.content, status_code=resp.status_code, media_type="application/json")
-            except httpx.HTTPError as e:
-                down = _unreachable(url, e)
-        return down
+        """The first decode engine that answers says (not one restarting: passthrough.py)."""
+        return await first_decode(proxy, raw, quote(raw.url.path))  # (a model id may hold a slash)
 
     @app.get("/health/liveliness")  # the gateway's (LiteLLM's) liveness paths: /health is 503
     @app.get("/health/liveness")  # while no decode engine answers, and a liveness probe on it
