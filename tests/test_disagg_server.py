@@ -178,6 +178,26 @@ def test_unclaimed_lease_expires(pd):
     assert prod.metrics()["kvserve:kv_leases_expired_total"] == before + 1
 
 
+def test_several_prompts_go_to_the_decode_engine_alone(pd):
+    """A completions batch (a list of prompts) was prefilled whole: the producer leased every
+    prompt's KV but answers one kv_transfer_params, so the other prompts' blocks were held for
+    nobody until lease_s (a batch of 100 took 99 leases' worth of the producer's pool). Now the
+    decode engine computes it, as it does n > 1; a list of one prompt is still split."""
+    prod, cons, proxy = pd
+    before = prod.metrics()["kvserve:prompt_tokens_total"]
+    prompts = [PROMPT, "Hello " + PROMPT]
+    body = {"model": cons_model(cons), "prompt": prompts, "max_tokens": 4, "temperature": 0}
+    r = httpx.post(proxy.url + "/v1/completions", json=body, timeout=60)
+    m = prod.metrics()
+    assert m["kvserve:prompt_tokens_total"] == before and m["kvserve:kv_cache_usage_perc"] == 0  # no lease
+    direct = httpx.post(cons.url + "/v1/completions", json=body, timeout=60).json()
+    assert r.status_code == 200 and r.headers["x-kvserve-pd"] == "decode-only", r.text
+    assert [c["text"] for c in r.json()["choices"]] == [c["text"] for c in direct["choices"]]
+    one = httpx.post(proxy.url + "/v1/completions", json={**body, "prompt": [PROMPT]}, timeout=60)
+    assert one.status_code == 200 and one.headers["x-kvserve-pd"] == "disaggregated", one.text
+    _wait_for(lambda: _settled(prod), 2, "the one prompt's lease taken")
+
+
 @pytest.mark.parametrize(
     "extra,param",
     [

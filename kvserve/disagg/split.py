@@ -17,10 +17,20 @@ _DROP_FOR_PREFILL = ("stream_options", "n", "best_of", "logprobs", "top_logprobs
 
 def disaggregates(body: dict) -> bool:
     """Whether a request goes prefill -> decode. Several sequences from one prompt (n, best_of,
-    beams) and prompt logprobs (every prompt position scored where it is decoded) go to the
-    decode engine alone."""
+    beams), several prompts (a completions batch: the producer leases every prompt's KV but
+    answers one set of parameters, so the others' blocks were held for nobody until lease_s)
+    and prompt logprobs (every prompt position scored where it is decoded) go to the decode
+    engine alone."""
     n, best_of = body.get("n") or 1, body.get("best_of") or 1
-    return n == 1 and best_of == 1 and not body.get("use_beam_search") and body.get("prompt_logprobs") is None
+    return (
+        n == 1 and best_of == 1 and not body.get("use_beam_search") and body.get("prompt_logprobs") is None
+        and not _several_prompts(body.get("prompt"))
+    )  # fmt: skip
+
+
+def _several_prompts(prompt: object) -> bool:
+    """A list of more than one prompt (strings or token-id lists); a list of ids is one prompt."""
+    return isinstance(prompt, list) and len(prompt) > 1 and not isinstance(prompt[0], int)
 
 
 def prefill_body(body: dict) -> dict:
