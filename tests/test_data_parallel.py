@@ -118,6 +118,40 @@ def test_disconnect_frees_blocks_on_the_owner(server):
     assert httpx.get(f"{server.url}/health").json()["replicas"][0]["in_flight"] == 0
 
 
+def test_n_samples_weigh_one_prompt_in_the_routers_load(server):
+    """The n samples of a prompt are forked from one prefill, but each counted the whole prompt
+    as its replica's load until it started: an n = 4 request weighed four prompts, enough with
+    a long prompt to trip the balance guard and send cache hits away from their holder. Both
+    cores are stopped (SIGSTOP: alive, not stepping), so the load is read while it is queued."""
+    url, hdr = server.url, server.headers
+    prompt = "n samples share one prefill. " + SPREAD
+    count = httpx.post(f"{url}/tokenize", json={"prompt": prompt}, headers=hdr, timeout=30).json()["count"]
+    pids = [r["pid"] for r in httpx.get(f"{url}/health").json()["replicas"]]
+    body = {"model": "tiny", "prompt": prompt, "n": 4, "max_tokens": 2, "temperature": 1, "seed": 7}
+
+    async def scenario():
+        async with httpx.AsyncClient(timeout=60) as http:
+            try:
+                for pid in pids:
+                    os.kill(pid, signal.SIGSTOP)
+                task = asyncio.create_task(http.post(f"{url}/v1/completions", json=body, headers=hdr))
+                t0 = time.monotonic()
+                while True:
+                    h = (await http.get(f"{url}/health")).json()
+                    if sum(rep["in_flight"] for rep in h["replicas"]) >= 4:
+                        break
+                    assert time.monotonic() - t0 < 10, h
+                    await asyncio.sleep(0.02)
+            finally:
+                for pid in pids:
+                    os.kill(pid, signal.SIGCONT)
+            return h, await task
+
+    health, r = asyncio.run(scenario())
+    assert r.status_code == 200 and len(r.json()["choices"]) == 4, r.text
+    assert sum(rep["load_tokens"] for rep in health["replicas"]) == count, (count, health)
+
+
 def test_killed_replica_fails_only_its_own_requests(server):
     health = httpx.get(f"{server.url}/health").json()
     assert [r["alive"] for r in health["replicas"]] == [True, True]
