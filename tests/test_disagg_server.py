@@ -199,6 +199,35 @@ def test_several_prompts_go_to_the_decode_engine_alone(pd):
 
 
 @pytest.mark.parametrize(
+    "extra, how",
+    [
+        ({"max_tokens": 0}, "disaggregated"),  # the prompt alone: its KV is still worth moving
+        ({"max_tokens": 0, "logprobs": 1}, "decode-only"),  # every prompt position scored on the consumer
+        ({"max_tokens": 2, "logprobs": 1}, "decode-only"),
+    ],
+)
+def test_a_prompt_scored_with_echo_is_answered_as_kvserve_serve_answers_it(pd, extra, how):
+    """How eval harnesses score a prompt (echo, max_tokens 0, logprobs): the proxy refused
+    max_tokens 0, its check blind to the route's echo rule; and echo with logprobs was prefilled
+    and its KV leased for a consumer that computes every prompt position itself anyway."""
+    prod, cons, proxy = pd
+    body = {"model": cons_model(cons), "prompt": PROMPT, "echo": True, "temperature": 0, **extra}
+    before = prod.metrics()["kvserve:prompt_tokens_total"]
+    r = httpx.post(proxy.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200 and r.headers["x-kvserve-pd"] == how, r.text
+    prefilled = prod.metrics()["kvserve:prompt_tokens_total"] > before
+    assert prefilled == (how == "disaggregated")
+    direct = httpx.post(cons.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    got = r.json()["choices"][0]
+    assert got["text"] == direct["text"] and got["text"].startswith(PROMPT), got
+    if "logprobs" in extra:
+        assert got["logprobs"]["tokens"] == direct["logprobs"]["tokens"]
+        lps = got["logprobs"]["token_logprobs"]
+        assert lps[0] is None and lps[1:] == pytest.approx(direct["logprobs"]["token_logprobs"][1:], abs=1e-4)
+    _wait_for(lambda: _settled(prod), 2, "no lease left behind")
+
+
+@pytest.mark.parametrize(
     "extra,param",
     [
         ({"kv_transfer_params": {"do_remote_decode": True}}, "do_remote_decode needs a kv_producer"),

@@ -19,12 +19,15 @@ def disaggregates(body: dict) -> bool:
     """Whether a request goes prefill -> decode. Several sequences from one prompt (n, best_of,
     beams), several prompts (a completions batch: the producer leases every prompt's KV but
     answers one set of parameters, so the others' blocks were held for nobody until lease_s)
-    and prompt logprobs (every prompt position scored where it is decoded) go to the decode
+    and prompt logprobs (every prompt position scored where it is decoded: `prompt_logprobs`,
+    or a completion's `echo` with `logprobs`, how eval harnesses score a prompt; it was
+    prefilled and leased for a consumer that computes the prompt anyway) go to the decode
     engine alone."""
     n, best_of = body.get("n") or 1, body.get("best_of") or 1
+    echo_scored = bool(body.get("echo")) and body.get("logprobs") is not None and "messages" not in body
     return (
         n == 1 and best_of == 1 and not body.get("use_beam_search") and body.get("prompt_logprobs") is None
-        and not _several_prompts(body.get("prompt"))
+        and not echo_scored and not _several_prompts(body.get("prompt"))
     )  # fmt: skip
 
 

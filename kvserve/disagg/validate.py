@@ -16,6 +16,7 @@ from pydantic import ValidationError
 
 from kvserve.disagg.errors import error
 from kvserve.entrypoints.openai.compat import GUIDED
+from kvserve.entrypoints.openai.echo_only import engine_max_tokens
 from kvserve.entrypoints.openai.errors import field_path, param_of, specific_error
 from kvserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -42,7 +43,9 @@ def decode_refusal(path: str, body: dict) -> dict | None:
             req.sampling_params(req.max_completion_tokens or req.max_tokens, top if req.logprobs else None)
         else:
             req = CompletionRequest.model_validate(body)
-            req.sampling_params(16 if req.max_tokens is None else req.max_tokens, req.logprobs)
+            max_tokens = 16 if req.max_tokens is None else req.max_tokens
+            # as the route: 0 with echo scores the prompt alone (an eval harness's request was a 400)
+            req.sampling_params(engine_max_tokens(max_tokens, req.echo), req.logprobs)
     except ValidationError as e:
         first = specific_error(list(e.errors()))
         loc = list(first.get("loc", ()))
