@@ -198,6 +198,36 @@ def test_several_prompts_go_to_the_decode_engine_alone(pd):
     _wait_for(lambda: _settled(prod), 2, "the one prompt's lease taken")
 
 
+def test_a_prefill_engine_that_is_no_producer_means_recompute_not_a_client_400(pd):
+    """In process, over the module's engines. A --prefill engine that refuses the transfer
+    parameters the proxy sets itself (a kv_consumer, or one without --kv-transfer-config: set
+    up wrong, as one answering 404) had its 400 passed to every client, naming
+    kv_transfer_params, a field the client never sent; now the decode engine computes the
+    prompt (`x-kvserve-pd: fallback`). A 400 about the client's own field still stands."""
+    from kvserve.disagg.proxy import PDProxy, build_app
+
+    _, cons, _ = pd
+    body = {"model": cons_model(cons), "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+
+    async def ask() -> list[httpx.Response]:
+        proxy = PDProxy([cons.url], [cons.url])  # (the consumer as its own producer)
+        transport = httpx.ASGITransport(app=build_app(proxy))
+        try:
+            async with httpx.AsyncClient(transport=transport, base_url="http://proxy", timeout=60) as c:
+                return [
+                    await c.post("/v1/completions", json=body),
+                    await c.post("/v1/completions", json={**body, "temperature": -1}),
+                ]
+        finally:
+            await proxy.aclose()
+
+    ok, bad = asyncio.run(ask())
+    direct = httpx.post(cons.url + "/v1/completions", json=body, timeout=60).json()
+    assert ok.status_code == 200 and ok.headers["x-kvserve-pd"] == "fallback", ok.text
+    assert ok.json()["choices"][0]["text"] == direct["choices"][0]["text"]
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "temperature", bad.text
+
+
 @pytest.mark.parametrize(
     "extra, how",
     [

@@ -41,6 +41,9 @@ async def run_prefill(
         logger.warning("prefill at %s answered 404 (no such route or model)", url)
         return PrefillResult(failed=True)
     if 400 <= resp.status_code < 500 and resp.status_code not in (408, 429):
+        if _refuses_transfer(resp):  # (the parameters are ours, not the client's: see below)
+            logger.warning("prefill at %s refused kv_transfer_params (not a kv_producer?)", url)
+            return PrefillResult(failed=True)
         return PrefillResult(refused_status=resp.status_code, refused_content=resp.content)
     if resp.status_code != 200:
         logger.warning("prefill at %s answered %d", url, resp.status_code)
@@ -55,3 +58,15 @@ async def run_prefill(
     if not params:
         logger.warning("prefill at %s answered without kv_transfer_params (not a kv_producer?)", url)
     return PrefillResult(params or None)
+
+
+def _refuses_transfer(resp: httpx.Response) -> bool:
+    """Whether the engine refused the transfer parameters, which the prefill body always sets
+    itself (split.prefill_body): an engine without --kv-transfer-config, or a kv_consumer given
+    as --prefill, is set up wrong, as one answering 404 is; its 400 went to every client as
+    their own mistake, naming a field they never sent."""
+    try:
+        err = resp.json().get("error")
+    except (ValueError, RecursionError, AttributeError):
+        return False
+    return isinstance(err, dict) and err.get("param") == "kv_transfer_params"
