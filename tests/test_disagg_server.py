@@ -198,34 +198,43 @@ def test_several_prompts_go_to_the_decode_engine_alone(pd):
     _wait_for(lambda: _settled(prod), 2, "the one prompt's lease taken")
 
 
-def test_a_prefill_engine_that_is_no_producer_means_recompute_not_a_client_400(pd):
+def test_transfer_parameters_an_engine_refuses_mean_recompute_not_a_client_400(pd, fault_proxy):
     """In process, over the module's engines. A --prefill engine that refuses the transfer
     parameters the proxy sets itself (a kv_consumer, or one without --kv-transfer-config: set
-    up wrong, as one answering 404) had its 400 passed to every client, naming
-    kv_transfer_params, a field the client never sent; now the decode engine computes the
-    prompt (`x-kvserve-pd: fallback`). A 400 about the client's own field still stands."""
+    up wrong, as one answering 404), or a decode engine that refuses the producer's (a
+    producer not in its kv_producers; here the fault backend's, without a digest), had its 400
+    passed to every client, naming kv_transfer_params, a field the client never sent; now the
+    decode engine computes the prompt (`x-kvserve-pd: fallback`). A 400 about the client's own
+    field still stands."""
     from kvserve.disagg.proxy import PDProxy, build_app
 
     _, cons, _ = pd
+    fault = fault_proxy[0]
     body = {"model": cons_model(cons), "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
 
-    async def ask() -> list[httpx.Response]:
-        proxy = PDProxy([cons.url], [cons.url])  # (the consumer as its own producer)
+    async def ask(prefill: str) -> list[httpx.Response]:
+        proxy = PDProxy([prefill], [cons.url])
         transport = httpx.ASGITransport(app=build_app(proxy))
         try:
             async with httpx.AsyncClient(transport=transport, base_url="http://proxy", timeout=60) as c:
                 return [
                     await c.post("/v1/completions", json=body),
+                    await c.post("/v1/completions", json={**body, "stream": True}),
                     await c.post("/v1/completions", json={**body, "temperature": -1}),
                 ]
         finally:
             await proxy.aclose()
 
-    ok, bad = asyncio.run(ask())
-    direct = httpx.post(cons.url + "/v1/completions", json=body, timeout=60).json()
-    assert ok.status_code == 200 and ok.headers["x-kvserve-pd"] == "fallback", ok.text
-    assert ok.json()["choices"][0]["text"] == direct["choices"][0]["text"]
-    assert bad.status_code == 400 and bad.json()["error"]["param"] == "temperature", bad.text
+    direct = httpx.post(cons.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    for prefill in (cons.url, fault.url):  # (the consumer as its own producer; a producer it refuses)
+        whole, streamed, bad = asyncio.run(ask(prefill))
+        assert whole.status_code == 200 and whole.headers["x-kvserve-pd"] == "fallback", (prefill, whole.text)
+        assert whole.json()["choices"][0]["text"] == direct
+        assert streamed.status_code == 200 and streamed.headers["x-kvserve-pd"] == "fallback", streamed.text
+        events = [json.loads(e.removeprefix("data: ")) for e in sse_events(streamed.text)[:-1]]
+        text = "".join(e["choices"][0]["text"] for e in events if e.get("choices"))
+        assert text == direct
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "temperature", bad.text
 
 
 @pytest.mark.parametrize(

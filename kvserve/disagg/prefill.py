@@ -3,6 +3,7 @@ pd deployments (a backend with `prefill_url`)."""
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 
@@ -41,7 +42,7 @@ async def run_prefill(
         logger.warning("prefill at %s answered 404 (no such route or model)", url)
         return PrefillResult(failed=True)
     if 400 <= resp.status_code < 500 and resp.status_code not in (408, 429):
-        if _refuses_transfer(resp):  # (the parameters are ours, not the client's: see below)
+        if refuses_transfer(resp.status_code, resp.content):  # (the parameters are ours, not the client's)
             logger.warning("prefill at %s refused kv_transfer_params (not a kv_producer?)", url)
             return PrefillResult(failed=True)
         return PrefillResult(refused_status=resp.status_code, refused_content=resp.content)
@@ -60,13 +61,16 @@ async def run_prefill(
     return PrefillResult(params or None)
 
 
-def _refuses_transfer(resp: httpx.Response) -> bool:
-    """Whether the engine refused the transfer parameters, which the prefill body always sets
-    itself (split.prefill_body): an engine without --kv-transfer-config, or a kv_consumer given
-    as --prefill, is set up wrong, as one answering 404 is; its 400 went to every client as
+def refuses_transfer(status: int, content: bytes) -> bool:
+    """Whether an engine's answer refuses the transfer parameters, which the proxy always sets
+    itself (split.py), never the client: a --prefill engine without --kv-transfer-config or a
+    kv_consumer, or a decode engine that will not pull from the producer named (its
+    kv_producers), is set up wrong, as one answering 404 is; its 400 went to every client as
     their own mistake, naming a field they never sent."""
+    if not 400 <= status < 500:
+        return False
     try:
-        err = resp.json().get("error")
+        err = json.loads(content).get("error")
     except (ValueError, RecursionError, AttributeError):
         return False
     return isinstance(err, dict) and err.get("param") == "kv_transfer_params"

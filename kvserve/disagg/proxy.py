@@ -32,7 +32,7 @@ from kvserve.disagg.decode import decode
 from kvserve.disagg.errors import error as _error
 from kvserve.disagg.passthrough import add_engine_routes, first_decode
 from kvserve.disagg.passthrough import up as engine_up
-from kvserve.disagg.prefill import PrefillResult, run_prefill
+from kvserve.disagg.prefill import PrefillResult, refuses_transfer, run_prefill
 from kvserve.disagg.split import decode_body, disaggregates
 from kvserve.disagg.validate import decode_refusal
 from kvserve.disagg.whole import StoredResponses, engine_tag
@@ -206,8 +206,7 @@ class PDProxy:
             how = "disaggregated" if params else "fallback"
             self.num_fallbacks += params is None
         headers = {"x-kvserve-pd": how, "x-request-id": rid}
-        work = asyncio.ensure_future(self._decode(path, decode_body(body, params), bool(body.get("stream")),
-                                                  send, headers, urls))  # fmt: skip
+        work = asyncio.ensure_future(self._decode(path, body, params, send, headers, urls))
         gone = asyncio.ensure_future(_disconnected(raw))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -228,6 +227,20 @@ class PDProxy:
         return self.decode[i:] + self.decode[:i]
 
     async def _decode(
+        self, path: str, body: dict, params: dict | None, send: dict, headers: dict, urls: list[str] | None
+    ) -> Response:
+        """The decode engines' answer; one refusing the producer's parameters (not a producer it
+        pulls from: set up wrong) is asked again without them, and computes the prompt."""
+        stream = bool(body.get("stream"))
+        resp = await self._decode_once(path, decode_body(body, params), stream, send, headers, urls)
+        if params and refuses_transfer(resp.status_code, getattr(resp, "body", b"")):
+            logger.warning("a decode engine refused the producer's kv_transfer_params: it computes it")
+            self.num_fallbacks += 1
+            headers = {**headers, "x-kvserve-pd": "fallback"}
+            resp = await self._decode_once(path, decode_body(body, None), stream, send, headers, urls)
+        return resp
+
+    async def _decode_once(
         self, path: str, body: dict, stream: bool, send: dict, headers: dict, urls: list[str] | None
     ) -> Response:
         return await decode(
