@@ -8,8 +8,7 @@ from fastapi import APIRouter, Request
 
 from kvserve.gateway.admin import json_object
 from kvserve.gateway.errors import GatewayError
-from kvserve.gateway.keys import KeyRecord
-from kvserve.gateway.litellm_keys import _hash_of, key_info, key_spend
+from kvserve.gateway.litellm_keys import _hash_of, database_key, key_info, key_spend
 
 BLOCKED = "Authentication Error, Key is blocked. Update via `/key/unblock` if you're an admin."
 
@@ -25,16 +24,10 @@ def litellm_key_block_router(state) -> APIRouter:
             if name != "key":
                 raise GatewayError(400, f"{name}: unknown field (key)", param=name)
         h = _hash_of(body.get("key"), "key")
-        rec: KeyRecord | None = await state.keys.record_async(h)
-        if rec is None:
-            raise GatewayError(404, "key: no such key", code="key_not_found", param="key")
-        if rec.source != "database":
-            msg = (
-                "key: the master key cannot be blocked"
-                if rec.source == "master"
-                else "key: a key defined in the config file; block it there (blocked: true)"
-            )
-            raise GatewayError(400, msg, param="key")
+        rec = await database_key(
+            state.keys, h, "key: the master key cannot be blocked",
+            "key: a key defined in the config file; block it there (blocked: true)",
+        )  # fmt: skip
         spec = rec.spec.model_copy(update={"blocked": True if blocked else None})
         if not await state.keys.update_async(h, spec):  # (revoked meanwhile)
             raise GatewayError(404, "key: no such key", code="key_not_found", param="key")

@@ -8,8 +8,15 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from kvserve.gateway.admin import json_object
-from kvserve.gateway.errors import GatewayError
-from kvserve.gateway.litellm_keys import _hash_of, _spec_fields, _validated, alias_free, key_info, key_spend
+from kvserve.gateway.litellm_keys import (
+    _hash_of,
+    _spec_fields,
+    _validated,
+    alias_free,
+    database_key,
+    key_info,
+    key_spend,
+)
 
 
 def litellm_key_regenerate_router(state) -> APIRouter:
@@ -21,16 +28,10 @@ def litellm_key_regenerate_router(state) -> APIRouter:
         body = await json_object(request) if await request.body() else {}
         given = key if key is not None else body.get("key")
         h = _hash_of(given, "key")
-        rec = await state.keys.record_async(h)
-        if rec is None:
-            raise GatewayError(404, "key: no such key", code="key_not_found", param="key")
-        if rec.source != "database":
-            msg = (
-                "key: the master key is changed in the config file"
-                if rec.source == "master"
-                else "key: a key defined in the config file; change it there"
-            )
-            raise GatewayError(400, msg, param="key")
+        rec = await database_key(
+            state.keys, h, "key: the master key is changed in the config file",
+            "key: a key defined in the config file; change it there",
+        )  # fmt: skip
         # (LiteLLM's other fields given a value, new_key and grace_period among them: 400 by name)
         fields = {"account": rec.account, **_spec_fields(body, {"key"})}
         spec = _validated({**rec.spec.model_dump(exclude_none=True), **fields}, state.cfg)

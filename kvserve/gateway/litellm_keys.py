@@ -146,6 +146,18 @@ async def alias_free(keys: KeyStore, alias: str | None, own: str | None = None) 
         raise GatewayError(400, msg, param="key_alias")
 
 
+async def database_key(keys: KeyStore, key_hash: str, master: str, configured: str) -> KeyRecord:
+    """The live key a route that changes keys (block, regenerate) may change: one made through
+    the API. 404 when there is none; 400 with `master` or `configured` for the master key and a
+    config file's key, which are changed in the config."""
+    rec = await keys.record_async(key_hash)
+    if rec is None:
+        raise GatewayError(404, "key: no such key", code="key_not_found", param="key")
+    if rec.source != "database":
+        raise GatewayError(400, master if rec.source == "master" else configured, param="key")
+    return rec
+
+
 def _hash_of(value: object, param: str) -> str:
     """LiteLLM takes a key or its hash (`token`) wherever a key is named."""
     if not isinstance(value, str) or not value:
