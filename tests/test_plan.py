@@ -455,3 +455,34 @@ def test_cli_names_a_gguf_without_a_model_shape(tmp_path, capsys):
     assert main([path]) == 2
     err = capsys.readouterr().err
     assert f"error: {path!r}: GGUF metadata without the model's shape (no llama.block_count)" in err
+
+
+def test_vllm_tensor_and_pipeline_parallel_flags_fix_the_layout(capsys):
+    """`kvserve plan MODEL -tp 4` as vLLM's: was "unrecognized arguments". The degree given is
+    the replica's (not the smallest that fits), replicas follow from --num-gpus; a degree that
+    cannot split the heads, or too few GPUs for one replica, is said."""
+    from kvserve.planner.cli import main
+
+    assert main(["Llama-3.1-8B", "--gpu", "h100", "-tp", "4", "--num-gpus", "8", "--json"]) == 0
+    layout = json.loads(capsys.readouterr().out)["layout"]
+    assert (layout["tensor_parallel"], layout["pipeline_parallel"], layout["replicas"]) == (4, 1, 2)
+    assert main(["Llama-3.1-8B", "--gpu", "h100", "--tensor-parallel-size", "2", "-pp", "2", "--json"]) == 0
+    layout = json.loads(capsys.readouterr().out)["layout"]
+    assert (layout["tensor_parallel"], layout["pipeline_parallel"], layout["num_gpus"]) == (2, 2, 4)
+    assert main(["Llama-3.1-8B", "--gpu", "h100", "-tp", "3"]) == 2
+    assert "tensor_parallel_size 3 does not split the model's 32 attention heads" in capsys.readouterr().err
+    plan = _plan("Llama-3.3-70B", gpu="H100", dtype="fp16", tensor_parallel_size=1)
+    assert not plan.layout.fits and "tensor parallel 1 x pipeline parallel 1" in plan.layout.decision
+
+
+@pytest.mark.parametrize(
+    "name, per_token", [("fp8", 65 * 1024), ("fp8_e4m3", 65 * 1024), ("fp8_e5m2", 64 * 1024)]
+)
+def test_cli_takes_vllms_kv_cache_dtype_spellings(name, per_token, capsys):
+    """vLLM's --kv-cache-dtype fp8_e4m3 / fp8_e5m2 were "invalid choice". e4m3 is kvserve's fp8
+    cache (a bf16 scale per token and head: 65 KiB a token for Llama-3.1-8B); e5m2 is vLLM's, 1 byte
+    an element and no scale (64 KiB)."""
+    from kvserve.planner.cli import main
+
+    assert main(["Llama-3.1-8B", "--gpu", "h100", "--kv-cache-dtype", name, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["memory"]["kv_bytes_per_token"] == per_token

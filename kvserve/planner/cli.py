@@ -47,6 +47,8 @@ NUM_GPUS = at_most(positive_int, MAX_GPUS, "a million GPUs")
 CONCURRENCY = at_most(positive_int, MAX_CONCURRENCY, "ten million sequences at once")
 
 DTYPES = sorted(set(WEIGHT_BYTES) | {"float32", "float16", "bfloat16"})
+# kvserve's names and vLLM's (fp8_e4m3 is kvserve's fp8; vLLM's fp8 is e4m3 too)
+KV_CACHE_DTYPES = ["auto", "fp32", "fp16", "bf16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"]
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
@@ -60,6 +62,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         "--gpu", help=f"one of {', '.join(GPUS)} (default {DEFAULT_GPU}; none with --kv-cache-memory)"
     )
     hw.add_argument("--num-gpus", type=NUM_GPUS, help="GPUs you have; default: as many as the plan needs")
+    for flags, what in ((("--tensor-parallel-size", "-tp"), "GPUs a replica's layers split over"),
+                        (("--pipeline-parallel-size", "-pp"), "a replica's pipeline stages")):  # fmt: skip
+        hw.add_argument(*flags, type=NUM_GPUS, default=None,
+                        help=f"as vLLM's: {what} (default: the smallest layout that fits)")  # fmt: skip
     hw.add_argument(
         "--gpu-memory-utilization", type=USED_SHARE, default=0.9, help="share of GPU memory used (0.9)"
     )
@@ -79,8 +85,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     prec.add_argument(
         "--kv-cache-dtype",
         default="auto",
-        choices=["auto", "fp32", "fp16", "bf16", "fp8", "int8"],
-        help="KV cache element type (auto = the compute dtype)",
+        choices=KV_CACHE_DTYPES,
+        help="KV cache element type (auto = the compute dtype; fp8 and vLLM's fp8_e4m3 are kvserve's "
+        "fp8 cache, with a scale per token and head; fp8_e5m2 is vLLM's, 1 byte with none)",
     )
     kv = p.add_argument_group("KV cache and load")
     kv.add_argument(
@@ -130,7 +137,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
 # Options of one mode only (--max-num-seqs and --json are shared): given in the other mode they
 # were silently ignored (a model and --gpu did not change a --simulate run at all).
 PLAN_ONLY = (
-    "gpu", "num_gpus", "gpu_memory_utilization", "overhead", "dtype", "quantization", "kv_cache_dtype",
+    "gpu", "num_gpus", "tensor_parallel_size", "pipeline_parallel_size", "gpu_memory_utilization",
+    "overhead", "dtype", "quantization", "kv_cache_dtype",
     "max_model_len", "concurrency", "kv_cache_memory", "block_size", "context_len", "price_per_hour",
     "api_price_in", "api_price_out", "tokens_per_day", "input_share", "utilization",
 )  # fmt: skip

@@ -40,6 +40,9 @@ WEIGHT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1, "int4": 0.
 QUANTIZED = ("fp8", "int8", "int4")
 _ALIASES = {"float32": "fp32", "float16": "fp16", "half": "fp16", "bfloat16": "bf16"}
 _ALIASES |= {"fp8_e4m3": "fp8", "float8": "fp8", "auto": "auto", "none": "none"}
+# vLLM's other fp8 KV cache: 1 byte an element with no per-token scale (e4m3's "fp8" here is
+# kvserve's cache, which keeps one); kvserve's engine does not run it, vLLM's does
+KV_ONLY_BYTES = {"fp8_e5m2": 1}
 
 
 def canonical_dtype(name: str) -> str:
@@ -61,7 +64,7 @@ class Precision:
 
     @property
     def kv_bytes(self) -> int:
-        return DTYPE_BYTES[self.kv_cache]
+        return KV_ONLY_BYTES.get(self.kv_cache) or DTYPE_BYTES[self.kv_cache]
 
     @property
     def kv_scale_bytes(self) -> int:
@@ -84,8 +87,13 @@ def resolve_precision(
     quant = canonical_dtype(quantization) if quantization else "none"
     if quant not in QUANTIZED + ("none",):
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZED)} or none")
-    kv = compute if kv_cache_dtype in (None, "auto") else canonical_dtype(kv_cache_dtype)
-    if kv not in DTYPE_BYTES:
+    if kv_cache_dtype in (None, "auto"):
+        kv = compute
+    elif kv_cache_dtype.lower() in KV_ONLY_BYTES:
+        kv = kv_cache_dtype.lower()
+    else:
+        kv = canonical_dtype(kv_cache_dtype)
+    if kv not in DTYPE_BYTES and kv not in KV_ONLY_BYTES:
         raise ValueError(f"kv-cache dtype {kv_cache_dtype!r} is not supported")
     return Precision(compute, compute if quant == "none" else quant, kv)
 
@@ -215,6 +223,32 @@ class Layout:
         return math.ceil(self.num_gpus / GPUS_PER_NODE)
 
 
+def check_parallel(spec: ModelSpec, tp: int | None, pp: int | None) -> None:
+    """vLLM's -tp / -pp as given: a degree the model cannot be split by is refused (vLLM's own
+    rule: the attention heads divide by tp; the KV heads divide by it, or it by them)."""
+    kv = spec.cache_kv_heads
+
+    def splits(t: int) -> bool:
+        return spec.num_heads % t == 0 and (kv % t == 0 or t % kv == 0)
+
+    if tp is not None and not splits(tp):
+        valid = ", ".join(str(t) for t in range(1, spec.num_heads + 1) if splits(t))
+        raise ValueError(
+            f"tensor_parallel_size {tp} does not split the model's {spec.num_heads} attention heads "
+            f"({kv} KV heads) evenly; it can be {valid}"
+        )
+    if pp is not None and pp > spec.num_layers:
+        raise ValueError(f"pipeline_parallel_size {pp} is more than the model's {spec.num_layers} layers")
+
+
+def _fit(spec: ModelSpec, mem_args: dict, tp: int | None, pp: int | None) -> MemoryBreakdown:
+    """The layout asked for (either degree given: the other is 1, as vLLM's default), or the
+    smallest that fits."""
+    if tp is None and pp is None:
+        return _smallest_fit(spec, mem_args)
+    return memory_breakdown(spec, tp=tp or 1, pp=pp or 1, **mem_args)
+
+
 def _smallest_fit(spec: ModelSpec, mem_args: dict) -> MemoryBreakdown:
     tps = valid_tp_degrees(spec)
     mem = memory_breakdown(spec, tp=tps[0], **mem_args)
@@ -229,16 +263,22 @@ def _smallest_fit(spec: ModelSpec, mem_args: dict) -> MemoryBreakdown:
     return mem
 
 
-def _decision(spec: ModelSpec, mem: MemoryBreakdown, replicas: int, num_gpus: int | None) -> str:
+def _decision(
+    spec: ModelSpec, mem: MemoryBreakdown, replicas: int, num_gpus: int | None, fixed: bool = False
+) -> str:
     tp, pp = mem.tensor_parallel, mem.pipeline_parallel
     if not mem.fits:
+        if fixed:
+            return f"does not fit at tensor parallel {tp} x pipeline parallel {pp}, at this max_model_len"
         return "does not fit, even split over tensor x pipeline parallel, at this max_model_len"
     if replicas < 1:
         return f"does not fit on {num_gpus} GPU(s): one replica needs {tp * pp}"
     if tp * pp == 1:
         text = f"fits one GPU: serve {replicas} data-parallel replica(s)"
-    elif pp == 1:
+    elif pp == 1 and tp <= GPUS_PER_NODE:
         text = f"fits one node: tensor parallel {tp}, then {replicas} replica(s)"
+    elif fixed:
+        text = f"tensor parallel {tp} x pipeline parallel {pp} (as asked), {replicas} replica(s)"
     elif tp * pp > GPUS_PER_NODE:
         text = (
             f"larger than one node: tensor parallel {tp} within a node, "
@@ -265,11 +305,13 @@ def choose_layout(
     concurrency: int = 1,
     num_gpus: int | None = None,
     max_num_seqs: int = 256,
+    tp: int | None = None,
+    pp: int | None = None,
 ) -> Layout:
-    """Smallest tp x pp that holds the model plus one max_model_len sequence,
-    then replicas: enough for `concurrency` sequences, or as many as `num_gpus`
+    """Smallest tp x pp that holds the model plus one max_model_len sequence (or the `tp` x `pp`
+    given), then replicas: enough for `concurrency` sequences, or as many as `num_gpus`
     allows. `mem_args` are memory_breakdown's keyword arguments minus tp/pp."""
-    mem = _smallest_fit(spec, mem_args)
+    mem = _fit(spec, mem_args, tp, pp)
     group = mem.tensor_parallel * mem.pipeline_parallel
     seqs = min(int(mem.max_concurrency), max_num_seqs)
     if num_gpus is not None:
@@ -277,7 +319,7 @@ def choose_layout(
     else:
         replicas = max(1, math.ceil(concurrency / seqs)) if seqs else 1
     ep = group if spec.is_moe and group > 1 else 1
-    decision = _decision(spec, mem, replicas, num_gpus)
+    decision = _decision(spec, mem, replicas, num_gpus, fixed=tp is not None or pp is not None)
     total = num_gpus if num_gpus is not None else group * replicas
     return Layout(mem, replicas, total, ep, decision, mem.fits and replicas >= 1)
 
@@ -465,6 +507,8 @@ class PlanRequest:
     model: str
     gpu: str | None = None
     num_gpus: int | None = None
+    tensor_parallel_size: int | None = None  # vLLM's -tp: this degree, not the smallest that fits
+    pipeline_parallel_size: int | None = None  # vLLM's -pp
     dtype: str = "bf16"
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
@@ -522,6 +566,8 @@ def make_plan(req: PlanRequest, spec: ModelSpec | None = None) -> Plan:
     predicts exactly the KV pool the engine allocates."""
     _check(req)
     spec = spec or load_model_spec(req.model)
+    tp, pp = req.tensor_parallel_size, req.pipeline_parallel_size
+    check_parallel(spec, tp, pp)
     prec = resolve_precision(req.dtype, req.quantization, req.kv_cache_dtype)
     if req.max_model_len is not None and req.max_model_len > spec.max_context:  # the engine refuses it
         raise ValueError(
@@ -556,10 +602,11 @@ def make_plan(req: PlanRequest, spec: ModelSpec | None = None) -> Plan:
         "kv_bytes_per_token": model_kv_bytes_per_token(spec, prec),
     }
     if gpu is None:
-        return Plan(memory=memory_breakdown(spec, **mem_args), **common)
+        return Plan(memory=memory_breakdown(spec, tp=tp or 1, pp=pp or 1, **mem_args), **common)
     layout = choose_layout(
-        spec, mem_args, concurrency=req.concurrency, num_gpus=req.num_gpus, max_num_seqs=req.max_num_seqs
-    )
+        spec, mem_args, concurrency=req.concurrency, num_gpus=req.num_gpus, max_num_seqs=req.max_num_seqs,
+        tp=tp, pp=pp,
+    )  # fmt: skip
     if not layout.fits:
         return Plan(memory=layout.memory, layout=layout, **common)
     curve = throughput_curve(spec, prec, gpu, layout, ctx, req.max_num_seqs)
