@@ -360,6 +360,35 @@ def test_the_result_has_vllm_s_flat_keys(instant_stub, tiny_llama_dir, tmp_path)
     assert res["output_lens"] == [4, 4, 4] and res["errors"] == ["", "", ""]
 
 
+def test_percentile_metrics_and_metric_percentiles_pick_the_flat_keys(
+    instant_stub, tiny_llama_dir, tmp_path, capsys
+):
+    """vLLM's --percentile-metrics ttft,e2el --metric-percentiles 90,99.9 were "unrecognized
+    arguments": the result carries only those latencies' keys, at those percentiles, named as
+    vLLM names them (p99.9_ttft_ms), and the table prints them."""
+    out = tmp_path / "r.json"
+    argv = ["bench", "serve", "--base-url", instant_stub.url, "--tokenizer", tiny_llama_dir, "--num-prompts",
+            "3", "--input-len", "8", "--output-len", "4", "--disable-tqdm", "--save-result", str(out),
+            "--percentile-metrics", "ttft,e2el", "--metric-percentiles", "90,99.9"]  # fmt: skip
+    assert kvserve_main(argv) == 0
+    res = json.loads(out.read_text())
+    flat = sorted(k for k in res if re.fullmatch(r"(mean|median|std|p[0-9.]+)_[a-z0-9]+_ms", k))
+    assert flat == sorted(
+        f"{s}_{n}_ms" for s in ("mean", "median", "std", "p90", "p99.9") for n in ("ttft", "e2el")
+    )
+    assert res["p90_ttft_ms"] == pytest.approx(res["metrics"]["ttft_ms"]["p90"])
+    assert res["p90_ttft_ms"] <= res["metrics"]["ttft_ms"]["p99"] <= res["p99.9_ttft_ms"] + 1e-9
+    assert "P99.9 TTFT (ms):" in capsys.readouterr().out
+    for flag, value, message in [
+        ("--percentile-metrics", "ttft,ttfb", "'ttfb' is not one of ttft, tpot, itl, e2el"),
+        ("--metric-percentiles", "50,0", "each must be in (0, 100], got '0'"),
+        ("--metric-percentiles", "p99", "'p99' is not a number"),
+    ]:
+        with pytest.raises(SystemExit):
+            kvserve_main([*argv[:4], flag, value])
+        assert f"argument {flag}: {message}" in capsys.readouterr().err
+
+
 def test_a_vllm_bench_serve_command_runs_as_written(
     instant_stub, tiny_llama_dir, tmp_path, monkeypatch, capsys
 ):

@@ -16,6 +16,16 @@ def _fmt(v: Any) -> str:
     return f"{v:,}" if isinstance(v, int) else str(v)
 
 
+def _asked_percentiles(result: dict[str, Any], name: str, shown: dict[str, Any]) -> list[tuple[str, Any]]:
+    """--metric-percentiles' flat keys (p99.9_ttft_ms, ...) the nested summary does not show."""
+    found = []
+    for key, v in result.items():
+        word = key[1 : -len(f"_{name}_ms")] if key.startswith("p") and key.endswith(f"_{name}_ms") else ""
+        if word.replace(".", "", 1).isdigit() and f"p{word}" not in shown:
+            found.append((float(word), word, v))
+    return [(word, v) for _, word, v in sorted(found)]
+
+
 def format_table(result: dict[str, Any], title: str = "Serving Benchmark Result") -> str:
     m = result["metrics"]
     rows: list[tuple[str, Any]] = [
@@ -43,6 +53,8 @@ def format_table(result: dict[str, Any], title: str = "Serving Benchmark Result"
         for stat, v in m[key].items():
             label = f"{stat.capitalize() if stat == 'mean' else stat.upper()} {key[:-3].upper()} (ms):"
             lines.append(f"{label:<38}{_fmt(v):>{_W - 38}}")
+        for word, v in _asked_percentiles(result, key[:-3], m[key]):
+            lines.append(f"{f'P{word} {key[:-3].upper()} (ms):':<38}{_fmt(v):>{_W - 38}}")
     spec = result.get("spec_decode")
     if spec:
         lines.append(" Speculative Decoding ".center(_W, "-"))

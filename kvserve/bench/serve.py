@@ -102,7 +102,8 @@ def run_serve(
         },  # fmt: skip
         "metrics": compute_metrics(results, duration, slo),
     }
-    out.update(vllm_keys(results, out["metrics"], out["load"], args.model, detailed))
+    asked = getattr(args, "percentile_metrics", None), getattr(args, "metric_percentiles", None)
+    out.update(vllm_keys(results, out["metrics"], out["load"], args.model, detailed, *asked))
     if spec is not None:
         out["spec_decode"] = spec
     if detailed:

@@ -1,7 +1,8 @@
 """`vllm bench serve` / benchmark_serving.py spellings `kvserve bench serve` takes, so a vLLM
 user's command runs as written: --host / --port for --base-url, --backend openai-chat and
 --endpoint /v1/chat/completions for --endpoint chat, --save-result as a switch with
---result-dir / --result-filename. (--dataset-name, --random-input-len, --random-output-len and
+--result-dir / --result-filename, --percentile-metrics / --metric-percentiles for the flat
+keys written (vllm_keys.py). (--dataset-name, --random-input-len, --random-output-len and
 --random-range-ratio are in args.py.) Each was "unrecognized arguments" or "invalid
 choice"; `--save-result --result-filename x.json` was "expected one argument"."""
 
@@ -13,6 +14,7 @@ import math
 import os
 
 from kvserve.argtypes import port, writable_file
+from kvserve.bench.slo import SLO_KEYS
 
 SAVE_NAMED = "<named from the run>"  # --save-result with no file: vLLM's switch
 _BACKENDS = {"vllm": "completions", "openai": "completions", "openai-chat": "chat"}
@@ -29,6 +31,35 @@ def endpoint(text: str) -> str:
     return value
 
 
+def percentile_metrics(text: str) -> tuple[str, ...]:
+    """vLLM's --percentile-metrics: a comma list of ttft, tpot, itl, e2el."""
+    names = tuple(n.strip().lower() for n in text.split(","))
+    for n in names:
+        if n not in SLO_KEYS:
+            raise argparse.ArgumentTypeError(f"{n!r} is not one of {', '.join(SLO_KEYS)} (a comma list)")
+    if len(set(names)) < len(names):
+        raise argparse.ArgumentTypeError(f"a metric is given twice in {text!r}")
+    return names
+
+
+def metric_percentiles(text: str) -> tuple[float, ...]:
+    """vLLM's --metric-percentiles: a comma list of percentiles, e.g. 50,90,99.9."""
+    out = []
+    for part in text.split(","):
+        try:
+            p = float(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{part.strip()!r} is not a number (a comma list, e.g. 50,90,99)"
+            ) from None
+        if not 0 < p <= 100:  # (also nan)
+            raise argparse.ArgumentTypeError(f"each must be in (0, 100], got {part.strip()!r}")
+        if p in out:
+            raise argparse.ArgumentTypeError(f"{part.strip()} is given twice")
+        out.append(p)
+    return tuple(out)
+
+
 def add_vllm_serve_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("vLLM's spellings")
     g.add_argument("--host", default=None, help="the server's host, as vLLM's, for --base-url (127.0.0.1)")
@@ -37,6 +68,11 @@ def add_vllm_serve_args(p: argparse.ArgumentParser) -> None:
                    help="vLLM's: openai-chat is --endpoint chat, vllm / openai completions")  # fmt: skip
     g.add_argument("--result-dir", default=None, help="with --save-result and no file: the folder")
     g.add_argument("--result-filename", default=None, help="with --save-result and no file: the name")
+    g.add_argument("--percentile-metrics", type=percentile_metrics, default=None,
+                   help="vLLM's: the latencies given flat keys in the result, from ttft,tpot,itl,e2el "
+                        "(default all four)")  # fmt: skip
+    g.add_argument("--metric-percentiles", type=metric_percentiles, default=None,
+                   help="vLLM's: their percentiles, e.g. 50,90,99.9 (default 50,90,99)")  # fmt: skip
 
 
 def _default_name(args: argparse.Namespace) -> str:

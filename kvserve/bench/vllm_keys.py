@@ -18,7 +18,12 @@ _COPIED = (
 )  # fmt: skip
 
 
-def _stats(name: str, values_s: list[float]) -> dict[str, float | None]:
+def percentile_word(p: float) -> str:
+    """vLLM's spelling of a percentile in a key: 99 -> "99", 99.9 -> "99.9"."""
+    return str(int(p)) if int(p) == p else str(p)
+
+
+def _stats(name: str, values_s: list[float], percentiles: tuple[float, ...]) -> dict[str, float | None]:
     """mean / median / std / pNN of one series, in ms, named as vLLM names them."""
     a = np.asarray(values_s, dtype=np.float64) * 1000.0
     empty = a.size == 0
@@ -27,15 +32,23 @@ def _stats(name: str, values_s: list[float]) -> dict[str, float | None]:
         f"median_{name}_ms": None if empty else float(np.median(a)),
         f"std_{name}_ms": None if empty else float(a.std()),
     }
-    for p in PERCENTILES:
-        out[f"p{p}_{name}_ms"] = None if empty else float(np.percentile(a, p))
+    for p in percentiles:
+        out[f"p{percentile_word(p)}_{name}_ms"] = None if empty else float(np.percentile(a, p))
     return out
 
 
 def vllm_keys(
-    results: list[RequestResult], metrics: dict[str, Any], load: dict[str, Any], model: str, detailed: bool
+    results: list[RequestResult],
+    metrics: dict[str, Any],
+    load: dict[str, Any],
+    model: str,
+    detailed: bool,
+    selected: tuple[str, ...] | None = None,
+    percentiles: tuple[float, ...] | None = None,
 ) -> dict[str, Any]:
-    """The flat keys; with `detailed`, vLLM's per-request lists too (input_lens, ttfts, ...)."""
+    """The flat keys; with `detailed`, vLLM's per-request lists too (input_lens, ttfts, ...).
+    `selected` / `percentiles` are vLLM's --percentile-metrics / --metric-percentiles: only
+    those latencies get keys, with those percentiles (default: all four, at 50, 90, 99)."""
     rate = load["request_rate"]
     out: dict[str, Any] = {
         "backend": "openai",
@@ -50,7 +63,8 @@ def vllm_keys(
     }
     ok = [r for r in results if r.success]
     for name, values in latency_series(ok).items():
-        out.update(_stats(name, values))
+        if selected is None or name in selected:
+            out.update(_stats(name, values, percentiles or PERCENTILES))
     if detailed:
         out["input_lens"] = [r.prompt_len for r in results]
         out["output_lens"] = [r.output_tokens for r in results]
