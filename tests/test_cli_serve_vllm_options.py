@@ -75,17 +75,57 @@ def test_a_vllm_option_kvserve_cannot_honour_is_refused_before_the_model_loads(
     assert capsys.readouterr().err.startswith(f"error: {message}")
 
 
+def test_max_logprobs_is_checked_at_parse():
+    """vLLM's --max-logprobs was "unrecognized arguments"; -1 (the vocabulary) is its lowest."""
+    assert _serve_args().max_logprobs == 20 and _serve_args("--max-logprobs", "-1").max_logprobs == -1
+    with pytest.raises(SystemExit):
+        _serve_args("--max-logprobs", "-2")
+
+
+def _max_logprobs_hold(url: str) -> None:
+    """--max-logprobs 30: 25 alternatives are more than OpenAI's 20, taken; 31 a 400 naming the field.
+    (Completions' top_logprobs is keyed by token: by id, as two tokens may read the same.)"""
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "temperature": 0}
+    r = httpx.post(
+        f"{url}/v1/chat/completions", json={**chat, "logprobs": True, "top_logprobs": 25}, timeout=60
+    )
+    assert (
+        r.status_code == 200 and len(r.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 25
+    )
+    done = {"prompt": "hi", "max_tokens": 1, "temperature": 0}
+    r = httpx.post(
+        f"{url}/v1/completions",
+        json={**done, "logprobs": 30, "prompt_logprobs": 30, "return_tokens_as_token_ids": True},
+        timeout=60,
+    )
+    assert r.status_code == 200 and len(r.json()["choices"][0]["logprobs"]["top_logprobs"][0]) == 30, r.text
+    for path, body, field in [
+        ("chat/completions", {**chat, "logprobs": True, "top_logprobs": 31}, "top_logprobs"),
+        ("completions", {**done, "logprobs": 31}, "logprobs"),
+        ("completions", {**done, "prompt_logprobs": 31}, "prompt_logprobs"),
+    ]:
+        r = httpx.post(f"{url}/v1/{path}", json=body, timeout=60)
+        err = r.json()["error"]
+        assert (
+            r.status_code == 400
+            and err["param"] == field
+            and "(30; serve's --max-logprobs)" in err["message"]
+        )
+
+
 def test_the_options_work_on_a_running_server(tiny_llama_dir, tmp_path):
     """The template really renders the prompt; the model as --tokenizer and --trust-remote-code
     are taken (the latter said to change nothing); --disable-log-requests drops the per-request
-    log line, --uvicorn-log-level reaches uvicorn (info: its access log)."""
+    log line, --uvicorn-log-level reaches uvicorn (info: its access log); --max-logprobs moves the
+    cap on alternatives."""
     log = tmp_path / "serve.log"
     s = ServerProcess(
         tiny_llama_dir, "--kv-cache-memory", "4MiB", "--chat-template", TEMPLATE,
         "--tokenizer", tiny_llama_dir, "--trust-remote-code", "--disable-log-requests",
-        "--uvicorn-log-level", "info", api_key=None, log_path=str(log),
+        "--uvicorn-log-level", "info", "--max-logprobs", "30", api_key=None, log_path=str(log),
     )  # fmt: skip
     try:
+        _max_logprobs_hold(s.url)
         messages = [{"role": "user", "content": "hi"}]
         ids = httpx.post(f"{s.url}/tokenize", json={"messages": messages}).json()["tokens"]
         text = httpx.post(f"{s.url}/detokenize", json={"tokens": ids}).json()["prompt"]

@@ -356,7 +356,10 @@ def test_completion_logprobs_given_as_chat_spells_them(server):
     r = post(server, "/v1/completions", {**body, "logprobs": True})
     err = r.json()["error"]
     assert r.status_code == 400 and err["param"] == "logprobs", r.text
-    assert "integer from 0 to 20" in err["message"] and "top_logprobs" in err["message"]
+    assert (
+        "integer from 0 to the server's --max-logprobs (20" in err["message"]
+        and "top_logprobs" in err["message"]
+    )
 
 
 def _events(server, path: str, body: dict) -> list[dict]:

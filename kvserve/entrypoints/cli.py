@@ -292,6 +292,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             max_upload_size=args.max_upload_size, batch_window=args.batch_window,
             response_store=args.response_store,
             response_store_size=args.response_store_size, chat_template=args.chat_template,
+            max_logprobs=args.max_logprobs,
             log_requests=not args.disable_log_requests, uvicorn_log_level=args.uvicorn_log_level,
         )  # fmt: skip
         return serve(config, args.host, args.port, server, cores)
@@ -418,6 +419,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--chat-template", type=chat_template, default=None,
                      help="Jinja chat template used instead of the model's: a file, or the template "
                           "itself (as vLLM's)")  # fmt: skip
+    srv.add_argument("--max-logprobs", type=int_at_least(-1), default=ServerConfig.max_logprobs,
+                     help="as vLLM's: the most top alternatives (logprobs, top_logprobs, prompt_logprobs) "
+                          "a request may ask for; -1: the vocabulary size (default 20)")  # fmt: skip
     srv.add_argument("--disable-log-requests", action="store_true", help="no log line per API request")
     srv.add_argument("--uvicorn-log-level", choices=UVICORN_LOG_LEVELS,
                      default=ServerConfig.uvicorn_log_level,

@@ -106,7 +106,12 @@ def build_app(engine: AsyncLLM | DPClient, cfg: ServerConfig, store: ResponseSto
     engine.on_step = metrics.on_step
     engine.on_core_lost = metrics.on_core_lost
     serving = OpenAIServing(
-        engine, names, cfg.request_timeout, cfg.max_waiting_requests, cfg.stream_stall_timeout
+        engine,
+        names,
+        cfg.request_timeout,
+        cfg.max_waiting_requests,
+        cfg.stream_stall_timeout,
+        cfg.max_logprobs,
     )
     responses = ResponsesServing(serving, store or open_store(cfg.response_store, cfg.response_store_size))
     lifecycle = Lifecycle(engine, cfg.shutdown_timeout)

@@ -19,7 +19,7 @@ from pydantic import Field
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
 MAX_N = 128  # choices per request (and never more than the server's --max-num-seqs)
-MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI documents
+MAX_LOGPROBS = 20  # top alternatives per token: OpenAI's limit, and serve's --max-logprobs default
 MAX_STOP_STRINGS = 32
 MAX_BAD_WORDS = 1024  # each is tokenized on the event loop and matched at every step of the request
 MAX_PROMPTS = 2048  # entries of a completions prompt list or an embeddings input list, as OpenAI documents
@@ -30,12 +30,21 @@ NonNegInt64 = Annotated[int, Field(ge=0, le=INT64_MAX)]
 PositiveInt64 = Annotated[int, Field(ge=1, le=INT64_MAX)]
 TopK = Annotated[int, Field(ge=-1, le=INT64_MAX)]  # -1 or 0: off; checked against the vocabulary too
 NumChoices = Annotated[int, Field(ge=1, le=MAX_N)]
-NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]  # the Responses API's (OpenAI's) range
+# chat's top_logprobs, completions' logprobs, prompt_logprobs: up to the server's --max-logprobs
+# (check_logprobs), which vLLM lets an operator raise past OpenAI's 20
+ServedLogprobs = NonNegInt64
 # OpenAI's rule for `metadata`: at most 16 pairs, keys up to 64 and values up to 512 characters (a
 # response stores and echoes it: any size was taken)
 Metadata = Annotated[
     dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]], Field(max_length=16)
 ]
+
+
+def check_logprobs(field: str, value: int | None, cap: int) -> None:
+    """Refuse more top alternatives than the server's --max-logprobs (`cap`) allows."""
+    if value is not None and value > cap:
+        raise ValueError(f"{field}: {value} is more than this server allows ({cap}; serve's --max-logprobs)")
 
 
 def sample_seed(seed: int, index: int) -> int:

@@ -34,8 +34,8 @@ from kvserve.entrypoints.openai.limits import (
     Metadata,
     NonNegInt64,
     NumChoices,
-    NumLogprobs,
     PositiveInt64,
+    ServedLogprobs,
     TopK,
 )
 from kvserve.entrypoints.openai.message_rules import READABLE
@@ -162,7 +162,7 @@ class SamplingFields(OpenAIBody):
     request_id: Annotated[str, Field(pattern=r"^[A-Za-z0-9._:-]{1,128}$")] | None = None  # response id suffix
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>"
     return_token_ids: bool = False  # vLLM: prompt_token_ids and each choice's token_ids in the answer
-    prompt_logprobs: NumLogprobs | None = None
+    prompt_logprobs: ServedLogprobs | None = None
     best_of: NumChoices | None = None  # samples drawn; the n of highest cumulative logprob returned
     use_beam_search: bool = False  # n beams, the n best returned (engine/beam_search.py); no streaming
     length_penalty: float = 1.0  # beam search only
@@ -409,7 +409,7 @@ class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: PositiveInt64 | None = None
     logprobs: bool = False
-    top_logprobs: NumLogprobs | None = None
+    top_logprobs: ServedLogprobs | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM: extend the last (assistant) message
     echo: bool = False  # vLLM: the reply starts with the continued assistant message
@@ -464,7 +464,7 @@ PromptInput = Annotated[
 class CompletionRequest(SamplingFields):
     prompt: PromptInput  # ids are range-checked by the processor
     max_tokens: NonNegInt64 | None = None  # 0 with echo: the prompt scored alone (echo_only.py)
-    logprobs: NumLogprobs | None = None
+    logprobs: ServedLogprobs | None = None
     echo: bool = False
     suffix: str | None = None  # refused unless empty: no fill-in-the-middle (compat.py)
     add_special_tokens: bool = True  # vLLM: a text prompt gets the tokenizer's BOS
@@ -481,7 +481,8 @@ class CompletionRequest(SamplingFields):
             raise PydanticCustomError(
                 "int_type",
                 "on /v1/completions it is the number of top alternatives per token, an integer from 0 "
-                f"to {MAX_LOGPROBS} (logprobs: true is chat completions' spelling, with top_logprobs)",
+                f"to the server's --max-logprobs ({MAX_LOGPROBS} unless set; logprobs: true is chat "
+                "completions' spelling, with top_logprobs)",
             )
         return value
 

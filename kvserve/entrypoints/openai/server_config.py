@@ -45,6 +45,8 @@ class ServerConfig:
     """Batch API: the largest file POST /v1/files accepts (OpenAI's limit is 200 MB)."""
     batch_window: int | None = None
     """Batch API: how many of a batch's requests are in the engine at once (None: max_num_seqs)."""
+    max_logprobs: int = 20
+    """--max-logprobs: the most top alternatives a request may ask for (-1: the vocabulary)."""
     chat_template: str | None = None
     """--chat-template: the Jinja template chat requests are rendered with (None: the model's)."""
     log_requests: bool = True

@@ -36,7 +36,13 @@ from kvserve.entrypoints.openai.echo_only import engine_max_tokens, prompt_only
 from kvserve.entrypoints.openai.errors import error_response, renamed_in_text
 from kvserve.entrypoints.openai.fingerprint import system_fingerprint
 from kvserve.entrypoints.openai.lifecycle import ServerShuttingDownError
-from kvserve.entrypoints.openai.limits import MAX_PROMPTS, check_fan_out, sample_seed
+from kvserve.entrypoints.openai.limits import (
+    MAX_LOGPROBS,
+    MAX_PROMPTS,
+    check_fan_out,
+    check_logprobs,
+    sample_seed,
+)
 from kvserve.entrypoints.openai.message_count import check_message_count
 from kvserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -81,6 +87,7 @@ class OpenAIServing:
         request_timeout: float | None,
         max_waiting: int | None = None,
         stream_stall_timeout: float | None = None,
+        max_logprobs: int = MAX_LOGPROBS,
     ) -> None:
         self.max_waiting = max_waiting
         self.engine = engine
@@ -95,6 +102,9 @@ class OpenAIServing:
         self.fingerprint = system_fingerprint(engine.config, engine.source)
         # The model's generation_config.json sampling values, for fields a request leaves unset
         self.sampling_defaults = generation_defaults(engine.source, engine.config.generation_config)
+        # --max-logprobs, as vLLM's: -1 is the whole vocabulary, and no cap passes the vocabulary
+        vocab = engine.limits.vocab_size
+        self.max_logprobs = vocab if max_logprobs == -1 else min(max_logprobs, vocab)
 
     @functools.cached_property
     def embedding_width(self) -> int:
@@ -542,6 +552,8 @@ class OpenAIServing:
         top = req.top_logprobs if req.top_logprobs is not None else 0
         if req.top_logprobs is not None and not req.logprobs:
             raise ValueError("top_logprobs: requires logprobs=true")
+        check_logprobs("top_logprobs", req.top_logprobs, self.max_logprobs)
+        check_logprobs("prompt_logprobs", req.prompt_logprobs, self.max_logprobs)
         max_tokens = self._max_tokens(req.max_completion_tokens or req.max_tokens)
         echo = req.messages[-1].text() if req.echo and continues_final_message(req) else ""
         try:  # (SamplingParams checks the limit too: "min_tokens: must be <= max_tokens (2)")
@@ -719,6 +731,8 @@ class OpenAIServing:
     async def completion(self, req: CompletionRequest, raw: Request):
         self.check_model(req.model)
         warnings = normalize_completion(req)
+        check_logprobs("logprobs", req.logprobs, self.max_logprobs)
+        check_logprobs("prompt_logprobs", req.prompt_logprobs, self.max_logprobs)
         prompts = self._prompts(req.prompt)
         max_tokens = self._max_tokens(16 if req.max_tokens is None else req.max_tokens)
         wanted = [req.prompt_logprobs, req.logprobs if req.echo else None]
