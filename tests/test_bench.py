@@ -496,8 +496,7 @@ def test_bench_against_real_server(engine, tiny_llama_dir, tiny_tok, tmp_path):
         tiny_llama_dir,
         "--engine",
         engine,
-        "--kv-cache-memory",
-        "64MiB",
+        *(["--kv-cache-memory", "64MiB"] if engine == "kvserve" else []),  # naive refuses engine flags
         api_key=None,
         log_path="/tmp/srvt.log",
     )
@@ -539,10 +538,21 @@ def test_unreachable_server_fails_each_request(tiny_tok):
     assert all("Connect" in r.error for r in results), [r.error for r in results]
 
 
-def test_naive_server_api(tiny_llama_dir):
-    """The baseline speaks the same API: non-streaming, models, errors, greedy = streamed text."""
-    server = ServerProcess(tiny_llama_dir, "--engine", "naive", "--served-model-name", "tiny", api_key=None)
+def test_naive_server_api(tiny_llama_dir, tiny_tok):
+    """The baseline speaks the same API: non-streaming, models, errors, greedy = streamed text;
+    it renders chats with --chat-template (which it ignored, using the model's own)."""
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}ANSWER:"
+    server = ServerProcess(
+        tiny_llama_dir, "--engine", "naive", "--served-model-name", "tiny", "--chat-template", template,
+        api_key=None,
+    )  # fmt: skip
     try:
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "temperature": 0}
+        r = httpx.post(f"{server.url}/v1/chat/completions", json=chat, timeout=30)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == len(
+            tiny_tok.encode("[user] hi\nANSWER:", add_special_tokens=False)
+        )
         body = {
             "model": "tiny",
             "prompt": "Hello world",

@@ -140,3 +140,34 @@ def test_the_options_work_on_a_running_server(tiny_llama_dir, tmp_path):
     assert "trust-remote-code: accepted, and changes nothing" in said
     assert '"POST /v1/chat/completions HTTP/1.1" 200' in said  # uvicorn's access log, at info
     assert "kvserve.server.requests" not in said and "POST /v1/chat/completions 200" not in said
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--max-model-len", "512"], "max-model-len: not used by --engine naive"),
+        (["--kv-cache-memory", "64MiB"], "kv-cache-memory: not used by --engine naive"),
+        (["--max-logprobs", "50"], "max-logprobs: not used by --engine naive"),
+        (["--request-timeout", "5"], "request-timeout: not used by --engine naive"),
+        (["-dp", "1"], "data-parallel-size: not used by --engine naive"),
+        (
+            ["--served-model-name", "a", "b"],
+            "served-model-name: --engine naive serves the model under one name",
+        ),
+    ],
+)
+def test_the_naive_baseline_refuses_flags_it_would_drop(flags, message, tmp_path, capsys):
+    """--engine naive served with every engine and server flag silently dropped (the model's own
+    context, no timeout, the first name only): now each is refused before the model loads."""
+    assert main(["serve", str(tmp_path / "model"), "--engine", "naive", *flags]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {message}")
+
+
+def test_the_naive_baseline_takes_the_flags_it_honours():
+    """--chat-template and --uvicorn-log-level reach serve_naive; vLLM's no-op flags pass."""
+    from kvserve.entrypoints.cli import _naive_options
+
+    args = _serve_args("m", "--engine", "naive", "--chat-template", TEMPLATE, "--uvicorn-log-level",
+                       "info", "--served-model-name", "x", "--swap-space", "16",
+                       "--disable-log-requests")  # fmt: skip
+    assert _naive_options(args) is None

@@ -249,6 +249,15 @@ def _vllm_only_options(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _naive_options(args: argparse.Namespace) -> str | None:
+    """--engine naive given a flag it would drop (naive_options.py)."""
+    if args.engine != "naive":
+        return None
+    from kvserve.entrypoints.naive_options import naive_problem
+
+    return naive_problem(args, build_parser().parse_args(["serve"]))
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvserve.entrypoints.listen_check import listen_error
 
@@ -257,6 +266,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         or _vllm_only_options(args)
         or _swallowed_model(args)
         or _auth_error(args)
+        or _naive_options(args)
         or listen_error(args.host, args.port)
         or (None if args.engine == "naive" else _batch_storage_error(args))
     )
@@ -267,7 +277,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.engine == "naive":
         from kvserve.entrypoints.naive_server import serve_naive
 
-        return serve_naive(args.model, args.host, args.port, (args.served_model_name or [None])[0])
+        name = (args.served_model_name or [None])[0]
+        return serve_naive(args.model, args.host, args.port, name, args.chat_template, args.uvicorn_log_level)
     from kvserve.engine.core_prespawn import PrespawnedCore, start_cores
 
     # The engine cores import torch and the engine, then load the model, while this process

@@ -268,13 +268,23 @@ def build_naive_app(model, tokenizer, served_model_name: str) -> FastAPI:
     return app
 
 
-def serve_naive(model: str, host: str, port: int, served_model_name: str | None) -> int:
-    """`kvserve serve --engine naive`: load the model in transformers and serve it."""
+def serve_naive(
+    model: str,
+    host: str,
+    port: int,
+    served_model_name: str | None,
+    chat_template: str | None = None,
+    uvicorn_log_level: str = "warning",
+) -> int:
+    """`kvserve serve --engine naive`: load the model in transformers and serve it (with serve's
+    --chat-template and --uvicorn-log-level; cli.py refuses the flags it does not honour)."""
     import uvicorn
 
     hf, tok, name = load_hf_model(model)
+    if chat_template is not None:
+        tok.hf.chat_template = chat_template
     name = served_model_name or name
     logger.info("naive baseline: transformers generate(), one request at a time; serving %s on http://%s:%d",
                 name, host, port)  # fmt: skip
-    uvicorn.run(build_naive_app(hf, tok, name), host=host, port=port, log_level="warning")
+    uvicorn.run(build_naive_app(hf, tok, name), host=host, port=port, log_level=uvicorn_log_level)
     return 0

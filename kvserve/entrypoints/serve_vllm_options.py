@@ -20,6 +20,11 @@ def _names() -> list[str]:
     return [name for name in VLLM_LLM_ONLY if name not in _OWN]
 
 
+def vllm_only_names() -> list[str]:
+    """The dests of the flags add_vllm_only_args adds."""
+    return _names()
+
+
 def add_vllm_only_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("vLLM's options kvserve takes where they change nothing")
     for name in _names():
