@@ -92,3 +92,21 @@ def test_plan_takes_dtype_auto_as_its_default(capsys):
     auto = json.loads(capsys.readouterr().out)
     assert main(["Llama-3.1-8B", "--json"]) == 0
     assert auto == json.loads(capsys.readouterr().out) and auto["settings"]["compute_dtype"] == "bf16"
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_kv_cache_dtype_fp8_is_vllm_s_name_for_e4m3(command, capsys):
+    """`--kv-cache-dtype fp8`, vLLM's usual spelling, was refused ("'fp8' is not one of auto,
+    fp8_e4m3, int8") once serve's engine processes had started; fp8_e5m2 likewise. Now fp8 is
+    fp8_e4m3 (so is LLM(kv_cache_dtype="fp8")), and another name is refused at parse."""
+    from kvserve.entrypoints.llm_options import engine_options
+
+    parse = build_parser().parse_args
+    assert engine_config(parse([command, "--kv-cache-dtype", "fp8"])).kv_cache_dtype == "fp8_e4m3"
+    assert engine_config(parse([command, "--kv-cache-dtype", "int8"])).kv_cache_dtype == "int8"
+    assert engine_options("m", {"kv_cache_dtype": "fp8"}) == {"kv_cache_dtype": "fp8_e4m3"}
+    with pytest.raises(SystemExit):
+        parse([command, "--kv-cache-dtype", "fp8_e5m2"])
+    assert (
+        "argument --kv-cache-dtype: 'fp8_e5m2' is not one of auto, fp8_e4m3, int8" in capsys.readouterr().err
+    )

@@ -40,13 +40,31 @@ def _vllm_dtype(text: str) -> str | None:
     return None if text.strip().lower() == "auto" else text
 
 
+def _vllm_kv_cache_dtype(text: str) -> str:
+    """vLLM's `--kv-cache-dtype fp8` (its most used spelling: e4m3 on CUDA) is kvserve's
+    fp8_e4m3; it was refused once the engine processes had started. Another name is refused
+    here, naming those kvserve runs (vLLM's fp8_e5m2 among them: kvserve's fp8 cache is e4m3)."""
+    from kvserve.model.format_names import KV_CACHE_DTYPES
+
+    value = text.strip().lower()
+    value = "fp8_e4m3" if value == "fp8" else value
+    if value not in KV_CACHE_DTYPES:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not one of {', '.join(KV_CACHE_DTYPES)} (fp8: vLLM's name for fp8_e4m3)"
+        )
+    return value
+
+
 def _engine_arg_types() -> dict[str, Callable[[str], object]]:
     """Flags checked as they are parsed: --data-parallel-size 100000 started that many engine
     processes (each with a share of the CPU threads, at least one) and never became ready.
-    --max-model-len and --dtype also take vLLM's spellings (4k, -1, auto)."""
+    --max-model-len, --dtype and --kv-cache-dtype also take vLLM's spellings (4k, -1, auto, fp8)."""
     cpus = os.cpu_count() or 1
     replicas = at_most(positive_int, cpus, f"one engine process per CPU at most; this machine has {cpus}")
-    return {"data_parallel_size": replicas, "max_model_len": max_model_len, "dtype": _vllm_dtype}
+    return {
+        "data_parallel_size": replicas, "max_model_len": max_model_len, "dtype": _vllm_dtype,
+        "kv_cache_dtype": _vllm_kv_cache_dtype,
+    }  # fmt: skip
 
 
 # vLLM's short flags (`vllm serve MODEL -tp 2`), each "unrecognized arguments" before

@@ -38,6 +38,8 @@ def engine_options(model: str, given: dict[str, Any]) -> dict[str, Any]:
     for name, value in given.items():
         if name == "dtype" and value == "auto":  # vLLM's default: kvserve's own default dtype
             continue
+        if name == "kv_cache_dtype" and value == "fp8":  # vLLM's name for e4m3 (on CUDA)
+            value = "fp8_e4m3"
         if name == "tokenizer":
             if value is not None and value != model:
                 raise ValueError("tokenizer: only the model's own tokenizer is supported (leave it unset)")
