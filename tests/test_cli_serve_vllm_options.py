@@ -59,9 +59,22 @@ def test_vllm_s_benchmark_server_command_is_taken():
     assert vllm_only_problem(args) is None and engine_config(args) == engine_config(_serve_args())
 
 
+def test_vllm_s_tool_calling_server_command_is_taken():
+    """`vllm serve MODEL --enable-auto-tool-choice --tool-call-parser hermes` (vLLM's recipe for
+    tool calls) was "unrecognized arguments"; kvserve always reads hermes and llama3_json calls."""
+    from kvserve.entrypoints.cli import engine_config
+    from kvserve.entrypoints.serve_vllm_options import vllm_only_problem
+
+    for parser in ("hermes", "llama3_json"):
+        args = _serve_args("--enable-auto-tool-choice", "--tool-call-parser", parser)
+        assert vllm_only_problem(args) is None and engine_config(args) == engine_config(_serve_args())
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [
+        (["--tool-call-parser", "mistral"], "tool-call-parser: 'mistral' is not supported; kvserve reads"),
+        (["--no-enable-auto-tool-choice"], "enable-auto-tool-choice: --no-enable-auto-tool-choice is not"),
         (["--revision", "main"], "revision: 'main' is not supported; a model revision is not supported"),
         (["--no-enable-chunked-prefill"], "enable-chunked-prefill: --no-enable-chunked-prefill is not"),
         (["--load-format", "pt"], "load-format: 'pt' is not supported; weights load from safetensors"),

@@ -1,17 +1,30 @@
 """vLLM's `vllm serve` options that change nothing in kvserve (or that kvserve cannot honour),
 as `kvserve serve` flags. vLLM's own benchmark instructions start its server with
 `--swap-space 16 --disable-log-requests`; each such flag was "unrecognized arguments". The
-accepted values are the offline LLM's (llm_options.VLLM_LLM_ONLY): a value that changes nothing
-is taken, another refused before the model loads, naming the flag and why."""
+accepted values are the offline LLM's (llm_options.VLLM_LLM_ONLY) and serve's own tool-calling
+flags (SERVE_ONLY): a value that changes nothing is taken, another refused before the model
+loads, naming the flag and why."""
 
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from kvserve.entrypoints.llm_options import _ANY, VLLM_LLM_ONLY
 
 # on/off in vLLM's CLI; the rest take a value
-_SWITCHES = ("disable_log_stats", "enable_chunked_prefill")
+_SWITCHES = ("disable_log_stats", "enable_chunked_prefill", "enable_auto_tool_choice")
+# vllm serve's own (not LLM(...)'s): vLLM's tool-calling servers start with
+# `--enable-auto-tool-choice --tool-call-parser hermes`, "unrecognized arguments" here. kvserve
+# always takes tool_choice auto and reads both formats below in whatever the model writes.
+SERVE_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
+    "enable_auto_tool_choice": ((None, True), "tool_choice auto is always available here"),
+    "tool_call_parser": (
+        (None, "hermes", "llama3_json"),
+        "kvserve reads tool calls written as hermes' <tool_call>{...}</tool_call> or as llama3_json's "
+        "bare JSON call (hermes, llama3_json)",
+    ),
+}
 # serve's own flag (--trust-remote-code, with its note), and one another change may add to serve
 _OWN = ("trust_remote_code", "max_logprobs")
 
@@ -25,11 +38,14 @@ def vllm_only_names() -> list[str]:
     return _names()
 
 
+def _table() -> dict[str, tuple[tuple[Any, ...], str]]:
+    return {**{name: VLLM_LLM_ONLY[name] for name in _names()}, **SERVE_ONLY}
+
+
 def add_vllm_only_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("vLLM's options kvserve takes where they change nothing")
-    for name in _names():
+    for name, (accepted, why) in _table().items():
         flag = "--" + name.replace("_", "-")
-        accepted, why = VLLM_LLM_ONLY[name]
         taken = [str(a) for a in accepted if a is not None]
         help_ = (
             "vLLM's; accepted, changes nothing here" if _ANY in accepted
@@ -44,9 +60,8 @@ def add_vllm_only_args(p: argparse.ArgumentParser) -> None:
 
 def vllm_only_problem(args: argparse.Namespace) -> str | None:
     """The first of these flags given a value kvserve cannot honour, said as such; or None."""
-    for name in _names():
+    for name, (accepted, why) in _table().items():
         value = getattr(args, name, None)
-        accepted, why = VLLM_LLM_ONLY[name]
         if value is not None and _ANY not in accepted and value not in accepted:
             shown = f"--no-{name.replace('_', '-')}" if value is False else repr(value)
             return f"{name.replace('_', '-')}: {shown} is not supported; {why}"
