@@ -420,6 +420,42 @@ def test_a_vllm_bench_serve_command_runs_as_written(
         assert capsys.readouterr().err.startswith(f"error: {message}")
 
 
+def test_more_of_vllm_s_bench_serve_flags_run_as_written(instant_stub, tiny_llama_dir, tmp_path, capsys):
+    """--goodput ttft:MS (vLLM's --slo), --num-warmups, --metadata KEY=VALUE, --served-model-name
+    (the name sent, --model then the tokenizer) and --trust-remote-code were "unrecognized
+    arguments"."""
+    out = tmp_path / "r.json"
+    argv = ["bench", "serve", "--base-url", instant_stub.url, "--model", tiny_llama_dir, "--num-prompts", "2",
+            "--input-len", "8", "--output-len", "4", "--disable-tqdm", "--trust-remote-code",
+            "--served-model-name", "stub-model", "--save-result", str(out)]  # fmt: skip
+    extra = [
+        "--goodput",
+        "ttft:60000",
+        "e2el:60000",
+        "--num-warmups",
+        "1",
+        "--metadata",
+        "version=1.2",
+        "tp=1",
+    ]
+    assert kvserve_main([*argv, *extra]) == 0
+    res = json.loads(out.read_text())
+    assert res["metrics"]["slo_ms"] == {"ttft": 60000.0, "e2el": 60000.0} and res["request_goodput"] > 0
+    assert (res["load"]["warmup"], res["version"], res["tp"]) == (1, "1.2", "1")
+    assert (res["model"], res["completed"]) == ("stub-model", 2)
+    capsys.readouterr()
+    for bad, message in [
+        (["--goodput", "ttft:500", "--slo", "ttft:500"], "goodput: give --slo or --goodput"),
+        (["--goodput", "ttfb:5"], "goodput: 'ttfb:5' must be KEY:MS"),
+        (["--num-warmups", "2", "--warmup", "1"], "num-warmups: give --warmup or --num-warmups"),
+    ]:
+        assert kvserve_main([*argv, *bad]) == 2
+        assert capsys.readouterr().err.startswith(f"error: {message}")
+    with pytest.raises(SystemExit):
+        kvserve_main([*argv, "--metadata", "novalue"])
+    assert "argument --metadata: 'novalue' must be KEY=VALUE" in capsys.readouterr().err
+
+
 def test_save_detailed_without_save_result_is_refused(capsys):
     """--save-detailed alone ran the benchmark and wrote the per-request timings nowhere."""
     argv = ["bench", "serve", "--base-url", "http://127.0.0.1:1", "--model", "tiny", "--save-detailed"]

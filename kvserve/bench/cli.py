@@ -38,6 +38,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    res.update(args.metadata or [])  # vLLM's --metadata: top-level keys, as its result files have them
     print(format_table(res))
     if args.save_result:
         save_json(res, args.save_result)

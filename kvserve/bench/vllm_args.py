@@ -2,9 +2,12 @@
 user's command runs as written: --host / --port for --base-url, --backend openai-chat and
 --endpoint /v1/chat/completions for --endpoint chat, --save-result as a switch with
 --result-dir / --result-filename, --percentile-metrics / --metric-percentiles for the flat
-keys written (vllm_keys.py). (--dataset-name, --random-input-len, --random-output-len and
---random-range-ratio are in args.py.) Each was "unrecognized arguments" or "invalid
-choice"; `--save-result --result-filename x.json` was "expected one argument"."""
+keys written (vllm_keys.py), --goodput for --slo, --num-warmups for --warmup, --metadata
+KEY=VALUE written into the result, --served-model-name (the name sent; --model then names the
+tokenizer) and --trust-remote-code (kvserve's tokenizers run no model code). (--dataset-name,
+--random-input-len, --random-output-len and --random-range-ratio are in args.py.) Each was
+"unrecognized arguments" or "invalid choice"; `--save-result --result-filename x.json` was
+"expected one argument"."""
 
 from __future__ import annotations
 
@@ -13,8 +16,8 @@ import datetime
 import math
 import os
 
-from kvserve.argtypes import port, writable_file
-from kvserve.bench.slo import SLO_KEYS
+from kvserve.argtypes import non_negative_int, port, writable_file
+from kvserve.bench.slo import SLO_KEYS, parse_slo
 
 SAVE_NAMED = "<named from the run>"  # --save-result with no file: vLLM's switch
 _BACKENDS = {"vllm": "completions", "openai": "completions", "openai-chat": "chat"}
@@ -60,6 +63,14 @@ def metric_percentiles(text: str) -> tuple[float, ...]:
     return tuple(out)
 
 
+def metadata_pair(text: str) -> tuple[str, str]:
+    """vLLM's --metadata KEY=VALUE: a key written into the result with its value."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} must be KEY=VALUE (e.g. version=0.3.3)")
+    return key.strip(), value.strip()
+
+
 def add_vllm_serve_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("vLLM's spellings")
     g.add_argument("--host", default=None, help="the server's host, as vLLM's, for --base-url (127.0.0.1)")
@@ -73,6 +84,15 @@ def add_vllm_serve_args(p: argparse.ArgumentParser) -> None:
                         "(default all four)")  # fmt: skip
     g.add_argument("--metric-percentiles", type=metric_percentiles, default=None,
                    help="vLLM's: their percentiles, e.g. 50,90,99.9 (default 50,90,99)")  # fmt: skip
+    g.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
+                   help="vLLM's spelling of --slo: ttft:500 tpot:50")  # fmt: skip
+    g.add_argument("--num-warmups", type=non_negative_int, default=None, help="vLLM's spelling of --warmup")
+    g.add_argument("--metadata", nargs="+", type=metadata_pair, default=None, metavar="KEY=VALUE",
+                   help="vLLM's: written into the result (e.g. version=0.3.3 tp=1)")  # fmt: skip
+    g.add_argument("--served-model-name", default=None,
+                   help="vLLM's: the model name sent; --model then names the tokenizer")  # fmt: skip
+    g.add_argument("--trust-remote-code", action="store_true",
+                   help="vLLM's; accepted: kvserve's tokenizers run no model's own code")  # fmt: skip
 
 
 def _default_name(args: argparse.Namespace) -> str:
@@ -98,11 +118,41 @@ def resolve_vllm_serve_args(args: argparse.Namespace) -> str | None:
         if args.endpoint == "chat" and wanted != "chat":  # completions is the default: not asked for
             return f"backend: --backend {args.backend} is --endpoint completions, not chat"
         args.endpoint = wanted
+    problem = _goodput(args) or _num_warmups(args)
+    if problem:
+        return problem
+    if args.served_model_name is not None:  # vLLM's --model is then the tokenizer's
+        if args.tokenizer is None and args.model is not None:
+            args.tokenizer = args.model
+        args.model = args.served_model_name
     named = args.result_dir is not None or args.result_filename is not None
     if named and args.save_result not in (None, SAVE_NAMED):
         return "result-filename: --save-result was given a file; drop --result-dir / --result-filename"
     if named and args.save_result is None:
         return "result-filename: needs --save-result (as vLLM's: the file is written only with it)"
+    return None
+
+
+def _goodput(args: argparse.Namespace) -> str | None:
+    if args.goodput is None:
+        return None
+    if args.slo is not None:
+        return "goodput: give --slo or --goodput (vLLM's spelling of it), not both"
+    text = ",".join(args.goodput)
+    try:
+        parse_slo(text)
+    except ValueError as e:
+        return f"goodput: {str(e).removeprefix('slo: ')}"
+    args.slo = text
+    return None
+
+
+def _num_warmups(args: argparse.Namespace) -> str | None:
+    if args.num_warmups is None:
+        return None
+    if args.warmup not in (0, args.num_warmups):
+        return "num-warmups: give --warmup or --num-warmups (vLLM's spelling of it), not both"
+    args.warmup = args.num_warmups
     return None
 
 
