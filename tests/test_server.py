@@ -462,6 +462,28 @@ def test_metrics_exposed(server, client):
     assert m["kvserve:generation_tokens_total"] >= 4
 
 
+def _aborted(server) -> float:
+    text = httpx.get(f"{server.url}/metrics", headers=server.headers, timeout=5).text
+    key = 'kvserve:request_success_total{finished_reason="abort",model_name="tiny"} '
+    return next((float(x[len(key) :]) for x in text.splitlines() if x.startswith(key)), 0.0)
+
+
+def test_a_client_that_goes_away_is_counted_as_an_aborted_request(server):
+    """As vLLM's request_success_total{finished_reason="abort"}: the core never reports a
+    finish for a request the server ended, so it was counted nowhere (and its last token
+    time was kept for good)."""
+    before = _aborted(server)
+    body = {"model": "tiny", "prompt": "Go", "max_tokens": 200, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=server.headers) as resp:
+        lines = resp.iter_lines()
+        for _ in range(3):
+            next(lines)
+    deadline = time.monotonic() + 10
+    while _aborted(server) < before + 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _aborted(server) == before + 1
+
+
 def _post_many(s: ServerProcess, body: dict, n: int, kill_after: float | None = None):
     """n concurrent completions; optionally SIGKILL the engine core after `kill_after` s."""
 

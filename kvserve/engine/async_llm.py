@@ -114,7 +114,9 @@ class RequestStream:
         self.finished = True
         self.queue.put_nowait(_CLOSED)  # wakes a reader waiting on this stream
         self.engine._drop(self.request_id)
-        self.engine.output_processor.abort(self.request_id)
+        out = self.engine.output_processor.abort(self.request_id)
+        if out is not None and self.engine.on_abort is not None:
+            self.engine.on_abort(out)  # ended here: the core sends nothing more for it
         if self.engine.is_alive:
             await self.engine._send(AbortRequests([self.request_id]))
 
@@ -171,6 +173,7 @@ class AsyncLLM:
         self._watch_task: asyncio.Task | None = None
         self.on_step = None  # callback(EngineCoreOutputs, list[RequestOutput]) for metrics
         self.on_core_lost = None  # callback() when the core dies: clear what it reported
+        self.on_abort = None  # callback(RequestOutput) for a request ended here (client gone, timeout)
         if wait:
             self.wait_started()
 

@@ -98,9 +98,11 @@ class DPClient:
         self._groups: OrderedDict[str, Replica] = OrderedDict()
         self.on_step = None  # callback(EngineCoreOutputs, list[RequestOutput], engine index)
         self.on_core_lost = None  # callback(engine index)
+        self.on_abort = None  # callback(RequestOutput, engine index)
         for r in self.replicas:
             r.engine.on_step = lambda core, outs, i=r.index: self._on_step(i, core, outs)
             r.engine.on_core_lost = lambda i=r.index: self._on_core_lost(i)
+            r.engine.on_abort = lambda out, i=r.index: self.on_abort and self.on_abort(out, i)
 
     # ---- per-replica callbacks -------------------------------------------------------------
     def _on_step(self, i: int, core: EngineCoreOutputs, outs: list[RequestOutput]) -> None:

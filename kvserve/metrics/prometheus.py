@@ -204,14 +204,23 @@ class ServerMetrics:
             elif last is not None and new:
                 self._observe(self.itl, (now - last) / new, e)
             if out.finished:
-                self._last_token_time.pop(rid, None)
-                self._engine_of.pop(rid, None)
-                self._inc(self.success, 1, e, c.finish_reason)
-                if met.e2e_latency is not None:
-                    self._observe(self.e2e, met.e2e_latency, e)
+                self._finished(out, e)
             elif new:
                 self._last_token_time[rid] = now
                 self._engine_of[rid] = e
+
+    def on_abort(self, out: RequestOutput, engine: int = 0) -> None:
+        """A request the server ended (client gone, --request-timeout): the core reports no
+        finish for it, so it is counted here, as vLLM counts it (finished_reason "abort"), and
+        what was kept for its next token is dropped."""
+        self._finished(out, engine)
+
+    def _finished(self, out: RequestOutput, engine: int) -> None:
+        self._last_token_time.pop(out.request_id, None)
+        self._engine_of.pop(out.request_id, None)
+        self._inc(self.success, 1, engine, out.outputs[0].finish_reason)
+        if out.metrics.e2e_latency is not None:
+            self._observe(self.e2e, out.metrics.e2e_latency, engine)
 
     def on_core_lost(self, engine: int = 0) -> None:
         """An engine core died: its gauges no longer hold, and a new core's running totals

@@ -105,6 +105,7 @@ def build_app(engine: AsyncLLM | DPClient, cfg: ServerConfig, store: ResponseSto
     metrics.pending_prefill = lambda: waiting_prefill_tokens(engine)
     engine.on_step = metrics.on_step
     engine.on_core_lost = metrics.on_core_lost
+    engine.on_abort = metrics.on_abort
     serving = OpenAIServing(
         engine,
         names,
