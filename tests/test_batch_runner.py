@@ -162,3 +162,38 @@ def test_a_background_response_line_is_refused_in_batch_terms():
         parse_line(line.encode(), "/v1/responses")
     assert "stream" not in str(e.value) and e.value.code == "invalid_body"
     assert parse_line(line.replace("true", "false").encode(), "/v1/responses")[0] == "a"
+
+
+def test_lines_not_done_when_the_window_ends_become_batch_expired_error_lines(tmp_path):
+    """As OpenAI: an expired batch keeps the lines it finished, and writes each line it did not
+    reach to the error file (code batch_expired, its custom_id), so the counts add up."""
+    from types import SimpleNamespace
+
+    from kvserve.batch.files import FileStore
+    from kvserve.batch.service import BatchService
+
+    conn = open_db(tmp_path)
+    files, jobs = FileStore(conn, tmp_path, 2**20), JobStore(conn)
+    lines = [_line(f"c{i}", "hi") + "\n" for i in range(5)]
+    (files.dir / "file-in").write_text("".join(lines) + "\n")
+    files.register("file-in", "in.jsonl", "batch")
+    obj = jobs.raw(jobs.create("file-in", CHAT, "24h", None)["id"])
+    jobs.set_total(obj["id"], 5)
+    obj = jobs.set_status(obj, "in_progress")
+    sink = DurableSink(conn, obj["id"], files.path(obj["_output_path_id"]), files.path(obj["_error_path_id"]),
+                       jobs.resume_point(obj["id"]))  # fmt: skip
+    for line in (0, 2):  # finished before the window ended
+        end = sum(len(x) for x in lines[: line + 1])
+        sink.add(line, end, {"custom_id": f"c{line}", "response": {"status_code": 200}}, True)
+    sink.close()
+    jobs.save({**obj, "expires_at": obj["created_at"] - 1})
+    service = BatchService(files, jobs, SimpleNamespace(model_names=["tiny"]), window=4)
+    asyncio.run(service._process(obj["id"]))
+    b = jobs.get(obj["id"])
+    assert b["status"] == "expired" and b["expired_at"] is not None
+    assert b["request_counts"] == {"total": 5, "completed": 2, "failed": 3}
+    expired = [json.loads(x) for x in files.path(b["error_file_id"]).read_text().splitlines()]
+    assert [e["custom_id"] for e in expired] == ["c1", "c3", "c4"]
+    assert all(e["response"] is None and e["error"]["code"] == "batch_expired" for e in expired)
+    done = [json.loads(x)["custom_id"] for x in files.path(b["output_file_id"]).read_text().splitlines()]
+    assert done == ["c0", "c2"]

@@ -9,6 +9,7 @@ import time
 
 from kvserve.batch.errors import BatchAPIError
 from kvserve.batch.execute import execute_line
+from kvserve.batch.expired import expire_rest
 from kvserve.batch.files import FileStore
 from kvserve.batch.jobs import JobStore
 from kvserve.batch.output import DurableSink, truncate_uncommitted
@@ -132,6 +133,9 @@ class BatchService:
                 return
             await self._run(obj)
             obj = self.jobs.raw(batch_id)
+        if obj["status"] == "in_progress" and self._expired(obj):
+            await self._expire_rest(obj)
+            obj = self.jobs.raw(batch_id)  # cancel() may have run meanwhile
         if obj["status"] in ("finalizing", "cancelling") or (
             obj["status"] == "in_progress" and self._expired(obj)
         ):
@@ -167,6 +171,18 @@ class BatchService:
             sink.close()
         if finished:
             self.jobs.set_status(self.jobs.raw(batch_id), "finalizing")
+
+    async def _expire_rest(self, obj: dict) -> None:
+        """The lines not done when the window ended become batch_expired error lines."""
+        resume = self.jobs.resume_point(obj["id"])
+        out, err = self.files.path(obj["_output_path_id"]), self.files.path(obj["_error_path_id"])
+        sink = DurableSink(self.jobs.conn, obj["id"], out, err, resume)
+        try:
+            await expire_rest(self.files.dir / obj["input_file_id"], sink, resume[0], resume[1])
+        except FileNotFoundError:  # deleted since it was opened: no custom_ids left to name
+            logger.warning("batch %s expired; its input file is gone, so no batch_expired lines", obj["id"])
+        finally:
+            sink.close()
 
     def _cut_uncommitted(self, obj: dict) -> None:
         """A resumed batch's files may hold lines written after its last commit (a kill -9):
