@@ -27,3 +27,40 @@ def test_an_aborted_request_is_counted_and_forgotten():
     assert sample(metrics, "kvserve:request_success_total", finished_reason="abort") == 1
     assert sample(metrics, "kvserve:e2e_request_latency_seconds_count") == 1
     assert not metrics._last_token_time and not metrics._engine_of  # nothing kept per aborted request
+
+
+def test_vllm_names_cover_what_vllms_grafana_dashboard_reads():
+    """--metrics-compat vllm: the series vLLM's examples/.../grafana.json queries, each parsed
+    from the exposition (a family split or named wrong would not parse or not be found)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvserve.metrics.vllm_names import vllm_series
+
+    metrics = ServerMetrics("tiny")
+    metrics.on_step(EngineCoreOutputs([]), [output("a", [7])])
+    metrics.on_step(EngineCoreOutputs([]), [output("a", [7, 8, 9], "length", prompt=40)])
+    metrics.on_step(EngineCoreOutputs([], num_running=1, kv_cache_usage=0.25, iteration_tokens=9), [])
+    body = metrics.render()
+    families = {f.name: f for f in text_string_to_metric_families((body + vllm_series(body)).decode())}
+    for name, kind in {
+        "vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge",
+        "vllm:kv_cache_usage_perc": "gauge", "vllm:gpu_cache_usage_perc": "gauge",
+        "vllm:prompt_tokens": "counter", "vllm:generation_tokens": "counter",
+        "vllm:request_success": "counter", "vllm:time_to_first_token_seconds": "histogram",
+        "vllm:inter_token_latency_seconds": "histogram", "vllm:time_per_output_token_seconds": "histogram",
+        "vllm:e2e_request_latency_seconds": "histogram", "vllm:request_queue_time_seconds": "histogram",
+        "vllm:request_prompt_tokens": "histogram", "vllm:request_generation_tokens": "histogram",
+        "vllm:request_prefill_time_seconds": "histogram", "vllm:request_decode_time_seconds": "histogram",
+        "vllm:request_inference_time_seconds": "histogram", "vllm:iteration_tokens_total": "histogram",
+        "vllm:prefix_cache_queries": "counter", "vllm:prefix_cache_hits": "counter",
+        "vllm:num_preemptions": "counter",
+    }.items():  # fmt: skip
+        assert families[name].type == kind, name
+    values = {(s.name, s.labels.get("le")): s.value for f in families.values() for s in f.samples}
+    assert values[("vllm:gpu_cache_usage_perc", None)] == 0.25
+    assert values[("vllm:request_prompt_tokens_bucket", "50.0")] == 1  # 40 prompt tokens
+    assert values[("vllm:request_prompt_tokens_bucket", "20.0")] == 0
+    assert values[("vllm:request_generation_tokens_sum", None)] == 3
+    assert values[("vllm:request_decode_time_seconds_sum", None)] == 0.7
+    assert values[("vllm:time_per_output_token_seconds_count", None)] == 1
+    assert values[("vllm:iteration_tokens_total_sum", None)] == 9

@@ -22,6 +22,8 @@ from kvserve.metrics.saturation import saturation
 from kvserve.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+# Tokens per request: 1, 2, 5, 10, ... 1,000,000 (vLLM's 1-2-5 series)
+_TOKEN_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5) if m * 10**e <= 10**6)
 
 
 class ServerMetrics:
@@ -90,6 +92,19 @@ class ServerMetrics:
         self.itl = Histogram("kvserve:inter_token_latency_seconds", "Time between output tokens", **h)
         self.e2e = Histogram("kvserve:e2e_request_latency_seconds", "Arrival to finish", **h)
         self.queue = Histogram("kvserve:request_queue_time_seconds", "Arrival to first scheduled", **h)
+        # Per finished request, as vLLM's dashboard reads them (prefill, decode, lengths)
+        self.prefill_time = Histogram(
+            "kvserve:request_prefill_time_seconds", "First scheduled to first token", **h
+        )
+        self.decode_time = Histogram("kvserve:request_decode_time_seconds", "First token to finish", **h)
+        self.inference_time = Histogram(
+            "kvserve:request_inference_time_seconds", "First scheduled to finish", **h
+        )
+        t = {"registry": r, "buckets": _TOKEN_BUCKETS, **lbl}
+        self.request_prompt = Histogram("kvserve:request_prompt_tokens", "Prompt tokens of a request", **t)
+        self.request_generation = Histogram(
+            "kvserve:request_generation_tokens", "Tokens a request generated", **t
+        )
         self.iteration_tokens = Histogram(
             "kvserve:iteration_tokens", "Tokens computed per engine step", registry=r,
             buckets=(1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192), **lbl,
@@ -219,8 +234,18 @@ class ServerMetrics:
         self._last_token_time.pop(out.request_id, None)
         self._engine_of.pop(out.request_id, None)
         self._inc(self.success, 1, engine, out.outputs[0].finish_reason)
-        if out.metrics.e2e_latency is not None:
-            self._observe(self.e2e, out.metrics.e2e_latency, engine)
+        met = out.metrics
+        if met.e2e_latency is not None:
+            self._observe(self.e2e, met.e2e_latency, engine)
+        self._observe(self.request_prompt, len(out.prompt_token_ids), engine)
+        self._observe(self.request_generation, len(out.outputs[0].token_ids), engine)
+        started, first, done = met.first_scheduled_time, met.first_token_time, met.finished_time
+        if started is not None and first is not None:
+            self._observe(self.prefill_time, first - started, engine)
+        if first is not None and done is not None:
+            self._observe(self.decode_time, done - first, engine)
+        if started is not None and done is not None:
+            self._observe(self.inference_time, done - started, engine)
 
     def on_core_lost(self, engine: int = 0) -> None:
         """An engine core died: its gauges no longer hold, and a new core's running totals

@@ -56,6 +56,7 @@ from kvserve.entrypoints.openai.server_config import ServerConfig
 from kvserve.entrypoints.openai.serving import ClientDisconnectedError, OpenAIServing, ServerOverloadedError
 from kvserve.entrypoints.openai.tools import check_unique_names
 from kvserve.metrics.prometheus import ServerMetrics, waiting_prefill_tokens
+from kvserve.metrics.vllm_names import vllm_series
 from kvserve.web import add_web_ui
 
 logger = logging.getLogger("kvserve.server")
@@ -360,8 +361,8 @@ def build_app(engine: AsyncLLM | DPClient, cfg: ServerConfig, store: ResponseSto
     @app.get("/metrics")
     async def prom():
         body = metrics.render()
-        if cfg.metrics_compat == "vllm":  # our series are named as vLLM's, under another prefix
-            body += body.replace(b"kvserve:", b"vllm:")
+        if cfg.metrics_compat == "vllm":  # the same series under the names vLLM's dashboards read
+            body += vllm_series(body)
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     if cfg.web_ui:
