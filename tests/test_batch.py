@@ -369,6 +369,35 @@ def test_cancel_mid_way_keeps_finished_lines(client):
     assert_not_cancellable(client, orphan.id, "failed")
 
 
+def finished_by_reason(server) -> dict[str, float]:
+    """request_success_total by finished_reason."""
+    text = httpx.get(f"{server.url}/metrics", headers=server.headers, timeout=5).text
+    rows = [x for x in text.splitlines() if x.startswith("kvserve:request_success_total{")]
+    return {x.split('finished_reason="')[1].split('"')[0]: float(x.rsplit(" ", 1)[1]) for x in rows}
+
+
+def test_cancel_stops_the_lines_in_flight_in_the_engine(client, server):
+    """A cancelled batch's lines in flight were left generating to their end (the handler's
+    reader task outlived the cancelled line); now they are aborted in the engine at once."""
+    before = finished_by_reason(server)
+    lines = [line(i, max_tokens=200, ignore_eos=True) for i in range(40)]
+    b = client.batches.create(input_file_id=upload(client, lines).id, endpoint=CHAT, completion_window="24h")
+    deadline = time.monotonic() + 60
+    while server.metrics()["kvserve:num_requests_running"] == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    client.batches.cancel(b.id)
+    b = wait_final(client, b.id)
+    while server.metrics()["kvserve:num_requests_running"] > 0:
+        assert time.monotonic() < deadline + 120
+        time.sleep(0.1)
+    after = finished_by_reason(server)
+    assert b.status == "cancelled"
+    # the lines that ran to their end are the batch's completed ones; the rest were aborted
+    assert after.get("length", 0) - before.get("length", 0) == b.request_counts.completed < 40
+    assert after.get("abort", 0) - before.get("abort", 0) >= 1
+
+
 def assert_not_cancellable(client: openai.OpenAI, batch_id: str, status: str) -> None:
     """A final batch cannot be cancelled: OpenAI's 409 naming its status (was a 200), unchanged."""
     with pytest.raises(openai.ConflictError) as e:

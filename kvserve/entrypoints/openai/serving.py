@@ -364,12 +364,15 @@ class OpenAIServing:
                 finals[index] = out
 
         task = asyncio.create_task(consume())
-        while not task.done():
-            await asyncio.wait([task], timeout=0.5)
-            if not task.done() and await raw.is_disconnected():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-                raise ClientDisconnectedError
+        try:
+            while not task.done():
+                await asyncio.wait([task], timeout=0.5)
+                if not task.done() and await raw.is_disconnected():
+                    raise ClientDisconnectedError
+        except BaseException:  # the client gone, or this handler cancelled (a batch line's cancel)
+            task.cancel()  # closes the streams: the engine stops them (else they ran to the end)
+            await asyncio.gather(task, return_exceptions=True)
+            raise
         task.result()
         return finals
 
