@@ -64,3 +64,15 @@ def test_vllm_names_cover_what_vllms_grafana_dashboard_reads():
     assert values[("vllm:request_decode_time_seconds_sum", None)] == 0.7
     assert values[("vllm:time_per_output_token_seconds_count", None)] == 1
     assert values[("vllm:iteration_tokens_total_sum", None)] == 9
+
+
+def test_an_embedding_counts_its_prompt_tokens():
+    """As vLLM's prompt_tokens_total: an embedding request computes its prompt but samples no
+    token, and its prompt was counted only at a first token (so never)."""
+    metrics = ServerMetrics("tiny")
+    done = output("e", [], "stop", prompt=12)
+    done.embedding = [0.5, 0.5]
+    metrics.on_step(EngineCoreOutputs([]), [done])
+    assert sample(metrics, "kvserve:prompt_tokens_total") == 12
+    assert sample(metrics, "kvserve:request_queue_time_seconds_count") == 1
+    assert sample(metrics, "kvserve:generation_tokens_total") in (None, 0)

@@ -218,6 +218,10 @@ class ServerMetrics:
                 self._inc(self.prompt_tokens, len(out.prompt_token_ids), e)
             elif last is not None and new:
                 self._observe(self.itl, (now - last) / new, e)
+            elif out.embedding is not None:  # an embedding: its prompt computed, no token sampled
+                if met.queue_time is not None:
+                    self._observe(self.queue, met.queue_time, e)
+                self._inc(self.prompt_tokens, len(out.prompt_token_ids), e)
             if out.finished:
                 self._finished(out, e)
             elif new:
