@@ -197,3 +197,31 @@ def test_lines_not_done_when_the_window_ends_become_batch_expired_error_lines(tm
     assert all(e["response"] is None and e["error"]["code"] == "batch_expired" for e in expired)
     done = [json.loads(x)["custom_id"] for x in files.path(b["output_file_id"]).read_text().splitlines()]
     assert done == ["c0", "c2"]
+
+
+def test_a_file_whose_bytes_are_gone_is_a_404_not_a_500(tmp_path):
+    """GET /v1/files/{id}/content once sent the file by its path after the checks, so bytes
+    removed meanwhile (a DELETE racing the download, a cleaned folder) were a 500 with a stack
+    trace; the file is now opened before the answer starts."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from kvserve.batch.files import FileStore
+    from kvserve.batch.routes import batch_router
+    from kvserve.batch.service import BatchService
+
+    conn = open_db(tmp_path)
+    files, jobs = FileStore(conn, tmp_path, 2**20), JobStore(conn)
+    app = FastAPI()
+    app.include_router(batch_router(files, jobs, BatchService(files, jobs, None, window=1)))
+    http = TestClient(app)
+
+    def upload(n: int) -> dict:
+        part = {"file": ("a.jsonl", b"{}\n" * n)}
+        return http.post("/v1/files", data={"purpose": "batch"}, files=part).json()
+
+    kept, gone = upload(3), upload(1)
+    assert http.get(f"/v1/files/{kept['id']}/content").content == b"{}\n" * 3
+    files.path(gone["id"]).unlink()
+    resp = http.get(f"/v1/files/{gone['id']}/content")
+    assert resp.status_code == 404 and resp.json()["error"]["param"] == "file_id", resp.text

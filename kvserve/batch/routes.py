@@ -4,17 +4,19 @@ in OpenAI's error shape naming the field."""
 from __future__ import annotations
 
 import functools
-from typing import Literal
+import os
+from collections.abc import Iterator
+from typing import BinaryIO, Literal
 
 from fastapi import APIRouter, Request
-from fastapi.responses import FileResponse
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 
-from kvserve.batch.errors import BatchAPIError
+from kvserve.batch.errors import BatchAPIError, not_found
 from kvserve.batch.expiry import ExpiresAfter, form_expires_after
-from kvserve.batch.files import FileStore, new_file_id, too_large
+from kvserve.batch.files import CHUNK, FileStore, new_file_id, too_large
 from kvserve.batch.jobs import JobStore
 from kvserve.batch.service import BatchService
 from kvserve.entrypoints.openai.errors import error_response
@@ -63,6 +65,13 @@ def _copy_upload(files: FileStore, upload: UploadFile, purpose: str) -> str:
     return file_id
 
 
+def _chunks(f: BinaryIO) -> Iterator[bytes]:
+    """A file's bytes from an open handle (read in Starlette's thread pool), closed at the end."""
+    with f:
+        while chunk := f.read(CHUNK):
+            yield chunk
+
+
 def batch_router(files: FileStore, jobs: JobStore, service: BatchService) -> APIRouter:
     router = APIRouter()
 
@@ -105,7 +114,13 @@ def batch_router(files: FileStore, jobs: JobStore, service: BatchService) -> API
     @_openai_errors
     async def file_content(file_id: str):
         files.get(file_id)
-        return FileResponse(files.path(file_id), media_type="application/jsonl")
+        try:  # opened now: a DELETE while it is sent cannot cut it short (it was a 500)
+            f = open(files.path(file_id), "rb")
+        except FileNotFoundError:  # its bytes removed behind the store's back
+            raise not_found("file", file_id, "file_id") from None
+        size = os.fstat(f.fileno()).st_size
+        headers = {"content-length": str(size)}
+        return StreamingResponse(_chunks(f), media_type="application/jsonl", headers=headers)
 
     @router.delete("/v1/files/{file_id}")
     @_openai_errors
