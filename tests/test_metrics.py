@@ -52,6 +52,7 @@ def test_vllm_names_cover_what_vllms_grafana_dashboard_reads():
         "vllm:request_prompt_tokens": "histogram", "vllm:request_generation_tokens": "histogram",
         "vllm:request_prefill_time_seconds": "histogram", "vllm:request_decode_time_seconds": "histogram",
         "vllm:request_inference_time_seconds": "histogram", "vllm:iteration_tokens_total": "histogram",
+        "vllm:request_time_per_output_token_seconds": "histogram",
         "vllm:prefix_cache_queries": "counter", "vllm:prefix_cache_hits": "counter",
         "vllm:num_preemptions": "counter",
     }.items():  # fmt: skip
@@ -63,6 +64,7 @@ def test_vllm_names_cover_what_vllms_grafana_dashboard_reads():
     assert values[("vllm:request_generation_tokens_sum", None)] == 3
     assert values[("vllm:request_decode_time_seconds_sum", None)] == 0.7
     assert values[("vllm:time_per_output_token_seconds_count", None)] == 1
+    assert values[("vllm:request_time_per_output_token_seconds_sum", None)] == 0.35  # 0.7 s over 2 tokens
     assert values[("vllm:iteration_tokens_total_sum", None)] == 9
 
 

@@ -100,6 +100,11 @@ class ServerMetrics:
         self.inference_time = Histogram(
             "kvserve:request_inference_time_seconds", "First scheduled to finish", **h
         )
+        self.request_tpot = Histogram(
+            "kvserve:request_time_per_output_token_seconds",
+            "A finished request's decode time over its output tokens after the first",
+            **h,
+        )
         t = {"registry": r, "buckets": _TOKEN_BUCKETS, **lbl}
         self.request_prompt = Histogram("kvserve:request_prompt_tokens", "Prompt tokens of a request", **t)
         self.request_generation = Histogram(
@@ -242,12 +247,15 @@ class ServerMetrics:
         if met.e2e_latency is not None:
             self._observe(self.e2e, met.e2e_latency, engine)
         self._observe(self.request_prompt, len(out.prompt_token_ids), engine)
-        self._observe(self.request_generation, len(out.outputs[0].token_ids), engine)
+        generated = len(out.outputs[0].token_ids)
+        self._observe(self.request_generation, generated, engine)
         started, first, done = met.first_scheduled_time, met.first_token_time, met.finished_time
         if started is not None and first is not None:
             self._observe(self.prefill_time, first - started, engine)
         if first is not None and done is not None:
             self._observe(self.decode_time, done - first, engine)
+            if generated > 1:
+                self._observe(self.request_tpot, (done - first) / (generated - 1), engine)
         if started is not None and done is not None:
             self._observe(self.inference_time, done - started, engine)
 
