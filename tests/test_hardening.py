@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import itertools
 import json
 import os
 import re
@@ -1110,6 +1111,36 @@ def test_a_responses_stream_the_client_left_is_kept_cancelled(long_server):
     while s.metrics()["kvserve:num_requests_running"] > 0:  # and its generation was stopped
         assert time.monotonic() < deadline, "the left stream kept decoding"
         time.sleep(0.1)
+
+
+def test_a_stored_response_is_found_in_progress_while_it_streams(long_server):
+    """GET of a stored response's id was a 404 until its stream ended (it was stored only
+    then); OpenAI's answers it in_progress, with its items so far. Its input items list too;
+    previous_response_id to it is a 400 saying it is still in progress (not "not found"); a
+    DELETE meanwhile keeps it from being stored when the stream ends."""
+    s = long_server
+    body = {"model": "tiny", "input": "Go", "max_output_tokens": 4000, "temperature": 0, "stream": True}
+    url = f"{s.url}/v1/responses"
+    with httpx.stream("POST", url, json=body, headers=s.headers, timeout=60) as r:
+        lines = r.iter_lines()
+        events = [json.loads(x[6:]) for x in itertools.islice(lines, 40) if x.startswith("data: ")][:6]
+        rid = events[0]["response"]["id"]
+        live = httpx.get(f"{url}/{rid}", headers=s.headers, timeout=10)
+        assert live.status_code == 200, live.text
+        got = Response.model_validate(live.json())
+        assert got.status == "in_progress" and got.output[0].status == "in_progress"
+        items = httpx.get(f"{url}/{rid}/input_items", headers=s.headers, timeout=10).json()
+        assert [i["content"][0]["text"] for i in items["data"]] == ["Go"]
+        on = post(s, {"model": "tiny", "input": "on", "previous_response_id": rid}, "/v1/responses")
+        assert_400(on, "previous_response_id")
+        assert "still in progress" in on.text
+        assert httpx.delete(f"{url}/{rid}", headers=s.headers, timeout=10).json()["deleted"] is True
+    deadline = time.monotonic() + 30
+    while s.metrics()["kvserve:num_requests_running"] > 0:  # the stream ended (the client left)
+        assert time.monotonic() < deadline, "the left stream kept decoding"
+        time.sleep(0.1)
+    time.sleep(0.5)  # (the stream's ending stores it, after the abort the metric shows)
+    assert httpx.get(f"{url}/{rid}", headers=s.headers, timeout=10).status_code == 404
 
 
 def test_stalled_reader_is_aborted(long_server):

@@ -259,7 +259,7 @@ def build_app(engine: AsyncLLM | DPClient, cfg: ServerConfig, store: ResponseSto
     async def get_response(response_id: str, stream: bool = False):
         """`stream=true` replays a background response's events at OpenAI: this server runs no
         background responses, and answering JSON to it left the SDK an empty stream, unsaid."""
-        found = responses.store.get(response_id)[0]
+        found = responses.retrieve(response_id)
         if stream:
             raise ValueError(f"stream: replaying a response's events {NO_BACKGROUND}; GET it without stream")
         return found
@@ -267,6 +267,9 @@ def build_app(engine: AsyncLLM | DPClient, cfg: ServerConfig, store: ResponseSto
     @app.post("/v1/responses/{response_id}/cancel")
     async def cancel_response(response_id: str):
         """OpenAI cancels background responses only; was a 404 naming the route, read as the id's."""
+        if response_id in responses.live:
+            why = f"close {response_id!r}'s stream to stop it"
+            raise ValueError(f"response_id: cancelling {NO_BACKGROUND}; {why}")
         responses.store.get(response_id)
         raise ValueError(
             f"response_id: cancelling {NO_BACKGROUND}; {response_id!r} finished when it was created"
@@ -281,11 +284,11 @@ def build_app(engine: AsyncLLM | DPClient, cfg: ServerConfig, store: ResponseSto
         this server has none of (images, search results) or always gives: accepted."""
         if problem := limit_problem(limit, MAX_INPUT_ITEMS):
             return error_response(400, problem[0], param="limit", code=problem[1])
-        return input_items_page(responses.store.input_items(response_id), after, before, limit, order)
+        return input_items_page(responses.input_items(response_id), after, before, limit, order)
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str):
-        responses.store.delete(response_id)
+        responses.delete(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
 
     created = int(time.time())

@@ -31,6 +31,7 @@ from kvserve.entrypoints.openai.response_store import (
 )
 from kvserve.entrypoints.openai.responses_ending import STREAM_FAILURES, end_early, failure_code
 from kvserve.entrypoints.openai.responses_items import refuse_duplicates, resolved, stored_input_items
+from kvserve.entrypoints.openai.responses_live import LiveResponses
 from kvserve.entrypoints.openai.responses_protocol import (
     ResponsesRequest,
     input_messages,
@@ -148,6 +149,21 @@ class ResponsesServing:
     def __init__(self, serving: OpenAIServing, store: ResponseStore) -> None:
         self.serving = serving
         self.store = store
+        self.live = LiveResponses()  # stored streams still running (GET finds them in_progress)
+
+    def retrieve(self, response_id: str) -> dict:
+        """A stored response; one still streaming as it stands (in_progress), as OpenAI's GET."""
+        live = self.live.snapshot(response_id)
+        return live if live is not None else self.store.get(response_id)[0]
+
+    def input_items(self, response_id: str) -> list[dict]:
+        live = self.live.input_items(response_id)
+        return live if live is not None else self.store.input_items(response_id)
+
+    def delete(self, response_id: str) -> None:
+        """A live one's stream goes on, but it is not stored when it ends."""
+        if not self.live.delete(response_id):
+            self.store.delete(response_id)
 
     def _skeleton(self, req: ResponsesRequest, rid: str, model: str) -> dict[str, Any]:
         defaults = self.serving.sampling_defaults
@@ -196,6 +212,11 @@ class ResponsesServing:
             raise EmptyStringError(
                 "previous_response_id: empty string; give a stored response's id, or leave it out"
             )
+        if req.previous_response_id in self.live:  # its conversation has no end yet
+            raise ValueError(
+                f"previous_response_id: response {req.previous_response_id!r} is still in progress; "
+                "continue it once it has completed"
+            )
         if req.previous_response_id is not None:
             try:
                 previous, history = self.store.get(req.previous_response_id)
@@ -224,6 +245,8 @@ class ResponsesServing:
         items = stored_input_items(req.input)
         if req.stream:
             out, given = _EventBuilder(), (conversation, items)
+            if req.store:
+                self.live.add(response, out.output, items)
             events = self._events(run.chunks, response, given, req.store, req.max_tool_calls, out)
             streamed = self.serving.sse_response(run.gen, events, run.streams, responses_api=True)
             # after the engine's streams are aborted: the response a client left is kept, cancelled
@@ -311,7 +334,8 @@ class ResponsesServing:
         yield out.event(kind, response=response)
 
     def _keep(self, response: dict, output: list[dict], given: Given, store: bool) -> None:
-        if store:
+        """Stored as it ended, unless it was deleted while it streamed."""
+        if store and self.live.end(response["id"]):
             conversation, items = given
             self.store.put(response, conversation + _assistant_turn(output), items)
 
