@@ -922,10 +922,18 @@ def test_an_item_given_twice_is_refused_as_openai_does(server):
     again = post(server, {**on, "input": [answer, hi]}, "/v1/responses")
     assert_400(again, "input")
     assert f"item 0: Duplicate item found with id {answer['id']!r}" in again.text
-    assert "previous response's items" in again.text
+    assert "the items previous_response_id carries" in again.text
     twice = [{"type": "item_reference", "id": answer["id"]}] * 2
     assert "item 1: Duplicate item found" in post(server, {**body, "input": twice}, "/v1/responses").text
-    assert post(server, {**on, "input": [hi]}, "/v1/responses").is_success
+    second = post(server, {**on, "input": [hi]}, "/v1/responses")
+    assert second.is_success
+    # an item of a turn before the previous one is carried too (only the previous response's
+    # were checked, so the first answer passed back reached the model twice)
+    later = {**body, "previous_response_id": second.json()["id"]}
+    for item in (answer, {"type": "item_reference", "id": answer["id"]}):
+        twice_back = post(server, {**later, "input": [hi, item]}, "/v1/responses")
+        assert_400(twice_back, "input")
+        assert f"item 1: Duplicate item found with id {answer['id']!r}" in twice_back.text
 
 
 def test_an_assistant_refusal_part_passed_back_is_read_as_its_text(server):

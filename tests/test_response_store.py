@@ -17,6 +17,7 @@ from kvserve.entrypoints.openai.response_store import (
     SQLiteResponseStore,
     open_store,
 )
+from kvserve.entrypoints.openai.responses_items import chain_items
 
 
 def _resp(i: int) -> dict:
@@ -92,6 +93,21 @@ def test_items_are_found_by_id_while_their_response_is_kept(tmp_path, kind):
     store.put(_resp(3), [])  # resp_1 dropped, least recently used
     with pytest.raises(ItemNotFoundError):
         store.item("msg_in")
+
+
+@pytest.mark.parametrize("kind", ["memory", "sqlite"])
+def test_a_chains_items_are_carried_as_far_back_as_they_are_stored(tmp_path, kind):
+    """The duplicate check reads every response of a previous_response_id chain (`held`: a
+    response and its input items), not only the last; a deleted link ends the walk."""
+    store = open_store("memory" if kind == "memory" else f"sqlite:{tmp_path / 'r.db'}", capacity=8)
+    for i in range(3):
+        prev = {"previous_response_id": f"resp_{i - 1}"} if i else {}
+        out = {"output": [{"id": f"msg_out{i}", "type": "message"}]}
+        store.put(_resp(i) | prev | out, [], [{"id": f"msg_in{i}", "type": "message"}])
+    ids = [i["id"] for i in chain_items("resp_2", store.held)]
+    assert ids == ["msg_in2", "msg_out2", "msg_in1", "msg_out1", "msg_in0", "msg_out0"]
+    store.delete("resp_1")
+    assert [i["id"] for i in chain_items("resp_2", store.held)] == ["msg_in2", "msg_out2"]
 
 
 def test_an_sqlite_file_written_before_items_were_indexed_finds_them(tmp_path):

@@ -49,6 +49,9 @@ class ResponseStore(Protocol):
 
     def input_items(self, response_id: str) -> list[dict]: ...
 
+    def held(self, response_id: str) -> tuple[dict, list[dict]]:
+        """The response and its input items, without the conversation (to walk a chain)."""
+
     def item(self, item_id: str) -> dict:
         """An input or output item of a stored response, by its id; ItemNotFoundError if none."""
 
@@ -90,6 +93,10 @@ class MemoryResponseStore:
 
     def input_items(self, response_id: str) -> list[dict]:
         return self._row(response_id)[2]
+
+    def held(self, response_id: str) -> tuple[dict, list[dict]]:
+        response, _, input_items = self._row(response_id)
+        return response, input_items
 
     def item(self, item_id: str) -> dict:
         if item_id not in self._by_item:
@@ -171,6 +178,10 @@ class SQLiteResponseStore:
 
     def input_items(self, response_id: str) -> list[dict]:
         return self._read(response_id, "input_items")[0]
+
+    def held(self, response_id: str) -> tuple[dict, list[dict]]:
+        response, input_items = self._read(response_id, "response, input_items")
+        return response, input_items
 
     def item(self, item_id: str) -> dict:
         row = self._db.execute("SELECT item FROM items WHERE id = ?", (item_id,)).fetchone()

@@ -30,7 +30,12 @@ from kvserve.entrypoints.openai.response_store import (
     ResponseStore,
 )
 from kvserve.entrypoints.openai.responses_ending import STREAM_FAILURES, end_early, failure_code
-from kvserve.entrypoints.openai.responses_items import refuse_duplicates, resolved, stored_input_items
+from kvserve.entrypoints.openai.responses_items import (
+    chain_items,
+    refuse_duplicates,
+    resolved,
+    stored_input_items,
+)
 from kvserve.entrypoints.openai.responses_live import LiveResponses
 from kvserve.entrypoints.openai.responses_protocol import (
     ResponsesRequest,
@@ -207,7 +212,7 @@ class ResponsesServing:
     async def create(self, req: ResponsesRequest, raw: Request):
         refuse_unsupported(req)
         history: list[dict] = []
-        carried: list[dict] = []  # the previous response's items, which previous_response_id carries
+        carried: list[dict] = []  # the chain's items, which previous_response_id carries
         if req.previous_response_id == "":  # OpenAI's minimum length; it was looked up, "not found"
             raise EmptyStringError(
                 "previous_response_id: empty string; give a stored response's id, or leave it out"
@@ -219,13 +224,13 @@ class ResponsesServing:
             )
         if req.previous_response_id is not None:
             try:
-                previous, history = self.store.get(req.previous_response_id)
-                carried = [*self.store.input_items(req.previous_response_id), *previous["output"]]
+                _, history = self.store.get(req.previous_response_id)
             except ResponseNotFoundError:
                 raise PreviousResponseNotFoundError(
                     f"previous_response_id: previous response with id {req.previous_response_id!r} not found "
                     "(never stored, or expired)"
                 ) from None
+            carried = chain_items(req.previous_response_id, self.store.held)
         refuse_duplicates(req.input, carried)
         req.input = resolved(req.input, self.store.item)  # (as if the items were sent)
         try:

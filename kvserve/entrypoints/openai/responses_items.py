@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvserve.entrypoints.openai.listing import page
-from kvserve.entrypoints.openai.response_store import ItemNotFoundError
+from kvserve.entrypoints.openai.response_store import ItemNotFoundError, ResponseNotFoundError
 
 MAX_LIMIT = 100  # OpenAI's range for this list: 1 to 100, 20 by default
 _ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
@@ -44,10 +44,27 @@ def resolved(items: str | list[Any] | None, find: Callable[[str], dict]) -> str 
     return out
 
 
+def chain_items(previous_id: str, held: Callable[[str], tuple[dict, list[dict]]]) -> list[dict[str, Any]]:
+    """The items previous_response_id carries: those of the response it names and of every
+    earlier one in its chain (`held`: a response and its input items, by id), as far back as
+    they are stored. Only the previous response's were checked: an item of a turn before it,
+    passed back, reached the model twice though OpenAI refuses it as a duplicate."""
+    items: list[dict[str, Any]] = []
+    rid: Any = previous_id
+    while isinstance(rid, str) and rid:
+        try:
+            response, input_items = held(rid)
+        except ResponseNotFoundError:  # deleted or expired: its turns ride in the conversation only
+            break
+        items += [i for i in [*input_items, *response["output"]] if isinstance(i.get("id"), str)]
+        rid = response.get("previous_response_id")
+    return items
+
+
 def refuse_duplicates(items: str | list[Any] | None, carried: list[dict[str, Any]]) -> None:
-    """OpenAI's 400 for an item id given twice: in the input, or in the input and the previous
-    response's items (`carried`), which previous_response_id already brings (passed back too,
-    the model read them twice). Two items of one id also made the input_items cursors ambiguous."""
+    """OpenAI's 400 for an item id given twice: in the input, or in the input and the items
+    previous_response_id already brings (`carried`: chain_items; passed back too, the model read
+    them twice). Two items of one id also made the input_items cursors ambiguous."""
     if not isinstance(items, list):
         return
     seen = {item["id"] for item in carried}
@@ -58,7 +75,7 @@ def refuse_duplicates(items: str | list[Any] | None, carried: list[dict[str, Any
         if given in seen:
             where = "an earlier item of the input"
             if any(c["id"] == given for c in carried):
-                where = "the previous response's items (previous_response_id carries them)"
+                where = "the items previous_response_id carries (of that response or one before it)"
             raise ValueError(
                 f"input: item {i}: Duplicate item found with id {given!r}, also in {where}; "
                 "remove duplicate items from your input"
