@@ -909,7 +909,10 @@ def test_an_item_reference_stands_for_the_stored_item_it_names(server):
     assert by_id.json()["usage"]["input_tokens"] == whole.json()["usage"]["input_tokens"]
     missing = sent([{"type": "item_reference", "id": "msg_nope"}, hi])
     assert_400(missing, "input")
-    assert "item 0 (item_reference) names 'msg_nope', which no stored response holds" in missing.text
+    said_why = "names 'msg_nope', which no response stored on this server holds (never stored, or expired;"
+    assert f"item 0 (item_reference) {said_why}" in missing.text
+    # behind a front, the server asked may not be the one storing it: the message says what to do
+    assert "they route by previous_response_id, not by item id" in missing.text
 
 
 def test_an_item_given_twice_is_refused_as_openai_does(server):

@@ -18,6 +18,13 @@ from kvserve.entrypoints.openai.listing import page
 from kvserve.entrypoints.openai.response_store import ItemNotFoundError, ResponseNotFoundError
 
 MAX_LIMIT = 100  # OpenAI's range for this list: 1 to 100, 20 by default
+# A front (gateway, pd-proxy, Ray Serve front) routes a follow-up by previous_response_id, whose id
+# names the server storing it; an item id names none, so a reference may reach a server without it.
+_ELSEWHERE = (
+    "behind a gateway, pd-proxy or Ray Serve front another server may hold it: they route by "
+    "previous_response_id, not by item id; continue its response with previous_response_id, "
+    "or send the item itself"
+)
 _ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
 
 
@@ -36,10 +43,10 @@ def resolved(items: str | list[Any] | None, find: Callable[[str], dict]) -> str 
             raise ValueError(f"input: item {i} (item_reference) needs id, a non-empty string")
         try:
             out.append(copy.deepcopy(find(ref)))
-        except ItemNotFoundError:
+        except ItemNotFoundError:  # (behind a front, "never stored" sent users looking for a bug)
             raise ValueError(
-                f"input: item {i} (item_reference) names {ref!r}, which no stored response holds "
-                "(never stored, or expired)"
+                f"input: item {i} (item_reference) names {ref!r}, which no response stored on this "
+                f"server holds (never stored, or expired; {_ELSEWHERE})"
             ) from None
     return out
 
