@@ -1471,6 +1471,25 @@ def test_min_tokens_past_max_completion_tokens_names_max_completion_tokens(serve
     assert r.json()["error"]["message"] == "min_tokens: must be <= max_completion_tokens (2), got 5"
 
 
+def test_responses_input_tokens_counts_what_create_would_run(server):
+    """The SDK's responses.input_tokens.count (POST /v1/responses/input_tokens) was a 405: the
+    path was GET /v1/responses/{id}'s. It counts the prompt a create would run, a continued
+    conversation and instructions included, as usage.input_tokens then reports it."""
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=server.api_key, max_retries=0)
+    first = {"model": "tiny", "input": "Hi", "instructions": "Be brief"}
+    made = client.responses.create(**first, max_output_tokens=1)
+    counted = client.responses.input_tokens.count(**first)
+    assert (counted.object, counted.input_tokens) == ("response.input_tokens", made.usage.input_tokens)
+    on = {"model": "tiny", "input": "more", "previous_response_id": made.id}
+    assert client.responses.input_tokens.count(**on).input_tokens == (
+        client.responses.create(**on, max_output_tokens=1).usage.input_tokens
+    )
+    url = "/v1/responses/input_tokens"
+    assert_400(post(server, {**on, "max_output_tokens": 5}, url), "max_output_tokens")  # not OpenAI's either
+    gone = post(server, {**on, "previous_response_id": "resp_nope"}, url)
+    assert_400(gone, "previous_response_id")
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_responses_empty_string_input_is_refused_as_openai_does(server, stream):
     """input "" was answered as a turn of nothing (the model talking to itself); OpenAI's minimum

@@ -51,7 +51,7 @@ from kvserve.entrypoints.openai.response_store import ResponseNotFoundError, Res
 from kvserve.entrypoints.openai.responses import ResponsesServing
 from kvserve.entrypoints.openai.responses_items import MAX_LIMIT as MAX_INPUT_ITEMS
 from kvserve.entrypoints.openai.responses_items import input_items_page
-from kvserve.entrypoints.openai.responses_protocol import Includable, ResponsesRequest
+from kvserve.entrypoints.openai.responses_protocol import Includable, InputTokensRequest, ResponsesRequest
 from kvserve.entrypoints.openai.server_config import ServerConfig
 from kvserve.entrypoints.openai.serving import ClientDisconnectedError, OpenAIServing, ServerOverloadedError
 from kvserve.entrypoints.openai.tools import check_unique_names
@@ -254,6 +254,10 @@ def build_app(engine: AsyncLLM | DPClient, cfg: ServerConfig, store: ResponseSto
     @app.post("/v1/responses")
     async def create_response(req: ResponsesRequest, raw: Request):
         return await responses.create(req, raw)
+
+    @app.post("/v1/responses/input_tokens")
+    async def count_input_tokens(req: InputTokensRequest):
+        return await responses.count_input_tokens(req.as_response_request())
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str, stream: bool = False):

@@ -209,8 +209,24 @@ class ResponsesServing:
             response["completed_at"] = int(time.time())  # OpenAI's, set only when completed
         return response
 
-    async def create(self, req: ResponsesRequest, raw: Request):
+    async def count_input_tokens(self, req: ResponsesRequest) -> dict:
+        """OpenAI's POST /v1/responses/input_tokens: the prompt `create` would run, counted (the
+        previous response's conversation, instructions and tools in it) and run nowhere. Its
+        path was GET /v1/responses/{id}'s, so the SDK's input_tokens.count got a 405."""
         refuse_unsupported(req)
+        history = self._continued(req)
+        chat = to_chat(req, history)
+        self.serving.check_model(chat.model)
+        try:
+            ids = await self.serving.render_chat(chat)
+        except ValueError as e:
+            _name_responses_fields(e)
+            raise
+        return {"object": "response.input_tokens", "input_tokens": len(ids)}
+
+    def _continued(self, req: ResponsesRequest) -> list[dict]:
+        """The conversation previous_response_id continues ([] without one), its item_references
+        replaced by the items; an item the chain already carries, sent again, is refused."""
         history: list[dict] = []
         carried: list[dict] = []  # the chain's items, which previous_response_id carries
         if req.previous_response_id == "":  # OpenAI's minimum length; it was looked up, "not found"
@@ -233,6 +249,11 @@ class ResponsesServing:
             carried = chain_items(req.previous_response_id, self.store.held)
         refuse_duplicates(req.input, carried)
         req.input = resolved(req.input, self.store.item)  # (as if the items were sent)
+        return history
+
+    async def create(self, req: ResponsesRequest, raw: Request):
+        refuse_unsupported(req)
+        history = self._continued(req)
         try:
             try:
                 run = await self._chat_run(req, history, raw)

@@ -159,6 +159,29 @@ class ResponsesRequest(OpenAIBody):
     moderation: Any = None
 
 
+class InputTokensRequest(OpenAIBody):
+    """OpenAI's POST /v1/responses/input_tokens body: what shapes a response's prompt, and
+    nothing about its generation (max_output_tokens, stream, ... are unknown fields there)."""
+
+    model_config = ConfigDict(extra="forbid")
+    null_means_default: ClassVar[frozenset[str]] = frozenset({"parallel_tool_calls"})
+
+    model: str | None = None
+    input: str | list[Any] | None = None
+    instructions: str | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: ResponsesToolChoice | None = None
+    parallel_tool_calls: bool = True
+    text: TextConfig | None = None
+    previous_response_id: str | None = None
+    reasoning: ReasoningConfig | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    conversation: Any = None  # (refused as create refuses it)
+
+    def as_response_request(self) -> ResponsesRequest:
+        return ResponsesRequest(**{name: getattr(self, name) for name in self.model_fields_set})
+
+
 def _text_of(content: Any, where: str, assistant: bool = False) -> str:
     """An item's content as text: a string, or input_text / output_text parts joined by
     newlines (as a chat message's parts are: ChatMessage.text). An assistant's (an output
