@@ -98,7 +98,8 @@ def test_items_are_found_by_id_while_their_response_is_kept(tmp_path, kind):
 @pytest.mark.parametrize("kind", ["memory", "sqlite"])
 def test_a_chains_items_are_carried_as_far_back_as_they_are_stored(tmp_path, kind):
     """The duplicate check reads every response of a previous_response_id chain (`held`: a
-    response and its input items), not only the last; a deleted link ends the walk."""
+    response and its input items, read without counting as a use), not only the last; a link
+    no longer stored ends the walk."""
     store = open_store("memory" if kind == "memory" else f"sqlite:{tmp_path / 'r.db'}", capacity=8)
     for i in range(3):
         prev = {"previous_response_id": f"resp_{i - 1}"} if i else {}
@@ -106,8 +107,14 @@ def test_a_chains_items_are_carried_as_far_back_as_they_are_stored(tmp_path, kin
         store.put(_resp(i) | prev | out, [], [{"id": f"msg_in{i}", "type": "message"}])
     ids = [i["id"] for i in chain_items("resp_2", store.held)]
     assert ids == ["msg_in2", "msg_out2", "msg_in1", "msg_out1", "msg_in0", "msg_out0"]
-    store.delete("resp_1")
-    assert [i["id"] for i in chain_items("resp_2", store.held)] == ["msg_in2", "msg_out2"]
+    for i in range(3, 8):  # the store full (8)
+        store.put(_resp(i), [])
+    chain_items("resp_2", store.held)  # a walk is no use: resp_0 is still the least recently used
+    store.put(_resp(8), [])
+    with pytest.raises(ResponseNotFoundError):
+        store.get("resp_0")
+    ids = [i["id"] for i in chain_items("resp_2", store.held)]  # as far back as it is stored
+    assert ids == ["msg_in2", "msg_out2", "msg_in1", "msg_out1"]
 
 
 def test_an_sqlite_file_written_before_items_were_indexed_finds_them(tmp_path):

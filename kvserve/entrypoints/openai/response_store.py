@@ -50,7 +50,8 @@ class ResponseStore(Protocol):
     def input_items(self, response_id: str) -> list[dict]: ...
 
     def held(self, response_id: str) -> tuple[dict, list[dict]]:
-        """The response and its input items, without the conversation (to walk a chain)."""
+        """The response and its input items, without the conversation (to walk a chain); read
+        without counting as a use (a long chain walked each turn was a write per link)."""
 
     def item(self, item_id: str) -> dict:
         """An input or output item of a stored response, by its id; ItemNotFoundError if none."""
@@ -95,7 +96,9 @@ class MemoryResponseStore:
         return self._row(response_id)[2]
 
     def held(self, response_id: str) -> tuple[dict, list[dict]]:
-        response, _, input_items = self._row(response_id)
+        if response_id not in self._items:
+            raise _missing(response_id)
+        response, _, input_items = self._items[response_id]
         return response, input_items
 
     def item(self, item_id: str) -> dict:
@@ -164,10 +167,12 @@ class SQLiteResponseStore:
             [(i["id"], response_id, json.dumps(i)) for i in _items_of(response, input_items)],
         )
 
-    def _read(self, response_id: str, columns: str) -> tuple:
+    def _read(self, response_id: str, columns: str, use: bool = True) -> tuple:
         row = self._db.execute(f"SELECT {columns} FROM responses WHERE id = ?", (response_id,)).fetchone()
         if row is None:
             raise _missing(response_id)
+        if not use:
+            return tuple(json.loads(v) for v in row)
         with self._db:
             self._db.execute("UPDATE responses SET used = ? WHERE id = ?", (self._tick(), response_id))
         return tuple(json.loads(v) for v in row)
@@ -180,7 +185,7 @@ class SQLiteResponseStore:
         return self._read(response_id, "input_items")[0]
 
     def held(self, response_id: str) -> tuple[dict, list[dict]]:
-        response, input_items = self._read(response_id, "response, input_items")
+        response, input_items = self._read(response_id, "response, input_items", use=False)
         return response, input_items
 
     def item(self, item_id: str) -> dict:
