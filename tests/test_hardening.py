@@ -1145,6 +1145,9 @@ def test_a_stored_response_is_found_in_progress_while_it_streams(long_server):
         on = post(s, {"model": "tiny", "input": "on", "previous_response_id": rid}, "/v1/responses")
         assert_400(on, "previous_response_id")
         assert "still in progress" in on.text
+        cancel = httpx.post(f"{url}/{rid}/cancel", headers=s.headers, timeout=10)
+        assert_400(cancel, "response_id")  # (not "finished when it was created")
+        assert "stream to stop it" in cancel.text
         assert httpx.delete(f"{url}/{rid}", headers=s.headers, timeout=10).json()["deleted"] is True
     deadline = time.monotonic() + 30
     while s.metrics()["kvserve:num_requests_running"] > 0:  # the stream ended (the client left)
