@@ -297,6 +297,38 @@ def test_bad_transfer_params_are_400s_naming_the_field(pd, extra, param):
     assert param in err["message"] and "kv_transfer_params" in (err.get("param") or "") + err["message"]
 
 
+@pytest.mark.parametrize(
+    "extra, why",
+    [
+        ({"prompt": [PROMPT, "Hello " + PROMPT]}, "needs one prompt, got 2"),
+        ({"stream": True}, "needs stream false"),
+    ],
+)
+def test_a_producer_refuses_a_prefill_whose_leases_nobody_could_claim(pd, extra, why):
+    """A producer asked for several prompts leased each one's KV but answered one set of
+    kv_transfer_params, and a streamed answer carries none: those blocks were held for nobody
+    until lease_s (kv_leases_expired rose). Now a 400 naming the field, nothing computed."""
+    prod, _, _ = pd
+    before = prod.metrics()["kvserve:prompt_tokens_total"]
+    body = {"prompt": PROMPT, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}, **extra}
+    r = httpx.post(prod.url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params", r.text
+    assert why in r.json()["error"]["message"]
+    m = prod.metrics()
+    assert m["kvserve:prompt_tokens_total"] == before and m["kvserve:kv_cache_usage_perc"] == 0
+
+
+def test_a_consumer_refusing_several_prompts_releases_the_lease_at_once(pd):
+    """Every prompt of a batch would have named the one lease; refused, it is released now."""
+    prod, cons, _ = pd
+    expired = prod.metrics().get("kvserve:kv_leases_expired_total", 0)
+    body = {"prompt": [PROMPT, PROMPT], "max_tokens": 2, "kv_transfer_params": _prefill(prod)}
+    r = httpx.post(cons.url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 400 and "needs one prompt" in r.json()["error"]["message"], r.text
+    _wait_for(lambda: _settled(prod), 1.5, "the lease (2 s) released, not expired")
+    assert prod.metrics().get("kvserve:kv_leases_expired_total", 0) == expired
+
+
 def test_gateway_pd_deployment(pd, tmp_path):
     """A gateway deployment with `prefill_url` runs each request's prompt on the producer and
     decodes on base_url; the answer equals the decode engine's own."""

@@ -73,6 +73,16 @@ def check_kv_transfer_params(p: Any) -> dict | None:
     return p
 
 
+def check_one_prompt(params: dict | None, num_prompts: int) -> None:
+    """Parameters belong to one prompt: a producer leases each prompt's KV but its answer has
+    room for one set (the other leases were held for nobody until lease_s), and a consumer's
+    prompts would all name one lease. vLLM's P/D proxies send one prompt per request."""
+    if params and num_prompts > 1:
+        raise ValueError(
+            f"kv_transfer_params: needs one prompt, got {num_prompts} (send each prompt in its own request)"
+        )
+
+
 def wants_remote_decode(params: dict | None) -> bool:
     return bool(params and params.get("do_remote_decode"))
 

@@ -271,6 +271,11 @@ class SamplingFields(OpenAIBody):
         p = check_kv_transfer_params(self.kv_transfer_params)
         if p is not None and (self.n > 1 or (self.best_of or 1) > 1):
             raise ValueError("kv_transfer_params: needs n = 1 and no best_of")
+        if p is not None and p.get("do_remote_decode") and self.stream:  # (vLLM's streams lack them too)
+            raise ValueError(
+                "kv_transfer_params: do_remote_decode needs stream false: the decode engine's parameters "
+                "come in the response body, and the lease would be held for nobody until it expires"
+            )
         return p
 
 

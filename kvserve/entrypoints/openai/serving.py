@@ -58,6 +58,7 @@ from kvserve.entrypoints.openai.tool_parser import ToolCallStream, new_call_id, 
 from kvserve.entrypoints.openai.tools import call_constraint, conversation, tool_mode
 from kvserve.entrypoints.sse_json import sse_json
 from kvserve.generation_defaults import capped_max_tokens, generation_defaults
+from kvserve.kv_transfer.params import check_one_prompt
 from kvserve.model.loader import load_arch
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -467,6 +468,11 @@ class OpenAIServing:
     ) -> Launched:
         """Name the response, queue its engine requests and merge their streams."""
         check_fan_out(len(prompts), req.n, req.best_of, self.engine.config.max_num_seqs)
+        try:
+            check_one_prompt(params.kv_transfer_params, len(prompts))
+        except ValueError:  # a consumer's refusal frees the producer's lease at once
+            self.engine.processor.release_lease(params)
+            raise
         samples = max(req.n, req.best_of or 0)  # best_of > n: rank them by cumulative logprob
         if samples > req.n and params.logprobs is None:
             params = replace(params, logprobs=0)  # the ranking needs them; the reply shows them only if asked
