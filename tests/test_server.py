@@ -676,3 +676,35 @@ def test_a_stop_token_after_part_of_a_character_keeps_its_bytes(client, tiny_lla
         assert full[0].finish_reason == "stop" and len(full[0].logprobs.tokens) == 1
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
         assert chunks[-1].usage.completion_tokens == 1
+
+
+@pytest.mark.parametrize("extra, prompts", [({"n": 4}, 1), ({"n": 2, "prompt_logprobs": 0}, 2)])
+def test_n_samples_count_their_prompt_once_in_waiting_prefill_tokens(server, extra, prompts):
+    """The n samples of a prompt are forked from one prefill, but each counted the whole prompt
+    in kvserve:num_waiting_prefill_tokens (an autoscaler's backlog signal) until it started: an
+    n = 4 request read as four prompts. Siblings that cannot fork (prompt_logprobs) compute it
+    each. The core is stopped (SIGSTOP) so the count is read while the request is queued."""
+    prompt = "n samples share one prefill, " * 4
+    hdr = server.headers
+    tokenized = httpx.post(f"{server.url}/tokenize", json={"prompt": prompt}, headers=hdr, timeout=30)
+    count = tokenized.json()["count"]
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 1, "seed": 7, **extra}
+    core = server.engine_core_pid()
+
+    async def scenario():
+        async with httpx.AsyncClient(timeout=60) as http:
+            os.kill(core, signal.SIGSTOP)
+            try:
+                task = asyncio.create_task(http.post(f"{server.url}/v1/completions", json=body, headers=hdr))
+                t0 = time.monotonic()
+                while not (waiting := server.metrics()["kvserve:num_waiting_prefill_tokens"]):
+                    assert time.monotonic() - t0 < 10, "the request never queued"
+                    await asyncio.sleep(0.02)
+            finally:
+                os.kill(core, signal.SIGCONT)
+            return waiting, await task
+
+    waiting, r = asyncio.run(scenario())
+    assert r.status_code == 200 and len(r.json()["choices"]) == extra["n"], r.text
+    assert waiting == count * prompts
+    assert server.metrics()["kvserve:num_waiting_prefill_tokens"] == 0

@@ -32,6 +32,7 @@ from kvserve.engine.core_proc import (
     ResetPrefixCache,
     run_engine_core,
 )
+from kvserve.engine.group_load import GroupLeaders
 from kvserve.engine.messages import EngineCoreOutputs
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.processor import InputProcessor, ModelLimits
@@ -79,6 +80,7 @@ class RequestStream:
         self.started = False  # has produced output
         self.finished = False
         self.prefill_tokens = 0  # prompt tokens it is expected to compute (a router's load)
+        self.group_id: str | None = None  # its n-sample group (engine/group_load.py)
         self.background = False  # a batch line (set by the server): outside the waiting room
 
     def put(self, item: RequestOutput | Exception) -> None:
@@ -169,6 +171,7 @@ class AsyncLLM:
         self._closed = False
         self._up_since = time.monotonic()
         self._streams: dict[str, RequestStream] = {}
+        self._leaders = GroupLeaders()  # n-sample groups: who computes the prompt (load)
         self._out_fd: int | None = None  # the outputs socket's fd while a reader is on it
         self._watch_task: asyncio.Task | None = None
         self.on_step = None  # callback(EngineCoreOutputs, list[RequestOutput]) for metrics
@@ -363,6 +366,7 @@ class AsyncLLM:
         for st in list(self._streams.values()):
             st.put(err)
         self._streams.clear()
+        self._leaders.clear()
         self.output_processor.states.clear()
         self.stats = EngineStats()
         if self.on_core_lost is not None:
@@ -445,7 +449,10 @@ class AsyncLLM:
             self.processor.release_lease(params)
             raise self.dead_error() from None
         stream = RequestStream(self, request_id)
-        stream.prefill_tokens = len(req.prompt_token_ids)
+        stream.group_id = group_id
+        stream.prefill_tokens = self._leaders.prompt_tokens(
+            request_id, group_id, params, len(req.prompt_token_ids), self._waiting
+        )
         self._streams[request_id] = stream
         self.output_processor.add_request(req, prompt if isinstance(prompt, str) else None)
         return stream
@@ -460,7 +467,13 @@ class AsyncLLM:
             self._in_sync.send(self._encoder.encode(AbortRequests(ids)), zmq.NOBLOCK)
 
     def _drop(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
+        st = self._streams.pop(request_id, None)
+        if st is not None:
+            self._leaders.forget(request_id, st.group_id)
+
+    def _waiting(self, request_id: str) -> bool:
+        st = self._streams.get(request_id)
+        return st is not None and not st.started
 
     def shutdown(self) -> None:
         """Stop the core and remove its IPC files; safe to call more than once."""

@@ -28,16 +28,6 @@ logger = logging.getLogger(__name__)
 _MAX_GROUPS = 4096  # n-sample groups remembered (they are queued together, so few are live)
 
 
-def _forks(params: SamplingParams) -> bool:
-    """Whether an n-sample sibling is forked from its leader's prompt, computing none of it
-    (engine/sample_groups.py `forkable`): it counted the whole prompt as load until it started,
-    so an n = 8 request weighed 8 prompts, tripped the balance guard and pushed cache hits off
-    their holder."""
-    p = params
-    shared_state = p.use_beam_search or p.structured_outputs is not None or p.prompt_logprobs is not None
-    return not shared_state and p.pooling is None
-
-
 class Replica:
     """One engine replica as the routing policy sees it: its load is exact (API-side streams)."""
 
@@ -200,14 +190,12 @@ class DPClient:
         if ids is None and not isinstance(prompt, str):
             ids = list(prompt)
         info = RequestInfo(token_ids=ids, session=session, cache_salt=cache_salt)
-        sibling = group_id is not None and group_id in self._groups  # (its leader was routed)
         replica = self._route(info, group_id)
         stream = replica.engine.add_request(
             prompt, params, request_id, priority, cache_salt, group_id, prompt_token_ids
         )
+        # (a sibling forked from its leader there counts 0 already: engine/group_load.py)
         stream.prefill_tokens = max(0, stream.prefill_tokens - info.cached_tokens)
-        if sibling and _forks(params):
-            stream.prefill_tokens = 0
         return stream
 
     def fail_all(self, error: Exception) -> None:
