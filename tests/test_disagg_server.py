@@ -237,6 +237,45 @@ def test_transfer_parameters_an_engine_refuses_mean_recompute_not_a_client_400(p
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "temperature", bad.text
 
 
+def test_a_gateway_pd_decode_engine_refusing_the_transfer_means_recompute(pd, fault_proxy, tmp_path):
+    """In process: the gateway's pd deployments passed on a decode engine's 400 naming
+    kv_transfer_params (a producer it does not pull from: set up wrong; here the fault
+    backend's parameters, without a digest) as the client's mistake, naming a field it never
+    sent; the pd-proxy asks again without them. Now the gateway does too (x-kvserve-pd:
+    fallback), streamed or not; a 400 about the client's own field still stands."""
+    from kvserve.gateway.app import build_app
+    from kvserve.gateway.config import parse_config
+
+    _, cons, _ = pd
+    model = cons_model(cons)
+    dep = {"base_url": cons.url + "/v1", "model": model, "prefill_url": fault_proxy[0].url + "/v1"}
+    cfg = {"model_list": [{"model_name": "pd", "backend": dep}], "keys": [{"key": "sk-pd"}],
+           "general_settings": {"database": str(tmp_path / "gw.db")}}  # fmt: skip
+    app = build_app(parse_config(cfg), web_ui=False)
+    body = {"model": "pd", "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+    hdr = {"Authorization": "Bearer sk-pd"}
+
+    async def ask() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw", timeout=60) as c:
+            return [
+                await c.post("/v1/completions", json=body, headers=hdr),
+                await c.post("/v1/completions", json={**body, "stream": True}, headers=hdr),
+                await c.post("/v1/completions", json={**body, "temperature": -1}, headers=hdr),
+            ]
+
+    whole, streamed, bad = asyncio.run(ask())
+    direct = httpx.post(cons.url + "/v1/completions", json={**body, "model": model}, timeout=60).json()
+    assert whole.status_code == 200 and whole.headers["x-kvserve-pd"] == "fallback", whole.text
+    assert whole.json()["choices"][0]["text"] == direct["choices"][0]["text"]
+    assert streamed.status_code == 200 and streamed.headers["x-kvserve-pd"] == "fallback", streamed.text
+    events = [json.loads(e.removeprefix("data: ")) for e in sse_events(streamed.text)[:-1]]
+    assert (
+        "".join(e["choices"][0]["text"] for e in events if e.get("choices")) == direct["choices"][0]["text"]
+    )
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "temperature", bad.text
+
+
 @pytest.mark.parametrize(
     "extra, how",
     [

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from fastapi.responses import Response
 
-from kvserve.disagg.prefill import PrefillResult, run_prefill
+from kvserve.disagg.prefill import PrefillResult, refuses_transfer, run_prefill
 from kvserve.disagg.split import decode_body, disaggregates
 from kvserve.disagg.stream_start import ENGINE_GONE_CODES
 from kvserve.disagg.validate import decode_refusal
@@ -466,6 +466,7 @@ class Gateway:
     async def _one(self, ctx: Ctx, dep: Deployment, arid: str, dchecks: list[Check]) -> Response | Outcome:
         """One attempt; a Response when it is the answer, else the failed Outcome."""
         body, ctx.pd = ctx.body, None  # x-kvserve-pd describes this attempt, not an earlier one
+        transfer: dict | None = None  # the producer's kv_transfer_params the decode engine gets
         # (a Responses request runs whole on the decode engine: only it holds stored conversations)
         whole = ctx.path in (EMBEDDINGS, RESPONSES)
         split = bool(dep.backend.prefill_url) and not whole and disaggregates(body)
@@ -490,13 +491,19 @@ class Gateway:
                 return await self._pass_through(
                     ctx, dep, Outcome("final", pre.refused_status, pre.refused_content)
                 )
-            body, ctx.pd = decode_body(body, pre.params), "disaggregated" if pre.params else "fallback"
+            transfer, ctx.pd = pre.params, "disaggregated" if pre.params else "fallback"
         strategy = self.router.strategy
         strategy.started(dep.id, ctx.route)
         try:
-            out = await attempt(
-                self.pool, dep, ctx.path, body, ctx.stream, ctx.client_usage, ctx.headers["x-request-id"]
-            )
+            rid = ctx.headers["x-request-id"]
+            sent = decode_body(body, transfer) if split else body
+            out = await attempt(self.pool, dep, ctx.path, sent, ctx.stream, ctx.client_usage, rid)
+            if transfer and out.kind == "final" and refuses_transfer(out.status, out.content):
+                # (the pd-proxy's rule: parameters the gateway set are not the client's mistake)
+                log.warning("%s refused the producer's kv_transfer_params: it computes the prompt", dep.id)
+                ctx.pd = "fallback"
+                sent = decode_body(body, None)
+                out = await attempt(self.pool, dep, ctx.path, sent, ctx.stream, ctx.client_usage, rid)
         except BaseException:  # the client left while the deployment worked: it is charged
             strategy.released(dep.id, ctx.route)  # (its leaving says nothing of the deployment)
             self._abandon(ctx, dep, "prefill" if ctx.stream else "answer")
