@@ -126,7 +126,8 @@ def cons_model(s: ServerProcess) -> str:
 def test_abort_during_transfer_frees_blocks_on_both_engines(pd):
     """The producer is frozen (SIGSTOP) so the consumer's request waits for its KV; the client
     goes away: the consumer frees its blocks within 2 s, and once the producer runs again the
-    release message frees the lease within 2 s."""
+    release message frees the lease within 2 s. While it waits, its prompt tokens still to
+    compute (kvserve:num_waiting_prefill_tokens) are the one the producer does not send."""
     prod, cons, _ = pd
     params = _prefill(prod)
     core = prod.engine_core_pid()
@@ -137,6 +138,8 @@ def test_abort_during_transfer_frees_blocks_on_both_engines(pd):
             assert r.status_code == 200
             _wait_for(lambda: cons.metrics()["kvserve:num_requests_waiting"] == 1, 5, "waiting for its KV")
             assert cons.metrics()["kvserve:kv_cache_usage_perc"] > 0
+            # it will compute the last prompt token alone (it counted the whole prompt)
+            assert cons.metrics()["kvserve:num_waiting_prefill_tokens"] == 1
         t0 = time.monotonic()
         _wait_for(lambda: _settled(cons), 2, "the consumer frees the aborted request's blocks")
         assert time.monotonic() - t0 < 2

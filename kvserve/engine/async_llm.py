@@ -36,6 +36,7 @@ from kvserve.engine.group_load import GroupLeaders
 from kvserve.engine.messages import EngineCoreOutputs
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.processor import InputProcessor, ModelLimits
+from kvserve.kv_transfer.params import remote_tokens
 from kvserve.model.loader import load_tokenizer, resolve_model
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -450,8 +451,10 @@ class AsyncLLM:
             raise self.dead_error() from None
         stream = RequestStream(self, request_id)
         stream.group_id = group_id
+        ids = req.prompt_token_ids
+        computed = len(ids) - remote_tokens(params.kv_transfer_params, len(ids))  # (the rest: a producer's)
         stream.prefill_tokens = self._leaders.prompt_tokens(
-            request_id, group_id, params, len(req.prompt_token_ids), self._waiting
+            request_id, group_id, params, computed, self._waiting
         )
         self._streams[request_id] = stream
         self.output_processor.add_request(req, prompt if isinstance(prompt, str) else None)

@@ -83,6 +83,14 @@ def check_one_prompt(params: dict | None, num_prompts: int) -> None:
         )
 
 
+def remote_tokens(params: dict | None, prompt_len: int) -> int:
+    """The prompt tokens a consumer expects from its producer (checked parameters): it computes
+    only the rest, so its backlog of prompt tokens (kvserve:num_waiting_prefill_tokens, a
+    router's load) counts only the rest; it counted the whole prompt."""
+    rp = remote_prefill(params)
+    return 0 if rp is None else max(0, min(rp.num_tokens, prompt_len - 1))
+
+
 def wants_remote_decode(params: dict | None) -> bool:
     return bool(params and params.get("do_remote_decode"))
 
