@@ -456,6 +456,30 @@ def test_both_engines_and_the_client_see_one_request_id(pd):
         assert rid == sent.get("x-request-id", rid) and r.json()["id"].endswith(rid), (rid, r.json()["id"])
 
 
+def test_a_consumer_whose_core_dies_releases_the_leases_it_had_not_pulled(pd):
+    """The consumer's core dies (SIGKILL) with a request queued that had not asked for its KV
+    (the core stopped first): its connector died with it, and the producer held the prompt's
+    blocks for nobody until lease_s. Now the API process releases such leases at once. The
+    restarted core pulls KV again (the module's later tests need it back anyway)."""
+    prod, cons, proxy = pd
+    expired = prod.metrics().get("kvserve:kv_leases_expired_total", 0)
+    body = {"prompt": PROMPT, "max_tokens": 2, "kv_transfer_params": _prefill(prod)}
+    core = cons.engine_core_pid()
+    os.kill(core, signal.SIGSTOP)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(httpx.post, cons.url + "/v1/completions", json=body, timeout=30)
+        _wait_for(lambda: cons.metrics()["kvserve:num_waiting_prefill_tokens"] > 0, 5, "queued")
+        os.kill(core, signal.SIGKILL)
+        r = answer.result()
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead", r.text
+    _wait_for(lambda: _settled(prod), 1.5, "the lease (2 s) released, not expired")
+    assert prod.metrics().get("kvserve:kv_leases_expired_total", 0) == expired
+    _wait_for(lambda: httpx.get(cons.url + "/health", timeout=5).status_code == 200, 60, "the core back")
+    again = httpx.post(proxy.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}, timeout=60)
+    assert again.status_code == 200 and again.headers["x-kvserve-pd"] == "disaggregated", again.text
+    assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # (pulled, not computed)
+
+
 def test_killed_prefill_engine_means_recompute_not_failure(pd):
     """The producer's engine dies while the consumer waits on its KV: after the transfer
     timeout (3 s) the consumer computes the prompt and answers exactly as it would alone. A

@@ -364,6 +364,7 @@ class AsyncLLM:
             if restarts
             else EngineDeadError("the engine core process died")
         )
+        self._release_unasked_leases()
         for st in list(self._streams.values()):
             st.put(err)
         self._streams.clear()
@@ -372,6 +373,15 @@ class AsyncLLM:
         self.stats = EngineStats()
         if self.on_core_lost is not None:
             self.on_core_lost()
+
+    def _release_unasked_leases(self) -> None:
+        """A kv_consumer's core that died took its connector with it: the producers' leases
+        of requests that had not pulled their KV (no output yet) were held for nobody until
+        lease_s. Released now; a lease already pulled is gone and its release a no-op."""
+        for rid, st in self._streams.items():
+            state = self.output_processor.states.get(rid)
+            if not st.started and state is not None:
+                self.processor.release_lease(state.params)
 
     def dead_error(self) -> EngineDeadError:
         if self.restarting:
