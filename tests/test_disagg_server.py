@@ -245,7 +245,8 @@ def test_a_gateway_pd_decode_engine_refusing_the_transfer_means_recompute(pd, fa
     kv_transfer_params (a producer it does not pull from: set up wrong; here the fault
     backend's parameters, without a digest) as the client's mistake, naming a field it never
     sent; the pd-proxy asks again without them. Now the gateway does too (x-kvserve-pd:
-    fallback), streamed or not; a 400 about the client's own field still stands."""
+    fallback), streamed or not; a 400 about the client's own field still stands. And the
+    client's own kv_transfer_params are dropped, as the pd-proxy drops them."""
     from kvserve.gateway.app import build_app
     from kvserve.gateway.config import parse_config
 
@@ -265,9 +266,14 @@ def test_a_gateway_pd_decode_engine_refusing_the_transfer_means_recompute(pd, fa
                 await c.post("/v1/completions", json=body, headers=hdr),
                 await c.post("/v1/completions", json={**body, "stream": True}, headers=hdr),
                 await c.post("/v1/completions", json={**body, "temperature": -1}, headers=hdr),
+                await c.post("/v1/completions", json={**body, **mine}, headers=hdr),
             ]
 
-    whole, streamed, bad = asyncio.run(ask())
+    # a client's own kv_transfer_params on a request the decode engine computes alone (several
+    # prompts) went to it as sent (here: a 400 naming them); the pd-proxy drops them, as now
+    mine = {"prompt": [PROMPT, PROMPT], "kv_transfer_params": {"do_remote_decode": True}}
+    whole, streamed, bad, alone = asyncio.run(ask())
+    assert alone.status_code == 200 and alone.headers["x-kvserve-pd"] == "decode-only", alone.text
     direct = httpx.post(cons.url + "/v1/completions", json={**body, "model": model}, timeout=60).json()
     assert whole.status_code == 200 and whole.headers["x-kvserve-pd"] == "fallback", whole.text
     assert whole.json()["choices"][0]["text"] == direct["choices"][0]["text"]

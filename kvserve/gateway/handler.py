@@ -492,11 +492,13 @@ class Gateway:
                     ctx, dep, Outcome("final", pre.refused_status, pre.refused_content)
                 )
             transfer, ctx.pd = pre.params, "disaggregated" if pre.params else "fallback"
+        elif dep.backend.prefill_url:  # (as the pd-proxy: the transfer fields are the gateway's own)
+            ctx.pd = "decode-only"
         strategy = self.router.strategy
         strategy.started(dep.id, ctx.route)
         try:
             rid = ctx.headers["x-request-id"]
-            sent = decode_body(body, transfer) if split else body
+            sent = decode_body(body, transfer) if dep.backend.prefill_url else body
             out = await attempt(self.pool, dep, ctx.path, sent, ctx.stream, ctx.client_usage, rid)
             if transfer and out.kind == "final" and refuses_transfer(out.status, out.content):
                 # (the pd-proxy's rule: parameters the gateway set are not the client's mistake)
