@@ -21,6 +21,7 @@ from kvserve.structured.number_forms import empty_range
 from kvserve.structured.one_of import MAX_PAIRS, overlapping_branches, pairs
 from kvserve.structured.open_objects import closed_too_small
 from kvserve.structured.pattern_overlap import may_overlap
+from kvserve.structured.type_lists import type_branch
 
 # keyword -> why it is refused (what the grammar would do instead)
 UNSUPPORTED = {
@@ -105,9 +106,10 @@ def unsupported(schema: Any) -> tuple[str, str, str] | None:
         untyped = None if _names_schema(path) else _untyped_keyword(node)
         if untyped is not None:
             return untyped, path or "/", _UNTYPED.format(untyped)
-        if "multipleOf" in node and node.get("type") != "integer":
+        integer = _integer_schema(node)
+        if "multipleOf" in node and integer is None:
             return "multipleOf", path or "/", 'multipleOf is enforced only with "type": "integer"'
-        bounded = multiple_refused(node)
+        bounded = None if integer is None else multiple_refused(integer)
         if bounded is not None:
             return "multipleOf", path or "/", bounded
         refused = None if "enum" in node or "const" in node else _string_rules(node)  # (listed: below)
@@ -119,6 +121,18 @@ def unsupported(schema: Any) -> tuple[str, str, str] | None:
             value, key = broken
             why = f"the listed value {json.dumps(value)} breaks {key} beside it, which would not be enforced"
             return listed, path or "/", why
+    return None
+
+
+def _integer_schema(node: dict) -> dict | None:
+    """The integer schema multipleOf would be enforced in: the node itself, or its integer branch
+    where a list of types is split (type_lists.py: ["integer", "null"] is null or an integer, and
+    took multipleOf as well as one integer alone); None where a number would take it too."""
+    kinds = node.get("type")
+    if kinds == "integer":
+        return node
+    if isinstance(kinds, list) and "number" not in kinds:
+        return type_branch(node, "integer")
     return None
 
 

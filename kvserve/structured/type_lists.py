@@ -44,16 +44,26 @@ def split_type_lists(node: Any) -> Any:
     out = rebuilt_children(node, split_type_lists)
     if not isinstance(out, dict) or not _splittable(out):
         return out
-    branches = []
-    for kind in dict.fromkeys(out["type"]):
-        own = _OWN.get(kind, frozenset())
-        branch = {k: v for k, v in out.items() if k not in _WHOLE and (k in own or k not in _TYPED)}
-        branches.append({**branch, "type": kind})
+    branches = [_branch(out, kind) for kind in dict.fromkeys(out["type"])]
     kept = [b for b in branches if empty_range(b) is None] or branches
     whole = {k: v for k, v in out.items() if k in _WHOLE}
     if len(kept) == 1:
         return {**whole, **kept[0]}
     return {**whole, "anyOf": kept}
+
+
+def type_branch(node: dict, kind: str) -> dict | None:
+    """The one-type schema split_type_lists writes for `kind` from the node's list of types (the
+    checks read it as the rewrites will), or None where the node is not split or lacks the kind."""
+    if not _splittable(node) or kind not in node["type"]:
+        return None
+    return _branch(node, kind)
+
+
+def _branch(node: dict, kind: str) -> dict:
+    own = _OWN.get(kind, frozenset())
+    branch = {k: v for k, v in node.items() if k not in _WHOLE and (k in own or k not in _TYPED)}
+    return {**branch, "type": kind}
 
 
 def _splittable(node: dict) -> bool:
