@@ -257,6 +257,52 @@ def test_a_list_of_types_gets_each_types_exact_grammar(schema, answers):
 
 
 @pytest.mark.parametrize(
+    "schema, answers",
+    [
+        ({"type": "object", "properties": {"a": False, "b": {"type": "integer"}}, "required": ["b"]},
+         [('{"b": 1}', True), ('{"a": 1, "b": 1}', False), ('{"b": 1, "a": null}', False)]),
+        ({"type": "object", "properties": {"a": False}}, [("{}", True), ('{"a": 1}', False)]),
+        ({"type": "array", "items": {"anyOf": [False, {"type": "integer"}]}},
+         [("[1, 2]", True), ('["x"]', False)]),
+        ({"oneOf": [{"type": "string"}, False]}, [('"x"', True), ("1", False)]),
+    ],
+)  # fmt: skip
+def test_a_false_property_is_left_out_of_the_grammar(schema, answers):
+    """JSON Schema's false ("no value"): a property that must not be present, a branch that
+    matches nothing. xgrammar refused every false subschema ("Schema 'false' cannot accept any
+    value"), so these valid schemas were a 400; objects are closed, so leaving them out is exact."""
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from kvserve.structured.json_strings import json_schema_grammar
+
+    check(S(json=schema))
+    grammar = json_schema_grammar(json.dumps(schema))
+    assert [(t, accepts(grammar, t)) for t, _ in answers] == answers
+    valid = jsonschema.Draft202012Validator(schema)
+    assert all(valid.is_valid(json.loads(t)) == v for t, v in answers)
+
+
+@pytest.mark.parametrize(
+    "schema, says",
+    [({"type": "object",
+       "properties": {"x": {"type": "object", "properties": {"a": False}, "required": ["a"]}}},
+      "required at /properties/x: the required property 'a' has the schema false: no object meets it"),
+     ({"type": "object", "properties": {"a": False}, "additionalProperties": {"type": "integer"}},
+      "properties at / is not supported: the property 'a' has the schema false (it must not be present), "
+      "which is not enforced where the object writes unlisted names"),
+     ({"type": "object", "properties": {"a": False}, "patternProperties": {"^a": {"type": "integer"}}},
+      "properties at / is not supported: the property 'a' has the schema false (it must not be present), "
+      "which is not enforced where the object writes the pattern '^a'")],
+)  # fmt: skip
+def test_a_false_property_required_or_writable_otherwise_is_refused_naming_it(schema, says):
+    """Required, no object meets it; beside unlisted names or a pattern that matches it, leaving it
+    out of the grammar would let the name back in: both a 400 in our words, not xgrammar's."""
+    with pytest.raises(ValueError) as e:
+        check(S(json=schema))
+    assert str(e.value).startswith(f"structured_outputs: invalid json schema: {says}"), str(e.value)
+
+
+@pytest.mark.parametrize(
     "schema",
     [{"type": ["integer", "number"], "multipleOf": 2}, {"type": ["number", "null"], "multipleOf": 2},
      {"type": ["integer", "null"], "multipleOf": 3, "minimum": 0}],

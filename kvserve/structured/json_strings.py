@@ -20,6 +20,7 @@ import re
 from typing import Any
 
 from kvserve.structured.exact_formats import exact_formats
+from kvserve.structured.false_schemas import without_false
 from kvserve.structured.hostname import PATTERN as HOSTNAME
 from kvserve.structured.hostname import hostname_grammar
 from kvserve.structured.integer_bounds import whole_integers
@@ -71,12 +72,13 @@ def _ebnf(schema: str) -> str:
 
 
 def prepared_schema(schema: Any) -> Any:
-    """The schema as xgrammar is given it: a list of types as an anyOf of one type each
+    """The schema as xgrammar is given it: `false` properties and branches left out
+    (false_schemas.py), a list of types as an anyOf of one type each
     (type_lists.py), required names made properties (pattern_required.py), objects / arrays
     opened where their minimum needs it (open_objects.py), the formats xgrammar writes loosely as
     exact patterns (exact_formats.py) and integers' bounds whole, a bounded multipleOf as its
     multiples (integer_bounds.py), a oneOf (proved exclusive) as anyOf (one_of.py)."""
-    typed = split_type_lists(schema)
+    typed = split_type_lists(without_false(schema))
     return as_any_of(whole_integers(exact_formats(open_where_needed(require_pattern_names(typed)))))
 
 

@@ -9,12 +9,14 @@ checks xgrammar still ignores each one, so the list shrinks when xgrammar learns
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Iterator
 from typing import Any
 
 from kvserve.structured.distinct_names import repeatable_count
+from kvserve.structured.false_schemas import false_name_written, required_false
 from kvserve.structured.integer_bounds import multiple_refused
 from kvserve.structured.listed_values import broken_keyword
 from kvserve.structured.number_forms import empty_range
@@ -94,6 +96,9 @@ def unsupported(schema: Any) -> tuple[str, str, str] | None:
         repeated = repeatable_count(node)
         if repeated is not None:
             return repeated[0], path or "/", repeated[1]
+        written = false_name_written(node, functools.partial(_matching_keys, node))
+        if written is not None:
+            return written[0], path or "/", written[1]
         clash = _pattern_clash(node)
         if clash is not None:
             return "patternProperties", path or "/", clash
@@ -175,7 +180,8 @@ def unsatisfiable(schema: Any) -> tuple[str, str, str] | None:
     """(keyword, JSON pointer of its schema, why) of a schema closed by its own `false` that
     asks for more names or items than it lists (xgrammar's own message said "aren't allowed")."""
     for path, node in _subschemas(schema, ""):
-        found = closed_too_small(node) or _undefined_required(node, several=False) or empty_range(node)
+        found = required_false(node) or closed_too_small(node) or _undefined_required(node, several=False)
+        found = found or empty_range(node)
         if found is not None:
             return found[0], path or "/", found[1]
     return None
@@ -242,6 +248,11 @@ def required_name_schema(node: dict, name: str) -> Any:
     if extra is True:
         return {}
     return extra if isinstance(extra, dict) else None
+
+
+def _matching_keys(node: dict, name: str) -> list[str]:
+    patterns = node.get("patternProperties") if isinstance(node.get("patternProperties"), dict) else {}
+    return matching_patterns(patterns, name)
 
 
 def _patterns_of(node: dict, name: str) -> list:
