@@ -13,7 +13,7 @@ import pytest
 
 from kvserve.entrypoints.openai.compat import normalize_chat
 from kvserve.entrypoints.openai.protocol import ChatCompletionRequest
-from kvserve.entrypoints.openai.tool_parser import ToolCallStream, json_value_end, parse_calls
+from kvserve.entrypoints.openai.tool_parser import ParsedCall, ToolCallStream, json_value_end, parse_calls
 from kvserve.entrypoints.openai.tools import call_constraint, conversation, tool_mode
 from kvserve.sampling_params import StructuredOutputsParams as S
 from kvserve.structured.spec import check, grammar_key, parse_schema
@@ -556,8 +556,8 @@ def test_required_array_parsing_and_prefixes():
 def test_a_forced_call_cut_after_its_name_is_returned_with_no_arguments_yet(tail):
     """max_tokens cutting a forced ("required") call between its name and its arguments left the
     reply with no call at all: the call is returned with its name and arguments "" (finish
-    "length"), streamed as its first delta; a name cut short is no call yet. (In "auto" a call
-    cut before its arguments stays left out, as before.)"""
+    "length"), streamed as its first delta; a name cut short is no call yet. An "auto" call cut
+    there was left out while the forced one was returned: it is returned the same way."""
     head = '[{"name": "f"'
     _, calls = parse_calls(head + tail, "required", cut=True)
     assert [(c.name, c.arguments) for c in calls] == [("f", "")]
@@ -567,6 +567,11 @@ def test_a_forced_call_cut_after_its_name_is_returned_with_no_arguments_yet(tail
     text = '[{"name": "f", "arguments": {}}, {"name": "g"' + tail
     calls = parse_calls(text, "required", cut=True)[1]
     assert [(c.name, c.arguments) for c in calls] == [("f", "{}"), ("g", "")]
+    block = 'Checking.\n<tool_call>\n{"name": "f"' + tail
+    assert parse_calls(block, "auto", declared={"f"}, cut=True) == ("Checking.", [ParsedCall("f", "")])
+    content, streamed = _streamed(ToolCallStream("auto", declared={"f"}), [block[:14], block[14:]], cut=True)
+    assert content == "Checking." and [(c["name"], c["arguments"]) for c in streamed] == [("f", "")]
+    assert parse_calls('<tool_call>{"name": "f", "x": 1', "auto", declared={"f"}, cut=True) == (None, [])
 
 
 @pytest.mark.parametrize("mode", ["required", "named", "auto"])
@@ -584,11 +589,13 @@ def test_streamed_deltas_reassemble(mode):
     assert content == (want_content or "")
 
 
-def _streamed(stream: ToolCallStream, pieces: list[str]) -> tuple[str, list[dict]]:
-    """The content and calls that a client reassembles from the stream's deltas."""
+def _streamed(stream: ToolCallStream, pieces: list[str], cut: bool = False) -> tuple[str, list[dict]]:
+    """The content and calls that a client reassembles from the stream's deltas (`cut`: the
+    last piece ends the text at max_tokens)."""
     content, calls = "", {}
     for i, piece in enumerate(pieces):
-        c, deltas = stream.feed(piece, i == len(pieces) - 1)
+        last = i == len(pieces) - 1
+        c, deltas = stream.feed(piece, last, cut=cut and last)
         content += c
         for d in deltas:
             entry = calls.setdefault(d["index"], {"id": d.get("id"), "name": "", "arguments": ""})

@@ -134,8 +134,9 @@ def _parse_auto(
 ) -> tuple[str | None, list[ParsedCall]]:
     """Calls and the text around them; any block that is not a call leaves all as content.
     When `cut`, an unclosed last block is the call max_tokens interrupted, as forced modes and
-    OpenAI return it: its arguments so far when its declared name was written, else left out
-    (its markup was sent as content: '<tool_call>\\n{"name": "get_')."""
+    OpenAI return it: its arguments so far ("" when cut before they begin, as a forced call's)
+    when its declared name was written, else left out (its markup was sent as content:
+    '<tool_call>\\n{"name": "get_')."""
     if _TAG_OPEN in text:
         blocks = list(_BLOCK.finditer(text))
         bodies = [m.group(1) for m in blocks]
@@ -161,7 +162,8 @@ def _parse_auto(
 
 
 def _interrupted_call(body: str, declared: Collection[str]) -> ParsedCall | None | bool:
-    """The call a cut block was writing: its arguments so far (None: cut before they began);
+    """The call a cut block was writing: its arguments so far ("" where it ends before them;
+    None: its name not written whole, or followed by no arguments' key);
     False when it names an undeclared tool (then the text is no call, as whole blocks)."""
     named = _NAME.match(body)
     try:
@@ -171,8 +173,10 @@ def _interrupted_call(body: str, declared: Collection[str]) -> ParsedCall | None
     if name is not None and name not in declared:
         return False
     head = _HEAD.match(body)
-    if name is None or head is None:
+    if name is None:
         return None
+    if head is None:  # cut between the name and the arguments: a forced call's "" (_parse_array)
+        return ParsedCall(name, "") if _before_arguments(body[named.end() :]) else None
     end = json_value_end(body, head.end())
     return ParsedCall(name, body[head.end() : end or len(body)])
 
