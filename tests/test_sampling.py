@@ -335,3 +335,32 @@ def test_logit_bias_forces_token(tiny_llama_dir, temperature):
     assert target not in greedy_ids(llm, n=8)
     p = SamplingParams(temperature=temperature, max_tokens=8, ignore_eos=True, logit_bias={target: 100.0})
     assert gen(llm, PROMPT, p)[0].token_ids == [target] * 8
+
+
+def test_a_row_whose_masks_leave_nothing_is_sampled_as_no_token():
+    """allowed_token_ids (or bad_words) that remove every token a grammar's bitmask left: the
+    all -inf row's argmax was token 0, which the grammar then refused; such a row, and a verified
+    position of one, is NO_TOKEN (no logprobs), which the scheduler ends with the client's error."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from kvserve.model.layers.empty_rows import NO_TOKEN
+    from kvserve.model.layers.sampler import Sampler
+
+    def row(params):
+        return SimpleNamespace(params=params, prompt_token_ids=[1], output_token_ids=[], eos_token_ids={EOS},
+                               stop_token_ids=set(), generator=None, request_id="r")  # fmt: skip
+
+    masked = row(SamplingParams(temperature=0, allowed_token_ids=[3], logprobs=1))
+    logits = torch.zeros(2, 8)
+    logits[0, 3] = float("-inf")  # what the grammar's bitmask left out
+    out = Sampler()(logits, [masked, row(SamplingParams(temperature=0, logprobs=1))])
+    assert out.token_ids == [NO_TOKEN, 0] and out.logprobs[0] is None and out.logprobs[1] is not None
+    for temperature in (0, 1.0):
+        masked.params = SamplingParams(temperature=temperature, allowed_token_ids=[3], logprobs=0)
+        logits = torch.zeros(3, 8)
+        logits[1, 3] = float("-inf")  # the draft 3 is accepted at position 0; position 1 has nothing
+        logits[0, 3] = 50.0
+        out = Sampler().verify(logits, masked, [3, 3])
+        assert out.token_ids == [3, NO_TOKEN] and out.logprobs[1] is None, (temperature, out)

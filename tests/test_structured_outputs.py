@@ -1217,3 +1217,32 @@ def test_expensive_compile_does_not_stall_other_streams(server):
     # the tokens slow down while the compile thread shares the 2 cores is not asserted: it
     # depends on the machine's load (1.3x at the median alone, 10x+ beside other test runs).
     assert max(during) < 0.5 * (t1 - t0)
+
+
+def test_allowed_token_ids_the_grammar_refuses_are_the_clients_400(server):
+    """allowed_token_ids that leave the grammar no token drew token 0, which the grammar refused:
+    the reply was empty text, finish_reason "stop", with a warning logged. Now it is a 400 naming
+    the field (an error event when streamed); the server answers on, and allowed tokens that
+    complete the grammar end it "stop" though its end (EOS) is not among them."""
+    import httpx
+
+    url = f"{server.url}/v1/completions"
+    yes = httpx.post(f"{server.url}/tokenize", json={"prompt": "yes", "add_special_tokens": False})
+    body = {"model": "smollm2-135m", "prompt": "Is it?", "max_tokens": 5, "temperature": 0,
+            "structured_outputs": {"choice": ["yes", "no"]}}  # fmt: skip
+    r = httpx.post(url, json={**body, "allowed_token_ids": [yes.json()["tokens"][0] + 1]}, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "allowed_token_ids" and err["type"] == "invalid_request_error", err
+    assert (
+        "none of them is a token the structured output's constraint allows at output token 0"
+        in err["message"]
+    )
+    r = httpx.post(url, json={**body, "stream": True, "allowed_token_ids": [0]}, timeout=60)
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    assert (
+        events[-1]["error"]["param"] == "allowed_token_ids" and events[-1]["error"]["code"] == "invalid_value"
+    )
+    r = httpx.post(url, json={**body, "allowed_token_ids": yes.json()["tokens"]}, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "yes", r.text
+    assert r.json()["choices"][0]["finish_reason"] == "stop"

@@ -53,6 +53,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.model.layers.empty_rows import NO_TOKEN, no_token_error
 from kvserve.model.layers.sampler import SampleResult
 from kvserve.request import RemoteKV, Request, RequestStatus
 
@@ -402,6 +403,9 @@ class Scheduler:
             count = 0
             ranks = result.ranks or [None] * len(result.token_ids)
             for token, lp, rank in zip(result.token_ids, result.logprobs, ranks):
+                if token == NO_TOKEN:  # its own masks left nothing to sample (empty_rows.py)
+                    self._end_without_token(req)
+                    break
                 req.append_token(token)
                 if req.grammar is not None:  # [structured outputs] advance the matcher (see check_stop)
                     req.grammar.accept_sampled(token)
@@ -416,6 +420,16 @@ class Scheduler:
                 req.first_token_time = time.monotonic()
             progressed.append((req, count))
         return progressed
+
+    def _end_without_token(self, req: Request) -> None:
+        """A request with nothing left to sample: "stop" where its grammar may end there (only
+        the end was allowed, and allowed_token_ids left it out), else the client's error."""
+        if req.grammar is not None and req.grammar.may_end():
+            req.status = RequestStatus.FINISHED_STOPPED
+        else:
+            req.status = RequestStatus.FINISHED_ERROR
+            req.stop_reason = no_token_error(req)
+        self._retire(req)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """End a request from outside the step (abort, stop string); frees its blocks now."""

@@ -57,6 +57,13 @@ class RequestFailedError(RuntimeError):
     """The engine failed while running this request; the others went on (500)."""
 
 
+class RequestRefusedError(RequestFailedError, ValueError):
+    """The request's own parameters left the engine nothing to do at some step (allowed_token_ids
+    that the structured output's grammar refuses: model/layers/empty_rows.py): the client's
+    error, a 400 naming the field its message starts with; handled as a failed request where a
+    caller knows no better (a stream's error event)."""
+
+
 class EngineStats:
     """Latest scheduler numbers reported by the core (for /metrics)."""
 
@@ -301,6 +308,7 @@ class AsyncLLM:
         s.num_running, s.num_waiting = msg.num_running, msg.num_waiting
         s.kv_cache_usage, s.num_preemptions_total = msg.kv_cache_usage, msg.num_preemptions_total
         s.prefix_cache_queries, s.prefix_cache_hits = msg.prefix_cache_queries, msg.prefix_cache_hits
+        refused = {o.request_id for o in msg.outputs if o.refused}
         outs, to_abort = self.output_processor.process(msg.outputs)
         if to_abort:
             self._in_sync.send(self._encoder.encode(AbortRequests(to_abort)), zmq.NOBLOCK)
@@ -309,7 +317,11 @@ class AsyncLLM:
             if st is None:
                 continue
             c = out.outputs[0]
-            st.put(RequestFailedError(str(c.stop_reason)) if c.finish_reason == "error" else out)
+            if c.finish_reason == "error":
+                failed = RequestRefusedError if out.request_id in refused else RequestFailedError
+                st.put(failed(str(c.stop_reason)))
+            else:
+                st.put(out)
         if self.on_step is not None:
             self.on_step(msg, outs)
 

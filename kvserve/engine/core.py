@@ -530,9 +530,9 @@ class EngineCore:
     def _output(req: Request, count: int) -> EngineCoreOutput:
         first = len(req.output_token_ids) == count
         out = EngineCoreOutput(req.request_id, req.output_token_ids[len(req.output_token_ids) - count :])
-        if req.params.logprobs is not None:
-            out.new_logprobs = req.logprobs[-count:]
-            out.new_logprob_ranks = req.logprob_ranks[-count:]
+        if req.params.logprobs is not None:  # (count may be 0: a request ended with no new token)
+            out.new_logprobs = req.logprobs[len(req.logprobs) - count :]
+            out.new_logprob_ranks = req.logprob_ranks[len(req.logprob_ranks) - count :]
         if first:
             out.first_scheduled_time = req.first_scheduled_time
             out.first_token_time = req.first_token_time
@@ -544,6 +544,9 @@ class EngineCore:
             out.kv_transfer_params = req.kv_transfer_out
             out.finish_reason = req.finish_reason
             out.stop_reason = req.stop_reason
+            # An error a step's own result ends a request with is its parameters' (a 400): the
+            # engine's failures end theirs in step_recovery.py, not here.
+            out.refused = req.status is RequestStatus.FINISHED_ERROR
             out.stopped_on_token = req.stopped_on_token
             out.finished_time = req.finished_time
             out.num_preemptions = req.num_preemptions

@@ -42,6 +42,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     cumulative_logprob: float | None = None  # a beam search result's summed logprobs (no per-token ones)
     stopped_on_token: bool = False  # ended by its last token (EOS or a stop token id): its text is left out
     prompt_logprob_ranks: list[int | None] | None = None  # as prompt_logprobs: each prompt token's rank
+    refused: bool = False  # with "error": the request's own parameters ended it (a 400, not a 500)
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, tag=True):

@@ -82,6 +82,10 @@ class GrammarState:
                 self._keep = keep_mask(self._compiled.tokenizer_info, bitmask.shape[-1])
             bitmask[row] &= self._keep.to(bitmask.device)
 
+    def may_end(self) -> bool:
+        """Whether the text so far is complete for the grammar (its stop token would be accepted)."""
+        return self.matcher.is_completed()
+
     def is_terminated(self) -> bool:
         """The grammar is complete and its stop token was accepted, or it refused a token."""
         return self.failed or self.matcher.is_terminated()

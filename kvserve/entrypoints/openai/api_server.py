@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvserve import __version__
 from kvserve.batch.app import BatchAPI
 from kvserve.config import EngineConfig
-from kvserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError
+from kvserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError, RequestRefusedError
 from kvserve.engine.core_prespawn import PrespawnedCore
 from kvserve.engine.dp_client import DPClient
 from kvserve.entrypoints.draining_server import DrainingServer
@@ -201,6 +201,10 @@ def build_app(engine: AsyncLLM | DPClient, cfg: ServerConfig, store: ResponseSto
     @app.exception_handler(EngineDeadError)
     async def on_engine_dead(request: Request, exc: EngineDeadError):
         return engine_dead_response(exc)
+
+    @app.exception_handler(RequestRefusedError)  # (its own: Starlette would pick RequestFailedError's)
+    async def on_request_refused(request: Request, exc: RequestRefusedError):
+        return error_response(400, str(exc), param=param_of(str(exc)), code="invalid_value")
 
     @app.exception_handler(RequestFailedError)
     async def on_request_failed(request: Request, exc: RequestFailedError):

@@ -24,7 +24,13 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
-from kvserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError, RequestStream
+from kvserve.engine.async_llm import (
+    AsyncLLM,
+    EngineDeadError,
+    RequestFailedError,
+    RequestRefusedError,
+    RequestStream,
+)
 from kvserve.engine.processor import ContextLengthError
 from kvserve.entrypoints.openai.compat import (
     ModelNotFoundError,
@@ -33,7 +39,7 @@ from kvserve.entrypoints.openai.compat import (
     normalize_completion,
 )
 from kvserve.entrypoints.openai.echo_only import engine_max_tokens, prompt_only
-from kvserve.entrypoints.openai.errors import error_response, renamed_in_text
+from kvserve.entrypoints.openai.errors import error_response, param_of, renamed_in_text
 from kvserve.entrypoints.openai.fingerprint import system_fingerprint
 from kvserve.entrypoints.openai.lifecycle import ServerShuttingDownError
 from kvserve.entrypoints.openai.limits import (
@@ -878,6 +884,8 @@ class OpenAIServing:
                 yield error_event(str(e), "engine_dead", 503, "engine_dead")
             except ServerShuttingDownError as e:
                 yield error_event(str(e), "server_shutting_down", 503, "shutting_down")
+            except RequestRefusedError as e:
+                yield error_event(str(e), "invalid_request_error", 400, "invalid_value")
             except RequestFailedError as e:
                 yield error_event(str(e), "internal_error", 500, "engine_error")
             except TimeoutError as e:
@@ -1001,8 +1009,10 @@ def _declared(req: ChatCompletionRequest) -> set[str]:
 
 
 def _err_body(message: str, type_: str, status: int, code: str) -> dict:
-    """An error event inside a stream: the body (and code) its non-streamed response would have."""
-    return error_response(status, message, type_, code=code).body_dict
+    """An error event inside a stream: the body (and code) its non-streamed response would have
+    (a 400's param: the field its message starts with)."""
+    param = param_of(message) if status == 400 else None
+    return error_response(status, message, type_, param, code=code).body_dict
 
 
 def rename_field(e: ValueError, old: str, new: str, in_text: bool = False) -> None:

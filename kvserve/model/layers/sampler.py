@@ -20,6 +20,7 @@ import torch
 
 from kvserve.model.layers.bad_words import banned_tokens
 from kvserve.model.layers.cpu_kernels import loaded_cpu_kernels
+from kvserve.model.layers.empty_rows import NO_TOKEN, empty_rows
 from kvserve.request import Request
 
 
@@ -230,16 +231,19 @@ class Sampler:
         if all(argmax_only(r) for r in reqs):  # the common greedy step: one kernel call, no passes
             return SampleResult(row_argmax(logits).tolist(), [None] * len(reqs))
         raw_logprobs = self._prepare(logits, reqs)
+        empty = empty_rows(logits, reqs)
         greedy = [r.params.greedy for r in reqs]
         tokens = row_argmax(logits)
         if not all(greedy):
             sampled = self._race(self._probs(logits, reqs), reqs)
             tokens = torch.where(torch.tensor(greedy), tokens, sampled)
         token_list = tokens.tolist()
+        for i in empty:
+            token_list[i] = NO_TOKEN
         logprobs: list[dict[int, float] | None] = [None] * len(reqs)
         ranks: list[int | None] = [None] * len(reqs)
         for i, r in enumerate(reqs):
-            if r.params.logprobs is not None:
+            if r.params.logprobs is not None and token_list[i] != NO_TOKEN:
                 logprobs[i] = _entry(raw_logprobs, i, token_list[i], r.params.logprobs)
                 ranks[i] = _rank(raw_logprobs, i, token_list[i])
         return SampleResult(token_list, logprobs, ranks=ranks)
@@ -260,22 +264,27 @@ class Sampler:
         k = len(drafts)
         rows = [Lookahead(req, drafts[:i]) for i in range(k + 1)]
         raw_logprobs = self._prepare(logits, rows)
+        empty = set(empty_rows(logits, rows))  # a position with nothing to sample ends the tokens
         if req.params.greedy:
             targets = row_argmax(logits).tolist()
             n = 0
-            while n < k and drafts[n] == targets[n]:
+            while n < k and n not in empty and drafts[n] == targets[n]:
                 n += 1
-            tokens = drafts[:n] + [targets[n]]
+            tokens = drafts[:n] + [NO_TOKEN if n in empty else targets[n]]
         else:
             probs = self._probs(logits, rows)
             tokens = []
             for i in range(k + 1):
+                if i in empty:
+                    tokens.append(NO_TOKEN)
+                    break
                 tokens.append(int(self._race(probs[i : i + 1], rows[i : i + 1])[0]))
                 if i == k or tokens[i] != drafts[i]:
                     break
         logprobs: list[dict[int, float] | None] = [None] * len(tokens)
         ranks: list[int | None] = [None] * len(tokens)
         if req.params.logprobs is not None:
-            logprobs = [_entry(raw_logprobs, i, t, req.params.logprobs) for i, t in enumerate(tokens)]
-            ranks = [_rank(raw_logprobs, i, t) for i, t in enumerate(tokens)]
+            live = [(i, t) for i, t in enumerate(tokens) if t != NO_TOKEN]
+            logprobs[: len(live)] = [_entry(raw_logprobs, i, t, req.params.logprobs) for i, t in live]
+            ranks[: len(live)] = [_rank(raw_logprobs, i, t) for i, t in live]
         return SampleResult(tokens, logprobs, ranks=ranks)
