@@ -303,6 +303,28 @@ def test_a_false_property_required_or_writable_otherwise_is_refused_naming_it(sc
 
 
 @pytest.mark.parametrize(
+    "schema, answers",
+    [({"type": "integer", "multipleOf": 2.5},
+      [("5", True), ("-10", True), ("0", True), ("2", False), ("3", False)]),
+     ({"type": "integer", "multipleOf": 0.5}, [("3", True), ("-7", True)]),
+     ({"type": ["integer", "null"], "multipleOf": 1.5, "minimum": 1, "maximum": 20},
+      [("3", True), ("18", True), ("null", True), ("0", False), ("2", False), ("21", False)])],
+)  # fmt: skip
+def test_an_integers_multiple_of_that_is_not_whole_is_enforced(schema, answers):
+    """xgrammar drops a multipleOf that is not whole on an integer: 2 answered `"multipleOf": 2.5`.
+    Whole multiples of 5/2 are the multiples of 5 (of 1/2, every integer): written so."""
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from kvserve.structured.json_strings import json_schema_grammar
+
+    check(S(json=schema))
+    grammar = json_schema_grammar(json.dumps(schema))
+    assert [(t, accepts(grammar, t)) for t, _ in answers] == answers
+    valid = jsonschema.Draft202012Validator(schema)
+    assert all(valid.is_valid(json.loads(t)) == v for t, v in answers)
+
+
+@pytest.mark.parametrize(
     "schema",
     [{"type": ["integer", "number"], "multipleOf": 2}, {"type": ["number", "null"], "multipleOf": 2},
      {"type": ["integer", "null"], "multipleOf": 3, "minimum": 0}],

@@ -7,12 +7,15 @@ maximum of 2.5 is a maximum of 2). It also drops multipleOf beside any bound, wi
 warning, where the bounds are one-sided or 10,000 or more apart, so `{"type": "integer",
 "multipleOf": 3, "minimum": 0}` was answered 4. Where both bounds leave at most MAX_MULTIPLES
 multiples, such a schema is written as their enum; elsewhere schema_support.py refuses it
-(`multiple_refused`).
+(`multiple_refused`). A multipleOf that is not whole, which xgrammar drops on an integer (2 was
+an answer to `"multipleOf": 2.5`), is written as the whole one it means for integers: the
+numerator of its lowest terms (a whole multiple of 5/2 is a multiple of 5; of 0.5, any integer).
 """
 
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 from typing import Any
 
 from kvserve.structured.json_numbers import finite_number
@@ -25,7 +28,7 @@ _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 
 def whole_integers(node: Any) -> Any:
     """The schema with each integer's bounds whole and its bounded multipleOf as an enum."""
-    out = rebuilt_children(node, whole_integers)
+    out = whole_step(rebuilt_children(node, whole_integers))
     if not _is_integer_schema(out):
         return out
     low, high = whole_range(out)
@@ -44,6 +47,7 @@ def whole_integers(node: Any) -> Any:
 
 def multiple_refused(node: dict) -> str | None:
     """Why an integer's multipleOf beside a bound cannot be enforced, or None."""
+    node = whole_step(node)
     if not _is_integer_schema(node) or not _number(node.get("multipleOf")):
         return None
     if not any(_number(node.get(k)) for k in _BOUNDS):
@@ -62,6 +66,19 @@ def multiple_refused(node: dict) -> str | None:
         "a whole multipleOf beside a bound is enforced only where minimum and maximum are less than "
         f"{XGRAMMAR_SPAN} apart or hold at most {MAX_MULTIPLES} multiples (written as their list)"
     )
+
+
+def whole_step(node: Any) -> Any:
+    """An integer schema with a multipleOf that is not whole given the whole one it means for
+    integers (left out where that is 1); any other node as it is."""
+    if not isinstance(node, dict) or node.get("type") != "integer" or "enum" in node or "const" in node:
+        return node
+    step = node.get("multipleOf")
+    if not _number(step) or step <= 0 or step % 1 == 0:
+        return node
+    whole = Fraction(repr(step)).numerator  # the decimal the client wrote (a float's shortest repr)
+    out = {k: v for k, v in node.items() if k != "multipleOf"}
+    return out if whole == 1 else {**out, "multipleOf": whole}
 
 
 def whole_range(node: dict) -> tuple[int | None, int | None]:
