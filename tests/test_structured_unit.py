@@ -292,7 +292,10 @@ def test_a_false_property_is_left_out_of_the_grammar(schema, answers):
       "which is not enforced where the object writes unlisted names"),
      ({"type": "object", "properties": {"a": False}, "patternProperties": {"^a": {"type": "integer"}}},
       "properties at / is not supported: the property 'a' has the schema false (it must not be present), "
-      "which is not enforced where the object writes the pattern '^a'")],
+      "which is not enforced where the object writes the pattern '^a'"),
+     ({"type": "object", "properties": {"a": False}, "propertyNames": {"pattern": "^[ab]$"}},
+      "properties at / is not supported: the property 'a' has the schema false (it must not be present), "
+      "which is not enforced where the object writes the names propertyNames allows")],
 )  # fmt: skip
 def test_a_false_property_required_or_writable_otherwise_is_refused_naming_it(schema, says):
     """Required, no object meets it; beside unlisted names or a pattern that matches it, leaving it

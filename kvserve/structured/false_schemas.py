@@ -4,9 +4,9 @@ xgrammar 0.2.8 refuses any `false` subschema ("Schema 'false' cannot accept any 
 `{"type": "object", "properties": {"a": false}}`, valid JSON Schema that `{}` meets, was a 400.
 Objects here are closed to unlisted names (xgrammar's strict mode), so leaving such a property
 out of `properties` is exact: the grammar never writes the name. Where the object writes other
-names too (additionalProperties true or a schema, or a pattern that matches it), leaving it out
-would let the name back in, so schema_support.py refuses it; a required one no object meets,
-refused as unsatisfiable. A `false` branch of anyOf / oneOf matches nothing: it is left out too.
+names too (additionalProperties true or a schema, propertyNames, or a pattern that matches it),
+leaving it out would let the name back in, so schema_support.py refuses it; a required one no
+object meets, refused as unsatisfiable. A `false` branch of anyOf / oneOf matches nothing: it is left out too.
 """
 
 from __future__ import annotations
@@ -44,11 +44,16 @@ def required_false(node: dict) -> tuple[str, str] | None:
 
 def false_name_written(node: dict, matches: Callable[[str], list[str]]) -> tuple[str, str] | None:
     """("properties", why) when a `false` property's name could still be written: the object
-    writes unlisted names, or `matches(name)` (the patterns matching it) is not empty."""
+    writes unlisted names, or `matches(name)` (the patterns matching it) is not empty, or it has
+    propertyNames (xgrammar writes the names those allow, additionalProperties false or not)."""
     for name in _false_names(node):
         patterns = matches(name)
-        if patterns or writes_unlisted_names(without_false(node)):
-            beside = f"the pattern {patterns[0]!r}" if patterns else "unlisted names (additionalProperties)"
+        if patterns or "propertyNames" in node or writes_unlisted_names(without_false(node)):
+            beside = (
+                f"the pattern {patterns[0]!r}" if patterns
+                else "the names propertyNames allows" if "propertyNames" in node
+                else "unlisted names (additionalProperties)"
+            )  # fmt: skip
             return "properties", (
                 f"the property {name!r} has the schema false (it must not be present), which is not enforced "
                 f"where the object writes {beside}; leave {name!r} out or close the object"
