@@ -454,6 +454,45 @@ def test_tool_modes_and_constraints():
         tool_mode(ChatCompletionRequest(messages=base["messages"], tool_choice="required"))
 
 
+def test_required_calls_keep_their_tools_local_refs():
+    """tool_choice "required" nested each tool's parameters in an array schema, where their local
+    $refs (pydantic's "#/$defs/City", a recursive "#") pointed at the array: a 400 "Cannot find
+    field $defs in #/$defs/City", though the tool forced by name was answered."""
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from kvserve.structured.json_strings import json_schema_grammar
+
+    trip = {
+        "$defs": {
+            "City": {
+                "type": "object",
+                "properties": {"name": {"type": "string"}},
+                "required": ["name"],
+                "additionalProperties": False,
+            }
+        },
+        "type": "object",
+        "required": ["city", "next"],
+        "additionalProperties": False,
+        "properties": {
+            "city": {"$ref": "#/$defs/City"},
+            "next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]},
+        },
+    }
+    tools = [*TOOLS, {"type": "function", "function": {"name": "trip", "parameters": trip}}]
+    req = ChatCompletionRequest(
+        messages=[{"role": "user", "content": "x"}], tools=tools, tool_choice="required"
+    )
+    grammar = json_schema_grammar(call_constraint(req, "required").json)
+    rome = '{"city": {"name": "Rome"}, "next": null}'
+    ok = '[{"name": "trip", "arguments": {"city": {"name": "Oslo"}, "next": ' + rome + "}}]"
+    assert accepts(grammar, ok) and accepts(
+        grammar, '[{"name": "get_weather", "arguments": {"city": "Oslo"}}]'
+    )
+    assert not accepts(grammar, '[{"name": "trip", "arguments": {"city": "Oslo", "next": null}}]')
+    assert not accepts(grammar, '[{"name": "get_weather", "arguments": {"city": {"name": "Oslo"}}}]')
+
+
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "count"}}])
 def test_a_forced_tools_bad_parameters_are_named_by_tool_and_pointer(choice):
     """A forced call's refusal pointed into the wrapper built around the tools ("maximum at

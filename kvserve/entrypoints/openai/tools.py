@@ -23,6 +23,7 @@ from kvserve.entrypoints.openai.protocol import (
     ToolCall,
     checked,
 )
+from kvserve.entrypoints.openai.tool_refs import placed
 from kvserve.sampling_params import StructuredOutputsParams
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
@@ -117,17 +118,20 @@ def call_constraint(req: ChatCompletionRequest, mode: str) -> StructuredOutputsP
     if mode == "named":
         schema = tools[req.tool_choice.function.name]
     else:
+        defs: dict[str, Any] = {}  # parameters with local $refs, placed where those still point
         calls = [
             {
                 "type": "object",
-                "properties": {"name": {"const": name}, "arguments": params},
+                "properties": {"name": {"const": name}, "arguments": placed(params, f"tool{i}", defs)},
                 "required": ["name", "arguments"],
             }
-            for name, params in tools.items()
+            for i, (name, params) in enumerate(tools.items())
         ]
         schema = {"type": "array", "items": calls[0] if len(calls) == 1 else {"anyOf": calls}, "minItems": 1}
         if not req.parallel_tool_calls:
             schema["maxItems"] = 1
+        if defs:
+            schema["$defs"] = defs
     return checked(StructuredOutputsParams(json=schema), "tools")
 
 
