@@ -809,7 +809,7 @@ def test_a_tool_call_cut_by_max_tokens_is_a_partial_call_not_markup(client):
     """tool_choice auto, greedy: the model calls get_w again, and max_tokens cuts the call. Its
     raw markup ('<tool_call>\\n{"name": "get_w", "arguments": {"c": "') was the reply's content;
     now it is the call so far, as forced modes and OpenAI give it (finish_reason "length"), or
-    nothing when cut before the arguments began. Streamed and not alike; the Responses API
+    nothing when cut inside its name (after the name, arguments ""). Streamed and not alike; the Responses API
     marks the call incomplete."""
     tools = [{"type": "function", "function": {"name": "get_w", "parameters": WEATHER_TOOL}}]
     kw = {"model": "smol", "messages": ANSWERED_CALL, "tools": tools, "temperature": 0}
