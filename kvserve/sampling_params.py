@@ -27,8 +27,8 @@ MAX_CHOICE_CHARS = 250_000
 class StructuredOutputsParams:
     """Constrain the output to exactly one of these (compiled with xgrammar in the engine)."""
 
-    json: str | dict | None = None
-    """A JSON schema (a dict is serialized; property order is kept, it is the output order)."""
+    json: str | dict | bool | None = None
+    """A JSON schema (a dict or bool is serialized; property order is kept, it is the output order)."""
     json_object: bool = False
     """Any JSON object."""
     regex: str | None = None
@@ -37,7 +37,7 @@ class StructuredOutputsParams:
     """EBNF / GBNF, with a `root` rule."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.json, dict):
+        if isinstance(self.json, (dict, bool)):  # true / false are schemas too (any value / none)
             self.json = _json.dumps(self.json)
         given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None] + (
             ["json_object"] if self.json_object else []

@@ -404,6 +404,20 @@ def test_a_deprecated_guided_field_is_named_in_its_error():
     assert normalize_chat(ChatCompletionRequest(**base, guided_regex="a+"))  # a Warning, no error
 
 
+def test_a_boolean_schema_is_a_schema():
+    """JSON Schema's true (any value) and false (none) given as Python's bools reached the check
+    unserialized: "the JSON object must be str, bytes or bytearray, not bool"."""
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from kvserve.structured.json_strings import json_schema_grammar
+
+    check(S(json=True))
+    grammar = json_schema_grammar(S(json=True).json)
+    assert all(accepts(grammar, t) for t in ("1", '{"a": [null]}', '"x"'))
+    with pytest.raises(ValueError, match="invalid json schema: Schema 'false' cannot accept any value"):
+        check(S(json=False))
+
+
 def test_params_need_exactly_one_constraint():
     with pytest.raises(ValueError, match="exactly one"):
         S()
