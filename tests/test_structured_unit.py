@@ -327,6 +327,35 @@ def test_an_integers_multiple_of_that_is_not_whole_is_enforced(schema, answers):
     assert all(valid.is_valid(json.loads(t)) == v for t, v in answers)
 
 
+def test_property_names_are_enforced_beside_a_closing_false_and_on_listed_names():
+    """xgrammar wrote propertyNames' names though additionalProperties false forbids them ({"a": 1}
+    answered the first schema, whose only value is {}), and did not check listed names against it
+    ({"c": 1} answered a schema listing c beside propertyNames ^[ab]$): the first is left without
+    the propertyNames it no longer needs, the second refused naming the property."""
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from kvserve.structured.json_strings import json_schema_grammar
+
+    names = {"pattern": "^[ab]$"}
+    for schema, answers in (
+        ({"type": "object", "propertyNames": names, "additionalProperties": False},
+         [("{}", True), ('{"a": 1}', False)]),
+        ({"type": "object", "properties": {"b": {"type": "integer"}}, "propertyNames": names,
+          "additionalProperties": False}, [("{}", True), ('{"b": 1}', True), ('{"a": 1}', False)]),
+    ):  # fmt: skip
+        check(S(json=schema))
+        grammar = json_schema_grammar(json.dumps(schema))
+        assert [(t, accepts(grammar, t)) for t, _ in answers] == answers
+        valid = jsonschema.Draft202012Validator(schema)
+        assert all(valid.is_valid(json.loads(t)) == v for t, v in answers)
+    breaks, unchecked = "the property 'c' breaks propertyNames beside it", "format in propertyNames is not"
+    for extra, says in (({}, breaks), ({"additionalProperties": False}, breaks),
+                        ({"propertyNames": {"format": "email"}}, unchecked)):  # fmt: skip
+        schema = {"type": "object", "properties": {"c": {"type": "integer"}}, "propertyNames": names, **extra}
+        with pytest.raises(ValueError, match=f"propertyNames at / is not supported: {says}"):
+            check(S(json=schema))
+
+
 @pytest.mark.parametrize(
     "schema",
     [{"type": ["integer", "number"], "multipleOf": 2}, {"type": ["number", "null"], "multipleOf": 2},

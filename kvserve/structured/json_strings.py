@@ -30,6 +30,7 @@ from kvserve.structured.number_forms import swap_numbers, with_numbers
 from kvserve.structured.one_of import as_any_of
 from kvserve.structured.open_objects import open_where_needed
 from kvserve.structured.pattern_required import require_pattern_names
+from kvserve.structured.property_names import without_closed_names
 from kvserve.structured.schema_walk import rebuilt_children
 from kvserve.structured.separators import either_spacing
 from kvserve.structured.type_lists import split_type_lists
@@ -73,12 +74,13 @@ def _ebnf(schema: str) -> str:
 
 def prepared_schema(schema: Any) -> Any:
     """The schema as xgrammar is given it: `false` properties and branches left out
-    (false_schemas.py), a list of types as an anyOf of one type each
-    (type_lists.py), required names made properties (pattern_required.py), objects / arrays
-    opened where their minimum needs it (open_objects.py), the formats xgrammar writes loosely as
-    exact patterns (exact_formats.py) and integers' bounds whole, a bounded multipleOf as its
-    multiples (integer_bounds.py), a oneOf (proved exclusive) as anyOf (one_of.py)."""
-    typed = split_type_lists(without_false(schema))
+    (false_schemas.py), propertyNames beside a closing false too (property_names.py), a list of
+    types as an anyOf of one type each (type_lists.py), required names made properties
+    (pattern_required.py), objects / arrays opened where their minimum needs it (open_objects.py),
+    the formats xgrammar writes loosely as exact patterns (exact_formats.py) and integers' bounds
+    whole, a bounded multipleOf as its multiples (integer_bounds.py), a oneOf (proved exclusive)
+    as anyOf (one_of.py)."""
+    typed = split_type_lists(without_closed_names(without_false(schema)))
     return as_any_of(whole_integers(exact_formats(open_where_needed(require_pattern_names(typed)))))
 
 

@@ -23,6 +23,7 @@ from kvserve.structured.number_forms import empty_range
 from kvserve.structured.one_of import MAX_PAIRS, overlapping_branches, pairs
 from kvserve.structured.open_objects import closed_too_small
 from kvserve.structured.pattern_overlap import may_overlap
+from kvserve.structured.property_names import listed_name_refused
 from kvserve.structured.type_lists import type_branch
 
 # keyword -> why it is refused (what the grammar would do instead)
@@ -99,6 +100,9 @@ def unsupported(schema: Any) -> tuple[str, str, str] | None:
         written = false_name_written(node, functools.partial(_matching_keys, node))
         if written is not None:
             return written[0], path or "/", written[1]
+        named = listed_name_refused(node)
+        if named is not None:
+            return named[0], path or "/", named[1]
         clash = _pattern_clash(node)
         if clash is not None:
             return "patternProperties", path or "/", clash
