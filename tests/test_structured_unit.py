@@ -316,6 +316,27 @@ def test_a_false_property_required_or_writable_otherwise_is_refused_naming_it(sc
 def test_an_integers_multiple_of_that_is_not_whole_is_enforced(schema, answers):
     """xgrammar drops a multipleOf that is not whole on an integer: 2 answered `"multipleOf": 2.5`.
     Whole multiples of 5/2 are the multiples of 5 (of 1/2, every integer): written so."""
+    _grammar_answers(schema, answers)
+
+
+def test_a_multiple_of_past_1024_is_listed_between_bounds_and_refused_without():
+    """xgrammar drops a multipleOf above 1024, bounds or not: 3 answered `"multipleOf": 2000`, and
+    `"minimum": 1, "maximum": 5000` beside a multipleOf of 20,000, which no integer meets."""
+    bounded = {"type": "integer", "multipleOf": 2000, "minimum": 0, "maximum": 5000}
+    _grammar_answers(bounded, [("0", True), ("4000", True), ("3", False), ("2001", False), ("6000", False)])
+    _grammar_answers({"type": "integer", "multipleOf": 1024}, [("2048", True), ("3", False)])
+    for schema, says in (
+        ({"type": ["integer", "null"], "multipleOf": 2000}, "a multipleOf above 1024 is enforced only"),
+        ({"type": "integer", "multipleOf": 20000, "minimum": 1, "maximum": 5000},
+         "no multiple of 20000 is within the bounds beside it (from 1 to 5000)"),
+    ):  # fmt: skip
+        with pytest.raises(ValueError, match=re.escape(f"multipleOf at / is not supported: {says}")):
+            check(S(json=schema))
+
+
+def _grammar_answers(schema: dict, answers: list[tuple[str, bool]]) -> None:
+    """The schema passes the check, and its grammar and jsonschema both take exactly the answers
+    marked True."""
     from xgrammar.testing import _is_grammar_accept_string as accepts
 
     from kvserve.structured.json_strings import json_schema_grammar

@@ -7,9 +7,11 @@ maximum of 2.5 is a maximum of 2). It also drops multipleOf beside any bound, wi
 warning, where the bounds are one-sided or 10,000 or more apart, so `{"type": "integer",
 "multipleOf": 3, "minimum": 0}` was answered 4. Where both bounds leave at most MAX_MULTIPLES
 multiples, such a schema is written as their enum; elsewhere schema_support.py refuses it
-(`multiple_refused`). A multipleOf that is not whole, which xgrammar drops on an integer (2 was
-an answer to `"multipleOf": 2.5`), is written as the whole one it means for integers: the
-numerator of its lowest terms (a whole multiple of 5/2 is a multiple of 5; of 0.5, any integer).
+(`multiple_refused`). A multipleOf above 1024 xgrammar drops whatever the bounds (3 answered
+`"multipleOf": 2000`): it is listed likewise between bounds, and refused without them. A
+multipleOf that is not whole, which xgrammar drops on an integer (2 was an answer to
+`"multipleOf": 2.5`), is written as the whole one it means for integers: the numerator of its
+lowest terms (a whole multiple of 5/2 is a multiple of 5; of 0.5, any integer).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from kvserve.structured.schema_walk import rebuilt_children
 
 MAX_MULTIPLES = 1024
 XGRAMMAR_SPAN = 10_000  # xgrammar enforces multipleOf itself where maximum - minimum is below this
+XGRAMMAR_STEP = 1024  # and where multipleOf is at most this: a larger one it drops (3 answered 2000)
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 
 
@@ -46,16 +49,27 @@ def whole_integers(node: Any) -> Any:
 
 
 def multiple_refused(node: dict) -> str | None:
-    """Why an integer's multipleOf beside a bound cannot be enforced, or None."""
+    """Why an integer's multipleOf cannot be enforced (beside a bound, or above XGRAMMAR_STEP), or
+    None."""
     node = whole_step(node)
-    if not _is_integer_schema(node) or not _number(node.get("multipleOf")):
+    step = node.get("multipleOf") if isinstance(node, dict) else None
+    if not _is_integer_schema(node) or not _number(step):
+        large = _number(step) and step > XGRAMMAR_STEP and node.get("type") == "integer"
+        if large and not any(k in node for k in (*_BOUNDS, "enum", "const")):
+            return (
+                f"a multipleOf above {XGRAMMAR_STEP} is enforced only between a minimum and a maximum that "
+                f"hold at most {MAX_MULTIPLES} multiples (written as their list)"
+            )
         return None
     if not any(_number(node.get(k)) for k in _BOUNDS):
         return None
     low, high = whole_range(node)
-    if _multiples(node, low, high):
+    listed = _multiples(node, low, high)
+    if listed == []:
+        return f"no multiple of {step} is within the bounds beside it (from {low} to {high})"
+    if listed:
         return None
-    if low is not None and high is not None and high - low < XGRAMMAR_SPAN:
+    if low is not None and high is not None and high - low < XGRAMMAR_SPAN and step <= XGRAMMAR_STEP:
         if _int64(low) and _int64(high):
             return None
         return (
@@ -94,18 +108,18 @@ def whole_range(node: dict) -> tuple[int | None, int | None]:
 
 
 def _multiples(node: dict, low: int | None, high: int | None) -> list[int] | None:
-    """The multiples of a whole multipleOf within [low, high] where xgrammar would drop it: 1 to
+    """The multiples of a whole multipleOf within [low, high] where xgrammar would drop it: 0 to
     MAX_MULTIPLES of them, else None."""
     step = node.get("multipleOf")
     if not _number(step) or step <= 0 or step % 1 != 0 or low is None or high is None:
         return None
-    if high - low < XGRAMMAR_SPAN and _int64(low) and _int64(high):
+    if high - low < XGRAMMAR_SPAN and _int64(low) and _int64(high) and step <= XGRAMMAR_STEP:
         return None  # left to xgrammar
     step = int(step)
     first = -(-low // step) * step
-    if first > high or (high - first) // step + 1 > MAX_MULTIPLES:
+    if first <= high and (high - first) // step + 1 > MAX_MULTIPLES:
         return None
-    return list(range(first, high + 1, step))
+    return list(range(first, high + 1, step))  # (empty: no multiple within the bounds)
 
 
 def _int64(v: int) -> bool:
