@@ -160,3 +160,24 @@ def test_a_gguf_prompt_begins_with_bos_as_llama_cpp_s(pre, add_bos, bos_first, t
     ids = tok.encode("Hello world")
     assert (ids[0] == tok.bos_token_id == 1) is bos_first
     assert ids[bos_first:] == tok.encode("Hello world", add_special_tokens=False)
+
+
+@pytest.mark.parametrize(("add_bos", "add_eos"), [(True, True), (False, True), (True, False)])
+def test_a_gguf_s_add_eos_token_ends_the_prompt_as_transformers_s(add_bos, add_eos, tiny_llama_dir, tmp_path):
+    """tokenizer.ggml.add_eos_token was never read: a file that sets it (embedding models
+    whose last token's state is the vector) was prompted without its final EOS, unlike
+    transformers' GGUF tokenizer and llama.cpp, which append it to a text prompt."""
+    import os
+
+    from transformers import AutoTokenizer
+
+    from kvserve.model.loader import load_tokenizer, resolve_model
+
+    eos = lambda w: w.add_add_eos_token(add_eos)  # noqa: E731
+    path = write_gguf(tiny_llama_dir, str(tmp_path / "eos.gguf"), add_bos=add_bos, more=eos)
+    tok = load_tokenizer(resolve_model(path))
+    ref = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=os.path.basename(path))
+    for text in ("Hello world", ""):
+        assert tok.encode(text) == ref.encode(text)
+        assert tok.encode(text, add_special_tokens=False) == ref.encode(text, add_special_tokens=False)
+    assert (tok.encode("Hello world")[-1] == tok.eos_token_id == 2) is add_eos

@@ -59,7 +59,10 @@ def _light_config(path: str) -> dict:
 
 
 def gguf_tokenizer(reader):
-    """(transformers fast tokenizer, add_bos) rebuilt from the GGUF vocabulary and chat template."""
+    """(transformers fast tokenizer, add_bos, add_eos) rebuilt from the GGUF vocabulary and chat
+    template. add_eos is the file's tokenizer.ggml.add_eos_token (default off, as transformers'
+    GGUF tokenizer and llama.cpp read it): an embedding model's file that sets it was prompted
+    without its final EOS, the token whose state it pools."""
     from tokenizers import pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
@@ -97,7 +100,8 @@ def gguf_tokenizer(reader):
     tok.chat_template = gguf_field(reader, "tokenizer.chat_template")
     default = gguf_adds_bos_by_default(spec["tokenizer_type"], spec.get("pre_tokenizer_type"))
     add_bos = bool(gguf_field(reader, "tokenizer.ggml.add_bos_token", default))
-    return tok, add_bos and tok.bos_token_id is not None
+    add_eos = bool(gguf_field(reader, "tokenizer.ggml.add_eos_token", False))
+    return tok, add_bos and tok.bos_token_id is not None, add_eos and tok.eos_token_id is not None
 
 
 # The BPE pre-tokenizers after which llama.cpp adds a BOS where the file does not say
