@@ -47,3 +47,32 @@ def test_rope_scaling_without_its_factor_is_refused_naming_it(rope_type):
         _transformers_config(cfg)
     with pytest.raises(ValueError, match=rf"^rope scaling '{rope_type}' without its {missing}$"):
         ModelArch.from_hf_config(cfg)
+
+
+@pytest.mark.parametrize("rope_type", ["linear", "dynamic", "llama3", "yarn", "default"])
+def test_a_scaled_rope_over_part_of_each_head_is_refused_naming_it(rope_type):
+    """partial_rotary_factor: transformers' default rope reads none (every dimension rotates,
+    as in kvserve); its scaled ropes build tables for part of each head that its attention
+    cannot apply (a RuntimeError on the first forward). kvserve rotated every dimension with
+    the scaled frequencies, silently, a model no reference runs; only yarn's was refused."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    rope = {"rope_type": rope_type, "rope_theta": 10000.0, "factor": 2.0, "partial_rotary_factor": 0.5}
+    if rope_type == "llama3":
+        rope.update(low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16)
+    cfg = {"model_type": "llama", **SHAPE, "rope_parameters": rope}
+    model = AutoModelForCausalLM.from_config(_transformers_config(cfg))
+    if rope_type == "default":
+        model(torch.tensor([[1, 2, 3]]))
+        assert model.model.rotary_emb.inv_freq.numel() == 16 // 2  # the whole head rotates
+        assert ModelArch.from_hf_config(cfg).rope_scaling["rope_type"] == "default"
+        return
+    with pytest.raises(RuntimeError, match="must match the size"):
+        model(torch.tensor([[1, 2, 3]]))
+    whole = {k: v for k, v in rope.items() if k != "partial_rotary_factor"}
+    top_level = {**cfg, "partial_rotary_factor": 0.5, "rope_parameters": whole}
+    for c in (cfg, top_level):
+        with pytest.raises(ValueError, match=rf"^unsupported {rope_type} rope scaling over part of each head "
+                                             r"\(partial_rotary_factor 0\.5\)$"):  # fmt: skip
+            ModelArch.from_hf_config(c)

@@ -125,9 +125,15 @@ def rope_of(cfg: dict[str, Any], default_positions: int = 2048) -> tuple[float, 
         rope["original_max_position_embeddings"] = original or rope.get(
             "original_max_position_embeddings", max_positions
         )
+    partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if rope_type != "default" and partial != 1.0:
+        # transformers' default rope reads no partial_rotary_factor (every dimension rotates, as
+        # here), its scaled ropes build tables for that part of each head, which its attention
+        # then fails to apply; kvserve rotated all of it, a model no reference runs.
+        raise ValueError(
+            f"unsupported {rope_type} rope scaling over part of each head (partial_rotary_factor {partial})"
+        )
     if rope_type == "yarn":
-        if rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) != 1.0:
-            raise ValueError("unsupported yarn rope scaling over part of each head (partial_rotary_factor)")
         scaled = rope["original_max_position_embeddings"] * (rope.get("factor") or 1.0)
         max_positions = max(max_positions, int(scaled))
     return float(theta), rope, max_positions
