@@ -46,13 +46,11 @@ def template_call_parameters() -> frozenset[str]:
 
 
 class Tokenizer:
-    def __init__(self, hf_tokenizer: Any, add_bos: bool = False, add_eos: bool = False) -> None:
-        """`add_bos` / `add_eos`: a GGUF's tokenizer.ggml.add_bos_token / add_eos_token, which
-        its rebuilt backend does not apply itself (an HF directory's post-processor does)."""
+    def __init__(self, hf_tokenizer: Any) -> None:
+        """The special tokens a text prompt gets (BOS, EOS) are the post-processor's: an HF
+        directory's tokenizer.json, a GGUF's add_bos_token / add_eos_token (tokenizer_loader)."""
         self.hf = hf_tokenizer
         self.backend = hf_tokenizer.backend_tokenizer
-        self.add_bos = add_bos
-        self.add_eos = add_eos
         self.bos_token_id: int | None = hf_tokenizer.bos_token_id
         self.eos_token_id: int | None = hf_tokenizer.eos_token_id
         self.all_special_ids = frozenset(hf_tokenizer.all_special_ids)
@@ -69,14 +67,8 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if len(text) > _RELEASE_GIL_CHARS:  # encode_batch releases the GIL; encode holds it
-            ids = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
-        else:
-            ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
-        if add_special_tokens and self.add_bos and (not ids or ids[0] != self.bos_token_id):
-            ids = [self.bos_token_id, *ids]
-        if add_special_tokens and self.add_eos:  # always, as transformers and llama.cpp append it
-            ids = [*ids, self.eos_token_id]
-        return ids
+            return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)

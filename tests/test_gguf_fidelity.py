@@ -163,10 +163,13 @@ def test_a_gguf_prompt_begins_with_bos_as_llama_cpp_s(pre, add_bos, bos_first, t
 
 
 @pytest.mark.parametrize(("add_bos", "add_eos"), [(True, True), (False, True), (True, False)])
-def test_a_gguf_s_add_eos_token_ends_the_prompt_as_transformers_s(add_bos, add_eos, tiny_llama_dir, tmp_path):
+def test_a_gguf_s_bos_and_eos_are_added_as_transformers_adds_them(add_bos, add_eos, tiny_llama_dir, tmp_path):
     """tokenizer.ggml.add_eos_token was never read: a file that sets it (embedding models
     whose last token's state is the vector) was prompted without its final EOS, unlike
-    transformers' GGUF tokenizer and llama.cpp, which append it to a text prompt."""
+    transformers' GGUF tokenizer and llama.cpp, which append it to a text prompt. The BOS was
+    kvserve's own step after the tokenizer: `LLM.get_tokenizer()` (vLLM scripts tokenize
+    with it for prompt_token_ids) added none, and a text already starting with the BOS
+    token got no second one (transformers, vLLM and llama.cpp add it)."""
     import os
 
     from transformers import AutoTokenizer
@@ -177,7 +180,10 @@ def test_a_gguf_s_add_eos_token_ends_the_prompt_as_transformers_s(add_bos, add_e
     path = write_gguf(tiny_llama_dir, str(tmp_path / "eos.gguf"), add_bos=add_bos, more=eos)
     tok = load_tokenizer(resolve_model(path))
     ref = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=os.path.basename(path))
-    for text in ("Hello world", ""):
-        assert tok.encode(text) == ref.encode(text)
-        assert tok.encode(text, add_special_tokens=False) == ref.encode(text, add_special_tokens=False)
-    assert (tok.encode("Hello world")[-1] == tok.eos_token_id == 2) is add_eos
+    for text in ("Hello world", "", "<s>Hello</s>"):
+        assert tok.encode(text) == ref.encode(text) == tok.hf.encode(text), text
+        plain = ref.encode(text, add_special_tokens=False)
+        assert tok.encode(text, add_special_tokens=False) == plain
+        assert tok.hf.encode(text, add_special_tokens=False) == plain
+    ids = tok.encode("Hello world")
+    assert (ids[0] == tok.bos_token_id == 1) is add_bos and (ids[-1] == tok.eos_token_id == 2) is add_eos

@@ -22,7 +22,7 @@ def load_tokenizer(source: ModelSource) -> Tokenizer:
     """Only the tokenizer (what the API server process needs)."""
     if source.kind == "hf":
         return Tokenizer(hf_tokenizer(source.path))
-    return Tokenizer(*gguf_tokenizer(gguf_reader(source.path)))
+    return Tokenizer(gguf_tokenizer(gguf_reader(source.path)))
 
 
 def hf_tokenizer(path: str):
@@ -59,10 +59,12 @@ def _light_config(path: str) -> dict:
 
 
 def gguf_tokenizer(reader):
-    """(transformers fast tokenizer, add_bos, add_eos) rebuilt from the GGUF vocabulary and chat
-    template. add_eos is the file's tokenizer.ggml.add_eos_token (default off, as transformers'
-    GGUF tokenizer and llama.cpp read it): an embedding model's file that sets it was prompted
-    without its final EOS, the token whose state it pools."""
+    """transformers' fast tokenizer rebuilt from the GGUF vocabulary and chat template. Its
+    post-processor adds the BOS / EOS the file asks for (tokenizer.ggml.add_bos_token, where
+    absent llama.cpp's default; add_eos_token, default off), as transformers' own GGUF
+    tokenizer does: so `LLM.get_tokenizer().encode` gives the engine's ids (it added neither:
+    a script tokenizing for prompt_token_ids lost a Llama 2 / Mistral file's BOS), and a file
+    that sets add_eos_token (an embedding model pooling its last token) gets its EOS."""
     from tokenizers import pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
@@ -96,12 +98,14 @@ def gguf_tokenizer(reader):
         backend.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
         )
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, **special)
-    tok.chat_template = gguf_field(reader, "tokenizer.chat_template")
     default = gguf_adds_bos_by_default(spec["tokenizer_type"], spec.get("pre_tokenizer_type"))
-    add_bos = bool(gguf_field(reader, "tokenizer.ggml.add_bos_token", default))
-    add_eos = bool(gguf_field(reader, "tokenizer.ggml.add_eos_token", False))
-    return tok, add_bos and tok.bos_token_id is not None, add_eos and tok.eos_token_id is not None
+    add_bos = bool(gguf_field(reader, "tokenizer.ggml.add_bos_token", default)) and "bos_token" in special
+    add_eos = bool(gguf_field(reader, "tokenizer.ggml.add_eos_token", False)) and "eos_token" in special
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend, add_bos_token=add_bos, add_eos_token=add_eos, **special
+    )
+    tok.chat_template = gguf_field(reader, "tokenizer.chat_template")
+    return tok
 
 
 # The BPE pre-tokenizers after which llama.cpp adds a BOS where the file does not say
