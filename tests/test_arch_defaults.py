@@ -76,3 +76,31 @@ def test_a_scaled_rope_over_part_of_each_head_is_refused_naming_it(rope_type):
         with pytest.raises(ValueError, match=rf"^unsupported {rope_type} rope scaling over part of each head "
                                              r"\(partial_rotary_factor 0\.5\)$"):  # fmt: skip
             ModelArch.from_hf_config(c)
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
+def test_a_config_without_num_key_value_heads_gets_its_class_default(kind):
+    """Every architecture got the query heads: a Mistral config without the key (transformers:
+    8 KV heads) over a checkpoint with 8 was refused as "weight shard: 32 rows, expected 64"."""
+    cfg = {"model_type": kind, **{k: v for k, v in SHAPE.items() if k != "num_key_value_heads"}}
+    cfg["num_attention_heads"] = 32
+    ref = _transformers_config(cfg)
+    expected = {"mistral": 8}.get(kind, 32)
+    assert ModelArch.from_hf_config(cfg).num_kv_heads == ref.num_key_value_heads == expected
+    explicit_null = {**cfg, "num_key_value_heads": None}
+    assert ModelArch.from_hf_config(explicit_null).num_kv_heads == 32
+
+
+@pytest.mark.parametrize(("heads", "kv"), [(4, 3), (4, None)])
+def test_kv_heads_the_query_heads_cannot_share_are_refused_naming_both(heads, kv):
+    """transformers' attention groups num_attention_heads / num_key_value_heads query heads on
+    each KV head; kvserve took any count and failed later, or not at all (a Qwen2 config
+    without the key has 32 KV heads in transformers)."""
+    cfg = {"model_type": "qwen2", **SHAPE, "num_attention_heads": heads}
+    if kv is None:
+        del cfg["num_key_value_heads"]
+    else:
+        cfg["num_key_value_heads"] = kv
+    with pytest.raises(ValueError, match=rf"^num_attention_heads {heads} is not a multiple of "
+                                         rf"num_key_value_heads {kv or 32}$"):  # fmt: skip
+        ModelArch.from_hf_config(cfg)

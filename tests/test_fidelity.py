@@ -425,7 +425,8 @@ def test_sliding_window_caps_the_context(tmp_path):
         LLM(str(tmp_path), kv_cache_memory="4MiB", max_model_len=32)
 
     # Which configs slide, as transformers reads them.
-    base = dict(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=4, num_attention_heads=2)
+    base = dict(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=4, num_attention_heads=2,
+                num_key_value_heads=2)  # fmt: skip
     cases = [
         (dict(model_type="mistral", sliding_window=None), None),
         (dict(model_type="qwen2", sliding_window=32, use_sliding_window=False), None),

@@ -23,6 +23,9 @@ REQUIRED_ROPE_KEYS = {
 # Each config class's max_position_embeddings where a file has none (LlamaConfig's,
 # MistralConfig's, Qwen2Config's): the context, and the original length llama3 / yarn default to.
 DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 4096 * 32, "qwen2": 32768}
+# MistralConfig's and Qwen2Config's num_key_value_heads where a file has none (LlamaConfig's,
+# and every class's for an explicit null: the query heads).
+DEFAULT_KV_HEADS = {"mistral": 8, "qwen2": 32}
 
 
 @dataclass(frozen=True)
@@ -85,7 +88,7 @@ class ModelArch:
             intermediate_size=cfg["intermediate_size"],
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            num_kv_heads=kv_heads_of(cfg, model_type, heads),
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta),
@@ -137,6 +140,18 @@ def rope_of(cfg: dict[str, Any], default_positions: int = 2048) -> tuple[float, 
         scaled = rope["original_max_position_embeddings"] * (rope.get("factor") or 1.0)
         max_positions = max(max_positions, int(scaled))
     return float(theta), rope, max_positions
+
+
+def kv_heads_of(cfg: dict[str, Any], model_type: str, heads: int) -> int:
+    """num_key_value_heads as transformers reads it: a Mistral or Qwen2 config without the key
+    has its class's default (8, 32), not the query heads (a Mistral checkpoint with 8 KV heads
+    was refused with "weight shard: 32 rows, expected 64"); a count the query heads are no
+    multiple of, which transformers' attention cannot group, is refused naming both."""
+    kv = cfg["num_key_value_heads"] if "num_key_value_heads" in cfg else DEFAULT_KV_HEADS.get(model_type)
+    kv = kv or heads
+    if heads % kv:
+        raise ValueError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")
+    return kv
 
 
 def qkv_bias_of(cfg: dict[str, Any], model_type: str) -> bool:
