@@ -303,6 +303,35 @@ def test_a_checkpoint_short_of_layers_is_refused(tmp_path):
         LLM(path, kv_cache_memory="1MiB")
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("intermediate_size", 96, "model.layers.0.mlp.down_proj.weight: shape [64, 128] where the config "
+                                  "gives [64, 96] (hidden_size, intermediate_size)"),
+        ("hidden_size", 48, "lm_head.weight: shape [512, 64] where the config gives [512, 48] "
+                            "(vocab_size, hidden_size)"),
+    ],
+    ids=["intermediate_size", "hidden_size"],
+)  # fmt: skip
+def test_a_config_that_disagrees_with_its_checkpoint_is_refused_naming_the_tensor(
+    field, value, message, tiny_llama_dir, tmp_path
+):
+    """transformers refuses a tensor of another shape than its config's, by name. kvserve said
+    "weight shard: 128 rows, expected 96 or 96", naming nothing; a hidden_size the loader
+    does not slice along (head_dim set) was not checked at all: the checkpoint's own shapes
+    loaded and ran under a config describing another model."""
+    import json
+    import re
+    import shutil
+
+    path = tmp_path / "edited"
+    shutil.copytree(tiny_llama_dir, path)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, field: value}))
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        LLM(str(path), kv_cache_memory="1MiB")
+
+
 def test_dynamic_rope_scaling_matches_transformers_up_to_the_context(tmp_path):
     """transformers' dynamic NTK rope keeps the default frequencies until a sequence outgrows
     max_position_embeddings, which is where kvserve's context stops: it runs such a model

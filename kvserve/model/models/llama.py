@@ -40,6 +40,7 @@ from kvserve.model.layers.quantization import QWeight
 from kvserve.model.layers.quantized_linear import NativeMatmul, QuantizedLinear
 from kvserve.model.layers.rotary import RotaryEmbedding, apply_rotary
 from kvserve.model.layers.tp_sharding import even_shard
+from kvserve.model.models.weight_shapes import check_shape
 
 # Activation dtypes the fused layer ops (csrc/layer_ops_cpu.cpp, triton_layer_ops.py) take; others run
 # the torch path.
@@ -417,9 +418,11 @@ class LlamaForCausalLM(nn.Module):
         seen: set[str] = set()
         own_head = None  # a tied config's checkpoint lm_head.weight, kept until the embedding is here
         dtype = self.norm.dtype
+        sliced = get_tp_group().size > 1
         for name, tensor in weights:
             if not self.owns(name):  # another pipeline stage's (GGUF tensors are read first)
                 continue
+            check_shape(self.arch, name, tuple(tensor.shape), sliced)
             if isinstance(tensor, QWeight) and not name.startswith("model.layers."):
                 tensor = tensor.dequantize()
             if isinstance(tensor, torch.Tensor):
