@@ -138,6 +138,12 @@ def test_a_gguf_with_tensors_kvserve_does_not_run_is_refused(tiny_llama_dir, tmp
     with pytest.raises(ValueError, match=r"mixture-of-experts GGUF \(llama\.expert_count = 4\)"):
         LLM(path, kv_cache_memory="1MiB")
 
+    # A block past block_count was skipped by the loader: the model ran truncated to the
+    # count's layers, where llama.cpp refuses the file's extra tensors.
+    path = write_gguf(tiny_llama_dir, str(tmp_path / "short.gguf"), more=lambda w: w.add_block_count(1))
+    with pytest.raises(ValueError, match=r"does not run: blk\.1\.attn_k\.weight, .* and 4 more$"):
+        LLM(path, kv_cache_memory="1MiB")
+
 
 @pytest.mark.parametrize(
     ("pre", "add_bos", "bos_first"),

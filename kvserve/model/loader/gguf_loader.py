@@ -40,15 +40,16 @@ _TENSOR_NAMES = {
 _TOP_LEVEL = ("token_embd.weight", "output_norm.weight", "output.weight", "rope_freqs.weight")
 
 
-def tensors_not_run(names: set[str]) -> list[str]:
+def tensors_not_run(names: set[str], blocks: int) -> list[str]:
     """The file's tensors this model has no place for (a Mixtral file's router and experts,
-    another model's norms): skipped, they ran the model without them. llama.cpp refuses a
-    file whose tensor count its graph does not account for."""
+    another model's norms, a block past block_count): skipped, they ran the model without
+    them. llama.cpp refuses a file whose tensor count its graph does not account for."""
     out = []
     for name in sorted(names):
         parts = name.split(".")
         if parts[0] == "blk":
-            if len(parts) != 4 or parts[2] not in _TENSOR_NAMES:
+            in_range = parts[1].isdigit() and int(parts[1]) < blocks
+            if len(parts) != 4 or parts[2] not in _TENSOR_NAMES or not in_range:
                 out.append(name)
         elif name not in _TOP_LEVEL:
             out.append(name)
@@ -109,7 +110,7 @@ def gguf_arch(reader) -> ModelArch:
         raise ValueError(
             f"model: a mixture-of-experts GGUF ({arch}.expert_count = {experts}) is not supported"
         )
-    unknown = tensors_not_run(names)
+    unknown = tensors_not_run(names, int(need("block_count")))
     if unknown:
         more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
         raise ValueError(f"model: GGUF tensors kvserve does not run: {', '.join(unknown[:5])}{more}")
