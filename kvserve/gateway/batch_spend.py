@@ -77,8 +77,20 @@ class BatchSpend:
         raise limit_reached(f"{spent}; it resets in {retry} s", "budget", retry, {})
 
     async def created(self, key: KeyRecord, public_id: str) -> None:
-        """Remember who created the batch: a master key may be the one that sees it finish."""
-        await self.gw.store.cache_set(f"batchapi:owner:{public_id}", key.key_hash.encode(), TTL)
+        """Remember who created the batch: a master key may be the one that sees it finish. The
+        key's account, not its hash: a key regenerated while its batch runs is charged as the key
+        it became (its hash, revoked by then, charged no one)."""
+        await self.gw.store.cache_set(f"batchapi:owner:{public_id}", key.account.encode(), TTL)
+
+    async def _owner(self, stored: str) -> KeyRecord | None:
+        """The live key of the account (or key hash) a batch's creator was remembered by: itself,
+        or the key it was regenerated into (None: deleted since)."""
+        rec = await self.keys.record_async(stored)
+        if rec is not None:
+            return rec
+        recs = await self.keys.list_async()  # (once per finished batch of a regenerated key)
+        account = next((k.account for k in recs if k.key_hash == stored), stored)
+        return next((k for k in recs if k.revoked is None and k.account == account), None)
 
     async def seen(self, dep: Deployment, batch: dict, public_id: str) -> list[str]:
         """On every batch object the gateway hands out (its ids the gateway's): once it is
@@ -104,7 +116,7 @@ class BatchSpend:
     async def _charge(
         self, key_hash: str, dep: Deployment, public_id: str, i: int, o: int, money: float
     ) -> None:
-        key = await self.keys.record_async(key_hash)  # (None: revoked since; the spend is still logged)
+        key = await self._owner(key_hash)  # (None: deleted since; the spend is still logged)
         if key is not None and money > 0 and (checks := self._budgets(key, 0.0)):
             rid = f"batch:{public_id}"
             try:  # admitted at nothing first, so a budget the store lost is rebuilt before it is charged
@@ -115,9 +127,8 @@ class BatchSpend:
         if money:
             self.gw.metrics.spend.labels(dep.model_name).inc(money)
         alias, team = (key.spec.alias, key.spec.team) if key is not None else (None, None)
-        row = SpendRow(
-            time.time(), public_id, key_hash, alias, team, dep.model_name, dep.id, i, o, money, 200
-        )
+        account = key.account if key is not None else key_hash  # (a key's rows go on under its first hash)
+        row = SpendRow(time.time(), public_id, account, alias, team, dep.model_name, dep.id, i, o, money, 200)
         self.gw.spend.record(row)
         log.info("batch %s charged %.6g (%d input, %d output tokens) to key %s", public_id, money, i, o,
                  key.name if key is not None else key_hash[:12])  # fmt: skip
