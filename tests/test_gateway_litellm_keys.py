@@ -252,12 +252,13 @@ def test_a_blocked_key_is_refused_with_litellms_message_until_unblocked(tmp_path
 
 def test_spend_logs_and_global_spend_answer_in_litellms_shapes(tmp_path):
     """LiteLLM's GET /spend/logs and /global/spend were route 404s: a LiteLLM user's spend
-    scripts and dashboards read nothing."""
+    scripts and dashboards read nothing. So were /global/spend/keys and /global/spend/models (the
+    top spenders), and user_id= was a 400 (the gateway had no users)."""
     day = datetime.datetime(2026, 3, 1, 12, tzinfo=datetime.UTC).timestamp()
     k1, k2 = hashlib.sha256(b"sk-one").hexdigest(), hashlib.sha256(b"sk-two").hexdigest()
     rows = [
         SpendRow(day, "r1", k1, "one", "red", "a", "a-0", 10, 5, 0.25, 200),
-        SpendRow(day + 60, "r2", k2, None, None, "b", "b-1", 4, 0, 0.5, 502),
+        SpendRow(day + 60, "r2", k2, None, None, "b", "b-1", 4, 0, 0.5, 502, "ann"),
         SpendRow(day + 86400, "r3", k1, "one", "red", "b", "b-1", 1, 1, 1.0, 200),
     ]
 
@@ -270,12 +271,16 @@ def test_spend_logs_and_global_spend_answer_in_litellms_shapes(tmp_path):
             await get("/spend/logs", start_date="2026-03-01", end_date="2026-03-03"),
             await get("/spend/logs", start_date="2026-03-02", end_date="2026-03-02", summarize="false"),
             await get("/global/spend"),
-            [await get("/spend/logs", user_id="u"), await get("/spend/logs", start_date="2026-03-01"),
+            [await get("/spend/logs", user_id="ann"), await get("/global/spend/keys", limit=1),
+             await get("/global/spend/models")],
+            [await get("/spend/logs", start_date="2026-03-01"),
              await get("/spend/logs", start_date="3/1", end_date="2026-03-02"),
              await c.get("/global/spend", headers={"Authorization": "Bearer sk-nobody"})],
         )  # fmt: skip
 
-    every, mine, one, summary, day2, total, refused = _run(tmp_path, calls, rows)
+    every, mine, one, summary, day2, total, (by_user, top_keys, top_models), refused = _run(
+        tmp_path, calls, rows
+    )
     assert every.status_code == 200, every.text
     assert [r["request_id"] for r in every.json()] == ["r3", "r2", "r1"]  # newest first
     r1 = every.json()[2]
@@ -291,15 +296,17 @@ def test_spend_logs_and_global_spend_answer_in_litellms_shapes(tmp_path):
         r["request_id"] for r in one.json()
     ] == ["r2"]
     assert summary.json() == [
-        {k1: 0.25, k2: 0.5, "startTime": "2026-03-01", "spend": 0.75, "users": {},
+        {k1: 0.25, k2: 0.5, "startTime": "2026-03-01", "spend": 0.75, "users": {"ann": 0.5},
          "models": {"a": 0.25, "b": 0.5}},
         {k1: 1.0, "startTime": "2026-03-02", "spend": 1.0, "users": {}, "models": {"b": 1.0}},
         {"startTime": "2026-03-03", "spend": 0, "users": {}, "models": {}},
     ], summary.text  # fmt: skip
     assert [r["request_id"] for r in day2.json()] == ["r3"], day2.text  # (both days included)
     assert total.json() == {"spend": 1.75, "max_budget": None}, total.text
+    assert [(r["request_id"], r["user"]) for r in by_user.json()] == [("r2", "ann")], by_user.text
+    assert top_keys.json() == [{"api_key": k1, "total_spend": 1.25, "key_alias": None, "key_name": None}]
+    assert top_models.json() == [{"model": "b", "total_spend": 1.5}, {"model": "a", "total_spend": 0.25}]
     assert [(r.status_code, r.json()["error"]["param"]) for r in refused] == [
-        (400, "user_id"),
         (400, "end_date"),
         (400, "start_date"),
         (401, None),
@@ -405,7 +412,7 @@ def test_key_list_pages_and_filters_as_litellms(tmp_path):
                 (await get(key_hash=red, size=100)).json()["keys"],
                 (await get(status="active", size=5, page=3)).json(),
             ],
-            [await get(user_id="u"), await get(size=101), await get(status="gone")],
+            [await get(organization_id="o"), await get(size=101), await get(status="gone")],
         )
 
     tokens, pages, filtered, refused = _run(tmp_path, calls)
@@ -416,7 +423,7 @@ def test_key_list_pages_and_filters_as_litellms(tmp_path):
     assert filtered[:3] == [[tokens[-1]], [tokens[0]], [tokens[-1]]], filtered
     assert filtered[3] == {"keys": [tokens[-1]], "total_count": 11, "current_page": 3, "total_pages": 3}
     assert [(r.status_code, r.json()["error"]["param"]) for r in refused] == [
-        (400, "user_id"), (400, "size"), (400, "status")
+        (400, "organization_id"), (400, "size"), (400, "status")
     ], [r.text for r in refused]  # fmt: skip
 
 
@@ -447,3 +454,68 @@ def test_a_key_alias_is_one_live_keys_as_litellm_requires(tmp_path):
         deleted.text,
         again.text,
     )
+
+
+def test_litellms_user_paths_make_read_change_and_delete_a_user_and_its_keys(tmp_path):
+    """/user/new, /user/info, /user/update and /user/delete were route 404s: a LiteLLM proxy
+    user's onboarding script failed at its first call. A user owns keys (its auto-created one,
+    /key/generate's user_id) and is deleted with them."""
+
+    async def calls(c):
+        body = {"user_id": "ann", "user_email": "ann@example.com", "max_budget": 3.0,
+                "budget_duration": "30d", "rpm_limit": 9, "models": ["a"], "user_role": "internal_user",
+                "key_alias": "ann-laptop"}  # fmt: skip
+        made = await c.post("/user/new", json=body, headers=MASTER)
+        assert made.status_code == 200, made.text
+        m = made.json()
+        assert m["user_id"] == "ann" and m["key"].startswith("sk-") and m["key_alias"] == "ann-laptop", m
+        assert (m["max_budget"], m["rpm_limit"], m["models"], m["spend"]) == (3.0, 9, ["a"], 0.0), m
+        again = await c.post("/user/new", json={"user_id": "ann"}, headers=MASTER)
+        assert again.status_code == 409 and again.json()["error"]["param"] == "user_id", again.text
+        bare = await c.post("/user/new", json={"auto_create_key": False}, headers=MASTER)
+        assert bare.json()["key"] is None and len(bare.json()["user_id"]) == 36, bare.text  # (a uuid)
+        wrong = await c.post("/user/new", json={"teams": ["red"]}, headers=MASTER)
+        assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "teams", wrong.text
+        admin = await c.post("/user/new", json={"user_role": "proxy_admin"}, headers=MASTER)
+        assert admin.status_code == 400 and admin.json()["error"]["param"] == "user_role", admin.text
+        # text that cannot be stored: a 400, not a 500
+        json_h = {**MASTER, "content-type": "application/json"}
+        odd_fields = (("/user/new", "user_id"), ("/user/new", "user_email"), ("/key/generate", "user_id"))
+        for path, field in odd_fields:
+            odd = await c.post(path, content='{"' + field + '": "\\ud800"}', headers=json_h)
+            assert odd.status_code == 400 and odd.json()["error"]["param"] == field, odd.text
+        # a second key of hers; a user_id naming no user makes one (LiteLLM's upsert)
+        second = (await c.post("/key/generate", json={"user_id": "ann"}, headers=MASTER)).json()
+        assert second["user_id"] == "ann", second
+        bob = await c.post("/key/generate", json={"user_id": "bob"}, headers=MASTER)
+        assert bob.status_code == 200 and bob.json()["user_id"] == "bob", bob.text
+        # her models cap her keys: "b" is not hers
+        assert [x["id"] for x in (await _models(c, second["key"])).json()["data"]] == ["a"]
+        info = await c.get("/user/info", params={"user_id": "ann"}, headers=MASTER)
+        i = info.json()
+        assert info.status_code == 200 and i["user_info"]["user_email"] == "ann@example.com", info.text
+        assert sorted(k["token"] for k in i["keys"]) == sorted([m["token"], second["token"]]), i
+        own = await c.get("/user/info", headers={"Authorization": f"Bearer {second['key']}"})
+        assert own.status_code == 200 and own.json()["user_id"] == "ann", own.text
+        other = await c.get("/user/info", params={"user_id": "bob"},
+                            headers={"Authorization": f"Bearer {second['key']}"})  # fmt: skip
+        assert other.status_code == 401, other.text
+        listed = await c.get("/key/list", params={"user_id": "ann"}, headers=MASTER)
+        assert sorted(listed.json()["keys"]) == sorted([m["token"], second["token"]]), listed.text
+        up = await c.post("/user/update", json={"user_id": "ann", "max_budget": 5.0, "models": None},
+                          headers=MASTER)  # fmt: skip
+        assert up.status_code == 200 and up.json()["data"]["max_budget"] == 5.0, up.text
+        assert up.json()["data"]["models"] == ["a"] and up.json()["data"]["rpm_limit"] == 9, up.text
+        gone = await c.post("/user/update", json={"user_id": "nobody", "max_budget": 1}, headers=MASTER)
+        assert gone.status_code == 404 and gone.json()["error"]["code"] == "user_not_found", gone.text
+        partly = await c.post("/user/delete", json={"user_ids": ["ann", "nobody"]}, headers=MASTER)
+        assert partly.status_code == 404, partly.text  # none deleted
+        assert (await _models(c, second["key"])).status_code == 200
+        deleted = await c.post("/user/delete", json={"user_ids": ["ann"]}, headers=MASTER)
+        assert deleted.status_code == 200 and deleted.json()["deleted_users"] == ["ann"], deleted.text
+        assert (await _models(c, second["key"])).status_code == 401  # her keys went with her
+        assert (await _models(c, m["key"])).status_code == 401
+        assert (await c.get("/user/info", params={"user_id": "ann"}, headers=MASTER)).status_code == 404
+        return True
+
+    assert _run(tmp_path, calls)

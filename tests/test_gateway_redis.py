@@ -296,3 +296,26 @@ def test_api_made_keys_live_in_redis_so_instances_with_their_own_database_share_
             await b.state.gateway.store.close()
 
     asyncio.run(run())
+
+
+def test_a_users_budget_caps_all_its_keys_on_every_instance(gws, redis_server):
+    """LiteLLM's /user/new was a route 404, so a per-person budget over several keys could not be
+    set. A user's max_budget now caps its keys together, in the shared Redis; a user's budget
+    the store lost is rebuilt from the spend log's rows of the user."""
+    m = {"Authorization": "Bearer sk-master"}
+    body = {"user_id": "carol", "max_budget": 5.0, "key_alias": "carol-1"}
+    made = httpx.post(gws[0].url + "/user/new", json=body, headers=m)
+    assert made.status_code == 200, made.text
+    second = httpx.post(gws[1].url + "/key/generate", json={"user_id": "carol"}, headers=m).json()["key"]
+    chat = {"model": "priced", "messages": MSG, "max_tokens": 2}  # 2.0 each
+    ask = lambda g, key: httpx.post(g.url + "/v1/chat/completions", json=chat,  # noqa: E731
+                                    headers={"Authorization": f"Bearer {key}"}, timeout=30)  # fmt: skip
+    assert [ask(gws[0], made.json()["key"]).status_code, ask(gws[1], second).status_code] == [200, 200]
+    r = ask(gws[2], second)  # 4.0 of her 5.0 spent, by two keys: neither key has a budget of its own
+    assert r.status_code == 400 and r.json()["error"]["code"] == "budget_exceeded", r.text
+    assert "Budget has been exceeded! User=carol Current cost: 4.0, Max budget: 5.0" in r.text, r.text
+    info = httpx.get(gws[2].url + "/user/info", params={"user_id": "carol"}, headers=m).json()
+    assert info["user_info"]["spend"] == pytest.approx(4.0) and len(info["keys"]) == 2, info
+    redis_server.restart()  # persistence off: her budget's spend is gone from the store
+    r = ask(gws[1], made.json()["key"])
+    assert r.status_code == 400 and "User=carol Current cost: 4.0" in r.text, r.text

@@ -31,6 +31,7 @@ from kvserve.gateway.litellm_key_regenerate import litellm_key_regenerate_router
 from kvserve.gateway.litellm_keys import litellm_key_router
 from kvserve.gateway.litellm_spend import litellm_spend_router
 from kvserve.gateway.litellm_teams import litellm_team_router
+from kvserve.gateway.litellm_users import litellm_user_router
 from kvserve.gateway.metrics import GatewayMetrics
 from kvserve.gateway.model_health import model_health
 from kvserve.gateway.model_info import add_model_info_routes
@@ -38,6 +39,7 @@ from kvserve.gateway.readiness import answer, readiness
 from kvserve.gateway.spend import SpendLog
 from kvserve.gateway.state import StoreUnavailable, open_store, same_redis_server
 from kvserve.gateway.stored_responses import stored_response
+from kvserve.gateway.users import UserStore
 from kvserve.routing.drain import ENDING_S, DrainLifecycle
 from kvserve.routing.in_flight import RETRY_AFTER
 from kvserve.web import add_web_ui
@@ -83,6 +85,9 @@ class GatewayState:
                 shared = SharedKeys(self.store.redis)
             self.keys = KeyStore(cfg, open_database(gs.database), shared)
             self.spend = SpendLog(open_database(gs.database))
+            # users (LiteLLM's /user/*): in Redis beside the keys, else in the database
+            self.users = UserStore(open_database(gs.database), shared.redis if shared else None)
+            self.keys.users = self.users
         except sqlite3.Error as e:
             raise ConfigError(f"general_settings.database: {gs.database}: {e}") from None
         self.pool = BackendPool(cfg)
@@ -156,6 +161,7 @@ def build_app(cfg: GatewayConfig, web_ui: bool = True) -> FastAPI:
     app.include_router(litellm_key_regenerate_router(state))  # LiteLLM's /key/regenerate
     app.include_router(litellm_spend_router(state))  # LiteLLM's /spend/logs, /global/spend
     app.include_router(litellm_team_router(state))  # LiteLLM's /team/info, /team/list (config teams)
+    app.include_router(litellm_user_router(state))  # LiteLLM's /user/new, /info, /update, /delete
 
     def st() -> GatewayState:
         return state

@@ -52,7 +52,7 @@ class BatchSpend:
 
     def _budgets(self, key: KeyRecord, money: float) -> list[Check]:
         team = self.gw.cfg.teams.get(key.spec.team or "")
-        checks = tenant_checks(key.scope, key.spec, key.spec.team, team, 0, money)
+        checks = tenant_checks(key.scope, key.spec, key.spec.team, team, 0, money, key.user_limits)
         return [c for c in checks if c.kind == "budget"]
 
     async def may_create(self, key: KeyRecord) -> None:
@@ -126,9 +126,11 @@ class BatchSpend:
                 log.warning("charging batch %s to its key failed: %s", public_id, e)
         if money:
             self.gw.metrics.spend.labels(dep.model_name).inc(money)
-        alias, team = (key.spec.alias, key.spec.team) if key is not None else (None, None)
+        alias, team, user = (key.spec.alias, key.spec.team, key.spec.user) if key is not None else (None,) * 3
         account = key.account if key is not None else key_hash  # (a key's rows go on under its first hash)
-        row = SpendRow(time.time(), public_id, account, alias, team, dep.model_name, dep.id, i, o, money, 200)
+        row = SpendRow(
+            time.time(), public_id, account, alias, team, dep.model_name, dep.id, i, o, money, 200, user
+        )
         self.gw.spend.record(row)
         log.info("batch %s charged %.6g (%d input, %d output tokens) to key %s", public_id, money, i, o,
                  key.name if key is not None else key_hash[:12])  # fmt: skip

@@ -211,7 +211,7 @@ class BatchAPI:
     # ---- batches -----------------------------------------------------------------------------
     async def _may_batch(self, key: KeyRecord) -> None:
         team = self.gw.cfg.teams.get(key.spec.team or "")
-        for who, limits in (("key", key.spec), ("team", team)):
+        for who, limits in (("key", key.spec), ("team", team), ("user", key.owner)):
             if limits is not None and limits.tpm is not None:
                 raise GatewayError(
                     403,

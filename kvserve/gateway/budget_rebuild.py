@@ -40,6 +40,8 @@ class BudgetRebuild:
         since = period_start(period, c.period)
         if c.scope.startswith("key:"):
             spent = await self.spend.spent(since, key_hash=key.account)
+        elif c.scope.startswith("user:"):
+            spent = await self.spend.spent(since, user=c.scope.removeprefix("user:"))
         else:
             spent = await self.spend.spent(since, team=c.scope.removeprefix("team:"))
         if await self.store.seed_budget(c, period, spent) and spent > 0:

@@ -11,11 +11,11 @@ from kvserve.gateway.state.base import EPS
 
 
 def exceeded(adm: Admission, key_name: str) -> str:
-    """LiteLLM's sentence for the budget that refused `adm`: Key=<alias> or Team=<id>."""
+    """LiteLLM's sentence for the budget that refused `adm`: Key=<alias>, Team=<id> or User=<id>."""
     c = adm.failed
     assert c is not None and c.kind == "budget"
-    team = c.scope.startswith("team:")
-    who = "Team=" + c.scope.removeprefix("team:") if team else "Key=" + key_name
+    kind, _, name = c.scope.partition(":")
+    who = {"team": "Team=" + name, "user": "User=" + name}.get(kind, "Key=" + key_name)
     spent = adm.spent if adm.spent is not None else c.limit  # (an earlier version's memo: none)
     # (rounded: a sum of prices printed as 4.0, not 4.000000000000001)
     return f"Budget has been exceeded! {who} Current cost: {round(spent, 9)}, Max budget: {round(c.limit, 9)}"

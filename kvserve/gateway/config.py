@@ -211,26 +211,46 @@ class KeySpec(Limits):
     # set by /key/regenerate only: the hash of the first key of this line, whose budget, limits
     # and spend log rows the regenerated key goes on with (as LiteLLM rotates a key in place)
     account: str | None = None
+    # LiteLLM's user_id: the user (users.py) whose budget and limits cap this key too
+    user: str | None = None
 
     @field_validator("blocked")
     @classmethod
     def _blocked(cls, v: bool | None) -> bool | None:
         return True if v else None  # (False is the default: not written into a stored spec)
 
-    @field_validator("alias", "team", "models")
+    @field_validator("alias", "team", "models", "user")
     @classmethod
     def _text(cls, v: str | list[str] | None) -> str | list[str] | None:
-        """Text that can be stored (UTF-8): a lone surrogate ("\\ud800") is valid JSON but not."""
-        for t in [v] if isinstance(v, str) else v or []:
-            try:
-                t.encode()
-            except UnicodeEncodeError:
-                raise ValueError("not valid text (an unpaired surrogate)") from None
-        return v
+        return storable_text(v)
+
+
+def storable_text(v: str | list[str] | None) -> str | list[str] | None:
+    """Text that can be stored (UTF-8): a lone surrogate ("\\ud800") is valid JSON but not."""
+    for t in [v] if isinstance(v, str) else v or []:
+        try:
+            t.encode()
+        except UnicodeEncodeError:
+            raise ValueError("not valid text (an unpaired surrogate)") from None
+    return v
 
 
 class TeamSpec(Limits):
     models: list[str] | None = None
+
+
+class UserSpec(Limits):
+    """A user made through LiteLLM's /user/new (users.py): its budget and limits cap all its keys."""
+
+    user_email: str | None = None
+    user_alias: str | None = None
+    models: list[str] | None = None
+    metadata: dict | None = None
+
+    @field_validator("user_email", "user_alias", "models")
+    @classmethod
+    def _text(cls, v: str | list[str] | None) -> str | list[str] | None:
+        return storable_text(v)
 
 
 class GeneralSettings(_Strict):

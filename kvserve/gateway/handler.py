@@ -114,7 +114,8 @@ class Gateway:
         if _team_gone(self.cfg, key):  # its team's models and limits cannot be applied: nothing
             return []
         team = self.cfg.teams.get(key.spec.team or "")
-        restrictions = (key.spec.models, team.models if team else None)
+        user = key.owner.models if key.owner is not None else None  # (its user's: LiteLLM's too)
+        restrictions = (key.spec.models, team.models if team else None, user)
         return [n for n in self.cfg.names() if all(self.cfg.permits(r, n) for r in restrictions)]
 
     def allowed_models(self, key: KeyRecord) -> list[str]:
@@ -286,7 +287,7 @@ class Gateway:
         if rule is not None and rule.fallback in ctx.allowed:  # decided after admission: reserve for it too
             reachable.append(rule.fallback)
         deps = [d for a in dict.fromkeys(reachable) for d in self.router.deployments(a)]
-        probe = tenant_checks(key.scope, key.spec, team_name, team, 0, 0.0)
+        probe = tenant_checks(key.scope, key.spec, team_name, team, 0, 0.0, key.user_limits)
         first = self.router.deployments(ctx.alias)[0]
         counting = needs_tokens(probe) or any(d.backend.tpm or d.backend.max_context for d in deps)
         if counting:  # on a deployment not cooling down: a hung one cost every request its timeout
@@ -299,7 +300,7 @@ class Gateway:
             backends, ctx.body, ctx.prompt_tokens, n, completion=ctx.path != EMBEDDINGS
         )
         ctx.checks = tenant_checks(
-            key.scope, key.spec, team_name, team, ctx.prompt_tokens, ctx.reserved_money
+            key.scope, key.spec, team_name, team, ctx.prompt_tokens, ctx.reserved_money, key.user_limits
         )
         if not ctx.checks:
             return
@@ -696,6 +697,7 @@ class Gateway:
                     u.get("completion_tokens") or 0,
                     money,
                     status,
+                    ctx.key.spec.user,
                 )
             )
         log.info(

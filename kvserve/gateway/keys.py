@@ -18,10 +18,11 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvserve.gateway.config import GatewayConfig, KeySpec
+from kvserve.gateway.config import GatewayConfig, KeySpec, UserSpec
 
 if TYPE_CHECKING:  # (Redis is imported only when the state is Redis)
     from kvserve.gateway.shared_keys import SharedKeys
+    from kvserve.gateway.users import UserStore
 
 
 def hash_key(key: str) -> str:
@@ -35,6 +36,12 @@ class KeyRecord:
     source: str  # "config" | "database" | "master"
     created: float = field(default_factory=time.time)
     revoked: float | None = None
+    owner: UserSpec | None = None  # its user's, read with it (KeyStore.record_async); not stored
+
+    @property
+    def user_limits(self) -> tuple[str, UserSpec] | None:
+        """(user id, the user's limits) for a key a user owns, as limits.tenant_checks takes them."""
+        return None if self.spec.user is None or self.owner is None else (self.spec.user, self.owner)
 
     @property
     def account(self) -> str:
@@ -54,13 +61,15 @@ class KeyRecord:
         return self.spec.expires is not None and time.time() >= self.spec.expires
 
     def public(self) -> dict:
-        shown = {"key", "key_hash", "alias", "models", "team", "metadata", "expires", "blocked", "account"}
+        shown = {"key", "key_hash", "alias", "models", "team", "user", "metadata", "expires", "blocked"}
+        shown.add("account")
         limits = self.spec.model_dump(exclude=shown)  # (the rest: limits)
         return {
             "key_hash": self.key_hash,
             "alias": self.spec.alias,
             "models": self.spec.models,
             "team": self.spec.team,
+            "user": self.spec.user,
             "metadata": self.spec.metadata,
             "expires": self.spec.expires,
             "blocked": bool(self.spec.blocked),
@@ -87,6 +96,7 @@ class KeyStore:
             self.config_keys[h] = KeyRecord(h, spec.model_copy(update={"key": None, "key_hash": h}), "config")
         master = cfg.general_settings.master_key
         self.master_hash = hash_key(master) if master else None
+        self.users: UserStore | None = None  # (set by the app: a key's user read with it)
 
     def _known(self, h: str) -> KeyRecord | None:
         """The master key's or a config key's record (no database involved)."""
@@ -117,7 +127,11 @@ class KeyStore:
         return _live(await self.record_async(hash_key(key)))
 
     async def record_async(self, key_hash: str) -> KeyRecord | None:
-        return self._known(key_hash) or await self._shared_or_stored(key_hash)
+        rec = self._known(key_hash) or await self._shared_or_stored(key_hash)
+        if rec is not None and rec.spec.user is not None and self.users is not None:
+            user = await self.users.get(rec.spec.user)  # (deleted: its keys were deleted with it)
+            rec.owner = user.spec if user is not None else None
+        return rec
 
     async def _shared_or_stored(self, h: str) -> KeyRecord | None:
         if self.shared is None:

@@ -22,11 +22,20 @@ def _checks(scope: str, lim: Limits, tokens: int, money: float) -> list[Check]:
 
 
 def tenant_checks(
-    key_scope: str, key: Limits, team_name: str | None, team: Limits | None, tokens: int, money: float
+    key_scope: str,
+    key: Limits,
+    team_name: str | None,
+    team: Limits | None,
+    tokens: int,
+    money: float,
+    user: tuple[str, Limits] | None = None,
 ) -> list[Check]:
+    """user: (id, limits) of the user owning the key (KeyRecord.user_limits): they cap all its keys."""
     checks = _checks(key_scope, key, tokens, money)
     if team_name and team:
         checks += _checks(f"team:{team_name}", team, tokens, money)
+    if user is not None:
+        checks += _checks(f"user:{user[0]}", user[1], tokens, money)
     return checks
 
 

@@ -1,5 +1,6 @@
 """LiteLLM's spend paths over the gateway's spend log (master key): GET /spend/logs (its rows in
-LiteLLM_SpendLogs' field names, or a daily summary) and GET /global/spend. A LiteLLM proxy
+LiteLLM_SpendLogs' field names, or a daily summary; user_id= a user's rows), GET /global/spend,
+/global/spend/keys and /global/spend/models (the top spenders). A LiteLLM proxy
 user's scripts and dashboards read spend there and met route 404s (the gateway's own report is
 /admin/spend). The log is this instance's SQLite file (docs/GATEWAY.md)."""
 
@@ -8,7 +9,7 @@ from __future__ import annotations
 import datetime
 import itertools
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Query, Request, Response
 
 from kvserve.gateway.errors import GatewayError
 from kvserve.gateway.litellm_keys import _hash_of
@@ -39,7 +40,7 @@ def log_entry(row: SpendRow, backend_model: str) -> dict:
         "model_group": row.model,
         "model_id": row.deployment,
         "team_id": row.team,
-        "user": "",
+        "user": row.user or "",
         "status": status,
         "metadata": {"user_api_key_alias": row.key_alias, "status": status, "status_code": row.status},
     }
@@ -54,11 +55,14 @@ def daily_summary(rows: list[SpendRow], end: datetime.date) -> list[dict]:
         items = list(group)
         per_key: dict[str, float] = {}
         models: dict[str, float] = {}
+        users: dict[str, float] = {}
         for r in items:
             per_key[r.key_hash] = per_key.get(r.key_hash, 0.0) + r.cost
             models[r.model] = models.get(r.model, 0.0) + r.cost
+            if r.user is not None:
+                users[r.user] = users.get(r.user, 0.0) + r.cost
         out.append({**per_key, "startTime": d.isoformat(), "spend": sum(r.cost for r in items),
-                    "users": {}, "models": models})  # fmt: skip
+                    "users": users, "models": models})  # fmt: skip
     if out:
         d = datetime.date.fromisoformat(out[-1]["startTime"]) + _DAY
         while d <= end:
@@ -97,9 +101,6 @@ def litellm_spend_router(state) -> APIRouter:
         """Newest first (at most ROW_CAP); with start_date and end_date (both days included),
         a daily summary unless summarize=false."""
         state.require_master(request)
-        if user_id is not None:  # (LiteLLM's internal users: an empty answer would pass for none spent)
-            msg = "user_id: the kvserve gateway has no users (keys and teams: api_key=, /team/info)"
-            raise GatewayError(400, msg, code="unsupported_parameter", param="user_id")
         if (start_date is None) != (end_date is None):
             missing = "end_date" if end_date is None else "start_date"
             raise GatewayError(400, f"{missing}: start_date and end_date go together", param=missing)
@@ -114,7 +115,7 @@ def litellm_spend_router(state) -> APIRouter:
         rec = None if key_hash is None else await state.keys.record_async(key_hash)
         if rec is not None:  # a regenerated key's rows are its line's (keys.py: account)
             key_hash = rec.account
-        rows = await state.spend.entries(key_hash, request_id, start, end, ROW_CAP)
+        rows = await state.spend.entries(key_hash, request_id, start, end, ROW_CAP, user_id)
         if last is not None and summarize:
             return daily_summary(rows, last)
         if len(rows) == ROW_CAP:
@@ -127,5 +128,27 @@ def litellm_spend_router(state) -> APIRouter:
         state.require_master(request)
         rows = await state.spend.report("model", None, None)
         return {"spend": sum(row["spend"] for row in rows), "max_budget": None}
+
+    @r.get("/global/spend/keys")
+    async def global_spend_keys(request: Request, limit: int | None = Query(None, ge=1)) -> list[dict]:
+        """The keys that spent most, most first (a regenerated key's line as one: its account)."""
+        state.require_master(request)
+        rows = (await state.spend.report("key", None, None))[:limit]
+        names = {k.account: k for k in await state.keys.list_async() if not k.revoked}
+        out = []
+        for row in rows:
+            k = names.get(row["key"])
+            alias = k.spec.alias if k is not None else None
+            out.append(
+                {"api_key": row["key"], "total_spend": row["spend"], "key_alias": alias, "key_name": None}
+            )
+        return out
+
+    @r.get("/global/spend/models")
+    async def global_spend_models(request: Request, limit: int | None = Query(None, ge=1)) -> list[dict]:
+        """The model groups (the names clients send) that spent most, most first."""
+        state.require_master(request)
+        rows = (await state.spend.report("model", None, None))[:limit]
+        return [{"model": row["model"], "total_spend": row["spend"]} for row in rows]
 
     return r

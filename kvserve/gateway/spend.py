@@ -26,6 +26,7 @@ class SpendRow:
     completion_tokens: int
     cost: float
     status: int
+    user: str | None = None  # the key's user (LiteLLM's user_id), whose budget it counts in
 
 
 class SpendLog:
@@ -38,10 +39,12 @@ class SpendLog:
         db.execute(
             "CREATE TABLE IF NOT EXISTS spend (ts REAL, request_id TEXT, key_hash TEXT, key_alias TEXT,"
             " team TEXT, model TEXT, deployment TEXT, prompt_tokens INTEGER, completion_tokens INTEGER,"
-            " cost REAL, status INTEGER)"
+            " cost REAL, status INTEGER, user TEXT)"
         )
+        if "user" not in [c[1] for c in db.execute("PRAGMA table_info(spend)")]:  # (written before users)
+            db.execute("ALTER TABLE spend ADD COLUMN user TEXT")
         db.execute("CREATE INDEX IF NOT EXISTS spend_ts ON spend (ts)")
-        for col in ("key_hash", "team"):  # a budget rebuilt (spent) reads one key's or team's rows
+        for col in ("key_hash", "team", "user"):  # a budget rebuilt (spent) reads one owner's rows
             db.execute(f"CREATE INDEX IF NOT EXISTS spend_{col}_ts ON spend ({col}, ts)")
         db.commit()
 
@@ -52,7 +55,7 @@ class SpendLog:
         with self.lock:
             try:
                 self.db.executemany(
-                    "INSERT INTO spend VALUES (?,?,?,?,?,?,?,?,?,?,?)", [astuple(r) for r in rows]
+                    "INSERT INTO spend VALUES (?,?,?,?,?,?,?,?,?,?,?,?)", [astuple(r) for r in rows]
                 )
                 self.db.commit()
             except sqlite3.Error:
@@ -84,15 +87,18 @@ class SpendLog:
             self._task.cancel()
         await self.flush()
 
-    async def spent(self, since: float, key_hash: str | None = None, team: str | None = None) -> float:
-        """What a key (or a team) was charged from `since` on: a budget's spend rebuilt when the
+    async def spent(
+        self, since: float, key_hash: str | None = None, team: str | None = None, user: str | None = None
+    ) -> float:
+        """What a key (or a team, or a user) was charged from `since` on: a budget's spend rebuilt when the
         state store lost it (every instance's rows, where they share the file; this one's not
         yet written counted from memory)."""
         try:
             await self.flush()
         except sqlite3.Error:  # (a full disk: the rows stay pending, counted below; retried later)
             pass
-        col, value = ("key_hash", key_hash) if key_hash is not None else ("team", team)
+        named = (("key_hash", key_hash), ("user", user), ("team", team))
+        col, value = next(((c, v) for c, v in named if v is not None), ("team", team))
 
         def query():
             with self.lock:
@@ -104,12 +110,18 @@ class SpendLog:
         return float(written + sum(mine))
 
     async def entries(
-        self, key_hash: str | None, request_id: str | None, start: float, end: float, limit: int
+        self,
+        key_hash: str | None,
+        request_id: str | None,
+        start: float,
+        end: float,
+        limit: int,
+        user: str | None = None,
     ) -> list[SpendRow]:
         """Rows from `start` to before `end`, newest first, at most `limit` (LiteLLM's /spend/logs)."""
         await self.flush()
         sql, args = "SELECT * FROM spend WHERE ts >= ? AND ts < ?", [start, end]
-        for col, value in (("key_hash", key_hash), ("request_id", request_id)):
+        for col, value in (("key_hash", key_hash), ("request_id", request_id), ("user", user)):
             if value is not None:
                 sql += f" AND {col} = ?"
                 args.append(value)

@@ -1,0 +1,108 @@
+"""Users made through LiteLLM's /user/* paths (litellm_users.py): a user owns keys (a key's
+`user`), and the user's budget and limits cap all its keys together, as LiteLLM's do. Kept as the
+keys are: in the gateway's SQLite database, and with a Redis state in Redis too, which every
+instance reads first (users kept in Redis alone were lost with a Redis restarted without
+persistence, and with them the budgets capping their keys)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass, field
+
+from kvserve.gateway.config import UserSpec
+from kvserve.gateway.state.redis_store import PREFIX, _guarded
+
+HASH = PREFIX + "users"
+
+
+@dataclass
+class UserRecord:
+    user_id: str
+    spec: UserSpec
+    created: float = field(default_factory=time.time)
+
+
+def _entry(rec: UserRecord) -> str:
+    return json.dumps({"spec": rec.spec.model_dump(exclude_none=True), "created": rec.created})
+
+
+def _record(user_id: str, raw: str | bytes) -> UserRecord:
+    e = json.loads(raw)
+    return UserRecord(user_id, UserSpec.model_validate(e["spec"]), e["created"])
+
+
+class UserStore:
+    """redis: the state store's client (None: the memory state, users in `db`)."""
+
+    def __init__(self, db: sqlite3.Connection, redis=None) -> None:
+        self.db, self.redis = db, redis
+        self.lock = threading.Lock()
+        db.execute("CREATE TABLE IF NOT EXISTS users (user_id TEXT PRIMARY KEY, entry TEXT NOT NULL)")
+        db.commit()
+
+    def _sql(self, sql: str, args: tuple = ()) -> list:
+        with self.lock:
+            try:
+                rows = self.db.execute(sql, args).fetchall()
+                self.db.commit()
+            except sqlite3.Error:
+                self.db.rollback()  # else the failed write's transaction keeps the file locked
+                raise
+        return rows
+
+    async def _local(self, user_id: str) -> UserRecord | None:
+        rows = await asyncio.to_thread(self._sql, "SELECT entry FROM users WHERE user_id = ?", (user_id,))
+        return _record(user_id, rows[0][0]) if rows else None
+
+    async def _save_local(self, rec: UserRecord) -> None:
+        sql = "INSERT OR REPLACE INTO users (user_id, entry) VALUES (?, ?)"
+        await asyncio.to_thread(self._sql, sql, (rec.user_id, _entry(rec)))
+
+    async def get(self, user_id: str) -> UserRecord | None:
+        """Redis first (a tombstone: deleted, whatever a local copy says); a user Redis lost
+        (restarted without persistence) is read from the database and shared again."""
+        if self.redis is None:
+            return await self._local(user_id)
+        raw = await _guarded(self.redis.hget)(HASH, user_id)
+        if raw is not None:
+            return None if json.loads(raw).get("deleted") else _record(user_id, raw)
+        rec = await self._local(user_id)
+        if rec is not None:
+            await _guarded(self.redis.hsetnx)(HASH, user_id, _entry(rec))
+        return rec
+
+    async def create(self, rec: UserRecord) -> bool:
+        """False: a user with that id exists already."""
+        if await self.get(rec.user_id) is not None:
+            return False
+        if self.redis is not None:
+            await _guarded(self.redis.hset)(HASH, rec.user_id, _entry(rec))
+        await self._save_local(rec)
+        return True
+
+    async def replace(self, rec: UserRecord) -> None:
+        if self.redis is not None:
+            await _guarded(self.redis.hset)(HASH, rec.user_id, _entry(rec))
+        await self._save_local(rec)
+
+    async def delete(self, user_id: str) -> None:
+        if self.redis is not None:  # a tombstone: no instance's local copy brings the user back
+            await _guarded(self.redis.hset)(HASH, user_id, json.dumps({"deleted": time.time()}))
+        await asyncio.to_thread(self._sql, "DELETE FROM users WHERE user_id = ?", (user_id,))
+
+    async def all(self) -> list[UserRecord]:
+        """Oldest first."""
+        rows = await asyncio.to_thread(self._sql, "SELECT user_id, entry FROM users")
+        recs = {k: _record(k, v) for k, v in rows}
+        if self.redis is not None:
+            for k, v in (await _guarded(self.redis.hgetall)(HASH)).items():
+                deleted = json.loads(v).get("deleted")
+                if deleted:
+                    recs.pop(k.decode(), None)
+                else:
+                    recs[k.decode()] = _record(k.decode(), v)
+        return sorted(recs.values(), key=lambda r: r.created)
