@@ -54,8 +54,8 @@ def _with(path: str, value) -> dict:
         ("keys", [{"alias": "x"}], "keys.0: give exactly one of key or key_hash"),
         (
             "keys",
-            [{"key": "a", "budget_duration": "monthly"}],
-            "keys.0.budget_duration: Value error, 'monthly'",
+            [{"key": "a", "budget_duration": "fortnightly"}],
+            "keys.0.budget_duration: Value error, 'fortnightly'",
         ),
         (
             "keys",

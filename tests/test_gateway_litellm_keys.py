@@ -519,3 +519,29 @@ def test_litellms_user_paths_make_read_change_and_delete_a_user_and_its_keys(tmp
         return True
 
     assert _run(tmp_path, calls)
+
+
+def test_litellms_month_week_and_word_durations_are_taken(tmp_path):
+    """LiteLLM's docs write budget_duration "1mo" (and "1w", "monthly") and duration "1w": each
+    was a 400 here. "1mo" is a calendar month (reset on the 1st, as LiteLLM's); "2mo" has no such
+    period here and stays a 400 rather than counting 60-day windows from 1970."""
+
+    async def calls(c):
+        body = {"budget_duration": "1mo", "duration": "1w", "max_budget": 1.0}
+        return (
+            await c.post("/key/generate", json=body, headers=MASTER),
+            await c.post("/user/new", json={"budget_duration": "weekly", "max_budget": 1.0}, headers=MASTER),
+            await c.post("/key/generate", json={"budget_duration": "2mo"}, headers=MASTER),
+        )
+
+    month, weekly, two = _run(tmp_path, calls)
+    assert month.status_code == 200, month.text
+    now = datetime.datetime.now(datetime.UTC)
+    first = datetime.datetime(now.year + now.month // 12, now.month % 12 + 1, 1, tzinfo=datetime.UTC)
+    assert datetime.datetime.fromisoformat(month.json()["budget_reset_at"]) == first, month.text
+    expires = datetime.datetime.fromisoformat(month.json()["expires"])
+    assert abs((expires - now).total_seconds() - 7 * 86400) < 60, month.text
+    assert weekly.status_code == 200 and weekly.json()["budget_duration"] == "weekly", weekly.text
+    monday = datetime.datetime.fromisoformat(weekly.json()["budget_reset_at"])
+    assert monday.weekday() == 0 and (monday.hour, monday.minute) == (0, 0), weekly.text
+    assert two.status_code == 400 and two.json()["error"]["param"] == "budget_duration", two.text

@@ -334,14 +334,20 @@ class GatewayConfig(_Strict):
         return restriction is None or name in restriction or self.group_of(name) in restriction
 
 
-_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400, "mo": 30 * 86400}
+# LiteLLM's words for a budget_duration (its docs and UI write them)
+_WORDS = {"hourly": "1h", "daily": "1d", "weekly": "1w", "monthly": "1mo"}
 
 
 def parse_duration(text: str) -> float:
-    """'30s', '10m', '24h', '30d' -> seconds."""
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)([smhd])", text.strip())
-    if not m or float(m.group(1)) <= 0:
-        raise ValueError(f"{text!r} is not a duration like 30s, 10m, 24h or 30d")
+    """'30s', '10m', '24h', '30d', and LiteLLM's '1w', '1mo', 'daily', ... -> seconds. `1mo` is
+    `30d`, which a budget counts in calendar months (state/base.py), as LiteLLM resets `1mo` on
+    the 1st; whole weeks reset on Mondays. More months than one (LiteLLM's `2mo`) have no such
+    period here: refused, not counted as 60 days from 1970."""
+    t = _WORDS.get(text.strip().lower(), text.strip())
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)(mo|[smhdw])", t)
+    if not m or float(m.group(1)) <= 0 or (m.group(2) == "mo" and float(m.group(1)) != 1):
+        raise ValueError(f"{text!r} is not a duration like 30s, 10m, 24h, 30d, 1w or 1mo")
     return float(m.group(1)) * _UNITS[m.group(2)]
 
 
