@@ -1081,13 +1081,14 @@ def test_admin_keys_create_use_revoke(gw):
 @pytest.mark.parametrize(
     "body, field",
     [('{"max_budget": Infinity}', "max_budget"), ('{"max_budget": NaN}', "max_budget"),
-     ('{"rpm": 1' + "0" * 400 + "}", "rpm"), ('{"alias": "a \\ud800"}', "alias")],
+     ('{"rpm": 1' + "0" * 400 + "}", "rpm"), ('{"alias": "a \\ud800"}', "alias"),
+     ('{"metadata": {"note": "a \\ud800"}}', "metadata")],
 )  # fmt: skip
 def test_admin_refuses_a_key_it_could_not_store_or_use(gw, body, field):
     """An infinite budget failed serializing the answer (500, after the key was stored: a key
     nobody was told); an rpm past a float's range was stored and then every request with the
-    key was a 500; a lone surrogate in the alias could not be stored (500). Now 400s naming
-    the field, and nothing is created."""
+    key was a 500; a lone surrogate in the alias or the metadata could not be stored (500, and a
+    traceback logged). Now 400s naming the field, and nothing is created."""
     m = {"Authorization": f"Bearer {MASTER}", "content-type": "application/json"}
     before = len(httpx.get(gw.url + "/admin/keys", headers=m).json()["data"])
     r = httpx.post(gw.url + "/admin/keys", content=body, headers=m)

@@ -7,6 +7,7 @@ A mistake stops start-up with one line naming the key path (``model_list.1.backe
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 from typing import Literal
@@ -224,6 +225,21 @@ class KeySpec(Limits):
     def _text(cls, v: str | list[str] | None) -> str | list[str] | None:
         return storable_text(v)
 
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, v: dict | None) -> dict | None:
+        return storable_metadata(v)
+
+
+def storable_metadata(v: dict | None) -> dict | None:
+    """Metadata that can be stored: a lone surrogate in a key or value was a 500 and a
+    traceback when the key was written (the client's mistake, told as a 400)."""
+    try:
+        json.dumps(v, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        raise ValueError("not valid text (an unpaired surrogate)") from None
+    return v
+
 
 def storable_text(v: str | list[str] | None) -> str | list[str] | None:
     """Text that can be stored (UTF-8): a lone surrogate ("\\ud800") is valid JSON but not."""
@@ -251,6 +267,11 @@ class UserSpec(Limits):
     @classmethod
     def _text(cls, v: str | list[str] | None) -> str | list[str] | None:
         return storable_text(v)
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, v: dict | None) -> dict | None:
+        return storable_metadata(v)
 
 
 class GeneralSettings(_Strict):
