@@ -115,7 +115,9 @@ def test_litellm_key_fields_the_gateway_cannot_honour_are_refused_by_name(tmp_pa
 
 
 def test_a_key_with_a_duration_expires(tmp_path, monkeypatch):
-    """LiteLLM's `duration`: the key works until then, then is a 401 (and /key/info shows when)."""
+    """LiteLLM's `duration`: the key works until then, then is a 401 (and /key/info shows when),
+    which says, in LiteLLM's words, that the key expired and when (it was "unknown, revoked or
+    expired key": its user could not tell which)."""
 
     async def calls(c):
         made = (await c.post("/key/generate", json={"duration": "1h"}, headers=MASTER)).json()
@@ -127,7 +129,9 @@ def test_a_key_with_a_duration_expires(tmp_path, monkeypatch):
 
     made, before, after = _run(tmp_path, calls)
     assert made["expires"] is not None and before == 200
-    assert after.status_code == 401 and "expired" in after.json()["error"]["message"], after.text
+    assert after.status_code == 401, after.text
+    msg = f"Authentication Error - Expired Key. Key Expiry time {made['expires']} and current time "
+    assert after.json()["error"]["message"].startswith(msg), after.text
 
 
 def test_key_info_without_a_key_describes_the_calling_key_the_master_key_too(tmp_path):

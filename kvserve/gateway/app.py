@@ -25,7 +25,7 @@ from kvserve.gateway.batches import BatchAPI
 from kvserve.gateway.config import ConfigError, GatewayConfig
 from kvserve.gateway.errors import GatewayError, unauthorized
 from kvserve.gateway.handler import Gateway
-from kvserve.gateway.keys import KeyRecord, KeyStore, open_database
+from kvserve.gateway.keys import KeyRecord, KeyStore, expired_words, hash_key, open_database
 from kvserve.gateway.litellm_key_block import BLOCKED, litellm_key_block_router
 from kvserve.gateway.litellm_key_regenerate import litellm_key_regenerate_router
 from kvserve.gateway.litellm_keys import litellm_key_router
@@ -111,9 +111,11 @@ class GatewayState:
         token = presented_key(request.headers)
         if token is None:
             raise unauthorized(f"Authorization: missing; {HOW}")
-        rec = await self.keys.find(token)
+        rec = await self.keys.record_async(hash_key(token))
         if rec is None:
-            raise unauthorized("Authorization: unknown, revoked or expired key")
+            raise unauthorized("Authorization: unknown or revoked key")
+        if rec.expired:  # (LiteLLM's words: a user told "unknown, revoked or expired" could not tell which)
+            raise unauthorized(expired_words(rec))
         if rec.spec.blocked:  # (LiteLLM's words: its users' scripts and runbooks look for them)
             raise unauthorized(BLOCKED)
         return rec

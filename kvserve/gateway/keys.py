@@ -9,6 +9,7 @@ request). Each call reads the file, so a key made or revoked on any instance cou
 from __future__ import annotations
 
 import asyncio
+import datetime
 import hashlib
 import json
 import secrets
@@ -232,6 +233,13 @@ class KeyStore:
 
 def _spec_json(spec: KeySpec) -> str:
     return spec.model_dump_json(exclude_none=True)
+
+
+def expired_words(rec: KeyRecord) -> str:
+    """An expired key's refusal in LiteLLM's words, with when it expired (ISO 8601, UTC)."""
+    at = datetime.datetime.fromtimestamp(rec.spec.expires or 0.0, datetime.UTC).isoformat()
+    now = datetime.datetime.fromtimestamp(time.time(), datetime.UTC).isoformat()
+    return f"Authentication Error - Expired Key. Key Expiry time {at} and current time {now}"
 
 
 def _live(rec: KeyRecord | None) -> KeyRecord | None:
