@@ -461,7 +461,7 @@ def test_a_key_alias_is_one_live_keys_as_litellm_requires(tmp_path):
 
 
 def test_litellms_user_paths_make_read_change_and_delete_a_user_and_its_keys(tmp_path):
-    """/user/new, /user/info, /user/update and /user/delete were route 404s: a LiteLLM proxy
+    """/user/new, /user/info, /user/list, /user/update and /user/delete were route 404s: a LiteLLM proxy
     user's onboarding script failed at its first call. A user owns keys (its auto-created one,
     /key/generate's user_id) and is deleted with them."""
 
@@ -506,6 +506,13 @@ def test_litellms_user_paths_make_read_change_and_delete_a_user_and_its_keys(tmp
         assert other.status_code == 401, other.text
         listed = await c.get("/key/list", params={"user_id": "ann"}, headers=MASTER)
         assert sorted(listed.json()["keys"]) == sorted([m["token"], second["token"]]), listed.text
+        users = (await c.get("/user/list", params={"page_size": 2}, headers=MASTER)).json()
+        assert [u["user_id"] for u in users["users"]] == ["bob", bare.json()["user_id"]], (
+            users
+        )  # newest first
+        assert (users["total"], users["total_pages"], users["users"][0]["key_count"]) == (3, 2, 1), users
+        ann = (await c.get("/user/list", params={"user_ids": "ann,nobody"}, headers=MASTER)).json()
+        assert [(u["user_id"], u["key_count"]) for u in ann["users"]] == [("ann", 2)], ann
         up = await c.post("/user/update", json={"user_id": "ann", "max_budget": 5.0, "models": None},
                           headers=MASTER)  # fmt: skip
         assert up.status_code == 200 and up.json()["data"]["max_budget"] == 5.0, up.text

@@ -1,4 +1,4 @@
-"""LiteLLM's user paths (/user/new, /user/info, /user/update, /user/delete) over users.py, with
+"""LiteLLM's user paths (/user/new, /user/info, /user/list, /user/update, /user/delete) over users.py, with
 LiteLLM's field names and answer shapes: a user owns keys (/key/generate's user_id), and its
 max_budget, budget_duration, rpm_limit, tpm_limit and max_parallel_requests cap all its keys
 together (limits.tenant_checks). Were route 404s: a LiteLLM proxy user's onboarding scripts
@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 import uuid
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from pydantic import ValidationError
 
 from kvserve.gateway.admin import _first_error, json_object
@@ -187,6 +187,27 @@ def litellm_user_router(state) -> APIRouter:
             "keys": [key_info(k, await key_spend(state.spend, k)) for k in keys],
             "teams": [],
         }
+
+    @r.get("/list")
+    async def list_users(
+        request: Request,
+        user_ids: str | None = None,
+        page: int = Query(1, ge=1),
+        page_size: int = Query(25, ge=1, le=100),
+    ) -> dict:
+        """LiteLLM's page of users (25 by default, newest first) with each one's spend and key
+        count; user_ids= (comma-separated) narrows to those."""
+        state.require_master(request)
+        wanted = None if user_ids is None else {u.strip() for u in user_ids.split(",") if u.strip()}
+        users = [u for u in reversed(await state.users.all()) if wanted is None or u.user_id in wanted]
+        shown = users[(page - 1) * page_size : page * page_size]
+        counts: dict[str, int] = {}
+        for k in await state.keys.list_async():
+            if not k.revoked and k.spec.user is not None:
+                counts[k.spec.user] = counts.get(k.spec.user, 0) + 1
+        out = [{**user_info(u, await spent(u)), "key_count": counts.get(u.user_id, 0)} for u in shown]
+        pages = max(-(-len(users) // page_size), 1)
+        return {"users": out, "total": len(users), "page": page, "page_size": page_size, "total_pages": pages}
 
     @r.post("/update")
     async def update(request: Request) -> dict:
