@@ -376,11 +376,12 @@ def test_a_garbled_upload_is_a_400_and_no_log_noise(tmp_path, caplog, content_ty
 def test_a_batch_of_a_key_regenerated_while_it_ran_is_charged_to_the_new_key(stack):
     """A batch created by a key that was then regenerated (/key/regenerate) was logged but not
     charged: its owner was remembered by the old key's hash, revoked by then. The spend belongs
-    to the key, whatever its secret now: the new key's budget is charged and refuses it next."""
+    to the key, whatever its secret now: the new key's budget (here its user's) is charged and
+    refuses it next."""
     gw1, gw2 = stack
     master = {"Authorization": f"Bearer {MASTER}"}
-    body = {"max_budget": 0.01, "models": ["priced"]}
-    made = httpx.post(gw1.url + "/key/generate", json=body, headers=master)
+    body = {"user_id": "batch-user", "max_budget": 0.01, "models": ["priced"]}
+    made = httpx.post(gw1.url + "/user/new", json=body, headers=master)
     assert made.status_code == 200, made.text
     old = made.json()["key"]
     c = _client(gw1, old)
@@ -394,6 +395,7 @@ def test_a_batch_of_a_key_regenerated_while_it_ran_is_charged_to_the_new_key(sta
     with pytest.raises(openai.BadRequestError) as e:  # its cost is past the budget: no more batches
         new.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
     assert e.value.body["code"] == "budget_exceeded", e.value.body
+    assert e.value.body["message"].startswith("Budget has been exceeded! User=batch-user"), e.value.body
     want = b.usage.input_tokens * IN_PRICE + b.usage.output_tokens * OUT_BATCH_PRICE
     info = httpx.get(gw2.url + "/key/info", params={"key": regen.json()["key"]}, headers=master).json()
     assert info["info"]["spend"] == pytest.approx(want), info

@@ -90,7 +90,8 @@ class BatchSpend:
             return rec
         recs = await self.keys.list_async()  # (once per finished batch of a regenerated key)
         account = next((k.account for k in recs if k.key_hash == stored), stored)
-        return next((k for k in recs if k.revoked is None and k.account == account), None)
+        live = next((k for k in recs if k.revoked is None and k.account == account), None)
+        return None if live is None else await self.keys.record_async(live.key_hash)  # (with its user)
 
     async def seen(self, dep: Deployment, batch: dict, public_id: str) -> list[str]:
         """On every batch object the gateway hands out (its ids the gateway's): once it is
