@@ -493,6 +493,10 @@ def test_litellms_user_paths_make_read_change_and_delete_a_user_and_its_keys(tmp
         assert second["user_id"] == "ann", second
         bob = await c.post("/key/generate", json={"user_id": "bob"}, headers=MASTER)
         assert bob.status_code == 200 and bob.json()["user_id"] == "bob", bob.text
+        dave = await c.post("/admin/keys", json={"user": "dave"}, headers=MASTER)  # (the gateway's own API)
+        assert dave.status_code == 200 and dave.json()["user"] == "dave", dave.text
+        dave_info = (await c.get("/user/info", params={"user_id": "dave"}, headers=MASTER)).json()
+        assert [k["token"] for k in dave_info["keys"]] == [dave.json()["key_hash"]], dave_info
         # her models cap her keys: "b" is not hers
         assert [x["id"] for x in (await _models(c, second["key"])).json()["data"]] == ["a"]
         info = await c.get("/user/info", params={"user_id": "ann"}, headers=MASTER)
@@ -507,10 +511,8 @@ def test_litellms_user_paths_make_read_change_and_delete_a_user_and_its_keys(tmp
         listed = await c.get("/key/list", params={"user_id": "ann"}, headers=MASTER)
         assert sorted(listed.json()["keys"]) == sorted([m["token"], second["token"]]), listed.text
         users = (await c.get("/user/list", params={"page_size": 2}, headers=MASTER)).json()
-        assert [u["user_id"] for u in users["users"]] == ["bob", bare.json()["user_id"]], (
-            users
-        )  # newest first
-        assert (users["total"], users["total_pages"], users["users"][0]["key_count"]) == (3, 2, 1), users
+        assert [u["user_id"] for u in users["users"]] == ["dave", "bob"], users  # newest first
+        assert (users["total"], users["total_pages"], users["users"][0]["key_count"]) == (4, 2, 1), users
         ann = (await c.get("/user/list", params={"user_ids": "ann,nobody"}, headers=MASTER)).json()
         assert [(u["user_id"], u["key_count"]) for u in ann["users"]] == [("ann", 2)], ann
         up = await c.post("/user/update", json={"user_id": "ann", "max_budget": 5.0, "models": None},

@@ -12,6 +12,7 @@ from kvserve.gateway.config import GatewayConfig, KeySpec, parse_duration
 from kvserve.gateway.errors import GatewayError
 from kvserve.gateway.json_type import require_json
 from kvserve.gateway.spend import GROUPS
+from kvserve.gateway.users import user_made
 
 
 def _first_error(e: ValidationError) -> str:
@@ -65,6 +66,7 @@ def admin_router(state) -> APIRouter:
         except ValidationError as e:
             raise GatewayError(400, _first_error(e), code="invalid_value") from None
         check_references(state.cfg, spec)
+        await user_made(state.users, spec)
         key, rec = await state.keys.create_async(spec)
         return {"key": key, **rec.public()}
 

@@ -21,11 +21,11 @@ from pydantic import ValidationError
 from kvserve.gateway.admin import _first_error, check_references, json_object
 from kvserve.gateway.auth_headers import presented_key
 from kvserve.gateway.budgets import budget_period
-from kvserve.gateway.config import KeySpec, UserSpec, parse_duration
+from kvserve.gateway.config import KeySpec, parse_duration
 from kvserve.gateway.errors import GatewayError
 from kvserve.gateway.keys import KeyRecord, KeyStore, hash_key
 from kvserve.gateway.spend import SpendLog
-from kvserve.gateway.users import UserRecord, UserStore
+from kvserve.gateway.users import user_made
 
 # LiteLLM's name -> KeySpec's
 FIELDS = {
@@ -160,13 +160,6 @@ async def database_key(keys: KeyStore, key_hash: str, master: str, configured: s
     if rec.source != "database":
         raise GatewayError(400, master if rec.source == "master" else configured, param="key")
     return rec
-
-
-async def user_made(users: UserStore, spec: KeySpec) -> None:
-    """A key's user_id that names no user makes one, without limits (LiteLLM's upsert): the
-    user's spend and keys are then read at /user/info."""
-    if spec.user is not None:
-        await users.create(UserRecord(spec.user, UserSpec()))  # (False: there already)
 
 
 def _hash_of(value: object, param: str) -> str:

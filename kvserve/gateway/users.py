@@ -13,10 +13,16 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from kvserve.gateway.config import UserSpec
-from kvserve.gateway.state.redis_store import PREFIX, _guarded
+from kvserve.gateway.config import KeySpec, UserSpec
 
-HASH = PREFIX + "users"
+HASH = "kvgw:users"  # (redis_store.PREFIX's; Redis is imported only when the state is Redis)
+
+
+async def _redis(fn, *args):
+    """A Redis call, its failure the store's (StoreUnavailable: a 503), as redis_store's are."""
+    from kvserve.gateway.state.redis_store import _guarded
+
+    return await _guarded(fn)(*args)
 
 
 @dataclass
@@ -67,12 +73,12 @@ class UserStore:
         (restarted without persistence) is read from the database and shared again."""
         if self.redis is None:
             return await self._local(user_id)
-        raw = await _guarded(self.redis.hget)(HASH, user_id)
+        raw = await _redis(self.redis.hget, HASH, user_id)
         if raw is not None:
             return None if json.loads(raw).get("deleted") else _record(user_id, raw)
         rec = await self._local(user_id)
         if rec is not None:
-            await _guarded(self.redis.hsetnx)(HASH, user_id, _entry(rec))
+            await _redis(self.redis.hsetnx, HASH, user_id, _entry(rec))
         return rec
 
     async def create(self, rec: UserRecord) -> bool:
@@ -80,18 +86,18 @@ class UserStore:
         if await self.get(rec.user_id) is not None:
             return False
         if self.redis is not None:
-            await _guarded(self.redis.hset)(HASH, rec.user_id, _entry(rec))
+            await _redis(self.redis.hset, HASH, rec.user_id, _entry(rec))
         await self._save_local(rec)
         return True
 
     async def replace(self, rec: UserRecord) -> None:
         if self.redis is not None:
-            await _guarded(self.redis.hset)(HASH, rec.user_id, _entry(rec))
+            await _redis(self.redis.hset, HASH, rec.user_id, _entry(rec))
         await self._save_local(rec)
 
     async def delete(self, user_id: str) -> None:
         if self.redis is not None:  # a tombstone: no instance's local copy brings the user back
-            await _guarded(self.redis.hset)(HASH, user_id, json.dumps({"deleted": time.time()}))
+            await _redis(self.redis.hset, HASH, user_id, json.dumps({"deleted": time.time()}))
         await asyncio.to_thread(self._sql, "DELETE FROM users WHERE user_id = ?", (user_id,))
 
     async def all(self) -> list[UserRecord]:
@@ -99,10 +105,17 @@ class UserStore:
         rows = await asyncio.to_thread(self._sql, "SELECT user_id, entry FROM users")
         recs = {k: _record(k, v) for k, v in rows}
         if self.redis is not None:
-            for k, v in (await _guarded(self.redis.hgetall)(HASH)).items():
+            for k, v in (await _redis(self.redis.hgetall, HASH)).items():
                 deleted = json.loads(v).get("deleted")
                 if deleted:
                     recs.pop(k.decode(), None)
                 else:
                     recs[k.decode()] = _record(k.decode(), v)
         return sorted(recs.values(), key=lambda r: r.created)
+
+
+async def user_made(users: UserStore, spec: KeySpec) -> None:
+    """A key's user that names no user makes one, without limits (LiteLLM's upsert on
+    /key/generate's user_id): the user's spend and keys are then read at /user/info."""
+    if spec.user is not None:
+        await users.create(UserRecord(spec.user, UserSpec()))  # (False: there already)
