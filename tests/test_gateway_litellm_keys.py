@@ -476,7 +476,10 @@ def test_litellms_user_paths_make_read_change_and_delete_a_user_and_its_keys(tmp
         assert (m["max_budget"], m["rpm_limit"], m["models"], m["spend"]) == (3.0, 9, ["a"], 0.0), m
         again = await c.post("/user/new", json={"user_id": "ann"}, headers=MASTER)
         assert again.status_code == 409 and again.json()["error"]["param"] == "user_id", again.text
-        bare = await c.post("/user/new", json={"auto_create_key": False}, headers=MASTER)
+        bare = await c.post(
+            "/user/new", json={"auto_create_key": False, "user_role": "customer"}, headers=MASTER
+        )
+        assert bare.json()["user_role"] == "customer", bare.text
         assert bare.json()["key"] is None and len(bare.json()["user_id"]) == 36, bare.text  # (a uuid)
         wrong = await c.post("/user/new", json={"teams": ["red"]}, headers=MASTER)
         assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "teams", wrong.text

@@ -260,6 +260,8 @@ class UserSpec(Limits):
 
     user_email: str | None = None
     user_alias: str | None = None
+    # LiteLLM's roles for an ordinary user (its admin roles: the master key here); shown, not enforced
+    user_role: Literal["internal_user", "internal_user_viewer", "customer"] | None = None
     models: list[str] | None = None
     metadata: dict | None = None
 

@@ -56,6 +56,7 @@ def _user_fields(body: dict, skip: set[str]) -> dict:
             if value not in ROLES:
                 msg = f"user_role: one of {', '.join(ROLES)} (the gateway's admin is its master key)"
                 raise GatewayError(400, msg, param="user_role")
+            out["user_role"] = value
         elif name == "models":
             out["models"] = _models(value)
         elif name in FIELDS:
@@ -95,7 +96,7 @@ def user_info(rec: UserRecord, spend: float) -> dict:
         "user_id": rec.user_id,
         "user_email": s.user_email,
         "user_alias": s.user_alias,
-        "user_role": "internal_user",
+        "user_role": s.user_role or "internal_user",
         "models": s.models or [],
         "max_budget": s.max_budget,
         "budget_duration": s.budget_duration,
