@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import hashlib
+import sqlite3
 import time
 
 import httpx
@@ -14,7 +15,8 @@ import pytest
 
 from kvserve.gateway.app import build_app
 from kvserve.gateway.config import KeySpec, parse_config
-from kvserve.gateway.spend import SpendRow
+from kvserve.gateway.keys import open_database
+from kvserve.gateway.spend import SpendLog, SpendRow
 
 BACKEND = {"base_url": "http://127.0.0.1:1/v1", "model": "x", "api_key": "sk-backend-secret"}
 CFG = {
@@ -561,3 +563,23 @@ def test_litellms_month_week_and_word_durations_are_taken(tmp_path):
     monday = datetime.datetime.fromisoformat(weekly.json()["budget_reset_at"])
     assert monday.weekday() == 0 and (monday.hour, monday.minute) == (0, 0), weekly.text
     assert two.status_code == 400 and two.json()["error"]["param"] == "budget_duration", two.text
+
+
+def test_a_spend_log_written_before_users_gains_their_column_and_keeps_its_rows(tmp_path):
+    """The spend log's rows record their key's user (a user's budget is rebuilt from them): a
+    log an earlier version wrote is given the column, its rows read as no user's."""
+    db = sqlite3.connect(tmp_path / "old.db")
+    db.execute("CREATE TABLE spend (ts REAL, request_id TEXT, key_hash TEXT, key_alias TEXT, team TEXT,"
+               " model TEXT, deployment TEXT, prompt_tokens INTEGER, completion_tokens INTEGER, cost REAL,"
+               " status INTEGER)")  # fmt: skip
+    db.execute("INSERT INTO spend VALUES (1.0, 'r1', 'h', NULL, NULL, 'a', 'a-0', 1, 1, 0.5, 200)")
+    db.commit()
+    log = SpendLog(open_database(str(tmp_path / "old.db")))
+    SpendLog(open_database(str(tmp_path / "old.db")))  # (a second instance: the column is there)
+    log.record(SpendRow(2.0, "r2", "h", None, None, "a", "a-0", 1, 1, 0.25, 200, "ann"))
+
+    async def read():
+        return await log.entries(None, None, 0.0, 1e18, 10), await log.spent(0.0, user="ann")
+
+    rows, ann = asyncio.run(read())
+    assert [(r.request_id, r.user) for r in rows] == [("r2", "ann"), ("r1", None)] and ann == 0.25

@@ -42,7 +42,11 @@ class SpendLog:
             " cost REAL, status INTEGER, user TEXT)"
         )
         if "user" not in [c[1] for c in db.execute("PRAGMA table_info(spend)")]:  # (written before users)
-            db.execute("ALTER TABLE spend ADD COLUMN user TEXT")
+            try:
+                db.execute("ALTER TABLE spend ADD COLUMN user TEXT")
+            except sqlite3.OperationalError as e:  # another instance starting at once added it first
+                if "duplicate column" not in str(e):
+                    raise
         db.execute("CREATE INDEX IF NOT EXISTS spend_ts ON spend (ts)")
         for col in ("key_hash", "team", "user"):  # a budget rebuilt (spent) reads one owner's rows
             db.execute(f"CREATE INDEX IF NOT EXISTS spend_{col}_ts ON spend ({col}, ts)")
