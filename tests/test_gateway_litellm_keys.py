@@ -478,6 +478,8 @@ def test_litellms_user_paths_make_read_change_and_delete_a_user_and_its_keys(tmp
         assert (m["max_budget"], m["rpm_limit"], m["models"], m["spend"]) == (3.0, 9, ["a"], 0.0), m
         again = await c.post("/user/new", json={"user_id": "ann"}, headers=MASTER)
         assert again.status_code == 409 and again.json()["error"]["param"] == "user_id", again.text
+        twin = await c.post("/user/new", json={"user_email": "ANN@example.com"}, headers=MASTER)
+        assert twin.status_code == 409 and twin.json()["error"]["param"] == "user_email", twin.text
         bare = await c.post(
             "/user/new", json={"auto_create_key": False, "user_role": "customer"}, headers=MASTER
         )

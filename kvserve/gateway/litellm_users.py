@@ -154,6 +154,10 @@ def litellm_user_router(state) -> APIRouter:
         key_spec = _validated({**_spec_fields(key_body, set()), "user": user_id}, state.cfg) if auto else None
         if key_spec is not None:
             await alias_free(state.keys, key_spec.alias)
+        email = (rec.spec.user_email or "").casefold()
+        if email and any((u.spec.user_email or "").casefold() == email for u in await state.users.all()):
+            msg = f"User with email {rec.spec.user_email[:200]} already exists"  # (LiteLLM's rule, its 409)
+            raise GatewayError(409, msg, code="user_exists", param="user_email")
         if not await state.users.create(rec):
             msg = f"User with id {user_id[:200]} already exists"  # (LiteLLM's words, and its 409)
             raise GatewayError(409, msg, code="user_exists", param="user_id")
