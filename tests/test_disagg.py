@@ -371,7 +371,8 @@ def test_what_the_proxy_sends_each_engine():
     pre = prefill_body(body)
     assert pre["max_tokens"] == 1 and pre["stream"] is False
     assert pre["kv_transfer_params"] == {"do_remote_decode": True}
-    assert not {"stream_options", "logprobs", "min_tokens", "n"} & set(pre)
+    assert not {"stream_options", "min_tokens", "n"} & set(pre)
+    assert pre["logprobs"] == 2  # the prefill engine checks it against its own --max-logprobs
     params = {"do_remote_prefill": True, "remote_request_id": "x"}
     assert decode_body(body, params) == {**body, "kv_transfer_params": params}
     assert "kv_transfer_params" not in decode_body({**body, "kv_transfer_params": {"a": 1}}, None)

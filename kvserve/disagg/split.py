@@ -12,7 +12,9 @@ import json
 
 JSON_HEADER = {"content-type": "application/json"}
 
-_DROP_FOR_PREFILL = ("stream_options", "n", "best_of", "logprobs", "top_logprobs", "max_completion_tokens")
+# logprobs / top_logprobs stay: the prefill engine checks them against its --max-logprobs (the
+# proxy cannot know the decode engines' cap), at the cost of one token's alternatives
+_DROP_FOR_PREFILL = ("stream_options", "n", "best_of", "max_completion_tokens")
 
 
 def disaggregates(body: dict) -> bool:

@@ -1,14 +1,15 @@
 """What the decode engine would refuse, refused before the prefill.
 
 The prefill body leaves out or changes fields only the decode engine then checks
-(split.prefill_body: stream_options, n, best_of, logprobs, top_logprobs, min_tokens,
-max_tokens, max_completion_tokens, stream). A bad value there was prefilled and its KV leased
-for a decode that refused it, held until the producer's lease_s. The body is checked here
-with kvserve serve's own request models, as its route does; only a refusal naming one of
-those fields is answered here: any other field the prefill engine checks itself. So are the
-output constraints (a schema, regex or grammar), left out of this check: checking one takes
-seconds for a large schema, on this event loop, while the prefill engine checks it anyway
-(on its serving pool)."""
+(split.prefill_body: stream_options, n, best_of, min_tokens, max_tokens,
+max_completion_tokens, stream; logprobs and top_logprobs stay, for the prefill engine to
+check against its --max-logprobs, which this process does not know). A bad value there was
+prefilled and its KV leased for a decode that refused it, held until the producer's lease_s.
+The body is checked here with kvserve serve's own request models, as its route does; only a
+refusal naming one of those fields is answered here: any other field the prefill engine checks
+itself. So are the output constraints (a schema, regex or grammar), left out of this check:
+checking one takes seconds for a large schema, on this event loop, while the prefill engine
+checks it anyway (on its serving pool)."""
 
 from __future__ import annotations
 
@@ -21,8 +22,7 @@ from kvserve.entrypoints.openai.errors import field_path, param_of, specific_err
 from kvserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 
 _UNCHECKED_BY_PREFILL = frozenset(
-    {"stream_options", "n", "best_of", "logprobs", "top_logprobs", "min_tokens", "max_tokens",
-     "max_completion_tokens", "stream"}
+    {"stream_options", "n", "best_of", "min_tokens", "max_tokens", "max_completion_tokens", "stream"}
 )  # fmt: skip
 _CONSTRAINTS = frozenset({"response_format", "structured_outputs", *GUIDED})  # the prefill engine's to check
 
