@@ -55,6 +55,13 @@ class EngineConfig:
         default="smollm2-135m",
         metadata={"help": "Alias 'smollm2-135m', a .gguf file, or a Hugging Face model directory."},
     )
+    tokenizer: str | None = field(
+        default=None,
+        metadata={
+            "help": "As vLLM's: a Hugging Face tokenizer directory (or .gguf) used instead of the "
+            "model's own, its chat template included; its vocabulary must fit the model's."
+        },
+    )
     dtype: str = field(
         default="float32",
         metadata={

@@ -38,12 +38,61 @@ def test_a_bad_chat_template_stops_serve_at_parse(value, message, capsys):
     assert f"argument --chat-template: {message}" in capsys.readouterr().err
 
 
-def test_tokenizer_other_than_the_model_is_refused_before_it_loads(tmp_path, capsys):
-    """kvserve uses the model's own tokenizer: another one is refused, not silently ignored."""
-    other = str(tmp_path / "other-tokenizer")
-    assert main(["serve", str(tmp_path / "model"), "--tokenizer", other, "--port", "0"]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith(f"error: tokenizer: {other!r} is not the model; kvserve serves with the model")
+OTHER_TEMPLATE = "{% for m in messages %}<<{{ m['role'] }}|{{ m['content'] }}>>{% endfor %}REPLY:"
+
+
+@pytest.fixture(scope="module")
+def other_tokenizer_dir(tiny_llama_dir, tmp_path_factory) -> str:
+    """The tiny model's tokenizer saved alone (no config.json, no weights) with another chat
+    template and one added token, so both show whose tokenizer is in use."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    tok.chat_template = OTHER_TEMPLATE
+    tok.add_tokens(["<|mark|>"])
+    path = str(tmp_path_factory.mktemp("other-tokenizer"))
+    tok.save_pretrained(path)
+    return path
+
+
+def test_offline_llm_uses_another_tokenizer_and_its_template(tiny_llama_dir, other_tokenizer_dir):
+    """LLM(tokenizer=DIR) was a ValueError ("only the model's own tokenizer"); vLLM loads the
+    tokenizer, chat template included, from DIR. The engine core uses it too (its eos)."""
+    from kvserve import LLM, SamplingParams
+
+    llm = LLM(tiny_llama_dir, tokenizer=other_tokenizer_dir, kv_cache_memory="4MiB", max_model_len=128)
+    messages = [{"role": "user", "content": "hi <|mark|>"}]
+    out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0]
+    assert out.prompt == "<<user|hi <|mark|>>>REPLY:"
+    mark = llm.get_tokenizer().convert_tokens_to_ids("<|mark|>")
+    assert mark in out.prompt_token_ids and llm.llm_engine.core.tokenizer.hf.chat_template == OTHER_TEMPLATE
+
+
+def test_a_tokenizer_larger_than_the_model_s_vocabulary_is_refused(tiny_llama_dir, tmp_path):
+    """Ids past the embedding rows would index past them: refused naming the option."""
+    from transformers import AutoTokenizer
+
+    from kvserve import LLM
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    tok.add_tokens([f"<extra{i}>" for i in range(200)])  # ~600 tokens, the model has 512 rows
+    tok.save_pretrained(str(tmp_path))
+    with pytest.raises(ValueError, match=r"^tokenizer: .* more than the model's 512 embedding rows"):
+        LLM(tiny_llama_dir, tokenizer=str(tmp_path), kv_cache_memory="4MiB")
+    with pytest.raises(FileNotFoundError, match=r"^tokenizer: .* nor a \.gguf file"):
+        LLM(tiny_llama_dir, tokenizer=str(tmp_path / "missing"))
+
+
+def test_tokenizer_naming_the_model_is_its_own(tmp_path):
+    """--tokenizer MODEL (vLLM's scripts pass it) is the model's own: dropped before the engine,
+    so --engine naive takes it and refuses another."""
+    from kvserve.entrypoints.cli import _naive_options, _vllm_only_options
+
+    model = str(tmp_path)
+    args = _serve_args(model, "--tokenizer", model + "/", "--engine", "naive")
+    assert _vllm_only_options(args) is None and args.tokenizer is None and _naive_options(args) is None
+    args = _serve_args(model, "--tokenizer", "/other", "--engine", "naive")
+    assert _vllm_only_options(args) is None and _naive_options(args).startswith("tokenizer: not used")
 
 
 def test_vllm_s_benchmark_server_command_is_taken():
@@ -126,15 +175,16 @@ def _max_logprobs_hold(url: str) -> None:
         )
 
 
-def test_the_options_work_on_a_running_server(tiny_llama_dir, tmp_path):
-    """The template really renders the prompt; the model as --tokenizer and --trust-remote-code
-    are taken (the latter said to change nothing); --disable-log-requests drops the per-request
+def test_the_options_work_on_a_running_server(tiny_llama_dir, other_tokenizer_dir, tmp_path):
+    """The template really renders the prompt (over --tokenizer's own, as vLLM's); --tokenizer
+    DIR tokenizes (its added token is one id) and --trust-remote-code is taken (said to change
+    nothing); --disable-log-requests drops the per-request
     log line, --uvicorn-log-level reaches uvicorn (info: its access log); --max-logprobs moves the
     cap on alternatives."""
     log = tmp_path / "serve.log"
     s = ServerProcess(
         tiny_llama_dir, "--kv-cache-memory", "4MiB", "--chat-template", TEMPLATE,
-        "--tokenizer", tiny_llama_dir, "--trust-remote-code", "--disable-log-requests",
+        "--tokenizer", other_tokenizer_dir, "--trust-remote-code", "--disable-log-requests",
         "--uvicorn-log-level", "info", "--max-logprobs", "30", api_key=None, log_path=str(log),
     )  # fmt: skip
     try:
@@ -143,6 +193,8 @@ def test_the_options_work_on_a_running_server(tiny_llama_dir, tmp_path):
         ids = httpx.post(f"{s.url}/tokenize", json={"messages": messages}).json()["tokens"]
         text = httpx.post(f"{s.url}/detokenize", json={"tokens": ids}).json()["prompt"]
         assert text == "[user] hi\nANSWER:"
+        marked = httpx.post(f"{s.url}/tokenize", json={"prompt": "<|mark|>", "add_special_tokens": False})
+        assert len(marked.json()["tokens"]) == 1, marked.text
         body = {"messages": messages, "max_tokens": 2, "temperature": 0}
         r = httpx.post(f"{s.url}/v1/chat/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text

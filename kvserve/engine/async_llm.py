@@ -37,7 +37,7 @@ from kvserve.engine.messages import EngineCoreOutputs
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.processor import InputProcessor, ModelLimits
 from kvserve.kv_transfer.params import remote_tokens
-from kvserve.model.loader import load_tokenizer, resolve_model
+from kvserve.model.loader import load_tokenizer, resolve_model, resolve_tokenizer
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 
@@ -159,6 +159,7 @@ class AsyncLLM:
         self.startup_timeout = startup_timeout
         self.restart_limit = restart_limit
         self.source = resolve_model(config.model)
+        tokenizer_source = resolve_tokenizer(config.model, config.tokenizer)  # --tokenizer, or the model's
         self._ctx = zmq.Context()
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(OutputMessage)
@@ -166,7 +167,7 @@ class AsyncLLM:
         self._open_sockets(taken)
         self._spawn_core(prespawned.proc if taken else None)
         try:
-            self.tokenizer = load_tokenizer(self.source)  # while the core starts (imports, weights)
+            self.tokenizer = load_tokenizer(tokenizer_source)  # while the core starts (imports, weights)
         except BaseException:
             self.proc.kill()
             self._close_sockets()

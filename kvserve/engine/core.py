@@ -36,7 +36,8 @@ from kvserve.executor import make_executor
 from kvserve.executor.device_sampling import DeviceSamplingPlanner, device_sampling_enabled
 from kvserve.model.arch import ModelArch
 from kvserve.model.layers.tp_sharding import check_tensor_parallel, max_local_kv_heads
-from kvserve.model.loader import load_arch, load_tokenizer, resolve_model
+from kvserve.model.loader import load_arch, load_tokenizer, resolve_model, resolve_tokenizer
+from kvserve.model.loader.tokenizer_loader import check_tokenizer_fits
 from kvserve.platform.cpu_isa import cpu_compute_dtype
 from kvserve.request import Request, RequestStatus
 from kvserve.spec_decode.adaptive import SpecState
@@ -76,8 +77,11 @@ class EngineCore:
         self.source = resolve_model(config.model)
         device = config.torch_device
         arch = self.arch = load_arch(self.source)
+        self.tokenizer_source = resolve_tokenizer(config.model, config.tokenizer)
         self._tokenizer: Tokenizer | None = None
         self._tokenizer_lock = threading.Lock()
+        if config.tokenizer is not None:
+            check_tokenizer_fits(config.tokenizer, self.tokenizer, arch.vocab_size)
         tp = config.tensor_parallel_size
         check_tensor_parallel(arch, tp)
         draft_arch = self._check_draft() if config.speculative_method == "draft" else None
@@ -139,7 +143,7 @@ class EngineCore:
         self.connector = self._make_connector()
         # A GGUF tokenizer's eos is the file's tokenizer.ggml.eos_token_id, already in
         # arch.eos_token_ids; an HF directory's tokenizer may name another (tokenizer_config.json).
-        tokenizer_eos = self.tokenizer.eos_token_id if self.source.kind == "hf" else None
+        tokenizer_eos = self.tokenizer.eos_token_id if self.tokenizer_source.kind == "hf" else None
         self.load_time = time.perf_counter() - t0  # reading + dequantizing weights (HF: tokenizer)
         self.proposer = self._make_proposer()
         self.eos_token_ids = frozenset(arch.eos_token_ids) | (
@@ -234,7 +238,7 @@ class EngineCore:
         a grammar; the API process builds its own."""
         with self._tokenizer_lock:
             if self._tokenizer is None:
-                self._tokenizer = load_tokenizer(self.source)
+                self._tokenizer = load_tokenizer(self.tokenizer_source)
             return self._tokenizer
 
     def has_pending_transfers(self) -> bool:

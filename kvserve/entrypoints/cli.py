@@ -245,20 +245,17 @@ def _same_path(a: str, b: str) -> bool:
 
 
 def _vllm_only_options(args: argparse.Namespace) -> str | None:
-    """vLLM's --tokenizer and --trust-remote-code, in the scripts users bring. kvserve reads the
-    model's own tokenizer, so --tokenizer naming the model is taken and another refused; it runs
-    no code from a model's repository, which --trust-remote-code is said not to change."""
+    """vLLM's --tokenizer and --trust-remote-code, in the scripts users bring. --tokenizer naming
+    the model is the model's own (so --engine naive takes it); kvserve runs no code from a model's
+    repository, which --trust-remote-code is said not to change."""
     from kvserve.entrypoints.serve_vllm_options import vllm_only_problem
 
     problem = vllm_only_problem(args)
     if problem:
         return problem
     model = args.model or EngineConfig.model
-    if args.tokenizer is not None and not _same_path(args.tokenizer, model):
-        return (
-            f"tokenizer: {args.tokenizer!r} is not the model; kvserve serves with the model's own tokenizer "
-            "(drop --tokenizer, or give the model)"
-        )
+    if args.tokenizer is not None and _same_path(args.tokenizer, model):
+        args.tokenizer = None
     if args.trust_remote_code:
         logging.getLogger("kvserve.server").info(
             "trust-remote-code: accepted, and changes nothing: kvserve runs no code from a model's "
@@ -455,9 +452,6 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--uvicorn-log-level", choices=UVICORN_LOG_LEVELS,
                      default=ServerConfig.uvicorn_log_level,
                      help="uvicorn's own log level (info: its access log too)")  # fmt: skip
-    srv.add_argument("--tokenizer", default=None,
-                     help="as vLLM's, but only the model itself: kvserve uses the model's own "
-                          "tokenizer")  # fmt: skip
     srv.add_argument("--trust-remote-code", action="store_true",
                      help="accepted for vLLM's scripts; kvserve runs no code from a model's "
                           "repository")  # fmt: skip

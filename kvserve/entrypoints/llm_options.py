@@ -40,9 +40,7 @@ def engine_options(model: str, given: dict[str, Any]) -> dict[str, Any]:
             continue
         if name == "kv_cache_dtype" and value == "fp8":  # vLLM's name for e4m3 (on CUDA)
             value = "fp8_e4m3"
-        if name == "tokenizer":
-            if value is not None and value != model:
-                raise ValueError("tokenizer: only the model's own tokenizer is supported (leave it unset)")
+        if name == "tokenizer" and (value is None or value == model):  # the model's own
             continue
         if name not in VLLM_LLM_ONLY:
             if name not in _ENGINE_FIELDS:  # was EngineConfig's TypeError, naming no LLM option

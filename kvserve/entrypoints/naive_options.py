@@ -9,12 +9,13 @@ import argparse
 
 from kvserve.entrypoints.serve_vllm_options import vllm_only_names
 
-# what serve_naive uses; --tokenizer (the model itself) and --trust-remote-code are checked or
-# logged before; --disable-log-requests and --disable-web-ui: the baseline logs no request and
-# has no web UI, so they hold already; --api-key and --metrics-require-key have their own message
+# what serve_naive uses (--tokenizer naming the model itself is dropped before, another is
+# refused here: the baseline loads the model's own); --trust-remote-code is logged before;
+# --disable-log-requests and --disable-web-ui: the baseline logs no request and has no web UI,
+# so they hold already; --api-key and --metrics-require-key have their own message
 HONOURED = frozenset(
     ("model", "model_flag", "host", "port", "engine", "served_model_name", "chat_template",
-     "uvicorn_log_level", "tokenizer", "trust_remote_code", "disable_log_requests", "disable_web_ui",
+     "uvicorn_log_level", "trust_remote_code", "disable_log_requests", "disable_web_ui",
      "api_key", "metrics_require_key", "command", "func")
 )  # fmt: skip
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from kvserve.model.arch import ModelArch
 from kvserve.model.loader.gguf_file import gguf_reader, release_gguf_reader
-from kvserve.model.loader.resolve import ModelSource, resolve_model
+from kvserve.model.loader.resolve import ModelSource, resolve_model, resolve_tokenizer
 from kvserve.model.loader.tokenizer_loader import load_tokenizer
 from kvserve.tokenizer import Tokenizer
 
@@ -19,7 +19,15 @@ if TYPE_CHECKING:
 
     from kvserve.model.models.llama import LlamaForCausalLM
 
-__all__ = ["load_arch", "load_model", "load_tokenizer", "load_weights_only", "resolve_model", "ModelSource"]
+__all__ = [
+    "load_arch",
+    "load_model",
+    "load_tokenizer",
+    "load_weights_only",
+    "resolve_model",
+    "resolve_tokenizer",
+    "ModelSource",
+]
 
 
 def load_arch(source: ModelSource) -> ModelArch:

@@ -65,3 +65,26 @@ def resolve_model(model: str | None) -> ModelSource:
         f"model: {name!r} not found; pass the alias {DEFAULT_MODEL!r}, a .gguf file or a "
         "Hugging Face model directory (nothing is downloaded)"
     )
+
+
+def resolve_tokenizer(model: str | None, tokenizer: str | None) -> ModelSource:
+    """Where the tokenizer comes from: the model's own, or vLLM's `--tokenizer DIR`, a directory
+    of tokenizer files (no config.json or weights needed) or a .gguf file."""
+    if tokenizer is None:
+        return resolve_model(model)
+    path = os.path.expanduser(tokenizer)
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        return ModelSource("gguf", path, tokenizer)
+    if os.path.isdir(path) and any(
+        os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")
+    ):
+        return ModelSource("hf", path, tokenizer)
+    if os.path.isdir(path):
+        try:
+            return resolve_model(tokenizer)  # a directory with one .gguf: its tokenizer
+        except FileNotFoundError:
+            pass
+    raise FileNotFoundError(
+        f"tokenizer: {tokenizer!r} is not a directory holding tokenizer.json / tokenizer_config.json "
+        "nor a .gguf file (nothing is downloaded)"
+    )

@@ -25,6 +25,16 @@ def load_tokenizer(source: ModelSource) -> Tokenizer:
     return Tokenizer(gguf_tokenizer(gguf_reader(source.path)))
 
 
+def check_tokenizer_fits(name: str, tokenizer: Tokenizer, vocab_size: int) -> None:
+    """A --tokenizer whose ids pass the model's embedding rows would index past them (a crash
+    in a step, or another token's row): refused when the engine starts, naming the option."""
+    if tokenizer.vocab_size > vocab_size:
+        raise ValueError(
+            f"tokenizer: {name!r} has {tokenizer.vocab_size} tokens, more than the model's {vocab_size} "
+            "embedding rows; give the model's own tokenizer or one of its vocabulary"
+        )
+
+
 def hf_tokenizer(path: str):
     """transformers' AutoTokenizer for the directory, without its most expensive step.
 
