@@ -647,17 +647,24 @@ def _wait_gone(pid: int, timeout: float = 20) -> None:
 
 
 def test_run_batch_offline(tiny_llama_dir, tmp_path):
+    """Lines run, a broken one is an error line; --max-logprobs (vLLM's, as serve's) was
+    "unrecognized arguments": 25 alternatives are taken under --max-logprobs 25, 26 a 400 line."""
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    src.write_text("\n".join([line(i) for i in range(12)] + ["not json"]) + "\n")
+    wide = [line(i, 1, logprobs=True, top_logprobs=k) for i, k in ((12, 25), (13, 26))]
+    src.write_text("\n".join([line(i) for i in range(12)] + wide + ["not json"]) + "\n")
     cmd = [sys.executable, "-m", "kvserve.entrypoints.cli", "run-batch", "-i", str(src), "-o", str(dst),
            "--model", tiny_llama_dir, "--served-model-name", "tiny", "--kv-cache-memory", "32MiB",
-           "--max-model-len", "256", "--no-progress"]  # fmt: skip
+           "--max-model-len", "256", "--no-progress", "--max-logprobs", "25"]  # fmt: skip
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "13 lines (12 ok, 1 errors)" in r.stderr
-    out = [json.loads(x) for x in dst.read_text().splitlines()]
-    assert sorted(o["custom_id"] for o in out if o["response"]) == sorted(f"req-{i}" for i in range(12))
-    assert sum(o["error"] is not None for o in out) == 1
+    assert "15 lines (13 ok, 2 errors)" in r.stderr
+    out = {o["custom_id"]: o for o in map(json.loads, dst.read_text().splitlines())}
+    ok = sorted(k for k, o in out.items() if o["response"] and o["response"]["status_code"] == 200)
+    assert ok == sorted(f"req-{i}" for i in range(13))
+    choice = out["req-12"]["response"]["body"]["choices"][0]
+    assert len(choice["logprobs"]["content"][0]["top_logprobs"]) == 25
+    refused = out["req-13"]["response"]
+    assert refused["status_code"] == 400 and "(25; " in refused["body"]["error"]["message"], refused
 
 
 @pytest.mark.parametrize(

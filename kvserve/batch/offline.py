@@ -51,7 +51,7 @@ async def _run(args: argparse.Namespace, config) -> int:
     engine = AsyncLLM(config)
     engine.start()
     names = [args.served_model_name or engine.source.name]
-    serving = OpenAIServing(engine, names, None)
+    serving = OpenAIServing(engine, names, None, max_logprobs=args.max_logprobs)
     responses = ResponsesServing(serving, MemoryResponseStore(1024))  # for lines with store: true
     t0 = time.monotonic()
     with tqdm(total=total, unit="req", desc="run-batch", disable=args.no_progress) as bar:
@@ -92,7 +92,8 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
 def register(sub, add_engine_args) -> None:
     # Checked while parsing, before the model loads: a missing input, an output in a missing
     # directory or a window below 1 ('Semaphore initial value must be >= 0') once surfaced after.
-    from kvserve.argtypes import positive_int, readable_file, writable_file
+    from kvserve.argtypes import int_at_least, positive_int, readable_file, writable_file
+    from kvserve.entrypoints.openai.limits import MAX_LOGPROBS
 
     p = sub.add_parser("run-batch", help="run an OpenAI batch file offline (no server)")
     p.add_argument(
@@ -110,5 +111,8 @@ def register(sub, add_engine_args) -> None:
         help="requests in the engine at once (default max-num-seqs)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--max-logprobs", type=int_at_least(-1), default=MAX_LOGPROBS,
+                   help="as serve's (vLLM's): the most top alternatives (logprobs, top_logprobs, "
+                        "prompt_logprobs) a line may ask for; -1: the vocabulary (default 20)")  # fmt: skip
     add_engine_args(p)
     p.set_defaults(func=cmd_run_batch)
