@@ -16,6 +16,22 @@ if TYPE_CHECKING:
 # engine process before its own heavy imports (engine/core_prespawn.py), and the command line
 # reads this module first.
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
+_DTYPES_SAID = "float32 (fp32; vLLM's float) or bfloat16 (bf16); auto: float32"
+
+
+def vllm_dtype(text: str) -> str | None:
+    """vLLM's --dtype / LLM(dtype=...) spellings: auto (None: kvserve's default), float (float32),
+    and kvserve's own. float16 / half, which kvserve has no kernels for, were refused only once
+    serve's engine processes had started; this refuses them (and any other) where it is called."""
+    value = text.strip().lower()
+    if value == "auto":
+        return None
+    if value == "float":
+        return "float32"
+    if value in _DTYPES:
+        return value
+    why = "float16 (half) is not supported here" if value in ("float16", "half", "fp16") else "unknown"
+    raise ValueError(f"dtype: {text!r}: {why}; use {_DTYPES_SAID}")
 
 
 EXECUTOR_BACKENDS = ("mp", "ray")
@@ -226,7 +242,8 @@ class EngineConfig:
                 "speculative_method: 'draft' runs with tensor_parallel_size and pipeline_parallel_size 1 only"
             )
         if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype: {self.dtype!r} is not one of {sorted(set(_DTYPES))}")
+            vllm_dtype(str(self.dtype))  # says why (float16: not supported)
+            raise ValueError(f"dtype: {self.dtype!r}: use {_DTYPES_SAID}")  # a vLLM spelling left unmapped
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")

@@ -110,3 +110,30 @@ def test_kv_cache_dtype_fp8_is_vllm_s_name_for_e4m3(command, capsys):
     assert (
         "argument --kv-cache-dtype: 'fp8_e5m2' is not one of auto, fp8_e4m3, int8" in capsys.readouterr().err
     )
+
+
+@pytest.mark.parametrize("command", [["serve"], ["generate", "Hi"], ["run-batch", "-i", "{f}", "-o", "{o}"]])
+def test_dtype_takes_vllm_s_float_and_refuses_half_at_parse(command, tmp_path, capsys):
+    """`--dtype float` (vLLM's float32) and `--dtype half` were refused only once serve's engine
+    processes had started; float is now float32, half / float16 refused while parsing."""
+    (tmp_path / "in.jsonl").write_text("\n")
+    argv = [a.format(f=tmp_path / "in.jsonl", o=tmp_path / "out.jsonl") for a in command]
+    assert build_parser().parse_args([*argv, "--dtype", "float"]).dtype == "float32"
+    assert build_parser().parse_args([*argv, "--dtype", "BF16"]).dtype == "bf16"
+    for value in ("half", "float16"):
+        with pytest.raises(SystemExit) as e:
+            build_parser().parse_args([*argv, "--dtype", value])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"argument --dtype: '{value}': float16 (half) is not supported" in err
+
+
+def test_llm_takes_the_same_dtype_spellings():
+    """LLM(dtype="float") / torch.float32 were a ValueError; half is refused naming dtype."""
+    import torch
+
+    from kvserve.entrypoints.llm_options import engine_options
+
+    assert engine_options("m", {"dtype": "float"}) == {"dtype": "float32"}
+    assert engine_options("m", {"dtype": torch.bfloat16}) == {"dtype": "bfloat16"}
+    with pytest.raises(ValueError, match=r"^dtype: 'float16': float16 \(half\) is not supported"):
+        engine_options("m", {"dtype": torch.float16})

@@ -36,8 +36,14 @@ UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
 def _vllm_dtype(text: str) -> str | None:
-    """vLLM's default `auto`: kvserve's own default dtype, as LLM(dtype="auto") takes it."""
-    return None if text.strip().lower() == "auto" else text
+    """vLLM's spellings (auto: kvserve's default; float: float32), as LLM(dtype=...) takes them;
+    float16 / half refused while parsing, not once serve's engine processes had started."""
+    from kvserve.config import vllm_dtype
+
+    try:
+        return vllm_dtype(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("dtype: ")) from None
 
 
 def _vllm_kv_cache_dtype(text: str) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any
 
-from kvserve.config import EngineConfig
+from kvserve.config import EngineConfig, vllm_dtype
 
 _ANY = object()
 _ENGINE_FIELDS = {f.name for f in fields(EngineConfig)}
@@ -36,8 +36,10 @@ def engine_options(model: str, given: dict[str, Any]) -> dict[str, Any]:
     """`given` without vLLM's options that change nothing here; raises ValueError for others."""
     kept = {}
     for name, value in given.items():
-        if name == "dtype" and value == "auto":  # vLLM's default: kvserve's own default dtype
-            continue
+        if name == "dtype":  # vLLM's spellings (auto, float, half, ...) and torch dtypes
+            value = vllm_dtype(str(value).removeprefix("torch."))
+            if value is None:  # auto: kvserve's own default dtype
+                continue
         if name == "kv_cache_dtype" and value == "fp8":  # vLLM's name for e4m3 (on CUDA)
             value = "fp8_e4m3"
         if name == "tokenizer" and (value is None or value == model):  # the model's own
