@@ -35,7 +35,8 @@ class ServerProcess:
         `new_session`: the server and its children in a process group of their own (its id the
         server's pid), as a service manager or `setsid` starts them."""
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        tls = "--ssl-certfile" in args  # the probe below trusts any certificate; tests pin theirs
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
         self.api_key = api_key
         cmd = [
             sys.executable,
@@ -54,7 +55,7 @@ class ServerProcess:
             cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, cwd=cwd,
             start_new_session=new_session,
         )  # fmt: skip
-        up = lambda: httpx.get(f"{self.url}/health", timeout=1).status_code == 200  # noqa: E731
+        up = lambda: httpx.get(f"{self.url}/health", timeout=1, verify=not tls).status_code == 200  # noqa: E731
         wait_up(self.proc, up, timeout, "server", self.stop, poll=0.3)
 
     @property

@@ -144,7 +144,7 @@ def test_max_logprobs_is_checked_at_parse():
         _serve_args("--max-logprobs", "-2")
 
 
-def _max_logprobs_hold(url: str) -> None:
+def _max_logprobs_hold(httpx, url: str) -> None:
     """--max-logprobs 30: 25 alternatives are more than OpenAI's 20, taken; 31 a 400 naming the field.
     (Completions' top_logprobs is keyed by token: by id, as two tokens may read the same.)"""
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "temperature": 0}
@@ -175,35 +175,92 @@ def _max_logprobs_hold(url: str) -> None:
         )
 
 
+def _self_signed(tmp_path) -> tuple[str, str]:
+    """A certificate for 127.0.0.1 and its key, as PEM files."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+        .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                       critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+        .sign(key, hashes.SHA256())
+    )  # fmt: skip
+    cert_path, key_path = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    return str(cert_path), str(key_path)
+
+
+def test_tls_files_are_checked_before_the_model_loads(tmp_path, capsys):
+    """A key without its certificate, or a certificate that is no certificate, was found by
+    uvicorn once the model had loaded (vLLM's flags were "unrecognized arguments" here)."""
+    cert, key = _self_signed(tmp_path)
+    model = str(tmp_path / "model")
+    assert main(["serve", model, "--ssl-keyfile", key]) == 2
+    assert capsys.readouterr().err.startswith("error: ssl-keyfile: needs --ssl-certfile")
+    assert main(["serve", model, "--ssl-certfile", key, "--ssl-keyfile", cert]) == 2
+    assert capsys.readouterr().err.startswith(f"error: ssl-certfile: cannot serve TLS with {key!r}")
+    with pytest.raises(SystemExit):
+        _serve_args("--root-path", "api")  # no leading /
+    assert _serve_args("--root-path", "/api/").root_path == "/api"
+
+
 def test_the_options_work_on_a_running_server(tiny_llama_dir, other_tokenizer_dir, tmp_path):
     """The template really renders the prompt (over --tokenizer's own, as vLLM's); --tokenizer
     DIR tokenizes (its added token is one id) and --trust-remote-code is taken (said to change
-    nothing); --disable-log-requests drops the per-request
-    log line, --uvicorn-log-level reaches uvicorn (info: its access log); --max-logprobs moves the
-    cap on alternatives."""
+    nothing); --disable-log-requests drops the per-request log line, --uvicorn-log-level reaches
+    uvicorn (info: its access log); --max-logprobs moves the cap on alternatives. HTTPS with
+    --ssl-certfile / --ssl-keyfile; --root-path /api: the paths a proxy keeps it on reach the
+    routes, and the API-key gate still guards them."""
+    import ssl
+
     log = tmp_path / "serve.log"
+    cert, key = _self_signed(tmp_path)
     s = ServerProcess(
         tiny_llama_dir, "--kv-cache-memory", "4MiB", "--chat-template", TEMPLATE,
         "--tokenizer", other_tokenizer_dir, "--trust-remote-code", "--disable-log-requests",
-        "--uvicorn-log-level", "info", "--max-logprobs", "30", api_key=None, log_path=str(log),
+        "--uvicorn-log-level", "info", "--max-logprobs", "30", "--ssl-certfile", cert, "--ssl-keyfile", key,
+        "--root-path", "/api", api_key="k", log_path=str(log),
     )  # fmt: skip
+    assert s.url.startswith("https://")
+    tls = ssl.create_default_context(cafile=cert)
     try:
-        _max_logprobs_hold(s.url)
-        messages = [{"role": "user", "content": "hi"}]
-        ids = httpx.post(f"{s.url}/tokenize", json={"messages": messages}).json()["tokens"]
-        text = httpx.post(f"{s.url}/detokenize", json={"tokens": ids}).json()["prompt"]
-        assert text == "[user] hi\nANSWER:"
-        marked = httpx.post(f"{s.url}/tokenize", json={"prompt": "<|mark|>", "add_special_tokens": False})
-        assert len(marked.json()["tokens"]) == 1, marked.text
-        body = {"messages": messages, "max_tokens": 2, "temperature": 0}
-        r = httpx.post(f"{s.url}/v1/chat/completions", json=body, timeout=60)
-        assert r.status_code == 200, r.text
-        assert r.json()["usage"]["prompt_tokens"] == len(ids)
+        with httpx.Client(verify=tls, headers=s.headers, timeout=60) as api:
+            _max_logprobs_hold(api, s.url)
+            assert api.get(f"{s.url}/api/v1/models").status_code == 200
+            assert httpx.get(f"{s.url}/api/v1/models", verify=tls).status_code == 401  # no key
+            assert api.get(f"{s.url}/openapi.json").json()["servers"] == [{"url": "/api"}]
+            messages = [{"role": "user", "content": "hi"}]
+            ids = api.post(f"{s.url}/tokenize", json={"messages": messages}).json()["tokens"]
+            text = api.post(f"{s.url}/detokenize", json={"tokens": ids}).json()["prompt"]
+            assert text == "[user] hi\nANSWER:"
+            marked = api.post(f"{s.url}/tokenize", json={"prompt": "<|mark|>", "add_special_tokens": False})
+            assert len(marked.json()["tokens"]) == 1, marked.text
+            body = {"messages": messages, "max_tokens": 2, "temperature": 0}
+            r = api.post(f"{s.url}/api/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["prompt_tokens"] == len(ids)
     finally:
         s.stop()
     said = log.read_text()
     assert "trust-remote-code: accepted, and changes nothing" in said
-    assert '"POST /v1/chat/completions HTTP/1.1" 200' in said  # uvicorn's access log, at info
+    assert '"POST /api/v1/chat/completions HTTP/1.1" 200' in said  # uvicorn's access log, at info
     assert "kvserve.server.requests" not in said and "POST /v1/chat/completions 200" not in said
 
 

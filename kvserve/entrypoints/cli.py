@@ -21,9 +21,11 @@ from kvserve.argtypes import (
     port,
     positive_float,
     positive_int,
+    readable_file,
 )
 from kvserve.config import EngineConfig
 from kvserve.entrypoints.chat_template_arg import chat_template
+from kvserve.entrypoints.openai.root_path import root_path
 from kvserve.entrypoints.openai.server_config import ServerConfig
 from kvserve.entrypoints.serve_vllm_options import add_vllm_only_args
 from kvserve.routing.registry import SERVE_POLICIES
@@ -270,6 +272,23 @@ def _vllm_only_options(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _tls_error(args: argparse.Namespace) -> str | None:
+    """--ssl-keyfile / --ssl-certfile (vLLM's, uvicorn's TLS), loaded before the model: a key
+    that does not match its certificate, or a key without one, stops the command at once."""
+    import ssl
+
+    if args.ssl_keyfile and not args.ssl_certfile:
+        return "ssl-keyfile: needs --ssl-certfile (the certificate the key belongs to)"
+    if not args.ssl_certfile:
+        return None
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
+    except (ssl.SSLError, OSError) as e:
+        key = f" and --ssl-keyfile {args.ssl_keyfile!r}" if args.ssl_keyfile else ""
+        return f"ssl-certfile: cannot serve TLS with {args.ssl_certfile!r}{key}: {e}"
+    return None
+
+
 def _naive_options(args: argparse.Namespace) -> str | None:
     """--engine naive given a flag it would drop (naive_options.py)."""
     if args.engine != "naive":
@@ -287,6 +306,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         or _vllm_only_options(args)
         or _swallowed_model(args)
         or _auth_error(args)
+        or _tls_error(args)
         or _naive_options(args)
         or listen_error(args.host, args.port)
         or (None if args.engine == "naive" else _batch_storage_error(args))
@@ -326,6 +346,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             response_store_size=args.response_store_size, chat_template=args.chat_template,
             max_logprobs=args.max_logprobs,
             log_requests=not args.disable_log_requests, uvicorn_log_level=args.uvicorn_log_level,
+            root_path=args.root_path, ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
         )  # fmt: skip
         return serve(config, args.host, args.port, server, cores)
     except (ValueError, FileNotFoundError, RuntimeError, TimeoutError) as e:  # start-up problems
@@ -458,6 +479,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--uvicorn-log-level", choices=UVICORN_LOG_LEVELS,
                      default=ServerConfig.uvicorn_log_level,
                      help="uvicorn's own log level (info: its access log too)")  # fmt: skip
+    srv.add_argument("--root-path", type=root_path, default="",
+                     help="as vLLM's: the URL prefix a reverse proxy serves the server under (/api/llm); "
+                          "taken off request paths, kept or stripped by the proxy")  # fmt: skip
+    srv.add_argument("--ssl-keyfile", type=readable_file, default=None, help="serve HTTPS: the TLS key")
+    srv.add_argument("--ssl-certfile", type=readable_file, default=None,
+                     help="serve HTTPS: the TLS certificate (chain) the key belongs to")  # fmt: skip
     srv.add_argument("--trust-remote-code", action="store_true",
                      help="accepted for vLLM's scripts; kvserve runs no code from a model's "
                           "repository")  # fmt: skip

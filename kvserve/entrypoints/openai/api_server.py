@@ -52,6 +52,7 @@ from kvserve.entrypoints.openai.responses import ResponsesServing
 from kvserve.entrypoints.openai.responses_items import MAX_LIMIT as MAX_INPUT_ITEMS
 from kvserve.entrypoints.openai.responses_items import input_items_page
 from kvserve.entrypoints.openai.responses_protocol import Includable, InputTokensRequest, ResponsesRequest
+from kvserve.entrypoints.openai.root_path import RootPath
 from kvserve.entrypoints.openai.server_config import ServerConfig
 from kvserve.entrypoints.openai.serving import ClientDisconnectedError, OpenAIServing, ServerOverloadedError
 from kvserve.entrypoints.openai.tools import check_unique_names
@@ -169,6 +170,8 @@ def build_app(engine: AsyncLLM | DPClient, cfg: ServerConfig, store: ResponseSto
             allow_headers=cfg.allowed_headers, allow_credentials=cfg.allow_credentials,
             expose_headers=["x-request-id"],
         )  # fmt: skip
+    if cfg.root_path:  # outermost of all: every layer above sees the path without the prefix
+        app.add_middleware(RootPath, prefix=cfg.root_path)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError):
@@ -431,13 +434,15 @@ def serve(
             logger.warning("%s; until then a request past the pool is refused", problem)
         app = build_app(engine, cfg, store)
         logger.info(
-            "serving %s on http://%s:%d (API key %s)",
-            ", ".join(cfg.served_model_name or [engine.source.name]), host, port,
+            "serving %s on %s://%s:%d%s (API key %s)",
+            ", ".join(cfg.served_model_name or [engine.source.name]),
+            "https" if cfg.ssl_certfile else "http", host, port, cfg.root_path or "",
             "required" if cfg.api_keys else "off",
         )  # fmt: skip
         uv = uvicorn.Config(
             app, host=host, port=port, log_level=cfg.uvicorn_log_level,
             timeout_graceful_shutdown=1, loop="uvloop", http="httptools",
+            ssl_keyfile=cfg.ssl_keyfile, ssl_certfile=cfg.ssl_certfile,
         )  # fmt: skip
         DrainingServer(uv, app.state.lifecycle).run()
     finally:

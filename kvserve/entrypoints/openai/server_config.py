@@ -53,3 +53,8 @@ class ServerConfig:
     """One log line per API request (--disable-log-requests turns it off)."""
     uvicorn_log_level: str = "warning"
     """uvicorn's own log level (--uvicorn-log-level; info adds its access log)."""
+    root_path: str = ""
+    """--root-path: the URL prefix a reverse proxy serves this server under ('' none)."""
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    """--ssl-keyfile / --ssl-certfile: serve HTTPS (uvicorn's TLS) instead of HTTP."""
