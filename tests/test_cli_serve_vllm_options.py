@@ -119,9 +119,23 @@ def test_vllm_s_tool_calling_server_command_is_taken():
         assert vllm_only_problem(args) is None and engine_config(args) == engine_config(_serve_args())
 
 
+def test_vllm_s_task_and_runner_are_taken_for_what_kvserve_serves():
+    """`--task generate` / `--task embed` / `--runner pooling` (vLLM's recipes) were
+    "unrecognized arguments"; one kvserve server answers both generation and /v1/embeddings."""
+    from kvserve.entrypoints.cli import engine_config
+    from kvserve.entrypoints.serve_vllm_options import vllm_only_problem
+
+    taken = (("task", "generate"), ("task", "embed"), ("task", "embedding"), ("runner", "pooling"))
+    for flag, value in taken:
+        args = _serve_args(f"--{flag}", value)
+        assert vllm_only_problem(args) is None and engine_config(args) == engine_config(_serve_args())
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [
+        (["--task", "classify"], "task: 'classify' is not supported; kvserve serves generation and "),
+        (["--reasoning-parser", "qwen3"], "reasoning-parser: 'qwen3' is not supported; kvserve does not"),
         (["--tool-call-parser", "mistral"], "tool-call-parser: 'mistral' is not supported; kvserve reads"),
         (["--no-enable-auto-tool-choice"], "enable-auto-tool-choice: --no-enable-auto-tool-choice is not"),
         (["--revision", "main"], "revision: 'main' is not supported; a model revision is not supported"),

@@ -24,6 +24,23 @@ SERVE_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
         "kvserve reads tool calls written as hermes' <tool_call>{...}</tool_call> or as llama3_json's "
         "bare JSON call (hermes, llama3_json)",
     ),
+    # vLLM's model task: one server here answers /v1/chat/completions, /v1/completions and
+    # /v1/embeddings (the last hidden state, pooled) for any model it loads
+    "task": (
+        (None, "auto", "generate", "embed", "embedding"),
+        "kvserve serves generation and embeddings together (auto, generate, embed, embedding); it has no "
+        "classification, scoring, reward or transcription models",
+    ),
+    "runner": (
+        (None, "auto", "generate", "pooling"),
+        "kvserve runs generate and pooling (embeddings) together",
+    ),
+    # no <think> splitting: a reasoning model's whole output, thinking included, is `content`
+    "reasoning_parser": (
+        (None,),
+        "kvserve does not split a model's <think> text into reasoning_content (no reasoning parser); "
+        "serve without it: the thinking stays in content",
+    ),
 }
 # serve's own flag (--trust-remote-code, with its note), and one another change may add to serve
 _OWN = ("trust_remote_code", "max_logprobs")
