@@ -131,6 +131,24 @@ def test_vllm_s_task_and_runner_are_taken_for_what_kvserve_serves():
         assert vllm_only_problem(args) is None and engine_config(args) == engine_config(_serve_args())
 
 
+def test_vllm_serve_flags_for_what_kvserve_always_does_are_taken():
+    """--response-role assistant, --enable-prompt-tokens-details, --enable-log-requests,
+    --max-log-len N, --guided-decoding-backend xgrammar, --api-server-count 1 were "unrecognized
+    arguments"; another role, backend or count is refused naming the flag."""
+    from kvserve.entrypoints.serve_vllm_options import vllm_only_problem
+
+    flags = ["--response-role", "assistant", "--enable-prompt-tokens-details", "--enable-log-requests"]
+    flags += ["--max-log-len", "100", "--guided-decoding-backend", "xgrammar", "--api-server-count", "1"]
+    args = _serve_args(*flags)
+    assert vllm_only_problem(args) is None
+    for flags, said in [
+        (("--response-role", "user"), "response-role: 'user' is not supported; a chat reply's role"),
+        (("--guided-decoding-backend", "outlines"), "guided-decoding-backend: 'outlines' is not supported"),
+        (("--api-server-count", "4"), "api-server-count: '4' is not supported; a server runs one API"),
+    ]:
+        assert vllm_only_problem(_serve_args(*flags)).startswith(said)
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [

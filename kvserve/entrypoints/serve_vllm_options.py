@@ -13,7 +13,10 @@ from typing import Any
 from kvserve.entrypoints.llm_options import _ANY, VLLM_LLM_ONLY
 
 # on/off in vLLM's CLI; the rest take a value
-_SWITCHES = ("disable_log_stats", "enable_chunked_prefill", "enable_auto_tool_choice")
+_SWITCHES = (
+    "disable_log_stats", "enable_chunked_prefill", "enable_auto_tool_choice", "enable_prompt_tokens_details",
+    "enable_log_requests",
+)  # fmt: skip
 # vllm serve's own (not LLM(...)'s): vLLM's tool-calling servers start with
 # `--enable-auto-tool-choice --tool-call-parser hermes`, "unrecognized arguments" here. kvserve
 # always takes tool_choice auto and reads both formats below in whatever the model writes.
@@ -35,6 +38,16 @@ SERVE_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
         (None, "auto", "generate", "pooling"),
         "kvserve runs generate and pooling (embeddings) together",
     ),
+    # what kvserve always does, in vLLM's serve commands (each was "unrecognized arguments")
+    "response_role": ((None, "assistant"), "a chat reply's role is always assistant"),
+    "enable_prompt_tokens_details": (
+        (None, True),
+        "usage always carries prompt_tokens_details (cached_tokens)",
+    ),
+    "enable_log_requests": ((None, True), "each API request is logged unless --disable-log-requests"),
+    "max_log_len": ((_ANY,), ""),  # the request log line holds no prompt to shorten
+    "guided_decoding_backend": ((None, "auto", "xgrammar"), "structured outputs compile with xgrammar"),
+    "api_server_count": ((None, "1"), "a server runs one API process (scale out with --data-parallel-size)"),
     # no <think> splitting: a reasoning model's whole output, thinking included, is `content`
     "reasoning_parser": (
         (None,),
