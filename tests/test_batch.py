@@ -646,21 +646,30 @@ def _wait_gone(pid: int, timeout: float = 20) -> None:
 # ---- offline ---------------------------------------------------------------------------------
 
 
+BARE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+
 def test_run_batch_offline(tiny_llama_dir, tmp_path):
-    """Lines run, a broken one is an error line; --max-logprobs (vLLM's, as serve's) was
-    "unrecognized arguments": 25 alternatives are taken under --max-logprobs 25, 26 a 400 line."""
+    """Lines run, a broken one is an error line. vLLM's --max-logprobs, --chat-template,
+    --swap-space, --trust-remote-code, --disable-log-requests were "unrecognized arguments":
+    25 alternatives are taken under --max-logprobs 25, 26 a 400 line; the template renders."""
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     wide = [line(i, 1, logprobs=True, top_logprobs=k) for i, k in ((12, 25), (13, 26))]
     src.write_text("\n".join([line(i) for i in range(12)] + wide + ["not json"]) + "\n")
     cmd = [sys.executable, "-m", "kvserve.entrypoints.cli", "run-batch", "-i", str(src), "-o", str(dst),
            "--model", tiny_llama_dir, "--served-model-name", "tiny", "--kv-cache-memory", "32MiB",
-           "--max-model-len", "256", "--no-progress", "--max-logprobs", "25"]  # fmt: skip
+           "--max-model-len", "256", "--no-progress", "--max-logprobs", "25", "--chat-template", BARE,
+           "--swap-space", "4", "--trust-remote-code", "--disable-log-requests"]  # fmt: skip
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "15 lines (13 ok, 2 errors)" in r.stderr
     out = {o["custom_id"]: o for o in map(json.loads, dst.read_text().splitlines())}
     ok = sorted(k for k, o in out.items() if o["response"] and o["response"]["status_code"] == 200)
     assert ok == sorted(f"req-{i}" for i in range(13))
+    from transformers import AutoTokenizer  # --chat-template: the prompt is the bare message
+
+    bare = len(AutoTokenizer.from_pretrained(tiny_llama_dir).encode("request 0", add_special_tokens=False))
+    assert out["req-0"]["response"]["body"]["usage"]["prompt_tokens"] == bare
     choice = out["req-12"]["response"]["body"]["choices"][0]
     assert len(choice["logprobs"]["content"][0]["top_logprobs"]) == 25
     refused = out["req-13"]["response"]
@@ -690,3 +699,12 @@ def test_run_batch_arguments_are_checked_before_the_model_loads(args, message, t
         main(["run-batch", *argv, "--model", str(tmp_path / "no-such-model")])
     err = capsys.readouterr().err
     assert e.value.code == 2 and "error: " + message.format(tmp=tmp_path) in err
+
+
+def test_run_batch_refuses_a_vllm_option_it_cannot_honour_before_the_model_loads(tmp_path, capsys):
+    from kvserve.entrypoints.cli import main
+
+    (tmp_path / "in.jsonl").write_text(line(0) + "\n")
+    argv = ["run-batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl")]
+    assert main([*argv, "--load-format", "pt", "--model", str(tmp_path / "no-such-model")]) == 2
+    assert capsys.readouterr().err.startswith("error: load-format: 'pt' is not supported")

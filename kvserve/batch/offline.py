@@ -49,6 +49,8 @@ async def _run(args: argparse.Namespace, config) -> int:
     total = scan.total
     endpoint = _endpoint_of(args.input)
     engine = AsyncLLM(config)
+    if args.chat_template is not None:  # as serve's: every chat line renders with it
+        engine.tokenizer.hf.chat_template = args.chat_template
     engine.start()
     names = [args.served_model_name or engine.source.name]
     serving = OpenAIServing(engine, names, None, max_logprobs=args.max_logprobs)
@@ -80,7 +82,12 @@ async def _run(args: argparse.Namespace, config) -> int:
 
 def cmd_run_batch(args: argparse.Namespace) -> int:
     from kvserve.entrypoints.cli import engine_config
+    from kvserve.entrypoints.serve_vllm_options import vllm_only_problem
 
+    problem = vllm_only_problem(args)  # before the model loads
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     try:
         config = engine_config(args)
         return asyncio.run(_run(args, config))
@@ -93,7 +100,9 @@ def register(sub, add_engine_args) -> None:
     # Checked while parsing, before the model loads: a missing input, an output in a missing
     # directory or a window below 1 ('Semaphore initial value must be >= 0') once surfaced after.
     from kvserve.argtypes import int_at_least, positive_int, readable_file, writable_file
+    from kvserve.entrypoints.chat_template_arg import chat_template
     from kvserve.entrypoints.openai.limits import MAX_LOGPROBS
+    from kvserve.entrypoints.serve_vllm_options import add_vllm_only_args
 
     p = sub.add_parser("run-batch", help="run an OpenAI batch file offline (no server)")
     p.add_argument(
@@ -114,5 +123,13 @@ def register(sub, add_engine_args) -> None:
     p.add_argument("--max-logprobs", type=int_at_least(-1), default=MAX_LOGPROBS,
                    help="as serve's (vLLM's): the most top alternatives (logprobs, top_logprobs, "
                         "prompt_logprobs) a line may ask for; -1: the vocabulary (default 20)")  # fmt: skip
+    # vLLM's run-batch takes its server's frontend flags: --chat-template as serve's, the rest as
+    # serve takes them (each was "unrecognized arguments"); no request is logged offline
+    p.add_argument("--chat-template", type=chat_template, default=None,
+                   help="Jinja chat template chat lines render with instead of the model's: a file, or "
+                        "the template itself (as serve's)")  # fmt: skip
+    p.add_argument("--trust-remote-code", action="store_true", help="accepted; no model code runs here")
+    p.add_argument("--disable-log-requests", action="store_true", help="accepted; run-batch logs no request")
+    add_vllm_only_args(p)
     add_engine_args(p)
     p.set_defaults(func=cmd_run_batch)
