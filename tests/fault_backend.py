@@ -8,6 +8,8 @@ failure tests. The backend model name picks the behaviour:
     die       streams 2 events, then drops the connection       slow     one event every 0.1 s
     hold-N    answers after N seconds                           crlf     as ok, SSE lines end in CRLF
     decode-hold-N  a prefill request (do_remote_decode) at once, any other as hold-N
+    leased-PORT-MODE  a prefill request gets a `tcp` producer's parameters naming a lease
+              (lease-1, lease-2, ...) at 127.0.0.1:PORT; any other request is answered as MODE
     ping-hang streams an SSE comment (": ping"), then nothing (60 s)
     stop-400  400 "stop: sequence too long" (a 400 about something else than the context)
     late-body not streamed: status and the first bytes of the JSON at once, the rest after 1 s
@@ -136,6 +138,17 @@ async def _answer(request: Request, chat: bool):
     body = await request.json()
     mode = str(body.get("model"))
     counts[mode] += 1
+    kv = body.get("kv_transfer_params")
+    prefill = isinstance(kv, dict) and kv.get("do_remote_decode")
+    if mode.startswith("leased-"):  # leased-PORT-MODE: a producer's lease on 127.0.0.1:PORT, else MODE
+        _, port, mode = mode.split("-", 2)
+        if prefill and not body.get("stream"):
+            counts["leases"] += 1
+            params = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": int(port),
+                      "remote_request_id": f"lease-{counts['leases']}", "remote_num_tokens": 1,
+                      "prompt_digest": "0" * 32, "kv_connector": "tcp"}  # fmt: skip
+            return {"id": "fault", "object": "text_completion", "created": 0, "model": mode, "choices": [],
+                    "kv_transfer_params": params}  # fmt: skip
     temperature = body.get("temperature")
     if isinstance(temperature, (int, float)) and temperature > 2:  # any mode: the request's mistake
         err = {"message": "temperature: must be <= 2", "param": "temperature", "code": "invalid_value"}

@@ -18,6 +18,7 @@ import httpx
 import openai
 import pytest
 from gateway_utils import FaultBackend, leave_mid_body, wait_for_log
+from lease_listener import ReleaseListener
 from server_utils import ServerProcess, free_port, stop_process, wait_up
 from stream_endings import (
     assert_chat_stream_failed,
@@ -970,6 +971,60 @@ def test_a_busy_decode_engine_beside_a_down_one_is_a_503_with_its_retry_after(fa
         r = httpx.post(proxy.url + "/v1/completions", json=body, timeout=30)
         assert r.status_code == 503 and r.headers["retry-after"] == "1", (r.status_code, r.headers, r.text)
         assert r.json()["error"]["code"] == "upstream_error" and dead in r.json()["error"]["message"]
+
+
+@pytest.fixture
+def producer_port():
+    listener = ReleaseListener()
+    yield listener
+    listener.close()
+
+
+def test_a_lease_no_decode_engine_will_pull_is_released_at_once(fault_proxy, producer_port):
+    """Every decode engine failed (or was busy) after a successful prefill: the proxy answered
+    502 but the producer kept the prompt's blocks until lease_s (kv_leases_expired). Now the
+    proxy releases the lease it will not hand on; an answered request's lease is left alone."""
+    fault, proxy, _ = fault_proxy
+    for mode, status in (("ok", 200), ("fail-500", 502)):
+        body = {"model": f"leased-{producer_port.port}-{mode}", "prompt": "a b", "max_tokens": 2}
+        r = httpx.post(proxy.url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == status and r.headers["x-kvserve-pd"] == "disaggregated", r.text
+    released = producer_port.wait(2, timeout=1.0)
+    assert len(released) == 1 and released[0].startswith("lease-"), released
+
+
+def test_a_client_gone_after_its_prefill_has_the_lease_released(fault_proxy, producer_port):
+    """A client that left while its prefill ran got 499 once the prefill answered, and the lease
+    the producer made for it was held for nobody until lease_s; now the proxy releases it."""
+    from kvserve.disagg.proxy import PDProxy, build_app
+
+    fault, _, _ = fault_proxy
+    proxy = PDProxy([fault.url], [fault.url])
+    app = build_app(proxy)
+    body = json.dumps({"model": f"leased-{producer_port.port}-ok", "prompt": "a b", "max_tokens": 2}).encode()
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+    sent: list[dict] = []
+
+    async def receive() -> dict:  # the body, then the client is gone
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
+             "method": "POST", "path": "/v1/completions", "raw_path": b"/v1/completions",
+             "query_string": b"", "headers": [(b"content-type", b"application/json")],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2), "scheme": "http"}  # fmt: skip
+
+    async def run() -> None:
+        try:
+            await app(scope, receive, send)
+        finally:
+            await proxy.aclose()
+
+    asyncio.run(run())
+    assert sent[0]["status"] == 499, sent
+    assert producer_port.wait(1)[0].startswith("lease-")
 
 
 def test_sigterm_drains_the_proxy(tmp_path):

@@ -7,6 +7,8 @@ only costs time: the decode engine is asked without them and computes the prompt
 (`x-kvserve-pd: fallback` on the response). A client that goes away during the prefill
 cancels it (the prefill engine aborts the request); during the decode, streamed or not, the
 closed decode request aborts it on the decode engine, which releases the producer's lease.
+A lease no decode engine will pull (the client left after the prefill, every decode engine
+failed, one refused the parameters) is released by the proxy at once (lease.py).
 The Responses API and embeddings go whole to a decode engine (whole.py).
 
 SIGTERM drains as `kvserve gateway` and `kvserve serve` do (routing/drain.py): /health/ready
@@ -30,6 +32,7 @@ from starlette.requests import ClientDisconnect
 
 from kvserve.disagg.decode import decode
 from kvserve.disagg.errors import error as _error
+from kvserve.disagg.lease import release_lease
 from kvserve.disagg.passthrough import add_engine_routes, first_decode
 from kvserve.disagg.passthrough import up as engine_up
 from kvserve.disagg.prefill import PrefillResult, refuses_transfer, run_prefill
@@ -116,6 +119,8 @@ class PDProxy:
             if not call.done() and await raw.is_disconnected():
                 call.cancel()  # closes the connection: the prefill engine aborts the request
                 await asyncio.gather(call, return_exceptions=True)
+                if call.done() and not call.cancelled():  # (answered first: its lease is nobody's)
+                    release_lease(call.result().params)
                 return None
         return call.result()
 
@@ -197,7 +202,10 @@ class PDProxy:
             if refused is not None:  # (prefilled, its KV would be leased for a decode that refuses it)
                 return JSONResponse(refused, status_code=400)
             pre = await self._prefill(path, body, raw, send)
-            if pre is None or await raw.is_disconnected():
+            if pre is None:
+                return Response(status_code=499)
+            if await raw.is_disconnected():  # gone after the prefill: no decode engine will pull it
+                release_lease(pre.params)
                 return Response(status_code=499)
             if pre.refused_status is not None:  # the client's mistake: the prefill engine's 4xx stands
                 status, content = pre.refused_status, pre.refused_content
@@ -212,13 +220,18 @@ class PDProxy:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
         except BaseException:
             work.cancel()
+            release_lease(params)  # (the drain's deadline: a decode engine's abort releases it too)
             raise
         finally:
             gone.cancel()
         if work.done():
-            return work.result()
+            resp = work.result()
+            if resp.status_code >= 500:  # no decode engine answered (decode.py): none will pull it
+                release_lease(params)
+            return resp
         work.cancel()  # the client left before the answer: closing the request aborts the decode
         await asyncio.gather(work, return_exceptions=True)
+        release_lease(params)  # (also when no decode engine had it yet; a pulled one is a no-op)
         return Response(status_code=499)
 
     def _decode_order(self) -> list[str]:
@@ -235,6 +248,7 @@ class PDProxy:
         resp = await self._decode_once(path, decode_body(body, params), stream, send, headers, urls)
         if params and refuses_transfer(resp.status_code, getattr(resp, "body", b"")):
             logger.warning("a decode engine refused the producer's kv_transfer_params: it computes it")
+            release_lease(params)
             self.num_fallbacks += 1
             headers = {**headers, "x-kvserve-pd": "fallback"}
             resp = await self._decode_once(path, decode_body(body, None), stream, send, headers, urls)

@@ -9,10 +9,8 @@ expired. The processor hands such a request's parameters here instead.
 from __future__ import annotations
 
 from kvserve.kv_transfer.config import KVTransferConfig
-from kvserve.kv_transfer.params import check_kv_transfer_params, remote_prefill
 from kvserve.kv_transfer.peers import allowed
-
-PULLED = ("tcp", "shm")  # the connectors whose producer holds a lease until told (disk's never waits)
+from kvserve.kv_transfer.release import pulled_lease, send_release
 
 
 def release_refused(config: KVTransferConfig | None, params: dict | None) -> None:
@@ -20,14 +18,9 @@ def release_refused(config: KVTransferConfig | None, params: dict | None) -> Non
     they are valid parameters this consumer would have pulled with (never anywhere else)."""
     if config is None or not config.is_consumer:
         return
-    try:
-        rp = remote_prefill(check_kv_transfer_params(params))
-    except ValueError:
+    rp = pulled_lease(params)
+    if rp is None or not allowed(config.producer_peers, rp.host, rp.port):
         return
-    if rp is None or rp.connector not in PULLED or not allowed(config.producer_peers, rp.host, rp.port):
-        return
-    from kvserve.kv_transfer.zmq_connector import send_release  # zmq only where it is needed
-
     send_release(rp, config.transfer_timeout_s)
 
 

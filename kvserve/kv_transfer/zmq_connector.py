@@ -25,9 +25,9 @@ import zmq
 from kvserve.kv_transfer.block_io import KVBlockIO
 from kvserve.kv_transfer.config import KVTransferConfig
 from kvserve.kv_transfer.connector import KVConnector
-from kvserve.kv_transfer.params import RemotePrefill, prompt_digest, remote_prefill
+from kvserve.kv_transfer.params import prompt_digest, remote_prefill
 from kvserve.kv_transfer.peers import allowed
-from kvserve.kv_transfer.refused import PULLED
+from kvserve.kv_transfer.release import PULLED, Release
 from kvserve.request import Request
 
 logger = logging.getLogger(__name__)
@@ -40,10 +40,6 @@ class Pull(msgspec.Struct, tag=True):
     first_block: int
     num_blocks: int
     layout: str
-
-
-class Release(msgspec.Struct, tag=True):
-    handle: str
 
 
 class Reply(msgspec.Struct):
@@ -226,17 +222,3 @@ class ZmqConnector(KVConnector):
     def shutdown(self) -> None:
         self._stop.set()
         super().shutdown()
-
-
-def send_release(rp: RemotePrefill, linger_s: float) -> None:
-    """Release a lease from a process without a connector (the caller checked the peer): the
-    message is queued at once and sent in ZeroMQ's I/O thread for up to `linger_s`."""
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    try:
-        sock.setsockopt(zmq.LINGER, int(linger_s * 1000))
-        sock.connect(f"tcp://{rp.host}:{rp.port}")
-        sock.send(_encoder.encode(Release(rp.request_id)), zmq.NOBLOCK)
-    except zmq.ZMQError as e:
-        logger.warning("kv transfer: could not release lease %s (%s)", rp.request_id, e)
-    finally:
-        sock.close()
