@@ -19,6 +19,7 @@ import httpx
 import openai
 import pytest
 from gateway_utils import FaultBackend, GatewayProcess, deployment, leave_mid_body, wait_for_log
+from lease_listener import ReleaseListener
 from server_utils import free_port
 from stream_endings import assert_chat_stream_failed, assert_responses_stream_failed, sse_events
 
@@ -134,9 +135,32 @@ def _base(fault, tmp, **router) -> dict:
 
 
 @pytest.fixture(scope="module")
-def gw(fault, tmp_path_factory):
+def producer():
+    """A kv_producer's port: the leases the gateway releases (tests/lease_listener.py)."""
+    listener = ReleaseListener()
+    yield listener
+    listener.close()
+
+
+def _leased(fault, port: int) -> list[dict]:
+    """pd deployments whose prefill makes a lease on `port`: one whose decode fails, beside one
+    answering (sharing its prefill_url), and one alone."""
+    u, m = fault.url + "/v1", f"leased-{port}-"
+    return [
+        {"model_name": "pdlease", "id": "pdlease-down",
+         "backend": {"base_url": u, "model": m + "fail-500", "prefill_url": u, "weight": 1000}},
+        {"model_name": "pdlease", "id": "pdlease-ok",
+         "backend": {"base_url": u, "model": m + "ok", "prefill_url": u, "weight": 0.001}},
+        deployment("pdleasedown", u, m + "fail-500", prefill_url=u),
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def gw(fault, producer, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gw-faults")
-    g = GatewayProcess(_base(fault, tmp), str(tmp))
+    cfg = _base(fault, tmp)
+    cfg["model_list"] += _leased(fault, producer.port)
+    g = GatewayProcess(cfg, str(tmp))
     yield g
     g.stop()
     assert "Traceback" not in g.logs(), g.logs()
@@ -501,6 +525,24 @@ def test_a_backends_404_is_the_deployments_fault_not_the_clients(gw):
     assert "nfbad" in r.json()["error"]["message"] and "404" in r.json()["error"]["message"]
     r = post(gw, "pd404")  # a prefill engine's 404 (prefill_url set up wrong): the decode engine computes
     assert r.status_code == 200 and r.headers["x-kvserve-pd"] == "fallback", r.text
+
+
+def test_a_pd_retry_reuses_the_first_prefills_lease_and_one_nobody_takes_is_released(gw, fault, producer):
+    """A pd deployment's decode failing (5xx) after a good prefill made the next attempt prefill
+    again, the first lease held for nobody until lease_s (kv_leases_expired). As the pd-proxy
+    does, the retry now hands the same kv_transfer_params to a decode engine behind the same
+    prefill_url, and a lease no attempt's decode engine took is released when the gateway
+    gives up."""
+    before = fault.count("leases")
+    r = post(gw, "pdlease")
+    assert r.status_code == 200 and r.headers["x-kvserve-deployment"] == "pdlease-ok", r.text
+    assert r.headers["x-kvserve-pd"] == "disaggregated" and r.headers["x-kvserve-attempts"] == "2"
+    assert fault.count("leases") == before + 1  # one prefill for both attempts
+    r = post(gw, "pdleasedown")
+    assert r.status_code == 500 and r.headers["x-kvserve-attempts"] == "2", (r.status_code, r.text)
+    assert fault.count("leases") == before + 2
+    released = producer.wait(2, timeout=1.0)  # the first lease went to pdlease-ok's decode engine
+    assert released == [f"lease-{before + 2}"], released
 
 
 def test_a_prefill_engine_refusing_the_deployments_api_key_means_recompute_not_a_401(gw):

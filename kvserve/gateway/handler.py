@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from fastapi.responses import Response
 
+from kvserve.disagg.lease import release_lease
 from kvserve.disagg.prefill import PrefillResult, refuses_transfer, run_prefill
 from kvserve.disagg.split import decode_body, disaggregates
 from kvserve.disagg.stream_start import ENGINE_GONE_CODES
@@ -77,6 +78,7 @@ class Ctx:
     degraded_to: str | None = None  # the fallback alias tried first: the group is saturated
     cache: Lookup | None = None  # set when the response cache applies to this request
     pd: str | None = None  # pd deployments: "disaggregated" or "fallback" (the last attempt's)
+    lease: tuple[str, dict] | None = None  # a prefill's (prefill_url, kv_transfer_params) no decode took yet
     client_left: bool = False  # the client hung up (the request is being cancelled)
     abandoned: str | None = None  # it left with work on served_by: "prefill" or "answer"
     allowed: frozenset[str] = frozenset()  # the aliases this key (and its team) may use
@@ -347,6 +349,17 @@ class Gateway:
 
     # ---- attempts --------------------------------------------------------------------------
     async def _attempts(self, ctx: Ctx) -> Response:
+        """The first answer of the group's deployments and fallbacks; a lease made for an attempt
+        that failed before its decode engine answered is kept for the next one, and released
+        when none takes it (no lease held till lease_s for nobody)."""
+        try:
+            return await self._attempts_held(ctx)
+        finally:
+            if ctx.lease is not None:
+                release_lease(ctx.lease[1])
+                ctx.lease = None
+
+    async def _attempts_held(self, ctx: Ctx) -> Response:
         groups, context_switched = [ctx.pinned.model_name] if ctx.pinned else self._chain(ctx), False
         context_answer: tuple[Deployment, Outcome] | None = None  # a backend's own "too long" 400
         last: GatewayError | None = None
@@ -475,7 +488,12 @@ class Gateway:
         if refused is not None:  # the decode engine's 400, without a prefill leasing KV for nobody
             await self._release(arid, dchecks, 0)
             return await self._pass_through(ctx, dep, Outcome("final", 400, json.dumps(refused).encode()))
-        if split:  # pd deployment: the prompt on its kv_producer first
+        if ctx.lease is not None and not (split and ctx.lease[0] == dep.backend.prefill_url):
+            release_lease(ctx.lease[1])  # (another producer's: this deployment's decode would not pull it)
+            ctx.lease = None
+        if split and ctx.lease is not None:  # an earlier attempt's prefill: its lease still held
+            transfer, ctx.pd = ctx.lease[1], "disaggregated"
+        elif split:  # pd deployment: the prompt on its kv_producer first
             url, prefill = dep.backend.prefill_url + ctx.path, dict(body, model=dep.backend.model)
             try:
                 send = {**self.pool.headers(dep), "x-request-id": ctx.headers["x-request-id"]}
@@ -493,6 +511,7 @@ class Gateway:
                     ctx, dep, Outcome("final", pre.refused_status, pre.refused_content)
                 )
             transfer, ctx.pd = pre.params, "disaggregated" if pre.params else "fallback"
+            ctx.lease = (dep.backend.prefill_url, pre.params) if pre.params else None
         elif dep.backend.prefill_url:  # (as the pd-proxy: the transfer fields are the gateway's own)
             ctx.pd = "decode-only"
         strategy = self.router.strategy
@@ -504,7 +523,8 @@ class Gateway:
             if transfer and out.kind == "final" and refuses_transfer(out.status, out.content):
                 # (the pd-proxy's rule: parameters the gateway set are not the client's mistake)
                 log.warning("%s refused the producer's kv_transfer_params: it computes the prompt", dep.id)
-                ctx.pd = "fallback"
+                release_lease(transfer)
+                ctx.pd, ctx.lease = "fallback", None
                 sent = decode_body(body, None)
                 out = await attempt(self.pool, dep, ctx.path, sent, ctx.stream, ctx.client_usage, rid)
         except BaseException:  # the client left while the deployment worked: it is charged
@@ -512,6 +532,8 @@ class Gateway:
             self._abandon(ctx, dep, "prefill" if ctx.stream else "answer")
             await asyncio.shield(self._release(arid, dchecks, ctx.prompt_tokens if ctx.abandoned else 0))
             raise
+        if out.kind != "retry":  # the decode engine answered: the lease is its own (pulled or released)
+            ctx.lease = None
         if out.kind == "ok" and out.response is not None:  # a live stream: finished when it ends
             return self._stream(ctx, dep, arid, dchecks, out)
         if out.kind in ("final", "context"):  # the request's 4xx: no failure of the deployment's
