@@ -37,6 +37,7 @@ class RequestMetrics:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    background: bool = False  # a batch line: kept out of the interactive latency histograms
 
     @property
     def queue_time(self) -> float | None:

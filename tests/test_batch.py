@@ -383,12 +383,12 @@ def test_cancel_stops_the_lines_in_flight_in_the_engine(client, server):
     lines = [line(i, max_tokens=200, ignore_eos=True) for i in range(40)]
     b = client.batches.create(input_file_id=upload(client, lines).id, endpoint=CHAT, completion_window="24h")
     deadline = time.monotonic() + 60
-    while server.metrics()["kvserve:num_requests_running"] == 0:
+    while server.metrics()["kvserve:num_batch_requests_running"] == 0:
         assert time.monotonic() < deadline
         time.sleep(0.05)
     client.batches.cancel(b.id)
     b = wait_final(client, b.id)
-    while server.metrics()["kvserve:num_requests_running"] > 0:
+    while server.metrics()["kvserve:num_batch_requests_running"] > 0:
         assert time.monotonic() < deadline + 120
         time.sleep(0.1)
     after = finished_by_reason(server)

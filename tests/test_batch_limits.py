@@ -94,7 +94,7 @@ def test_interactive_requests_are_admitted_while_a_batch_holds_the_queue(client,
     lines = [line(f"long-{i}", max_tokens=16) for i in range(2000)]
     b = client.batches.create(input_file_id=upload(client, lines).id, endpoint=CHAT, completion_window="24h")
     # The engine holds more waiting batch lines than the waiting room has seats.
-    wait_for(lambda: server.metrics().get("kvserve:num_requests_waiting", 0) > MAX_WAITING,
+    wait_for(lambda: server.metrics().get("kvserve:num_batch_requests_waiting", 0) > MAX_WAITING,
              "batch lines waiting in the engine", timeout=120)  # fmt: skip
 
     def ask(i: int):

@@ -78,3 +78,36 @@ def test_an_embedding_counts_its_prompt_tokens():
     assert sample(metrics, "kvserve:prompt_tokens_total") == 12
     assert sample(metrics, "kvserve:request_queue_time_seconds_count") == 1
     assert sample(metrics, "kvserve:generation_tokens_total") in (None, 0)
+
+
+def test_batch_lines_are_not_interactive_load_nor_interactive_latency():
+    """A batch alone (its lines yield to interactive requests) pushed kvserve:saturation to ~1
+    (an HPA targeting 0.8 scaled out, the gateway shed or fell back) and filled the TTFT / e2e /
+    queue-time histograms. Its lines now have gauges of their own, are left out of running,
+    waiting and saturation, and out of the latency histograms (still counted as requests)."""
+    for engines in (1, 2):
+        metrics = ServerMetrics("tiny", num_engines=engines, max_num_seqs=64)
+        labels = {"engine": "0"} if engines > 1 else {}
+        core = dict(num_running=64, num_waiting=30, kv_cache_usage=0.9, num_running_background=64,
+                    num_waiting_background=30, kv_cache_usage_background=0.9)  # fmt: skip
+        metrics.on_step(EngineCoreOutputs([], **core), [])
+        assert sample(metrics, "kvserve:saturation", **labels) == 0
+        assert sample(metrics, "kvserve:num_requests_running", **labels) == 0
+        assert sample(metrics, "kvserve:num_requests_waiting", **labels) == 0
+        assert sample(metrics, "kvserve:num_batch_requests_running", **labels) == 64
+        assert sample(metrics, "kvserve:num_batch_requests_waiting", **labels) == 30
+        assert sample(metrics, "kvserve:kv_cache_usage_perc", **labels) == 0.9  # the pool's own
+        core.update(num_running=65, num_waiting=32, kv_cache_usage=0.95)  # one interactive runs, 2 wait
+        metrics.on_step(EngineCoreOutputs([], **core), [])
+        assert sample(metrics, "kvserve:num_requests_running", **labels) == 1
+        assert abs(sample(metrics, "kvserve:saturation", **labels) - (0.05 + 2 / 64)) < 1e-9
+    line, asked = output("b", [7]), output("i", [7])
+    line.metrics.background = True
+    metrics = ServerMetrics("tiny")
+    metrics.on_step(EngineCoreOutputs([]), [line, asked])
+    line, asked = output("b", [7, 8], "length"), output("i", [7, 8], "length")
+    line.metrics.background = True
+    metrics.on_step(EngineCoreOutputs([]), [line, asked])
+    for name in ("time_to_first_token", "request_queue_time", "e2e_request_latency", "inter_token_latency"):
+        assert sample(metrics, f"kvserve:{name}_seconds_count") == 1, name
+    assert sample(metrics, "kvserve:request_success_total", finished_reason="length") == 2

@@ -127,6 +127,13 @@ class WaitingQueue:
     def __len__(self) -> int:
         return len(self._items)
 
+    def num_background(self) -> int:
+        """How many background requests wait (sorted last: counted from the end, no scan)."""
+        n = 0
+        while n < len(self._items) and self._items[-1 - n][1].background:
+            n += 1
+        return n
+
     def __iter__(self):
         return (r for _, r in self._items)
 

@@ -506,6 +506,7 @@ class EngineCore:
             + len(self.compiling)
             + len(self.scheduler.waiting_for_kv),
             kv_cache_usage=self.kv_cache_manager.usage(),
+            **self._background_load(),
             num_preemptions_total=self.scheduler.num_preemptions_total,
             iteration_tokens=sched.total_tokens,
             prefix_cache_queries=self.kv_cache_manager.prefix_cache_queries,
@@ -519,6 +520,19 @@ class EngineCore:
             kv_cleared=cleared,
             **self._transfer_totals(),
         )
+
+    def _background_load(self) -> dict:
+        """The batch lines' share of the load (they yield to interactive requests, so an
+        autoscaler must not count them): nothing to count, and no cost, without any."""
+        running, out = self.scheduler.running, {}
+        if running and running[-1].background:  # (the tier sorts last)
+            bg = [r for r in running if r.background]
+            blocks = sum(len(self.kv_cache_manager.get_block_ids(r.request_id)) for r in bg)
+            out["num_running_background"] = len(bg)
+            out["kv_cache_usage_background"] = blocks / max(1, self.kv_cache_manager.num_blocks)
+        if n := self.scheduler.waiting.num_background():
+            out["num_waiting_background"] = n
+        return out
 
     def _transfer_totals(self) -> dict:
         if self.connector is None:

@@ -50,6 +50,10 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, tag
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
+    # of those, the background tier's (batch lines): outside saturation and interactive gauges
+    num_running_background: int = 0
+    num_waiting_background: int = 0
+    kv_cache_usage_background: float = 0.0
     num_preemptions_total: int = 0
     iteration_tokens: int = 0
     prefix_cache_queries: int = 0  # running totals, in tokens

@@ -12,6 +12,7 @@ import time
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.messages import EngineCoreOutput, EngineCoreRequest
 from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvserve.request import BACKGROUND_PRIORITY
 from kvserve.tokenizer import Tokenizer
 
 
@@ -30,7 +31,7 @@ class RequestState:
         self.prompt_logprobs = None
         self.prompt_logprob_ranks: list[int | None] | None = None
         self.num_cached_tokens = 0
-        self.metrics = RequestMetrics(req.arrival_time)
+        self.metrics = RequestMetrics(req.arrival_time, background=req.priority == BACKGROUND_PRIORITY)
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.embedding: list[float] | None = None

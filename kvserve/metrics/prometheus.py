@@ -46,6 +46,14 @@ class ServerMetrics:
             "+ waiting / max_num_seqs; above 1 requests queue (the autoscaling target)",
             registry=r, **lbl,
         )  # fmt: skip
+        self.batch_running = Gauge(
+            "kvserve:num_batch_requests_running", "Batch API lines in the running batch (not in "
+            "num_requests_running nor saturation: they yield to interactive requests)", registry=r, **lbl,
+        )  # fmt: skip
+        self.batch_waiting = Gauge(
+            "kvserve:num_batch_requests_waiting", "Batch API lines waiting (not in num_requests_waiting)",
+            registry=r, **lbl,
+        )  # fmt: skip
         self.waiting_prefill = Gauge(
             "kvserve:num_waiting_prefill_tokens",
             "Prompt tokens still to compute for requests with no output yet (queued or prefilling)",
@@ -139,7 +147,7 @@ class ServerMetrics:
         self._last_token_time: dict[str, float] = {}
         self._engine_of: dict[str, int] = {}  # request -> replica, for requests with a token
         self._children: dict[tuple, list] = {}  # (metric, engine, extra labels) -> its series
-        self._gauges: dict[int, tuple[int, int, float]] = {}  # engine -> running, waiting, kv usage
+        self._gauges: dict[int, tuple] = {}  # engine -> running, waiting, kv usage, then the batch lines'
 
     def _labels(self, engine: int) -> list[tuple[str, ...]]:
         """The label sets one engine's numbers go to: its own, and the total with replicas."""
@@ -172,26 +180,42 @@ class ServerMetrics:
             self._inc(counter, total - seen, engine, *labels)
             self._seen[key] = total
 
-    def _set_gauges(self, engine: int, running: int, waiting: int, kv: float) -> None:
-        if self._gauges.get(engine) == (running, waiting, kv):
+    def _set_gauges(self, engine: int, core: EngineCoreOutputs | None = None) -> None:
+        """The interactive load (running, waiting, saturation) net of the batch lines', which
+        yield to it (preempted first, no tokens while others run): a batch alone must not look
+        like a full replica to an autoscaler or the gateway. KV usage stays the pool's own."""
+        vals = (0, 0, 0.0, 0, 0, 0.0) if core is None else (
+            core.num_running, core.num_waiting, core.kv_cache_usage,
+            core.num_running_background, core.num_waiting_background, core.kv_cache_usage_background,
+        )  # fmt: skip
+        if self._gauges.get(engine) == vals:
             return  # most steps change none of them
-        self._gauges[engine] = (running, waiting, kv)
-        own = self._labels(engine)[0]
-        self.running.labels(*own).set(running)
-        self.waiting.labels(*own).set(waiting)
-        self.kv_usage.labels(*own).set(kv)
-        self.saturation.labels(*own).set(saturation(running, waiting, kv, self.max_num_seqs))
-        if self.num_engines > 1:  # totals; KV usage and saturation are means (a pool each)
-            vals = list(self._gauges.values())
-            self.running.labels(self.model, "total").set(sum(v[0] for v in vals))
-            self.waiting.labels(self.model, "total").set(sum(v[1] for v in vals))
-            self.kv_usage.labels(self.model, "total").set(sum(v[2] for v in vals) / self.num_engines)
-            sat = sum(saturation(*v, self.max_num_seqs) for v in vals) / self.num_engines
-            self.saturation.labels(self.model, "total").set(sat)
+        self._gauges[engine] = vals
+        for labels, (running, waiting, kv, bg_running, bg_waiting, _) in self._gauge_sets(engine):
+            self.running.labels(*labels).set(running - bg_running)
+            self.waiting.labels(*labels).set(waiting - bg_waiting)
+            self.batch_running.labels(*labels).set(bg_running)
+            self.batch_waiting.labels(*labels).set(bg_waiting)
+            self.kv_usage.labels(*labels).set(kv)
+        sats = {e: _interactive_saturation(v, self.max_num_seqs) for e, v in self._gauges.items()}
+        self.saturation.labels(*self._labels(engine)[0]).set(sats[engine])
+        if self.num_engines > 1:  # KV usage and saturation are means (a pool each)
+            self.saturation.labels(self.model, "total").set(sum(sats.values()) / self.num_engines)
+
+    def _gauge_sets(self, engine: int) -> list[tuple[tuple[str, ...], tuple]]:
+        """The engine's numbers under its labels and, with replicas, the totals (KV a mean)."""
+        out = [(self._labels(engine)[0], self._gauges[engine])]
+        if self.num_engines > 1:
+            cols = list(zip(*self._gauges.values(), strict=True))
+            total = [sum(c) for c in cols]
+            total[2] /= self.num_engines
+            total[5] /= self.num_engines
+            out.append(((self.model, "total"), tuple(total)))
+        return out
 
     def on_step(self, core: EngineCoreOutputs, outs: list[RequestOutput], engine: int = 0) -> None:
         e = engine
-        self._set_gauges(e, core.num_running, core.num_waiting, core.kv_cache_usage)
+        self._set_gauges(e, core)
         self._count_total(self.preemptions, core.num_preemptions_total, e)
         self._count_total(self.prefix_queries, core.prefix_cache_queries, e)
         self._count_total(self.prefix_hits, core.prefix_cache_hits, e)
@@ -215,16 +239,18 @@ class ServerMetrics:
                 self._inc(self.generation_tokens, new, e)
             rid, met = out.request_id, out.metrics
             last = self._last_token_time.get(rid)
+            timed = not met.background  # (a batch line's latencies are no interactive SLO's)
             if last is None and new:
-                if met.time_to_first_token is not None:
+                if met.time_to_first_token is not None and timed:
                     self._observe(self.ttft, met.time_to_first_token, e)
-                if met.queue_time is not None:
+                if met.queue_time is not None and timed:
                     self._observe(self.queue, met.queue_time, e)
                 self._inc(self.prompt_tokens, len(out.prompt_token_ids), e)
             elif last is not None and new:
-                self._observe(self.itl, (now - last) / new, e)
+                if timed:
+                    self._observe(self.itl, (now - last) / new, e)
             elif out.embedding is not None:  # an embedding: its prompt computed, no token sampled
-                if met.queue_time is not None:
+                if met.queue_time is not None and timed:
                     self._observe(self.queue, met.queue_time, e)
                 self._inc(self.prompt_tokens, len(out.prompt_token_ids), e)
             if out.finished:
@@ -244,11 +270,13 @@ class ServerMetrics:
         self._engine_of.pop(out.request_id, None)
         self._inc(self.success, 1, engine, out.outputs[0].finish_reason)
         met = out.metrics
-        if met.e2e_latency is not None:
-            self._observe(self.e2e, met.e2e_latency, engine)
         self._observe(self.request_prompt, len(out.prompt_token_ids), engine)
         generated = len(out.outputs[0].token_ids)
         self._observe(self.request_generation, generated, engine)
+        if met.background:  # a batch line: counted, but its latencies are no interactive SLO's
+            return
+        if met.e2e_latency is not None:
+            self._observe(self.e2e, met.e2e_latency, engine)
         started, first, done = met.first_scheduled_time, met.first_token_time, met.finished_time
         if started is not None and first is not None:
             self._observe(self.prefill_time, first - started, engine)
@@ -262,7 +290,7 @@ class ServerMetrics:
     def on_core_lost(self, engine: int = 0) -> None:
         """An engine core died: its gauges no longer hold, and a new core's running totals
         start from zero again (the counters keep what they counted)."""
-        self._set_gauges(engine, 0, 0, 0.0)
+        self._set_gauges(engine)
         self._seen = {k: v for k, v in self._seen.items() if k[1] != engine}
         for rid in [r for r, owner in self._engine_of.items() if owner == engine]:
             self._last_token_time.pop(rid, None)
@@ -287,3 +315,10 @@ def waiting_prefill_tokens(engine) -> list[int]:
     the router expected to find in the replica's prefix cache)."""
     engines = getattr(engine, "engines", [engine])
     return [e.waiting_prefill_tokens for e in engines]
+
+
+def _interactive_saturation(vals: tuple, max_num_seqs: int) -> float:
+    """saturation.py's formula over the interactive requests: the batch lines' seats, queue and
+    KV blocks left out (an interactive request takes them at once)."""
+    running, waiting, kv, bg_running, bg_waiting, bg_kv = vals
+    return saturation(running - bg_running, waiting - bg_waiting, max(0.0, kv - bg_kv), max_num_seqs)
