@@ -401,3 +401,30 @@ def test_block_pool_rejects_double_free_and_empty_pool():
         pool.free(blocks)
     with pytest.raises(ValueError):
         BlockPool(0)
+
+
+def test_the_core_reports_the_background_tiers_load_apart(tiny_llama_dir):
+    """Batch lines (BACKGROUND_PRIORITY) counted in the core's running / waiting / KV numbers
+    alone, so /metrics read a batch as a full replica; the core now reports their share too
+    (metrics/prometheus.py leaves it out of saturation), and their outputs say they are
+    background (out of the latency histograms), wherever a step's newcomers sit in `running`."""
+    from kvserve.request import BACKGROUND_PRIORITY
+
+    llm = make_llm(tiny_llama_dir, max_num_seqs=2)
+    e = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    for i in range(3):
+        e.add_request(f"b{i}", PROMPTS[i], params, priority=BACKGROUND_PRIORITY)
+    core = e.core.step()
+    assert (core.num_running_background, core.num_waiting_background) == (2, 1)
+    assert core.kv_cache_usage_background == core.kv_cache_usage > 0
+    outs, _ = e.output_processor.process(core.outputs)
+    assert {o.request_id: o.metrics.background for o in outs} == {"b0": True, "b1": True}
+    e.add_request("i", PROMPTS[3], params)
+    core = e.core.step()
+    assert (core.num_running, core.num_running_background) == (2, 1)  # the interactive one took a seat
+    assert (core.num_waiting, core.num_waiting_background) == (2, 2)
+    assert 0 < core.kv_cache_usage_background < core.kv_cache_usage
+    outs, _ = e.output_processor.process(core.outputs)
+    assert {o.request_id: o.metrics.background for o in outs} == {"i": False}  # (b0 holds its seat)
+    e.abort_request(["b0", "b1", "b2", "i"], report=False)

@@ -523,10 +523,9 @@ class EngineCore:
 
     def _background_load(self) -> dict:
         """The batch lines' share of the load (they yield to interactive requests, so an
-        autoscaler must not count them): nothing to count, and no cost, without any."""
-        running, out = self.scheduler.running, {}
-        if running and running[-1].background:  # (the tier sorts last)
-            bg = [r for r in running if r.background]
+        autoscaler must not count them); sent only when there are any."""
+        out = {}
+        if bg := [r for r in self.scheduler.running if r.background]:  # (a step's newcomers come after it)
             blocks = sum(len(self.kv_cache_manager.get_block_ids(r.request_id)) for r in bg)
             out["num_running_background"] = len(bg)
             out["kv_cache_usage_background"] = blocks / max(1, self.kv_cache_manager.num_blocks)
