@@ -324,3 +324,37 @@ def test_a_users_budget_caps_all_its_keys_on_every_instance(gws, redis_server):
     redis_server.restart()  # persistence off: her budget's spend is gone from the store
     r = ask(gws[1], made.json()["key"])
     assert r.status_code == 400 and "User=carol Current cost: 4.0" in r.text, r.text
+
+
+def test_a_keys_per_model_limits_hold_on_every_instance(gws, redis_server):
+    """LiteLLM's model_rpm_limit, model_tpm_limit and model_max_budget on /key/generate were a
+    400 unsupported_parameter. Each caps the key on that model alone, counted in the shared Redis,
+    refused in LiteLLM's words (429 model_per_key; budget_exceeded), and /key/info shows them."""
+    m = {"Authorization": "Bearer sk-master"}
+    body = {"model_rpm_limit": {"ok": 2}, "model_tpm_limit": {"priced": 1000},
+            "model_max_budget": {"priced": {"budget_limit": 4.0, "time_period": "1d"}}}  # fmt: skip
+    made = httpx.post(gws[0].url + "/key/generate", json=body, headers=m)
+    assert made.status_code == 200, made.text
+    key = made.json()["key"]
+    rs = [r.status_code for r in _burst(gws, key, "ok", 6)]
+    assert sorted(rs) == [200, 200, 429, 429, 429, 429], rs
+    refused = _burst(gws, key, "ok", 1)[0]
+    assert refused.status_code == 429, refused.text
+    assert refused.json()["error"]["code"] == "rate_limit_exceeded", refused.text
+    assert "Rate limit exceeded for model_per_key:" in refused.json()["error"]["message"], refused.text
+    ask = lambda g: httpx.post(g.url + "/v1/chat/completions", timeout=30,  # noqa: E731
+                               json={"model": "priced", "messages": MSG, "max_tokens": 2},
+                               headers={"Authorization": f"Bearer {key}"})  # fmt: skip
+    assert [ask(gws[1]).status_code, ask(gws[2]).status_code] == [200, 200]  # (ok's rpm is ok's alone)
+    r = ask(gws[0])  # 4.0 of priced's 4.0 spent
+    assert r.status_code == 429 and r.json()["error"]["code"] == "budget_exceeded", r.text
+    assert "exceeded budget for model=priced. Current cost: 4.0, Max budget: 4.0" in r.text, r.text
+    info = httpx.get(gws[1].url + "/key/info", params={"key": key}, headers=m).json()["info"]
+    assert info["model_max_budget"] == {"priced": {"budget_limit": 4.0, "time_period": "1d"}}, info
+    assert (info["model_rpm_limit"], info["model_tpm_limit"]) == ({"ok": 2}, {"priced": 1000}), info
+    time.sleep(1.5)  # (the other instances flush their spend log every 0.5 s)
+    redis_server.restart()  # persistence off: the model budget's spend is rebuilt from the spend log
+    r = ask(gws[1])
+    assert r.status_code == 429 and "model=priced. Current cost: 4.0" in r.text, r.text
+    typo = httpx.post(gws[0].url + "/key/generate", json={"model_rpm_limit": {"gpt-4o": 1}}, headers=m)
+    assert typo.status_code == 400 and typo.json()["error"]["param"] == "model_rpm_limit", typo.text

@@ -11,6 +11,7 @@ from pydantic import ValidationError
 from kvserve.gateway.config import GatewayConfig, KeySpec, parse_duration
 from kvserve.gateway.errors import GatewayError
 from kvserve.gateway.json_type import require_json
+from kvserve.gateway.model_limits import unknown_models
 from kvserve.gateway.spend import GROUPS
 from kvserve.gateway.users import user_made
 
@@ -41,6 +42,11 @@ def check_references(cfg: GatewayConfig, spec: KeySpec, team_param: str = "team"
     for m in spec.models or []:
         if m not in names:
             raise GatewayError(404, f"models: {m!r} does not exist", code="model_not_found", param="models")
+    unknown = unknown_models(spec, names)
+    if unknown is not None:  # (a per-model limit on no model the gateway serves caps nothing)
+        field, model = unknown
+        msg = f"{field}: {model!r} does not exist (known: {', '.join(names)})"
+        raise GatewayError(400, msg, code="model_not_found", param=field)
     if spec.team is not None and spec.team not in cfg.teams:
         raise GatewayError(400, f"{team_param}: unknown team {spec.team!r}", param=team_param)
     team = cfg.teams.get(spec.team or "")

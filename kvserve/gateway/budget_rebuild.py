@@ -9,6 +9,7 @@ import asyncio
 import logging
 
 from kvserve.gateway.keys import KeyRecord
+from kvserve.gateway.model_limits import model_of
 from kvserve.gateway.spend import SpendLog
 from kvserve.gateway.state import Admission, Check, StateStore, StoreUnavailable
 from kvserve.gateway.state.base import period_index, period_start
@@ -38,8 +39,8 @@ class BudgetRebuild:
     async def _seed(self, c: Check, now: float, key: KeyRecord) -> None:
         period = period_index(now, c.period)
         since = period_start(period, c.period)
-        if c.scope.startswith("key:"):
-            spent = await self.spend.spent(since, key_hash=key.account)
+        if c.scope.startswith("key:"):  # (a model_max_budget: that model's rows alone)
+            spent = await self.spend.spent(since, key_hash=key.account, model=model_of(c.scope))
         elif c.scope.startswith("user:"):
             spent = await self.spend.spent(since, user=c.scope.removeprefix("user:"))
         else:

@@ -6,6 +6,7 @@ maximum cost does not fit (LiteLLM lets it run past the budget), and when a retr
 
 from __future__ import annotations
 
+from kvserve.gateway.model_limits import model_of
 from kvserve.gateway.state import Admission
 from kvserve.gateway.state.base import EPS
 
@@ -18,7 +19,11 @@ def exceeded(adm: Admission, key_name: str) -> str:
     who = {"team": "Team=" + name, "user": "User=" + name}.get(kind, "Key=" + key_name)
     spent = adm.spent if adm.spent is not None else c.limit  # (an earlier version's memo: none)
     # (rounded: a sum of prices printed as 4.0, not 4.000000000000001)
-    return f"Budget has been exceeded! {who} Current cost: {round(spent, 9)}, Max budget: {round(c.limit, 9)}"
+    cost = f"Current cost: {round(spent, 9)}, Max budget: {round(c.limit, 9)}"
+    model = model_of(c.scope)
+    if model is not None:  # (LiteLLM's model_max_budget refusal names the key and the model)
+        who = f"LiteLLM Virtual Key: {key_name}, exceeded budget for model={model}."
+    return f"Budget has been exceeded! {who} {cost}"
 
 
 def request_refused(adm: Admission, key_name: str, retry: int | None) -> str:

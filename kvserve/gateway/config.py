@@ -13,7 +13,15 @@ import re
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 
 class ConfigError(ValueError):
@@ -199,6 +207,24 @@ class RouterSettings(_Strict):
         return self
 
 
+class ModelBudget(_Strict):
+    """One model's budget on a key (LiteLLM's model_max_budget entry: budget_limit, time_period;
+    its other spellings max_budget, budget_duration are taken too). No time_period: never resets."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
+    budget_limit: float = Field(
+        ge=0, allow_inf_nan=False, validation_alias=AliasChoices("budget_limit", "max_budget")
+    )
+    time_period: str | None = Field(None, validation_alias=AliasChoices("time_period", "budget_duration"))
+
+    @field_validator("time_period")
+    @classmethod
+    def _duration(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_duration(v)
+        return v
+
+
 class KeySpec(Limits):
     key: str | None = None
     key_hash: str | None = None
@@ -214,6 +240,19 @@ class KeySpec(Limits):
     account: str | None = None
     # LiteLLM's user_id: the user (users.py) whose budget and limits cap this key too
     user: str | None = None
+    # LiteLLM's per-model limits, by model name (a group or a model_group_alias): model_limits.py
+    model_max_budget: dict[str, ModelBudget] | None = None
+    model_rpm_limit: dict[str, int] | None = None
+    model_tpm_limit: dict[str, int] | None = None
+
+    @field_validator("model_rpm_limit", "model_tpm_limit")
+    @classmethod
+    def _per_model(cls, v: dict[str, int] | None) -> dict[str, int] | None:
+        for name, n in (v or {}).items():
+            storable_text(name)
+            if isinstance(n, bool) or not 1 <= n <= _MAX_LIMIT:
+                raise ValueError(f"{name}: a limit from 1 to {_MAX_LIMIT}")
+        return v or None
 
     @field_validator("blocked")
     @classmethod

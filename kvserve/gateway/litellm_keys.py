@@ -4,7 +4,7 @@ scripts called these paths and met route 404s (the gateway's own API is /admin/k
 
 LiteLLM's fields that map onto a key here are taken (key_alias, models, team_id, rpm_limit,
 tpm_limit, max_parallel_requests, max_budget, budget_duration, metadata, blocked, duration, user_id:
-litellm_users.py); any other
+litellm_users.py, model_max_budget, model_rpm_limit, model_tpm_limit: model_limits.py); any other
 with a value is a 400 naming it, never silently dropped (a budget or permission the caller
 believes is set). LiteLLM's `models: []` means every model, as here a key without `models`."""
 
@@ -40,6 +40,9 @@ FIELDS = {
     "metadata": "metadata",
     "blocked": "blocked",
     "user_id": "user",
+    "model_max_budget": "model_max_budget",
+    "model_rpm_limit": "model_rpm_limit",
+    "model_tpm_limit": "model_tpm_limit",
 }
 _HASH = re.compile(r"[0-9a-f]{64}")
 _EVERY_MODEL = ("all-proxy-models", "all-team-models")
@@ -103,6 +106,10 @@ def _validated(data: dict, cfg) -> KeySpec:
     return spec
 
 
+def _items(table: dict | None) -> list:
+    return list((table or {}).items())
+
+
 def _iso(ts: float | None) -> str | None:
     return None if ts is None else datetime.datetime.fromtimestamp(ts, datetime.UTC).isoformat()
 
@@ -126,6 +133,9 @@ def key_info(rec: KeyRecord, spend: float, given: str | None = None) -> dict:
         "metadata": s.metadata or {},
         "expires": _iso(s.expires),
         "budget_reset_at": _iso(budget_period(s.budget_duration, time.time())[1]),
+        "model_max_budget": {m: b.model_dump(exclude_none=True) for m, b in _items(s.model_max_budget)},
+        "model_rpm_limit": s.model_rpm_limit,
+        "model_tpm_limit": s.model_tpm_limit,
         "blocked": bool(s.blocked),
         "spend": spend,
         "created_at": _iso(rec.created),

@@ -92,11 +92,16 @@ class SpendLog:
         await self.flush()
 
     async def spent(
-        self, since: float, key_hash: str | None = None, team: str | None = None, user: str | None = None
+        self,
+        since: float,
+        key_hash: str | None = None,
+        team: str | None = None,
+        user: str | None = None,
+        model: str | None = None,
     ) -> float:
         """What a key (or a team, or a user) was charged from `since` on: a budget's spend rebuilt when the
         state store lost it (every instance's rows, where they share the file; this one's not
-        yet written counted from memory)."""
+        yet written counted from memory). model: on that model group only (a key's model_max_budget)."""
         try:
             await self.flush()
         except sqlite3.Error:  # (a full disk: the rows stay pending, counted below; retried later)
@@ -107,10 +112,16 @@ class SpendLog:
         def query():
             with self.lock:
                 sql = f"SELECT SUM(cost) FROM spend WHERE {col} = ? AND ts >= ?"
+                if model is not None:
+                    return self.db.execute(sql + " AND model = ?", (value, since, model)).fetchone()[0]
                 return self.db.execute(sql, (value, since)).fetchone()[0]
 
         written = await asyncio.to_thread(query) or 0.0
-        mine = (r.cost for r in self.pending if getattr(r, col) == value and r.ts >= since)
+        mine = (
+            r.cost
+            for r in self.pending
+            if getattr(r, col) == value and r.ts >= since and (model is None or r.model == model)
+        )
         return float(written + sum(mine))
 
     async def entries(

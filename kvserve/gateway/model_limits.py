@@ -1,0 +1,69 @@
+"""A key's per-model limits (LiteLLM's model_max_budget, model_rpm_limit, model_tpm_limit): each
+a limit of its own, in a scope of its own per (key, model group), admitted with the key's other
+limits in one step of the state store, so every gateway instance counts the same window and
+budget. An entry names a group or a model_group_alias (the group it names)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+
+from kvserve.gateway.config import KeySpec, parse_duration
+from kvserve.gateway.state import Check
+
+SEP = ":model:"  # key:<account>:model:<group>
+
+
+def _entry(table: dict | None, group: str, group_of: Callable[[str], str]):
+    """The entry for `group`: by its own name first, else by an alias of it."""
+    if not table:
+        return None
+    if group in table:
+        return table[group]
+    return next((v for k, v in table.items() if group_of(k) == group), None)
+
+
+def model_checks(
+    key_scope: str, spec: KeySpec, group: str, group_of: Callable[[str], str], tokens: int, money: float
+) -> list[Check]:
+    """The checks of `spec`'s limits on `group` (none when it names no such model)."""
+    scope = f"{key_scope}{SEP}{group}"
+    out = []
+    rpm = _entry(spec.model_rpm_limit, group, group_of)
+    if rpm:
+        out.append(Check("rpm", scope, rpm))
+    tpm = _entry(spec.model_tpm_limit, group, group_of)
+    if tpm:
+        out.append(Check("tpm", scope, tpm, tokens))
+    budget = _entry(spec.model_max_budget, group, group_of)
+    if budget is not None:
+        period = parse_duration(budget.time_period) if budget.time_period else 0.0
+        out.append(Check("budget", scope, budget.budget_limit, money, period))
+    return out
+
+
+def model_of(scope: str) -> str | None:
+    """The model group of a per-model scope (None for any other scope)."""
+    return scope.partition(SEP)[2] or None if SEP in scope else None
+
+
+def unknown_models(spec: KeySpec, names: list[str]) -> tuple[str, str] | None:
+    """(field, model) for the first per-model limit naming a model the gateway does not serve: it
+    would cap nothing, and the caller would believe it set."""
+    for field in ("model_max_budget", "model_rpm_limit", "model_tpm_limit"):
+        for model in getattr(spec, field) or {}:
+            if model not in names:
+                return field, model
+    return None
+
+
+def model_rate_refused(key_name: str, model: str, check: Check, retry: int) -> str:
+    """A per-model rpm / tpm refusal in LiteLLM's words (its scripts match "Rate limit exceeded
+    for model_per_key"), with the gateway's Retry-After."""
+    kind = "requests" if check.kind == "rpm" else "tokens"
+    at = datetime.fromtimestamp(time.time() + retry, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return (
+        f"Rate limit exceeded for model_per_key: {key_name}:{model}. Limit type: {kind}. "
+        f"Current limit: {int(check.limit)}, Remaining: 0. Limit resets at: {at}; retry after {retry} s"
+    )
