@@ -358,3 +358,28 @@ def test_a_keys_per_model_limits_hold_on_every_instance(gws, redis_server):
     assert r.status_code == 429 and "model=priced. Current cost: 4.0" in r.text, r.text
     typo = httpx.post(gws[0].url + "/key/generate", json={"model_rpm_limit": {"gpt-4o": 1}}, headers=m)
     assert typo.status_code == 400 and typo.json()["error"]["param"] == "model_rpm_limit", typo.text
+
+
+def test_a_user_made_at_once_on_several_instances_is_made_once(gws):
+    """/user/new read the user and then wrote it: the same user_id made on two instances at the
+    same moment was made by both (two 200s, the second overwriting the first's budget). The
+    creation is one atomic step in Redis: exactly one 200 per user, the others LiteLLM's 409."""
+    m = {"Authorization": "Bearer sk-master"}
+
+    async def go():
+        async with httpx.AsyncClient(timeout=60) as c:
+            return await asyncio.gather(*(
+                c.post(g.url + "/user/new", headers=m,
+                       json={"user_id": f"racer-{i}", "max_budget": float(j + 1), "auto_create_key": False})
+                for i in range(8) for j, g in enumerate(gws)
+            ))  # fmt: skip
+
+    rs = asyncio.run(go())
+    for i in range(8):
+        codes = sorted(r.status_code for r in rs[i * len(gws) : (i + 1) * len(gws)])
+        assert codes == [200] + [409] * (len(gws) - 1), (i, codes)
+    made = {r.json()["user_id"]: r.json()["max_budget"] for r in rs if r.status_code == 200}
+    for user_id, budget in made.items():  # the one made is the one every instance reads
+        for g in gws:
+            info = httpx.get(g.url + "/user/info", params={"user_id": user_id}, headers=m).json()
+            assert info["user_info"]["max_budget"] == budget, (user_id, info)

@@ -16,6 +16,14 @@ from dataclasses import dataclass, field
 from kvserve.gateway.config import KeySpec, UserSpec
 
 HASH = "kvgw:users"  # (redis_store.PREFIX's; Redis is imported only when the state is Redis)
+# A user made only where none is (a tombstone, a deleted user, counts as none), in one step: two
+# instances making the same user at once both read "none" and both made it, the last one winning
+_CREATE = """
+local v = redis.call('HGET', KEYS[1], ARGV[1])
+if v and not cjson.decode(v).deleted then return 0 end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+return 1
+"""
 
 
 async def _redis(fn, *args):
@@ -46,6 +54,7 @@ class UserStore:
 
     def __init__(self, db: sqlite3.Connection, redis=None) -> None:
         self.db, self.redis = db, redis
+        self._create = redis.register_script(_CREATE) if redis is not None else None
         self.lock = threading.Lock()
         db.execute("CREATE TABLE IF NOT EXISTS users (user_id TEXT PRIMARY KEY, entry TEXT NOT NULL)")
         db.commit()
@@ -82,13 +91,27 @@ class UserStore:
         return rec
 
     async def create(self, rec: UserRecord) -> bool:
-        """False: a user with that id exists already."""
-        if await self.get(rec.user_id) is not None:
+        """False: a user with that id exists already (on any instance: decided atomically, in
+        Redis with a Redis state, else by the shared database's primary key)."""
+        if await self.get(rec.user_id) is not None:  # (one only a database holds is shared again)
             return False
-        if self.redis is not None:
-            await _redis(self.redis.hset, HASH, rec.user_id, _entry(rec))
-        await self._save_local(rec)
-        return True
+        if self._create is not None:
+            if not int(await _redis(self._create, [HASH], [rec.user_id, _entry(rec)])):
+                return False
+            await self._save_local(rec)
+            return True
+        sql = "INSERT OR IGNORE INTO users (user_id, entry) VALUES (?, ?)"
+        return bool(await asyncio.to_thread(self._insert, sql, (rec.user_id, _entry(rec))))
+
+    def _insert(self, sql: str, args: tuple) -> int:
+        with self.lock:
+            try:
+                n = self.db.execute(sql, args).rowcount
+                self.db.commit()
+            except sqlite3.Error:
+                self.db.rollback()
+                raise
+        return n
 
     async def replace(self, rec: UserRecord) -> None:
         if self.redis is not None:
