@@ -585,3 +585,26 @@ def test_a_spend_log_written_before_users_gains_their_column_and_keeps_its_rows(
 
     rows, ann = asyncio.run(read())
     assert [(r.request_id, r.user) for r in rows] == [("r2", "ann"), ("r1", None)] and ann == 0.25
+
+
+def test_a_keys_duration_in_months_is_calendar_months_as_litellms(tmp_path, monkeypatch):
+    """A key's `duration: "1mo"` was 30 days (made on 31 January, it died on 2 March), while a
+    budget's "1mo" is a calendar month; and "2mo" was a 400. LiteLLM's key duration is N calendar
+    months: the same day and time, the month's last day when it is shorter."""
+    made_at = datetime.datetime(2027, 1, 31, 12, 0, tzinfo=datetime.UTC).timestamp()
+    monkeypatch.setattr("kvserve.gateway.litellm_keys.time.time", lambda: made_at)
+
+    async def calls(c):
+        out = []
+        for duration in ("1mo", "2mo", "12mo", "0mo"):
+            r = await c.post("/key/generate", json={"duration": duration}, headers=MASTER)
+            ok = r.status_code == 200
+            out.append(r.json()["expires"] if ok else (r.status_code, r.json()["error"]["param"]))
+        return out
+
+    assert _run(tmp_path, calls) == [
+        "2027-02-28T12:00:00+00:00",
+        "2027-03-31T12:00:00+00:00",
+        "2028-01-31T12:00:00+00:00",
+        (400, "duration"),
+    ]

@@ -21,8 +21,9 @@ from pydantic import ValidationError
 from kvserve.gateway.admin import _first_error, check_references, json_object
 from kvserve.gateway.auth_headers import presented_key
 from kvserve.gateway.budgets import budget_period
-from kvserve.gateway.config import KeySpec, parse_duration
+from kvserve.gateway.config import KeySpec
 from kvserve.gateway.errors import GatewayError
+from kvserve.gateway.key_expiry import expires_at
 from kvserve.gateway.keys import KeyRecord, KeyStore, hash_key
 from kvserve.gateway.spend import SpendLog
 from kvserve.gateway.users import user_made
@@ -65,7 +66,7 @@ def _spec_fields(body: dict, allowed: set[str]) -> dict:
             continue
         if name == "duration":
             try:
-                out["expires"] = time.time() + parse_duration(str(value))
+                out["expires"] = expires_at(str(value), time.time())
             except ValueError as e:
                 raise GatewayError(400, f"duration: {e}", param="duration") from None
         elif name == "models":
