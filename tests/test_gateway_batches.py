@@ -399,3 +399,24 @@ def test_a_batch_of_a_key_regenerated_while_it_ran_is_charged_to_the_new_key(sta
     want = b.usage.input_tokens * IN_PRICE + b.usage.output_tokens * OUT_BATCH_PRICE
     info = httpx.get(gw2.url + "/key/info", params={"key": regen.json()["key"]}, headers=master).json()
     assert info["info"]["spend"] == pytest.approx(want), info
+
+
+def test_a_finished_batch_is_charged_to_its_keys_model_max_budget(stack):
+    """A batch's charge went to the key's, team's and user's budgets but not to the key's
+    model_max_budget for the model it ran on, so the key went on spending on that model past it."""
+    gw1, _ = stack
+    master = {"Authorization": f"Bearer {MASTER}"}
+    body = {"model_max_budget": {"priced": {"budget_limit": 0.05}}}
+    key = httpx.post(gw1.url + "/key/generate", json=body, headers=master).json()["key"]
+    c = _client(gw1, key)
+    hi = [{"role": "user", "content": "hi"}]
+    c.chat.completions.create(model="priced", messages=hi, max_tokens=1)  # (the store holds the budget now)
+    f = c.files.create(file=("in.jsonl", _jsonl([_line(i, "priced") for i in range(4)])), purpose="batch")
+    b = _finished(c, c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                      completion_window="24h").id)  # fmt: skip
+    assert b.status == "completed", b
+    assert b.usage.input_tokens * IN_PRICE + b.usage.output_tokens * OUT_BATCH_PRICE > 0.05, b.usage
+    with pytest.raises(openai.BadRequestError) as e:  # (one request's most is under 0.05: the spend refuses)
+        c.chat.completions.create(model="priced", messages=hi, max_tokens=1)
+    assert "exceeded budget for model=priced" in e.value.body["message"], e.value.body
+    assert c.chat.completions.create(model="tiny", messages=hi, max_tokens=1)

@@ -21,6 +21,7 @@ from kvserve.gateway.errors import GatewayError, limit_reached
 from kvserve.gateway.handler import Gateway
 from kvserve.gateway.keys import KeyRecord, KeyStore
 from kvserve.gateway.limits import tenant_checks
+from kvserve.gateway.model_limits import model_checks
 from kvserve.gateway.spend import SpendRow
 from kvserve.gateway.state import Check, StoreUnavailable
 from kvserve.gateway.state.base import EPS
@@ -50,9 +51,13 @@ class BatchSpend:
     def __init__(self, gateway: Gateway, keys: KeyStore) -> None:
         self.gw, self.keys = gateway, keys
 
-    def _budgets(self, key: KeyRecord, money: float) -> list[Check]:
+    def _budgets(self, key: KeyRecord, money: float, model: str | None = None) -> list[Check]:
+        """model: the group a finished batch ran on, whose model_max_budget it is charged to too
+        (unknown when a batch is created: its lines name theirs)."""
         team = self.gw.cfg.teams.get(key.spec.team or "")
         checks = tenant_checks(key.scope, key.spec, key.spec.team, team, 0, money, key.user_limits)
+        if model is not None:
+            checks += model_checks(key.scope, key.spec, model, self.gw.cfg.group_of, 0, money)
         return [c for c in checks if c.kind == "budget"]
 
     async def may_create(self, key: KeyRecord) -> None:
@@ -118,7 +123,7 @@ class BatchSpend:
         self, key_hash: str, dep: Deployment, public_id: str, i: int, o: int, money: float
     ) -> None:
         key = await self._owner(key_hash)  # (None: deleted since; the spend is still logged)
-        if key is not None and money > 0 and (checks := self._budgets(key, 0.0)):
+        if key is not None and money > 0 and (checks := self._budgets(key, 0.0, dep.model_name)):
             rid = f"batch:{public_id}"
             try:  # admitted at nothing first, so a budget the store lost is rebuilt before it is charged
                 await self.gw.budgets.admit(rid, checks, 60.0, key)
