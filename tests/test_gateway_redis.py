@@ -383,3 +383,25 @@ def test_a_user_made_at_once_on_several_instances_is_made_once(gws):
         for g in gws:
             info = httpx.get(g.url + "/user/info", params={"user_id": user_id}, headers=m).json()
             assert info["user_info"]["max_budget"] == budget, (user_id, info)
+
+
+def test_a_users_model_max_budget_caps_that_model_over_all_its_keys(gws):
+    """LiteLLM's users take model_max_budget too (it was a 400 unsupported_parameter on
+    /user/new): it caps what all the user's keys spend on that model, the other models free."""
+    m = {"Authorization": "Bearer sk-master"}
+    body = {"user_id": "dave", "model_max_budget": {"priced": {"max_budget": 4.0}}, "auto_create_key": False}
+    made = httpx.post(gws[0].url + "/user/new", json=body, headers=m)
+    assert made.status_code == 200, made.text
+    keys = [httpx.post(gws[i].url + "/key/generate", json={"user_id": "dave"}, headers=m).json()["key"]
+            for i in range(2)]  # fmt: skip
+    ask = lambda g, key, model: httpx.post(g.url + "/v1/chat/completions", timeout=30,  # noqa: E731
+                                           json={"model": model, "messages": MSG, "max_tokens": 2},
+                                           headers={"Authorization": f"Bearer {key}"})  # fmt: skip
+    assert ask(gws[1], keys[0], "priced").status_code == 200
+    assert ask(gws[2], keys[1], "priced").status_code == 200
+    r = ask(gws[0], keys[1], "priced")  # 4.0 of dave's 4.0 on priced, by two keys
+    assert r.status_code == 400 and r.json()["error"]["code"] == "budget_exceeded", r.text
+    assert "LiteLLM User: dave, exceeded budget for model=priced. Current cost: 4.0" in r.text, r.text
+    assert ask(gws[0], keys[0], "ok").status_code == 200
+    info = httpx.get(gws[2].url + "/user/info", params={"user_id": "dave"}, headers=m).json()
+    assert info["user_info"]["model_max_budget"] == {"priced": {"budget_limit": 4.0}}, info

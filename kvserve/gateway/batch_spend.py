@@ -21,7 +21,7 @@ from kvserve.gateway.errors import GatewayError, limit_reached
 from kvserve.gateway.handler import Gateway
 from kvserve.gateway.keys import KeyRecord, KeyStore
 from kvserve.gateway.limits import tenant_checks
-from kvserve.gateway.model_limits import model_checks
+from kvserve.gateway.model_limits import owner_model_checks
 from kvserve.gateway.spend import SpendRow
 from kvserve.gateway.state import Check, StoreUnavailable
 from kvserve.gateway.state.base import EPS
@@ -52,12 +52,12 @@ class BatchSpend:
         self.gw, self.keys = gateway, keys
 
     def _budgets(self, key: KeyRecord, money: float, model: str | None = None) -> list[Check]:
-        """model: the group a finished batch ran on, whose model_max_budget it is charged to too
+        """model: the group a finished batch ran on, whose model_max_budgets it is charged to too
         (unknown when a batch is created: its lines name theirs)."""
         team = self.gw.cfg.teams.get(key.spec.team or "")
         checks = tenant_checks(key.scope, key.spec, key.spec.team, team, 0, money, key.user_limits)
         if model is not None:
-            checks += model_checks(key.scope, key.spec, model, self.gw.cfg.group_of, 0, money)
+            checks += owner_model_checks(key, model, self.gw.cfg.group_of, 0, money)
         return [c for c in checks if c.kind == "budget"]
 
     async def may_create(self, key: KeyRecord) -> None:

@@ -9,7 +9,7 @@ import asyncio
 import logging
 
 from kvserve.gateway.keys import KeyRecord
-from kvserve.gateway.model_limits import model_of
+from kvserve.gateway.model_limits import SEP, model_of
 from kvserve.gateway.spend import SpendLog
 from kvserve.gateway.state import Admission, Check, StateStore, StoreUnavailable
 from kvserve.gateway.state.base import period_index, period_start
@@ -42,7 +42,8 @@ class BudgetRebuild:
         if c.scope.startswith("key:"):  # (a model_max_budget: that model's rows alone)
             spent = await self.spend.spent(since, key_hash=key.account, model=model_of(c.scope))
         elif c.scope.startswith("user:"):
-            spent = await self.spend.spent(since, user=c.scope.removeprefix("user:"))
+            user = c.scope.removeprefix("user:").split(SEP)[0]
+            spent = await self.spend.spent(since, user=user, model=model_of(c.scope))
         else:
             spent = await self.spend.spent(since, team=c.scope.removeprefix("team:"))
         if await self.store.seed_budget(c, period, spent) and spent > 0:

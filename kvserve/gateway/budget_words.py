@@ -6,7 +6,7 @@ maximum cost does not fit (LiteLLM lets it run past the budget), and when a retr
 
 from __future__ import annotations
 
-from kvserve.gateway.model_limits import model_of
+from kvserve.gateway.model_limits import SEP, model_of
 from kvserve.gateway.state import Admission
 from kvserve.gateway.state.base import EPS
 
@@ -21,8 +21,9 @@ def exceeded(adm: Admission, key_name: str) -> str:
     # (rounded: a sum of prices printed as 4.0, not 4.000000000000001)
     cost = f"Current cost: {round(spent, 9)}, Max budget: {round(c.limit, 9)}"
     model = model_of(c.scope)
-    if model is not None:  # (LiteLLM's model_max_budget refusal names the key and the model)
-        who = f"LiteLLM Virtual Key: {key_name}, exceeded budget for model={model}."
+    if model is not None:  # (LiteLLM's model_max_budget refusal names the key or user, and the model)
+        owner = f"User: {name.split(SEP)[0]}" if kind == "user" else f"Virtual Key: {key_name}"
+        who = f"LiteLLM {owner}, exceeded budget for model={model}."
     return f"Budget has been exceeded! {who} {cost}"
 
 

@@ -303,6 +303,8 @@ class UserSpec(Limits):
     user_role: Literal["internal_user", "internal_user_viewer", "customer"] | None = None
     models: list[str] | None = None
     metadata: dict | None = None
+    # LiteLLM's per-model budgets of a user, over all its keys (model_limits.py)
+    model_max_budget: dict[str, ModelBudget] | None = None
 
     @field_validator("user_email", "user_alias", "models")
     @classmethod

@@ -35,7 +35,7 @@ from kvserve.gateway.json_type import require_json
 from kvserve.gateway.keys import KeyRecord
 from kvserve.gateway.limits import deployment_checks, needs_tokens, ratelimit_headers, tenant_checks
 from kvserve.gateway.metrics import GatewayMetrics
-from kvserve.gateway.model_limits import model_checks, model_of, model_rate_refused
+from kvserve.gateway.model_limits import SEP, model_of, model_rate_refused, owner_model_checks
 from kvserve.gateway.proxy import Outcome, attempt
 from kvserve.gateway.response_cache import HEADER as CACHE_HEADER
 from kvserve.gateway.response_cache import Lookup, ResponseCache
@@ -291,7 +291,7 @@ class Gateway:
             reachable.append(rule.fallback)
         deps = [d for a in dict.fromkeys(reachable) for d in self.router.deployments(a)]
         probe = tenant_checks(key.scope, key.spec, team_name, team, 0, 0.0, key.user_limits)
-        probe += model_checks(key.scope, key.spec, ctx.alias, self.cfg.group_of, 0, 0.0)
+        probe += owner_model_checks(key, ctx.alias, self.cfg.group_of, 0, 0.0)
         first = self.router.deployments(ctx.alias)[0]
         counting = needs_tokens(probe) or any(d.backend.tpm or d.backend.max_context for d in deps)
         if counting:  # on a deployment not cooling down: a hung one cost every request its timeout
@@ -305,16 +305,15 @@ class Gateway:
         )
         ctx.checks = tenant_checks(
             key.scope, key.spec, team_name, team, ctx.prompt_tokens, ctx.reserved_money, key.user_limits
-        ) + model_checks(
-            key.scope, key.spec, ctx.alias, self.cfg.group_of, ctx.prompt_tokens, ctx.reserved_money
-        )
+        ) + owner_model_checks(key, ctx.alias, self.cfg.group_of, ctx.prompt_tokens, ctx.reserved_money)
         if not ctx.checks:
             return
         for c in ctx.checks:  # a cost no admission can meet: no retry helps, say what does
             if c.kind == "budget" and c.amount > c.limit * (1 + EPS):
                 who = "the key's" if c.scope.startswith("key:") else f"{c.scope}'s"
                 if model_of(c.scope) is not None:
-                    who = f"the key's model_max_budget[{model_of(c.scope)!r}]'s"
+                    owner = "the key's" if c.scope.startswith("key:") else f"{c.scope.split(SEP)[0]}'s"
+                    who = f"{owner} model_max_budget[{model_of(c.scope)!r}]'s"
                 raise GatewayError(
                     400,
                     f"max_tokens: this request may cost up to {c.amount:.6g} ({ctx.prompt_tokens} prompt "

@@ -25,6 +25,7 @@ from kvserve.gateway.config import KeySpec
 from kvserve.gateway.errors import GatewayError
 from kvserve.gateway.key_expiry import expires_at
 from kvserve.gateway.keys import KeyRecord, KeyStore, hash_key
+from kvserve.gateway.model_limits import budgets_shown
 from kvserve.gateway.spend import SpendLog
 from kvserve.gateway.users import user_made
 
@@ -107,10 +108,6 @@ def _validated(data: dict, cfg) -> KeySpec:
     return spec
 
 
-def _items(table: dict | None) -> list:
-    return list((table or {}).items())
-
-
 def _iso(ts: float | None) -> str | None:
     return None if ts is None else datetime.datetime.fromtimestamp(ts, datetime.UTC).isoformat()
 
@@ -134,7 +131,7 @@ def key_info(rec: KeyRecord, spend: float, given: str | None = None) -> dict:
         "metadata": s.metadata or {},
         "expires": _iso(s.expires),
         "budget_reset_at": _iso(budget_period(s.budget_duration, time.time())[1]),
-        "model_max_budget": {m: b.model_dump(exclude_none=True) for m, b in _items(s.model_max_budget)},
+        "model_max_budget": budgets_shown(s.model_max_budget),
         "model_rpm_limit": s.model_rpm_limit,
         "model_tpm_limit": s.model_tpm_limit,
         "blocked": bool(s.blocked),

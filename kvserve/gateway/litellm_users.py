@@ -26,6 +26,7 @@ from kvserve.gateway.litellm_keys import (
     key_info,
     key_spend,
 )
+from kvserve.gateway.model_limits import budgets_shown, unknown_models
 from kvserve.gateway.users import UserRecord
 
 # LiteLLM's name -> UserSpec's
@@ -39,6 +40,7 @@ FIELDS = {
     "tpm_limit": "tpm",
     "max_parallel_requests": "max_parallel_requests",
     "metadata": "metadata",
+    "model_max_budget": "model_max_budget",
 }
 # roles LiteLLM gives an ordinary user (its admin roles would be a promise the gateway cannot keep)
 ROLES = ("internal_user", "internal_user_viewer", "customer")
@@ -86,6 +88,10 @@ def _spec(data: dict, cfg) -> UserSpec:
     for m in spec.models or []:
         if m not in names:
             raise GatewayError(404, f"models: {m!r} does not exist", code="model_not_found", param="models")
+    unknown = unknown_models(spec, names)
+    if unknown is not None:  # (a budget on no model the gateway serves caps nothing)
+        raise GatewayError(400, f"{unknown[0]}: {unknown[1]!r} does not exist", code="model_not_found",
+                           param=unknown[0])  # fmt: skip
     return spec
 
 
@@ -104,6 +110,7 @@ def user_info(rec: UserRecord, spend: float) -> dict:
         "tpm_limit": s.tpm,
         "rpm_limit": s.rpm,
         "max_parallel_requests": s.max_parallel_requests,
+        "model_max_budget": budgets_shown(s.model_max_budget),
         "metadata": s.metadata or {},
         "spend": spend,
         "teams": [],

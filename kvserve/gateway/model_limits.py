@@ -1,16 +1,21 @@
-"""A key's per-model limits (LiteLLM's model_max_budget, model_rpm_limit, model_tpm_limit): each
-a limit of its own, in a scope of its own per (key, model group), admitted with the key's other
-limits in one step of the state store, so every gateway instance counts the same window and
-budget. An entry names a group or a model_group_alias (the group it names)."""
+"""A key's per-model limits (LiteLLM's model_max_budget, model_rpm_limit, model_tpm_limit; a
+user's model_max_budget): each a limit of its own, in a scope of its own per (owner, model
+group), admitted with the key's other limits in one step of the state store, so every gateway
+instance counts the same window and budget. An entry names a group or a model_group_alias (the
+group it names)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
+from typing import TYPE_CHECKING
 
-from kvserve.gateway.config import KeySpec, parse_duration
+from kvserve.gateway.config import KeySpec, UserSpec, parse_duration
 from kvserve.gateway.state import Check
+
+if TYPE_CHECKING:
+    from kvserve.gateway.keys import KeyRecord
 
 SEP = ":model:"  # key:<account>:model:<group>
 
@@ -25,15 +30,21 @@ def _entry(table: dict | None, group: str, group_of: Callable[[str], str]):
 
 
 def model_checks(
-    key_scope: str, spec: KeySpec, group: str, group_of: Callable[[str], str], tokens: int, money: float
+    owner_scope: str,
+    spec: KeySpec | UserSpec,
+    group: str,
+    group_of: Callable[[str], str],
+    tokens: int,
+    money: float,
 ) -> list[Check]:
-    """The checks of `spec`'s limits on `group` (none when it names no such model)."""
-    scope = f"{key_scope}{SEP}{group}"
+    """The checks of a key's (or a user's: model_max_budget alone) limits on `group` (none when
+    it names no such model)."""
+    scope = f"{owner_scope}{SEP}{group}"
     out = []
-    rpm = _entry(spec.model_rpm_limit, group, group_of)
+    rpm = _entry(getattr(spec, "model_rpm_limit", None), group, group_of)
     if rpm:
         out.append(Check("rpm", scope, rpm))
-    tpm = _entry(spec.model_tpm_limit, group, group_of)
+    tpm = _entry(getattr(spec, "model_tpm_limit", None), group, group_of)
     if tpm:
         out.append(Check("tpm", scope, tpm, tokens))
     budget = _entry(spec.model_max_budget, group, group_of)
@@ -48,11 +59,11 @@ def model_of(scope: str) -> str | None:
     return scope.partition(SEP)[2] or None if SEP in scope else None
 
 
-def unknown_models(spec: KeySpec, names: list[str]) -> tuple[str, str] | None:
+def unknown_models(spec: KeySpec | UserSpec, names: list[str]) -> tuple[str, str] | None:
     """(field, model) for the first per-model limit naming a model the gateway does not serve: it
     would cap nothing, and the caller would believe it set."""
     for field in ("model_max_budget", "model_rpm_limit", "model_tpm_limit"):
-        for model in getattr(spec, field) or {}:
+        for model in getattr(spec, field, None) or {}:
             if model not in names:
                 return field, model
     return None
@@ -67,3 +78,19 @@ def model_rate_refused(key_name: str, model: str, check: Check, retry: int) -> s
         f"Rate limit exceeded for model_per_key: {key_name}:{model}. Limit type: {kind}. "
         f"Current limit: {int(check.limit)}, Remaining: 0. Limit resets at: {at}; retry after {retry} s"
     )
+
+
+def owner_model_checks(
+    key: KeyRecord, group: str, group_of: Callable[[str], str], tokens: int, money: float
+) -> list[Check]:
+    """The key's per-model checks on `group`, then its user's."""
+    out = model_checks(key.scope, key.spec, group, group_of, tokens, money)
+    if key.user_limits is not None:
+        user_id, user = key.user_limits
+        out += model_checks(f"user:{user_id}", user, group, group_of, tokens, money)
+    return out
+
+
+def budgets_shown(table: dict | None) -> dict:
+    """model_max_budget as /key/info and /user/info show it (LiteLLM's names)."""
+    return {m: b.model_dump(exclude_none=True) for m, b in (table or {}).items()}
