@@ -49,6 +49,8 @@ def _config(fault, redis_server, db: str, cache_url: str | None = None, **genera
             {"model_name": "cool", "id": "well", "backend": {"base_url": u, "model": "ok"}},
         ],
         "router_settings": {"allowed_fails": 2, "cooldown_time": 120, "retry_backoff_base": 0.01},
+        "teams": {"mteam": {"model_rpm_limit": {"ok": 1},
+                            "model_max_budget": {"priced": {"budget_limit": 2.0}}}},
         "keys": [{"key": "sk-rpm50", "rpm": 50}, {"key": "sk-budget", "max_budget": 2.0 * K},
                  {"key": "sk-kill", "max_budget": 2.0}, {"key": "sk-any"}, {"key": "sk-rpm3", "rpm": 3},
                  {"key": "sk-restart", "alias": "restart", "max_budget": 5.0, "budget_duration": "30d"}],
@@ -405,3 +407,25 @@ def test_a_users_model_max_budget_caps_that_model_over_all_its_keys(gws):
     assert ask(gws[0], keys[0], "ok").status_code == 200
     info = httpx.get(gws[2].url + "/user/info", params={"user_id": "dave"}, headers=m).json()
     assert info["user_info"]["model_max_budget"] == {"priced": {"budget_limit": 4.0}}, info
+
+
+def test_a_teams_per_model_limits_cap_its_keys_unless_a_key_has_its_own_model_budget(gws):
+    """LiteLLM's teams take model_rpm_limit, model_tpm_limit and model_max_budget: they cap the
+    team's keys together on that model; a key's own model_max_budget for the model stands in
+    for the team's (LiteLLM's rule), its rate limits still the team's."""
+    m = {"Authorization": "Bearer sk-master"}
+    plain = httpx.post(gws[0].url + "/key/generate", json={"team_id": "mteam"}, headers=m).json()["key"]
+    own = {"team_id": "mteam", "model_max_budget": {"priced": {"budget_limit": 4.0}}}
+    owner = httpx.post(gws[1].url + "/key/generate", json=own, headers=m).json()["key"]
+    ask = lambda g, key, model: httpx.post(g.url + "/v1/chat/completions", timeout=30,  # noqa: E731
+                                           json={"model": model, "messages": MSG, "max_tokens": 2},
+                                           headers={"Authorization": f"Bearer {key}"})  # fmt: skip
+    assert ask(gws[0], plain, "priced").status_code == 200  # 2.0: the team's 2.0 on priced
+    r = ask(gws[1], plain, "priced")
+    assert r.status_code == 400 and "LiteLLM Team: mteam, exceeded budget for model=priced" in r.text, r.text
+    assert ask(gws[2], owner, "priced").status_code == 200  # its own 4.0 stands in for the team's
+    assert ask(gws[0], owner, "ok").status_code == 200
+    r = ask(gws[1], plain, "ok")  # the team's 1 a minute on ok, used by the other key
+    assert r.status_code == 429 and "Rate limit exceeded for model_per_team: mteam:ok" in r.text, r.text
+    info = httpx.get(gws[2].url + "/team/info", params={"team_id": "mteam"}, headers=m).json()["team_info"]
+    assert info["model_rpm_limit"] == {"ok": 1} and info["model_max_budget"]["priced"]["budget_limit"] == 2.0

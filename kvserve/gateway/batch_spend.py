@@ -57,7 +57,7 @@ class BatchSpend:
         team = self.gw.cfg.teams.get(key.spec.team or "")
         checks = tenant_checks(key.scope, key.spec, key.spec.team, team, 0, money, key.user_limits)
         if model is not None:
-            checks += owner_model_checks(key, model, self.gw.cfg.group_of, 0, money)
+            checks += owner_model_checks(key, model, self.gw.cfg.group_of, 0, money, team)
         return [c for c in checks if c.kind == "budget"]
 
     async def may_create(self, key: KeyRecord) -> None:

@@ -45,7 +45,8 @@ class BudgetRebuild:
             user = c.scope.removeprefix("user:").split(SEP)[0]
             spent = await self.spend.spent(since, user=user, model=model_of(c.scope))
         else:
-            spent = await self.spend.spent(since, team=c.scope.removeprefix("team:"))
+            team = c.scope.removeprefix("team:").split(SEP)[0]
+            spent = await self.spend.spent(since, team=team, model=model_of(c.scope))
         if await self.store.seed_budget(c, period, spent) and spent > 0:
             who = f"key {key.name}" if c.scope.startswith("key:") else c.scope.replace(":", " ", 1)
             log.warning(

@@ -22,7 +22,8 @@ def exceeded(adm: Admission, key_name: str) -> str:
     cost = f"Current cost: {round(spent, 9)}, Max budget: {round(c.limit, 9)}"
     model = model_of(c.scope)
     if model is not None:  # (LiteLLM's model_max_budget refusal names the key or user, and the model)
-        owner = f"User: {name.split(SEP)[0]}" if kind == "user" else f"Virtual Key: {key_name}"
+        owners = {"user": "User: ", "team": "Team: "}
+        owner = owners[kind] + name.split(SEP)[0] if kind in owners else f"Virtual Key: {key_name}"
         who = f"LiteLLM {owner}, exceeded budget for model={model}."
     return f"Budget has been exceeded! {who} {cost}"
 

@@ -225,7 +225,25 @@ class ModelBudget(_Strict):
         return v
 
 
-class KeySpec(Limits):
+class ModelLimits(Limits):
+    """LiteLLM's per-model limits, by model name (a group or a model_group_alias): model_limits.py.
+    Keys and teams take all three (a user model_max_budget alone: UserSpec)."""
+
+    model_max_budget: dict[str, ModelBudget] | None = None
+    model_rpm_limit: dict[str, int] | None = None
+    model_tpm_limit: dict[str, int] | None = None
+
+    @field_validator("model_rpm_limit", "model_tpm_limit")
+    @classmethod
+    def _per_model(cls, v: dict[str, int] | None) -> dict[str, int] | None:
+        for name, n in (v or {}).items():
+            storable_text(name)
+            if isinstance(n, bool) or not 1 <= n <= _MAX_LIMIT:
+                raise ValueError(f"{name}: a limit from 1 to {_MAX_LIMIT}")
+        return v or None
+
+
+class KeySpec(ModelLimits):
     key: str | None = None
     key_hash: str | None = None
     alias: str | None = None
@@ -240,19 +258,6 @@ class KeySpec(Limits):
     account: str | None = None
     # LiteLLM's user_id: the user (users.py) whose budget and limits cap this key too
     user: str | None = None
-    # LiteLLM's per-model limits, by model name (a group or a model_group_alias): model_limits.py
-    model_max_budget: dict[str, ModelBudget] | None = None
-    model_rpm_limit: dict[str, int] | None = None
-    model_tpm_limit: dict[str, int] | None = None
-
-    @field_validator("model_rpm_limit", "model_tpm_limit")
-    @classmethod
-    def _per_model(cls, v: dict[str, int] | None) -> dict[str, int] | None:
-        for name, n in (v or {}).items():
-            storable_text(name)
-            if isinstance(n, bool) or not 1 <= n <= _MAX_LIMIT:
-                raise ValueError(f"{name}: a limit from 1 to {_MAX_LIMIT}")
-        return v or None
 
     @field_validator("blocked")
     @classmethod
@@ -290,7 +295,7 @@ def storable_text(v: str | list[str] | None) -> str | list[str] | None:
     return v
 
 
-class TeamSpec(Limits):
+class TeamSpec(ModelLimits):
     models: list[str] | None = None
 
 
@@ -437,6 +442,15 @@ def _check_references(cfg: GatewayConfig) -> None:
             raise ConfigError(f"{where}.fallback: unknown model_name {deg.fallback!r}")
         if deg.fallback == alias:
             raise ConfigError(f"{where}.fallback: must be another model_name than {alias!r}")
+    names = set(cfg.names())
+    owners = [(f"teams.{t}", s) for t, s in cfg.teams.items()] + [
+        (f"keys.{i}", k) for i, k in enumerate(cfg.keys)
+    ]
+    for where, spec in owners:  # (a per-model limit on no model served caps nothing)
+        for field in ("model_max_budget", "model_rpm_limit", "model_tpm_limit"):
+            for model in getattr(spec, field) or {}:
+                if model not in names:
+                    raise ConfigError(f"{where}.{field}.{model}: unknown model_name {model!r}")
     for name, entry in rs.model_group_alias.items():
         where = f"router_settings.model_group_alias.{name}"
         if name in aliases:  # (which one would a request mean?)

@@ -291,7 +291,7 @@ class Gateway:
             reachable.append(rule.fallback)
         deps = [d for a in dict.fromkeys(reachable) for d in self.router.deployments(a)]
         probe = tenant_checks(key.scope, key.spec, team_name, team, 0, 0.0, key.user_limits)
-        probe += owner_model_checks(key, ctx.alias, self.cfg.group_of, 0, 0.0)
+        probe += owner_model_checks(key, ctx.alias, self.cfg.group_of, 0, 0.0, team)
         first = self.router.deployments(ctx.alias)[0]
         counting = needs_tokens(probe) or any(d.backend.tpm or d.backend.max_context for d in deps)
         if counting:  # on a deployment not cooling down: a hung one cost every request its timeout
@@ -305,7 +305,7 @@ class Gateway:
         )
         ctx.checks = tenant_checks(
             key.scope, key.spec, team_name, team, ctx.prompt_tokens, ctx.reserved_money, key.user_limits
-        ) + owner_model_checks(key, ctx.alias, self.cfg.group_of, ctx.prompt_tokens, ctx.reserved_money)
+        ) + owner_model_checks(key, ctx.alias, self.cfg.group_of, ctx.prompt_tokens, ctx.reserved_money, team)
         if not ctx.checks:
             return
         for c in ctx.checks:  # a cost no admission can meet: no retry helps, say what does
@@ -349,7 +349,7 @@ class Gateway:
             retry = max(int(adm.retry_after + 0.999), 1)
             message = f"{who}: {what} limit {c.limit:g} reached; retry after {retry} s"
             if model_of(c.scope) is not None and c.kind != "budget":
-                message = model_rate_refused(key.name, model_of(c.scope), c, retry)
+                message = model_rate_refused(key.name, c, retry)
             if c.kind == "budget":  # (LiteLLM's words)
                 message = request_refused(adm, key.name, retry)
             raise limit_reached(message, c.kind, retry, ctx.headers)

@@ -13,6 +13,7 @@ from kvserve.gateway.budgets import budget_period
 from kvserve.gateway.config import TeamSpec
 from kvserve.gateway.errors import GatewayError
 from kvserve.gateway.litellm_keys import _iso, key_info, key_spend
+from kvserve.gateway.model_limits import budgets_shown
 
 
 def _team(name: str, spec: TeamSpec, spend: float) -> dict:
@@ -25,6 +26,9 @@ def _team(name: str, spec: TeamSpec, spend: float) -> dict:
         "rpm_limit": spec.rpm,
         "tpm_limit": spec.tpm,
         "max_parallel_requests": spec.max_parallel_requests,
+        "model_max_budget": budgets_shown(spec.model_max_budget),
+        "model_rpm_limit": spec.model_rpm_limit,
+        "model_tpm_limit": spec.model_tpm_limit,
         "spend": spend,
         "budget_reset_at": _iso(budget_period(spec.budget_duration, time.time())[1]),
         "blocked": False,

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
-from kvserve.gateway.config import KeySpec, UserSpec, parse_duration
+from kvserve.gateway.config import KeySpec, TeamSpec, UserSpec, parse_duration
 from kvserve.gateway.state import Check
 
 if TYPE_CHECKING:
@@ -31,14 +31,14 @@ def _entry(table: dict | None, group: str, group_of: Callable[[str], str]):
 
 def model_checks(
     owner_scope: str,
-    spec: KeySpec | UserSpec,
+    spec: KeySpec | TeamSpec | UserSpec,
     group: str,
     group_of: Callable[[str], str],
     tokens: int,
     money: float,
 ) -> list[Check]:
-    """The checks of a key's (or a user's: model_max_budget alone) limits on `group` (none when
-    it names no such model)."""
+    """The checks of a key's or team's (or a user's: model_max_budget alone) limits on `group`
+    (none when it names no such model)."""
     scope = f"{owner_scope}{SEP}{group}"
     out = []
     rpm = _entry(getattr(spec, "model_rpm_limit", None), group, group_of)
@@ -69,22 +69,39 @@ def unknown_models(spec: KeySpec | UserSpec, names: list[str]) -> tuple[str, str
     return None
 
 
-def model_rate_refused(key_name: str, model: str, check: Check, retry: int) -> str:
+def model_rate_refused(key_name: str, check: Check, retry: int) -> str:
     """A per-model rpm / tpm refusal in LiteLLM's words (its scripts match "Rate limit exceeded
-    for model_per_key"), with the gateway's Retry-After."""
+    for model_per_key" or "model_per_team"), with the gateway's Retry-After."""
     kind = "requests" if check.kind == "rpm" else "tokens"
+    owner, model = check.scope.split(SEP)
+    if owner.startswith("team:"):
+        descriptor = f"model_per_team: {owner.removeprefix('team:')}:{model}"
+    else:
+        descriptor = f"model_per_key: {key_name}:{model}"
     at = datetime.fromtimestamp(time.time() + retry, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
     return (
-        f"Rate limit exceeded for model_per_key: {key_name}:{model}. Limit type: {kind}. "
+        f"Rate limit exceeded for {descriptor}. Limit type: {kind}. "
         f"Current limit: {int(check.limit)}, Remaining: 0. Limit resets at: {at}; retry after {retry} s"
     )
 
 
 def owner_model_checks(
-    key: KeyRecord, group: str, group_of: Callable[[str], str], tokens: int, money: float
+    key: KeyRecord,
+    group: str,
+    group_of: Callable[[str], str],
+    tokens: int,
+    money: float,
+    team: TeamSpec | None = None,
 ) -> list[Check]:
-    """The key's per-model checks on `group`, then its user's."""
+    """The key's per-model checks on `group`, then its team's (`team`: the key's team's spec),
+    then its user's. A key's own model_max_budget for the group stands in for its team's (as
+    LiteLLM's: the key's spend on it is then gated and charged on the key alone)."""
     out = model_checks(key.scope, key.spec, group, group_of, tokens, money)
+    if team is not None and key.spec.team is not None:
+        team_checks = model_checks(f"team:{key.spec.team}", team, group, group_of, tokens, money)
+        if _entry(key.spec.model_max_budget, group, group_of) is not None:
+            team_checks = [c for c in team_checks if c.kind != "budget"]
+        out += team_checks
     if key.user_limits is not None:
         user_id, user = key.user_limits
         out += model_checks(f"user:{user_id}", user, group, group_of, tokens, money)
