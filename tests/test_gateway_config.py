@@ -114,6 +114,8 @@ def _with(path: str, value) -> dict:
         ("model_list.0.backend.rpm", 10**400, "model_list.0.backend.rpm: Input should be less than"),
         ("model_list.0.backend.max_context", 10**400, "model_list.0.backend.max_context: Input should be"),
         ("general_settings.reservation_ttl", 1e308, "general_settings.reservation_ttl: Input should be less"),
+        # a per-model limit on a model not served would cap nothing
+        ("teams.t.model_rpm_limit", {"gpt-4o": 5}, "teams.t.model_rpm_limit.gpt-4o: unknown model_name"),
         # taken and then dropped without a word: the strategy is not cache-aware
         (
             "router_settings.balance_abs_threshold",
