@@ -407,6 +407,12 @@ def test_a_users_model_max_budget_caps_that_model_over_all_its_keys(gws):
     assert ask(gws[0], keys[0], "ok").status_code == 200
     info = httpx.get(gws[2].url + "/user/info", params={"user_id": "dave"}, headers=m).json()
     assert info["user_info"]["model_max_budget"] == {"priced": {"budget_limit": 4.0}}, info
+    # a user id may hold any text: its own budget is not taken for a model's
+    body = {"user_id": "eve:model:ok", "max_budget": 2.0, "key_alias": "eve"}
+    eve = httpx.post(gws[0].url + "/user/new", json=body, headers=m).json()["key"]
+    assert ask(gws[1], eve, "priced").status_code == 200
+    r = ask(gws[2], eve, "priced")
+    assert r.status_code == 400 and "User=eve:model:ok Current cost: 2.0" in r.text, r.text
 
 
 def test_a_teams_per_model_limits_cap_its_keys_unless_a_key_has_its_own_model_budget(gws):

@@ -9,7 +9,7 @@ import asyncio
 import logging
 
 from kvserve.gateway.keys import KeyRecord
-from kvserve.gateway.model_limits import SEP, model_of
+from kvserve.gateway.model_limits import owner_of
 from kvserve.gateway.spend import SpendLog
 from kvserve.gateway.state import Admission, Check, StateStore, StoreUnavailable
 from kvserve.gateway.state.base import period_index, period_start
@@ -40,13 +40,13 @@ class BudgetRebuild:
         period = period_index(now, c.period)
         since = period_start(period, c.period)
         if c.scope.startswith("key:"):  # (a model_max_budget: that model's rows alone)
-            spent = await self.spend.spent(since, key_hash=key.account, model=model_of(c.scope))
+            spent = await self.spend.spent(since, key_hash=key.account, model=c.model)
         elif c.scope.startswith("user:"):
-            user = c.scope.removeprefix("user:").split(SEP)[0]
-            spent = await self.spend.spent(since, user=user, model=model_of(c.scope))
+            user = owner_of(c).removeprefix("user:")
+            spent = await self.spend.spent(since, user=user, model=c.model)
         else:
-            team = c.scope.removeprefix("team:").split(SEP)[0]
-            spent = await self.spend.spent(since, team=team, model=model_of(c.scope))
+            team = owner_of(c).removeprefix("team:")
+            spent = await self.spend.spent(since, team=team, model=c.model)
         if await self.store.seed_budget(c, period, spent) and spent > 0:
             who = f"key {key.name}" if c.scope.startswith("key:") else c.scope.replace(":", " ", 1)
             log.warning(

@@ -6,7 +6,7 @@ maximum cost does not fit (LiteLLM lets it run past the budget), and when a retr
 
 from __future__ import annotations
 
-from kvserve.gateway.model_limits import SEP, model_of
+from kvserve.gateway.model_limits import owner_of
 from kvserve.gateway.state import Admission
 from kvserve.gateway.state.base import EPS
 
@@ -15,15 +15,15 @@ def exceeded(adm: Admission, key_name: str) -> str:
     """LiteLLM's sentence for the budget that refused `adm`: Key=<alias>, Team=<id> or User=<id>."""
     c = adm.failed
     assert c is not None and c.kind == "budget"
-    kind, _, name = c.scope.partition(":")
+    kind, _, name = owner_of(c).partition(":")
     who = {"team": "Team=" + name, "user": "User=" + name}.get(kind, "Key=" + key_name)
     spent = adm.spent if adm.spent is not None else c.limit  # (an earlier version's memo: none)
     # (rounded: a sum of prices printed as 4.0, not 4.000000000000001)
     cost = f"Current cost: {round(spent, 9)}, Max budget: {round(c.limit, 9)}"
-    model = model_of(c.scope)
+    model = c.model
     if model is not None:  # (LiteLLM's model_max_budget refusal names the key or user, and the model)
         owners = {"user": "User: ", "team": "Team: "}
-        owner = owners[kind] + name.split(SEP)[0] if kind in owners else f"Virtual Key: {key_name}"
+        owner = owners[kind] + name if kind in owners else f"Virtual Key: {key_name}"
         who = f"LiteLLM {owner}, exceeded budget for model={model}."
     return f"Budget has been exceeded! {who} {cost}"
 

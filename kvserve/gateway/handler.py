@@ -35,7 +35,7 @@ from kvserve.gateway.json_type import require_json
 from kvserve.gateway.keys import KeyRecord
 from kvserve.gateway.limits import deployment_checks, needs_tokens, ratelimit_headers, tenant_checks
 from kvserve.gateway.metrics import GatewayMetrics
-from kvserve.gateway.model_limits import SEP, model_of, model_rate_refused, owner_model_checks
+from kvserve.gateway.model_limits import model_rate_refused, owner_model_checks, owner_of
 from kvserve.gateway.proxy import Outcome, attempt
 from kvserve.gateway.response_cache import HEADER as CACHE_HEADER
 from kvserve.gateway.response_cache import Lookup, ResponseCache
@@ -311,9 +311,9 @@ class Gateway:
         for c in ctx.checks:  # a cost no admission can meet: no retry helps, say what does
             if c.kind == "budget" and c.amount > c.limit * (1 + EPS):
                 who = "the key's" if c.scope.startswith("key:") else f"{c.scope}'s"
-                if model_of(c.scope) is not None:
-                    owner = "the key's" if c.scope.startswith("key:") else f"{c.scope.split(SEP)[0]}'s"
-                    who = f"{owner} model_max_budget[{model_of(c.scope)!r}]'s"
+                if c.model is not None:
+                    owner = "the key's" if c.scope.startswith("key:") else f"{owner_of(c)}'s"
+                    who = f"{owner} model_max_budget[{c.model!r}]'s"
                 raise GatewayError(
                     400,
                     f"max_tokens: this request may cost up to {c.amount:.6g} ({ctx.prompt_tokens} prompt "
@@ -348,7 +348,7 @@ class Gateway:
             self.metrics.rate_limited.labels(c.kind).inc()
             retry = max(int(adm.retry_after + 0.999), 1)
             message = f"{who}: {what} limit {c.limit:g} reached; retry after {retry} s"
-            if model_of(c.scope) is not None and c.kind != "budget":
+            if c.model is not None and c.kind != "budget":
                 message = model_rate_refused(key.name, c, retry)
             if c.kind == "budget":  # (LiteLLM's words)
                 message = request_refused(adm, key.name, retry)

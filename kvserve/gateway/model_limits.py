@@ -1,6 +1,6 @@
-"""A key's per-model limits (LiteLLM's model_max_budget, model_rpm_limit, model_tpm_limit; a
-user's model_max_budget): each a limit of its own, in a scope of its own per (owner, model
-group), admitted with the key's other limits in one step of the state store, so every gateway
+"""A key's and a config team's per-model limits (LiteLLM's model_max_budget, model_rpm_limit,
+model_tpm_limit; a user's model_max_budget): each a limit of its own, in a scope of its own per
+(owner, model group), admitted with the key's other limits in one step of the state store, so every gateway
 instance counts the same window and budget. An entry names a group or a model_group_alias (the
 group it names)."""
 
@@ -43,20 +43,20 @@ def model_checks(
     out = []
     rpm = _entry(getattr(spec, "model_rpm_limit", None), group, group_of)
     if rpm:
-        out.append(Check("rpm", scope, rpm))
+        out.append(Check("rpm", scope, rpm, model=group))
     tpm = _entry(getattr(spec, "model_tpm_limit", None), group, group_of)
     if tpm:
-        out.append(Check("tpm", scope, tpm, tokens))
+        out.append(Check("tpm", scope, tpm, tokens, model=group))
     budget = _entry(spec.model_max_budget, group, group_of)
     if budget is not None:
         period = parse_duration(budget.time_period) if budget.time_period else 0.0
-        out.append(Check("budget", scope, budget.budget_limit, money, period))
+        out.append(Check("budget", scope, budget.budget_limit, money, period, model=group))
     return out
 
 
-def model_of(scope: str) -> str | None:
-    """The model group of a per-model scope (None for any other scope)."""
-    return scope.partition(SEP)[2] or None if SEP in scope else None
+def owner_of(check: Check) -> str:
+    """Whose limit a check is: its scope without a per-model limit's model part ("user:dave")."""
+    return check.scope if check.model is None else check.scope[: -len(SEP + check.model)]
 
 
 def unknown_models(spec: KeySpec | UserSpec, names: list[str]) -> tuple[str, str] | None:
@@ -73,7 +73,7 @@ def model_rate_refused(key_name: str, check: Check, retry: int) -> str:
     """A per-model rpm / tpm refusal in LiteLLM's words (its scripts match "Rate limit exceeded
     for model_per_key" or "model_per_team"), with the gateway's Retry-After."""
     kind = "requests" if check.kind == "rpm" else "tokens"
-    owner, model = check.scope.split(SEP)
+    owner, model = owner_of(check), check.model
     if owner.startswith("team:"):
         descriptor = f"model_per_team: {owner.removeprefix('team:')}:{model}"
     else:

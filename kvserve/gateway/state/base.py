@@ -19,13 +19,15 @@ class StoreUnavailable(RuntimeError):
 @dataclass(frozen=True)
 class Check:
     """One limit to enforce. amount: 1 for rpm, tokens for tpm, 1 for parallel, money for budget;
-    period: the budget's reset period in seconds (0: never resets)."""
+    period: the budget's reset period in seconds (0: never resets); model: the model group of a
+    per-model limit (model_limits.py; its scope's owner part may hold any text, a user id)."""
 
     kind: Literal["rpm", "tpm", "parallel", "budget"]
     scope: str
     limit: float
     amount: float = 1
     period: float = 0
+    model: str | None = None
 
 
 _DAY_MS = 86_400_000
