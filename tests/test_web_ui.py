@@ -310,9 +310,23 @@ def test_dashboard_per_replica(offline, server):
 
 
 def test_phone_layout(browser, server):
+    """On a phone: the sidebar folds away, a pasted token with no spaces wraps instead of
+    widening the conversation, and right-to-left text reads right to left."""
     ctx = Offline(browser, server.url, KEY, viewport={"width": 390, "height": 844})
+    pasted = "https://example.com/" + "x" * 3000
+    rtl = "שלום, מה שלומך?"
+    messages = [{"role": "user", "content": pasted}, {"role": "assistant", "content": rtl}]
+    convo = [{"id": "c1", "title": "pasted", "messages": messages}]
+    stored = json.dumps(json.dumps(convo))
+    ctx.context.add_init_script(f"localStorage.setItem('kvserve.conversations', {stored})")
     page = ctx.page()
     page.goto(server.url + "/")
+    page.locator(".msg.assistant .body").wait_for()
+    box = page.locator("#messages").evaluate("(e) => [e.scrollWidth, e.clientWidth]")
+    assert box[0] <= box[1], f"the conversation scrolls sideways: {box}"
+    direction = "(e) => getComputedStyle(e).direction"
+    assert page.locator(".msg.assistant .body").evaluate(direction) == "rtl"
+    assert page.locator(".msg.user .body").evaluate(direction) == "ltr"
     sidebar = page.locator("#sidebar")
     assert not sidebar.is_visible()  # settings behind the menu button on a phone
     page.get_by_role("button", name="Menu").click()

@@ -123,6 +123,7 @@ function messageElement(msg, index) {
   role.textContent = msg.role === "user" ? "You" : msg.model || "Assistant";
   const body = document.createElement("div");
   body.className = "body";
+  body.dir = "auto"; // Arabic or Hebrew text reads right to left
   el.append(role, body);
   if (msg.role === "assistant") {
     const meta = document.createElement("footer");
