@@ -203,9 +203,16 @@ def test_json_schema_seed_regenerate_copy(offline, server):
     page.get_by_label("Seed").fill("7")
     page.get_by_label("Max tokens").fill("64")
     page.get_by_label("JSON mode").check()
-    page.get_by_label("JSON schema (empty: any JSON object)").fill(json.dumps(schema))
-    page.get_by_role("textbox", name="Message").fill("A colour, please")
+    schema_box = page.get_by_label("JSON schema (empty: any JSON object)")
+    schema_box.fill('{"type": "object"')  # a typo: nothing is sent, the message stays to send again
+    message = page.get_by_role("textbox", name="Message")
+    message.fill("A colour, please")
     page.keyboard.press("Enter")
+    page.locator("#status", has_text="JSON schema").wait_for()
+    assert message.input_value() == "A colour, please"
+    assert page.locator(".msg").count() == 0 and page.locator("#conversations li").count() == 0
+    schema_box.fill(json.dumps(schema))
+    message.press("Enter")
     stats = page.locator(".msg.assistant .stats", has_text="tokens")
     stats.wait_for()
     first = page.locator(".msg.assistant .body").inner_text()
@@ -214,6 +221,7 @@ def test_json_schema_seed_regenerate_copy(offline, server):
     page.wait_for_function("() => document.querySelector('#send').disabled === false")
     stats.wait_for()
     assert page.locator(".msg.assistant").count() == 1  # replaced, not added
+    assert page.locator(".msg.user").count() == 1
     again = page.locator(".msg.assistant .body").inner_text()
     assert json.loads(again)["color"] in ("red", "green")
     assert len(sent) == 2 and sent[0] == sent[1]

@@ -205,32 +205,40 @@ function setStatus(text) {
 }
 
 // ---- sending and streaming ------------------------------------------------------------------
+/** The sampling body, or null (and why, in the status line) before anything is changed, so a
+ * schema that does not parse leaves the message in the box and the conversation as it was. */
+function checkedBody() {
+  try {
+    return samplingBody();
+  } catch (e) {
+    setStatus(`JSON schema: ${e.message}`);
+    return null;
+  }
+}
+
 function send() {
   const text = $("prompt").value.trim();
   if (!text || controller) return;
+  const body = checkedBody();
+  if (!body) return;
   $("prompt").value = "";
   if (!current.messages.length) {
     current.title = text.length > 40 ? text.slice(0, 40) + "…" : text;
     conversations.unshift(current);
   }
   current.messages.push({ role: "user", content: text });
-  answer();
+  answer(body);
 }
 
 function regenerate() {
   if (controller) return;
+  const body = checkedBody();
+  if (!body) return;
   if (current.messages.at(-1)?.role === "assistant") current.messages.pop();
-  answer();
+  answer(body);
 }
 
-async function answer() {
-  let body;
-  try {
-    body = samplingBody();
-  } catch (e) {
-    setStatus(`JSON schema: ${e.message}`);
-    return renderAll();
-  }
+async function answer(body) {
   const history = current.messages.map(({ role, content }) => ({ role, content }));
   const system = readSetting("system").trim();
   body.messages = system ? [{ role: "system", content: system }, ...history] : history;
