@@ -186,6 +186,15 @@ def test_chat_streams_and_stop_frees_the_engine(offline, server):
     assert page.locator(".msg.user .body").inner_text() == "The quick brown fox\njumps"
     assert page.locator(".msg.assistant .body").inner_text() == stopped_text
     assert page.locator("#conversations button.conv").first.inner_text().startswith("The quick brown fox")
+    page.evaluate(RECORD_ANSWER)
+    prompt.fill("again")
+    prompt.press("Enter")
+    page.wait_for_function("() => window.seen.length >= 2")
+    page.reload()  # mid-answer: the question and the text so far are kept, marked interrupted
+    wait_until(lambda: running(server) == 0, what="the reload to abort the answer")
+    page.locator(".msg.assistant .error", has_text="Interrupted").wait_for()
+    assert page.locator(".msg.user .body").nth(1).inner_text() == "again"
+    assert page.locator(".msg.assistant").count() == 2
 
 
 def test_json_schema_seed_regenerate_copy(offline, server):
@@ -230,6 +239,49 @@ def test_json_schema_seed_regenerate_copy(offline, server):
     assert sent[0]["response_format"] == wanted
     page.get_by_role("button", name="Copy this answer").click()
     assert page.evaluate("() => navigator.clipboard.readText()") == again
+
+
+FULL_STORAGE = """() => {
+  const set = Storage.prototype.setItem;
+  Storage.prototype.setItem = function (k, v) {
+    if (k === 'kvserve.conversations') throw new DOMException('full', 'QuotaExceededError');
+    return set.call(this, k, v);
+  };
+}"""
+
+
+def test_errors_are_readable_and_not_sent_back(offline, server):
+    """A failed answer shows the server's message with no "0 tokens" under it, and is not sent
+    back as an empty assistant turn; an answer cut at max_tokens says so; a full localStorage
+    is said in the status line, not thrown; a conversation past the context says what to do."""
+    page = offline.page()
+    sent = []
+    page.on("request", lambda r: r.url.endswith("/v1/chat/completions") and sent.append(r.post_data_json))
+    page.goto(server.url + "/")
+    page.wait_for_selector("#model option[value=tiny]", state="attached")
+    page.get_by_label("Temperature").fill("0")
+    page.get_by_label("Max tokens").fill("0")
+    message = page.get_by_label("Message")
+    message.fill("Hi")
+    message.press("Enter")
+    error = page.locator(".msg.assistant .error")
+    error.wait_for()
+    assert "max_tokens" in error.inner_text()
+    assert page.locator(".msg.assistant .stats").inner_text() == ""
+    page.evaluate(FULL_STORAGE)
+    page.get_by_label("Max tokens").fill("4")
+    message.fill("Hello")
+    message.press("Enter")
+    stats = page.locator(".msg.assistant .stats", has_text="tokens")
+    stats.wait_for()
+    assert stats.inner_text().startswith("TTFT") and "cut off" in stats.inner_text()
+    assert "storage is full" in page.locator("#status").inner_text()
+    assert [m["role"] for m in sent[1]["messages"]] == ["user", "user"]
+    page.get_by_role("button", name="New chat").click()
+    message.fill("x" * 50_000)  # fails on its length before it is tokenized
+    message.press("Enter")
+    error.wait_for()
+    assert "maximum context length" in error.inner_text() and "start a new chat" in error.inner_text()
 
 
 def test_markdown_is_rendered_and_escaped(offline, server):

@@ -2,12 +2,13 @@
 // (server-sent events read with fetch, so Stop can abort the request: the server then aborts
 // it in the engine, which frees its KV blocks) and rendered as Markdown as they arrive.
 
-import { api, errorText } from "./common.js";
+import { api, errorInfo, errorText } from "./common.js";
 import { renderMarkdown } from "./markdown.js";
 
 const $ = (id) => document.getElementById(id);
 const STORE = "kvserve.conversations";
 const SETTINGS = "kvserve.chatSettings";
+const TOO_LONG = "The conversation no longer fits the model: start a new chat, or lower Max tokens.";
 const FIELDS = ["model", "system", "temperature", "top_p", "max_tokens", "seed", "json_mode", "json_schema"];
 
 const load = (key, fallback) => {
@@ -20,9 +21,26 @@ const load = (key, fallback) => {
 let conversations = load(STORE, []);
 let current = null; // the conversation on screen
 let controller = null; // the AbortController of the answer being streamed
+let leaving = false; // the page is being closed or reloaded: its fetch fails with "network error"
 
+const INTERRUPTED = "Interrupted: the page was closed or reloaded while this answer streamed.";
+
+/** Kept in localStorage; a full storage (about 5 MB a site) is said, not thrown away silently. */
 function saveConversations() {
-  localStorage.setItem(STORE, JSON.stringify(conversations));
+  try {
+    localStorage.setItem(STORE, JSON.stringify(conversations));
+  } catch (e) {
+    setStatus(`Not saved (${e.name}): the browser's storage is full; delete old conversations.`);
+  }
+}
+
+/** An answer saved while it streamed (the page went away before it ended) says so. */
+for (const c of conversations) {
+  for (const m of c.messages) {
+    if (!m.pending) continue;
+    delete m.pending;
+    m.error ??= INTERRUPTED;
+  }
 }
 
 // ---- settings -------------------------------------------------------------------------------
@@ -167,6 +185,7 @@ function statsText(s) {
   parts.push(`${s.tokens} tokens`);
   if (s.tok_per_s != null) parts.push(`${s.tok_per_s.toFixed(1)} tok/s`);
   if (s.stopped) parts.push("stopped");
+  else if (s.finish === "length") parts.push("cut off: max tokens or context length reached");
   return parts.join(" · ");
 }
 
@@ -239,13 +258,15 @@ function regenerate() {
 }
 
 async function answer(body) {
-  const history = current.messages.map(({ role, content }) => ({ role, content }));
+  // a failed answer with no text is shown, not sent back: it never was the model's turn
+  const said = current.messages.filter((m) => !(m.role === "assistant" && m.error && !m.content));
+  const history = said.map(({ role, content }) => ({ role, content }));
   const system = readSetting("system").trim();
   body.messages = system ? [{ role: "system", content: system }, ...history] : history;
   body.stream = true;
   body.stream_options = { include_usage: true };
 
-  const msg = { role: "assistant", content: "", model: body.model };
+  const msg = { role: "assistant", content: "", model: body.model, pending: true };
   const convo = current;
   convo.messages.push(msg);
   renderAll();
@@ -253,10 +274,12 @@ async function answer(body) {
   el.setAttribute("aria-busy", "true");
   controller = new AbortController();
   setBusy(true);
+  saveConversations(); // the question is kept even if the page goes away mid-answer
   const t0 = performance.now();
   let tFirst = null;
   let chunks = 0;
   let usage = null;
+  let finish = null;
   let pending = false;
   const redraw = () => {
     if (pending) return;
@@ -274,10 +297,14 @@ async function answer(body) {
       body: JSON.stringify(body),
       signal: controller.signal,
     });
-    if (!res.ok) throw new Error(await errorText(res));
+    if (!res.ok) {
+      const { message, code } = await errorInfo(res);
+      throw new Error(code === "context_length_exceeded" ? `${message.replace(/\.?$/, ".")} ${TOO_LONG}` : message);
+    }
     for await (const event of sseEvents(res.body)) {
       if (event.error) throw new Error(event.error.message || "stream error");
       if (event.usage) usage = event.usage;
+      finish = event.choices?.[0]?.finish_reason ?? finish;
       const text = event.choices?.[0]?.delta?.content;
       if (text) {
         tFirst ??= performance.now();
@@ -287,17 +314,21 @@ async function answer(body) {
       }
     }
   } catch (e) {
-    if (e.name === "AbortError") msg.stopped = true;
+    if (leaving) msg.error = INTERRUPTED;
+    else if (e.name === "AbortError") msg.stopped = true;
     else msg.error = e.message;
   } finally {
     const tEnd = performance.now();
     const tokens = usage?.completion_tokens ?? chunks;
-    msg.stats = {
+    const failed = msg.error && tFirst === null; // no "0 tokens" under an error
+    msg.stats = failed ? null : {
       ttft_ms: tFirst === null ? null : tFirst - t0,
       tokens,
       tok_per_s: tFirst !== null && tokens > 1 && tEnd > tFirst ? (tokens - 1) / ((tEnd - tFirst) / 1000) : null,
       stopped: Boolean(msg.stopped),
+      finish,
     };
+    delete msg.pending;
     controller = null;
     setBusy(false);
     el.removeAttribute("aria-busy");
@@ -354,6 +385,10 @@ function init() {
     }
   });
   $("stop").addEventListener("click", () => controller?.abort());
+  window.addEventListener("pagehide", () => {
+    leaving = true;
+    if (controller) saveConversations(); // the partial answer, should the page go before the fetch fails
+  });
   $("new-chat").addEventListener("click", () => {
     if (!controller) newConversation();
     closeMenu();

@@ -46,12 +46,17 @@ export async function api(path, init = {}) {
   }
 }
 
-/** The message of an OpenAI-shaped error body, or the HTTP status. */
-export async function errorText(res) {
+/** The message and code of an OpenAI-shaped error body (the HTTP status when it has none). */
+export async function errorInfo(res) {
   try {
     const body = await res.json();
-    return body.error?.message || JSON.stringify(body);
+    return { message: body.error?.message || JSON.stringify(body), code: body.error?.code ?? null };
   } catch {
-    return `HTTP ${res.status}`;
+    return { message: `HTTP ${res.status}`, code: null };
   }
+}
+
+/** The message of an OpenAI-shaped error body, or the HTTP status. */
+export async function errorText(res) {
+  return (await errorInfo(res)).message;
 }
