@@ -251,7 +251,8 @@ FULL_STORAGE = """() => {
 
 
 def test_errors_are_readable_and_not_sent_back(offline, server):
-    """A failed answer shows the server's message with no "0 tokens" under it, and is not sent
+    """An emoji in a long first message is not cut in half for the title; a failed answer
+    shows the server's message with no "0 tokens" under it, and is not sent
     back as an empty assistant turn; an answer cut at max_tokens says so; a full localStorage
     is said in the status line, not thrown; a conversation past the context says what to do."""
     page = offline.page()
@@ -262,11 +263,13 @@ def test_errors_are_readable_and_not_sent_back(offline, server):
     page.get_by_label("Temperature").fill("0")
     page.get_by_label("Max tokens").fill("0")
     message = page.get_by_label("Message")
-    message.fill("Hi")
+    message.fill("a" + "\U0001f600" * 50)
     message.press("Enter")
     error = page.locator(".msg.assistant .error")
     error.wait_for()
     assert "max_tokens" in error.inner_text()
+    title = "a" + "\U0001f600" * 39 + "…"  # cut between code points, not inside an emoji
+    assert page.locator("#conversations button.conv").inner_text() == title
     assert page.locator(".msg.assistant .stats").inner_text() == ""
     page.evaluate(FULL_STORAGE)
     page.get_by_label("Max tokens").fill("4")

@@ -242,7 +242,8 @@ function send() {
   if (!body) return;
   $("prompt").value = "";
   if (!current.messages.length) {
-    current.title = text.length > 40 ? text.slice(0, 40) + "…" : text;
+    const chars = Array.from(text); // by code point: a cut emoji would show as "�"
+    current.title = chars.length > 40 ? chars.slice(0, 40).join("") + "…" : text;
     conversations.unshift(current);
   }
   current.messages.push({ role: "user", content: text });
