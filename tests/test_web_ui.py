@@ -354,12 +354,17 @@ def test_dashboard_under_load(offline, server):
 
 def test_dashboard_per_replica(offline, server):
     """With data-parallel replicas (the `engine` label) the charts draw one line per replica:
-    /metrics here is what ServerMetrics renders for two engines after one step each."""
+    /metrics here is what ServerMetrics renders for two engines after one step each. When
+    /metrics stops answering, the numbers go blank and the status says when they were last read."""
     metrics = ServerMetrics("tiny", num_engines=2)
     metrics.on_step(EngineCoreOutputs([], num_running=3, num_waiting=1, kv_cache_usage=0.5), [], engine=0)
     metrics.on_step(EngineCoreOutputs([], num_running=1, kv_cache_usage=0.25), [], engine=1)
     page = offline.page()
-    page.route(server.url + "/metrics", lambda r: r.fulfill(body=metrics.render(), content_type="text/plain"))
+    down = []  # then the server goes away: its last numbers must not read as current
+    page.route(
+        server.url + "/metrics",
+        lambda r: r.abort() if down else r.fulfill(body=metrics.render(), content_type="text/plain"),
+    )
     page.goto(server.url + "/dashboard")
     requests = page.locator("#c-requests")
     requests.and_(page.locator("[aria-label*='running engine 1']")).wait_for()
@@ -370,6 +375,9 @@ def test_dashboard_per_replica(offline, server):
     assert "engine 0 50.0" in kv and "engine 1 25.0" in kv
     assert page.locator("#v-requests").inner_text() == "4 running · 1 waiting"  # the "total" series
     assert page.locator("#v-kv").inner_text() == "37.5%"
+    down.append(True)
+    page.locator("#status", has_text="last update").wait_for()
+    assert page.locator("#v-requests").inner_text() == "—" and page.locator("#v-kv").inner_text() == "—"
 
 
 def test_phone_layout(browser, server):

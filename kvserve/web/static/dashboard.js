@@ -152,6 +152,15 @@ async function deployments() {
 }
 
 let mode = null; // "engine" | "gateway", from the first scrape
+let updated = null; // the time of the last scrape that worked
+
+/** The server did not answer: the numbers (and deployments' health) shown are no longer now,
+ * so they go blank rather than read as current; the charts keep their history. */
+function unreachable(e) {
+  for (const out of document.querySelectorAll("#panels output")) out.textContent = "—";
+  $("deployments-panel").hidden = true;
+  $("status").textContent = `metrics: ${e.message}${updated ? ` · last update ${updated}` : ""}`;
+}
 
 async function poll() {
   try {
@@ -169,9 +178,10 @@ async function poll() {
       await deployments();
     } else engineView(samples, dt);
     previous = { samples, time };
-    $("status").textContent = `updated ${new Date().toLocaleTimeString()} · every ${INTERVAL_MS / 1000} s`;
+    updated = new Date().toLocaleTimeString();
+    $("status").textContent = `updated ${updated} · every ${INTERVAL_MS / 1000} s`;
   } catch (e) {
-    $("status").textContent = `metrics: ${e.message}`;
+    unreachable(e);
   } finally {
     setTimeout(poll, INTERVAL_MS);
   }
