@@ -111,6 +111,12 @@ def test_pp2_server_greedy_and_stage_death(tiny_llama_dir):
             r = httpx.post(f"{s.url}/v1/completions", json=body, headers=s.headers, timeout=60)
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["text"] == want
+        # Each of the 2 stages' batch streams seats 2 of the 4: 3 beams, which run together, never
+        # fit one. The engine core refused them (its own check) and that came back as a 500.
+        body = {"model": "tiny", "prompt": prompts[0], "max_tokens": 4, "use_beam_search": True, "n": 3}
+        r = httpx.post(f"{s.url}/v1/completions", json=body, headers=s.headers, timeout=60)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "n" and "seats for one group: 2" in r.json()["error"]["message"]
         _fail_a_rank(s, pids, signal.SIGKILL)
     finally:
         s.stop()

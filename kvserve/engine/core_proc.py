@@ -159,10 +159,10 @@ def run_engine_core(
                     try:
                         core.add_request(msg.request)
                     except ValueError as e:
+                        # The request's own parameters (n beams past the seats, its id in use): a 400.
+                        rid = msg.request.request_id
                         rejected.append(
-                            EngineCoreOutput(
-                                msg.request.request_id, [], finish_reason="error", stop_reason=str(e)
-                            )
+                            EngineCoreOutput(rid, [], finish_reason="error", stop_reason=str(e), refused=True)
                         )
                 elif isinstance(msg, AbortRequests):
                     core.abort_requests(msg.request_ids)
