@@ -21,15 +21,21 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from starlette.background import BackgroundTask, BackgroundTasks
 
+from kvserve.engine.async_llm import RequestRefusedError
 from kvserve.engine.processor import ContextLengthError
-from kvserve.entrypoints.openai.errors import EmptyStringError, renamed_in_text
+from kvserve.entrypoints.openai.errors import EmptyStringError, param_of, renamed_in_text
 from kvserve.entrypoints.openai.protocol import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
 from kvserve.entrypoints.openai.response_store import (
     PreviousResponseNotFoundError,
     ResponseNotFoundError,
     ResponseStore,
 )
-from kvserve.entrypoints.openai.responses_ending import STREAM_FAILURES, end_early, failure_code
+from kvserve.entrypoints.openai.responses_ending import (
+    STREAM_FAILURES,
+    end_early,
+    failure_code,
+    response_error_code,
+)
 from kvserve.entrypoints.openai.responses_items import (
     chain_items,
     refuse_duplicates,
@@ -345,8 +351,9 @@ class ResponsesServing:
                             yield e
                     finish = choice.get("finish_reason") or finish
         except STREAM_FAILURES as e:
-            yield out.event("error", code=failure_code(e), message=str(e), param=None)
-            end_early(response, out.output, "failed", str(e))
+            param = param_of(str(e)) if isinstance(e, RequestRefusedError) else None
+            yield out.event("error", code=failure_code(e), message=str(e), param=param)
+            end_early(response, out.output, "failed", str(e), response_error_code(e))
             self._keep(response, out.output, given, store)
             yield out.event("response.failed", response=response)
             return
