@@ -428,6 +428,15 @@ def test_responses_and_embeddings_through_the_proxy(pd):
     with client.responses.create(**body, previous_response_id=first.id, stream=True) as stream:
         done = [ev for ev in stream if ev.type in ("response.completed", "response.incomplete")][0].response
     assert done.previous_response_id == first.id and decode_id(done.id) is not None
+    # input_tokens.count was a 405 (GET / DELETE /v1/responses/{id} matched its path); it counts on
+    # the engine holding the previous response, as the engine itself counts under its own id
+    engine_count = httpx.post(
+        cons.url + "/v1/responses/input_tokens",
+        json={"model": model, "input": "c", "previous_response_id": decode_id(first.id)[1]}, timeout=30,
+    ).json()["input_tokens"]  # fmt: skip
+    count = client.responses.input_tokens.count(model=model, input="c", previous_response_id=first.id)
+    alone = client.responses.input_tokens.count(model=model, input="c").input_tokens
+    assert count.input_tokens == engine_count > alone
     client.responses.delete(first.id)
     with pytest.raises(openai.NotFoundError) as e:
         client.responses.retrieve(first.id)

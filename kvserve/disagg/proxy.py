@@ -50,6 +50,9 @@ from kvserve.routing.settled_stream import SettledStream
 logger = logging.getLogger(__name__)
 ROUTES = ("/v1/chat/completions", "/v1/completions")
 RESPONSES, EMBEDDINGS = "/v1/responses", "/v1/embeddings"  # whole to a decode engine (whole.py)
+# a Responses prompt counted (no id in its answer), where previous_response_id's engine holds it
+INPUT_TOKENS = "/v1/responses/input_tokens"
+PINNED = (RESPONSES, INPUT_TOKENS)  # previous_response_id goes to the engine its id names
 DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20  # as kvserve serve's and the gateway's
 DEFAULT_PREFILL_TIMEOUT = 60.0  # as the gateway's first_byte_timeout
 DEFAULT_DECODE_FIRST_BYTE_TIMEOUT = 60.0  # a stream's first event (the gateway's first_byte_timeout)
@@ -190,9 +193,9 @@ class PDProxy:
         if not isinstance(body, dict):
             return JSONResponse(_error("request body: must be a JSON object", None), status_code=400)
         params, how, urls = None, "decode-only", None
-        if path == RESPONSES and (wrong := previous_id_problem(body.get("previous_response_id"))):
+        if path in PINNED and (wrong := previous_id_problem(body.get("previous_response_id"))):
             return JSONResponse(_error(wrong, "previous_response_id", code="invalid_value"), 400)
-        if path == RESPONSES and body.get("previous_response_id") is not None:
+        if path in PINNED and body.get("previous_response_id") is not None:
             where = self.stored.where(body["previous_response_id"])
             if where is None:
                 return self.stored.previous_not_found(body["previous_response_id"])
@@ -304,7 +307,8 @@ def build_app(proxy: PDProxy, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
         err = _error(f"{e.detail}: {raw.method} {raw.url.path}", None, code=code)
         return JSONResponse(err, status_code=e.status_code, headers=getattr(e, "headers", None))
 
-    for path in (*ROUTES, RESPONSES, EMBEDDINGS):
+    # (INPUT_TOKENS: its path is also GET / DELETE /v1/responses/{id}'s, which answered POST a 405)
+    for path in (*ROUTES, RESPONSES, INPUT_TOKENS, EMBEDDINGS):
 
         async def route(raw: Request, _path: str = path) -> Response:
             return await proxy.handle(_path, raw)
