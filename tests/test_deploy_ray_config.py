@@ -261,6 +261,30 @@ def test_a_stream_a_replica_broke_off_ends_as_kvserve_serve_ends_a_failed_one():
     assert_responses_stream_failed(sse_events(body), 2, "failed mid-stream")
 
 
+def test_the_front_counts_input_tokens_on_the_replica_the_previous_response_id_names():
+    """POST /v1/responses/input_tokens (the SDK's responses.input_tokens.count) went to any
+    replica with the front's public previous_response_id, which no replica knows: a 400
+    previous_response_not_found. It goes to the replica the id names now, with its own id."""
+    import json
+
+    pytest.importorskip("ray.serve")
+    from kvserve.routing.responses_ids import encode_id
+
+    meta = {"status": 200, "content_type": "application/json", "replica": "r1"}
+    handle, calls = _Handle(meta, b'{"object": "response.input_tokens", "input_tokens": 7}'), []
+    handle.forward = SimpleNamespace(remote=lambda *a, **k: calls.append((a, k)) or handle._gen())
+    body = {"model": "m", "input": "hi", "previous_response_id": encode_id("r1", "resp_abc")}
+    resp, answer = _front_post(handle, "responses/input_tokens", json.dumps(body).encode())
+    assert resp.status_code == 200 and json.loads(answer)["input_tokens"] == 7
+    (target, sent, _), kwargs = calls[0]
+    assert target == "/v1/responses/input_tokens" and kwargs == {"pin": "r1"}
+    assert sent["previous_response_id"] == "resp_abc"
+    resp, answer = _front_post(
+        handle, "responses/input_tokens", json.dumps({**body, "previous_response_id": 1}).encode()
+    )
+    assert resp.status_code == 400 and json.loads(answer)["error"]["param"] == "previous_response_id"
+
+
 def test_the_front_cancels_a_response_on_the_replica_its_id_names():
     """POST /v1/responses/{id}/cancel (OpenAI's responses.cancel) was taken by the front's
     catch-all POST route as a generation: a 400 for its empty body. It goes to the replica the

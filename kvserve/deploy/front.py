@@ -4,7 +4,8 @@ DeploymentHandle, so the replicas' request router (ray_router.py: kvserve's rout
 picks which one. Responses stream through chunk by chunk, status and content type as the
 replica's server answered, with `x-kvserve-replica` naming the replica. A stored Responses
 answer lives on its replica only: its id names the replica (routing/responses_ids.py), and
-previous_response_id, GET and DELETE go there (`pin`), as the gateway sends them to a deployment.
+previous_response_id (of a create or an input_tokens count), GET and DELETE go there (`pin`),
+as the gateway sends them to a deployment.
 """
 
 import json
@@ -82,6 +83,8 @@ async def _body(request: Request, limit: int) -> bytes | None:
 
 
 _BATCH_METHODS = ["GET", "POST", "DELETE"]
+# the POSTs whose previous_response_id goes to the replica it names: create, and counting a prompt
+_PINNED = ("/v1/responses", "/v1/responses/input_tokens")
 
 
 def _headers(request: Request) -> dict[str, str]:
@@ -156,9 +159,10 @@ class Front:
             return _error(400, "the body must be a JSON object", "invalid_json")
         pin = None
         responses = target == "/v1/responses"
-        if responses and (wrong := previous_id_problem(body.get("previous_response_id"))):
+        pinned = target in _PINNED  # (input_tokens went to any replica with the public id: not found)
+        if pinned and (wrong := previous_id_problem(body.get("previous_response_id"))):
             return _error(400, wrong, "invalid_value", "previous_response_id")  # (was "not found")
-        if responses and body.get("previous_response_id") is not None:
+        if pinned and body.get("previous_response_id") is not None:
             where = decode_id(body["previous_response_id"])
             if where is None:
                 return _not_made_here(body["previous_response_id"], "previous_response_id")
