@@ -17,6 +17,8 @@ import pytest
 from gateway_utils import GatewayProcess
 from server_utils import ServerProcess
 
+from kvserve.routing.responses_ids import decode_id
+
 MODEL_ARGS = ("--kv-cache-memory", "64MiB", "--max-model-len", "2048", "--served-model-name", "tiny")
 KEY = "sk-gw"
 RESP_KEY = "sk-responses"  # the Responses API test's own: its spend rows are only that test's
@@ -281,7 +283,7 @@ def _spend_rows(gw, key: str, n: int) -> list[tuple]:
         time.sleep(0.1)
 
 
-def test_responses_api_through_the_gateway(gw):
+def test_responses_api_through_the_gateway(gw, replicas):
     """POST /v1/responses was a 404 at the gateway. Now proxied like chat: usage (input/output
     tokens, streamed from the final event) is spent, and a follow-up with previous_response_id
     reaches the replica that stored the conversation (the other one would answer not found)."""
@@ -320,6 +322,30 @@ def test_responses_api_through_the_gateway(gw):
     items = client.responses.input_items.list(last.id)  # (a 404 before: no such route)
     assert [(i.role, i.content[0].text) for i in items.data] == [("user", "go on")]
     assert got.id == last.id and got.output_text == last.output_text
+    # input_tokens.count was a 405 (GET / DELETE /v1/responses/{id} matched its path); with a
+    # previous_response_id it counts on the replica holding it, as that replica counts its own id
+    # (and, running no model, is not charged: the spend rows below are the answers' alone)
+    holder = replicas[int(dep.rsplit("-", 1)[1])]
+    own = {"model": "tiny", "input": "c", "previous_response_id": decode_id(last.id)[1]}
+    there = httpx.post(
+        holder.url + "/v1/responses/input_tokens", json=own, headers=holder.headers, timeout=30
+    )
+    raw = client.responses.input_tokens.with_raw_response.count(
+        model="tiny", input="c", previous_response_id=last.id
+    )
+    assert raw.headers["x-kvserve-deployment"] == dep
+    assert raw.parse().input_tokens == there.json()["input_tokens"] > 0
+    assert (
+        client.responses.input_tokens.count(model="tiny", input="c").input_tokens
+        < there.json()["input_tokens"]
+    )
+    url, h = gw.url + "/v1/responses/input_tokens", {"Authorization": f"Bearer {RESP_KEY}"}
+    r = httpx.post(url, json={"input": "c"}, headers=h, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
+    r = httpx.post(
+        url, json={"input": "c", "previous_response_id": "resp_0123456789abcdef"}, headers=h, timeout=30
+    )
+    assert r.status_code == 400 and r.json()["error"]["code"] == "previous_response_not_found", r.text
     rows = _spend_rows(gw, RESP_KEY, len(answers))
     assert sorted(r[1:3] for r in rows) == sorted(
         (a.usage.input_tokens, a.usage.output_tokens) for a in answers

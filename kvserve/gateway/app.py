@@ -25,6 +25,7 @@ from kvserve.gateway.batches import BatchAPI
 from kvserve.gateway.config import ConfigError, GatewayConfig
 from kvserve.gateway.errors import GatewayError, unauthorized
 from kvserve.gateway.handler import Gateway
+from kvserve.gateway.input_tokens import count_input_tokens
 from kvserve.gateway.keys import KeyRecord, KeyStore, expired_words, hash_key, open_database
 from kvserve.gateway.litellm_key_block import BLOCKED, litellm_key_block_router
 from kvserve.gateway.litellm_key_regenerate import litellm_key_regenerate_router
@@ -230,6 +231,15 @@ def build_app(cfg: GatewayConfig, web_ui: bool = True) -> FastAPI:
     @app.post("/responses")
     async def responses(request: Request):
         return await forward(request, "/responses")
+
+    @app.post("/v1/responses/input_tokens")
+    @app.post("/responses/input_tokens")
+    async def input_tokens(request: Request):
+        """OpenAI's responses.input_tokens.count (input_tokens.py; was a 405: the path is also
+        GET / DELETE /v1/responses/{id}'s)."""
+        s = st()
+        s.refuse_if_draining()
+        return await count_input_tokens(s.gateway, await s.authenticate(request), request)
 
     async def on_stored(request: Request, response_id: str, tail: str = "") -> Response:
         s = st()

@@ -125,12 +125,8 @@ class Gateway:
         """The groups a key may reach, by their name or an alias's."""
         return list(dict.fromkeys(self.cfg.group_of(n) for n in self.callable_names(key)))
 
-    async def handle(self, request: Request, path: str, key: KeyRecord, model: str | None = None) -> Response:
-        """model: the alias a path names (Azure OpenAI's /openai/deployments/{model}/...), over the body's."""
-        body = await _json_body(request)
-        if model is not None:
-            body["model"] = model
-        name = body.get("model")
+    def group_for(self, name: object, key: KeyRecord) -> str:
+        """The group a body's `model` names, for a key that may use it; else the client's error."""
         if not isinstance(name, str) or not name:
             raise GatewayError(
                 400, "model: required (one of the model names from GET /v1/models)", param="model"
@@ -147,7 +143,14 @@ class Gateway:
             raise GatewayError(
                 403, f"model: this key may not use {name!r}", "permission_denied", param="model"
             )
-        alias = self.cfg.group_of(name)  # (a model_group_alias: the group it names)
+        return self.cfg.group_of(name)  # (a model_group_alias: the group it names)
+
+    async def handle(self, request: Request, path: str, key: KeyRecord, model: str | None = None) -> Response:
+        """model: the alias a path names (Azure OpenAI's /openai/deployments/{model}/...), over the body's."""
+        body = await _json_body(request)
+        if model is not None:
+            body["model"] = model
+        alias = self.group_for(body.get("model"), key)
         allowed = frozenset(self.allowed_models(key))
         callable_ = frozenset(self.callable_names(key))
         params = take(body, path, alias, set(self.cfg.names()), callable_)  # (out of the body)
