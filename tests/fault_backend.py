@@ -23,6 +23,8 @@ failure tests. The backend model name picks the behaviour:
     role-hang streams chat's opening chunk (the role, no content), then nothing (60 s)
     role-error streams chat's opening chunk, then an error event and [DONE] (as kvserve serve
               when its engine dies before the first token)
+    role-refused as role-error, the error a 400 invalid_value (as kvserve serve streams a request its
+              engine refused for its own parameters at output token 0)
     error-mid streams 2 events, then an engine_dead error event and [DONE] (as kvserve serve
               when its engine dies mid-answer)
     echo-keys not streamed: the answer's content is the JSON list of the body's field names
@@ -131,6 +133,9 @@ async def _role_then(what: str):
     if what == "hang":
         await asyncio.sleep(60)
     err = {"error": {"message": "engine died", "type": "engine_dead", "param": None, "code": "engine_dead"}}
+    if what == "refused":  # the request's own parameters, as kvserve serve streams its 400
+        err = {"error": {"message": "allowed_token_ids: none allowed", "type": "invalid_request_error",
+                         "param": "allowed_token_ids", "code": "invalid_value"}}  # fmt: skip
     yield b"data: " + json.dumps(err).encode() + b"\n\ndata: [DONE]\n\n"
 
 
@@ -183,7 +188,7 @@ async def _answer(request: Request, chat: bool):
         return StreamingResponse(_late_body(chat), media_type="application/json")
     if mode == "ping-hang" and body.get("stream"):
         return StreamingResponse(_ping_then_hang(), media_type="text/event-stream")
-    if mode in ("role-hang", "role-error") and body.get("stream"):
+    if mode in ("role-hang", "role-error", "role-refused") and body.get("stream"):
         return StreamingResponse(_role_then(mode[5:]), media_type="text/event-stream")
     kv = body.get("kv_transfer_params")
     prefill = isinstance(kv, dict) and kv.get("do_remote_decode")

@@ -776,6 +776,20 @@ def test_a_decode_stream_is_committed_at_its_first_real_event_within_a_timeout(f
     assert f"{fault.url}: {why}" in msg and dead in msg, msg
 
 
+def test_a_stream_the_engine_refuses_at_its_first_event_is_the_clients_error(fault_proxy):
+    """A stream whose first event is the request's own 400 (kvserve serve's invalid_value, e.g.
+    allowed_token_ids its grammar refuses at output token 0) was taken as the engine failing:
+    the others were asked, then a 502 upstream_error. Every engine would refuse it: the stream
+    is passed on as the engine wrote it, as kvserve serve answers it."""
+    fault, proxy, _ = fault_proxy
+    body = {"model": "role-refused", "messages": MSG_PD, "max_tokens": 2, "stream": True, "n": 2}
+    r = httpx.post(proxy.url + "/v1/chat/completions", json=body, timeout=20)
+    events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert r.status_code == 200 and events[-1] == "[DONE]", r.text
+    err = json.loads(events[-2])["error"]
+    assert err["code"] == "invalid_value" and err["param"] == "allowed_token_ids", err
+
+
 def test_a_lone_surrogate_in_a_prompt_is_sent_on_escaped(fault_proxy):
     """A prompt with an unpaired surrogate ("\\ud800", valid JSON) crashed the proxy (and a
     gateway's pd deployment) re-encoding the body for the engines: httpx's json= is strict

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response
 
 from kvserve.disagg.errors import error, reason
 from kvserve.disagg.split import JSON_HEADER, json_content
-from kvserve.disagg.stream_start import StreamStart
+from kvserve.disagg.stream_start import REQUEST_ERROR_CODES, StreamStart
 from kvserve.routing.in_flight import InFlight
 from kvserve.routing.responses_ids import EventRewriter, public_body, public_error
 from kvserve.routing.settled_stream import SettledStream
@@ -44,15 +44,16 @@ def _engine_message(content: bytes) -> str:
 
 
 async def _first_event(chunks: AsyncIterator[bytes], timeout: float) -> tuple[bytes, str | None]:
-    """The stream's bytes up to its answer's first event, and that event's error if it is one;
-    TimeoutError past `timeout`, StopAsyncIteration if the stream ended before it."""
+    """The stream's bytes up to its answer's first event, and that event's error if it is one
+    another engine may not give (not the request's own: REQUEST_ERROR_CODES); TimeoutError past
+    `timeout`, StopAsyncIteration if the stream ended before it."""
     start, first = StreamStart(), b""
     async with asyncio.timeout(timeout):
         while not start.answered:
             chunk = await anext(chunks)
             first += chunk
             start.feed(chunk)
-    return first, start.error
+    return first, None if start.code in REQUEST_ERROR_CODES else start.error
 
 
 async def decode(

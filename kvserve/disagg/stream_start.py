@@ -38,6 +38,10 @@ def has_data(ev: bytes) -> bool:
 # error codes of a stream's error event that say the engine itself is gone or going (kvserve's,
 # as its non-streamed 503s / 504 say it), not that this request failed
 ENGINE_GONE_CODES = frozenset({"engine_dead", "shutting_down", "timeout"})
+# the code of an error event that says the request itself is wrong (kvserve's streamed 400, e.g.
+# allowed_token_ids its grammar refuses at the first token): every engine would refuse it, so a
+# stream beginning with it is the answer, passed on, not a failure to try elsewhere (a 502)
+REQUEST_ERROR_CODES = frozenset({"invalid_value"})
 
 
 def event_code(obj: object) -> str | None:
@@ -68,11 +72,12 @@ def event_error(obj: object) -> str | None:
 
 class StreamStart:
     """Fed a stream's first chunks: `answered` once a whole event is the answer's (`error`: its
-    message when that event is an error)."""
+    message when that event is an error, `code` its code)."""
 
     def __init__(self) -> None:
         self.answered = False
         self.error: str | None = None
+        self.code: str | None = None
         self._buf = b""
 
     def feed(self, chunk: bytes) -> None:
@@ -86,4 +91,4 @@ class StreamStart:
             except (ValueError, RecursionError):
                 obj = None  # ([DONE], or anything else: an answer)
             if not is_opening(obj):
-                self.answered, self.error = True, event_error(obj)
+                self.answered, self.error, self.code = True, event_error(obj), event_code(obj)
