@@ -94,6 +94,10 @@ def _base(fault, tmp, **router) -> dict:
                                                                        "weight": 1000}},
             {"model_name": "roleerr", "id": "roleerr-ok", "backend": {"base_url": u, "model": "ok",
                                                                       "weight": 0.001}},
+            {"model_name": "rolerefused", "id": "rolerefused-bad",
+             "backend": {"base_url": u, "model": "role-refused", "weight": 1000}},
+            {"model_name": "rolerefused", "id": "rolerefused-ok",
+             "backend": {"base_url": u, "model": "ok", "weight": 0.001}},
             {"model_name": "htmlmix", "id": "htmlmix-page", "backend": {"base_url": u, "model": "html-200",
                                                                         "weight": 1000}},
             {"model_name": "htmlmix", "id": "htmlmix-ok", "backend": {"base_url": u, "model": "ok",
@@ -267,6 +271,21 @@ def test_chats_opening_chunk_is_not_the_first_byte(gw, fault):
             assert r.headers["x-kvserve-attempts"] == attempts
             assert _streamed_text(r) == " tok tok"
     assert (fault.count("role-hang"), fault.count("role-error")) == (before[0] + 2, before[1] + 1)
+
+
+def test_a_stream_refused_at_its_first_event_is_passed_on_not_retried(gw, fault):
+    """A stream whose first event is the request's own 400 (kvserve serve's invalid_value, e.g.
+    allowed_token_ids its grammar refuses at output token 0) was a failed attempt: retried on the
+    group's other deployment, which answered it. Every kvserve would refuse it: the stream is
+    passed on as a backend's 4xx is, once."""
+    before = fault.count("role-refused")
+    body = {"model": "rolerefused", "messages": MSG, "max_tokens": 2, "stream": True}
+    r = httpx.post(gw.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                   timeout=30)  # fmt: skip
+    assert r.status_code == 200 and r.headers["x-kvserve-deployment"] == "rolerefused-bad", r.headers
+    events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert json.loads(events[-2])["error"]["code"] == "invalid_value" and events[-1] == "[DONE]", r.text
+    assert fault.count("role-refused") == before + 1
 
 
 def test_a_body_after_the_first_byte_has_the_total_timeout_not_the_first_byte_one(gw, fault):

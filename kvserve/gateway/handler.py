@@ -633,7 +633,7 @@ class Gateway:
                 last = out.relay.finish()
                 if last:
                     yield last
-                status = 200
+                status = 200 if out.relay.error_first is None else 400  # (the request's own: proxy.py)
                 if out.relay.error_later is not None:  # (it was logged and counted as a 200)
                     message, code = out.relay.error_later
                     status, failure = 502, f"the stream ended with the backend's error ({message})"

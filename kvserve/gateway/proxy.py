@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from kvserve.disagg.stream_start import ENGINE_GONE_CODES
+from kvserve.disagg.stream_start import ENGINE_GONE_CODES, REQUEST_ERROR_CODES
 from kvserve.gateway.backends import BackendPool
 from kvserve.gateway.config import Deployment
 from kvserve.gateway.errors import backend_error
@@ -95,7 +95,9 @@ async def attempt(
                 first = b""  # (comments and chat's opening chunk before it go out with it)
                 while not relay.answered:  # a ping or a role is not an answer: timeout and retries apply
                     first += relay.feed(await chunks.__anext__())
-                if relay.error_first is not None:  # the client has nothing yet: another can answer
+                # the client has nothing yet: another can answer, unless every one would (the
+                # request's own 400, streamed: passed on as a 4xx is)
+                if relay.error_first is not None and relay.error_code not in REQUEST_ERROR_CODES:
                     await resp.aclose()
                     return Outcome(
                         "retry",
