@@ -86,6 +86,9 @@ class PipelinedScheduler:
     def has_unfinished_requests(self) -> bool:
         return any(s.has_unfinished_requests() for s in self.streams)
 
+    def num_waiting_background(self) -> int:
+        return sum(s.num_waiting_background() for s in self.streams)
+
     def schedule_stream(self, i: int) -> SchedulerOutput:
         return self.streams[i].schedule()
 

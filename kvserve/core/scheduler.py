@@ -178,6 +178,10 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self.waiting_for_kv)
 
+    def num_waiting_background(self) -> int:
+        """Batch lines waiting for a seat (the core's load report leaves them out)."""
+        return self.waiting.num_background()
+
     def _rank(self, req: Request) -> tuple:
         return (req.priority, req.arrival_time) if self.policy == "priority" else (req.background,)
 

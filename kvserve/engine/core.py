@@ -529,7 +529,7 @@ class EngineCore:
             blocks = sum(len(self.kv_cache_manager.get_block_ids(r.request_id)) for r in bg)
             out["num_running_background"] = len(bg)
             out["kv_cache_usage_background"] = blocks / max(1, self.kv_cache_manager.num_blocks)
-        if n := self.scheduler.waiting.num_background():
+        if n := self.scheduler.num_waiting_background():  # (a pipeline's: its streams' sum)
             out["num_waiting_background"] = n
         return out
 
