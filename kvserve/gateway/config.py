@@ -67,12 +67,7 @@ class Limits(_Strict):
     max_budget: float | None = Field(None, ge=0, allow_inf_nan=False)
     budget_duration: str | None = None
 
-    @field_validator("budget_duration")
-    @classmethod
-    def _duration(cls, v: str | None) -> str | None:
-        if v is not None:
-            parse_duration(v)
-        return v
+    _duration = field_validator("budget_duration")(lambda v: _checked_duration(v))
 
 
 class Backend(_Strict):
@@ -217,12 +212,7 @@ class ModelBudget(_Strict):
     )
     time_period: str | None = Field(None, validation_alias=AliasChoices("time_period", "budget_duration"))
 
-    @field_validator("time_period")
-    @classmethod
-    def _duration(cls, v: str | None) -> str | None:
-        if v is not None:
-            parse_duration(v)
-        return v
+    _duration = field_validator("time_period")(lambda v: _checked_duration(v))
 
 
 class ModelLimits(Limits):
@@ -406,6 +396,13 @@ class GatewayConfig(_Strict):
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400, "mo": 30 * 86400}
 # LiteLLM's words for a budget_duration (its docs and UI write them)
 _WORDS = {"hourly": "1h", "daily": "1d", "weekly": "1w", "monthly": "1mo"}
+
+
+def _checked_duration(v: str | None) -> str | None:
+    """A budget period as given, once it parses (a config or API value that does not is refused)."""
+    if v is not None:
+        parse_duration(v)
+    return v
 
 
 def parse_duration(text: str) -> float:

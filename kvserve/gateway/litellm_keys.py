@@ -301,3 +301,20 @@ def litellm_key_router(state) -> APIRouter:
         return {"keys": keys, "total_count": len(recs), "current_page": page, "total_pages": pages}
 
     return r
+
+
+async def info_scope(state, request: Request, asked: str | None, what: str) -> str:
+    """Whose /team/info or /user/info (`what`: "team" or "user") a caller reads: the master key
+    any it names; another key only its own (none named: its own; 404 if it has none)."""
+    caller = await state.authenticate(request)
+    own = getattr(caller.spec, what)
+    if caller.source != "master" and asked in (None, own):
+        if own is None:
+            raise GatewayError(404, f"{what}_id: this key belongs to no {what}", code=f"{what}_not_found",
+                               param=f"{what}_id")  # fmt: skip
+        return own
+    if caller.source != "master":
+        state.require_master(request)  # (401: another's)
+    if asked is None:
+        raise GatewayError(400, f"{what}_id: which {what} (?{what}_id=)", param=f"{what}_id")
+    return asked

@@ -12,7 +12,7 @@ from fastapi import APIRouter, Request
 from kvserve.gateway.budgets import budget_period
 from kvserve.gateway.config import TeamSpec
 from kvserve.gateway.errors import GatewayError
-from kvserve.gateway.litellm_keys import _iso, key_info, key_spend
+from kvserve.gateway.litellm_keys import _iso, info_scope, key_info, key_spend
 from kvserve.gateway.model_limits import budgets_shown
 
 
@@ -48,16 +48,7 @@ def litellm_team_router(state) -> APIRouter:
     @r.get("/info")
     async def info(request: Request, team_id: str | None = None) -> dict:
         """The master key reads any team; another key only its own (no ?team_id: its own)."""
-        caller = await state.authenticate(request)
-        if caller.source != "master" and team_id in (None, caller.spec.team):
-            team_id = caller.spec.team
-            if team_id is None:
-                raise GatewayError(404, "team_id: this key belongs to no team", code="team_not_found",
-                                   param="team_id")  # fmt: skip
-        elif caller.source != "master":
-            state.require_master(request)  # (401: another team's)
-        if team_id is None:
-            raise GatewayError(400, "team_id: which team (?team_id=)", param="team_id")
+        team_id = await info_scope(state, request, team_id, "team")
         spec = state.cfg.teams.get(team_id)
         if spec is None:
             raise GatewayError(404, f"team_id: no team {team_id[:200]!r}", code="team_not_found",

@@ -23,6 +23,7 @@ from kvserve.gateway.litellm_keys import (
     _spec_fields,
     _validated,
     alias_free,
+    info_scope,
     key_info,
     key_spend,
 )
@@ -181,16 +182,7 @@ def litellm_user_router(state) -> APIRouter:
     @r.get("/info")
     async def info(request: Request, user_id: str | None = None) -> dict:
         """The master key reads any user; another key only its own (no ?user_id: its own)."""
-        caller = await state.authenticate(request)
-        if caller.source != "master" and user_id in (None, caller.spec.user):
-            user_id = caller.spec.user
-            if user_id is None:
-                raise GatewayError(404, "user_id: this key belongs to no user", code="user_not_found",
-                                   param="user_id")  # fmt: skip
-        elif caller.source != "master":
-            state.require_master(request)  # (401: another user's)
-        if user_id is None:
-            raise GatewayError(400, "user_id: which user (?user_id=)", param="user_id")
+        user_id = await info_scope(state, request, user_id, "user")
         rec = await found(user_id)
         keys = await keys_of(user_id)
         return {
